@@ -1,0 +1,37 @@
+"""EngineConfig: the one frozen config of an engine. Its field names are public API."""
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+WeightDtype = Literal["auto", "float32", "bfloat16"]
+KVDtype = Literal["auto", "float32", "bfloat16", "int8"]
+
+
+class EngineConfig(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    weight_dtype: WeightDtype = "auto"  # "auto" = bfloat16
+    kv_dtype: KVDtype = "auto"  # "auto" = bfloat16
+    block_size: int = Field(16, ge=1, le=1024)
+    kv_cache_bytes: int = Field(1 << 30, gt=0)  # upper bound; never more than max_num_seqs full contexts
+    max_num_batched_tokens: int = Field(512, ge=1)  # token budget of one step
+    max_num_seqs: int = Field(64, ge=1)
+    max_model_len: int | None = Field(None, ge=1)  # None = the model's max_position_embeddings
+    enable_prefix_caching: bool = True
+    num_threads: int | None = Field(None, ge=1)  # None = every core this process may run on
+
+    @field_validator("block_size")
+    @classmethod
+    def _power_of_two(cls, v: int) -> int:
+        if v & (v - 1):
+            raise ValueError(f"block_size must be a power of two (got {v}); use e.g. 16")
+        return v
+
+    @property
+    def resolved_weight_dtype(self) -> str:
+        return "bfloat16" if self.weight_dtype == "auto" else self.weight_dtype
+
+    @property
+    def resolved_kv_dtype(self) -> str:
+        return "bfloat16" if self.kv_dtype == "auto" else self.kv_dtype

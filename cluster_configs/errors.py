@@ -1,0 +1,21 @@
+"""Typed errors of the public API. Each message says what is wrong and how to fix it."""
+
+
+class NumaserveError(Exception):
+    """Base class of every error numaserve raises on purpose."""
+
+
+class InvalidRequest(NumaserveError, ValueError):
+    """A request that cannot be served as given: bad prompt, bad params, unknown adapter."""
+
+
+class CheckpointError(NumaserveError):
+    """A model directory that cannot be loaded: missing file or tensor, wrong shape, unsafe format."""
+
+
+class AdapterError(NumaserveError):
+    """A LoRA adapter that cannot be registered or applied."""
+
+
+class Overloaded(NumaserveError):
+    """Admission refused because every worker's queue is full; retry later."""

@@ -1,0 +1,37 @@
+"""SamplingParams: how one request is decoded. Frozen and validated at construction."""
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+class SamplingParams(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    max_tokens: int = Field(16, ge=1)
+    temperature: float = Field(1.0, ge=0.0)  # 0 = greedy
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0)  # 0 = off
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = Field(None, ge=0, le=20)
+    repetition_penalty: float = Field(1.0, gt=0.0)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_tuple(cls, v):
+        return (v,) if isinstance(v, str) else tuple(v)
+
+    @field_validator("stop")
+    @classmethod
+    def _no_empty_stop(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        if any(s == "" for s in v):
+            raise ValueError("stop strings must be non-empty")
+        return v
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1

@@ -1,0 +1,1 @@
+"""numba kernels: pure functions over preallocated arrays. No state, no classes."""

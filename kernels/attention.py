@@ -1,0 +1,125 @@
+"""Paged attention over a flat token batch, and the KV-cache writes that feed it.
+
+KV cache of one layer: [num_blocks, block_size, n_kv_heads, head_dim] as float32, bfloat16 bits
+(uint16) or int8 with one float32 scale per (slot, kv head). A token reads its sequence's KV through
+block_tables[token_seq[t]]; prefill, chunked prefill and decode are the same call.
+"""
+
+import math
+
+import numpy as np
+from numba import njit, prange, types
+from numba.extending import overload
+
+from kernels.bf16 import bf16_to_f32, f32_to_bf16
+
+_NEG_BIG = np.float32(-3.0e38)  # stands in for -inf (fastmath assumes no infinities)
+
+
+def as_f32(x):
+    raise NotImplementedError("numba-only")
+
+
+@overload(as_f32, inline="always")
+def _as_f32(x):
+    if x == types.uint16:
+        return lambda x: bf16_to_f32(x)
+    if isinstance(x, (types.Float, types.Integer)):
+        return lambda x: np.float32(x)
+    return None
+
+
+@njit(cache=True, nogil=True, parallel=True, fastmath=True)
+def paged_attention(q, k_cache, v_cache, k_scale, v_scale, has_scale, block_tables, token_seq, positions,
+                    window, softmax_scale, out):
+    # q: [T, n_heads, D] f32; k_cache, v_cache: [num_blocks, block_size, n_kv, D]
+    # k_scale, v_scale: [num_blocks, block_size, n_kv] f32 (read only when has_scale)
+    # block_tables: [S, max_blocks] int32; token_seq: [T] int32; positions: [T] int32
+    # window: attend to the last `window` positions (0 = all); out: [T, n_heads, D] f32
+    T, n_heads, D = q.shape
+    block_size = k_cache.shape[1]
+    group = n_heads // k_cache.shape[2]
+    for th in prange(T * n_heads):
+        t = th // n_heads
+        h = th - t * n_heads
+        kh = h // group
+        seq = token_seq[t]
+        end = positions[t] + 1
+        start = max(0, end - window) if window > 0 else 0
+        acc = out[t, h]
+        acc[:] = 0.0
+        m = _NEG_BIG
+        denom = np.float32(0.0)
+        for j in range(start, end):
+            b = block_tables[seq, j // block_size]
+            o = j % block_size
+            s = np.float32(0.0)
+            for d in range(D):
+                s += q[t, h, d] * as_f32(k_cache[b, o, kh, d])
+            s *= np.float32(softmax_scale)
+            vs = np.float32(1.0)
+            if has_scale:
+                s *= k_scale[b, o, kh]
+                vs = v_scale[b, o, kh]
+            if s > m:
+                corr = np.float32(math.exp(m - s))
+                denom *= corr
+                for d in range(D):
+                    acc[d] *= corr
+                m = s
+            p = np.float32(math.exp(s - m))
+            denom += p
+            pv = p * vs
+            for d in range(D):
+                acc[d] += pv * as_f32(v_cache[b, o, kh, d])
+        inv = np.float32(1.0) / denom
+        for d in range(D):
+            acc[d] *= inv
+
+
+@njit(cache=True, nogil=True)
+def write_kv(k, v, slot_mapping, k_cache, v_cache):
+    # k, v: [T, n_kv, D] f32 -> caches [num_blocks, block_size, n_kv, D] (float32 or uint16 bf16 bits)
+    block_size = k_cache.shape[1]
+    for t in range(k.shape[0]):
+        b = slot_mapping[t] // block_size
+        o = slot_mapping[t] % block_size
+        for h in range(k.shape[1]):
+            for d in range(k.shape[2]):
+                k_cache[b, o, h, d] = _store(k[t, h, d], k_cache[b, o, h, d])
+                v_cache[b, o, h, d] = _store(v[t, h, d], v_cache[b, o, h, d])
+
+
+def _store(value, like):
+    raise NotImplementedError("numba-only")
+
+
+@overload(_store, inline="always")
+def _store_impl(value, like):
+    if like == types.uint16:
+        return lambda value, like: f32_to_bf16(value)
+    return lambda value, like: value
+
+
+@njit(cache=True, nogil=True)
+def write_kv_int8(k, v, slot_mapping, k_cache, v_cache, k_scale, v_scale):
+    # symmetric int8 per (token, kv head): x ~= q * scale, scale = max|x| / 127
+    block_size = k_cache.shape[1]
+    for t in range(k.shape[0]):
+        b = slot_mapping[t] // block_size
+        o = slot_mapping[t] % block_size
+        for h in range(k.shape[1]):
+            k_scale[b, o, h] = _quantize_row(k[t, h], k_cache[b, o, h])
+            v_scale[b, o, h] = _quantize_row(v[t, h], v_cache[b, o, h])
+
+
+@njit(inline="always", nogil=True)
+def _quantize_row(x, dst):
+    amax = np.float32(0.0)
+    for d in range(x.shape[0]):
+        amax = max(amax, abs(x[d]))
+    scale = amax / np.float32(127.0)
+    inv = np.float32(1.0) / scale if scale > 0 else np.float32(0.0)
+    for d in range(x.shape[0]):
+        dst[d] = np.int8(round(x[d] * inv))
+    return scale

@@ -1,0 +1,1 @@
+"""Block pool, KV storage, weight containers, NUMA placement. No ray."""

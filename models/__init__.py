@@ -1,0 +1,1 @@
+"""Llama-family forward pass, checkpoint loaders, tokenizer. No ray."""

@@ -1,0 +1,19 @@
+"""ForwardBatch: everything one model step needs, as flat arrays (one row per scheduled token)."""
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class ForwardBatch:
+    token_ids: np.ndarray  # [T] int64
+    positions: np.ndarray  # [T] int32
+    token_seq: np.ndarray  # [T] int32, row of block_tables for each token
+    slot_mapping: np.ndarray  # [T] int64, block_id * block_size + offset where the token's KV goes
+    block_tables: np.ndarray  # [S, max_blocks] int32
+    logits_indices: np.ndarray  # [R] int64, token rows whose next-token logits are wanted
+
+    @property
+    def num_tokens(self) -> int:
+        return self.token_ids.shape[0]

@@ -1,0 +1,128 @@
+"""Load a Hugging Face model directory: safetensors (single or sharded) into served weight formats."""
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from cluster_configs.errors import CheckpointError
+from memory.weights import WeightMatrix
+from models.safetensors_io import TensorEntry, read_header, read_tensor
+from models.spec import ModelSpec, load_spec
+
+_PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+
+
+def find_tensors(model_dir: Path) -> dict[str, TensorEntry]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise CheckpointError(f"{index}: unreadable index ({e}); it needs a 'weight_map'") from None
+        files = sorted(set(weight_map.values()))
+    else:
+        files = sorted(p.name for p in model_dir.glob("*.safetensors"))
+    if not files:
+        pickles = sorted(p.name for p in model_dir.iterdir() if p.suffix in _PICKLE_SUFFIXES)
+        if pickles:
+            raise CheckpointError(
+                f"{model_dir}: only pickle checkpoints found ({', '.join(pickles)}); pickle files can run "
+                "arbitrary code, so numaserve refuses them. Convert once with transformers: "
+                "AutoModelForCausalLM.from_pretrained(dir).save_pretrained(dir, safe_serialization=True)")
+        raise CheckpointError(f"{model_dir}: no model.safetensors found; save the model with save_pretrained")
+    entries: dict[str, TensorEntry] = {}
+    for name in files:
+        path = model_dir / name
+        if not path.exists():
+            raise CheckpointError(f"{path}: listed in the index but missing; copy the whole model directory")
+        entries.update(read_header(path))
+    return entries
+
+
+def expected_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
+    h, q, kv, inter = spec.hidden_size, spec.q_size, spec.kv_size, spec.intermediate_size
+    shapes = {"model.embed_tokens.weight": (spec.vocab_size, h), "model.norm.weight": (h,)}
+    if not spec.tie_word_embeddings:
+        shapes["lm_head.weight"] = (spec.vocab_size, h)
+    for i in range(spec.num_layers):
+        p = f"model.layers.{i}."
+        shapes |= {
+            p + "input_layernorm.weight": (h,),
+            p + "post_attention_layernorm.weight": (h,),
+            p + "self_attn.q_proj.weight": (q, h),
+            p + "self_attn.k_proj.weight": (kv, h),
+            p + "self_attn.v_proj.weight": (kv, h),
+            p + "self_attn.o_proj.weight": (h, q),
+            p + "mlp.gate_proj.weight": (inter, h),
+            p + "mlp.up_proj.weight": (inter, h),
+            p + "mlp.down_proj.weight": (h, inter),
+        }
+        if spec.qkv_bias:
+            shapes |= {p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
+                       p + "self_attn.v_proj.bias": (kv,)}
+    return shapes
+
+
+class TensorReader:
+    """Reads checked tensors as float32, with a progress bar on a terminal."""
+
+    def __init__(self, model_dir: Path, spec: ModelSpec):
+        self.entries = find_tensors(model_dir)
+        self.shapes = expected_shapes(spec)
+        for name, shape in self.shapes.items():
+            entry = self.entries.get(name)
+            if entry is None:
+                raise CheckpointError(f"{model_dir}: tensor {name!r} is missing (expected shape {shape}); "
+                                      "the checkpoint is incomplete or not a "
+                                      f"{spec.architecture} with this config.json")
+            if entry.shape != shape:
+                raise CheckpointError(f"{entry.path}: tensor {name!r} has shape {entry.shape}, expected {shape} "
+                                      "from config.json; the weights and the config do not match")
+        self.progress = tqdm(total=sum(self.entries[n].nbytes for n in self.shapes), unit="B", unit_scale=True,
+                             desc=f"loading {model_dir.name}", disable=not sys.stderr.isatty(), leave=False)
+
+    def __call__(self, name: str) -> np.ndarray:
+        entry = self.entries[name]
+        self.progress.update(entry.nbytes)
+        return read_tensor(entry)
+
+    def close(self) -> None:
+        self.progress.close()
+
+
+def load_weights(model_dir: str | Path, weight_dtype: str) -> tuple[ModelSpec, dict]:
+    """-> (spec, weights): matrices as WeightMatrix in `weight_dtype` (q|k|v and gate|up fused),
+    norms and biases as float32."""
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise CheckpointError(f"{model_dir}: not a directory; pass a Hugging Face model directory")
+    spec = load_spec(model_dir)
+    read = TensorReader(model_dir, spec)
+    mat = WeightMatrix.from_float
+    embed = mat(read("model.embed_tokens.weight"), weight_dtype)
+    weights = {
+        "embed": embed,
+        "norm": read("model.norm.weight"),
+        "lm_head": embed if spec.tie_word_embeddings else mat(read("lm_head.weight"), weight_dtype),
+        "layers": [],
+    }
+    for i in range(spec.num_layers):
+        p = f"model.layers.{i}."
+        qkv = np.concatenate([read(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
+        gate_up = np.concatenate([read(p + "mlp.gate_proj.weight"), read(p + "mlp.up_proj.weight")])
+        layer = {
+            "input_norm": read(p + "input_layernorm.weight"),
+            "post_norm": read(p + "post_attention_layernorm.weight"),
+            "qkv": mat(qkv, weight_dtype),
+            "o": mat(read(p + "self_attn.o_proj.weight"), weight_dtype),
+            "gate_up": mat(gate_up, weight_dtype),
+            "down": mat(read(p + "mlp.down_proj.weight"), weight_dtype),
+            "qkv_bias": (np.concatenate([read(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
+                         if spec.qkv_bias else None),
+        }
+        weights["layers"].append(layer)
+    read.close()
+    return spec, weights

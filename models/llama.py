@@ -1,0 +1,64 @@
+"""The Llama-family forward pass (Llama, Mistral, Qwen2) over a flat token batch and a paged KV cache."""
+
+import math
+
+import numpy as np
+
+from kernels.attention import paged_attention, write_kv, write_kv_int8
+from kernels.norms import rms_norm, rope_inplace, silu_mul
+from memory.kv_cache import KVCache
+from models.batch import ForwardBatch
+from models.linear import embed, linear
+from models.rope import rope_inv_freq
+from models.spec import ModelSpec
+
+
+class LlamaModel:
+    def __init__(self, spec: ModelSpec, weights: dict):
+        self.spec = spec
+        self.weights = weights
+        self.inv_freq, self.attention_scaling = rope_inv_freq(spec)
+        self.softmax_scale = 1.0 / math.sqrt(spec.head_dim)
+
+    @property
+    def weight_bytes(self) -> int:
+        w = self.weights
+        total = w["embed"].nbytes + w["norm"].nbytes
+        total += 0 if self.spec.tie_word_embeddings else w["lm_head"].nbytes
+        for layer in w["layers"]:
+            total += sum(v.nbytes for v in layer.values() if v is not None)
+        return total
+
+    def forward(self, batch: ForwardBatch, kv: KVCache) -> np.ndarray:
+        """-> logits [len(batch.logits_indices), vocab] float32."""
+        s, w = self.spec, self.weights
+        T, D = batch.num_tokens, s.head_dim
+        h = embed(w["embed"], batch.token_ids)  # [T, hidden]
+        x = np.empty_like(h)
+        attn = np.empty((T, s.num_heads, D), np.float32)
+        for i, layer in enumerate(w["layers"]):
+            rms_norm(h, layer["input_norm"], s.rms_norm_eps, x)
+            qkv = linear(x, layer["qkv"])  # [T, q_size + 2 * kv_size]
+            if layer["qkv_bias"] is not None:
+                qkv += layer["qkv_bias"]
+            q = qkv[:, :s.q_size].reshape(T, s.num_heads, D)
+            k = qkv[:, s.q_size:s.q_size + s.kv_size].reshape(T, s.num_kv_heads, D)
+            v = qkv[:, s.q_size + s.kv_size:].reshape(T, s.num_kv_heads, D)
+            rope_inplace(q, batch.positions, self.inv_freq, self.attention_scaling)
+            rope_inplace(k, batch.positions, self.inv_freq, self.attention_scaling)
+            if kv.has_scale:
+                write_kv_int8(k, v, batch.slot_mapping, kv.k[i], kv.v[i], kv.k_scale[i], kv.v_scale[i])
+            else:
+                write_kv(k, v, batch.slot_mapping, kv.k[i], kv.v[i])
+            paged_attention(q, kv.k[i], kv.v[i], kv.k_scale[i], kv.v_scale[i], kv.has_scale,
+                            batch.block_tables, batch.token_seq, batch.positions, s.layer_windows[i],
+                            self.softmax_scale, attn)
+            h += linear(attn.reshape(T, s.q_size), layer["o"])
+            rms_norm(h, layer["post_norm"], s.rms_norm_eps, x)
+            gate_up = linear(x, layer["gate_up"])  # [T, 2 * intermediate]
+            act = np.empty((T, s.intermediate_size), np.float32)
+            silu_mul(gate_up, act)
+            h += linear(act, layer["down"])
+        h_out = np.ascontiguousarray(h[batch.logits_indices])
+        rms_norm(h_out, w["norm"], s.rms_norm_eps, h_out)
+        return linear(h_out, w["lm_head"])

@@ -1,0 +1,54 @@
+"""Tokenizer of a model directory (tokenizer.json via the tokenizers library) and incremental decoding."""
+
+from pathlib import Path
+
+from tokenizers import Tokenizer as HFTokenizer
+
+from cluster_configs.errors import CheckpointError
+
+_PREFIX_TOKENS = 5  # prompt tokens decoded before the output so word boundaries come out right
+
+
+class Tokenizer:
+    def __init__(self, model_dir: Path):
+        path = model_dir / "tokenizer.json"
+        try:
+            self._tok = HFTokenizer.from_file(str(path))
+        except Exception as e:  # the tokenizers library raises a bare Exception
+            raise CheckpointError(f"{path}: cannot be read by the tokenizers library ({e}); save the "
+                                  "tokenizer with tokenizer.save_pretrained(dir)") from None
+        self.special_ids = frozenset(i for i, t in self._tok.get_added_tokens_decoder().items() if t.special)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text).ids  # with the special tokens its post-processor declares (e.g. BOS)
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self._tok.decode(token_ids, skip_special_tokens=True)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of output token ids into text deltas, never splitting a UTF-8 character."""
+
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int]):
+        self.tokenizer = tokenizer
+        self.token_ids = list(prompt_token_ids[-_PREFIX_TOKENS:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.token_ids)
+
+    def add(self, new_token_ids: list[int]) -> str:
+        self.token_ids.extend(new_token_ids)
+        decode = self.tokenizer.decode
+        prefix_text = decode(self.token_ids[self.prefix_offset:self.read_offset])
+        new_text = decode(self.token_ids[self.prefix_offset:])
+        if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
+            return ""  # an incomplete character: wait for the next token
+        self.prefix_offset = self.read_offset
+        self.read_offset = len(self.token_ids)
+        return new_text[len(prefix_text):]

@@ -1,0 +1,1 @@
+"""Requests, the continuous batcher, sampling and the engine loop. No ray."""

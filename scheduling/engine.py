@@ -1,0 +1,217 @@
+"""The engine: one model, one KV cache, one batcher. Each step plans, runs the model, post-processes."""
+
+import math
+import os
+from pathlib import Path
+
+import numba
+import numpy as np
+
+from cluster_configs.engine_config import EngineConfig
+from cluster_configs.errors import InvalidRequest
+from cluster_configs.sampling_params import SamplingParams
+from memory.block_pool import BlockPool
+from memory.kv_cache import KVCache, kv_bytes_per_token
+from models.batch import ForwardBatch
+from models.checkpoint import load_weights
+from models.llama import LlamaModel
+from models.tokenizer import IncrementalDetokenizer, Tokenizer
+from scheduling.batcher import Batcher, StepPlan
+from scheduling.kv_cache_manager import KVCacheManager
+from scheduling.outputs import RequestOutput
+from scheduling.request import Request, RequestStatus
+from scheduling.sampler import apply_penalties, sample, top_logprobs
+from scheduling.stop_checker import finish_reason_after_token, find_stop_string, num_safe_chars
+
+Prompt = str | list[int]
+
+
+class Engine:
+    def __init__(self, model_dir: str | Path, config: EngineConfig | None = None):
+        self.config = config = config or EngineConfig()
+        numba.set_num_threads(min(config.num_threads or len(os.sched_getaffinity(0)),
+                                  numba.config.NUMBA_NUM_THREADS))
+        model_dir = Path(model_dir)
+        self.spec, weights = load_weights(model_dir, config.resolved_weight_dtype)
+        self.model = LlamaModel(self.spec, weights)
+        self.tokenizer = Tokenizer(model_dir) if (model_dir / "tokenizer.json").exists() else None
+        s, bs = self.spec, config.block_size
+        self.max_model_len = config.max_model_len or s.max_position_embeddings
+        block_bytes = kv_bytes_per_token(s.num_layers, s.num_kv_heads, s.head_dim, config.resolved_kv_dtype) * bs
+        num_blocks = min(config.kv_cache_bytes // block_bytes, config.max_num_seqs * -(-self.max_model_len // bs))
+        if num_blocks < 1:
+            raise ValueError(f"kv_cache_bytes={config.kv_cache_bytes} cannot hold one KV block of {block_bytes} "
+                             "bytes; raise kv_cache_bytes or lower block_size")
+        self.kv_cache = KVCache(s.num_layers, num_blocks, bs, s.num_kv_heads, s.head_dim, config.resolved_kv_dtype)
+        window = min(s.layer_windows)  # blocks can be released only if every layer looks back a window
+        self.kv = KVCacheManager(BlockPool(num_blocks), bs, config.enable_prefix_caching, window)
+        self.batcher = Batcher(config, self.kv)
+        self.requests: dict[str, Request] = {}
+
+    # ---- requests ---------------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None, *,
+                    priority: int = 0, adapter: str | None = None, cache_salt: str | None = None,
+                    prompt_logits: bool = False) -> Request:
+        req = self.make_request(request_id, prompt, params, priority=priority, adapter=adapter,
+                                cache_salt=cache_salt, prompt_logits=prompt_logits)
+        self.submit(req)
+        return req
+
+    def make_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None, *,
+                     priority: int = 0, adapter: str | None = None, cache_salt: str | None = None,
+                     prompt_logits: bool = False) -> Request:
+        """A validated request, not yet queued: every InvalidRequest is raised here, before any work."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequest(f"params must be a numaserve.SamplingParams, got {type(params).__name__}")
+        if request_id in self.requests:
+            raise InvalidRequest(f"request id {request_id!r} is already running; use a unique id")
+        if adapter is not None:
+            raise InvalidRequest(f"unknown adapter {adapter!r}: no adapters are registered with this engine")
+        prompt_ids = self.encode_prompt(prompt)
+        limit = self.max_model_len if prompt_logits else self.max_model_len - 1
+        if len(prompt_ids) > limit:
+            raise InvalidRequest(f"prompt has {len(prompt_ids)} tokens but max_model_len={self.max_model_len} "
+                                 f"leaves room for at most {limit}; shorten the prompt")
+        req = Request(request_id, prompt_ids, params, priority=priority, adapter_id=adapter, cache_salt=cache_salt,
+                      prompt_logits=prompt_logits, max_model_len=self.max_model_len)
+        num_blocks = -(-req.max_num_tokens // self.config.block_size)
+        if self.kv.sliding_window <= 0 and num_blocks > self.kv.pool.num_blocks:
+            raise InvalidRequest(f"request needs up to {num_blocks} KV blocks but the pool has "
+                                 f"{self.kv.pool.num_blocks}; lower max_tokens or raise kv_cache_bytes")
+        if self.tokenizer is not None and not prompt_logits:
+            req.detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids)
+        return req
+
+    def submit(self, req: Request) -> None:
+        self.requests[req.request_id] = req
+        self.batcher.add(req)
+
+    def encode_prompt(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequest("this model directory has no tokenizer.json; pass token ids instead of text")
+            ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, (list, tuple, np.ndarray)) and all(
+                isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in prompt):
+            ids = [int(t) for t in prompt]
+        else:
+            raise InvalidRequest(f"a prompt is a str or a list of int token ids, got {type(prompt).__name__}")
+        if not ids:
+            raise InvalidRequest("the prompt is empty; pass at least one token")
+        bad = [t for t in ids if not 0 <= t < self.spec.vocab_size]
+        if bad:
+            raise InvalidRequest(f"token ids {bad[:5]} are outside the vocabulary [0, {self.spec.vocab_size})")
+        return ids
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        req = self.requests.get(request_id)
+        if req is None:
+            return None
+        self._finish(req, "abort")
+        return self._emit(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # ---- the step ---------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        plan = self.batcher.schedule()
+        if not plan.scheduled:
+            return []
+        batch, logit_rows = self._build_batch(plan)
+        logits = self.model.forward(batch, self.kv_cache)
+        return self._postprocess(plan, logits, logit_rows)
+
+    def _build_batch(self, plan: StepPlan) -> tuple[ForwardBatch, list[slice | None]]:
+        bs = self.config.block_size
+        token_ids, positions, token_seq, logits_indices, logit_rows = [], [], [], [], []
+        max_blocks = max(len(req.block_ids) for req, _ in plan.scheduled)
+        block_tables = np.zeros((len(plan.scheduled), max_blocks), np.int32)
+        for s, (req, n) in enumerate(plan.scheduled):
+            start, row = req.num_computed_tokens, len(token_ids)
+            token_ids += req.token_ids[start:start + n]
+            positions += range(start, start + n)
+            token_seq += [s] * n
+            block_tables[s, :len(req.block_ids)] = [max(b, 0) for b in req.block_ids]  # released (-1) blocks are never read
+            wanted = range(row, row + n) if req.prompt_logits else (
+                [row + n - 1] if start + n == req.num_tokens else [])
+            logit_rows.append(slice(len(logits_indices), len(logits_indices) + len(wanted)) if wanted else None)
+            logits_indices += wanted
+        positions = np.asarray(positions, np.int32)
+        token_seq = np.asarray(token_seq, np.int32)
+        slot_mapping = block_tables[token_seq, positions // bs].astype(np.int64) * bs + positions % bs
+        batch = ForwardBatch(np.asarray(token_ids, np.int64), positions, token_seq, slot_mapping, block_tables,
+                             np.asarray(logits_indices, np.int64))
+        return batch, logit_rows
+
+    def _postprocess(self, plan: StepPlan, logits: np.ndarray, logit_rows: list[slice | None]) -> list[RequestOutput]:
+        outputs = []
+        for (req, n), rows in zip(plan.scheduled, logit_rows):
+            req.num_computed_tokens += n
+            self.kv.commit_full_blocks(req)
+            if rows is None:
+                continue  # a prefill chunk that has not reached the end of the prompt
+            if req.prompt_logits:
+                req.collected_logits.append(logits[rows])
+                if req.num_computed_tokens == req.num_tokens:
+                    self._finish(req, "length")
+                    outputs.append(self._emit(req))
+                continue
+            self._append_token(req, logits[rows.start])
+            outputs.append(self._emit(req))
+        return outputs
+
+    def _append_token(self, req: Request, logits: np.ndarray) -> None:
+        p = req.params
+        token = sample(apply_penalties(logits, req.token_ids[:req.num_prompt_tokens], req.output_token_ids, p),
+                       p, req.rng)
+        req.token_ids.append(token)
+        if p.logprobs is not None:
+            req.logprobs.append(top_logprobs(logits, token, p.logprobs))
+        reason = finish_reason_after_token(token, req.num_tokens - req.num_prompt_tokens, req.num_tokens,
+                                           req.max_num_tokens, p, self.spec.eos_token_ids)
+        stopped_by_token = reason == "stop"
+        if req.detokenizer is not None and not stopped_by_token:
+            delta = req.detokenizer.add([token])
+            req.text += delta
+            cut = find_stop_string(req.text, len(delta), p.stop) if p.stop else -1
+            if cut >= 0:
+                req.text = req.text[:cut]
+                reason = "stop"
+        if reason is not None:
+            self._finish(req, reason)
+
+    def _finish(self, req: Request, reason: str) -> None:
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        self.batcher.remove(req)
+        del self.requests[req.request_id]
+
+    def _emit(self, req: Request) -> RequestOutput:
+        safe = len(req.text) if req.finished else num_safe_chars(req.text, req.params.stop)
+        text = req.text[req.num_emitted_chars:safe]
+        req.num_emitted_chars = max(req.num_emitted_chars, safe)
+        new_ids = req.output_token_ids[req.num_emitted_tokens:]
+        req.num_emitted_tokens += len(new_ids)
+        return RequestOutput(req.request_id, new_ids, text, req.finish_reason)
+
+    # ---- figures ----------------------------------------------------------------------------------
+
+    def stats(self) -> dict:
+        pool = self.kv.pool
+        used_slots = pool.num_used_blocks * self.config.block_size
+        stored = sum(r.num_computed_tokens for r in self.batcher.running)
+        return {
+            "num_running": len(self.batcher.running),
+            "num_waiting": len(self.batcher.waiting),
+            "num_blocks": pool.num_blocks,
+            "num_free_blocks": pool.num_free_blocks,
+            "kv_usage": pool.num_used_blocks / pool.num_blocks,
+            "kv_utilization": stored / used_slots if used_slots else math.nan,
+            "kv_bytes_per_token": self.kv_cache.bytes_per_token,
+            "prefix_hit_rate": self.kv.prefix_hit_rate,
+            "num_preemptions": self.batcher.num_preemptions,
+        }

@@ -1,0 +1,92 @@
+"""Per-request KV block bookkeeping over the block pool: prefix hits, slot allocation, commits, frees."""
+
+from memory.block_pool import NULL_BLOCK, BlockPool, hash_block
+from scheduling.request import Request
+
+
+class KVCacheManager:
+    def __init__(self, pool: BlockPool, block_size: int, enable_prefix_caching: bool, sliding_window: int):
+        self.pool = pool
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.sliding_window = sliding_window  # > 0 only when every layer is windowed
+        self.num_lookup_tokens = 0
+        self.num_hit_tokens = 0
+
+    def find_cached_prefix(self, req: Request) -> list[int]:
+        """Cached blocks holding a prefix of req (without taking them); at least one token stays to compute."""
+        if not self.enable_prefix_caching or req.prompt_logits:
+            return []
+        block_ids: list[int] = []
+        parent = None
+        max_blocks = (req.num_tokens - 1) // self.block_size
+        for i in range(max_blocks):
+            tokens = req.token_ids[i * self.block_size:(i + 1) * self.block_size]
+            block_hash = hash_block(parent, tokens, req.cache_extra)
+            block_id = self.pool.lookup(block_hash, parent, tokens, req.cache_extra)
+            if block_id is None:
+                break
+            block_ids.append(block_id)
+            parent = block_hash
+        return block_ids
+
+    def record_admission(self, req: Request) -> None:
+        if self.enable_prefix_caching and not req.prompt_logits:
+            self.num_lookup_tokens += req.num_tokens
+            self.num_hit_tokens += req.num_cached_tokens
+
+    def allocate_slots(self, req: Request, num_new_tokens: int, cached_block_ids: list[int] = ()) -> bool:
+        """Blocks for num_new_tokens more tokens of req (after its cached prefix); False if the pool is short."""
+        num_computed = req.num_computed_tokens + len(cached_block_ids) * self.block_size
+        self._release_out_of_window(req, num_computed)
+        num_needed = -(-(num_computed + num_new_tokens) // self.block_size)
+        num_new_blocks = num_needed - len(req.block_ids) - len(cached_block_ids)
+        num_reclaimed = sum(1 for b in cached_block_ids if self.pool.ref_cnt[b] == 0)  # leave the free queue
+        if not self.pool.can_allocate(num_new_blocks + num_reclaimed):
+            return False
+        if cached_block_ids:
+            self.pool.touch(cached_block_ids)
+            req.block_ids.extend(cached_block_ids)
+            req.num_computed_tokens = num_computed
+            req.num_cached_tokens = num_computed
+            self._hash_full_blocks(req)
+        if num_new_blocks > 0:
+            req.block_ids.extend(self.pool.allocate(num_new_blocks))
+        return True
+
+    def commit_full_blocks(self, req: Request) -> None:
+        """After a step: make req's newly filled blocks findable by later requests."""
+        start = len(req.block_hashes)
+        self._hash_full_blocks(req)
+        if self.enable_prefix_caching:
+            for i in range(start, len(req.block_hashes)):
+                if req.block_ids[i] != NULL_BLOCK:
+                    parent = req.block_hashes[i - 1] if i else None
+                    tokens = req.token_ids[i * self.block_size:(i + 1) * self.block_size]
+                    self.pool.commit(req.block_ids[i], req.block_hashes[i], parent, tokens, req.cache_extra)
+
+    def free(self, req: Request) -> None:
+        self.pool.free(reversed(req.block_ids))  # tail first: the tail is the least likely to be shared
+        req.block_ids = []
+        req.block_hashes = []
+        req.num_computed_tokens = 0
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.num_hit_tokens / self.num_lookup_tokens if self.num_lookup_tokens else 0.0
+
+    def _hash_full_blocks(self, req: Request) -> None:
+        bs = self.block_size
+        for i in range(len(req.block_hashes), req.num_computed_tokens // bs):
+            parent = req.block_hashes[i - 1] if i else None
+            req.block_hashes.append(hash_block(parent, req.token_ids[i * bs:(i + 1) * bs], req.cache_extra))
+
+    def _release_out_of_window(self, req: Request, num_computed: int) -> None:
+        # the next token to compute is at position num_computed and looks back sliding_window positions
+        if self.sliding_window <= 0:
+            return
+        first_needed = max(0, num_computed - self.sliding_window + 1)
+        for i in range(min(first_needed // self.block_size, len(req.block_ids))):
+            if req.block_ids[i] != NULL_BLOCK:
+                self.pool.free([req.block_ids[i]])
+                req.block_ids[i] = NULL_BLOCK

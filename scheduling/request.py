@@ -1,0 +1,66 @@
+"""Request: one sequence's state as the engine steps it (tokens, KV blocks, decoding progress)."""
+
+import enum
+import itertools
+
+import numpy as np
+
+from cluster_configs.sampling_params import SamplingParams
+
+_arrival = itertools.count()
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Request:
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
+                 priority: int = 0, adapter_id: str | None = None, cache_salt: str | None = None,
+                 prompt_logits: bool = False, max_model_len: int):
+        self.request_id = request_id
+        self.params = params
+        self.priority = priority  # lower is served first
+        self.arrival = next(_arrival)
+        self.adapter_id = adapter_id
+        self.cache_salt = cache_salt
+        self.prompt_logits = prompt_logits  # score(): keep the logits of every prompt position
+        self.token_ids = list(prompt_token_ids)  # prompt + output
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.max_num_tokens = min(max_model_len, self.num_prompt_tokens + (0 if prompt_logits else params.max_tokens))
+        self.num_computed_tokens = 0  # tokens whose KV is in the cache
+        self.num_cached_tokens = 0  # of those, taken from the prefix cache on admission
+        self.block_ids: list[int] = []
+        self.block_hashes: list[int] = []  # chain over this request's full blocks
+        self.status = RequestStatus.WAITING
+        self.finish_reason: str | None = None
+        self.rng = np.random.default_rng(params.seed)
+        self.logprobs: list[dict[int, float]] = []
+        self.collected_logits: list[np.ndarray] = []  # [n, V] per step, when prompt_logits
+        self.text = ""  # decoded output, stop string cut
+        self.num_emitted_chars = 0
+        self.num_emitted_tokens = 0
+        self.detokenizer = None  # IncrementalDetokenizer when the model has a tokenizer
+
+    @property
+    def sort_key(self) -> tuple[int, int]:
+        return self.priority, self.arrival
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def cache_extra(self) -> tuple:
+        """What besides the tokens decides whether two requests may share KV blocks."""
+        return self.adapter_id, self.cache_salt
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
