@@ -7,14 +7,18 @@ from numba.extending import intrinsic
 
 
 @intrinsic
-def _u32_as_f32(typingctx, bits):
-    if bits != types.uint32:
+def _bf16_bits_to_f32(typingctx, bits):
+    # the low 16 bits of an integer, as the high half of a float32
+    if not isinstance(bits, types.Integer):
         return None
 
     def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], ir.FloatType())
+        i32 = ir.IntType(32)
+        low = builder.trunc(args[0], ir.IntType(16)) if bits.bitwidth > 16 else args[0]
+        wide = builder.zext(low, i32)
+        return builder.bitcast(builder.shl(wide, ir.Constant(i32, 16)), ir.FloatType())
 
-    return types.float32(types.uint32), codegen
+    return types.float32(bits), codegen
 
 
 @intrinsic
@@ -30,7 +34,7 @@ def _f32_as_u32(typingctx, value):
 
 @njit(inline="always", nogil=True)
 def bf16_to_f32(bits):
-    return _u32_as_f32(np.uint32(bits) << np.uint32(16))
+    return _bf16_bits_to_f32(bits)
 
 
 @njit(inline="always", nogil=True)

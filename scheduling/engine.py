@@ -90,6 +90,8 @@ class Engine:
 
     def encode_prompt(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequest("the prompt is empty; pass at least one character or token")
             if self.tokenizer is None:
                 raise InvalidRequest("this model directory has no tokenizer.json; pass token ids instead of text")
             ids = self.tokenizer.encode(prompt)

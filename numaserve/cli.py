@@ -1,0 +1,82 @@
+"""The `numaserve` command line."""
+
+import argparse
+import sys
+import time
+
+from cluster_configs.engine_config import EngineConfig
+from cluster_configs.errors import NumaserveError
+from cluster_configs.sampling_params import SamplingParams
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    for name, field in EngineConfig.model_fields.items():  # validated (and coerced) by EngineConfig
+        p.add_argument(f"--{name.replace('_', '-')}", dest=name, metavar="VALUE", help=field.description)
+
+
+def _engine_fields(args) -> dict:
+    return {name: getattr(args, name) for name in EngineConfig.model_fields if getattr(args, name) is not None}
+
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--stop", action="append", default=[])
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--ignore-eos", action="store_true")
+
+
+def _sampling(args) -> SamplingParams:
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                          top_k=args.top_k, min_p=args.min_p, seed=args.seed, stop=tuple(args.stop),
+                          repetition_penalty=args.repetition_penalty, ignore_eos=args.ignore_eos)
+
+
+def cmd_generate(args) -> None:
+    from numaserve.llm import LLM
+
+    params = _sampling(args)
+    llm = LLM(args.model_dir, **_engine_fields(args))
+    start = time.perf_counter()
+    for delta in llm.stream(args.prompt, params):
+        print(delta, end="", flush=True)
+    print(f"\n[{time.perf_counter() - start:.2f} s]", file=sys.stderr)
+
+
+def cmd_demo(args) -> None:
+    from numaserve.demo import run_demo
+
+    run_demo(max_tokens=args.max_tokens)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="numaserve", description="CPU-native LLM serving")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="stream a completion of PROMPT from MODEL_DIR")
+    gen.add_argument("model_dir")
+    gen.add_argument("prompt")
+    _add_sampling_args(gen)
+    _add_engine_args(gen)
+    gen.set_defaults(func=cmd_generate)
+    demo = sub.add_parser("demo", help="generate from the shipped demo model")
+    demo.add_argument("--max-tokens", type=int, default=48)
+    demo.set_defaults(func=cmd_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        args.func(args)
+    except (NumaserveError, ValueError) as e:  # pydantic's ValidationError is a ValueError
+        print(f"numaserve: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,34 @@
+import kernels  # noqa: F401  (sets the OpenMP wait policy before torch loads libgomp)
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from tests.model_factory import VARIANTS, build_model
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def model_dirs(tmp_path_factory) -> dict:
+    """variant name -> directory of a tiny random float32 checkpoint."""
+    root = tmp_path_factory.mktemp("models")
+    dirs = {}
+    for variant in VARIANTS:
+        build_model(root / variant, variant)
+        dirs[variant] = root / variant
+    return dirs
+
+
+@pytest.fixture(scope="session")
+def hf_models(model_dirs) -> dict:
+    return {v: AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval() for v, d in model_dirs.items()}
+
+
+@pytest.fixture(scope="session")
+def llama_dir(model_dirs):
+    return model_dirs["llama"]
+
+
+def random_prompt(n: int, seed: int, vocab: int = 384) -> list[int]:
+    return np.random.default_rng(seed).integers(3, vocab, n).tolist()

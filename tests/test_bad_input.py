@@ -1,0 +1,189 @@
+"""Every bad input gets its typed error naming the problem, and the engine keeps serving."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+import numaserve as ns
+from models.safetensors_io import read_header
+from tests.conftest import random_prompt
+
+GOOD = ns.SamplingParams(max_tokens=3, temperature=0)
+
+
+@pytest.fixture(scope="module")
+def llm(llama_dir):
+    return ns.LLM(llama_dir, weight_dtype="float32", kv_dtype="float32", max_model_len=64)
+
+
+@pytest.mark.parametrize("fields, name", [
+    ({"block_size": 12}, "block_size"),
+    ({"block_size": 0}, "block_size"),
+    ({"weight_dtype": "fp8"}, "weight_dtype"),
+    ({"kv_dtype": "int4"}, "kv_dtype"),
+    ({"max_num_seqs": 0}, "max_num_seqs"),
+    ({"max_num_batched_tokens": -5}, "max_num_batched_tokens"),
+    ({"kv_cache_bytes": 0}, "kv_cache_bytes"),
+    ({"num_threads": 0}, "num_threads"),
+    ({"max_lenght": 5}, "max_lenght"),
+])
+def test_engine_config_rejects_bad_values_naming_the_field(fields, name):
+    with pytest.raises(ValidationError, match=name):
+        ns.EngineConfig(**fields)
+
+
+@pytest.mark.parametrize("fields, name", [
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_tokens": -3}, "max_tokens"),
+    ({"top_p": 0.0}, "top_p"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"temperature": -0.1}, "temperature"),
+    ({"top_k": -1}, "top_k"),
+    ({"min_p": 1.5}, "min_p"),
+    ({"stop": [""]}, "stop"),
+    ({"logprobs": -1}, "logprobs"),
+    ({"repetition_penalty": 0.0}, "repetition_penalty"),
+    ({"presence_penalty": 3.0}, "presence_penalty"),
+    ({"temprature": 1.0}, "temprature"),
+])
+def test_sampling_params_reject_bad_values_naming_the_field(fields, name):
+    with pytest.raises(ValidationError, match=name):
+        ns.SamplingParams(**fields)
+
+
+def test_configs_are_frozen():
+    with pytest.raises(ValidationError):
+        ns.SamplingParams().max_tokens = 3
+    with pytest.raises(ValidationError):
+        ns.EngineConfig().block_size = 32
+
+
+@pytest.mark.parametrize("prompt, message", [
+    ("", "empty"),
+    ([], "prompt"),
+    ([[]], "empty"),
+    ([5, 384], "outside the vocabulary"),
+    ([-1, 5], "outside the vocabulary"),
+    ([random_prompt(64, seed=0)], "max_model_len"),
+    ([{"text": "hi"}], "str or a list of int"),
+    ([[1.5, 2.0]], "str or a list of int"),
+    (None, "prompts must be"),
+])
+def test_bad_prompts_raise_invalid_request_and_engine_keeps_serving(llm, prompt, message):
+    with pytest.raises(ns.InvalidRequest, match=message):
+        llm.generate(prompt, GOOD)
+    assert llm.generate([5, 6, 7], GOOD)[0].finish_reason == "length"
+    assert not llm.engine.has_unfinished()
+
+
+def test_one_bad_prompt_in_a_batch_rejects_the_batch_before_any_work(llm):
+    free_before = llm.stats()["num_free_blocks"]
+    with pytest.raises(ns.InvalidRequest, match="outside the vocabulary"):
+        llm.generate([[5, 6], [7, 999]], GOOD)
+    assert llm.stats()["num_free_blocks"] == free_before and not llm.engine.has_unfinished()
+
+
+def test_bad_request_arguments(llm):
+    with pytest.raises(ns.InvalidRequest, match="unknown adapter"):
+        llm.generate([5, 6], GOOD, adapter="nope")
+    with pytest.raises(ns.InvalidRequest, match="one per prompt"):
+        llm.generate([[5], [6]], [GOOD])
+    with pytest.raises(ns.InvalidRequest, match="SamplingParams"):
+        llm.generate([5, 6], {"max_tokens": 3})
+    with pytest.raises(ns.InvalidRequest, match="outside the vocabulary"):
+        llm.score([5, 1000])
+    with pytest.raises(ns.InvalidRequest, match="empty"):
+        list(llm.stream(""))
+    assert ns.InvalidRequest.__mro__[1:3] == (ns.NumaserveError, ValueError)
+    assert llm.generate([5, 6], GOOD)[0].finish_reason == "length"
+
+
+def test_request_that_cannot_fit_the_kv_pool_is_refused(llama_dir):
+    small = ns.LLM(llama_dir, weight_dtype="float32", kv_dtype="float32", block_size=4,
+                   kv_cache_bytes=2 * 4 * 2 * 2 * 24 * 4 * 4)  # 4 blocks of 4 tokens
+    with pytest.raises(ns.InvalidRequest, match="KV blocks"):
+        small.generate([5] * 10, ns.SamplingParams(max_tokens=20))
+    assert len(small.generate([5] * 10, ns.SamplingParams(max_tokens=6))[0].token_ids) == 6
+
+
+# ---- checkpoints ----------------------------------------------------------------------------------
+
+def copy_model(src, dst):
+    shutil.copytree(src, dst)
+    return dst
+
+
+def edit_config(directory, **changes):
+    path = directory / "config.json"
+    cfg = json.loads(path.read_text())
+    cfg.update(changes)
+    path.write_text(json.dumps(cfg))
+
+
+def test_pickle_checkpoint_is_refused(tmp_path, llama_dir, hf_models):
+    shutil.copy(llama_dir / "config.json", tmp_path)
+    torch.save(hf_models["llama"].state_dict(), tmp_path / "pytorch_model.bin")  # the legacy format
+    with pytest.raises(ns.CheckpointError, match="pickle.*arbitrary code.*safe_serialization=True"):
+        ns.LLM(tmp_path)
+
+
+def test_missing_tensor_is_named(tmp_path, llama_dir):
+    d = copy_model(llama_dir, tmp_path / "m")
+    entries = read_header(d / "model.safetensors")
+    from safetensors.torch import load_file, save_file
+    tensors = load_file(d / "model.safetensors")
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, d / "model.safetensors")
+    assert "model.layers.1.mlp.up_proj.weight" in entries
+    with pytest.raises(ns.CheckpointError, match=r"model\.layers\.1\.mlp\.up_proj\.weight.*missing.*\(96, 64\)"):
+        ns.LLM(d)
+
+
+def test_wrong_shape_is_named(tmp_path, llama_dir):
+    d = copy_model(llama_dir, tmp_path / "m")
+    from safetensors.torch import load_file, save_file
+    tensors = load_file(d / "model.safetensors")
+    tensors["model.layers.0.self_attn.o_proj.weight"] = torch.zeros(64, 10)
+    save_file(tensors, d / "model.safetensors")
+    with pytest.raises(ns.CheckpointError, match=r"o_proj\.weight.*shape \(64, 10\), expected \(64, 96\)"):
+        ns.LLM(d)
+
+
+def test_unknown_architecture_is_named(tmp_path, llama_dir):
+    d = copy_model(llama_dir, tmp_path / "m")
+    edit_config(d, architectures=["GPT2LMHeadModel"])
+    with pytest.raises(ns.CheckpointError, match="GPT2LMHeadModel.*not supported.*LlamaForCausalLM"):
+        ns.LLM(d)
+
+
+@pytest.mark.parametrize("content, message", [("{not json", "not valid JSON"), (None, "missing")])
+def test_unreadable_or_missing_config(tmp_path, llama_dir, content, message):
+    d = copy_model(llama_dir, tmp_path / "m")
+    if content is None:
+        (d / "config.json").unlink()
+    else:
+        (d / "config.json").write_text(content)
+    with pytest.raises(ns.CheckpointError, match=f"config.json.*{message}"):
+        ns.LLM(d)
+
+
+def test_config_missing_field_and_not_a_directory(tmp_path, llama_dir):
+    d = copy_model(llama_dir, tmp_path / "m")
+    cfg = json.loads((d / "config.json").read_text())
+    del cfg["hidden_size"]
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ns.CheckpointError, match="'hidden_size' is missing"):
+        ns.LLM(d)
+    with pytest.raises(ns.CheckpointError, match="not a directory"):
+        ns.LLM(tmp_path / "nowhere")
+
+
+def test_truncated_shard_is_refused(tmp_path, llama_dir):
+    d = copy_model(llama_dir, tmp_path / "m")
+    data = (d / "model.safetensors").read_bytes()
+    (d / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ns.CheckpointError, match="truncated"):
+        ns.LLM(d)
