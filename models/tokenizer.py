@@ -14,7 +14,7 @@ class Tokenizer:
         path = model_dir / "tokenizer.json"
         try:
             self._tok = HFTokenizer.from_file(str(path))
-        except Exception as e:  # the tokenizers library raises a bare Exception
+        except Exception as e:  # noqa: BLE001  (the tokenizers library raises a bare Exception)
             raise CheckpointError(f"{path}: cannot be read by the tokenizers library ({e}); save the "
                                   "tokenizer with tokenizer.save_pretrained(dir)") from None
         self.special_ids = frozenset(i for i, t in self._tok.get_added_tokens_decoder().items() if t.special)

@@ -21,7 +21,7 @@ from scheduling.kv_cache_manager import KVCacheManager
 from scheduling.outputs import RequestOutput
 from scheduling.request import Request, RequestStatus
 from scheduling.sampler import apply_penalties, sample, top_logprobs
-from scheduling.stop_checker import finish_reason_after_token, find_stop_string, num_safe_chars
+from scheduling.stop_checker import find_stop_string, finish_reason_after_token, num_safe_chars
 
 Prompt = str | list[int]
 

@@ -1,4 +1,3 @@
-import kernels  # noqa: F401  (sets the OpenMP wait policy before torch loads libgomp)
 import numpy as np
 import pytest
 import torch

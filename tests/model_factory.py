@@ -23,21 +23,21 @@ CORPUS = [
     "In the beginning was the word, and the word was a token. Tokens flow through layers. ",
 ]
 
-COMMON = dict(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-              rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, initializer_range=0.15)
+COMMON = {"vocab_size": VOCAB_SIZE, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512,
+              "rms_norm_eps": 1e-5, "bos_token_id": 1, "eos_token_id": 2, "initializer_range": 0.15}
 
 VARIANTS = {
     # GQA, head_dim != hidden / heads, llama3 rope scaling, untied lm_head
-    "llama": (LlamaConfig, LlamaForCausalLM, dict(
-        head_dim=24, rope_theta=500000.0,
-        rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                          original_max_position_embeddings=64))),
+    "llama": (LlamaConfig, LlamaForCausalLM, {
+        "head_dim": 24, "rope_theta": 500000.0,
+        "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                          "original_max_position_embeddings": 64}}),
     # tied embeddings, linear rope scaling, sharded safetensors
-    "llama_tied": (LlamaConfig, LlamaForCausalLM, dict(
-        tie_word_embeddings=True, rope_scaling=dict(rope_type="linear", factor=2.0), num_key_value_heads=1)),
-    "mistral": (MistralConfig, MistralForCausalLM, dict(sliding_window=8, head_dim=16)),
-    "qwen2": (Qwen2Config, Qwen2ForCausalLM, dict(tie_word_embeddings=False)),
+    "llama_tied": (LlamaConfig, LlamaForCausalLM, {
+        "tie_word_embeddings": True, "rope_scaling": {"rope_type": "linear", "factor": 2.0}, "num_key_value_heads": 1}),
+    "mistral": (MistralConfig, MistralForCausalLM, {"sliding_window": 8, "head_dim": 16}),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM, {"tie_word_embeddings": False}),
 }
 
 

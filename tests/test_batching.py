@@ -10,7 +10,7 @@ from tests.conftest import random_prompt
 
 LENGTHS = (1, 300, 17, 64, 3, 128, 250, 9, 33, 200, 2, 90, 160, 45, 5, 280)
 GREEDY = ns.SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
-FP32 = dict(weight_dtype="float32", kv_dtype="float32")
+FP32 = {"weight_dtype": "float32", "kv_dtype": "float32"}
 
 
 @pytest.fixture(scope="module")
