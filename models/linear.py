@@ -27,7 +27,7 @@ def linear(x: np.ndarray, w: WeightMatrix) -> np.ndarray:
         for start in range(0, N, rows):
             r = min(rows, N - start)
             dequantize_bf16_rows(w.data, start, tile[:r])
-            np.matmul(x, tile[:r].T, out=out[:, start:start + r])
+            out[:, start:start + r] = x @ tile[:r].T  # BLAS needs a contiguous result: copy after
     return out
 
 

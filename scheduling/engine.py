@@ -47,6 +47,7 @@ class Engine:
         self.kv = KVCacheManager(BlockPool(num_blocks), bs, config.enable_prefix_caching, window)
         self.batcher = Batcher(config, self.kv)
         self.requests: dict[str, Request] = {}
+        self.num_generated_tokens = 0
 
     # ---- requests ---------------------------------------------------------------------------------
 
@@ -171,6 +172,7 @@ class Engine:
         token = sample(apply_penalties(logits, req.token_ids[:req.num_prompt_tokens], req.output_token_ids, p),
                        p, req.rng)
         req.token_ids.append(token)
+        self.num_generated_tokens += 1
         if p.logprobs is not None:
             req.logprobs.append(top_logprobs(logits, token, p.logprobs))
         reason = finish_reason_after_token(token, req.num_tokens - req.num_prompt_tokens, req.num_tokens,
@@ -216,4 +218,5 @@ class Engine:
             "kv_bytes_per_token": self.kv_cache.bytes_per_token,
             "prefix_hit_rate": self.kv.prefix_hit_rate,
             "num_preemptions": self.batcher.num_preemptions,
+            "num_generated_tokens": self.num_generated_tokens,
         }
