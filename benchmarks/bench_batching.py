@@ -76,7 +76,7 @@ def main() -> None:
         rows.append(row)
     RESULTS.mkdir(exist_ok=True)
     meta = {"model": args.model, "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
-            "weight_dtype": llm.config.resolved_weight_dtype, "kv_dtype": llm.config.resolved_kv_dtype,
+            "weight_dtype": llm.engine.model.weight_dtype, "kv_dtype": llm.config.resolved_kv_dtype,
             "block_size": llm.config.block_size, "cpu": platform.processor() or platform.machine(),
             "threads": llm.engine.config.num_threads, "date": time.strftime("%Y-%m-%d")}
     (RESULTS / "batching.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))

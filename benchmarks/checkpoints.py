@@ -11,10 +11,10 @@ CACHE = Path(os.environ.get("NUMASERVE_CACHE", Path.home() / ".cache" / "numaser
 
 SHAPES = {
     # ~56M parameters: big enough that weights, not Python, dominate a decode step
-    "llama-56m": dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=8, num_attention_heads=8,
-                      num_key_value_heads=4, vocab_size=32000),
-    "tinyllama-1.1b": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
-                           num_key_value_heads=4, vocab_size=32000),
+    "llama-56m": {"hidden_size": 512, "intermediate_size": 1408, "num_hidden_layers": 8, "num_attention_heads": 8,
+                      "num_key_value_heads": 4, "vocab_size": 32000},
+    "tinyllama-1.1b": {"hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 22, "num_attention_heads": 32,
+                           "num_key_value_heads": 4, "vocab_size": 32000},
 }
 
 

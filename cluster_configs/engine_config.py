@@ -4,14 +4,14 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-WeightDtype = Literal["auto", "float32", "bfloat16"]
+WeightDtype = Literal["auto", "float32", "bfloat16", "q8_0", "q4_0"]
 KVDtype = Literal["auto", "float32", "bfloat16", "int8"]
 
 
 class EngineConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    weight_dtype: WeightDtype = "auto"  # "auto" = bfloat16
+    weight_dtype: WeightDtype = "auto"  # "auto" = bfloat16 (a GGUF file keeps the types it stores)
     kv_dtype: KVDtype = "auto"  # "auto" = bfloat16
     block_size: int = Field(16, ge=1, le=1024)
     kv_cache_bytes: int = Field(1 << 30, gt=0)  # upper bound; never more than max_num_seqs full contexts
@@ -27,10 +27,6 @@ class EngineConfig(BaseModel):
         if v & (v - 1):
             raise ValueError(f"block_size must be a power of two (got {v}); use e.g. 16")
         return v
-
-    @property
-    def resolved_weight_dtype(self) -> str:
-        return "bfloat16" if self.weight_dtype == "auto" else self.weight_dtype
 
     @property
     def resolved_kv_dtype(self) -> str:

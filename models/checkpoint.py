@@ -93,8 +93,15 @@ class TensorReader:
         self.progress.close()
 
 
+def lm_head_dtype(weight_dtype: str) -> str:
+    """The output projection decides every logit: q4_0 models keep it in q8_0 (as llama.cpp keeps it
+    in a higher precision); see the README for the measured perplexities."""
+    return "q8_0" if weight_dtype == "q4_0" else weight_dtype
+
+
 def load_weights(model_dir: str | Path, weight_dtype: str) -> tuple[ModelSpec, dict]:
-    """-> (spec, weights): matrices as WeightMatrix in `weight_dtype` (q|k|v and gate|up fused),
+    """-> (spec, weights): matrices as WeightMatrix in `weight_dtype`, quantized as they are read
+    (q|k|v and gate|up fused),
     norms and biases as float32."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
@@ -102,11 +109,12 @@ def load_weights(model_dir: str | Path, weight_dtype: str) -> tuple[ModelSpec, d
     spec = load_spec(model_dir)
     read = TensorReader(model_dir, spec)
     mat = WeightMatrix.from_float
-    embed = mat(read("model.embed_tokens.weight"), weight_dtype)
+    head_dtype = lm_head_dtype(weight_dtype)
+    embed = mat(read("model.embed_tokens.weight"), head_dtype if spec.tie_word_embeddings else weight_dtype)
     weights = {
         "embed": embed,
         "norm": read("model.norm.weight"),
-        "lm_head": embed if spec.tie_word_embeddings else mat(read("lm_head.weight"), weight_dtype),
+        "lm_head": embed if spec.tie_word_embeddings else mat(read("lm_head.weight"), head_dtype),
         "layers": [],
     }
     for i in range(spec.num_layers):

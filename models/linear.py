@@ -2,11 +2,22 @@
 
 import numpy as np
 
-from kernels.linear import dequantize_bf16_rows, gather_rows_bf16, matmul_bf16, matmul_f32
+from kernels.linear import (
+    dequantize_bf16_rows,
+    gather_rows_bf16,
+    matmul_bf16,
+    matmul_f32,
+    matmul_q4_0,
+    matmul_q8_0,
+)
+from kernels.quant import dequantize_q4_0_rows, dequantize_q8_0_rows
 from memory.weights import WeightMatrix
 
-BLAS_MIN_ROWS = 16  # from this many tokens a step is compute-bound: numpy's BLAS beats a streaming kernel
-_TILE_BYTES = 4 << 20  # float32 tile of dequantized rows handed to BLAS
+BLAS_MIN_ROWS = 16  # from this many tokens a step is compute-bound: dequantized tiles through BLAS win
+_TILE_BYTES = 1 << 20  # float32 tile of dequantized rows (stays in L2 between dequantize and matmul)
+
+_STREAMING = {"float32": matmul_f32, "bfloat16": matmul_bf16, "q8_0": matmul_q8_0, "q4_0": matmul_q4_0}
+_DEQUANTIZE_ROWS = {"bfloat16": dequantize_bf16_rows, "q8_0": dequantize_q8_0_rows, "q4_0": dequantize_q4_0_rows}
 
 
 def linear(x: np.ndarray, w: WeightMatrix) -> np.ndarray:
@@ -14,19 +25,17 @@ def linear(x: np.ndarray, w: WeightMatrix) -> np.ndarray:
     T = x.shape[0]
     N, K = w.shape
     out = np.empty((T, N), np.float32)
-    if w.dtype == "float32":
-        if T >= BLAS_MIN_ROWS:
-            np.matmul(x, w.data.T, out=out)
-        else:
-            matmul_f32(x, w.data, out)
-    elif T < BLAS_MIN_ROWS:
-        matmul_bf16(x, w.data, out)
+    if T < BLAS_MIN_ROWS:
+        _STREAMING[w.dtype](x, *w.arrays, out)  # reads each weight once for the whole batch
+    elif w.dtype == "float32":
+        np.matmul(x, w.data.T, out=out)
     else:
+        dequantize = _DEQUANTIZE_ROWS[w.dtype]
         rows = max(1, _TILE_BYTES // (4 * K))
         tile = np.empty((rows, K), np.float32)
         for start in range(0, N, rows):
             r = min(rows, N - start)
-            dequantize_bf16_rows(w.data, start, tile[:r])
+            dequantize(*w.arrays, start, tile[:r])
             out[:, start:start + r] = x @ tile[:r].T  # BLAS needs a contiguous result: copy after
     return out
 
@@ -36,5 +45,18 @@ def embed(w: WeightMatrix, token_ids: np.ndarray) -> np.ndarray:
     if w.dtype == "float32":
         return w.data[token_ids]
     out = np.empty((token_ids.shape[0], w.shape[1]), np.float32)
-    gather_rows_bf16(w.data, token_ids, out)
+    if w.dtype == "bfloat16":
+        gather_rows_bf16(w.data, token_ids, out)
+    else:
+        for t, token in enumerate(token_ids):
+            _DEQUANTIZE_ROWS[w.dtype](*w.arrays, token, out[t:t + 1])
+    return out
+
+
+def dequantize(w: WeightMatrix) -> np.ndarray:
+    """The whole matrix as float32 [N, K] (tests, export)."""
+    if w.dtype == "float32":
+        return w.data
+    out = np.empty(w.shape, np.float32)
+    _DEQUANTIZE_ROWS[w.dtype](*w.arrays, 0, out)
     return out

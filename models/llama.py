@@ -21,6 +21,10 @@ class LlamaModel:
         self.softmax_scale = 1.0 / math.sqrt(spec.head_dim)
 
     @property
+    def weight_dtype(self) -> str:
+        return self.weights["layers"][0]["qkv"].dtype
+
+    @property
     def weight_bytes(self) -> int:
         w = self.weights
         total = w["embed"].nbytes + w["norm"].nbytes

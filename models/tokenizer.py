@@ -10,14 +10,25 @@ _PREFIX_TOKENS = 5  # prompt tokens decoded before the output so word boundaries
 
 
 class Tokenizer:
-    def __init__(self, model_dir: Path):
+    def __init__(self, tokenizer: HFTokenizer):
+        self._tok = tokenizer
+        self.special_ids = frozenset(i for i, t in self._tok.get_added_tokens_decoder().items() if t.special)
+
+    @classmethod
+    def from_dir(cls, model_dir: Path) -> "Tokenizer | None":
+        """The tokenizer.json of a model directory; None if it has none (token-id prompts only)."""
         path = model_dir / "tokenizer.json"
+        if not path.exists():
+            return None
         try:
-            self._tok = HFTokenizer.from_file(str(path))
+            return cls(HFTokenizer.from_file(str(path)))
         except Exception as e:  # noqa: BLE001  (the tokenizers library raises a bare Exception)
             raise CheckpointError(f"{path}: cannot be read by the tokenizers library ({e}); save the "
                                   "tokenizer with tokenizer.save_pretrained(dir)") from None
-        self.special_ids = frozenset(i for i, t in self._tok.get_added_tokens_decoder().items() if t.special)
+
+    @property
+    def hf_tokenizer(self) -> HFTokenizer:
+        return self._tok
 
     @property
     def vocab_size(self) -> int:

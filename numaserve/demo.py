@@ -20,7 +20,7 @@ def run_demo(max_tokens: int = 48) -> dict:
     start = time.perf_counter()
     llm = LLM(model_dir)
     print(f"loaded {model_dir.name} in {time.perf_counter() - start:.1f} s "
-          f"({llm.engine.model.weight_bytes / 2**20:.1f} MiB of {llm.config.resolved_weight_dtype} weights)")
+          f"({llm.engine.model.weight_bytes / 2**20:.1f} MiB of {llm.engine.model.weight_dtype} weights)")
     decode_seconds = 0.0
     for i, prompt in enumerate(PROMPTS):
         params = SamplingParams(max_tokens=max_tokens, temperature=0.7, top_p=0.95, seed=i)

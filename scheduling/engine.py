@@ -13,9 +13,9 @@ from cluster_configs.sampling_params import SamplingParams
 from memory.block_pool import BlockPool
 from memory.kv_cache import KVCache, kv_bytes_per_token
 from models.batch import ForwardBatch
-from models.checkpoint import load_weights
 from models.llama import LlamaModel
-from models.tokenizer import IncrementalDetokenizer, Tokenizer
+from models.loader import load_model
+from models.tokenizer import IncrementalDetokenizer
 from scheduling.batcher import Batcher, StepPlan
 from scheduling.kv_cache_manager import KVCacheManager
 from scheduling.outputs import RequestOutput
@@ -27,14 +27,12 @@ Prompt = str | list[int]
 
 
 class Engine:
-    def __init__(self, model_dir: str | Path, config: EngineConfig | None = None):
+    def __init__(self, model_path: str | Path, config: EngineConfig | None = None):
         self.config = config = config or EngineConfig()
         numba.set_num_threads(min(config.num_threads or len(os.sched_getaffinity(0)),
                                   numba.config.NUMBA_NUM_THREADS))
-        model_dir = Path(model_dir)
-        self.spec, weights = load_weights(model_dir, config.resolved_weight_dtype)
+        self.spec, weights, self.tokenizer = load_model(model_path, config.weight_dtype)
         self.model = LlamaModel(self.spec, weights)
-        self.tokenizer = Tokenizer(model_dir) if (model_dir / "tokenizer.json").exists() else None
         s, bs = self.spec, config.block_size
         self.max_model_len = config.max_model_len or s.max_position_embeddings
         block_bytes = kv_bytes_per_token(s.num_layers, s.num_kv_heads, s.head_dim, config.resolved_kv_dtype) * bs

@@ -1,0 +1,18 @@
+"""Load a model from a Hugging Face directory or a GGUF file: (spec, weights, tokenizer)."""
+
+from pathlib import Path
+
+from models.checkpoint import load_weights
+from models.spec import ModelSpec
+from models.tokenizer import Tokenizer
+
+
+def load_model(path: str | Path, weight_dtype: str) -> tuple[ModelSpec, dict, Tokenizer | None]:
+    """weight_dtype: a served dtype, or "auto" (bfloat16 for float checkpoints; a GGUF keeps its own)."""
+    path = Path(path)
+    if path.suffix == ".gguf":
+        from models.gguf_io import load_gguf
+
+        return load_gguf(path, weight_dtype)
+    spec, weights = load_weights(path, "bfloat16" if weight_dtype == "auto" else weight_dtype)
+    return spec, weights, Tokenizer.from_dir(path)
