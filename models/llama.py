@@ -9,6 +9,7 @@ from kernels.norms import rms_norm, rope_inplace, silu_mul
 from memory.kv_cache import KVCache
 from models.batch import ForwardBatch
 from models.linear import embed, linear
+from models.lora import add_lora
 from models.rope import rope_inv_freq
 from models.spec import ModelSpec
 
@@ -19,6 +20,10 @@ class LlamaModel:
         self.weights = weights
         self.inv_freq, self.attention_scaling = rope_inv_freq(spec)
         self.softmax_scale = 1.0 / math.sqrt(spec.head_dim)
+        q, kv, inter = spec.q_size, spec.kv_size, spec.intermediate_size
+        # LoRA modules -> their columns in our fused projections
+        self.qkv_modules = (("q_proj", slice(0, q)), ("k_proj", slice(q, q + kv)), ("v_proj", slice(q + kv, None)))
+        self.gate_up_modules = (("gate_proj", slice(0, inter)), ("up_proj", slice(inter, None)))
 
     @property
     def weight_dtype(self) -> str:
@@ -43,6 +48,7 @@ class LlamaModel:
         for i, layer in enumerate(w["layers"]):
             rms_norm(h, layer["input_norm"], s.rms_norm_eps, x)
             qkv = linear(x, layer["qkv"])  # [T, q_size + 2 * kv_size]
+            add_lora(qkv, x, batch.adapter_rows, i, self.qkv_modules)
             if layer["qkv_bias"] is not None:
                 qkv += layer["qkv_bias"]
             q = qkv[:, :s.q_size].reshape(T, s.num_heads, D)
@@ -57,12 +63,18 @@ class LlamaModel:
             paged_attention(q, kv.k[i], kv.v[i], kv.k_scale[i], kv.v_scale[i], kv.has_scale,
                             batch.block_tables, batch.token_seq, batch.positions, s.layer_windows[i],
                             self.softmax_scale, attn)
-            h += linear(attn.reshape(T, s.q_size), layer["o"])
+            attn_flat = attn.reshape(T, s.q_size)
+            o = linear(attn_flat, layer["o"])
+            add_lora(o, attn_flat, batch.adapter_rows, i, (("o_proj", slice(None)),))
+            h += o
             rms_norm(h, layer["post_norm"], s.rms_norm_eps, x)
             gate_up = linear(x, layer["gate_up"])  # [T, 2 * intermediate]
+            add_lora(gate_up, x, batch.adapter_rows, i, self.gate_up_modules)
             act = np.empty((T, s.intermediate_size), np.float32)
             silu_mul(gate_up, act)
-            h += linear(act, layer["down"])
+            down = linear(act, layer["down"])
+            add_lora(down, act, batch.adapter_rows, i, (("down_proj", slice(None)),))
+            h += down
         h_out = np.ascontiguousarray(h[batch.logits_indices])
         rms_norm(h_out, w["norm"], s.rms_norm_eps, h_out)
         return linear(h_out, w["lm_head"])

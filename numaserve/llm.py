@@ -66,12 +66,16 @@ class LLM:
             if not req.finished:
                 self.engine.abort(req.request_id)
 
-    def score(self, token_ids) -> np.ndarray:
+    def score(self, token_ids, adapter: str | None = None) -> np.ndarray:
         """Next-token logits at every position: float32 [len(token_ids), vocab]."""
         req = self.engine.add_request(f"llm-score-{next(_ids)}", token_ids, SamplingParams(max_tokens=1),
-                                      prompt_logits=True)
+                                      adapter=adapter, prompt_logits=True)
         self._run_until_done([req])
         return np.concatenate(req.collected_logits)
+
+    def register_adapter(self, name: str, path: str | Path) -> None:
+        """Serve a PEFT LoRA adapter directory as `adapter=name`."""
+        self.engine.register_adapter(name, path)
 
     def stats(self) -> dict:
         return self.engine.stats()

@@ -8,13 +8,14 @@ import numba
 import numpy as np
 
 from cluster_configs.engine_config import EngineConfig
-from cluster_configs.errors import InvalidRequest
+from cluster_configs.errors import AdapterError, InvalidRequest
 from cluster_configs.sampling_params import SamplingParams
 from memory.block_pool import BlockPool
 from memory.kv_cache import KVCache, kv_bytes_per_token
 from models.batch import ForwardBatch
 from models.llama import LlamaModel
 from models.loader import load_model
+from models.lora import LoraAdapter, load_lora
 from models.tokenizer import IncrementalDetokenizer
 from scheduling.batcher import Batcher, StepPlan
 from scheduling.kv_cache_manager import KVCacheManager
@@ -45,7 +46,14 @@ class Engine:
         self.kv = KVCacheManager(BlockPool(num_blocks), bs, config.enable_prefix_caching, window)
         self.batcher = Batcher(config, self.kv)
         self.requests: dict[str, Request] = {}
+        self.adapters: dict[str, LoraAdapter] = {}
         self.num_generated_tokens = 0
+
+    def register_adapter(self, name: str, path: str | Path) -> None:
+        """Load a PEFT LoRA adapter; requests name it with adapter=name. Raises AdapterError."""
+        if not isinstance(name, str) or not name:
+            raise AdapterError(f"an adapter name is a non-empty string, got {name!r}")
+        self.adapters[name] = load_lora(name, path, self.spec)
 
     # ---- requests ---------------------------------------------------------------------------------
 
@@ -66,8 +74,9 @@ class Engine:
             raise InvalidRequest(f"params must be a numaserve.SamplingParams, got {type(params).__name__}")
         if request_id in self.requests:
             raise InvalidRequest(f"request id {request_id!r} is already running; use a unique id")
-        if adapter is not None:
-            raise InvalidRequest(f"unknown adapter {adapter!r}: no adapters are registered with this engine")
+        if adapter is not None and adapter not in self.adapters:
+            known = ", ".join(sorted(self.adapters)) or "none"
+            raise InvalidRequest(f"unknown adapter {adapter!r} (registered: {known}); register it first")
         prompt_ids = self.encode_prompt(prompt)
         limit = self.max_model_len if prompt_logits else self.max_model_len - 1
         if len(prompt_ids) > limit:
@@ -129,6 +138,7 @@ class Engine:
     def _build_batch(self, plan: StepPlan) -> tuple[ForwardBatch, list[slice | None]]:
         bs = self.config.block_size
         token_ids, positions, token_seq, logits_indices, logit_rows = [], [], [], [], []
+        rows_by_adapter: dict[str, list[int]] = {}
         max_blocks = max(len(req.block_ids) for req, _ in plan.scheduled)
         block_tables = np.zeros((len(plan.scheduled), max_blocks), np.int32)
         for s, (req, n) in enumerate(plan.scheduled):
@@ -136,6 +146,8 @@ class Engine:
             token_ids += req.token_ids[start:start + n]
             positions += range(start, start + n)
             token_seq += [s] * n
+            if req.adapter_id is not None:
+                rows_by_adapter.setdefault(req.adapter_id, []).extend(range(row, row + n))
             block_tables[s, :len(req.block_ids)] = [max(b, 0) for b in req.block_ids]  # released (-1) blocks are never read
             wanted = range(row, row + n) if req.prompt_logits else (
                 [row + n - 1] if start + n == req.num_tokens else [])
@@ -144,8 +156,9 @@ class Engine:
         positions = np.asarray(positions, np.int32)
         token_seq = np.asarray(token_seq, np.int32)
         slot_mapping = block_tables[token_seq, positions // bs].astype(np.int64) * bs + positions % bs
+        adapter_rows = [(self.adapters[name], np.asarray(rows, np.int64)) for name, rows in rows_by_adapter.items()]
         batch = ForwardBatch(np.asarray(token_ids, np.int64), positions, token_seq, slot_mapping, block_tables,
-                             np.asarray(logits_indices, np.int64))
+                             np.asarray(logits_indices, np.int64), adapter_rows)
         return batch, logit_rows
 
     def _postprocess(self, plan: StepPlan, logits: np.ndarray, logit_rows: list[slice | None]) -> list[RequestOutput]:

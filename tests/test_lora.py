@@ -1,0 +1,129 @@
+"""LoRA adapters in PEFT format: exact against peft, mixed in one batch, bad adapters refused."""
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+
+import numaserve as ns
+from tests.conftest import random_prompt
+from tests.test_hf_parity import hf_logits
+
+ALL_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+FP32 = {"weight_dtype": "float32", "kv_dtype": "float32"}
+
+
+def make_adapter(base_dir, out_dir, seed, modules=ALL_MODULES, r=4, alpha=8, rslora=False):
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    peft_model = get_peft_model(model, LoraConfig(r=r, lora_alpha=alpha, target_modules=modules,
+                                                  use_rslora=rslora, lora_dropout=0.0))
+    torch.manual_seed(seed)
+    for name, p in peft_model.named_parameters():
+        if "lora_B" in name:  # PEFT starts B at zero (a no-op adapter): make it do something
+            p.data.normal_(0, 0.3)
+    peft_model.save_pretrained(out_dir)
+    return out_dir
+
+
+@pytest.fixture(scope="module")
+def adapters(llama_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("adapters")
+    return {"a": make_adapter(llama_dir, root / "a", seed=1),
+            "b": make_adapter(llama_dir, root / "b", seed=2, modules=["q_proj", "v_proj"], r=8, alpha=4),
+            "rs": make_adapter(llama_dir, root / "rs", seed=3, rslora=True)}
+
+
+def peft_reference(llama_dir, adapter_dir):
+    from transformers import AutoModelForCausalLM
+    base = AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32)
+    return PeftModel.from_pretrained(base, adapter_dir).eval()
+
+
+@pytest.fixture(scope="module")
+def llm(llama_dir, adapters):
+    llm = ns.LLM(llama_dir, **FP32)
+    for name, path in adapters.items():
+        llm.register_adapter(name, path)
+    return llm
+
+
+@pytest.mark.parametrize("name", ["a", "b", "rs"])
+def test_adapter_logits_match_peft(llm, llama_dir, adapters, name, hf_models):
+    tokens = random_prompt(40, seed=5)
+    ref = hf_logits(peft_reference(llama_dir, adapters[name]), tokens)
+    got = llm.score(tokens, adapter=name)
+    np.testing.assert_allclose(got, ref, atol=1e-4, rtol=0)
+    assert np.abs(got - hf_logits(hf_models["llama"], tokens)).max() > 0.1  # the adapter does change logits
+
+
+def test_mixed_adapters_in_one_batch_equal_each_alone(llm):
+    greedy = ns.SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    prompts = [random_prompt(n, seed=n) for n in (5, 30, 17, 8)]
+    names = ["a", None, "b", "a"]
+    alone = [llm.generate(p, greedy, adapter=n)[0].token_ids for p, n in zip(prompts, names)]
+    together = [llm.engine.add_request(f"mix{i}", p, greedy, adapter=n) for i, (p, n) in
+                enumerate(zip(prompts, names))]
+    while llm.engine.has_unfinished():
+        llm.engine.step()
+    assert [r.output_token_ids for r in together] == alone
+    assert alone[0] != llm.generate(prompts[0], greedy)[0].token_ids
+
+
+def test_requests_with_different_adapters_do_not_share_prefix_blocks(llm):
+    prompt = random_prompt(64, seed=9)
+    params = ns.SamplingParams(max_tokens=1)
+    done = []
+    for i, adapter in enumerate(["a", "b", "a"]):  # one after another: blocks commit after their step
+        done.append(llm.engine.add_request(f"p{i}", prompt, params, adapter=adapter))
+        while llm.engine.has_unfinished():
+            llm.engine.step()
+    first, second, third = done
+    assert first.num_cached_tokens == 0 and second.num_cached_tokens == 0 and third.num_cached_tokens == 48
+
+
+@pytest.mark.parametrize("breakage, message", [
+    ("no_dir", "not a directory"),
+    ("no_config", "adapter_config.json: missing"),
+    ("bad_json", "not valid JSON"),
+    ("not_lora", "only LORA"),
+    ("pickle", "pickled"),
+    ("bad_shape", "trained for another base model"),
+    ("foreign_key", "does not adapt a supported module"),
+])
+def test_bad_adapters_raise_adapter_error_and_engine_keeps_serving(llm, adapters, tmp_path, breakage, message):
+    d = tmp_path / "adapter"
+    shutil.copytree(adapters["a"], d)
+    config = json.loads((d / "adapter_config.json").read_text())
+    if breakage == "no_dir":
+        d = tmp_path / "nowhere"
+    elif breakage == "no_config":
+        (d / "adapter_config.json").unlink()
+    elif breakage == "bad_json":
+        (d / "adapter_config.json").write_text("{")
+    elif breakage == "not_lora":
+        (d / "adapter_config.json").write_text(json.dumps(config | {"peft_type": "IA3"}))
+    elif breakage == "pickle":
+        (d / "adapter_model.safetensors").rename(d / "adapter_model.bin")
+    else:
+        from safetensors.torch import load_file, save_file
+        tensors = load_file(d / "adapter_model.safetensors")
+        key = next(k for k in tensors if "q_proj.lora_A" in k)
+        if breakage == "bad_shape":
+            tensors[key] = torch.zeros(4, 10)
+        else:
+            tensors[key.replace("self_attn.q_proj", "self_attn.rotary")] = tensors.pop(key)
+        save_file(tensors, d / "adapter_model.safetensors")
+    with pytest.raises(ns.AdapterError, match=message):
+        llm.register_adapter("broken", d)
+    with pytest.raises(ns.InvalidRequest, match="unknown adapter 'broken'"):
+        llm.generate([5, 6], ns.SamplingParams(max_tokens=2), adapter="broken")
+    assert llm.generate([5, 6], ns.SamplingParams(max_tokens=2), adapter="a")[0].finish_reason == "length"
+
+
+def test_adapter_name_must_be_a_non_empty_string(llm, adapters):
+    with pytest.raises(ns.AdapterError, match="non-empty string"):
+        llm.register_adapter("", adapters["a"])
