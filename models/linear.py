@@ -10,10 +10,13 @@ from kernels.linear import (
     matmul_q4_0,
     matmul_q8_0,
 )
+from kernels.matmul_blocked import matmul_blocked
 from kernels.quant import dequantize_q4_0_rows, dequantize_q8_0_rows
 from memory.weights import WeightMatrix
 
-BLAS_MIN_ROWS = 16  # from this many tokens a step is compute-bound: dequantized tiles through BLAS win
+BLOCKED_MIN_ROWS = 4  # from this many tokens, 4-token register blocks beat streaming each token
+BLAS_MIN_ROWS = 128  # from this many tokens (prefill), dequantized tiles through BLAS win
+_NO_SCALES = np.zeros((1, 1), np.uint16)
 _TILE_BYTES = 1 << 20  # float32 tile of dequantized rows (stays in L2 between dequantize and matmul)
 
 _STREAMING = {"float32": matmul_f32, "bfloat16": matmul_bf16, "q8_0": matmul_q8_0, "q4_0": matmul_q4_0}
@@ -25,8 +28,10 @@ def linear(x: np.ndarray, w: WeightMatrix) -> np.ndarray:
     T = x.shape[0]
     N, K = w.shape
     out = np.empty((T, N), np.float32)
-    if T < BLAS_MIN_ROWS:
+    if T < BLOCKED_MIN_ROWS:
         _STREAMING[w.dtype](x, *w.arrays, out)  # reads each weight once for the whole batch
+    elif T < BLAS_MIN_ROWS:
+        matmul_blocked(x, w.data, _NO_SCALES if w.scales is None else w.scales, out)
     elif w.dtype == "float32":
         np.matmul(x, w.data.T, out=out)
     else:

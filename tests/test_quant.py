@@ -7,7 +7,7 @@ from gguf import GGMLQuantizationType
 
 import numaserve as ns
 from memory.weights import WeightMatrix
-from models.linear import BLAS_MIN_ROWS, dequantize, embed, linear
+from models.linear import BLAS_MIN_ROWS, BLOCKED_MIN_ROWS, dequantize, embed, linear
 from tests.conftest import random_prompt
 
 GGML_TYPES = {"q8_0": GGMLQuantizationType.Q8_0, "q4_0": GGMLQuantizationType.Q4_0}
@@ -31,9 +31,10 @@ def test_dequantized_values_equal_the_gguf_packages(dtype):
     assert np.array_equal(ours, ref)
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "q8_0", "q4_0"])
-@pytest.mark.parametrize("num_tokens", [1, 3, BLAS_MIN_ROWS - 1, BLAS_MIN_ROWS, 40])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "q8_0", "q4_0"])
+@pytest.mark.parametrize("num_tokens", [1, BLOCKED_MIN_ROWS - 1, BLOCKED_MIN_ROWS, 7, BLAS_MIN_ROWS - 1, BLAS_MIN_ROWS])
 def test_linear_equals_float64_dequantize_then_matmul(dtype, num_tokens):
+    # every kernel path: streaming (few tokens), 4x4 register blocks (tens), BLAS tiles (prefill)
     w = WeightMatrix.from_float(awkward_matrix(n=70, k=320), dtype)
     x = np.random.default_rng(num_tokens).standard_normal((num_tokens, 320)).astype(np.float32)
     ref = x.astype(np.float64) @ dequantize(w).astype(np.float64).T
