@@ -68,9 +68,8 @@ def bench_dtype(ckpt: Path, dtype: str, args, rng, machine: dict) -> list[dict]:
     runs_theirs = {}
     runner = None
     if not args.no_llamacpp:
-        from models.gguf_io import export_gguf
-
         from benchmarks.llamacpp_runner import LlamaCppRunner
+        from models.gguf_writer import export_gguf
 
         gguf_path = CACHE / f"{ckpt.name}-{dtype}.gguf"
         if not gguf_path.exists():

@@ -11,7 +11,7 @@ def load_model(path: str | Path, weight_dtype: str) -> tuple[ModelSpec, dict, To
     """weight_dtype: a served dtype, or "auto" (bfloat16 for float checkpoints; a GGUF keeps its own)."""
     path = Path(path)
     if path.suffix == ".gguf":
-        from models.gguf_io import load_gguf
+        from models.gguf_reader import load_gguf
 
         return load_gguf(path, weight_dtype)
     spec, weights = load_weights(path, "bfloat16" if weight_dtype == "auto" else weight_dtype)

@@ -23,7 +23,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import numaserve as ns
 from cluster_configs.errors import CheckpointError
-from models.gguf_io import convert_to_gguf, llama3_scaling_from_factors, read_gguf
+from models.gguf_format import llama3_scaling_from_factors
+from models.gguf_reader import read_gguf
+from models.gguf_writer import convert_to_gguf
 from models.linear import dequantize
 from models.loader import load_model
 from models.rope import rope_inv_freq

@@ -1,0 +1,97 @@
+"""GGUF format facts shared by the reader and the writer: type maps, metadata keys, rope layout.
+
+Quantized tensors map byte for byte: a GGUF Q8_0 block is (fp16 d, 32 x int8), a Q4_0 block (fp16 d, 16 bytes,
+element j in the low nibble and j + 16 in the high nibble of byte j); a WeightMatrix holds the same values
+split into `scales` and `data`. llama.cpp's rope rotates adjacent pairs where Hugging Face's rotates i with
+i + head_dim / 2, so convert_hf_to_gguf.py interleaves the two halves of every head of attn_q / attn_k: we
+undo that on load and redo it on export.
+"""
+
+import math
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+from gguf import GGMLQuantizationType, LlamaFileType
+
+from cluster_configs.errors import CheckpointError
+from models.rope import rope_inv_freq
+from models.spec import ModelSpec
+
+GT = GGMLQuantizationType
+ARCH = "llama"
+ROPE_SCALING_KEY = "numaserve.rope_scaling"  # Hugging Face's rope_scaling as JSON: exact where rope_freqs rounds
+AUTO = {GT.F32: "float32", GT.F16: "bfloat16", GT.BF16: "bfloat16", GT.Q8_0: "q8_0", GT.Q4_0: "q4_0"}
+GGML_TYPE = {"float32": GT.F32, "bfloat16": GT.BF16, "q8_0": GT.Q8_0, "q4_0": GT.Q4_0}
+FILE_TYPE = {"float32": LlamaFileType.ALL_F32, "bfloat16": LlamaFileType.MOSTLY_BF16,
+             "q8_0": LlamaFileType.MOSTLY_Q8_0, "q4_0": LlamaFileType.MOSTLY_Q4_0}
+REQUIRED = object()
+
+
+def metadata_key(path: Path, metadata: dict, key: str, default=REQUIRED):
+    if key in metadata:
+        return metadata[key]
+    if default is REQUIRED:
+        raise CheckpointError(f"{path}: metadata key {key!r} is missing; re-convert the model with a recent "
+                              "convert_hf_to_gguf.py or numaserve's export_gguf")
+    return default
+
+
+def f32(value: float) -> float:
+    """A float32 metadata value as the short decimal configs use: float32(1e-5) -> 1e-5."""
+    return float(str(np.float32(value)))
+
+
+# ---- rope ------------------------------------------------------------------------------------------------
+
+def llama3_scaling_from_factors(factors: np.ndarray, rope_theta: float, head_dim: int) -> dict | None:
+    """Hugging Face's llama3 rope scaling from llama.cpp's per-frequency divisors (rope_freqs.weight).
+
+    With u = L * v (L the original context, v = 1 / wavelength) the divisor is `factor` where u < low, 1 where
+    u > high, and 1 / ((1 - s) / factor + s) on the ramp between, s = (u - low) / (high - low). Only ratios are
+    determined: low_freq_factor is taken as 1."""
+    r = factors.astype(np.float64)
+    factor = float(r.max())
+    if factor <= 1.0:
+        return None
+    v = 1.0 / rope_theta ** (np.arange(0, head_dim, 2) / head_dim) / (2 * math.pi)  # ascending frequency order
+    low, high = np.isclose(r, factor), np.isclose(r, 1.0)
+    ramp = ~low & ~high
+    if not high.any() and not ramp.any():
+        return {"rope_type": "linear", "factor": f32(factor)}
+    s = (1 / r[ramp] - 1 / factor) / (1 - 1 / factor)
+    if ramp.sum() >= 2:
+        slope, intercept = np.polyfit(v[ramp], s, 1)  # s = (L v - 1) / (high - 1)
+        original, high_factor = round(-slope / intercept), float(f"{1 - 1 / intercept:.6g}")
+    else:
+        original, high_factor = _llama3_bounds(v[low].max(), v[high].min() if high.any() else None, v[ramp], s)
+    return {"rope_type": "llama3", "factor": f32(factor), "low_freq_factor": 1.0,
+            "high_freq_factor": high_factor, "original_max_position_embeddings": original}
+
+
+def _llama3_bounds(v_low: float, v_high: float | None, v_ramp: np.ndarray, s: np.ndarray) -> tuple[float, float]:
+    """(L, high) with at most one frequency on the ramp: every frequency on its side, the ramp one exact."""
+    original = 1 / v_low  # the highest scaled frequency sits on the low boundary...
+    if not len(v_ramp):
+        return float(original), float(original * v_high)
+    vm, sm = v_ramp[0], s[0]
+    if v_high is not None and vm - sm * v_high > 0:  # ...unless that would put the high boundary above v_high
+        original = min(original, (1 - sm) / (vm - sm * v_high))
+    return float(original), float(1 + (original * vm - 1) / sm)
+
+
+def rope_freq_factors(spec: ModelSpec) -> np.ndarray:
+    """llama.cpp's rope_freqs.weight for a llama3-scaled spec: [head_dim // 2] f32 divisors."""
+    base, _ = rope_inv_freq(replace(spec, rope_scaling=None))
+    scaled, _ = rope_inv_freq(spec)
+    return (base.astype(np.float64) / scaled).astype(np.float32)
+
+
+def rope_type(spec: ModelSpec) -> str:
+    scaling = spec.rope_scaling or {}
+    return scaling.get("rope_type", scaling.get("type", "default"))
+
+
+def rope_row_order(num_heads: int, head_dim: int) -> np.ndarray:
+    """GGUF row i of attn_q / attn_k is Hugging Face row order[i] (convert_hf_to_gguf's permute)."""
+    return np.arange(num_heads * head_dim).reshape(num_heads, 2, head_dim // 2).swapaxes(1, 2).reshape(-1)

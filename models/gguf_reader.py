@@ -1,0 +1,239 @@
+"""Read a llama GGUF file into numaserve's (spec, weights, tokenizer): tensors copied out of the file, q/k rows
+un-permuted to Hugging Face's rope order, each matrix served in its stored format where it can be."""
+
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
+from tqdm import tqdm
+
+from cluster_configs.errors import CheckpointError
+from memory.weights import WeightMatrix
+from models.checkpoint import lm_head_dtype
+from models.gguf_format import (
+    ARCH,
+    AUTO,
+    GT,
+    REQUIRED,
+    ROPE_SCALING_KEY,
+    f32,
+    llama3_scaling_from_factors,
+    metadata_key,
+    rope_row_order,
+)
+from models.gguf_vocab import tokenizer_from_metadata
+from models.linear import dequantize
+from models.spec import ModelSpec
+from models.tokenizer import Tokenizer
+
+_PRECISION = ("q4_0", "q8_0", "bfloat16", "float32")  # least to most precise
+
+
+# ---- reading ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class StoredTensor:
+    """A tensor copied out of the file, in the file's format: a WeightMatrix (F32, BF16, Q8_0, Q4_0) or a
+    float16 array (F16); 1-D tensors as one row."""
+
+    ggml_type: GGMLQuantizationType
+    shape: tuple[int, ...]  # numpy order: [N, K] or [N]
+    value: WeightMatrix | np.ndarray
+
+
+def read_gguf(path: Path) -> tuple[dict, dict[str, StoredTensor]]:
+    """-> (metadata, tensors), all copied into process memory: the file mapping is gone on return (the VM
+    reclaims idle file pages, so a long-lived mmap would re-read the disk in the middle of serving)."""
+    if not path.is_file():
+        raise CheckpointError(f"{path}: no such file; pass the path of a .gguf file")
+    try:
+        reader = GGUFReader(path)
+    except (ValueError, IndexError, OverflowError, EOFError) as e:
+        raise CheckpointError(f"{path}: not a readable GGUF file ({e}); if it was copied or downloaded, check "
+                              "that it is complete; write one with numaserve's export_gguf or convert_hf_to_gguf.py") from None
+    if reader.byte_order != "I":
+        raise CheckpointError(f"{path}: a big-endian GGUF file; convert it for little-endian hosts")
+    metadata = {name: field.contents() for name, field in reader.fields.items() if not name.startswith("GGUF.")}
+    tensors = {t.name: _copy_tensor(path, t) for t in reader.tensors}
+    return metadata, tensors
+
+
+def _copy_tensor(path: Path, t) -> StoredTensor:
+    kind = t.tensor_type
+    if kind not in AUTO:
+        raise CheckpointError(
+            f"{path}: tensor {t.name!r} is {kind.name}, which numaserve does not load (it loads F32, F16, BF16, "
+            "Q8_0 and Q4_0); requantize with `llama-quantize --pure model-f16.gguf out.gguf Q8_0` (or Q4_0), "
+            "or load the F16 GGUF / Hugging Face directory with weight_dtype='q4_0'")
+    shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+    data = t.data.reshape(-1, t.data.shape[-1])  # F32, F16: [N, K]; BF16, Q8_0, Q4_0: uint8 [N, bytes per row]
+    if kind == GT.F16:
+        return StoredTensor(kind, shape, np.array(data, np.float16))
+    if kind == GT.F32:
+        return StoredTensor(kind, shape, WeightMatrix("float32", np.array(data, np.float32)))
+    if kind == GT.BF16:
+        return StoredTensor(kind, shape, WeightMatrix("bfloat16", np.array(data).view(np.uint16)))
+    n = data.shape[0]
+    blocks = data.reshape(n, -1, GGML_QUANT_SIZES[kind][1])  # [N, K // 32, 2 + 32 | 2 + 16]
+    scales = np.ascontiguousarray(blocks[:, :, :2]).view(np.uint16).reshape(n, -1)  # fp16 bits [N, K // 32]
+    qs = np.ascontiguousarray(blocks[:, :, 2:]).reshape(n, -1)  # Q8_0: [N, K]; Q4_0: [N, K // 2]
+    return StoredTensor(kind, shape, WeightMatrix(AUTO[kind], qs.view(np.int8) if kind == GT.Q8_0 else qs, scales))
+
+
+# ---- spec ------------------------------------------------------------------------------------------------
+
+def _spec(path: Path, metadata: dict, tensors: dict[str, StoredTensor]) -> ModelSpec:
+    arch = metadata.get("general.architecture")
+    if arch != ARCH:
+        raise CheckpointError(f"{path}: general.architecture={arch!r} is not supported; numaserve loads 'llama' "
+                              "GGUF files (Llama and Llama-shaped models); serve the Hugging Face directory instead")
+
+    def key(name: str, default=REQUIRED):
+        return metadata_key(path, metadata, f"{ARCH}.{name}", default)
+
+    if key("expert_count", 0):
+        raise CheckpointError(f"{path}: {ARCH}.expert_count={key('expert_count')}: mixture-of-experts models "
+                              "are not supported; serve a dense Llama-family model")
+    hidden, num_heads = int(key("embedding_length")), int(key("attention.head_count"))
+    head_dim = int(key("attention.key_length", hidden // num_heads))
+    for name in ("attention.value_length", "rope.dimension_count"):
+        if key(name, head_dim) != head_dim:
+            raise CheckpointError(f"{path}: {ARCH}.{name}={key(name)} differs from the head size {head_dim}; "
+                                  "partial rotary and split key/value sizes are not supported")
+    tokens = metadata.get("tokenizer.ggml.tokens")
+    embd = tensors.get("token_embd.weight")
+    vocab_size = key("vocab_size", len(tokens) if tokens else embd.shape[0] if embd else REQUIRED)
+    rope_theta = f32(key("rope.freq_base", 10000.0))
+    eos = (metadata.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom"))
+    return ModelSpec(
+        architecture="LlamaForCausalLM",
+        vocab_size=int(vocab_size),
+        hidden_size=hidden,
+        intermediate_size=int(key("feed_forward_length")),
+        num_layers=int(key("block_count")),
+        num_heads=num_heads,
+        num_kv_heads=int(key("attention.head_count_kv", num_heads)),
+        head_dim=head_dim,
+        rms_norm_eps=f32(key("attention.layer_norm_rms_epsilon")),
+        rope_theta=rope_theta,
+        rope_scaling=_rope_scaling(path, metadata, tensors, rope_theta, head_dim),
+        max_position_embeddings=int(key("context_length")),
+        tie_word_embeddings="output.weight" not in tensors,
+        qkv_bias=False,
+        layer_windows=(0,) * int(key("block_count")),
+        bos_token_id=metadata.get("tokenizer.ggml.bos_token_id"),
+        eos_token_ids=tuple(dict.fromkeys(int(i) for i in eos if i is not None)),
+    )
+
+
+def _rope_scaling(path: Path, metadata: dict, tensors: dict, rope_theta: float, head_dim: int) -> dict | None:
+    freqs = tensors.pop("rope_freqs.weight", None)
+    if ROPE_SCALING_KEY in metadata:
+        return json.loads(metadata[ROPE_SCALING_KEY])
+    kind = metadata.get(f"{ARCH}.rope.scaling.type", "linear")  # llama.cpp's default
+    factor = f32(metadata.get(f"{ARCH}.rope.scaling.factor", 0.0))
+    if kind not in ("none", "linear"):
+        raise CheckpointError(f"{path}: {ARCH}.rope.scaling.type={kind!r} is not supported; numaserve applies "
+                              "linear and llama3 (rope_freqs.weight) scaling")
+    linear = kind == "linear" and factor not in (0.0, 1.0)
+    if freqs is not None and linear:
+        raise CheckpointError(f"{path}: both rope_freqs.weight and linear rope scaling; expected one of them")
+    if linear:
+        return {"rope_type": "linear", "factor": factor}
+    if freqs is None:
+        return None
+    if freqs.shape != (head_dim // 2,):
+        raise CheckpointError(f"{path}: tensor 'rope_freqs.weight' has shape {freqs.shape}, expected "
+                              f"({head_dim // 2},): one divisor per rotary frequency")
+    return llama3_scaling_from_factors(_vector(freqs), rope_theta, head_dim)
+
+
+# ---- weights ---------------------------------------------------------------------------------------------
+
+def _pop(path: Path, tensors: dict, name: str, shape: tuple[int, ...]) -> StoredTensor:
+    t = tensors.pop(name, None)
+    if t is None:
+        raise CheckpointError(f"{path}: tensor {name!r} is missing (expected shape {shape}); the file is "
+                              "incomplete or not a llama model with these llama.* metadata")
+    if t.shape != shape:
+        raise CheckpointError(f"{path}: tensor {name!r} has shape {t.shape}, expected {shape} from the llama.* "
+                              "metadata; the weights and the metadata do not match")
+    return t
+
+
+def _to_float(t: StoredTensor) -> np.ndarray:
+    return t.value.astype(np.float32) if isinstance(t.value, np.ndarray) else dequantize(t.value)
+
+
+def _vector(t: StoredTensor) -> np.ndarray:
+    return np.ascontiguousarray(_to_float(t).reshape(-1))  # [N] f32
+
+
+def _served(parts: list[StoredTensor], weight_dtype: str, role_dtype: str,
+            rows: np.ndarray | None = None) -> WeightMatrix:
+    """Parts stacked by rows in one served format: the file's bytes when it already stores that format."""
+    if weight_dtype == "auto":
+        dtype = max((AUTO[p.ggml_type] for p in parts), key=_PRECISION.index)
+    else:
+        stored = {AUTO[p.ggml_type] if p.ggml_type != GT.F16 else "float16" for p in parts}
+        dtype = weight_dtype if stored == {weight_dtype} else role_dtype
+    mats = [p.value if isinstance(p.value, WeightMatrix) and p.value.dtype == dtype
+            else WeightMatrix.from_float(_to_float(p), dtype) for p in parts]
+    if len(mats) > 1:
+        scales = None if mats[0].scales is None else np.concatenate([m.scales for m in mats])
+        mats = [WeightMatrix(mats[0].dtype, np.concatenate([m.data for m in mats]), scales)]
+    return mats[0] if rows is None else take_rows(mats[0], rows)
+
+
+def take_rows(w: WeightMatrix, rows: np.ndarray) -> WeightMatrix:
+    return WeightMatrix(w.dtype, w.data[rows], None if w.scales is None else w.scales[rows])
+
+
+def _weights(path: Path, spec: ModelSpec, tensors: dict, weight_dtype: str) -> dict:
+    h, q, kv, inter, D = spec.hidden_size, spec.q_size, spec.kv_size, spec.intermediate_size, spec.head_dim
+
+    def pop(name, shape):
+        return _pop(path, tensors, name, shape)
+
+    head_dtype = lm_head_dtype(weight_dtype)
+    embed = _served([pop("token_embd.weight", (spec.vocab_size, h))], weight_dtype,
+                    head_dtype if spec.tie_word_embeddings else weight_dtype)
+    weights = {
+        "embed": embed,
+        "norm": _vector(pop("output_norm.weight", (h,))),
+        "lm_head": embed if spec.tie_word_embeddings else _served(
+            [pop("output.weight", (spec.vocab_size, h))], weight_dtype, head_dtype),
+        "layers": [],
+    }
+    qkv_rows = np.concatenate([np.argsort(rope_row_order(spec.num_heads, D)),
+                               q + np.argsort(rope_row_order(spec.num_kv_heads, D)), np.arange(q + kv, q + 2 * kv)])
+    for i in tqdm(range(spec.num_layers), desc=f"loading {path.name}", disable=not sys.stderr.isatty(), leave=False):
+        p = f"blk.{i}."
+        qkv = [pop(p + "attn_q.weight", (q, h)), pop(p + "attn_k.weight", (kv, h)), pop(p + "attn_v.weight", (kv, h))]
+        weights["layers"].append({
+            "input_norm": _vector(pop(p + "attn_norm.weight", (h,))),
+            "post_norm": _vector(pop(p + "ffn_norm.weight", (h,))),
+            "qkv": _served(qkv, weight_dtype, weight_dtype, qkv_rows),
+            "o": _served([pop(p + "attn_output.weight", (h, q))], weight_dtype, weight_dtype),
+            "gate_up": _served([pop(p + "ffn_gate.weight", (inter, h)), pop(p + "ffn_up.weight", (inter, h))],
+                               weight_dtype, weight_dtype),
+            "down": _served([pop(p + "ffn_down.weight", (h, inter))], weight_dtype, weight_dtype),
+            "qkv_bias": None,
+        })
+    if tensors:
+        raise CheckpointError(f"{path}: tensors {sorted(tensors)[:4]} are not part of a llama model as numaserve "
+                              "runs it (no biases, no extra layers); serve the Hugging Face directory instead")
+    return weights
+
+
+def load_gguf(path: str | Path, weight_dtype: str) -> tuple[ModelSpec, dict, Tokenizer | None]:
+    """-> (spec, weights, tokenizer) like the Hugging Face loader. weight_dtype "auto" keeps the file's
+    types (F16 and BF16 serve as bfloat16); quantized tensors already in the wanted format keep their bytes."""
+    path = Path(path)
+    metadata, tensors = read_gguf(path)
+    spec = _spec(path, metadata, tensors)
+    tokenizer = tokenizer_from_metadata(path, metadata)
+    return spec, _weights(path, spec, tensors, weight_dtype), tokenizer
