@@ -30,6 +30,7 @@ class LlamaCppRunner:
         ctx_params.n_batch = ctx_params.n_ubatch = n_batch
         ctx_params.n_seq_max = n_seq_max
         ctx_params.n_threads = ctx_params.n_threads_batch = threads
+        ctx_params.kv_unified = True  # one KV buffer for all sequences (else each gets n_ctx / n_seq_max)
         self.ctx = lc.llama_init_from_model(self.model, ctx_params)
         self.n_vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(self.model))
         self.n_batch = n_batch
