@@ -1,5 +1,7 @@
-"""numaserve: CPU-native LLM serving. The public face: LLM, SamplingParams, EngineConfig, errors."""
+"""numaserve: CPU-native LLM serving. The public face: LLM, SamplingParams, EngineConfig, errors;
+serve, connect, Client, ClusterConfig for the Ray deployment."""
 
+from cluster_configs.cluster_config import ClusterConfig
 from cluster_configs.engine_config import EngineConfig
 from cluster_configs.errors import AdapterError, CheckpointError, InvalidRequest, NumaserveError, Overloaded
 from cluster_configs.sampling_params import SamplingParams
@@ -10,10 +12,27 @@ __all__ = [
     "LLM",
     "AdapterError",
     "CheckpointError",
+    "Client",
+    "ClusterConfig",
     "Completion",
     "EngineConfig",
     "InvalidRequest",
     "NumaserveError",
     "Overloaded",
     "SamplingParams",
+    "connect",
+    "serve",
 ]
+
+
+def __getattr__(name: str):
+    # the Ray side loads on first use, so `import numaserve` stays light for in-process LLM users
+    if name in ("serve", "connect"):
+        from actors import deploy
+
+        return getattr(deploy, name)
+    if name == "Client":
+        from actors.client import Client
+
+        return Client
+    raise AttributeError(f"module 'numaserve' has no attribute {name!r}")

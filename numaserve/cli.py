@@ -1,8 +1,10 @@
 """The `numaserve` command line."""
 
 import argparse
+import json
 import sys
 import time
+from pathlib import Path
 
 from cluster_configs.engine_config import EngineConfig
 from cluster_configs.errors import NumaserveError
@@ -53,6 +55,49 @@ def cmd_demo(args) -> None:
     run_demo(max_tokens=args.max_tokens)
 
 
+def cmd_serve(args) -> None:
+    from actors import deploy
+
+    config = deploy.load_config(args.config, args.model)
+    deploy.init_ray(config, persistent=True)  # starts `ray start --head` if no cluster is running
+    stats = deploy.serve(config, name=args.name).stats()
+    print(f"numaserve: {args.name!r} serves {config.model} with {len(stats['workers'])} workers")
+    for worker_id, w in stats["workers"].items():
+        info = w.get("info", {})
+        print(f"  {worker_id}: cores {info.get('cpu_ids')}, {info.get('num_threads')} threads, "
+              f"memory {info.get('memory_policy')}")
+    print(f"connect with numaserve.connect({args.name!r}); stop with `numaserve shutdown --name {args.name}`")
+
+
+def cmd_stats(args) -> None:
+    from actors import deploy
+
+    print(json.dumps(deploy.connect(args.name, args.address).stats(), indent=2, default=str))
+
+
+def cmd_shutdown(args) -> None:
+    from actors import deploy
+
+    deploy.connect(args.name, args.address).shutdown()
+    print(f"numaserve: {args.name!r} shut down")
+
+
+def _add_cluster_parsers(sub) -> None:
+    serve = sub.add_parser("serve", help="start a deployment on the Ray cluster (starting a head if none runs)")
+    serve.add_argument("--config", default=str(Path(__file__).parent.parent / "cluster_configs" / "local.yaml"),
+                       help="ClusterConfig YAML (default: cluster_configs/local.yaml)")
+    serve.add_argument("--model", help="model directory or GGUF file (overrides the config's)")
+    serve.set_defaults(func=cmd_serve)
+    stats = sub.add_parser("stats", help="print a deployment's workers, routing and policy as JSON")
+    stats.set_defaults(func=cmd_stats)
+    shutdown = sub.add_parser("shutdown", help="stop every actor of a deployment")
+    shutdown.set_defaults(func=cmd_shutdown)
+    for p in (serve, stats, shutdown):
+        p.add_argument("--name", default="numaserve", help="deployment name")
+    for p in (stats, shutdown):
+        p.add_argument("--address", default="auto", help="Ray cluster address")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="numaserve", description="CPU-native LLM serving")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -65,6 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="generate from the shipped demo model")
     demo.add_argument("--max-tokens", type=int, default=48)
     demo.set_defaults(func=cmd_demo)
+    _add_cluster_parsers(sub)
     sub.add_parser("bench", help="decode/prefill benchmark against llama.cpp; `numaserve bench --help` for its "
                                  "options")
     return parser

@@ -1,0 +1,1 @@
+"""The Ray shells: NumaWorker, Router, Scheduler, AdapterCache actors, the Client, and serve/connect."""

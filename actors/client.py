@@ -1,0 +1,80 @@
+"""Client: a handle on a running deployment, from any driver or `ray job submit` entrypoint."""
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import ray
+from ray.exceptions import RayTaskError
+
+from cluster_configs.errors import NumaserveError
+from cluster_configs.sampling_params import SamplingParams
+from scheduling.outputs import Completion, RequestOutput
+
+
+def _get(ref):
+    """ray.get, raising numaserve's own errors (InvalidRequest, Overloaded, ...) as themselves."""
+    try:
+        return ray.get(ref)
+    except RayTaskError as e:
+        if isinstance(e.cause, NumaserveError):
+            raise e.cause from None
+        raise
+
+
+def _cancel(stream) -> None:
+    """Cancel the router's stream (it then aborts the request on its worker), unless it has ended."""
+    try:
+        ray.cancel(stream)
+    except TypeError:
+        pass  # "No owner found for object": the task had already ended (an error, or the last item)
+
+
+class Client:
+    def __init__(self, name: str, router, adapter_cache):
+        self.name = name
+        self.router = router
+        self.adapter_cache = adapter_cache
+
+    def stream(self, prompt, params: SamplingParams | None = None, adapter: str | None = None,
+               session: str | None = None) -> Iterator[RequestOutput]:
+        """Deltas of one completion (.text, .token_ids, .finish_reason); closing the iterator aborts it."""
+        chunks = self._chunks(prompt, params, adapter, session)
+        next(chunks)  # the prompt's token ids: admitted
+        yield from chunks
+
+    def generate(self, prompt, params: SamplingParams | None = None, adapter: str | None = None,
+                 session: str | None = None) -> Completion:
+        chunks = self._chunks(prompt, params, adapter, session)
+        done = Completion(prompt_token_ids=next(chunks))
+        for chunk in chunks:
+            done.token_ids += chunk.token_ids
+            done.text += chunk.text
+            done.finish_reason = chunk.finish_reason
+        return done
+
+    def _chunks(self, prompt, params, adapter, session):
+        stream = self.router.generate.remote(prompt, params, adapter, session)
+        finished = False
+        try:
+            for ref in stream:
+                item = _get(ref)
+                yield item
+                if isinstance(item, RequestOutput) and item.finished:
+                    finished = True
+                    return
+        finally:
+            if not finished:
+                _cancel(stream)
+
+    def register_adapter(self, name: str, path: str | Path) -> str:
+        """Register a PEFT adapter directory under name (kept across restarts); AdapterError if it is invalid."""
+        return _get(self.adapter_cache.register.remote(name, str(path)))
+
+    def stats(self) -> dict:
+        return _get(self.router.stats.remote())
+
+    def shutdown(self) -> None:
+        """Stop every actor of this deployment."""
+        from actors.deploy import shutdown
+
+        shutdown(self.name)

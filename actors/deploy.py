@@ -1,0 +1,205 @@
+"""serve() / connect() / shutdown().
+
+A deployment is a set of named detached actors in the "numaserve" namespace: `<name>.adapters`,
+`<name>.scheduler`, `<name>.router` on the head node, and `<name>.worker.<machine>-numa<node>-<replica>`,
+each placed on its NUMA node by the custom resource `numa_<machine>_<node>` its machine declares.
+"""
+
+import json
+import logging
+import math
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import ray
+
+from actors.adapter_cache import AdapterCache
+from actors.client import Client
+from actors.router import Router
+from actors.scheduler import Scheduler
+from actors.worker import NumaWorker
+from cluster_configs.cluster_config import NAME_PATTERN, ClusterConfig, WorkerPlacement
+from cluster_configs.errors import CheckpointError, NumaserveError
+from memory import numa
+from models.spec import load_spec
+from scheduling.policy import PolicyLimits
+
+NAMESPACE = "numaserve"
+HEAD = {"node:__internal_head__": 0.001}  # control actors live on the head node, which outlives worker machines
+READY_TIMEOUT_S = 600.0
+RELEASE_WAIT_S = 5.0
+log = logging.getLogger("numaserve")
+
+
+class DeploymentError(NumaserveError):
+    """A deployment that cannot be started, found or reached."""
+
+
+def serve(config: ClusterConfig | str | Path | None = None, model: str | Path | None = None,
+          name: str = "numaserve") -> Client:
+    """Start a deployment (config: ClusterConfig, YAML path, or None = one machine, auto topology)."""
+    if not isinstance(name, str) or not re.fullmatch(NAME_PATTERN, name):
+        raise DeploymentError(f"deployment name {name!r} is not valid: use letters, digits, '_' and '-'")
+    config = load_config(config, model)
+    init_ray(config)
+    if deployment_actor_names(name):
+        raise DeploymentError(f"a deployment named {name!r} is already running; use numaserve.connect({name!r}) "
+                              "or shut it down first")
+    placements = config.placements()
+    check_resources(config, placements)
+    try:
+        return _start(config, placements, name)
+    except BaseException:
+        shutdown(name)
+        raise
+
+
+def connect(name: str = "numaserve", address: str = "auto") -> Client:
+    """A Client of the running deployment `name`, from any driver (or a `ray job submit` entrypoint)."""
+    if not ray.is_initialized():
+        try:
+            ray.init(address=address, namespace=NAMESPACE)
+        except ConnectionError as e:
+            raise DeploymentError(f"no Ray cluster at {address!r} ({e}); start one with "
+                                  "`numaserve serve --config cluster_configs/local.yaml`") from None
+    try:
+        router = ray.get_actor(f"{name}.router", namespace=NAMESPACE)
+        adapter_cache = ray.get_actor(f"{name}.adapters", namespace=NAMESPACE)
+    except ValueError:
+        raise DeploymentError(f"no numaserve deployment named {name!r} in this Ray cluster; start one with "
+                              "numaserve.serve(...) or `numaserve serve --config ...`") from None
+    return Client(name, router, adapter_cache)
+
+
+def shutdown(name: str = "numaserve", timeout_s: float = 30.0) -> None:
+    for actor_name in deployment_actor_names(name):
+        try:
+            ray.kill(ray.get_actor(actor_name, namespace=NAMESPACE))
+        except ValueError:
+            pass  # already gone
+    deadline = time.monotonic() + timeout_s
+    while deployment_actor_names(name) and time.monotonic() < deadline:
+        time.sleep(0.1)  # names are released once the actors are dead
+
+
+def deployment_actor_names(name: str) -> list[str]:
+    return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+            if a["namespace"] == NAMESPACE and a["name"].startswith(f"{name}.")]
+
+
+# ---- configuration and the Ray cluster ---------------------------------------------------------------
+
+def load_config(config: ClusterConfig | str | Path | None, model: str | Path | None = None) -> ClusterConfig:
+    """The config with its model set and checked, and "auto" machines resolved to this machine's topology."""
+    if config is None:
+        config = ClusterConfig()
+    elif isinstance(config, (str, Path)):
+        config = ClusterConfig.from_yaml(config)
+    elif not isinstance(config, ClusterConfig):
+        raise DeploymentError(f"config must be a ClusterConfig, a YAML path or None, got {type(config).__name__}")
+    if model is not None:
+        config = config.model_copy(update={"model": str(Path(model).expanduser().resolve())})
+    if config.model is None:
+        raise DeploymentError("no model to serve: pass serve(model=...) or set `model:` in the config")
+    _check_model(Path(config.model))
+    if config.has_auto_topology:
+        config = config.with_topology([(n.node_id, n.cpu_ids) for n in numa.read_topology()])
+    return config
+
+
+def _check_model(path: Path) -> None:
+    """CheckpointError now rather than from every worker."""
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise CheckpointError(f"{path}: no such GGUF file")
+    else:
+        load_spec(path)
+
+
+def init_ray(config: ClusterConfig, persistent: bool = False) -> None:
+    """Connect to the running Ray cluster; without one, start a single-machine one declaring its NUMA nodes:
+    in this process (it ends with it), or with `ray start --head` when persistent (the CLI's way)."""
+    if ray.is_initialized():
+        return
+    try:
+        ray.init(address="auto", namespace=NAMESPACE)
+        return
+    except ConnectionError:
+        pass
+    if len(config.machines) != 1:
+        raise DeploymentError(f"no Ray cluster is running and the config spans {len(config.machines)} machines; "
+                              "start Ray on each with its resources: " + _start_hints(config))
+    resources = config.ray_resources(config.machines[0].name)
+    if persistent:
+        ray_cli = Path(sys.executable).with_name("ray")
+        subprocess.run([str(ray_cli), "start", "--head", f"--resources={json.dumps(resources)}"], check=True,
+                       stdout=subprocess.DEVNULL)
+        ray.init(address="auto", namespace=NAMESPACE)
+    else:
+        log.warning("numaserve: started Ray in this process; the deployment ends when it exits")
+        ray.init(namespace=NAMESPACE, resources=resources)
+
+
+def check_resources(config: ClusterConfig, placements: list[WorkerPlacement]) -> None:
+    total = ray.cluster_resources()
+    missing = sorted({p.resource for p in placements if total.get(p.resource, 0) <= 0})
+    if missing:
+        raise DeploymentError(f"no Ray node offers {', '.join(missing)}: each machine must declare its NUMA "
+                              "nodes when it joins; " + _start_hints(config))
+    deadline = time.monotonic() + RELEASE_WAIT_S
+    while busy := sorted({p.resource for p in placements
+                          if ray.available_resources().get(p.resource, 0) < _worker_share(config) - 1e-9}):
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.2)  # a deployment that was just shut down releases them in a moment
+    if busy:
+        raise DeploymentError(f"{', '.join(busy)} are taken by another deployment; shut it down first "
+                              "(numaserve shutdown --name NAME)")
+
+
+def _start_hints(config: ClusterConfig) -> str:
+    return "; ".join(f"on {m.name}: ray start ... --resources='{json.dumps(config.ray_resources(m.name))}'"
+                     for m in config.machines)
+
+
+def _worker_share(config: ClusterConfig) -> float:
+    return math.floor(1e4 / config.workers_per_node) / 1e4  # Ray keeps 4 decimals of a resource
+
+
+# ---- starting the actors -----------------------------------------------------------------------------
+
+def _start(config: ClusterConfig, placements: list[WorkerPlacement], name: str) -> Client:
+    detached = {"namespace": NAMESPACE, "lifetime": "detached", "max_restarts": -1}
+    registry = config.adapter_registry or str(Path.home() / ".cache" / "numaserve" / f"adapters-{name}.json")
+    adapter_cache = AdapterCache.options(name=f"{name}.adapters", resources=HEAD, **detached).remote(registry)
+    limits = PolicyLimits(config.engine.max_num_batched_tokens, config.engine.max_num_seqs,
+                          config.max_queued_per_worker, config.target_step_ms / 1000)
+    scheduler = Scheduler.options(name=f"{name}.scheduler", resources=HEAD, **detached).remote(limits)
+    workers = {}
+    for p in placements:
+        num_threads = str(len(p.cpu_ids))  # numba's pool size is fixed when numba loads
+        workers[p.worker_id] = NumaWorker.options(
+            name=f"{name}.worker.{p.worker_id}", resources={p.resource: _worker_share(config)},
+            runtime_env={"env_vars": {"NUMBA_NUM_THREADS": num_threads, "OMP_NUM_THREADS": num_threads}},
+            **detached).remote(p, config.model, config.worker_engine_config(p), scheduler, adapter_cache,
+                               config.telemetry_interval_s, config.stream_interval_ms / 1000)
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    _wait_ready({f"worker {w}": h.info.remote() for w, h in workers.items()}, deadline)
+    router = Router.options(name=f"{name}.router", resources=HEAD, **detached).remote(
+        config, workers, scheduler, adapter_cache)
+    _wait_ready({"router": router.ping.remote()}, deadline)
+    return Client(name, router, adapter_cache)
+
+
+def _wait_ready(waits: dict, deadline: float) -> None:
+    for what, ref in waits.items():
+        try:
+            ray.get(ref, timeout=max(deadline - time.monotonic(), 1.0))
+        except ray.exceptions.GetTimeoutError:
+            raise DeploymentError(f"{what} did not start within {READY_TIMEOUT_S:.0f} s; `ray status` shows "
+                                  "whether its machine's resources are there") from None
+        except ray.exceptions.RayError as e:
+            raise DeploymentError(f"{what} failed to start: {e}") from None

@@ -1,0 +1,219 @@
+"""Router: validates and tokenizes, routes with RoutingPolicy (scheduling/routing.py), streams results back.
+
+A request whose worker dies mid-stream is re-submitted to a live worker as prompt + the tokens generated
+so far, with a Resume record (replayed from those tokens) that lets the new worker go on exactly where
+the old one was: the client sees one uninterrupted stream, identical to an undisturbed one. A worker
+marked down is probed until it answers again (Ray restarts it), then rejoins.
+
+The stream this actor yields: first the prompt's token ids (once admitted), then RequestOutputs.
+"""
+
+import asyncio
+import os
+import uuid
+
+import ray
+from ray.exceptions import NodeDiedError, ObjectLostError, RayActorError, RayTaskError
+
+from actors.adapter_cache import lookup_adapter
+from actors.resume import resume_state
+from cluster_configs.cluster_config import ClusterConfig
+from cluster_configs.errors import InvalidRequest, NumaserveError, Overloaded
+from cluster_configs.sampling_params import SamplingParams
+from models.tokenizer import Tokenizer
+from scheduling.outputs import RequestOutput
+from scheduling.routing import RoutingPolicy
+
+WORKER_LOST = (RayActorError, ObjectLostError, NodeDiedError)  # the worker, not the request, failed
+REROUTE_WAIT_S = 120.0  # how long a request that lost its worker waits for any live worker
+PROBE_INTERVAL_S = 0.5
+STATS_TIMEOUT_S = 5.0
+
+
+class WorkerStreamEnded(Exception):
+    """A worker's stream stopped before its request finished: treated as the worker's loss."""
+
+
+@ray.remote(num_cpus=0)
+class Router:
+    def __init__(self, config: ClusterConfig, workers: dict, scheduler, adapter_cache):
+        # small arguments only: Ray restarts the actor from them, after the deploying driver may have exited
+        self.tokenizer: Tokenizer | None = None  # a worker's, fetched on first use (see NumaWorker.model_info)
+        self.vocab_size: int | None = None
+        self.workers = workers  # worker id -> NumaWorker handle
+        self.scheduler, self.adapter_cache = scheduler, adapter_cache
+        bound = config.engine.max_num_seqs + config.max_queued_per_worker
+        self.routing = RoutingPolicy(list(workers), config.engine.block_size, bound)
+        self.poll_interval_s = config.telemetry_interval_s
+        self.num_overloaded = 0
+        self._probing: set[str] = set()
+        self._background: asyncio.Task | None = None
+
+    async def ping(self) -> bool:
+        """Ready: the background tasks run and the tokenizer is here."""
+        self._start_background()
+        await self._fetch_model_info()
+        return True
+
+    async def _fetch_model_info(self) -> None:
+        if self.vocab_size is not None:
+            return
+        for worker_id, handle in self.workers.items():
+            if self.routing.workers[worker_id].alive:
+                try:
+                    info = await handle.model_info.remote()
+                except WORKER_LOST:
+                    continue
+                self.tokenizer, self.vocab_size = info["tokenizer"], info["vocab_size"]
+                return
+        raise Overloaded(f"no worker is available (all {len(self.workers)} are down or restarting); retry in a "
+                         "few seconds")
+
+    @ray.method(num_returns="streaming")
+    async def generate(self, prompt, params: SamplingParams | None = None, adapter: str | None = None,
+                       session: str | None = None):
+        self._start_background()
+        await self._fetch_model_info()
+        params = params if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequest(f"params must be a numaserve.SamplingParams, got {type(params).__name__}")
+        if session is not None and not isinstance(session, str):
+            raise InvalidRequest(f"session must be a str, got {type(session).__name__}")
+        prompt_ids = self._encode(prompt)
+        if adapter is not None and await lookup_adapter(self.adapter_cache, adapter) is None:
+            raise InvalidRequest(f"unknown adapter {adapter!r}: register it first with "
+                                 "client.register_adapter(name, path)")
+        request_id = uuid.uuid4().hex
+        try:
+            worker_id = self.routing.route(request_id, prompt_ids, params.max_tokens, session=session,
+                                           extra=(adapter, None))
+        except Overloaded:
+            self.num_overloaded += 1
+            raise
+        outputs = self._stream(request_id, worker_id, prompt_ids, params, adapter)
+        try:
+            yield prompt_ids
+            async for out in outputs:
+                yield out
+        finally:
+            await outputs.aclose()  # now, not at garbage collection: it aborts the worker's request
+            self.routing.finish(request_id)
+
+    async def _stream(self, request_id: str, worker_id: str, prompt_ids: list[int], params: SamplingParams,
+                      adapter: str | None):
+        generated: list[int] = []
+        emitted_text, resume = "", None
+        attempt_id, finished = None, False
+        try:
+            for attempt in range(len(self.workers) * 8 + 1):
+                attempt_id = f"{request_id}-{attempt}"
+                stream = self.workers[worker_id].generate.remote(
+                    attempt_id, prompt_ids + generated, params, adapter, None, resume)
+                num_prefill = len(prompt_ids) + len(generated)
+                try:
+                    async for ref in stream:
+                        out: RequestOutput = await ref
+                        self.routing.progress(request_id, len(out.token_ids) + num_prefill)
+                        num_prefill = 0
+                        generated += out.token_ids
+                        emitted_text += out.text
+                        finished = out.finished
+                        yield RequestOutput(request_id, out.token_ids, out.text, out.finish_reason)
+                        if finished:
+                            return
+                    raise WorkerStreamEnded(worker_id)
+                except RayTaskError as e:
+                    if isinstance(e.cause, NumaserveError):
+                        raise e.cause from None  # the request's fault (e.g. InvalidRequest): no retry
+                    raise
+                except (*WORKER_LOST, WorkerStreamEnded):
+                    self._worker_lost(worker_id)
+                    worker_id = await self._reroute(request_id, len(prompt_ids) + params.max_tokens)
+                    resume = resume_state(self.tokenizer, prompt_ids, generated, emitted_text)
+            raise RuntimeError(f"request {request_id} lost its worker too many times; giving up")
+        finally:
+            if not finished and attempt_id is not None:
+                self.workers[worker_id].abort.remote(attempt_id)  # the client went away: free the worker
+
+    async def _reroute(self, request_id: str, num_tokens_left: int) -> str:
+        deadline = asyncio.get_running_loop().time() + REROUTE_WAIT_S
+        while (worker_id := self.routing.reroute(request_id, num_tokens_left)) is None:
+            if asyncio.get_running_loop().time() > deadline:
+                raise Overloaded(f"request {request_id} lost its worker and none came back within "
+                                 f"{REROUTE_WAIT_S:.0f} s; retry later")
+            await asyncio.sleep(PROBE_INTERVAL_S)
+        return worker_id
+
+    def _encode(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequest("the prompt is empty; pass at least one character or token")
+            if self.tokenizer is None:
+                raise InvalidRequest("this model directory has no tokenizer.json; pass token ids instead of text")
+            return self.tokenizer.encode(prompt)
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            if not prompt:
+                raise InvalidRequest("the prompt is empty; pass at least one token")
+            bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+            if bad:
+                raise InvalidRequest(f"token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+            return list(prompt)
+        raise InvalidRequest(f"a prompt is a str or a list of int token ids, got {type(prompt).__name__}")
+
+    # ---- worker health and policy ------------------------------------------------------------------
+
+    def _worker_lost(self, worker_id: str) -> None:
+        self.routing.mark_down(worker_id)
+        if worker_id not in self._probing:
+            self._probing.add(worker_id)
+            asyncio.get_running_loop().create_task(self._probe_until_up(worker_id))
+
+    async def _probe_until_up(self, worker_id: str) -> None:
+        """A call to a restarting actor waits for its restart (or fails); when one answers, the worker rejoins."""
+        try:
+            while True:
+                try:
+                    await self.workers[worker_id].info.remote()
+                    self.routing.mark_up(worker_id)
+                    return
+                except WORKER_LOST:
+                    await asyncio.sleep(PROBE_INTERVAL_S)
+        finally:
+            self._probing.discard(worker_id)
+
+    def _start_background(self) -> None:
+        if self._background is None:
+            self._background = asyncio.get_running_loop().create_task(self._poll_policies())
+
+    async def _poll_policies(self) -> None:
+        while True:
+            try:
+                for worker_id, policy in (await self.scheduler.policies.remote()).items():
+                    self.routing.set_admission_bound(worker_id, policy.admission_bound)
+            except ray.exceptions.RayError:
+                pass  # the scheduler is restarting: keep the bounds in force
+            await asyncio.sleep(self.poll_interval_s)
+
+    async def stats(self) -> dict:
+        """Per worker: the router's view (alive, outstanding), the engine's stats, and its placement info."""
+        self._start_background()
+
+        async def ask(worker_id: str) -> dict:
+            if not self.routing.workers[worker_id].alive:
+                return {}  # restarting, or its machine is gone: the probe will tell when it is back
+            handle = self.workers[worker_id]
+            try:
+                stats, info = await asyncio.wait_for(
+                    asyncio.gather(handle.stats.remote(), handle.info.remote()), STATS_TIMEOUT_S)
+            except (TimeoutError, ray.exceptions.RayError) as e:
+                return {"error": repr(e)}
+            return stats | {"info": info}
+
+        answers = await asyncio.gather(*(ask(w) for w in self.workers))
+        workers = {}
+        for (worker_id, load), answer in zip(self.routing.workers.items(), answers):
+            workers[worker_id] = {"alive": load.alive, "num_outstanding_requests": load.num_requests,
+                                  "num_outstanding_tokens": load.num_tokens,
+                                  "admission_bound": load.admission_bound} | answer
+        return {"workers": workers, "routed": dict(self.routing.num_routed), "num_overloaded": self.num_overloaded,
+                "router_pid": os.getpid(), "policies": await self.scheduler.stats.remote()}

@@ -1,0 +1,273 @@
+"""NumaWorker: one Engine pinned to one NUMA node's cores.
+
+Threads: the actor's event loop serves generate/abort/stats/info; one loop thread owns the Engine and is
+the only thread that touches it after construction (numba kernels must never run from two threads).
+They talk through `_inbox` (requests, aborts, stats queries, in) and `call_soon_threadsafe` (outputs,
+out). The loop thread also reports StepTelemetry to the scheduler and applies the Policy it answers.
+An adapter a request names is looked up in the AdapterCache once and loaded by the loop thread.
+"""
+
+import asyncio
+import os
+import queue
+import socket
+import threading
+import time
+from pathlib import Path
+
+import numba
+import ray
+
+from actors.adapter_cache import lookup_adapter
+from actors.delta_stream import DeltaStream, merge
+from actors.resume import Resume, resume_request
+from cluster_configs.cluster_config import WorkerPlacement
+from cluster_configs.engine_config import EngineConfig
+from cluster_configs.errors import InvalidRequest
+from cluster_configs.sampling_params import SamplingParams
+from memory import numa
+from scheduling.engine import Engine
+from scheduling.outputs import RequestOutput
+from scheduling.policy import Policy, StepTelemetry
+
+IDLE_WAIT_S = 0.02  # how long an idle loop thread blocks on its inbox
+POLICY_TIMEOUT_S = 5.0  # a scheduler answer older than this is dropped (the scheduler may be restarting)
+STATS_TIMEOUT_S = 30.0
+
+
+@ray.remote(num_cpus=0)
+class NumaWorker:
+    def __init__(self, placement: WorkerPlacement, model_path: str, engine_config: EngineConfig, scheduler=None,
+                 adapter_cache=None, telemetry_interval_s: float = 0.1, stream_interval_s: float = 0.0):
+        self.placement = placement
+        num_pinned = numa.pin_process(placement.cpu_ids)  # before the engine exists: numba has no pool yet
+        memory_policy = numa.bind_memory(numa.physical_node_ids(placement.cpu_ids, numa.read_topology()))
+        self.engine = Engine(Path(model_path), engine_config)
+        kv = self.engine.kv_cache
+        numa.first_touch(kv.k, kv.v, kv.k_scale, kv.v_scale)
+        self._num_pinned, self._memory_policy = num_pinned, memory_policy
+        self._scheduler, self._adapter_cache = scheduler, adapter_cache
+        self._telemetry_interval_s, self._stream_interval_s = telemetry_interval_s, stream_interval_s
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, DeltaStream] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None  # the actor's event loop, known from the first call
+        self._report_sent: float | None = None  # when the unanswered telemetry report went out
+        self._num_threads = 0
+        self._num_requests = 0  # served through generate (the warm-up is not one)
+        self._failure: BaseException | None = None
+        ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(ready,), name=f"step-loop-{placement.worker_id}",
+                                        daemon=True)
+        self._thread.start()  # inherits this thread's affinity and memory policy
+        ready.wait()
+        if self._failure is not None:
+            raise self._failure
+
+    # ---- the actor's methods (event loop thread) -----------------------------------------------------
+
+    @ray.method(num_returns="streaming")
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       adapter: str | None = None, cache_salt: str | None = None, resume: Resume | None = None):
+        """Deltas of one request: one RequestOutput per yield, holding every token ready since the last. The
+        first comes as soon as it is ready, the next ones at most every stream_interval_s (and the last at once).
+        With resume, prompt_token_ids end in the output a lost worker had streamed, and this one goes on."""
+        self._loop = asyncio.get_running_loop()
+        if request_id in self._streams:
+            raise InvalidRequest(f"request id {request_id!r} is already running on this worker; use a unique id")
+        if adapter is not None and adapter not in self.engine.adapters:
+            await self._load_adapter(adapter)
+        num_output = len(prompt_token_ids) - resume.num_prompt_tokens if resume else 0
+        left = params.model_copy(update={"max_tokens": params.max_tokens - num_output}) if resume else params
+        req = self.engine.make_request(request_id, prompt_token_ids, left, adapter=adapter, cache_salt=cache_salt)
+        if resume is not None:
+            resume_request(req, params, resume)
+        stream = DeltaStream(self._loop)
+        self._streams[request_id] = stream
+        self._inbox.put(("submit", req))
+        self._num_requests += 1
+        finished = False
+        try:
+            while not finished:
+                items = await stream.take()
+                failure = next((i for i in items if isinstance(i, Exception)), None)
+                if failure is not None:
+                    raise failure
+                chunk = merge(request_id, items)
+                finished = chunk.finished
+                yield chunk
+                stream.hold(self._stream_interval_s)
+        finally:
+            del self._streams[request_id]
+            if not finished:  # the caller went away or was cancelled
+                self._inbox.put(("abort", request_id))
+
+    async def _load_adapter(self, name: str) -> None:
+        path = await lookup_adapter(self._adapter_cache, name) if self._adapter_cache is not None else None
+        if path is None:
+            raise InvalidRequest(f"unknown adapter {name!r}: register it first with client.register_adapter(name, path)")
+        loaded = self._loop.create_future()
+        self._inbox.put(("adapter", (name, path, loaded)))
+        await loaded  # AdapterError if the registered directory does not fit this model
+
+    async def abort(self, request_id: str) -> None:
+        self._inbox.put(("abort", request_id))
+
+    async def stats(self) -> dict:
+        self._loop = asyncio.get_running_loop()
+        answer = self._loop.create_future()
+        self._inbox.put(("stats", answer))
+        return await asyncio.wait_for(answer, STATS_TIMEOUT_S)
+
+    async def model_info(self) -> dict:
+        """What the router needs to validate and tokenize: the tokenizer (or None) and the vocabulary size."""
+        return {"tokenizer": self.engine.tokenizer, "vocab_size": self.engine.spec.vocab_size,
+                "block_size": self.engine.config.block_size}
+
+    async def info(self) -> dict:
+        """Where this worker runs and what it did to get there: cores, threads, memory policy."""
+        p = self.placement
+        return {"worker_id": p.worker_id, "machine": p.machine, "numa_node": p.node_id, "cpu_ids": list(p.cpu_ids),
+                "thread_cpu_ids": list(numa.thread_cpu_ids()), "num_threads": self._num_threads,
+                "num_pinned_threads": self._num_pinned, "memory_policy": self._memory_policy,
+                "hostname": socket.gethostname(), "pid": os.getpid(),
+                "ray_node_id": ray.get_runtime_context().get_node_id(),
+                "engine_config": self.engine.config.model_dump()}
+
+    def _dispatch(self, items: list[tuple[str, RequestOutput | Exception]]) -> None:
+        for request_id, item in items:
+            stream = self._streams.get(request_id)
+            if stream is not None:  # None: the caller has gone
+                stream.put(item)
+
+    # ---- the loop thread -------------------------------------------------------------------------------
+
+    def _run(self, ready: threading.Event) -> None:
+        try:
+            numba.set_num_threads(self.engine.config.num_threads or len(self.placement.cpu_ids))  # thread-local
+            self._num_threads = numba.get_num_threads()
+            self._warm_up()
+        except BaseException as e:  # noqa: BLE001  (re-raised by __init__)
+            self._failure = e
+            return
+        finally:
+            ready.set()
+        meter = _StepMeter()
+        next_report = time.monotonic()
+        while True:
+            self._drain_inbox(block=not self.engine.has_unfinished())
+            if self.engine.has_unfinished():
+                self._step(meter)
+            if self._scheduler is not None and time.monotonic() >= next_report:
+                next_report = time.monotonic() + self._telemetry_interval_s
+                self._report(meter)
+
+    def _warm_up(self) -> None:
+        """Compile (or load from numba's cache) every kernel before the first request."""
+        params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+        self.engine.add_request(f"warm-up-{os.getpid()}", [self.engine.spec.bos_token_id or 0] * 3, params)
+        while self.engine.has_unfinished():
+            self.engine.step()
+
+    def _drain_inbox(self, block: bool) -> None:
+        try:
+            message = self._inbox.get(timeout=IDLE_WAIT_S) if block else self._inbox.get_nowait()
+            while True:
+                self._handle(*message)
+                message = self._inbox.get_nowait()
+        except queue.Empty:
+            pass
+
+    def _handle(self, kind: str, arg) -> None:
+        if kind == "submit":
+            self.engine.submit(arg)
+        elif kind == "abort":
+            out = self.engine.abort(arg)
+            if out is not None:
+                self._deliver([(arg, out)])
+        elif kind == "stats":
+            stats = self.engine.stats() | {"worker_id": self.placement.worker_id, "num_streams": len(self._streams),
+                                           "num_requests": self._num_requests,
+                                           "token_budget": self.engine.batcher.token_budget,
+                                           "max_num_seqs": self.engine.batcher.max_num_seqs}
+            self._loop.call_soon_threadsafe(_set_result, arg, stats)
+        elif kind == "policy":
+            self._report_sent = None
+            try:
+                self._apply(arg.result())
+            except ray.exceptions.RayError:
+                pass  # the scheduler died or is restarting: keep the policy in force
+        elif kind == "adapter":
+            name, path, loaded = arg
+            try:
+                if name not in self.engine.adapters:
+                    self.engine.register_adapter(name, path)
+                self._loop.call_soon_threadsafe(_set_result, loaded, None)
+            except Exception as e:  # noqa: BLE001  (AdapterError, or the files vanished: the caller's error)
+                self._loop.call_soon_threadsafe(_set_exception, loaded, e)
+
+    def _step(self, meter: "_StepMeter") -> None:
+        before = [(r, r.num_computed_tokens) for r in self.engine.requests.values()]
+        start = time.perf_counter()
+        try:
+            outputs = self.engine.step()
+        except Exception as e:  # noqa: BLE001  (a bug must fail its requests, not hang them)
+            self._fail_all(e)
+            return
+        meter.add(sum(max(r.num_computed_tokens - n, 0) for r, n in before), time.perf_counter() - start)
+        if outputs:
+            self._deliver([(out.request_id, out) for out in outputs])
+
+    def _deliver(self, items: list[tuple[str, RequestOutput | Exception]]) -> None:
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._dispatch, items)
+
+    def _fail_all(self, error: Exception) -> None:
+        request_ids = list(self.engine.requests)
+        for request_id in request_ids:
+            self.engine.abort(request_id)
+        failure = RuntimeError(f"worker {self.placement.worker_id}: engine step failed: {error!r}")
+        self._deliver([(request_id, failure) for request_id in request_ids])
+
+    def _report(self, meter: "_StepMeter") -> None:
+        """Send this interval's telemetry; the scheduler's answer comes back through the inbox."""
+        if self._report_sent is not None and time.monotonic() - self._report_sent < POLICY_TIMEOUT_S:
+            return  # one report in flight at a time
+        stats = self.engine.stats()
+        telemetry = StepTelemetry(self.placement.worker_id, stats["num_running"], stats["num_waiting"],
+                                  meter.num_steps, meter.num_tokens, meter.mean_step_s, stats["kv_usage"],
+                                  stats["num_preemptions"])
+        meter.reset()
+        self._report_sent = time.monotonic()
+        answer = self._scheduler.report.remote(telemetry).future()
+        answer.add_done_callback(lambda f: self._inbox.put(("policy", f)))
+
+    def _apply(self, policy: Policy) -> None:
+        self.engine.batcher.token_budget = policy.token_budget
+        self.engine.batcher.max_num_seqs = policy.max_num_seqs
+
+
+class _StepMeter:
+    def __init__(self):
+        self.reset()
+
+    def reset(self) -> None:
+        self.num_steps, self.num_tokens, self.seconds = 0, 0, 0.0
+
+    def add(self, num_tokens: int, seconds: float) -> None:
+        self.num_steps += 1
+        self.num_tokens += num_tokens
+        self.seconds += seconds
+
+    @property
+    def mean_step_s(self) -> float:
+        return self.seconds / self.num_steps if self.num_steps else 0.0
+
+
+def _set_result(future: asyncio.Future, value) -> None:
+    if not future.done():
+        future.set_result(value)
+
+
+def _set_exception(future: asyncio.Future, error: Exception) -> None:
+    if not future.done():
+        future.set_exception(error)

@@ -1,0 +1,151 @@
+"""ClusterConfig: what a deployment runs where. Machines, their NUMA nodes (or "auto"), workers per node,
+the engine config every worker gets, and the limits the router and scheduler enforce.
+
+A worker is placed on its NUMA node by a Ray custom resource, `numa_<machine>_<node>`, that the machine
+declares when it joins (`ray start --resources`, see `ray_resources`); capacity 1, split between the
+node's workers.
+"""
+
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from cluster_configs.engine_config import EngineConfig
+
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_-]*$"
+
+
+def numa_resource(machine: str, node_id: int) -> str:
+    return f"numa_{machine}_{node_id}"
+
+
+class NumaNodeConfig(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    id: int = Field(ge=0)
+    cpus: tuple[int, ...] = Field(min_length=1)  # core ids this node's workers are pinned to
+
+    @field_validator("cpus")
+    @classmethod
+    def _valid_cpus(cls, v: tuple[int, ...]) -> tuple[int, ...]:
+        if any(c < 0 for c in v) or len(set(v)) != len(v):
+            raise ValueError(f"cpus must be distinct core ids >= 0, got {list(v)}")
+        return v
+
+
+class MachineConfig(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str = Field("local", pattern=NAME_PATTERN)
+    # "auto" = the NUMA nodes of the machine that runs serve() (from /sys/devices/system/node)
+    numa_nodes: Literal["auto"] | tuple[NumaNodeConfig, ...] = "auto"
+
+    @field_validator("numa_nodes")
+    @classmethod
+    def _distinct_nodes(cls, v):
+        if v == "auto":
+            return v
+        if not v:
+            raise ValueError('numa_nodes must list at least one node, or be "auto"')
+        ids = [n.id for n in v]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"numa node ids must be distinct, got {ids}")
+        cpus = [c for n in v for c in n.cpus]
+        if len(set(cpus)) != len(cpus):
+            raise ValueError("two numa nodes share a cpu; give each node its own cores")
+        return v
+
+
+class WorkerPlacement(BaseModel):
+    """One worker of a resolved config: where it runs and what it is called."""
+
+    model_config = ConfigDict(frozen=True)
+
+    machine: str
+    node_id: int
+    cpu_ids: tuple[int, ...]
+    replica: int  # index among the workers of its node
+
+    @property
+    def worker_id(self) -> str:
+        return f"{self.machine}-numa{self.node_id}-{self.replica}"
+
+    @property
+    def resource(self) -> str:
+        return numa_resource(self.machine, self.node_id)
+
+
+class ClusterConfig(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    model: str | None = None  # model directory, at the same path on every machine
+    engine: EngineConfig = EngineConfig()
+    machines: tuple[MachineConfig, ...] = Field((MachineConfig(),), min_length=1)
+    workers_per_node: int = Field(1, ge=1, le=64)
+    # a worker holds at most max_num_seqs running + this many queued requests; past that on every
+    # worker the router refuses with Overloaded
+    max_queued_per_worker: int = Field(64, ge=0)
+    telemetry_interval_s: float = Field(0.1, gt=0.0, le=10.0)  # worker -> scheduler -> policy period
+    target_step_ms: float = Field(250.0, gt=0.0)  # the policy shrinks the token budget when steps run longer
+    # a stream's first delta goes out at once, later ones at most this often (tokens ready meanwhile ride
+    # together): fewer, larger chunks cost less per token through Ray; 0 = every step
+    stream_interval_ms: float = Field(100.0, ge=0.0, le=10_000.0)
+    adapter_registry: str | None = None  # JSON file of registered adapters; None = under ~/.cache/numaserve
+
+    @field_validator("machines")
+    @classmethod
+    def _distinct_machines(cls, v: tuple[MachineConfig, ...]) -> tuple[MachineConfig, ...]:
+        names = [m.name for m in v]
+        if len(set(names)) != len(names):
+            raise ValueError(f"machine names must be distinct, got {names}")
+        return v
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> "ClusterConfig":
+        """Load a YAML config; relative `model` and `adapter_registry` paths are taken from the file's folder."""
+        path = Path(path)
+        try:
+            data = yaml.safe_load(path.read_text())
+        except yaml.YAMLError as e:
+            raise ValueError(f"{path}: not valid YAML ({e})") from None
+        if isinstance(data, dict):
+            for key in ("model", "adapter_registry"):
+                if isinstance(data.get(key), str) and not Path(data[key]).expanduser().is_absolute():
+                    data[key] = str((path.parent / data[key]).resolve())
+        return cls.model_validate(data if data is not None else {})
+
+    @property
+    def has_auto_topology(self) -> bool:
+        return any(m.numa_nodes == "auto" for m in self.machines)
+
+    def with_topology(self, numa_nodes: list[tuple[int, tuple[int, ...]]]) -> "ClusterConfig":
+        """A copy where every "auto" machine has these (node id, cpu ids) nodes."""
+        nodes = tuple(NumaNodeConfig(id=i, cpus=c) for i, c in numa_nodes)
+        machines = tuple(m.model_copy(update={"numa_nodes": nodes}) if m.numa_nodes == "auto" else m
+                         for m in self.machines)
+        return self.model_copy(update={"machines": machines})
+
+    def placements(self) -> list[WorkerPlacement]:
+        """One entry per worker; needs a resolved topology (see with_topology)."""
+        if self.has_auto_topology:
+            raise ValueError('resolve the "auto" machines first (ClusterConfig.with_topology)')
+        return [WorkerPlacement(machine=m.name, node_id=n.id, cpu_ids=n.cpus, replica=r)
+                for m in self.machines for n in m.numa_nodes for r in range(self.workers_per_node)]
+
+    def ray_resources(self, machine: str) -> dict[str, float]:
+        """The custom resources `ray start --resources` must declare on this machine."""
+        m = next((m for m in self.machines if m.name == machine), None)
+        if m is None:
+            raise ValueError(f"no machine named {machine!r}; the config has {[x.name for x in self.machines]}")
+        if m.numa_nodes == "auto":
+            raise ValueError(f'machine {machine!r} has numa_nodes "auto"; resolve it first (with_topology)')
+        return {numa_resource(machine, n.id): 1.0 for n in m.numa_nodes}
+
+    def worker_engine_config(self, placement: WorkerPlacement) -> EngineConfig:
+        """The engine config of one worker: its thread count is its node's cores (or fewer, if asked)."""
+        num_threads = len(placement.cpu_ids)
+        if self.engine.num_threads is not None:
+            num_threads = min(num_threads, self.engine.num_threads)
+        return self.engine.model_copy(update={"num_threads": num_threads})

@@ -1,0 +1,125 @@
+"""NUMA topology, pinning and memory binding of one worker process.
+
+The topology comes from /sys/devices/system/node (cut to the cores this process may use), or from a
+ClusterConfig that declares nodes to simulate a multi-socket box. A worker pins every thread it has to
+its node's cores *before* numba starts its thread pool: threads inherit the affinity (and the memory
+policy) of the thread that creates them, so the pool, the step loop and anything started later stay on
+the node. Where libnuma is present, memory is also bound to the physical node(s) holding those cores.
+"""
+
+import ctypes
+import ctypes.util
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import psutil
+
+NODE_ROOT = Path("/sys/devices/system/node")
+PAGE_BYTES = 4096
+
+
+@dataclass(frozen=True)
+class NumaNode:
+    node_id: int
+    cpu_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Placement:
+    """What a worker did to itself: reported by NumaWorker.info()."""
+
+    node_id: int  # the (possibly simulated) NUMA node the worker serves
+    cpu_ids: tuple[int, ...]  # cores it was given
+    thread_cpu_ids: tuple[int, ...]  # union of the affinities of all its threads, read back from the kernel
+    num_os_threads: int  # threads of the process that were pinned
+    memory_policy: str  # "bind:<nodes>" (libnuma) or "first-touch (<why>)"
+
+
+def parse_cpu_list(text: str) -> list[int]:
+    """'0-3,8,10-11' -> [0, 1, 2, 3, 8, 10, 11] (the kernel's cpulist format)."""
+    cpu_ids: list[int] = []
+    for part in text.strip().split(","):
+        if not part:
+            continue
+        lo, _, hi = part.partition("-")
+        cpu_ids += range(int(lo), int(hi or lo) + 1)
+    return cpu_ids
+
+
+def allowed_cpu_ids() -> list[int]:
+    return sorted(psutil.Process().cpu_affinity())
+
+
+def read_topology(root: Path = NODE_ROOT, allowed: list[int] | None = None) -> list[NumaNode]:
+    """NUMA nodes with the cores of theirs this process may run on; one node 0 where /sys has none."""
+    allowed_set = set(allowed_cpu_ids() if allowed is None else allowed)
+    nodes = []
+    for node_dir in sorted(root.glob("node[0-9]*"), key=lambda p: int(p.name[4:])):
+        cpu_ids = [c for c in parse_cpu_list((node_dir / "cpulist").read_text()) if c in allowed_set]
+        if cpu_ids:  # memory-only nodes and nodes outside our cgroup serve no worker
+            nodes.append(NumaNode(int(node_dir.name[4:]), tuple(cpu_ids)))
+    return nodes or [NumaNode(0, tuple(sorted(allowed_set)))]
+
+
+def physical_node_ids(cpu_ids: tuple[int, ...], topology: list[NumaNode]) -> list[int]:
+    """The real nodes holding these cores: a simulated node's memory lives on them."""
+    wanted = set(cpu_ids)
+    return [n.node_id for n in topology if wanted & set(n.cpu_ids)]
+
+
+def pin_process(cpu_ids: tuple[int, ...]) -> int:
+    """Pin every thread of this process to cpu_ids; returns how many threads were pinned."""
+    num_pinned = 0
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), cpu_ids)
+            num_pinned += 1
+        except ProcessLookupError:
+            pass  # the thread exited meanwhile
+    return num_pinned
+
+
+def thread_cpu_ids() -> tuple[int, ...]:
+    """Union of the affinities of every thread of this process, as the kernel reports them now."""
+    cpu_ids: set[int] = set()
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            cpu_ids |= os.sched_getaffinity(int(tid))
+        except ProcessLookupError:
+            pass
+    return tuple(sorted(cpu_ids))
+
+
+def bind_memory(node_ids: list[int]) -> str:
+    """Bind this thread's (and its future threads') allocations to node_ids with libnuma, if present."""
+    if not node_ids:
+        return "first-touch (no physical node holds these cores)"
+    path = ctypes.util.find_library("numa")
+    if path is None:
+        return "first-touch (libnuma not found)"
+    libnuma = ctypes.CDLL(path)
+    if libnuma.numa_available() < 0:
+        return "first-touch (the kernel has no NUMA support)"
+    libnuma.numa_parse_nodestring.restype = ctypes.c_void_p
+    libnuma.numa_parse_nodestring.argtypes = [ctypes.c_char_p]
+    libnuma.numa_set_membind.argtypes = [ctypes.c_void_p]
+    libnuma.numa_bitmask_free.argtypes = [ctypes.c_void_p]
+    nodes = ",".join(map(str, node_ids))
+    mask = libnuma.numa_parse_nodestring(nodes.encode())
+    if not mask:
+        return f"first-touch (libnuma rejected nodes {nodes})"
+    libnuma.numa_set_membind(mask)
+    libnuma.numa_bitmask_free(mask)
+    return f"bind:{nodes}"
+
+
+def first_touch(*arrays: np.ndarray) -> None:
+    """Write every page so the kernel places it now, on the calling (pinned) thread's node.
+
+    np.zeros gets large arrays from calloc/mmap, whose pages are only placed when first written.
+    """
+    for a in arrays:
+        flat = a.reshape(-1).view(np.uint8)
+        flat[::PAGE_BYTES] = 0

@@ -1,0 +1,166 @@
+"""Which worker serves a request: session stickiness, then prefix-cache affinity, then least outstanding tokens.
+
+The router keeps, per worker, the requests it has outstanding there and their outstanding tokens (prompt
+tokens not yet prefilled + tokens still to generate). A request is admitted only to a live worker below
+its admission bound; if there is none, Overloaded. Among those:
+
+1. session: a session's turns go back to the worker that holds its earlier turns' KV blocks;
+2. prefix: the first blocks of the prompt are hashed as the block pool hashes them; the worker that last
+   took the longest matching chain probably still caches it, and keeps it while the extra load it
+   carries is no more than the prefill the hit saves plus half the lightest load;
+3. load: otherwise the worker with the fewest outstanding tokens (then requests, then declaration order).
+"""
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from cluster_configs.errors import Overloaded
+from memory.block_pool import hash_block
+
+NUM_AFFINITY_BLOCKS = 4  # prompt blocks hashed for affinity: enough to tell system prompts apart
+MAX_ENTRIES = 1 << 16  # sessions and prefix chains remembered (LRU)
+
+
+@dataclass
+class WorkerLoad:
+    worker_id: str
+    admission_bound: int
+    alive: bool = True
+    request_ids: set[str] = field(default_factory=set)
+    num_tokens: int = 0  # outstanding tokens of those requests
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.request_ids)
+
+    @property
+    def admits(self) -> bool:
+        return self.alive and self.num_requests < self.admission_bound
+
+
+@dataclass
+class _Route:
+    worker_id: str
+    num_tokens: int  # outstanding
+
+
+class _LRU(OrderedDict):
+    def put(self, key, value) -> None:
+        self[key] = value
+        self.move_to_end(key)
+        if len(self) > MAX_ENTRIES:
+            self.popitem(last=False)
+
+
+class RoutingPolicy:
+    def __init__(self, worker_ids: Sequence[str], block_size: int, admission_bound: int):
+        self.block_size = block_size
+        self.workers = {w: WorkerLoad(w, admission_bound) for w in worker_ids}
+        self.routes: dict[str, _Route] = {}
+        self.sessions = _LRU()  # session -> worker id
+        self.prefixes = _LRU()  # block chain hash -> worker id
+        self.num_routed = {"session": 0, "prefix": 0, "load": 0, "reroute": 0}
+
+    # ---- decisions ---------------------------------------------------------------------------------
+
+    def route(self, request_id: str, prompt_ids: Sequence[int], max_new_tokens: int, *,
+              session: str | None = None, extra: tuple = ()) -> str:
+        """Admit a request to a worker and account for it there; Overloaded if no live worker admits it."""
+        candidates = [w for w in self.workers.values() if w.admits]
+        if not candidates:
+            raise Overloaded(self._overloaded_message())
+        hashes = self.prefix_hashes(prompt_ids, extra)
+        worker, reason = self._choose(candidates, hashes, session)
+        self.num_routed[reason] += 1
+        self._assign(request_id, worker, len(prompt_ids) + max_new_tokens)
+        self._remember(worker.worker_id, hashes, session)
+        return worker.worker_id
+
+    def reroute(self, request_id: str, num_tokens_left: int) -> str | None:
+        """Move an admitted request off its (dead) worker to the least loaded live one, bound or not."""
+        self._release(request_id)
+        alive = [w for w in self.workers.values() if w.alive]
+        if not alive:
+            return None
+        worker = min(alive, key=self._load_key)
+        self.num_routed["reroute"] += 1
+        self._assign(request_id, worker, num_tokens_left)
+        return worker.worker_id
+
+    def _choose(self, candidates: list[WorkerLoad], hashes: list[int],
+                session: str | None) -> tuple[WorkerLoad, str]:
+        by_id = {w.worker_id: w for w in candidates}
+        if session is not None and self.sessions.get(session) in by_id:
+            return by_id[self.sessions[session]], "session"
+        least = min(candidates, key=self._load_key)
+        for num_blocks in range(len(hashes), 0, -1):
+            holder = by_id.get(self.prefixes.get(hashes[num_blocks - 1]))
+            if holder is not None:
+                saved = num_blocks * self.block_size
+                if holder.num_tokens - least.num_tokens <= saved + least.num_tokens // 2:
+                    return holder, "prefix"
+                break
+        return least, "load"
+
+    @staticmethod
+    def _load_key(w: WorkerLoad) -> tuple[int, int]:
+        return w.num_tokens, w.num_requests
+
+    def prefix_hashes(self, prompt_ids: Sequence[int], extra: tuple = ()) -> list[int]:
+        """Chained hashes of the prompt's first full blocks (at most NUM_AFFINITY_BLOCKS)."""
+        hashes, parent = [], None
+        num_blocks = min(NUM_AFFINITY_BLOCKS, len(prompt_ids) // self.block_size)
+        for i in range(num_blocks):
+            parent = hash_block(parent, prompt_ids[i * self.block_size:(i + 1) * self.block_size], extra)
+            hashes.append(parent)
+        return hashes
+
+    # ---- accounting --------------------------------------------------------------------------------
+
+    def progress(self, request_id: str, num_tokens_done: int) -> None:
+        route = self.routes.get(request_id)
+        if route is not None:
+            done = min(num_tokens_done, route.num_tokens)
+            route.num_tokens -= done
+            self.workers[route.worker_id].num_tokens -= done
+
+    def finish(self, request_id: str) -> None:
+        self._release(request_id)
+
+    def mark_down(self, worker_id: str) -> None:
+        self.workers[worker_id].alive = False
+
+    def mark_up(self, worker_id: str) -> None:
+        self.workers[worker_id].alive = True
+
+    def set_admission_bound(self, worker_id: str, bound: int) -> None:
+        if worker_id in self.workers:
+            self.workers[worker_id].admission_bound = bound
+
+    def _assign(self, request_id: str, worker: WorkerLoad, num_tokens: int) -> None:
+        self.routes[request_id] = _Route(worker.worker_id, num_tokens)
+        worker.request_ids.add(request_id)
+        worker.num_tokens += num_tokens
+
+    def _release(self, request_id: str) -> None:
+        route = self.routes.pop(request_id, None)
+        if route is not None:
+            worker = self.workers[route.worker_id]
+            worker.request_ids.discard(request_id)
+            worker.num_tokens -= route.num_tokens
+
+    def _remember(self, worker_id: str, hashes: list[int], session: str | None) -> None:
+        if session is not None:
+            self.sessions.put(session, worker_id)
+        for h in hashes:
+            self.prefixes.put(h, worker_id)
+
+    def _overloaded_message(self) -> str:
+        alive = [w for w in self.workers.values() if w.alive]
+        if not alive:
+            return (f"no worker is available (all {len(self.workers)} are down or restarting); "
+                    "retry in a few seconds")
+        loads = ", ".join(f"{w.worker_id}: {w.num_requests}/{w.admission_bound}" for w in alive)
+        return (f"every worker's queue is full ({loads} requests outstanding/admitted); retry later, "
+                "or raise max_queued_per_worker or add workers")

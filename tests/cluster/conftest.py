@@ -1,0 +1,53 @@
+"""One Ray cluster (ray.cluster_utils.Cluster) for the whole session. Its head node is machine `local` of
+two_numa_sim.yaml and machine `sim0` of two_node_sim.yaml at once (it declares both sets of NUMA
+resources); the multi-machine test adds machine `sim1` and removes it again."""
+
+from pathlib import Path
+
+import pytest
+import ray
+from ray.cluster_utils import Cluster
+
+import numaserve as ns
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIGS = REPO / "cluster_configs"
+
+
+def sim_config(name: str, **fields) -> ns.ClusterConfig:
+    """A shipped config with some fields replaced (and validated again)."""
+    base = ns.ClusterConfig.from_yaml(CONFIGS / f"{name}.yaml").model_dump()
+    engine = base.pop("engine") | fields.pop("engine", {})
+    return ns.ClusterConfig.model_validate(base | fields | {"engine": engine})
+
+
+def reference_outputs(model_dir, config: ns.ClusterConfig, prompts: list,
+                      params: ns.SamplingParams | list[ns.SamplingParams],
+                      adapters: dict | None = None) -> list[ns.Completion]:
+    """The same prompts through the in-process engine with the workers' engine config."""
+    llm = ns.LLM(model_dir, **config.engine.model_dump(exclude={"num_threads"}))
+    for name, path in (adapters or {}).items():
+        llm.register_adapter(name, path)
+    return llm.generate(prompts, params, adapter=next(iter(adapters), None) if adapters else None)
+
+
+def collect(stream) -> tuple[list[int], str, str | None, int]:
+    """token ids, text, finish reason and number of chunks of one client stream."""
+    token_ids, text, reason, num_chunks = [], "", None, 0
+    for chunk in stream:
+        token_ids += chunk.token_ids
+        text += chunk.text
+        reason = chunk.finish_reason
+        num_chunks += 1
+    return token_ids, text, reason, num_chunks
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    resources = sim_config("two_numa_sim").ray_resources("local") | sim_config("two_node_sim").ray_resources("sim0")
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 2, "resources": resources, "include_dashboard": True, "dashboard_port": 0})
+    ray.init(address=cluster.address, namespace="numaserve", log_to_driver=False)
+    yield cluster
+    ray.shutdown()
+    cluster.shutdown()

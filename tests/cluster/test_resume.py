@@ -1,0 +1,78 @@
+"""Resuming a request on another engine from the tokens a lost worker had streamed changes nothing, and a
+worker's stream coalesces deltas (no Ray cluster needed)."""
+
+import asyncio
+
+import pytest
+
+import numaserve as ns
+from actors.delta_stream import DeltaStream, merge
+from actors.resume import resume_request, resume_state
+from scheduling.outputs import RequestOutput
+from tests.conftest import random_prompt
+
+FP32 = {"weight_dtype": "float32", "kv_dtype": "float32"}
+
+
+def run_outputs(engine, req) -> list[RequestOutput]:
+    engine.submit(req)
+    outputs = []
+    while engine.has_unfinished():
+        outputs += [o for o in engine.step() if o.request_id == req.request_id]
+    return outputs
+
+
+@pytest.mark.parametrize("params", [
+    ns.SamplingParams(max_tokens=40, temperature=0, ignore_eos=True),
+    ns.SamplingParams(max_tokens=40, temperature=1.0, top_p=0.9, seed=7, frequency_penalty=0.8,
+                      presence_penalty=0.3, repetition_penalty=1.2, ignore_eos=True),
+    ns.SamplingParams(max_tokens=60, temperature=1.2, seed=3, stop=("e ", "qu"), ignore_eos=True),
+])
+@pytest.mark.parametrize("prompt", ["Grüße aus Köln! 🙂", "The quick brown fox"])
+def test_a_resumed_request_goes_on_exactly_as_the_undisturbed_one(llama_dir, params, prompt):
+    engine = ns.LLM(llama_dir, **FP32).engine
+    whole = engine.make_request("whole", prompt, params)
+    outputs = run_outputs(engine, whole)
+    prompt_ids = whole.token_ids[:whole.num_prompt_tokens]
+    for cut in range(1, len(outputs)):  # the worker died after sending outputs[:cut]
+        sent_ids = [t for o in outputs[:cut] for t in o.token_ids]
+        sent_text = "".join(o.text for o in outputs[:cut])
+        resume = resume_state(engine.tokenizer, prompt_ids, sent_ids, sent_text)
+        left = params.model_copy(update={"max_tokens": params.max_tokens - len(sent_ids)})
+        req = engine.make_request(f"resumed-{cut}", prompt_ids + sent_ids, left)
+        resume_request(req, params, resume)
+        rest = run_outputs(engine, req)
+        assert sent_ids + [t for o in rest for t in o.token_ids] == whole.output_token_ids
+        assert sent_text + "".join(o.text for o in rest) == whole.text
+        assert rest[-1].finish_reason == whole.finish_reason
+
+
+def test_merge_joins_deltas_and_keeps_the_last_finish_reason():
+    merged = merge("r", [RequestOutput("r", [1], "a"), RequestOutput("r", [2, 3], "bc", "length")])
+    assert merged == RequestOutput("r", [1, 2, 3], "abc", "length")
+
+
+def test_a_delta_stream_releases_at_once_then_holds_and_never_holds_the_end():
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        stream = DeltaStream(loop)
+        for i in range(3):
+            stream.put(RequestOutput("r", [i], str(i)))
+        assert len(await stream.take()) == 3  # no hold yet: what is there now
+        stream.hold(0.2)
+        start = loop.time()
+        for i in range(3):
+            loop.call_later(0.01 * (i + 1), stream.put, RequestOutput("r", [i], str(i)))
+        assert len(await stream.take()) == 3
+        assert loop.time() - start >= 0.19  # held the full interval
+        stream.hold(5.0)
+        loop.call_later(0.01, stream.put, RequestOutput("r", [9], "9", "stop"))
+        start = loop.time()
+        assert len(await stream.take()) == 1
+        assert loop.time() - start < 1.0  # the last delta is not held back
+    asyncio.run(scenario())
+
+
+def test_a_resume_without_a_tokenizer_carries_no_text(llama_dir):
+    resume = resume_state(None, random_prompt(5, seed=1), [7, 8], "")
+    assert (resume.num_prompt_tokens, resume.text, resume.detokenizer) == (5, "", None)

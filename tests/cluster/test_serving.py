@@ -1,0 +1,252 @@
+"""The deployment of two_numa_sim.yaml (two workers pinned to one core each) through the client: exact
+results under concurrency, placement, worker loss and rejoin, admission, adapters, bad input, job submit."""
+
+import json
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import ray
+from ray.util.state import list_actors
+
+import numaserve as ns
+from actors.deploy import DeploymentError
+from tests.cluster.conftest import REPO, collect, reference_outputs, sim_config
+from tests.conftest import random_prompt
+
+NAME = "serving"
+GREEDY = ns.SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+TEXTS = ["The quick brown fox", "def add(a, b):", "numaserve serves", "Grüße aus Köln! 🙂", "In the beginning"]
+
+
+@pytest.fixture(scope="module")
+def config(tmp_path_factory):
+    # 16 running + 8 queued per worker: 48 requests admitted in all; a step-time target no step meets, so
+    # the scheduler's policy visibly cuts the token budget
+    return sim_config("two_numa_sim", max_queued_per_worker=8, engine={"max_num_seqs": 16}, target_step_ms=0.01,
+                      adapter_registry=str(tmp_path_factory.mktemp("registry") / "adapters.json"))
+
+
+@pytest.fixture(scope="module")
+def client(ray_cluster, llama_dir, config):
+    client = ns.serve(config, model=llama_dir, name=NAME)
+    yield client
+    client.shutdown()
+
+
+def worker_handle(worker_id: str):
+    return ray.get_actor(f"{NAME}.worker.{worker_id}", namespace="numaserve")
+
+
+def worker_stats(client) -> dict:
+    return client.stats()["workers"]
+
+
+def wait_for(condition, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if value := condition():
+            return value
+        time.sleep(0.2)
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+
+
+def test_greedy_results_equal_the_in_process_engine_under_32_concurrent_streams(client, llama_dir, config):
+    prompts = [TEXTS[i % len(TEXTS)] if i % 3 == 0 else random_prompt(1 + 7 * i, seed=i) for i in range(32)]
+    expected = reference_outputs(llama_dir, config, prompts, GREEDY)
+    before = {w: s["num_requests"] for w, s in worker_stats(client).items()}
+    with ThreadPoolExecutor(32) as pool:
+        got = list(pool.map(lambda p: collect(client.stream(p, GREEDY)), prompts))
+    assert [g[0] for g in got] == [e.token_ids for e in expected]
+    assert [g[1] for g in got] == [e.text for e in expected]
+    assert {g[2] for g in got} == {"length"}
+    assert sum(g[3] for g in got) < 32 * GREEDY.max_tokens  # tokens ready together rode in one chunk
+    served = {w: s["num_requests"] - before[w] for w, s in worker_stats(client).items()}
+    assert sum(served.values()) == 32 and min(served.values()) > 0, served  # spread over both workers
+
+
+def test_generate_returns_the_prompt_ids_and_the_whole_completion(client, llama_dir, config):
+    [expected] = reference_outputs(llama_dir, config, ["def add(a, b):"], GREEDY)
+    done = client.generate("def add(a, b):", GREEDY)
+    assert (done.prompt_token_ids, done.token_ids, done.text, done.finish_reason) == (
+        expected.prompt_token_ids, expected.token_ids, expected.text, "length")
+
+
+def test_each_worker_reports_its_simulated_nodes_core_and_one_thread(client):
+    infos = {w: s["info"] for w, s in worker_stats(client).items()}
+    assert sorted(infos) == ["local-numa0-0", "local-numa1-0"]
+    for info, core in zip(infos.values(), (0, 1)):
+        assert info["cpu_ids"] == [core] and info["thread_cpu_ids"] == [core]  # every thread of the process
+        assert info["num_threads"] == 1 and info["engine_config"]["num_threads"] == 1
+        assert info["num_pinned_threads"] > 1
+        assert info["memory_policy"] == "bind:0" or info["memory_policy"].startswith("first-touch (")
+    assert infos["local-numa0-0"]["pid"] != infos["local-numa1-0"]["pid"]
+
+
+def test_the_schedulers_policy_reaches_the_workers(client, config):
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda i: client.generate(random_prompt(200, seed=i), GREEDY), range(8)))
+    stats = client.stats()
+    assert set(stats["policies"]) == {"local-numa0-0", "local-numa1-0"}
+    budget = config.engine.max_num_batched_tokens
+    assert any(p["policy"]["token_budget"] < budget for p in stats["policies"].values())
+    assert any(w["token_budget"] < budget for w in stats["workers"].values())  # applied by the worker
+
+
+def test_connect_works_from_another_driver_process(client, ray_cluster):
+    code = (f"import numaserve as ns; c = ns.connect({NAME!r}, address={ray_cluster.address!r}); "
+            "print(len(c.generate([5, 6, 7], ns.SamplingParams(max_tokens=5)).token_ids))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "5"
+
+
+def test_a_session_stays_on_one_worker(client):
+    before = {w: s["num_requests"] for w, s in worker_stats(client).items()}
+    for i in range(4):
+        client.generate(random_prompt(5, seed=900 + i), GREEDY, session="chat-1")
+    served = {w: s["num_requests"] - before[w] for w, s in worker_stats(client).items()}
+    assert sorted(served.values()) == [0, 4]
+
+
+def test_closing_a_stream_aborts_its_request_on_the_worker(client):
+    stream = client.stream(random_prompt(8, seed=5), ns.SamplingParams(max_tokens=400, temperature=0,
+                                                                        ignore_eos=True))
+    first = next(stream)
+    assert first.token_ids and first.finish_reason is None
+    stream.close()
+    wait_for(lambda: all(s["num_streams"] == 0 and s["num_running"] == 0 and s["num_outstanding_requests"] == 0
+                         for s in worker_stats(client).values()), 20, "the abort to reach the worker")
+
+
+def test_killing_a_worker_mid_stream_loses_no_request_and_the_restarted_worker_rejoins(client, llama_dir,
+                                                                                       config):
+    # greedy and seeded sampling with penalties: a moved request must go on exactly as it would have
+    params = [ns.SamplingParams(max_tokens=300, temperature=0, ignore_eos=True) if i % 2 else
+              ns.SamplingParams(max_tokens=300, temperature=0.9, top_p=0.95, seed=i, frequency_penalty=0.5,
+                                ignore_eos=True) for i in range(12)]
+    prompts = [random_prompt(20, seed=500 + i) for i in range(12)]
+    expected = reference_outputs(llama_dir, config, prompts, params)
+    victim_id = "local-numa0-0"
+    victim = worker_handle(victim_id)
+    rerouted_before = client.stats()["routed"]["reroute"]
+    streams = [client.stream(p, sp) for p, sp in zip(prompts, params)]
+    firsts = [next(s) for s in streams]  # every request is running
+    ray.kill(victim, no_restart=False)  # Ray restarts it
+    rests = [collect(s) for s in streams]
+    assert [f.token_ids + r[0] for f, r in zip(firsts, rests)] == [e.token_ids for e in expected]
+    assert [f.text + r[1] for f, r in zip(firsts, rests)] == [e.text for e in expected]
+    assert client.stats()["routed"]["reroute"] > rerouted_before  # some streams did move
+    wait_for(lambda: worker_stats(client)[victim_id]["alive"], 120, "the restarted worker to rejoin")
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda i: client.generate(random_prompt(30, seed=i), GREEDY), range(8)))
+    assert worker_stats(client)[victim_id]["num_requests"] > 0  # a fresh process: served after it rejoined
+
+
+def test_overloaded_is_raised_not_a_hang_when_admission_is_full_and_service_goes_on(client):
+    long = ns.SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
+    # straight to the router, without waiting: all 48 are admitted before the next call is looked at
+    streams = [client.router.generate.remote(random_prompt(8, seed=700 + i), long) for i in range(48)]
+    start = time.monotonic()
+    with pytest.raises(ns.Overloaded, match="every worker's queue is full"):
+        client.generate("The quick brown fox", GREEDY)
+    assert time.monotonic() - start < 5
+    assert all(isinstance(ray.get(next(s)), list) for s in streams)  # each was admitted: its prompt ids
+    assert client.stats()["num_overloaded"] >= 1
+    for s in streams:
+        ray.cancel(s)
+    wait_for(lambda: all(s["num_outstanding_requests"] == 0 and s["num_running"] == 0
+                         for s in worker_stats(client).values()), 30, "the cancelled requests to drain")
+    assert client.generate("The quick brown fox", GREEDY).finish_reason == "length"
+
+
+@pytest.mark.parametrize("prompt, kwargs, match", [
+    ("", {}, "the prompt is empty"),
+    ([], {}, "the prompt is empty"),
+    ([1.5, 2], {}, "a prompt is a str or a list of int token ids"),
+    ({"text": "hi"}, {}, "a prompt is a str or a list of int token ids"),
+    (None, {}, "a prompt is a str or a list of int token ids"),
+    ([5, 10**6], {}, "outside the vocabulary"),
+    (random_prompt(600, seed=1), {}, "shorten the prompt"),  # checked by the worker's engine
+    ("hello", {"params": {"max_tokens": 3}}, "params must be a numaserve.SamplingParams"),
+    ("hello", {"adapter": "nope"}, "unknown adapter 'nope'"),
+    ("hello", {"session": 7}, "session must be a str"),
+])
+def test_bad_requests_raise_invalid_request_through_the_client_and_service_goes_on(client, prompt, kwargs, match):
+    with pytest.raises(ns.InvalidRequest, match=match):
+        client.generate(prompt, **kwargs)
+    with pytest.raises(ns.InvalidRequest, match=match):
+        next(client.stream(prompt, **kwargs))
+    assert client.generate([5, 6, 7], GREEDY).finish_reason == "length"
+
+
+def test_adapters_are_validated_persisted_across_a_restart_and_served(client, llama_dir, config, tmp_path):
+    from tests.test_lora import make_adapter
+
+    (tmp_path / "half").mkdir()
+    (tmp_path / "half" / "adapter_config.json").write_text("{}")
+    with pytest.raises(ns.AdapterError, match="lacks adapter_model.safetensors"):
+        client.register_adapter("half", tmp_path / "half")
+    with pytest.raises(ns.AdapterError, match="is not a directory"):
+        client.register_adapter("gone", tmp_path / "gone")
+    adapter = make_adapter(llama_dir, tmp_path / "a", seed=1)
+    with pytest.raises(ns.AdapterError, match="is not valid"):
+        client.register_adapter("bad name!", adapter)
+    client.register_adapter("a", adapter)
+    client.register_adapter("a", adapter)  # the same again: a no-op
+    with pytest.raises(ns.AdapterError, match="already registered"):
+        client.register_adapter("a", make_adapter(llama_dir, tmp_path / "a2", seed=2))
+    assert json.loads(Path(config.adapter_registry).read_text()) == {"a": str(adapter)}
+
+    def cache_process():
+        [state] = list_actors(filters=[("name", "=", f"{NAME}.adapters")])
+        return state.state, state.pid
+
+    cache = ray.get_actor(f"{NAME}.adapters", namespace="numaserve")
+    _, pid = cache_process()
+    ray.kill(cache, no_restart=False)
+    wait_for(lambda: cache_process()[0] == "ALIVE" and cache_process()[1] != pid, 60, "the adapter cache to restart")
+    assert ray.get(cache.adapters.remote()) == {"a": str(adapter)}  # read back from its file
+
+    prompts = [random_prompt(20, seed=40 + i) for i in range(4)]
+    expected = reference_outputs(llama_dir, config, prompts, GREEDY, adapters={"a": adapter})
+    base = reference_outputs(llama_dir, config, prompts, GREEDY)
+    with ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(lambda p: client.generate(p, GREEDY, adapter="a").token_ids, prompts))
+    assert got == [e.token_ids for e in expected] != [b.token_ids for b in base]
+
+
+def test_a_client_script_submitted_with_ray_job_submit_reaches_the_deployment(ray_cluster, client, llama_dir,
+                                                                              config):
+    [expected] = reference_outputs(llama_dir, config, ["def add(a, b):"],
+                                   ns.SamplingParams(max_tokens=8, temperature=0))
+    ray_cli = Path(sys.executable).with_name("ray")
+    job = subprocess.run(
+        [str(ray_cli), "job", "submit", "--address", f"http://{ray_cluster.webui_url}", "--working-dir", str(REPO),
+         "--", sys.executable, "tests/cluster/job_client.py", "def add(a, b):", "--name", NAME, "--max-tokens", "8"],
+        check=False, capture_output=True, text=True, timeout=300)
+    assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-3000:]
+    line = next(x for x in job.stdout.splitlines() if x.startswith("COMPLETION "))
+    assert json.loads(line.removeprefix("COMPLETION ")) == {
+        "token_ids": expected.token_ids, "text": expected.text, "finish_reason": expected.finish_reason}
+
+
+def test_serve_and_connect_refuse_what_they_cannot_do(client, llama_dir, tmp_path):
+    with pytest.raises(DeploymentError, match="already running"):
+        ns.serve(sim_config("two_numa_sim"), model=llama_dir, name=NAME)
+    with pytest.raises(DeploymentError, match="numa_local_0, numa_local_1 are taken by another deployment"):
+        ns.serve(sim_config("two_numa_sim"), model=llama_dir, name="second")
+    elsewhere = sim_config("two_numa_sim", machines=[{"name": "elsewhere", "numa_nodes": [{"id": 0, "cpus": [0]}]}])
+    with pytest.raises(DeploymentError, match="no Ray node offers numa_elsewhere_0"):
+        ns.serve(elsewhere, model=llama_dir, name="elsewhere")
+    with pytest.raises(ns.CheckpointError, match="config.json"):
+        ns.serve(sim_config("two_numa_sim"), model=tmp_path / "missing", name="missing")
+    with pytest.raises(DeploymentError, match="deployment name 'a.b' is not valid"):
+        ns.serve(sim_config("two_numa_sim"), model=llama_dir, name="a.b")
+    with pytest.raises(DeploymentError, match="config must be a ClusterConfig"):
+        ns.serve(config=42, model=llama_dir)
+    with pytest.raises(DeploymentError, match="no numaserve deployment named 'nope'"):
+        ns.connect("nope")
+    assert ns.connect(NAME).generate([5, 6, 7], GREEDY).finish_reason == "length"

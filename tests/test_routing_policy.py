@@ -1,0 +1,183 @@
+"""Routing (session > prefix affinity > least outstanding tokens, admission bound) and the batching policy."""
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import numaserve as ns
+from scheduling.policy import BatchingPolicy, Policy, PolicyLimits, StepTelemetry
+from scheduling.routing import NUM_AFFINITY_BLOCKS, RoutingPolicy
+from tests.conftest import random_prompt
+
+BS = 16
+
+
+def routing(num_workers=2, bound=100) -> RoutingPolicy:
+    return RoutingPolicy([f"w{i}" for i in range(num_workers)], BS, bound)
+
+
+def test_least_outstanding_tokens_wins_and_finishing_releases_the_load():
+    r = routing()
+    assert r.route("a", random_prompt(100, 1), 50) == "w0"
+    assert r.route("b", random_prompt(10, 2), 10) == "w1"  # w0 carries 150 tokens
+    assert r.route("c", random_prompt(10, 3), 10) == "w1"  # w1 carries 20 < 150
+    r.finish("a")
+    assert r.route("d", random_prompt(10, 4), 10) == "w0"
+    assert r.workers["w0"].num_tokens == 20 and r.workers["w1"].num_tokens == 40
+
+
+def test_progress_lowers_outstanding_tokens_never_below_zero():
+    r = routing()
+    r.route("a", random_prompt(30, 1), 20)
+    r.progress("a", 31)
+    assert r.workers["w0"].num_tokens == 19
+    r.progress("a", 1000)
+    assert r.workers["w0"].num_tokens == 0
+    r.finish("a")
+    assert r.workers["w0"].num_tokens == 0 and r.workers["w0"].num_requests == 0
+
+
+def test_a_session_sticks_to_its_worker_while_it_admits():
+    r = routing(bound=3)
+    first = r.route("s1", random_prompt(5, 1), 400, session="chat")
+    r.route("x", random_prompt(5, 2), 10)  # the other worker is now lighter
+    assert r.route("s2", random_prompt(5, 3), 10, session="chat") == first
+    assert r.num_routed["session"] == 1
+    r.route("s3", random_prompt(5, 4), 10, session="chat")  # first is now at its bound of 3
+    assert r.route("s4", random_prompt(5, 5), 10, session="chat") != first  # re-bound to a worker that admits
+
+
+def test_a_shared_prefix_goes_where_its_blocks_are_cached():
+    r = routing()
+    system = random_prompt(3 * BS, 7)
+    home = r.route("a", system + random_prompt(5, 1), 10)
+    r.route("b", random_prompt(40, 2), 10)  # load the other worker a little less than home
+    assert r.route("c", system + random_prompt(9, 3), 10) == home
+    assert r.num_routed["prefix"] == 1
+
+
+def test_prefix_affinity_yields_to_a_large_imbalance():
+    r = routing()
+    system = random_prompt(2 * BS, 7)
+    home = r.route("a", system + [5], 5000)
+    assert r.route("b", system + [6], 10) != home
+
+
+def test_prefix_hashes_cover_only_full_leading_blocks_and_depend_on_the_adapter():
+    r = routing()
+    assert r.prefix_hashes(random_prompt(BS - 1, 1)) == []
+    assert len(r.prefix_hashes(random_prompt(BS * 10, 1))) == NUM_AFFINITY_BLOCKS
+    p = random_prompt(2 * BS, 1)
+    assert r.prefix_hashes(p, ("a", None)) != r.prefix_hashes(p, ("b", None))
+    assert r.prefix_hashes(p + [1, 2]) == r.prefix_hashes(p)
+
+
+def test_overloaded_when_every_live_worker_is_at_its_bound_and_admits_again_after():
+    r = routing(bound=2)
+    for i in range(4):
+        r.route(f"r{i}", [1, 2, 3], 5)
+    with pytest.raises(ns.Overloaded, match="every worker's queue is full"):
+        r.route("r4", [1, 2, 3], 5)
+    r.finish("r0")
+    assert r.route("r4", [1, 2, 3], 5) == "w0"
+
+
+def test_dead_workers_get_nothing_and_their_requests_move_to_the_least_loaded_live_one():
+    r = routing(num_workers=3, bound=1)
+    for i in range(3):
+        r.route(f"r{i}", [1], 10)
+    r.mark_down("w1")
+    assert r.reroute("r1", 7) == "w0"  # past its bound: an admitted request is never dropped
+    assert r.workers["w1"].num_requests == 0 and r.workers["w1"].num_tokens == 0
+    assert r.workers["w0"].num_requests == 2 and r.workers["w0"].num_tokens == 11 + 7
+    r.finish("r0")
+    r.finish("r1")
+    assert r.route("r3", [1], 1) == "w0"
+    for w in ("w0", "w2"):
+        r.mark_down(w)
+    with pytest.raises(ns.Overloaded, match="no worker is available"):
+        r.route("r4", [1], 1)
+    assert r.reroute("r3", 1) is None
+    r.mark_up("w1")
+    assert r.route("r5", [1], 1) == "w1"
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["route", "progress", "finish", "down", "up", "reroute"]),
+                          st.integers(0, 9), st.integers(1, 50)), max_size=80))
+def test_accounting_invariants_hold_under_any_sequence_of_events(events):
+    r = routing(num_workers=3, bound=4)
+    live: set[str] = set()
+    for kind, i, n in events:
+        rid, worker = f"r{i}", f"w{i % 3}"
+        if kind == "route" and rid not in live:
+            try:
+                r.route(rid, [1] * n, n)
+                live.add(rid)
+            except ns.Overloaded:
+                assert not any(w.admits for w in r.workers.values())
+        elif kind == "progress":
+            r.progress(rid, n)
+        elif kind == "finish":
+            r.finish(rid)
+            live.discard(rid)
+        elif kind == "down":
+            r.mark_down(worker)
+        elif kind == "up":
+            r.mark_up(worker)
+        elif kind == "reroute" and rid in live and r.reroute(rid, n) is None:
+            live.discard(rid)  # no live worker: the request is dropped from the accounting
+        assert set(r.routes) == live
+        for w in r.workers.values():
+            assert w.request_ids == {q for q, route in r.routes.items() if route.worker_id == w.worker_id}
+            assert w.num_tokens == sum(r.routes[q].num_tokens for q in w.request_ids) >= 0
+
+
+LIMITS = PolicyLimits(max_token_budget=512, max_num_seqs=64, max_queued=16, target_step_s=0.1)
+
+
+def telemetry(**fields) -> StepTelemetry:
+    base = {"worker_id": "w0", "num_running": 8, "num_waiting": 0, "num_steps": 10, "num_batched_tokens": 80,
+            "step_time_s": 0.02, "kv_usage": 0.5, "num_preemptions": 0}
+    return StepTelemetry(**(base | fields))
+
+
+def test_initial_policy_is_the_configured_limits():
+    assert BatchingPolicy(LIMITS).initial() == Policy(512, 64, 80)
+
+
+def test_preemptions_cut_the_sequence_cap_and_the_admission_bound_with_it():
+    p = BatchingPolicy(LIMITS)
+    p.update(telemetry(num_preemptions=3))  # the first report only sets the baseline
+    cut = p.update(telemetry(num_running=40, num_preemptions=5))
+    assert cut.max_num_seqs == 30 and cut.admission_bound == 30 + 16
+
+
+def test_a_full_kv_pool_cuts_the_cap_and_a_roomy_one_lets_it_grow_back():
+    p = BatchingPolicy(LIMITS)
+    cut = p.update(telemetry(num_running=20, kv_usage=0.97))
+    assert cut.max_num_seqs == 15
+    grown = p.update(telemetry(kv_usage=0.3))
+    assert grown.max_num_seqs == 15 + 64 // 16
+    for _ in range(50):
+        grown = p.update(telemetry(kv_usage=0.3))
+    assert grown.max_num_seqs == 64
+
+
+def test_slow_steps_shrink_the_token_budget_fast_ones_restore_it():
+    p = BatchingPolicy(LIMITS)
+    slow = p.update(telemetry(step_time_s=0.4))
+    assert slow.token_budget == 128
+    floor = p.update(telemetry(step_time_s=100.0, num_running=40))
+    assert floor.token_budget == 40  # one decode token per running request, at least
+    for _ in range(10):
+        fast = p.update(telemetry(step_time_s=0.01))
+    assert fast.token_budget == 512
+    idle = p.update(telemetry(num_steps=0, step_time_s=0.0))
+    assert idle.token_budget == 512
+
+
+def test_policies_are_kept_per_worker():
+    p = BatchingPolicy(LIMITS)
+    p.update(telemetry(worker_id="a", step_time_s=0.4))
+    assert p.policy("b") == p.initial() and p.policy("a").token_budget == 128
