@@ -1,4 +1,8 @@
-"""`numaserve demo`: stream completions from the shipped demo model and print a summary."""
+"""`numaserve demo`: the local deployment with the shipped demo model and its two LoRA adapters.
+
+Starts Ray and one worker per NUMA node (auto topology), streams a completion of the same prompts from
+the base model and from each adapter, prints a summary, and shuts everything down.
+"""
 
 import time
 from pathlib import Path
@@ -7,32 +11,47 @@ from cluster_configs.errors import CheckpointError
 from cluster_configs.sampling_params import SamplingParams
 
 DEMO_DIR = Path(__file__).parent / "assets" / "demo"
-PROMPTS = ("def fibonacci(n):\n", "import os\nimport sys\n\n\ndef main(", "class Stack:\n    def __init__(self")
+ADAPTERS = ("tests", "library")  # trained on the standard library's test modules / its other modules
+PROMPTS = ("def test_", "class Stack:\n    def __init__(self")
 
 
 def run_demo(max_tokens: int = 48) -> dict:
-    from numaserve.llm import LLM
+    import ray
+
+    from actors.deploy import serve
 
     model_dir = DEMO_DIR / "base"
     if not (model_dir / "config.json").exists():
         raise CheckpointError(f"{model_dir}: the demo model is missing; reinstall numaserve or rebuild it with "
                               "python scripts/train_demo.py")
     start = time.perf_counter()
-    llm = LLM(model_dir)
-    print(f"loaded {model_dir.name} in {time.perf_counter() - start:.1f} s "
-          f"({llm.engine.model.weight_bytes / 2**20:.1f} MiB of {llm.engine.model.weight_dtype} weights)")
-    decode_seconds = 0.0
-    for i, prompt in enumerate(PROMPTS):
-        params = SamplingParams(max_tokens=max_tokens, temperature=0.7, top_p=0.95, seed=i)
-        print(f"\n--- prompt {i + 1} ---\n{prompt}", end="", flush=True)
-        start = time.perf_counter()
-        for delta in llm.stream(prompt, params):
-            print(delta, end="", flush=True)
-        decode_seconds += time.perf_counter() - start
-    stats = llm.stats()
-    num_tokens = stats["num_generated_tokens"]
-    stats["tokens_per_s"] = num_tokens / decode_seconds
-    print(f"\n\n--- summary ---\n{num_tokens} tokens at {stats['tokens_per_s']:.1f} tokens/s (batch 1, including "
-          f"prefill), prefix-cache hit rate {stats['prefix_hit_rate']:.0%}, {stats['num_blocks']} KV blocks of "
-          f"{llm.config.block_size} tokens ({stats['kv_bytes_per_token']} bytes per token)")
-    return stats
+    client = serve(model=model_dir, name="numaserve-demo")
+    try:
+        for name in ADAPTERS:
+            client.register_adapter(name, DEMO_DIR / "adapters" / name)
+        workers = client.stats()["workers"]
+        print(f"deployment up in {time.perf_counter() - start:.1f} s: " + ", ".join(
+            f"{w} on cores {s['info']['cpu_ids']} ({s['info']['num_threads']} threads)" for w, s in workers.items()))
+        num_tokens, seconds = 0, 0.0
+        for prompt in PROMPTS:
+            for adapter in (None, *ADAPTERS):
+                params = SamplingParams(max_tokens=max_tokens, temperature=0)
+                print(f"\n--- {adapter or 'base'} ---\n{prompt}", end="", flush=True)
+                t = time.perf_counter()
+                for chunk in client.stream(prompt, params, adapter=adapter):
+                    print(chunk.text, end="", flush=True)
+                    num_tokens += len(chunk.token_ids)
+                seconds += time.perf_counter() - t
+        stats = client.stats()
+        engines = [w for w in stats["workers"].values() if "kv_usage" in w]
+        summary = {"tokens": num_tokens, "tokens_per_s": num_tokens / seconds,
+                   "prefix_hit_rate": max(w["prefix_hit_rate"] for w in engines),
+                   "kv_bytes_per_token": engines[0]["kv_bytes_per_token"], "routed": stats["routed"]}
+        print(f"\n\n--- summary ---\n{num_tokens} tokens streamed at {summary['tokens_per_s']:.1f} tokens/s "
+              f"(one stream at a time), requests per worker {summary['routed']}, prefix-cache hit rate "
+              f"{summary['prefix_hit_rate']:.0%}, {summary['kv_bytes_per_token']} KV bytes per token; "
+              "speculative decoding with the shipped draft model arrives with its own issue")
+        return summary
+    finally:
+        client.shutdown()
+        ray.shutdown()
