@@ -29,6 +29,7 @@ def run_level(llm: ns.LLM, concurrency: int, prompt_len: int, max_tokens: int, s
     while engine.has_unfinished():
         plan_is_decode = all(r.num_computed_tokens == r.num_tokens - 1 for r in engine.batcher.running) and \
             not engine.batcher.waiting
+        kv_utilization = engine.stats()["kv_utilization"]  # tokens stored / slots allocated, as the step starts
         start = time.perf_counter()
         outputs = engine.step()
         elapsed = time.perf_counter() - start
@@ -36,7 +37,7 @@ def run_level(llm: ns.LLM, concurrency: int, prompt_len: int, max_tokens: int, s
             decode_tokens += sum(len(o.token_ids) for o in outputs)
             decode_seconds += elapsed
             batch_sizes.append(len(outputs))
-            utilization.append(engine.stats()["kv_utilization"])
+            utilization.append(kv_utilization)
     return {"concurrency": concurrency, "decode_tokens_per_s": decode_tokens / decode_seconds,
             "mean_batch": float(np.mean(batch_sizes)), "kv_utilization_mean": float(np.mean(utilization)),
             "kv_utilization_min": float(np.min(utilization))}

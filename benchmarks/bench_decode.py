@@ -127,11 +127,11 @@ def plot(rows: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    metrics = [r["metric"] for r in rows if r["dtype"] == rows[0]["dtype"] and r["metric"] != "memory"]
-    dtypes = list(dict.fromkeys(r["dtype"] for r in rows))
+    metrics = list(dict.fromkeys(r["metric"] for r in rows if r["metric"] != "memory"))
     fig, axes = plt.subplots(1, len(metrics), figsize=(4 * len(metrics), 3.6))
     for ax, metric in zip(np.atleast_1d(axes), metrics):
-        sel = [next(r for r in rows if r["dtype"] == d and r["metric"] == metric) for d in dtypes]
+        sel = [r for r in rows if r["metric"] == metric]
+        dtypes = [r["dtype"] for r in sel]
         x = np.arange(len(dtypes))
         ax.bar(x - 0.2, [r["numaserve_tok_s"] for r in sel], 0.4, label="numaserve")
         if "llamacpp_tok_s" in sel[0]:
