@@ -48,7 +48,7 @@ def run_demo(max_tokens: int = 48) -> dict:
                    "prefix_hit_rate": max(w["prefix_hit_rate"] for w in engines),
                    "kv_bytes_per_token": engines[0]["kv_bytes_per_token"], "routed": stats["routed"]}
         print(f"\n\n--- summary ---\n{num_tokens} tokens streamed at {summary['tokens_per_s']:.1f} tokens/s "
-              f"(one stream at a time), requests per worker {summary['routed']}, prefix-cache hit rate "
+              f"(one stream at a time), routing decisions {summary['routed']}, prefix-cache hit rate "
               f"{summary['prefix_hit_rate']:.0%}, {summary['kv_bytes_per_token']} KV bytes per token; "
               "speculative decoding with the shipped draft model arrives with its own issue")
         return summary
