@@ -35,14 +35,6 @@ def matmul_bf16(x, w, out):
             out[t, n] = acc
 
 
-@njit(cache=True, nogil=True)
-def dequantize_bf16_rows(w, row_start, dst):
-    # w: [N, K] uint16; dst: [R, K] f32 <- rows row_start .. row_start+R of w
-    for r in range(dst.shape[0]):
-        for k in range(w.shape[1]):
-            dst[r, k] = bf16_to_f32(w[row_start + r, k])
-
-
 @njit(cache=True, nogil=True, parallel=True)
 def gather_rows_bf16(w, ids, out):
     # w: [V, H] uint16, ids: [T] -> out: [T, H] f32 (embedding lookup)

@@ -10,7 +10,7 @@ import math
 import numpy as np
 from numba import njit, prange
 
-from kernels.fp16 import f16_to_f32, f32_to_f16
+from kernels.fp16 import f32_to_f16
 
 QK = 32  # values per block
 
@@ -59,27 +59,3 @@ def quantize_q4_0(w, qs, scales):
                 hi = min(15, int(np.float32(w[n, base + j + 16] * inv + np.float32(8.5))))
                 qs[n, b * 16 + j] = np.uint8(lo | (hi << 4))
             scales[n, b] = f32_to_f16(d)
-
-
-@njit(cache=True, nogil=True)
-def dequantize_q8_0_rows(qs, scales, row_start, dst):
-    # rows row_start .. row_start + R of q8_0 -> dst: [R, K] f32
-    for r in range(dst.shape[0]):
-        n = row_start + r
-        for b in range(dst.shape[1] // QK):
-            d = f16_to_f32(scales[n, b])
-            for j in range(QK):
-                dst[r, b * QK + j] = d * np.float32(qs[n, b * QK + j])
-
-
-@njit(cache=True, nogil=True)
-def dequantize_q4_0_rows(qs, scales, row_start, dst):
-    # rows row_start .. row_start + R of q4_0 -> dst: [R, K] f32
-    for r in range(dst.shape[0]):
-        n = row_start + r
-        for b in range(dst.shape[1] // QK):
-            d = f16_to_f32(scales[n, b])
-            for j in range(QK // 2):
-                byte = qs[n, b * 16 + j]
-                dst[r, b * QK + j] = d * np.float32(np.int32(byte & 15) - 8)
-                dst[r, b * QK + j + 16] = d * np.float32(np.int32(byte >> 4) - 8)

@@ -2,8 +2,8 @@
 
 import numpy as np
 
+from kernels.dequant import dequantize_rows
 from kernels.linear import (
-    dequantize_bf16_rows,
     gather_rows_bf16,
     matmul_bf16,
     matmul_f32,
@@ -11,7 +11,6 @@ from kernels.linear import (
     matmul_q8_0,
 )
 from kernels.matmul_blocked import matmul_blocked
-from kernels.quant import dequantize_q4_0_rows, dequantize_q8_0_rows
 from memory.weights import WeightMatrix
 
 BLOCKED_MIN_ROWS = 4  # from this many tokens, 4-token register blocks beat streaming each token
@@ -20,7 +19,6 @@ _NO_SCALES = np.zeros((1, 1), np.uint16)
 _TILE_BYTES = 1 << 20  # float32 tile of dequantized rows (stays in L2 between dequantize and matmul)
 
 _STREAMING = {"float32": matmul_f32, "bfloat16": matmul_bf16, "q8_0": matmul_q8_0, "q4_0": matmul_q4_0}
-_DEQUANTIZE_ROWS = {"bfloat16": dequantize_bf16_rows, "q8_0": dequantize_q8_0_rows, "q4_0": dequantize_q4_0_rows}
 
 
 def linear(x: np.ndarray, w: WeightMatrix) -> np.ndarray:
@@ -31,16 +29,15 @@ def linear(x: np.ndarray, w: WeightMatrix) -> np.ndarray:
     if T < BLOCKED_MIN_ROWS:
         _STREAMING[w.dtype](x, *w.arrays, out)  # reads each weight once for the whole batch
     elif T < BLAS_MIN_ROWS:
-        matmul_blocked(x, w.data, _NO_SCALES if w.scales is None else w.scales, out)
+        matmul_blocked(x, w.data, _scales(w), out)
     elif w.dtype == "float32":
         np.matmul(x, w.data.T, out=out)
     else:
-        dequantize = _DEQUANTIZE_ROWS[w.dtype]
         rows = max(1, _TILE_BYTES // (4 * K))
         tile = np.empty((rows, K), np.float32)
         for start in range(0, N, rows):
             r = min(rows, N - start)
-            dequantize(*w.arrays, start, tile[:r])
+            dequantize_rows(w.data, _scales(w), start, tile[:r])
             out[:, start:start + r] = x @ tile[:r].T  # BLAS needs a contiguous result: copy after
     return out
 
@@ -54,7 +51,7 @@ def embed(w: WeightMatrix, token_ids: np.ndarray) -> np.ndarray:
         gather_rows_bf16(w.data, token_ids, out)
     else:
         for t, token in enumerate(token_ids):
-            _DEQUANTIZE_ROWS[w.dtype](*w.arrays, token, out[t:t + 1])
+            dequantize_rows(w.data, _scales(w), token, out[t:t + 1])
     return out
 
 
@@ -63,5 +60,9 @@ def dequantize(w: WeightMatrix) -> np.ndarray:
     if w.dtype == "float32":
         return w.data
     out = np.empty(w.shape, np.float32)
-    _DEQUANTIZE_ROWS[w.dtype](*w.arrays, 0, out)
+    dequantize_rows(w.data, _scales(w), 0, out)
     return out
+
+
+def _scales(w: WeightMatrix) -> np.ndarray:
+    return _NO_SCALES if w.scales is None else w.scales
