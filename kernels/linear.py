@@ -1,38 +1,69 @@
-"""Linear layers y = x @ W.T over a flat token batch; each weight row is read once per step.
+"""Linear layers y = x @ W.T over a flat token batch, for every served weight format.
 
-W is [out_features, in_features] (the checkpoint's layout). The outer loop runs over output rows so
-one row is streamed from memory once and reused from L1 for every token of the batch.
+W is [out_features, in_features] (the checkpoint's layout). Parallel tasks own groups of 4 output
+rows; a group's rows are dequantized in registers once per 4-token block (kernels/simd_block.py) and
+stay in L1 while the block walks the batch, so each weight byte comes from memory once per step.
 """
 
 import numpy as np
-from numba import njit, prange
+from numba import njit, prange, types
+from numba.extending import overload
 
 from kernels.bf16 import bf16_to_f32
-from kernels.fp16 import f16_to_f32
+from kernels.simd_block import matmul_block
+
+_ROWS = 4  # weight rows per register block
+_TOKENS = 4  # tokens per register block (4 x 4 accumulators of 16 lanes)
+_X_CHUNK_BYTES = 1 << 19  # tokens of x per pass over the weights: half of a core's L2
 
 
-@njit(cache=True, nogil=True, parallel=True, fastmath=True)
-def matmul_f32(x, w, out):
-    # x: [T, K] f32, w: [N, K] f32, out: [T, N] f32
+@njit(cache=True, nogil=True, parallel=True)
+def matmul(x, data, scales, out):
+    # x: [T, K] f32; data/scales: one weight in any served format (kernels/dequant.py); out: [T, N] f32
     T, K = x.shape
-    for n in prange(w.shape[0]):
-        for t in range(T):
-            acc = np.float32(0.0)
-            for k in range(K):
-                acc += x[t, k] * w[n, k]
-            out[t, n] = acc
+    chunk = max(_TOKENS, _X_CHUNK_BYTES // (4 * K) // _TOKENS * _TOKENS)
+    for c0 in range(0, T, chunk):  # a chunk of x stays in L2 while every row group passes over it
+        _matmul_chunk(x, data, scales, out, c0, min(T, c0 + chunk))
 
 
-@njit(cache=True, nogil=True, parallel=True, fastmath=True)
-def matmul_bf16(x, w, out):
-    # x: [T, K] f32, w: [N, K] uint16 (bf16 bits), out: [T, N] f32
-    T, K = x.shape
-    for n in prange(w.shape[0]):
-        for t in range(T):
-            acc = np.float32(0.0)
-            for k in range(K):
-                acc += x[t, k] * bf16_to_f32(w[n, k])
-            out[t, n] = acc
+@njit(inline="always", nogil=True, parallel=True)
+def _matmul_chunk(x, data, scales, out, c0, c1):
+    K = x.shape[1]
+    N = out.shape[1]
+    for g in prange((N + _ROWS - 1) // _ROWS):
+        n0 = g * _ROWS
+        if n0 + _ROWS <= N:
+            t0 = c0
+            while t0 + _TOKENS <= c1:
+                matmul_block(x, data, scales, out, t0, n0, 4, 4)
+                t0 += _TOKENS
+            for t in range(t0, c1):
+                matmul_block(x, data, scales, out, t, n0, 4, 1)
+        else:
+            for n in range(n0, N):
+                for t in range(c0, c1):
+                    matmul_block(x, data, scales, out, t, n, 1, 1)
+        tail = K - K % 32  # float formats only: quantized rows are whole 32-column blocks
+        if tail < K:
+            for n in range(n0, min(N, n0 + _ROWS)):
+                for t in range(c0, c1):
+                    acc = out[t, n]
+                    for k in range(tail, K):
+                        acc += x[t, k] * _float_weight(data, n, k)
+                    out[t, n] = acc
+
+
+def _float_weight(data, n, k):
+    raise NotImplementedError("numba-only")
+
+
+@overload(_float_weight, inline="always")
+def _float_weight_impl(data, n, k):
+    if data.dtype == types.float32:
+        return lambda data, n, k: data[n, k]
+    if data.dtype == types.uint16:
+        return lambda data, n, k: bf16_to_f32(data[n, k])
+    return lambda data, n, k: np.float32(0.0)  # quantized formats never have a tail
 
 
 @njit(cache=True, nogil=True, parallel=True)
@@ -41,44 +72,3 @@ def gather_rows_bf16(w, ids, out):
     for t in prange(ids.shape[0]):
         for h in range(w.shape[1]):
             out[t, h] = bf16_to_f32(w[ids[t], h])
-
-
-_ROWS = 16  # output rows per parallel task: one accumulator allocation per task
-
-
-@njit(cache=True, nogil=True, parallel=True, fastmath=True)
-def matmul_q8_0(x, qs, scales, out):
-    # x: [T, K] f32, qs: [N, K] int8, scales: [N, K // 32] uint16 fp16 -> out: [T, N] f32
-    # A 32-wide accumulator carried across blocks keeps the loop vectorized (a per-block scalar
-    # reduction runs ~9x slower); the block scale is applied per element.
-    T, K = x.shape
-    N = qs.shape[0]
-    for g in prange((N + _ROWS - 1) // _ROWS):
-        acc = np.empty(32, np.float32)
-        for n in range(g * _ROWS, min(N, (g + 1) * _ROWS)):
-            for t in range(T):
-                acc[:] = 0.0
-                for b in range(K // 32):
-                    d = f16_to_f32(scales[n, b])
-                    for j in range(32):
-                        acc[j] += x[t, b * 32 + j] * (d * np.float32(qs[n, b * 32 + j]))
-                out[t, n] = acc.sum()
-
-
-@njit(cache=True, nogil=True, parallel=True, fastmath=True)
-def matmul_q4_0(x, qs, scales, out):
-    # x: [T, K] f32, qs: [N, K // 2] uint8 (GGML nibble order), scales: [N, K // 32] uint16 fp16
-    T, K = x.shape
-    N = qs.shape[0]
-    for g in prange((N + _ROWS - 1) // _ROWS):
-        acc = np.empty(32, np.float32)
-        for n in range(g * _ROWS, min(N, (g + 1) * _ROWS)):
-            for t in range(T):
-                acc[:] = 0.0
-                for b in range(K // 32):
-                    d = f16_to_f32(scales[n, b])
-                    for j in range(16):
-                        byte = qs[n, b * 16 + j]
-                        acc[j] += x[t, b * 32 + j] * (d * np.float32(np.int32(byte & 15) - 8))
-                        acc[j + 16] += x[t, b * 32 + j + 16] * (d * np.float32(np.int32(byte >> 4) - 8))
-                out[t, n] = acc.sum()

@@ -39,11 +39,6 @@ class WeightMatrix:
         return cls(dtype, qs, scales)
 
     @property
-    def arrays(self) -> tuple[np.ndarray, ...]:
-        """What the kernels of this dtype take, in order."""
-        return (self.data,) if self.scales is None else (self.data, self.scales)
-
-    @property
     def shape(self) -> tuple[int, int]:
         n, k = self.data.shape
         return (n, k * 2) if self.dtype == "q4_0" else (n, k)

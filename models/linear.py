@@ -3,42 +3,21 @@
 import numpy as np
 
 from kernels.dequant import dequantize_rows
-from kernels.linear import (
-    gather_rows_bf16,
-    matmul_bf16,
-    matmul_f32,
-    matmul_q4_0,
-    matmul_q8_0,
-)
-from kernels.matmul_blocked import matmul_blocked
+from kernels.linear import gather_rows_bf16, matmul
 from memory.weights import WeightMatrix
 
-BLOCKED_MIN_ROWS = 4  # from this many tokens, 4-token register blocks beat streaming each token
-BLAS_MIN_ROWS = 128  # from this many tokens (prefill), dequantized tiles through BLAS win
+BLAS_MIN_ROWS = 128  # float32 weights from this many tokens (prefill): numpy's matmul
 _NO_SCALES = np.zeros((1, 1), np.uint16)
-_TILE_BYTES = 1 << 20  # float32 tile of dequantized rows (stays in L2 between dequantize and matmul)
-
-_STREAMING = {"float32": matmul_f32, "bfloat16": matmul_bf16, "q8_0": matmul_q8_0, "q4_0": matmul_q4_0}
 
 
 def linear(x: np.ndarray, w: WeightMatrix) -> np.ndarray:
     # x: [T, K] f32 -> [T, N] f32
-    T = x.shape[0]
-    N, K = w.shape
+    T, N = x.shape[0], w.shape[0]
     out = np.empty((T, N), np.float32)
-    if T < BLOCKED_MIN_ROWS:
-        _STREAMING[w.dtype](x, *w.arrays, out)  # reads each weight once for the whole batch
-    elif T < BLAS_MIN_ROWS:
-        matmul_blocked(x, w.data, _scales(w), out)
-    elif w.dtype == "float32":
+    if w.dtype == "float32" and T >= BLAS_MIN_ROWS:
         np.matmul(x, w.data.T, out=out)
-    else:
-        rows = max(1, _TILE_BYTES // (4 * K))
-        tile = np.empty((rows, K), np.float32)
-        for start in range(0, N, rows):
-            r = min(rows, N - start)
-            dequantize_rows(w.data, _scales(w), start, tile[:r])
-            out[:, start:start + r] = x @ tile[:r].T  # BLAS needs a contiguous result: copy after
+    else:  # dequantizing in registers beats dequantized tiles through BLAS at every batch size
+        matmul(np.ascontiguousarray(x), w.data, _scales(w), out)
     return out
 
 

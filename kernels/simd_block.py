@@ -1,0 +1,175 @@
+"""An AVX-512 register block for y = x @ W.T, written as LLVM IR: R weight rows x TB tokens.
+
+The block keeps R * TB accumulators of 16 float32 lanes in vector registers. Each 16-wide slice of a
+weight row is loaded once, dequantized in registers (bf16: shift; q8_0: sign-extend, convert, times the
+block scale; q4_0: nibble unpack) and multiplied into TB tokens with fused multiply-adds. Writing the
+vectors out explicitly is what lets the loop keep its accumulators in registers: numba's
+auto-vectorized loops store them back to memory every block and run 2-6x slower on quantized rows.
+
+Weight layouts (kernels/dequant.py): float32 [N, K]; bf16 bits uint16 [N, K]; q8_0 int8 [N, K] with
+fp16 scales uint16 [N, K // 32]; q4_0 uint8 [N, K // 2] (GGML nibble order) with the same scales.
+Only the first K - K % 32 columns are done here; the caller adds the tail (float formats only: quantized
+rows are whole blocks).
+"""
+
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+LANES = 16
+_F32 = ir.FloatType()
+_I64 = ir.IntType(64)
+_VF32 = ir.VectorType(_F32, LANES)
+
+
+def _vector_load(builder, base, offset, elem_type):
+    # LANES elements of elem_type at base[offset] -> <LANES x elem_type>
+    ptr = builder.gep(base, [offset])
+    return builder.load(builder.bitcast(ptr, ir.VectorType(elem_type, LANES).as_pointer()), align=1)
+
+
+def _splat(builder, scalar):
+    vec = builder.insert_element(ir.Constant(_VF32, ir.Undefined), scalar, ir.Constant(ir.IntType(32), 0))
+    return builder.shuffle_vector(vec, ir.Constant(_VF32, ir.Undefined),
+                                  ir.Constant(ir.VectorType(ir.IntType(32), LANES), [0] * LANES))
+
+
+def _fma(builder, a, b, c):
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VF32, [_VF32] * 3), "llvm.fma.v16f32")
+    return builder.call(fn, [a, b, c])
+
+
+def _hsum(builder, vec):
+    # pairwise halving: 16 -> 8 -> 4 -> 2 -> 1 lanes
+    width = LANES
+    while width > 1:
+        width //= 2
+        i32 = ir.IntType(32)
+        lo = builder.shuffle_vector(vec, vec, ir.Constant(ir.VectorType(i32, width), list(range(width))))
+        hi = builder.shuffle_vector(vec, vec, ir.Constant(ir.VectorType(i32, width), list(range(width, 2 * width))))
+        vec = builder.fadd(lo, hi)
+    return builder.extract_element(vec, ir.Constant(ir.IntType(32), 0))
+
+
+class _Format:
+    """How one served weight format loads the two 16-lane slices of a 32-column block as float32."""
+
+    def __init__(self, builder, data, scales, K):
+        self.builder, self.data, self.scales, self.K = builder, data, scales, K
+
+    def block(self, row, b):
+        raise NotImplementedError
+
+
+class _Float32(_Format):
+    def block(self, row, b):
+        start = self.builder.add(self.builder.mul(row, self.K), self.builder.mul(b, ir.Constant(_I64, 32)))
+        return [_vector_load(self.builder, self.data, self.builder.add(start, ir.Constant(_I64, h * LANES)), _F32)
+                for h in range(2)]
+
+
+class _BFloat16(_Format):
+    def block(self, row, b):
+        builder = self.builder
+        start = builder.add(builder.mul(row, self.K), builder.mul(b, ir.Constant(_I64, 32)))
+        halves = []
+        for h in range(2):
+            bits = _vector_load(builder, self.data, builder.add(start, ir.Constant(_I64, h * LANES)), ir.IntType(16))
+            wide = builder.zext(bits, ir.VectorType(ir.IntType(32), LANES))
+            shifted = builder.shl(wide, ir.Constant(ir.VectorType(ir.IntType(32), LANES), [16] * LANES))
+            halves.append(builder.bitcast(shifted, _VF32))
+        return halves
+
+
+class _Quantized(_Format):
+    def scale(self, row, b):
+        builder = self.builder
+        blocks = builder.udiv(self.K, ir.Constant(_I64, 32))
+        bits = builder.load(builder.gep(self.scales, [builder.add(builder.mul(row, blocks), b)]))
+        return _splat(builder, builder.fpext(builder.bitcast(bits, ir.HalfType()), _F32))
+
+
+class _Q8_0(_Quantized):
+    def block(self, row, b):
+        builder = self.builder
+        start = builder.add(builder.mul(row, self.K), builder.mul(b, ir.Constant(_I64, 32)))
+        d = self.scale(row, b)
+        halves = []
+        for h in range(2):
+            q = _vector_load(builder, self.data, builder.add(start, ir.Constant(_I64, h * LANES)), ir.IntType(8))
+            wide = builder.sext(q, ir.VectorType(ir.IntType(32), LANES))
+            halves.append(builder.fmul(builder.sitofp(wide, _VF32), d))
+        return halves
+
+
+class _Q4_0(_Quantized):
+    def block(self, row, b):
+        builder = self.builder
+        i32x16 = ir.VectorType(ir.IntType(32), LANES)
+        start = builder.add(builder.mul(row, builder.udiv(self.K, ir.Constant(_I64, 2))),
+                            builder.mul(b, ir.Constant(_I64, 16)))
+        d = self.scale(row, b)
+        wide = builder.zext(_vector_load(builder, self.data, start, ir.IntType(8)), i32x16)
+        low = builder.and_(wide, ir.Constant(i32x16, [15] * LANES))  # columns 0..15 of the block
+        high = builder.lshr(wide, ir.Constant(i32x16, [4] * LANES))  # columns 16..31
+        eight = ir.Constant(i32x16, [8] * LANES)
+        return [builder.fmul(builder.sitofp(builder.sub(nib, eight), _VF32), d) for nib in (low, high)]
+
+
+_FORMATS = {types.float32: _Float32, types.uint16: _BFloat16, types.int8: _Q8_0, types.uint8: _Q4_0}
+
+
+@intrinsic(prefer_literal=True)
+def matmul_block(typingctx, x, data, scales, out, t0, n0, rows, tokens):
+    """out[t0:t0+tokens, n0:n0+rows] = x[t0:t0+tokens, :K32] @ W[n0:n0+rows, :K32].T, K32 = K - K % 32.
+
+    x: [T, K] f32, out: [T, N] f32, data/scales: one weight (C-contiguous); rows, tokens: literals.
+    """
+    arrays = (x, data, scales, out)
+    if not all(isinstance(a, types.Array) and a.ndim == 2 and a.layout == "C" for a in arrays):
+        return None
+    if x.dtype != types.float32 or out.dtype != types.float32 or data.dtype not in _FORMATS:
+        return None
+    if not (isinstance(rows, types.IntegerLiteral) and isinstance(tokens, types.IntegerLiteral)):
+        return None
+    R, TB = rows.literal_value, tokens.literal_value
+    split = 2 if R * TB <= 8 else 1  # few accumulators: one per half-block, for two independent FMA chains
+
+    def codegen(context, builder, signature, args):
+        xa, wa, sa, oa = (context.make_array(ty)(context, builder, value)
+                          for ty, value in zip(signature.args[:4], args[:4]))
+        t0_ = context.cast(builder, args[4], signature.args[4], types.int64)
+        n0_ = context.cast(builder, args[5], signature.args[5], types.int64)
+        K = cgutils.unpack_tuple(builder, xa.shape, 2)[1]
+        N = cgutils.unpack_tuple(builder, oa.shape, 2)[1]
+        fmt = _FORMATS[data.dtype](builder, wa.data, sa.data, K)
+        num_blocks = builder.udiv(K, ir.Constant(_I64, 32))
+        x_rows = [builder.mul(builder.add(t0_, ir.Constant(_I64, t)), K) for t in range(TB)]
+        w_rows = [builder.add(n0_, ir.Constant(_I64, r)) for r in range(R)]
+
+        accs = [[[cgutils.alloca_once_value(builder, ir.Constant(_VF32, None)) for _ in range(split)]
+                 for _ in range(TB)] for _ in range(R)]
+        with cgutils.for_range(builder, num_blocks) as loop:
+            b = loop.index
+            col = builder.mul(b, ir.Constant(_I64, 32))
+            weights = [fmt.block(row, b) for row in w_rows]  # [R][2] <16 x float>
+            for t in range(TB):
+                x_start = builder.add(x_rows[t], col)
+                xs = [_vector_load(builder, xa.data, builder.add(x_start, ir.Constant(_I64, h * LANES)), _F32)
+                      for h in range(2)]
+                for r in range(R):
+                    for h in range(2):
+                        slot = accs[r][t][h % split]
+                        builder.store(_fma(builder, xs[h], weights[r][h], builder.load(slot)), slot)
+        for t in range(TB):
+            out_row = builder.mul(builder.add(t0_, ir.Constant(_I64, t)), N)
+            for r in range(R):
+                total = builder.load(accs[r][t][0])
+                if split == 2:
+                    total = builder.fadd(total, builder.load(accs[r][t][1]))
+                ptr = builder.gep(oa.data, [builder.add(out_row, w_rows[r])])
+                builder.store(_hsum(builder, total), ptr)
+        return context.get_dummy_value()
+
+    return types.none(x, data, scales, out, t0, n0, rows, tokens), codegen
