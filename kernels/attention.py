@@ -29,66 +29,92 @@ def _as_f32(x):
     return None
 
 
-@njit(cache=True, nogil=True, parallel=True, fastmath=True)
+PARALLEL_MIN_WORK = 1 << 15  # query-head x key pairs below which waking the threads costs more than it saves
+
+
 def paged_attention(q, k_cache, v_cache, k_scale, v_scale, has_scale, block_tables, token_seq, positions,
                     window, softmax_scale, out):
     # q: [T, n_heads, D] f32; k_cache, v_cache: [num_blocks, block_size, n_kv, D]
     # k_scale, v_scale: [num_blocks, block_size, n_kv] f32 (read only when has_scale)
     # block_tables: [S, max_blocks] int32; token_seq: [T] int32; positions: [T] int32
     # window: attend to the last `window` positions (0 = all); out: [T, n_heads, D] f32
-    # One task per (token, kv head): each key and value row is read and widened once for the whole group
-    # of query heads that shares it; softmax in two passes over a score buffer (no running rescale).
-    T, n_heads, D = q.shape
-    n_kv = k_cache.shape[2]
-    block_size = k_cache.shape[1]
-    group = n_heads // n_kv
+    work = q.shape[0] * q.shape[1] * (int(positions.max()) + 1)
+    kernel = _attention_parallel if work >= PARALLEL_MIN_WORK else _attention_serial
+    kernel(q, k_cache, v_cache, k_scale, v_scale, has_scale, block_tables, token_seq, positions, window,
+           softmax_scale, out)
+
+
+@njit(cache=True, nogil=True, parallel=True, fastmath=True)
+def _attention_parallel(q, k_cache, v_cache, k_scale, v_scale, has_scale, block_tables, token_seq, positions,
+                        window, softmax_scale, out):
+    T, n_kv = q.shape[0], k_cache.shape[2]
     for task in prange(T * n_kv):
         tt = task // n_kv
-        kh = task - tt * n_kv
         t = tt // 2 if tt % 2 == 0 else T - 1 - tt // 2  # 0, T-1, 1, T-2, ...: prefill rows grow with t,
         # and each thread takes a contiguous range of tasks, so pairing short with long rows balances them
-        seq = token_seq[t]
-        end = positions[t] + 1
-        start = max(0, end - window) if window > 0 else 0
-        scores = np.empty((group, end - start), np.float32)
-        row = np.empty(D, np.float32)
-        qg = np.empty((group, D), np.float32)  # q is a strided view of the fused qkv output: copy once
-        qg[:, :] = q[t, kh * group:(kh + 1) * group, :]
-        acc = np.zeros((group, D), np.float32)
-        for j in range(start, end):
-            b = block_tables[seq, j // block_size]
-            o = j % block_size
-            scale = np.float32(softmax_scale) * (k_scale[b, o, kh] if has_scale else np.float32(1.0))
-            for d in range(D):
-                row[d] = as_f32(k_cache[b, o, kh, d])
-            for g in range(group):
-                s = np.float32(0.0)
-                for d in range(D):
-                    s += qg[g, d] * row[d]
-                scores[g, j - start] = s * scale
+        _attend(q, k_cache, v_cache, k_scale, v_scale, has_scale, block_tables, token_seq, positions, window,
+                softmax_scale, out, t, task - tt * n_kv)
+
+
+@njit(cache=True, nogil=True, fastmath=True)
+def _attention_serial(q, k_cache, v_cache, k_scale, v_scale, has_scale, block_tables, token_seq, positions,
+                      window, softmax_scale, out):
+    for t in range(q.shape[0]):
+        for kh in range(k_cache.shape[2]):
+            _attend(q, k_cache, v_cache, k_scale, v_scale, has_scale, block_tables, token_seq, positions, window,
+                    softmax_scale, out, t, kh)
+
+
+@njit(inline="always", nogil=True, fastmath=True)
+def _attend(q, k_cache, v_cache, k_scale, v_scale, has_scale, block_tables, token_seq, positions, window,
+            softmax_scale, out, t, kh):
+    # token t, kv head kh, for its whole group of query heads: each key and value row is read and widened
+    # once; softmax in two passes over a score buffer (no running rescale).
+    D = q.shape[2]
+    block_size = k_cache.shape[1]
+    group = q.shape[1] // k_cache.shape[2]
+    seq = token_seq[t]
+    end = positions[t] + 1
+    start = max(0, end - window) if window > 0 else 0
+    scores = np.empty((group, end - start), np.float32)
+    row = np.empty(D, np.float32)
+    qg = np.empty((group, D), np.float32)  # q is a strided view of the fused qkv output: copy once
+    qg[:, :] = q[t, kh * group:(kh + 1) * group, :]
+    acc = np.zeros((group, D), np.float32)
+    for j in range(start, end):
+        b = block_tables[seq, j // block_size]
+        o = j % block_size
+        scale = np.float32(softmax_scale) * (k_scale[b, o, kh] if has_scale else np.float32(1.0))
+        for d in range(D):
+            row[d] = as_f32(k_cache[b, o, kh, d])
         for g in range(group):
-            m = _NEG_BIG
-            for j in range(end - start):
-                m = max(m, scores[g, j])
-            denom = np.float32(0.0)
-            for j in range(end - start):
-                p = np.float32(math.exp(scores[g, j] - m))
-                scores[g, j] = p
-                denom += p
-            inv = np.float32(1.0) / denom
-            for j in range(end - start):
-                scores[g, j] *= inv
-        for j in range(start, end):
-            b = block_tables[seq, j // block_size]
-            o = j % block_size
-            vs = v_scale[b, o, kh] if has_scale else np.float32(1.0)
+            s = np.float32(0.0)
             for d in range(D):
-                row[d] = as_f32(v_cache[b, o, kh, d]) * vs
-            for g in range(group):
-                p = scores[g, j - start]
-                for d in range(D):
-                    acc[g, d] += p * row[d]
-        out[t, kh * group:(kh + 1) * group, :] = acc
+                s += qg[g, d] * row[d]
+            scores[g, j - start] = s * scale
+    for g in range(group):
+        m = _NEG_BIG
+        for j in range(end - start):
+            m = max(m, scores[g, j])
+        denom = np.float32(0.0)
+        for j in range(end - start):
+            p = np.float32(math.exp(scores[g, j] - m))
+            scores[g, j] = p
+            denom += p
+        inv = np.float32(1.0) / denom
+        for j in range(end - start):
+            scores[g, j] *= inv
+    for j in range(start, end):
+        b = block_tables[seq, j // block_size]
+        o = j % block_size
+        vs = v_scale[b, o, kh] if has_scale else np.float32(1.0)
+        for d in range(D):
+            row[d] = as_f32(v_cache[b, o, kh, d]) * vs
+        for g in range(group):
+            p = scores[g, j - start]
+            for d in range(D):
+                acc[g, d] += p * row[d]
+    out[t, kh * group:(kh + 1) * group, :] = acc
 
 
 @njit(cache=True, nogil=True)

@@ -28,8 +28,17 @@ def matmul(x, data, scales, out):
 
 @njit(inline="always", nogil=True, parallel=True)
 def _matmul_chunk(x, data, scales, out, c0, c1):
-    K = x.shape[1]
     N = out.shape[1]
+    if c1 - c0 < _TOKENS:  # matvec: one row per task streams best (interleaved row streams read slower)
+        for n in prange(N):
+            if c1 - c0 == 1:
+                matmul_block(x, data, scales, out, c0, n, 1, 1)
+            elif c1 - c0 == 2:
+                matmul_block(x, data, scales, out, c0, n, 1, 2)
+            else:
+                matmul_block(x, data, scales, out, c0, n, 1, 3)
+            _column_tail(x, data, out, c0, c1, n, n + 1)
+        return
     for g in prange((N + _ROWS - 1) // _ROWS):
         n0 = g * _ROWS
         if n0 + _ROWS <= N:
@@ -43,14 +52,21 @@ def _matmul_chunk(x, data, scales, out, c0, c1):
             for n in range(n0, N):
                 for t in range(c0, c1):
                     matmul_block(x, data, scales, out, t, n, 1, 1)
-        tail = K - K % 32  # float formats only: quantized rows are whole 32-column blocks
-        if tail < K:
-            for n in range(n0, min(N, n0 + _ROWS)):
-                for t in range(c0, c1):
-                    acc = out[t, n]
-                    for k in range(tail, K):
-                        acc += x[t, k] * _float_weight(data, n, k)
-                    out[t, n] = acc
+        _column_tail(x, data, out, c0, c1, n0, min(N, n0 + _ROWS))
+
+
+@njit(inline="always", nogil=True)
+def _column_tail(x, data, out, c0, c1, n0, n1):
+    # columns past the last whole 32-column block: float formats only (quantized rows are whole blocks)
+    K = x.shape[1]
+    tail = K - K % 32
+    if tail < K:
+        for n in range(n0, n1):
+            for t in range(c0, c1):
+                acc = out[t, n]
+                for k in range(tail, K):
+                    acc += x[t, k] * _float_weight(data, n, k)
+                out[t, n] = acc
 
 
 def _float_weight(data, n, k):

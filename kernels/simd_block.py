@@ -12,12 +12,13 @@ Only the first K - K % 32 columns are done here; the caller adds the tail (float
 rows are whole blocks).
 """
 
-from llvmlite import ir
+from llvmlite import binding, ir
 from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
 LANES = 16
+_HAS_AVX512 = "+avx512f" in binding.get_host_cpu_features().flatten().split(",")
 _F32 = ir.FloatType()
 _I64 = ir.IntType(64)
 _VF32 = ir.VectorType(_F32, LANES)
@@ -55,16 +56,24 @@ def _hsum(builder, vec):
 class _Format:
     """How one served weight format loads the two 16-lane slices of a 32-column block as float32."""
 
+    columns_per_element = 1  # q4_0 packs two columns per byte
+
     def __init__(self, builder, data, scales, K):
         self.builder, self.data, self.scales, self.K = builder, data, scales, K
 
     def block(self, row, b):
         raise NotImplementedError
 
+    def offset(self, row, b):
+        """Index into data of block b of a row."""
+        per_row = self.builder.udiv(self.K, ir.Constant(_I64, self.columns_per_element))
+        return self.builder.add(self.builder.mul(row, per_row),
+                                self.builder.mul(b, ir.Constant(_I64, 32 // self.columns_per_element)))
+
 
 class _Float32(_Format):
     def block(self, row, b):
-        start = self.builder.add(self.builder.mul(row, self.K), self.builder.mul(b, ir.Constant(_I64, 32)))
+        start = self.offset(row, b)
         return [_vector_load(self.builder, self.data, self.builder.add(start, ir.Constant(_I64, h * LANES)), _F32)
                 for h in range(2)]
 
@@ -72,7 +81,7 @@ class _Float32(_Format):
 class _BFloat16(_Format):
     def block(self, row, b):
         builder = self.builder
-        start = builder.add(builder.mul(row, self.K), builder.mul(b, ir.Constant(_I64, 32)))
+        start = self.offset(row, b)
         halves = []
         for h in range(2):
             bits = _vector_load(builder, self.data, builder.add(start, ir.Constant(_I64, h * LANES)), ir.IntType(16))
@@ -93,7 +102,7 @@ class _Quantized(_Format):
 class _Q8_0(_Quantized):
     def block(self, row, b):
         builder = self.builder
-        start = builder.add(builder.mul(row, self.K), builder.mul(b, ir.Constant(_I64, 32)))
+        start = self.offset(row, b)
         d = self.scale(row, b)
         halves = []
         for h in range(2):
@@ -104,17 +113,23 @@ class _Q8_0(_Quantized):
 
 
 class _Q4_0(_Quantized):
+    columns_per_element = 2
+
     def block(self, row, b):
         builder = self.builder
         i32x16 = ir.VectorType(ir.IntType(32), LANES)
-        start = builder.add(builder.mul(row, builder.udiv(self.K, ir.Constant(_I64, 2))),
-                            builder.mul(b, ir.Constant(_I64, 16)))
+        start = self.offset(row, b)
         d = self.scale(row, b)
         wide = builder.zext(_vector_load(builder, self.data, start, ir.IntType(8)), i32x16)
-        low = builder.and_(wide, ir.Constant(i32x16, [15] * LANES))  # columns 0..15 of the block
-        high = builder.lshr(wide, ir.Constant(i32x16, [4] * LANES))  # columns 16..31
+        nibbles = (builder.and_(wide, ir.Constant(i32x16, [15] * LANES)),  # columns 0..15 of the block
+                   builder.lshr(wide, ir.Constant(i32x16, [4] * LANES)))  # columns 16..31
+        if _HAS_AVX512:  # one permute per 16 weights from the table d * (0..15 - 8)
+            table = builder.fmul(ir.Constant(_VF32, [float(q - 8) for q in range(LANES)]), d)
+            permute = cgutils.get_or_insert_function(
+                builder.module, ir.FunctionType(_VF32, [_VF32, i32x16]), "llvm.x86.avx512.permvar.sf.512")
+            return [builder.call(permute, [table, nib]) for nib in nibbles]
         eight = ir.Constant(i32x16, [8] * LANES)
-        return [builder.fmul(builder.sitofp(builder.sub(nib, eight), _VF32), d) for nib in (low, high)]
+        return [builder.fmul(builder.sitofp(builder.sub(nib, eight), _VF32), d) for nib in nibbles]
 
 
 _FORMATS = {types.float32: _Float32, types.uint16: _BFloat16, types.int8: _Q8_0, types.uint8: _Q4_0}
@@ -134,7 +149,8 @@ def matmul_block(typingctx, x, data, scales, out, t0, n0, rows, tokens):
     if not (isinstance(rows, types.IntegerLiteral) and isinstance(tokens, types.IntegerLiteral)):
         return None
     R, TB = rows.literal_value, tokens.literal_value
-    split = 2 if R * TB <= 8 else 1  # few accumulators: one per half-block, for two independent FMA chains
+    split = 2 if R * TB <= 8 else 1  # few accumulators: one per half-block, for independent FMA chains
+    unroll = 2 if R * TB == 1 else 1  # a lone row (matvec): two blocks per iteration, four chains in flight
 
     def codegen(context, builder, signature, args):
         xa, wa, sa, oa = (context.make_array(ty)(context, builder, value)
@@ -147,11 +163,10 @@ def matmul_block(typingctx, x, data, scales, out, t0, n0, rows, tokens):
         num_blocks = builder.udiv(K, ir.Constant(_I64, 32))
         x_rows = [builder.mul(builder.add(t0_, ir.Constant(_I64, t)), K) for t in range(TB)]
         w_rows = [builder.add(n0_, ir.Constant(_I64, r)) for r in range(R)]
+        accs = [[[cgutils.alloca_once_value(builder, ir.Constant(_VF32, None)) for _ in range(split * unroll)]
+                 for _ in range(TB)] for _ in range(R)]  # [R][TB][chains] <16 x float>
 
-        accs = [[[cgutils.alloca_once_value(builder, ir.Constant(_VF32, None)) for _ in range(split)]
-                 for _ in range(TB)] for _ in range(R)]
-        with cgutils.for_range(builder, num_blocks) as loop:
-            b = loop.index
+        def accumulate(b, chain0):  # block b of every row into every token's chains chain0, chain0 + 1
             col = builder.mul(b, ir.Constant(_I64, 32))
             weights = [fmt.block(row, b) for row in w_rows]  # [R][2] <16 x float>
             for t in range(TB):
@@ -160,16 +175,27 @@ def matmul_block(typingctx, x, data, scales, out, t0, n0, rows, tokens):
                       for h in range(2)]
                 for r in range(R):
                     for h in range(2):
-                        slot = accs[r][t][h % split]
+                        slot = accs[r][t][chain0 + h % split]
                         builder.store(_fma(builder, xs[h], weights[r][h], builder.load(slot)), slot)
+
+        two = ir.Constant(_I64, 2)
+        with cgutils.for_range(builder, builder.udiv(num_blocks, two) if unroll == 2 else num_blocks) as loop:
+            if unroll == 2:
+                accumulate(builder.mul(loop.index, two), 0)
+                accumulate(builder.add(builder.mul(loop.index, two), ir.Constant(_I64, 1)), split)
+            else:
+                accumulate(loop.index, 0)
+        if unroll == 2:
+            with builder.if_then(builder.icmp_unsigned("!=", builder.urem(num_blocks, two), ir.Constant(_I64, 0))):
+                accumulate(builder.sub(num_blocks, ir.Constant(_I64, 1)), 0)
         for t in range(TB):
             out_row = builder.mul(builder.add(t0_, ir.Constant(_I64, t)), N)
             for r in range(R):
-                total = builder.load(accs[r][t][0])
-                if split == 2:
-                    total = builder.fadd(total, builder.load(accs[r][t][1]))
+                chains = [builder.load(slot) for slot in accs[r][t]]
+                while len(chains) > 1:  # pairwise: (c0 + c1) + (c2 + c3)
+                    chains = [builder.fadd(chains[i], chains[i + 1]) for i in range(0, len(chains), 2)]
                 ptr = builder.gep(oa.data, [builder.add(out_row, w_rows[r])])
-                builder.store(_hsum(builder, total), ptr)
+                builder.store(_hsum(builder, chains[0]), ptr)
         return context.get_dummy_value()
 
     return types.none(x, data, scales, out, t0, n0, rows, tokens), codegen

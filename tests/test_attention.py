@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 
+from kernels import attention
 from kernels.attention import paged_attention, write_kv, write_kv_int8
 from kernels.bf16 import from_bf16
 
@@ -25,7 +26,9 @@ def reference(q, keys, values, positions, window, scale):
 
 @pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16", "int8"])
 @pytest.mark.parametrize("window", [0, 5])
-def test_paged_attention_matches_float64_softmax(kv_dtype, window):
+@pytest.mark.parametrize("parallel", [True, False])
+def test_paged_attention_matches_float64_softmax(kv_dtype, window, parallel, monkeypatch):
+    monkeypatch.setattr(attention, "PARALLEL_MIN_WORK", 0 if parallel else 1 << 62)
     rng = np.random.default_rng(0)
     H, n_kv, D, block_size, num_blocks = 6, 2, 24, 4, 40
     lengths = [1, 13, 37]  # three sequences; every token of each is a query (chunked-prefill shape)
