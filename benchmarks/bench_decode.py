@@ -161,15 +161,15 @@ def main(argv: list[str] | None = None) -> None:
     print(json.dumps(machine), flush=True)
     rng = np.random.default_rng(0)
     rows = []
-    for dtype in args.dtypes.split(","):
-        rows += bench_dtype(ckpt, dtype, args, rng, machine)
-    meta = {"model": args.model, "threads": args.threads, "samples": args.samples, "cpu": platform.processor(),
-            "date": time.strftime("%Y-%m-%d %H:%M"), "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
     out = Path(args.out)
     out.parent.mkdir(exist_ok=True)
-    out.write_text(json.dumps({"meta": meta, "machine": machine, "rows": rows}, indent=2))
+    for dtype in args.dtypes.split(","):
+        rows += bench_dtype(ckpt, dtype, args, rng, machine)
+        meta = {"model": args.model, "threads": args.threads, "samples": args.samples,
+                "cpu": platform.processor(), "date": time.strftime("%Y-%m-%d %H:%M"),
+                "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+        out.write_text(json.dumps({"meta": meta, "machine": machine, "rows": rows}, indent=2))  # after each dtype
     plot(rows, out.with_suffix(".png"))
-
 
 if __name__ == "__main__":
     main()
