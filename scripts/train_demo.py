@@ -47,7 +47,7 @@ class Plan:
     vocab_size: int = 8192
     seq_len: int = 256
     batch_size: int = 8
-    base_steps: int = 1100
+    base_steps: int = 1200
     draft_steps: int = 500
     adapter_steps: int = 150
     base_lr: float = 2e-3
@@ -144,7 +144,11 @@ def new_model(shape: str, tokenizer: Tokenizer, seed: int) -> LlamaForCausalLM:
 
 def train(model: LlamaForCausalLM, stream: torch.Tensor, plan: Plan, steps: int, lr: float,
           weight_decay: float, seed: int, name: str) -> None:
-    """AdamW with linear warmup and cosine decay to lr/10 on random windows of the stream."""
+    """AdamW with linear warmup and cosine decay to lr/10 on random windows of the stream.
+
+    Matmuls run in bfloat16 (torch autocast, AVX512-BF16 where the CPU has it: ~1.5x faster on 2 cores);
+    weights, gradients and optimizer state stay float32.
+    """
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
@@ -158,7 +162,8 @@ def train(model: LlamaForCausalLM, stream: torch.Tensor, plan: Plan, steps: int,
     for step in range(steps):
         starts = torch.randint(0, len(stream) - plan.seq_len, (plan.batch_size,), generator=generator)
         batch = torch.stack([stream[s:s + plan.seq_len] for s in starts.tolist()])  # [B, seq_len]
-        loss = demo_eval.lm_loss(model, batch)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = demo_eval.lm_loss(model, batch)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
