@@ -1,8 +1,8 @@
 """Linear layers y = x @ W.T over a flat token batch, for every served weight format.
 
-W is [out_features, in_features] (the checkpoint's layout). Parallel tasks own groups of 4 output
-rows; a group's rows are dequantized in registers once per 4-token block (kernels/simd_block.py) and
-stay in L1 while the block walks the batch, so each weight byte comes from memory once per step.
+W is [out_features, in_features] (the checkpoint's layout). Parallel tasks own groups of output rows;
+a group's rows are dequantized in registers once per block of tokens (kernels/simd_block.py) and stay
+in L1 while the block walks the batch, so each weight byte comes from memory once per step.
 """
 
 import numpy as np
@@ -12,8 +12,7 @@ from numba.extending import overload
 from kernels.bf16 import bf16_to_f32
 from kernels.simd_block import matmul_block
 
-_ROWS = 4  # weight rows per register block
-_TOKENS = 4  # tokens per register block (4 x 4 accumulators of 16 lanes)
+MATVEC_MAX_TOKENS = 3  # up to this many tokens: one row per task
 _X_CHUNK_BYTES = 1 << 19  # tokens of x per pass over the weights: half of a core's L2
 
 
@@ -21,38 +20,52 @@ _X_CHUNK_BYTES = 1 << 19  # tokens of x per pass over the weights: half of a cor
 def matmul(x, data, scales, out):
     # x: [T, K] f32; data/scales: one weight in any served format (kernels/dequant.py); out: [T, N] f32
     T, K = x.shape
-    chunk = max(_TOKENS, _X_CHUNK_BYTES // (4 * K) // _TOKENS * _TOKENS)
+    chunk = max(8, _X_CHUNK_BYTES // (4 * K) // 8 * 8)
     for c0 in range(0, T, chunk):  # a chunk of x stays in L2 while every row group passes over it
         _matmul_chunk(x, data, scales, out, c0, min(T, c0 + chunk))
 
 
-@njit(inline="always", nogil=True, parallel=True)
 def _matmul_chunk(x, data, scales, out, c0, c1):
-    N = out.shape[1]
-    if c1 - c0 < _TOKENS:  # matvec: one row per task streams best (interleaved row streams read slower)
-        for n in prange(N):
-            if c1 - c0 == 1:
-                matmul_block(x, data, scales, out, c0, n, 1, 1)
-            elif c1 - c0 == 2:
-                matmul_block(x, data, scales, out, c0, n, 1, 2)
+    raise NotImplementedError("numba-only")
+
+
+@overload(_matmul_chunk, inline="always")
+def _matmul_chunk_impl(x, data, scales, out, c0, c1):
+    # register block shape, measured per format: q4_0's unpacking costs more per weight than bf16's or
+    # q8_0's, so it shares each unpacked row among 8 tokens (2 rows x 8 tokens); the others use 4 x 4
+    rows, tokens = (2, 8) if data.dtype == types.uint8 else (4, 4)
+
+    def impl(x, data, scales, out, c0, c1):
+        N = out.shape[1]
+        if c1 - c0 <= MATVEC_MAX_TOKENS:  # one row per task streams best (interleaved rows read slower)
+            for n in prange(N):
+                if c1 - c0 == 1:
+                    matmul_block(x, data, scales, out, c0, n, 1, 1)
+                elif c1 - c0 == 2:
+                    matmul_block(x, data, scales, out, c0, n, 1, 2)
+                else:
+                    matmul_block(x, data, scales, out, c0, n, 1, 3)
+                _column_tail(x, data, out, c0, c1, n, n + 1)
+            return
+        for g in prange((N + rows - 1) // rows):
+            n0 = g * rows
+            if n0 + rows <= N:
+                t0 = c0
+                while t0 + tokens <= c1:
+                    matmul_block(x, data, scales, out, t0, n0, rows, tokens)
+                    t0 += tokens
+                if tokens == 8 and t0 + 4 <= c1:
+                    matmul_block(x, data, scales, out, t0, n0, rows, 4)
+                    t0 += 4
+                for t in range(t0, c1):
+                    matmul_block(x, data, scales, out, t, n0, rows, 1)
             else:
-                matmul_block(x, data, scales, out, c0, n, 1, 3)
-            _column_tail(x, data, out, c0, c1, n, n + 1)
-        return
-    for g in prange((N + _ROWS - 1) // _ROWS):
-        n0 = g * _ROWS
-        if n0 + _ROWS <= N:
-            t0 = c0
-            while t0 + _TOKENS <= c1:
-                matmul_block(x, data, scales, out, t0, n0, 4, 4)
-                t0 += _TOKENS
-            for t in range(t0, c1):
-                matmul_block(x, data, scales, out, t, n0, 4, 1)
-        else:
-            for n in range(n0, N):
-                for t in range(c0, c1):
-                    matmul_block(x, data, scales, out, t, n, 1, 1)
-        _column_tail(x, data, out, c0, c1, n0, min(N, n0 + _ROWS))
+                for n in range(n0, N):
+                    for t in range(c0, c1):
+                        matmul_block(x, data, scales, out, t, n, 1, 1)
+            _column_tail(x, data, out, c0, c1, n0, min(N, n0 + rows))
+
+    return impl
 
 
 @njit(inline="always", nogil=True)
