@@ -1,6 +1,7 @@
 """Decode and prefill speed per weight dtype on a TinyLlama-1.1B-shaped random checkpoint, against
 llama.cpp on the same weights (exported to GGUF) with the same threads, engines alternating sample by
-sample; fractions of the machine's bandwidth and compute rooflines measured in the same run.
+sample; fractions of the machine's bandwidth and compute rooflines, the probes sampled between the engines'
+samples (bandwidth drifts up to 2x within seconds: a probe taken once misstates the fraction).
 
     python -m benchmarks.bench_decode [--dtypes bfloat16,q8_0,q4_0] [--samples 3]   (or: numaserve bench)
 
@@ -21,7 +22,7 @@ import psutil
 
 import numaserve as ns
 from benchmarks.checkpoints import CACHE, random_checkpoint
-from benchmarks.machine import matmul_flops, read_bandwidth
+from benchmarks.machine import MachineProbe
 
 RESULTS = Path(__file__).parent / "results"
 PROMPT_LEN, DECODE_PROMPT_LEN = 512, 16
@@ -60,7 +61,7 @@ def alternate(samples: int, runs: dict) -> dict[str, list[float]]:
     return times
 
 
-def bench_dtype(ckpt: Path, dtype: str, args, rng, machine: dict) -> list[dict]:
+def bench_dtype(ckpt: Path, dtype: str, args, rng, probe: MachineProbe) -> list[dict]:
     rss_before = psutil.Process().memory_info().rss
     llm = ns.LLM(ckpt, weight_dtype=dtype, kv_dtype="bfloat16", max_num_seqs=max(args.batches),
                  max_num_batched_tokens=512, num_threads=args.threads)
@@ -95,16 +96,22 @@ def bench_dtype(ckpt: Path, dtype: str, args, rng, machine: dict) -> list[dict]:
     rows = []
     for name, ours_run in runs_ours.items():
         pair = {"numaserve": ours_run} | ({"llama.cpp": runs_theirs[name]} if runner else {})
+        if name == "decode_b1":
+            pair["read_bytes_per_s"] = probe.read_bandwidth
+        elif name.startswith("decode_b"):
+            pair["matmul_flop_per_s"] = probe.matmul_flops
         times = alternate(args.samples, pair)
         ours = statistics.median(times["numaserve"])
         row = {"dtype": dtype, "metric": name, "numaserve_tok_s": ours, "samples": times}
         if runner:
             theirs = statistics.median(times["llama.cpp"])
             row |= {"llamacpp_tok_s": theirs, "ratio": ours / theirs}
-        if name == "decode_b1":
-            row["bandwidth_roofline"] = ours * read_bytes / machine["read_bytes_per_s"]
-        elif name.startswith("decode_b"):
-            row["compute_roofline"] = ours * 2 * num_params / machine["matmul_flop_per_s"]
+        if "read_bytes_per_s" in times:
+            row["read_bytes_per_s"] = statistics.median(times["read_bytes_per_s"])
+            row["bandwidth_roofline"] = ours * read_bytes / row["read_bytes_per_s"]
+        elif "matmul_flop_per_s" in times:
+            row["matmul_flop_per_s"] = statistics.median(times["matmul_flop_per_s"])
+            row["compute_roofline"] = ours * 2 * num_params / row["matmul_flop_per_s"]
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if k != "samples"}), flush=True)
     rows.append({"dtype": dtype, "metric": "memory", "weight_bytes": model.weight_bytes,
@@ -157,14 +164,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", default=str(RESULTS / "decode.json"))
     args = parser.parse_args(argv)
     ckpt = random_checkpoint(args.model)
-    machine = {"read_bytes_per_s": read_bandwidth(), "matmul_flop_per_s": matmul_flops()}
-    print(json.dumps(machine), flush=True)
+    probe = MachineProbe()
+    machine = {"read_bytes_per_s": probe.read_bandwidth(repeats=5), "matmul_flop_per_s": probe.matmul_flops(repeats=5)}
+    print(json.dumps(machine), flush=True)  # best of 5 at the start; each row keeps the median of its own probes
     rng = np.random.default_rng(0)
     rows = []
     out = Path(args.out)
     out.parent.mkdir(exist_ok=True)
     for dtype in args.dtypes.split(","):
-        rows += bench_dtype(ckpt, dtype, args, rng, machine)
+        rows += bench_dtype(ckpt, dtype, args, rng, probe)
         meta = {"model": args.model, "threads": args.threads, "samples": args.samples,
                 "cpu": platform.processor(), "date": time.strftime("%Y-%m-%d %H:%M"),
                 "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}

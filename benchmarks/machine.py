@@ -18,20 +18,24 @@ def _read_all(a):
     return total
 
 
-def read_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> float:
-    """Best-of read bandwidth in bytes/s over an array much larger than the caches."""
-    a = np.ones((nbytes // 16384, 4096), np.float32)
-    _read_all(a)
-    best = min(_timed(lambda: _read_all(a)) for _ in range(repeats))
-    return a.nbytes / best
+class MachineProbe:
+    """The two probes, allocated once so the benchmarks can sample them between their own samples."""
 
+    def __init__(self, nbytes: int = 1 << 30, m: int = 512, k: int = 2048, n: int = 2048):
+        self.array = np.ones((nbytes // 16384, 4096), np.float32)
+        rng = np.random.default_rng(0)
+        self.x, self.w = rng.standard_normal((m, k), dtype=np.float32), rng.standard_normal((n, k), dtype=np.float32)
+        _read_all(self.array)
+        self.x @ self.w.T
 
-def matmul_flops(m: int = 512, k: int = 2048, n: int = 2048, repeats: int = 5) -> float:
-    """Best-of numpy float32 matmul rate in FLOP/s."""
-    rng = np.random.default_rng(0)
-    x, w = rng.standard_normal((m, k), dtype=np.float32), rng.standard_normal((n, k), dtype=np.float32)
-    x @ w.T
-    return 2 * m * k * n / min(_timed(lambda: x @ w.T) for _ in range(repeats))
+    def read_bandwidth(self, repeats: int = 1) -> float:
+        """Best-of read bandwidth in bytes/s over an array much larger than the caches."""
+        return self.array.nbytes / min(_timed(lambda: _read_all(self.array)) for _ in range(repeats))
+
+    def matmul_flops(self, repeats: int = 1) -> float:
+        """Best-of numpy float32 matmul rate in FLOP/s."""
+        m, k = self.x.shape
+        return 2 * m * k * self.w.shape[0] / min(_timed(lambda: self.x @ self.w.T) for _ in range(repeats))
 
 
 def _timed(fn) -> float:

@@ -10,6 +10,9 @@ Weight layouts (kernels/dequant.py): float32 [N, K]; bf16 bits uint16 [N, K]; q8
 fp16 scales uint16 [N, K // 32]; q4_0 uint8 [N, K // 2] (GGML nibble order) with the same scales.
 Only the first K - K % 32 columns are done here; the caller adds the tail (float formats only: quantized
 rows are whole blocks).
+
+numba's on-disk cache of kernels/linear.py does not notice edits to this file: after changing the
+code generation here, delete kernels/__pycache__ (a fresh install starts without a cache).
 """
 
 from llvmlite import binding, ir
