@@ -1,4 +1,7 @@
-"""Dequantize weight rows of any served format into float32: one definition used by every kernel.
+"""Dequantize weight rows of any served format into float32 (embeddings, export, tests).
+
+The matmul kernel unpacks the same layouts in registers (kernels/simd_block.py); tests/test_quant.py
+holds it to this definition and this one to the gguf package's.
 
 data/scales per format: float32 [N, K] / unused; bf16 bits uint16 [N, K] / unused; q8_0 int8 [N, K] /
 fp16 bits uint16 [N, K // 32]; q4_0 uint8 [N, K // 2] (GGML nibble order) / fp16 bits uint16 [N, K // 32].
