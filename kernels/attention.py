@@ -38,6 +38,8 @@ def paged_attention(q, k_cache, v_cache, k_scale, v_scale, has_scale, block_tabl
     # k_scale, v_scale: [num_blocks, block_size, n_kv] f32 (read only when has_scale)
     # block_tables: [S, max_blocks] int32; token_seq: [T] int32; positions: [T] int32
     # window: attend to the last `window` positions (0 = all); out: [T, n_heads, D] f32
+    if q.shape[0] == 0:
+        return
     work = q.shape[0] * q.shape[1] * (int(positions.max()) + 1)
     kernel = _attention_parallel if work >= PARALLEL_MIN_WORK else _attention_serial
     kernel(q, k_cache, v_cache, k_scale, v_scale, has_scale, block_tables, token_seq, positions, window,
