@@ -11,22 +11,9 @@ import numpy as np
 from numba import njit, prange, types
 from numba.extending import overload
 
-from kernels.bf16 import bf16_to_f32, f32_to_bf16
+from kernels.bf16 import as_f32, f32_to_bf16
 
 _NEG_BIG = np.float32(-3.0e38)  # stands in for -inf (fastmath assumes no infinities)
-
-
-def as_f32(x):
-    raise NotImplementedError("numba-only")
-
-
-@overload(as_f32, inline="always")
-def _as_f32(x):
-    if x == types.uint16:
-        return lambda x: bf16_to_f32(x)
-    if isinstance(x, (types.Float, types.Integer)):
-        return lambda x: np.float32(x)
-    return None
 
 
 PARALLEL_MIN_WORK = 1 << 15  # query-head x key pairs below which waking the threads costs more than it saves

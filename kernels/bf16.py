@@ -3,7 +3,7 @@
 import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
-from numba.extending import intrinsic
+from numba.extending import intrinsic, overload
 
 
 @intrinsic
@@ -35,6 +35,20 @@ def _f32_as_u32(typingctx, value):
 @njit(inline="always", nogil=True)
 def bf16_to_f32(bits):
     return _bf16_bits_to_f32(bits)
+
+
+def as_f32(x):
+    """A stored value (bf16 bits, int8, float) widened to float32."""
+    raise NotImplementedError("numba-only")
+
+
+@overload(as_f32, inline="always")
+def _as_f32(x):
+    if x == types.uint16:
+        return lambda x: bf16_to_f32(x)
+    if isinstance(x, (types.Float, types.Integer)):
+        return lambda x: np.float32(x)
+    return None
 
 
 @njit(inline="always", nogil=True)

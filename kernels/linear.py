@@ -2,14 +2,14 @@
 
 W is [out_features, in_features] (the checkpoint's layout). Parallel tasks own groups of output rows;
 a group's rows are dequantized in registers once per block of tokens (kernels/simd_block.py) and stay
-in L1 while the block walks the batch, so each weight byte comes from memory once per step.
+in L1 while the blocks walk a chunk of tokens, so each weight byte comes from memory once per chunk
+(once per step for any decode batch; a long prefill is cut into chunks whose activations fit L2).
 """
 
-import numpy as np
 from numba import njit, prange, types
 from numba.extending import overload
 
-from kernels.bf16 import bf16_to_f32
+from kernels.bf16 import as_f32, bf16_to_f32
 from kernels.simd_block import matmul_block
 
 MATVEC_MAX_TOKENS = 3  # up to this many tokens: one row per task
@@ -78,21 +78,8 @@ def _column_tail(x, data, out, c0, c1, n0, n1):
             for t in range(c0, c1):
                 acc = out[t, n]
                 for k in range(tail, K):
-                    acc += x[t, k] * _float_weight(data, n, k)
+                    acc += x[t, k] * as_f32(data[n, k])
                 out[t, n] = acc
-
-
-def _float_weight(data, n, k):
-    raise NotImplementedError("numba-only")
-
-
-@overload(_float_weight, inline="always")
-def _float_weight_impl(data, n, k):
-    if data.dtype == types.float32:
-        return lambda data, n, k: data[n, k]
-    if data.dtype == types.uint16:
-        return lambda data, n, k: bf16_to_f32(data[n, k])
-    return lambda data, n, k: np.float32(0.0)  # quantized formats never have a tail
 
 
 @njit(cache=True, nogil=True, parallel=True)
