@@ -32,7 +32,8 @@ def run_demo(max_tokens: int = 48) -> dict:
 
     start = time.perf_counter()
     # a registry of its own per run: a persistent one would tie the names to the first checkout that ran it
-    registry = Path(tempfile.mkdtemp(prefix="numaserve-demo-")) / "adapters.json"
+    registry_dir = tempfile.TemporaryDirectory(prefix="numaserve-demo-")
+    registry = Path(registry_dir.name) / "adapters.json"
     client = serve(ClusterConfig(adapter_registry=str(registry)), model=model_dir, name="numaserve-demo")
     try:
         for name in ADAPTERS:
@@ -63,3 +64,4 @@ def run_demo(max_tokens: int = 48) -> dict:
     finally:
         client.shutdown()
         ray.shutdown()
+        registry_dir.cleanup()
