@@ -179,5 +179,6 @@ def main(argv: list[str] | None = None) -> None:
         out.write_text(json.dumps({"meta": meta, "machine": machine, "rows": rows}, indent=2))  # after each dtype
     plot(rows, out.with_suffix(".png"))
 
+
 if __name__ == "__main__":
     main()
