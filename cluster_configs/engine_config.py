@@ -6,6 +6,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 WeightDtype = Literal["auto", "float32", "bfloat16", "q8_0", "q4_0"]
 KVDtype = Literal["auto", "float32", "bfloat16", "int8"]
+ActivationDtype = Literal["auto", "float32", "bfloat16", "int8"]
 
 
 class EngineConfig(BaseModel):
@@ -20,6 +21,10 @@ class EngineConfig(BaseModel):
     max_model_len: int | None = Field(None, ge=1)  # None = the model's max_position_embeddings
     enable_prefix_caching: bool = True
     num_threads: int | None = Field(None, ge=1)  # None = every core this process may run on
+    # what activations are rounded to before the linear layers' dot products: "float32" is exact (within
+    # 1e-4 of transformers); "bfloat16" (vdpbf16ps) and "int8" (VNNI, 32-value blocks) trade a stated
+    # perplexity bound for speed; "auto" picks per weight dtype (see models/activation_plan.py)
+    activation_dtype: ActivationDtype = "float32"
 
     @field_validator("block_size")
     @classmethod

@@ -24,6 +24,8 @@ class LlamaModel:
         # LoRA modules -> their columns in our fused projections
         self.qkv_modules = (("q_proj", slice(0, q)), ("k_proj", slice(q, q + kv)), ("v_proj", slice(q + kv, None)))
         self.gate_up_modules = (("gate_proj", slice(0, inter)), ("up_proj", slice(inter, None)))
+        # calibration (models/calibration.py) sets this to see every linear layer's input: (name, x [T, K])
+        self.observer = None
 
     @property
     def weight_dtype(self) -> str:
@@ -47,7 +49,7 @@ class LlamaModel:
         attn = np.empty((T, s.num_heads, D), np.float32)
         for i, layer in enumerate(w["layers"]):
             rms_norm(h, layer["input_norm"], s.rms_norm_eps, x)
-            qkv = linear(x, layer["qkv"])  # [T, q_size + 2 * kv_size]
+            qkv = self._linear(f"layers.{i}.qkv", x, layer["qkv"])  # [T, q_size + 2 * kv_size]
             add_lora(qkv, x, batch.adapter_rows, i, self.qkv_modules)
             if layer["qkv_bias"] is not None:
                 qkv += layer["qkv_bias"]
@@ -64,17 +66,23 @@ class LlamaModel:
                             batch.block_tables, batch.token_seq, batch.positions, s.layer_windows[i],
                             self.softmax_scale, attn)
             attn_flat = attn.reshape(T, s.q_size)
-            o = linear(attn_flat, layer["o"])
+            o = self._linear(f"layers.{i}.o", attn_flat, layer["o"])
             add_lora(o, attn_flat, batch.adapter_rows, i, (("o_proj", slice(None)),))
             h += o
             rms_norm(h, layer["post_norm"], s.rms_norm_eps, x)
-            gate_up = linear(x, layer["gate_up"])  # [T, 2 * intermediate]
+            gate_up = self._linear(f"layers.{i}.gate_up", x, layer["gate_up"])  # [T, 2 * intermediate]
             add_lora(gate_up, x, batch.adapter_rows, i, self.gate_up_modules)
             act = np.empty((T, s.intermediate_size), np.float32)
             silu_mul(gate_up, act)
-            down = linear(act, layer["down"])
+            down = self._linear(f"layers.{i}.down", act, layer["down"])
             add_lora(down, act, batch.adapter_rows, i, (("down_proj", slice(None)),))
             h += down
         h_out = np.ascontiguousarray(h[batch.logits_indices])
         rms_norm(h_out, w["norm"], s.rms_norm_eps, h_out)
-        return linear(h_out, w["lm_head"])
+        return self._linear("lm_head", h_out, w["lm_head"])
+
+    def _linear(self, name: str, x: np.ndarray, w) -> np.ndarray:
+        # name: "layers.{i}.qkv" | ".o" | ".gate_up" | ".down" | "lm_head", the keys of activation plans
+        if self.observer is not None:
+            self.observer(name, x)
+        return linear(x, w)

@@ -80,6 +80,10 @@ class LLM:
     def stats(self) -> dict:
         return self.engine.stats()
 
+    def diagnostics(self) -> list[dict]:
+        """The engine's recent decisions and why: kernel paths and fallbacks, threading, speculation, ..."""
+        return self.engine.decisions.recent()
+
     def _run_until_done(self, requests: list[Request]) -> None:
         try:
             while not all(r.finished for r in requests):

@@ -7,6 +7,7 @@ from pathlib import Path
 import numba
 import numpy as np
 
+from cluster_configs.diagnostics import DecisionLog
 from cluster_configs.engine_config import EngineConfig
 from cluster_configs.errors import AdapterError, InvalidRequest
 from cluster_configs.sampling_params import SamplingParams
@@ -30,6 +31,7 @@ Prompt = str | list[int]
 class Engine:
     def __init__(self, model_path: str | Path, config: EngineConfig | None = None):
         self.config = config = config or EngineConfig()
+        self.decisions = DecisionLog()
         numba.set_num_threads(min(config.num_threads or len(os.sched_getaffinity(0)),
                                   numba.config.NUMBA_NUM_THREADS))
         self.spec, weights, self.tokenizer = load_model(model_path, config.weight_dtype)
