@@ -5,6 +5,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kernels.bf16 import to_bf16
+from kernels.int8_layout import pack_q4_0, pack_q8_0, pad_scales, padded_k, unpack_int8_weights
 from kernels.quant import QK, quantize_q4_0, quantize_q8_0
 
 WEIGHT_DTYPES = ("float32", "bfloat16", "q8_0", "q4_0")
@@ -46,3 +47,56 @@ class WeightMatrix:
     @property
     def nbytes(self) -> int:
         return self.data.nbytes + (0 if self.scales is None else self.scales.nbytes)
+
+    @property
+    def activation(self) -> str:
+        return "float32"
+
+
+@dataclass(frozen=True)
+class Int8Matrix:
+    """A q8_0 / q4_0 matrix repacked for int8 activations (kernels/int8_layout.py), [out_features, in_features].
+
+    data: int8 [N, Kp] | uint8 [N, Kp // 2]; scales: uint16 fp16 [N, Kp // 32]; Kp = K padded to 256.
+    activation_scale: a calibrated static scale for this matrix's inputs, 0 = per-block dynamic scales.
+    """
+
+    dtype: str
+    data: np.ndarray
+    scales: np.ndarray
+    shape: tuple[int, int]
+    activation_scale: float = 0.0
+
+    @classmethod
+    def pack(cls, w: WeightMatrix, activation_scale: float = 0.0) -> "Int8Matrix":
+        if w.dtype not in ("q8_0", "q4_0"):
+            raise ValueError(f"int8 activations need q8_0 or q4_0 weights, got {w.dtype}")
+        n, k = w.shape
+        kp = padded_k(k)
+        if w.dtype == "q8_0":
+            data = np.zeros((n, kp), np.int8)
+            pack_q8_0(w.data, data)
+        else:
+            data = np.zeros((n, kp // 2), np.uint8)
+            pack_q4_0(w.data, data)
+        return cls(w.dtype, data, pad_scales(w.scales, kp), (n, k), float(activation_scale))
+
+    def unpack(self) -> WeightMatrix:
+        """The same values in the GGML layout (export, tests)."""
+        n, k = self.shape
+        values = np.empty((n, k), np.int8)
+        unpack_int8_weights(self.data, self.dtype == "q4_0", k, values)
+        scales = np.ascontiguousarray(self.scales[:, :k // QK])
+        if self.dtype == "q8_0":
+            return WeightMatrix("q8_0", values, scales)
+        nibbles = (values.reshape(n, k // QK, QK).astype(np.int16) + 8).astype(np.uint8)
+        packed = nibbles[:, :, :16] | (nibbles[:, :, 16:] << 4)
+        return WeightMatrix("q4_0", np.ascontiguousarray(packed.reshape(n, k // 2)), scales)
+
+    @property
+    def activation(self) -> str:
+        return "int8"
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.nbytes + self.scales.nbytes

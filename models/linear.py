@@ -3,18 +3,27 @@
 import numpy as np
 
 from kernels.dequant import dequantize_rows
+from kernels.int8_layout import QK, quantize_activations
 from kernels.linear import gather_rows_bf16, matmul
-from memory.weights import WeightMatrix
+from kernels.linear_int8 import matmul_int8
+from memory.weights import Int8Matrix, WeightMatrix
 
 BLAS_MIN_ROWS = 128  # float32 weights from this many tokens (prefill): numpy's matmul
 _NO_SCALES = np.zeros((1, 1), np.uint16)
 
 
-def linear(x: np.ndarray, w: WeightMatrix) -> np.ndarray:
+def linear(x: np.ndarray, w: WeightMatrix | Int8Matrix) -> np.ndarray:
     # x: [T, K] f32 -> [T, N] f32
     T, N = x.shape[0], w.shape[0]
     out = np.empty((T, N), np.float32)
-    if w.dtype == "float32" and T >= BLAS_MIN_ROWS:
+    if isinstance(w, Int8Matrix):
+        kp = w.scales.shape[1] * QK
+        xq = np.empty((T, kp), np.int16)
+        xd = np.empty((T, kp // QK), np.float32)
+        xsum = np.empty((T, kp // QK), np.int32)
+        quantize_activations(np.ascontiguousarray(x), xq, xd, xsum, w.activation_scale)
+        matmul_int8(xq, xd, xsum, w.data, w.scales, out)
+    elif w.dtype == "float32" and T >= BLAS_MIN_ROWS:
         np.matmul(x, w.data.T, out=out)
     else:  # dequantizing in registers beats dequantized tiles through BLAS at every batch size
         matmul(np.ascontiguousarray(x), w.data, _scales(w), out)
@@ -34,8 +43,10 @@ def embed(w: WeightMatrix, token_ids: np.ndarray) -> np.ndarray:
     return out
 
 
-def dequantize(w: WeightMatrix) -> np.ndarray:
+def dequantize(w: WeightMatrix | Int8Matrix) -> np.ndarray:
     """The whole matrix as float32 [N, K] (tests, export)."""
+    if isinstance(w, Int8Matrix):
+        w = w.unpack()
     if w.dtype == "float32":
         return w.data
     out = np.empty(w.shape, np.float32)

@@ -35,7 +35,7 @@ class LlamaModel:
     def weight_bytes(self) -> int:
         w = self.weights
         total = w["embed"].nbytes + w["norm"].nbytes
-        total += 0 if self.spec.tie_word_embeddings else w["lm_head"].nbytes
+        total += 0 if w["lm_head"] is w["embed"] else w["lm_head"].nbytes  # tied, unless repacked for int8
         for layer in w["layers"]:
             total += sum(v.nbytes for v in layer.values() if v is not None)
         return total

@@ -13,7 +13,9 @@ from cluster_configs.errors import AdapterError, InvalidRequest
 from cluster_configs.sampling_params import SamplingParams
 from memory.block_pool import BlockPool
 from memory.kv_cache import KVCache, kv_bytes_per_token
+from models.activation_plan import plan_activations
 from models.batch import ForwardBatch
+from models.calibration import load_calibration
 from models.llama import LlamaModel
 from models.loader import load_model
 from models.lora import LoraAdapter, load_lora
@@ -35,6 +37,7 @@ class Engine:
         numba.set_num_threads(min(config.num_threads or len(os.sched_getaffinity(0)),
                                   numba.config.NUMBA_NUM_THREADS))
         self.spec, weights, self.tokenizer = load_model(model_path, config.weight_dtype)
+        weights = plan_activations(weights, config.activation_dtype, self.decisions, load_calibration(model_path))
         self.model = LlamaModel(self.spec, weights)
         s, bs = self.spec, config.block_size
         self.max_model_len = config.max_model_len or s.max_position_embeddings

@@ -1,0 +1,130 @@
+"""A register block for int8 activations x quantized weights, written as LLVM IR: R weight rows x TB tokens.
+
+Per group of 8 blocks (kernels/int8_layout.py) each (row, token) pair keeps an int32 accumulator of 8
+lanes, lane b = block b: 16 pairwise multiply-adds of int16 vectors (vpmaddwd: |w| <= 127 and
+|x| <= 127, so every sum is exact) fill it with the 8 blocks' integer dot products; then one
+convert and one fused multiply-add by (weight scale x activation scale) per lane moves it into a
+float32 accumulator. A weight vector is widened once and used by all TB tokens; an activation vector
+by all R rows. q4_0's nibbles are value + 8: the accumulator starts at -8 x (block sum of x).
+
+Needs AVX2 (the 256-bit vpmaddwd) and F16C; kernels/cpu.py says whether the host has them.
+numba's on-disk cache of kernels/linear_int8.py does not notice edits to this file: after changing
+the code generation here, delete kernels/__pycache__ (a fresh install starts without a cache).
+"""
+
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+_I8, _I16, _I32, _I64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
+_F32 = ir.FloatType()
+_V8F, _V8I = ir.VectorType(_F32, 8), ir.VectorType(_I32, 8)
+_V16I8, _V16I16 = ir.VectorType(_I8, 16), ir.VectorType(_I16, 16)
+_GROUP = 256
+
+
+def _const(value):
+    return ir.Constant(_I64, value)
+
+
+def _load(builder, base, offset, vec_type):
+    ptr = builder.gep(base, [offset])
+    return builder.load(builder.bitcast(ptr, vec_type.as_pointer()), align=1)
+
+
+def _hsum8(builder, vec):
+    width = 8
+    while width > 1:
+        width //= 2
+        lo = builder.shuffle_vector(vec, vec, ir.Constant(ir.VectorType(_I32, width), list(range(width))))
+        hi = builder.shuffle_vector(vec, vec, ir.Constant(ir.VectorType(_I32, width), list(range(width, 2 * width))))
+        vec = builder.fadd(lo, hi)
+    return builder.extract_element(vec, ir.Constant(_I32, 0))
+
+
+@intrinsic(prefer_literal=True)
+def int8_block(typingctx, xq, xd, xsum, data, scales, out, t0, n0, rows, tokens):
+    """out[t0:t0+tokens, n0:n0+rows] = the int8 dot products of quantized x with packed W rows.
+
+    xq: [T, Kp] int16, xd/xsum: [T, Kp // 32] f32/int32, data: [N, Kp] int8 (q8_0) or [N, Kp // 2]
+    uint8 (q4_0), scales: [N, Kp // 32] uint16 fp16, out: [T, N] f32; rows, tokens: literals.
+    """
+    arrays = (xq, xd, xsum, data, scales, out)
+    if not all(isinstance(a, types.Array) and a.ndim == 2 and a.layout == "C" for a in arrays):
+        return None
+    if (xq.dtype, xd.dtype, xsum.dtype, scales.dtype, out.dtype) != (
+            types.int16, types.float32, types.int32, types.uint16, types.float32):
+        return None
+    if data.dtype not in (types.int8, types.uint8):
+        return None
+    if not (isinstance(rows, types.IntegerLiteral) and isinstance(tokens, types.IntegerLiteral)):
+        return None
+    R, TB = rows.literal_value, tokens.literal_value
+    is_q4 = data.dtype == types.uint8
+
+    def codegen(context, builder, signature, args):
+        xa, da, sa, wa, ca, oa = (context.make_array(ty)(context, builder, value)
+                                  for ty, value in zip(signature.args[:6], args[:6]))
+        t0_ = context.cast(builder, args[6], signature.args[6], types.int64)
+        n0_ = context.cast(builder, args[7], signature.args[7], types.int64)
+        Kp = cgutils.unpack_tuple(builder, xa.shape, 2)[1]
+        N = cgutils.unpack_tuple(builder, oa.shape, 2)[1]
+        num_blocks = builder.udiv(Kp, _const(32))
+        w_per_row = builder.udiv(Kp, _const(2)) if is_q4 else Kp
+        module = builder.module
+        pmaddwd = cgutils.get_or_insert_function(module, ir.FunctionType(_V8I, [_V16I16, _V16I16]),
+                                                 "llvm.x86.avx2.pmadd.wd")
+        fma = cgutils.get_or_insert_function(module, ir.FunctionType(_V8F, [_V8F] * 3), "llvm.fma.v8f32")
+        token_rows = [builder.add(t0_, _const(t)) for t in range(TB)]
+        weight_rows = [builder.add(n0_, _const(r)) for r in range(R)]
+        accs = [[cgutils.alloca_once_value(builder, ir.Constant(_V8F, None)) for _ in range(TB)] for _ in range(R)]
+
+        with cgutils.for_range(builder, builder.udiv(Kp, _const(_GROUP))) as loop:
+            g = loop.index
+            blk0 = builder.mul(g, _const(8))
+            x_base = [builder.add(builder.mul(row, Kp), builder.mul(g, _const(_GROUP))) for row in token_rows]
+            w_base = [builder.add(builder.mul(row, w_per_row), builder.mul(g, _const(_GROUP // 2 if is_q4 else _GROUP)))
+                      for row in weight_rows]
+            dx = [_load(builder, da.data, builder.add(builder.mul(row, num_blocks), blk0), _V8F) for row in token_rows]
+            dw = [builder.fpext(_load(builder, ca.data, builder.add(builder.mul(row, num_blocks), blk0),
+                                      ir.VectorType(ir.HalfType(), 8)), _V8F) for row in weight_rows]
+            if is_q4:  # value = nibble - 8: start from -8 x the block sums of x
+                minus8 = ir.Constant(_V8I, [-8] * 8)
+                init = [builder.mul(_load(builder, sa.data, builder.add(builder.mul(row, num_blocks), blk0), _V8I),
+                                    minus8) for row in token_rows]
+            else:
+                init = [ir.Constant(_V8I, None)] * TB
+            iacc = [[init[t] for t in range(TB)] for _ in range(R)]
+            nibbles = [None] * R
+            for j in range(16):
+                weights = []
+                for r in range(R):
+                    if is_q4:
+                        if j % 2 == 0:
+                            nibbles[r] = _load(builder, wa.data, builder.add(w_base[r], _const(8 * j)), _V16I8)
+                        v = nibbles[r]
+                        v = builder.and_(v, ir.Constant(_V16I8, [15] * 16)) if j % 2 == 0 else builder.lshr(
+                            v, ir.Constant(_V16I8, [4] * 16))
+                        weights.append(builder.zext(v, _V16I16))
+                    else:
+                        weights.append(builder.sext(_load(builder, wa.data, builder.add(w_base[r], _const(16 * j)),
+                                                          _V16I8), _V16I16))
+                for t in range(TB):
+                    xv = _load(builder, xa.data, builder.add(x_base[t], _const(16 * j)), _V16I16)
+                    for r in range(R):
+                        iacc[r][t] = builder.add(iacc[r][t], builder.call(pmaddwd, [weights[r], xv]))
+            for r in range(R):
+                for t in range(TB):
+                    scale = builder.fmul(dw[r], dx[t])
+                    total = builder.call(fma, [builder.sitofp(iacc[r][t], _V8F), scale, builder.load(accs[r][t])])
+                    builder.store(total, accs[r][t])
+        for t in range(TB):
+            out_row = builder.mul(token_rows[t], N)
+            for r in range(R):
+                ptr = builder.gep(oa.data, [builder.add(out_row, weight_rows[r])])
+                builder.store(_hsum8(builder, builder.load(accs[r][t])), ptr)
+        return context.get_dummy_value()
+
+    return types.none(xq, xd, xsum, data, scales, out, t0, n0, rows, tokens), codegen
+
