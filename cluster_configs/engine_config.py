@@ -24,7 +24,7 @@ class EngineConfig(BaseModel):
     # what activations are rounded to before the linear layers' dot products: "float32" is exact (within
     # 1e-4 of transformers); "bfloat16" (vdpbf16ps) and "int8" (VNNI, 32-value blocks) trade a stated
     # perplexity bound for speed; "auto" picks per weight dtype (see models/activation_plan.py)
-    activation_dtype: ActivationDtype = "float32"
+    activation_dtype: ActivationDtype = "auto"
 
     @field_validator("block_size")
     @classmethod
