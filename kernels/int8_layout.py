@@ -39,28 +39,38 @@ def _packed_index(k):
 
 @njit(inline="always", nogil=True)
 def _quantize_row(x, t, xq, xd, xsum, inv_static, static_scale):
+    # one token row, a group of 8 blocks at a time: quantize in column order (vectorizes), then move
+    # the 256 values to the packed order
     K = x.shape[1]
-    for blk in range(xd.shape[1]):
-        c0 = blk * QK
-        if static_scale > 0:
-            d = np.float32(static_scale)
-            inv = np.float32(inv_static)
-        else:
-            amax = np.float32(0.0)
-            for k in range(c0, min(c0 + QK, K)):
-                amax = max(amax, abs(x[t, k]))
-            d = amax / np.float32(127.0)
-            inv = np.float32(1.0) / d if d != 0 else np.float32(0.0)
-        total = 0
-        for k in range(c0, c0 + QK):
-            q = 0
-            if k < K:
-                v = np.rint(x[t, k] * inv)
-                q = int(min(max(v, np.float32(-127.0)), np.float32(127.0)))
-            xq[t, _packed_index(k)] = q
-            total += q
-        xd[t, blk] = d
-        xsum[t, blk] = total
+    q = np.empty(GROUP, np.int16)
+    for g in range(xq.shape[1] // GROUP):
+        for b in range(BLOCKS_PER_GROUP):
+            blk = g * BLOCKS_PER_GROUP + b
+            c0 = blk * QK
+            n = max(0, min(QK, K - c0))  # columns of this block inside the row (0 for padding)
+            if static_scale > 0:
+                d = np.float32(static_scale)
+                inv = np.float32(inv_static)
+            else:
+                amax = np.float32(0.0)
+                for k in range(n):
+                    amax = max(amax, abs(x[t, c0 + k]))
+                d = amax / np.float32(127.0)
+                inv = np.float32(1.0) / d if d != 0 else np.float32(0.0)
+            total = 0
+            for k in range(n):
+                v = min(max(np.rint(x[t, c0 + k] * inv), np.float32(-127.0)), np.float32(127.0))
+                q[b * QK + k] = np.int16(v)
+                total += np.int32(v)
+            for k in range(n, QK):
+                q[b * QK + k] = 0
+            xd[t, blk] = d
+            xsum[t, blk] = total
+        base = g * GROUP
+        for j in range(16):
+            for b in range(BLOCKS_PER_GROUP):
+                xq[t, base + j * 16 + b * 2] = q[b * QK + 2 * j]
+                xq[t, base + j * 16 + b * 2 + 1] = q[b * QK + 2 * j + 1]
 
 
 @njit(cache=True, nogil=True)
