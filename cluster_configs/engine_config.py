@@ -4,6 +4,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from cluster_configs.speculation_config import SpeculationConfig
+
 WeightDtype = Literal["auto", "float32", "bfloat16", "q8_0", "q4_0"]
 KVDtype = Literal["auto", "float32", "bfloat16", "int8"]
 ActivationDtype = Literal["auto", "float32", "bfloat16", "int8"]
@@ -25,6 +27,7 @@ class EngineConfig(BaseModel):
     # 1e-4 of transformers); "bfloat16" (vdpbf16ps) and "int8" (VNNI, 32-value blocks) trade a stated
     # perplexity bound for speed; "auto" picks per weight dtype (see models/activation_plan.py)
     activation_dtype: ActivationDtype = "auto"
+    speculation: SpeculationConfig = Field(default_factory=SpeculationConfig)  # also accepted as a dict
 
     @field_validator("block_size")
     @classmethod

@@ -1,10 +1,11 @@
-"""numaserve: CPU-native LLM serving. The public face: LLM, SamplingParams, EngineConfig, errors;
-serve, connect, Client, ClusterConfig for the Ray deployment."""
+"""numaserve: CPU-native LLM serving. The public face: LLM, SamplingParams, EngineConfig, SpeculationConfig,
+errors; serve, connect, Client, ClusterConfig for the Ray deployment."""
 
 from cluster_configs.cluster_config import ClusterConfig
 from cluster_configs.engine_config import EngineConfig
 from cluster_configs.errors import AdapterError, CheckpointError, InvalidRequest, NumaserveError, Overloaded
 from cluster_configs.sampling_params import SamplingParams
+from cluster_configs.speculation_config import SpeculationConfig
 from numaserve.llm import LLM
 from scheduling.outputs import Completion
 
@@ -20,6 +21,7 @@ __all__ = [
     "NumaserveError",
     "Overloaded",
     "SamplingParams",
+    "SpeculationConfig",
     "connect",
     "serve",
 ]

@@ -1,0 +1,43 @@
+"""SpeculationConfig: how an engine drafts tokens and verifies them in one target forward.
+
+Nested in EngineConfig as `speculation` (a SpeculationConfig or a dict). Off by default. Trained-head
+methods ("medusa", "eagle") join `method` when their proposers exist.
+"""
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+SpeculationMethod = Literal["off", "ngram", "draft"]
+SpeculationMode = Literal["auto", "on", "latency_first", "throughput_first"]
+
+
+class SpeculationConfig(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    method: SpeculationMethod = "off"
+    num_speculative_tokens: int = Field(4, ge=1, le=16)  # the maximum draft depth k
+    # n-gram prompt lookup: match the last n tokens, n from prompt_lookup_max down to prompt_lookup_min
+    prompt_lookup_min: int = Field(2, ge=1, le=64)
+    prompt_lookup_max: int = Field(4, ge=1, le=64)
+    draft_model: str | None = None  # a model directory or GGUF file with the target's tokenizer
+    # "auto" picks the depth per step and request that maximizes measured goodput; "on" always drafts
+    # num_speculative_tokens; "latency_first" / "throughput_first" bias auto's trade-off
+    mode: SpeculationMode = "auto"
+    # the share of a step's tokens that draft tokens may take (1.0 = no cap beyond the goodput model)
+    max_compute_fraction: float = Field(1.0, gt=0.0, le=1.0)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "SpeculationConfig":
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"prompt_lookup_min ({self.prompt_lookup_min}) must be <= prompt_lookup_max "
+                             f"({self.prompt_lookup_max})")
+        if self.method == "draft" and not self.draft_model:
+            raise ValueError("draft_model is required when method='draft'; pass a model directory or GGUF file")
+        if self.method != "draft" and self.draft_model is not None:
+            raise ValueError(f"draft_model is set but method={self.method!r}; use method='draft' or drop draft_model")
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "off"
