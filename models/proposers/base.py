@@ -1,0 +1,35 @@
+"""Proposer: what the engine asks of every draft method (n-gram lookup, a draft model, later trained heads).
+
+Per step the engine passes the speculating requests and a depth for each; a proposer returns up to that
+many draft tokens per request (fewer, or none, when it has no good guess). Drafts are verified in the
+target's forward and the verified tokens come back through the request's `token_ids` on the next call, so
+a proposer never needs to be told what was accepted: it compares and rolls back its own state itself.
+
+`last_draft_probs[request_id]`: [len(drafts), vocab] float64 rows q_i the drafts of the last `propose`
+call were sampled from; a request absent from it had deterministic drafts (q one-hot), which the verifier
+takes as `draft_probs=None`.
+"""
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import Protocol
+
+import numpy as np
+
+
+class SpecRequest(Protocol):
+    request_id: str
+    token_ids: list[int]  # prompt + verified output
+    # optional: `params` (a SamplingParams); a draft model samples its drafts for non-greedy requests
+
+
+class Proposer(ABC):
+    def __init__(self) -> None:
+        self.last_draft_probs: dict[str, np.ndarray] = {}
+
+    @abstractmethod
+    def propose(self, requests: Sequence[SpecRequest], depths: Sequence[int]) -> list[list[int]]:
+        """Drafts per request, each of length <= its depth; [] where the depth is 0 or nothing is found."""
+
+    def free(self, request_id: str) -> None:
+        """Forget a finished or aborted request (a preempted one may stay: the next call catches up)."""

@@ -1,0 +1,198 @@
+"""DraftModelProposer: a smaller model with the target's tokenizer drafts greedily (or samples, for
+sampled requests) over its own paged KV cache, one batched forward per draft position.
+
+Per request it remembers the tokens its KV holds. Each call first keeps the longest prefix of those that
+still agrees with the request's verified tokens (rejected drafts and anything the target replaced fall
+away, with their tail blocks), then runs every request's unseen tokens in one catch-up forward whose
+last-row logits give draft 0, then one forward per further draft position over the requests still
+drafting. The last draft is never run through the draft model: its KV is written on the next call, if
+the target accepts it.
+"""
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from cluster_configs.diagnostics import DecisionLog
+from cluster_configs.errors import CheckpointError
+from memory.block_pool import BlockPool
+from memory.kv_cache import KVCache
+from models.activation_plan import plan_activations
+from models.batch import ForwardBatch
+from models.llama import LlamaModel
+from models.loader import load_model
+from models.proposers.base import Proposer, SpecRequest
+from models.spec import ModelSpec
+from models.tokenizer import Tokenizer
+
+_DRAFT_STREAM = 0x5EC  # seeds draft sampling apart from the verifier's draws at the same (seed, position)
+
+
+def check_same_vocabulary(draft_path: str | Path, draft_spec: ModelSpec, draft_tok: Tokenizer | None,
+                          target_spec: ModelSpec, target_tok: Tokenizer | None) -> None:
+    """Raise CheckpointError unless the draft model tokenizes exactly like the target."""
+    where = f"draft model {draft_path}"
+    if target_tok is None and draft_tok is None:
+        if draft_spec.vocab_size != target_spec.vocab_size:
+            raise CheckpointError(f"{where}: vocabulary size {draft_spec.vocab_size} differs from the target's "
+                                  f"{target_spec.vocab_size} (neither has a tokenizer.json); use a draft model "
+                                  "of the target's family")
+        return
+    if target_tok is None or draft_tok is None:
+        has, lacks = ("target", "draft model") if draft_tok is None else ("draft model", "target")
+        raise CheckpointError(f"{where}: the {has} has a tokenizer but the {lacks} has none, so their "
+                              "vocabularies cannot be compared; copy the target's tokenizer.json beside both")
+    draft_vocab = draft_tok.hf_tokenizer.get_vocab(with_added_tokens=True)
+    target_vocab = target_tok.hf_tokenizer.get_vocab(with_added_tokens=True)
+    if draft_vocab == target_vocab:
+        return
+    if len(draft_vocab) != len(target_vocab):
+        raise CheckpointError(f"{where}: its tokenizer has {len(draft_vocab)} tokens, the target's "
+                              f"{len(target_vocab)}; a draft model needs the target's tokenizer")
+    by_id = {i: t for t, i in target_vocab.items()}
+    diff = sorted((i, t) for t, i in draft_vocab.items() if by_id.get(i) != t)
+    i, t = diff[0]
+    raise CheckpointError(f"{where}: its tokenizer differs from the target's at {len(diff)} token ids (e.g. id "
+                          f"{i} is {t!r} in the draft, {by_id.get(i)!r} in the target); a draft model needs "
+                          "the target's tokenizer")
+
+
+@dataclass
+class _DraftSeq:
+    token_ids: list[int] = field(default_factory=list)  # tokens whose KV this proposer holds
+    block_ids: list[int] = field(default_factory=list)
+
+
+class DraftModelProposer(Proposer):
+    def __init__(self, path: str | Path, target_spec: ModelSpec, target_tokenizer: Tokenizer | None, *,
+                 kv_cache_tokens: int, block_size: int = 16, weight_dtype: str = "auto", kv_dtype: str = "float32",
+                 activation_dtype: str = "auto", decisions: DecisionLog | None = None):
+        super().__init__()
+        self.spec, weights, tokenizer = load_model(path, weight_dtype)
+        check_same_vocabulary(path, self.spec, tokenizer, target_spec, target_tokenizer)
+        weights = plan_activations(weights, activation_dtype, decisions or DecisionLog())
+        self.model = LlamaModel(self.spec, weights)
+        self.vocab_size = target_spec.vocab_size  # q rows are over the target's vocabulary
+        s = self.spec
+        self.block_size = block_size
+        num_blocks = max(1, -(-kv_cache_tokens // block_size))
+        self.kv_cache = KVCache(s.num_layers, num_blocks, block_size, s.num_kv_heads, s.head_dim, kv_dtype)
+        self.pool = BlockPool(num_blocks)
+        self.seqs: dict[str, _DraftSeq] = {}  # insertion order = least recently drafted first
+        self.rng = np.random.default_rng()
+
+    def free(self, request_id: str) -> None:
+        seq = self.seqs.pop(request_id, None)
+        if seq is not None:
+            self.pool.free(reversed(seq.block_ids))
+
+    def propose(self, requests: Sequence[SpecRequest], depths: Sequence[int]) -> list[list[int]]:
+        self.last_draft_probs = {}
+        drafts: list[list[int]] = [[] for _ in requests]
+        active = [i for i, d in enumerate(depths) if d > 0 and len(requests[i].token_ids) + d
+                  <= self.spec.max_position_embeddings]
+        for i in active:  # most recently drafted last, so KV eviction takes idle requests first
+            rid = requests[i].request_id
+            self.seqs[rid] = self.seqs.pop(rid, None) or _DraftSeq()
+        # catch up: every unseen verified token in one forward; its last row gives draft 0
+        feeds = []
+        for i in active:
+            seq, token_ids = self.seqs[requests[i].request_id], requests[i].token_ids
+            keep = min(_common_prefix(seq.token_ids, token_ids), len(token_ids) - 1)  # rerun >= 1 for its logits
+            self._truncate(seq, keep)
+            feeds.append((i, token_ids[keep:]))
+        probs: dict[int, list[np.ndarray]] = {}
+        for pos in range(max((depths[i] for i in active), default=0)):
+            feeds = self._reserve(requests, feeds)
+            if not feeds:
+                break
+            logits = self._forward([(self.seqs[requests[i].request_id], new) for i, new in feeds])
+            next_feeds = []
+            for (i, _), row in zip(feeds, logits):
+                token, q = self._choose(requests[i], row)
+                drafts[i].append(token)
+                if q is not None:
+                    probs.setdefault(i, []).append(q)
+                if len(drafts[i]) < depths[i]:
+                    next_feeds.append((i, [token]))
+            feeds = next_feeds
+        for i, rows in probs.items():
+            self.last_draft_probs[requests[i].request_id] = np.stack(rows)
+        return drafts
+
+    # ---- helpers ----------------------------------------------------------------------------------
+
+    def _choose(self, req: SpecRequest, logits: np.ndarray) -> tuple[int, np.ndarray | None]:
+        """Greedy requests get the argmax (q one-hot); sampled ones a draw from softmax(logits / T)."""
+        logits = logits[:self.vocab_size]
+        params = getattr(req, "params", None)
+        if params is None or params.greedy:
+            return int(np.argmax(logits)), None
+        x = logits.astype(np.float64) / params.temperature
+        q = np.exp(x - x.max())
+        q /= q.sum()
+        if q.shape[0] < self.vocab_size:
+            q = np.pad(q, (0, self.vocab_size - q.shape[0]))
+        position = len(self.seqs[req.request_id].token_ids)  # where the drafted token will sit
+        rng = self.rng if params.seed is None else np.random.default_rng(
+            (params.seed & (2**63 - 1), position, _DRAFT_STREAM))
+        return int(rng.choice(q.shape[0], p=q)), q
+
+    def _truncate(self, seq: _DraftSeq, keep: int) -> None:
+        del seq.token_ids[keep:]
+        num_blocks = -(-keep // self.block_size)
+        self.pool.free(reversed(seq.block_ids[num_blocks:]))
+        del seq.block_ids[num_blocks:]
+
+    def _reserve(self, requests: Sequence[SpecRequest], feeds: list[tuple[int, list[int]]]):
+        """Blocks for the feeds' new tokens; idle requests' KV is evicted if short, and a request that
+        still does not fit stops drafting (its KV is dropped: it catches up when it next drafts)."""
+        kept = []
+        drafting = {requests[i].request_id for i, _ in feeds}
+        for i, new in feeds:
+            rid = requests[i].request_id
+            seq = self.seqs[rid]
+            need = -(-(len(seq.token_ids) + len(new)) // self.block_size) - len(seq.block_ids)
+            while not self.pool.can_allocate(need):
+                idle = next((r for r in self.seqs if r not in drafting), None)
+                if idle is None:
+                    break
+                self.free(idle)
+            blocks = self.pool.allocate(need) if need > 0 else []
+            if blocks is None:
+                self.free(rid)
+                self.seqs[rid] = _DraftSeq()
+                continue
+            seq.block_ids += blocks
+            kept.append((i, new))
+        return kept
+
+    def _forward(self, feeds: list[tuple[_DraftSeq, list[int]]]) -> np.ndarray:
+        """Append each feed's tokens to its sequence and run them; -> logits [len(feeds), V] of last rows."""
+        bs = self.block_size
+        token_ids, positions, token_seq, last_rows = [], [], [], []
+        block_tables = np.zeros((len(feeds), max(len(seq.block_ids) for seq, _ in feeds)), np.int32)
+        for s, (seq, new) in enumerate(feeds):
+            start = len(seq.token_ids)
+            token_ids += new
+            positions += range(start, start + len(new))
+            token_seq += [s] * len(new)
+            last_rows.append(len(token_ids) - 1)
+            block_tables[s, :len(seq.block_ids)] = seq.block_ids
+            seq.token_ids += new
+        positions = np.asarray(positions, np.int32)
+        token_seq = np.asarray(token_seq, np.int32)
+        slot_mapping = block_tables[token_seq, positions // bs].astype(np.int64) * bs + positions % bs
+        batch = ForwardBatch(np.asarray(token_ids, np.int64), positions, token_seq, slot_mapping, block_tables,
+                             np.asarray(last_rows, np.int64))
+        return self.model.forward(batch, self.kv_cache)
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    return next(i for i in range(n) if a[i] != b[i])
+

@@ -1,0 +1,161 @@
+"""Proposers: n-gram lookup matches a plain reference; a draft model equal to the target drafts exactly the
+target's greedy continuation, catches up after rollbacks, and refuses a different tokenizer."""
+
+import json
+import shutil
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import numaserve as ns
+from cluster_configs.errors import CheckpointError
+from kernels.ngram import ngram_lookup
+from models.proposers import DraftModelProposer, NgramProposer
+from models.spec import load_spec
+from models.tokenizer import Tokenizer
+from tests.conftest import random_prompt
+from tests.model_factory import build_model
+
+FP32 = {"weight_dtype": "float32", "kv_dtype": "float32"}
+
+
+@dataclass
+class Req:
+    request_id: str
+    token_ids: list[int]
+    params: ns.SamplingParams = field(default_factory=lambda: ns.SamplingParams(temperature=0))
+
+
+# ---- n-gram ---------------------------------------------------------------------------------------
+
+def reference_lookup(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
+    L = len(tokens)
+    for n in range(min(max_n, L - 1), min_n - 1, -1):
+        suffix = tokens[L - n:]
+        for s in reversed(range(L - n)):
+            if tokens[s:s + n] == suffix:
+                seq = list(tokens)
+                for j in range(k):
+                    seq.append(seq[s + n + j])
+                return seq[L:]
+    return []
+
+
+@settings(max_examples=300, deadline=None)
+@given(tokens=st.lists(st.integers(0, 3), min_size=1, max_size=40), min_n=st.integers(1, 3),
+       extra=st.integers(0, 3), k=st.integers(1, 6))
+def test_ngram_lookup_matches_a_plain_reference(tokens, min_n, extra, k):
+    out = np.empty(k, np.int64)
+    n = ngram_lookup(np.asarray(tokens, np.int64), min_n, min_n + extra, out)
+    assert out[:n].tolist() == reference_lookup(tokens, min_n, min_n + extra, k)
+
+
+def test_ngram_prefers_the_longest_most_recent_match():
+    #            a  b  c  X  a  b  c  Y  b  c  Z  a  b  c
+    tokens = [1, 2, 3, 9, 1, 2, 3, 8, 2, 3, 7, 1, 2, 3]
+    proposer = NgramProposer(ns.SpeculationConfig(method="ngram", prompt_lookup_min=2, prompt_lookup_max=3))
+    assert proposer.propose([Req("r", tokens)], [2]) == [[8, 2]]  # "1 2 3" last seen before 8, not 9
+    assert proposer.propose([Req("q", tokens[:-3] + [5, 2, 3])], [3]) == [[7, 5, 2]]  # only "2 3" recurs
+
+
+def test_ngram_proposer_drafts_nothing_at_depth_0_or_without_a_match():
+    proposer = NgramProposer(ns.SpeculationConfig(method="ngram"))
+    reqs = [Req("a", [1, 2, 1, 2]), Req("b", [5, 6, 7, 8])]
+    assert proposer.propose(reqs, [0, 4]) == [[], []]
+    assert proposer.propose(reqs, [3, 0]) == [[1, 2, 1], []]
+    reqs[0].token_ids += [1, 2, 5, 1, 2]  # the kept token buffer follows appended tokens
+    assert proposer.propose(reqs, [2, 0]) == [[5, 1], []]
+    proposer.free("a")
+    assert proposer.last_draft_probs == {}
+
+
+# ---- draft model ----------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def target_llm(llama_dir):
+    return ns.LLM(llama_dir, **FP32)
+
+
+def greedy(llm, prompt: list[int], n: int) -> list[int]:
+    return llm.generate(prompt, ns.SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))[0].token_ids
+
+
+def self_draft(llama_dir, **kwargs) -> DraftModelProposer:
+    kwargs = {"kv_cache_tokens": 1024, "block_size": 4, **kwargs}
+    return DraftModelProposer(llama_dir, load_spec(llama_dir), Tokenizer.from_dir(llama_dir),
+                              weight_dtype="float32", activation_dtype="float32", **kwargs)
+
+
+def test_self_draft_proposes_the_targets_greedy_continuation_for_a_batch(llama_dir, target_llm):
+    proposer = self_draft(llama_dir)
+    prompts = [random_prompt(n, seed=40 + n) for n in (5, 23, 1, 40)]
+    expected = [greedy(target_llm, p, 9) for p in prompts]
+    reqs = [Req(f"r{i}", list(p)) for i, p in enumerate(prompts)]
+    depths = [4, 3, 0, 4]
+    assert proposer.propose(reqs, depths) == [e[:d] for e, d in zip(expected, depths)]
+    for req, e, d in zip(reqs, expected, depths):  # every draft accepted, plus the target's bonus token
+        req.token_ids += e[:d + 1]
+    assert proposer.propose(reqs, [4, 4, 4, 4]) == [e[d + 1:d + 5] for e, d in zip(expected, depths)]
+    assert proposer.last_draft_probs == {}  # greedy drafts: q one-hot
+
+
+def test_self_draft_catches_up_after_a_rejection(llama_dir, target_llm):
+    proposer = self_draft(llama_dir)
+    prompt = random_prompt(17, seed=3)
+    expected = greedy(target_llm, prompt, 4)
+    req = Req("r", list(prompt))
+    assert proposer.propose([req], [4]) == [expected]  # its KV now holds prompt + 3 drafts
+    wrong = (expected[2] + 1) % 384
+    req.token_ids += expected[:2] + [wrong]  # the target took 2 drafts and replaced the third
+    assert proposer.propose([req], [4]) == [greedy(target_llm, req.token_ids, 4)]
+    req.token_ids = req.token_ids[:len(prompt) + 1]  # a request rebuilt shorter (e.g. recomputed elsewhere)
+    assert proposer.propose([req], [2]) == [greedy(target_llm, req.token_ids, 2)]
+
+
+def test_self_draft_survives_a_draft_kv_pool_too_small_for_everyone(llama_dir, target_llm):
+    proposer = self_draft(llama_dir, kv_cache_tokens=48)  # 12 blocks of 4: one 30-token request at a time
+    prompts = [random_prompt(30, seed=60 + i) for i in range(3)]
+    for i, p in enumerate(prompts):
+        assert proposer.propose([Req(f"r{i}", list(p))], [3]) == [greedy(target_llm, p, 3)]
+    assert len(proposer.seqs) == 1  # idle requests' draft KV was evicted for the newcomer
+    proposer.free("r2")
+    assert proposer.pool.num_free_blocks == proposer.pool.num_blocks
+
+
+def test_sampled_requests_get_sampled_drafts_with_their_distributions(llama_dir):
+    proposer = self_draft(llama_dir)
+    params = ns.SamplingParams(temperature=0.8, seed=5)
+    req = Req("s", random_prompt(10, seed=4), params)
+    drafts = proposer.propose([req], [3])[0]
+    q = proposer.last_draft_probs["s"]
+    assert len(drafts) == 3 and q.shape == (3, 384)
+    np.testing.assert_allclose(q.sum(axis=1), 1.0)
+    proposer.free("s")
+    assert proposer.propose([Req("s", list(req.token_ids), params)], [3])[0] == drafts  # keyed by (seed, position)
+
+
+def test_draft_model_with_another_tokenizer_is_refused(tmp_path, llama_dir):
+    draft = tmp_path / "draft"
+    shutil.copytree(llama_dir, draft)
+    tok = json.loads((draft / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    a, b = sorted(vocab, key=vocab.get)[200:202]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (draft / "tokenizer.json").write_text(json.dumps(tok))
+    with pytest.raises(CheckpointError, match=r"tokenizer differs from the target's at 2 token ids"):
+        DraftModelProposer(draft, load_spec(llama_dir), Tokenizer.from_dir(llama_dir), kv_cache_tokens=64)
+
+
+def test_models_without_tokenizers_need_equal_vocabulary_sizes(tmp_path, llama_dir):
+    target, draft = tmp_path / "target", tmp_path / "draft"
+    shutil.copytree(llama_dir, target)
+    build_model(draft, "llama", vocab_size=320)
+    for d in (target, draft):
+        (d / "tokenizer.json").unlink()
+    with pytest.raises(CheckpointError, match=r"vocabulary size 320 differs from the target's 384"):
+        DraftModelProposer(draft, load_spec(target), None, kv_cache_tokens=64)
+    with pytest.raises(CheckpointError, match=r"the target has a tokenizer but the draft model has none"):
+        DraftModelProposer(draft, load_spec(llama_dir), Tokenizer.from_dir(llama_dir), kv_cache_tokens=64)
