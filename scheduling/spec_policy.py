@@ -1,0 +1,222 @@
+"""Speculation policy: per step and request, the draft depth that maximizes measured goodput.
+
+Goodput of a step = expected tokens it appends / its expected cost. A request drafting d tokens appends
+1 + sum_{i<d} prod_{j<=i} a_j tokens in expectation (a_j: the EMA of the conditional acceptance at draft
+position j). A step costs fixed_s + per_token_s * num_tokens (+ the proposer's time per draft position),
+fitted by least squares to the recent steps' measured (num_tokens, seconds). The same acceptance that pays
+at batch 1 loses at batch 32: a decode step at batch 1 reads all weights for one token, so drafts ride
+almost free, while at batch 32 a draft token costs as much as another request's token and must be
+accepted often enough to beat it.
+
+Draft tokens compete across requests by their marginal expected tokens: every prefix of that ranking is
+the best allocation of its size, so `choose_depths` evaluates goodput for each total and keeps the best.
+
+Modes scale what a draft token is charged (`draft_cost_factor`):
+- auto: its measured cost, raised under pressure: waiting requests (a draft token takes budget a prefill
+  chunk could use) and a filling KV pool (draft slots push toward preemption);
+- latency_first: the running requests come first: waiting requests add nothing;
+- throughput_first: 1.25x its cost (only clearly paying drafts) and waiting requests count fully;
+- on: always the configured depth. Every mode respects max_compute_fraction and the token budget; all but
+  "on" stop drafting when the KV pool is nearly full.
+When no draft has been verified for PROBE_INTERVAL steps, the policy probes at depth 1 so that a
+returning acceptance is seen (acceptance is only measured where drafts are made).
+
+Plain data crosses process boundaries: a worker reports SpecStepStats, the scheduler answers with a
+SpeculationPolicy, and the worker runs `choose_depths` on each step's actual batch (it keeps the last
+policy if the scheduler is gone). The in-process LLM runs SpeculationController itself.
+"""
+
+import math
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from cluster_configs.speculation_config import SpeculationConfig
+
+PRIOR_ACCEPT = 0.6  # acceptance assumed at a position before any draft there was verified
+PRIOR_SLOPE_RATIO = 1 / 16  # per-token / fixed cost of a step until two token counts were measured
+ACCEPT_ALPHA = 0.02  # EMA weight of one verified draft
+COST_WINDOW = 256  # recent steps the cost fit uses
+PROBE_INTERVAL = 64  # steps without a verified draft before a depth-1 probe
+KV_SOFT, KV_HIGH = 0.80, 0.95  # KV usage where draft pressure starts / drafting stops
+MODE_BIAS = {"auto": 1.0, "latency_first": 1.0, "throughput_first": 1.25}
+QUEUE_WEIGHT = {"auto": 0.5, "latency_first": 0.0, "throughput_first": 1.0}
+KV_WEIGHT = 1.0
+
+
+@dataclass(frozen=True)
+class SpecStepStats:
+    """One engine step, as speculation saw it."""
+    num_tokens: int  # tokens of the target forward, drafts included
+    seconds: float  # wall time of the target forward and verification
+    num_requests: int  # requests in the step (batch size)
+    num_waiting: int  # queue depth after the step was planned
+    kv_usage: float  # used / total KV blocks
+    draft_seconds: float = 0.0  # the proposer's time
+    max_draft_depth: int = 0  # the deepest draft (a draft model runs this many forwards)
+    num_drafts_per_position: tuple[int, ...] = ()  # drafts verified at position i (all earlier ones accepted)
+    num_accepted_per_position: tuple[int, ...] = ()
+
+
+def count_positions(results: Iterable[tuple[int, int]], depth: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(num drafted, num accepted) per request -> (drafts verified, drafts accepted) per position."""
+    verified, accepted = [0] * depth, [0] * depth
+    for num_drafted, num_accepted in results:
+        for i in range(min(num_drafted, num_accepted + 1)):
+            verified[i] += 1
+        for i in range(num_accepted):
+            accepted[i] += 1
+    return tuple(verified), tuple(accepted)
+
+
+class AcceptanceEMA:
+    """Per-position conditional acceptance, an EMA weighted by the number of drafts verified there."""
+
+    def __init__(self, rates: Sequence[float]):
+        self.rates = np.array(rates, np.float64)
+
+    @classmethod
+    def prior(cls, depth: int) -> "AcceptanceEMA":
+        return cls([PRIOR_ACCEPT] * depth)
+
+    def update(self, num_drafts: Sequence[int], num_accepted: Sequence[int]) -> None:
+        for i, (n, a) in enumerate(zip(num_drafts, num_accepted)):
+            if n > 0 and i < len(self.rates):
+                weight = 1.0 - (1.0 - ACCEPT_ALPHA) ** n
+                self.rates[i] += weight * (a / n - self.rates[i])
+
+
+class StepCostModel:
+    """seconds(num_tokens) = fixed_s + per_token_s * num_tokens, least squares over recent steps."""
+
+    def __init__(self, window: int = COST_WINDOW):
+        self.samples: deque[tuple[int, float]] = deque(maxlen=window)
+        self.draft_s_per_position = 0.0  # EMA of the proposer's time per draft position
+
+    def observe(self, stats: SpecStepStats) -> None:
+        if stats.num_tokens > 0 and stats.seconds > 0:
+            self.samples.append((stats.num_tokens, stats.seconds))
+        if stats.max_draft_depth > 0:
+            per_position = stats.draft_seconds / stats.max_draft_depth
+            self.draft_s_per_position += 0.1 * (per_position - self.draft_s_per_position)
+
+    def fit(self) -> tuple[float, float]:
+        """-> (fixed_s, per_token_s); before data, the prior shape at unit scale."""
+        if not self.samples:
+            return 1.0, PRIOR_SLOPE_RATIO
+        t, s = np.array(self.samples, np.float64).T
+        if np.ptp(t) < 1:  # one token count: the slope is not identifiable, keep the prior's shape
+            fixed = s.mean() / (1.0 + PRIOR_SLOPE_RATIO * t.mean())
+            return fixed, PRIOR_SLOPE_RATIO * fixed
+        per_token = max(float(np.cov(t, s, bias=True)[0, 1] / t.var()), 0.0)
+        fixed = max(float(s.mean() - per_token * t.mean()), 0.0)
+        return fixed, per_token
+
+
+@dataclass(frozen=True)
+class SpeculationPolicy:
+    """What a worker needs to choose each step's depths: small plain data, pushed by the scheduler."""
+    mode: str  # SpeculationConfig.mode
+    max_depth: int  # 0 = no drafting (method off, or the KV pool nearly full)
+    accept_rates: tuple[float, ...]  # per-position acceptance EMA, len = num_speculative_tokens
+    fixed_s: float  # step cost fit: fixed_s + per_token_s * num_tokens
+    per_token_s: float
+    draft_s_per_position: float  # the proposer's time per draft position
+    draft_cost_factor: float  # draft tokens are charged this times their cost (mode bias x pressure)
+    max_compute_fraction: float
+    probe: bool = False  # depth 1 for every request this step, to re-measure acceptance
+
+    @classmethod
+    def off(cls) -> "SpeculationPolicy":
+        return cls("auto", 0, (), 1.0, PRIOR_SLOPE_RATIO, 0.0, 1.0, 1.0)
+
+
+class SpeculationController:
+    """Telemetry in, policy out. Owned by the in-process engine, or per worker by the scheduler actor."""
+
+    def __init__(self, config: SpeculationConfig):
+        self.config = config
+        self.acceptance = AcceptanceEMA.prior(config.num_speculative_tokens)
+        self.cost = StepCostModel()
+        self.last: SpecStepStats | None = None
+        self.num_steps_without_drafts = 0
+
+    def observe(self, stats: SpecStepStats) -> None:
+        self.last = stats
+        self.cost.observe(stats)
+        self.acceptance.update(stats.num_drafts_per_position, stats.num_accepted_per_position)
+        drafted = sum(stats.num_drafts_per_position) > 0
+        self.num_steps_without_drafts = 0 if drafted else self.num_steps_without_drafts + (stats.num_requests > 0)
+
+    def policy(self) -> SpeculationPolicy:
+        cfg = self.config
+        if not cfg.enabled:
+            return SpeculationPolicy.off()
+        last = self.last
+        kv_usage = last.kv_usage if last else 0.0
+        max_depth = cfg.num_speculative_tokens
+        if cfg.mode != "on" and kv_usage >= KV_HIGH:
+            max_depth = 0
+        factor = 1.0
+        if cfg.mode != "on":
+            queue = min(1.0, last.num_waiting / max(1, last.num_requests)) if last else 0.0
+            kv = min(1.0, max(0.0, (kv_usage - KV_SOFT) / (KV_HIGH - KV_SOFT)))
+            factor = MODE_BIAS[cfg.mode] * (1.0 + QUEUE_WEIGHT[cfg.mode] * queue) * (1.0 + KV_WEIGHT * kv)
+        fixed_s, per_token_s = self.cost.fit()
+        probe = cfg.mode != "on" and max_depth > 0 and self.num_steps_without_drafts >= PROBE_INTERVAL
+        return SpeculationPolicy(cfg.mode, max_depth, tuple(self.acceptance.rates.tolist()), fixed_s, per_token_s,
+                                 self.cost.draft_s_per_position, factor, cfg.max_compute_fraction, probe)
+
+
+def max_draft_tokens(num_base_tokens: int, max_compute_fraction: float, token_budget: int | None) -> int:
+    """Draft tokens a step may add so that drafts / all tokens <= max_compute_fraction, within the budget."""
+    f = max_compute_fraction
+    cap = math.inf if f >= 1.0 else math.floor(f * num_base_tokens / (1.0 - f) + 1e-9)
+    if token_budget is not None:
+        cap = min(cap, token_budget)
+    return int(min(cap, 1 << 30))
+
+
+def choose_depths(policy: SpeculationPolicy, num_base_tokens: int, max_depths: Sequence[int],
+                  accept_rates: Sequence[Sequence[float] | None] | None = None,
+                  token_budget: int | None = None) -> list[int]:
+    """Draft depth per decoding request of a step.
+
+    num_base_tokens: the step's tokens without drafts (decode tokens + prefill chunks); max_depths: per
+    decoding request, the most drafts it may take (the engine caps by remaining max_tokens / model length);
+    accept_rates: per request its own acceptance EMA, None for the policy's; token_budget: draft tokens
+    the step's budget has room for.
+    """
+    caps = [max(0, min(policy.max_depth, m)) for m in max_depths]
+    if policy.probe:
+        caps = [min(c, 1) for c in caps]
+    cap_total = max_draft_tokens(num_base_tokens, policy.max_compute_fraction, token_budget)
+    if not any(caps) or cap_total <= 0:
+        return [0] * len(caps)
+    # marginal expected tokens of each request's j-th draft; ties go to shallower drafts, then earlier requests
+    candidates = []
+    for r, cap in enumerate(caps):
+        rates = policy.accept_rates if accept_rates is None or accept_rates[r] is None else accept_rates[r]
+        gain = 1.0
+        for j in range(cap):
+            gain *= rates[j]
+            candidates.append((-gain, j, r))
+    candidates.sort()
+    candidates = candidates[:cap_total]
+    if policy.mode == "on" or policy.probe:
+        num_drafts = len(candidates)
+    else:
+        gains = -np.array([c[0] for c in candidates])
+        deepest = np.maximum.accumulate([c[1] + 1 for c in candidates])
+        d = np.arange(1, len(candidates) + 1)
+        base_s = policy.fixed_s + policy.per_token_s * num_base_tokens
+        draft_s = policy.per_token_s * d + policy.draft_s_per_position * deepest
+        goodput = (len(caps) + np.cumsum(gains)) / (base_s + policy.draft_cost_factor * draft_s)
+        best = int(np.argmax(goodput))
+        num_drafts = best + 1 if goodput[best] > len(caps) / base_s else 0
+    depths = [0] * len(caps)
+    for _, j, r in candidates[:num_drafts]:
+        depths[r] = max(depths[r], j + 1)
+    return depths

@@ -1,0 +1,172 @@
+"""Speculation policy with fixed inputs: depth follows acceptance and load; forced modes and caps hold."""
+
+import itertools
+
+import numpy as np
+import pytest
+
+import numaserve as ns
+from scheduling.spec_policy import (
+    PROBE_INTERVAL,
+    AcceptanceEMA,
+    SpecStepStats,
+    SpeculationController,
+    SpeculationPolicy,
+    choose_depths,
+    count_positions,
+)
+
+K = 4
+FIXED_S, PER_TOKEN_S = 0.010, 0.0005  # the simulated machine: a step costs 10 ms + 0.5 ms per token
+
+
+def controller(**fields) -> SpeculationController:
+    return SpeculationController(ns.SpeculationConfig(method="ngram", num_speculative_tokens=K, **fields))
+
+
+def run_step(ctrl: SpeculationController, batch: int, accept: float, *, waiting: int = 0, kv_usage: float = 0.3,
+             rng=None) -> tuple[list[int], SpeculationPolicy]:
+    """Choose depths for a decode batch, verify drafts that each pass with probability `accept` (exactly
+    round(accept * n) of the n verified at a position when rng is None), report the step."""
+    policy = ctrl.policy()
+    depths = choose_depths(policy, batch, [K] * batch)
+    if rng is None:
+        reached = [sum(d > 0 for d in depths)]
+        verified, accepted = [], []
+        for i in range(K):
+            n = min(reached[-1], sum(d > i for d in depths))
+            a = round(accept * n)
+            verified.append(n)
+            accepted.append(a)
+            reached.append(a)
+    else:
+        results = []
+        for d in depths:
+            passed = rng.random(d) < accept
+            results.append((d, int(np.argmin(passed)) if not passed.all() else d))
+        verified, accepted = count_positions(results, K)
+    num_tokens = batch + sum(depths)
+    ctrl.observe(SpecStepStats(num_tokens, FIXED_S + PER_TOKEN_S * num_tokens, batch, waiting, kv_usage,
+                               num_drafts_per_position=tuple(verified), num_accepted_per_position=tuple(accepted)))
+    return depths, policy
+
+
+def trained(accept: float, steps: int = 300, batch: int | None = None) -> SpeculationController:
+    """A controller after `steps` steps at this acceptance, at batch sizes 1..8 unless one is given."""
+    ctrl = controller()
+    rng = np.random.default_rng(0)
+    for step in range(steps):
+        run_step(ctrl, batch or 1 + step % 8, accept, rng=rng)
+    return ctrl
+
+
+def test_depth_falls_monotonically_under_sustained_low_acceptance():
+    ctrl = trained(0.9)
+    history = [max(run_step(ctrl, 2, 0.1)[0]) for _ in range(PROBE_INTERVAL)]
+    assert history[0] == K and history[-1] == 0
+    assert all(a >= b for a, b in itertools.pairwise(history)), history
+
+
+def test_a_probe_remeasures_acceptance_after_drafting_stopped():
+    ctrl = controller()
+    for _ in range(100):
+        run_step(ctrl, 8, 0.0)
+    probes = []
+    for _ in range(3 * PROBE_INTERVAL):
+        depths, policy = run_step(ctrl, 8, 0.0)
+        probes.append(policy.probe)
+        assert max(depths) == (1 if policy.probe else 0)
+    assert 1 <= sum(probes) <= 4  # a probe that finds acceptance still low is not repeated at once
+
+
+def test_depth_falls_as_the_batch_grows():
+    policy = trained(0.7).policy()
+    batches = [1, 2, 4, 8, 16, 32, 64]
+    depths = [np.mean(choose_depths(policy, b, [K] * b)) for b in batches]
+    assert depths[0] == K and depths[-1] == 0
+    assert all(a >= b for a, b in itertools.pairwise(depths)), depths
+
+
+def test_depth_recovers_when_acceptance_returns_and_load_falls():
+    ctrl = controller()
+    for _ in range(200):
+        run_step(ctrl, 32, 0.1)
+    assert max(run_step(ctrl, 32, 0.1)[0]) == 0
+    rng = np.random.default_rng(1)
+    history = [max(run_step(ctrl, 2, 0.9, rng=rng)[0]) for _ in range(3 * PROBE_INTERVAL)]
+    assert history[-1] == K
+
+
+def test_same_acceptance_pays_at_batch_1_and_not_at_batch_32():
+    policy = trained(0.5).policy()
+    assert max(choose_depths(policy, 1, [K])) >= 2
+    assert max(choose_depths(policy, 32, [K] * 32)) == 0
+
+
+def test_requests_with_higher_acceptance_draft_deeper():
+    policy = trained(0.5).policy()
+    own = [[0.95] * K, [0.2] * K, None]
+    depths = choose_depths(policy, 8, [K] * 3, accept_rates=own)
+    assert depths[0] > depths[2] > depths[1]
+
+
+def test_on_mode_keeps_the_configured_depth_whatever_acceptance_and_load():
+    ctrl = controller(mode="on")
+    for _ in range(100):
+        depths, _ = run_step(ctrl, 32, 0.0, waiting=50, kv_usage=0.99)
+    assert depths == [K] * 32
+    assert choose_depths(ctrl.policy(), 3, [K, 2, 0]) == [K, 2, 0]  # per-request caps still apply
+
+
+def test_method_off_never_drafts():
+    ctrl = SpeculationController(ns.SpeculationConfig())
+    assert ctrl.policy().max_depth == 0
+    assert choose_depths(ctrl.policy(), 1, [4]) == [0]
+
+
+@pytest.mark.parametrize("mode", ["on", "auto", "latency_first", "throughput_first"])
+@pytest.mark.parametrize("fraction", [0.2, 0.5, 0.75])
+def test_max_compute_fraction_caps_the_draft_share_of_every_step(mode, fraction):
+    ctrl = controller(mode=mode, max_compute_fraction=fraction)
+    rng = np.random.default_rng(2)
+    for batch in (1, 2, 3, 8):
+        for _ in range(20):
+            depths, _ = run_step(ctrl, batch, 1.0, rng=rng)
+            assert sum(depths) <= fraction * (batch + sum(depths)) + 1e-9
+
+
+def test_token_budget_caps_drafts():
+    policy = controller(mode="on").policy()
+    assert sum(choose_depths(policy, 4, [K] * 4, token_budget=6)) == 6
+
+
+def test_waiting_requests_weigh_by_mode():
+    depth = {}
+    for mode in ("latency_first", "auto", "throughput_first"):
+        ctrl = controller(mode=mode)
+        rng = np.random.default_rng(3)
+        for _ in range(300):
+            run_step(ctrl, 8, 0.7, waiting=8, rng=rng)
+        depth[mode] = sum(choose_depths(ctrl.policy(), 8, [K] * 8))
+    assert depth["latency_first"] > depth["auto"] > depth["throughput_first"], depth
+
+
+def test_a_nearly_full_kv_pool_stops_drafting_except_when_forced():
+    for mode, expected in (("auto", 0), ("latency_first", 0), ("on", K)):
+        ctrl = controller(mode=mode)
+        run_step(ctrl, 1, 1.0, kv_usage=0.97)
+        assert max(choose_depths(ctrl.policy(), 1, [K])) == expected
+
+
+def test_cost_fit_recovers_the_measured_step_cost():
+    ctrl = trained(0.7, steps=100)
+    fixed, per_token = ctrl.cost.fit()
+    assert fixed == pytest.approx(FIXED_S) and per_token == pytest.approx(PER_TOKEN_S)
+
+
+def test_position_counts_follow_each_requests_accepted_run():
+    # drafted 3 accepted 1: positions 0, 1 verified; drafted 2 accepted 2: both; drafted 0: none
+    assert count_positions([(3, 1), (2, 2), (0, 0)], 4) == ((2, 2, 0, 0), (2, 1, 0, 0))
+    ema = AcceptanceEMA.prior(2)
+    ema.update((100, 0), (100, 0))
+    assert ema.rates[0] > 0.85 and ema.rates[1] == pytest.approx(0.6)
