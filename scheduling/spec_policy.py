@@ -211,7 +211,7 @@ def choose_depths(policy: SpeculationPolicy, num_base_tokens: int, max_depths: S
         gains = -np.array([c[0] for c in candidates])
         deepest = np.maximum.accumulate([c[1] + 1 for c in candidates])
         d = np.arange(1, len(candidates) + 1)
-        base_s = policy.fixed_s + policy.per_token_s * num_base_tokens
+        base_s = max(policy.fixed_s + policy.per_token_s * num_base_tokens, 1e-12)
         draft_s = policy.per_token_s * d + policy.draft_s_per_position * deepest
         goodput = (len(caps) + np.cumsum(gains)) / (base_s + policy.draft_cost_factor * draft_s)
         best = int(np.argmax(goodput))

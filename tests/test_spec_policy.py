@@ -170,3 +170,16 @@ def test_position_counts_follow_each_requests_accepted_run():
     ema = AcceptanceEMA.prior(2)
     ema.update((100, 0), (100, 0))
     assert ema.rates[0] > 0.85 and ema.rates[1] == pytest.approx(0.6)
+
+
+def test_speculation_config_nests_in_engine_config_and_names_bad_fields():
+    config = ns.EngineConfig(speculation={"method": "ngram", "num_speculative_tokens": 6, "mode": "latency_first"})
+    assert config.speculation == ns.SpeculationConfig(method="ngram", num_speculative_tokens=6, mode="latency_first")
+    assert ns.EngineConfig().speculation.method == "off"
+    bad = [({"num_speculative_tokens": 17}, "num_speculative_tokens"), ({"mode": "fast"}, "mode"),
+           ({"max_compute_fraction": 0.0}, "max_compute_fraction"), ({"depth": 3}, "depth"),
+           ({"prompt_lookup_min": 5}, "prompt_lookup_min"), ({"method": "draft"}, "draft_model"),
+           ({"method": "ngram", "draft_model": "x"}, "draft_model")]
+    for fields, name in bad:
+        with pytest.raises(ValueError, match=name):
+            ns.EngineConfig(speculation=fields)

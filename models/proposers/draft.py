@@ -63,6 +63,7 @@ def check_same_vocabulary(draft_path: str | Path, draft_spec: ModelSpec, draft_t
 class _DraftSeq:
     token_ids: list[int] = field(default_factory=list)  # tokens whose KV this proposer holds
     block_ids: list[int] = field(default_factory=list)
+    num_verified: int = 0  # of token_ids, a prefix that was the request's own (verified) at the last call
 
 
 class DraftModelProposer(Proposer):
@@ -100,8 +101,9 @@ class DraftModelProposer(Proposer):
         feeds = []
         for i in active:
             seq, token_ids = self.seqs[requests[i].request_id], requests[i].token_ids
-            keep = min(_common_prefix(seq.token_ids, token_ids), len(token_ids) - 1)  # rerun >= 1 for its logits
+            keep = min(_common_prefix(seq, token_ids), len(token_ids) - 1)  # rerun >= 1 for its logits
             self._truncate(seq, keep)
+            seq.num_verified = len(token_ids)
             feeds.append((i, token_ids[keep:]))
         probs: dict[int, list[np.ndarray]] = {}
         for pos in range(max((depths[i] for i in active), default=0)):
@@ -142,6 +144,7 @@ class DraftModelProposer(Proposer):
 
     def _truncate(self, seq: _DraftSeq, keep: int) -> None:
         del seq.token_ids[keep:]
+        seq.num_verified = min(seq.num_verified, keep)
         num_blocks = -(-keep // self.block_size)
         self.pool.free(reversed(seq.block_ids[num_blocks:]))
         del seq.block_ids[num_blocks:]
@@ -190,9 +193,13 @@ class DraftModelProposer(Proposer):
         return self.model.forward(batch, self.kv_cache)
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
+def _common_prefix(seq: _DraftSeq, token_ids: list[int]) -> int:
+    """Length of the common prefix of seq.token_ids and token_ids. Verified tokens only grow, so the
+    comparison starts where the last call's verified tokens end unless the request got shorter."""
+    a, b = seq.token_ids, token_ids
+    start = min(seq.num_verified, len(a)) if len(b) >= seq.num_verified else 0
     n = min(len(a), len(b))
-    if a[:n] == b[:n]:
+    if a[start:n] == b[start:n]:
         return n
-    return next(i for i in range(n) if a[i] != b[i])
+    return next(i for i in range(start, n) if a[i] != b[i])
 
