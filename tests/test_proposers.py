@@ -159,3 +159,29 @@ def test_models_without_tokenizers_need_equal_vocabulary_sizes(tmp_path, llama_d
         DraftModelProposer(draft, load_spec(target), None, kv_cache_tokens=64)
     with pytest.raises(CheckpointError, match=r"the target has a tokenizer but the draft model has none"):
         DraftModelProposer(draft, load_spec(llama_dir), Tokenizer.from_dir(llama_dir), kv_cache_tokens=64)
+
+
+def test_sampled_drafts_follow_the_distributions_they_report(llama_dir):
+    from tests.test_rejection import chi_square_p_value
+
+    num_requests = 4000
+    proposer = self_draft(llama_dir, kv_cache_tokens=num_requests * 8)
+    prompt = random_prompt(6, seed=8)
+    reqs = [Req(f"s{i}", list(prompt), ns.SamplingParams(temperature=1.5, seed=i)) for i in range(num_requests)]
+    drafts = proposer.propose(reqs, [1] * num_requests)
+    q = proposer.last_draft_probs["s0"][0]
+    for r in reqs[:50]:  # one prompt: one q (up to the rounding of rows in a batched matmul)
+        np.testing.assert_allclose(proposer.last_draft_probs[r.request_id][0], q, rtol=1e-4, atol=1e-7)
+    counts = np.bincount([d[0] for d in drafts], minlength=q.shape[0])
+    assert chi_square_p_value(counts, q) > 1e-3  # seeded: deterministic
+
+
+def test_make_proposer_builds_the_configured_method(llama_dir):
+    from models.proposers import make_proposer
+
+    spec, tok = load_spec(llama_dir), Tokenizer.from_dir(llama_dir)
+    kw = {"kv_cache_tokens": 64, "block_size": 16}
+    assert make_proposer(ns.SpeculationConfig(), spec, tok, **kw) is None
+    assert isinstance(make_proposer(ns.SpeculationConfig(method="ngram"), spec, tok, **kw), NgramProposer)
+    draft = make_proposer(ns.SpeculationConfig(method="draft", draft_model=str(llama_dir)), spec, tok, **kw)
+    assert isinstance(draft, DraftModelProposer) and draft.model.weight_dtype == "bfloat16"

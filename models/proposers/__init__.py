@@ -1,7 +1,27 @@
 """Draft proposers for speculative decoding, behind one interface (base.Proposer)."""
 
+from cluster_configs.diagnostics import DecisionLog
+from cluster_configs.speculation_config import SpeculationConfig
 from models.proposers.base import Proposer, SpecRequest
 from models.proposers.draft import DraftModelProposer, check_same_vocabulary
 from models.proposers.ngram import NgramProposer
+from models.spec import ModelSpec
+from models.tokenizer import Tokenizer
 
-__all__ = ["DraftModelProposer", "NgramProposer", "Proposer", "SpecRequest", "check_same_vocabulary"]
+
+def make_proposer(config: SpeculationConfig, target_spec: ModelSpec, target_tokenizer: Tokenizer | None, *,
+                  kv_cache_tokens: int, block_size: int, kv_dtype: str = "float32", activation_dtype: str = "auto",
+                  decisions: DecisionLog | None = None) -> Proposer | None:
+    """The proposer of config.method (None when off). A draft model keeps its checkpoint's weight types
+    ("auto") and gets a KV pool of kv_cache_tokens tokens in blocks of block_size."""
+    if config.method == "ngram":
+        return NgramProposer(config)
+    if config.method == "draft":
+        return DraftModelProposer(config.draft_model, target_spec, target_tokenizer, kv_cache_tokens=kv_cache_tokens,
+                                  block_size=block_size, kv_dtype=kv_dtype, activation_dtype=activation_dtype,
+                                  decisions=decisions)
+    return None
+
+
+__all__ = ["DraftModelProposer", "NgramProposer", "Proposer", "SpecRequest", "check_same_vocabulary",
+           "make_proposer"]
