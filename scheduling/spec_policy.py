@@ -39,6 +39,7 @@ PRIOR_ACCEPT = 0.6  # acceptance assumed at a position before any draft there wa
 PRIOR_SLOPE_RATIO = 1 / 16  # per-token / fixed cost of a step until two token counts were measured
 ACCEPT_ALPHA = 0.02  # EMA weight of one verified draft
 COST_WINDOW = 256  # recent steps the cost fit uses
+MIN_LOCAL_SAMPLES = 8  # steps near the decision's size that make a local cost fit
 PROBE_INTERVAL = 64  # steps without a verified draft before a depth-1 probe
 KV_SOFT, KV_HIGH = 0.80, 0.95  # KV usage where draft pressure starts / drafting stops
 MODE_BIAS = {"auto": 1.0, "latency_first": 1.0, "throughput_first": 1.25}
@@ -102,11 +103,20 @@ class StepCostModel:
             per_position = stats.draft_seconds / stats.max_draft_depth
             self.draft_s_per_position += 0.1 * (per_position - self.draft_s_per_position)
 
-    def fit(self) -> tuple[float, float]:
-        """-> (fixed_s, per_token_s); before data, the prior shape at unit scale."""
+    def fit(self, max_tokens: int | None = None) -> tuple[float, float]:
+        """-> (fixed_s, per_token_s); before data, the prior shape at unit scale.
+
+        A decode step is memory-bound (flat in its token count) until compute catches up, so one line
+        through decode steps and long prefill chunks would overstate what a few draft tokens cost. With
+        max_tokens, the fit uses the steps up to that size when they span at least two token counts.
+        """
         if not self.samples:
             return 1.0, PRIOR_SLOPE_RATIO
         t, s = np.array(self.samples, np.float64).T
+        if max_tokens is not None:
+            near = t <= max_tokens
+            if near.sum() >= MIN_LOCAL_SAMPLES and np.ptp(t[near]) >= 1:
+                t, s = t[near], s[near]
         if np.ptp(t) < 1:  # one token count: the slope is not identifiable, keep the prior's shape
             fixed = s.mean() / (1.0 + PRIOR_SLOPE_RATIO * t.mean())
             return fixed, PRIOR_SLOPE_RATIO * fixed
@@ -164,7 +174,8 @@ class SpeculationController:
             queue = min(1.0, last.num_waiting / max(1, last.num_requests)) if last else 0.0
             kv = min(1.0, max(0.0, (kv_usage - KV_SOFT) / (KV_HIGH - KV_SOFT)))
             factor = MODE_BIAS[cfg.mode] * (1.0 + QUEUE_WEIGHT[cfg.mode] * queue) * (1.0 + KV_WEIGHT * kv)
-        fixed_s, per_token_s = self.cost.fit()
+        # the decisions are about steps of about num_requests * (1 + depth) tokens: fit the cost there
+        fixed_s, per_token_s = self.cost.fit(2 * max(last.num_requests, 1) * (1 + max_depth) if last else None)
         probe = cfg.mode != "on" and max_depth > 0 and self.num_steps_without_drafts >= PROBE_INTERVAL
         return SpeculationPolicy(cfg.mode, max_depth, tuple(self.acceptance.rates.tolist()), fixed_s, per_token_s,
                                  self.cost.draft_s_per_position, factor, cfg.max_compute_fraction, probe)

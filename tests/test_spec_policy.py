@@ -183,3 +183,18 @@ def test_speculation_config_nests_in_engine_config_and_names_bad_fields():
     for fields, name in bad:
         with pytest.raises(ValueError, match=name):
             ns.EngineConfig(speculation=fields)
+
+
+def test_cost_fit_is_local_to_decode_sized_steps():
+    # memory-bound until 8 tokens, then 2 ms per token: prefill chunks of 256 must not make drafts look costly
+    def seconds(num_tokens: int) -> float:
+        return 0.020 + 0.002 * max(0, num_tokens - 8)
+
+    ctrl = controller()
+    for step in range(100):
+        num_tokens = 256 if step % 10 == 0 else 1 + step % 5
+        ctrl.observe(SpecStepStats(num_tokens, seconds(num_tokens), 1, 0, 0.3))
+    fixed, per_token = ctrl.cost.fit(max_tokens=10)
+    assert fixed == pytest.approx(0.020) and per_token == pytest.approx(0.0)
+    assert ctrl.cost.fit()[1] > 0.001  # one line through every step would charge 1.7 ms per draft token
+    assert ctrl.policy().per_token_s == pytest.approx(0.0)
