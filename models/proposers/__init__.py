@@ -10,16 +10,17 @@ from models.tokenizer import Tokenizer
 
 
 def make_proposer(config: SpeculationConfig, target_spec: ModelSpec, target_tokenizer: Tokenizer | None, *,
-                  kv_cache_tokens: int, block_size: int, kv_dtype: str = "float32", activation_dtype: str = "auto",
-                  decisions: DecisionLog | None = None) -> Proposer | None:
-    """The proposer of config.method (None when off). A draft model keeps its checkpoint's weight types
-    ("auto") and gets a KV pool of kv_cache_tokens tokens in blocks of block_size."""
+                  kv_cache_tokens: int, block_size: int, weight_dtype: str = "auto", kv_dtype: str = "float32",
+                  activation_dtype: str = "auto", decisions: DecisionLog | None = None) -> Proposer | None:
+    """The proposer of config.method (None when off). A draft model gets a KV pool of kv_cache_tokens
+    tokens in blocks of block_size; pass the engine's weight, KV and activation dtypes so that a draft
+    model equal to the target drafts exactly the target's greedy tokens."""
     if config.method == "ngram":
         return NgramProposer(config)
     if config.method == "draft":
         return DraftModelProposer(config.draft_model, target_spec, target_tokenizer, kv_cache_tokens=kv_cache_tokens,
-                                  block_size=block_size, kv_dtype=kv_dtype, activation_dtype=activation_dtype,
-                                  decisions=decisions)
+                                  block_size=block_size, weight_dtype=weight_dtype, kv_dtype=kv_dtype,
+                                  activation_dtype=activation_dtype, decisions=decisions)
     return None
 
 
