@@ -185,3 +185,13 @@ def test_make_proposer_builds_the_configured_method(llama_dir):
     assert isinstance(make_proposer(ns.SpeculationConfig(method="ngram"), spec, tok, **kw), NgramProposer)
     draft = make_proposer(ns.SpeculationConfig(method="draft", draft_model=str(llama_dir)), spec, tok, **kw)
     assert isinstance(draft, DraftModelProposer) and draft.model.weight_dtype == "bfloat16"
+
+
+def test_a_gguf_draft_of_the_targets_family_is_accepted(tmp_path, llama_dir, target_llm):
+    from models.gguf_writer import convert_to_gguf
+
+    gguf_path = convert_to_gguf(llama_dir, tmp_path / "draft.gguf", weight_dtype="float32")
+    proposer = DraftModelProposer(gguf_path, load_spec(llama_dir), Tokenizer.from_dir(llama_dir),
+                                  kv_cache_tokens=256, weight_dtype="float32", activation_dtype="float32")
+    prompt = random_prompt(12, seed=9)
+    assert proposer.propose([Req("g", prompt)], [3]) == [greedy(target_llm, prompt, 3)]
