@@ -106,8 +106,9 @@ class DraftModelProposer(Proposer):
             seq.num_verified = len(token_ids)
             feeds.append((i, token_ids[keep:]))
         probs: dict[int, list[np.ndarray]] = {}
-        for pos in range(max((depths[i] for i in active), default=0)):
-            feeds = self._reserve(requests, feeds)
+        step_ids = {requests[i].request_id for i in active}
+        for _ in range(max((depths[i] for i in active), default=0)):
+            feeds = self._reserve(requests, feeds, step_ids)
             if not feeds:
                 break
             logits = self._forward([(self.seqs[requests[i].request_id], new) for i, new in feeds])
@@ -149,17 +150,17 @@ class DraftModelProposer(Proposer):
         self.pool.free(reversed(seq.block_ids[num_blocks:]))
         del seq.block_ids[num_blocks:]
 
-    def _reserve(self, requests: Sequence[SpecRequest], feeds: list[tuple[int, list[int]]]):
-        """Blocks for the feeds' new tokens; idle requests' KV is evicted if short, and a request that
-        still does not fit stops drafting (its KV is dropped: it catches up when it next drafts)."""
+    def _reserve(self, requests: Sequence[SpecRequest], feeds: list[tuple[int, list[int]]], step_ids: set[str]):
+        """Blocks for the feeds' new tokens. If short, requests outside this step lose their draft KV
+        (least recently drafted first); a request that still does not fit stops drafting and drops its
+        KV (it catches up when it next drafts)."""
         kept = []
-        drafting = {requests[i].request_id for i, _ in feeds}
         for i, new in feeds:
             rid = requests[i].request_id
             seq = self.seqs[rid]
             need = -(-(len(seq.token_ids) + len(new)) // self.block_size) - len(seq.block_ids)
             while not self.pool.can_allocate(need):
-                idle = next((r for r in self.seqs if r not in drafting), None)
+                idle = next((r for r in self.seqs if r not in step_ids), None)
                 if idle is None:
                     break
                 self.free(idle)
