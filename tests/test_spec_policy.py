@@ -4,6 +4,8 @@ import itertools
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import numaserve as ns
 from scheduling.spec_policy import (
@@ -198,3 +200,22 @@ def test_cost_fit_is_local_to_decode_sized_steps():
     assert fixed == pytest.approx(0.020) and per_token == pytest.approx(0.0)
     assert ctrl.cost.fit()[1] > 0.001  # one line through every step would charge 1.7 ms per draft token
     assert ctrl.policy().per_token_s == pytest.approx(0.0)
+
+
+@settings(max_examples=200, deadline=None)
+@given(rates=st.lists(st.floats(0.0, 1.0), min_size=K, max_size=K), max_depths=st.lists(st.integers(0, 8), max_size=12),
+       extra_tokens=st.integers(0, 64), per_token=st.floats(0.0, 0.01), fraction=st.floats(0.05, 1.0),
+       mode=st.sampled_from(["on", "auto", "latency_first", "throughput_first"]),
+       budget=st.none() | st.integers(0, 20))
+def test_depths_respect_every_cap_and_never_lower_expected_goodput(rates, max_depths, extra_tokens, per_token,
+                                                                    fraction, mode, budget):
+    policy = SpeculationPolicy(mode, K, tuple(rates), 0.01, per_token, 0.0, 1.0, fraction)
+    base = len(max_depths) + extra_tokens
+    depths = choose_depths(policy, base, max_depths, token_budget=budget)
+    assert all(0 <= d <= min(K, m) for d, m in zip(depths, max_depths))
+    assert sum(depths) <= fraction * (base + sum(depths)) + 1e-9
+    assert budget is None or sum(depths) <= budget
+    if mode != "on" and max_depths:
+        expected = sum(1 + sum(np.prod(rates[:i + 1]) for i in range(d)) for d in depths)
+        cost = 0.01 + per_token * (base + sum(depths))
+        assert expected / cost >= len(max_depths) / (0.01 + per_token * base) - 1e-9
