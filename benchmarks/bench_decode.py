@@ -1,54 +1,74 @@
-"""Decode and prefill speed per weight dtype on a TinyLlama-1.1B-shaped random checkpoint, against
-llama.cpp on the same weights (exported to GGUF) with the same threads, engines alternating sample by
-sample; fractions of the machine's bandwidth and compute rooflines, the probes sampled between the engines'
-samples (bandwidth drifts up to 2x within seconds: a probe taken once misstates the fraction).
+"""Decode and prefill speed per weight dtype and activation dtype on a TinyLlama-1.1B-shaped random
+checkpoint, against llama.cpp on the same weights (exported to GGUF) with the same threads.
 
-    python -m benchmarks.bench_decode [--dtypes bfloat16,q8_0,q4_0] [--samples 3]   (or: numaserve bench)
+Each engine runs in its own long-lived process (benchmarks/numaserve_worker.py, one per activation dtype;
+benchmarks/llamacpp_runner.py) that loads the model once and is timed on command; the processes alternate
+sample by sample, the order flipping every sample, and each row's medians and ratio come from one run.
+llama.cpp gets a clean environment and its own defaults; numaserve gets its best threading for dedicated
+cores, picked by a short trial at the start (its shipped default, numba's tbb layer, against numba's
+OpenMP layer with OMP_WAIT_POLICY=ACTIVE). This parent imports neither engine: it only runs the machine
+probes (bandwidth and matmul rooflines, sampled between the engines' samples: bandwidth drifts up to 2x
+within seconds), on numba's workqueue layer, whose threads sleep between probes.
+A "torch imported first" pair (same weights, numaserve's shipped settings) checks import order.
 
-Writes benchmarks/results/decode.json and decode.png.
+    python -m benchmarks.bench_decode [--dtypes bfloat16,q8_0,q4_0] [--activation-dtypes float32,bfloat16,int8]
+                                      [--samples 3]        (or: numaserve bench ...)
+
+Writes benchmarks/results/decode.json (after each weight dtype) and decode.png.
 """
 
 import argparse
 import json
+import math
 import os
 import platform
-import resource
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import numpy as np
-import psutil
 
-import numaserve as ns
 from benchmarks.checkpoints import CACHE, random_checkpoint
-from benchmarks.machine import MachineProbe
+from benchmarks.engine_process import EngineProcess
 
 RESULTS = Path(__file__).parent / "results"
 PROMPT_LEN, DECODE_PROMPT_LEN = 512, 16
+ENGINE_MODULES = ("kernels", "scheduling.engine", "models.llama", "numaserve.llm")
+# what the engines' processes inherit: no threading settings of anyone's (ours included)
+CLEAN_ENV = {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "GOMP_", "KMP_", "NUMBA_THREADING"))}
+NUMASERVE_THREADING = {  # candidates for numaserve's process: extra environment
+    "tbb": {},  # the shipped default (kernels/__init__.py)
+    "omp-active": {"NUMBA_THREADING_LAYER": "omp", "OMP_WAIT_POLICY": "ACTIVE"},  # spinning waits
+}
+# activation dtypes meant for each weight dtype (others only with --all-combinations)
+MEANT_FOR = {"float32": {"float32", "bfloat16", "q8_0", "q4_0"}, "bfloat16": {"bfloat16"}, "int8": {"q8_0", "q4_0"}}
 
 
-def numaserve_prefill(llm: ns.LLM, prompt: list[int]) -> float:
-    engine = llm.engine
-    salt = str(time.monotonic_ns())  # a fresh cache salt: every sample computes the whole prompt
-    start = time.perf_counter()
-    engine.add_request(f"prefill-{salt}", prompt, ns.SamplingParams(max_tokens=1, temperature=0), cache_salt=salt)
-    while engine.has_unfinished():
-        engine.step()
-    return time.perf_counter() - start
+def start_numaserve(ckpt: Path, weight_dtype: str, activation_dtype: str, args, threading: str,
+                    torch_first: bool = False) -> EngineProcess:
+    name = f"numaserve {weight_dtype}/{activation_dtype}" + (" torch-first" if torch_first else "")
+    argv = [str(ckpt), "--weight-dtype", weight_dtype, "--activation-dtype", activation_dtype,
+            "--threads", str(args.threads), "--max-num-seqs", str(max(args.batches))]
+    env = CLEAN_ENV | NUMASERVE_THREADING[threading]
+    return EngineProcess(name, "benchmarks.numaserve_worker", argv + ["--torch-first"] * torch_first, env)
 
 
-def numaserve_decode(llm: ns.LLM, prompts: list[list[int]], num_steps: int) -> tuple[float, list[list[int]]]:
-    """Greedy decode of every prompt at once; -> (seconds of the decode-only steps, tokens)."""
-    engine = llm.engine
-    params = ns.SamplingParams(max_tokens=num_steps + 1, temperature=0, ignore_eos=True)
-    reqs = [engine.add_request(f"bench-{i}-{time.monotonic_ns()}", p, params) for i, p in enumerate(prompts)]
-    while any(r.num_computed_tokens < r.num_prompt_tokens for r in reqs):
-        engine.step()
-    start = time.perf_counter()
-    while engine.has_unfinished():
-        engine.step()
-    return time.perf_counter() - start, [r.output_token_ids for r in reqs]
+def start_llamacpp(gguf: Path, args) -> EngineProcess:
+    n_ctx = max(args.batches) * (DECODE_PROMPT_LEN + max(args.decode_tokens, args.batched_steps) + 8) + PROMPT_LEN
+    argv = [str(gguf), "--threads", str(args.threads), "--n-ctx", str(n_ctx), "--n-seq-max", str(max(args.batches))]
+    return EngineProcess("llama.cpp", "benchmarks.llamacpp_runner", argv, CLEAN_ENV)
+
+
+def workloads(args, rng) -> dict[str, tuple[str, dict, int]]:
+    """metric -> (command, its arguments, tokens it times)."""
+    prompt = rng.integers(3, 32000, PROMPT_LEN).tolist()
+    loads = {"prefill": ("prefill", {"prompt": prompt}, PROMPT_LEN)}
+    for batch in (1, *args.batches):
+        steps = args.decode_tokens if batch == 1 else args.batched_steps
+        prompts = [rng.integers(3, 32000, DECODE_PROMPT_LEN).tolist() for _ in range(batch)]
+        loads[f"decode_b{batch}"] = ("decode", {"prompts": prompts, "num_steps": steps}, batch * steps)
+    return loads
 
 
 def alternate(samples: int, runs: dict) -> dict[str, list[float]]:
@@ -61,72 +81,94 @@ def alternate(samples: int, runs: dict) -> dict[str, list[float]]:
     return times
 
 
-def bench_dtype(ckpt: Path, dtype: str, args, rng, probe: MachineProbe) -> list[dict]:
-    rss_before = psutil.Process().memory_info().rss
-    llm = ns.LLM(ckpt, weight_dtype=dtype, kv_dtype="bfloat16", max_num_seqs=max(args.batches),
-                 max_num_batched_tokens=512, num_threads=args.threads)
-    rss_weights = psutil.Process().memory_info().rss - rss_before
-    model = llm.engine.model
-    num_params = sum(np.prod(m.shape) for m in _matrices(model.weights))
-    read_bytes = model.weight_bytes - model.weights["embed"].nbytes  # a step reads only T embedding rows
-    runs_ours = {}
-    runs_theirs = {}
-    runner = None
-    if not args.no_llamacpp:
-        from benchmarks.llamacpp_runner import LlamaCppRunner
-        from models.gguf_writer import export_gguf
+def tok_s(engine: EngineProcess, load: tuple[str, dict, int]):
+    cmd, kwargs, num_tokens = load
+    return lambda: num_tokens / engine.call(cmd, **kwargs)
 
-        gguf_path = CACHE / f"{ckpt.name}-{dtype}.gguf"
-        if not gguf_path.exists():
-            export_gguf(model.spec, model.weights, llm.tokenizer, gguf_path)
-        runner = LlamaCppRunner(gguf_path, threads=args.threads,
-                                n_ctx=max(args.batches) * (DECODE_PROMPT_LEN + args.decode_tokens + 8) + PROMPT_LEN,
-                                n_seq_max=max(args.batches))
-    prompt = rng.integers(3, 32000, PROMPT_LEN).tolist()
-    runs_ours["prefill"] = lambda: PROMPT_LEN / numaserve_prefill(llm, prompt)
-    if runner:
-        runs_theirs["prefill"] = lambda: PROMPT_LEN / runner.prefill(prompt)
-    for batch in (1, *args.batches):
-        prompts = [rng.integers(3, 32000, DECODE_PROMPT_LEN).tolist() for _ in range(batch)]
-        steps = args.decode_tokens if batch == 1 else args.batched_steps
-        runs_ours[f"decode_b{batch}"] = lambda p=prompts, n=steps: len(p) * n / numaserve_decode(llm, p, n)[0]
-        if runner:
-            runs_theirs[f"decode_b{batch}"] = lambda p=prompts, n=steps: len(p) * n / runner.decode(p, n)[0]
-    numaserve_decode(llm, [prompt[:16]] * 2, 2)  # warm-up: numba compiles every kernel signature once
+
+def pick_threading(ckpt: Path, weight_dtype: str, activation_dtype: str, args, loads: dict) -> tuple[str, dict]:
+    """numaserve's faster threading on these cores: decode batch 1 and 8, two alternating samples each."""
+    if args.numaserve_threading != "auto":
+        return args.numaserve_threading, {}
+    engines = {t: start_numaserve(ckpt, weight_dtype, activation_dtype, args, t) for t in NUMASERVE_THREADING}
+    trial = {}
+    for metric in ("decode_b1", "decode_b8"):
+        cmd, kwargs, _ = loads[metric]
+        kwargs = kwargs | {"num_steps": max(kwargs["num_steps"] // 4, 8)}
+        times = alternate(2, {t: tok_s(e, (cmd, kwargs, len(kwargs["prompts"]) * kwargs["num_steps"]))
+                              for t, e in engines.items()})
+        trial[metric] = {t: statistics.median(v) for t, v in times.items()}
+    for e in engines.values():
+        e.close()
+    best = max(NUMASERVE_THREADING, key=lambda t: sum(math.log(trial[m][t]) for m in trial))
+    print(json.dumps({"numaserve_threading_trial": trial, "chosen": best}), flush=True)
+    return best, {"weights": weight_dtype, "activations": activation_dtype, "tok_s": trial}
+
+
+def bench_dtype(ckpt: Path, weight_dtype: str, args, loads: dict, probe, threading: str, first: bool) -> list[dict]:
+    act_dtypes = [a for a in args.activation_dtypes if args.all_combinations or weight_dtype in MEANT_FOR[a]]
+    ours = {a: start_numaserve(ckpt, weight_dtype, a, args, threading) for a in act_dtypes}
+    info = {a: e.call("info") for a, e in ours.items()}
+    engines = {f"numaserve/{a}": e for a, e in ours.items()}
+    if not args.no_llamacpp:
+        gguf = CACHE / f"{ckpt.name}-{weight_dtype}.gguf"
+        if not gguf.exists():
+            next(iter(ours.values())).call("export_gguf", path=str(gguf))
+        engines["llama.cpp"] = start_llamacpp(gguf, args)
     rows = []
-    for name, ours_run in runs_ours.items():
-        pair = {"numaserve": ours_run} | ({"llama.cpp": runs_theirs[name]} if runner else {})
-        if name == "decode_b1":
-            pair["read_bytes_per_s"] = probe.read_bandwidth
-        elif name.startswith("decode_b"):
-            pair["matmul_flop_per_s"] = probe.matmul_flops
-        times = alternate(args.samples, pair)
-        ours = statistics.median(times["numaserve"])
-        row = {"dtype": dtype, "metric": name, "numaserve_tok_s": ours, "samples": times}
-        if runner:
-            theirs = statistics.median(times["llama.cpp"])
-            row |= {"llamacpp_tok_s": theirs, "ratio": ours / theirs}
-        if "read_bytes_per_s" in times:
-            row["read_bytes_per_s"] = statistics.median(times["read_bytes_per_s"])
-            row["bandwidth_roofline"] = ours * read_bytes / row["read_bytes_per_s"]
-        elif "matmul_flop_per_s" in times:
-            row["matmul_flop_per_s"] = statistics.median(times["matmul_flop_per_s"])
-            row["compute_roofline"] = ours * 2 * num_params / row["matmul_flop_per_s"]
-        rows.append(row)
-        print(json.dumps({k: v for k, v in row.items() if k != "samples"}), flush=True)
-    rows.append({"dtype": dtype, "metric": "memory", "weight_bytes": model.weight_bytes,
-                 "bytes_per_param": model.weight_bytes / num_params, "rss_delta_bytes": rss_weights})
-    if runner:
-        runner.close()
+    for metric, load in loads.items():
+        runs = {name: tok_s(e, load) for name, e in engines.items()}
+        if metric == "decode_b1":
+            runs["read_bytes_per_s"] = probe.read_bandwidth
+        elif metric.startswith("decode_b"):
+            runs["matmul_flop_per_s"] = probe.matmul_flops
+        times = alternate(args.samples, runs)
+        for a in ours:
+            row = {"dtype": weight_dtype, "activation_dtype": a, "metric": metric,
+                   "numaserve_tok_s": statistics.median(times[f"numaserve/{a}"]),
+                   "samples": {k: v for k, v in times.items() if k in (f"numaserve/{a}", "llama.cpp")}}
+            if "llama.cpp" in times:
+                row["llamacpp_tok_s"] = statistics.median(times["llama.cpp"])
+                row["ratio"] = row["numaserve_tok_s"] / row["llamacpp_tok_s"]
+            if "read_bytes_per_s" in times:
+                row["read_bytes_per_s"] = statistics.median(times["read_bytes_per_s"])
+                row["bandwidth_roofline"] = row["numaserve_tok_s"] * info[a]["read_bytes"] / row["read_bytes_per_s"]
+            elif "matmul_flop_per_s" in times:
+                row["matmul_flop_per_s"] = statistics.median(times["matmul_flop_per_s"])
+                flops = 2 * info[a]["num_params"]
+                row["compute_roofline"] = row["numaserve_tok_s"] * flops / row["matmul_flop_per_s"]
+            rows.append(row)
+            print(json.dumps({k: v for k, v in row.items() if k != "samples"}), flush=True)
+    if first and not args.no_torch_first:
+        rows += torch_first_rows(ckpt, weight_dtype, act_dtypes[0], args, loads, ours if threading == "tbb" else {})
+    for name, e in engines.items():
+        memory = {"dtype": weight_dtype, "metric": "memory", "engine": name, "peak_rss_bytes": e.call("peak_rss")}
+        if name.startswith("numaserve/"):
+            own = info[name.removeprefix("numaserve/")]
+            memory |= {k: own[k] for k in ("weight_bytes", "rss_delta_bytes", "threading", "activation_dtypes")}
+            memory["bytes_per_param"] = own["weight_bytes"] / own["num_params"]
+        rows.append(memory)
+        e.close()
     return rows
 
 
-def _matrices(weights: dict):
-    yield weights["embed"]
-    if weights["lm_head"] is not weights["embed"]:
-        yield weights["lm_head"]
-    for layer in weights["layers"]:
-        yield from (layer[k] for k in ("qkv", "o", "gate_up", "down"))
+def torch_first_rows(ckpt: Path, weight_dtype: str, act_dtype: str, args, loads: dict, running: dict) -> list[dict]:
+    """numaserve with its shipped settings, `import torch` first vs not, alternating; ratio to the plain one."""
+    plain = running.get(act_dtype) or start_numaserve(ckpt, weight_dtype, act_dtype, args, "tbb")
+    torch_first = start_numaserve(ckpt, weight_dtype, act_dtype, args, "tbb", torch_first=True)
+    threading = {"plain": plain.call("info")["threading"], "torch": torch_first.call("info")["threading"]}
+    rows = []
+    for metric in ("decode_b1", "decode_b8"):
+        times = alternate(args.samples, {"plain": tok_s(plain, loads[metric]), "torch": tok_s(torch_first, loads[metric])})
+        ours, base = statistics.median(times["torch"]), statistics.median(times["plain"])
+        rows.append({"dtype": weight_dtype, "activation_dtype": act_dtype, "metric": f"torch_first_{metric}",
+                     "numaserve_tok_s": ours, "plain_tok_s": base, "ratio_to_plain": ours / base, "samples": times,
+                     "threading": threading})
+        print(json.dumps({k: v for k, v in rows[-1].items() if k != "samples"}), flush=True)
+    torch_first.close()
+    if plain is not running.get(act_dtype):
+        plain.close()
+    return rows
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -134,48 +176,77 @@ def plot(rows: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    metrics = list(dict.fromkeys(r["metric"] for r in rows if r["metric"] != "memory"))
-    fig, axes = plt.subplots(1, len(metrics), figsize=(4 * len(metrics), 3.6))
+    speed = [r for r in rows if "numaserve_tok_s" in r and not r["metric"].startswith("torch_first")]
+    metrics = list(dict.fromkeys(r["metric"] for r in speed))
+    dtypes = list(dict.fromkeys(r["dtype"] for r in speed))
+    acts = list(dict.fromkeys(r["activation_dtype"] for r in speed))
+    series = [f"numaserve {a}" for a in acts] + ["llama.cpp"] * any("llamacpp_tok_s" in r for r in speed)
+    width = 0.8 / len(series)
+    fig, axes = plt.subplots(1, len(metrics), figsize=(4.2 * len(metrics), 3.8))
     for ax, metric in zip(np.atleast_1d(axes), metrics):
-        sel = [r for r in rows if r["metric"] == metric]
-        dtypes = [r["dtype"] for r in sel]
-        x = np.arange(len(dtypes))
-        ax.bar(x - 0.2, [r["numaserve_tok_s"] for r in sel], 0.4, label="numaserve")
-        if "llamacpp_tok_s" in sel[0]:
-            ax.bar(x + 0.2, [r["llamacpp_tok_s"] for r in sel], 0.4, label="llama.cpp")
-        ax.set_xticks(x, dtypes)
+        sel = {(r["dtype"], r["activation_dtype"]): r for r in speed if r["metric"] == metric}
+        for i, name in enumerate(series):
+            if name == "llama.cpp":
+                vals = [next((r["llamacpp_tok_s"] for (d, _), r in sel.items() if d == dt), 0) for dt in dtypes]
+            else:
+                vals = [sel.get((dt, name.split()[1]), {}).get("numaserve_tok_s", 0) for dt in dtypes]
+            ax.bar(np.arange(len(dtypes)) + (i - (len(series) - 1) / 2) * width, vals, width, label=name)
+        ax.set_xticks(np.arange(len(dtypes)), dtypes)
         ax.set_title(metric)
         ax.set_ylabel("tokens/s")
-    np.atleast_1d(axes)[0].legend()
+    np.atleast_1d(axes)[0].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if any(m in sys.modules for m in ENGINE_MODULES):  # e.g. under `numaserve bench`: restart without them
+        sys.stdout.flush()
+        os.execve(sys.executable, [sys.executable, "-m", "benchmarks.bench_decode", *argv],
+                  os.environ | {"PYTHONPATH": str(Path(__file__).resolve().parent.parent)})
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="tinyllama-1.1b")
     parser.add_argument("--dtypes", default="bfloat16,q8_0,q4_0")
+    parser.add_argument("--activation-dtypes", default=["float32", "bfloat16", "int8"], type=lambda s: s.split(","))
+    parser.add_argument("--all-combinations", action="store_true",
+                        help="also bf16 activations with quantized weights and int8 activations with bf16 weights")
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     parser.add_argument("--samples", type=int, default=3)
     parser.add_argument("--decode-tokens", type=int, default=128)
     parser.add_argument("--batched-steps", type=int, default=32)
     parser.add_argument("--batches", default="8,32", type=lambda s: [int(b) for b in s.split(",")])
+    parser.add_argument("--numaserve-threading", default="auto", choices=["auto", *NUMASERVE_THREADING])
     parser.add_argument("--no-llamacpp", action="store_true")
+    parser.add_argument("--no-torch-first", action="store_true")
     parser.add_argument("--out", default=str(RESULTS / "decode.json"))
     args = parser.parse_args(argv)
+    os.environ["NUMBA_THREADING_LAYER"] = "workqueue"  # this process's probes; the engines get CLEAN_ENV
+    from benchmarks.machine import MachineProbe
+
     ckpt = random_checkpoint(args.model)
     probe = MachineProbe()
     machine = {"read_bytes_per_s": probe.read_bandwidth(repeats=5), "matmul_flop_per_s": probe.matmul_flops(repeats=5)}
     print(json.dumps(machine), flush=True)  # best of 5 at the start; each row keeps the median of its own probes
-    rng = np.random.default_rng(0)
+    loads = workloads(args, np.random.default_rng(0))
+    dtypes = args.dtypes.split(",")
+    meant = [a for a in args.activation_dtypes if args.all_combinations or dtypes[0] in MEANT_FOR[a]]
+    threading, trial = pick_threading(ckpt, dtypes[0], meant[0], args, loads)
+    meta = {"model": args.model, "threads": args.threads, "samples": args.samples, "cpu": platform.processor(),
+            "date": time.strftime("%Y-%m-%d %H:%M"), "decode_tokens": args.decode_tokens,
+            "batched_steps": args.batched_steps, "processes": "one per engine (and per numaserve activation "
+            "dtype), alternating sample by sample; probes in the parent (numba workqueue layer)",
+            "numaserve_settings": {"threading": threading, "env": NUMASERVE_THREADING[threading],
+                                   "trial": trial, "kv_dtype": "bfloat16", "max_num_batched_tokens": 512},
+            "llamacpp_settings": {"env": "the parent's without OMP_*/GOMP_*/KMP_*/NUMBA_THREADING*",
+                                  "n_threads": args.threads, "n_threads_batch": args.threads, "mmap": False,
+                                  "logging": "silenced", "n_batch": 512, "kv_unified": True,
+                                  "other": "llama.cpp defaults"}}
     rows = []
     out = Path(args.out)
     out.parent.mkdir(exist_ok=True)
-    for dtype in args.dtypes.split(","):
-        rows += bench_dtype(ckpt, dtype, args, rng, probe)
-        meta = {"model": args.model, "threads": args.threads, "samples": args.samples,
-                "cpu": platform.processor(), "date": time.strftime("%Y-%m-%d %H:%M"),
-                "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+    for i, dtype in enumerate(dtypes):
+        rows += bench_dtype(ckpt, dtype, args, loads, probe, threading, first=i == 0)
         out.write_text(json.dumps({"meta": meta, "machine": machine, "rows": rows}, indent=2))  # after each dtype
     plot(rows, out.with_suffix(".png"))
 

@@ -1,10 +1,17 @@
 """llama.cpp through llama-cpp-python's low-level API: prefill, batch-1 and batched greedy decode.
 
 Set up as the issue's notes require: n_threads_batch = n_threads, no mmap (the VM reclaims idle file
-pages), logging silenced (it slows decode about tenfold), several sequence ids in one llama_batch.
+pages), logging silenced (it slows decode about tenfold), several sequence ids in one llama_batch; every
+other setting is llama.cpp's default. Run as a module it is llama.cpp's side of `numaserve bench`: its own
+process, started with a clean environment (no OMP_WAIT_POLICY of ours), that loads the model once and
+answers commands (benchmarks/engine_process.py). It imports no numaserve code.
+
+    python -m benchmarks.llamacpp_runner MODEL.gguf --threads 2 --n-ctx 4096 --n-seq-max 32
 """
 
+import argparse
 import ctypes
+import resource
 import time
 
 import llama_cpp as lc
@@ -72,6 +79,9 @@ class LlamaCppRunner:
         self._argmax(len(prompt) - 1 - (len(prompt) - 1) // self.n_batch * self.n_batch)
         return time.perf_counter() - start
 
+    def decode_seconds(self, prompts: list[list[int]], num_steps: int) -> float:
+        return self.decode(prompts, num_steps)[0]
+
     def decode(self, prompts: list[list[int]], num_steps: int) -> tuple[float, list[list[int]]]:
         """Greedy decode of every prompt at once (one sequence id each); -> (decode seconds, tokens)."""
         self.clear()
@@ -92,3 +102,23 @@ class LlamaCppRunner:
             for o, t in zip(outs, nxt):
                 o.append(t)
         return time.perf_counter() - start, outs
+
+
+def main() -> None:
+    from benchmarks.engine_process import serve
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("gguf_path")
+    parser.add_argument("--threads", type=int, required=True)
+    parser.add_argument("--n-ctx", type=int, required=True)
+    parser.add_argument("--n-seq-max", type=int, required=True)
+    args = parser.parse_args()
+    runner = LlamaCppRunner(args.gguf_path, args.threads, args.n_ctx, args.n_seq_max)
+    runner.decode([[5] * 16] * 2, 2)  # warm-up, as numaserve's side gets
+    serve({"prefill": runner.prefill, "decode": runner.decode_seconds,
+           "info": lambda: {"system_info": lc.llama_print_system_info().decode(), "threads": args.threads},
+           "peak_rss": lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024})
+
+
+if __name__ == "__main__":
+    main()

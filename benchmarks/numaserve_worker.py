@@ -1,0 +1,101 @@
+"""numaserve's side of `numaserve bench`: one engine (weight dtype x activation dtype), loaded once, timed on
+command (benchmarks/engine_process.py). `--torch-first` imports torch before numaserve, as a notebook
+using transformers would.
+
+    python -m benchmarks.numaserve_worker MODEL_DIR --weight-dtype q8_0 --activation-dtype int8 --threads 2
+"""
+
+import argparse
+import resource
+import sys
+import time
+
+if "--torch-first" in sys.argv:
+    import torch  # noqa: F401  (before numaserve: the point of that row)
+
+import numba
+import numpy as np
+import psutil
+
+import numaserve as ns
+from benchmarks.engine_process import serve
+from models.gguf_writer import convert_to_gguf, export_gguf
+
+
+class NumaserveBench:
+    def __init__(self, args):
+        self.args = args
+        rss_before = psutil.Process().memory_info().rss
+        self.llm = ns.LLM(args.model_dir, weight_dtype=args.weight_dtype, activation_dtype=args.activation_dtype,
+                          kv_dtype="bfloat16", max_num_seqs=args.max_num_seqs, max_num_batched_tokens=512,
+                          num_threads=args.threads)
+        self.rss_weights = psutil.Process().memory_info().rss - rss_before
+        self.engine = self.llm.engine
+
+    def info(self) -> dict:
+        model = self.engine.model
+        num_params = int(sum(np.prod(m.shape) for m in _matrices(model.weights)))
+        decisions = self.llm.diagnostics()
+        return {"weight_bytes": model.weight_bytes, "num_params": num_params,
+                # a decode step reads only T embedding rows
+                "read_bytes": model.weight_bytes - model.weights["embed"].nbytes,
+                "rss_delta_bytes": self.rss_weights, "threading_layer": numba.threading_layer(),
+                "threading": [d["choice"] for d in decisions if d["topic"] == "threading"],
+                "activation_dtypes": sorted({d["choice"] for d in decisions if d["topic"] == "activation_dtype"}),
+                "torch_imported_first": "--torch-first" in sys.argv}
+
+    def export_gguf(self, path: str) -> str:
+        if self.args.activation_dtype == "float32":  # the loaded weights are the format's own blocks
+            export_gguf(self.engine.model.spec, self.engine.model.weights, self.llm.tokenizer, path)
+        else:
+            convert_to_gguf(self.args.model_dir, path, self.args.weight_dtype)
+        return path
+
+    def prefill(self, prompt: list[int]) -> float:
+        salt = str(time.monotonic_ns())  # a fresh cache salt: every sample computes the whole prompt
+        start = time.perf_counter()
+        self.engine.add_request(f"prefill-{salt}", prompt, ns.SamplingParams(max_tokens=1, temperature=0),
+                                cache_salt=salt)
+        while self.engine.has_unfinished():
+            self.engine.step()
+        return time.perf_counter() - start
+
+    def decode(self, prompts: list[list[int]], num_steps: int) -> float:
+        """Greedy decode of every prompt at once; -> seconds of the decode-only steps."""
+        params = ns.SamplingParams(max_tokens=num_steps + 1, temperature=0, ignore_eos=True)
+        reqs = [self.engine.add_request(f"bench-{i}-{time.monotonic_ns()}", p, params) for i, p in enumerate(prompts)]
+        while any(r.num_computed_tokens < r.num_prompt_tokens for r in reqs):
+            self.engine.step()
+        start = time.perf_counter()
+        while self.engine.has_unfinished():
+            self.engine.step()
+        return time.perf_counter() - start
+
+    def peak_rss(self) -> int:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _matrices(weights: dict):
+    yield weights["embed"]
+    if weights["lm_head"] is not weights["embed"]:
+        yield weights["lm_head"]
+    for layer in weights["layers"]:
+        yield from (layer[k] for k in ("qkv", "o", "gate_up", "down"))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("model_dir")
+    parser.add_argument("--weight-dtype", required=True)
+    parser.add_argument("--activation-dtype", default="float32")
+    parser.add_argument("--threads", type=int, required=True)
+    parser.add_argument("--max-num-seqs", type=int, default=32)
+    parser.add_argument("--torch-first", action="store_true")
+    bench = NumaserveBench(parser.parse_args())
+    bench.decode([[5] * 16] * 2, 2)  # warm-up: numba compiles (or loads) every kernel signature once
+    serve({"info": bench.info, "export_gguf": bench.export_gguf, "prefill": bench.prefill,
+           "decode": bench.decode, "peak_rss": bench.peak_rss})
+
+
+if __name__ == "__main__":
+    main()
