@@ -98,7 +98,7 @@ def step_before(logits: np.ndarray, requests: list[BenchRequest]) -> list[int]:
 
 def batched_sampler():
     """The new batched sampler as `fn(logits [N, V], requests) -> list[int]`, or None before it lands."""
-    import scheduling.sampler as sampler
+    from scheduling import sampler
 
     fn = getattr(sampler, "sample_batch", None)
     if fn is None:
