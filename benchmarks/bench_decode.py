@@ -87,15 +87,15 @@ def tok_s(engine: EngineProcess, load: tuple[str, dict, int]):
 
 
 def pick_threading(ckpt: Path, weight_dtype: str, activation_dtype: str, args, loads: dict) -> tuple[str, dict]:
-    """numaserve's faster threading on these cores: decode batch 1 and 8, two alternating samples each."""
+    """numaserve's faster threading on these cores: decode batch 1 and 8, three alternating samples each."""
     if args.numaserve_threading != "auto":
         return args.numaserve_threading, {}
     engines = {t: start_numaserve(ckpt, weight_dtype, activation_dtype, args, t) for t in NUMASERVE_THREADING}
     trial = {}
     for metric in ("decode_b1", "decode_b8"):
         cmd, kwargs, _ = loads[metric]
-        kwargs = kwargs | {"num_steps": max(kwargs["num_steps"] // 4, 8)}
-        times = alternate(2, {t: tok_s(e, (cmd, kwargs, len(kwargs["prompts"]) * kwargs["num_steps"]))
+        kwargs = kwargs | {"num_steps": max(kwargs["num_steps"] // 4, 16)}
+        times = alternate(3, {t: tok_s(e, (cmd, kwargs, len(kwargs["prompts"]) * kwargs["num_steps"]))
                               for t, e in engines.items()})
         trial[metric] = {t: statistics.median(v) for t, v in times.items()}
     for e in engines.values():
