@@ -22,6 +22,7 @@ import json
 import math
 import os
 import platform
+import re
 import statistics
 import sys
 import time
@@ -147,6 +148,8 @@ def bench_dtype(ckpt: Path, weight_dtype: str, args, loads: dict, probe, threadi
             own = info[name.removeprefix("numaserve/")]
             memory |= {k: own[k] for k in ("weight_bytes", "rss_delta_bytes", "threading", "activation_dtypes")}
             memory["bytes_per_param"] = own["weight_bytes"] / own["num_params"]
+        else:
+            memory |= e.call("info")  # llama.cpp's threads and system info (its SIMD paths)
         rows.append(memory)
         e.close()
     return rows
@@ -202,6 +205,12 @@ def plot(rows: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def _cpu_name() -> str:
+    with open("/proc/cpuinfo") as cpuinfo:
+        found = re.search(r"model name\s*:\s*(.*)", cpuinfo.read())
+    return found[1] if found else platform.processor()
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if any(m in sys.modules for m in ENGINE_MODULES):  # e.g. under `numaserve bench`: restart without them
@@ -235,7 +244,7 @@ def main(argv: list[str] | None = None) -> None:
     dtypes = args.dtypes.split(",")
     meant = [a for a in args.activation_dtypes if args.all_combinations or dtypes[0] in MEANT_FOR[a]]
     threading, trial = pick_threading(ckpt, dtypes[0], meant[0], args, loads)
-    meta = {"model": args.model, "threads": args.threads, "samples": args.samples, "cpu": platform.processor(),
+    meta = {"model": args.model, "threads": args.threads, "samples": args.samples, "cpu": _cpu_name(),
             "date": time.strftime("%Y-%m-%d %H:%M"), "decode_tokens": args.decode_tokens,
             "batched_steps": args.batched_steps, "processes": "one per engine (and per numaserve activation "
             "dtype), alternating sample by sample; probes in the parent (numba workqueue layer)",

@@ -12,11 +12,19 @@ as on cores dedicated to one engine.
 import atexit
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import traceback
 from collections.abc import Callable
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory since it started (VmHWM; ru_maxrss would count the parent's, which
+    a forked child inherits)."""
+    with open("/proc/self/status") as status:
+        return int(re.search(r"VmHWM:\s+(\d+) kB", status.read())[1]) * 1024
 
 
 def serve(handlers: dict[str, Callable]) -> None:
@@ -26,6 +34,7 @@ def serve(handlers: dict[str, Callable]) -> None:
     os.dup2(2, 1)
     sys.stdout = sys.stderr
     replies.write(json.dumps({"result": "ready"}) + "\n")
+    handlers = handlers | {"peak_rss": peak_rss_bytes}
     for line in sys.stdin:
         msg = json.loads(line)
         if msg["cmd"] == "quit":

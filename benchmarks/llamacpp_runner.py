@@ -11,7 +11,6 @@ answers commands (benchmarks/engine_process.py). It imports no numaserve code.
 
 import argparse
 import ctypes
-import resource
 import time
 
 import llama_cpp as lc
@@ -116,8 +115,7 @@ def main() -> None:
     runner = LlamaCppRunner(args.gguf_path, args.threads, args.n_ctx, args.n_seq_max)
     runner.decode([[5] * 16] * 2, 2)  # warm-up, as numaserve's side gets
     serve({"prefill": runner.prefill, "decode": runner.decode_seconds,
-           "info": lambda: {"system_info": lc.llama_print_system_info().decode(), "threads": args.threads},
-           "peak_rss": lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024})
+           "info": lambda: {"system_info": lc.llama_print_system_info().decode(), "threads": args.threads}})
 
 
 if __name__ == "__main__":

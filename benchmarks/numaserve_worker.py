@@ -6,7 +6,6 @@ using transformers would.
 """
 
 import argparse
-import resource
 import sys
 import time
 
@@ -71,9 +70,6 @@ class NumaserveBench:
             self.engine.step()
         return time.perf_counter() - start
 
-    def peak_rss(self) -> int:
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
 
 def _matrices(weights: dict):
     yield weights["embed"]
@@ -94,7 +90,7 @@ def main() -> None:
     bench = NumaserveBench(parser.parse_args())
     bench.decode([[5] * 16] * 2, 2)  # warm-up: numba compiles (or loads) every kernel signature once
     serve({"info": bench.info, "export_gguf": bench.export_gguf, "prefill": bench.prefill,
-           "decode": bench.decode, "peak_rss": bench.peak_rss})
+           "decode": bench.decode})
 
 
 if __name__ == "__main__":
