@@ -92,8 +92,11 @@ class BenchRequest:
 
 def step_before(logits: np.ndarray, requests: list[BenchRequest]) -> list[int]:
     """What the engine's _append_token did, request by request."""
-    return [sample_before(apply_penalties_before(logits[i], r.token_ids[:r.num_prompt_tokens], r.output_token_ids,
-                                                 r.params), r.params, r.rng) for i, r in enumerate(requests)]
+    out = []
+    for i, r in enumerate(requests):
+        x = apply_penalties_before(logits[i], r.token_ids[:r.num_prompt_tokens], r.output_token_ids, r.params)
+        out.append(sample_before(x, r.params, r.rng))
+    return out
 
 
 def batched_sampler():
@@ -122,8 +125,8 @@ def decode_step_seconds(llm: ns.LLM, num_steps: int, params: SamplingParams) -> 
     engine = llm.engine
     rng = np.random.default_rng(0)
     params = params.model_copy(update={"max_tokens": num_steps + 2, "ignore_eos": True})
-    reqs = [engine.add_request(f"step-{i}-{time.monotonic_ns()}", rng.integers(3, VOCAB, PROMPT_LEN).tolist(), params)
-            for i in range(NUM_REQUESTS)]
+    prompts = [rng.integers(3, VOCAB, PROMPT_LEN).tolist() for _ in range(NUM_REQUESTS)]
+    reqs = [engine.add_request(f"step-{i}-{time.monotonic_ns()}", p, params) for i, p in enumerate(prompts)]
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in reqs):
         engine.step()
     times = []
@@ -150,7 +153,8 @@ def plot(result: dict, path: Path) -> None:
                 va="center")
     ax.axvline(0.05 * step_ms, color="k", ls=":", label="5% of the decode step")
     ax.set_xlabel(f"ms per step, {NUM_REQUESTS} requests, T={PARAMS['temperature']}, top_p={PARAMS['top_p']}")
-    ax.set_title(f"Sampling cost vs {result['meta']['model']} ({result['meta']['weight_dtype']}) batch-32 decode")
+    meta = result["meta"]
+    ax.set_title(f"Sampling cost vs {meta['model']} ({meta['weight_dtype']}) batch-32 decode")
     ax.set_xlim(0, max(values + [step_ms]) * 1.35)
     ax.legend(loc="lower right")
     fig.tight_layout()
@@ -165,8 +169,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5, help="timed batch-32 decode steps")
     args = parser.parse_args()
     rng = np.random.default_rng(1)
-    requests = [BenchRequest(i, rng.integers(3, VOCAB, PROMPT_LEN).tolist(), rng.integers(3, VOCAB, 8).tolist(),
-                             SamplingParams(seed=i, **PARAMS)) for i in range(NUM_REQUESTS)]
+    requests = [BenchRequest(i, prompt=rng.integers(3, VOCAB, PROMPT_LEN).tolist(),
+                             output=rng.integers(3, VOCAB, 8).tolist(), params=SamplingParams(seed=i, **PARAMS))
+                for i in range(NUM_REQUESTS)]
     samplers = {"before": step_before}
     after = batched_sampler()
     if after is not None:
@@ -186,7 +191,8 @@ def main() -> None:
             times[name].append(time.perf_counter() - start)
     sampling_ms = {name: 1e3 * statistics.median(t) for name, t in times.items()}
     for name, ms in sampling_ms.items():
-        print(json.dumps({"point": f"sampling_{name}", "ms": ms, "samples_ms": [1e3 * t for t in times[name]]}))
+        samples_ms = [1e3 * t for t in times[name]]
+        print(json.dumps({"point": f"sampling_{name}", "ms": ms, "samples_ms": samples_ms}))
 
     llm = ns.LLM(random_checkpoint(args.model), weight_dtype=args.weight_dtype, max_num_seqs=NUM_REQUESTS,
                  max_num_batched_tokens=NUM_REQUESTS * PROMPT_LEN)
@@ -200,12 +206,13 @@ def main() -> None:
     fractions = {name: ms / step_ms for name, ms in sampling_ms.items()}
     best = sampling_ms.get("after", sampling_ms["before"])
     result = {
-        "meta": {"model": args.model, "weight_dtype": args.weight_dtype, "num_requests": NUM_REQUESTS, "vocab": VOCAB,
-                 "params": PARAMS, "samples": args.samples, "steps": args.steps,
+        "meta": {"model": args.model, "weight_dtype": args.weight_dtype, "num_requests": NUM_REQUESTS,
+                 "vocab": VOCAB, "params": PARAMS, "samples": args.samples, "steps": args.steps,
                  "after_sampler": "scheduling.sampler.sample_batch" if "after" in samplers else None,
                  "threads": llm.engine.config.num_threads, "cpu": platform.processor() or platform.machine(),
                  "date": time.strftime("%Y-%m-%d %H:%M")},
-        "sampling_ms": sampling_ms, "sampling_samples_ms": {n: [1e3 * t for t in v] for n, v in times.items()},
+        "sampling_ms": sampling_ms,
+        "sampling_samples_ms": {n: [1e3 * t for t in v] for n, v in times.items()},
         "decode_step_ms": step_ms, "decode_step_sampled_ms": sampled_step_ms,
         "fraction_of_decode_step": fractions,
         "speedup": sampling_ms["before"] / sampling_ms["after"] if "after" in sampling_ms else None,

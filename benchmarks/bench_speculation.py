@@ -113,8 +113,8 @@ def _recorder(llm: ns.LLM) -> RecordingProposer | None:
 
 
 def _merge(records: list[dict]) -> dict:
-    verified = [sum(r["verified_per_position"][i] for r in records) for i in range(len(records[0]["verified_per_position"]))]
-    accepted = [sum(r["accepted_per_position"][i] for r in records) for i in range(len(verified))]
+    verified = [sum(col) for col in zip(*(r["verified_per_position"] for r in records))]
+    accepted = [sum(col) for col in zip(*(r["accepted_per_position"] for r in records))]
     drafted = sum(r["num_draft_tokens"] for r in records)
     return {"accept_rate_per_position": [a / v if v else None for a, v in zip(accepted, verified)],
             "verified_per_position": verified, "accepted_per_position": accepted, "num_draft_tokens": drafted,
@@ -145,8 +145,8 @@ def plot_acceptance(rows: list[dict], depth: int, path: Path) -> None:
     groups = [(k, b) for k in KINDS for b in sorted({r["batch"] for r in rows})]
     width = 0.8 / len(engines)
     for j, engine in enumerate(engines):
-        values = [next((r["speedup_vs_off"] for r in rows if (r["kind"], r["batch"], r["engine"]) == (k, b, engine)),
-                       0) for k, b in groups]
+        speedup = {(r["kind"], r["batch"]): r["speedup_vs_off"] for r in rows if r["engine"] == engine}
+        values = [speedup.get(g, 0) for g in groups]
         ax2.bar([g + j * width for g in range(len(groups))], values, width, label=engine)
     ax2.axhline(1.0, color="k", lw=0.8)
     ax2.set_xticks([g + 0.4 - width / 2 for g in range(len(groups))], [f"{k}\nbatch {b}" for k, b in groups])

@@ -43,7 +43,8 @@ class ReplayProposer(Proposer):
             truth = continuation[done:done + depth] if depth > 0 else []
             corrupt = self.rng.random(len(truth)) >= np.array([self.rate(i) for i in range(len(truth))])
             # a corrupted draft is any token but the true one: the target's argmax rejects it
-            noise = (np.asarray(truth, np.int64) + self.rng.integers(1, self.vocab_size, len(truth))) % self.vocab_size
+            shift = self.rng.integers(1, self.vocab_size, len(truth))
+            noise = (np.asarray(truth, np.int64) + shift) % self.vocab_size
             drafts.append([int(n) if c else int(t) for t, n, c in zip(truth, noise, corrupt)])
             self.num_proposed += len(truth)
         return drafts

@@ -31,7 +31,8 @@ def share_weights() -> None:
     def plan_activations(weights, activation_dtype, *args, **kwargs):
         key = ("plan", id(weights), activation_dtype)
         if key not in _weights:
-            _weights[key] = (weights, plan(weights, activation_dtype, *args, **kwargs))  # keep `weights` alive
+            # the key holds id(weights): keep `weights` alive with the result
+            _weights[key] = (weights, plan(weights, activation_dtype, *args, **kwargs))
         return _weights[key][1]
 
     load_model._shared = True
@@ -101,7 +102,8 @@ class RecordingProposer(Proposer):
         self.log.clear()
         return {"verified_per_position": verified.tolist(), "accepted_per_position": accepted.tolist(),
                 "accept_rate_per_position": [float(a / v) if v else None for a, v in zip(accepted, verified)],
-                "num_draft_tokens": num_drafted, "accepted_per_draft_token": float(accepted.sum() / max(1, num_drafted)),
+                "num_draft_tokens": num_drafted,
+                "accepted_per_draft_token": float(accepted.sum() / max(1, num_drafted)),
                 "num_verifications": int(verified[0])}
 
 

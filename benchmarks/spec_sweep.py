@@ -1,4 +1,4 @@
-"""Speed vs acceptance on the TinyLlama-shaped random checkpoint: where speculation pays and where it does not.
+"""Speed vs acceptance on the TinyLlama-shaped random checkpoint: where speculation pays and where not.
 
 For each weight dtype and batch size, the target's greedy continuation of random prompts is computed once
 without speculation; a ReplayProposer then drafts it with a chosen share of tokens corrupted, so the
@@ -60,7 +60,8 @@ def measured_acceptance(path: str) -> tuple[int, list[float]] | None:
     if not Path(path).exists():
         return None
     data = json.loads(Path(path).read_text())
-    rows = [r for r in data["rows"] if r["engine"] == "ngram" and r["batch"] == 1 and r["kind"] in ("copy", "edit")]
+    rows = [r for r in data["rows"]
+            if r["engine"] == "ngram" and r["batch"] == 1 and r["kind"] in ("copy", "edit")]
     if not rows:
         return None
     verified = np.sum([r["verified_per_position"] for r in rows], axis=0)
@@ -117,15 +118,18 @@ def sweep(args) -> None:
                         _run_point(llm, prompts, params, warmup[b], rate, measured)
                     run = _run_point(llm, prompts, params, steps[b], rate, measured)
                     samples[point].append(run["tokens"] / run["seconds"])
-                    exact = all(out == continuations[tuple(p)][:len(out)] for p, out in zip(prompts, run["outputs"]))
-                    runs[point].append({"tokens_per_step": run["tokens"] / max(1, run["steps"]) / b, "exact": exact})
+                    exact = all(out == continuations[tuple(p)][:len(out)]
+                                for p, out in zip(prompts, run["outputs"]))
+                    per_step = run["tokens"] / max(1, run["steps"]) / b
+                    runs[point].append({"tokens_per_step": per_step, "exact": exact})
             off_tok_s = statistics.median(samples["off", 0, None, None])
             for point in points:
                 mode, d, key_rate, rate = point
                 tok_s = statistics.median(samples[point])
                 row = {"dtype": dtype, "batch": b, "mode": mode, "depth": d, "accept_rate": rate,
                        "tokens_per_s": tok_s, "speedup_vs_off": tok_s / off_tok_s,
-                       "tokens_per_step_per_request": statistics.mean(r["tokens_per_step"] for r in runs[point]),
+                       "tokens_per_step_per_request": statistics.mean(r["tokens_per_step"]
+                                                                      for r in runs[point]),
                        "exact": all(r["exact"] for r in runs[point]), "samples_tokens_per_s": samples[point]}
                 if mode == "auto":
                     row["engine_stats"] = spec_stats(engines[mode, d, key_rate].engine)
@@ -135,8 +139,9 @@ def sweep(args) -> None:
         del engines, off
         forget_shared_weights()
         gc.collect()
-    result = {"meta": {"model": args.model, "depths": depths, "rates": rates, "steps": steps, "auto_warmup": warmup,
-                       "samples": args.samples, "prompt_len": args.prompt_len, "measured_acceptance": measured,
+    result = {"meta": {"model": args.model, "depths": depths, "rates": rates, "steps": steps,
+                       "auto_warmup": warmup, "samples": args.samples, "prompt_len": args.prompt_len,
+                       "measured_acceptance": measured,
                        "per_dtype": meta, "cpu": platform.processor() or platform.machine(),
                        "date": time.strftime("%Y-%m-%d %H:%M")},
               "goals": goals(rows), "rows": rows}
@@ -152,7 +157,8 @@ def build_engines(path, common: dict, depths: list[int], max_depth: int, measure
     (each auto engine's acceptance EMA sees only its own rate). All share one copy of the weights."""
 
     def speculating(mode: str, depth: int) -> ns.LLM:
-        llm = ns.LLM(path, **common, speculation={"method": "ngram", "num_speculative_tokens": depth, "mode": mode})
+        spec = {"method": "ngram", "num_speculative_tokens": depth, "mode": mode}
+        llm = ns.LLM(path, **common, speculation=spec)
         install_proposer(llm.engine, ReplayProposer(continuations, 0.0, vocab))  # rate set per point
         return llm
 
@@ -176,8 +182,9 @@ def goals(rows: list[dict]) -> dict:
     out = {}
     if auto:
         worst = min(auto, key=lambda r: r["speedup_vs_off"])
-        out["auto_min_vs_off"] = {"value": worst["speedup_vs_off"], "at": {k: worst[k] for k in
-                                  ("dtype", "batch", "accept_rate")}, "met": worst["speedup_vs_off"] >= GOAL_AUTO}
+        where = {k: worst[k] for k in ("dtype", "batch", "accept_rate")}
+        out["auto_min_vs_off"] = {"value": worst["speedup_vs_off"], "at": where,
+                                  "met": worst["speedup_vs_off"] >= GOAL_AUTO}
         big = [r for r in auto if r["batch"] == max(b for _, b in off)]
         out["auto_vs_off_at_max_batch"] = {"min": min(r["speedup_vs_off"] for r in big),
                                            "met": min(r["speedup_vs_off"] for r in big) >= GOAL_AUTO}
@@ -196,7 +203,8 @@ def plot_sweep(rows: list[dict], path: Path) -> None:
 
     dtypes = list(dict.fromkeys(r["dtype"] for r in rows))
     batches = sorted({r["batch"] for r in rows})
-    fig, axes = plt.subplots(len(dtypes), len(batches), figsize=(6 * len(batches), 4 * len(dtypes)), squeeze=False)
+    fig, axes = plt.subplots(len(dtypes), len(batches), figsize=(6 * len(batches), 4 * len(dtypes)),
+                             squeeze=False)
     rates = list(dict.fromkeys(r["accept_rate"] for r in rows if r["mode"] != "off"))
     colors = dict(zip(rates, plt.cm.viridis(np.linspace(0, 0.9, len(rates)))))
     for i, dtype in enumerate(dtypes):
@@ -206,7 +214,8 @@ def plot_sweep(rows: list[dict], path: Path) -> None:
             off = next(r["tokens_per_s"] for r in sel if r["mode"] == "off")
             ax.axhline(off, color="k", ls="--", label="off")
             for rate in rates:
-                on = sorted((r["depth"], r["tokens_per_s"]) for r in sel if r["mode"] == "on" and r["accept_rate"] == rate)
+                on = sorted((r["depth"], r["tokens_per_s"]) for r in sel
+                            if r["mode"] == "on" and r["accept_rate"] == rate)
                 if on:
                     ax.plot(*zip(*on), "o-", color=colors[rate], label=f"on, acceptance {rate}")
                 auto = [r["tokens_per_s"] for r in sel if r["mode"] == "auto" and r["accept_rate"] == rate]
