@@ -2,7 +2,8 @@
 
 Running requests come first (decode tokens and the next chunk of unfinished prefills), then waiting
 ones in (priority, arrival) order. When blocks run out, the running request with the lowest priority
-and latest arrival is preempted: its blocks are freed and it is recomputed later.
+and latest arrival is preempted: its blocks are freed and it is recomputed later. Draft tokens come
+last (`add_drafts`), into what budget and free blocks are left: drafts never preempt anyone.
 """
 
 import bisect
@@ -15,12 +16,19 @@ from scheduling.request import Request, RequestStatus
 
 @dataclass
 class StepPlan:
-    scheduled: list[tuple[Request, int]] = field(default_factory=list)  # (request, num_new_tokens)
+    scheduled: list[tuple[Request, int]] = field(default_factory=list)  # (request, num_new_tokens), drafts included
     preempted: list[Request] = field(default_factory=list)
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)  # request id -> drafts to verify
+    token_budget_left: int = 0
 
     @property
     def num_tokens(self) -> int:
         return sum(n for _, n in self.scheduled)
+
+    def decoding(self) -> list[int]:
+        """Indices into scheduled of the requests computing only their last token (those may draft)."""
+        return [i for i, (req, n) in enumerate(self.scheduled)
+                if n == 1 and req.num_computed_tokens + 1 == req.num_tokens and not req.prompt_logits]
 
 
 class Batcher:
@@ -71,7 +79,19 @@ class Batcher:
             self.running.append(req)
             plan.scheduled.append((req, num_new))
             budget -= num_new
+        plan.token_budget_left = budget
         return plan
+
+    def add_drafts(self, plan: StepPlan, index: int, draft_token_ids: list[int]) -> bool:
+        """Schedule drafts after plan.scheduled[index]'s last token if budget and free blocks allow."""
+        req, n = plan.scheduled[index]
+        k = len(draft_token_ids)
+        if k > plan.token_budget_left or not self.kv.allocate_slots(req, n + k):
+            return False
+        plan.scheduled[index] = (req, n + k)
+        plan.draft_token_ids[req.request_id] = draft_token_ids
+        plan.token_budget_left -= k
+        return True
 
     def _preempt(self, req: Request, plan: StepPlan) -> None:
         self.kv.free(req)

@@ -15,7 +15,6 @@ from kernels import threading_decision
 from memory.block_pool import BlockPool
 from memory.kv_cache import KVCache, kv_bytes_per_token
 from models.activation_plan import plan_activations
-from models.batch import ForwardBatch
 from models.calibration import load_calibration
 from models.llama import LlamaModel
 from models.loader import load_model
@@ -23,9 +22,10 @@ from models.lora import LoraAdapter, load_lora
 from models.tokenizer import IncrementalDetokenizer
 from scheduling.batcher import Batcher, StepPlan
 from scheduling.kv_cache_manager import KVCacheManager
-from scheduling.outputs import RequestOutput
+from scheduling.model_runner import ModelRunner
+from scheduling.outputs import RequestOutput, StepResult
 from scheduling.request import Request, RequestStatus
-from scheduling.sampler import apply_penalties, sample, top_logprobs
+from scheduling.step_sampler import sample_step
 from scheduling.stop_checker import find_stop_string, finish_reason_after_token, num_safe_chars
 
 Prompt = str | list[int]
@@ -54,6 +54,7 @@ class Engine:
         self.batcher = Batcher(config, self.kv)
         self.requests: dict[str, Request] = {}
         self.adapters: dict[str, LoraAdapter] = {}
+        self.runner = ModelRunner(self.model, self.kv_cache, bs, self.adapters)
         self.num_generated_tokens = 0
 
     def register_adapter(self, name: str, path: str | Path) -> None:
@@ -138,73 +139,56 @@ class Engine:
         plan = self.batcher.schedule()
         if not plan.scheduled:
             return []
-        batch, logit_rows = self._build_batch(plan)
-        logits = self.model.forward(batch, self.kv_cache)
-        return self._postprocess(plan, logits, logit_rows)
-
-    def _build_batch(self, plan: StepPlan) -> tuple[ForwardBatch, list[slice | None]]:
-        bs = self.config.block_size
-        token_ids, positions, token_seq, logits_indices, logit_rows = [], [], [], [], []
-        rows_by_adapter: dict[str, list[int]] = {}
-        max_blocks = max(len(req.block_ids) for req, _ in plan.scheduled)
-        block_tables = np.zeros((len(plan.scheduled), max_blocks), np.int32)
-        for s, (req, n) in enumerate(plan.scheduled):
-            start, row = req.num_computed_tokens, len(token_ids)
-            token_ids += req.token_ids[start:start + n]
-            positions += range(start, start + n)
-            token_seq += [s] * n
-            if req.adapter_id is not None:
-                rows_by_adapter.setdefault(req.adapter_id, []).extend(range(row, row + n))
-            block_tables[s, :len(req.block_ids)] = [max(b, 0) for b in req.block_ids]  # released (-1) blocks are never read
-            wanted = range(row, row + n) if req.prompt_logits else (
-                [row + n - 1] if start + n == req.num_tokens else [])
-            logit_rows.append(slice(len(logits_indices), len(logits_indices) + len(wanted)) if wanted else None)
-            logits_indices += wanted
-        positions = np.asarray(positions, np.int32)
-        token_seq = np.asarray(token_seq, np.int32)
-        slot_mapping = block_tables[token_seq, positions // bs].astype(np.int64) * bs + positions % bs
-        adapter_rows = [(self.adapters[name], np.asarray(rows, np.int64)) for name, rows in rows_by_adapter.items()]
-        batch = ForwardBatch(np.asarray(token_ids, np.int64), positions, token_seq, slot_mapping, block_tables,
-                             np.asarray(logits_indices, np.int64), adapter_rows)
-        return batch, logit_rows
-
-    def _postprocess(self, plan: StepPlan, logits: np.ndarray, logit_rows: list[slice | None]) -> list[RequestOutput]:
-        outputs = []
-        for (req, n), rows in zip(plan.scheduled, logit_rows):
-            req.num_computed_tokens += n
-            self.kv.commit_full_blocks(req)
-            if rows is None:
-                continue  # a prefill chunk that has not reached the end of the prompt
-            if req.prompt_logits:
-                req.collected_logits.append(logits[rows])
-                if req.num_computed_tokens == req.num_tokens:
-                    self._finish(req, "length")
-                    outputs.append(self._emit(req))
-                continue
-            self._append_token(req, logits[rows.start])
-            outputs.append(self._emit(req))
+        logits, logit_rows = self.runner.run(plan)
+        result = sample_step(plan, logits, logit_rows, {})
+        outputs = self._process(plan, result)
         return outputs
 
-    def _append_token(self, req: Request, logits: np.ndarray) -> None:
+    def _process(self, plan: StepPlan, result: StepResult) -> list[RequestOutput]:
+        """Append each request's tokens (a stop inside a run cuts it there), move its KV to what was
+        verified (rejected drafts' slots roll back), commit full blocks, finish, emit."""
+        index = {rid: i for i, rid in enumerate(result.req_ids)}
+        outputs = []
+        for req, n in plan.scheduled:
+            start, rid = req.num_computed_tokens, req.request_id
+            num_drafts = len(plan.draft_token_ids.get(rid, ()))
+            i = index.get(rid)
+            reason = None
+            if req.prompt_logits:
+                req.collected_logits.append(result.prompt_logits[rid])
+                reason = "length" if start + n == req.num_tokens else None
+            elif i is not None:
+                reason = self._append_tokens(req, result.sampled_token_ids[i], result.logprobs[i])
+            num_accepted = result.num_accepted_tokens[i] if i is not None else 0
+            req.num_computed_tokens = min(start + n - num_drafts + num_accepted, req.num_tokens)
+            self.kv.commit_full_blocks(req)
+            if reason is not None:
+                self._finish(req, reason)
+            if i is not None or reason is not None:
+                outputs.append(self._emit(req))
+        return outputs
+
+    def _append_tokens(self, req: Request, token_ids: list[int], logprobs: list[dict] | None) -> str | None:
+        """Append token by token; -> the finish reason at the first token that ends the request (the rest
+        of the run is dropped), else None."""
         p = req.params
-        token = sample(apply_penalties(logits, req.token_ids[:req.num_prompt_tokens], req.output_token_ids, p),
-                       p, req.rng)
-        req.token_ids.append(token)
-        self.num_generated_tokens += 1
-        if p.logprobs is not None:
-            req.logprobs.append(top_logprobs(logits, token, p.logprobs))
-        reason = finish_reason_after_token(token, req.num_tokens - req.num_prompt_tokens, req.num_tokens,
-                                           req.max_num_tokens, p, self.spec.eos_token_ids)
-        stopped_by_token = reason == "stop"
-        if req.detokenizer is not None and not stopped_by_token:
-            delta = req.detokenizer.add([token])
-            req.text += delta
-            cut = find_stop_string(req.text, len(delta), p.stop) if p.stop else -1
-            if cut >= 0:
-                req.text = req.text[:cut]
-                reason = "stop"
-        if reason is not None:
-            self._finish(req, reason)
+        for j, token in enumerate(token_ids):
+            req.token_ids.append(token)
+            self.num_generated_tokens += 1
+            if logprobs is not None:
+                req.logprobs.append(logprobs[j])
+            reason = finish_reason_after_token(token, req.num_tokens - req.num_prompt_tokens, req.num_tokens,
+                                               req.max_num_tokens, p, self.spec.eos_token_ids)
+            if req.detokenizer is not None and reason != "stop":
+                delta = req.detokenizer.add([token])
+                req.text += delta
+                cut = find_stop_string(req.text, len(delta), p.stop) if p.stop else -1
+                if cut >= 0:
+                    req.text = req.text[:cut]
+                    reason = "stop"
+            if reason is not None:
+                return reason
+        return None
 
     def _finish(self, req: Request, reason: str) -> None:
         req.status = RequestStatus.FINISHED

@@ -1,6 +1,31 @@
-"""What the engine hands back: a per-step delta of one request, and a finished completion."""
+"""What a step hands on: the sampled tokens of every request (StepResult), the per-step delta of one
+request (RequestOutput), and a finished completion (Completion)."""
 
 from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass
+class StepResult:
+    """The model runner's output for one step (vLLM v1's ModelRunnerOutput shape): per request that
+    reached the end of its scheduled tokens, the tokens to append. A plain decode step appends one; a
+    verification step appends the accepted drafts and one token of the target's (1 to k + 1)."""
+
+    req_ids: list[str] = field(default_factory=list)
+    sampled_token_ids: list[list[int]] = field(default_factory=list)
+    logprobs: list[list[dict[int, float]] | None] = field(default_factory=list)  # per token, when asked
+    num_draft_tokens: list[int] = field(default_factory=list)  # drafts verified for each request (0: none)
+    num_accepted_tokens: list[int] = field(default_factory=list)  # of those, accepted
+    prompt_logits: dict[str, np.ndarray] = field(default_factory=dict)  # score(): request id -> [n, V]
+
+    def add(self, req_id: str, token_ids: list[int], logprobs: list[dict[int, float]] | None,
+            num_drafts: int = 0, num_accepted: int = 0) -> None:
+        self.req_ids.append(req_id)
+        self.sampled_token_ids.append(token_ids)
+        self.logprobs.append(logprobs)
+        self.num_draft_tokens.append(num_drafts)
+        self.num_accepted_tokens.append(num_accepted)
 
 
 @dataclass

@@ -2,6 +2,7 @@
 
 import enum
 import itertools
+import secrets
 
 import numpy as np
 
@@ -37,6 +38,8 @@ class Request:
         self.status = RequestStatus.WAITING
         self.finish_reason: str | None = None
         self.rng = np.random.default_rng(params.seed)
+        # sampling draws are keyed by (seed, position): an unseeded request gets its seed once, here
+        self.seed = (secrets.randbits(63) if params.seed is None else params.seed) & (2**64 - 1)
         self.logprobs: list[dict[int, float]] = []
         self.collected_logits: list[np.ndarray] = []  # [n, V] per step, when prompt_logits
         self.text = ""  # decoded output, stop string cut

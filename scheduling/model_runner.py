@@ -1,0 +1,61 @@
+"""ModelRunner: turns a StepPlan into one flat ForwardBatch, runs the target model over it, and says
+which logits rows belong to which request.
+
+Every scheduled token is one row: prefill chunks, decode tokens, and a speculating request's last
+token followed by its drafts. Logits are kept for the rows whose next token is wanted: the last row of
+a request that reaches the end of its tokens, every row of its drafts (k + 1 rows: after the last
+verified token and after each draft), every row of a score() request.
+"""
+
+import numpy as np
+
+from memory.kv_cache import KVCache
+from models.batch import ForwardBatch
+from models.llama import LlamaModel
+from models.lora import LoraAdapter
+from scheduling.batcher import StepPlan
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, kv_cache: KVCache, block_size: int, adapters: dict[str, LoraAdapter]):
+        self.model = model
+        self.kv_cache = kv_cache
+        self.block_size = block_size
+        self.adapters = adapters  # the engine's registry (shared, not copied)
+
+    def run(self, plan: StepPlan) -> tuple[np.ndarray, list[slice | None]]:
+        """-> logits [R, V] float32 and, per scheduled request, its slice of logits rows (None: no row)."""
+        batch, logit_rows = self.build_batch(plan)
+        return self.model.forward(batch, self.kv_cache), logit_rows
+
+    def build_batch(self, plan: StepPlan) -> tuple[ForwardBatch, list[slice | None]]:
+        bs = self.block_size
+        token_ids, positions, token_seq, logits_indices, logit_rows = [], [], [], [], []
+        rows_by_adapter: dict[str, list[int]] = {}
+        max_blocks = max(len(req.block_ids) for req, _ in plan.scheduled)
+        block_tables = np.zeros((len(plan.scheduled), max_blocks), np.int32)  # [S, max_blocks]
+        for s, (req, n) in enumerate(plan.scheduled):
+            drafts = plan.draft_token_ids.get(req.request_id, ())
+            start, row, num_base = req.num_computed_tokens, len(token_ids), n - len(drafts)
+            token_ids += req.token_ids[start:start + num_base]
+            token_ids += drafts
+            positions += range(start, start + n)
+            token_seq += [s] * n
+            if req.adapter_id is not None:
+                rows_by_adapter.setdefault(req.adapter_id, []).extend(range(row, row + n))
+            block_tables[s, :len(req.block_ids)] = [max(b, 0) for b in req.block_ids]  # released (-1) blocks are never read
+            if req.prompt_logits:
+                wanted = range(row, row + n)
+            elif start + num_base == req.num_tokens:
+                wanted = range(row + num_base - 1, row + n)  # the last verified token, then each draft
+            else:
+                wanted = ()  # a prefill chunk short of the prompt's end
+            logit_rows.append(slice(len(logits_indices), len(logits_indices) + len(wanted)) if wanted else None)
+            logits_indices += wanted
+        positions = np.asarray(positions, np.int32)
+        token_seq = np.asarray(token_seq, np.int32)
+        slot_mapping = block_tables[token_seq, positions // bs].astype(np.int64) * bs + positions % bs
+        adapter_rows = [(self.adapters[name], np.asarray(rows, np.int64)) for name, rows in rows_by_adapter.items()]
+        batch = ForwardBatch(np.asarray(token_ids, np.int64), positions, token_seq, slot_mapping, block_tables,
+                             np.asarray(logits_indices, np.int64), adapter_rows)
+        return batch, logit_rows
