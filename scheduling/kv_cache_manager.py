@@ -65,6 +65,15 @@ class KVCacheManager:
                     tokens = req.token_ids[i * self.block_size:(i + 1) * self.block_size]
                     self.pool.commit(req.block_ids[i], req.block_hashes[i], parent, tokens, req.cache_extra)
 
+    def rollback(self, req: Request) -> None:
+        """After verification moved req.num_computed_tokens back over rejected drafts: return the blocks
+        that hold only their KV to the pool, tail first (they were never committed: only full blocks of
+        verified tokens are). The stale slots left in the last kept block are overwritten later."""
+        num_kept = -(-req.num_computed_tokens // self.block_size)
+        if len(req.block_ids) > num_kept:
+            self.pool.free(reversed(req.block_ids[num_kept:]))
+            del req.block_ids[num_kept:]
+
     def free(self, req: Request) -> None:
         self.pool.free(reversed(req.block_ids))  # tail first: the tail is the least likely to be shared
         req.block_ids = []

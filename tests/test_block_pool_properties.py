@@ -1,4 +1,5 @@
-"""Invariants of the block pool under random allocate / append / free / cache-hit / evict sequences."""
+"""Invariants of the block pool under random allocate / append / free / cache-hit / evict sequences, and
+speculative steps whose rejected drafts roll back (no leak, no double free, hashes only on verified blocks)."""
 
 from collections import Counter
 
@@ -21,16 +22,18 @@ class BlockPoolMachine(RuleBasedStateMachine):
         self.pool = BlockPool(NUM_BLOCKS)
         self.kv = KVCacheManager(self.pool, BLOCK_SIZE, enable_prefix_caching=True, sliding_window=0)
         self.live: list[Request] = []
-        self.content: dict[int, tuple] = {}  # block id -> the tokens whose KV was written there
+        self.content: dict[int, list] = {}  # block id -> the token whose KV was written in each slot
         self.count = 0
 
+    def _write(self, req: Request, start: int, token_ids: list[int]) -> None:
+        """What the model does: write KV of token_ids at positions start, start + 1, ... (slot by slot)."""
+        for pos, token in enumerate(token_ids, start):
+            self.content.setdefault(req.block_ids[pos // BLOCK_SIZE], [None] * BLOCK_SIZE)[pos % BLOCK_SIZE] = token
+
     def _compute(self, req: Request, num_new: int) -> None:
-        """What a model step does: write KV for the new tokens, then commit full blocks."""
+        """A plain step: write KV for the new tokens, then commit full blocks."""
         start = req.num_computed_tokens
-        for pos in range(start, start + num_new):
-            block = req.block_ids[pos // BLOCK_SIZE]
-            prev = self.content.get(block, ()) if pos % BLOCK_SIZE else ()
-            self.content[block] = prev + (req.token_ids[pos],)
+        self._write(req, start, req.token_ids[start:start + num_new])
         req.num_computed_tokens += num_new
         self.kv.commit_full_blocks(req)
 
@@ -40,7 +43,7 @@ class BlockPoolMachine(RuleBasedStateMachine):
         req = Request(f"r{self.count}", prompt, SamplingParams(), cache_salt=salt, max_model_len=100)
         cached = self.kv.find_cached_prefix(req)
         for i, block in enumerate(cached):  # a hit must hold exactly this request's tokens
-            assert self.content[block] == tuple(prompt[i * BLOCK_SIZE:(i + 1) * BLOCK_SIZE])
+            assert self.content[block] == prompt[i * BLOCK_SIZE:(i + 1) * BLOCK_SIZE]
         num_new = req.num_tokens - len(cached) * BLOCK_SIZE
         if self.kv.allocate_slots(req, num_new, cached):
             self._compute(req, num_new)
@@ -54,11 +57,34 @@ class BlockPoolMachine(RuleBasedStateMachine):
             return
         req = data.draw(st.sampled_from(self.live))
         req.token_ids.append(token)
-        if self.kv.allocate_slots(req, 1):
-            self._compute(req, 1)
+        num_new = req.num_tokens - req.num_computed_tokens
+        if self.kv.allocate_slots(req, num_new):
+            self._compute(req, num_new)
         else:  # the scheduler would preempt: free and recompute later
             self.kv.free(req)
             self.live.remove(req)
+
+    @rule(data=st.data(), token=st.integers(0, 2), drafts=st.lists(st.integers(0, 2), min_size=1, max_size=5))
+    def speculate(self, data, token, drafts):
+        """A verification step: the last token and its drafts get KV; the target accepts a prefix of the
+        drafts and appends its own next token; the rejected drafts' KV rolls back."""
+        if not self.live:
+            return
+        req = data.draw(st.sampled_from(self.live))
+        req.token_ids.append(token)
+        start, num_base = req.num_computed_tokens, req.num_tokens - req.num_computed_tokens
+        num_free_before = self.pool.num_free_blocks + len(req.block_ids)
+        if not self.kv.allocate_slots(req, num_base + len(drafts)):
+            return  # drafts never preempt: the engine schedules the step without them
+        self._write(req, start, req.token_ids[start:] + drafts)
+        num_accepted = data.draw(st.integers(0, len(drafts)))
+        target = drafts[num_accepted] + 1 if num_accepted < len(drafts) else data.draw(st.integers(0, 2))
+        req.token_ids += drafts[:num_accepted] + [target % 3]
+        req.num_computed_tokens = start + num_base + num_accepted
+        self.kv.rollback(req)
+        self.kv.commit_full_blocks(req)
+        assert len(req.block_ids) == -(-req.num_computed_tokens // BLOCK_SIZE)  # the tail went back
+        assert self.pool.num_free_blocks + len(req.block_ids) == num_free_before
 
     @rule(data=st.data())
     def finish(self, data):
@@ -83,12 +109,23 @@ class BlockPoolMachine(RuleBasedStateMachine):
                 assert self.pool.is_cached(block)
         for r in self.live:
             for i, block in enumerate(r.block_ids[: r.num_computed_tokens // BLOCK_SIZE]):
-                assert self.content[block] == tuple(r.token_ids[i * BLOCK_SIZE:(i + 1) * BLOCK_SIZE])
+                assert self.content[block] == r.token_ids[i * BLOCK_SIZE:(i + 1) * BLOCK_SIZE]
+
+    @invariant()
+    def requests_hold_blocks_for_computed_tokens_only(self):
+        for r in self.live:
+            assert len(r.block_ids) == -(-r.num_computed_tokens // BLOCK_SIZE)
+            assert len(r.block_hashes) == r.num_computed_tokens // BLOCK_SIZE
 
     @invariant()
     def hash_map_is_consistent(self):
         for block_hash, block in self.pool.cached.items():
             assert self.pool.block_hash[block] == block_hash
+
+    @invariant()
+    def cached_blocks_hold_exactly_their_verified_tokens(self):
+        for block in self.pool.cached.values():  # never a rejected draft's slot
+            assert self.content[block] == list(self.pool.block_key[block][1])
 
     def teardown(self):
         for req in self.live:
