@@ -2,6 +2,7 @@
 
 import math
 import os
+import time
 from pathlib import Path
 
 import numba
@@ -19,12 +20,14 @@ from models.calibration import load_calibration
 from models.llama import LlamaModel
 from models.loader import load_model
 from models.lora import LoraAdapter, load_lora
+from models.proposers import make_proposer
 from models.tokenizer import IncrementalDetokenizer
 from scheduling.batcher import Batcher, StepPlan
 from scheduling.kv_cache_manager import KVCacheManager
 from scheduling.model_runner import ModelRunner
 from scheduling.outputs import RequestOutput, StepResult
 from scheduling.request import Request, RequestStatus
+from scheduling.speculator import Speculator, spec_stats_off
 from scheduling.step_sampler import sample_step
 from scheduling.stop_checker import find_stop_string, finish_reason_after_token, num_safe_chars
 
@@ -55,6 +58,10 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self.adapters: dict[str, LoraAdapter] = {}
         self.runner = ModelRunner(self.model, self.kv_cache, bs, self.adapters)
+        proposer = make_proposer(config.speculation, s, self.tokenizer, kv_cache_tokens=num_blocks * bs, block_size=bs,
+                                 weight_dtype=config.weight_dtype, kv_dtype=config.resolved_kv_dtype,
+                                 activation_dtype=config.activation_dtype, decisions=self.decisions)
+        self.speculator = Speculator(config.speculation, proposer, self.decisions) if proposer else None
         self.num_generated_tokens = 0
 
     def register_adapter(self, name: str, path: str | Path) -> None:
@@ -137,11 +144,19 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         plan = self.batcher.schedule()
+        for req in plan.preempted:
+            self._forget_drafts(req.request_id)
         if not plan.scheduled:
             return []
+        draft_s = self.speculator.propose(plan, self.batcher) if self.speculator else 0.0
+        start = time.perf_counter()
         logits, logit_rows = self.runner.run(plan)
-        result = sample_step(plan, logits, logit_rows, {})
+        result = sample_step(plan, logits, logit_rows, self.speculator.draft_probs if self.speculator else {})
+        seconds = time.perf_counter() - start
         outputs = self._process(plan, result)
+        if self.speculator:
+            self.speculator.observe(plan, result, seconds, draft_s, len(self.batcher.waiting),
+                                    self.kv.pool.num_used_blocks / self.kv.pool.num_blocks)
         return outputs
 
     def _process(self, plan: StepPlan, result: StepResult) -> list[RequestOutput]:
@@ -161,6 +176,8 @@ class Engine:
                 reason = self._append_tokens(req, result.sampled_token_ids[i], result.logprobs[i])
             num_accepted = result.num_accepted_tokens[i] if i is not None else 0
             req.num_computed_tokens = min(start + n - num_drafts + num_accepted, req.num_tokens)
+            if num_drafts:
+                self.kv.rollback(req)
             self.kv.commit_full_blocks(req)
             if reason is not None:
                 self._finish(req, reason)
@@ -194,7 +211,12 @@ class Engine:
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         self.batcher.remove(req)
+        self._forget_drafts(req.request_id)
         del self.requests[req.request_id]
+
+    def _forget_drafts(self, request_id: str) -> None:
+        if self.speculator:
+            self.speculator.free(request_id)
 
     def _emit(self, req: Request) -> RequestOutput:
         safe = len(req.text) if req.finished else num_safe_chars(req.text, req.params.stop)
@@ -221,4 +243,4 @@ class Engine:
             "prefix_hit_rate": self.kv.prefix_hit_rate,
             "num_preemptions": self.batcher.num_preemptions,
             "num_generated_tokens": self.num_generated_tokens,
-        }
+        } | (self.speculator.stats() if self.speculator else spec_stats_off())

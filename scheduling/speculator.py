@@ -1,0 +1,123 @@
+"""Speculator: the engine's speculative decoding around one step: depths, drafts, figures.
+
+Before the target forward, `propose` asks the policy for a depth per decoding request (choose_depths:
+goodput under the step's token budget, max_compute_fraction and KV pressure), has the proposer draft
+for every request with a depth > 0 in one call, and schedules the drafts into the plan where budget and
+free blocks allow. After the step, `observe` turns what was verified into a SpecStepStats record that
+feeds the controller (acceptance EMA per position, step cost fit) and the counters of `stats()`.
+A step where every depth is 0 calls no proposer and verifies nothing: it is a plain decode step.
+"""
+
+import time
+from collections import deque
+
+import numpy as np
+
+from cluster_configs.diagnostics import DecisionLog
+from cluster_configs.speculation_config import SpeculationConfig
+from models.proposers.base import Proposer
+from scheduling.batcher import Batcher, StepPlan
+from scheduling.outputs import StepResult
+from scheduling.spec_policy import (
+    SpecStepStats,
+    SpeculationController,
+    SpeculationPolicy,
+    choose_depths,
+    count_positions,
+)
+
+SPEC_COUNTERS = ("spec_num_drafts", "spec_num_draft_tokens", "spec_num_accepted_tokens")
+
+
+class Speculator:
+    def __init__(self, config: SpeculationConfig, proposer: Proposer, decisions: DecisionLog | None = None):
+        self.config = config
+        self.proposer = proposer
+        self.controller = SpeculationController(config)
+        self.pushed_policy: SpeculationPolicy | None = None  # a scheduler actor's; None: the controller's
+        self.decisions = decisions or DecisionLog()
+        self.recent: deque[SpecStepStats] = deque(maxlen=256)  # for telemetry
+        self.draft_probs: dict[str, np.ndarray] = {}  # request id -> q [k, V] of this step's sampled drafts
+        self.depth = 0  # the deepest draft of the last step with decoding requests
+        self.num_drafts = 0  # verifications: request-steps with at least one draft
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        k = config.num_speculative_tokens
+        self.num_verified_per_position = np.zeros(k, np.int64)
+        self.num_accepted_per_position = np.zeros(k, np.int64)
+
+    @property
+    def policy(self) -> SpeculationPolicy:
+        return self.pushed_policy or self.controller.policy()
+
+    def propose(self, plan: StepPlan, batcher: Batcher) -> float:
+        """Schedule drafts for the plan's decoding requests; -> the proposer's seconds."""
+        self.draft_probs = {}
+        decoding = plan.decoding()
+        if not decoding:
+            return 0.0
+        reqs = [plan.scheduled[i][0] for i in decoding]
+        # a run may append all its drafts and one more token; drafts past max_tokens would be cut unread
+        max_depths = [r.max_num_tokens - r.num_tokens for r in reqs]
+        depths = choose_depths(self.policy, plan.num_tokens, max_depths, token_budget=plan.token_budget_left)
+        self._record_depth(max(depths))
+        active = [j for j, d in enumerate(depths) if d > 0]
+        if not active:
+            return 0.0
+        start = time.perf_counter()
+        drafts = self.proposer.propose([reqs[j] for j in active], [depths[j] for j in active])
+        seconds = time.perf_counter() - start
+        probs = self.proposer.last_draft_probs
+        for j, draft in zip(active, drafts):
+            draft = [int(t) for t in draft[:depths[j]]]
+            rid = reqs[j].request_id
+            if draft and batcher.add_drafts(plan, decoding[j], draft) and rid in probs:
+                self.draft_probs[rid] = probs[rid][:len(draft)]
+        return seconds
+
+    def observe(self, plan: StepPlan, result: StepResult, seconds: float, draft_seconds: float,
+                num_waiting: int, kv_usage: float) -> SpecStepStats:
+        k = self.config.num_speculative_tokens
+        runs = [(d, a) for d, a in zip(result.num_draft_tokens, result.num_accepted_tokens) if d > 0]
+        verified, accepted = count_positions(runs, k)
+        stats = SpecStepStats(plan.num_tokens, seconds, len(plan.scheduled), num_waiting, kv_usage, draft_seconds,
+                              max((d for d, _ in runs), default=0), verified, accepted)
+        self.controller.observe(stats)
+        self.recent.append(stats)
+        self.num_drafts += len(runs)
+        self.num_draft_tokens += sum(d for d, _ in runs)
+        self.num_accepted_tokens += sum(a for _, a in runs)
+        self.num_verified_per_position += verified
+        self.num_accepted_per_position += accepted
+        return stats
+
+    def free(self, request_id: str) -> None:
+        self.proposer.free(request_id)
+
+    def stats(self) -> dict:
+        policy = self.policy
+        return {"spec_method": self.config.method, "spec_mode": self.config.mode,
+                "spec_num_drafts": self.num_drafts, "spec_num_draft_tokens": self.num_draft_tokens,
+                "spec_num_accepted_tokens": self.num_accepted_tokens,
+                "spec_accepted_per_position": self.num_accepted_per_position.tolist(),
+                "spec_verified_per_position": self.num_verified_per_position.tolist(),
+                "spec_depth": self.depth,
+                # the goodput inputs: acceptance EMA per position, step cost = fixed + per_token * tokens
+                "spec_accept_rate_ema": list(policy.accept_rates), "spec_step_fixed_s": policy.fixed_s,
+                "spec_step_per_token_s": policy.per_token_s, "spec_draft_s_per_position": policy.draft_s_per_position,
+                "spec_draft_cost_factor": policy.draft_cost_factor, "spec_max_depth": policy.max_depth}
+
+    def _record_depth(self, depth: int) -> None:
+        if depth != self.depth:
+            p = self.policy
+            self.decisions.record("speculation", f"depth {depth}",
+                                  f"mode {self.config.mode}: acceptance EMA {np.round(p.accept_rates, 2).tolist()}, "
+                                  f"step cost {p.fixed_s * 1e3:.2f} ms + {p.per_token_s * 1e3:.3f} ms/token, "
+                                  f"draft cost x{p.draft_cost_factor:.2f}")
+        self.depth = depth
+
+
+def spec_stats_off() -> dict:
+    """stats() keys of an engine without speculation."""
+    return {"spec_method": "off", **dict.fromkeys(SPEC_COUNTERS, 0), "spec_accepted_per_position": [],
+            "spec_depth": 0}
