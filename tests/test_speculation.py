@@ -1,0 +1,324 @@
+"""Speculative decoding in the engine: greedy outputs equal those without it, token for token (every method
+and mode, stops and max_tokens inside accepted runs, preemption); a self-draft accepts everything; sampled
+outputs follow the target's own distribution; seeded outputs do not depend on the batch."""
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+import numaserve as ns
+from scheduling.engine import Engine
+from tests.conftest import random_prompt
+from tests.test_rejection import chi_square_p_value
+
+FP32 = {"weight_dtype": "float32", "kv_dtype": "float32"}
+MODES = ("auto", "on", "latency_first", "throughput_first")
+K = 4
+MIN_P_VALUE = 1e-3  # seeded runs: each chi-square test passes or fails deterministically
+
+
+# ---- helpers --------------------------------------------------------------------------------------
+
+def perturbed_copy(src, dst, scale: float, seed: int = 0):
+    """A draft model: the target's weights plus noise (same tokenizer), so some drafts pass, some not."""
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * scale * p.std())
+    model.save_pretrained(dst, safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (src / name).exists():
+            shutil.copy(src / name, dst / name)
+    return dst
+
+
+def record_runs(engine: Engine) -> dict[str, list[tuple[int, list[int], int]]]:
+    """Request id -> per step (outputs it had before, the run the step sampled for it, drafts verified)."""
+    runs: dict[str, list] = {}
+    process = engine._process
+
+    def recording(plan, result):
+        before = {req.request_id: len(req.output_token_ids) for req, _ in plan.scheduled}
+        for rid, tokens, num_drafts in zip(result.req_ids, result.sampled_token_ids, result.num_draft_tokens):
+            runs.setdefault(rid, []).append((before[rid], list(tokens), num_drafts))
+        return process(plan, result)
+
+    engine._process = recording
+    return runs
+
+
+def run(engine: Engine, prompts: list, params, prefix: str = "r") -> list:
+    params = params if isinstance(params, list) else [params] * len(prompts)
+    reqs = [engine.add_request(f"{prefix}{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]
+    while engine.has_unfinished():
+        engine.step()
+    return reqs
+
+
+def outcome(reqs) -> list[tuple]:
+    return [(r.output_token_ids, r.text, r.finish_reason, r.logprobs) for r in reqs]
+
+
+def assert_same(got: list[tuple], expected: list[tuple]) -> None:
+    """Tokens, text and finish reason equal; logprobs of the same tokens within 1e-5 (a verification step's
+    rows differ from a decode step's in the last float bits)."""
+    assert [o[:3] for o in got] == [o[:3] for o in expected]
+    for o, e in zip(got, expected):
+        assert [list(lp) for lp in o[3]] == [list(lp) for lp in e[3]]
+        np.testing.assert_allclose([v for lp in o[3] for v in lp.values()],
+                                   [v for lp in e[3] for v in lp.values()], atol=1e-5)
+
+
+def cut_inside_a_run(runs, req) -> bool:
+    """The request's last step sampled a run longer than what it appended: a stop or max_tokens cut it."""
+    before, tokens, num_drafts = runs[req.request_id][-1]
+    appended = req.output_token_ids[before:]
+    assert tokens[:len(appended)] == appended
+    return num_drafts > 0 and len(appended) < len(tokens)
+
+
+# ---- greedy: the same tokens with and without speculation ------------------------------------------
+
+@pytest.fixture(scope="module")
+def draft_dir(llama_dir, tmp_path_factory):
+    return perturbed_copy(llama_dir, tmp_path_factory.mktemp("draft"), scale=0.3)
+
+
+@pytest.fixture(scope="module")
+def mixed():
+    """16 mixed prompts and params: lengths 1..120, repetitive text (n-gram hits), stop strings, stop ids,
+    logprobs, penalties, several max_tokens."""
+    prompts = [random_prompt(n, seed=200 + i) for i, n in enumerate((1, 7, 33, 120, 3, 64, 15, 90))]
+    prompts += ["The quick brown fox jumps over the lazy dog. The quick brown fox", "def add(a, b):\n    return",
+                [5, 6, 7, 8, 9] * 8, "numaserve serves language models on CPUs, one worker per NUMA node. numaserve",
+                [11, 12] * 20, "In the beginning was the word, and the word", random_prompt(40, seed=7), "Tokens"]
+    g = {"temperature": 0, "ignore_eos": True}
+    params = [ns.SamplingParams(max_tokens=m, **g) for m in (24, 17, 9, 30, 1, 2, 24, 12)]
+    params += [ns.SamplingParams(max_tokens=30, stop=["lazy", "fox jumps"], **g),
+               ns.SamplingParams(max_tokens=20, logprobs=3, **g),
+               ns.SamplingParams(max_tokens=26, stop_token_ids=[9], **g),
+               ns.SamplingParams(max_tokens=28, repetition_penalty=1.3, **g),
+               ns.SamplingParams(max_tokens=25, presence_penalty=0.5, frequency_penalty=0.4, **g),
+               ns.SamplingParams(max_tokens=19, stop=["word"], **g),
+               ns.SamplingParams(max_tokens=23, temperature=0, ignore_eos=False),
+               ns.SamplingParams(max_tokens=21, top_k=1, temperature=0.7, ignore_eos=True)]
+    return prompts, params
+
+
+@pytest.fixture(scope="module")
+def reference(llama_dir, mixed):
+    return outcome(run(ns.LLM(llama_dir, **FP32).engine, *mixed))
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_greedy_speculation_gives_the_same_tokens_as_none(llama_dir, draft_dir, mixed, reference, method, mode):
+    spec = {"method": method, "num_speculative_tokens": K, "mode": mode}
+    if method == "draft":
+        spec["draft_model"] = str(draft_dir)
+    llm = ns.LLM(llama_dir, **FP32, speculation=spec, max_num_batched_tokens=512)
+    assert_same(outcome(run(llm.engine, *mixed)), reference)
+    stats = llm.stats()
+    assert stats["spec_num_draft_tokens"] > 0 and stats["spec_num_accepted_tokens"] > 0, stats
+    assert stats["spec_num_accepted_tokens"] < stats["spec_num_draft_tokens"]  # and some were rejected
+    assert stats["num_free_blocks"] == stats["num_blocks"]  # rolled-back and finished blocks all returned
+
+
+def test_greedy_speculation_under_preemption_in_a_small_kv_pool(llama_dir, draft_dir, mixed, reference):
+    bytes_per_block = 4 * 2 * 2 * 2 * 24 * 4  # block_size * (k, v) * layers * kv_heads * head_dim * fp32
+    for method, extra in (("ngram", {}), ("draft", {"draft_model": str(draft_dir)})):
+        llm = ns.LLM(llama_dir, **FP32, block_size=4, kv_cache_bytes=48 * bytes_per_block,
+                     max_num_batched_tokens=128, speculation={"method": method, "mode": "on", **extra})
+        assert_same(outcome(run(llm.engine, *mixed)), reference)
+        stats = llm.stats()
+        assert stats["num_preemptions"] > 0 and stats["spec_num_accepted_tokens"] > 0, stats
+        assert stats["num_free_blocks"] == stats["num_blocks"] == 48
+
+
+# ---- self-draft: every draft accepted; stops and max_tokens inside accepted runs --------------------
+
+@pytest.fixture(scope="module")
+def self_draft(llama_dir):
+    def make(model_dir=llama_dir, **kwargs) -> Engine:
+        spec = {"method": "draft", "draft_model": str(llama_dir), "num_speculative_tokens": K, "mode": "on"}
+        return ns.LLM(model_dir, **FP32, speculation=spec, **kwargs).engine
+    return make
+
+
+def test_self_draft_accepts_every_draft_and_appends_k_plus_1_tokens_per_verification(self_draft):
+    engine = self_draft()
+    runs = record_runs(engine)
+    params = ns.SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    reqs = run(engine, [random_prompt(n, seed=300 + n) for n in (3, 20, 50)], params)
+    stats = engine.stats()
+    assert stats["spec_num_accepted_tokens"] == stats["spec_num_draft_tokens"] > 0
+    assert stats["spec_accepted_per_position"] == stats["spec_verified_per_position"]
+    for req in reqs:
+        verifications = [(len(tokens), d) for _, tokens, d in runs[req.request_id] if d > 0]
+        assert all(n == d + 1 for n, d in verifications)
+        assert [n for n, _ in verifications[:-1]] == [K + 1] * (len(verifications) - 1)  # the last may be capped
+        assert len(req.output_token_ids) == 40
+
+
+def continuation(llama_dir, prompt, n: int) -> list[int]:
+    params = ns.SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+    return ns.LLM(llama_dir, **FP32).generate(prompt, params)[0].token_ids
+
+
+def inside_run_index(out: list[int], start: int = 2) -> int:
+    """An output index in the middle of a self-draft run (runs: [0], [1..K+1], [K+2..2K+2], ...) whose token
+    does not occur earlier."""
+    return next(j for j in range(start, len(out)) if j % (K + 1) not in (0, 1) and out[j] not in out[:j])
+
+
+def test_stop_token_inside_an_accepted_run_cuts_it_there(llama_dir, self_draft):
+    prompt = random_prompt(12, seed=11)
+    out = continuation(llama_dir, prompt, 30)
+    j = inside_run_index(out)
+    engine = self_draft()
+    runs = record_runs(engine)
+    [req] = run(engine, [prompt], ns.SamplingParams(max_tokens=30, temperature=0, stop_token_ids=[out[j]]))
+    assert (req.output_token_ids, req.finish_reason) == (out[:j + 1], "stop")
+    assert cut_inside_a_run(runs, req)
+
+
+def test_eos_inside_an_accepted_run_cuts_it_there(llama_dir, self_draft, tmp_path):
+    prompt = random_prompt(12, seed=12)
+    out = continuation(llama_dir, prompt, 30)
+    j = inside_run_index(out)
+    shutil.copytree(llama_dir, tmp_path / "m")
+    for name in ("config.json", "generation_config.json"):
+        path = tmp_path / "m" / name
+        if path.exists():
+            path.write_text(json.dumps(json.loads(path.read_text()) | {"eos_token_id": out[j]}))
+    engine = self_draft(tmp_path / "m")
+    assert engine.spec.eos_token_ids == (out[j],)
+    runs = record_runs(engine)
+    [req] = run(engine, [prompt], ns.SamplingParams(max_tokens=30, temperature=0))
+    assert (req.output_token_ids, req.finish_reason) == (out[:j + 1], "stop")
+    assert cut_inside_a_run(runs, req)
+
+
+def test_stop_string_inside_an_accepted_run_cuts_it_there(llama_dir, self_draft):
+    prompt = "The quick brown fox"
+    off = ns.LLM(llama_dir, **FP32)
+    out = continuation(llama_dir, prompt, 30)
+    tok = off.tokenizer
+    for j in range(2, len(out)):  # a stop string first completed by a token in the middle of a run
+        piece = tok.decode(out[j:j + 1]).strip()
+        if j % (K + 1) in (0, 1) or len(piece) < 2 or piece in tok.decode(out[:j]):
+            continue
+        params = ns.SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, stop=[piece])
+        [expected] = off.generate(prompt, params)
+        if len(expected.token_ids) == j + 1:
+            break
+    else:
+        pytest.fail("no stop string found in the middle of a run")
+    engine = self_draft()
+    runs = record_runs(engine)
+    [req] = run(engine, [prompt], params)
+    assert (req.output_token_ids, req.text, req.finish_reason) == (expected.token_ids, expected.text, "stop")
+    assert cut_inside_a_run(runs, req)
+
+
+def test_max_tokens_inside_an_accepted_run_cuts_it_there(llama_dir, self_draft):
+    prompt = random_prompt(9, seed=13)
+    max_tokens = K + 4  # runs: 1 token (prefill), K + 1, then K drafts capped to the 2 left: 3 sampled, 2 kept
+    engine = self_draft()
+    runs = record_runs(engine)
+    [req] = run(engine, [prompt], ns.SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+    assert (req.output_token_ids, req.finish_reason) == (continuation(llama_dir, prompt, max_tokens), "length")
+    assert cut_inside_a_run(runs, req)
+
+
+# ---- sampling: exactly the target's distribution; seeded outputs independent of the batch -------------
+
+def tiny_checkpoint(path, seed: int, num_layers: int = 2):
+    config = LlamaConfig(vocab_size=16, hidden_size=32, intermediate_size=48, num_hidden_layers=num_layers,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         bos_token_id=0, eos_token_id=1, initializer_range=0.5)
+    torch.manual_seed(seed)
+    LlamaForCausalLM(config).eval().save_pretrained(path, safe_serialization=True)
+    return path
+
+
+@pytest.fixture(scope="module")
+def vocab16(tmp_path_factory):
+    root = tmp_path_factory.mktemp("vocab16")
+    return tiny_checkpoint(root / "target", seed=1), tiny_checkpoint(root / "draft", seed=2, num_layers=1)
+
+
+def reference_probs(logits: np.ndarray, top_k: int, top_p: float) -> np.ndarray:
+    """softmax at temperature 1, then top_k, then top_p (the smallest set of most likely tokens reaching it)."""
+    p = np.exp(logits.astype(np.float64) - logits.max())
+    p /= p.sum()
+    if top_k:
+        p[p < np.sort(p)[-top_k]] = 0.0
+        p /= p.sum()
+    order = np.argsort(-p, kind="stable")
+    p[order[np.cumsum(p[order]) - p[order] >= top_p]] = 0.0
+    return p / p.sum()
+
+
+NUM_RUNS = 20_000
+PROMPT = [3, 9, 4, 12, 7]
+
+
+@pytest.mark.parametrize("filters", [{}, {"top_k": 10, "top_p": 0.85}], ids=["plain", "top_k_top_p"])
+def test_rejection_sampling_with_a_draft_model_emits_the_targets_distribution(vocab16, filters):
+    target, draft = vocab16
+    llm = ns.LLM(target, **FP32, block_size=4, max_num_seqs=NUM_RUNS, max_num_batched_tokens=1 << 16,
+                 speculation={"method": "draft", "draft_model": str(draft), "num_speculative_tokens": 2, "mode": "on"})
+    params = [ns.SamplingParams(max_tokens=3, temperature=1.0, seed=s, ignore_eos=True, **filters)
+              for s in range(NUM_RUNS)]
+    outs = np.array([o.token_ids for o in llm.generate([PROMPT] * NUM_RUNS, params)])  # [runs, 3]
+    stats = llm.stats()
+    assert stats["spec_num_draft_tokens"] > NUM_RUNS  # drafts proposed ...
+    assert 0 < stats["spec_num_accepted_tokens"] < stats["spec_num_draft_tokens"]  # ... some accepted, some not
+    top_k, top_p = filters.get("top_k", 0), filters.get("top_p", 1.0)
+    first = reference_probs(llm.score(PROMPT)[-1], top_k, top_p)
+    joint, third = np.zeros((16, 16)), np.zeros(16)
+    for t1 in np.flatnonzero(first):
+        rows = llm.score(PROMPT + [int(t1), 0])
+        second = reference_probs(rows[-2], top_k, top_p)
+        joint[t1] = first[t1] * second
+        for t2 in np.flatnonzero(second):
+            third += joint[t1, t2] * reference_probs(llm.score(PROMPT + [int(t1), int(t2)])[-1], top_k, top_p)
+    observed = np.zeros((16, 16))
+    np.add.at(observed, (outs[:, 0], outs[:, 1]), 1)
+    p_joint = chi_square_p_value(observed.ravel(), joint.ravel())
+    p_third = chi_square_p_value(np.bincount(outs[:, 2], minlength=16), third)
+    assert p_joint > MIN_P_VALUE, f"first two tokens: chi-square p-value {p_joint:.2e}"
+    assert p_third > MIN_P_VALUE, f"third token: chi-square p-value {p_third:.2e}"
+
+
+def test_seeded_sampling_with_ngram_drafts_gives_the_tokens_of_no_speculation(vocab16):
+    target, _ = vocab16
+    prompts = [random_prompt(n, seed=n, vocab=16) for n in range(4, 36)]
+    params = [ns.SamplingParams(max_tokens=24, temperature=1.0, seed=s, ignore_eos=True, top_p=0.9 if s % 2 else 1.0)
+              for s in range(len(prompts))]
+    reference = [o.token_ids for o in ns.LLM(target, **FP32).generate(prompts, params)]
+    llm = ns.LLM(target, **FP32, speculation={"method": "ngram", "mode": "on", "prompt_lookup_min": 1})
+    assert [o.token_ids for o in llm.generate(prompts, params)] == reference
+    stats = llm.stats()
+    assert 0 < stats["spec_num_accepted_tokens"] < stats["spec_num_draft_tokens"], stats
+
+
+@pytest.mark.parametrize("method, mode", [("ngram", "auto"), ("draft", "on")])
+def test_same_seed_same_tokens_alone_or_batched(vocab16, method, mode):
+    target, draft = vocab16
+    spec = {"method": method, "mode": mode} | ({"draft_model": str(draft)} if method == "draft" else {})
+    params = ns.SamplingParams(max_tokens=20, temperature=0.9, seed=42, ignore_eos=True)
+    prompt = random_prompt(6, seed=5, vocab=16)
+    alone = ns.LLM(target, **FP32, speculation=spec).generate(prompt, params)[0].token_ids
+    others = [random_prompt(3 + i, seed=50 + i, vocab=16) for i in range(15)]
+    other_params = [ns.SamplingParams(max_tokens=10 + i, temperature=0.7, seed=i) for i in range(15)]
+    llm = ns.LLM(target, **FP32, speculation=spec)
+    batched = llm.generate(others[:7] + [prompt] + others[7:], other_params[:7] + [params] + other_params[7:])
+    assert batched[7].token_ids == alone
+    assert llm.stats()["spec_num_draft_tokens"] > 0
