@@ -55,9 +55,11 @@ def sample_rows(logits: np.ndarray, requests: Sequence, positions: Sequence[int]
     return out
 
 
-def keyed_uniforms(seed: int, positions: Sequence[int]) -> np.ndarray:
-    """[len(positions), 2] uniforms in [0, 1), one row per position, independent of the row sampler's."""
-    return np.stack([np.random.default_rng((seed, p, _VERIFY_STREAM)).random(2) for p in positions])
+def keyed_uniforms(seed: int, position: int, num_rows: int) -> np.ndarray:
+    """[num_rows, 2] uniforms in [0, 1) for a verification whose first token sits at position, apart from
+    the row sampler's draws. A request's verifications start at strictly increasing positions, so no
+    key is drawn twice."""
+    return np.random.default_rng((seed, position, _VERIFY_STREAM)).random((num_rows, 2))
 
 
 def sample_step(plan: StepPlan, logits: np.ndarray, logit_rows: list[slice | None],
@@ -99,5 +101,5 @@ def _verify_sampled(req: Request, drafts: list[int], logits: np.ndarray, q: np.n
     target = np.stack([sampling_probs(apply_penalties(x, ctx.token_ids[:req.num_prompt_tokens],
                                                       ctx.output_token_ids, p), p)
                        for i, x in enumerate(logits) for ctx in [RowContext(req, drafts[:i])]])
-    uniforms = keyed_uniforms(req.seed, range(req.num_tokens, req.num_tokens + len(drafts) + 1))
+    uniforms = keyed_uniforms(req.seed, req.num_tokens, len(drafts) + 1)
     return verify_sampled(target, drafts, q[:len(drafts)], uniforms)

@@ -113,8 +113,8 @@ class DraftModelProposer(Proposer):
                 break
             logits = self._forward([(self.seqs[requests[i].request_id], new) for i, new in feeds])
             next_feeds = []
-            for (i, _), row in zip(feeds, logits):
-                token, q = self._choose(requests[i], row)
+            tokens, qs = self._choose([requests[i] for i, _ in feeds], logits)
+            for (i, _), token, q in zip(feeds, tokens, qs):
                 drafts[i].append(token)
                 if q is not None:
                     probs.setdefault(i, []).append(q)
@@ -127,21 +127,32 @@ class DraftModelProposer(Proposer):
 
     # ---- helpers ----------------------------------------------------------------------------------
 
-    def _choose(self, req: SpecRequest, logits: np.ndarray) -> tuple[int, np.ndarray | None]:
-        """Greedy requests get the argmax (q one-hot); sampled ones a draw from softmax(logits / T)."""
-        logits = logits[:self.vocab_size]
-        params = getattr(req, "params", None)
-        if params is None or params.greedy:
-            return int(np.argmax(logits)), None
-        x = logits.astype(np.float64) / params.temperature
-        q = np.exp(x - x.max())
-        q /= q.sum()
-        if q.shape[0] < self.vocab_size:
-            q = np.pad(q, (0, self.vocab_size - q.shape[0]))
+    def _choose(self, reqs: list[SpecRequest], logits: np.ndarray) -> tuple[list[int], list[np.ndarray | None]]:
+        """Greedy requests get the argmax (q one-hot, None); sampled ones a draw from q = softmax(logits / T)."""
+        logits = logits[:, :self.vocab_size]  # [M, V]
+        tokens = np.argmax(logits, axis=1).tolist()
+        qs: list[np.ndarray | None] = [None] * len(reqs)
+        sampled = [j for j, r in enumerate(reqs) if getattr(r, "params", None) is not None and not r.params.greedy]
+        if not sampled:
+            return tokens, qs
+        x = logits[sampled].astype(np.float64) / np.array([[reqs[j].params.temperature] for j in sampled])
+        q = np.exp(x - x.max(axis=1, keepdims=True))
+        q /= q.sum(axis=1, keepdims=True)
+        if q.shape[1] < self.vocab_size:
+            q = np.pad(q, ((0, 0), (0, self.vocab_size - q.shape[1])))
+        cdf = np.cumsum(q, axis=1)
+        u = np.array([self._uniform(reqs[j]) for j in sampled]) * cdf[:, -1]
+        drawn = np.minimum((cdf <= u[:, None]).sum(axis=1), q.shape[1] - 1)  # inverse CDF
+        for n, j in enumerate(sampled):
+            tokens[j], qs[j] = int(drawn[n]), q[n]
+        return tokens, qs
+
+    def _uniform(self, req: SpecRequest) -> float:
+        """A seeded request's draw for the draft at its next position is keyed by (seed, position)."""
+        if req.params.seed is None:
+            return self.rng.random()
         position = len(self.seqs[req.request_id].token_ids)  # where the drafted token will sit
-        rng = self.rng if params.seed is None else np.random.default_rng(
-            (params.seed & (2**63 - 1), position, _DRAFT_STREAM))
-        return int(rng.choice(q.shape[0], p=q)), q
+        return np.random.default_rng((req.params.seed & (2**63 - 1), position, _DRAFT_STREAM)).random()
 
     def _truncate(self, seq: _DraftSeq, keep: int) -> None:
         del seq.token_ids[keep:]
