@@ -27,6 +27,7 @@ from scheduling.spec_policy import (
 )
 
 SPEC_COUNTERS = ("spec_num_drafts", "spec_num_draft_tokens", "spec_num_accepted_tokens")
+POLICY_REFRESH_STEPS = 8  # the controller's policy (a least-squares cost fit, ~0.2 ms) is recomputed this often
 
 
 class Speculator:
@@ -35,6 +36,8 @@ class Speculator:
         self.proposer = proposer
         self.controller = SpeculationController(config)
         self.pushed_policy: SpeculationPolicy | None = None  # a scheduler actor's; None: the controller's
+        self._policy: SpeculationPolicy | None = None
+        self._num_steps_since_policy = 0
         self.decisions = decisions or DecisionLog()
         self.recent: deque[SpecStepStats] = deque(maxlen=256)  # for telemetry
         self.draft_probs: dict[str, np.ndarray] = {}  # request id -> q [k, V] of this step's sampled drafts
@@ -48,7 +51,11 @@ class Speculator:
 
     @property
     def policy(self) -> SpeculationPolicy:
-        return self.pushed_policy or self.controller.policy()
+        if self.pushed_policy is not None:
+            return self.pushed_policy
+        if self._policy is None or self._num_steps_since_policy >= POLICY_REFRESH_STEPS:
+            self._policy, self._num_steps_since_policy = self.controller.policy(), 0
+        return self._policy
 
     def propose(self, plan: StepPlan, batcher: Batcher) -> float:
         """Schedule drafts for the plan's decoding requests; -> the proposer's seconds."""
@@ -83,6 +90,7 @@ class Speculator:
         stats = SpecStepStats(plan.num_tokens, seconds, len(plan.scheduled), num_waiting, kv_usage, draft_seconds,
                               max((d for d, _ in runs), default=0), verified, accepted)
         self.controller.observe(stats)
+        self._num_steps_since_policy += 1
         self.recent.append(stats)
         self.num_drafts += len(runs)
         self.num_draft_tokens += sum(d for d, _ in runs)
