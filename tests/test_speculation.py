@@ -11,7 +11,9 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 import numaserve as ns
+from models.proposers.base import Proposer
 from scheduling.engine import Engine
+from scheduling.spec_policy import SpeculationPolicy
 from tests.conftest import random_prompt
 from tests.test_rejection import chi_square_p_value
 
@@ -322,3 +324,32 @@ def test_same_seed_same_tokens_alone_or_batched(vocab16, method, mode):
     batched = llm.generate(others[:7] + [prompt] + others[7:], other_params[:7] + [params] + other_params[7:])
     assert batched[7].token_ids == alone
     assert llm.stats()["spec_num_draft_tokens"] > 0
+
+
+# ---- depth 0 is a plain decode step; figures ------------------------------------------------------
+
+class Untouchable(Proposer):
+    def propose(self, requests, depths):
+        raise AssertionError("a step with every depth 0 must not call the proposer")
+
+
+def test_depth_0_calls_no_proposer_and_changes_nothing(llama_dir, mixed, reference):
+    llm = ns.LLM(llama_dir, **FP32, speculation={"method": "ngram", "mode": "auto"})
+    llm.engine.speculator.proposer = Untouchable()
+    llm.engine.speculator.pushed_policy = SpeculationPolicy.off()  # as a scheduler would push it: depth 0
+    assert_same(outcome(run(llm.engine, *mixed)), reference)
+    stats = llm.stats()
+    assert stats["spec_num_drafts"] == stats["spec_depth"] == 0
+
+
+def test_stats_report_the_counters_and_the_goodput_inputs(llama_dir):
+    llm = ns.LLM(llama_dir, **FP32, speculation={"method": "ngram", "mode": "on", "num_speculative_tokens": 3})
+    llm.generate([[5, 6, 7, 8] * 6], ns.SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
+    stats = llm.stats()
+    assert stats["spec_num_drafts"] > 0 and stats["spec_num_draft_tokens"] >= stats["spec_num_drafts"]
+    assert sum(stats["spec_accepted_per_position"]) == stats["spec_num_accepted_tokens"]
+    assert len(stats["spec_accept_rate_ema"]) == 3 and stats["spec_step_fixed_s"] >= 0
+    assert {"spec_step_per_token_s", "spec_draft_s_per_position", "spec_draft_cost_factor", "spec_depth"} <= set(stats)
+    assert any(d["topic"] == "speculation" for d in llm.diagnostics())  # depth changes are logged with reasons
+    off = ns.LLM(llama_dir, **FP32).stats()
+    assert off["spec_num_drafts"] == 0 and off["spec_method"] == "off"
