@@ -62,11 +62,19 @@ def keyed_uniforms(seed: int, position: int, num_rows: int) -> np.ndarray:
     return np.random.default_rng((seed, position, _VERIFY_STREAM)).random((num_rows, 2))
 
 
+def target_probs(logits: np.ndarray, requests: Sequence) -> np.ndarray:
+    """[N, V] float64: the distribution each row's request samples from (penalties, temperature, top-k,
+    top-p, min-p), for the rejection rule. The one place the step asks for sampling distributions."""
+    return np.stack([sampling_probs(apply_penalties(x, r.token_ids[:r.num_prompt_tokens], r.output_token_ids,
+                                                    r.params), r.params) for x, r in zip(logits, requests)])
+
+
 def sample_step(plan: StepPlan, logits: np.ndarray, logit_rows: list[slice | None],
                 draft_probs: dict[str, np.ndarray]) -> StepResult:
     """draft_probs: request id -> q [k, V] for drafts sampled from q (absent: deterministic drafts)."""
-    row_ids, row_reqs, positions = [], [], []  # the rows the row sampler samples
-    todo = []  # (request, drafts, its logits rows, its first row in row_ids or None)
+    sampled_rows = _Rows()  # rows the row sampler samples
+    verified_rows = _Rows(by_rule=True)  # rows of requests whose drafts were sampled from q: the rejection rule
+    todo = []  # (request, drafts, its logits rows, its first row in sampled_rows or in verified_rows)
     result = StepResult()
     for (req, _), rows in zip(plan.scheduled, logit_rows):
         if rows is None:
@@ -75,31 +83,37 @@ def sample_step(plan: StepPlan, logits: np.ndarray, logit_rows: list[slice | Non
             result.prompt_logits[req.request_id] = logits[rows]
             continue
         drafts = plan.draft_token_ids.get(req.request_id, [])
-        if drafts and not req.params.greedy and req.request_id in draft_probs:
-            todo.append((req, drafts, rows, None))
-            continue
-        todo.append((req, drafts, rows, len(row_ids)))
-        for i in range(len(drafts) + 1):
-            row_ids.append(rows.start + i)
-            row_reqs.append(RowContext(req, drafts[:i]) if i else req)
-            positions.append(req.num_tokens + i)
-    sampled = sample_rows(logits[row_ids], row_reqs, positions) if row_ids else []
-    for req, drafts, rows, first in todo:
-        if first is not None:
-            tokens = accept_greedy(np.asarray(sampled[first:first + len(drafts) + 1]), drafts)
+        by_rule = bool(drafts) and not req.params.greedy and req.request_id in draft_probs
+        todo.append((req, drafts, rows, (verified_rows if by_rule else sampled_rows).add(req, drafts, rows)))
+    sampled = sample_rows(logits[sampled_rows.ids], sampled_rows.reqs, sampled_rows.positions) \
+        if sampled_rows.ids else []
+    probs = target_probs(logits[verified_rows.ids], verified_rows.reqs) if verified_rows.ids else None
+    for req, drafts, rows, (by_rule, first) in todo:
+        k = len(drafts)
+        if by_rule:
+            uniforms = keyed_uniforms(req.seed, req.num_tokens, k + 1)
+            tokens = verify_sampled(probs[first:first + k + 1], drafts, draft_probs[req.request_id][:k], uniforms)
         else:
-            tokens = _verify_sampled(req, drafts, logits[rows], draft_probs[req.request_id])
-        k = req.params.logprobs
-        logprobs = None if k is None else [top_logprobs(logits[rows.start + i], t, k) for i, t in enumerate(tokens)]
-        result.add(req.request_id, tokens, logprobs, len(drafts), len(tokens) - 1)
+            tokens = accept_greedy(np.asarray(sampled[first:first + k + 1]), drafts)
+        n = req.params.logprobs
+        logprobs = None if n is None else [top_logprobs(logits[rows.start + i], t, n) for i, t in enumerate(tokens)]
+        result.add(req.request_id, tokens, logprobs, k, len(tokens) - 1)
     return result
 
 
-def _verify_sampled(req: Request, drafts: list[int], logits: np.ndarray, q: np.ndarray) -> list[int]:
-    # logits: [k + 1, V] raw target rows; q: [k, V] the draft distributions the drafts were drawn from
-    p = req.params
-    target = np.stack([sampling_probs(apply_penalties(x, ctx.token_ids[:req.num_prompt_tokens],
-                                                      ctx.output_token_ids, p), p)
-                       for i, x in enumerate(logits) for ctx in [RowContext(req, drafts[:i])]])
-    uniforms = keyed_uniforms(req.seed, req.num_tokens, len(drafts) + 1)
-    return verify_sampled(target, drafts, q[:len(drafts)], uniforms)
+class _Rows:
+    """Logits rows gathered for one batched call: row i of a request with drafts sees drafts[:i]."""
+
+    def __init__(self, by_rule: bool = False):
+        self.by_rule = by_rule
+        self.ids: list[int] = []
+        self.reqs: list = []
+        self.positions: list[int] = []
+
+    def add(self, req: Request, drafts: list[int], rows: slice) -> tuple[bool, int]:
+        first = len(self.ids)
+        for i in range(len(drafts) + 1):
+            self.ids.append(rows.start + i)
+            self.reqs.append(RowContext(req, drafts[:i]) if i else req)
+            self.positions.append(req.num_tokens + i)
+        return self.by_rule, first
