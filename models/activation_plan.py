@@ -9,33 +9,41 @@
   float32 would lose precision and gain nothing.
 - "auto": "int8" where the matrix is q8_0 / q4_0 and the CPU can run it, float32 elsewhere (measured:
   perplexity within 0.3% of float32 activations on the demo model, 1.6-2.5x the matmul speed; README).
-A calibration file beside the model (models/calibration.py: `numaserve calibrate`) can keep chosen
-matrices in float32 (its per-matrix fallbacks) and give static activation scales.
+A calibration file beside the model (models/calibration.py, written by `numaserve calibrate`) keeps the
+matrices it marks (int8 error above its bound) in float32, and holds static per-tensor activation scales.
+Dynamic per-block scales stay the default even with a file: they measured both more accurate and as fast
+(README, benchmarks/bench_calibration.py); `static_scales=True` uses the file's scales and falls back where
+their error exceeds the bound.
 Every choice and every fallback is recorded in the engine's decision log (a fallback also as a warning).
 """
 
 from cluster_configs.diagnostics import DecisionLog
 from kernels.cpu import missing_features
 from memory.weights import Int8Matrix, WeightMatrix
+from models.calibration import LAYER_MATRICES, Calibration, MatrixCalibration, check_fits
 
 INT8_FEATURES = ("avx2", "f16c")  # vpmaddwd on 256-bit vectors, fp16 scale conversion
 BF16_FEATURES = ("avx512bf16",)
-_LAYER_MATRICES = ("qkv", "o", "gate_up", "down")
 
 
 def matrix_names(weights: dict):
     """(name, holder, key) of every matrix whose input the forward pass observes (models/llama.py)."""
     for i, layer in enumerate(weights["layers"]):
-        for key in _LAYER_MATRICES:
+        for key in LAYER_MATRICES:
             yield f"layers.{i}.{key}", layer, key
     yield "lm_head", weights, "lm_head"
 
 
 def plan_activations(weights: dict, activation_dtype: str, decisions: DecisionLog,
-                     calibration: dict | None = None, static_scales: bool = False) -> dict:
-    """-> weights with int8-activation matrices repacked (Int8Matrix); the rest unchanged."""
+                     calibration: Calibration | None = None, static_scales: bool = False) -> dict:
+    """-> weights with int8-activation matrices repacked (Int8Matrix); the rest unchanged.
+
+    Raises CheckpointError if the calibration file was made for another model shape."""
+    if calibration is not None:
+        check_fits(calibration, len(weights["layers"]))
     if activation_dtype == "float32":
         decisions.record("activation_dtype", "float32", "requested: exact float32 activations")
+        _calibration_unused(calibration, decisions, "activation_dtype=float32")
         return weights
     if activation_dtype == "bfloat16":
         missing = missing_features(BF16_FEATURES)
@@ -43,28 +51,54 @@ def plan_activations(weights: dict, activation_dtype: str, decisions: DecisionLo
                else "the bf16 dot-product kernel is not built yet")
         decisions.record("activation_dtype", "float32", f"bfloat16 activations requested but {why}; "
                          "computing with float32 activations (exact)", warn=True)
+        _calibration_unused(calibration, decisions, "bfloat16 activations fall back to float32")
         return weights
     missing = missing_features(INT8_FEATURES)
     if missing:
         decisions.record("activation_dtype", "float32", f"activation_dtype={activation_dtype} but this CPU lacks "
                          f"{', '.join(missing)}; computing with float32 activations (exact)",
                          warn=activation_dtype != "auto")
+        _calibration_unused(calibration, decisions, f"this CPU lacks {', '.join(missing)}")
         return weights
-    matrices = (calibration or {}).get("matrices", {})
     layers = [dict(layer) for layer in weights["layers"]]
     planned = dict(weights, layers=layers)
+    fallbacks = []
     for name, holder, key in matrix_names(planned):
         w = holder[key]
-        cal = matrices.get(name)
+        cal = calibration.matrices[name] if calibration is not None else None
         if not isinstance(w, WeightMatrix) or w.dtype not in ("q8_0", "q4_0"):
             choice, why = "float32", f"{w.dtype} weights: int8 activations are used with q8_0 / q4_0 weights only"
-        elif cal is not None and cal.get("fallback"):
-            choice, why = "float32", (f"calibration: int8 error {cal.get('error_dynamic', float('nan')):.3g} "
-                                      "exceeds the bound")
+        elif cal is not None and _falls_back(cal, calibration.bound, static_scales):
+            error = cal.error_static if static_scales else cal.error_dynamic
+            choice, why = "float32", (f"calibration ({calibration.path or 'not from a file'}): relative int8 error {error:.3g} with "
+                                      f"{'static' if static_scales else 'dynamic'} scales exceeds the bound "
+                                      f"{calibration.bound:g}")
+            fallbacks.append(name)
         else:
-            scale = float(cal["scale"]) if static_scales and cal is not None else 0.0
+            scale = cal.scale if static_scales and cal is not None else 0.0
             holder[key] = Int8Matrix.pack(w, scale)
-            choice, why = "int8", (f"{w.dtype} weights, " + (f"static activation scale {scale:.4g} (calibrated)"
-                                                              if scale else "dynamic per-block activation scales"))
+            choice, why = "int8", (f"{w.dtype} weights, " + (
+                f"static activation scale {scale:.4g} ({calibration.method}-calibrated)" if scale
+                else "dynamic per-block activation scales"))
         decisions.record("activation_dtype", choice, why, subject=name)
+    if calibration is not None:
+        c = calibration
+        note = "" if c.weight_dtype == planned["layers"][0]["qkv"].dtype else (
+            f"; its errors were measured with {c.weight_dtype} weights")
+        decisions.record("calibration", "used", f"{c.path or 'not from a file'}: {c.method} scales "
+                         f"({'static, used' if static_scales else 'dynamic scales used; static ones unused'}), "
+                         f"bound {c.bound:g}, {c.num_tokens} tokens of {c.text}{note}; float32 activations for "
+                         f"{len(fallbacks)} matrices" + (f": {', '.join(fallbacks)}" if fallbacks else ""),
+                         warn=bool(fallbacks))
     return planned
+
+
+def _falls_back(cal: MatrixCalibration, bound: float, static_scales: bool) -> bool:
+    if not static_scales:
+        return cal.fallback
+    return cal.error_static is not None and cal.error_static > bound
+
+
+def _calibration_unused(calibration: Calibration | None, decisions: DecisionLog, why: str) -> None:
+    if calibration is not None:
+        decisions.record("calibration", "unused", f"{calibration.path}: not needed ({why})")

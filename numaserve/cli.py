@@ -82,6 +82,54 @@ def cmd_shutdown(args) -> None:
     print(f"numaserve: {args.name!r} shut down")
 
 
+def cmd_calibrate(args) -> None:
+    from models.calibrate import calibrate, read_text_file
+    from models.calibration import CalibrationOptions, save_calibration
+
+    options = CalibrationOptions(**{k: getattr(args, k) for k in ("method", "percentile", "bound", "weight_dtype")
+                                    if getattr(args, k) is not None})  # validated before the model loads
+    if args.text is None:
+        from benchmarks.heldout_eval import heldout_texts
+
+        texts = heldout_texts()
+        label = f"the demo model card's held-out set ({len(texts)} standard-library files)"
+    else:
+        texts, label = [read_text_file(args.text)], str(args.text)
+    start = time.perf_counter()
+    calibration = calibrate(args.model, texts, label, options)
+    path = save_calibration(calibration, args.model)
+    errors = [(m.error_dynamic, m.error_static) for m in calibration.matrices.values() if m.error_dynamic is not None]
+    print(f"numaserve: calibrated {args.model} ({calibration.weight_dtype} weights) on {calibration.num_tokens} tokens "
+          f"of {label} in {time.perf_counter() - start:.1f} s: {calibration.method} scales")
+    if errors:
+        print(f"  relative int8 output error: dynamic scales max {max(e[0] for e in errors):.4f}, static scales max "
+              f"{max(e[1] for e in errors):.4f}; bound {calibration.bound:g}")
+    else:
+        print(f"  no q8_0 / q4_0 matrices: int8 activations will not run with {calibration.weight_dtype} weights")
+    fallbacks = calibration.fallback_names
+    print(f"  float32 activations for {len(fallbacks)} matrices" + (f": {', '.join(fallbacks)}" if fallbacks else ""))
+    print(f"wrote {path}; the engine reads it when it loads {args.model}")
+
+
+def _add_calibrate_parser(sub) -> None:
+    from models.calibration import CalibrationOptions
+
+    defaults = CalibrationOptions()
+    cal = sub.add_parser("calibrate", help="measure int8 activation ranges and errors per matrix; writes the "
+                                           "calibration file the engine reads beside MODEL")
+    cal.add_argument("model", help="model directory or .gguf file")
+    cal.add_argument("--text", help="UTF-8 text to calibrate on (default: the demo model card's held-out set, "
+                                    "the Python standard library files it never trained on)")
+    cal.add_argument("--method", help=f"minmax | percentile | kl (default {defaults.method})")
+    cal.add_argument("--percentile", type=float, help=f"of |x|, for --method percentile (default "
+                                                      f"{defaults.percentile:g})")
+    cal.add_argument("--bound", type=float, help="relative int8 output error above which a matrix keeps float32 "
+                                                 f"activations (default {defaults.bound:g})")
+    cal.add_argument("--weight-dtype", help="q8_0 | q4_0 | ... (default: a GGUF file's own types, q8_0 for a "
+                                            "directory)")
+    cal.set_defaults(func=cmd_calibrate)
+
+
 def _add_cluster_parsers(sub) -> None:
     serve = sub.add_parser("serve", help="start a deployment on the Ray cluster (starting a head if none runs)")
     serve.add_argument("--config", default=str(Path(__file__).parent.parent / "cluster_configs" / "local.yaml"),
@@ -110,6 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="generate from the shipped demo model")
     demo.add_argument("--max-tokens", type=int, default=48)
     demo.set_defaults(func=cmd_demo)
+    _add_calibrate_parser(sub)
     _add_cluster_parsers(sub)
     sub.add_parser("bench", help="decode/prefill benchmark against llama.cpp; `numaserve bench --help` for its "
                                  "options")

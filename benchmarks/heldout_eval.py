@@ -1,0 +1,68 @@
+"""The demo model card's held-out evaluation without torch: the same token stream, windows and perplexity.
+
+scripts/train_demo.py (which needs torch) holds out every 10th kept stdlib file, tokenizes the held-out
+files of the "tests" subset, then those of the "library" subset, each as <s> ids </s>, into one stream,
+and scores 128 evenly spaced non-overlapping windows of 256 tokens (scripts/demo_eval.py). Restated here;
+the float32-activation perplexity of the shipped base model matches the card's 62.46.
+"""
+
+import math
+import sysconfig
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from benchmarks.heldout_prompts import heldout_files
+from models.calibrate import token_windows
+
+TEST_DIRS = {"test", "tests", "idle_test"}  # scripts/train_demo.py's "tests" subset
+CARD_WINDOWS, CARD_WINDOW_TOKENS = 128, 256
+
+
+def heldout_texts() -> list[str]:
+    """The held-out files' texts in the model card's order: the tests subset, then the library subset."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = heldout_files()
+
+    def is_test(path: Path) -> bool:
+        rel = path.relative_to(root)
+        return bool(TEST_DIRS & set(rel.parts[:-1])) or rel.name.startswith("test_")
+
+    return [t for p, t in files if is_test(p)] + [t for p, t in files if not is_test(p)]
+
+
+def heldout_stream(tokenizer, eos_id: int = 2) -> np.ndarray:
+    encodings = tokenizer.hf_tokenizer.encode_batch(heldout_texts())  # the post-processor prepends <s>
+    return np.array([i for e in encodings for i in [*e.ids, eos_id]], np.int64)
+
+
+def card_windows(tokenizer, num_windows: int = CARD_WINDOWS) -> list[np.ndarray]:
+    """The model card's evaluation windows (num_windows < 128: evenly spaced ones of the same grid)."""
+    return token_windows(heldout_stream(tokenizer), CARD_WINDOW_TOKENS, num_windows)
+
+
+def perplexity(logits_of: Callable[[list[int]], np.ndarray], windows: list[np.ndarray]) -> float:
+    """exp(mean next-token NLL) over every window; logits_of(ids) -> [len(ids), vocab] next-token logits."""
+    total, count = 0.0, 0
+    for window in windows:
+        ids = [int(t) for t in window]
+        logits = logits_of(ids)[:-1].astype(np.float64)  # [S - 1, vocab]
+        peak = logits.max(-1)
+        log_z = np.log(np.exp(logits - peak[:, None]).sum(-1)) + peak
+        total += float(np.sum(log_z - logits[np.arange(len(ids) - 1), ids[1:]]))
+        count += len(ids) - 1
+    return math.exp(total / count)
+
+
+def greedy_agreement(tokens_a: list[list[int]], tokens_b: list[list[int]]) -> dict:
+    """How far two sets of greedy continuations of the same prompts agree."""
+    same_prefix = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+                   for a, b in zip(tokens_a, tokens_b)]
+    num_tokens = sum(len(a) for a in tokens_a)
+    return {"num_prompts": len(tokens_a), "num_tokens": num_tokens,
+            "identical_continuations": sum(a == b for a, b in zip(tokens_a, tokens_b)),
+            "tokens_before_first_difference": sum(same_prefix),
+            "prefix_agreement": sum(same_prefix) / num_tokens,
+            "positionwise_agreement": sum(x == y for a, b in zip(tokens_a, tokens_b)
+                                          for x, y in zip(a, b)) / num_tokens}
