@@ -1,13 +1,158 @@
-"""Turn one request's next-token logits into a token: penalties, temperature, top-k, top-p, min-p.
+"""Sampling: one step's logits rows -> tokens, all rows at once.
 
-Filters follow the usual serving semantics: top_k keeps the k most likely tokens, top_p the smallest
-set whose probability reaches top_p, min_p the tokens with probability >= min_p * the top probability.
+`sample_batch` is what a step calls: penalties only on the rows that set them, one argmax over every
+greedy row, one numba call (kernels/sampling.py) for the sampled rows (temperature, top-k, top-p, min-p).
+Filters follow the usual serving semantics, written out one request at a time in `apply_penalties` and
+`sampling_probs` below (the reference the batched code is tested against): top_k keeps the k most likely
+tokens, top_p the smallest set whose probability reaches top_p, min_p the tokens with probability
+>= min_p * the top probability.
+
+Randomness is keyed, never counted: the uniform a request draws for the token at position p is a pure
+function of (seed, p, stream), so a resumed request, a preempted one recomputed, or a speculative
+verification redraws exactly what it would have. Streams keep independent draws at one position apart:
+SAMPLE_STREAM (a row's draw; also the rejection rule's correction / bonus draw), VERIFY_STREAM (the rejection
+rule's accept test), DRAFT_STREAM (a draft model's draw, independent of both).
 """
+
+import secrets
+from collections.abc import Sequence
 
 import numpy as np
 
 from cluster_configs.sampling_params import SamplingParams
+from kernels.sampling import fill_keyed_uniforms, filtered_probs, log_normalizers, sample_filtered
 
+SAMPLE_STREAM, VERIFY_STREAM, DRAFT_STREAM = 0, 1, 2
+
+
+# ---- keyed randomness --------------------------------------------------------------------------------
+
+def request_seed(params: SamplingParams) -> int:
+    """The seed a request's draws are keyed by: params.seed, else a random one. Draw it once, when the
+    request is created, and store it on the request (`req.seed`)."""
+    return (secrets.randbits(64) if params.seed is None else params.seed) % 2**64
+
+
+def keyed_uniforms(seeds: Sequence[int], positions: Sequence[int], stream: int = SAMPLE_STREAM) -> np.ndarray:
+    """[N] float64 in [0, 1): the uniform keyed by (seeds[i], positions[i], stream)."""
+    out = np.empty(len(seeds))
+    fill_keyed_uniforms(np.asarray(seeds, np.uint64), np.asarray(positions, np.int64), stream, out)
+    return out
+
+
+def uniforms(seed: int, position: int, n: int, stream: int = SAMPLE_STREAM) -> np.ndarray:
+    """[n] float64: the uniforms of one request at positions position .. position + n - 1."""
+    return keyed_uniforms([seed] * n, range(position, position + n), stream)
+
+
+def verify_uniforms(seed: int, position: int, num_rows: int) -> np.ndarray:
+    """[num_rows, 2] for scheduling.rejection.verify_sampled, row i deciding the token at position + i:
+    column 0 the accept test (VERIFY_STREAM), column 1 the correction / bonus draw (SAMPLE_STREAM: the draw
+    plain sampling would make there). Drafts must come from another stream (DRAFT_STREAM)."""
+    return np.stack([uniforms(seed, position, num_rows, VERIFY_STREAM),
+                     uniforms(seed, position, num_rows, SAMPLE_STREAM)], axis=1)
+
+
+def _seed_of(req) -> int:
+    seed = getattr(req, "seed", None)
+    return request_seed(req.params) if seed is None else seed
+
+
+# ---- the batched sampler -----------------------------------------------------------------------------
+
+def sample_batch(logits: np.ndarray, requests: Sequence, positions: Sequence[int] | None = None) -> np.ndarray:
+    """[N] int64: one token per row. logits: [N, V] float32, row i for requests[i] (anything with .params,
+    .token_ids = prompt + output, .num_prompt_tokens, and .seed or a seeded params). positions[i]: where
+    the token will sit, keying its draw (default len(token_ids))."""
+    if not len(requests):
+        return np.empty(0, np.int64)
+    logits = apply_penalties_batch(np.asarray(logits, np.float32), requests)
+    greedy = np.array([r.params.greedy for r in requests], bool)
+    if greedy.all():
+        return np.argmax(logits, axis=1).astype(np.int64)
+    out = np.empty(len(requests), np.int64)
+    if greedy.any():
+        out[greedy] = np.argmax(logits[greedy], axis=1)
+    rows = np.flatnonzero(~greedy)
+    reqs = [requests[i] for i in rows]
+    where = [len(r.token_ids) for r in reqs] if positions is None else np.asarray(positions)[rows]
+    u = keyed_uniforms([_seed_of(r) for r in reqs], where)
+    tokens = np.empty(len(rows), np.int64)
+    sample_filtered(np.ascontiguousarray(logits[rows] if len(rows) < len(requests) else logits),
+                    *_filter_args(reqs), u, tokens)
+    out[rows] = tokens
+    return out
+
+
+def sampling_probs_batch(logits: np.ndarray, requests: Sequence) -> np.ndarray:
+    """[N, V] float64: the distribution each row's request samples from (penalties, temperature, top-k,
+    top-p, min-p; one-hot at the argmax for a greedy request). Rows sum to 1."""
+    logits = apply_penalties_batch(np.asarray(logits, np.float32), requests)
+    out = np.zeros(logits.shape)
+    greedy = np.array([r.params.greedy for r in requests], bool)
+    rows = np.flatnonzero(~greedy)
+    if rows.size:
+        probs = out if rows.size == len(requests) else np.empty((rows.size, logits.shape[1]))
+        filtered_probs(np.ascontiguousarray(logits[rows]), *_filter_args([requests[i] for i in rows]), probs)
+        if probs is not out:
+            out[rows] = probs
+    greedy_rows = np.flatnonzero(greedy)
+    out[greedy_rows, np.argmax(logits[greedy_rows], axis=1)] = 1.0
+    return out
+
+
+def _filter_args(requests: Sequence) -> tuple[np.ndarray, ...]:
+    params = [r.params for r in requests]
+    return (np.array([p.temperature for p in params], np.float64), np.array([p.top_k for p in params], np.int64),
+            np.array([p.top_p for p in params], np.float64), np.array([p.min_p for p in params], np.float64))
+
+
+def apply_penalties_batch(logits: np.ndarray, requests: Sequence) -> np.ndarray:
+    """logits [N, V] float32 with each row's penalties applied (the arithmetic of `apply_penalties`): a copy,
+    or logits itself when no request sets a penalty."""
+    params = [r.params for r in requests]
+    repeat = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
+    counted = [i for i, p in enumerate(params) if (p.presence_penalty or p.frequency_penalty)
+               and len(requests[i].token_ids) > requests[i].num_prompt_tokens]
+    if not repeat and not counted:
+        return logits
+    out = logits.copy()
+    flat = out.reshape(-1)
+    V = out.shape[1]
+    if repeat:  # every distinct prompt or output token of the row
+        seen = np.unique(np.concatenate([i * V + np.asarray(requests[i].token_ids, np.int64) for i in repeat]))
+        penalty = np.array([p.repetition_penalty for p in params], np.float32)[seen // V]
+        vals = flat[seen]
+        flat[seen] = np.where(vals > 0, vals / penalty, vals * penalty)
+    if counted:  # output tokens only, by count
+        keys = np.concatenate([i * V + np.asarray(requests[i].token_ids[requests[i].num_prompt_tokens:], np.int64)
+                               for i in counted])
+        ids, counts = np.unique(keys, return_counts=True)
+        row = ids // V
+        frequency = np.array([p.frequency_penalty for p in params])[row]
+        presence = np.array([p.presence_penalty for p in params])[row]
+        flat[ids] = flat[ids] - (frequency * counts + presence)
+    return out
+
+
+def top_logprobs_batch(logits: np.ndarray, token_ids: Sequence[int], num_logprobs: Sequence[int]
+                       ) -> list[dict[int, float]]:
+    """Per row: the token's log-probability and the num_logprobs[i] most likely ones (descending), under the
+    raw model distribution. logits: [N, V] float32."""
+    logits = np.ascontiguousarray(logits, np.float32)
+    norms = np.empty(logits.shape[0])
+    log_normalizers(logits, norms)
+    out = []
+    for x, norm, token, k in zip(logits, norms, token_ids, num_logprobs):
+        top = np.argpartition(-x, k)[:k] if 0 < k < x.shape[0] else np.arange(x.shape[0] if k else 0)
+        top = top[np.argsort(-x[top], kind="stable")]
+        row = {int(t): float(np.float64(x[t]) - norm) for t in top}
+        row.setdefault(int(token), float(np.float64(x[token]) - norm))
+        out.append(row)
+    return out
+
+
+# ---- the reference: one request at a time ----------------------------------------------------------------
 
 def apply_penalties(logits: np.ndarray, prompt_ids: list[int], output_ids: list[int],
                     params: SamplingParams) -> np.ndarray:
@@ -42,6 +187,8 @@ def sampling_probs(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
 
 
 def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:
+    """One request's token from a counted generator, as the engine sampled before sample_batch: the
+    reference for greedy tokens (scheduling/step_sampler.py still calls it; sample_batch replaces it there)."""
     if params.greedy:
         return int(np.argmax(logits))
     probs = sampling_probs(logits, params)
@@ -51,10 +198,4 @@ def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator)
 
 def top_logprobs(logits: np.ndarray, token_id: int, k: int) -> dict[int, float]:
     """The sampled token's log-probability and the k most likely ones, under the raw model distribution."""
-    x = logits.astype(np.float64)
-    logsumexp = x.max() + np.log(np.exp(x - x.max()).sum())
-    top = np.argpartition(-x, k)[:k] if 0 < k < x.shape[0] else np.arange(x.shape[0] if k else 0)
-    top = top[np.argsort(-x[top], kind="stable")]
-    out = {int(t): float(x[t] - logsumexp) for t in top}
-    out.setdefault(int(token_id), float(x[token_id] - logsumexp))
-    return out
+    return top_logprobs_batch(logits[None], [token_id], [k])[0]

@@ -1,4 +1,5 @@
-"""Sampling: reproducible seeds, filters that restrict the distribution as documented, logprobs, stops."""
+"""Sampling: reproducible seeds, filters that restrict the distribution as documented, logprobs, stops; the
+batched sampler against the per-request reference (same greedy tokens, same distributions, keyed draws)."""
 
 import json
 import shutil
@@ -9,8 +10,24 @@ import torch
 from transformers import RepetitionPenaltyLogitsProcessor
 
 import numaserve as ns
-from scheduling.sampler import apply_penalties, sampling_probs
+from scheduling.sampler import (
+    DRAFT_STREAM,
+    SAMPLE_STREAM,
+    VERIFY_STREAM,
+    apply_penalties,
+    apply_penalties_batch,
+    keyed_uniforms,
+    request_seed,
+    sample,
+    sample_batch,
+    sampling_probs,
+    sampling_probs_batch,
+    top_logprobs_batch,
+    uniforms,
+    verify_uniforms,
+)
 from tests.conftest import random_prompt
+from tests.test_rejection import chi_square_p_value
 
 PROMPT = random_prompt(12, seed=7)
 NUM_SAMPLES = 400
@@ -145,3 +162,232 @@ def test_stop_token_ids_and_eos_end_with_stop(llm, llama_dir, tmp_path):
     assert out.finish_reason == "stop" and out.token_ids == full[:full.index(stop_token) + 1]
     ignored = eos_llm.generate(PROMPT, params)[0]
     assert ignored.finish_reason == "length" and ignored.token_ids == full
+
+
+# ---- the batched sampler against the per-request reference ---------------------------------------------
+
+MIN_P_VALUE = 1e-3  # the chi-square tests are seeded: each passes or fails deterministically
+NUM_DRAWS = 20_000
+PENALTIES = [{}, {"repetition_penalty": 1.3}, {"presence_penalty": 0.7, "frequency_penalty": 0.4},
+             {"repetition_penalty": 1.1, "presence_penalty": -0.5, "frequency_penalty": 0.9}, {"repetition_penalty": 0.8}]
+FILTERS = [{"temperature": 0.7, "top_p": 0.9}, {"temperature": 1.3}, {"top_k": 40}, {"temperature": 0.8, "top_k": 40,
+           "top_p": 0.8}, {"min_p": 0.05}, {"top_p": 0.5, "min_p": 0.1}, {"temperature": 1.5, "top_k": 500,
+           "top_p": 0.95, "min_p": 0.02}, {"temperature": 0.05, "top_p": 0.99}, {"top_p": 0.3, "repetition_penalty": 1.3,
+           "presence_penalty": 0.5, "frequency_penalty": 0.3}, {"top_p": 1e-6}, {"top_k": 100_000}, {"min_p": 1.0}]
+
+
+class Req:
+    """What the sampler reads from a request."""
+
+    def __init__(self, params: ns.SamplingParams, token_ids: list[int], num_prompt_tokens: int, seed=None):
+        self.params, self.token_ids, self.num_prompt_tokens = params, list(token_ids), num_prompt_tokens
+        if seed is not None:
+            self.seed = seed
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+
+def requests_for(logits: np.ndarray, params: dict, seed: int = 0) -> list[Req]:
+    """One request per row: 8 random prompt tokens, then an output holding its row's most likely token
+    twice (so penalties change the outcome), and some random ones, also repeated."""
+    rng = np.random.default_rng(seed)
+    reqs = []
+    for i, row in enumerate(logits):
+        prompt = rng.integers(0, row.shape[0], 8).tolist()
+        output = [int(np.argmax(row))] * 2 + rng.integers(0, row.shape[0], 3).tolist() * 2
+        reqs.append(Req(ns.SamplingParams(seed=1000 + i, **params), prompt + output, num_prompt_tokens=8))
+    return reqs
+
+
+def reference_probs(logits: np.ndarray, reqs: list[Req]) -> np.ndarray:
+    return np.stack([sampling_probs(apply_penalties(x, r.token_ids[:r.num_prompt_tokens], r.output_token_ids,
+                                                    r.params), r.params) for x, r in zip(logits, reqs)])
+
+
+def llm_like_logits(num_rows: int, vocab: int, seed: int) -> np.ndarray:
+    """Heavy-tailed rows (a few tokens far above a broad floor), and some exact ties, like a trained model's."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((num_rows, vocab)) * 2.0
+    x[:, rng.integers(0, vocab, 30)] += rng.gamma(2.0, 4.0, (num_rows, 30))
+    return x.astype(np.float32)
+
+
+@pytest.mark.parametrize("penalties", PENALTIES, ids=str)
+def test_greedy_tokens_equal_the_per_request_sampler(penalties):
+    logits = llm_like_logits(48, 32000, seed=1)
+    logits[:, 7] = logits.max(axis=1) - 0.01  # a near tie, so penalties decide which wins
+    reqs = requests_for(logits, {"temperature": 0.0, **penalties})
+    reqs += requests_for(logits, {"temperature": 1.3, "top_k": 1, **penalties}, seed=1)  # greedy through top_k
+    rows = np.concatenate([logits, logits])
+    reference = [sample(apply_penalties(x, r.token_ids[:r.num_prompt_tokens], r.output_token_ids, r.params),
+                        r.params, None) for x, r in zip(rows, reqs)]
+    assert sample_batch(rows, reqs).tolist() == reference
+    mixed = sample_batch(np.concatenate([rows, logits[:8]]), reqs + requests_for(logits[:8], {"top_p": 0.9}))
+    assert mixed[:len(reqs)].tolist() == reference  # greedy rows among sampled ones
+    if penalties.get("repetition_penalty", 1.0) > 1.0 or penalties.get("frequency_penalty", 0.0) > 0.0:
+        assert reference != np.argmax(rows, axis=1).tolist()  # the penalties lowered the top token: it mattered
+
+
+@pytest.mark.parametrize("penalties", PENALTIES[1:], ids=str)
+def test_batched_penalties_equal_the_reference_exactly(penalties):
+    logits = llm_like_logits(16, 5000, seed=2)
+    before = logits.copy()
+    reqs = requests_for(logits, penalties)
+    reqs[3] = Req(ns.SamplingParams(), reqs[3].token_ids, 8)  # rows without penalties in the same batch
+    reqs[5].token_ids = reqs[5].token_ids[:8]  # no output yet: presence / frequency do not apply
+    expected = np.stack([apply_penalties(x, r.token_ids[:8], r.output_token_ids, r.params) for x, r in zip(logits, reqs)])
+    assert np.array_equal(apply_penalties_batch(logits, reqs), expected)
+    assert np.array_equal(logits, before)  # the caller's logits are not modified
+
+
+def test_without_penalties_the_logits_are_not_copied():
+    logits = llm_like_logits(4, 100, seed=3)
+    assert apply_penalties_batch(logits, requests_for(logits, {"top_p": 0.5})) is logits
+
+
+@pytest.mark.parametrize("params", FILTERS, ids=str)
+def test_filtered_distributions_equal_the_reference(params):
+    """Same support (every keep / drop decision of top-k, top-p, min-p) and the same probabilities."""
+    rng = np.random.default_rng(4)
+    logits = np.concatenate([
+        llm_like_logits(6, 32000, seed=5),
+        (rng.standard_normal((2, 32000)) * 2.5).astype(np.float32),  # the benchmark's flat rows
+        rng.integers(-6, 6, (2, 32000)).astype(np.float32),  # ties everywhere, at every boundary
+        np.where(rng.random((1, 32000)) < 0.9, -np.inf, rng.standard_normal((1, 32000))).astype(np.float32),  # masked
+        np.zeros((1, 32000), np.float32),  # all equal
+    ])
+    reqs = requests_for(logits, params)
+    ours, reference = sampling_probs_batch(logits, reqs), reference_probs(logits, reqs)
+    for i in range(len(reqs)):
+        assert np.array_equal(ours[i] > 0, reference[i] > 0), f"row {i}: kept sets differ"
+        np.testing.assert_allclose(ours[i], reference[i], rtol=1e-12, atol=1e-15, err_msg=f"row {i}")
+
+
+def test_filtered_distributions_equal_the_reference_on_small_vocabularies():
+    rng = np.random.default_rng(6)
+    for vocab in (1, 2, 3, 17):
+        for params in FILTERS:
+            logits = rng.standard_normal((3, vocab)).astype(np.float32)
+            reqs = [Req(ns.SamplingParams(**params), [0], 1) for _ in range(3)]
+            np.testing.assert_allclose(sampling_probs_batch(logits, reqs), reference_probs(logits, reqs),
+                                       rtol=1e-12, atol=1e-15, err_msg=f"vocab {vocab}, {params}")
+
+
+def test_greedy_rows_have_a_one_hot_distribution():
+    logits = llm_like_logits(3, 50, seed=7)
+    reqs = requests_for(logits, {"temperature": 0.0})
+    reqs[1] = Req(ns.SamplingParams(top_p=0.5), [1], 1)
+    probs = sampling_probs_batch(logits, reqs)
+    assert np.array_equal(probs[[0, 2]], np.eye(50)[np.argmax(logits[[0, 2]], axis=1)])
+    np.testing.assert_allclose(probs[1], reference_probs(logits[1:2], reqs[1:2])[0], rtol=1e-12, atol=1e-15)
+
+
+@pytest.mark.parametrize("vocab", [40, 1000], ids=["vocab40", "vocab1000"])  # 1000: the blocked inverse CDF
+@pytest.mark.parametrize("params", FILTERS[:7] + [{"temperature": 0.3, "top_p": 0.99}] + FILTERS[8:9], ids=str)
+def test_sampled_tokens_follow_the_reference_distribution(params, vocab):
+    logits = (np.random.default_rng(8).standard_normal((1, vocab)) * 1.5).astype(np.float32)
+    req = requests_for(logits, params)[0]
+    probs = reference_probs(logits, [req])[0]
+    assert (probs * NUM_DRAWS >= 5).sum() >= 3, "too peaked a distribution to test"
+    reqs = [Req(req.params.model_copy(update={"seed": s}), req.token_ids, 8) for s in range(NUM_DRAWS)]
+    tokens = sample_batch(np.repeat(logits, NUM_DRAWS, axis=0), reqs)
+    p_value = chi_square_p_value(np.bincount(tokens, minlength=vocab), probs)
+    assert p_value > MIN_P_VALUE, f"{params}, vocab {vocab}: chi-square p-value {p_value:.2e}"
+
+
+def test_chi_square_check_detects_a_wrong_filter():
+    # power check of the test above: draws from top_p 0.9 fail against the top_p 0.8 reference
+    logits = (np.random.default_rng(8).standard_normal((1, 40)) * 1.5).astype(np.float32)
+    reqs = [Req(ns.SamplingParams(top_p=0.9, seed=s), [0], 1) for s in range(NUM_DRAWS)]
+    tokens = sample_batch(np.repeat(logits, NUM_DRAWS, axis=0), reqs)
+    wrong = sampling_probs(logits[0], ns.SamplingParams(top_p=0.8))
+    observed = np.bincount(tokens, minlength=40)
+    assert observed[wrong == 0].sum() > 0 or chi_square_p_value(observed, wrong) < 1e-12
+
+
+# ---- keyed randomness -------------------------------------------------------------------------------------
+
+def test_same_seed_and_position_give_the_same_token_whatever_the_batch():
+    logits = llm_like_logits(12, 2000, seed=9)
+    reqs = [Req(ns.SamplingParams(seed=s, **FILTERS[i % 9]), [3, 4, 5, i], 2) for i, s in enumerate(range(50, 62))]
+    alone = [int(sample_batch(logits[i:i + 1], [r])[0]) for i, r in enumerate(reqs)]
+    assert sample_batch(logits, reqs).tolist() == alone
+    order = np.random.default_rng(0).permutation(12)
+    others = requests_for(llm_like_logits(5, 2000, seed=10), {"top_k": 5})
+    mixed_reqs = [reqs[i] for i in order] + others
+    mixed_logits = np.concatenate([logits[order], llm_like_logits(5, 2000, seed=10)])
+    mixed_reqs.insert(3, Req(ns.SamplingParams(temperature=0.0), [1], 1))
+    mixed_logits = np.insert(mixed_logits, 3, logits[0], axis=0)
+    tokens = sample_batch(mixed_logits, mixed_reqs).tolist()
+    assert [tokens[mixed_reqs.index(r)] for r in reqs] == alone
+
+
+def test_the_draw_is_keyed_by_position_and_seed_only():
+    logits = np.zeros((1, 1000), np.float32)
+    req = Req(ns.SamplingParams(seed=7), [1, 2, 3], 1)
+    at_3 = sample_batch(logits, [req])  # default position: len(token_ids)
+    assert sample_batch(logits, [Req(ns.SamplingParams(seed=7), [9] * 3, 3)], positions=[3]) == at_3
+    assert sample_batch(logits, [req], positions=[3]) == at_3
+    # a request's own seed (drawn once for an unseeded request) keys its draws
+    unseeded = Req(ns.SamplingParams(), [1, 2, 3], 1, seed=request_seed(ns.SamplingParams(seed=7)))
+    assert sample_batch(logits, [unseeded]) == at_3
+    draws = [int(sample_batch(logits, [req], positions=[p])[0]) for p in range(3, 23)]
+    assert len(set(draws)) > 15  # 20 positions of a uniform 1000-token distribution: new draws
+
+
+def test_tokens_at_different_positions_are_independent():
+    probs = np.array([0.4, 0.3, 0.2, 0.1])
+    logits = np.repeat(np.log(probs)[None].astype(np.float32), NUM_DRAWS, axis=0)
+    reqs = [Req(ns.SamplingParams(seed=s), [0], 1) for s in range(NUM_DRAWS)]
+    first = sample_batch(logits, reqs, positions=[10] * NUM_DRAWS)
+    second = sample_batch(logits, reqs, positions=[11] * NUM_DRAWS)
+    joint = np.bincount(first * 4 + second, minlength=16)
+    p_value = chi_square_p_value(joint, np.outer(probs, probs).ravel())
+    assert p_value > MIN_P_VALUE, f"tokens at positions 10 and 11: chi-square p-value {p_value:.2e}"
+
+
+def test_keyed_uniforms_are_uniform_and_uncorrelated_across_seeds_positions_and_streams():
+    seeds = np.repeat(np.arange(200), 500)
+    positions = np.tile(np.arange(500), 200)
+    u = keyed_uniforms(seeds, positions)
+    assert u.min() >= 0.0 and u.max() < 1.0
+    p_value = chi_square_p_value(np.bincount((u * 100).astype(int), minlength=100), np.full(100, 0.01))
+    assert p_value > MIN_P_VALUE, f"uniform histogram: chi-square p-value {p_value:.2e}"
+    grid = u.reshape(200, 500)
+    sigma = 1 / np.sqrt(u.size)  # of a correlation between independent samples
+    assert abs(np.corrcoef(grid[:, :-1].ravel(), grid[:, 1:].ravel())[0, 1]) < 4 * sigma  # next position
+    assert abs(np.corrcoef(grid[:-1].ravel(), grid[1:].ravel())[0, 1]) < 4 * sigma  # next seed
+    for stream in (VERIFY_STREAM, DRAFT_STREAM):
+        assert abs(np.corrcoef(u, keyed_uniforms(seeds, positions, stream))[0, 1]) < 4 * sigma
+    assert np.array_equal(uniforms(5, 40, 10), keyed_uniforms([5] * 10, range(40, 50), SAMPLE_STREAM))
+
+
+def test_verification_uniforms_share_the_row_samplers_keys():
+    rows = verify_uniforms(seed=11, position=20, num_rows=4)
+    assert rows.shape == (4, 2)
+    assert np.array_equal(rows[:, 1], uniforms(11, 20, 4, SAMPLE_STREAM))  # the draw plain sampling makes there
+    assert np.array_equal(rows[:, 0], uniforms(11, 20, 4, VERIFY_STREAM))
+    assert np.array_equal(verify_uniforms(11, 22, 2), rows[2:])  # keyed by position, not by verification
+    assert not np.isin(rows[:, 0], uniforms(11, 20, 4, DRAFT_STREAM)).any()
+
+
+def test_request_seed_is_the_params_seed_or_drawn_once():
+    assert request_seed(ns.SamplingParams(seed=5)) == 5
+    assert request_seed(ns.SamplingParams(seed=-1)) == 2**64 - 1
+    assert request_seed(ns.SamplingParams(seed=2**70 + 3)) == 3
+    drawn = {request_seed(ns.SamplingParams()) for _ in range(8)}
+    assert len(drawn) == 8 and all(0 <= s < 2**64 for s in drawn)
+
+
+def test_top_logprobs_batch_are_the_models_log_softmax():
+    logits = llm_like_logits(4, 3000, seed=12)
+    logits[2, :5] = logits[2].max()  # ties among the top: lower ids first
+    expected = torch.log_softmax(torch.tensor(logits, dtype=torch.float64), -1).numpy()
+    rows = top_logprobs_batch(logits, [5, 17, 3, 2999], [3, 0, 4, 20])
+    for row, x, token, k in zip(rows, expected, [5, 17, 3, 2999], [3, 0, 4, 20]):
+        top = np.argsort(-x, kind="stable")[:k].tolist()
+        assert list(row)[:k] == top and token in row and len(row) == len(set(top) | {token})
+        for t, lp in row.items():
+            assert lp == pytest.approx(x[t], abs=1e-12)
