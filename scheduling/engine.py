@@ -14,6 +14,7 @@ from cluster_configs.errors import AdapterError, InvalidRequest
 from cluster_configs.sampling_params import SamplingParams
 from kernels import threading_decision
 from memory.block_pool import BlockPool
+from memory.heap import release_free_heap
 from memory.kv_cache import KVCache, kv_bytes_per_token
 from models.activation_plan import plan_activations
 from models.calibration import load_calibration
@@ -43,6 +44,7 @@ class Engine:
         self.decisions.record("threading", **threading_decision())  # after set_num_threads started the threads
         self.spec, weights, self.tokenizer = load_model(model_path, config.weight_dtype)
         weights = plan_activations(weights, config.activation_dtype, self.decisions, load_calibration(model_path))
+        release_free_heap()  # the matrices plan_activations repacked
         self.model = LlamaModel(self.spec, weights)
         s, bs = self.spec, config.block_size
         self.max_model_len = config.max_model_len or s.max_position_embeddings
