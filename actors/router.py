@@ -23,6 +23,7 @@ from cluster_configs.sampling_params import SamplingParams
 from models.tokenizer import Tokenizer
 from scheduling.outputs import RequestOutput
 from scheduling.routing import RoutingPolicy
+from scheduling.validation import RequestLimits, validate_request
 
 WORKER_LOST = (RayActorError, ObjectLostError, NodeDiedError)  # the worker, not the request, failed
 REROUTE_WAIT_S = 120.0  # how long a request that lost its worker waits for any live worker
@@ -39,7 +40,8 @@ class Router:
     def __init__(self, config: ClusterConfig, workers: dict, scheduler, adapter_cache):
         # small arguments only: Ray restarts the actor from them, after the deploying driver may have exited
         self.tokenizer: Tokenizer | None = None  # a worker's, fetched on first use (see NumaWorker.model_info)
-        self.vocab_size: int | None = None
+        self.limits: RequestLimits | None = None  # what requests are validated against here, with the tokenizer
+        self.max_model_len = config.engine.max_model_len  # None: the model's own, checked by the worker's engine
         self.workers = workers  # worker id -> NumaWorker handle
         self.scheduler, self.adapter_cache = scheduler, adapter_cache
         bound = config.engine.max_num_seqs + config.max_queued_per_worker
@@ -56,7 +58,7 @@ class Router:
         return True
 
     async def _fetch_model_info(self) -> None:
-        if self.vocab_size is not None:
+        if self.limits is not None:
             return
         for worker_id, handle in self.workers.items():
             if self.routing.workers[worker_id].alive:
@@ -64,7 +66,8 @@ class Router:
                     info = await handle.model_info.remote()
                 except WORKER_LOST:
                     continue
-                self.tokenizer, self.vocab_size = info["tokenizer"], info["vocab_size"]
+                self.tokenizer = info["tokenizer"]
+                self.limits = RequestLimits(info["vocab_size"], self.max_model_len)
                 return
         raise Overloaded(f"no worker is available (all {len(self.workers)} are down or restarting); retry in a "
                          "few seconds")
@@ -74,15 +77,14 @@ class Router:
                        session: str | None = None):
         self._start_background()
         await self._fetch_model_info()
-        params = params if params is not None else SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise InvalidRequest(f"params must be a numaserve.SamplingParams, got {type(params).__name__}")
         if session is not None and not isinstance(session, str):
             raise InvalidRequest(f"session must be a str, got {type(session).__name__}")
-        prompt_ids = self._encode(prompt)
-        if adapter is not None and await lookup_adapter(self.adapter_cache, adapter) is None:
-            raise InvalidRequest(f"unknown adapter {adapter!r}: register it first with "
-                                 "client.register_adapter(name, path)")
+        adapters = None  # the registered names, as far as validation needs them
+        if adapter is not None:
+            found = await lookup_adapter(self.adapter_cache, adapter) if isinstance(adapter, str) else None
+            adapters = {adapter} if found is not None else await self.adapter_cache.adapters.remote()
+        prompt_ids, params = validate_request(prompt, params, self.limits, tokenizer=self.tokenizer, adapter=adapter,
+                                              adapters=adapters)
         request_id = uuid.uuid4().hex
         try:
             worker_id = self.routing.route(request_id, prompt_ids, params.max_tokens, session=session,
@@ -143,22 +145,6 @@ class Router:
                                  f"{REROUTE_WAIT_S:.0f} s; retry later")
             await asyncio.sleep(PROBE_INTERVAL_S)
         return worker_id
-
-    def _encode(self, prompt) -> list[int]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise InvalidRequest("the prompt is empty; pass at least one character or token")
-            if self.tokenizer is None:
-                raise InvalidRequest("this model directory has no tokenizer.json; pass token ids instead of text")
-            return self.tokenizer.encode(prompt)
-        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            if not prompt:
-                raise InvalidRequest("the prompt is empty; pass at least one token")
-            bad = [t for t in prompt if not 0 <= t < self.vocab_size]
-            if bad:
-                raise InvalidRequest(f"token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
-            return list(prompt)
-        raise InvalidRequest(f"a prompt is a str or a list of int token ids, got {type(prompt).__name__}")
 
     # ---- worker health and policy ------------------------------------------------------------------
 

@@ -1,14 +1,18 @@
 """Every bad input gets its typed error naming the problem, and the engine keeps serving."""
 
+import asyncio
 import json
 import shutil
 
+import numpy as np
 import pytest
 import torch
 from pydantic import ValidationError
 
 import numaserve as ns
+from actors.router import Router
 from models.safetensors_io import read_header
+from scheduling.validation import RequestLimits, validate_request
 from tests.conftest import random_prompt
 
 GOOD = ns.SamplingParams(max_tokens=3, temperature=0)
@@ -107,6 +111,108 @@ def test_request_that_cannot_fit_the_kv_pool_is_refused(llama_dir):
     with pytest.raises(ns.InvalidRequest, match="KV blocks"):
         small.generate([5] * 10, ns.SamplingParams(max_tokens=20))
     assert len(small.generate([5] * 10, ns.SamplingParams(max_tokens=6))[0].token_ids) == 6
+
+
+# ---- scheduling/validation.py: the one validation, as the router and the function itself apply it -----
+
+VOCAB, MAX_MODEL_LEN = 384, 64  # the test model's vocabulary; the llm fixture's max_model_len
+BAD_REQUESTS = [  # prompt, params, adapter, the message: the problem and the fix
+    ("", None, None, "the prompt is empty; pass at least one character or token"),
+    ([], None, None, "the prompt is empty; pass at least one token"),
+    ([5, 384], None, None, r"token ids \[384\] are outside the vocabulary \[0, 384\); pass ids of this model's"),
+    ([-1, 5], None, None, r"token ids \[-1\] are outside the vocabulary"),
+    ([1.5, 2.0], None, None, "a prompt is a str or a list of int token ids, got list"),
+    ([True, 3], None, None, "a prompt is a str or a list of int token ids, got list"),
+    ({"text": "hi"}, None, None, "a prompt is a str or a list of int token ids, got dict"),
+    (None, None, None, "a prompt is a str or a list of int token ids, got NoneType"),
+    (random_prompt(64, seed=0), None, None,
+     "prompt has 64 tokens but max_model_len=64 leaves room for at most 63; shorten the prompt"),
+    ([5, 6], ns.SamplingParams(stop_token_ids=(3, 999)), None,
+     r"stop_token_ids \[999\] are outside the vocabulary \[0, 384\); pass ids the model can generate"),
+    ([5, 6], {"max_tokens": 3}, None, "params must be a numaserve.SamplingParams, got dict"),
+    ([5, 6], None, "nope", r"unknown adapter 'nope' \(registered: a, b\); register it first with register_adapter"),
+    ([5, 6], None, 7, r"adapter must be a registered adapter's name \(a str\) or None, got int"),
+]
+
+
+@pytest.mark.parametrize("prompt, params, adapter, message", BAD_REQUESTS)
+def test_validation_names_the_problem_and_the_fix(llm, prompt, params, adapter, message):
+    limits = RequestLimits(VOCAB, MAX_MODEL_LEN, block_size=16, num_kv_blocks=100)
+    with pytest.raises(ns.InvalidRequest, match=message):
+        validate_request(prompt, params, limits, tokenizer=llm.tokenizer, adapter=adapter, adapters={"a", "b"})
+
+
+def test_validation_of_lengths_kv_and_logprobs():
+    limits = RequestLimits(VOCAB, MAX_MODEL_LEN)
+    # prompt + max_tokens past max_model_len is allowed: generation stops at max_model_len ("length")
+    assert validate_request([5] * 63, ns.SamplingParams(max_tokens=100), limits)[0] == [5] * 63
+    # a scored prompt may fill max_model_len, not more
+    assert len(validate_request([5] * 64, None, limits, prompt_logits=True)[0]) == 64
+    with pytest.raises(ns.InvalidRequest, match="at most 64; shorten the prompt"):
+        validate_request([5] * 65, None, limits, prompt_logits=True)
+    # what the request may grow to must fit the KV pool: here min(64, 10 + 20) = 30 tokens, 8 blocks of 4
+    small_pool = RequestLimits(VOCAB, MAX_MODEL_LEN, block_size=4, num_kv_blocks=7)
+    with pytest.raises(ns.InvalidRequest, match="needs up to 8 KV blocks but the pool has 7; lower max_tokens or "
+                                                "raise kv_cache_bytes"):
+        validate_request([5] * 10, ns.SamplingParams(max_tokens=20), small_pool)
+    validate_request([5] * 10, ns.SamplingParams(max_tokens=18), small_pool)  # 28 tokens, 7 blocks
+    validate_request([5] * 10, ns.SamplingParams(max_tokens=20), small_pool, prompt_logits=True)  # the prompt's KV only
+    with pytest.raises(ns.InvalidRequest, match="logprobs=6 exceeds this engine's limit of 5; ask for at most 5"):
+        validate_request([5], ns.SamplingParams(logprobs=6), RequestLimits(VOCAB, max_logprobs=5))
+
+
+def test_validation_returns_the_prompt_ids_and_params():
+    limits = RequestLimits(VOCAB)  # what the router knows without a configured max_model_len: no length check
+    ids, params = validate_request(np.array([5, 6, 7]), None, limits, adapter="a", adapters=None)
+    assert ids == [5, 6, 7] and all(type(t) is int for t in ids) and params == ns.SamplingParams()
+    assert validate_request(tuple(random_prompt(500, seed=1)), None, limits)[0] == random_prompt(500, seed=1)
+
+
+class _Remote:
+    """A stand-in for an actor method: .remote(...) returns an awaitable of fn(...)."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def remote(self, *args):
+        async def call():
+            return self.fn(*args)
+        return call()
+
+
+class _Stub:
+    def __init__(self, **methods):
+        for name, fn in methods.items():
+            setattr(self, name, _Remote(fn))
+
+
+def route_once(tokenizer, prompt, params=None, adapter=None):
+    """The Router actor's generate, run in this process with stub workers, scheduler and adapter cache:
+    -> the first item it streams (the prompt's token ids), or the error it raises."""
+    registered = {"a": "/adapters/a", "b": "/adapters/b"}
+    worker = _Stub(model_info=lambda: {"tokenizer": tokenizer, "vocab_size": VOCAB, "block_size": 16})
+    router = Router.__ray_actor_class__(
+        ns.ClusterConfig(engine={"max_model_len": MAX_MODEL_LEN}), {"w0": worker}, _Stub(policies=dict),
+        _Stub(path=registered.get, adapters=lambda: dict(registered)))
+
+    async def first():
+        stream = router.generate(prompt, params, adapter)
+        try:
+            return await stream.__anext__()
+        finally:
+            await stream.aclose()
+    return asyncio.run(first())
+
+
+@pytest.mark.parametrize("prompt, params, adapter, message", BAD_REQUESTS)
+def test_the_router_validates_with_the_same_rules(llm, prompt, params, adapter, message):
+    with pytest.raises(ns.InvalidRequest, match=message):
+        route_once(llm.tokenizer, prompt, params, adapter)
+
+
+def test_the_router_admits_a_good_request(llm):
+    assert route_once(llm.tokenizer, [5, 6, 7], GOOD, adapter="b") == [5, 6, 7]
+    assert route_once(llm.tokenizer, "hello world") == llm.tokenizer.encode("hello world")
 
 
 # ---- checkpoints ----------------------------------------------------------------------------------

@@ -1,0 +1,114 @@
+"""Request validation: the one place a request is checked against a model and an engine.
+
+The router calls `validate_request` before it routes (with what it knows: the vocabulary, the registered
+adapters, max_model_len when configured), the engine calls it in make_request with every limit, before
+any work. Each failure is an InvalidRequest that names the problem and the fix.
+
+Lengths: a prompt may take up to max_model_len - 1 tokens, leaving room for one generated token; a prompt
+scored for its logits (prompt_logits, `LLM.score`) may fill max_model_len. prompt + max_tokens may exceed
+max_model_len: generation then stops at max_model_len with finish_reason "length". What the request may
+grow to must fit the KV pool when the engine's layers keep all their KV (no sliding window).
+"""
+
+from collections.abc import Collection
+from dataclasses import dataclass
+
+import numpy as np
+
+from cluster_configs.errors import InvalidRequest
+from cluster_configs.sampling_params import SamplingParams
+
+MAX_LOGPROBS = 20  # SamplingParams refuses more at construction too
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What a request is validated against. None: not known to the caller (the engine knows them all)."""
+    vocab_size: int
+    max_model_len: int | None = None
+    max_logprobs: int = MAX_LOGPROBS
+    block_size: int | None = None
+    num_kv_blocks: int | None = None  # None also when sliding-window layers free blocks as they go
+
+
+def validate_request(prompt, params: SamplingParams | None, limits: RequestLimits, *, tokenizer=None,
+                     adapter: str | None = None, adapters: Collection[str] | None = None,
+                     prompt_logits: bool = False) -> tuple[list[int], SamplingParams]:
+    """-> (prompt token ids, params) of a servable request, else InvalidRequest.
+
+    prompt: a str (needs tokenizer, with .encode) or a list / tuple / array of int token ids; params None:
+    the defaults; adapters: the registered adapter names (None: not checked here)."""
+    params = check_params(params)
+    if adapter is not None and adapters is not None:
+        check_adapter(adapter, adapters)
+    prompt_ids = encode_prompt(prompt, tokenizer, limits.vocab_size)
+    check_length(len(prompt_ids), params, limits, prompt_logits)
+    bad = [t for t in params.stop_token_ids if not 0 <= t < limits.vocab_size]
+    if bad:
+        raise InvalidRequest(f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {limits.vocab_size}); "
+                             "pass ids the model can generate")
+    if params.logprobs is not None and params.logprobs > limits.max_logprobs:
+        raise InvalidRequest(f"logprobs={params.logprobs} exceeds this engine's limit of {limits.max_logprobs}; "
+                             f"ask for at most {limits.max_logprobs}")
+    return prompt_ids, params
+
+
+def check_params(params) -> SamplingParams:
+    if params is None:
+        return SamplingParams()
+    if not isinstance(params, SamplingParams):
+        raise InvalidRequest(f"params must be a numaserve.SamplingParams, got {type(params).__name__}")
+    return params
+
+
+def check_adapter(adapter, adapters: Collection[str]) -> None:
+    if not isinstance(adapter, str):
+        raise InvalidRequest(f"adapter must be a registered adapter's name (a str) or None, got "
+                             f"{type(adapter).__name__}")
+    if adapter not in adapters:
+        known = ", ".join(sorted(adapters)) or "none"
+        raise InvalidRequest(f"unknown adapter {adapter!r} (registered: {known}); register it first with "
+                             "register_adapter(name, path)")
+
+
+def encode_prompt(prompt, tokenizer, vocab_size: int) -> list[int]:
+    """The prompt's token ids: a str through the tokenizer, or int ids, each within the vocabulary."""
+    if isinstance(prompt, str):
+        if not prompt:
+            raise InvalidRequest("the prompt is empty; pass at least one character or token")
+        if tokenizer is None:
+            raise InvalidRequest("this model directory has no tokenizer.json; pass token ids instead of text")
+        ids = tokenizer.encode(prompt)
+    elif isinstance(prompt, (list, tuple, np.ndarray)) and all(
+            isinstance(t, (int, np.integer)) and not isinstance(t, (bool, np.bool_)) for t in prompt):
+        ids = [int(t) for t in prompt]
+    else:
+        raise InvalidRequest(f"a prompt is a str or a list of int token ids, got {type(prompt).__name__}")
+    if not ids:
+        raise InvalidRequest("the prompt is empty; pass at least one token")
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidRequest(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab_size}); pass ids of "
+                             "this model's tokenizer")
+    return ids
+
+
+def max_num_tokens(num_prompt_tokens: int, params: SamplingParams, max_model_len: int, prompt_logits: bool) -> int:
+    """The length a request may reach: prompt + max_tokens (the prompt alone when scored), at most max_model_len."""
+    return min(max_model_len, num_prompt_tokens + (0 if prompt_logits else params.max_tokens))
+
+
+def check_length(num_prompt_tokens: int, params: SamplingParams, limits: RequestLimits, prompt_logits: bool) -> None:
+    if limits.max_model_len is None:
+        return
+    limit = limits.max_model_len if prompt_logits else limits.max_model_len - 1
+    if num_prompt_tokens > limit:
+        raise InvalidRequest(f"prompt has {num_prompt_tokens} tokens but max_model_len={limits.max_model_len} "
+                             f"leaves room for at most {limit}; shorten the prompt")
+    if limits.num_kv_blocks is None or limits.block_size is None:
+        return
+    num_blocks = -(-max_num_tokens(num_prompt_tokens, params, limits.max_model_len, prompt_logits)
+                   // limits.block_size)
+    if num_blocks > limits.num_kv_blocks:
+        raise InvalidRequest(f"request needs up to {num_blocks} KV blocks but the pool has {limits.num_kv_blocks}; "
+                             "lower max_tokens or raise kv_cache_bytes")
