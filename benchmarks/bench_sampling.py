@@ -145,7 +145,7 @@ def plot(result: dict, path: Path) -> None:
     step_ms = result["decode_step_ms"]
     names = [n for n in ("before", "after") if n in result["sampling_ms"]]
     values = [result["sampling_ms"][n] for n in names]
-    fig, ax = plt.subplots(figsize=(6, 3.5))
+    fig, ax = plt.subplots(figsize=(8, 3.5))
     bars = ax.barh([f"sampling, {n}" for n in names] + ["decode step (greedy)"], values + [step_ms],
                    color=["tab:red", "tab:green"][:len(names)] + ["tab:gray"])
     for bar, v in zip(bars, values + [step_ms]):
@@ -154,8 +154,8 @@ def plot(result: dict, path: Path) -> None:
     ax.axvline(0.05 * step_ms, color="k", ls=":", label="5% of the decode step")
     ax.set_xlabel(f"ms per step, {NUM_REQUESTS} requests, T={PARAMS['temperature']}, top_p={PARAMS['top_p']}")
     meta = result["meta"]
-    ax.set_title(f"Sampling cost vs {meta['model']} ({meta['weight_dtype']}) batch-32 decode")
-    ax.set_xlim(0, max(values + [step_ms]) * 1.35)
+    ax.set_title(f"Sampling cost vs {meta['model']} ({meta['weight_dtype']}) batch-{NUM_REQUESTS} decode step")
+    ax.set_xlim(0, max(values + [step_ms]) * 1.5)
     ax.legend(loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
