@@ -2,8 +2,12 @@
 
 Goodput of a step = expected tokens it appends / its expected cost. A request drafting d tokens appends
 1 + sum_{i<d} prod_{j<=i} a_j tokens in expectation (a_j: the EMA of the conditional acceptance at draft
-position j). A step costs fixed_s + per_token_s * num_tokens (+ the proposer's time per draft position),
-fitted by least squares to the recent steps' measured (num_tokens, seconds). The same acceptance that pays
+position j). A step costs fixed_s + per_token_s * num_tokens, fitted by least squares to the recent steps'
+measured (num_tokens, seconds), plus the proposer's passes: one per draft position, each
+draft_s_per_position + draft_s_per_token * its tokens, fitted the same way to the passes it timed. Before
+the proposer has been timed its cost is the proposer's own prior, a fraction of the target step's (a
+draft model: its share of the target's layers and of its parameters), so a draft model that cannot pay
+is not tried at full depth first. The same acceptance that pays
 at batch 1 loses at batch 32: a decode step at batch 1 reads all weights for one token, so drafts ride
 almost free, while at batch 32 a draft token costs as much as another request's token and must be
 accepted often enough to beat it.
@@ -19,7 +23,9 @@ Modes scale what a draft token is charged (`draft_cost_factor`):
 - on: always the configured depth. Every mode respects max_compute_fraction and the token budget; all but
   "on" stop drafting when the KV pool is nearly full.
 When no draft has been verified for PROBE_INTERVAL steps, the policy probes at depth 1 so that a
-returning acceptance is seen (acceptance is only measured where drafts are made).
+returning acceptance is seen (acceptance is only measured where drafts are made). A proposer that must
+catch up on every token it missed (a draft model runs them through its own KV) probes one request, and
+each probe that does not bring drafting back doubles the wait (up to MAX_PROBE_BACKOFF times).
 
 Plain data crosses process boundaries: a worker reports SpecStepStats, the scheduler answers with a
 SpeculationPolicy, and the worker runs `choose_depths` on each step's actual batch (it keeps the last
@@ -41,6 +47,7 @@ ACCEPT_ALPHA = 0.02  # EMA weight of one verified draft
 COST_WINDOW = 256  # recent steps the cost fit uses
 MIN_LOCAL_SAMPLES = 8  # steps near the decision's size that make a local cost fit
 PROBE_INTERVAL = 64  # steps without a verified draft before a depth-1 probe
+MAX_PROBE_BACKOFF = 16  # a catching-up proposer's probes wait at most this times PROBE_INTERVAL
 KV_SOFT, KV_HIGH = 0.80, 0.95  # KV usage where draft pressure starts / drafting stops
 MODE_BIAS = {"auto": 1.0, "latency_first": 1.0, "throughput_first": 1.25}
 QUEUE_WEIGHT = {"auto": 0.5, "latency_first": 0.0, "throughput_first": 1.0}
@@ -59,6 +66,7 @@ class SpecStepStats:
     max_draft_depth: int = 0  # the deepest draft (a draft model runs this many forwards)
     num_drafts_per_position: tuple[int, ...] = ()  # drafts verified at position i (all earlier ones accepted)
     num_accepted_per_position: tuple[int, ...] = ()
+    draft_passes: tuple[tuple[int, float], ...] = ()  # the proposer's passes: (tokens, seconds) each
 
 
 def count_positions(results: Iterable[tuple[int, int]], depth: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -90,18 +98,15 @@ class AcceptanceEMA:
 
 
 class StepCostModel:
-    """seconds(num_tokens) = fixed_s + per_token_s * num_tokens, least squares over recent steps."""
+    """seconds(num_tokens) = fixed_s + per_token_s * num_tokens, least squares over recent steps (of the
+    target, or of the proposer's passes)."""
 
     def __init__(self, window: int = COST_WINDOW):
         self.samples: deque[tuple[int, float]] = deque(maxlen=window)
-        self.draft_s_per_position = 0.0  # EMA of the proposer's time per draft position
 
-    def observe(self, stats: SpecStepStats) -> None:
-        if stats.num_tokens > 0 and stats.seconds > 0:
-            self.samples.append((stats.num_tokens, stats.seconds))
-        if stats.max_draft_depth > 0:
-            per_position = stats.draft_seconds / stats.max_draft_depth
-            self.draft_s_per_position += 0.1 * (per_position - self.draft_s_per_position)
+    def add(self, num_tokens: int, seconds: float) -> None:
+        if num_tokens > 0 and seconds > 0:
+            self.samples.append((num_tokens, seconds))
 
     def fit(self, max_tokens: int | None = None) -> tuple[float, float]:
         """-> (fixed_s, per_token_s); before data, the prior shape at unit scale.
@@ -133,10 +138,12 @@ class SpeculationPolicy:
     accept_rates: tuple[float, ...]  # per-position acceptance EMA, len = num_speculative_tokens
     fixed_s: float  # step cost fit: fixed_s + per_token_s * num_tokens
     per_token_s: float
-    draft_s_per_position: float  # the proposer's time per draft position
+    draft_s_per_position: float  # a proposer pass (one per draft position): this + draft_s_per_token * tokens
     draft_cost_factor: float  # draft tokens are charged this times their cost (mode bias x pressure)
     max_compute_fraction: float
-    probe: bool = False  # depth 1 for every request this step, to re-measure acceptance
+    probe: bool = False  # depth 1 this step, to re-measure acceptance
+    draft_s_per_token: float = 0.0
+    probe_width: int | None = None  # requests a probe drafts for (None: all)
 
     @classmethod
     def off(cls) -> "SpeculationPolicy":
@@ -144,21 +151,40 @@ class SpeculationPolicy:
 
 
 class SpeculationController:
-    """Telemetry in, policy out. Owned by the in-process engine, or per worker by the scheduler actor."""
+    """Telemetry in, policy out. Owned by the in-process engine, or per worker by the scheduler actor.
 
-    def __init__(self, config: SpeculationConfig):
+    cost_prior: the proposer's pass cost before it was timed, as fractions (of the target step's fixed
+    cost, of its per-token cost); catches_up: resuming drafting costs the proposer every token it missed
+    (Proposer.cost_prior, Proposer.catches_up)."""
+
+    def __init__(self, config: SpeculationConfig, cost_prior: tuple[float, float] = (0.0, 0.0),
+                 catches_up: bool = False):
         self.config = config
+        self.cost_prior = cost_prior
+        self.catches_up = catches_up
         self.acceptance = AcceptanceEMA.prior(config.num_speculative_tokens)
         self.cost = StepCostModel()
+        self.draft_cost = StepCostModel()
         self.last: SpecStepStats | None = None
         self.num_steps_without_drafts = 0
+        self.num_idle_probes = 0  # probes since drafting last paid by itself
+        self._probing = False  # the last policy was a probe
 
     def observe(self, stats: SpecStepStats) -> None:
         self.last = stats
-        self.cost.observe(stats)
+        self.cost.add(stats.num_tokens, stats.seconds)
+        for num_tokens, seconds in stats.draft_passes:
+            self.draft_cost.add(num_tokens, seconds)
         self.acceptance.update(stats.num_drafts_per_position, stats.num_accepted_per_position)
         drafted = sum(stats.num_drafts_per_position) > 0
         self.num_steps_without_drafts = 0 if drafted else self.num_steps_without_drafts + (stats.num_requests > 0)
+        if drafted and not self._probing:
+            self.num_idle_probes = 0
+
+    @property
+    def probe_interval(self) -> int:
+        backoff = min(2 ** self.num_idle_probes, MAX_PROBE_BACKOFF) if self.catches_up else 1
+        return PROBE_INTERVAL * backoff
 
     def policy(self) -> SpeculationPolicy:
         cfg = self.config
@@ -175,10 +201,18 @@ class SpeculationController:
             kv = min(1.0, max(0.0, (kv_usage - KV_SOFT) / (KV_HIGH - KV_SOFT)))
             factor = MODE_BIAS[cfg.mode] * (1.0 + QUEUE_WEIGHT[cfg.mode] * queue) * (1.0 + KV_WEIGHT * kv)
         # the decisions are about steps of about num_requests * (1 + depth) tokens: fit the cost there
-        fixed_s, per_token_s = self.cost.fit(2 * max(last.num_requests, 1) * (1 + max_depth) if last else None)
-        probe = cfg.mode != "on" and max_depth > 0 and self.num_steps_without_drafts >= PROBE_INTERVAL
+        num_requests = max(last.num_requests, 1) if last else 1
+        fixed_s, per_token_s = self.cost.fit(2 * num_requests * (1 + max_depth) if last else None)
+        if self.draft_cost.samples:  # a pass feeds about one token per drafting request
+            draft_fixed_s, draft_per_token_s = self.draft_cost.fit(2 * num_requests)
+        else:
+            draft_fixed_s, draft_per_token_s = self.cost_prior[0] * fixed_s, self.cost_prior[1] * per_token_s
+        probe = cfg.mode != "on" and max_depth > 0 and self.num_steps_without_drafts >= self.probe_interval
+        self.num_idle_probes += probe
+        self._probing = probe
         return SpeculationPolicy(cfg.mode, max_depth, tuple(self.acceptance.rates.tolist()), fixed_s, per_token_s,
-                                 self.cost.draft_s_per_position, factor, cfg.max_compute_fraction, probe)
+                                 draft_fixed_s, factor, cfg.max_compute_fraction, probe, draft_per_token_s,
+                                 1 if self.catches_up else None)
 
 
 def max_draft_tokens(num_base_tokens: int, max_compute_fraction: float, token_budget: int | None) -> int:
@@ -202,7 +236,8 @@ def choose_depths(policy: SpeculationPolicy, num_base_tokens: int, max_depths: S
     """
     caps = [max(0, min(policy.max_depth, m)) for m in max_depths]
     if policy.probe:
-        caps = [min(c, 1) for c in caps]
+        width = len(caps) if policy.probe_width is None else policy.probe_width
+        caps = [min(c, 1) if r < width else 0 for r, c in enumerate(caps)]
     cap_total = max_draft_tokens(num_base_tokens, policy.max_compute_fraction, token_budget)
     if not any(caps) or cap_total <= 0:
         return [0] * len(caps)
@@ -223,7 +258,7 @@ def choose_depths(policy: SpeculationPolicy, num_base_tokens: int, max_depths: S
         deepest = np.maximum.accumulate([c[1] + 1 for c in candidates])
         d = np.arange(1, len(candidates) + 1)
         base_s = max(policy.fixed_s + policy.per_token_s * num_base_tokens, 1e-12)
-        draft_s = policy.per_token_s * d + policy.draft_s_per_position * deepest
+        draft_s = (policy.per_token_s + policy.draft_s_per_token) * d + policy.draft_s_per_position * deepest
         goodput = (len(caps) + np.cumsum(gains)) / (base_s + policy.draft_cost_factor * draft_s)
         best = int(np.argmax(goodput))
         num_drafts = best + 1 if goodput[best] > len(caps) / base_s else 0

@@ -34,13 +34,14 @@ class Speculator:
     def __init__(self, config: SpeculationConfig, proposer: Proposer, decisions: DecisionLog | None = None):
         self.config = config
         self.proposer = proposer
-        self.controller = SpeculationController(config)
+        self.controller = SpeculationController(config, proposer.cost_prior, proposer.catches_up)
         self.pushed_policy: SpeculationPolicy | None = None  # a scheduler actor's; None: the controller's
         self._policy: SpeculationPolicy | None = None
         self._num_steps_since_policy = 0
         self.decisions = decisions or DecisionLog()
         self.recent: deque[SpecStepStats] = deque(maxlen=256)  # for telemetry
         self.draft_probs: dict[str, np.ndarray] = {}  # request id -> q [k, V] of this step's sampled drafts
+        self.draft_passes: list[tuple[int, float]] = []  # this step's proposer passes: (tokens, seconds)
         self.depth = 0  # the deepest draft of the last step with decoding requests
         self.num_drafts = 0  # verifications: request-steps with at least one draft
         self.num_draft_tokens = 0
@@ -59,7 +60,7 @@ class Speculator:
 
     def propose(self, plan: StepPlan, batcher: Batcher) -> float:
         """Schedule drafts for the plan's decoding requests; -> the proposer's seconds."""
-        self.draft_probs = {}
+        self.draft_probs, self.draft_passes = {}, []
         decoding = plan.decoding()
         if not decoding:
             return 0.0
@@ -74,6 +75,8 @@ class Speculator:
         start = time.perf_counter()
         drafts = self.proposer.propose([reqs[j] for j in active], [depths[j] for j in active])
         seconds = time.perf_counter() - start
+        # a proposer without passes of its own (a lookup) counts as one pass over the requests it drafted for
+        self.draft_passes = self.proposer.last_passes or [(len(active), seconds)]
         probs = self.proposer.last_draft_probs
         for j, draft in zip(active, drafts):
             draft = [int(t) for t in draft[:depths[j]]]
@@ -88,7 +91,7 @@ class Speculator:
         runs = [(d, a) for d, a in zip(result.num_draft_tokens, result.num_accepted_tokens) if d > 0]
         verified, accepted = count_positions(runs, k)
         stats = SpecStepStats(plan.num_tokens, seconds, len(plan.scheduled), num_waiting, kv_usage, draft_seconds,
-                              max((d for d, _ in runs), default=0), verified, accepted)
+                              max((d for d, _ in runs), default=0), verified, accepted, tuple(self.draft_passes))
         self.controller.observe(stats)
         self._num_steps_since_policy += 1
         self.recent.append(stats)
@@ -113,6 +116,7 @@ class Speculator:
                 # the goodput inputs: acceptance EMA per position, step cost = fixed + per_token * tokens
                 "spec_accept_rate_ema": list(policy.accept_rates), "spec_step_fixed_s": policy.fixed_s,
                 "spec_step_per_token_s": policy.per_token_s, "spec_draft_s_per_position": policy.draft_s_per_position,
+                "spec_draft_s_per_token": policy.draft_s_per_token,
                 "spec_draft_cost_factor": policy.draft_cost_factor, "spec_max_depth": policy.max_depth}
 
     def _record_depth(self, depth: int) -> None:

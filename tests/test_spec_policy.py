@@ -219,3 +219,43 @@ def test_depths_respect_every_cap_and_never_lower_expected_goodput(rates, max_de
         expected = sum(1 + sum(np.prod(rates[:i + 1]) for i in range(d)) for d in depths)
         cost = 0.01 + per_token * (base + sum(depths))
         assert expected / cost >= len(max_depths) / (0.01 + per_token * base) - 1e-9
+
+
+def test_a_catching_up_proposer_probes_one_request_and_backs_off_while_drafting_does_not_pay():
+    ctrl = SpeculationController(ns.SpeculationConfig(method="ngram", num_speculative_tokens=K), catches_up=True)
+    for _ in range(100):
+        run_step(ctrl, 8, 0.0)
+    probe_steps = []
+    for step in range(8 * PROBE_INTERVAL):
+        depths, policy = run_step(ctrl, 8, 0.0)
+        if policy.probe:
+            assert depths == [1] + [0] * 7  # one request catches up, not the batch
+            probe_steps.append(step)
+    gaps = np.diff(probe_steps)
+    assert len(probe_steps) >= 2 and all(b >= 2 * a - 1 for a, b in itertools.pairwise(gaps)), probe_steps
+    rng = np.random.default_rng(4)
+    for _ in range(16 * PROBE_INTERVAL):  # acceptance returns: a probe finds it and drafting resumes
+        depths, policy = run_step(ctrl, 2, 0.95, rng=rng)
+        if max(depths) > 1:
+            break
+    assert max(depths) > 1 and ctrl.num_idle_probes == 0  # deeper than a probe: drafting paid by itself
+
+
+def test_an_untimed_proposer_is_priced_by_its_prior_then_by_its_measured_passes():
+    config = ns.SpeculationConfig(method="ngram", num_speculative_tokens=K)
+    free, costly = SpeculationController(config), SpeculationController(config, cost_prior=(1.0, 1.0))
+    for ctrl in (free, costly):
+        for step in range(20):
+            ctrl.observe(SpecStepStats(16 + step % 3, FIXED_S + PER_TOKEN_S * (16 + step % 3), 16, 0, 0.3))
+    for ctrl in (free, costly):
+        ctrl.acceptance.rates[:] = 0.6
+    assert max(choose_depths(free.policy(), 16, [K] * 16)) > 0
+    # a pass as dear as a target step: drafting 16 requests cannot pay at 60% acceptance
+    assert costly.policy().draft_s_per_position == pytest.approx(FIXED_S)
+    assert max(choose_depths(costly.policy(), 16, [K] * 16)) == 0
+    for step in range(20):  # measured: passes are nearly free
+        n = 1 + step % 4
+        costly.observe(SpecStepStats(16, FIXED_S + PER_TOKEN_S * 16, 16, 0, 0.3,
+                                     draft_passes=((n, 1e-5 + 1e-6 * n),)))
+    policy = costly.policy()
+    assert policy.draft_s_per_position == pytest.approx(1e-5) and policy.draft_s_per_token == pytest.approx(1e-6)

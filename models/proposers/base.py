@@ -8,6 +8,13 @@ a proposer never needs to be told what was accepted: it compares and rolls back 
 `last_draft_probs[request_id]`: [len(drafts), vocab] float64 rows q_i the drafts of the last `propose`
 call were sampled from; a request absent from it had deterministic drafts (q one-hot), which the verifier
 takes as `draft_probs=None`.
+
+What the speculation policy needs to price a proposer (scheduling/spec_policy.py):
+- `last_passes`: (tokens, seconds) of each pass over the model the last call ran (a draft model: one
+  forward per draft position); empty for a proposer that is one lookup, which the caller times itself.
+- `cost_prior`: a pass's cost before any was timed, as fractions of the target step's fixed cost and of
+  its per-token cost.
+- `catches_up`: a request that has not drafted for a while costs a pass over every token it missed.
 """
 
 from abc import ABC, abstractmethod
@@ -24,8 +31,12 @@ class SpecRequest(Protocol):
 
 
 class Proposer(ABC):
+    cost_prior: tuple[float, float] = (0.0, 0.0)
+    catches_up: bool = False
+
     def __init__(self) -> None:
         self.last_draft_probs: dict[str, np.ndarray] = {}
+        self.last_passes: list[tuple[int, float]] = []
 
     @abstractmethod
     def propose(self, requests: Sequence[SpecRequest], depths: Sequence[int]) -> list[list[int]]:

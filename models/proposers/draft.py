@@ -9,6 +9,7 @@ drafting. The last draft is never run through the draft model: its KV is written
 the target accepts it.
 """
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -67,6 +68,8 @@ class _DraftSeq:
 
 
 class DraftModelProposer(Proposer):
+    catches_up = True  # a request that stopped drafting runs every token it missed through the draft model
+
     def __init__(self, path: str | Path, target_spec: ModelSpec, target_tokenizer: Tokenizer | None, *,
                  kv_cache_tokens: int, block_size: int = 16, weight_dtype: str = "auto", kv_dtype: str = "float32",
                  activation_dtype: str = "auto", decisions: DecisionLog | None = None):
@@ -76,6 +79,10 @@ class DraftModelProposer(Proposer):
         weights = plan_activations(weights, activation_dtype, decisions or DecisionLog())
         self.model = LlamaModel(self.spec, weights)
         self.vocab_size = target_spec.vocab_size  # q rows are over the target's vocabulary
+        # a forward costs about its share of the target's layers (fixed, per-layer calls) and of the
+        # target's parameters (per token, weights read)
+        self.cost_prior = (self.spec.num_layers / target_spec.num_layers,
+                           _num_params(self.spec) / _num_params(target_spec))
         s = self.spec
         self.block_size = block_size
         num_blocks = max(1, -(-kv_cache_tokens // block_size))
@@ -90,7 +97,7 @@ class DraftModelProposer(Proposer):
             self.pool.free(reversed(seq.block_ids))
 
     def propose(self, requests: Sequence[SpecRequest], depths: Sequence[int]) -> list[list[int]]:
-        self.last_draft_probs = {}
+        self.last_draft_probs, self.last_passes = {}, []
         drafts: list[list[int]] = [[] for _ in requests]
         active = [i for i, d in enumerate(depths) if d > 0 and len(requests[i].token_ids) + d
                   <= self.spec.max_position_embeddings]
@@ -111,7 +118,9 @@ class DraftModelProposer(Proposer):
             feeds = self._reserve(requests, feeds, step_ids)
             if not feeds:
                 break
+            start = time.perf_counter()
             logits = self._forward([(self.seqs[requests[i].request_id], new) for i, new in feeds])
+            self.last_passes.append((sum(len(new) for _, new in feeds), time.perf_counter() - start))
             next_feeds = []
             tokens, qs = self._choose([requests[i] for i, _ in feeds], logits)
             for (i, _), token, q in zip(feeds, tokens, qs):
@@ -203,6 +212,13 @@ class DraftModelProposer(Proposer):
         batch = ForwardBatch(np.asarray(token_ids, np.int64), positions, token_seq, slot_mapping, block_tables,
                              np.asarray(last_rows, np.int64))
         return self.model.forward(batch, self.kv_cache)
+
+
+def _num_params(spec: ModelSpec) -> int:
+    """Weights a forward reads per token: the layers' matrices and the LM head."""
+    h = spec.hidden_size
+    per_layer = h * (spec.q_size + 2 * spec.kv_size) + spec.q_size * h + 3 * h * spec.intermediate_size
+    return spec.num_layers * per_layer + spec.vocab_size * h
 
 
 def _common_prefix(seq: _DraftSeq, token_ids: list[int]) -> int:
