@@ -21,7 +21,7 @@ def _get(ref):
         raise
 
 
-def _cancel(stream) -> None:
+def cancel_stream(stream) -> None:
     """Cancel the router's stream (it then aborts the request on its worker), unless it has ended."""
     try:
         ray.cancel(stream)
@@ -37,7 +37,8 @@ class Client:
 
     def stream(self, prompt, params: SamplingParams | None = None, adapter: str | None = None,
                session: str | None = None) -> Iterator[RequestOutput]:
-        """Deltas of one completion (.text, .token_ids, .finish_reason); closing the iterator aborts it."""
+        """Deltas of one completion (.text, .token_ids, .finish_reason, .logprobs when asked); closing the
+        iterator aborts it."""
         chunks = self._chunks(prompt, params, adapter, session)
         next(chunks)  # the prompt's token ids: admitted
         yield from chunks
@@ -50,6 +51,8 @@ class Client:
             done.token_ids += chunk.token_ids
             done.text += chunk.text
             done.finish_reason = chunk.finish_reason
+            if chunk.logprobs is not None:
+                done.logprobs = (done.logprobs or []) + chunk.logprobs
         return done
 
     def _chunks(self, prompt, params, adapter, session):
@@ -64,7 +67,7 @@ class Client:
                     return
         finally:
             if not finished:
-                _cancel(stream)
+                cancel_stream(stream)
 
     def register_adapter(self, name: str, path: str | Path) -> str:
         """Register a PEFT adapter directory under name (kept across restarts); AdapterError if it is invalid."""

@@ -120,7 +120,7 @@ class Router:
                         generated += out.token_ids
                         emitted_text += out.text
                         finished = out.finished
-                        yield RequestOutput(request_id, out.token_ids, out.text, out.finish_reason)
+                        yield RequestOutput(request_id, out.token_ids, out.text, out.finish_reason, out.logprobs)
                         if finished:
                             return
                     raise WorkerStreamEnded(worker_id)

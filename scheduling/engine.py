@@ -226,7 +226,8 @@ class Engine:
         req.num_emitted_chars = max(req.num_emitted_chars, safe)
         new_ids = req.output_token_ids[req.num_emitted_tokens:]
         req.num_emitted_tokens += len(new_ids)
-        return RequestOutput(req.request_id, new_ids, text, req.finish_reason)
+        logprobs = req.logprobs[len(req.logprobs) - len(new_ids):] if req.params.logprobs is not None else None
+        return RequestOutput(req.request_id, new_ids, text, req.finish_reason, logprobs)
 
     # ---- figures ----------------------------------------------------------------------------------
 

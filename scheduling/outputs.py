@@ -36,6 +36,7 @@ class RequestOutput:
     token_ids: list[int]
     text: str
     finish_reason: str | None = None  # "stop" | "length" | "abort" once finished
+    logprobs: list[dict[int, float]] | None = None  # per token of token_ids, when the request asked for them
 
     @property
     def finished(self) -> bool:

@@ -26,7 +26,7 @@ def run_outputs(engine, req) -> list[RequestOutput]:
     ns.SamplingParams(max_tokens=40, temperature=0, ignore_eos=True),
     ns.SamplingParams(max_tokens=40, temperature=1.0, top_p=0.9, seed=7, frequency_penalty=0.8,
                       presence_penalty=0.3, repetition_penalty=1.2, ignore_eos=True),
-    ns.SamplingParams(max_tokens=60, temperature=1.2, seed=3, stop=("e ", "qu"), ignore_eos=True),
+    ns.SamplingParams(max_tokens=60, temperature=1.2, seed=3, stop=("e ", "qu"), ignore_eos=True, logprobs=2),
 ])
 @pytest.mark.parametrize("prompt", ["Grüße aus Köln! 🙂", "The quick brown fox"])
 def test_a_resumed_request_goes_on_exactly_as_the_undisturbed_one(llama_dir, params, prompt):
@@ -45,11 +45,19 @@ def test_a_resumed_request_goes_on_exactly_as_the_undisturbed_one(llama_dir, par
         assert sent_ids + [t for o in rest for t in o.token_ids] == whole.output_token_ids
         assert sent_text + "".join(o.text for o in rest) == whole.text
         assert rest[-1].finish_reason == whole.finish_reason
+        if params.logprobs is not None:  # each output carries its own tokens' logprobs, resumed or not
+            logprobs = [lp for o in outputs[:cut] + rest for lp in o.logprobs]
+            assert [list(lp) for lp in logprobs] == [list(lp) for lp in whole.logprobs]
+            assert [v for lp in logprobs for v in lp.values()] == pytest.approx(
+                [v for lp in whole.logprobs for v in lp.values()], abs=1e-5)
 
 
 def test_merge_joins_deltas_and_keeps_the_last_finish_reason():
     merged = merge("r", [RequestOutput("r", [1], "a"), RequestOutput("r", [2, 3], "bc", "length")])
     assert merged == RequestOutput("r", [1, 2, 3], "abc", "length")
+    with_logprobs = merge("r", [RequestOutput("r", [1], "a", None, [{1: -0.5}]),
+                                RequestOutput("r", [2, 3], "bc", "length", [{2: -0.1}, {3: -0.2, 4: -0.3}])])
+    assert with_logprobs.logprobs == [{1: -0.5}, {2: -0.1}, {3: -0.2, 4: -0.3}]
 
 
 def test_a_delta_stream_releases_at_once_then_holds_and_never_holds_the_end():

@@ -75,6 +75,23 @@ def test_generate_returns_the_prompt_ids_and_the_whole_completion(client, llama_
         expected.prompt_token_ids, expected.token_ids, expected.text, "length")
 
 
+def test_logprobs_cross_the_worker_stream_router_and_client_as_in_process(client, llama_dir, config):
+    params = [ns.SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=3),
+              ns.SamplingParams(max_tokens=10, temperature=0.8, seed=7, ignore_eos=True, logprobs=0)]
+    expected = reference_outputs(llama_dir, config, ["def add(a, b):"] * 2, params)
+    for sp, e in zip(params, expected):
+        done = client.generate("def add(a, b):", sp)
+        assert done.token_ids == e.token_ids and len(done.logprobs) == len(e.logprobs) == 10
+        for row, expected_row in zip(done.logprobs, e.logprobs):
+            assert list(row) == list(expected_row)  # the top ones in order, then the sampled token if not among them
+            # float32 sums split over other thread counts: equal to ~1e-6
+            assert list(row.values()) == pytest.approx(list(expected_row.values()), abs=1e-5)
+        chunks = list(client.stream("def add(a, b):", sp))
+        assert [lp for c in chunks for lp in c.logprobs] == done.logprobs
+        assert all(len(c.logprobs) == len(c.token_ids) for c in chunks)
+    assert client.generate("def add(a, b):", GREEDY).logprobs is None
+
+
 def test_each_worker_reports_its_simulated_nodes_core_and_one_thread(client):
     infos = {w: s["info"] for w, s in worker_stats(client).items()}
     assert sorted(infos) == ["local-numa0-0", "local-numa1-0"]
