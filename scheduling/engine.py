@@ -145,20 +145,19 @@ class Engine:
     # ---- the step ---------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        start = time.perf_counter()
         plan = self.batcher.schedule()
         for req in plan.preempted:
             self._forget_drafts(req.request_id)
         if not plan.scheduled:
             return []
         draft_s = self.speculator.propose(plan, self.batcher) if self.speculator else 0.0
-        start = time.perf_counter()
         logits, logit_rows = self.runner.run(plan)
         result = sample_step(plan, logits, logit_rows, self.speculator.draft_probs if self.speculator else {})
-        seconds = time.perf_counter() - start
         outputs = self._process(plan, result)
-        if self.speculator:
-            self.speculator.observe(plan, result, seconds, draft_s, len(self.batcher.waiting),
-                                    self.kv.pool.num_used_blocks / self.kv.pool.num_blocks)
+        if self.speculator:  # the whole step but the proposer's passes: drafts also cost scheduling and rollback
+            self.speculator.observe(plan, result, time.perf_counter() - start - draft_s, draft_s,
+                                    len(self.batcher.waiting), self.kv.pool.num_used_blocks / self.kv.pool.num_blocks)
         return outputs
 
     def _process(self, plan: StepPlan, result: StepResult) -> list[RequestOutput]:
