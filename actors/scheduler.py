@@ -1,10 +1,13 @@
-"""Scheduler: collects workers' StepTelemetry and answers each with its batching Policy (scheduling/policy.py).
+"""Scheduler: collects workers' StepTelemetry and answers each with its Policy (scheduling/policy.py): the
+batching limits and, for a speculating worker, the SpeculationPolicy computed from its SpecTelemetry.
 
-Workers call `report` about every 100 ms and apply the answer whenever it arrives; the router polls
-`policies` for the admission bounds. Nothing here blocks a request.
+Workers call `report` about every 100 ms and apply the answer whenever it arrives (a worker keeps the
+last answer while this actor is dead or restarting); the router polls `policies` for the admission
+bounds. Nothing here blocks a request.
 """
 
 import time
+from dataclasses import asdict
 
 import ray
 
@@ -25,7 +28,13 @@ class Scheduler:
         return dict(self.policy.policies)
 
     def stats(self) -> dict:
-        now = time.time()
-        return {worker_id: {"policy": vars(self.policy.policy(worker_id)), "telemetry": vars(t),
-                            "telemetry_age_s": now - received}
-                for worker_id, (t, received) in self.telemetry.items()}
+        """Per worker: the policy last sent (batching limits; speculation, None for a worker without it),
+        the telemetry it came from (speculation's cost windows counted, not listed) and that telemetry's age."""
+        now, out = time.time(), {}
+        for worker_id, (t, received) in self.telemetry.items():
+            policy = self.policy.policy(worker_id)
+            telemetry = vars(t) | {"speculation": t.speculation.summary() if t.speculation else None}
+            out[worker_id] = {"policy": {k: v for k, v in vars(policy).items() if k != "speculation"},
+                              "speculation": asdict(policy.speculation) if policy.speculation else None,
+                              "telemetry": telemetry, "telemetry_age_s": now - received}
+        return out

@@ -1,7 +1,9 @@
-"""The batching policy: from each worker's step telemetry, its token budget, sequence cap and admission bound.
+"""The scheduler's policy: from each worker's step telemetry, its token budget, sequence cap and admission
+bound, and for a speculating worker its speculation policy.
 
 Workers report StepTelemetry about every 100 ms; the scheduler answers with that worker's Policy, which
-the worker (token_budget, max_num_seqs) and the router (admission_bound) apply whenever it arrives.
+the worker (token_budget, max_num_seqs, speculation) and the router (admission_bound) apply whenever it
+arrives.
 
 - Sequence cap, AIMD on KV pressure: a preemption or a nearly full KV pool cuts max_num_seqs to 3/4 of
   what is running (recompute wastes more than queueing); a roomy pool adds back 1/16 of the limit.
@@ -10,9 +12,13 @@ the worker (token_budget, max_num_seqs) and the router (admission_bound) apply w
   again. It never drops below one decode token per running request.
 - Admission bound = max_num_seqs + max_queued: a worker whose cap was cut also admits fewer, so the
   router's Overloaded pushes back on clients instead of queues growing without end.
+- Speculation: spec_policy.speculation_policy of the SpecTelemetry the worker sent (the same function the
+  in-process engine runs); it reads that telemetry alone, so a restarted scheduler answers the same.
 """
 
 from dataclasses import dataclass
+
+from scheduling.spec_policy import SpecTelemetry, SpeculationPolicy, speculation_policy
 
 KV_HIGH = 0.95  # kv_usage at or above this counts as pressure
 KV_LOW = 0.80  # below this the cap may grow again
@@ -29,6 +35,7 @@ class StepTelemetry:
     step_time_s: float  # mean wall time of those steps (0 when idle)
     kv_usage: float  # used / total KV blocks
     num_preemptions: int  # since the worker started
+    speculation: SpecTelemetry | None = None  # None: the worker does not speculate
 
 
 @dataclass(frozen=True)
@@ -36,6 +43,7 @@ class Policy:
     token_budget: int
     max_num_seqs: int
     admission_bound: int  # requests the router may have outstanding on this worker
+    speculation: SpeculationPolicy | None = None  # for a worker that sent SpecTelemetry
 
 
 @dataclass(frozen=True)
@@ -78,6 +86,7 @@ class BatchingPolicy:
         floor = min(lim.max_token_budget, max(MIN_TOKEN_BUDGET, t.num_running))
         budget = max(floor, min(lim.max_token_budget, budget))
 
-        policy = Policy(budget, max_num_seqs, max_num_seqs + lim.max_queued)
+        speculation = speculation_policy(t.speculation) if t.speculation is not None else None
+        policy = Policy(budget, max_num_seqs, max_num_seqs + lim.max_queued, speculation)
         self.policies[t.worker_id] = policy
         return policy

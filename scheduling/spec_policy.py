@@ -27,9 +27,14 @@ returning acceptance is seen (acceptance is only measured where drafts are made)
 catch up on every token it missed (a draft model runs them through its own KV) probes one request, and
 each probe that does not bring drafting back doubles the wait (up to MAX_PROBE_BACKOFF times).
 
-Plain data crosses process boundaries: a worker reports SpecStepStats, the scheduler answers with a
-SpeculationPolicy, and the worker runs `choose_depths` on each step's actual batch (it keeps the last
-policy if the scheduler is gone). The in-process LLM runs SpeculationController itself.
+Who runs what: the engine's SpeculationController measures (acceptance EMAs, step and proposer cost
+samples, probe counts) and `telemetry()` hands that state over as a SpecTelemetry record; the pure
+`speculation_policy(telemetry)` decides the SpeculationPolicy; `choose_depths` applies it to each step's
+actual batch. The in-process LLM runs all three itself. In a deployment a worker sends its SpecTelemetry
+inside StepTelemetry, the scheduler actor runs speculation_policy on it (scheduling/policy.py) and pushes
+the answer back with the batching policy. Before the first answer a worker runs its own controller;
+after it, it keeps the last pushed policy until the next, also while the scheduler is dead or restarting
+(the scheduler keeps no speculation state, so a restarted one answers as the old one would have).
 """
 
 import math
@@ -109,25 +114,29 @@ class StepCostModel:
             self.samples.append((num_tokens, seconds))
 
     def fit(self, max_tokens: int | None = None) -> tuple[float, float]:
-        """-> (fixed_s, per_token_s); before data, the prior shape at unit scale.
+        return fit_step_cost(self.samples, max_tokens)
 
-        A decode step is memory-bound (flat in its token count) until compute catches up, so one line
-        through decode steps and long prefill chunks would overstate what a few draft tokens cost. With
-        max_tokens, the fit uses the steps up to that size when they span at least two token counts.
-        """
-        if not self.samples:
-            return 1.0, PRIOR_SLOPE_RATIO
-        t, s = np.array(self.samples, np.float64).T
-        if max_tokens is not None:
-            near = t <= max_tokens
-            if near.sum() >= MIN_LOCAL_SAMPLES and np.ptp(t[near]) >= 1:
-                t, s = t[near], s[near]
-        if np.ptp(t) < 1:  # one token count: the slope is not identifiable, keep the prior's shape
-            fixed = s.mean() / (1.0 + PRIOR_SLOPE_RATIO * t.mean())
-            return fixed, PRIOR_SLOPE_RATIO * fixed
-        per_token = max(float(np.cov(t, s, bias=True)[0, 1] / t.var()), 0.0)
-        fixed = max(float(s.mean() - per_token * t.mean()), 0.0)
-        return fixed, per_token
+
+def fit_step_cost(samples: Sequence[tuple[int, float]], max_tokens: int | None = None) -> tuple[float, float]:
+    """(tokens, seconds) samples -> (fixed_s, per_token_s); before data, the prior shape at unit scale.
+
+    A decode step is memory-bound (flat in its token count) until compute catches up, so one line
+    through decode steps and long prefill chunks would overstate what a few draft tokens cost. With
+    max_tokens, the fit uses the steps up to that size when they span at least two token counts.
+    """
+    if not samples:
+        return 1.0, PRIOR_SLOPE_RATIO
+    t, s = np.array(samples, np.float64).T
+    if max_tokens is not None:
+        near = t <= max_tokens
+        if near.sum() >= MIN_LOCAL_SAMPLES and np.ptp(t[near]) >= 1:
+            t, s = t[near], s[near]
+    if np.ptp(t) < 1:  # one token count: the slope is not identifiable, keep the prior's shape
+        fixed = s.mean() / (1.0 + PRIOR_SLOPE_RATIO * t.mean())
+        return fixed, PRIOR_SLOPE_RATIO * fixed
+    per_token = max(float(np.cov(t, s, bias=True)[0, 1] / t.var()), 0.0)
+    fixed = max(float(s.mean() - per_token * t.mean()), 0.0)
+    return fixed, per_token
 
 
 @dataclass(frozen=True)
@@ -150,8 +159,63 @@ class SpeculationPolicy:
         return cls("auto", 0, (), 1.0, PRIOR_SLOPE_RATIO, 0.0, 1.0, 1.0)
 
 
+@dataclass(frozen=True)
+class SpecTelemetry:
+    """All that speculation_policy reads about one engine, as plain data: its config and proposer, the
+    controller's estimators and the last step's load. A worker sends it inside StepTelemetry."""
+    config: SpeculationConfig
+    accept_rates: tuple[float, ...]  # per-position acceptance EMA, len = num_speculative_tokens
+    step_costs: tuple[tuple[int, float], ...]  # recent steps (the cost fit's window): (tokens, seconds)
+    draft_pass_costs: tuple[tuple[int, float], ...] = ()  # recent proposer passes: (tokens, seconds)
+    cost_prior: tuple[float, float] = (0.0, 0.0)  # Proposer.cost_prior
+    catches_up: bool = False  # Proposer.catches_up
+    num_requests: int = 0  # the last step's batch size (0: no step yet)
+    num_waiting: int = 0  # queue depth after that step was planned
+    kv_usage: float = 0.0  # used / total KV blocks after that step
+    num_steps_without_drafts: int = 0  # steps with requests since a draft was last verified
+    num_idle_probes: int = 0  # probes since drafting last paid by itself
+
+    def summary(self) -> dict:
+        """For stats(): the fields without the cost windows, which are counted instead."""
+        fields = {k: v for k, v in vars(self).items() if k not in ("config", "step_costs", "draft_pass_costs")}
+        return {"method": self.config.method, "mode": self.config.mode, **fields,
+                "num_step_costs": len(self.step_costs), "num_draft_pass_costs": len(self.draft_pass_costs)}
+
+
+def probe_interval(catches_up: bool, num_idle_probes: int) -> int:
+    """Steps without a verified draft before a probe; a catching-up proposer backs off while probes find no pay."""
+    return PROBE_INTERVAL * (min(2 ** num_idle_probes, MAX_PROBE_BACKOFF) if catches_up else 1)
+
+
+def speculation_policy(t: SpecTelemetry) -> SpeculationPolicy:
+    """The policy for one engine, from its telemetry alone (no state: the engine and the scheduler actor
+    both call this)."""
+    cfg = t.config
+    if not cfg.enabled:
+        return SpeculationPolicy.off()
+    max_depth = cfg.num_speculative_tokens
+    if cfg.mode != "on" and t.kv_usage >= KV_HIGH:
+        max_depth = 0
+    factor = 1.0
+    if cfg.mode != "on":
+        queue = min(1.0, t.num_waiting / max(1, t.num_requests))
+        kv = min(1.0, max(0.0, (t.kv_usage - KV_SOFT) / (KV_HIGH - KV_SOFT)))
+        factor = MODE_BIAS[cfg.mode] * (1.0 + QUEUE_WEIGHT[cfg.mode] * queue) * (1.0 + KV_WEIGHT * kv)
+    # the decisions are about steps of about num_requests * (1 + depth) tokens: fit the cost there
+    num_requests = max(t.num_requests, 1)
+    fixed_s, per_token_s = fit_step_cost(t.step_costs, 2 * num_requests * (1 + max_depth))
+    if t.draft_pass_costs:  # a pass feeds about one token per drafting request
+        draft_fixed_s, draft_per_token_s = fit_step_cost(t.draft_pass_costs, 2 * num_requests)
+    else:
+        draft_fixed_s, draft_per_token_s = t.cost_prior[0] * fixed_s, t.cost_prior[1] * per_token_s
+    probe = (cfg.mode != "on" and max_depth > 0
+             and t.num_steps_without_drafts >= probe_interval(t.catches_up, t.num_idle_probes))
+    return SpeculationPolicy(cfg.mode, max_depth, t.accept_rates, fixed_s, per_token_s, draft_fixed_s, factor,
+                             cfg.max_compute_fraction, probe, draft_per_token_s, 1 if t.catches_up else None)
+
+
 class SpeculationController:
-    """Telemetry in, policy out. Owned by the in-process engine, or per worker by the scheduler actor.
+    """Step stats in, telemetry (and, run in-process, the policy) out. Owned by the engine.
 
     cost_prior: the proposer's pass cost before it was timed, as fractions (of the target step's fixed
     cost, of its per-token cost); catches_up: resuming drafting costs the proposer every token it missed
@@ -168,7 +232,7 @@ class SpeculationController:
         self.last: SpecStepStats | None = None
         self.num_steps_without_drafts = 0
         self.num_idle_probes = 0  # probes since drafting last paid by itself
-        self._probing = False  # the last policy was a probe
+        self._probing = False  # the policy in force is a probe
 
     def observe(self, stats: SpecStepStats) -> None:
         self.last = stats
@@ -183,36 +247,25 @@ class SpeculationController:
 
     @property
     def probe_interval(self) -> int:
-        backoff = min(2 ** self.num_idle_probes, MAX_PROBE_BACKOFF) if self.catches_up else 1
-        return PROBE_INTERVAL * backoff
+        return probe_interval(self.catches_up, self.num_idle_probes)
+
+    def telemetry(self) -> SpecTelemetry:
+        last = self.last
+        return SpecTelemetry(self.config, tuple(self.acceptance.rates.tolist()), tuple(self.cost.samples),
+                             tuple(self.draft_cost.samples), self.cost_prior, self.catches_up,
+                             last.num_requests if last else 0, last.num_waiting if last else 0,
+                             last.kv_usage if last else 0.0, self.num_steps_without_drafts, self.num_idle_probes)
 
     def policy(self) -> SpeculationPolicy:
-        cfg = self.config
-        if not cfg.enabled:
-            return SpeculationPolicy.off()
-        last = self.last
-        kv_usage = last.kv_usage if last else 0.0
-        max_depth = cfg.num_speculative_tokens
-        if cfg.mode != "on" and kv_usage >= KV_HIGH:
-            max_depth = 0
-        factor = 1.0
-        if cfg.mode != "on":
-            queue = min(1.0, last.num_waiting / max(1, last.num_requests)) if last else 0.0
-            kv = min(1.0, max(0.0, (kv_usage - KV_SOFT) / (KV_HIGH - KV_SOFT)))
-            factor = MODE_BIAS[cfg.mode] * (1.0 + QUEUE_WEIGHT[cfg.mode] * queue) * (1.0 + KV_WEIGHT * kv)
-        # the decisions are about steps of about num_requests * (1 + depth) tokens: fit the cost there
-        num_requests = max(last.num_requests, 1) if last else 1
-        fixed_s, per_token_s = self.cost.fit(2 * num_requests * (1 + max_depth) if last else None)
-        if self.draft_cost.samples:  # a pass feeds about one token per drafting request
-            draft_fixed_s, draft_per_token_s = self.draft_cost.fit(2 * num_requests)
-        else:
-            draft_fixed_s, draft_per_token_s = self.cost_prior[0] * fixed_s, self.cost_prior[1] * per_token_s
-        probe = cfg.mode != "on" and max_depth > 0 and self.num_steps_without_drafts >= self.probe_interval
-        self.num_idle_probes += probe
-        self._probing = probe
-        return SpeculationPolicy(cfg.mode, max_depth, tuple(self.acceptance.rates.tolist()), fixed_s, per_token_s,
-                                 draft_fixed_s, factor, cfg.max_compute_fraction, probe, draft_per_token_s,
-                                 1 if self.catches_up else None)
+        """Decide here (the in-process engine, or a worker before the scheduler first answered)."""
+        policy = speculation_policy(self.telemetry())
+        self.adopt(policy)
+        return policy
+
+    def adopt(self, policy: SpeculationPolicy) -> None:
+        """A policy came into force, this controller's or one pushed from its telemetry: count its probe."""
+        self.num_idle_probes += policy.probe
+        self._probing = policy.probe
 
 
 def max_draft_tokens(num_base_tokens: int, max_compute_fraction: float, token_budget: int | None) -> int:

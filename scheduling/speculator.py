@@ -6,10 +6,14 @@ for every request with a depth > 0 in one call, and schedules the drafts into th
 free blocks allow. After the step, `observe` turns what was verified into a SpecStepStats record that
 feeds the controller (acceptance EMA per position, step cost fit) and the counters of `stats()`.
 A step where every depth is 0 calls no proposer and verifies nothing: it is a plain decode step.
+
+The policy in force is the controller's, re-decided every POLICY_REFRESH_STEPS steps, until one is
+`push`ed (a worker pushes the scheduler actor's, computed from `telemetry()`); a pushed policy stays
+until the next push, but its probe, like a local one, lasts POLICY_REFRESH_STEPS steps.
 """
 
 import time
-from collections import deque
+from dataclasses import replace
 
 import numpy as np
 
@@ -20,6 +24,7 @@ from scheduling.batcher import Batcher, StepPlan
 from scheduling.outputs import StepResult
 from scheduling.spec_policy import (
     SpecStepStats,
+    SpecTelemetry,
     SpeculationController,
     SpeculationPolicy,
     choose_depths,
@@ -37,9 +42,8 @@ class Speculator:
         self.controller = SpeculationController(config, proposer.cost_prior, proposer.catches_up)
         self.pushed_policy: SpeculationPolicy | None = None  # a scheduler actor's; None: the controller's
         self._policy: SpeculationPolicy | None = None
-        self._num_steps_since_policy = 0
+        self._num_steps_since_policy = 0  # since the policy in force was decided or pushed
         self.decisions = decisions or DecisionLog()
-        self.recent: deque[SpecStepStats] = deque(maxlen=256)  # for telemetry
         self.draft_probs: dict[str, np.ndarray] = {}  # request id -> q [k, V] of this step's sampled drafts
         self.draft_passes: list[tuple[int, float]] = []  # this step's proposer passes: (tokens, seconds)
         self.depth = 0  # the deepest draft of the last step with decoding requests
@@ -53,10 +57,22 @@ class Speculator:
     @property
     def policy(self) -> SpeculationPolicy:
         if self.pushed_policy is not None:
+            if self.pushed_policy.probe and self._num_steps_since_policy >= POLICY_REFRESH_STEPS:
+                self.pushed_policy = replace(self.pushed_policy, probe=False)  # the probe has had its steps
+                self.controller.adopt(self.pushed_policy)
             return self.pushed_policy
         if self._policy is None or self._num_steps_since_policy >= POLICY_REFRESH_STEPS:
             self._policy, self._num_steps_since_policy = self.controller.policy(), 0
         return self._policy
+
+    def push(self, policy: SpeculationPolicy) -> None:
+        """Put a policy decided elsewhere in force, until the next push."""
+        self.pushed_policy, self._num_steps_since_policy = policy, 0
+        self.controller.adopt(policy)
+
+    def telemetry(self) -> SpecTelemetry:
+        """What the policy is decided from (speculation_policy), for a scheduler in another process."""
+        return self.controller.telemetry()
 
     def propose(self, plan: StepPlan, batcher: Batcher) -> float:
         """Schedule drafts for the plan's decoding requests; -> the proposer's seconds."""
@@ -94,7 +110,6 @@ class Speculator:
                               max((d for d, _ in runs), default=0), verified, accepted, tuple(self.draft_passes))
         self.controller.observe(stats)
         self._num_steps_since_policy += 1
-        self.recent.append(stats)
         self.num_drafts += len(runs)
         self.num_draft_tokens += sum(d for d, _ in runs)
         self.num_accepted_tokens += sum(a for _, a in runs)
@@ -112,7 +127,7 @@ class Speculator:
                 "spec_num_accepted_tokens": self.num_accepted_tokens,
                 "spec_accepted_per_position": self.num_accepted_per_position.tolist(),
                 "spec_verified_per_position": self.num_verified_per_position.tolist(),
-                "spec_depth": self.depth,
+                "spec_depth": self.depth, "spec_policy_source": "engine" if self.pushed_policy is None else "scheduler",
                 # the goodput inputs: acceptance EMA per position, step cost = fixed + per_token * tokens
                 "spec_accept_rate_ema": list(policy.accept_rates), "spec_step_fixed_s": policy.fixed_s,
                 "spec_step_per_token_s": policy.per_token_s, "spec_draft_s_per_position": policy.draft_s_per_position,

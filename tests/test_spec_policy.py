@@ -1,6 +1,9 @@
-"""Speculation policy with fixed inputs: depth follows acceptance and load; forced modes and caps hold."""
+"""Speculation policy with fixed inputs: depth follows acceptance and load; forced modes and caps hold; the
+policy computed from a worker's telemetry (as the scheduler actor does) is the engine's own decision."""
 
 import itertools
+import pickle
+from dataclasses import asdict, replace
 
 import numpy as np
 import pytest
@@ -8,15 +11,23 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import numaserve as ns
+from actors.scheduler import Scheduler
+from models.proposers.base import Proposer
+from scheduling.batcher import StepPlan
+from scheduling.outputs import StepResult
+from scheduling.policy import BatchingPolicy, PolicyLimits, StepTelemetry
 from scheduling.spec_policy import (
     PROBE_INTERVAL,
     AcceptanceEMA,
     SpecStepStats,
+    SpecTelemetry,
     SpeculationController,
     SpeculationPolicy,
     choose_depths,
     count_positions,
+    speculation_policy,
 )
+from scheduling.speculator import POLICY_REFRESH_STEPS, Speculator
 
 K = 4
 FIXED_S, PER_TOKEN_S = 0.010, 0.0005  # the simulated machine: a step costs 10 ms + 0.5 ms per token
@@ -259,3 +270,109 @@ def test_an_untimed_proposer_is_priced_by_its_prior_then_by_its_measured_passes(
                                      draft_passes=((n, 1e-5 + 1e-6 * n),)))
     policy = costly.policy()
     assert policy.draft_s_per_position == pytest.approx(1e-5) and policy.draft_s_per_token == pytest.approx(1e-6)
+
+
+# ---- the policy from telemetry: what the scheduler actor runs for a worker ---------------------------
+
+LINE = tuple((n, FIXED_S + PER_TOKEN_S * n) for n in (4, 8, 12, 16) * 4)  # steps on the simulated machine
+
+
+def spec_telemetry(**fields) -> SpecTelemetry:
+    base = {"config": ns.SpeculationConfig(method="ngram", num_speculative_tokens=K), "accept_rates": (0.9, 0.8, 0.7, 0.6),
+            "step_costs": LINE, "num_requests": 4}
+    return SpecTelemetry(**(base | fields))
+
+
+def exact(policy: SpeculationPolicy) -> SpeculationPolicy:
+    """The policy with its fitted costs rounded off the least-squares noise, for exact comparison."""
+    return replace(policy, **{f: round(getattr(policy, f), 12) for f in
+                              ("fixed_s", "per_token_s", "draft_s_per_position", "draft_s_per_token", "draft_cost_factor")})
+
+
+def test_policy_from_fixed_telemetry():
+    # 2 waiting for 4 running (auto: queue weight 0.5), KV half way from soft to high (x1.5); untimed proposer
+    t = spec_telemetry(num_waiting=2, kv_usage=0.875, cost_prior=(0.5, 0.25))
+    assert exact(speculation_policy(t)) == SpeculationPolicy(
+        "auto", K, (0.9, 0.8, 0.7, 0.6), FIXED_S, PER_TOKEN_S, 0.5 * FIXED_S, 1.875, 1.0, False,
+        0.25 * PER_TOKEN_S, None)
+    passes = tuple((n, 0.002 + 0.0001 * n) for n in (1, 2, 3, 4) * 3)  # timed passes replace the prior
+    p = exact(speculation_policy(replace(t, draft_pass_costs=passes)))
+    assert (p.draft_s_per_position, p.draft_s_per_token) == (0.002, 0.0001)
+
+
+def test_policy_from_telemetry_follows_mode_kv_and_method():
+    on = spec_telemetry(config=ns.SpeculationConfig(method="ngram", num_speculative_tokens=K, mode="on",
+                                                    max_compute_fraction=0.5), num_waiting=50, kv_usage=0.99)
+    p = speculation_policy(on)
+    assert (p.mode, p.max_depth, p.draft_cost_factor, p.max_compute_fraction, p.probe) == ("on", K, 1.0, 0.5, False)
+    for mode in ("auto", "latency_first", "throughput_first"):
+        config = ns.SpeculationConfig(method="ngram", num_speculative_tokens=K, mode=mode)
+        assert speculation_policy(spec_telemetry(config=config, kv_usage=0.95)).max_depth == 0
+    throughput = ns.SpeculationConfig(method="ngram", num_speculative_tokens=K, mode="throughput_first")
+    assert speculation_policy(spec_telemetry(config=throughput, num_waiting=4)).draft_cost_factor == 2.5
+    latency = ns.SpeculationConfig(method="ngram", num_speculative_tokens=K, mode="latency_first")
+    assert speculation_policy(spec_telemetry(config=latency, num_waiting=4)).draft_cost_factor == 1.0
+    assert speculation_policy(spec_telemetry(config=ns.SpeculationConfig())) == SpeculationPolicy.off()
+
+
+def test_policy_from_telemetry_probes_after_the_interval_and_backs_off_for_a_catching_up_proposer():
+    assert not speculation_policy(spec_telemetry(num_steps_without_drafts=PROBE_INTERVAL - 1)).probe
+    p = speculation_policy(spec_telemetry(num_steps_without_drafts=PROBE_INTERVAL))
+    assert p.probe and p.probe_width is None
+    late = spec_telemetry(catches_up=True, num_idle_probes=2, num_steps_without_drafts=4 * PROBE_INTERVAL - 1)
+    assert not speculation_policy(late).probe
+    p = speculation_policy(replace(late, num_steps_without_drafts=4 * PROBE_INTERVAL))
+    assert p.probe and p.probe_width == 1
+
+
+def test_the_engines_own_decision_and_the_one_from_its_telemetry_are_the_same():
+    local, remote = trained(0.9), trained(0.9)
+    policies = []
+    for step in range(4 * PROBE_INTERVAL):  # acceptance collapses: depth falls to 0, then probes
+        wire = pickle.loads(pickle.dumps(remote.telemetry()))  # as it crosses to the scheduler actor
+        policies.append(speculation_policy(wire))
+        remote.adopt(policies[-1])
+        assert local.policy() == policies[-1], step
+        depths = choose_depths(policies[-1], 4, [K] * 4)
+        verified, accepted = count_positions([(d, 0) for d in depths], K)
+        stats = SpecStepStats(4 + sum(depths), FIXED_S + PER_TOKEN_S * (4 + sum(depths)), 4, 0, 0.3,
+                              num_drafts_per_position=verified, num_accepted_per_position=accepted)
+        local.observe(stats)
+        remote.observe(stats)
+    assert policies[0].max_depth == K and any(p.probe for p in policies)
+    assert [max(choose_depths(p, 4, [K] * 4)) for p in policies[:2]] == [K, K]
+    assert max(choose_depths(policies[-1], 4, [K] * 4)) <= 1
+
+
+def test_the_scheduler_answers_a_speculating_worker_with_its_policy_and_keeps_no_state_for_it():
+    limits = PolicyLimits(max_token_budget=512, max_num_seqs=64, max_queued=16, target_step_s=0.1)
+    t = spec_telemetry(num_waiting=2, kv_usage=0.875)
+    report = StepTelemetry("w0", 4, 2, 10, 40, 0.02, 0.875, 0, speculation=t)
+    policy = BatchingPolicy(limits).update(report)
+    assert policy.speculation == speculation_policy(t) and policy.token_budget == 512
+    assert BatchingPolicy(limits).update(report).speculation == policy.speculation  # a restarted scheduler
+    assert BatchingPolicy(limits).update(replace(report, speculation=None)).speculation is None
+    scheduler = Scheduler.__ray_actor_class__(limits)  # the actor's code, in this process
+    assert scheduler.report(report) == policy
+    stats = scheduler.stats()["w0"]
+    assert stats["speculation"] == asdict(policy.speculation) and stats["policy"]["token_budget"] == 512
+    assert stats["telemetry"]["speculation"]["num_step_costs"] == len(LINE)
+    assert stats["telemetry"]["speculation"]["accept_rates"] == t.accept_rates
+
+
+class NoDrafts(Proposer):
+    def propose(self, requests, depths):
+        return [[] for _ in requests]
+
+
+def test_an_engine_keeps_a_pushed_policy_until_the_next_but_its_probe_lasts_one_refresh():
+    spec = Speculator(ns.SpeculationConfig(method="ngram", num_speculative_tokens=K), NoDrafts())
+    assert spec.stats()["spec_policy_source"] == "engine"
+    pushed = replace(speculation_policy(spec_telemetry()), mode="on", max_depth=2, probe=True)
+    spec.push(pushed)
+    assert spec.policy == pushed and spec.stats()["spec_policy_source"] == "scheduler"
+    assert spec.controller.num_idle_probes == 1
+    for step in range(3 * POLICY_REFRESH_STEPS):
+        assert spec.policy == (pushed if step < POLICY_REFRESH_STEPS else replace(pushed, probe=False)), step
+        spec.observe(StepPlan(), StepResult(), 0.01, 0.0, 0, 0.3)
+    assert spec.telemetry().num_requests == 0 and spec.telemetry().kv_usage == 0.3
