@@ -12,8 +12,12 @@ from numba import njit, prange, types
 from numba.extending import overload
 
 from kernels.bf16 import as_f32, f32_to_bf16
+from kernels.simd_dot import dot
 
 _NEG_BIG = np.float32(-3.0e38)  # stands in for -inf (fastmath assumes no infinities)
+# fastmath without "reassoc": every sum in the order written (the scores' dot products in kernels/simd_dot.py),
+# so the serial and the parallel kernel give a token the same bits (with "reassoc" they did not)
+_FASTMATH = {"contract", "nnan", "ninf", "nsz", "afn", "arcp"}
 
 
 PARALLEL_MIN_WORK = 1 << 15  # query-head x key pairs below which waking the threads costs more than it saves
@@ -33,7 +37,7 @@ def paged_attention(q, k_cache, v_cache, k_scale, v_scale, has_scale, block_tabl
            softmax_scale, out)
 
 
-@njit(cache=True, nogil=True, parallel=True, fastmath=True)
+@njit(cache=True, nogil=True, parallel=True, fastmath=_FASTMATH)
 def _attention_parallel(q, k_cache, v_cache, k_scale, v_scale, has_scale, block_tables, token_seq, positions,
                         window, softmax_scale, out):
     T, n_kv = q.shape[0], k_cache.shape[2]
@@ -45,7 +49,7 @@ def _attention_parallel(q, k_cache, v_cache, k_scale, v_scale, has_scale, block_
                 softmax_scale, out, t, task - tt * n_kv)
 
 
-@njit(cache=True, nogil=True, fastmath=True)
+@njit(cache=True, nogil=True, fastmath=_FASTMATH)
 def _attention_serial(q, k_cache, v_cache, k_scale, v_scale, has_scale, block_tables, token_seq, positions,
                       window, softmax_scale, out):
     for t in range(q.shape[0]):
@@ -54,7 +58,7 @@ def _attention_serial(q, k_cache, v_cache, k_scale, v_scale, has_scale, block_ta
                     softmax_scale, out, t, kh)
 
 
-@njit(inline="always", nogil=True, fastmath=True)
+@njit(inline="always", nogil=True, fastmath=_FASTMATH)
 def _attend(q, k_cache, v_cache, k_scale, v_scale, has_scale, block_tables, token_seq, positions, window,
             softmax_scale, out, t, kh):
     # token t, kv head kh, for its whole group of query heads: each key and value row is read and widened
@@ -77,10 +81,7 @@ def _attend(q, k_cache, v_cache, k_scale, v_scale, has_scale, block_tables, toke
         for d in range(D):
             row[d] = as_f32(k_cache[b, o, kh, d])
         for g in range(group):
-            s = np.float32(0.0)
-            for d in range(D):
-                s += qg[g, d] * row[d]
-            scores[g, j - start] = s * scale
+            scores[g, j - start] = dot(qg[g], row) * scale
     for g in range(group):
         m = _NEG_BIG
         for j in range(end - start):

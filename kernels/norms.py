@@ -10,6 +10,9 @@ import numpy as np
 from numba import njit, prange
 
 PARALLEL_MIN_TOKENS = 16
+# the serial and the parallel loop must give a token the same bits (batch invariance, models/linear.py):
+# with fastmath's "arcp" / "afn" / "reassoc" LLVM computed SiLU differently in the two (85 of 768 values)
+_FASTMATH = {"contract", "nnan", "ninf", "nsz"}
 
 
 def rms_norm(x, weight, eps, out):
@@ -80,7 +83,7 @@ def _rope_serial(x, positions, inv_freq, attention_scaling):
         _rope_row(x, positions, inv_freq, attention_scaling, t)
 
 
-@njit(inline="always", nogil=True, fastmath=True)
+@njit(inline="always", nogil=True, fastmath=_FASTMATH)
 def _silu_mul_row(gate_up, out, t):
     I = out.shape[1]
     for i in range(I):
@@ -88,13 +91,13 @@ def _silu_mul_row(gate_up, out, t):
         out[t, i] = g / (np.float32(1.0) + np.exp(-g)) * gate_up[t, I + i]
 
 
-@njit(cache=True, nogil=True, parallel=True, fastmath=True)
+@njit(cache=True, nogil=True, parallel=True, fastmath=_FASTMATH)
 def _silu_mul_parallel(gate_up, out):
     for t in prange(out.shape[0]):
         _silu_mul_row(gate_up, out, t)
 
 
-@njit(cache=True, nogil=True, fastmath=True)
+@njit(cache=True, nogil=True, fastmath=_FASTMATH)
 def _silu_mul_serial(gate_up, out):
     for t in range(out.shape[0]):
         _silu_mul_row(gate_up, out, t)

@@ -3,7 +3,13 @@
 The block keeps R * TB accumulators of 16 float32 lanes in vector registers. Each 16-wide slice of a
 weight row is loaded once, dequantized in registers (bf16: shift; q8_0: sign-extend, convert, times the
 block scale; q4_0: nibbles index a permuted table of scaled values) and multiplied into TB tokens with
-fused multiply-adds. Writing the vectors out explicitly is what keeps the accumulators in registers:
+fused multiply-adds. Every block shape sums in one order: an accumulator takes block 0's two slices,
+then block 1's, ... with one chain of FMAs, and ends in one pairwise horizontal sum. So a token's
+outputs are bit-for-bit the same whatever its batch, the rows and tokens of its block or its place in
+it (batch invariance: a request's tokens do not depend on the requests it runs with). Independent
+chains for the small shapes (split half-blocks, two blocks in flight) would buy nothing measurable
+here (the matvec is memory-bound: 23-27 GFLOP/s either way, 5632 x 2048 bf16) and break it.
+Writing the vectors out explicitly is what keeps the accumulators in registers:
 numba's auto-vectorized loops stored them back to memory every block and ran 1.8-3.4x slower on
 quantized rows (measured on one core).
 
@@ -153,8 +159,6 @@ def matmul_block(typingctx, x, data, scales, out, t0, n0, rows, tokens):
     if not (isinstance(rows, types.IntegerLiteral) and isinstance(tokens, types.IntegerLiteral)):
         return None
     R, TB = rows.literal_value, tokens.literal_value
-    split = 2 if R * TB <= 8 else 1  # few accumulators: one per half-block, for independent FMA chains
-    unroll = 2 if R * TB == 1 else 1  # a lone row (matvec): two blocks per iteration, four chains in flight
 
     def codegen(context, builder, signature, args):
         xa, wa, sa, oa = (context.make_array(ty)(context, builder, value)
@@ -167,39 +171,24 @@ def matmul_block(typingctx, x, data, scales, out, t0, n0, rows, tokens):
         num_blocks = builder.udiv(K, ir.Constant(_I64, 32))
         x_rows = [builder.mul(builder.add(t0_, ir.Constant(_I64, t)), K) for t in range(TB)]
         w_rows = [builder.add(n0_, ir.Constant(_I64, r)) for r in range(R)]
-        accs = [[[cgutils.alloca_once_value(builder, ir.Constant(_VF32, None)) for _ in range(split * unroll)]
-                 for _ in range(TB)] for _ in range(R)]  # [R][TB][chains] <16 x float>
+        accs = [[cgutils.alloca_once_value(builder, ir.Constant(_VF32, None)) for _ in range(TB)]
+                for _ in range(R)]  # [R][TB] <16 x float>
 
-        def accumulate(b, chain0):  # block b of every row into every token's chains chain0, chain0 + 1
-            col = builder.mul(b, ir.Constant(_I64, 32))
-            weights = [fmt.block(row, b) for row in w_rows]  # [R][2] <16 x float>
+        with cgutils.for_range(builder, num_blocks) as loop:  # block b of every row into every token
+            col = builder.mul(loop.index, ir.Constant(_I64, 32))
+            weights = [fmt.block(row, loop.index) for row in w_rows]  # [R][2] <16 x float>
             for t in range(TB):
                 x_start = builder.add(x_rows[t], col)
                 xs = [_vector_load(builder, xa.data, builder.add(x_start, ir.Constant(_I64, h * LANES)), _F32)
                       for h in range(2)]
                 for r in range(R):
                     for h in range(2):
-                        slot = accs[r][t][chain0 + h % split]
-                        builder.store(_fma(builder, xs[h], weights[r][h], builder.load(slot)), slot)
-
-        two = ir.Constant(_I64, 2)
-        with cgutils.for_range(builder, builder.udiv(num_blocks, two) if unroll == 2 else num_blocks) as loop:
-            if unroll == 2:
-                accumulate(builder.mul(loop.index, two), 0)
-                accumulate(builder.add(builder.mul(loop.index, two), ir.Constant(_I64, 1)), split)
-            else:
-                accumulate(loop.index, 0)
-        if unroll == 2:
-            with builder.if_then(builder.icmp_unsigned("!=", builder.urem(num_blocks, two), ir.Constant(_I64, 0))):
-                accumulate(builder.sub(num_blocks, ir.Constant(_I64, 1)), 0)
+                        builder.store(_fma(builder, xs[h], weights[r][h], builder.load(accs[r][t])), accs[r][t])
         for t in range(TB):
             out_row = builder.mul(builder.add(t0_, ir.Constant(_I64, t)), N)
             for r in range(R):
-                chains = [builder.load(slot) for slot in accs[r][t]]
-                while len(chains) > 1:  # pairwise: (c0 + c1) + (c2 + c3)
-                    chains = [builder.fadd(chains[i], chains[i + 1]) for i in range(0, len(chains), 2)]
                 ptr = builder.gep(oa.data, [builder.add(out_row, w_rows[r])])
-                builder.store(_hsum(builder, chains[0]), ptr)
+                builder.store(_hsum(builder, builder.load(accs[r][t])), ptr)
         return context.get_dummy_value()
 
     return types.none(x, data, scales, out, t0, n0, rows, tokens), codegen

@@ -13,8 +13,11 @@ from pathlib import Path
 import numpy as np
 
 from cluster_configs.errors import AdapterError
+from kernels.linear import matmul
 from models.safetensors_io import read_header, read_tensor
 from models.spec import ModelSpec
+
+_NO_SCALES = np.zeros((1, 1), np.uint16)
 
 # module -> (fused weight of ours, which rows of it the module's outputs are)
 MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -105,4 +108,12 @@ def add_lora(out: np.ndarray, x: np.ndarray, adapter_rows: list[tuple[LoraAdapte
         for module, cols in modules:
             ab = weights.get(module)
             if ab is not None:
-                out[rows, cols] += adapter.scaling * ((xr @ ab[0].T) @ ab[1].T)
+                out[rows, cols] += adapter.scaling * _project(_project(xr, ab[0]), ab[1])
+
+
+def _project(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    # x: [T, K] f32, w: [N, K] f32 -> [T, N] f32 through the batch-invariant kernel (models/linear.py), not
+    # BLAS, so a token's adapter delta does not depend on how many rows share its adapter
+    out = np.empty((x.shape[0], w.shape[0]), np.float32)
+    matmul(np.ascontiguousarray(x, np.float32), w, _NO_SCALES, out)
+    return out
