@@ -140,9 +140,9 @@ def test_closing_a_stream_aborts_its_request_on_the_worker(client):
 
 def test_killing_a_worker_mid_stream_loses_no_request_and_the_restarted_worker_rejoins(client, llama_dir,
                                                                                        config):
-    # greedy requests go on exactly; seeded sampled ones lose nothing. (A seeded request's draws are keyed by
-    # position, so it resumes exactly too - tests/cluster/test_resume.py - but its logits on the new worker
-    # come from other batch compositions, whose float32 rounding can move a draw across a token boundary.)
+    # every request goes on exactly: greedy ones and seeded sampled ones (the recomputed prompt and the new
+    # worker's batches give the same logits bit for bit, tests/test_batch_invariance.py, and the draws resume
+    # where they were, tests/cluster/test_resume.py)
     params = [ns.SamplingParams(max_tokens=300, temperature=0, ignore_eos=True) if i % 2 else
               ns.SamplingParams(max_tokens=300, temperature=0.9, top_p=0.95, seed=i, frequency_penalty=0.5,
                                 ignore_eos=True) for i in range(12)]
@@ -158,13 +158,9 @@ def test_killing_a_worker_mid_stream_loses_no_request_and_the_restarted_worker_r
         rests = [collect(s) for s in streams]
     finally:  # the next tests need both workers back
         wait_for(lambda: worker_stats(client)[victim_id]["alive"], 120, "the restarted worker to rejoin")
-    got = [f.token_ids + r[0] for f, r in zip(firsts, rests)]
-    greedy = range(1, 12, 2)
-    assert [got[i] for i in greedy] == [expected[i].token_ids for i in greedy]
-    assert [firsts[i].text + rests[i][1] for i in greedy] == [expected[i].text for i in greedy]
-    for f, r, e in zip(firsts, rests, expected):
-        assert len(f.token_ids + r[0]) == 300 and r[2] == "length"  # nothing lost, nothing repeated
-        assert f.token_ids == e.token_ids[:len(f.token_ids)]  # what ran before the kill ran as in-process
+    assert [f.token_ids + r[0] for f, r in zip(firsts, rests)] == [e.token_ids for e in expected]
+    assert [f.text + r[1] for f, r in zip(firsts, rests)] == [e.text for e in expected]
+    assert all(r[2] == "length" for r in rests)
     assert client.stats()["routed"]["reroute"] > rerouted_before  # some streams did move
     with ThreadPoolExecutor(8) as pool:
         list(pool.map(lambda i: client.generate(random_prompt(30, seed=i), GREEDY), range(8)))
