@@ -16,7 +16,9 @@ from kernels.simd_dot import dot
 
 _NEG_BIG = np.float32(-3.0e38)  # stands in for -inf (fastmath assumes no infinities)
 # fastmath without "reassoc": every sum in the order written (the scores' dot products in kernels/simd_dot.py),
-# so the serial and the parallel kernel give a token the same bits (with "reassoc" they did not)
+# so the serial and the parallel kernel give a token the same bits (with "reassoc" they did not). "afn" and
+# "arcp" stay (exp is per element, the reciprocal once per row: no order to keep); without them this ran at
+# half speed (decode, 512 positions, TinyLlama heads: 0.54 against 0.30 ms per layer)
 _FASTMATH = {"contract", "nnan", "ninf", "nsz", "afn", "arcp"}
 
 

@@ -13,11 +13,10 @@ from pathlib import Path
 import numpy as np
 
 from cluster_configs.errors import AdapterError
-from kernels.linear import matmul
+from memory.weights import WeightMatrix
+from models.linear import linear
 from models.safetensors_io import read_header, read_tensor
 from models.spec import ModelSpec
-
-_NO_SCALES = np.zeros((1, 1), np.uint16)
 
 # module -> (fused weight of ours, which rows of it the module's outputs are)
 MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -114,6 +113,4 @@ def add_lora(out: np.ndarray, x: np.ndarray, adapter_rows: list[tuple[LoraAdapte
 def _project(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     # x: [T, K] f32, w: [N, K] f32 -> [T, N] f32 through the batch-invariant kernel (models/linear.py), not
     # BLAS, so a token's adapter delta does not depend on how many rows share its adapter
-    out = np.empty((x.shape[0], w.shape[0]), np.float32)
-    matmul(np.ascontiguousarray(x, np.float32), w, _NO_SCALES, out)
-    return out
+    return linear(x, WeightMatrix("float32", w))

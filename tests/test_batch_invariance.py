@@ -91,3 +91,15 @@ def test_a_requests_logprobs_and_tokens_are_the_same_alone_batched_and_recompute
         max_tokens=14, temperature=0, ignore_eos=True, logprobs=4))
     assert rest.token_ids == out.token_ids[10:]
     assert rest.logprobs == out.logprobs[10:]
+
+
+def test_an_adapted_requests_logprobs_are_the_same_alone_or_batched(llama_dir, tmp_path):
+    from tests.test_lora import make_adapter
+
+    llm = ns.LLM(llama_dir)
+    llm.register_adapter("a", make_adapter(llama_dir, tmp_path / "a", seed=1))
+    prompts = [random_prompt(7 + 3 * i, seed=60 + i) for i in range(6)]
+    params = ns.SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=4)
+    batched = llm.generate(prompts, params, adapter="a")  # six rows share the adapter's LoRA product
+    [alone] = llm.generate([prompts[4]], params, adapter="a")
+    assert (alone.token_ids, alone.logprobs) == (batched[4].token_ids, batched[4].logprobs)
