@@ -30,10 +30,11 @@ def cancel_stream(stream) -> None:
 
 
 class Client:
-    def __init__(self, name: str, router, adapter_cache):
+    def __init__(self, name: str, router, adapter_cache, http_url: str | None = None):
         self.name = name
         self.router = router
         self.adapter_cache = adapter_cache
+        self.http_url = http_url  # the OpenAI-compatible API (e.g. "http://127.0.0.1:8000"), if the deployment has one
 
     def stream(self, prompt, params: SamplingParams | None = None, adapter: str | None = None,
                session: str | None = None) -> Iterator[RequestOutput]:

@@ -1,8 +1,9 @@
 """serve() / connect() / shutdown().
 
 A deployment is a set of named detached actors in the "numaserve" namespace: `<name>.adapters`,
-`<name>.scheduler`, `<name>.router` on the head node, and `<name>.worker.<machine>-numa<node>-<replica>`,
-each placed on its NUMA node by the custom resource `numa_<machine>_<node>` its machine declares.
+`<name>.scheduler`, `<name>.router` (and `<name>.http`, the OpenAI-compatible HTTP server, when configured)
+on the head node, and `<name>.worker.<machine>-numa<node>-<replica>`, each placed on its NUMA node by the
+custom resource `numa_<machine>_<node>` its machine declares.
 """
 
 import json
@@ -18,10 +19,11 @@ import ray
 
 from actors.adapter_cache import AdapterCache
 from actors.client import Client
+from actors.http_server import HttpServer, fingerprint, served_model_name
 from actors.router import Router
 from actors.scheduler import Scheduler
 from actors.worker import NumaWorker
-from cluster_configs.cluster_config import NAME_PATTERN, ClusterConfig, WorkerPlacement
+from cluster_configs.cluster_config import NAME_PATTERN, ClusterConfig, HttpConfig, WorkerPlacement
 from cluster_configs.errors import CheckpointError, NumaserveError
 from memory import numa
 from models.spec import load_spec
@@ -39,11 +41,13 @@ class DeploymentError(NumaserveError):
 
 
 def serve(config: ClusterConfig | str | Path | None = None, model: str | Path | None = None,
-          name: str = "numaserve") -> Client:
-    """Start a deployment (config: ClusterConfig, YAML path, or None = one machine, auto topology)."""
+          name: str = "numaserve", http_port: int | None = None, http_host: str | None = None) -> Client:
+    """Start a deployment (config: ClusterConfig, YAML path, or None = one machine, auto topology). With
+    http_port (or `http:` in the config), it also serves the OpenAI-compatible API at http_host (default
+    127.0.0.1): client.http_url."""
     if not isinstance(name, str) or not re.fullmatch(NAME_PATTERN, name):
         raise DeploymentError(f"deployment name {name!r} is not valid: use letters, digits, '_' and '-'")
-    config = load_config(config, model)
+    config = with_http(load_config(config, model), port=http_port, host=http_host)
     init_ray(config)
     if deployment_actor_names(name):
         raise DeploymentError(f"a deployment named {name!r} is already running; use numaserve.connect({name!r}) "
@@ -71,7 +75,7 @@ def connect(name: str = "numaserve", address: str = "auto") -> Client:
     except ValueError:
         raise DeploymentError(f"no numaserve deployment named {name!r} in this Ray cluster; start one with "
                               "numaserve.serve(...) or `numaserve serve --config ...`") from None
-    return Client(name, router, adapter_cache)
+    return Client(name, router, adapter_cache, _http_url(name))
 
 
 def shutdown(name: str = "numaserve", timeout_s: float = 30.0) -> None:
@@ -91,6 +95,20 @@ def deployment_actor_names(name: str) -> list[str]:
 
 
 # ---- configuration and the Ray cluster ---------------------------------------------------------------
+
+def with_http(config: ClusterConfig, port: int | None = None, host: str | None = None,
+              served_model_name: str | None = None) -> ClusterConfig:
+    """The config with these HTTP server settings over its own (`http:`); a port turns the server on."""
+    update = {k: v for k, v in (("port", port), ("host", host), ("served_model_name", served_model_name))
+              if v is not None}
+    if not update:
+        return config
+    if config.http is None and port is None:
+        raise DeploymentError(f"{', '.join(update)} given without an HTTP port; pass the port too (http_port=..., "
+                              "--http-port) or set `http: {port: ...}` in the config")
+    http = (config.http or HttpConfig()).model_dump() | update
+    return config.model_copy(update={"http": HttpConfig.model_validate(http)})
+
 
 def load_config(config: ClusterConfig | str | Path | None, model: str | Path | None = None) -> ClusterConfig:
     """The config with its model set and checked, and "auto" machines resolved to this machine's topology."""
@@ -191,15 +209,31 @@ def _start(config: ClusterConfig, placements: list[WorkerPlacement], name: str) 
     router = Router.options(name=f"{name}.router", resources=HEAD, **detached).remote(
         config, workers, scheduler, adapter_cache)
     _wait_ready({"router": router.ping.remote()}, deadline)
-    return Client(name, router, adapter_cache)
+    http_url = None
+    if config.http is not None:
+        http = HttpServer.options(name=f"{name}.http", resources=HEAD, **detached).remote(
+            config.http, served_model_name(config), config.model, fingerprint(config), router, adapter_cache)
+        http_url = _wait_ready({f"HTTP server on {config.http.host}:{config.http.port}": http.ready.remote()},
+                               deadline)
+    return Client(name, router, adapter_cache, http_url)
 
 
-def _wait_ready(waits: dict, deadline: float) -> None:
+def _http_url(name: str) -> str | None:
+    try:
+        return ray.get(ray.get_actor(f"{name}.http", namespace=NAMESPACE).ready.remote(), timeout=READY_TIMEOUT_S)
+    except ValueError:
+        return None  # no HTTP server in this deployment
+
+
+def _wait_ready(waits: dict, deadline: float):
+    """ray.get of each ref in turn (-> the last one's value), or DeploymentError naming what did not start."""
+    value = None
     for what, ref in waits.items():
         try:
-            ray.get(ref, timeout=max(deadline - time.monotonic(), 1.0))
+            value = ray.get(ref, timeout=max(deadline - time.monotonic(), 1.0))
         except ray.exceptions.GetTimeoutError:
             raise DeploymentError(f"{what} did not start within {READY_TIMEOUT_S:.0f} s; `ray status` shows "
                                   "whether its machine's resources are there") from None
         except ray.exceptions.RayError as e:
             raise DeploymentError(f"{what} failed to start: {e}") from None
+    return value

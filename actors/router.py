@@ -18,7 +18,7 @@ from ray.exceptions import NodeDiedError, ObjectLostError, RayActorError, RayTas
 from actors.adapter_cache import lookup_adapter
 from actors.resume import resume_state
 from cluster_configs.cluster_config import ClusterConfig
-from cluster_configs.errors import InvalidRequest, NumaserveError, Overloaded
+from cluster_configs.errors import InvalidRequest, NumaserveError, Overloaded, Unavailable
 from cluster_configs.sampling_params import SamplingParams
 from models.tokenizer import Tokenizer
 from scheduling.outputs import RequestOutput
@@ -29,6 +29,7 @@ WORKER_LOST = (RayActorError, ObjectLostError, NodeDiedError)  # the worker, not
 REROUTE_WAIT_S = 120.0  # how long a request that lost its worker waits for any live worker
 PROBE_INTERVAL_S = 0.5
 STATS_TIMEOUT_S = 5.0
+HEALTH_TIMEOUT_S = 2.0
 
 
 class WorkerStreamEnded(Exception):
@@ -67,10 +68,11 @@ class Router:
                 except WORKER_LOST:
                     continue
                 self.tokenizer = info["tokenizer"]
+                self.max_model_len = self.max_model_len or info.get("max_model_len")
                 self.limits = RequestLimits(info["vocab_size"], self.max_model_len)
                 return
-        raise Overloaded(f"no worker is available (all {len(self.workers)} are down or restarting); retry in a "
-                         "few seconds")
+        raise Unavailable(f"no worker is available (all {len(self.workers)} are down or restarting); retry in "
+                          "a few seconds")
 
     @ray.method(num_returns="streaming")
     async def generate(self, prompt, params: SamplingParams | None = None, adapter: str | None = None,
@@ -141,10 +143,29 @@ class Router:
         deadline = asyncio.get_running_loop().time() + REROUTE_WAIT_S
         while (worker_id := self.routing.reroute(request_id, num_tokens_left)) is None:
             if asyncio.get_running_loop().time() > deadline:
-                raise Overloaded(f"request {request_id} lost its worker and none came back within "
-                                 f"{REROUTE_WAIT_S:.0f} s; retry later")
+                raise Unavailable(f"request {request_id} lost its worker and none came back within "
+                                  f"{REROUTE_WAIT_S:.0f} s; retry later")
             await asyncio.sleep(PROBE_INTERVAL_S)
         return worker_id
+
+    async def model_info(self) -> dict:
+        """What a front end needs to tokenize and size requests: the tokenizer (or None), the vocabulary size
+        and max_model_len."""
+        await self._fetch_model_info()
+        return {"tokenizer": self.tokenizer, "vocab_size": self.limits.vocab_size, "max_model_len": self.max_model_len}
+
+    async def num_serving_workers(self, timeout_s: float = HEALTH_TIMEOUT_S) -> int:
+        """How many workers answer within timeout_s (a restarting one does not)."""
+        async def answers(worker_id: str) -> bool:
+            if not self.routing.workers[worker_id].alive:
+                return False
+            try:
+                await asyncio.wait_for(self.workers[worker_id].info.remote(), timeout_s)
+                return True
+            except (TimeoutError, ray.exceptions.RayError):
+                return False
+
+        return sum(await asyncio.gather(*(answers(w) for w in self.workers)))
 
     # ---- worker health and policy ------------------------------------------------------------------
 

@@ -119,9 +119,10 @@ class NumaWorker:
         return await asyncio.wait_for(answer, STATS_TIMEOUT_S)
 
     async def model_info(self) -> dict:
-        """What the router needs to validate and tokenize: the tokenizer (or None) and the vocabulary size."""
+        """What the router needs to validate and tokenize: the tokenizer (or None), the vocabulary size and
+        max_model_len."""
         return {"tokenizer": self.engine.tokenizer, "vocab_size": self.engine.spec.vocab_size,
-                "block_size": self.engine.config.block_size}
+                "block_size": self.engine.config.block_size, "max_model_len": self.engine.max_model_len}
 
     async def info(self) -> dict:
         """Where this worker runs and what it did to get there: cores, threads, memory policy."""

@@ -1,5 +1,5 @@
 """ClusterConfig: what a deployment runs where. Machines, their NUMA nodes (or "auto"), workers per node,
-the engine config every worker gets, and the limits the router and scheduler enforce.
+the engine config every worker gets, the limits the router and scheduler enforce, and the HTTP server.
 
 A worker is placed on its NUMA node by a Ray custom resource, `numa_<machine>_<node>`, that the machine
 declares when it joins (`ray start --resources`, see `ray_resources`); capacity 1, split between the
@@ -58,6 +58,17 @@ class MachineConfig(BaseModel):
         return v
 
 
+class HttpConfig(BaseModel):
+    """The deployment's OpenAI-compatible HTTP server (actors/http_server.py)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    host: str = Field("127.0.0.1", min_length=1)  # loopback only unless a host (e.g. 0.0.0.0) is given
+    port: int = Field(8000, ge=1, le=65535)
+    served_model_name: str | None = Field(None, min_length=1)  # what `model` names; None: the model's folder name
+    enable_lora_loading: bool = False  # POST /v1/load_lora_adapter registers adapters; refused (403) otherwise
+
+
 class WorkerPlacement(BaseModel):
     """One worker of a resolved config: where it runs and what it is called."""
 
@@ -93,6 +104,7 @@ class ClusterConfig(BaseModel):
     # together): fewer, larger chunks cost less per token through Ray; 0 = every step
     stream_interval_ms: float = Field(100.0, ge=0.0, le=10_000.0)
     adapter_registry: str | None = None  # JSON file of registered adapters; None = under ~/.cache/numaserve
+    http: HttpConfig | None = None  # None: no HTTP server (Python clients only)
 
     @field_validator("machines")
     @classmethod

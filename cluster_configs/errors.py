@@ -8,6 +8,10 @@ class NumaserveError(Exception):
 class InvalidRequest(NumaserveError, ValueError):
     """A request that cannot be served as given: bad prompt, bad params, unknown adapter."""
 
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param  # the request field at fault, if one is ("prompt", "max_tokens", ...): HTTP errors name it
+
 
 class CheckpointError(NumaserveError):
     """A model directory that cannot be loaded: missing file or tensor, wrong shape, unsafe format."""
@@ -19,3 +23,7 @@ class AdapterError(NumaserveError):
 
 class Overloaded(NumaserveError):
     """Admission refused because every worker's queue is full; retry later."""
+
+
+class Unavailable(Overloaded):
+    """No worker is alive to serve (all are down or restarting); retry in a few seconds."""

@@ -3,7 +3,14 @@ errors; serve, connect, Client, ClusterConfig for the Ray deployment."""
 
 from cluster_configs.cluster_config import ClusterConfig
 from cluster_configs.engine_config import EngineConfig
-from cluster_configs.errors import AdapterError, CheckpointError, InvalidRequest, NumaserveError, Overloaded
+from cluster_configs.errors import (
+    AdapterError,
+    CheckpointError,
+    InvalidRequest,
+    NumaserveError,
+    Overloaded,
+    Unavailable,
+)
 from cluster_configs.sampling_params import SamplingParams
 from cluster_configs.speculation_config import SpeculationConfig
 from numaserve.llm import LLM
@@ -22,6 +29,7 @@ __all__ = [
     "Overloaded",
     "SamplingParams",
     "SpeculationConfig",
+    "Unavailable",
     "connect",
     "serve",
 ]

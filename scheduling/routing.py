@@ -15,7 +15,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from cluster_configs.errors import Overloaded
+from cluster_configs.errors import Overloaded, Unavailable
 from memory.block_pool import hash_block
 
 NUM_AFFINITY_BLOCKS = 4  # prompt blocks hashed for affinity: enough to tell system prompts apart
@@ -66,10 +66,12 @@ class RoutingPolicy:
 
     def route(self, request_id: str, prompt_ids: Sequence[int], max_new_tokens: int, *,
               session: str | None = None, extra: tuple = ()) -> str:
-        """Admit a request to a worker and account for it there; Overloaded if no live worker admits it."""
+        """Admit a request to a worker and account for it there; Overloaded if no live worker admits it
+        (Unavailable, a kind of Overloaded, if no worker is alive)."""
         candidates = [w for w in self.workers.values() if w.admits]
         if not candidates:
-            raise Overloaded(self._overloaded_message())
+            error = Overloaded if any(w.alive for w in self.workers.values()) else Unavailable
+            raise error(self._overloaded_message())
         hashes = self.prefix_hashes(prompt_ids, extra)
         worker, reason = self._choose(candidates, hashes, session)
         self.num_routed[reason] += 1

@@ -46,10 +46,10 @@ def validate_request(prompt, params: SamplingParams | None, limits: RequestLimit
     bad = [t for t in params.stop_token_ids if not 0 <= t < limits.vocab_size]
     if bad:
         raise InvalidRequest(f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {limits.vocab_size}); "
-                             "pass ids the model can generate")
+                             "pass ids the model can generate", param="stop_token_ids")
     if params.logprobs is not None and params.logprobs > limits.max_logprobs:
         raise InvalidRequest(f"logprobs={params.logprobs} exceeds this engine's limit of {limits.max_logprobs}; "
-                             f"ask for at most {limits.max_logprobs}")
+                             f"ask for at most {limits.max_logprobs}", param="logprobs")
     return prompt_ids, params
 
 
@@ -75,21 +75,23 @@ def encode_prompt(prompt, tokenizer, vocab_size: int) -> list[int]:
     """The prompt's token ids: a str through the tokenizer, or int ids, each within the vocabulary."""
     if isinstance(prompt, str):
         if not prompt:
-            raise InvalidRequest("the prompt is empty; pass at least one character or token")
+            raise InvalidRequest("the prompt is empty; pass at least one character or token", param="prompt")
         if tokenizer is None:
-            raise InvalidRequest("this model directory has no tokenizer.json; pass token ids instead of text")
+            raise InvalidRequest("this model directory has no tokenizer.json; pass token ids instead of text",
+                                 param="prompt")
         ids = tokenizer.encode(prompt)
     elif isinstance(prompt, (list, tuple, np.ndarray)) and all(
             isinstance(t, (int, np.integer)) and not isinstance(t, (bool, np.bool_)) for t in prompt):
         ids = [int(t) for t in prompt]
     else:
-        raise InvalidRequest(f"a prompt is a str or a list of int token ids, got {type(prompt).__name__}")
+        raise InvalidRequest(f"a prompt is a str or a list of int token ids, got {type(prompt).__name__}",
+                             param="prompt")
     if not ids:
-        raise InvalidRequest("the prompt is empty; pass at least one token")
+        raise InvalidRequest("the prompt is empty; pass at least one token", param="prompt")
     bad = [t for t in ids if not 0 <= t < vocab_size]
     if bad:
         raise InvalidRequest(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab_size}); pass ids of "
-                             "this model's tokenizer")
+                             "this model's tokenizer", param="prompt")
     return ids
 
 
@@ -104,11 +106,11 @@ def check_length(num_prompt_tokens: int, params: SamplingParams, limits: Request
     limit = limits.max_model_len if prompt_logits else limits.max_model_len - 1
     if num_prompt_tokens > limit:
         raise InvalidRequest(f"prompt has {num_prompt_tokens} tokens but max_model_len={limits.max_model_len} "
-                             f"leaves room for at most {limit}; shorten the prompt")
+                             f"leaves room for at most {limit}; shorten the prompt", param="prompt")
     if limits.num_kv_blocks is None or limits.block_size is None:
         return
     num_blocks = -(-max_num_tokens(num_prompt_tokens, params, limits.max_model_len, prompt_logits)
                    // limits.block_size)
     if num_blocks > limits.num_kv_blocks:
         raise InvalidRequest(f"request needs up to {num_blocks} KV blocks but the pool has {limits.num_kv_blocks}; "
-                             "lower max_tokens or raise kv_cache_bytes")
+                             "lower max_tokens or raise kv_cache_bytes", param="max_tokens")

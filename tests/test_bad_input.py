@@ -50,6 +50,7 @@ def test_engine_config_rejects_bad_values_naming_the_field(fields, name):
     ({"stop": [""]}, "stop"),
     ({"logprobs": -1}, "logprobs"),
     ({"repetition_penalty": 0.0}, "repetition_penalty"),
+    ({"repetition_penalty": 5e-324}, "repetition_penalty"),  # 0 as a float32: logits / penalty failed
     ({"presence_penalty": 3.0}, "presence_penalty"),
     ({"temprature": 1.0}, "temprature"),
 ])

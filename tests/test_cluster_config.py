@@ -67,6 +67,11 @@ def test_relative_paths_in_yaml_are_taken_from_the_files_folder(tmp_path):
     ("machines: [{numa_nodes: [{id: 0, cpus: [0, 1]}, {id: 1, cpus: [1]}]}]", "machines.0.numa_nodes"),
     ("machines: [{numa_nodes: [{id: -1, cpus: [0]}]}]", "machines.0.numa_nodes"),
     ("workers: 2", "workers"),
+    ("http: {port: 0}", "http.port"),
+    ("http: {port: 70000}", "http.port"),
+    ("http: {host: ''}", "http.host"),
+    ("http: {prot: 8000}", "http.prot"),
+    ("http: {served_model_name: ''}", "http.served_model_name"),
     ("- just\n- a list", "ClusterConfig"),
 ])
 def test_bad_yaml_values_raise_a_validation_error_naming_the_field(tmp_path, yaml_text, field):
@@ -94,3 +99,11 @@ def test_unknown_machine_and_unresolved_auto_are_refused_by_ray_resources():
 def test_a_config_is_frozen():
     with pytest.raises(ValidationError):
         ns.ClusterConfig().workers_per_node = 3
+
+
+def test_the_http_server_is_off_unless_configured_and_binds_loopback_by_default(tmp_path):
+    assert ns.ClusterConfig().http is None
+    path = tmp_path / "http.yaml"
+    path.write_text("http: {port: 8123}")
+    http = ns.ClusterConfig.from_yaml(path).http
+    assert (http.host, http.port, http.served_model_name, http.enable_lora_loading) == ("127.0.0.1", 8123, None, False)

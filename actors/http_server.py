@@ -1,0 +1,222 @@
+"""HttpServer: the deployment's OpenAI-compatible HTTP API, a FastAPI app served by uvicorn inside a Ray actor.
+
+uvicorn runs as a task on the actor's own event loop (Ray Serve's proxy does the same), so requests to the
+router are awaited there: a stream's chunks arrive through the router's streaming generator with `await`,
+never a blocking ray.get. The actor is detached with unlimited restarts like the others; a restarted one
+binds its port again. The endpoints' logic is OpenAIServing (actors/openai_serving.py); this file wires it
+to HTTP and to the Ray actors. Prometheus metrics are not here yet: a GET /metrics route belongs beside
+/health in build_app.
+"""
+
+import asyncio
+import contextlib
+import hashlib
+import socket
+from pathlib import Path
+
+import ray
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from ray.exceptions import RayActorError, RayTaskError
+from sse_starlette import EventSourceResponse
+
+from actors.adapter_cache import lookup_adapter
+from actors.chat_template import load_chat_template
+from actors.client import cancel_stream
+from actors.openai_errors import APIError, JSONBodies, install_error_handlers
+from actors.openai_protocol import ChatCompletionRequest, CompletionRequest, LoadLoraAdapterRequest
+from actors.openai_serving import OpenAIServing
+from cluster_configs.cluster_config import ClusterConfig, HttpConfig
+from cluster_configs.errors import NumaserveError, Unavailable
+from scheduling.outputs import RequestOutput
+
+MAX_BODY_BYTES = 8 << 20  # a 32k-token prompt as token ids is ~200 kB; more is a mistake or an attack: 413
+HEALTH_TIMEOUT_S = 5.0
+STARTUP_TIMEOUT_S = 30.0
+
+
+def served_model_name(config: ClusterConfig) -> str:
+    """What requests call the base model: http.served_model_name, else the model folder's (or file's) name."""
+    if config.http is not None and config.http.served_model_name is not None:
+        return config.http.served_model_name
+    path = Path(config.model)
+    return path.stem if path.suffix == ".gguf" else path.name
+
+
+def fingerprint(config: ClusterConfig) -> str:
+    """system_fingerprint: changes when the model or the engine config does."""
+    return "fp_" + hashlib.sha256(f"{config.model}|{config.engine.model_dump_json()}".encode()).hexdigest()[:12]
+
+
+# ---- the deployment as OpenAIServing sees it ------------------------------------------------------------
+
+def _unwrap(e: Exception) -> Exception:
+    if isinstance(e, RayTaskError) and isinstance(e.cause, NumaserveError):
+        return e.cause  # InvalidRequest, Overloaded, AdapterError, ...: the caller's own
+    if isinstance(e, RayActorError):
+        return Unavailable("the deployment's router is down or restarting; retry in a few seconds")
+    return e
+
+
+async def _call(ref):
+    try:
+        return await ref
+    except (RayTaskError, RayActorError) as e:
+        raise _unwrap(e) from None
+
+
+class RayRequestStream:
+    """One request through the router's streaming generator: the prompt's ids, then RequestOutputs."""
+
+    def __init__(self, refs):
+        self.refs = refs
+        self.done = False
+
+    async def next(self):
+        try:
+            item = await (await self.refs.__anext__())
+        except StopAsyncIteration:
+            self.done = True
+            raise RuntimeError("the router's stream ended before its request finished") from None
+        except (RayTaskError, RayActorError) as e:
+            self.done = True
+            raise _unwrap(e) from None
+        if isinstance(item, RequestOutput) and item.finished:
+            self.done = True
+        return item
+
+    def cancel(self) -> None:
+        """The router then aborts the request on its worker, which frees its KV blocks."""
+        if not self.done:
+            self.done = True
+            cancel_stream(self.refs)
+
+
+class RayDeployment:
+    def __init__(self, router, adapter_cache):
+        self.router, self.adapter_cache = router, adapter_cache
+
+    def generate(self, prompt, params, adapter):
+        return RayRequestStream(self.router.generate.remote(prompt, params, adapter, None))
+
+    async def model_info(self) -> dict:
+        return await _call(self.router.model_info.remote())
+
+    async def adapter_path(self, name: str) -> str | None:
+        return await lookup_adapter(self.adapter_cache, name)
+
+    async def adapters(self) -> dict[str, str]:
+        return await _call(self.adapter_cache.adapters.remote())
+
+    async def register_adapter(self, name: str, path: str) -> str:
+        return await _call(self.adapter_cache.register.remote(name, path))
+
+    async def num_serving_workers(self) -> int:
+        try:
+            return await asyncio.wait_for(self.router.num_serving_workers.remote(), HEALTH_TIMEOUT_S)
+        except (TimeoutError, ray.exceptions.RayError):
+            return 0  # the router itself is down or restarting
+
+
+# ---- the HTTP app ------------------------------------------------------------------------------------------
+
+def build_app(serving: OpenAIServing) -> FastAPI:
+    app = FastAPI(title="numaserve", summary="OpenAI-compatible API of a numaserve deployment")
+    install_error_handlers(app)
+    app.add_middleware(JSONBodies, max_bytes=MAX_BODY_BYTES)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await _respond(request, serving.completions(body))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await _respond(request, serving.chat(body))
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return await serving.models()
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(body: LoadLoraAdapterRequest) -> PlainTextResponse:
+        return PlainTextResponse(await serving.load_lora_adapter(body))
+
+    @app.get("/health")
+    async def health() -> Response:
+        if await serving.health():
+            return Response(status_code=200)
+        raise APIError(503, "no worker can serve (all are down or restarting); retry in a few seconds",
+                       type="server_error", code="no_worker_available", headers={"Retry-After": "1"})
+
+    return app
+
+
+async def _respond(request: Request, work) -> Response:
+    """The endpoint's answer, or its cancellation when the client goes away first (the requests it opened
+    are aborted). A stream is watched by sse-starlette from then on."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if not task.done():
+        task.cancel()
+        return Response(status_code=499)  # nobody reads it: nginx's "client closed request"
+    result = task.result()
+    if isinstance(result, dict):
+        return JSONResponse(result)
+    # sse-starlette rather than a bare StreamingResponse: it watches for the client's disconnect while the
+    # generator waits for the next token (Starlette's, under ASGI 2.4, notices only when a send fails), then
+    # cancels it, and closes it on a failed send, so the requests are aborted at once either way
+    return EventSourceResponse(result, sep="\n")
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+# ---- the actor ---------------------------------------------------------------------------------------------
+
+class _Server(uvicorn.Server):
+    def capture_signals(self):
+        return contextlib.nullcontext()  # Ray owns this process's signals
+
+
+def _actor_loop() -> asyncio.AbstractEventLoop:
+    """The event loop of this async actor, which runs its methods (Ray runs __init__ on it too; older Ray ran it
+    in that loop's thread before the loop started)."""
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.get_event_loop_policy().get_event_loop()
+
+
+@ray.remote(num_cpus=0)
+class HttpServer:
+    def __init__(self, config: HttpConfig, model_name: str, model_path: str, system_fingerprint: str, router,
+                 adapter_cache):
+        # small arguments only: Ray restarts the actor from them
+        serving = OpenAIServing(RayDeployment(router, adapter_cache), model_name, model_path,
+                                load_chat_template(model_path), config.enable_lora_loading, system_fingerprint)
+        family = socket.AF_INET6 if ":" in config.host else socket.AF_INET
+        sock = socket.create_server((config.host, config.port), family=family)  # OSError: the actor fails to start
+        self.url = f"http://{f'[{config.host}]' if ':' in config.host else config.host}:{config.port}"
+        self.server = _Server(uvicorn.Config(build_app(serving), lifespan="off", log_config=None,
+                                             log_level="warning", access_log=False, timeout_graceful_shutdown=1))
+        self.serving = _actor_loop().create_task(self.server.serve(sockets=[sock]))
+
+    async def ready(self) -> str:
+        """The server's URL once it accepts connections."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + STARTUP_TIMEOUT_S
+        while not self.server.started:
+            if self.serving.done():
+                self.serving.result()  # its exception
+                raise RuntimeError("the HTTP server stopped during startup")
+            if loop.time() > deadline:
+                raise TimeoutError(f"the HTTP server did not start within {STARTUP_TIMEOUT_S:.0f} s")
+            await asyncio.sleep(0.05)
+        return self.url

@@ -1,0 +1,133 @@
+"""The OpenAI API's request bodies (pydantic, strict: a wrong type is a 400 naming the field) and how one
+becomes SamplingParams. OpenAI's fields and defaults, vLLM's extensions where OpenAI has none (top_k, min_p,
+repetition_penalty, ignore_eos, stop_token_ids). A null field means its default, as OpenAI treats it."""
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError
+
+from actors.openai_errors import APIError
+from cluster_configs.errors import InvalidRequest
+from cluster_configs.sampling_params import SamplingParams
+
+MAX_LOGPROBS = 20  # OpenAI's bound, and the engine's (scheduling/validation.py)
+MAX_CHOICES = 128  # prompts x n of one request: each is a request to the deployment
+
+TokenIds = Annotated[list[StrictInt], Field(min_length=1)]
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    include_usage: bool = False  # a last chunk with the usage of the whole request and no choices
+
+
+class _Sampling(BaseModel):
+    """Fields both endpoints share."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    model: str | None = None  # the served model's name or a registered adapter's; None: the served model
+    temperature: float | None = Field(None, ge=0.0, description="0 = greedy; default 1")
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    n: int = Field(1, ge=1, le=MAX_CHOICES, description="completions per prompt; with a seed, choice i uses seed + i")
+    stop: StrictStr | list[StrictStr] | None = Field(None, description="strings that end a completion (not included)")
+    seed: int | None = Field(None, ge=0, lt=2**63)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None  # accepted, not used
+    # vLLM's extensions
+    top_k: int | None = Field(None, ge=-1, description="0 or -1 = off")
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(None, gt=0.0)
+    ignore_eos: bool = False
+    stop_token_ids: list[StrictInt] | None = None
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None) -> list[SamplingParams]:
+        """One SamplingParams per choice (n): a seeded request's choice i is seeded with seed + i."""
+        fields = {"max_tokens": max_tokens, "logprobs": logprobs, "ignore_eos": self.ignore_eos}
+        for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "min_p", "repetition_penalty"):
+            if getattr(self, name) is not None:
+                fields[name] = getattr(self, name)
+        if self.top_k is not None:
+            fields["top_k"] = max(self.top_k, 0)
+        if self.stop is not None:
+            fields["stop"] = self.stop
+        if self.stop_token_ids is not None:
+            fields["stop_token_ids"] = tuple(self.stop_token_ids)
+        try:
+            base = SamplingParams(**fields)
+        except ValidationError as e:  # what the fields' own bounds let through (e.g. an empty stop string)
+            err = e.errors()[0]
+            param = str(err["loc"][0]) if err["loc"] else None
+            raise APIError(400, f"{param}: {err['msg'].removeprefix('Value error, ')}", param=param,
+                           code="invalid_value") from None
+        if self.seed is None:
+            return [base] * self.n
+        return [base.model_copy(update={"seed": self.seed + i}) for i in range(self.n)]
+
+
+class CompletionRequest(_Sampling):
+    prompt: StrictStr | list[StrictStr] | TokenIds | list[TokenIds] = Field(
+        description="a string, a list of strings, a list of token ids, or a list of token-id lists")
+    max_tokens: int | None = Field(16, ge=1, description="tokens to generate at most; default 16")
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS,
+                                 description="log-probabilities of the sampled token and this many most likely")
+    echo: bool = False  # the prompt's text before each completion
+
+    def prompts(self) -> list[str | list[int]]:
+        if isinstance(self.prompt, str) or (self.prompt and isinstance(self.prompt[0], int)):
+            return [self.prompt]
+        if not self.prompt:
+            raise InvalidRequest("prompt: the list is empty; pass a string, token ids, or a non-empty list of them")
+        return list(self.prompt)
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    # other keys (name, tool_calls, ...) reach the template as they are, as with apply_chat_template
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    role: str
+    content: str | list[TextPart] | None = None
+
+    def template_message(self) -> dict:
+        message = self.model_dump(exclude_none=True)
+        if isinstance(self.content, list):  # text parts joined, as vLLM does for string-content templates
+            message["content"] = "\n".join(part.text for part in self.content)
+        return message
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1, description="deprecated by OpenAI for max_completion_tokens")
+    max_completion_tokens: int | None = Field(None, ge=1, description="default: the rest of the context")
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="needs logprobs: true")
+
+    def num_logprobs(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise InvalidRequest("top_logprobs needs logprobs: true; set it, or drop top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def max_new_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class LoadLoraAdapterRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    lora_name: str
+    lora_path: str

@@ -1,0 +1,262 @@
+"""OpenAIServing: the OpenAI endpoints over a deployment, without HTTP or Ray (actors/http_server.py wires it
+to both; tests drive it with a stub deployment).
+
+A request of n choices over several prompts is one deployment request per choice. Each is opened before any
+answer goes out: admitted by the router and its first output back, so a refusal (Overloaded, a prompt too
+long, ...) is an HTTP error rather than a broken stream. Every exit path cancels every stream still running,
+which aborts it on its worker and frees its KV blocks at once.
+"""
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Callable
+from typing import Protocol
+
+from actors.chat_template import ChatTemplate
+from actors.openai_errors import APIError, as_api_error
+from actors.openai_format import (
+    ChoiceState,
+    ResponseHeader,
+    TokenTexts,
+    chat_logprobs,
+    completion_logprobs,
+    usage,
+)
+from actors.openai_protocol import (
+    MAX_CHOICES,
+    ChatCompletionRequest,
+    CompletionRequest,
+    LoadLoraAdapterRequest,
+)
+from cluster_configs.errors import InvalidRequest
+from cluster_configs.sampling_params import SamplingParams
+from scheduling.outputs import RequestOutput
+
+
+class RequestStream(Protocol):
+    async def next(self) -> list[int] | RequestOutput: ...  # the prompt's token ids first, then outputs
+    def cancel(self) -> None: ...  # abort the request unless it has finished
+
+
+class Deployment(Protocol):
+    def generate(self, prompt, params: SamplingParams, adapter: str | None) -> RequestStream: ...
+    async def model_info(self) -> dict: ...  # tokenizer, vocab_size, max_model_len
+    async def adapter_path(self, name: str) -> str | None: ...
+    async def adapters(self) -> dict[str, str]: ...
+    async def register_adapter(self, name: str, path: str) -> str: ...
+    async def num_serving_workers(self) -> int: ...
+
+
+class OpenAIServing:
+    def __init__(self, deployment: Deployment, model_name: str, model_path: str, chat_template: ChatTemplate | None,
+                 enable_lora_loading: bool, fingerprint: str):
+        self.deployment = deployment
+        self.model_name, self.model_path = model_name, model_path
+        self.chat_template = chat_template
+        self.enable_lora_loading = enable_lora_loading
+        self.fingerprint = fingerprint
+        self._info: dict | None = None
+        self._texts: TokenTexts | None = None
+
+    async def info(self) -> dict:
+        if self._info is None:
+            self._info = await self.deployment.model_info()
+            self._texts = TokenTexts(self._info["tokenizer"])
+        return self._info
+
+    # ---- endpoints ---------------------------------------------------------------------------------------
+
+    async def completions(self, req: CompletionRequest) -> dict | AsyncIterator[str]:
+        adapter = await self._adapter(req.model)
+        await self.info()
+        prompts = req.prompts()
+        _check_num_choices(len(prompts), req.n)
+        if req.echo and req.logprobs is not None:
+            raise APIError(400, "echo with logprobs asks for the prompt's logprobs, which numaserve does not "
+                                "compute; drop echo or logprobs", param="echo")
+        params = req.sampling_params(req.max_tokens, req.logprobs)
+        header = ResponseHeader.new("cmpl", "text_completion", req.model or self.model_name, self.fingerprint)
+        requests = [(p, sp) for p in prompts for sp in params]
+        choices, streams, firsts = await self._open(requests, adapter, "prompt")
+        if req.echo:
+            for c, (prompt, _) in zip(choices, requests):
+                c.prompt_text = prompt if isinstance(prompt, str) else self._decode(c.prompt_ids)
+
+        def delta(c: ChoiceState, out: RequestOutput) -> dict | None:
+            echo = (c.prompt_text or "") if c.num_outputs == 0 else ""
+            logprobs = (completion_logprobs(self._texts, out.token_ids, out.logprobs,
+                                            len(c.prompt_text or "") + len(c.text))
+                        if out.logprobs is not None else None)
+            if not (echo + out.text or out.token_ids and logprobs or out.finished):
+                return None
+            return {"index": c.index, "text": echo + out.text, "logprobs": logprobs, "finish_reason": out.finish_reason}
+
+        if req.stream:
+            return self._stream(header, choices, streams, firsts, delta, [], req)
+        await _collect(choices, streams, firsts)
+        return header.body([{"index": c.index, "text": (c.prompt_text or "") + c.text,
+                             "logprobs": (completion_logprobs(self._texts, c.token_ids, c.logprobs, len(c.prompt_text or ""))
+                                          if c.logprobs is not None else None),
+                             "finish_reason": c.finish_reason} for c in choices], usage=usage(choices, req.n))
+
+    async def chat(self, req: ChatCompletionRequest) -> dict | AsyncIterator[str]:
+        adapter = await self._adapter(req.model)
+        info = await self.info()
+        if self.chat_template is None or info["tokenizer"] is None:
+            raise APIError(400, f"model {self.model_name!r} has no chat template (no chat_template.jinja or "
+                                "chat_template in tokenizer_config.json, or no tokenizer); use /v1/completions with "
+                                "the model's own prompt format, or add a template to the model directory",
+                           param="messages", code="no_chat_template")
+        _check_num_choices(1, req.n)
+        text = self.chat_template.render([m.template_message() for m in req.messages])
+        prompt_ids = info["tokenizer"].hf_tokenizer.encode(text, add_special_tokens=False).ids  # the template's own
+        k = req.num_logprobs()
+        max_tokens = req.max_new_tokens() or max((info["max_model_len"] or 0) - len(prompt_ids), 1)
+        params = req.sampling_params(max_tokens, k)
+        header = ResponseHeader.new("chatcmpl", "chat.completion", req.model or self.model_name, self.fingerprint)
+        choices, streams, firsts = await self._open([(prompt_ids, sp) for sp in params], adapter, "messages")
+
+        def delta(c: ChoiceState, out: RequestOutput) -> dict | None:
+            logprobs = chat_logprobs(self._texts, out.token_ids, out.logprobs, k) if out.logprobs is not None else None
+            if not (out.text or out.token_ids and logprobs or out.finished):
+                return None
+            return {"index": c.index, "delta": {"content": out.text} if out.text else {}, "logprobs": logprobs,
+                    "finish_reason": out.finish_reason}
+
+        if req.stream:
+            header = ResponseHeader(header.id, "chat.completion.chunk", header.model, header.system_fingerprint,
+                                    header.created)
+            roles = [{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                      "finish_reason": None} for c in choices]
+            return self._stream(header, choices, streams, firsts, delta, roles, req)
+        await _collect(choices, streams, firsts)
+        return header.body([{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                             "logprobs": (chat_logprobs(self._texts, c.token_ids, c.logprobs, k)
+                                          if c.logprobs is not None else None),
+                             "finish_reason": c.finish_reason} for c in choices], usage=usage(choices, req.n))
+
+    async def models(self) -> dict:
+        info = await self.info()
+        adapters = await self.deployment.adapters()
+
+        def card(name: str, root: str, parent: str | None) -> dict:
+            return {"id": name, "object": "model", "created": 0, "owned_by": "numaserve", "root": root,
+                    "parent": parent, "max_model_len": info["max_model_len"]}
+
+        return {"object": "list", "data": [card(self.model_name, self.model_path, None)] + [
+            card(name, path, self.model_name) for name, path in sorted(adapters.items())]}
+
+    async def load_lora_adapter(self, req: LoadLoraAdapterRequest) -> str:
+        if not self.enable_lora_loading:
+            raise APIError(403, "loading adapters over HTTP is disabled in this deployment; set "
+                                "http: {enable_lora_loading: true} in its config, or register adapters from Python "
+                                "with client.register_adapter(name, path)", type="permission_error",
+                           code="lora_loading_disabled")
+        if req.lora_name == self.model_name:
+            raise APIError(400, f"lora_name {req.lora_name!r} is the served model's name; pick another",
+                           param="lora_name")
+        await self.deployment.register_adapter(req.lora_name, req.lora_path)
+        return f"Success: LoRA adapter '{req.lora_name}' added successfully."
+
+    async def health(self) -> bool:
+        return await self.deployment.num_serving_workers() > 0
+
+    # ---- requests to the deployment ----------------------------------------------------------------------
+
+    async def _adapter(self, model: str | None) -> str | None:
+        if model is None or model == self.model_name:
+            return None
+        if await self.deployment.adapter_path(model) is not None:
+            return model
+        raise APIError(404, f"model {model!r} does not exist; GET /v1/models lists the served model "
+                            f"({self.model_name!r}) and the registered adapters", param="model", code="model_not_found")
+
+    async def _open(self, requests: list[tuple], adapter: str | None, prompt_param: str):
+        """Start every choice's request and wait until each is admitted and has its first output."""
+        streams = [self.deployment.generate(prompt, sp, adapter) for prompt, sp in requests]
+        try:
+            prompt_ids = await asyncio.gather(*(s.next() for s in streams))
+            firsts = await asyncio.gather(*(s.next() for s in streams))
+        except InvalidRequest as e:  # the router's or the engine's validation (scheduling/validation.py)
+            for s in streams:
+                s.cancel()
+            message = str(e)
+            code = "context_length_exceeded" if "max_model_len" in message else "invalid_value"
+            param = prompt_param if e.param == "prompt" else e.param  # chat: the prompt is the rendered messages
+            raise APIError(400, message, param=param, code=code) from None
+        except BaseException:
+            for s in streams:
+                s.cancel()
+            raise
+        return [ChoiceState(i, ids) for i, ids in enumerate(prompt_ids)], streams, firsts
+
+    async def _stream(self, header: ResponseHeader, choices: list[ChoiceState], streams: list[RequestStream],
+                      firsts: list[RequestOutput], delta: Callable, opening: list[dict], req) -> AsyncIterator[str]:
+        """The SSE data of a stream: each choice's deltas as they come, finish_reason on its last chunk, the
+        usage chunk if asked, [DONE]. A client that goes away cancels this generator: every request is aborted."""
+        queue: asyncio.Queue = asyncio.Queue()
+        tasks: list[asyncio.Task] = []
+        extra = {"usage": None} if req.include_usage else {}
+        try:
+            for chunk in opening:
+                yield _dumps(header.body([chunk], **extra))
+            for i, first in enumerate(firsts):
+                queue.put_nowait((i, first))
+                if not first.finished:
+                    tasks.append(asyncio.create_task(_pump(i, streams[i], queue)))
+            num_running = len(choices)
+            while num_running:
+                i, out = await queue.get()
+                if isinstance(out, Exception):
+                    raise out
+                chunk = delta(choices[i], out)
+                choices[i].add(out)
+                if chunk is not None:
+                    yield _dumps(header.body([chunk], **extra))
+                num_running -= out.finished
+            if req.include_usage:
+                yield _dumps(header.body([], usage=usage(choices, req.n)))
+        except Exception as e:  # noqa: BLE001  (after the 200 an error can only go into the stream)
+            yield _dumps(as_api_error(e).sse_data())
+        finally:  # no await here: a cancelled generator cannot
+            for t in tasks:
+                t.cancel()
+            for s in streams:
+                s.cancel()
+        yield "[DONE]"
+
+    def _decode(self, token_ids: list[int]) -> str:
+        tokenizer = self._info["tokenizer"]
+        return tokenizer.decode(token_ids) if tokenizer is not None else ""
+
+
+async def _pump(i: int, stream: RequestStream, queue: asyncio.Queue) -> None:
+    try:
+        while not (out := await stream.next()).finished:
+            queue.put_nowait((i, out))
+        queue.put_nowait((i, out))
+    except Exception as e:  # noqa: BLE001  (handed to the stream's consumer)
+        queue.put_nowait((i, e))
+
+
+async def _collect(choices: list[ChoiceState], streams: list[RequestStream], firsts: list[RequestOutput]) -> None:
+    async def drain(c: ChoiceState, stream: RequestStream, first: RequestOutput) -> None:
+        c.add(first)
+        while c.finish_reason is None:
+            c.add(await stream.next())
+
+    try:
+        await asyncio.gather(*(drain(c, s, f) for c, s, f in zip(choices, streams, firsts)))
+    finally:
+        for s in streams:
+            s.cancel()
+
+
+def _check_num_choices(num_prompts: int, n: int) -> None:
+    if num_prompts * n > MAX_CHOICES:
+        raise APIError(400, f"{num_prompts} prompts x n={n} asks for {num_prompts * n} completions; at most "
+                            f"{MAX_CHOICES} per request: send fewer prompts or a smaller n", param="n")
+
+
+def _dumps(body: dict) -> str:
+    return json.dumps(body, ensure_ascii=False, separators=(",", ":"))
