@@ -4,6 +4,8 @@ W is [out_features, in_features] (the checkpoint's layout). Parallel tasks own g
 a group's rows are dequantized in registers once per block of tokens (kernels/simd_block.py) and stay
 in L1 while the blocks walk a chunk of tokens, so each weight byte comes from memory once per chunk
 (once per step for any decode batch; a long prefill is cut into chunks whose activations fit L2).
+Every block shape sums an output in the same order (kernels/simd_block.py), so a token's outputs do not
+depend on its batch, its block or its place in the block.
 """
 
 from numba import njit, prange, types
