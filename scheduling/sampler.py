@@ -11,7 +11,7 @@ Randomness is keyed, never counted: the uniform a request draws for the token at
 function of (seed, p, stream), so a resumed request, a preempted one recomputed, or a speculative
 verification redraws exactly what it would have. Streams keep independent draws at one position apart:
 SAMPLE_STREAM (a row's draw; also the rejection rule's correction / bonus draw), VERIFY_STREAM (the rejection
-rule's accept test), DRAFT_STREAM (a draft model's draw, independent of both).
+rule's accept test), and models/proposers/base.py's DRAFT_STREAM (a draft model's draw, independent of both).
 """
 
 import secrets
@@ -22,7 +22,7 @@ import numpy as np
 from cluster_configs.sampling_params import SamplingParams
 from kernels.sampling import fill_keyed_uniforms, filtered_probs, log_normalizers, sample_filtered
 
-SAMPLE_STREAM, VERIFY_STREAM, DRAFT_STREAM = 0, 1, 2
+SAMPLE_STREAM, VERIFY_STREAM = 0, 1
 
 
 # ---- keyed randomness --------------------------------------------------------------------------------

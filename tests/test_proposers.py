@@ -14,8 +14,10 @@ import numaserve as ns
 from cluster_configs.errors import CheckpointError
 from kernels.ngram import ngram_lookup
 from models.proposers import DraftModelProposer, NgramProposer
+from models.proposers.base import DRAFT_STREAM
 from models.spec import load_spec
 from models.tokenizer import Tokenizer
+from scheduling.sampler import request_seed, uniforms
 from tests.conftest import random_prompt
 from tests.model_factory import build_model
 
@@ -27,6 +29,11 @@ class Req:
     request_id: str
     token_ids: list[int]
     params: ns.SamplingParams = field(default_factory=lambda: ns.SamplingParams(temperature=0))
+    seed: int | None = None  # the engine's Request.seed: params.seed, else drawn once
+
+    def __post_init__(self):
+        if self.seed is None:
+            self.seed = request_seed(self.params)
 
 
 # ---- n-gram ---------------------------------------------------------------------------------------
@@ -135,6 +142,29 @@ def test_sampled_requests_get_sampled_drafts_with_their_distributions(llama_dir)
     np.testing.assert_allclose(q.sum(axis=1), 1.0)
     proposer.free("s")
     assert proposer.propose([Req("s", list(req.token_ids), params)], [3])[0] == drafts  # keyed by (seed, position)
+
+
+def test_sampled_drafts_are_keyed_by_seed_and_position_in_their_own_stream(llama_dir):
+    """The draft at position p is q's inverse CDF at the uniform keyed by (the request's seed, p, DRAFT_STREAM):
+    a fresh proposer, a batch around the request or an unseeded request with the same drawn seed give the
+    same drafts; nothing is counted."""
+    params = ns.SamplingParams(temperature=1.2, seed=21)
+    prompt = random_prompt(10, seed=22)
+    proposer = self_draft(llama_dir)
+    drafts = proposer.propose([Req("s", list(prompt), params)], [4])[0]
+    q = proposer.last_draft_probs["s"]
+    u = uniforms(21, len(prompt), 4, DRAFT_STREAM)
+    assert drafts == [int(np.searchsorted(np.cumsum(row), x * row.sum(), side="right")) for row, x in zip(q, u)]
+    others = [Req(f"o{i}", random_prompt(5 + 3 * i, seed=30 + i), ns.SamplingParams(temperature=0.9 if i % 2 else 0))
+              for i in range(5)]
+    fresh = self_draft(llama_dir)
+    batched = fresh.propose(others[:2] + [Req("s", list(prompt), params)] + others[2:], [3, 4, 4, 2, 4, 1])
+    assert batched[2] == drafts
+    unseeded = self_draft(llama_dir).propose([Req("u", list(prompt), ns.SamplingParams(temperature=1.2), seed=21)],
+                                             [4])[0]
+    assert unseeded == drafts  # keyed by the request's seed (drawn once by the engine), not by a proposer's rng
+    other_seed = self_draft(llama_dir).propose([Req("s", list(prompt), params.model_copy(update={"seed": 23}))], [4])
+    assert other_seed[0] != drafts
 
 
 def test_draft_model_with_another_tokenizer_is_refused(tmp_path, llama_dir):

@@ -10,8 +10,8 @@ import torch
 from transformers import RepetitionPenaltyLogitsProcessor
 
 import numaserve as ns
+from models.proposers.base import DRAFT_STREAM
 from scheduling.sampler import (
-    DRAFT_STREAM,
     SAMPLE_STREAM,
     VERIFY_STREAM,
     apply_penalties,

@@ -23,11 +23,15 @@ from typing import Protocol
 
 import numpy as np
 
+DRAFT_STREAM = 2  # the stream of keyed uniforms (kernels/sampling.py) drafts are drawn from; the target's
+#                   sampler and verifier use 0 and 1 (scheduling/sampler.py)
+
 
 class SpecRequest(Protocol):
     request_id: str
     token_ids: list[int]  # prompt + verified output
-    # optional: `params` (a SamplingParams); a draft model samples its drafts for non-greedy requests
+    # optional: `params` (a SamplingParams) and `seed` (int in [0, 2**64)); a draft model samples its drafts for
+    # non-greedy requests, the draft at position p from the uniform keyed by (seed, p, DRAFT_STREAM)
 
 
 class Proposer(ABC):

@@ -18,17 +18,16 @@ import numpy as np
 
 from cluster_configs.diagnostics import DecisionLog
 from cluster_configs.errors import CheckpointError
+from kernels.sampling import fill_keyed_uniforms
 from memory.block_pool import BlockPool
 from memory.kv_cache import KVCache
 from models.activation_plan import plan_activations
 from models.batch import ForwardBatch
 from models.llama import LlamaModel
 from models.loader import load_model
-from models.proposers.base import Proposer, SpecRequest
+from models.proposers.base import DRAFT_STREAM, Proposer, SpecRequest
 from models.spec import ModelSpec
 from models.tokenizer import Tokenizer
-
-_DRAFT_STREAM = 0x5EC  # seeds draft sampling apart from the verifier's draws at the same (seed, position)
 
 
 def check_same_vocabulary(draft_path: str | Path, draft_spec: ModelSpec, draft_tok: Tokenizer | None,
@@ -89,7 +88,6 @@ class DraftModelProposer(Proposer):
         self.kv_cache = KVCache(s.num_layers, num_blocks, block_size, s.num_kv_heads, s.head_dim, kv_dtype)
         self.pool = BlockPool(num_blocks)
         self.seqs: dict[str, _DraftSeq] = {}  # insertion order = least recently drafted first
-        self.rng = np.random.default_rng()
 
     def free(self, request_id: str) -> None:
         seq = self.seqs.pop(request_id, None)
@@ -150,18 +148,16 @@ class DraftModelProposer(Proposer):
         if q.shape[1] < self.vocab_size:
             q = np.pad(q, ((0, 0), (0, self.vocab_size - q.shape[1])))
         cdf = np.cumsum(q, axis=1)
-        u = np.array([self._uniform(reqs[j]) for j in sampled]) * cdf[:, -1]
+        # the draw for the draft at position p is keyed by (the request's seed, p) in a stream of its own
+        seeds = np.array([reqs[j].seed for j in sampled], np.uint64)
+        positions = np.array([len(self.seqs[reqs[j].request_id].token_ids) for j in sampled], np.int64)
+        u = np.empty(len(sampled))
+        fill_keyed_uniforms(seeds, positions, DRAFT_STREAM, u)
+        u *= cdf[:, -1]
         drawn = np.minimum((cdf <= u[:, None]).sum(axis=1), q.shape[1] - 1)  # inverse CDF
         for n, j in enumerate(sampled):
             tokens[j], qs[j] = int(drawn[n]), q[n]
         return tokens, qs
-
-    def _uniform(self, req: SpecRequest) -> float:
-        """A seeded request's draw for the draft at its next position is keyed by (seed, position)."""
-        if req.params.seed is None:
-            return self.rng.random()
-        position = len(self.seqs[req.request_id].token_ids)  # where the drafted token will sit
-        return np.random.default_rng((req.params.seed & (2**63 - 1), position, _DRAFT_STREAM)).random()
 
     def _truncate(self, seq: _DraftSeq, keep: int) -> None:
         del seq.token_ids[keep:]
