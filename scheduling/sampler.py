@@ -187,15 +187,11 @@ def sampling_probs(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
 
 
 def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:
-    """One request's token from a counted generator, as the engine sampled before sample_batch: the
-    reference for greedy tokens (scheduling/step_sampler.py still calls it; sample_batch replaces it there)."""
+    """One request's token from a counted generator, as the engine sampled before sample_batch: the reference
+    sample_batch is tested against (the same greedy tokens, the same distribution). The engine does not call it."""
     if params.greedy:
         return int(np.argmax(logits))
     probs = sampling_probs(logits, params)
     cdf = np.cumsum(probs)
     return int(min(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"), len(cdf) - 1))
 
-
-def top_logprobs(logits: np.ndarray, token_id: int, k: int) -> dict[int, float]:
-    """The sampled token's log-probability and the k most likely ones, under the raw model distribution."""
-    return top_logprobs_batch(logits[None], [token_id], [k])[0]

@@ -61,6 +61,26 @@ def test_same_seed_same_tokens_alone_or_batched(llm):
     assert other_seed != alone
 
 
+SEEDED_FILTERS = [{"temperature": 1.0}, {"temperature": 0.7, "top_p": 0.9}, {"top_k": 20, "repetition_penalty": 1.2},
+                  {"min_p": 0.05, "presence_penalty": 0.5, "frequency_penalty": 0.3},
+                  {"temperature": 1.3, "top_k": 50, "top_p": 0.95}, {"temperature": 0.0}]
+
+
+def test_seeded_requests_give_the_same_tokens_alone_batched_or_preempted(llm, llama_dir):
+    """Each request's draws are keyed by (its seed, position): the batch around it, chunked prefill and a
+    preemption (recompute) change none of its tokens."""
+    prompts = [random_prompt(n, seed=60 + i) for i, n in enumerate((1, 300, 17, 64, 3, 128, 250, 9, 33, 200, 2, 90))]
+    params = [ns.SamplingParams(max_tokens=24, seed=500 + i, ignore_eos=True, **SEEDED_FILTERS[i % len(SEEDED_FILTERS)])
+              for i in range(len(prompts))]
+    alone = [llm.generate(p, sp)[0].token_ids for p, sp in zip(prompts, params)]
+    assert [o.token_ids for o in llm.generate(prompts, params)] == alone
+    bytes_per_block = 4 * 2 * 2 * 2 * 24 * 4  # block_size * (k, v) * layers * kv_heads * head_dim * fp32
+    small = ns.LLM(llama_dir, weight_dtype="float32", kv_dtype="float32", block_size=4,
+                   kv_cache_bytes=96 * bytes_per_block, max_num_batched_tokens=64)
+    assert [o.token_ids for o in small.generate(prompts, params)] == alone
+    assert small.stats()["num_preemptions"] > 0
+
+
 def test_top_k_1_equals_greedy(llm):
     greedy = llm.generate(PROMPT, ns.SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))[0]
     top1 = llm.generate(PROMPT, ns.SamplingParams(max_tokens=24, temperature=1.3, top_k=1, seed=5,
@@ -295,6 +315,49 @@ def test_sampled_tokens_follow_the_reference_distribution(params, vocab):
     tokens = sample_batch(np.repeat(logits, NUM_DRAWS, axis=0), reqs)
     p_value = chi_square_p_value(np.bincount(tokens, minlength=vocab), probs)
     assert p_value > MIN_P_VALUE, f"{params}, vocab {vocab}: chi-square p-value {p_value:.2e}"
+
+
+def two_sample_p_value(a: np.ndarray, b: np.ndarray) -> float:
+    """Pearson's test that two count vectors come from one distribution (a 2 x K contingency table; bins
+    expected < 5 times in either sample pooled)."""
+    total = a + b
+    expected_a, expected_b = total * a.sum() / total.sum(), total * b.sum() / total.sum()
+    small = np.minimum(expected_a, expected_b) < 5
+    obs = np.stack([np.append(a[~small], a[small].sum()), np.append(b[~small], b[small].sum())])
+    exp = np.stack([np.append(expected_a[~small], expected_a[small].sum()),
+                    np.append(expected_b[~small], expected_b[small].sum())])
+    keep = exp.min(axis=0) > 0
+    obs, exp = obs[:, keep], exp[:, keep]
+    stat = float(((obs - exp) ** 2 / exp).sum())
+    return float(torch.special.gammaincc(torch.tensor((obs.shape[1] - 1) / 2, dtype=torch.float64),
+                                         torch.tensor(stat / 2, dtype=torch.float64)))
+
+
+@pytest.mark.parametrize("params", [FILTERS[0], FILTERS[3], FILTERS[8]], ids=str)
+def test_sampled_tokens_have_the_per_request_samplers_distribution(params):
+    """sample_batch (keyed draws, numba filters) against the per-request sampler the engine used before
+    (a counted generator, numpy filters), draw for draw: the same distribution by a two-sample chi-square."""
+    vocab = 200
+    logits = (np.random.default_rng(13).standard_normal((1, vocab)) * 1.5).astype(np.float32)
+    req = requests_for(logits, params)[0]
+    penalized = apply_penalties(logits[0], req.token_ids[:8], req.output_token_ids, req.params)
+    rng = np.random.default_rng(14)
+    before = np.array([sample(penalized, req.params, rng) for _ in range(NUM_DRAWS)])
+    reqs = [Req(req.params.model_copy(update={"seed": s}), req.token_ids, 8) for s in range(NUM_DRAWS)]
+    after = sample_batch(np.repeat(logits, NUM_DRAWS, axis=0), reqs)
+    counts_before, counts_after = np.bincount(before, minlength=vocab), np.bincount(after, minlength=vocab)
+    assert (counts_before > 0).sum() >= 5, "too peaked a distribution to test"
+    p_value = two_sample_p_value(counts_before, counts_after)
+    assert p_value > MIN_P_VALUE, f"{params}: two-sample chi-square p-value {p_value:.2e}"
+
+
+def test_two_sample_check_detects_a_different_distribution():
+    # power check of the test above: the same draws against draws at another temperature
+    logits = (np.random.default_rng(13).standard_normal((1, 200)) * 1.5).astype(np.float32)
+    tokens = [sample_batch(np.repeat(logits, NUM_DRAWS, axis=0),
+                           [Req(ns.SamplingParams(temperature=t, seed=s), [0], 1) for s in range(NUM_DRAWS)])
+              for t in (1.0, 1.1)]
+    assert two_sample_p_value(*(np.bincount(t, minlength=200) for t in tokens)) < 1e-6
 
 
 def test_chi_square_check_detects_a_wrong_filter():
