@@ -1,8 +1,9 @@
 """Resuming a request on another worker after its worker was lost, exactly where it was.
 
 The router re-submits prompt + the tokens already streamed with a Resume record, replayed from those
-tokens; the new worker turns them back into output, so max_tokens, penalties, stop strings, the
-detokenizer and a seeded sampler go on as if nothing had happened.
+tokens; the new worker turns them back into output, so max_tokens, penalties, stop strings and the
+detokenizer go on as if nothing had happened. A seeded sampler needs nothing: its draws are keyed by
+(seed, position), and the request continues at its position.
 """
 
 from dataclasses import dataclass
@@ -34,14 +35,13 @@ def resume_state(tokenizer: Tokenizer | None, prompt_ids: list[int], output_ids:
 
 def resume_request(req: Request, params: SamplingParams, resume: Resume) -> None:
     """Make req continue where the lost worker stopped: the tokens past the original prompt are output again,
-    so max_tokens, penalties, stop strings, the detokenizer and a seeded sampler go on exactly as they were."""
+    so max_tokens, penalties, stop strings and the detokenizer go on exactly as they were (the sampler's draws
+    are keyed by position: nothing to replay)."""
     num_output = req.num_tokens - resume.num_prompt_tokens
     req.params = params
     req.num_prompt_tokens = resume.num_prompt_tokens
     req.num_emitted_tokens = num_output  # the client has them
     req.text = resume.text
-    if not params.greedy:
-        req.rng.random(num_output)  # sample() draws one uniform per sampled token
     if req.detokenizer is not None and resume.detokenizer is not None:
         token_ids, prefix_offset, read_offset = resume.detokenizer
         req.detokenizer.token_ids = list(token_ids)

@@ -2,11 +2,11 @@
 
 import enum
 import itertools
-import secrets
 
 import numpy as np
 
 from cluster_configs.sampling_params import SamplingParams
+from scheduling.sampler import request_seed
 
 _arrival = itertools.count()
 
@@ -37,9 +37,8 @@ class Request:
         self.block_hashes: list[int] = []  # chain over this request's full blocks
         self.status = RequestStatus.WAITING
         self.finish_reason: str | None = None
-        self.rng = np.random.default_rng(params.seed)
-        # sampling draws are keyed by (seed, position): an unseeded request gets its seed once, here
-        self.seed = (secrets.randbits(63) if params.seed is None else params.seed) & (2**64 - 1)
+        # every draw is keyed by (seed, position): an unseeded request gets its seed once, here
+        self.seed = request_seed(params)
         self.logprobs: list[dict[int, float]] = []
         self.collected_logits: list[np.ndarray] = []  # [n, V] per step, when prompt_logits
         self.text = ""  # decoded output, stop string cut

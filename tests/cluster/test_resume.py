@@ -10,6 +10,7 @@ from actors.delta_stream import DeltaStream, merge
 from actors.resume import resume_request, resume_state
 from scheduling.outputs import RequestOutput
 from tests.conftest import random_prompt
+from tests.test_speculation import perturbed_copy, tiny_checkpoint
 
 FP32 = {"weight_dtype": "float32", "kv_dtype": "float32"}
 
@@ -50,6 +51,66 @@ def test_a_resumed_request_goes_on_exactly_as_the_undisturbed_one(llama_dir, par
             assert [list(lp) for lp in logprobs] == [list(lp) for lp in whole.logprobs]
             assert [v for lp in logprobs for v in lp.values()] == pytest.approx(
                 [v for lp in whole.logprobs for v in lp.values()], abs=1e-5)
+
+
+@pytest.fixture(scope="module")
+def draft_dir(llama_dir, tmp_path_factory):
+    return perturbed_copy(llama_dir, tmp_path_factory.mktemp("draft"), scale=0.3)
+
+
+SPEC = {"off": {"method": "off"}, "ngram": {"method": "ngram", "mode": "on", "prompt_lookup_min": 1},
+        "draft": {"method": "draft", "mode": "on"}}
+RESUMED_PARAMS = ns.SamplingParams(max_tokens=40, temperature=1.0, top_p=0.95, seed=11, ignore_eos=True)
+
+
+def resume_on_a_fresh_engine(model_dir, spec: dict, whole, sent: list[RequestOutput]) -> list[int]:
+    """The output tokens of whole when a new engine (another worker, which never saw the request) resumes it
+    after the outputs sent."""
+    params, prompt_ids = whole.params, whole.token_ids[:whole.num_prompt_tokens]
+    sent_ids, sent_text = [t for o in sent for t in o.token_ids], "".join(o.text for o in sent)
+    engine = ns.LLM(model_dir, **FP32, speculation=spec).engine
+    left = params.model_copy(update={"max_tokens": params.max_tokens - len(sent_ids)})
+    req = engine.make_request("resumed", prompt_ids + sent_ids, left)
+    resume_request(req, params, resume_state(engine.tokenizer, prompt_ids, sent_ids, sent_text))
+    return sent_ids + [t for o in run_outputs(engine, req) for t in o.token_ids]
+
+
+@pytest.fixture(scope="module")
+def vocab16_dir(tmp_path_factory):
+    return tiny_checkpoint(tmp_path_factory.mktemp("vocab16") / "target", seed=1)  # n-gram drafts pass here
+
+
+@pytest.mark.parametrize("method", ["off", "ngram"])
+def test_a_request_resumed_on_a_fresh_engine_continues_at_its_position(llama_dir, vocab16_dir, method):
+    """Another worker knows nothing of the request's earlier draws: a seeded sampled request continues at its
+    position, with n-gram speculation too (its verification realizes the plain sampler's keyed draws)."""
+    model_dir, prompt = (llama_dir, "The quick brown fox") if method == "off" else (vocab16_dir, [3, 9, 4, 12, 7])
+    first = ns.LLM(model_dir, **FP32, speculation=SPEC[method]).engine
+    whole = first.make_request("whole", prompt, RESUMED_PARAMS)
+    outputs = run_outputs(first, whole)
+    assert len(outputs) > 3
+    if method == "ngram":
+        stats = first.stats()
+        assert 0 < stats["spec_num_accepted_tokens"] < stats["spec_num_draft_tokens"], stats
+    for cut in (1, len(outputs) // 2, len(outputs) - 1):
+        assert resume_on_a_fresh_engine(model_dir, SPEC[method], whole, outputs[:cut]) == whole.output_token_ids
+
+
+def test_a_request_resumed_with_a_draft_model_continues_reproducibly(llama_dir, draft_dir):
+    """With a draft model's sampled drafts the standard rejection rule decides a position by an accept test
+    inside a verification, where a resumed request's first step (a prefill) samples it plainly: the same
+    distribution, not the same tokens as the undisturbed run. What holds: a resume is reproducible, on any
+    engine, with no draws to count."""
+    spec = SPEC["draft"] | {"draft_model": str(draft_dir)}
+    first = ns.LLM(llama_dir, **FP32, speculation=spec).engine
+    whole = first.make_request("whole", "The quick brown fox", RESUMED_PARAMS)
+    outputs = run_outputs(first, whole)
+    stats = first.stats()
+    assert 0 < stats["spec_num_accepted_tokens"] < stats["spec_num_draft_tokens"], stats  # some drafts rejected
+    for cut in (1, len(outputs) // 2):
+        once = resume_on_a_fresh_engine(llama_dir, spec, whole, outputs[:cut])
+        assert resume_on_a_fresh_engine(llama_dir, spec, whole, outputs[:cut]) == once
+        assert len(once) == len(whole.output_token_ids)
 
 
 def test_merge_joins_deltas_and_keeps_the_last_finish_reason():
