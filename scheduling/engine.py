@@ -6,7 +6,6 @@ import time
 from pathlib import Path
 
 import numba
-import numpy as np
 
 from cluster_configs.diagnostics import DecisionLog
 from cluster_configs.engine_config import EngineConfig
@@ -31,6 +30,7 @@ from scheduling.request import Request, RequestStatus
 from scheduling.speculator import Speculator, spec_stats_off
 from scheduling.step_sampler import sample_step
 from scheduling.stop_checker import find_stop_string, finish_reason_after_token, num_safe_chars
+from scheduling.validation import RequestLimits, validate_request
 
 Prompt = str | list[int]
 
@@ -64,6 +64,9 @@ class Engine:
                                  weight_dtype=config.weight_dtype, kv_dtype=config.resolved_kv_dtype,
                                  activation_dtype=config.activation_dtype, decisions=self.decisions)
         self.speculator = Speculator(config.speculation, proposer, self.decisions) if proposer else None
+        # what make_request validates against (the KV pool fit only when every layer keeps all its KV)
+        self.limits = RequestLimits(s.vocab_size, self.max_model_len, block_size=bs,
+                                    num_kv_blocks=num_blocks if window <= 0 else None)
         self.num_generated_tokens = 0
 
     def register_adapter(self, name: str, path: str | Path) -> None:
@@ -86,25 +89,12 @@ class Engine:
                      priority: int = 0, adapter: str | None = None, cache_salt: str | None = None,
                      prompt_logits: bool = False) -> Request:
         """A validated request, not yet queued: every InvalidRequest is raised here, before any work."""
-        params = params or SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise InvalidRequest(f"params must be a numaserve.SamplingParams, got {type(params).__name__}")
         if request_id in self.requests:
             raise InvalidRequest(f"request id {request_id!r} is already running; use a unique id")
-        if adapter is not None and adapter not in self.adapters:
-            known = ", ".join(sorted(self.adapters)) or "none"
-            raise InvalidRequest(f"unknown adapter {adapter!r} (registered: {known}); register it first")
-        prompt_ids = self.encode_prompt(prompt)
-        limit = self.max_model_len if prompt_logits else self.max_model_len - 1
-        if len(prompt_ids) > limit:
-            raise InvalidRequest(f"prompt has {len(prompt_ids)} tokens but max_model_len={self.max_model_len} "
-                                 f"leaves room for at most {limit}; shorten the prompt")
+        prompt_ids, params = validate_request(prompt, params, self.limits, tokenizer=self.tokenizer, adapter=adapter,
+                                              adapters=self.adapters, prompt_logits=prompt_logits)
         req = Request(request_id, prompt_ids, params, priority=priority, adapter_id=adapter, cache_salt=cache_salt,
                       prompt_logits=prompt_logits, max_model_len=self.max_model_len)
-        num_blocks = -(-req.max_num_tokens // self.config.block_size)
-        if self.kv.sliding_window <= 0 and num_blocks > self.kv.pool.num_blocks:
-            raise InvalidRequest(f"request needs up to {num_blocks} KV blocks but the pool has "
-                                 f"{self.kv.pool.num_blocks}; lower max_tokens or raise kv_cache_bytes")
         if self.tokenizer is not None and not prompt_logits:
             req.detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids)
         return req
@@ -112,25 +102,6 @@ class Engine:
     def submit(self, req: Request) -> None:
         self.requests[req.request_id] = req
         self.batcher.add(req)
-
-    def encode_prompt(self, prompt: Prompt) -> list[int]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise InvalidRequest("the prompt is empty; pass at least one character or token")
-            if self.tokenizer is None:
-                raise InvalidRequest("this model directory has no tokenizer.json; pass token ids instead of text")
-            ids = self.tokenizer.encode(prompt)
-        elif isinstance(prompt, (list, tuple, np.ndarray)) and all(
-                isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in prompt):
-            ids = [int(t) for t in prompt]
-        else:
-            raise InvalidRequest(f"a prompt is a str or a list of int token ids, got {type(prompt).__name__}")
-        if not ids:
-            raise InvalidRequest("the prompt is empty; pass at least one token")
-        bad = [t for t in ids if not 0 <= t < self.spec.vocab_size]
-        if bad:
-            raise InvalidRequest(f"token ids {bad[:5]} are outside the vocabulary [0, {self.spec.vocab_size})")
-        return ids
 
     def abort(self, request_id: str) -> RequestOutput | None:
         req = self.requests.get(request_id)

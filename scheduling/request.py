@@ -7,6 +7,7 @@ import numpy as np
 
 from cluster_configs.sampling_params import SamplingParams
 from scheduling.sampler import request_seed
+from scheduling.validation import max_num_tokens
 
 _arrival = itertools.count()
 
@@ -30,7 +31,7 @@ class Request:
         self.prompt_logits = prompt_logits  # score(): keep the logits of every prompt position
         self.token_ids = list(prompt_token_ids)  # prompt + output
         self.num_prompt_tokens = len(prompt_token_ids)
-        self.max_num_tokens = min(max_model_len, self.num_prompt_tokens + (0 if prompt_logits else params.max_tokens))
+        self.max_num_tokens = max_num_tokens(self.num_prompt_tokens, params, max_model_len, prompt_logits)
         self.num_computed_tokens = 0  # tokens whose KV is in the cache
         self.num_cached_tokens = 0  # of those, taken from the prefix cache on admission
         self.block_ids: list[int] = []

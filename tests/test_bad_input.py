@@ -162,6 +162,27 @@ def test_validation_of_lengths_kv_and_logprobs():
         validate_request([5], ns.SamplingParams(logprobs=6), RequestLimits(VOCAB, max_logprobs=5))
 
 
+@pytest.mark.parametrize("prompt, params, adapter, message", [r for r in BAD_REQUESTS if r[2] != "nope"])
+def test_the_engine_validates_through_the_same_function(llm, prompt, params, adapter, message):
+    """Engine.make_request raises what validate_request raises for the engine's limits (vocabulary, max_model_len,
+    KV pool, logprobs), before any work."""
+    free_before = llm.stats()["num_free_blocks"]
+    with pytest.raises(ns.InvalidRequest, match=message) as raised:
+        llm.engine.make_request("bad", prompt, params, adapter=adapter)
+    with pytest.raises(ns.InvalidRequest) as expected:
+        validate_request(prompt, params, llm.engine.limits, tokenizer=llm.tokenizer, adapter=adapter,
+                         adapters=llm.engine.adapters)
+    assert (str(raised.value), raised.value.param) == (str(expected.value), expected.value.param)
+    assert llm.stats()["num_free_blocks"] == free_before and not llm.engine.has_unfinished()
+
+
+def test_the_engines_limits_are_its_vocabulary_length_and_kv_pool(llm):
+    assert llm.engine.limits == RequestLimits(VOCAB, MAX_MODEL_LEN, block_size=16,
+                                              num_kv_blocks=llm.stats()["num_blocks"])
+    with pytest.raises(ns.InvalidRequest, match="unknown adapter 'nope' \\(registered: none\\)"):
+        llm.engine.make_request("bad", [5, 6], GOOD, adapter="nope")
+
+
 def test_validation_returns_the_prompt_ids_and_params():
     limits = RequestLimits(VOCAB)  # what the router knows without a configured max_model_len: no length check
     ids, params = validate_request(np.array([5, 6, 7]), None, limits, adapter="a", adapters=None)
