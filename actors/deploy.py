@@ -203,7 +203,8 @@ def _start(config: ClusterConfig, placements: list[WorkerPlacement], name: str) 
             name=f"{name}.worker.{p.worker_id}", resources={p.resource: _worker_share(config)},
             runtime_env={"env_vars": {"NUMBA_NUM_THREADS": num_threads, "OMP_NUM_THREADS": num_threads}},
             **detached).remote(p, config.model, config.worker_engine_config(p), scheduler, adapter_cache,
-                               config.telemetry_interval_s, config.stream_interval_ms / 1000)
+                               config.telemetry_interval_s, config.stream_interval_ms / 1000,
+                               model_name=served_model_name(config))
     deadline = time.monotonic() + READY_TIMEOUT_S
     _wait_ready({f"worker {w}": h.info.remote() for w, h in workers.items()}, deadline)
     router = Router.options(name=f"{name}.router", resources=HEAD, **detached).remote(

@@ -4,8 +4,8 @@ uvicorn runs as a task on the actor's own event loop (Ray Serve's proxy does the
 router are awaited there: a stream's chunks arrive through the router's streaming generator with `await`,
 never a blocking ray.get. The actor is detached with unlimited restarts like the others; a restarted one
 binds its port again. The endpoints' logic is OpenAIServing (actors/openai_serving.py); this file wires it
-to HTTP and to the Ray actors. Prometheus metrics are not here yet: a GET /metrics route belongs beside
-/health in build_app.
+to HTTP and to the Ray actors. GET /metrics renders the workers' metrics (actors/metrics.py), gathered by the
+router, in Prometheus text format.
 """
 
 import asyncio
@@ -18,12 +18,14 @@ import ray
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from ray.exceptions import RayActorError, RayTaskError
 from sse_starlette import EventSourceResponse
 
 from actors.adapter_cache import lookup_adapter
 from actors.chat_template import load_chat_template
 from actors.client import cancel_stream
+from actors.metrics import render
 from actors.openai_errors import APIError, JSONBodies, install_error_handlers
 from actors.openai_protocol import ChatCompletionRequest, CompletionRequest, LoadLoraAdapterRequest
 from actors.openai_serving import OpenAIServing
@@ -118,6 +120,9 @@ class RayDeployment:
         except (TimeoutError, ray.exceptions.RayError):
             return 0  # the router itself is down or restarting
 
+    async def metrics(self) -> list[dict]:
+        return await _call(self.router.metrics.remote())
+
 
 # ---- the HTTP app ------------------------------------------------------------------------------------------
 
@@ -148,6 +153,10 @@ def build_app(serving: OpenAIServing) -> FastAPI:
             return Response(status_code=200)
         raise APIError(503, "no worker can serve (all are down or restarting); retry in a few seconds",
                        type="server_error", code="no_worker_available", headers={"Retry-After": "1"})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(render(await serving.deployment.metrics()), media_type=CONTENT_TYPE_LATEST)
 
     return app
 

@@ -167,6 +167,20 @@ class Router:
 
         return sum(await asyncio.gather(*(answers(w) for w in self.workers)))
 
+    async def metrics(self) -> list[dict]:
+        """Each live worker's metrics snapshot (actors/metrics.py); a worker that does not answer in time is
+        left out."""
+        async def ask(worker_id: str) -> dict | None:
+            if not self.routing.workers[worker_id].alive:
+                return None
+            try:
+                stats = await asyncio.wait_for(self.workers[worker_id].stats.remote(), STATS_TIMEOUT_S)
+            except (TimeoutError, ray.exceptions.RayError):
+                return None
+            return stats["metrics"]
+
+        return [m for m in await asyncio.gather(*(ask(w) for w in self.workers)) if m is not None]
+
     # ---- worker health and policy ------------------------------------------------------------------
 
     def _worker_lost(self, worker_id: str) -> None:

@@ -20,6 +20,7 @@ import ray
 
 from actors.adapter_cache import lookup_adapter
 from actors.delta_stream import DeltaStream, merge
+from actors.metrics import WorkerMetrics
 from actors.resume import Resume, resume_request
 from cluster_configs.cluster_config import WorkerPlacement
 from cluster_configs.engine_config import EngineConfig
@@ -38,7 +39,8 @@ STATS_TIMEOUT_S = 30.0
 @ray.remote(num_cpus=0)
 class NumaWorker:
     def __init__(self, placement: WorkerPlacement, model_path: str, engine_config: EngineConfig, scheduler=None,
-                 adapter_cache=None, telemetry_interval_s: float = 0.1, stream_interval_s: float = 0.0):
+                 adapter_cache=None, telemetry_interval_s: float = 0.1, stream_interval_s: float = 0.0,
+                 model_name: str | None = None):
         self.placement = placement
         num_pinned = numa.pin_process(placement.cpu_ids)  # before the engine exists: numba has no pool yet
         memory_policy = numa.bind_memory(numa.physical_node_ids(placement.cpu_ids, numa.read_topology()))
@@ -54,6 +56,7 @@ class NumaWorker:
         self._report_sent: float | None = None  # when the unanswered telemetry report went out
         self._num_threads = 0
         self._num_requests = 0  # served through generate (the warm-up is not one)
+        self.metrics = WorkerMetrics(model_name or Path(model_path).name, placement.worker_id, placement.node_id)
         self._failure: BaseException | None = None
         ready = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(ready,), name=f"step-loop-{placement.worker_id}",
@@ -181,15 +184,18 @@ class NumaWorker:
     def _handle(self, kind: str, arg) -> None:
         if kind == "submit":
             self.engine.submit(arg)
+            self.metrics.submitted(self.engine, arg)
         elif kind == "abort":
             out = self.engine.abort(arg)
             if out is not None:
+                self.metrics.outputs(self.engine, [out])
                 self._deliver([(arg, out)])
         elif kind == "stats":
             stats = self.engine.stats() | {"worker_id": self.placement.worker_id, "num_streams": len(self._streams),
                                            "num_requests": self._num_requests,
                                            "token_budget": self.engine.batcher.token_budget,
-                                           "max_num_seqs": self.engine.batcher.max_num_seqs}
+                                           "max_num_seqs": self.engine.batcher.max_num_seqs,
+                                           "metrics": self.metrics.snapshot(self.engine)}
             self._loop.call_soon_threadsafe(_set_result, arg, stats)
         elif kind == "policy":
             self._report_sent = None
@@ -215,6 +221,7 @@ class NumaWorker:
             self._fail_all(e)
             return
         meter.add(sum(max(r.num_computed_tokens - n, 0) for r, n in before), time.perf_counter() - start)
+        self.metrics.outputs(self.engine, outputs, start)
         if outputs:
             self._deliver([(out.request_id, out) for out in outputs])
 

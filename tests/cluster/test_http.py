@@ -14,6 +14,7 @@ import requests
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from prometheus_client.parser import text_string_to_metric_families
 from schemathesis import GenerationMode
 from transformers import AutoTokenizer
 
@@ -312,16 +313,89 @@ def test_a_full_deployment_answers_429_with_retry_after_and_serves_again(client,
 
 def test_requests_dropped_by_the_client_are_aborted_and_free_their_kv_blocks(client, api, url):
     wait_for(lambda: idle(client), 30, "an idle deployment")
-    generated = sum(w["num_generated_tokens"] for w in client.stats()["workers"].values())
+    aborted = metric(scrape(url), "numaserve:request_success_total", finished_reason="abort")
     long = {"model": MODEL, "max_tokens": 480, "temperature": 0, "extra_body": IGNORE_EOS}
     streams = [api.completions.create(prompt=random_prompt(8, seed=i), stream=True, **long) for i in range(3)]
     assert all(next(iter(s)).choices[0].text is not None for s in streams)  # each is running
+    assert metric(scrape(url), "numaserve:num_requests_running") == 3
+    assert metric(scrape(url), "numaserve:kv_cache_usage_perc") > 0
     for s in streams:
         s.close()
-    wait_for(lambda: idle(client), 20, "the dropped streams to be aborted")
-    now = sum(w["num_generated_tokens"] for w in client.stats()["workers"].values())
-    assert now - generated < 3 * 480, now - generated  # they did not run to their 480 tokens
+
+    def freed() -> dict | None:
+        samples = scrape(url)
+        gauges = [metric(samples, f"numaserve:{name}") for name in ("num_requests_running", "num_requests_waiting",
+                                                                    "kv_cache_usage_perc")]
+        return samples if gauges == [0, 0, 0] else None
+
+    samples = wait_for(freed, 20, "/metrics to show the dropped streams' requests and KV blocks gone")
+    # all three were aborted: none ran on to its 480 tokens (they live ~0.1 s of the ~0.5 s that takes here)
+    assert metric(samples, "numaserve:request_success_total", finished_reason="abort") - aborted == 3
+    assert idle(client)
     # a dropped non-streaming request: tests/test_http_disconnect.py (this model finishes 480 tokens too soon)
+
+
+def scrape(url: str) -> list:
+    """The samples of GET /metrics, parsed as Prometheus text."""
+    r = requests.get(f"{url}/metrics", timeout=30)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain"), r.text
+    return [sample for family in text_string_to_metric_families(r.text) for sample in family.samples]
+
+
+def metric(samples: list, name: str, **labels) -> float:
+    """The sum over workers of one sample name (with these labels)."""
+    return sum(s.value for s in samples if s.name == name and labels.items() <= s.labels.items())
+
+
+HISTOGRAMS = ("time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds",
+              "request_queue_time_seconds")
+
+
+def test_metrics_after_a_known_workload_count_exactly_and_histograms_are_ordered(client, api, url):
+    wait_for(lambda: idle(client), 30, "an idle deployment")
+    before = scrape(url)
+    greedy = {"model": MODEL, "temperature": 0, "extra_body": IGNORE_EOS}
+    answers = [api.completions.create(prompt=["def add(a, b):", "In the beginning", "x + y"], max_tokens=9,
+                                      **greedy),
+               api.completions.create(prompt="The quick brown fox", n=2, seed=3, max_tokens=5, **greedy),
+               api.chat.completions.create(messages=[{"role": "user", "content": "hi"}], max_tokens=7, **greedy)]
+    chunks = list(api.completions.create(prompt="x = 1", max_tokens=6, stream=True,
+                                         stream_options={"include_usage": True}, **greedy))
+    after = scrape(url)
+
+    def delta(name: str, **labels) -> float:
+        return metric(after, name, **labels) - metric(before, name, **labels)
+
+    num_requests = 3 + 2 + 1 + 1
+    # n=2 shares its prompt in usage, but each choice is a request that prefills it
+    prompt_tokens = sum(a.usage.prompt_tokens for a in answers) + answers[1].usage.prompt_tokens + \
+        chunks[-1].usage.prompt_tokens
+    generation_tokens = sum(a.usage.completion_tokens for a in answers) + chunks[-1].usage.completion_tokens
+    assert generation_tokens == 3 * 9 + 2 * 5 + 7 + 6
+    assert delta("numaserve:request_success_total", finished_reason="length") == num_requests
+    assert delta("numaserve:request_success_total") == num_requests
+    assert delta("numaserve:prompt_tokens_total") == prompt_tokens
+    assert delta("numaserve:generation_tokens_total") == generation_tokens
+    assert delta("numaserve:prefix_cache_queries_total") == prompt_tokens  # each admitted once, never preempted
+    assert 0 <= delta("numaserve:prefix_cache_hits_total") <= prompt_tokens
+    assert delta("numaserve:num_preemptions_total") == 0
+    for name in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds"):
+        assert delta(f"numaserve:{name}_count") == num_requests, name
+    # one token a step without speculation: an inter-token interval for each token after the first
+    assert delta("numaserve:inter_token_latency_seconds_count") == generation_tokens - num_requests
+    workers = {s.labels["worker"]: s.labels for s in after if s.name == "numaserve:num_requests_running"}
+    assert set(workers) == {"local-numa0-0", "local-numa1-0"}
+    assert {labels["numa_node"] for labels in workers.values()} == {"0", "1"}
+    assert {labels["model_name"] for labels in workers.values()} == {MODEL}
+    for worker in workers:
+        for name in HISTOGRAMS:
+            buckets = sorted((float(s.labels["le"]), s.value) for s in after
+                             if s.name == f"numaserve:{name}_bucket" and s.labels["worker"] == worker)
+            counts = [count for _, count in buckets]
+            assert len(counts) > 10 and counts == sorted(counts), (name, worker, buckets)  # cumulative
+            assert buckets[-1] == (float("inf"), metric(after, f"numaserve:{name}_count", worker=worker))
+            assert metric(after, f"numaserve:{name}_sum", worker=worker) > 0
+        assert metric(after, "numaserve:time_to_first_token_seconds_count", worker=worker) > 0  # both served
 
 
 def test_fuzzing_the_schema_finds_no_server_error(client, url):
@@ -340,3 +414,17 @@ def test_fuzzing_the_schema_finds_no_server_error(client, url):
             assert response.status_code < 500, (case.method, case.path, case.body, response.text[:500])
 
         no_server_error()
+
+
+def test_the_workers_metrics_reach_rays_prometheus_export(client, api):
+    assert serves(api)
+    [node] = [n for n in ray.nodes() if n["Alive"]]
+    url = f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics"
+
+    def exported() -> set | None:
+        text = requests.get(url, timeout=10).text
+        found = {s.labels.get("worker") for family in text_string_to_metric_families(text) for s in family.samples
+                 if s.name.startswith("ray_numaserve_generation_tokens")}
+        return found & {"local-numa0-0", "local-numa1-0"}
+
+    wait_for(exported, 60, "Ray's export to show a worker's numaserve_generation_tokens")  # every few seconds

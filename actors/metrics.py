@@ -1,0 +1,264 @@
+"""Prometheus metrics of a deployment: vLLM's names with a `numaserve:` prefix, labelled by model, worker and
+NUMA node.
+
+Each worker's loop thread keeps a WorkerMetrics: it times each request from its submission (queue time,
+time to first token, inter-token latency, end-to-end latency) and counts prompt and generation tokens and
+finished requests by reason, from the engine's outputs; running / waiting requests, KV usage, prefix-cache
+queries and hits and preemptions are read from the engine's own stats. It records all of them with
+ray.util.metrics, for Ray's per-node Prometheus export and dashboard (where Ray's rules make the names
+`ray_numaserve_...`), and keeps exact copies that its stats carry: the router gathers those
+(Router.metrics) and `render` turns them into the Prometheus text the HTTP server answers at GET /metrics.
+"""
+
+import bisect
+import math
+import time
+from dataclasses import dataclass
+
+from prometheus_client.core import (
+    CollectorRegistry,
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+)
+from prometheus_client.exposition import generate_latest
+from ray.util import metrics as ray_metrics
+
+LABELS = ("model_name", "worker", "numa_node")
+REASON = "finished_reason"
+FINISH_REASONS = ("stop", "length", "abort")
+RAY_GAUGE_INTERVAL_S = 0.1  # Ray exports every few seconds: fresher gauges buy nothing
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
+                    5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_REQUEST_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                    120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+@dataclass(frozen=True)
+class Metric:
+    name: str  # without the prefix; a counter's is rendered with _total
+    kind: str  # "gauge" | "counter" | "histogram"
+    help: str
+    buckets: tuple[float, ...] = ()
+
+
+GAUGES = (
+    Metric("num_requests_running", "gauge", "Requests in the worker's running batch"),
+    Metric("num_requests_waiting", "gauge", "Requests queued on the worker, not yet running"),
+    Metric("kv_cache_usage_perc", "gauge", "Fraction of the worker's KV blocks in use (1 = full)"),
+)
+# read from the engine's cumulative stats (those of the warm-up request taken off)
+ENGINE_COUNTERS = (
+    Metric("prefix_cache_queries", "counter", "Prompt tokens looked up in the prefix cache"),
+    Metric("prefix_cache_hits", "counter", "Prompt tokens found in the prefix cache"),
+    Metric("num_preemptions", "counter", "Requests preempted (their KV freed, recomputed later)"),
+)
+COUNTERS = (
+    Metric("prompt_tokens", "counter", "Prompt tokens of requests that reached their first token"),
+    Metric("generation_tokens", "counter", "Tokens generated"),
+)
+REQUEST_SUCCESS = Metric("request_success", "counter", "Finished requests by finish reason (abort: cancelled or "
+                                                       "its client went away)")
+HISTOGRAMS = (
+    Metric("time_to_first_token_seconds", "histogram", "From submission to the worker to the first token",
+           _LATENCY_BUCKETS),
+    Metric("inter_token_latency_seconds", "histogram", "Between a request's successive engine steps with tokens",
+           _LATENCY_BUCKETS),
+    Metric("e2e_request_latency_seconds", "histogram", "From submission to the worker to the finish",
+           _REQUEST_BUCKETS),
+    Metric("request_queue_time_seconds", "histogram", "From submission to the worker to its first scheduled step",
+           _REQUEST_BUCKETS),
+)
+ALL = (*GAUGES, *ENGINE_COUNTERS, *COUNTERS, REQUEST_SUCCESS, *HISTOGRAMS)
+
+
+def full_name(metric: Metric) -> str:
+    return f"numaserve:{metric.name}"
+
+
+@dataclass
+class _Timing:
+    arrival: float
+    scheduled: float | None = None
+    last_token: float | None = None
+    num_prompt_tokens: int = 0
+
+
+class WorkerMetrics:
+    """One worker's metrics; every method runs on the worker's loop thread, the one that owns the engine."""
+
+    def __init__(self, model_name: str, worker_id: str, numa_node: int):
+        self.labels = {"model_name": model_name, "worker": worker_id, "numa_node": str(numa_node)}
+        self.counters = dict.fromkeys((m.name for m in COUNTERS), 0)
+        self.finished = dict.fromkeys(FINISH_REASONS, 0)
+        self.histograms = {m.name: _Histogram(m.buckets) for m in HISTOGRAMS}
+        self.timings: dict[str, _Timing] = {}  # the requests submitted through the worker and not finished
+        self.unscheduled: set[str] = set()  # of those, the ones no step has run yet
+        self._engine_base: dict[str, float] | None = None  # the engine's counters before the first request
+        self._ray = _ray_metrics()
+        self._ray_engine_counters: dict[str, float] = {}
+        self._ray_gauges_at = -math.inf
+
+    def submitted(self, engine, req) -> None:
+        """req was just handed to the engine."""
+        if self._engine_base is None:
+            self._engine_base = _engine_counters(engine)
+        self.timings[req.request_id] = _Timing(time.perf_counter(), num_prompt_tokens=req.num_prompt_tokens)
+        self.unscheduled.add(req.request_id)
+
+    def outputs(self, engine, outputs: list, step_start: float | None = None) -> None:
+        """After an engine step that began at step_start (perf_counter), or an abort: outputs are the
+        RequestOutputs it emitted."""
+        now = time.perf_counter()
+        emitted = {out.request_id for out in outputs if out.token_ids}
+        for req_id in list(self.unscheduled):
+            req = engine.requests.get(req_id)  # None: finished in its first step, or aborted while waiting
+            ran = req.num_computed_tokens > 0 if req is not None else req_id in emitted
+            if ran:
+                self._observe("request_queue_time_seconds", (step_start or now) - self.timings[req_id].arrival)
+            if ran or req is None:
+                self.unscheduled.discard(req_id)
+        num_generated, num_prompt = 0, 0
+        any_finished = False
+        for out in outputs:
+            t = self.timings.get(out.request_id)
+            if t is None:
+                continue  # the warm-up request
+            if out.token_ids:
+                if t.last_token is None:
+                    self._observe("time_to_first_token_seconds", now - t.arrival)
+                    num_prompt += t.num_prompt_tokens
+                else:
+                    self._observe("inter_token_latency_seconds", now - t.last_token)
+                t.last_token = now
+                num_generated += len(out.token_ids)
+            if out.finish_reason is not None:
+                any_finished = True
+                del self.timings[out.request_id]
+                self.unscheduled.discard(out.request_id)
+                self._observe("e2e_request_latency_seconds", now - t.arrival)
+                self.finished[out.finish_reason] = self.finished.get(out.finish_reason, 0) + 1
+                self._ray[REQUEST_SUCCESS.name].inc(1, self.labels | {REASON: out.finish_reason})
+        self._count("prompt_tokens", num_prompt)
+        self._count("generation_tokens", num_generated)
+        if any_finished or now - self._ray_gauges_at >= RAY_GAUGE_INTERVAL_S:
+            self._ray_gauges_at = now
+            self._record_engine_stats(engine.stats(), _engine_counters(engine))
+
+    def snapshot(self, engine) -> dict:
+        """Exact values now, as plain data (it crosses to the router): the labels, then each metric's value;
+        a histogram's is {"buckets": upper bounds, "counts": per bucket and +Inf, "sum": ...}."""
+        for req_id in [r for r in self.timings if r not in engine.requests]:
+            del self.timings[req_id]  # failed with the engine's step: they have no output
+            self.unscheduled.discard(req_id)
+        stats, engine_counters = engine.stats(), _engine_counters(engine)
+        self._record_engine_stats(stats, engine_counters)
+        base = self._engine_base or engine_counters
+        values = _gauges(stats) | {k: v - base[k] for k, v in engine_counters.items()} | self.counters
+        return {"labels": dict(self.labels), "values": values, REQUEST_SUCCESS.name: dict(self.finished),
+                "histograms": {name: h.as_dict() for name, h in self.histograms.items()}}
+
+    def _observe(self, name: str, seconds: float) -> None:
+        self.histograms[name].observe(seconds)
+        self._ray[name].observe(seconds, self.labels)
+
+    def _count(self, name: str, n: int) -> None:
+        if n:
+            self.counters[name] += n
+            self._ray[name].inc(n, self.labels)
+
+    def _record_engine_stats(self, stats: dict, engine_counters: dict[str, float]) -> None:
+        for name, value in _gauges(stats).items():
+            self._ray[name].set(value, self.labels)
+        if self._engine_base is None:
+            return
+        for name, value in engine_counters.items():
+            delta = value - self._engine_base[name] - self._ray_engine_counters.get(name, 0)
+            if delta > 0:
+                self._ray[name].inc(delta, self.labels)
+                self._ray_engine_counters[name] = self._ray_engine_counters.get(name, 0) + delta
+
+
+class _Histogram:
+    def __init__(self, buckets: tuple[float, ...]):
+        self.buckets = buckets
+        self.counts = [0] * (len(buckets) + 1)  # the last: above every bound (+Inf)
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.buckets, value)] += 1  # the first bucket whose bound >= value
+        self.sum += value
+
+    def as_dict(self) -> dict:
+        return {"buckets": list(self.buckets), "counts": list(self.counts), "sum": self.sum}
+
+
+def _gauges(stats: dict) -> dict[str, float]:
+    return {"num_requests_running": stats["num_running"], "num_requests_waiting": stats["num_waiting"],
+            "kv_cache_usage_perc": stats["kv_usage"]}
+
+
+def _engine_counters(engine) -> dict[str, float]:
+    return {"prefix_cache_queries": engine.kv.num_lookup_tokens, "prefix_cache_hits": engine.kv.num_hit_tokens,
+            "num_preemptions": engine.batcher.num_preemptions}
+
+
+_ray_cache: dict | None = None
+
+
+def _ray_metrics() -> dict:
+    """This process's ray.util.metrics objects, one per metric (Ray's names cannot hold ':')."""
+    global _ray_cache
+    if _ray_cache is None:
+        _ray_cache = {}
+        for m in ALL:
+            name = full_name(m).replace(":", "_")
+            if m.kind == "gauge":
+                _ray_cache[m.name] = ray_metrics.Gauge(name, m.help, tag_keys=LABELS)
+            elif m.kind == "counter":
+                keys = (*LABELS, REASON) if m is REQUEST_SUCCESS else LABELS
+                _ray_cache[m.name] = ray_metrics.Counter(name, m.help, tag_keys=keys)
+            else:
+                _ray_cache[m.name] = ray_metrics.Histogram(name, m.help, boundaries=list(m.buckets), tag_keys=LABELS)
+    return _ray_cache
+
+
+# ---- the deployment's /metrics ----------------------------------------------------------------------------
+
+def render(snapshots: list[dict]) -> bytes:
+    """Prometheus text format of the workers' snapshots (WorkerMetrics.snapshot), one series per worker."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Collector(snapshots))
+    return generate_latest(registry)
+
+
+class _Collector:
+    def __init__(self, snapshots: list[dict]):
+        self.snapshots = snapshots
+
+    def collect(self):
+        for m in ALL:
+            name = full_name(m)
+            if m is REQUEST_SUCCESS:
+                family = CounterMetricFamily(name, m.help, labels=(*LABELS, REASON))
+                for s in self.snapshots:
+                    for reason, n in s[m.name].items():
+                        family.add_metric([*_label_values(s), reason], n)
+            elif m.kind == "histogram":
+                family = HistogramMetricFamily(name, m.help, labels=LABELS)
+                for s in self.snapshots:
+                    h = s["histograms"][m.name]
+                    cumulative = [sum(h["counts"][:i + 1]) for i in range(len(h["counts"]))]
+                    bounds = [*(repr(float(b)) for b in h["buckets"]), "+Inf"]
+                    family.add_metric(_label_values(s), list(zip(bounds, cumulative)), h["sum"])
+            else:
+                kind = GaugeMetricFamily if m.kind == "gauge" else CounterMetricFamily
+                family = kind(name, m.help, labels=LABELS)
+                for s in self.snapshots:
+                    family.add_metric(_label_values(s), s["values"][m.name])
+            yield family
+
+
+def _label_values(snapshot: dict) -> list[str]:
+    return [snapshot["labels"][k] for k in LABELS]
