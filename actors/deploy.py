@@ -107,7 +107,7 @@ def with_http(config: ClusterConfig, port: int | None = None, host: str | None =
         raise DeploymentError(f"{', '.join(update)} given without an HTTP port; pass the port too (http_port=..., "
                               "--http-port) or set `http: {port: ...}` in the config")
     http = (config.http or HttpConfig()).model_dump() | update
-    return config.model_copy(update={"http": HttpConfig.model_validate(http)})
+    return ClusterConfig.model_validate(config.model_dump() | {"http": http})  # a bad value: names http.<field>
 
 
 def load_config(config: ClusterConfig | str | Path | None, model: str | Path | None = None) -> ClusterConfig:

@@ -211,28 +211,37 @@ def _cpu_name() -> str:
     return found[1] if found else platform.processor()
 
 
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="numaserve bench", description=" ".join(__doc__.split("\n\n")[0].split()),
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--model", default="tinyllama-1.1b", help="random checkpoint shape (benchmarks/checkpoints.py)")
+    parser.add_argument("--dtypes", default="bfloat16,q8_0,q4_0", help="weight dtypes, comma-separated")
+    parser.add_argument("--activation-dtypes", default="float32,bfloat16,int8", type=lambda s: s.split(","),
+                        help="activation dtypes, comma-separated (each with the weight dtypes it is meant for)")
+    parser.add_argument("--all-combinations", action="store_true",
+                        help="also bf16 activations with quantized weights and int8 activations with bf16 weights")
+    parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
+                        help="threads of each engine (unless given: every core this process may run on)")
+    parser.add_argument("--samples", type=int, default=3, help="timed samples per engine and row")
+    parser.add_argument("--decode-tokens", type=int, default=128, help="tokens decoded per batch-1 sample")
+    parser.add_argument("--batched-steps", type=int, default=32, help="decode steps per batched sample")
+    parser.add_argument("--batches", default="8,32", type=lambda s: [int(b) for b in s.split(",")],
+                        help="batch sizes besides 1, comma-separated")
+    parser.add_argument("--numaserve-threading", default="auto", choices=["auto", *NUMASERVE_THREADING],
+                        help="numaserve's threading layer; auto: the faster in a short trial")
+    parser.add_argument("--no-llamacpp", action="store_true", help="numaserve only")
+    parser.add_argument("--no-torch-first", action="store_true", help='skip the "torch imported first" pair')
+    parser.add_argument("--out", default=str(RESULTS / "decode.json"), help="JSON to write (and the PNG beside it)")
+    return parser
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if any(m in sys.modules for m in ENGINE_MODULES):  # e.g. under `numaserve bench`: restart without them
         sys.stdout.flush()
         os.execve(sys.executable, [sys.executable, "-m", "benchmarks.bench_decode", *argv],
                   os.environ | {"PYTHONPATH": str(Path(__file__).resolve().parent.parent)})
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="tinyllama-1.1b")
-    parser.add_argument("--dtypes", default="bfloat16,q8_0,q4_0")
-    parser.add_argument("--activation-dtypes", default=["float32", "bfloat16", "int8"], type=lambda s: s.split(","))
-    parser.add_argument("--all-combinations", action="store_true",
-                        help="also bf16 activations with quantized weights and int8 activations with bf16 weights")
-    parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
-    parser.add_argument("--samples", type=int, default=3)
-    parser.add_argument("--decode-tokens", type=int, default=128)
-    parser.add_argument("--batched-steps", type=int, default=32)
-    parser.add_argument("--batches", default="8,32", type=lambda s: [int(b) for b in s.split(",")])
-    parser.add_argument("--numaserve-threading", default="auto", choices=["auto", *NUMASERVE_THREADING])
-    parser.add_argument("--no-llamacpp", action="store_true")
-    parser.add_argument("--no-torch-first", action="store_true")
-    parser.add_argument("--out", default=str(RESULTS / "decode.json"))
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
     os.environ["NUMBA_THREADING_LAYER"] = "workqueue"  # this process's probes; the engines get CLEAN_ENV
     from benchmarks.machine import MachineProbe
 

@@ -11,9 +11,26 @@ from cluster_configs.errors import NumaserveError
 from cluster_configs.sampling_params import SamplingParams
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """argparse's "(default: X)" after each option's help, unless the help says its default itself (it must
+    when the default is None: "None" would not say what happens)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if "default" in (action.help or "") or action.default is None:
+            return action.help or ""
+        return super()._get_help_string(action)
+
+
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     for name, field in EngineConfig.model_fields.items():  # validated (and coerced) by EngineConfig
-        p.add_argument(f"--{name.replace('_', '-')}", dest=name, metavar="VALUE", help=field.description)
+        flag = f"--{name.replace('_', '-')}"
+        if name == "speculation":
+            p.add_argument(flag, dest=name, metavar="JSON", type=json.loads,
+                           help='speculative decoding, a JSON object of SpeculationConfig fields, e.g. '
+                                '\'{"method": "ngram", "num_speculative_tokens": 4}\' (default: off)')
+        else:
+            p.add_argument(flag, dest=name, metavar="VALUE",
+                           help=f"{field.description} (default: {field.default})")  # None: EngineConfig's
 
 
 def _engine_fields(args) -> dict:
@@ -21,15 +38,17 @@ def _engine_fields(args) -> dict:
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.8)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--seed", type=int)
-    p.add_argument("--stop", action="append", default=[])
-    p.add_argument("--repetition-penalty", type=float, default=1.0)
-    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most")
+    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0, help="sample from the likeliest tokens holding this much "
+                                                            "probability")
+    p.add_argument("--top-k", type=int, default=0, help="sample from the k likeliest tokens; 0 = all")
+    p.add_argument("--min-p", type=float, default=0.0, help="drop tokens less likely than min_p times the likeliest")
+    p.add_argument("--seed", type=int, help="seed of the sampling draws (default: a fresh one each run)")
+    p.add_argument("--stop", action="append", default=[], help="a string that ends the text; repeat for several "
+                                                               "(default: none)")
+    p.add_argument("--repetition-penalty", type=float, default=1.0, help="> 1 discourages repeating tokens")
+    p.add_argument("--ignore-eos", action="store_true", help="go on past the end-of-sequence token")
 
 
 def _sampling(args) -> SamplingParams:
@@ -58,14 +77,18 @@ def cmd_demo(args) -> None:
 def cmd_serve(args) -> None:
     from actors import deploy
 
-    config = deploy.load_config(args.config, args.model)
+    config = deploy.with_http(deploy.load_config(args.config, args.model), port=args.http_port, host=args.http_host,
+                              served_model_name=args.served_model_name)
     deploy.init_ray(config, persistent=True)  # starts `ray start --head` if no cluster is running
-    stats = deploy.serve(config, name=args.name).stats()
+    client = deploy.serve(config, name=args.name)
+    stats = client.stats()
     print(f"numaserve: {args.name!r} serves {config.model} with {len(stats['workers'])} workers")
     for worker_id, w in stats["workers"].items():
         info = w.get("info", {})
         print(f"  {worker_id}: cores {info.get('cpu_ids')}, {info.get('num_threads')} threads, "
               f"memory {info.get('memory_policy')}")
+    if client.http_url is not None:
+        print(f"OpenAI-compatible API at {client.http_url}/v1 (metrics at {client.http_url}/metrics)")
     print(f"connect with numaserve.connect({args.name!r}); stop with `numaserve shutdown --name {args.name}`")
 
 
@@ -115,8 +138,9 @@ def _add_calibrate_parser(sub) -> None:
     from models.calibration import CalibrationOptions
 
     defaults = CalibrationOptions()
-    cal = sub.add_parser("calibrate", help="measure int8 activation ranges and errors per matrix; writes the "
-                                           "calibration file the engine reads beside MODEL")
+    cal = sub.add_parser("calibrate", formatter_class=HelpFormatter,
+                         help="measure int8 activation ranges and errors per matrix; writes the calibration file "
+                              "the engine reads beside MODEL")
     cal.add_argument("model", help="model directory or .gguf file")
     cal.add_argument("--text", help="UTF-8 text to calibrate on (default: the demo model card's held-out set, "
                                     "the Python standard library files it never trained on)")
@@ -131,14 +155,24 @@ def _add_calibrate_parser(sub) -> None:
 
 
 def _add_cluster_parsers(sub) -> None:
-    serve = sub.add_parser("serve", help="start a deployment on the Ray cluster (starting a head if none runs)")
+    serve = sub.add_parser("serve", formatter_class=HelpFormatter,
+                           help="start a deployment on the Ray cluster (starting a head if none runs), with an "
+                                "OpenAI-compatible HTTP API when given --http-port")
     serve.add_argument("--config", default=str(Path(__file__).parent.parent / "cluster_configs" / "local.yaml"),
                        help="ClusterConfig YAML (default: cluster_configs/local.yaml)")
-    serve.add_argument("--model", help="model directory or GGUF file (overrides the config's)")
+    serve.add_argument("--model", help="model directory or GGUF file (default: the config's model)")
+    serve.add_argument("--http-port", type=int, help="serve the OpenAI-compatible API (/v1/completions, "
+                                                     "/v1/chat/completions, /v1/models, /health, /metrics) on this "
+                                                     "port (default: the config's http.port; none: no HTTP server)")
+    serve.add_argument("--http-host", help="address the HTTP server binds, e.g. 0.0.0.0 for every interface "
+                                           "(default: the config's http.host, else 127.0.0.1: loopback only)")
+    serve.add_argument("--served-model-name", help="the name requests give as `model` (default: the config's "
+                                                   "http.served_model_name, else the model folder's name)")
     serve.set_defaults(func=cmd_serve)
-    stats = sub.add_parser("stats", help="print a deployment's workers, routing and policy as JSON")
+    stats = sub.add_parser("stats", formatter_class=HelpFormatter,
+                           help="print a deployment's workers, routing and policy as JSON")
     stats.set_defaults(func=cmd_stats)
-    shutdown = sub.add_parser("shutdown", help="stop every actor of a deployment")
+    shutdown = sub.add_parser("shutdown", formatter_class=HelpFormatter, help="stop every actor of a deployment")
     shutdown.set_defaults(func=cmd_shutdown)
     for p in (serve, stats, shutdown):
         p.add_argument("--name", default="numaserve", help="deployment name")
@@ -147,21 +181,24 @@ def _add_cluster_parsers(sub) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="numaserve", description="CPU-native LLM serving")
+    parser = argparse.ArgumentParser(prog="numaserve", description="CPU-native LLM serving",
+                                     formatter_class=HelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    gen = sub.add_parser("generate", help="stream a completion of PROMPT from MODEL_DIR")
-    gen.add_argument("model_dir")
-    gen.add_argument("prompt")
+    gen = sub.add_parser("generate", formatter_class=HelpFormatter, help="stream a completion of PROMPT from "
+                                                                           "MODEL_DIR in this process (no Ray)")
+    gen.add_argument("model_dir", help="model directory (Hugging Face safetensors) or GGUF file")
+    gen.add_argument("prompt", help="the text to complete")
     _add_sampling_args(gen)
     _add_engine_args(gen)
     gen.set_defaults(func=cmd_generate)
-    demo = sub.add_parser("demo", help="generate from the shipped demo model")
-    demo.add_argument("--max-tokens", type=int, default=48)
+    demo = sub.add_parser("demo", formatter_class=HelpFormatter,
+                          help="serve the shipped demo model and its adapters, with and without speculation")
+    demo.add_argument("--max-tokens", type=int, default=48, help="tokens to generate per prompt")
     demo.set_defaults(func=cmd_demo)
     _add_calibrate_parser(sub)
     _add_cluster_parsers(sub)
-    sub.add_parser("bench", help="decode/prefill benchmark against llama.cpp; `numaserve bench --help` for its "
-                                 "options")
+    sub.add_parser("bench", formatter_class=HelpFormatter,
+                   help="decode/prefill benchmark against llama.cpp; `numaserve bench --help` for its options")
     return parser
 
 

@@ -1,8 +1,10 @@
 """`numaserve serve --config`, `numaserve stats`, `numaserve shutdown`, and their bad input."""
 
 import json
+import socket
 
 import pytest
+import requests
 
 import numaserve as ns
 from actors.deploy import DeploymentError
@@ -13,12 +15,18 @@ NAME = "cli"
 
 
 def test_serve_stats_shutdown(ray_cluster, llama_dir, capsys):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
     assert main(["serve", "--config", str(CONFIGS / "two_numa_sim.yaml"), "--model", str(llama_dir),
-                 "--name", NAME]) == 0
+                 "--name", NAME, "--http-port", str(port), "--served-model-name", "tiny"]) == 0
     out = capsys.readouterr().out
     assert f"'{NAME}' serves {llama_dir} with 2 workers" in out
     assert "local-numa0-0: cores [0], 1 threads" in out and "local-numa1-0: cores [1], 1 threads" in out
+    assert f"OpenAI-compatible API at http://127.0.0.1:{port}/v1" in out
     try:
+        models = requests.get(f"http://127.0.0.1:{port}/v1/models", timeout=30).json()
+        assert [m["id"] for m in models["data"]] == ["tiny"]
         done = ns.connect(NAME).generate("The quick brown fox", ns.SamplingParams(max_tokens=4, temperature=0))
         assert len(done.token_ids) == 4
         assert main(["stats", "--name", NAME]) == 0
@@ -43,6 +51,24 @@ def test_serve_with_a_bad_config_exits_2_naming_the_field(tmp_path, capsys, yaml
     path.write_text(yaml_text)
     assert main(["serve", "--config", str(path), "--name", NAME]) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--http-port", "0"], "http.port"),
+    (["--http-port", "70000"], "http.port"),
+    (["--http-host", "0.0.0.0"], "without an HTTP port"),
+    (["--served-model-name", "x"], "without an HTTP port"),
+    (["--http-port", "8000", "--served-model-name", ""], "http.served_model_name"),
+])
+def test_serve_with_bad_http_options_exits_2_naming_the_fix(capsys, args, message):
+    assert main(["serve", "--config", str(CONFIGS / "two_numa_sim.yaml"), "--name", NAME, *args]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_serve_with_a_non_integer_http_port_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["serve", "--http-port", "eighty"])
+    assert exit_.value.code == 2 and "--http-port: invalid int value" in capsys.readouterr().err
 
 
 def test_stats_and_shutdown_of_an_unknown_deployment_exit_2(ray_cluster, capsys):
