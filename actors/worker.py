@@ -3,7 +3,9 @@
 Threads: the actor's event loop serves generate/abort/stats/info; one loop thread owns the Engine and is
 the only thread that touches it after construction (numba kernels must never run from two threads).
 They talk through `_inbox` (requests, aborts, stats queries, in) and `call_soon_threadsafe` (outputs,
-out). The loop thread also reports StepTelemetry to the scheduler and applies the Policy it answers.
+out). The loop thread also reports StepTelemetry to the scheduler (with the speculator's SpecTelemetry) and
+applies the Policy it answers: batch limits and the speculation policy. Until the first answer the engine's
+own controller decides speculation; while the scheduler is dead or restarting the last answer stays in force.
 An adapter a request names is looked up in the AdapterCache once and loaded by the loop thread.
 """
 
@@ -243,7 +245,8 @@ class NumaWorker:
         stats = self.engine.stats()
         telemetry = StepTelemetry(self.placement.worker_id, stats["num_running"], stats["num_waiting"],
                                   meter.num_steps, meter.num_tokens, meter.mean_step_s, stats["kv_usage"],
-                                  stats["num_preemptions"])
+                                  stats["num_preemptions"],
+                                  self.engine.speculator.telemetry() if self.engine.speculator else None)
         meter.reset()
         self._report_sent = time.monotonic()
         answer = self._scheduler.report.remote(telemetry).future()
@@ -252,6 +255,8 @@ class NumaWorker:
     def _apply(self, policy: Policy) -> None:
         self.engine.batcher.token_budget = policy.token_budget
         self.engine.batcher.max_num_seqs = policy.max_num_seqs
+        if policy.speculation is not None and self.engine.speculator is not None:
+            self.engine.speculator.push(policy.speculation)
 
 
 class _StepMeter:
