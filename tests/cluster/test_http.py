@@ -332,7 +332,7 @@ def test_requests_dropped_by_the_client_are_aborted_and_free_their_kv_blocks(cli
     # all three were aborted: none ran on to its 480 tokens (they live ~0.1 s of the ~0.5 s that takes here)
     assert metric(samples, "numaserve:request_success_total", finished_reason="abort") - aborted == 3
     assert idle(client)
-    # a dropped non-streaming request: tests/test_http_disconnect.py (this model finishes 480 tokens too soon)
+    # a dropped non-streaming request: tests/test_http_server.py (this model finishes 480 tokens too soon)
 
 
 def scrape(url: str) -> list:

@@ -1,5 +1,6 @@
-"""The HTTP server over a stub deployment whose requests never finish (no Ray, no model): a client that goes
-away, from a stream or from a non-streaming request, cancels every request it opened."""
+"""The HTTP server over stub deployments (no Ray, no model): a client that goes away, from a stream or from a
+non-streaming request, cancels every request it opened (the stub's requests never finish); with no worker
+alive, /health and requests answer 503 with Retry-After and an OpenAI error body."""
 
 import asyncio
 import socket
@@ -8,10 +9,12 @@ import time
 
 import openai
 import pytest
+import requests
 import uvicorn
 
 from actors.http_server import build_app
 from actors.openai_serving import OpenAIServing
+from cluster_configs.errors import Overloaded, Unavailable
 from scheduling.outputs import RequestOutput
 
 
@@ -43,9 +46,34 @@ class EndlessDeployment:
         return {"tokenizer": None, "vocab_size": 100, "max_model_len": 64}
 
 
+class RefusingStream:
+    def __init__(self, error: Exception):
+        self.error = error
+
+    async def next(self):
+        raise self.error
+
+    def cancel(self) -> None:
+        pass
+
+
+class DownDeployment(EndlessDeployment):
+    """No worker alive; requests refused as the router refuses them."""
+
+    def __init__(self, error: Exception):
+        super().__init__()
+        self.error = error
+
+    def generate(self, prompt, params, adapter):
+        return RefusingStream(self.error)
+
+    async def num_serving_workers(self) -> int:
+        return 0
+
+
 @pytest.fixture
-def server():
-    deployment = EndlessDeployment()
+def server(request):
+    deployment = getattr(request, "param", None) or EndlessDeployment()
     app = build_app(OpenAIServing(deployment, "stub", "/stub", None, False, "fp_stub"))
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -85,3 +113,25 @@ def test_a_dropped_stream_cancels_each_of_its_choices(server):
     stream.close()
     wait_for(lambda: len(deployment.cancelled) >= 2, "the two choices to be cancelled")
     assert {id(s) for s in deployment.cancelled} == {id(s) for s in deployment.opened}
+
+
+@pytest.mark.parametrize("server", [DownDeployment(Unavailable("no worker is available; retry in a few seconds"))],
+                         indirect=True)
+def test_with_no_worker_alive_health_and_requests_answer_503_with_retry_after(server):
+    url, _ = server
+    health = requests.get(f"{url}/health", timeout=10)
+    assert health.status_code == 503 and health.headers["Retry-After"] == "1"
+    assert health.json()["error"]["code"] == "no_worker_available"
+    r = requests.post(f"{url}/v1/completions", json={"prompt": [1, 2]}, timeout=10)
+    assert r.status_code == 503 and r.headers["Retry-After"] == "1"
+    assert r.json()["error"] == {"message": "no worker is available; retry in a few seconds", "type": "server_error",
+                                 "param": None, "code": "no_worker_available"}
+
+
+@pytest.mark.parametrize("server", [DownDeployment(Overloaded("every worker's queue is full; retry later"))],
+                         indirect=True)
+def test_an_overloaded_deployment_answers_429_with_retry_after(server):
+    url, _ = server
+    r = requests.post(f"{url}/v1/completions", json={"prompt": [1, 2], "stream": True}, timeout=10)
+    assert r.status_code == 429 and r.headers["Retry-After"] == "1"
+    assert r.json()["error"]["type"] == "rate_limit_error"
