@@ -50,3 +50,24 @@ def random_checkpoint(name: str, seed: int = 0) -> Path:
     (directory / "config.json").write_text(json.dumps(config, indent=2))
     os.replace(directory / "model.safetensors.tmp", directory / "model.safetensors")
     return directory
+
+
+def with_word_tokenizer(name: str) -> Path:
+    """random_checkpoint(name) with a tokenizer.json whose every id is a word ("t0" ... "t31999", no special
+    tokens): each generated token then has text, as it would with a real model, so servers stream it."""
+    source = random_checkpoint(name)
+    directory = CACHE / f"{name}-words"
+    if (directory / "tokenizer.json").exists():
+        return directory
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    directory.mkdir(parents=True, exist_ok=True)
+    for file in ("config.json", "model.safetensors"):
+        if not (directory / file).exists():
+            (directory / file).symlink_to(source / file)
+    vocab_size = SHAPES[name]["vocab_size"]
+    tokenizer = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.save(str(directory / "tokenizer.json.tmp"))
+    os.replace(directory / "tokenizer.json.tmp", directory / "tokenizer.json")
+    return directory
