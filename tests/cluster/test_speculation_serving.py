@@ -1,14 +1,20 @@
 """Speculative decoding through the deployment (two_numa_sim.yaml): greedy results equal the in-process engine
 without speculation under concurrent streams (n-gram drafts in mode "on", a draft model in mode "auto"), each
 worker reports its figures, and a worker killed mid-stream loses no request and changes no token (greedy and
-seeded sampling)."""
+seeded sampling). The scheduler actor decides each worker's speculation policy from its telemetry: the workers
+apply what it pushes (a worker with a stub scheduler drafts at the pushed depth, not its configured one) and
+keep the last push once the scheduler is dead."""
 
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import ray
 
 import numaserve as ns
+from actors.worker import NumaWorker
+from scheduling.policy import Policy
+from scheduling.spec_policy import SpeculationPolicy
 from tests.cluster.conftest import collect, reference_outputs, sim_config
 from tests.conftest import random_prompt
 from tests.test_speculation import perturbed_copy
@@ -33,13 +39,53 @@ def client(request, ray_cluster, llama_dir, tmp_path_factory):
         spec = {"method": "draft", "draft_model": str(draft), "mode": "auto"}
     client = ns.serve(sim_config("two_numa_sim", engine={"max_num_seqs": 16, "speculation": spec}),
                       model=llama_dir, name=NAME)
-    client.method = request.param
+    client.method, client.mode = request.param, spec["mode"]
     yield client
     client.shutdown()
 
 
+def num_speculated(client, key: str = "spec_num_accepted_tokens") -> dict[str, int]:
+    return {w: s.get(key, 0) for w, s in client.stats()["workers"].items()}  # 0: down
+
+
 def num_accepted(client) -> dict[str, int]:
-    return {w: s.get("spec_num_accepted_tokens", 0) for w, s in client.stats()["workers"].items()}  # 0: down
+    return num_speculated(client)
+
+
+POLICY_FIELDS = {"max_depth": "spec_max_depth", "accept_rates": "spec_accept_rate_ema", "fixed_s": "spec_step_fixed_s",
+                 "per_token_s": "spec_step_per_token_s", "draft_s_per_position": "spec_draft_s_per_position",
+                 "draft_s_per_token": "spec_draft_s_per_token", "draft_cost_factor": "spec_draft_cost_factor"}
+
+
+def in_force(worker_stats: dict) -> dict:
+    """The speculation policy a worker applies (its stats), in the scheduler's terms."""
+    return {field: tuple(worker_stats[key]) if field == "accept_rates" else worker_stats[key]
+            for field, key in POLICY_FIELDS.items()}
+
+
+def pushed(policy: dict) -> dict:
+    """The same fields of a policy in Scheduler.stats()."""
+    return {field: tuple(policy[field]) if field == "accept_rates" else policy[field] for field in POLICY_FIELDS}
+
+
+def wait_until(condition, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if value := condition():
+            return value
+        time.sleep(0.2)
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+
+
+def wait_for_both_workers(client) -> None:
+    """A worker an earlier test killed is back (restarted, warmed up, probed alive by the router)."""
+    wait_until(lambda: all(s.get("alive") and "spec_depth" in s for s in client.stats()["workers"].values()), 120,
+               "both workers to serve")
+
+
+def worker_stats(worker_id: str) -> dict:
+    """A worker's stats from its actor (client.stats() asks the scheduler too)."""
+    return ray.get(ray.get_actor(f"{NAME}.worker.{worker_id}", namespace="numaserve").stats.remote(), timeout=30)
 
 
 def test_greedy_results_through_the_client_equal_no_speculation(client, llama_dir, plain_config):
@@ -47,12 +93,15 @@ def test_greedy_results_through_the_client_equal_no_speculation(client, llama_di
     params = [ns.SamplingParams(max_tokens=10 + i, temperature=0, ignore_eos=True, stop=["lazy"] if i == 1 else ())
               for i in range(16)]
     expected = reference_outputs(llama_dir, plain_config, prompts, params)
-    before = num_accepted(client)
+    # speculation did run: n-gram drafts on these prompts are accepted; the perturbed draft model's first drafts
+    # mostly are not (0 of 25 accepted in one run), so there the test counts verifications
+    key = "spec_num_accepted_tokens" if client.method == "ngram" else "spec_num_drafts"
+    before = num_speculated(client, key)
     with ThreadPoolExecutor(16) as pool:
         got = list(pool.map(lambda a: collect(client.stream(*a)), zip(prompts, params)))
     assert [g[:3] for g in got] == [(e.token_ids, e.text, e.finish_reason) for e in expected]
-    after = num_accepted(client)
-    assert sum(after.values()) > sum(before.values()), after  # speculation did run
+    after = num_speculated(client, key)
+    assert sum(after.values()) > sum(before.values()), after
     for stats in client.stats()["workers"].values():
         assert {"spec_num_drafts", "spec_accepted_per_position", "spec_depth", "spec_accept_rate_ema"} <= set(stats)
 
@@ -76,3 +125,99 @@ def test_killing_a_speculating_worker_mid_stream_changes_no_token(client, llama_
     assert [f.text + r[1] for f, r in zip(firsts, rests)] == [e.text for e in expected]
     assert client.stats()["routed"]["reroute"] > rerouted_before
     assert num_accepted(client)[survivor] > before[survivor]  # it speculated, on the moved requests too
+
+
+def test_workers_apply_the_speculation_policy_the_scheduler_pushes(client):
+    wait_for_both_workers(client)
+    params = ns.SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
+    streams = [client.stream(random_prompt(12, seed=31 + i) * 4, params) for i in range(8)]  # copy-heavy
+    for stream in streams:
+        next(stream)
+
+    def live():  # a worker in the middle of the streams (mode "on": drafting at once)
+        stats = client.stats()
+        return next(((w, s, stats["policies"][w]["speculation"]) for w, s in stats["workers"].items()
+                     if s.get("num_running") and (s["spec_depth"] or client.mode != "on")), None)
+    worker_id, stats, policy = wait_until(live, 30, "a worker serving the streams")
+    if client.mode == "on":  # forced: the pushed depth is the configured one, and the worker drafts that deep
+        assert stats["spec_depth"] == policy["max_depth"] == stats["spec_max_depth"] == 4
+    else:
+        assert stats["spec_depth"] <= policy["max_depth"]
+    for stream in streams:
+        collect(stream)
+
+    def same_policy():  # once idle, the worker's telemetry no longer changes: the last push is in force
+        stats = client.stats()
+        return all(s["spec_policy_source"] == "scheduler" and in_force(s) == pushed(stats["policies"][w]["speculation"])
+                   for w, s in stats["workers"].items()) and stats
+    stats = wait_until(same_policy, 20, "every worker to apply the scheduler's last policy")
+    for worker_id, policy in stats["policies"].items():
+        assert policy["speculation"]["mode"] == client.mode  # forced "on" stays on; auto decides
+        telemetry = policy["telemetry"]["speculation"]
+        assert telemetry["method"] == client.method and telemetry["num_step_costs"] > 0
+        assert tuple(telemetry["accept_rates"]) == tuple(stats["workers"][worker_id]["spec_accept_rate_ema"])
+
+
+@ray.remote(num_cpus=0)
+class PushingScheduler:
+    """Answers every report with one fixed Policy; keeps the last telemetry it got."""
+
+    def __init__(self, policy: Policy):
+        self.policy, self.last = policy, None
+
+    def report(self, telemetry):
+        self.last = telemetry
+        return self.policy
+
+    def last_telemetry(self):
+        return self.last
+
+
+def test_a_worker_drafts_at_the_depth_its_scheduler_pushes_not_its_configured_one(ray_cluster, llama_dir,
+                                                                                   plain_config):
+    config = sim_config("two_numa_sim", engine={"max_num_seqs": 16, "speculation": SPEC | {"mode": "auto"}})
+    forced = SpeculationPolicy("on", 2, (0.6,) * 4, 1.0, 1 / 16, 0.0, 1.0, 1.0)
+    scheduler = PushingScheduler.remote(Policy(256, 16, 32, forced))
+    placement = config.placements()[1]
+    worker = NumaWorker.options(runtime_env={"env_vars": {"NUMBA_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}}).remote(
+        placement, str(llama_dir), config.worker_engine_config(placement), scheduler, None, 0.05)
+    try:
+        ray.get(worker.info.remote(), timeout=120)
+        wait_until(lambda: ray.get(scheduler.last_telemetry.remote()) is not None, 10, "the first report")
+        prompt = random_prompt(12, seed=32) * 4
+        params = ns.SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
+        token_ids = [t for ref in worker.generate.remote("r0", prompt, params) for t in ray.get(ref).token_ids]
+        assert token_ids == reference_outputs(llama_dir, plain_config, [prompt], params)[0].token_ids
+        stats = ray.get(worker.stats.remote())
+        assert stats["spec_policy_source"] == "scheduler" and stats["spec_max_depth"] == 2
+        # forced on at depth 2: two drafts per run (its own controller would decide from acceptance up to 4)
+        assert stats["spec_num_drafts"] < stats["spec_num_draft_tokens"] <= 2 * stats["spec_num_drafts"]
+        assert stats["spec_verified_per_position"][2:] == [0, 0]
+        telemetry = ray.get(scheduler.last_telemetry.remote()).speculation
+        assert telemetry.config == config.engine.speculation and len(telemetry.accept_rates) == 4
+        assert telemetry.step_costs and telemetry.cost_prior == (0.0, 0.0) and not telemetry.catches_up
+    finally:
+        ray.kill(worker)
+        ray.kill(scheduler)
+
+
+def test_workers_keep_the_last_policy_and_serve_exactly_when_the_scheduler_is_gone(client, llama_dir, plain_config):
+    # last in the module: the scheduler does not come back in this deployment
+    wait_for_both_workers(client)
+    def settled():
+        stats = client.stats()
+        return all(in_force(s) == pushed(stats["policies"][w]["speculation"]) for w, s in stats["workers"].items()) \
+            and {w: pushed(p["speculation"]) for w, p in stats["policies"].items()}
+    last = wait_until(settled, 20, "every worker to apply the scheduler's last policy")
+    ray.kill(ray.get_actor(f"{NAME}.scheduler", namespace="numaserve"), no_restart=True)
+    before = {w: worker_stats(w)["spec_num_accepted_tokens"] for w in last}
+    prompts = [random_prompt(10, seed=800 + i) * 3 for i in range(8)]
+    params = ns.SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    expected = reference_outputs(llama_dir, plain_config, prompts, params)
+    with ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(lambda p: collect(client.stream(p, params)), prompts))
+    assert [g[:3] for g in got] == [(e.token_ids, e.text, e.finish_reason) for e in expected]
+    for worker_id, policy in last.items():
+        stats = worker_stats(worker_id)
+        assert stats["spec_policy_source"] == "scheduler" and in_force(stats) == policy  # not re-decided locally
+    assert sum(worker_stats(w)["spec_num_accepted_tokens"] - n for w, n in before.items()) > 0  # it speculated
