@@ -236,5 +236,9 @@ class Router:
             workers[worker_id] = {"alive": load.alive, "num_outstanding_requests": load.num_requests,
                                   "num_outstanding_tokens": load.num_tokens,
                                   "admission_bound": load.admission_bound} | answer
+        try:
+            policies = await asyncio.wait_for(self.scheduler.stats.remote(), STATS_TIMEOUT_S)
+        except (TimeoutError, ray.exceptions.RayError) as e:
+            policies = {"error": repr(e)}  # the scheduler is dead or restarting; the workers serve on
         return {"workers": workers, "routed": dict(self.routing.num_routed), "num_overloaded": self.num_overloaded,
-                "router_pid": os.getpid(), "policies": await self.scheduler.stats.remote()}
+                "router_pid": os.getpid(), "policies": policies}
