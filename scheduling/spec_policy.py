@@ -23,7 +23,8 @@ Modes scale what a draft token is charged (`draft_cost_factor`):
 - on: always the configured depth. Every mode respects max_compute_fraction and the token budget; all but
   "on" stop drafting when the KV pool is nearly full.
 When no draft has been verified for PROBE_INTERVAL steps, the policy probes at depth 1 so that a
-returning acceptance is seen (acceptance is only measured where drafts are made). A proposer that must
+returning acceptance is seen (acceptance is only measured where drafts are made), unless drafting could
+not pay even at full acceptance (a proposer as dear as the target). A proposer that must
 catch up on every token it missed (a draft model runs them through its own KV) probes one request, and
 each probe that does not bring drafting back doubles the wait (up to MAX_PROBE_BACKOFF times).
 
@@ -40,15 +41,16 @@ after it, it keeps the last pushed policy until the next, also while the schedul
 import math
 from collections import deque
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from cluster_configs.speculation_config import SpeculationConfig
 
 PRIOR_ACCEPT = 0.6  # acceptance assumed at a position before any draft there was verified
+PRIOR_WEIGHT = 2.0  # the prior counts as this many verified drafts
 PRIOR_SLOPE_RATIO = 1 / 16  # per-token / fixed cost of a step until two token counts were measured
-ACCEPT_ALPHA = 0.02  # EMA weight of one verified draft
+ACCEPT_ALPHA = 0.02  # EMA weight of one verified draft, once a position has seen 1 / ACCEPT_ALPHA of them
 COST_WINDOW = 256  # recent steps the cost fit uses
 MIN_LOCAL_SAMPLES = 8  # steps near the decision's size that make a local cost fit
 PROBE_INTERVAL = 64  # steps without a verified draft before a depth-1 probe
@@ -86,10 +88,15 @@ def count_positions(results: Iterable[tuple[int, int]], depth: int) -> tuple[tup
 
 
 class AcceptanceEMA:
-    """Per-position conditional acceptance, an EMA weighted by the number of drafts verified there."""
+    """Per-position conditional acceptance. Until a position has seen about 1 / ACCEPT_ALPHA verified drafts
+    its rate is their mean, the prior counting as PRIOR_WEIGHT drafts (so a proposer that never hits is
+    found out in a few drafts, not a few hundred); after that, an EMA weighing each draft ACCEPT_ALPHA.
+    A position never verified yet takes the rate of the one before it: a run that always passes at
+    position 0 is not assumed to fail at position 1 just because it has not been tried there."""
 
-    def __init__(self, rates: Sequence[float]):
+    def __init__(self, rates: Sequence[float], counts: Sequence[float] | None = None):
         self.rates = np.array(rates, np.float64)
+        self.counts = np.zeros(len(self.rates)) if counts is None else np.array(counts, np.float64)
 
     @classmethod
     def prior(cls, depth: int) -> "AcceptanceEMA":
@@ -98,8 +105,12 @@ class AcceptanceEMA:
     def update(self, num_drafts: Sequence[int], num_accepted: Sequence[int]) -> None:
         for i, (n, a) in enumerate(zip(num_drafts, num_accepted)):
             if n > 0 and i < len(self.rates):
-                weight = 1.0 - (1.0 - ACCEPT_ALPHA) ** n
+                self.counts[i] += n
+                weight = max(n / (PRIOR_WEIGHT + self.counts[i]), 1.0 - (1.0 - ACCEPT_ALPHA) ** n)
                 self.rates[i] += weight * (a / n - self.rates[i])
+        for i in range(1, len(self.rates)):
+            if self.counts[i] == 0:
+                self.rates[i] = self.rates[i - 1]
 
 
 class StepCostModel:
@@ -208,10 +219,20 @@ def speculation_policy(t: SpecTelemetry) -> SpeculationPolicy:
         draft_fixed_s, draft_per_token_s = fit_step_cost(t.draft_pass_costs, 2 * num_requests)
     else:
         draft_fixed_s, draft_per_token_s = t.cost_prior[0] * fixed_s, t.cost_prior[1] * per_token_s
-    probe = (cfg.mode != "on" and max_depth > 0
-             and t.num_steps_without_drafts >= probe_interval(t.catches_up, t.num_idle_probes))
-    return SpeculationPolicy(cfg.mode, max_depth, t.accept_rates, fixed_s, per_token_s, draft_fixed_s, factor,
-                             cfg.max_compute_fraction, probe, draft_per_token_s, 1 if t.catches_up else None)
+    policy = SpeculationPolicy(cfg.mode, max_depth, t.accept_rates, fixed_s, per_token_s, draft_fixed_s, factor,
+                               cfg.max_compute_fraction, False, draft_per_token_s, 1 if t.catches_up else None)
+    if (cfg.mode != "on" and max_depth > 0
+            and t.num_steps_without_drafts >= probe_interval(t.catches_up, t.num_idle_probes)
+            and pays_at_full_acceptance(policy, num_requests)):
+        policy = replace(policy, probe=True)
+    return policy
+
+
+def pays_at_full_acceptance(policy: SpeculationPolicy, num_requests: int) -> bool:
+    """Would drafting pay for a decode batch of this size if every draft were accepted? If not, a probe
+    could only find that it does not (a proposer dearer than the target's own steps)."""
+    full = replace(policy, accept_rates=(1.0,) * len(policy.accept_rates))
+    return max(choose_depths(full, num_requests, [policy.max_depth] * num_requests)) > 0
 
 
 class SpeculationController:

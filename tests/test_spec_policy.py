@@ -17,6 +17,9 @@ from scheduling.batcher import StepPlan
 from scheduling.outputs import StepResult
 from scheduling.policy import BatchingPolicy, PolicyLimits, StepTelemetry
 from scheduling.spec_policy import (
+    ACCEPT_ALPHA,
+    PRIOR_ACCEPT,
+    PRIOR_WEIGHT,
     PROBE_INTERVAL,
     AcceptanceEMA,
     SpecStepStats,
@@ -180,9 +183,23 @@ def test_cost_fit_recovers_the_measured_step_cost():
 def test_position_counts_follow_each_requests_accepted_run():
     # drafted 3 accepted 1: positions 0, 1 verified; drafted 2 accepted 2: both; drafted 0: none
     assert count_positions([(3, 1), (2, 2), (0, 0)], 4) == ((2, 2, 0, 0), (2, 1, 0, 0))
-    ema = AcceptanceEMA.prior(2)
-    ema.update((100, 0), (100, 0))
-    assert ema.rates[0] > 0.85 and ema.rates[1] == pytest.approx(0.6)
+    ema = AcceptanceEMA.prior(3)
+    ema.update((100, 0, 0), (100, 0, 0))
+    assert ema.rates[0] > 0.98 and ema.rates[1] == ema.rates[2] == ema.rates[0]  # untried: as the one before
+    ema.update((50, 50, 0), (0, 50, 0))
+    assert ema.rates[0] < 0.5 and ema.rates[1] > 0.98 and ema.rates[2] == ema.rates[1]
+
+
+def test_acceptance_is_learnt_in_a_few_drafts_then_smoothed():
+    ema = AcceptanceEMA.prior(1)
+    for _ in range(8):  # a proposer that never hits: its mean with the prior's two drafts
+        ema.update((1,), (0,))
+    assert ema.rates[0] == pytest.approx(PRIOR_ACCEPT * PRIOR_WEIGHT / (PRIOR_WEIGHT + 8))
+    for _ in range(1000):
+        ema.update((1,), (1,))
+    rate = ema.rates[0]
+    ema.update((1,), (0,))  # long after: one draft moves it by the EMA weight
+    assert ema.rates[0] == pytest.approx(rate * (1 - ACCEPT_ALPHA))
 
 
 def test_speculation_config_nests_in_engine_config_and_names_bad_fields():
@@ -313,6 +330,15 @@ def test_policy_from_telemetry_follows_mode_kv_and_method():
     latency = ns.SpeculationConfig(method="ngram", num_speculative_tokens=K, mode="latency_first")
     assert speculation_policy(spec_telemetry(config=latency, num_waiting=4)).draft_cost_factor == 1.0
     assert speculation_policy(spec_telemetry(config=ns.SpeculationConfig())) == SpeculationPolicy.off()
+
+
+def test_no_probe_for_a_proposer_that_cannot_pay_even_when_every_draft_is_accepted():
+    idle = spec_telemetry(accept_rates=(0.0,) * K, num_requests=1, num_steps_without_drafts=PROBE_INTERVAL)
+    assert speculation_policy(idle).probe
+    # measured passes as dear as the target's own step: even all-accepted drafts lose
+    dear = tuple((n, 2 * (FIXED_S + PER_TOKEN_S * n)) for n in (1, 2) * 8)
+    p = speculation_policy(replace(idle, draft_pass_costs=dear))
+    assert not p.probe and max(choose_depths(replace(p, accept_rates=(1.0,) * K), 1, [K])) == 0
 
 
 def test_policy_from_telemetry_probes_after_the_interval_and_backs_off_for_a_catching_up_proposer():
