@@ -2,6 +2,7 @@
 two_numa_sim.yaml and machine `sim0` of two_node_sim.yaml at once (it declares both sets of NUMA
 resources); the multi-machine test adds machine `sim1` and removes it again."""
 
+import time
 from pathlib import Path
 
 import pytest
@@ -29,6 +30,16 @@ def reference_outputs(model_dir, config: ns.ClusterConfig, prompts: list,
     for name, path in (adapters or {}).items():
         llm.register_adapter(name, path)
     return llm.generate(prompts, params, adapter=next(iter(adapters), None) if adapters else None)
+
+
+def wait_for(condition, timeout_s: float, what: str):
+    """condition()'s first truthy value, polled every 0.1 s; fails naming `what` after timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if value := condition():
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
 
 
 def collect(stream) -> tuple[list[int], str, str | None, int]:

@@ -19,7 +19,7 @@ from schemathesis import GenerationMode
 from transformers import AutoTokenizer
 
 import numaserve as ns
-from tests.cluster.conftest import reference_outputs, sim_config
+from tests.cluster.conftest import reference_outputs, sim_config, wait_for
 from tests.conftest import random_prompt
 
 NAME = "http"
@@ -59,14 +59,6 @@ def url(client) -> str:
 def api(url) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
 
-
-def wait_for(condition, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if value := condition():
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
 
 
 def idle(client) -> bool:

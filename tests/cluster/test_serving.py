@@ -14,7 +14,7 @@ from ray.util.state import list_actors
 
 import numaserve as ns
 from actors.deploy import DeploymentError
-from tests.cluster.conftest import REPO, collect, reference_outputs, sim_config
+from tests.cluster.conftest import REPO, collect, reference_outputs, sim_config, wait_for
 from tests.conftest import random_prompt
 
 NAME = "serving"
@@ -44,14 +44,6 @@ def worker_handle(worker_id: str):
 def worker_stats(client) -> dict:
     return client.stats()["workers"]
 
-
-def wait_for(condition, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if value := condition():
-            return value
-        time.sleep(0.2)
-    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
 
 
 def test_greedy_results_equal_the_in_process_engine_under_32_concurrent_streams(client, llama_dir, config):

@@ -5,7 +5,6 @@ seeded sampling). The scheduler actor decides each worker's speculation policy f
 apply what it pushes (a worker with a stub scheduler drafts at the pushed depth, not its configured one) and
 keep the last push once the scheduler is dead."""
 
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -15,7 +14,7 @@ import numaserve as ns
 from actors.worker import NumaWorker
 from scheduling.policy import Policy
 from scheduling.spec_policy import SpeculationPolicy
-from tests.cluster.conftest import collect, reference_outputs, sim_config
+from tests.cluster.conftest import collect, reference_outputs, sim_config, wait_for
 from tests.conftest import random_prompt
 from tests.test_speculation import perturbed_copy
 
@@ -68,18 +67,10 @@ def pushed(policy: dict) -> dict:
     return {field: tuple(policy[field]) if field == "accept_rates" else policy[field] for field in POLICY_FIELDS}
 
 
-def wait_until(condition, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if value := condition():
-            return value
-        time.sleep(0.2)
-    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-
 
 def wait_for_both_workers(client) -> None:
     """A worker an earlier test killed is back (restarted, warmed up, probed alive by the router)."""
-    wait_until(lambda: all(s.get("alive") and "spec_depth" in s for s in client.stats()["workers"].values()), 120,
+    wait_for(lambda: all(s.get("alive") and "spec_depth" in s for s in client.stats()["workers"].values()), 120,
                "both workers to serve")
 
 
@@ -133,7 +124,7 @@ def test_workers_apply_the_speculation_policy_the_scheduler_pushes(client):
         stats = client.stats()
         return next(((w, s, stats["policies"][w]["speculation"]) for w, s in stats["workers"].items()
                      if s.get("num_running") and (s["spec_depth"] or client.mode != "on")), None)
-    worker_id, stats, policy = wait_until(live, 30, "a worker serving the streams")
+    worker_id, stats, policy = wait_for(live, 30, "a worker serving the streams")
     if client.mode == "on":  # forced: the pushed depth is the configured one, and the worker drafts that deep
         assert stats["spec_depth"] == policy["max_depth"] == stats["spec_max_depth"] == 4
     else:
@@ -145,7 +136,7 @@ def test_workers_apply_the_speculation_policy_the_scheduler_pushes(client):
         stats = client.stats()
         return all(s["spec_policy_source"] == "scheduler" and in_force(s) == pushed(stats["policies"][w]["speculation"])
                    for w, s in stats["workers"].items()) and stats
-    stats = wait_until(same_policy, 20, "every worker to apply the scheduler's last policy")
+    stats = wait_for(same_policy, 20, "every worker to apply the scheduler's last policy")
     for worker_id, policy in stats["policies"].items():
         assert policy["speculation"]["mode"] == client.mode  # forced "on" stays on; auto decides
         telemetry = policy["telemetry"]["speculation"]
@@ -178,7 +169,7 @@ def test_a_worker_drafts_at_the_depth_its_scheduler_pushes_not_its_configured_on
         placement, str(llama_dir), config.worker_engine_config(placement), scheduler, None, 0.05)
     try:
         ray.get(worker.info.remote(), timeout=120)
-        wait_until(lambda: ray.get(scheduler.last_telemetry.remote()) is not None, 10, "the first report")
+        wait_for(lambda: ray.get(scheduler.last_telemetry.remote()) is not None, 10, "the first report")
         prompt = random_prompt(12, seed=32) * 4
         params = ns.SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
         token_ids = [t for ref in worker.generate.remote("r0", prompt, params) for t in ray.get(ref).token_ids]
@@ -203,7 +194,7 @@ def test_workers_keep_the_last_policy_and_serve_exactly_when_the_scheduler_is_go
         stats = client.stats()
         return all(in_force(s) == pushed(stats["policies"][w]["speculation"]) for w, s in stats["workers"].items()) \
             and {w: pushed(p["speculation"]) for w, p in stats["policies"].items()}
-    last = wait_until(settled, 20, "every worker to apply the scheduler's last policy")
+    last = wait_for(settled, 20, "every worker to apply the scheduler's last policy")
     ray.kill(ray.get_actor(f"{NAME}.scheduler", namespace="numaserve"), no_restart=True)
     before = num_speculated(client, "spec_num_drafts")
     prompts = [random_prompt(10, seed=800 + i) * 3 for i in range(8)]
