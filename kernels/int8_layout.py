@@ -1,16 +1,20 @@
 """The int8-activation layout: activations quantized per 32-value block, weights repacked to match.
 
 Columns are taken in groups of 8 blocks (GROUP = 256 values; K is zero-padded to a whole number of
-groups). Inside a group, value e of pair j of block b (original column 32 b + 2 j + e) moves to
-position 16 j + 2 b + e, so one 16-value vector holds a pair from each of the 8 blocks and a
-pairwise multiply-add (vpmaddwd) leaves block b's partial sum in int32 lane b: 16 of them give the
-8 blocks' exact dot products without any shuffle (kernels/simd_int8.py).
+groups). Inside a group, a vector holds W consecutive values of each of the 8 blocks: value e of run j
+of block b (original column 32 b + W j + e) moves to position 8 W j + W b + e. A multiply-add over
+runs then leaves block b's partial sums in its own lanes, with no shuffle:
+  pair order (W = 2, q8_0): 16-value int16 vectors, vpmaddwd leaves block b in int32 lane b
+      (kernels/simd_int8.py);
+  quad order (W = 4, q4_0): 32-value int8 vectors, vpmaddubsw leaves block b in int16 lanes 2b, 2b + 1
+      (kernels/simd_u8s8.py).
 
-  activations: xq int16 [T, Kp] (values -127..127), xd f32 [T, Kp // 32] block scales,
-               xsum int32 [T, Kp // 32] block sums of xq (q4_0's offset of 8 is corrected with them)
-  q8_0 weights: int8 [N, Kp] in the same order; q4_0 weights: uint8 [N, Kp // 2], per group 8 chunks
-               of 16 bytes, chunk c holding vector 2c in its low nibbles and vector 2c + 1 in its high
-               nibbles (the GGML nibble 0..15 = value + 8); scales: fp16 bits uint16 [N, Kp // 32].
+  activations: xq [T, Kp] (values -127..127) int16 in pair order or int8 in quad order, xd f32
+               [T, Kp // 32] block scales, xsum int32 [T, Kp // 32] block sums of xq (q4_0's offset of
+               8 is corrected with them)
+  q8_0 weights: int8 [N, Kp] in pair order; q4_0 weights: uint8 [N, Kp // 2] in quad order, per group
+               4 chunks of 32 bytes, chunk c holding vector 2c in its low nibbles and vector 2c + 1 in
+               its high nibbles (the GGML nibble 0..15 = value + 8); scales: fp16 bits uint16 [N, Kp // 32].
 Dynamic quantization (per block): d = max|x| / 127, q = rint(x * (1 / d)); static (calibrated,
 per tensor): d = s, q = clip(rint(x * (1 / s)), -127, 127).
 """
@@ -21,6 +25,7 @@ from numba import njit, prange
 QK = 32
 BLOCKS_PER_GROUP = 8
 GROUP = QK * BLOCKS_PER_GROUP
+PAIRS, QUADS = 2, 4  # values of a block side by side in a vector: q8_0's order, q4_0's
 PARALLEL_MIN_TOKENS = 16  # waking the thread pool costs more than quantizing a few rows
 
 
@@ -28,17 +33,22 @@ def padded_k(k: int) -> int:
     return -(-k // GROUP) * GROUP
 
 
+def activation_dtype(weight_dtype: str) -> type:
+    """xq's dtype for a q8_0 (pair order) or q4_0 (quad order) matrix: the quantizer writes the order it implies."""
+    return np.int8 if weight_dtype == "q4_0" else np.int16
+
+
 @njit(inline="always", nogil=True)
-def _packed_index(k):
+def _packed_index(k, width):
     # original column k (within the padded row) -> its position in the packed row
     g, r = divmod(k, GROUP)
     b, within = divmod(r, QK)
-    j, e = divmod(within, 2)
-    return g * GROUP + j * 16 + b * 2 + e
+    j, e = divmod(within, width)
+    return g * GROUP + j * BLOCKS_PER_GROUP * width + b * width + e
 
 
 @njit(inline="always", nogil=True)
-def _quantize_row(x, t, xq, xd, xsum, inv_static, static_scale):
+def _quantize_row(x, t, xq, xd, xsum, inv_static, static_scale, width):
     # one token row, a group of 8 blocks at a time: quantize in column order (vectorizes), then move
     # the 256 values to the packed order
     K = x.shape[1]
@@ -67,31 +77,32 @@ def _quantize_row(x, t, xq, xd, xsum, inv_static, static_scale):
             xd[t, blk] = d
             xsum[t, blk] = total
         base = g * GROUP
-        for j in range(16):
+        for j in range(QK // width):
             for b in range(BLOCKS_PER_GROUP):
-                xq[t, base + j * 16 + b * 2] = q[b * QK + 2 * j]
-                xq[t, base + j * 16 + b * 2 + 1] = q[b * QK + 2 * j + 1]
+                for e in range(width):
+                    xq[t, base + (j * BLOCKS_PER_GROUP + b) * width + e] = q[b * QK + width * j + e]
 
 
 @njit(cache=True, nogil=True)
-def _quantize_serial(x, xq, xd, xsum, inv_static, static_scale):
+def _quantize_serial(x, xq, xd, xsum, inv_static, static_scale, width):
     for t in range(x.shape[0]):
-        _quantize_row(x, t, xq, xd, xsum, inv_static, static_scale)
+        _quantize_row(x, t, xq, xd, xsum, inv_static, static_scale, width)
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def _quantize_parallel(x, xq, xd, xsum, inv_static, static_scale):
+def _quantize_parallel(x, xq, xd, xsum, inv_static, static_scale, width):
     for t in prange(x.shape[0]):
-        _quantize_row(x, t, xq, xd, xsum, inv_static, static_scale)
+        _quantize_row(x, t, xq, xd, xsum, inv_static, static_scale, width)
 
 
 def quantize_activations(x: np.ndarray, xq: np.ndarray, xd: np.ndarray, xsum: np.ndarray,
                          static_scale: float = 0.0) -> None:
-    # x: [T, K] f32 -> xq: [T, Kp] int16, xd: [T, Kp // 32] f32, xsum: [T, Kp // 32] int32
-    # static_scale > 0: every block uses that scale (calibrated); 0: per-block dynamic scales
+    # x: [T, K] f32 -> xq: [T, Kp] int16 (pair order) | int8 (quad order), xd: [T, Kp // 32] f32,
+    # xsum: [T, Kp // 32] int32; static_scale > 0: every block uses that scale (calibrated); 0: per-block
+    # dynamic scales
     inv = np.float32(1.0) / np.float32(static_scale) if static_scale > 0 else np.float32(0.0)
     run = _quantize_parallel if x.shape[0] >= PARALLEL_MIN_TOKENS else _quantize_serial
-    run(x, xq, xd, xsum, inv, np.float32(static_scale))
+    run(x, xq, xd, xsum, inv, np.float32(static_scale), QUADS if xq.dtype == np.int8 else PAIRS)
 
 
 @njit(cache=True, nogil=True, parallel=True)
@@ -100,13 +111,13 @@ def pack_q8_0(qs, out):
     K = qs.shape[1]
     for n in prange(qs.shape[0]):
         for k in range(out.shape[1]):
-            out[n, _packed_index(k)] = qs[n, k] if k < K else 0
+            out[n, _packed_index(k, PAIRS)] = qs[n, k] if k < K else 0
 
 
 @njit(cache=True, nogil=True, parallel=True)
 def pack_q4_0(qs, out):
     # qs: [N, K // 2] uint8 (GGML nibbles: byte i of a block = element i | element i + 16 << 4)
-    # -> out: [N, Kp // 2] uint8, per group chunk c = vector 2c (low nibbles) | vector 2c + 1 (high)
+    # -> out: [N, Kp // 2] uint8 in quad order, per group chunk c = vector 2c (low nibbles) | 2c + 1 (high)
     K = qs.shape[1] * 2
     for n in prange(qs.shape[0]):
         for k in range(out.shape[1] * 2):
@@ -115,10 +126,10 @@ def pack_q4_0(qs, out):
                 blk, i = divmod(k, QK)
                 byte = np.int64(qs[n, blk * 16 + i % 16])
                 nibble = byte & 15 if i < 16 else byte >> 4
-            p = _packed_index(k)
+            p = _packed_index(k, QUADS)
             g, r = divmod(p, GROUP)
-            j, m = divmod(r, 16)  # vector j of the group, lane m
-            dst = g * (GROUP // 2) + (j // 2) * 16 + m
+            j, m = divmod(r, 32)  # vector j of the group, lane m
+            dst = g * (GROUP // 2) + (j // 2) * 32 + m
             out[n, dst] |= nibble << (4 * (j % 2))
 
 
@@ -134,11 +145,10 @@ def unpack_int8_weights(packed, is_q4, K, out):
     # the inverse of pack_q8_0 / pack_q4_0 as values: packed -> out: [N, K] int8 (q4_0: nibble - 8)
     for n in prange(packed.shape[0]):
         for k in range(K):
-            p = _packed_index(k)
             if is_q4:
-                g, r = divmod(p, GROUP)
-                j, m = divmod(r, 16)
-                byte = np.int64(packed[n, g * (GROUP // 2) + (j // 2) * 16 + m])
+                g, r = divmod(_packed_index(k, QUADS), GROUP)
+                j, m = divmod(r, 32)
+                byte = np.int64(packed[n, g * (GROUP // 2) + (j // 2) * 32 + m])
                 out[n, k] = ((byte >> (4 * (j % 2))) & 15) - 8
             else:
-                out[n, k] = packed[n, p]
+                out[n, k] = packed[n, _packed_index(k, PAIRS)]

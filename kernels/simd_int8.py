@@ -17,30 +17,30 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-_I8, _I16, _I32, _I64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
-_F32 = ir.FloatType()
-_V8F, _V8I = ir.VectorType(_F32, 8), ir.VectorType(_I32, 8)
-_V16I8, _V16I16 = ir.VectorType(_I8, 16), ir.VectorType(_I16, 16)
-_GROUP = 256
+I8, I16, I32, I64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
+F32 = ir.FloatType()
+V8F, V8I = ir.VectorType(F32, 8), ir.VectorType(I32, 8)
+V16I8, V16I16 = ir.VectorType(I8, 16), ir.VectorType(I16, 16)
+GROUP = 256
 
 
-def _const(value):
-    return ir.Constant(_I64, value)
+def const64(value):
+    return ir.Constant(I64, value)
 
 
-def _load(builder, base, offset, vec_type):
+def load_vec(builder, base, offset, vec_type):
     ptr = builder.gep(base, [offset])
     return builder.load(builder.bitcast(ptr, vec_type.as_pointer()), align=1)
 
 
-def _hsum8(builder, vec):
+def hsum8(builder, vec):
     width = 8
     while width > 1:
         width //= 2
-        lo = builder.shuffle_vector(vec, vec, ir.Constant(ir.VectorType(_I32, width), list(range(width))))
-        hi = builder.shuffle_vector(vec, vec, ir.Constant(ir.VectorType(_I32, width), list(range(width, 2 * width))))
+        lo = builder.shuffle_vector(vec, vec, ir.Constant(ir.VectorType(I32, width), list(range(width))))
+        hi = builder.shuffle_vector(vec, vec, ir.Constant(ir.VectorType(I32, width), list(range(width, 2 * width))))
         vec = builder.fadd(lo, hi)
-    return builder.extract_element(vec, ir.Constant(_I32, 0))
+    return builder.extract_element(vec, ir.Constant(I32, 0))
 
 
 @intrinsic(prefer_literal=True)
@@ -70,31 +70,31 @@ def int8_block(typingctx, xq, xd, xsum, data, scales, out, t0, n0, rows, tokens)
         n0_ = context.cast(builder, args[7], signature.args[7], types.int64)
         Kp = cgutils.unpack_tuple(builder, xa.shape, 2)[1]
         N = cgutils.unpack_tuple(builder, oa.shape, 2)[1]
-        num_blocks = builder.udiv(Kp, _const(32))
-        w_per_row = builder.udiv(Kp, _const(2)) if is_q4 else Kp
+        num_blocks = builder.udiv(Kp, const64(32))
+        w_per_row = builder.udiv(Kp, const64(2)) if is_q4 else Kp
         module = builder.module
-        pmaddwd = cgutils.get_or_insert_function(module, ir.FunctionType(_V8I, [_V16I16, _V16I16]),
+        pmaddwd = cgutils.get_or_insert_function(module, ir.FunctionType(V8I, [V16I16, V16I16]),
                                                  "llvm.x86.avx2.pmadd.wd")
-        fma = cgutils.get_or_insert_function(module, ir.FunctionType(_V8F, [_V8F] * 3), "llvm.fma.v8f32")
-        token_rows = [builder.add(t0_, _const(t)) for t in range(TB)]
-        weight_rows = [builder.add(n0_, _const(r)) for r in range(R)]
-        accs = [[cgutils.alloca_once_value(builder, ir.Constant(_V8F, None)) for _ in range(TB)] for _ in range(R)]
+        fma = cgutils.get_or_insert_function(module, ir.FunctionType(V8F, [V8F] * 3), "llvm.fma.v8f32")
+        token_rows = [builder.add(t0_, const64(t)) for t in range(TB)]
+        weight_rows = [builder.add(n0_, const64(r)) for r in range(R)]
+        accs = [[cgutils.alloca_once_value(builder, ir.Constant(V8F, None)) for _ in range(TB)] for _ in range(R)]
 
-        with cgutils.for_range(builder, builder.udiv(Kp, _const(_GROUP))) as loop:
+        with cgutils.for_range(builder, builder.udiv(Kp, const64(GROUP))) as loop:
             g = loop.index
-            blk0 = builder.mul(g, _const(8))
-            x_base = [builder.add(builder.mul(row, Kp), builder.mul(g, _const(_GROUP))) for row in token_rows]
-            w_base = [builder.add(builder.mul(row, w_per_row), builder.mul(g, _const(_GROUP // 2 if is_q4 else _GROUP)))
+            blk0 = builder.mul(g, const64(8))
+            x_base = [builder.add(builder.mul(row, Kp), builder.mul(g, const64(GROUP))) for row in token_rows]
+            w_base = [builder.add(builder.mul(row, w_per_row), builder.mul(g, const64(GROUP // 2 if is_q4 else GROUP)))
                       for row in weight_rows]
-            dx = [_load(builder, da.data, builder.add(builder.mul(row, num_blocks), blk0), _V8F) for row in token_rows]
-            dw = [builder.fpext(_load(builder, ca.data, builder.add(builder.mul(row, num_blocks), blk0),
-                                      ir.VectorType(ir.HalfType(), 8)), _V8F) for row in weight_rows]
+            dx = [load_vec(builder, da.data, builder.add(builder.mul(row, num_blocks), blk0), V8F) for row in token_rows]
+            dw = [builder.fpext(load_vec(builder, ca.data, builder.add(builder.mul(row, num_blocks), blk0),
+                                      ir.VectorType(ir.HalfType(), 8)), V8F) for row in weight_rows]
             if is_q4:  # value = nibble - 8: start from -8 x the block sums of x
-                minus8 = ir.Constant(_V8I, [-8] * 8)
-                init = [builder.mul(_load(builder, sa.data, builder.add(builder.mul(row, num_blocks), blk0), _V8I),
+                minus8 = ir.Constant(V8I, [-8] * 8)
+                init = [builder.mul(load_vec(builder, sa.data, builder.add(builder.mul(row, num_blocks), blk0), V8I),
                                     minus8) for row in token_rows]
             else:
-                init = [ir.Constant(_V8I, None)] * TB
+                init = [ir.Constant(V8I, None)] * TB
             iacc = [[init[t] for t in range(TB)] for _ in range(R)]
             nibbles = [None] * R
             for j in range(16):
@@ -102,28 +102,28 @@ def int8_block(typingctx, xq, xd, xsum, data, scales, out, t0, n0, rows, tokens)
                 for r in range(R):
                     if is_q4:
                         if j % 2 == 0:
-                            nibbles[r] = _load(builder, wa.data, builder.add(w_base[r], _const(8 * j)), _V16I8)
+                            nibbles[r] = load_vec(builder, wa.data, builder.add(w_base[r], const64(8 * j)), V16I8)
                         v = nibbles[r]
-                        v = builder.and_(v, ir.Constant(_V16I8, [15] * 16)) if j % 2 == 0 else builder.lshr(
-                            v, ir.Constant(_V16I8, [4] * 16))
-                        weights.append(builder.zext(v, _V16I16))
+                        v = builder.and_(v, ir.Constant(V16I8, [15] * 16)) if j % 2 == 0 else builder.lshr(
+                            v, ir.Constant(V16I8, [4] * 16))
+                        weights.append(builder.zext(v, V16I16))
                     else:
-                        weights.append(builder.sext(_load(builder, wa.data, builder.add(w_base[r], _const(16 * j)),
-                                                          _V16I8), _V16I16))
+                        weights.append(builder.sext(load_vec(builder, wa.data, builder.add(w_base[r], const64(16 * j)),
+                                                          V16I8), V16I16))
                 for t in range(TB):
-                    xv = _load(builder, xa.data, builder.add(x_base[t], _const(16 * j)), _V16I16)
+                    xv = load_vec(builder, xa.data, builder.add(x_base[t], const64(16 * j)), V16I16)
                     for r in range(R):
                         iacc[r][t] = builder.add(iacc[r][t], builder.call(pmaddwd, [weights[r], xv]))
             for r in range(R):
                 for t in range(TB):
                     scale = builder.fmul(dw[r], dx[t])
-                    total = builder.call(fma, [builder.sitofp(iacc[r][t], _V8F), scale, builder.load(accs[r][t])])
+                    total = builder.call(fma, [builder.sitofp(iacc[r][t], V8F), scale, builder.load(accs[r][t])])
                     builder.store(total, accs[r][t])
         for t in range(TB):
             out_row = builder.mul(token_rows[t], N)
             for r in range(R):
                 ptr = builder.gep(oa.data, [builder.add(out_row, weight_rows[r])])
-                builder.store(_hsum8(builder, builder.load(accs[r][t])), ptr)
+                builder.store(hsum8(builder, builder.load(accs[r][t])), ptr)
         return context.get_dummy_value()
 
     return types.none(xq, xd, xsum, data, scales, out, t0, n0, rows, tokens), codegen

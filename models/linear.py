@@ -11,7 +11,7 @@ dequantized tiles through BLAS for the other formats at every batch size anyway.
 import numpy as np
 
 from kernels.dequant import dequantize_rows
-from kernels.int8_layout import QK, quantize_activations
+from kernels.int8_layout import QK, activation_dtype, quantize_activations
 from kernels.linear import gather_rows_bf16, matmul
 from kernels.linear_int8 import matmul_int8
 from memory.weights import Int8Matrix, WeightMatrix
@@ -25,7 +25,7 @@ def linear(x: np.ndarray, w: WeightMatrix | Int8Matrix) -> np.ndarray:
     out = np.empty((T, N), np.float32)
     if isinstance(w, Int8Matrix):
         kp = w.scales.shape[1] * QK
-        xq = np.empty((T, kp), np.int16)
+        xq = np.empty((T, kp), activation_dtype(w.dtype))
         xd = np.empty((T, kp // QK), np.float32)
         xsum = np.empty((T, kp // QK), np.int32)
         quantize_activations(np.ascontiguousarray(x), xq, xd, xsum, w.activation_scale)

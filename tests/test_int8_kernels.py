@@ -138,6 +138,19 @@ def test_quantizer_writes_the_layout_the_kernel_reads():
     pack_q4_0(WeightMatrix.from_float(np.eye(kp, dtype=np.float32), "q4_0").data, q4)  # packs without error
 
 
+@pytest.mark.parametrize("dtype, width", [(np.int16, 2), (np.int8, 4)])
+def test_quantizer_orders_each_group_in_runs_of_its_width(dtype, width):
+    # pair order (int16, q8_0's kernel) and quad order (int8, q4_0's): value e of run j of block b of
+    # group g sits at g * 256 + 8 * width * j + width * b + e
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((2, 600)).astype(np.float32)
+    kp = padded_k(600)
+    xq = np.empty((2, kp), dtype)
+    quantize_activations(x, xq, np.empty((2, kp // 32), np.float32), np.empty((2, kp // 32), np.int32))
+    q = quantize_ref(np.pad(x, ((0, 0), (0, kp - 600))))[0].reshape(2, kp // 256, 8, 32 // width, width)
+    assert np.array_equal(xq.reshape(2, kp // 256, 32 // width, 8, width), q.transpose(0, 1, 3, 2, 4))
+
+
 @pytest.fixture(scope="module")
 def q_model(tmp_path_factory):
     path = tmp_path_factory.mktemp("int8-model")
