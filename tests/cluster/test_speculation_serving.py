@@ -1,5 +1,5 @@
 """Speculative decoding through the deployment (two_numa_sim.yaml): greedy results equal the in-process engine
-without speculation under concurrent streams (n-gram drafts in mode "on", a draft model in mode "auto"), each
+without speculation under concurrent streams (n-gram drafts, then a draft model, both in mode "on"), each
 worker reports its figures, and a worker killed mid-stream loses no request and changes no token (greedy and
 seeded sampling). The scheduler actor decides each worker's speculation policy from its telemetry: the workers
 apply what it pushes (a worker with a stub scheduler drafts at the pushed depth, not its configured one) and
@@ -31,11 +31,14 @@ def plain_config():
 
 @pytest.fixture(scope="module", params=["ngram", "draft"])
 def client(request, ray_cluster, llama_dir, tmp_path_factory):
-    """One deployment at a time: n-gram drafts in mode "on", then a draft model in mode "auto"."""
+    """One deployment at a time: n-gram drafts, then a draft model, both in mode "on". The draft model is a
+    perturbed copy of the target, as dear per pass as a target step: `auto` rightly never drafts with it (it
+    cannot pay even at full acceptance), so these tests, which need drafting, force it. A worker configured
+    `auto` is tested below with a stub scheduler, and `auto` in-process in tests/test_speculation.py."""
     spec = SPEC
     if request.param == "draft":
         draft = perturbed_copy(llama_dir, tmp_path_factory.mktemp("draft"), scale=0.3)
-        spec = {"method": "draft", "draft_model": str(draft), "mode": "auto"}
+        spec = {"method": "draft", "draft_model": str(draft), "mode": "on"}
     client = ns.serve(sim_config("two_numa_sim", engine={"max_num_seqs": 16, "speculation": spec}),
                       model=llama_dir, name=NAME)
     client.method, client.mode = request.param, spec["mode"]
