@@ -43,6 +43,15 @@ def hsum8(builder, vec):
     return builder.extract_element(vec, ir.Constant(I32, 0))
 
 
+def block_operands(context, builder, signature, args):
+    """A block intrinsic's (xq, xd, xsum, data, scales, out) arrays, t0 and n0 as int64, Kp and N."""
+    arrays = [context.make_array(ty)(context, builder, value) for ty, value in zip(signature.args[:6], args[:6])]
+    t0, n0 = (context.cast(builder, args[i], signature.args[i], types.int64) for i in (6, 7))
+    Kp = cgutils.unpack_tuple(builder, arrays[0].shape, 2)[1]
+    N = cgutils.unpack_tuple(builder, arrays[5].shape, 2)[1]
+    return arrays, t0, n0, Kp, N
+
+
 @intrinsic(prefer_literal=True)
 def int8_block(typingctx, xq, xd, xsum, data, scales, out, t0, n0, rows, tokens):
     """out[t0:t0+tokens, n0:n0+rows] = the int8 dot products of quantized x with packed W rows.
@@ -64,12 +73,7 @@ def int8_block(typingctx, xq, xd, xsum, data, scales, out, t0, n0, rows, tokens)
     is_q4 = data.dtype == types.uint8
 
     def codegen(context, builder, signature, args):
-        xa, da, sa, wa, ca, oa = (context.make_array(ty)(context, builder, value)
-                                  for ty, value in zip(signature.args[:6], args[:6]))
-        t0_ = context.cast(builder, args[6], signature.args[6], types.int64)
-        n0_ = context.cast(builder, args[7], signature.args[7], types.int64)
-        Kp = cgutils.unpack_tuple(builder, xa.shape, 2)[1]
-        N = cgutils.unpack_tuple(builder, oa.shape, 2)[1]
+        (xa, da, sa, wa, ca, oa), t0_, n0_, Kp, N = block_operands(context, builder, signature, args)
         num_blocks = builder.udiv(Kp, const64(32))
         w_per_row = builder.udiv(Kp, const64(2)) if is_q4 else Kp
         module = builder.module

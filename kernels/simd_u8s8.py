@@ -19,7 +19,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from kernels.simd_int8 import GROUP, I8, V8F, V8I, V16I16, const64, hsum8, load_vec
+from kernels.simd_int8 import GROUP, I8, V8F, V8I, V16I16, block_operands, const64, hsum8, load_vec
 
 V32I8 = ir.VectorType(I8, 32)
 
@@ -42,12 +42,7 @@ def u8s8_block(typingctx, xq, xd, xsum, data, scales, out, t0, n0, tokens):
     TB = tokens.literal_value
 
     def codegen(context, builder, signature, args):
-        xa, da, sa, wa, ca, oa = (context.make_array(ty)(context, builder, value)
-                                  for ty, value in zip(signature.args[:6], args[:6]))
-        t0_ = context.cast(builder, args[6], signature.args[6], types.int64)
-        n0_ = context.cast(builder, args[7], signature.args[7], types.int64)
-        Kp = cgutils.unpack_tuple(builder, xa.shape, 2)[1]
-        N = cgutils.unpack_tuple(builder, oa.shape, 2)[1]
+        (xa, da, sa, wa, ca, oa), t0_, n0_, Kp, N = block_operands(context, builder, signature, args)
         num_blocks = builder.udiv(Kp, const64(32))
         module = builder.module
         pmaddubsw = cgutils.get_or_insert_function(module, ir.FunctionType(V16I16, [V32I8, V32I8]),
