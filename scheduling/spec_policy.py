@@ -94,9 +94,9 @@ class AcceptanceEMA:
     A position never verified yet takes the rate of the one before it: a run that always passes at
     position 0 is not assumed to fail at position 1 just because it has not been tried there."""
 
-    def __init__(self, rates: Sequence[float], counts: Sequence[float] | None = None):
+    def __init__(self, rates: Sequence[float]):
         self.rates = np.array(rates, np.float64)
-        self.counts = np.zeros(len(self.rates)) if counts is None else np.array(counts, np.float64)
+        self.counts = np.zeros(len(self.rates))  # drafts verified at each position
 
     @classmethod
     def prior(cls, depth: int) -> "AcceptanceEMA":
