@@ -111,7 +111,7 @@ def test_request_that_cannot_fit_the_kv_pool_is_refused(llama_dir):
                    kv_cache_bytes=2 * 4 * 2 * 2 * 24 * 4 * 4)  # 4 blocks of 4 tokens
     with pytest.raises(ns.InvalidRequest, match="KV blocks"):
         small.generate([5] * 10, ns.SamplingParams(max_tokens=20))
-    assert len(small.generate([5] * 10, ns.SamplingParams(max_tokens=6))[0].token_ids) == 6
+    assert len(small.generate([5] * 10, ns.SamplingParams(max_tokens=6, ignore_eos=True))[0].token_ids) == 6
 
 
 # ---- scheduling/validation.py: the one validation, as the router and the function itself apply it -----

@@ -104,7 +104,7 @@ def test_multi_turn_follow_up_recomputes_only_new_tokens(llama_dir):
 def test_abort_frees_blocks_at_once(llama_dir):
     engine = ns.LLM(llama_dir, **FP32).engine
     free = engine.kv.pool.num_free_blocks
-    engine.add_request("long", random_prompt(50, seed=41), ns.SamplingParams(max_tokens=200))
+    engine.add_request("long", random_prompt(50, seed=41), ns.SamplingParams(max_tokens=200, ignore_eos=True))
     engine.step()
     assert engine.kv.pool.num_free_blocks < free
     out = engine.abort("long")

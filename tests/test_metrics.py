@@ -49,7 +49,7 @@ def test_counts_are_exact_and_the_warm_up_is_not_counted(engine):
     run(engine, metrics)
     submit(engine, metrics, "r3", prompts[3])  # finds the full blocks of r2's prompt in the prefix cache
     run(engine, metrics)
-    submit(engine, metrics, "gone", random_prompt(7, seed=1), ns.SamplingParams(max_tokens=50))
+    submit(engine, metrics, "gone", random_prompt(7, seed=1), ns.SamplingParams(max_tokens=50, ignore_eos=True))
     metrics.outputs(engine, engine.step())
     metrics.outputs(engine, [engine.abort("gone")])
     snapshot = metrics.snapshot(engine)

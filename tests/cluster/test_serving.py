@@ -107,7 +107,7 @@ def test_the_schedulers_policy_reaches_the_workers(client, config):
 
 def test_connect_works_from_another_driver_process(client, ray_cluster):
     code = (f"import numaserve as ns; c = ns.connect({NAME!r}, address={ray_cluster.address!r}); "
-            "print(len(c.generate([5, 6, 7], ns.SamplingParams(max_tokens=5)).token_ids))")
+            "print(len(c.generate([5, 6, 7], ns.SamplingParams(max_tokens=5, ignore_eos=True)).token_ids))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip().splitlines()[-1] == "5"
 
