@@ -15,6 +15,11 @@ sweep: speed vs acceptance on the TinyLlama-shaped random checkpoint (q8_0 and b
     python -m benchmarks.bench_speculation sweep               # about 10 minutes on 2 cores
     python -m benchmarks.bench_speculation sweep --full        # depths 1..8, about 25 minutes
 
+coupling: how often a sampled draft is accepted, the keyed race against the standard rejection rule (no
+    timing), see benchmarks/spec_coupling.py.
+
+    python -m benchmarks.bench_speculation coupling
+
 Writes benchmarks/results/speculation_acceptance.{json,png} and speculation_sweep.{json,png}, one JSON
 line per point on stdout. Run `acceptance` first: the sweep adds a point at the acceptance it measured.
 """
@@ -169,9 +174,13 @@ def main() -> None:
     s = sub.add_parser("sweep")
     from benchmarks.spec_sweep import add_arguments, sweep
     add_arguments(s)
+    from benchmarks import spec_coupling
+    spec_coupling.add_arguments(sub.add_parser("coupling"))
     args = parser.parse_args()
     if args.part == "acceptance":
         acceptance(args)
+    elif args.part == "coupling":
+        spec_coupling.coupling(args)
     else:
         sweep(args)
 

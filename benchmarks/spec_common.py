@@ -69,11 +69,12 @@ class RecordingProposer(Proposer):
     def __init__(self, inner: Proposer):
         super().__init__()
         self.inner = inner
+        self.cost_prior, self.catches_up = inner.cost_prior, inner.catches_up
         self.log: list[tuple[str, int, list[int]]] = []  # (request id, tokens it had, drafts)
 
     def propose(self, requests: Sequence[SpecRequest], depths: Sequence[int]) -> list[list[int]]:
         drafts = self.inner.propose(requests, depths)
-        self.last_draft_probs = self.inner.last_draft_probs
+        self.last_passes = self.inner.last_passes  # the policy prices the proposer per pass
         for req, d in zip(requests, drafts):
             if d:
                 self.log.append((req.request_id, len(req.token_ids), list(d)))

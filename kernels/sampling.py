@@ -1,13 +1,9 @@
-"""Sampling kernels: keyed uniforms, and temperature / top-k / top-p / min-p over rows of logits.
-
-Uniforms are a counter-based hash of (seed, position, stream): splitmix64's finalizer (a bijection of
-64-bit words) chained over the three, the top 53 bits as a double in [0, 1). Nothing is counted, so a
-draw can be redone anywhere (a resumed request, a verification) from its key alone.
+"""Sampling kernels: temperature / top-k / top-p / min-p over rows of logits, then the keyed race.
 
 Filters follow scheduling/sampler.py's reference semantics (`sampling_probs`), computed in float64:
 top_k keeps tokens whose logit is >= the k-th largest (ties kept), top_p the smallest prefix of tokens
 by descending probability (stable: lower ids first among ties) whose mass reaches top_p, min_p the
-tokens with probability >= min_p * the top probability. The draw is an inverse CDF in token-id order.
+tokens with probability >= min_p * the top probability. The draw is kernels/race.py's keyed race.
 
 Per row: one vectorized pass computes w = exp(x / T - max) (our own exp, so LLVM vectorizes it without
 SVML); top-k bisects a logit threshold with vectorized counts, then quickselects among the tokens above
@@ -22,9 +18,8 @@ from llvmlite import ir
 from numba import njit, types
 from numba.core.extending import intrinsic
 
-_M1 = np.uint64(0xBF58476D1CE4E5B9)
-_M2 = np.uint64(0x94D049BB133111EB)
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+from kernels.race import race_all, race_kept
+
 _LOG2E = 1.4426950408889634
 _LN2_HI = 6.93147180369123816490e-01
 _LN2_LO = 1.90821492927058770002e-10
@@ -32,27 +27,6 @@ _SHIFT = 6755399441055744.0  # 1.5 * 2**52: adding it rounds to an integer held 
 _SHIFT_BITS = np.int64(np.array([_SHIFT]).view(np.int64)[0])
 _EXP_MIN = -708.0  # below this exp(s) would be subnormal: taken as 0
 _TOP_P_MARGIN = 1e-9  # the bisected threshold keeps this much extra mass, so rounding never cuts the nucleus short
-_DRAW_BLOCK = 256
-
-
-@njit(cache=True, nogil=True, inline="always")
-def _mix64(z):
-    z = (z ^ (z >> np.uint64(30))) * _M1
-    z = (z ^ (z >> np.uint64(27))) * _M2
-    return z ^ (z >> np.uint64(31))
-
-
-@njit(cache=True, nogil=True)
-def fill_keyed_uniforms(seeds, positions, stream, out):
-    """out[i] = the uniform in [0, 1) keyed by (seeds[i], positions[i], stream).
-
-    seeds: [N] uint64; positions: [N] int64; stream: int (keeps independent draws at one position apart)."""
-    s = np.uint64(stream) * _GOLDEN + _GOLDEN
-    for i in range(out.shape[0]):
-        h = _mix64(seeds[i] + _GOLDEN)
-        h = _mix64(h ^ np.uint64(positions[i]))
-        h = _mix64(h + s)
-        out[i] = np.float64(h >> np.uint64(11)) * (1.0 / 9007199254740992.0)
 
 
 @njit(cache=True, nogil=True, fastmath={"contract", "reassoc"})
@@ -267,45 +241,17 @@ def _filter_row(x, temperature, top_k, top_p, min_p, w, idx):
 
 
 @njit(cache=True, nogil=True)
-def _draw(w, idx, n, total, u):
-    """Inverse CDF in token-id order: the first kept token whose cumulative weight exceeds u * total."""
-    target = u * total
-    cumulative = 0.0
-    if n >= 0:
-        for i in range(n):
-            cumulative += w[idx[i]]
-            if cumulative > target:
-                return idx[i]
-        return idx[n - 1]
-    V = w.shape[0]
-    for start in range(0, V, _DRAW_BLOCK):  # skip whole blocks, then scan the one holding the target
-        stop = min(start + _DRAW_BLOCK, V)
-        block = _sum(w[start:stop])
-        if cumulative + block <= target and stop < V:
-            cumulative += block
-            continue
-        for j in range(start, stop):
-            cumulative += w[j]
-            if cumulative > target:
-                return j
-    last = V - 1
-    while last > 0 and w[last] == 0.0:
-        last -= 1
-    return last
+def sample_filtered(logits, temperature, top_k, top_p, min_p, keys, out):
+    """out[i] = the token row i's filtered distribution draws in the race keyed by keys[i] (kernels/race.py).
 
-
-@njit(cache=True, nogil=True)
-def sample_filtered(logits, temperature, top_k, top_p, min_p, u, out):
-    """out[i] = a token drawn with uniform u[i] from row i's filtered distribution.
-
-    logits: [N, V] f32 (penalties applied); temperature, top_p, min_p, u: [N] f64; top_k: [N] int64;
-    out: [N] int64."""
+    logits: [N, V] f32 (penalties applied); temperature, top_p, min_p: [N] f64; top_k: [N] int64;
+    keys: [N] uint64; out: [N] int64."""
     V = logits.shape[1]
     w = np.empty(V)
     idx = np.empty(V, np.int64)
     for i in range(logits.shape[0]):
-        n, total = _filter_row(logits[i], temperature[i], top_k[i], top_p[i], min_p[i], w, idx)
-        out[i] = _draw(w, idx, n, total, u[i])
+        n = _filter_row(logits[i], temperature[i], top_k[i], top_p[i], min_p[i], w, idx)[0]
+        out[i] = race_all(w, keys[i], idx) if n < 0 else race_kept(w, idx, n, keys[i])
 
 
 @njit(cache=True, nogil=True)

@@ -27,6 +27,7 @@ from scheduling.kv_cache_manager import KVCacheManager
 from scheduling.model_runner import ModelRunner
 from scheduling.outputs import RequestOutput, StepResult
 from scheduling.request import Request, RequestStatus
+from scheduling.sampler import sample_batch
 from scheduling.speculator import Speculator, spec_stats_off
 from scheduling.step_sampler import sample_step
 from scheduling.stop_checker import find_stop_string, finish_reason_after_token, num_safe_chars
@@ -62,7 +63,8 @@ class Engine:
         self.runner = ModelRunner(self.model, self.kv_cache, bs, self.adapters)
         proposer = make_proposer(config.speculation, s, self.tokenizer, kv_cache_tokens=num_blocks * bs, block_size=bs,
                                  weight_dtype=config.weight_dtype, kv_dtype=config.resolved_kv_dtype,
-                                 activation_dtype=config.activation_dtype, decisions=self.decisions)
+                                 activation_dtype=config.activation_dtype, decisions=self.decisions,
+                                 sampler=sample_batch)
         self.speculator = Speculator(config.speculation, proposer, self.decisions) if proposer else None
         # what make_request validates against (the KV pool fit only when every layer keeps all its KV)
         self.limits = RequestLimits(s.vocab_size, self.max_model_len, block_size=bs,
@@ -124,7 +126,7 @@ class Engine:
             return []
         draft_s = self.speculator.propose(plan, self.batcher) if self.speculator else 0.0
         logits, logit_rows = self.runner.run(plan)
-        result = sample_step(plan, logits, logit_rows, self.speculator.draft_probs if self.speculator else {})
+        result = sample_step(plan, logits, logit_rows)
         outputs = self._process(plan, result)
         if self.speculator:  # the whole step but the proposer's passes: drafts also cost scheduling and rollback
             self.speculator.observe(plan, result, time.perf_counter() - start - draft_s, draft_s,

@@ -7,11 +7,10 @@ Filters follow the usual serving semantics, written out one request at a time in
 tokens, top_p the smallest set whose probability reaches top_p, min_p the tokens with probability
 >= min_p * the top probability.
 
-Randomness is keyed, never counted: the uniform a request draws for the token at position p is a pure
-function of (seed, p, stream), so a resumed request, a preempted one recomputed, or a speculative
-verification redraws exactly what it would have. Streams keep independent draws at one position apart:
-SAMPLE_STREAM (a row's draw; also the rejection rule's correction / bonus draw), VERIFY_STREAM (the rejection
-rule's accept test), and models/proposers/base.py's DRAFT_STREAM (a draft model's draw, independent of both).
+Randomness is keyed, never counted: a request's draw for the token at position p is kernels/race.py's
+exponential race with clocks keyed by (seed, p, token id), so a resumed request, a preempted one
+recomputed, or a speculative verification redraws exactly what it would have, and a draft model racing
+with the same clocks on its own logits guesses that draw (models/proposers/draft.py).
 """
 
 import secrets
@@ -20,10 +19,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from cluster_configs.sampling_params import SamplingParams
-from kernels.sampling import fill_keyed_uniforms, filtered_probs, log_normalizers, sample_filtered
-
-SAMPLE_STREAM, VERIFY_STREAM = 0, 1
-
+from kernels.race import fill_row_keys
+from kernels.sampling import filtered_probs, log_normalizers, sample_filtered
 
 # ---- keyed randomness --------------------------------------------------------------------------------
 
@@ -33,24 +30,11 @@ def request_seed(params: SamplingParams) -> int:
     return (secrets.randbits(64) if params.seed is None else params.seed) % 2**64
 
 
-def keyed_uniforms(seeds: Sequence[int], positions: Sequence[int], stream: int = SAMPLE_STREAM) -> np.ndarray:
-    """[N] float64 in [0, 1): the uniform keyed by (seeds[i], positions[i], stream)."""
-    out = np.empty(len(seeds))
-    fill_keyed_uniforms(np.asarray(seeds, np.uint64), np.asarray(positions, np.int64), stream, out)
+def row_keys(seeds: Sequence[int], positions: Sequence[int]) -> np.ndarray:
+    """[N] uint64: the key of the race for the token at positions[i] of a request seeded seeds[i]."""
+    out = np.empty(len(seeds), np.uint64)
+    fill_row_keys(np.asarray(seeds, np.uint64), np.asarray(positions, np.int64), out)
     return out
-
-
-def uniforms(seed: int, position: int, n: int, stream: int = SAMPLE_STREAM) -> np.ndarray:
-    """[n] float64: the uniforms of one request at positions position .. position + n - 1."""
-    return keyed_uniforms([seed] * n, range(position, position + n), stream)
-
-
-def verify_uniforms(seed: int, position: int, num_rows: int) -> np.ndarray:
-    """[num_rows, 2] for scheduling.rejection.verify_sampled, row i deciding the token at position + i:
-    column 0 the accept test (VERIFY_STREAM), column 1 the correction / bonus draw (SAMPLE_STREAM: the draw
-    plain sampling would make there). Drafts must come from another stream (DRAFT_STREAM)."""
-    return np.stack([uniforms(seed, position, num_rows, VERIFY_STREAM),
-                     uniforms(seed, position, num_rows, SAMPLE_STREAM)], axis=1)
 
 
 def _seed_of(req) -> int:
@@ -76,10 +60,10 @@ def sample_batch(logits: np.ndarray, requests: Sequence, positions: Sequence[int
     rows = np.flatnonzero(~greedy)
     reqs = [requests[i] for i in rows]
     where = [len(r.token_ids) for r in reqs] if positions is None else np.asarray(positions)[rows]
-    u = keyed_uniforms([_seed_of(r) for r in reqs], where)
+    keys = row_keys([_seed_of(r) for r in reqs], where)
     tokens = np.empty(len(rows), np.int64)
     sample_filtered(np.ascontiguousarray(logits[rows] if len(rows) < len(requests) else logits),
-                    *_filter_args(reqs), u, tokens)
+                    *_filter_args(reqs), keys, tokens)
     out[rows] = tokens
     return out
 

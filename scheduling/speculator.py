@@ -44,7 +44,6 @@ class Speculator:
         self._policy: SpeculationPolicy | None = None
         self._num_steps_since_policy = 0  # since the policy in force was decided or pushed
         self.decisions = decisions or DecisionLog()
-        self.draft_probs: dict[str, np.ndarray] = {}  # request id -> q [k, V] of this step's sampled drafts
         self.draft_passes: list[tuple[int, float]] = []  # this step's proposer passes: (tokens, seconds)
         self.depth = 0  # the deepest draft of the last step with decoding requests
         self.num_drafts = 0  # verifications: request-steps with at least one draft
@@ -76,7 +75,7 @@ class Speculator:
 
     def propose(self, plan: StepPlan, batcher: Batcher) -> float:
         """Schedule drafts for the plan's decoding requests; -> the proposer's seconds."""
-        self.draft_probs, self.draft_passes = {}, []
+        self.draft_passes = []
         decoding = plan.decoding()
         if not decoding:
             return 0.0
@@ -93,12 +92,10 @@ class Speculator:
         seconds = time.perf_counter() - start
         # a proposer without passes of its own (a lookup) counts as one pass over the requests it drafted for
         self.draft_passes = self.proposer.last_passes or [(len(active), seconds)]
-        probs = self.proposer.last_draft_probs
         for j, draft in zip(active, drafts):
             draft = [int(t) for t in draft[:depths[j]]]
-            rid = reqs[j].request_id
-            if draft and batcher.add_drafts(plan, decoding[j], draft) and rid in probs:
-                self.draft_probs[rid] = probs[rid][:len(draft)]
+            if draft:
+                batcher.add_drafts(plan, decoding[j], draft)
         return seconds
 
     def observe(self, plan: StepPlan, result: StepResult, seconds: float, draft_seconds: float,

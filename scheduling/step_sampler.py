@@ -2,16 +2,17 @@
 
 A request without drafts samples its one row. A speculating request has k + 1 rows (after its last
 verified token and after each draft); row i is sampled as if drafts 0..i-1 were already its output
-(penalties see them) at position num_tokens + i:
-- drafts that are a deterministic guess (n-gram lookup, greedy drafting; q one-hot) and greedy
-  requests: every row is sampled by sample_batch with the other rows of the step and the run is the
-  longest prefix of drafts equal to those samples, then the sample at the first mismatch (or the bonus).
-  For q one-hot this is the rejection rule (accept d with probability p(d); on rejection a draw from p
-  without d) realized with the same keyed draw as plain decoding, so a seeded request appends exactly the
-  tokens it would without speculation.
-- drafts sampled from a draft distribution q (a draft model on a sampled request): the rejection rule
-  of scheduling/rejection.py on the request's sampling distributions (sampling_probs_batch), with
-  verify_uniforms keyed by (seed, position).
+(penalties see them) at position num_tokens + i, by sample_batch with the other rows of the step, and the
+run is the longest prefix of drafts equal to those samples, then the sample at the first mismatch (or the
+bonus). Every token appended is the one plain decoding would have drawn there (its keyed race), so
+speculation changes no token of any request, greedy or seeded, whatever drafted it, how deep, or what
+else was in the batch: the output distribution is the target's because the output is the target's own
+draws. Drafts only decide how many of those draws one step makes. A draft model that races with the same
+keyed clocks guesses a sampled request's draw with probability >= (1 - TV) / (1 + TV) of its and the
+target's distributions; the standard rejection rule (accept with min(1, p / q)) would accept up to 1 - TV
+of them, but its tokens depend on whether and how deep a request drafted, which the load-aware policy
+decides from the batch (benchmarks/spec_coupling.py, the demo family's held-out windows: temperature 1,
+0.55 accepted by the race against 0.61 by the rule; temperature 0.7, 0.52 against 0.56).
 Logprobs of every appended token of the step come from one top_logprobs_batch call.
 """
 
@@ -22,9 +23,8 @@ import numpy as np
 
 from scheduling.batcher import StepPlan
 from scheduling.outputs import StepResult
-from scheduling.rejection import accept_greedy, verify_sampled
 from scheduling.request import Request
-from scheduling.sampler import sample_batch, sampling_probs_batch, top_logprobs_batch, verify_uniforms
+from scheduling.sampler import sample_batch, top_logprobs_batch
 
 
 class RowContext:
@@ -41,13 +41,10 @@ class RowContext:
         return getattr(self.req, name)
 
 
-def sample_step(plan: StepPlan, logits: np.ndarray, logit_rows: list[slice | None],
-                draft_probs: dict[str, np.ndarray]) -> StepResult:
-    """logits: [R, V] f32, logit_rows: per scheduled request its rows (None: none); draft_probs: request
-    id -> q [k, V] for drafts sampled from q (absent: deterministic drafts)."""
-    sampled_rows = _Rows()  # rows sample_batch samples
-    verified_rows = _Rows()  # rows of requests whose drafts were sampled from q: the rejection rule
-    todo = []  # (request, drafts, its logits rows, by the rule, its first row in sampled_rows or verified_rows)
+def sample_step(plan: StepPlan, logits: np.ndarray, logit_rows: list[slice | None]) -> StepResult:
+    """logits: [R, V] f32, logit_rows: per scheduled request its rows (None: none)."""
+    rows_to_sample = _Rows()
+    todo = []  # (request, drafts, its logits rows, its first row in rows_to_sample)
     result = StepResult()
     for (req, _), rows in zip(plan.scheduled, logit_rows):
         if rows is None:
@@ -56,22 +53,26 @@ def sample_step(plan: StepPlan, logits: np.ndarray, logit_rows: list[slice | Non
             result.prompt_logits[req.request_id] = logits[rows]
             continue
         drafts = plan.draft_token_ids.get(req.request_id, [])
-        by_rule = bool(drafts) and not req.params.greedy and req.request_id in draft_probs
-        todo.append((req, drafts, rows, by_rule, (verified_rows if by_rule else sampled_rows).add(req, drafts, rows)))
-    sampled = sample_batch(_gather(logits, sampled_rows.ids), sampled_rows.reqs, sampled_rows.positions)
-    probs = sampling_probs_batch(logits[verified_rows.ids], verified_rows.reqs) if verified_rows.ids else None
-    runs = []
-    for req, drafts, rows, by_rule, first in todo:
-        k = len(drafts)
-        if by_rule:
-            uniforms = verify_uniforms(req.seed, req.num_tokens, k + 1)
-            runs.append(verify_sampled(probs[first:first + k + 1], drafts, draft_probs[req.request_id][:k], uniforms))
-        else:
-            runs.append(accept_greedy(sampled[first:first + k + 1], drafts))
+        todo.append((req, drafts, rows, rows_to_sample.add(req, drafts, rows)))
+    sampled = sample_batch(_gather(logits, rows_to_sample.ids), rows_to_sample.reqs, rows_to_sample.positions)
+    runs = [accept_matching(sampled[first:first + len(drafts) + 1], drafts) for _, drafts, _, first in todo]
     logprobs = _logprobs(logits, todo, runs)
     for (req, drafts, *_), tokens, lps in zip(todo, runs, logprobs):
         result.add(req.request_id, tokens, lps, len(drafts), len(tokens) - 1)
     return result
+
+
+def accept_matching(samples: np.ndarray, drafts: Sequence[int]) -> list[int]:
+    """The tokens a verification appends: the drafts while each equals the target's sample at its row, then
+    the target's sample at the first mismatch (or its bonus after the last draft). samples: [k + 1] int."""
+    out = []
+    for i, d in enumerate(drafts):
+        t = int(samples[i])
+        out.append(t)
+        if t != d:
+            return out
+    out.append(int(samples[len(drafts)]))
+    return out
 
 
 def _logprobs(logits: np.ndarray, todo: list, runs: list[list[int]]) -> list[list[dict[int, float]] | None]:

@@ -1,5 +1,6 @@
 """Proposers: n-gram lookup matches a plain reference; a draft model equal to the target drafts exactly the
-target's greedy continuation, catches up after rollbacks, and refuses a different tokenizer."""
+target's greedy continuation (and, with the engine's sampler, a sampled request's seeded draws), catches up
+after rollbacks, and refuses a different tokenizer."""
 
 import json
 import shutil
@@ -14,10 +15,9 @@ import numaserve as ns
 from cluster_configs.errors import CheckpointError
 from kernels.ngram import ngram_lookup
 from models.proposers import DraftModelProposer, NgramProposer
-from models.proposers.base import DRAFT_STREAM
 from models.spec import load_spec
 from models.tokenizer import Tokenizer
-from scheduling.sampler import request_seed, uniforms
+from scheduling.sampler import request_seed, sample_batch
 from tests.conftest import random_prompt
 from tests.model_factory import build_model
 
@@ -76,7 +76,6 @@ def test_ngram_proposer_drafts_nothing_at_depth_0_or_without_a_match():
     reqs[0].token_ids += [1, 2, 5, 1, 2]  # the kept token buffer follows appended tokens
     assert proposer.propose(reqs, [2, 0]) == [[5, 1], []]
     proposer.free("a")
-    assert proposer.last_draft_probs == {}
 
 
 # ---- draft model ----------------------------------------------------------------------------------
@@ -106,7 +105,6 @@ def test_self_draft_proposes_the_targets_greedy_continuation_for_a_batch(llama_d
     for req, e, d in zip(reqs, expected, depths):  # every draft accepted, plus the target's bonus token
         req.token_ids += e[:d + 1]
     assert proposer.propose(reqs, [4, 4, 4, 4]) == [e[d + 1:d + 5] for e, d in zip(expected, depths)]
-    assert proposer.last_draft_probs == {}  # greedy drafts: q one-hot
 
 
 def test_self_draft_catches_up_after_a_rejection(llama_dir, target_llm):
@@ -132,39 +130,31 @@ def test_self_draft_survives_a_draft_kv_pool_too_small_for_everyone(llama_dir, t
     assert proposer.pool.num_free_blocks == proposer.pool.num_blocks
 
 
-def test_sampled_requests_get_sampled_drafts_with_their_distributions(llama_dir):
-    proposer = self_draft(llama_dir)
-    params = ns.SamplingParams(temperature=0.8, seed=5)
-    req = Req("s", random_prompt(10, seed=4), params)
-    drafts = proposer.propose([req], [3])[0]
-    q = proposer.last_draft_probs["s"]
-    assert len(drafts) == 3 and q.shape == (3, 384)
-    np.testing.assert_allclose(q.sum(axis=1), 1.0)
-    proposer.free("s")
-    assert proposer.propose([Req("s", list(req.token_ids), params)], [3])[0] == drafts  # keyed by (seed, position)
-
-
-def test_sampled_drafts_are_keyed_by_seed_and_position_in_their_own_stream(llama_dir):
-    """The draft at position p is q's inverse CDF at the uniform keyed by (the request's seed, p, DRAFT_STREAM):
-    a fresh proposer, a batch around the request or an unseeded request with the same drawn seed give the
-    same drafts; nothing is counted."""
-    params = ns.SamplingParams(temperature=1.2, seed=21)
+def test_a_self_draft_with_the_engines_sampler_drafts_a_sampled_requests_own_draws(llama_dir, target_llm):
+    """A sampled request's draft races with the clocks keyed by (its seed, the draft's position), on the draft
+    model's logits sampled as the request samples: a draft model equal to the target drafts exactly the
+    target's seeded continuation, whatever else is in the batch, and a fresh proposer or an unseeded
+    request with the same drawn seed draws the same; another seed draws otherwise."""
+    params = ns.SamplingParams(temperature=1.2, top_p=0.95, repetition_penalty=1.1, seed=21)
     prompt = random_prompt(10, seed=22)
-    proposer = self_draft(llama_dir)
-    drafts = proposer.propose([Req("s", list(prompt), params)], [4])[0]
-    q = proposer.last_draft_probs["s"]
-    u = uniforms(21, len(prompt), 4, DRAFT_STREAM)
-    assert drafts == [int(np.searchsorted(np.cumsum(row), x * row.sum(), side="right")) for row, x in zip(q, u)]
+    expected = target_llm.generate(prompt, params.model_copy(update={"max_tokens": 4, "ignore_eos": True}))[0].token_ids
+    drafts = self_draft(llama_dir, sampler=sample_batch).propose([Req("s", list(prompt), params)], [4])[0]
+    assert drafts == expected
     others = [Req(f"o{i}", random_prompt(5 + 3 * i, seed=30 + i), ns.SamplingParams(temperature=0.9 if i % 2 else 0))
               for i in range(5)]
-    fresh = self_draft(llama_dir)
-    batched = fresh.propose(others[:2] + [Req("s", list(prompt), params)] + others[2:], [3, 4, 4, 2, 4, 1])
-    assert batched[2] == drafts
-    unseeded = self_draft(llama_dir).propose([Req("u", list(prompt), ns.SamplingParams(temperature=1.2), seed=21)],
-                                             [4])[0]
-    assert unseeded == drafts  # keyed by the request's seed (drawn once by the engine), not by a proposer's rng
-    other_seed = self_draft(llama_dir).propose([Req("s", list(prompt), params.model_copy(update={"seed": 23}))], [4])
-    assert other_seed[0] != drafts
+    batched = self_draft(llama_dir, sampler=sample_batch).propose(
+        others[:2] + [Req("s", list(prompt), params)] + others[2:], [3, 4, 4, 2, 4, 1])
+    assert batched[2] == expected
+    unseeded = Req("u", list(prompt), params.model_copy(update={"seed": None}), seed=21)
+    assert self_draft(llama_dir, sampler=sample_batch).propose([unseeded], [4])[0] == expected
+    other_seed = Req("s", list(prompt), params.model_copy(update={"seed": 23}))
+    assert self_draft(llama_dir, sampler=sample_batch).propose([other_seed], [4])[0] != expected
+
+
+def test_without_a_sampler_a_draft_model_drafts_its_argmax_for_every_request(llama_dir, target_llm):
+    prompt = random_prompt(10, seed=22)
+    sampled = Req("s", list(prompt), ns.SamplingParams(temperature=1.2, seed=21))
+    assert self_draft(llama_dir).propose([sampled], [3])[0] == greedy(target_llm, prompt, 3)
 
 
 def test_draft_model_with_another_tokenizer_is_refused(tmp_path, llama_dir):
@@ -189,21 +179,6 @@ def test_models_without_tokenizers_need_equal_vocabulary_sizes(tmp_path, llama_d
         DraftModelProposer(draft, load_spec(target), None, kv_cache_tokens=64)
     with pytest.raises(CheckpointError, match=r"the target has a tokenizer but the draft model has none"):
         DraftModelProposer(draft, load_spec(llama_dir), Tokenizer.from_dir(llama_dir), kv_cache_tokens=64)
-
-
-def test_sampled_drafts_follow_the_distributions_they_report(llama_dir):
-    from tests.test_rejection import chi_square_p_value
-
-    num_requests = 4000
-    proposer = self_draft(llama_dir, kv_cache_tokens=num_requests * 8)
-    prompt = random_prompt(6, seed=8)
-    reqs = [Req(f"s{i}", list(prompt), ns.SamplingParams(temperature=1.5, seed=i)) for i in range(num_requests)]
-    drafts = proposer.propose(reqs, [1] * num_requests)
-    q = proposer.last_draft_probs["s0"][0]
-    for r in reqs[:50]:  # one prompt: one q (up to the rounding of rows in a batched matmul)
-        np.testing.assert_allclose(proposer.last_draft_probs[r.request_id][0], q, rtol=1e-4, atol=1e-7)
-    counts = np.bincount([d[0] for d in drafts], minlength=q.shape[0])
-    assert chi_square_p_value(counts, q) > 1e-3  # seeded: deterministic
 
 
 def test_make_proposer_builds_the_configured_method(llama_dir):

@@ -10,24 +10,20 @@ import torch
 from transformers import RepetitionPenaltyLogitsProcessor
 
 import numaserve as ns
-from models.proposers.base import DRAFT_STREAM
+from kernels.race import fill_token_uniforms, race_all, race_kept
 from scheduling.sampler import (
-    SAMPLE_STREAM,
-    VERIFY_STREAM,
     apply_penalties,
     apply_penalties_batch,
-    keyed_uniforms,
     request_seed,
+    row_keys,
     sample,
     sample_batch,
     sampling_probs,
     sampling_probs_batch,
     top_logprobs_batch,
-    uniforms,
-    verify_uniforms,
 )
+from tests.chi_square import chi_square_p_value
 from tests.conftest import random_prompt
-from tests.test_rejection import chi_square_p_value
 
 PROMPT = random_prompt(12, seed=7)
 NUM_SAMPLES = 400
@@ -304,7 +300,7 @@ def test_greedy_rows_have_a_one_hot_distribution():
     np.testing.assert_allclose(probs[1], reference_probs(logits[1:2], reqs[1:2])[0], rtol=1e-12, atol=1e-15)
 
 
-@pytest.mark.parametrize("vocab", [40, 1000], ids=["vocab40", "vocab1000"])  # 1000: the blocked inverse CDF
+@pytest.mark.parametrize("vocab", [40, 1000], ids=["vocab40", "vocab1000"])
 @pytest.mark.parametrize("params", FILTERS[:7] + [{"temperature": 0.3, "top_p": 0.99}] + FILTERS[8:9], ids=str)
 def test_sampled_tokens_follow_the_reference_distribution(params, vocab):
     logits = (np.random.default_rng(8).standard_normal((1, vocab)) * 1.5).astype(np.float32)
@@ -354,9 +350,9 @@ def test_sampled_tokens_have_the_per_request_samplers_distribution(params):
 def test_two_sample_check_detects_a_different_distribution():
     # power check of the test above: the same draws against draws at another temperature
     logits = (np.random.default_rng(13).standard_normal((1, 200)) * 1.5).astype(np.float32)
-    tokens = [sample_batch(np.repeat(logits, NUM_DRAWS, axis=0),
-                           [Req(ns.SamplingParams(temperature=t, seed=s), [0], 1) for s in range(NUM_DRAWS)])
-              for t in (1.0, 1.1)]
+    tokens = [sample_batch(np.repeat(logits, NUM_DRAWS, axis=0),  # other seeds: draws with shared clocks agree
+                           [Req(ns.SamplingParams(temperature=t, seed=i * NUM_DRAWS + s), [0], 1) for s in range(NUM_DRAWS)])
+              for i, t in enumerate((1.0, 1.1))]
     assert two_sample_p_value(*(np.bincount(t, minlength=200) for t in tokens)) < 1e-6
 
 
@@ -411,29 +407,49 @@ def test_tokens_at_different_positions_are_independent():
     assert p_value > MIN_P_VALUE, f"tokens at positions 10 and 11: chi-square p-value {p_value:.2e}"
 
 
-def test_keyed_uniforms_are_uniform_and_uncorrelated_across_seeds_positions_and_streams():
-    seeds = np.repeat(np.arange(200), 500)
-    positions = np.tile(np.arange(500), 200)
-    u = keyed_uniforms(seeds, positions)
-    assert u.min() >= 0.0 and u.max() < 1.0
-    p_value = chi_square_p_value(np.bincount((u * 100).astype(int), minlength=100), np.full(100, 0.01))
+def test_the_race_uniforms_are_uniform_and_uncorrelated_across_tokens_positions_and_seeds():
+    keys = row_keys(np.repeat(np.arange(40), 50), np.tile(np.arange(50), 40))  # 40 seeds x 50 positions
+    v = np.empty((len(keys), 100))
+    for i, key in enumerate(keys):
+        fill_token_uniforms(key, v[i])
+    assert v.min() > 0.0 and v.max() < 1.0
+    p_value = chi_square_p_value(np.bincount((v.ravel() * 100).astype(int), minlength=100), np.full(100, 0.01))
     assert p_value > MIN_P_VALUE, f"uniform histogram: chi-square p-value {p_value:.2e}"
-    grid = u.reshape(200, 500)
-    sigma = 1 / np.sqrt(u.size)  # of a correlation between independent samples
+    sigma = 1 / np.sqrt(v.size)  # of a correlation between independent samples
+    grid = v.reshape(40, 50, 100)
+    assert abs(np.corrcoef(grid[..., :-1].ravel(), grid[..., 1:].ravel())[0, 1]) < 4 * sigma  # next token
     assert abs(np.corrcoef(grid[:, :-1].ravel(), grid[:, 1:].ravel())[0, 1]) < 4 * sigma  # next position
     assert abs(np.corrcoef(grid[:-1].ravel(), grid[1:].ravel())[0, 1]) < 4 * sigma  # next seed
-    for stream in (VERIFY_STREAM, DRAFT_STREAM):
-        assert abs(np.corrcoef(u, keyed_uniforms(seeds, positions, stream))[0, 1]) < 4 * sigma
-    assert np.array_equal(uniforms(5, 40, 10), keyed_uniforms([5] * 10, range(40, 50), SAMPLE_STREAM))
 
 
-def test_verification_uniforms_share_the_row_samplers_keys():
-    rows = verify_uniforms(seed=11, position=20, num_rows=4)
-    assert rows.shape == (4, 2)
-    assert np.array_equal(rows[:, 1], uniforms(11, 20, 4, SAMPLE_STREAM))  # the draw plain sampling makes there
-    assert np.array_equal(rows[:, 0], uniforms(11, 20, 4, VERIFY_STREAM))
-    assert np.array_equal(verify_uniforms(11, 22, 2), rows[2:])  # keyed by position, not by verification
-    assert not np.isin(rows[:, 0], uniforms(11, 20, 4, DRAFT_STREAM)).any()
+def test_the_screened_race_over_a_whole_row_picks_the_exact_races_winner():
+    """race_all skips the logarithm of every token that cannot beat the heaviest one's clock; that must never
+    change the winner: it equals the race with every clock computed (race_kept over all the kept tokens)."""
+    rng = np.random.default_rng(17)
+    scratch = np.empty(5000, np.int64)
+    for row in range(200):
+        w = np.exp(rng.standard_normal(5000) * (0.5 + row % 5))
+        w[rng.random(5000) < 0.3] = 0.0  # dropped tokens (min_p) never win
+        w /= w.max()
+        kept = np.flatnonzero(w > 0)
+        key = row_keys([row], [row * 7])[0]
+        assert race_all(w, key, scratch) == race_kept(w, kept.copy(), len(kept), key)
+
+
+def test_a_race_with_shared_clocks_couples_two_close_distributions():
+    """Why drafts race: a draft distribution q racing with the target p's clocks picks p's token with
+    probability >= (1 - TV) / (1 + TV), while each side alone keeps its own distribution."""
+    rng = np.random.default_rng(18)
+    p = rng.dirichlet(np.full(50, 0.3))
+    q = 0.8 * p + 0.2 * rng.dirichlet(np.full(50, 0.3))
+    tv = 0.5 * np.abs(p - q).sum()
+    kept = np.arange(50)
+    keys = row_keys(range(NUM_DRAWS), [3] * NUM_DRAWS)
+    drawn_p = np.array([race_kept(p, kept, 50, key) for key in keys])
+    drawn_q = np.array([race_kept(q, kept, 50, key) for key in keys])
+    assert np.mean(drawn_p == drawn_q) >= (1 - tv) / (1 + tv)
+    assert chi_square_p_value(np.bincount(drawn_p, minlength=50), p) > MIN_P_VALUE
+    assert chi_square_p_value(np.bincount(drawn_q, minlength=50), q) > MIN_P_VALUE
 
 
 def test_request_seed_is_the_params_seed_or_drawn_once():

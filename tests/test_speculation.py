@@ -1,6 +1,6 @@
 """Speculative decoding in the engine: greedy outputs equal those without it, token for token (every method
 and mode, stops and max_tokens inside accepted runs, preemption); a self-draft accepts everything; sampled
-outputs follow the target's own distribution; seeded outputs do not depend on the batch."""
+outputs follow the target's own distribution and, seeded, are the tokens of no speculation, alone or batched."""
 
 import json
 import shutil
@@ -14,8 +14,8 @@ import numaserve as ns
 from models.proposers.base import Proposer
 from scheduling.engine import Engine
 from scheduling.spec_policy import SpeculationPolicy
+from tests.chi_square import chi_square_p_value
 from tests.conftest import random_prompt
-from tests.test_rejection import chi_square_p_value
 
 FP32 = {"weight_dtype": "float32", "kv_dtype": "float32"}
 MODES = ("auto", "on", "latency_first", "throughput_first")
@@ -275,7 +275,7 @@ PROMPT = [3, 9, 4, 12, 7]
 
 
 @pytest.mark.parametrize("filters", [{}, {"top_k": 10, "top_p": 0.85}], ids=["plain", "top_k_top_p"])
-def test_rejection_sampling_with_a_draft_model_emits_the_targets_distribution(vocab16, filters):
+def test_sampling_with_a_draft_model_emits_the_targets_distribution(vocab16, filters):
     target, draft = vocab16
     llm = ns.LLM(target, **FP32, block_size=4, max_num_seqs=NUM_RUNS, max_num_batched_tokens=1 << 16,
                  speculation={"method": "draft", "draft_model": str(draft), "num_speculative_tokens": 2, "mode": "on"})
@@ -302,19 +302,24 @@ def test_rejection_sampling_with_a_draft_model_emits_the_targets_distribution(vo
     assert p_third > MIN_P_VALUE, f"third token: chi-square p-value {p_third:.2e}"
 
 
-def test_seeded_sampling_with_ngram_drafts_gives_the_tokens_of_no_speculation(vocab16):
-    target, _ = vocab16
+@pytest.mark.parametrize("method, mode", [("ngram", "on"), ("draft", "on"), ("draft", "auto")])
+def test_seeded_sampling_with_drafts_gives_the_tokens_of_no_speculation(vocab16, method, mode):
+    """Drafts only decide how many of the target's own keyed draws a step makes (scheduling/step_sampler.py)."""
+    target, draft = vocab16
     prompts = [random_prompt(n, seed=n, vocab=16) for n in range(4, 36)]
-    params = [ns.SamplingParams(max_tokens=24, temperature=1.0, seed=s, ignore_eos=True, top_p=0.9 if s % 2 else 1.0)
+    params = [ns.SamplingParams(max_tokens=24, temperature=1.0, seed=s, ignore_eos=True, top_p=0.9 if s % 2 else 1.0,
+                                **({"top_k": 8, "repetition_penalty": 1.2} if s % 3 == 0 else {}))
               for s in range(len(prompts))]
     reference = [o.token_ids for o in ns.LLM(target, **FP32).generate(prompts, params)]
-    llm = ns.LLM(target, **FP32, speculation={"method": "ngram", "mode": "on", "prompt_lookup_min": 1})
+    spec = {"method": method, "mode": mode, "prompt_lookup_min": 1} | (
+        {"draft_model": str(draft)} if method == "draft" else {})
+    llm = ns.LLM(target, **FP32, speculation=spec)
     assert [o.token_ids for o in llm.generate(prompts, params)] == reference
     stats = llm.stats()
     assert 0 < stats["spec_num_accepted_tokens"] < stats["spec_num_draft_tokens"], stats
 
 
-@pytest.mark.parametrize("method, mode", [("ngram", "auto"), ("draft", "on")])
+@pytest.mark.parametrize("method, mode", [("ngram", "auto"), ("draft", "on"), ("draft", "auto")])
 def test_same_seed_same_tokens_alone_or_batched(vocab16, method, mode):
     target, draft = vocab16
     spec = {"method": method, "mode": mode} | ({"draft_model": str(draft)} if method == "draft" else {})

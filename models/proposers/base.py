@@ -5,9 +5,8 @@ many draft tokens per request (fewer, or none, when it has no good guess). Draft
 target's forward and the verified tokens come back through the request's `token_ids` on the next call, so
 a proposer never needs to be told what was accepted: it compares and rolls back its own state itself.
 
-`last_draft_probs[request_id]`: [len(drafts), vocab] float64 rows q_i the drafts of the last `propose`
-call were sampled from; a request absent from it had deterministic drafts (q one-hot), which the verifier
-takes as `draft_probs=None`.
+A draft is a guess of the target's own next token (greedy: its argmax; sampled: its keyed draw), checked
+against the target's sample of the same row; a proposer's randomness, if any, never reaches the output.
 
 What the speculation policy needs to price a proposer (scheduling/spec_policy.py):
 - `last_passes`: (tokens, seconds) of each pass over the model the last call ran (a draft model: one
@@ -21,17 +20,12 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Protocol
 
-import numpy as np
-
-DRAFT_STREAM = 2  # the stream of keyed uniforms (kernels/sampling.py) drafts are drawn from; the target's
-#                   sampler and verifier use 0 and 1 (scheduling/sampler.py)
-
 
 class SpecRequest(Protocol):
     request_id: str
     token_ids: list[int]  # prompt + verified output
-    # optional: `params` (a SamplingParams) and `seed` (int in [0, 2**64)); a draft model samples its drafts for
-    # non-greedy requests, the draft at position p from the uniform keyed by (seed, p, DRAFT_STREAM)
+    # optional: `params` (a SamplingParams), `seed` (int in [0, 2**64)) and `num_prompt_tokens`: a draft model
+    # samples a non-greedy request's drafts as the request samples, keyed like the target's draws
 
 
 class Proposer(ABC):
@@ -39,7 +33,6 @@ class Proposer(ABC):
     catches_up: bool = False
 
     def __init__(self) -> None:
-        self.last_draft_probs: dict[str, np.ndarray] = {}
         self.last_passes: list[tuple[int, float]] = []
 
     @abstractmethod

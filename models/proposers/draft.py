@@ -1,5 +1,6 @@
-"""DraftModelProposer: a smaller model with the target's tokenizer drafts greedily (or samples, for
-sampled requests) over its own paged KV cache, one batched forward per draft position.
+"""DraftModelProposer: a smaller model with the target's tokenizer drafts greedily (or, for a sampled
+request, races with the target's keyed clocks) over its own paged KV cache, one batched forward per draft
+position.
 
 Per request it remembers the tokens its KV holds. Each call first keeps the longest prefix of those that
 still agrees with the request's verified tokens (rejected drafts and anything the target replaced fall
@@ -10,7 +11,7 @@ the target accepts it.
 """
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,16 +19,25 @@ import numpy as np
 
 from cluster_configs.diagnostics import DecisionLog
 from cluster_configs.errors import CheckpointError
-from kernels.sampling import fill_keyed_uniforms
+from cluster_configs.sampling_params import SamplingParams
 from memory.block_pool import BlockPool
 from memory.kv_cache import KVCache
 from models.activation_plan import plan_activations
 from models.batch import ForwardBatch
 from models.llama import LlamaModel
 from models.loader import load_model
-from models.proposers.base import DRAFT_STREAM, Proposer, SpecRequest
+from models.proposers.base import Proposer, SpecRequest
 from models.spec import ModelSpec
 from models.tokenizer import Tokenizer
+
+GREEDY = SamplingParams(temperature=0.0)  # a request without params drafts greedily
+# (logits [M, V] f32, requests as _DraftView) -> [M] int tokens: the engine passes its own batched sampler
+# (scheduling/sampler.py's sample_batch), so that a sampled request's draft races with the target's clocks
+DraftSampler = Callable[[np.ndarray, Sequence], np.ndarray]
+
+
+def argmax_sampler(logits: np.ndarray, requests: Sequence) -> np.ndarray:
+    return np.argmax(logits, axis=1)
 
 
 def check_same_vocabulary(draft_path: str | Path, draft_spec: ModelSpec, draft_tok: Tokenizer | None,
@@ -60,6 +70,26 @@ def check_same_vocabulary(draft_path: str | Path, draft_spec: ModelSpec, draft_t
 
 
 @dataclass
+class _DraftView:
+    """A request as the draft's sampler sees it: its params and seed, the draft's tokens so far (verified
+    tokens + this call's drafts) for penalties and the position."""
+    req: SpecRequest
+    token_ids: list[int]
+
+    @property
+    def params(self) -> SamplingParams:
+        return getattr(self.req, "params", None) or GREEDY
+
+    @property
+    def seed(self) -> int | None:
+        return getattr(self.req, "seed", None)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return getattr(self.req, "num_prompt_tokens", len(self.token_ids))
+
+
+@dataclass
 class _DraftSeq:
     token_ids: list[int] = field(default_factory=list)  # tokens whose KV this proposer holds
     block_ids: list[int] = field(default_factory=list)
@@ -71,13 +101,15 @@ class DraftModelProposer(Proposer):
 
     def __init__(self, path: str | Path, target_spec: ModelSpec, target_tokenizer: Tokenizer | None, *,
                  kv_cache_tokens: int, block_size: int = 16, weight_dtype: str = "auto", kv_dtype: str = "float32",
-                 activation_dtype: str = "auto", decisions: DecisionLog | None = None):
+                 activation_dtype: str = "auto", decisions: DecisionLog | None = None,
+                 sampler: DraftSampler = argmax_sampler):
         super().__init__()
+        self.sampler = sampler
         self.spec, weights, tokenizer = load_model(path, weight_dtype)
         check_same_vocabulary(path, self.spec, tokenizer, target_spec, target_tokenizer)
         weights = plan_activations(weights, activation_dtype, decisions or DecisionLog())
         self.model = LlamaModel(self.spec, weights)
-        self.vocab_size = target_spec.vocab_size  # q rows are over the target's vocabulary
+        self.vocab_size = target_spec.vocab_size  # drafts are tokens of the target's vocabulary
         # a forward costs about its share of the target's layers (fixed, per-layer calls) and of the
         # target's parameters (per token, weights read)
         self.cost_prior = (self.spec.num_layers / target_spec.num_layers,
@@ -95,7 +127,7 @@ class DraftModelProposer(Proposer):
             self.pool.free(reversed(seq.block_ids))
 
     def propose(self, requests: Sequence[SpecRequest], depths: Sequence[int]) -> list[list[int]]:
-        self.last_draft_probs, self.last_passes = {}, []
+        self.last_passes = []
         drafts: list[list[int]] = [[] for _ in requests]
         active = [i for i, d in enumerate(depths) if d > 0 and len(requests[i].token_ids) + d
                   <= self.spec.max_position_embeddings]
@@ -110,7 +142,6 @@ class DraftModelProposer(Proposer):
             self._truncate(seq, keep)
             seq.num_verified = len(token_ids)
             feeds.append((i, token_ids[keep:]))
-        probs: dict[int, list[np.ndarray]] = {}
         step_ids = {requests[i].request_id for i in active}
         for _ in range(max((depths[i] for i in active), default=0)):
             feeds = self._reserve(requests, feeds, step_ids)
@@ -120,44 +151,24 @@ class DraftModelProposer(Proposer):
             logits = self._forward([(self.seqs[requests[i].request_id], new) for i, new in feeds])
             self.last_passes.append((sum(len(new) for _, new in feeds), time.perf_counter() - start))
             next_feeds = []
-            tokens, qs = self._choose([requests[i] for i, _ in feeds], logits)
-            for (i, _), token, q in zip(feeds, tokens, qs):
+            tokens = self._choose([requests[i] for i, _ in feeds], logits)
+            for (i, _), token in zip(feeds, tokens):
                 drafts[i].append(token)
-                if q is not None:
-                    probs.setdefault(i, []).append(q)
                 if len(drafts[i]) < depths[i]:
                     next_feeds.append((i, [token]))
             feeds = next_feeds
-        for i, rows in probs.items():
-            self.last_draft_probs[requests[i].request_id] = np.stack(rows)
         return drafts
 
     # ---- helpers ----------------------------------------------------------------------------------
 
-    def _choose(self, reqs: list[SpecRequest], logits: np.ndarray) -> tuple[list[int], list[np.ndarray | None]]:
-        """Greedy requests get the argmax (q one-hot, None); sampled ones a draw from q = softmax(logits / T)."""
-        logits = logits[:, :self.vocab_size]  # [M, V]
-        tokens = np.argmax(logits, axis=1).tolist()
-        qs: list[np.ndarray | None] = [None] * len(reqs)
-        sampled = [j for j, r in enumerate(reqs) if getattr(r, "params", None) is not None and not r.params.greedy]
-        if not sampled:
-            return tokens, qs
-        x = logits[sampled].astype(np.float64) / np.array([[reqs[j].params.temperature] for j in sampled])
-        q = np.exp(x - x.max(axis=1, keepdims=True))
-        q /= q.sum(axis=1, keepdims=True)
-        if q.shape[1] < self.vocab_size:
-            q = np.pad(q, ((0, 0), (0, self.vocab_size - q.shape[1])))
-        cdf = np.cumsum(q, axis=1)
-        # the draw for the draft at position p is keyed by (the request's seed, p) in a stream of its own
-        seeds = np.array([reqs[j].seed for j in sampled], np.uint64)
-        positions = np.array([len(self.seqs[reqs[j].request_id].token_ids) for j in sampled], np.int64)
-        u = np.empty(len(sampled))
-        fill_keyed_uniforms(seeds, positions, DRAFT_STREAM, u)
-        u *= cdf[:, -1]
-        drawn = np.minimum((cdf <= u[:, None]).sum(axis=1), q.shape[1] - 1)  # inverse CDF
-        for n, j in enumerate(sampled):
-            tokens[j], qs[j] = int(drawn[n]), q[n]
-        return tokens, qs
+    def _choose(self, reqs: list[SpecRequest], logits: np.ndarray) -> list[int]:
+        """Each request's draft at this position, by self.sampler: the engine's sampler takes the argmax for
+        a greedy request and, for a sampled one, samples the draft model's logits as the request samples
+        (penalties, temperature, filters) in the race keyed like the target's draw at this position, so the
+        draft is the target's own draw whenever the two distributions agree enough
+        (scheduling/step_sampler.py)."""
+        logits = np.ascontiguousarray(logits[:, :self.vocab_size], np.float32)  # [M, V]
+        return self.sampler(logits, [_DraftView(r, self.seqs[r.request_id].token_ids) for r in reqs]).tolist()
 
     def _truncate(self, seq: _DraftSeq, keep: int) -> None:
         del seq.token_ids[keep:]
