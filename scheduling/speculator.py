@@ -22,14 +22,9 @@ from cluster_configs.speculation_config import SpeculationConfig
 from models.proposers.base import Proposer
 from scheduling.batcher import Batcher, StepPlan
 from scheduling.outputs import StepResult
-from scheduling.spec_policy import (
-    SpecStepStats,
-    SpecTelemetry,
-    SpeculationController,
-    SpeculationPolicy,
-    choose_depths,
-    count_positions,
-)
+from scheduling.spec_controller import SpeculationController
+from scheduling.spec_estimators import SpecStepStats, count_positions
+from scheduling.spec_policy import SpecTelemetry, SpeculationPolicy, choose_depths
 
 SPEC_COUNTERS = ("spec_num_drafts", "spec_num_draft_tokens", "spec_num_accepted_tokens")
 POLICY_REFRESH_STEPS = 8  # the controller's policy (a least-squares cost fit, ~0.2 ms) is recomputed this often

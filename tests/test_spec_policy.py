@@ -16,18 +16,20 @@ from models.proposers.base import Proposer
 from scheduling.batcher import StepPlan
 from scheduling.outputs import StepResult
 from scheduling.policy import BatchingPolicy, PolicyLimits, StepTelemetry
-from scheduling.spec_policy import (
+from scheduling.spec_controller import SpeculationController
+from scheduling.spec_estimators import (
     ACCEPT_ALPHA,
     PRIOR_ACCEPT,
     PRIOR_WEIGHT,
-    PROBE_INTERVAL,
     AcceptanceEMA,
     SpecStepStats,
+    count_positions,
+)
+from scheduling.spec_policy import (
+    PROBE_INTERVAL,
     SpecTelemetry,
-    SpeculationController,
     SpeculationPolicy,
     choose_depths,
-    count_positions,
     speculation_policy,
 )
 from scheduling.speculator import POLICY_REFRESH_STEPS, Speculator
@@ -267,6 +269,16 @@ def test_a_catching_up_proposer_probes_one_request_and_backs_off_while_drafting_
         if max(depths) > 1:
             break
     assert max(depths) > 1 and ctrl.num_idle_probes == 0  # deeper than a probe: drafting paid by itself
+
+
+def test_a_first_step_and_a_proposers_first_passes_are_not_cost_samples():
+    ctrl = controller()
+    ctrl.observe(SpecStepStats(16, 5.0, 16, 0, 0.3, draft_passes=((16, 3.0),)))  # first calls: kernels loaded
+    assert not ctrl.cost.samples and not ctrl.draft_cost.samples
+    ctrl.observe(SpecStepStats(16, 0.02, 16, 0, 0.3))
+    ctrl.observe(SpecStepStats(20, 0.03, 16, 0, 0.3, draft_passes=((16, 0.001), (8, 0.0008))))
+    assert list(ctrl.cost.samples) == [(16, 0.02), (20, 0.03)]
+    assert list(ctrl.draft_cost.samples) == [(16, 0.001), (8, 0.0008)]
 
 
 def test_an_untimed_proposer_is_priced_by_its_prior_then_by_its_measured_passes():
