@@ -298,6 +298,7 @@ def test_sampling_with_a_draft_model_emits_the_targets_distribution(vocab16, fil
     np.add.at(observed, (outs[:, 0], outs[:, 1]), 1)
     p_joint = chi_square_p_value(observed.ravel(), joint.ravel())
     p_third = chi_square_p_value(np.bincount(outs[:, 2], minlength=16), third)
+    print(f"{filters or 'plain'}: chi-square p-values, first two tokens {p_joint:.3f}, third {p_third:.3f}")  # -rP
     assert p_joint > MIN_P_VALUE, f"first two tokens: chi-square p-value {p_joint:.2e}"
     assert p_third > MIN_P_VALUE, f"third token: chi-square p-value {p_third:.2e}"
 
