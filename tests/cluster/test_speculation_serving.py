@@ -96,9 +96,8 @@ def test_greedy_results_through_the_client_equal_no_speculation(client, llama_di
 
 
 def test_killing_a_speculating_worker_mid_stream_changes_no_token(client, llama_dir, plain_config):
-    # seeded sampling gives the tokens of no speculation with deterministic drafts (n-gram); a draft model's
-    # sampled drafts give the same distribution, not the same tokens: greedy only there
-    params = [ns.SamplingParams(max_tokens=200, temperature=0, ignore_eos=True) if i % 2 or client.method != "ngram"
+    # seeded sampling gives the tokens of no speculation whatever drafted them (scheduling/step_sampler.py)
+    params = [ns.SamplingParams(max_tokens=200, temperature=0, ignore_eos=True) if i % 2
               else
               ns.SamplingParams(max_tokens=200, temperature=0.9, top_p=0.95, seed=i, frequency_penalty=0.5,
                                 ignore_eos=True) for i in range(8)]
