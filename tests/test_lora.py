@@ -16,11 +16,11 @@ ALL_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 FP32 = {"weight_dtype": "float32", "kv_dtype": "float32"}
 
 
-def make_adapter(base_dir, out_dir, seed, modules=ALL_MODULES, r=4, alpha=8, rslora=False):
+def make_adapter(base_dir, out_dir, seed, modules=ALL_MODULES, r=4, alpha=8, rslora=False, **config):
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
     peft_model = get_peft_model(model, LoraConfig(r=r, lora_alpha=alpha, target_modules=modules,
-                                                  use_rslora=rslora, lora_dropout=0.0))
+                                                  use_rslora=rslora, lora_dropout=0.0, **config))
     torch.manual_seed(seed)
     for name, p in peft_model.named_parameters():
         if "lora_B" in name:  # PEFT starts B at zero (a no-op adapter): make it do something
@@ -60,6 +60,28 @@ def test_adapter_logits_match_peft(llm, llama_dir, adapters, name, hf_models):
     assert np.abs(got - hf_logits(hf_models["llama"], tokens)).max() > 0.1  # the adapter does change logits
 
 
+# per-module ranks and alphas, matched as PEFT does: a bare module name, a dotted suffix, a regular expression
+PATTERNS = {"rank_pattern": {"q_proj": 2, "layers.1.mlp.down_proj": 6, r"layers\.[01]\.self_attn\.o_proj": 3},
+            "alpha_pattern": {"v_proj": 32, r"model\.layers\.0\.self_attn\.o_proj": 3, "up_proj": 1.5}}
+SUBSET = ["q_proj", "v_proj", "o_proj", "up_proj", "down_proj"]
+
+
+@pytest.mark.parametrize("rslora", [False, True], ids=["alpha_over_r", "rslora"])
+@pytest.mark.parametrize("variant", ["llama", "qwen2", "mistral"])
+def test_rank_and_alpha_patterns_match_peft(model_dirs, hf_models, tmp_path, variant, rslora):
+    base = model_dirs[variant]
+    path = make_adapter(base, tmp_path / "patterned", seed=7, modules=SUBSET, rslora=rslora, **PATTERNS)
+    llm = ns.LLM(base, **FP32)
+    llm.register_adapter("patterned", path)
+    modules = llm.engine.adapters["patterned"].layers
+    assert {m: lora.rank for m, lora in modules[1].items()} == {"q_proj": 2, "v_proj": 4, "o_proj": 3,
+                                                              "up_proj": 4, "down_proj": 6}
+    tokens = random_prompt(40, seed=6)
+    got = llm.score(tokens, adapter="patterned")
+    np.testing.assert_allclose(got, hf_logits(peft_reference(base, path), tokens), atol=1e-4, rtol=0)
+    assert np.abs(got - hf_logits(hf_models[variant], tokens)).max() > 0.1
+
+
 def test_mixed_adapters_in_one_batch_equal_each_alone(llm):
     greedy = ns.SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     prompts = [random_prompt(n, seed=n) for n in (5, 30, 17, 8)]
@@ -93,6 +115,10 @@ def test_requests_with_different_adapters_do_not_share_prefix_blocks(llm):
     ("pickle", "pickled"),
     ("bad_shape", "trained for another base model"),
     ("foreign_key", "does not adapt a supported module"),
+    ("dora", "use_dora=True: DoRA"),
+    ("lora_bias", "lora_bias=True"),
+    ("modules_to_save", "modules_to_save"),
+    ("bad_pattern", "rank_pattern must map"),
 ])
 def test_bad_adapters_raise_adapter_error_and_engine_keeps_serving(llm, adapters, tmp_path, breakage, message):
     d = tmp_path / "adapter"
@@ -106,6 +132,13 @@ def test_bad_adapters_raise_adapter_error_and_engine_keeps_serving(llm, adapters
         (d / "adapter_config.json").write_text("{")
     elif breakage == "not_lora":
         (d / "adapter_config.json").write_text(json.dumps(config | {"peft_type": "IA3"}))
+    elif breakage in ("dora", "lora_bias"):
+        (d / "adapter_config.json").write_text(json.dumps(config | {f"use_{breakage}" if breakage == "dora"
+                                                                   else breakage: True}))
+    elif breakage == "modules_to_save":
+        (d / "adapter_config.json").write_text(json.dumps(config | {"modules_to_save": ["lm_head"]}))
+    elif breakage == "bad_pattern":
+        (d / "adapter_config.json").write_text(json.dumps(config | {"rank_pattern": {"q_proj": "four"}}))
     elif breakage == "pickle":
         (d / "adapter_model.safetensors").rename(d / "adapter_model.bin")
     else:
