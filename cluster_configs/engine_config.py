@@ -33,6 +33,10 @@ class EngineConfig(BaseModel):
     activation_dtype: ActivationDtype = Field("auto", description="what activations are rounded to before the "
                                                                   'linear layers\' dot products; "auto" picks per '
                                                                   "weight dtype")
+    max_lora_rank: int = Field(64, ge=1, description="the largest LoRA rank an adapter may have (any module); "
+                                                     "a higher one is refused at registration")
+    adapter_roots: tuple[str, ...] | None = Field(None, description="folders adapters may be registered from "
+                                                                    "('..' and symlinks resolved); None = anywhere")
     speculation: SpeculationConfig = Field(default_factory=SpeculationConfig,
                                            description="speculative decoding (a SpeculationConfig or a dict of its "
                                                        "fields); off by default")

@@ -39,7 +39,10 @@ class LoraModule:
 class LoraAdapter:
     name: str
     layers: tuple[dict[str, LoraModule], ...]  # per layer: module -> its LoRA
-    use_rslora: bool = False  # composition scales as PEFT does (models/lora_compose.py)
+    # what PEFT's add_weighted_adapter reads of the config (models/lora_compose.py): r, or the largest of r
+    # and rank_pattern's ranks, and use_rslora
+    config_rank: int
+    use_rslora: bool = False
 
     @property
     def max_rank(self) -> int:
@@ -92,7 +95,7 @@ def load_lora(name: str, path: str | Path, spec: ModelSpec, max_rank: int | None
                                "raise max_lora_rank")
         layers[layer][module] = LoraModule(np.ascontiguousarray(a, np.float32), np.ascontiguousarray(b, np.float32),
                                            scaling)
-    return LoraAdapter(name, tuple(layers), config.use_rslora)
+    return LoraAdapter(name, tuple(layers), config.max_rank, config.use_rslora)
 
 
 def add_lora(out: np.ndarray, x: np.ndarray, adapter_rows: list[tuple[LoraAdapter, np.ndarray]], layer: int,

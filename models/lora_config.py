@@ -49,7 +49,7 @@ class LoraConfig:
 
     @property
     def max_rank(self) -> int:
-        return max(self.r, *self.rank_pattern.values())
+        return max([self.r, *self.rank_pattern.values()])
 
 
 def module_key(layer: int, module: str) -> str:

@@ -39,16 +39,14 @@ class LLM:
         return self.engine.tokenizer
 
     def generate(self, prompts, params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 adapter: str | None = None) -> list[Completion]:
+                 adapter: str | Sequence[str | None] | None = None) -> list[Completion]:
+        """params and adapter: one for every prompt, or a list with one per prompt (adapter None: the base model)."""
         prompts = _as_prompt_list(prompts)
-        if isinstance(params, Sequence):
-            if len(params) != len(prompts):
-                raise InvalidRequest(f"{len(params)} SamplingParams for {len(prompts)} prompts; pass one per prompt")
-            params_list = list(params)
-        else:
-            params_list = [params] * len(prompts)
-        requests = [self.engine.make_request(f"llm-{next(_ids)}", p, sp, adapter=adapter)
-                    for p, sp in zip(prompts, params_list)]  # every prompt validated before any work
+        params_list = _per_prompt(params, len(prompts), "params", "a numaserve.SamplingParams",
+                                  (SamplingParams, type(None)))
+        adapters = _per_prompt(adapter, len(prompts), "adapter", "an adapter name (str) or None", (str, type(None)))
+        requests = [self.engine.make_request(f"llm-{next(_ids)}", p, sp, adapter=a)
+                    for p, sp, a in zip(prompts, params_list, adapters)]  # every prompt validated before any work
         for req in requests:
             self.engine.submit(req)
         self._run_until_done(requests)
@@ -77,6 +75,11 @@ class LLM:
         """Serve a PEFT LoRA adapter directory as `adapter=name`."""
         self.engine.register_adapter(name, path)
 
+    def compose_adapter(self, name: str, weights: dict[str, float], combination: str = "svd") -> None:
+        """Serve as `adapter=name` the weighted combination of registered adapters, as PEFT's
+        add_weighted_adapter builds it: combination "cat", "linear" or "svd"."""
+        self.engine.compose_adapter(name, weights, combination)
+
     def stats(self) -> dict:
         return self.engine.stats()
 
@@ -98,3 +101,14 @@ class LLM:
         return Completion(prompt_token_ids=req.token_ids[:req.num_prompt_tokens], token_ids=req.output_token_ids,
                           text=req.text, finish_reason=req.finish_reason,
                           logprobs=req.logprobs if req.params.logprobs is not None else None)
+
+
+def _per_prompt(value, num_prompts: int, name: str, expected: str, single: tuple[type, ...]) -> list:
+    """One value for every prompt, or a list (tuple) of one per prompt."""
+    if isinstance(value, single):
+        return [value] * num_prompts
+    if not isinstance(value, list | tuple):
+        raise InvalidRequest(f"{name} must be {expected} or a list of one per prompt, got {type(value).__name__}")
+    if len(value) != num_prompts:
+        raise InvalidRequest(f"{len(value)} {name} for {num_prompts} prompts; pass one per prompt")
+    return list(value)

@@ -9,7 +9,7 @@ import numba
 
 from cluster_configs.diagnostics import DecisionLog
 from cluster_configs.engine_config import EngineConfig
-from cluster_configs.errors import AdapterError, InvalidRequest
+from cluster_configs.errors import InvalidRequest
 from cluster_configs.sampling_params import SamplingParams
 from kernels import threading_decision
 from memory.block_pool import BlockPool
@@ -19,9 +19,9 @@ from models.activation_plan import plan_activations
 from models.calibration import load_calibration
 from models.llama import LlamaModel
 from models.loader import load_model
-from models.lora import LoraAdapter, load_lora
 from models.proposers import make_proposer
 from models.tokenizer import IncrementalDetokenizer
+from scheduling.adapter_store import AdapterStore
 from scheduling.batcher import Batcher, StepPlan
 from scheduling.kv_cache_manager import KVCacheManager
 from scheduling.model_runner import ModelRunner
@@ -59,7 +59,7 @@ class Engine:
         self.kv = KVCacheManager(BlockPool(num_blocks), bs, config.enable_prefix_caching, window)
         self.batcher = Batcher(config, self.kv)
         self.requests: dict[str, Request] = {}
-        self.adapters: dict[str, LoraAdapter] = {}
+        self.adapters = AdapterStore(s, config.max_lora_rank, config.adapter_roots)
         self.runner = ModelRunner(self.model, self.kv_cache, bs, self.adapters)
         proposer = make_proposer(config.speculation, s, self.tokenizer, kv_cache_tokens=num_blocks * bs, block_size=bs,
                                  weight_dtype=config.weight_dtype, kv_dtype=config.resolved_kv_dtype,
@@ -73,9 +73,11 @@ class Engine:
 
     def register_adapter(self, name: str, path: str | Path) -> None:
         """Load a PEFT LoRA adapter; requests name it with adapter=name. Raises AdapterError."""
-        if not isinstance(name, str) or not name:
-            raise AdapterError(f"an adapter name is a non-empty string, got {name!r}")
-        self.adapters[name] = load_lora(name, path, self.spec)
+        self.adapters.register(name, path)
+
+    def compose_adapter(self, name: str, weights: dict[str, float], combination: str = "svd") -> None:
+        """Register name as a weighted combination of registered adapters. Raises AdapterError."""
+        self.adapters.compose(name, weights, combination)
 
     # ---- requests ---------------------------------------------------------------------------------
 

@@ -12,12 +12,12 @@ import numpy as np
 from memory.kv_cache import KVCache
 from models.batch import ForwardBatch
 from models.llama import LlamaModel
-from models.lora import LoraAdapter
+from scheduling.adapter_store import AdapterStore
 from scheduling.batcher import StepPlan
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, kv_cache: KVCache, block_size: int, adapters: dict[str, LoraAdapter]):
+    def __init__(self, model: LlamaModel, kv_cache: KVCache, block_size: int, adapters: AdapterStore):
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = block_size

@@ -34,7 +34,8 @@ def adapters(llama_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("adapters")
     return {"a": make_adapter(llama_dir, root / "a", seed=1),
             "b": make_adapter(llama_dir, root / "b", seed=2, modules=["q_proj", "v_proj"], r=8, alpha=4),
-            "rs": make_adapter(llama_dir, root / "rs", seed=3, rslora=True)}
+            "rs": make_adapter(llama_dir, root / "rs", seed=3, rslora=True),
+            "c": make_adapter(llama_dir, root / "c", seed=4, modules=["q_proj", "o_proj", "down_proj"], alpha=16)}
 
 
 def peft_reference(llama_dir, adapter_dir):
@@ -82,6 +83,54 @@ def test_rank_and_alpha_patterns_match_peft(model_dirs, hf_models, tmp_path, var
     assert np.abs(got - hf_logits(hf_models[variant], tokens)).max() > 0.1
 
 
+def peft_composed(llama_dir, adapters, weights: dict, combination: str):
+    """PEFT's add_weighted_adapter over the named adapters, the composed adapter active."""
+    from transformers import AutoModelForCausalLM
+    names = list(weights)
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32),
+                                      adapters[names[0]], adapter_name=names[0])
+    for name in names[1:]:
+        model.load_adapter(adapters[name], adapter_name=name)
+    model.add_weighted_adapter(names, list(weights.values()), "mix", combination_type=combination)
+    model.set_adapter("mix")
+    return model.eval()
+
+
+@pytest.mark.parametrize("combination, weights", [
+    ("cat", {"a": 0.7, "b": 0.3}),  # ranks 4 + 8, different modules
+    ("cat", {"rs": 0.5, "c": 1.5}),  # the first uses rsLoRA: PEFT scales the result by sqrt(r)
+    ("linear", {"a": 0.6, "c": -0.4}),  # cross terms; a negative weight
+    ("linear", {"b": 1.3}),
+    ("svd", {"a": 0.7, "b": -0.3, "c": 0.5}),
+])
+def test_composed_adapters_match_peft_add_weighted_adapter(llm, llama_dir, adapters, combination, weights):
+    name = f"{combination}-{'-'.join(weights)}"
+    llm.compose_adapter(name, weights, combination=combination)
+    tokens = random_prompt(40, seed=8)
+    got = llm.score(tokens, adapter=name)
+    np.testing.assert_allclose(got, hf_logits(peft_composed(llama_dir, adapters, weights, combination), tokens),
+                               atol=1e-4, rtol=0)
+    assert np.abs(got - llm.score(tokens, adapter=next(iter(weights)))).max() > 0.1
+
+
+@pytest.mark.parametrize("weights, combination, message", [
+    ({"a": 0.5, "b": 0.5}, "linear", "one rank"),
+    ({"a": 0.5, "nope": 0.5}, "svd", "unknown adapters"),
+    ({}, "svd", "weights must map"),
+    ({"a": float("nan")}, "cat", "finite number"),
+    ({"a": 1.0}, "ties", "not supported"),
+    ({"a": 1.0, "b": 1.0, "c": 1.0}, "cat", "max_lora_rank=12"),
+])
+def test_bad_compositions_raise_adapter_error(llama_dir, adapters, weights, combination, message):
+    llm = ns.LLM(llama_dir, **FP32, max_lora_rank=12)
+    for name in "abc":
+        llm.register_adapter(name, adapters[name])
+    with pytest.raises(ns.AdapterError, match=message):
+        llm.compose_adapter("mix", weights, combination=combination)
+    assert "mix" not in llm.engine.adapters
+    llm.compose_adapter("mix", {"a": 1.0, "c": 1.0}, combination="cat")  # the name is still free
+
+
 def test_mixed_adapters_in_one_batch_equal_each_alone(llm):
     greedy = ns.SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     prompts = [random_prompt(n, seed=n) for n in (5, 30, 17, 8)]
@@ -93,6 +142,46 @@ def test_mixed_adapters_in_one_batch_equal_each_alone(llm):
         llm.engine.step()
     assert [r.output_token_ids for r in together] == alone
     assert alone[0] != llm.generate(prompts[0], greedy)[0].token_ids
+
+
+def test_one_generate_call_with_an_adapter_per_prompt_equals_each_alone(llm):
+    greedy = ns.SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    prompts = [random_prompt(n, seed=40 + n) for n in (6, 21, 3, 14, 9, 30, 12)]
+    names = ["a", None, "b", "rs", "c", "a", None]
+    alone = [llm.generate(p, greedy, adapter=n)[0].token_ids for p, n in zip(prompts, names)]
+    assert [o.token_ids for o in llm.generate(prompts, greedy, adapter=names)] == alone
+    assert len({tuple(llm.generate(prompts[0], greedy, adapter=n)[0].token_ids) for n in ("a", "b", None)}) == 3
+    with pytest.raises(ns.InvalidRequest, match="2 adapter for 7 prompts"):
+        llm.generate(prompts, greedy, adapter=["a", "b"])
+    with pytest.raises(ns.InvalidRequest, match="unknown adapter 'zz'"):
+        llm.generate(prompts, greedy, adapter=["a", "zz", None, None, None, None, None])
+    with pytest.raises(ns.InvalidRequest, match="adapter must be an adapter name"):
+        llm.generate(prompts, greedy, adapter=3)
+    assert not llm.engine.has_unfinished()
+
+
+def test_registration_is_confined_to_adapter_roots(llama_dir, adapters, tmp_path):
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    root.mkdir()
+    shutil.copytree(adapters["a"], root / "a")
+    shutil.copytree(adapters["c"], root / "c")
+    shutil.copytree(adapters["a"], outside)
+    (root / "link").symlink_to(outside, target_is_directory=True)
+    llm = ns.LLM(llama_dir, **FP32, adapter_roots=[str(root)])
+    llm.register_adapter("a", root / "sub" / ".." / "a")
+    for path in (outside, root / ".." / "outside", root / "link"):
+        with pytest.raises(ns.AdapterError, match="outside adapter_roots"):
+            llm.register_adapter("x", path)
+    with pytest.raises(ns.AdapterError, match="taken by"):
+        llm.register_adapter("a", root / "c")  # other weights under a served name
+    llm.register_adapter("a", root / "a")  # the same directory again: a no-op
+
+
+def test_a_rank_above_max_lora_rank_is_refused(llama_dir, adapters):
+    llm = ns.LLM(llama_dir, **FP32, max_lora_rank=4)
+    llm.register_adapter("a", adapters["a"])
+    with pytest.raises(ns.AdapterError, match="rank 8, above max_lora_rank=4"):
+        llm.register_adapter("b", adapters["b"])
 
 
 def test_requests_with_different_adapters_do_not_share_prefix_blocks(llm):
