@@ -33,6 +33,8 @@ class EngineConfig(BaseModel):
     activation_dtype: ActivationDtype = Field("auto", description="what activations are rounded to before the "
                                                                   'linear layers\' dot products; "auto" picks per '
                                                                   "weight dtype")
+    max_loras: int = Field(4, ge=1, description="adapters held ready for the kernels (least recently used out) "
+                                                "and so the most distinct adapters in one step's batch")
     max_lora_rank: int = Field(64, ge=1, description="the largest LoRA rank an adapter may have (any module); "
                                                      "a higher one is refused at registration")
     adapter_roots: tuple[str, ...] | None = Field(None, description="folders adapters may be registered from "

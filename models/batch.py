@@ -1,10 +1,10 @@
 """ForwardBatch: everything one model step needs, as flat arrays (one row per scheduled token)."""
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
-from models.lora import LoraAdapter
+from models.lora_slots import LoraRows
 
 
 @dataclass(frozen=True)
@@ -15,7 +15,7 @@ class ForwardBatch:
     slot_mapping: np.ndarray  # [T] int64, block_id * block_size + offset where the token's KV goes
     block_tables: np.ndarray  # [S, max_blocks] int32
     logits_indices: np.ndarray  # [R] int64, token rows whose next-token logits are wanted
-    adapter_rows: list[tuple[LoraAdapter, np.ndarray]] = field(default_factory=list)  # token rows per adapter
+    lora: LoraRows | None = None  # None: no row has an adapter
 
     @property
     def num_tokens(self) -> int:

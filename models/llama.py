@@ -9,7 +9,7 @@ from kernels.norms import rms_norm, rope_inplace, silu_mul
 from memory.kv_cache import KVCache
 from models.batch import ForwardBatch
 from models.linear import embed, linear
-from models.lora import add_lora
+from models.lora_slots import add_lora
 from models.rope import rope_inv_freq
 from models.spec import ModelSpec
 
@@ -50,7 +50,7 @@ class LlamaModel:
         for i, layer in enumerate(w["layers"]):
             rms_norm(h, layer["input_norm"], s.rms_norm_eps, x)
             qkv = self._linear(f"layers.{i}.qkv", x, layer["qkv"])  # [T, q_size + 2 * kv_size]
-            add_lora(qkv, x, batch.adapter_rows, i, self.qkv_modules)
+            add_lora(qkv, x, batch.lora, i, self.qkv_modules)
             if layer["qkv_bias"] is not None:
                 qkv += layer["qkv_bias"]
             q = qkv[:, :s.q_size].reshape(T, s.num_heads, D)
@@ -67,15 +67,15 @@ class LlamaModel:
                             self.softmax_scale, attn)
             attn_flat = attn.reshape(T, s.q_size)
             o = self._linear(f"layers.{i}.o", attn_flat, layer["o"])
-            add_lora(o, attn_flat, batch.adapter_rows, i, (("o_proj", slice(None)),))
+            add_lora(o, attn_flat, batch.lora, i, (("o_proj", slice(None)),))
             h += o
             rms_norm(h, layer["post_norm"], s.rms_norm_eps, x)
             gate_up = self._linear(f"layers.{i}.gate_up", x, layer["gate_up"])  # [T, 2 * intermediate]
-            add_lora(gate_up, x, batch.adapter_rows, i, self.gate_up_modules)
+            add_lora(gate_up, x, batch.lora, i, self.gate_up_modules)
             act = np.empty((T, s.intermediate_size), np.float32)
             silu_mul(gate_up, act)
             down = self._linear(f"layers.{i}.down", act, layer["down"])
-            add_lora(down, act, batch.adapter_rows, i, (("down_proj", slice(None)),))
+            add_lora(down, act, batch.lora, i, (("down_proj", slice(None)),))
             h += down
         h_out = np.ascontiguousarray(h[batch.logits_indices])
         rms_norm(h_out, w["norm"], s.rms_norm_eps, h_out)

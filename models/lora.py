@@ -11,8 +11,6 @@ from pathlib import Path
 import numpy as np
 
 from cluster_configs.errors import AdapterError
-from memory.weights import WeightMatrix
-from models.linear import linear
 from models.lora_config import MODULES, read_lora_config
 from models.safetensors_io import read_header, read_tensor
 from models.spec import ModelSpec
@@ -96,24 +94,3 @@ def load_lora(name: str, path: str | Path, spec: ModelSpec, max_rank: int | None
         layers[layer][module] = LoraModule(np.ascontiguousarray(a, np.float32), np.ascontiguousarray(b, np.float32),
                                            scaling)
     return LoraAdapter(name, tuple(layers), config.max_rank, config.use_rslora)
-
-
-def add_lora(out: np.ndarray, x: np.ndarray, adapter_rows: list[tuple[LoraAdapter, np.ndarray]], layer: int,
-             modules: tuple[tuple[str, slice], ...]) -> None:
-    """out[rows, cols] += scaling * (x[rows] @ A.T) @ B.T for each adapter's rows and each module's columns.
-
-    out: [T, N] (a fused projection), x: [T, K]; modules: (module name, its columns in out).
-    """
-    for adapter, rows in adapter_rows:
-        weights = adapter.layers[layer]
-        xr = x[rows]
-        for module, cols in modules:
-            lora = weights.get(module)
-            if lora is not None:
-                out[rows, cols] += lora.scaling * _project(_project(xr, lora.a), lora.b)
-
-
-def _project(x: np.ndarray, w: np.ndarray) -> np.ndarray:
-    # x: [T, K] f32, w: [N, K] f32 -> [T, N] f32 through the batch-invariant kernel (models/linear.py), not
-    # BLAS, so a token's adapter delta does not depend on how many rows share its adapter
-    return linear(x, WeightMatrix("float32", w))

@@ -49,7 +49,7 @@ def _combine(loras: list[tuple[LoraModule, float]], combination: str, new_rank: 
     """The combined module; its output is scaling * B A, like PEFT's composed module (scaling != 1 only
     with rsLoRA, where PEFT scales the combination again by sqrt(R))."""
     if combination == "cat":
-        a = np.concatenate([w * m.scaling * m.a for m, w in loras])
+        a = np.concatenate([m.a * np.float32(w) * np.float32(m.scaling) for m, w in loras])  # in PEFT's order
         b = np.concatenate([m.b for m, _ in loras], axis=1)
     elif combination == "linear":
         if len({m.rank for m, _ in loras}) > 1:

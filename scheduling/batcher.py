@@ -35,6 +35,7 @@ class Batcher:
     def __init__(self, config: EngineConfig, kv: KVCacheManager):
         self.token_budget = config.max_num_batched_tokens
         self.max_num_seqs = config.max_num_seqs
+        self.max_loras = config.max_loras
         self.kv = kv
         self.waiting: list[Request] = []  # sorted by sort_key
         self.running: list[Request] = []
@@ -67,8 +68,11 @@ class Batcher:
                 plan.scheduled.append((req, num_new))
                 budget -= num_new
                 i += 1
+        adapters = {r.adapter_id for r in self.running} - {None}
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not plan.preempted:
             req = self.waiting[0]
+            if req.adapter_id is not None and req.adapter_id not in adapters and len(adapters) >= self.max_loras:
+                break  # its adapter waits for a LoRA slot: one frees when the last request of another finishes
             cached = self.kv.find_cached_prefix(req)
             num_new = min(req.num_tokens - len(cached) * self.kv.block_size, budget)
             if not self.kv.allocate_slots(req, num_new, cached):
@@ -77,6 +81,8 @@ class Batcher:
             self.waiting.pop(0)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
+            if req.adapter_id is not None:
+                adapters.add(req.adapter_id)
             plan.scheduled.append((req, num_new))
             budget -= num_new
         plan.token_budget_left = budget

@@ -19,6 +19,7 @@ from models.activation_plan import plan_activations
 from models.calibration import load_calibration
 from models.llama import LlamaModel
 from models.loader import load_model
+from models.lora_slots import LoraSlots
 from models.proposers import make_proposer
 from models.tokenizer import IncrementalDetokenizer
 from scheduling.adapter_store import AdapterStore
@@ -60,7 +61,8 @@ class Engine:
         self.batcher = Batcher(config, self.kv)
         self.requests: dict[str, Request] = {}
         self.adapters = AdapterStore(s, config.max_lora_rank, config.adapter_roots)
-        self.runner = ModelRunner(self.model, self.kv_cache, bs, self.adapters)
+        self.runner = ModelRunner(self.model, self.kv_cache, bs, self.adapters,
+                                  LoraSlots(s, config.max_loras, config.max_lora_rank))
         proposer = make_proposer(config.speculation, s, self.tokenizer, kv_cache_tokens=num_blocks * bs, block_size=bs,
                                  weight_dtype=config.weight_dtype, kv_dtype=config.resolved_kv_dtype,
                                  activation_dtype=config.activation_dtype, decisions=self.decisions,
@@ -220,4 +222,6 @@ class Engine:
             "prefix_hit_rate": self.kv.prefix_hit_rate,
             "num_preemptions": self.batcher.num_preemptions,
             "num_generated_tokens": self.num_generated_tokens,
-        } | (self.speculator.stats() if self.speculator else spec_stats_off())
+            "num_adapters": len(self.adapters),
+            "num_lora_tokens": self.runner.num_lora_tokens,
+        } | self.runner.lora_slots.stats() | (self.speculator.stats() if self.speculator else spec_stats_off())

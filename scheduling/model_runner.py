@@ -12,16 +12,20 @@ import numpy as np
 from memory.kv_cache import KVCache
 from models.batch import ForwardBatch
 from models.llama import LlamaModel
+from models.lora_slots import LoraRows, LoraSlots
 from scheduling.adapter_store import AdapterStore
 from scheduling.batcher import StepPlan
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, kv_cache: KVCache, block_size: int, adapters: AdapterStore):
+    def __init__(self, model: LlamaModel, kv_cache: KVCache, block_size: int, adapters: AdapterStore,
+                 lora_slots: LoraSlots):
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = block_size
         self.adapters = adapters  # the engine's registry (shared, not copied)
+        self.lora_slots = lora_slots
+        self.num_lora_tokens = 0  # rows run with an adapter (the low-rank path)
 
     def run(self, plan: StepPlan) -> tuple[np.ndarray, list[slice | None]]:
         """-> logits [R, V] float32 and, per scheduled request, its slice of logits rows (None: no row)."""
@@ -31,7 +35,7 @@ class ModelRunner:
     def build_batch(self, plan: StepPlan) -> tuple[ForwardBatch, list[slice | None]]:
         bs = self.block_size
         token_ids, positions, token_seq, logits_indices, logit_rows = [], [], [], [], []
-        rows_by_adapter: dict[str, list[int]] = {}
+        row_adapter: list[str | None] = []
         max_blocks = max(len(req.block_ids) for req, _ in plan.scheduled)
         block_tables = np.zeros((len(plan.scheduled), max_blocks), np.int32)  # [S, max_blocks]
         for s, (req, n) in enumerate(plan.scheduled):
@@ -41,8 +45,7 @@ class ModelRunner:
             token_ids += drafts
             positions += range(start, start + n)
             token_seq += [s] * n
-            if req.adapter_id is not None:
-                rows_by_adapter.setdefault(req.adapter_id, []).extend(range(row, row + n))
+            row_adapter += [req.adapter_id] * n
             block_tables[s, :len(req.block_ids)] = [max(b, 0) for b in req.block_ids]  # released (-1) blocks are never read
             if req.prompt_logits:
                 wanted = range(row, row + n)
@@ -55,7 +58,14 @@ class ModelRunner:
         positions = np.asarray(positions, np.int32)
         token_seq = np.asarray(token_seq, np.int32)
         slot_mapping = block_tables[token_seq, positions // bs].astype(np.int64) * bs + positions % bs
-        adapter_rows = [(self.adapters[name], np.asarray(rows, np.int64)) for name, rows in rows_by_adapter.items()]
         batch = ForwardBatch(np.asarray(token_ids, np.int64), positions, token_seq, slot_mapping, block_tables,
-                             np.asarray(logits_indices, np.int64), adapter_rows)
+                             np.asarray(logits_indices, np.int64), self._lora_rows(row_adapter))
         return batch, logit_rows
+
+    def _lora_rows(self, row_adapter: list[str | None]) -> LoraRows | None:
+        names = {a for a in row_adapter if a is not None}
+        if not names:
+            return None
+        slot = self.lora_slots.slots_for(sorted(names), self.adapters.__getitem__) | {None: -1}
+        self.num_lora_tokens += sum(a is not None for a in row_adapter)
+        return LoraRows(np.asarray([slot[a] for a in row_adapter], np.int32), self.lora_slots)

@@ -1,0 +1,96 @@
+"""LoraSlots: the adapters a worker holds ready for the kernels, at most max_loras, least recently used out.
+
+Per layer and module one stacked buffer of max_loras slots (kernels/lora.py's layout): A [S, R, in] and B^T
+[S, R, out] and the module's scaling, R = max_lora_rank, zero-filled (pages are committed only
+where a slot's rank writes them). A step's adapters are all given slots before it runs (the batcher
+admits at most max_loras distinct adapters into the running set), loading any that are not held and
+evicting the least recently used adapter the step does not use.
+"""
+
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import numpy as np
+
+from kernels.lora import lora_shrink_expand
+from models.lora import LoraAdapter, module_shapes
+from models.lora_config import MODULES
+from models.spec import ModelSpec
+
+
+class LoraSlots:
+    def __init__(self, spec: ModelSpec, max_loras: int, max_rank: int):
+        shapes = module_shapes(spec)
+        L, S, R = spec.num_layers, max_loras, max_rank
+        self.a = {m: np.zeros((L, S, R, k), np.float32) for m, (_, k) in shapes.items()}  # [L, S, R, in]
+        self.bt = {m: np.zeros((L, S, R, n), np.float32) for m, (n, _) in shapes.items()}  # [L, S, R, out]
+        self.ranks = {m: np.zeros((L, S), np.int32) for m in MODULES}  # 0: the slot's adapter leaves m alone
+        self.scalings = {m: np.zeros((L, S), np.float32) for m in MODULES}
+        self.held: OrderedDict[str, int] = OrderedDict()  # adapter name -> slot, least recently used first
+        self.free = list(range(S - 1, -1, -1))
+        self.num_hits = self.num_misses = self.num_evictions = self.bytes_loaded = 0
+
+    @property
+    def max_loras(self) -> int:
+        return len(self.ranks[MODULES[0]][0])
+
+    def slots_for(self, names: Iterable[str], adapter: Callable[[str], LoraAdapter]) -> dict[str, int]:
+        """A slot for each adapter a step uses (at most max_loras), loading the missing ones by name."""
+        names = list(dict.fromkeys(names))
+        if len(names) > self.max_loras:
+            raise ValueError(f"a step uses {len(names)} adapters, more than max_loras={self.max_loras}")
+        for name in names:
+            if name in self.held:
+                self.num_hits += 1
+                self.held.move_to_end(name)
+            else:
+                self.num_misses += 1
+                self._load(adapter(name), self._take_slot(names))
+        return {name: self.held[name] for name in names}
+
+    def _take_slot(self, in_use: list[str]) -> int:
+        if self.free:
+            return self.free.pop()
+        victim = next(n for n in self.held if n not in in_use)  # least recently used first
+        self.num_evictions += 1
+        return self.held.pop(victim)
+
+    def _load(self, adapter: LoraAdapter, slot: int) -> None:
+        for m in MODULES:
+            self.ranks[m][:, slot] = 0
+        for i, layer in enumerate(adapter.layers):
+            for m, lora in layer.items():
+                r = lora.rank
+                self.a[m][i, slot, :r] = lora.a
+                self.bt[m][i, slot, :r] = lora.b.T
+                self.ranks[m][i, slot] = r
+                self.scalings[m][i, slot] = lora.scaling
+        self.bytes_loaded += adapter.nbytes
+        self.held[adapter.name] = slot
+
+    def stats(self) -> dict:
+        """hits / misses: a step's adapters found in a slot or loaded into one (one count per step and adapter)."""
+        return {"lora_slot_hits": self.num_hits, "lora_slot_misses": self.num_misses,
+                "lora_slot_evictions": self.num_evictions, "lora_slot_bytes_loaded": self.bytes_loaded,
+                "lora_slots_held": list(self.held)}
+
+
+@dataclass(frozen=True)
+class LoraRows:
+    row_slot: np.ndarray  # [T] int32: each row's slot (-1: the base model alone)
+    slots: LoraSlots
+
+
+def add_lora(out: np.ndarray, x: np.ndarray, lora: LoraRows | None, layer: int,
+             modules: tuple[tuple[str, slice], ...]) -> None:
+    """out[t, cols] += row t's adapter delta for each module's columns (kernels/lora.py).
+
+    out: [T, N] (a fused projection), x: [T, K] C-contiguous; modules: (module name, its columns in out).
+    """
+    if lora is None:
+        return
+    slots = lora.slots
+    for module, cols in modules:
+        lora_shrink_expand(x, lora.row_slot, slots.a[module][layer], slots.bt[module][layer],
+                           slots.ranks[module][layer], slots.scalings[module][layer], out[:, cols])
