@@ -1,96 +1,112 @@
-"""AdapterCache: the registry of LoRA adapters, name -> directory, validated on registration and kept in a
-JSON file so a restarted cache (or deployment) still knows them. The LoRA issue adds the weights."""
+"""AdapterCache: the deployment's LoRA adapters. It alone reads adapter directories: it validates an adapter
+against the served model at registration (scheduling/adapter_store.py), keeps the registry in a JSON file
+so a restarted cache (or deployment) still serves it, and holds the loaded tensors, least recently used
+out past max_bytes. A worker asks for an adapter by name and gets it through the object store, put there
+once per load and shared by every worker that asks: workers on other machines need no shared filesystem.
+"""
 
 import asyncio
 import json
 import os
-import re
 from pathlib import Path
 
 import ray
 from ray.exceptions import RayActorError
 
-from cluster_configs.cluster_config import NAME_PATTERN
 from cluster_configs.errors import AdapterError
+from models.loader import read_spec
+from scheduling.adapter_store import AdapterSource, AdapterStore
 
-REQUIRED_FILES = ("adapter_config.json", "adapter_model.safetensors")
 LOOKUP_TIMEOUT_S = 60.0  # a restarting cache is waited for this long
 
 
 class AdapterRegistry:
-    """Plain registry over a JSON file: {name: absolute adapter directory}."""
+    """The registry's file: {name: directory | {"weights": {...}, "combination": ...}}."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path).expanduser()
-        self.adapters: dict[str, str] = {}
-        if self.path.exists():
-            try:
-                self.adapters = dict(json.loads(self.path.read_text()))
-            except (ValueError, TypeError) as e:
-                raise AdapterError(f"{self.path}: the adapter registry is not a JSON object ({e}); "
-                                   "fix or delete the file") from None
 
-    def register(self, name: str, directory: str | Path) -> str:
-        validate_adapter(name, directory)
-        path = str(Path(directory).expanduser().resolve())
-        if self.adapters.get(name, path) != path:  # workers may hold the old weights under this name
-            raise AdapterError(f"adapter {name!r} is already registered to {self.adapters[name]}; "
-                               "register the new directory under another name")
-        self.adapters[name] = path
-        self._save()
-        return path
+    def read(self) -> dict[str, AdapterSource]:
+        if not self.path.exists():
+            return {}
+        try:
+            return {name: AdapterSource.from_json(v) for name, v in dict(json.loads(self.path.read_text())).items()}
+        except (ValueError, TypeError) as e:
+            raise AdapterError(f"{self.path}: the adapter registry is not a JSON object of adapter sources ({e}); "
+                               "fix or delete the file") from None
 
-    def get(self, name: str) -> str | None:
-        return self.adapters.get(name)
-
-    def _save(self) -> None:
+    def write(self, sources: dict[str, AdapterSource]) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.adapters, indent=2, sort_keys=True))
+        tmp.write_text(json.dumps({n: s.to_json() for n, s in sources.items()}, indent=2, sort_keys=True))
         os.replace(tmp, self.path)  # atomic: a crash leaves the old registry or the new one
-
-
-def validate_adapter(name: str, directory: str | Path) -> None:
-    if not isinstance(name, str) or not re.fullmatch(NAME_PATTERN, name):
-        raise AdapterError(f"adapter name {name!r} is not valid: use letters, digits, '_' and '-'")
-    path = Path(directory).expanduser()
-    if not path.is_dir():
-        raise AdapterError(f"adapter {name!r}: {path} is not a directory; pass the folder that PEFT's "
-                           "save_pretrained wrote")
-    missing = [f for f in REQUIRED_FILES if not (path / f).is_file()]
-    if missing:
-        raise AdapterError(f"adapter {name!r}: {path} lacks {', '.join(missing)}; save the adapter with "
-                           "PEFT's save_pretrained(dir, safe_serialization=True)")
-    try:
-        config = json.loads((path / "adapter_config.json").read_text())
-    except ValueError as e:
-        raise AdapterError(f"adapter {name!r}: {path / 'adapter_config.json'} is not valid JSON ({e})") from None
-    if not isinstance(config, dict):
-        raise AdapterError(f"adapter {name!r}: {path / 'adapter_config.json'} must hold a JSON object")
 
 
 @ray.remote(num_cpus=0)
 class AdapterCache:
-    def __init__(self, registry_path: str):
+    def __init__(self, registry_path: str, model_path: str, max_lora_rank: int,
+                 adapter_roots: tuple[str, ...] | None = None, max_bytes: int | None = None):
         self.registry = AdapterRegistry(registry_path)
+        self.store = AdapterStore(read_spec(model_path), max_lora_rank, adapter_roots, max_bytes=max_bytes)
+        for name, source in self.registry.read().items():
+            self.store.restore(name, source)  # loaded when first asked for
+        self._refs: dict[str, ray.ObjectRef] = {}  # the loaded adapters, in the object store
 
     def register(self, name: str, directory: str) -> str:
-        return self.registry.register(name, directory)
+        """Validate and serve a PEFT adapter directory; -> its resolved path. AdapterError if it does not fit."""
+        path = self.store.register(name, directory)
+        self._save()
+        return path
+
+    def compose(self, name: str, weights: dict[str, float], combination: str = "svd") -> None:
+        """Serve `name` as a weighted combination of registered adapters (models/lora_compose.py)."""
+        self.store.compose(name, weights, combination)
+        self._save()
+
+    def get(self, name: str) -> list[ray.ObjectRef] | None:
+        """[the adapter's tensors in the object store] (a list, so the caller gets the reference), or None if
+        no adapter has that name."""
+        if name not in self.store:
+            return None
+        adapter = self.store[name]  # loaded (or reloaded) now, which may evict others
+        for gone in [n for n in self._refs if not self.store.is_loaded(n)]:
+            del self._refs[gone]
+        if name not in self._refs:
+            self._refs[name] = ray.put(adapter)
+        return [self._refs[name]]
 
     def path(self, name: str) -> str | None:
-        return self.registry.get(name)
+        """Where the adapter comes from (its directory, or its composition), None if not registered."""
+        source = self.store.sources.get(name)
+        return None if source is None else str(source)
 
     def adapters(self) -> dict[str, str]:
-        return dict(self.registry.adapters)
+        return {name: str(source) for name, source in self.store.sources.items()}
+
+    def stats(self) -> dict:
+        return self.store.stats()
+
+    def _save(self) -> None:
+        self.registry.write(self.store.sources)
 
 
 async def lookup_adapter(adapter_cache, name: str) -> str | None:
-    """The registered directory of an adapter (None if unknown), waiting out a restart of the cache."""
+    """Where a registered adapter comes from (None if unknown), waiting out a restart of the cache."""
+    return await _retrying(lambda: adapter_cache.path.remote(name))
+
+
+async def fetch_adapter_ref(adapter_cache, name: str) -> ray.ObjectRef | None:
+    """The adapter's tensors in the object store (None if unknown), waiting out a restart of the cache."""
+    refs = await _retrying(lambda: adapter_cache.get.remote(name))
+    return None if refs is None else refs[0]
+
+
+async def _retrying(call):
     loop = asyncio.get_running_loop()
     deadline = loop.time() + LOOKUP_TIMEOUT_S
     while True:
         try:
-            return await adapter_cache.path.remote(name)
+            return await call()
         except RayActorError:
             if loop.time() > deadline:
                 raise

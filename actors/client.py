@@ -74,8 +74,14 @@ class Client:
         """Register a PEFT adapter directory under name (kept across restarts); AdapterError if it is invalid."""
         return _get(self.adapter_cache.register.remote(name, str(path)))
 
+    def compose_adapter(self, name: str, weights: dict[str, float], combination: str = "svd") -> None:
+        """Register `name` as the weighted combination of registered adapters, as PEFT's add_weighted_adapter
+        builds it: combination "cat", "linear" or "svd" (kept across restarts); AdapterError if it cannot be."""
+        _get(self.adapter_cache.compose.remote(name, weights, combination))
+
     def stats(self) -> dict:
-        return _get(self.router.stats.remote())
+        """The router's figures, each worker's, the policies, and the adapter cache's (under "adapter_cache")."""
+        return _get(self.router.stats.remote()) | {"adapter_cache": _get(self.adapter_cache.stats.remote())}
 
     def shutdown(self) -> None:
         """Stop every actor of this deployment."""

@@ -90,7 +90,7 @@ class Router:
         request_id = uuid.uuid4().hex
         try:
             worker_id = self.routing.route(request_id, prompt_ids, params.max_tokens, session=session,
-                                           extra=(adapter, None))
+                                           extra=(adapter, None), adapter=adapter)
         except Overloaded:
             self.num_overloaded += 1
             raise

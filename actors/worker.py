@@ -6,7 +6,9 @@ They talk through `_inbox` (requests, aborts, stats queries, in) and `call_soon_
 out). The loop thread also reports StepTelemetry to the scheduler (with the speculator's SpecTelemetry) and
 applies the Policy it answers: batch limits and the speculation policy. Until the first answer the engine's
 own controller decides speculation; while the scheduler is dead or restarting the last answer stays in force.
-An adapter a request names is looked up in the AdapterCache once and loaded by the loop thread.
+Adapters come from the AdapterCache by name through the object store: a request's adapter is asked for
+(and so loaded there) before the request is queued, and the engine fetches it when a step needs it and
+it is not among the max_loras it holds.
 """
 
 import asyncio
@@ -20,7 +22,7 @@ from pathlib import Path
 import numba
 import ray
 
-from actors.adapter_cache import lookup_adapter
+from actors.adapter_cache import LOOKUP_TIMEOUT_S, fetch_adapter_ref
 from actors.delta_stream import DeltaStream, merge
 from actors.metrics import WorkerMetrics
 from actors.resume import Resume, resume_request
@@ -46,11 +48,11 @@ class NumaWorker:
         self.placement = placement
         num_pinned = numa.pin_process(placement.cpu_ids)  # before the engine exists: numba has no pool yet
         memory_policy = numa.bind_memory(numa.physical_node_ids(placement.cpu_ids, numa.read_topology()))
-        self.engine = Engine(Path(model_path), engine_config)
+        self._scheduler, self._adapter_cache = scheduler, adapter_cache
+        self.engine = Engine(Path(model_path), engine_config, fetch_adapter=self._fetch_adapter)
         kv = self.engine.kv_cache
         numa.first_touch(kv.k, kv.v, kv.k_scale, kv.v_scale)
         self._num_pinned, self._memory_policy = num_pinned, memory_policy
-        self._scheduler, self._adapter_cache = scheduler, adapter_cache
         self._telemetry_interval_s, self._stream_interval_s = telemetry_interval_s, stream_interval_s
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, DeltaStream] = {}
@@ -80,7 +82,7 @@ class NumaWorker:
         if request_id in self._streams:
             raise InvalidRequest(f"request id {request_id!r} is already running on this worker; use a unique id")
         if adapter is not None and adapter not in self.engine.adapters:
-            await self._load_adapter(adapter)
+            await self._know_adapter(adapter)
         num_output = len(prompt_token_ids) - resume.num_prompt_tokens if resume else 0
         left = params.model_copy(update={"max_tokens": params.max_tokens - num_output}) if resume else params
         req = self.engine.make_request(request_id, prompt_token_ids, left, adapter=adapter, cache_salt=cache_salt)
@@ -106,13 +108,20 @@ class NumaWorker:
             if not finished:  # the caller went away or was cancelled
                 self._inbox.put(("abort", request_id))
 
-    async def _load_adapter(self, name: str) -> None:
-        path = await lookup_adapter(self._adapter_cache, name) if self._adapter_cache is not None else None
-        if path is None:
+    async def _know_adapter(self, name: str) -> None:
+        """Serve a registered adapter: the cache loads it into the object store now, the engine fetches it
+        from there when a step needs it."""
+        ref = await fetch_adapter_ref(self._adapter_cache, name) if self._adapter_cache is not None else None
+        if ref is None:
             raise InvalidRequest(f"unknown adapter {name!r}: register it first with client.register_adapter(name, path)")
-        loaded = self._loop.create_future()
-        self._inbox.put(("adapter", (name, path, loaded)))
-        await loaded  # AdapterError if the registered directory does not fit this model
+        self.engine.adapters.add_remote(name)
+
+    def _fetch_adapter(self, name: str):
+        """The engine's adapter source (loop thread): the cache's copy, by name."""
+        refs = ray.get(self._adapter_cache.get.remote(name), timeout=LOOKUP_TIMEOUT_S)
+        if refs is None:
+            raise InvalidRequest(f"adapter {name!r} is no longer registered")
+        return ray.get(refs[0], timeout=LOOKUP_TIMEOUT_S)
 
     async def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))
@@ -205,14 +214,6 @@ class NumaWorker:
                 self._apply(arg.result())
             except ray.exceptions.RayError:
                 pass  # the scheduler died or is restarting: keep the policy in force
-        elif kind == "adapter":
-            name, path, loaded = arg
-            try:
-                if name not in self.engine.adapters:
-                    self.engine.register_adapter(name, path)
-                self._loop.call_soon_threadsafe(_set_result, loaded, None)
-            except Exception as e:  # noqa: BLE001  (AdapterError, or the files vanished: the caller's error)
-                self._loop.call_soon_threadsafe(_set_exception, loaded, e)
 
     def _step(self, meter: "_StepMeter") -> None:
         before = [(r, r.num_computed_tokens) for r in self.engine.requests.values()]
@@ -280,7 +281,3 @@ def _set_result(future: asyncio.Future, value) -> None:
     if not future.done():
         future.set_result(value)
 
-
-def _set_exception(future: asyncio.Future, error: Exception) -> None:
-    if not future.done():
-        future.set_exception(error)

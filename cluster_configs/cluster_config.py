@@ -104,6 +104,7 @@ class ClusterConfig(BaseModel):
     # together): fewer, larger chunks cost less per token through Ray; 0 = every step
     stream_interval_ms: float = Field(100.0, ge=0.0, le=10_000.0)
     adapter_registry: str | None = None  # JSON file of registered adapters; None = under ~/.cache/numaserve
+    adapter_cache_bytes: int = Field(1 << 30, gt=0)  # adapter tensors the cache actor keeps loaded (LRU)
     http: HttpConfig | None = None  # None: no HTTP server (Python clients only)
 
     @field_validator("machines")

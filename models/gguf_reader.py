@@ -41,12 +41,13 @@ class StoredTensor:
 
     ggml_type: GGMLQuantizationType
     shape: tuple[int, ...]  # numpy order: [N, K] or [N]
-    value: WeightMatrix | np.ndarray
+    value: WeightMatrix | np.ndarray | None  # None: not copied (read_gguf's copied)
 
 
-def read_gguf(path: Path) -> tuple[dict, dict[str, StoredTensor]]:
+def read_gguf(path: Path, copied: set[str] | None = None) -> tuple[dict, dict[str, StoredTensor]]:
     """-> (metadata, tensors), all copied into process memory: the file mapping is gone on return (the VM
-    reclaims idle file pages, so a long-lived mmap would re-read the disk in the middle of serving)."""
+    reclaims idle file pages, so a long-lived mmap would re-read the disk in the middle of serving).
+    copied: the names of the tensors whose values are wanted (None: all); the others hold value None."""
     if not path.is_file():
         raise CheckpointError(f"{path}: no such file; pass the path of a .gguf file")
     try:
@@ -57,7 +58,9 @@ def read_gguf(path: Path) -> tuple[dict, dict[str, StoredTensor]]:
     if reader.byte_order != "I":
         raise CheckpointError(f"{path}: a big-endian GGUF file; convert it for little-endian hosts")
     metadata = {name: field.contents() for name, field in reader.fields.items() if not name.startswith("GGUF.")}
-    tensors = {t.name: _copy_tensor(path, t) for t in reader.tensors}
+    tensors = {t.name: _copy_tensor(path, t) if copied is None or t.name in copied else
+               StoredTensor(t.tensor_type, tuple(int(d) for d in reversed(t.shape.tolist())), None)
+               for t in reader.tensors}
     return metadata, tensors
 
 
@@ -227,6 +230,13 @@ def _weights(path: Path, spec: ModelSpec, tensors: dict, weight_dtype: str) -> d
         raise CheckpointError(f"{path}: tensors {sorted(tensors)[:4]} are not part of a llama model as numaserve "
                               "runs it (no biases, no extra layers); serve the Hugging Face directory instead")
     return weights
+
+
+def read_gguf_spec(path: str | Path) -> ModelSpec:
+    """The spec alone, from the metadata and the tensors' shapes: no weight is copied."""
+    path = Path(path)
+    metadata, tensors = read_gguf(path, {"rope_freqs.weight"})
+    return _spec(path, metadata, tensors)
 
 
 def load_gguf(path: str | Path, weight_dtype: str) -> tuple[ModelSpec, dict, Tokenizer | None]:

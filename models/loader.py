@@ -3,7 +3,7 @@
 from pathlib import Path
 
 from models.checkpoint import load_weights
-from models.spec import ModelSpec
+from models.spec import ModelSpec, load_spec
 from models.tokenizer import Tokenizer
 
 
@@ -16,3 +16,13 @@ def load_model(path: str | Path, weight_dtype: str) -> tuple[ModelSpec, dict, To
         return load_gguf(path, weight_dtype)
     spec, weights = load_weights(path, "bfloat16" if weight_dtype == "auto" else weight_dtype)
     return spec, weights, Tokenizer.from_dir(path)
+
+
+def read_spec(path: str | Path) -> ModelSpec:
+    """The model's spec without its weights (what adapters are validated against)."""
+    path = Path(path)
+    if path.suffix == ".gguf":
+        from models.gguf_reader import read_gguf_spec
+
+        return read_gguf_spec(path)
+    return load_spec(path)

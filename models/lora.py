@@ -62,11 +62,11 @@ def load_lora(name: str, path: str | Path, spec: ModelSpec, max_rank: int | None
     path = Path(path)
     if not path.is_dir():
         raise AdapterError(f"{path}: not a directory; pass a PEFT adapter directory")
-    config = read_lora_config(path)
     weights_path = path / "adapter_model.safetensors"
-    if not weights_path.exists():
+    if not weights_path.is_file():
         raise AdapterError(f"{weights_path}: missing; save adapters with safetensors (pickled "
                            "adapter_model.bin files are refused: they can run arbitrary code)")
+    config = read_lora_config(path)
     shapes = module_shapes(spec)
     pairs: dict[tuple[int, str], dict[str, np.ndarray]] = {}
     for key, entry in read_header(weights_path).items():

@@ -3,6 +3,7 @@
 import math
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numba
@@ -19,6 +20,7 @@ from models.activation_plan import plan_activations
 from models.calibration import load_calibration
 from models.llama import LlamaModel
 from models.loader import load_model
+from models.lora import LoraAdapter
 from models.lora_slots import LoraSlots
 from models.proposers import make_proposer
 from models.tokenizer import IncrementalDetokenizer
@@ -38,7 +40,10 @@ Prompt = str | list[int]
 
 
 class Engine:
-    def __init__(self, model_path: str | Path, config: EngineConfig | None = None):
+    def __init__(self, model_path: str | Path, config: EngineConfig | None = None,
+                 fetch_adapter: Callable[[str], LoraAdapter] | None = None):
+        """fetch_adapter: where a worker gets the adapters registered elsewhere (AdapterStore.add_remote); it
+        then holds at most max_loras of them."""
         self.config = config = config or EngineConfig()
         self.decisions = DecisionLog()
         numba.set_num_threads(min(config.num_threads or len(os.sched_getaffinity(0)),
@@ -60,7 +65,8 @@ class Engine:
         self.kv = KVCacheManager(BlockPool(num_blocks), bs, config.enable_prefix_caching, window)
         self.batcher = Batcher(config, self.kv)
         self.requests: dict[str, Request] = {}
-        self.adapters = AdapterStore(s, config.max_lora_rank, config.adapter_roots)
+        self.adapters = AdapterStore(s, config.max_lora_rank, config.adapter_roots, fetch=fetch_adapter,
+                                     max_loaded=config.max_loras if fetch_adapter else None)
         self.runner = ModelRunner(self.model, self.kv_cache, bs, self.adapters,
                                   LoraSlots(s, config.max_loras, config.max_lora_rank))
         proposer = make_proposer(config.speculation, s, self.tokenizer, kv_cache_tokens=num_blocks * bs, block_size=bs,
@@ -222,6 +228,5 @@ class Engine:
             "prefix_hit_rate": self.kv.prefix_hit_rate,
             "num_preemptions": self.batcher.num_preemptions,
             "num_generated_tokens": self.num_generated_tokens,
-            "num_adapters": len(self.adapters),
             "num_lora_tokens": self.runner.num_lora_tokens,
-        } | self.runner.lora_slots.stats() | (self.speculator.stats() if self.speculator else spec_stats_off())
+        } | self.adapters.stats() | self.runner.lora_slots.stats() | (self.speculator.stats() if self.speculator else spec_stats_off())

@@ -1,4 +1,4 @@
-"""Routing (session > prefix affinity > least outstanding tokens, admission bound) and the batching policy."""
+"""Routing (session > prefix affinity > adapter affinity > least outstanding tokens, admission bound) and the batching policy."""
 
 import pytest
 from hypothesis import given, settings
@@ -6,7 +6,7 @@ from hypothesis import strategies as st
 
 import numaserve as ns
 from scheduling.policy import BatchingPolicy, Policy, PolicyLimits, StepTelemetry
-from scheduling.routing import NUM_AFFINITY_BLOCKS, RoutingPolicy
+from scheduling.routing import ADAPTER_LOAD_TOKENS, NUM_AFFINITY_BLOCKS, RoutingPolicy
 from tests.conftest import random_prompt
 
 BS = 16
@@ -61,6 +61,18 @@ def test_prefix_affinity_yields_to_a_large_imbalance():
     system = random_prompt(2 * BS, 7)
     home = r.route("a", system + [5], 5000)
     assert r.route("b", system + [6], 10) != home
+
+
+def test_an_adapter_goes_where_it_was_last_served_until_the_imbalance_outweighs_loading_it():
+    r = routing()
+    home = r.route("a", random_prompt(20, 1), 10, adapter="tests")
+    r.route("b", random_prompt(10, 2), 10)  # the other worker is lighter
+    assert r.route("c", random_prompt(20, 3), 10, adapter="tests") == home
+    assert r.num_routed["adapter"] == 1
+    assert r.route("d", random_prompt(20, 4), 10, adapter="library") != home  # no holder: the lighter one
+    assert r.route("e", random_prompt(10, 5), ADAPTER_LOAD_TOKENS + 100, adapter="tests") == home  # now heavy
+    assert r.route("f", random_prompt(20, 6), 10, adapter="tests") != home
+    assert r.num_routed["adapter"] == 2 and r.num_routed["load"] == 4
 
 
 def test_prefix_hashes_cover_only_full_leading_blocks_and_depend_on_the_adapter():

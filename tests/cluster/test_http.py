@@ -217,7 +217,7 @@ def test_an_adapter_loaded_over_http_is_listed_and_selected_by_model(api, url, l
     assert r.status_code == 200, r.text
     bad = requests.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "gone", "lora_path": str(tmp_path / "x")},
                         timeout=30)
-    assert bad.status_code == 400 and "is not a directory" in bad.json()["error"]["message"]
+    assert bad.status_code == 400 and "not a directory" in bad.json()["error"]["message"]
     models = {m.id: m for m in api.models.list().data}
     assert set(models) == {MODEL, "tests"}
     assert models["tests"].parent == MODEL and models[MODEL].parent is None

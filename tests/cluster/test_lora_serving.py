@@ -1,0 +1,87 @@
+"""Multi-LoRA through the deployment of two_numa_sim.yaml: adapters registered from a directory only the
+adapter-cache actor reads (it is gone before any worker could), composed through the client, mixed in one
+concurrent batch with base requests; each request gets the greedy tokens it gets alone in-process."""
+
+import shutil
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import ray
+from ray.util.state import list_actors
+
+import numaserve as ns
+from tests.cluster.conftest import collect, sim_config, wait_for
+from tests.conftest import random_prompt
+from tests.test_lora import make_adapter
+
+NAME = "lora-serving"
+GREEDY = ns.SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+ADAPTERS = {"a": {"seed": 1}, "b": {"seed": 2, "modules": ["q_proj", "v_proj"], "r": 8, "alpha": 4},
+            "c": {"seed": 4, "modules": ["q_proj", "o_proj", "down_proj"], "alpha": 16},
+            "rs": {"seed": 3, "rslora": True}}
+
+
+@pytest.fixture(scope="module")
+def adapter_dirs(llama_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora-serving")
+    return {name: make_adapter(llama_dir, root / name, **kw) for name, kw in ADAPTERS.items()}
+
+
+@pytest.fixture(scope="module")
+def config(tmp_path_factory):
+    # max_loras=2 per worker: the batch's four adapters and a composed one rotate through the slots
+    return sim_config("two_numa_sim", engine={"max_num_seqs": 16, "max_loras": 2},
+                      adapter_registry=str(tmp_path_factory.mktemp("registry") / "adapters.json"))
+
+
+def test_mixed_adapters_through_the_client_equal_each_alone(ray_cluster, llama_dir, adapter_dirs, config,
+                                                            tmp_path):
+    prompts = [random_prompt(4 + 3 * i, seed=70 + i) for i in range(12)]
+    names = ["a", None, "b", "c", "rs", "mix", "a", "b", None, "c", "rs", "mix"]
+    reference = ns.LLM(llama_dir, **config.engine.model_dump(exclude={"num_threads"}))
+    for name, path in adapter_dirs.items():
+        reference.register_adapter(name, path)
+    reference.compose_adapter("mix", {"a": 0.6, "b": 0.4}, combination="cat")
+    expected = [reference.generate(p, GREEDY, adapter=n)[0].token_ids for p, n in zip(prompts, names)]
+    assert len({tuple(e) for e in expected[:6]}) == 6  # every adapter changes the tokens
+
+    private = tmp_path / "cache-only"  # registered from here, then moved away: no worker can read it
+    shutil.copytree(adapter_dirs["a"].parent, private)
+    client = ns.serve(config, model=llama_dir, name=NAME)
+    try:
+        for name in ADAPTERS:
+            client.register_adapter(name, private / name)
+        client.compose_adapter("mix", {"a": 0.6, "b": 0.4}, combination="cat")
+        with pytest.raises(ns.AdapterError, match="one rank"):
+            client.compose_adapter("bad", {"a": 0.5, "b": 0.5}, combination="linear")
+        shutil.move(private, tmp_path / "moved")
+        with ThreadPoolExecutor(12) as pool:
+            got = list(pool.map(lambda a: collect(client.stream(a[0], GREEDY, adapter=a[1]))[0],
+                                zip(prompts, names)))
+        assert got == expected
+        assert client.generate(prompts[0], GREEDY, adapter="a").token_ids == expected[0]  # again: cached
+        stats = client.stats()
+        cache = stats["adapter_cache"]
+        assert cache["num_adapters"] == 5 and cache["adapter_hits"] >= 5 and cache["adapter_bytes"] > 0
+        workers = [w for w in stats["workers"].values() if isinstance(w, dict) and "lora_slot_misses" in w]
+        assert len(workers) == 2 and sum(w["lora_slot_misses"] for w in workers) >= 5
+        assert all(len(w["lora_slots_held"]) <= 2 and w["num_adapters_loaded"] <= 2 for w in workers)
+        assert sum(w["num_lora_tokens"] for w in workers) > 0
+
+        shutil.move(tmp_path / "moved", private)  # a restarted cache reloads from the registered directories
+        cache_actor = ray.get_actor(f"{NAME}.adapters", namespace="numaserve")
+        _, pid = cache_process()
+        ray.kill(cache_actor, no_restart=False)
+        wait_for(lambda: cache_process()[0] == "ALIVE" and cache_process()[1] != pid, 60, "the adapter cache to restart")
+        assert ray.get(cache_actor.adapters.remote())["mix"] == "compose({'a': 0.6, 'b': 0.4}, 'cat')"
+        assert ray.get(cache_actor.stats.remote())["num_adapters_loaded"] == 0  # loaded when asked for
+        fresh = random_prompt(9, seed=99)
+        assert client.generate(fresh, GREEDY, adapter="mix").token_ids == \
+            reference.generate(fresh, GREEDY, adapter="mix")[0].token_ids
+    finally:
+        client.shutdown()
+
+
+def cache_process() -> tuple[str, int]:
+    [state] = list_actors(filters=[("name", "=", f"{NAME}.adapters")])
+    return state.state, state.pid
