@@ -1,48 +1,98 @@
-"""The low-rank LoRA path over a flat batch: out[t] += (x[t] @ A_s.T) @ B_s.T for the adapter slot s of row t.
+"""The low-rank LoRA path over a flat batch: out[t] += scaling_s * (x[t] @ A_s.T) @ B_s.T for row t's slot s.
 
-Every adapter in a step sits in a slot (models/lora_slots.py) of one stacked buffer per layer and module,
-so rows of any mix of adapters run in one call (the BGMV / SGMV shape): a shrink to each row's rank, then
-an expand into the base linear's output. Both phases are parallel over independent dot products (the
-shrink over rows x rank, the expand over blocks of output columns), so a single decoding row still uses
-every thread. Every output sums in one fixed order (a fixed-order dot, kernels/simd_dot.py; the expand
-rank by rank) over that row's own values: a row's delta does not depend on its batch. B is stored
-transposed, [R, N] per slot, so a slot of rank r touches only its first r rows of A and of B^T.
+Every adapter of a step sits in a slot (models/lora_slots.py) of one stacked buffer per layer and module,
+and the batch's rows come grouped by adapter (scheduling/model_runner.py), so rows of any mix of
+adapters run in one call (the SGMV shape), for all the modules that share an input at once (q, k, v;
+gate, up): a shrink to each row's rank, register-blocked like the base linear (kernels/simd_block.py: an
+A row is read once per 4 rows of its group), then an expand that adds each row's rank-r vector times B
+into the base linear's output, parallel over blocks of output columns and register-blocked the same way
+(kernels/simd_expand.py: a B^T slice is read once per 4 rows). A and B are float32 or bf16 bits
+(half the bytes to read).
+
+Every output sums in one order whatever the batch: the shrink's blocks sum alike for every block shape
+(kernels/simd_block.py), the expand goes rank by rank, and the scaling comes last, as in PEFT's
+lora_B(lora_A(x)) * scaling. So a row's delta does not depend on the rows it runs with.
 """
 
 import numpy as np
 from numba import njit, prange
 
-from kernels.simd_dot import dot
+from kernels.bf16 import as_f32
+from kernels.simd_block import LANES, matmul_block
+from kernels.simd_expand import expand_block
 
-_COLUMNS = 64  # output columns per expand task: one row of them stays in registers / L1
+_COLUMNS = 64  # output columns per expand task
+_ROWS, _TOKENS = 4, 4  # shrink register block: A rows x rows of a group
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def lora_shrink_expand(x, row_slot, a, bt, ranks, scalings, out):
-    # x: [T, K] f32; row_slot: [T] int32 (-1: no adapter); a: [S, R, K] f32; bt: [S, R, N] f32, B transposed;
-    # ranks: [S] int32, each slot's rank for this module (0: not adapted); scalings: [S] f32;
-    # out: [T, N] f32, += scaling * B (A x) for each row, scaled last as PEFT does
-    T = x.shape[0]
-    R, N = bt.shape[1], bt.shape[2]
-    tmp = np.empty((T, R), np.float32)  # [T, R]: x @ A_s.T, up to each row's rank
-    for i in prange(T * R):
-        t, j = i // R, i % R
-        s = row_slot[t]
-        if s >= 0 and j < ranks[s]:
-            tmp[t, j] = dot(x[t], a[s, j])
-    for c in prange((N + _COLUMNS - 1) // _COLUMNS):
-        n0 = c * _COLUMNS
-        n1 = min(N, n0 + _COLUMNS)
-        acc = np.empty(_COLUMNS, np.float32)
-        for t in range(T):
-            s = row_slot[t]
-            if s < 0 or ranks[s] == 0:
+def lora_shrink_expand(x, starts, ends, group_slots, a, bt, ranks, scalings, col_offsets, no_scales, out):
+    # x: [T, K] f32; group g: rows starts[g]:ends[g] ([G] int64 each), all of slot group_slots[g] ([G]
+    # int32); per module m (tuples of M): a[m]: [S, R, K] f32 | uint16 bf16,
+    # bt[m]: [S, R, N_m] (B transposed), ranks[m]: [S] int32 (0: not adapted), scalings[m]: [S] f32;
+    # col_offsets: [M + 1] int64, module m's columns in out; out: [T, N] f32 (+=)
+    K = x.shape[1]
+    M, G = len(a), group_slots.shape[0]
+    R = a[0].shape[1]
+    tmp = np.zeros((M, x.shape[0], R), np.float32)  # [M, T, R]: x @ A_s.T, up to each row's rank
+    num_row_blocks = (R + _ROWS - 1) // _ROWS
+    for task in prange(M * G * num_row_blocks):
+        m, rest = task // (G * num_row_blocks), task % (G * num_row_blocks)
+        g, j0 = rest // num_row_blocks, rest % num_row_blocks * _ROWS
+        s = group_slots[g]
+        r = ranks[m][s]
+        if j0 >= r:
+            continue
+        a_s, tmp_m = a[m][s], tmp[m]
+        t0, t1 = starts[g], ends[g]
+        j1 = min(r, j0 + _ROWS)
+        t = t0
+        while t + _TOKENS <= t1:
+            if j1 - j0 == _ROWS:
+                matmul_block(x, a_s, no_scales, tmp_m, t, j0, _ROWS, _TOKENS)
+            else:
+                for j in range(j0, j1):
+                    matmul_block(x, a_s, no_scales, tmp_m, t, j, 1, _TOKENS)
+            t += _TOKENS
+        for q in range(t, t1):
+            for j in range(j0, j1):
+                matmul_block(x, a_s, no_scales, tmp_m, q, j, 1, 1)
+        tail = K - K % 32  # columns past the last whole 32-column block, in order
+        if tail < K:
+            for q in range(t0, t1):
+                for j in range(j0, j1):
+                    acc = tmp_m[q, j]
+                    for k in range(tail, K):
+                        acc += x[q, k] * as_f32(a_s[j, k])
+                    tmp_m[q, j] = acc
+    num_chunks = np.empty(M + 1, np.int64)  # expand tasks: module m's column blocks are chunks
+    num_chunks[0] = 0
+    for m in range(M):
+        num_chunks[m + 1] = num_chunks[m] + (col_offsets[m + 1] - col_offsets[m] + _COLUMNS - 1) // _COLUMNS
+    for task in prange(num_chunks[M]):
+        m = 0
+        while num_chunks[m + 1] <= task:
+            m += 1
+        n0 = (task - num_chunks[m]) * _COLUMNS
+        n1 = min(col_offsets[m + 1] - col_offsets[m], n0 + _COLUMNS)
+        vector_end = n0 + (n1 - n0) // LANES * LANES
+        bt_m, tmp_m, c0 = bt[m], tmp[m], col_offsets[m]
+        for g in range(G):
+            s = group_slots[g]
+            r = ranks[m][s]
+            if r == 0:
                 continue
-            acc[:] = 0.0
-            for j in range(ranks[s]):  # in rank order: a fixed sum per output
-                w = tmp[t, j]
-                for n in range(n0, n1):
-                    acc[n - n0] += w * bt[s, j, n]
-            scaling = scalings[s]
-            for n in range(n0, n1):
-                out[t, n] += scaling * acc[n - n0]
+            bt_s, scaling = bt_m[s], scalings[m][s]
+            for n in range(n0, vector_end, LANES):
+                t = starts[g]
+                while t + _TOKENS <= ends[g]:
+                    expand_block(tmp_m, bt_s, out, t, n, c0, r, scaling, _TOKENS)
+                    t += _TOKENS
+                for q in range(t, ends[g]):
+                    expand_block(tmp_m, bt_s, out, q, n, c0, r, scaling, 1)
+            for n in range(vector_end, n1):  # columns past the last whole vector
+                for t in range(starts[g], ends[g]):
+                    acc = np.float32(0.0)
+                    for j in range(r):
+                        acc += tmp_m[t, j] * as_f32(bt_s[j, n])
+                    out[t, c0 + n] += scaling * acc

@@ -2,7 +2,9 @@
 
 Per layer and module one stacked buffer of max_loras slots (kernels/lora.py's layout): A [S, R, in] and B^T
 [S, R, out] and the module's scaling, R = max_lora_rank, zero-filled (pages are committed only
-where a slot's rank writes them). A step's adapters are all given slots before it runs (the batcher
+where a slot's rank writes them). A and B are kept in float32 for a float32 engine (exact against PEFT)
+and as bf16 otherwise: the base weights are rounded already, and reading A and B is most of what an
+adapter costs at decode (bf16 halves it; the delta's relative error is bf16's, 2^-9). A step's adapters are all given slots before it runs (the batcher
 admits at most max_loras distinct adapters into the running set), loading any that are not held and
 evicting the least recently used adapter the step does not use.
 """
@@ -13,18 +15,23 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kernels.bf16 import to_bf16
 from kernels.lora import lora_shrink_expand
 from models.lora import LoraAdapter, module_shapes
 from models.lora_config import MODULES
 from models.spec import ModelSpec
 
+_NO_SCALES = np.zeros((1, 1), np.uint16)  # the shrink's matmul_block takes scales; float formats read none
+
 
 class LoraSlots:
-    def __init__(self, spec: ModelSpec, max_loras: int, max_rank: int):
+    def __init__(self, spec: ModelSpec, max_loras: int, max_rank: int, dtype: str = "float32"):
         shapes = module_shapes(spec)
         L, S, R = spec.num_layers, max_loras, max_rank
-        self.a = {m: np.zeros((L, S, R, k), np.float32) for m, (_, k) in shapes.items()}  # [L, S, R, in]
-        self.bt = {m: np.zeros((L, S, R, n), np.float32) for m, (n, _) in shapes.items()}  # [L, S, R, out]
+        self.dtype = dtype  # "float32" | "bfloat16"
+        store = np.float32 if dtype == "float32" else np.uint16
+        self.a = {m: np.zeros((L, S, R, k), store) for m, (_, k) in shapes.items()}  # [L, S, R, in]
+        self.bt = {m: np.zeros((L, S, R, n), store) for m, (n, _) in shapes.items()}  # [L, S, R, out]
         self.ranks = {m: np.zeros((L, S), np.int32) for m in MODULES}  # 0: the slot's adapter leaves m alone
         self.scalings = {m: np.zeros((L, S), np.float32) for m in MODULES}
         self.held: OrderedDict[str, int] = OrderedDict()  # adapter name -> slot, least recently used first
@@ -62,12 +69,22 @@ class LoraSlots:
         for i, layer in enumerate(adapter.layers):
             for m, lora in layer.items():
                 r = lora.rank
-                self.a[m][i, slot, :r] = lora.a
-                self.bt[m][i, slot, :r] = lora.b.T
+                self.a[m][i, slot, :r] = self._stored(lora.a)
+                self.bt[m][i, slot, :r] = self._stored(lora.b.T)
                 self.ranks[m][i, slot] = r
                 self.scalings[m][i, slot] = lora.scaling
         self.bytes_loaded += adapter.nbytes
         self.held[adapter.name] = slot
+
+    def _stored(self, w: np.ndarray) -> np.ndarray:
+        return w if self.dtype == "float32" else to_bf16(w)
+
+    def rows(self, row_slot: np.ndarray) -> "LoraRows":
+        """A step's rows in the kernel's terms: row_slot [T] int32 (-1: no adapter), cut into runs of one slot."""
+        starts = np.flatnonzero(np.diff(row_slot, prepend=-2) != 0)  # where each run of equal slots begins
+        ends = np.append(starts[1:], len(row_slot))
+        keep = row_slot[starts] >= 0
+        return LoraRows(starts[keep].astype(np.int64), ends[keep].astype(np.int64), row_slot[starts[keep]], self)
 
     def stats(self) -> dict:
         """hits / misses: a step's adapters found in a slot or loaded into one (one count per step and adapter)."""
@@ -78,19 +95,25 @@ class LoraSlots:
 
 @dataclass(frozen=True)
 class LoraRows:
-    row_slot: np.ndarray  # [T] int32: each row's slot (-1: the base model alone)
-    slots: LoraSlots
+    """A step's rows with an adapter, as runs of rows of one slot (LoraSlots.rows)."""
+    starts: np.ndarray  # [G] int64: run g is rows starts[g]:ends[g]
+    ends: np.ndarray  # [G] int64
+    slots: np.ndarray  # [G] int32: its slot
+    holder: LoraSlots
 
 
 def add_lora(out: np.ndarray, x: np.ndarray, lora: LoraRows | None, layer: int,
              modules: tuple[tuple[str, slice], ...]) -> None:
-    """out[t, cols] += row t's adapter delta for each module's columns (kernels/lora.py).
+    """out[t, cols] += row t's adapter delta for each module's columns (kernels/lora.py), in one call.
 
-    out: [T, N] (a fused projection), x: [T, K] C-contiguous; modules: (module name, its columns in out).
+    out: [T, N] (a fused projection), x: [T, K] C-contiguous; modules: (module name, its columns in out),
+    in column order.
     """
     if lora is None:
         return
-    slots = lora.slots
-    for module, cols in modules:
-        lora_shrink_expand(x, lora.row_slot, slots.a[module][layer], slots.bt[module][layer],
-                           slots.ranks[module][layer], slots.scalings[module][layer], out[:, cols])
+    h = lora.holder
+    names = [m for m, _ in modules]
+    offsets = np.array([0] + [cols.indices(out.shape[1])[1] for _, cols in modules], np.int64)
+    lora_shrink_expand(x, lora.starts, lora.ends, lora.slots, tuple(h.a[m][layer] for m in names),
+                       tuple(h.bt[m][layer] for m in names), tuple(h.ranks[m][layer] for m in names),
+                       tuple(h.scalings[m][layer] for m in names), offsets, _NO_SCALES, out)

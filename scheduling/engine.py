@@ -68,7 +68,8 @@ class Engine:
         self.adapters = AdapterStore(s, config.max_lora_rank, config.adapter_roots, fetch=fetch_adapter,
                                      max_loaded=config.max_loras if fetch_adapter else None)
         self.runner = ModelRunner(self.model, self.kv_cache, bs, self.adapters,
-                                  LoraSlots(s, config.max_loras, config.max_lora_rank))
+                                  LoraSlots(s, config.max_loras, config.max_lora_rank,
+                                            "float32" if self.model.weight_dtype == "float32" else "bfloat16"))
         proposer = make_proposer(config.speculation, s, self.tokenizer, kv_cache_tokens=num_blocks * bs, block_size=bs,
                                  weight_dtype=config.weight_dtype, kv_dtype=config.resolved_kv_dtype,
                                  activation_dtype=config.activation_dtype, decisions=self.decisions,

@@ -34,11 +34,15 @@ class ModelRunner:
 
     def build_batch(self, plan: StepPlan) -> tuple[ForwardBatch, list[slice | None]]:
         bs = self.block_size
-        token_ids, positions, token_seq, logits_indices, logit_rows = [], [], [], [], []
+        token_ids, positions, token_seq, logits_indices = [], [], [], []
+        logit_rows: list[slice | None] = [None] * len(plan.scheduled)
         row_adapter: list[str | None] = []
         max_blocks = max(len(req.block_ids) for req, _ in plan.scheduled)
         block_tables = np.zeros((len(plan.scheduled), max_blocks), np.int32)  # [S, max_blocks]
-        for s, (req, n) in enumerate(plan.scheduled):
+        # rows of one adapter next to each other: the LoRA kernel takes each adapter's rows as one run
+        order = sorted(range(len(plan.scheduled)), key=lambda i: plan.scheduled[i][0].adapter_id or "")
+        for s in order:
+            req, n = plan.scheduled[s]
             drafts = plan.draft_token_ids.get(req.request_id, ())
             start, row, num_base = req.num_computed_tokens, len(token_ids), n - len(drafts)
             token_ids += req.token_ids[start:start + num_base]
@@ -53,7 +57,7 @@ class ModelRunner:
                 wanted = range(row + num_base - 1, row + n)  # the last verified token, then each draft
             else:
                 wanted = ()  # a prefill chunk short of the prompt's end
-            logit_rows.append(slice(len(logits_indices), len(logits_indices) + len(wanted)) if wanted else None)
+            logit_rows[s] = slice(len(logits_indices), len(logits_indices) + len(wanted)) if wanted else None
             logits_indices += wanted
         positions = np.asarray(positions, np.int32)
         token_seq = np.asarray(token_seq, np.int32)
@@ -68,4 +72,4 @@ class ModelRunner:
             return None
         slot = self.lora_slots.slots_for(sorted(names), self.adapters.__getitem__) | {None: -1}
         self.num_lora_tokens += sum(a is not None for a in row_adapter)
-        return LoraRows(np.asarray([slot[a] for a in row_adapter], np.int32), self.lora_slots)
+        return self.lora_slots.rows(np.asarray([slot[a] for a in row_adapter], np.int32))

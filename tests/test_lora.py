@@ -10,6 +10,7 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 
 import numaserve as ns
+from models.lora_slots import LoraSlots
 from tests.conftest import random_prompt
 from tests.test_hf_parity import hf_logits
 
@@ -131,6 +132,25 @@ def test_bad_compositions_raise_adapter_error(llama_dir, adapters, weights, comb
         llm.compose_adapter("mix", weights, combination=combination)
     assert "mix" not in llm.engine.adapters
     llm.compose_adapter("mix", {"a": 1.0, "c": 1.0}, combination="cat")  # the name is still free
+
+
+@pytest.mark.parametrize("weight_dtype", ["bfloat16", "q8_0"])
+def test_bf16_adapter_slots_change_the_adapters_effect_by_little(llama_dir, adapters, weight_dtype):
+    """Off float32 an engine keeps A and B as bf16 (models/lora_slots.py). Against the same engine with
+    float32 slots, the adapter's effect on the logits moves by 2.1% (bfloat16) / 2.0% (q8_0) of its
+    largest value here: bf16's rounding, carried through two random layers."""
+    def adapter_effect(slot_dtype: str | None) -> np.ndarray:
+        engine = ns.LLM(llama_dir, weight_dtype=weight_dtype, kv_dtype="float32", activation_dtype="float32")
+        if slot_dtype is not None:
+            engine.engine.runner.lora_slots = LoraSlots(engine.engine.spec, 4, 64, slot_dtype)
+        assert engine.engine.runner.lora_slots.dtype == (slot_dtype or "bfloat16")
+        engine.register_adapter("rs", adapters["rs"])
+        return engine.score(tokens, adapter="rs") - engine.score(tokens)
+
+    tokens = random_prompt(40, seed=5)
+    exact, rounded = adapter_effect("float32"), adapter_effect(None)
+    error = np.abs(rounded - exact).max() / np.abs(exact).max()
+    assert 0 < error < 0.04, error
 
 
 def test_mixed_adapters_in_one_batch_equal_each_alone(llm):

@@ -1,0 +1,68 @@
+"""LoRA's expand as an LLVM IR register block: out[t, c0 + n0 : +16] += scaling * sum_j tmp[t, j] * B^T[j, n0 : +16]
+for TB rows t at once.
+
+TB accumulators of 16 float32 lanes stay in vector registers while the rank runs: each 16-wide slice of a
+B^T row is loaded once (bf16: shift) and multiplied into every row with a fused multiply-add. An output
+sums j = 0, 1, ... r - 1 in one FMA chain, then is scaled and added to out, whatever TB: a row's result
+does not depend on the rows blocked with it (batch invariance). numba's loops kept the accumulators in
+memory and ran several times slower (kernels/simd_block.py says the same of the base linear).
+"""
+
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from kernels.simd_block import _F32, _I64, LANES, _fma, _splat, _vector_load
+
+_VF32 = ir.VectorType(_F32, LANES)
+
+
+def _load_f32(builder, array_type, data, offset):
+    if array_type.dtype == types.float32:
+        return _vector_load(builder, data, offset, _F32)
+    bits = _vector_load(builder, data, offset, ir.IntType(16))  # bf16: the high half of a float32
+    wide = builder.zext(bits, ir.VectorType(ir.IntType(32), LANES))
+    return builder.bitcast(builder.shl(wide, ir.Constant(ir.VectorType(ir.IntType(32), LANES), [16] * LANES)), _VF32)
+
+
+@intrinsic(prefer_literal=True)
+def expand_block(typingctx, tmp, bt, out, t0, n0, c0, rank, scaling, tokens):
+    """out[t0:t0+TB, c0+n0:c0+n0+16] += scaling * tmp[t0:t0+TB, :rank] @ bt[:rank, n0:n0+16].
+
+    tmp: [T, R] f32, bt: [R, N] f32 | uint16 bf16, out: [T, N_out] f32, all C-contiguous; tokens: a literal.
+    """
+    if not all(isinstance(a, types.Array) and a.ndim == 2 and a.layout == "C" for a in (tmp, bt, out)):
+        return None
+    if tmp.dtype != types.float32 or out.dtype != types.float32 or bt.dtype not in (types.float32, types.uint16):
+        return None
+    if not isinstance(tokens, types.IntegerLiteral):
+        return None
+    TB = tokens.literal_value
+
+    def codegen(context, builder, signature, args):
+        ta, ba, oa = (context.make_array(ty)(context, builder, value)
+                      for ty, value in zip(signature.args[:3], args[:3]))
+        t0_, n0_, c0_, r_ = (context.cast(builder, v, ty, types.int64) for v, ty in zip(args[3:7], signature.args[3:7]))
+        scale = _splat(builder, context.cast(builder, args[7], signature.args[7], types.float32))
+        R = cgutils.unpack_tuple(builder, ta.shape, 2)[1]
+        N = cgutils.unpack_tuple(builder, ba.shape, 2)[1]
+        N_out = cgutils.unpack_tuple(builder, oa.shape, 2)[1]
+        rows = [builder.add(t0_, ir.Constant(_I64, t)) for t in range(TB)]
+        accs = [cgutils.alloca_once_value(builder, ir.Constant(_VF32, None)) for _ in range(TB)]
+        with cgutils.for_range(builder, r_) as loop:  # rank by rank, one FMA chain per output
+            j = loop.index
+            b = _load_f32(builder, signature.args[1], ba.data, builder.add(builder.mul(j, N), n0_))
+            for t in range(TB):
+                w = builder.load(builder.gep(ta.data, [builder.add(builder.mul(rows[t], R), j)]))
+                builder.store(_fma(builder, _splat(builder, w), b, builder.load(accs[t])), accs[t])
+        col = builder.add(c0_, n0_)
+        for t in range(TB):
+            ptr = builder.bitcast(builder.gep(oa.data, [builder.add(builder.mul(rows[t], N_out), col)]),
+                                  _VF32.as_pointer())
+            total = builder.fadd(builder.load(ptr, align=1), builder.fmul(scale, builder.load(accs[t])))
+            builder.store(total, ptr, align=1)
+        return context.get_dummy_value()
+
+    sig = types.none(tmp, bt, out, t0, n0, c0, rank, scaling, tokens)
+    return sig, codegen
