@@ -9,6 +9,7 @@ import time
 
 import numaserve as ns
 from benchmarks.engine_process import serve
+from benchmarks.numaserve_worker import decode_seconds
 
 
 class LoraBench:
@@ -29,12 +30,7 @@ class LoraBench:
         reqs = [self.engine.add_request(f"bench-{i}-{time.monotonic_ns()}", p, params,
                                         adapter=self.names[i % num_adapters] if num_adapters else None)
                 for i, p in enumerate(prompts)]
-        while any(r.num_computed_tokens < r.num_prompt_tokens for r in reqs):
-            self.engine.step()
-        start = time.perf_counter()
-        while self.engine.has_unfinished():
-            self.engine.step()
-        return time.perf_counter() - start
+        return decode_seconds(self.engine, reqs)
 
     def stats(self) -> dict:
         return {k: v for k, v in self.llm.stats().items() if k.startswith(("lora", "adapter", "num_lora"))}

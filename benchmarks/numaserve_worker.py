@@ -63,12 +63,17 @@ class NumaserveBench:
         """Greedy decode of every prompt at once; -> seconds of the decode-only steps."""
         params = ns.SamplingParams(max_tokens=num_steps + 1, temperature=0, ignore_eos=True)
         reqs = [self.engine.add_request(f"bench-{i}-{time.monotonic_ns()}", p, params) for i, p in enumerate(prompts)]
-        while any(r.num_computed_tokens < r.num_prompt_tokens for r in reqs):
-            self.engine.step()
-        start = time.perf_counter()
-        while self.engine.has_unfinished():
-            self.engine.step()
-        return time.perf_counter() - start
+        return decode_seconds(self.engine, reqs)
+
+
+def decode_seconds(engine, reqs) -> float:
+    """Steps until every request's prompt is in, then times the steps to the end: seconds of decode alone."""
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in reqs):
+        engine.step()
+    start = time.perf_counter()
+    while engine.has_unfinished():
+        engine.step()
+    return time.perf_counter() - start
 
 
 def _matrices(weights: dict):

@@ -47,7 +47,7 @@ def _matmul_chunk_impl(x, data, scales, out, c0, c1):
                     matmul_block(x, data, scales, out, c0, n, 1, 2)
                 else:
                     matmul_block(x, data, scales, out, c0, n, 1, 3)
-                _column_tail(x, data, out, c0, c1, n, n + 1)
+                column_tail(x, data, out, c0, c1, n, n + 1)
             return
         for g in prange((N + rows - 1) // rows):
             n0 = g * rows
@@ -65,13 +65,13 @@ def _matmul_chunk_impl(x, data, scales, out, c0, c1):
                 for n in range(n0, N):
                     for t in range(c0, c1):
                         matmul_block(x, data, scales, out, t, n, 1, 1)
-            _column_tail(x, data, out, c0, c1, n0, min(N, n0 + rows))
+            column_tail(x, data, out, c0, c1, n0, min(N, n0 + rows))
 
     return impl
 
 
 @njit(inline="always", nogil=True)
-def _column_tail(x, data, out, c0, c1, n0, n1):
+def column_tail(x, data, out, c0, c1, n0, n1):
     # columns past the last whole 32-column block: float formats only (quantized rows are whole blocks)
     K = x.shape[1]
     tail = K - K % 32

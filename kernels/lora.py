@@ -18,6 +18,7 @@ import numpy as np
 from numba import njit, prange
 
 from kernels.bf16 import as_f32
+from kernels.linear import column_tail
 from kernels.simd_block import LANES, matmul_block
 from kernels.simd_expand import expand_block
 
@@ -31,7 +32,6 @@ def lora_shrink_expand(x, starts, ends, group_slots, a, bt, ranks, scalings, col
     # int32); per module m (tuples of M): a[m]: [S, R, K] f32 | uint16 bf16,
     # bt[m]: [S, R, N_m] (B transposed), ranks[m]: [S] int32 (0: not adapted), scalings[m]: [S] f32;
     # col_offsets: [M + 1] int64, module m's columns in out; out: [T, N] f32 (+=)
-    K = x.shape[1]
     M, G = len(a), group_slots.shape[0]
     R = a[0].shape[1]
     tmp = np.zeros((M, x.shape[0], R), np.float32)  # [M, T, R]: x @ A_s.T, up to each row's rank
@@ -57,14 +57,7 @@ def lora_shrink_expand(x, starts, ends, group_slots, a, bt, ranks, scalings, col
         for q in range(t, t1):
             for j in range(j0, j1):
                 matmul_block(x, a_s, no_scales, tmp_m, q, j, 1, 1)
-        tail = K - K % 32  # columns past the last whole 32-column block, in order
-        if tail < K:
-            for q in range(t0, t1):
-                for j in range(j0, j1):
-                    acc = tmp_m[q, j]
-                    for k in range(tail, K):
-                        acc += x[q, k] * as_f32(a_s[j, k])
-                    tmp_m[q, j] = acc
+        column_tail(x, a_s, tmp_m, t0, t1, j0, j1)
     num_chunks = np.empty(M + 1, np.int64)  # expand tasks: module m's column blocks are chunks
     num_chunks[0] = 0
     for m in range(M):

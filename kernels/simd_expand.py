@@ -6,6 +6,9 @@ B^T row is loaded once (bf16: shift) and multiplied into every row with a fused 
 sums j = 0, 1, ... r - 1 in one FMA chain, then is scaled and added to out, whatever TB: a row's result
 does not depend on the rows blocked with it (batch invariance). numba's loops kept the accumulators in
 memory and ran several times slower (kernels/simd_block.py says the same of the base linear).
+
+numba's on-disk cache of kernels/lora.py does not notice edits to this file: after changing the code
+generation here, delete kernels/__pycache__ (a fresh install starts without a cache).
 """
 
 from llvmlite import ir
