@@ -1,5 +1,7 @@
 """What LoRA adapters cost at decode: a batch of 16 on a TinyLlama-1.1B-shaped random checkpoint, with 0 (the
-base model alone), 1, 4 and 16 distinct rank-16 adapters on all seven modules, per weight dtype.
+base model alone), 1, 4 and 16 distinct rank-16 adapters on all seven modules, per weight dtype; then the
+crossover of the merged path: a step of 16 base decode rows and n prefill rows of one adapter, with the
+adapter's rows low-rank or on its merged copy (a second pass over the projections).
 
 One engine process per weight dtype (benchmarks/lora_worker.py) holds every adapter in its slots
 (max_loras=16); the conditions alternate sample by sample inside each process, and the processes
@@ -30,6 +32,7 @@ from benchmarks.engine_process import EngineProcess
 RESULTS = Path(__file__).parent / "results"
 BATCH, PROMPT_LEN, RANK = 16, 16, 16
 CONDITIONS = (0, 1, 4, 16)  # distinct adapters in the batch
+CROSSOVER_ROWS = (1, 4, 16, 64, 256)  # one adapter's rows in a step, beside BATCH base decode rows
 MODULES = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
            "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
 
@@ -63,6 +66,28 @@ def random_adapters(name: str, num: int, rank: int) -> list[Path]:
     return dirs
 
 
+def measure_crossover(workers: dict, samples: int) -> list[dict]:
+    """One step of BATCH base decode rows and n prefill rows of one adapter, its rows low-rank ("never") or
+    on its merged copy ("always", built by an untimed first step), alternating; -> a row per (dtype, n)."""
+    for w in workers.values():
+        w.call("mixed_step", num_rows=1, merge="always", num_base=BATCH)  # builds the merged copy
+    seconds = {(d, n, m): [] for d in workers for n in CROSSOVER_ROWS for m in ("never", "always")}
+    for sample in range(samples):
+        for n in CROSSOVER_ROWS:
+            for merge in (("never", "always") if sample % 2 == 0 else ("always", "never")):
+                for dtype, w in workers.items():
+                    seconds[(dtype, n, merge)].append(w.call("mixed_step", num_rows=n, merge=merge, num_base=BATCH))
+    rows = []
+    for dtype in workers:
+        for n in CROSSOVER_ROWS:
+            lowrank, merged = (statistics.median(seconds[(dtype, n, m)]) for m in ("never", "always"))
+            rows.append({"weight_dtype": dtype, "adapter_rows": n, "base_rows": BATCH, "lowrank_s": lowrank,
+                         "merged_s": merged, "merged_over_lowrank": merged / lowrank})
+            print(f"{dtype:9s} {n:3d} adapter rows + {BATCH} base: low-rank {lowrank * 1e3:6.1f} ms, "
+                  f"merged {merged * 1e3:6.1f} ms ({merged / lowrank:.2f}x)")
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--dtypes", default="q8_0,bfloat16")
@@ -88,6 +113,7 @@ def main() -> None:
                 seconds[dtype][c].append(workers[dtype].call("decode", prompts=prompts, num_adapters=c,
                                                              num_steps=args.steps))
         print(f"sample {sample + 1}/{args.samples} done ({time.time() - started:.0f} s)", flush=True)
+    crossover = measure_crossover(workers, args.samples)
     rows = []
     for dtype, by_condition in seconds.items():
         base = statistics.median(by_condition[0])
@@ -100,29 +126,37 @@ def main() -> None:
                   f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()),
               "date": time.strftime("%Y-%m-%d"), "machine": platform.processor() or platform.machine(),
               "batch": BATCH, "rank": RANK, "modules": list(MODULES), "decode_steps": args.steps,
-              "samples": args.samples, "threads": args.threads, "rows": rows,
+              "samples": args.samples, "threads": args.threads, "rows": rows, "crossover": crossover,
               "stats": {d: w.call("stats") for d, w in workers.items()}}
     for w in workers.values():
         w.close()
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "lora.json").write_text(json.dumps(result, indent=2))
-    plot(rows, RESULTS / "lora.png")
+    plot(rows, crossover, RESULTS / "lora.png")
 
 
-def plot(rows: list[dict], path: Path) -> None:
+def plot(rows: list[dict], crossover: list[dict], path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 3.6))
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 3.8))
     for dtype in dict.fromkeys(r["weight_dtype"] for r in rows):
         mine = [r for r in rows if r["weight_dtype"] == dtype]
         ax.plot([str(r["num_adapters"]) for r in mine], [r["ratio_to_base"] for r in mine], "o-", label=dtype)
+        cross = [r for r in crossover if r["weight_dtype"] == dtype]
+        bx.plot([r["adapter_rows"] for r in cross], [r["merged_over_lowrank"] for r in cross], "o-", label=dtype)
     ax.axhline(0.95, color="grey", ls="--", lw=0.8, label="goal: 0.95 with 4 adapters")
     ax.set_xlabel(f"distinct rank-{RANK} adapters in a decode batch of {BATCH}")
     ax.set_ylabel("decode tokens/s / base model's")
     ax.set_title("LoRA cost at decode, TinyLlama-1.1B shape")
     ax.legend()
+    bx.axhline(1.0, color="grey", ls="--", lw=0.8)
+    bx.set_xscale("log", base=2)
+    bx.set_xlabel(f"one adapter's rows in a step beside {BATCH} base decode rows")
+    bx.set_ylabel("step time merged / low-rank")
+    bx.set_title("merged copy vs low-rank path")
+    bx.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 

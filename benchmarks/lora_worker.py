@@ -32,8 +32,26 @@ class LoraBench:
                 for i, p in enumerate(prompts)]
         return decode_seconds(self.engine, reqs)
 
+    def mixed_step(self, num_rows: int, merge: str, num_base: int) -> float:
+        """Seconds of one step that decodes num_base base requests and prefills num_rows tokens of one
+        adapter, with that adapter's rows on the low-rank path (merge "never") or its merged copy ("always")."""
+        self.engine.runner.lora.mode = merge
+        params = ns.SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+        stamp = time.monotonic_ns()
+        base = [self.engine.add_request(f"base-{i}-{stamp}", [5 + i] * 16, params) for i in range(num_base)]
+        while any(r.num_computed_tokens < r.num_prompt_tokens for r in base):
+            self.engine.step()
+        prompt = [(7 * i) % 30000 + 3 for i in range(num_rows)]
+        self.engine.add_request(f"adapted-{stamp}", prompt, params, adapter=self.names[0], cache_salt=str(stamp))
+        start = time.perf_counter()
+        self.engine.step()  # num_base decode rows + the adapter's num_rows prefill rows
+        seconds = time.perf_counter() - start
+        while self.engine.has_unfinished():
+            self.engine.step()
+        return seconds
+
     def stats(self) -> dict:
-        return {k: v for k, v in self.llm.stats().items() if k.startswith(("lora", "adapter", "num_lora"))}
+        return {k: v for k, v in self.llm.stats().items() if k.startswith(("lora", "adapter", "num_lora", "num_merged"))}
 
 
 def main() -> None:
@@ -48,7 +66,7 @@ def main() -> None:
     bench = LoraBench(parser.parse_args())
     for n in (0, 1):  # warm-up: numba compiles (or loads) every kernel signature once
         bench.decode([[5] * 16] * 2, n, 2)
-    serve({"decode": bench.decode, "stats": bench.stats})
+    serve({"decode": bench.decode, "mixed_step": bench.mixed_step, "stats": bench.stats})
 
 
 if __name__ == "__main__":

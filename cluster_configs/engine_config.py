@@ -37,6 +37,13 @@ class EngineConfig(BaseModel):
                                                 "and so the most distinct adapters in one step's batch")
     max_lora_rank: int = Field(64, ge=1, description="the largest LoRA rank an adapter may have (any module); "
                                                      "a higher one is refused at registration")
+    lora_merge: Literal["auto", "never", "always"] = Field(
+        "never", description='run an adapter\'s rows on a merged copy of the weights: "auto" when the measured '
+                             'cost model says it pays (scheduling/lora_merge_policy.py), "always" (the adapter '
+                             'with most rows in each step), "never"; merged rows round differently, so a request\'s '
+                             "tokens may then depend on what it is batched with")
+    lora_merged_bytes: int = Field(2 << 30, ge=0, description="merged weight copies an engine keeps (least "
+                                                              "recently used out); 0 = never merge")
     adapter_roots: tuple[str, ...] | None = Field(None, description="folders adapters may be registered from "
                                                                     "('..' and symlinks resolved); None = anywhere")
     speculation: SpeculationConfig = Field(default_factory=SpeculationConfig,

@@ -4,6 +4,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from models.lora_merge import MergedRows
 from models.lora_slots import LoraRows
 
 
@@ -15,7 +16,8 @@ class ForwardBatch:
     slot_mapping: np.ndarray  # [T] int64, block_id * block_size + offset where the token's KV goes
     block_tables: np.ndarray  # [S, max_blocks] int32
     logits_indices: np.ndarray  # [R] int64, token rows whose next-token logits are wanted
-    lora: LoraRows | None = None  # None: no row has an adapter
+    lora: LoraRows | None = None  # rows on the low-rank path (None: none)
+    merged: MergedRows | None = None  # rows on an adapter's merged weights (None: none)
 
     @property
     def num_tokens(self) -> int:

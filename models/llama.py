@@ -1,6 +1,7 @@
 """The Llama-family forward pass (Llama, Mistral, Qwen2) over a flat token batch and a paged KV cache."""
 
 import math
+import time
 
 import numpy as np
 
@@ -26,6 +27,7 @@ class LlamaModel:
         self.gate_up_modules = (("gate_proj", slice(0, inter)), ("up_proj", slice(inter, None)))
         # calibration (models/calibration.py) sets this to see every linear layer's input: (name, x [T, K])
         self.observer = None
+        self.projection_seconds = 0.0  # time in the layers' projections, summed (the runner reads and resets it)
 
     @property
     def weight_dtype(self) -> str:
@@ -49,7 +51,7 @@ class LlamaModel:
         attn = np.empty((T, s.num_heads, D), np.float32)
         for i, layer in enumerate(w["layers"]):
             rms_norm(h, layer["input_norm"], s.rms_norm_eps, x)
-            qkv = self._linear(f"layers.{i}.qkv", x, layer["qkv"])  # [T, q_size + 2 * kv_size]
+            qkv = self._project(i, "qkv", x, batch)  # [T, q_size + 2 * kv_size]
             add_lora(qkv, x, batch.lora, i, self.qkv_modules)
             if layer["qkv_bias"] is not None:
                 qkv += layer["qkv_bias"]
@@ -66,20 +68,40 @@ class LlamaModel:
                             batch.block_tables, batch.token_seq, batch.positions, s.layer_windows[i],
                             self.softmax_scale, attn)
             attn_flat = attn.reshape(T, s.q_size)
-            o = self._linear(f"layers.{i}.o", attn_flat, layer["o"])
+            o = self._project(i, "o", attn_flat, batch)
             add_lora(o, attn_flat, batch.lora, i, (("o_proj", slice(None)),))
             h += o
             rms_norm(h, layer["post_norm"], s.rms_norm_eps, x)
-            gate_up = self._linear(f"layers.{i}.gate_up", x, layer["gate_up"])  # [T, 2 * intermediate]
+            gate_up = self._project(i, "gate_up", x, batch)  # [T, 2 * intermediate]
             add_lora(gate_up, x, batch.lora, i, self.gate_up_modules)
             act = np.empty((T, s.intermediate_size), np.float32)
             silu_mul(gate_up, act)
-            down = self._linear(f"layers.{i}.down", act, layer["down"])
+            down = self._project(i, "down", act, batch)
             add_lora(down, act, batch.lora, i, (("down_proj", slice(None)),))
             h += down
         h_out = np.ascontiguousarray(h[batch.logits_indices])
         rms_norm(h_out, w["norm"], s.rms_norm_eps, h_out)
         return self._linear("lm_head", h_out, w["lm_head"])
+
+    def _project(self, i: int, key: str, x: np.ndarray, batch: ForwardBatch) -> np.ndarray:
+        """A layer's fused projection; rows on merged copies (batch.merged) run on their adapter's. Timed."""
+        start = time.perf_counter()
+        w, name = self.weights["layers"][i][key], f"layers.{i}.{key}"
+        runs = [(a, b, m.layers[i][key]) for a, b, m in batch.merged.runs if m.layers[i][key] is not w] \
+            if batch.merged is not None else []
+        if not runs:
+            out = self._linear(name, x, w)
+        else:
+            out = np.empty((x.shape[0], w.shape[0]), np.float32)
+            row = 0
+            for a, b, merged in runs + [(x.shape[0], x.shape[0], None)]:
+                if a > row:  # base rows before this run
+                    out[row:a] = self._linear(name, x[row:a], w)
+                if merged is not None:
+                    out[a:b] = self._linear(name, x[a:b], merged)
+                row = b
+        self.projection_seconds += time.perf_counter() - start
+        return out
 
     def _linear(self, name: str, x: np.ndarray, w) -> np.ndarray:
         # name: "layers.{i}.qkv" | ".o" | ".gate_up" | ".down" | "lm_head", the keys of activation plans

@@ -1,14 +1,15 @@
 """LoraSlots: the adapters a worker holds ready for the kernels, at most max_loras, least recently used out.
 
 Per layer and module one stacked buffer of max_loras slots (kernels/lora.py's layout): A [S, R, in] and B^T
-[S, R, out] and the module's scaling, R = max_lora_rank, zero-filled (pages are committed only
-where a slot's rank writes them). A and B are kept in float32 for a float32 engine (exact against PEFT)
-and as bf16 otherwise: the base weights are rounded already, and reading A and B is most of what an
-adapter costs at decode (bf16 halves it; the delta's relative error is bf16's, 2^-9). A step's adapters are all given slots before it runs (the batcher
-admits at most max_loras distinct adapters into the running set), loading any that are not held and
-evicting the least recently used adapter the step does not use.
+[S, R, out] and the module's scaling, R = max_lora_rank, zero-filled (pages are committed only where a
+slot's rank writes them). A and B are kept in float32 for a float32 engine (exact against PEFT) and as
+bf16 otherwise: the base weights are rounded already, and reading A and B is most of what an adapter
+costs at decode (bf16 halves it; each value's relative error is bf16's, 2^-9). A step's adapters are all
+given slots before it runs (the batcher admits at most max_loras distinct adapters into the running
+set), loading any that are not held and evicting the least recently used adapter the step does not use.
 """
 
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -37,6 +38,7 @@ class LoraSlots:
         self.held: OrderedDict[str, int] = OrderedDict()  # adapter name -> slot, least recently used first
         self.free = list(range(S - 1, -1, -1))
         self.num_hits = self.num_misses = self.num_evictions = self.bytes_loaded = 0
+        self.kernel_seconds = 0.0  # time in the low-rank kernels, summed (the runner reads and resets it)
 
     @property
     def max_loras(self) -> int:
@@ -111,9 +113,11 @@ def add_lora(out: np.ndarray, x: np.ndarray, lora: LoraRows | None, layer: int,
     """
     if lora is None:
         return
+    start = time.perf_counter()
     h = lora.holder
     names = [m for m, _ in modules]
     offsets = np.array([0] + [cols.indices(out.shape[1])[1] for _, cols in modules], np.int64)
     lora_shrink_expand(x, lora.starts, lora.ends, lora.slots, tuple(h.a[m][layer] for m in names),
                        tuple(h.bt[m][layer] for m in names), tuple(h.ranks[m][layer] for m in names),
                        tuple(h.scalings[m][layer] for m in names), offsets, _NO_SCALES, out)
+    h.kernel_seconds += time.perf_counter() - start

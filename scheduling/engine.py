@@ -27,6 +27,7 @@ from models.tokenizer import IncrementalDetokenizer
 from scheduling.adapter_store import AdapterStore
 from scheduling.batcher import Batcher, StepPlan
 from scheduling.kv_cache_manager import KVCacheManager
+from scheduling.lora_planner import LoraPlanner
 from scheduling.model_runner import ModelRunner
 from scheduling.outputs import RequestOutput, StepResult
 from scheduling.request import Request, RequestStatus
@@ -67,9 +68,11 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self.adapters = AdapterStore(s, config.max_lora_rank, config.adapter_roots, fetch=fetch_adapter,
                                      max_loaded=config.max_loras if fetch_adapter else None)
-        self.runner = ModelRunner(self.model, self.kv_cache, bs, self.adapters,
-                                  LoraSlots(s, config.max_loras, config.max_lora_rank,
-                                            "float32" if self.model.weight_dtype == "float32" else "bfloat16"))
+        slots = LoraSlots(s, config.max_loras, config.max_lora_rank,
+                          "float32" if self.model.weight_dtype == "float32" else "bfloat16")
+        self.runner = ModelRunner(self.model, self.kv_cache, bs, self.adapters, LoraPlanner(
+            slots, self.model.weights["layers"], s, config.lora_merge, config.lora_merged_bytes,
+            self.model.weight_bytes))
         proposer = make_proposer(config.speculation, s, self.tokenizer, kv_cache_tokens=num_blocks * bs, block_size=bs,
                                  weight_dtype=config.weight_dtype, kv_dtype=config.resolved_kv_dtype,
                                  activation_dtype=config.activation_dtype, decisions=self.decisions,
@@ -229,5 +232,4 @@ class Engine:
             "prefix_hit_rate": self.kv.prefix_hit_rate,
             "num_preemptions": self.batcher.num_preemptions,
             "num_generated_tokens": self.num_generated_tokens,
-            "num_lora_tokens": self.runner.num_lora_tokens,
-        } | self.adapters.stats() | self.runner.lora_slots.stats() | (self.speculator.stats() if self.speculator else spec_stats_off())
+        } | self.adapters.stats() | self.runner.lora.stats() | (self.speculator.stats() if self.speculator else spec_stats_off())

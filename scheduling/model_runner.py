@@ -12,25 +12,27 @@ import numpy as np
 from memory.kv_cache import KVCache
 from models.batch import ForwardBatch
 from models.llama import LlamaModel
-from models.lora_slots import LoraRows, LoraSlots
 from scheduling.adapter_store import AdapterStore
 from scheduling.batcher import StepPlan
+from scheduling.lora_planner import LoraPlanner
 
 
 class ModelRunner:
     def __init__(self, model: LlamaModel, kv_cache: KVCache, block_size: int, adapters: AdapterStore,
-                 lora_slots: LoraSlots):
+                 lora: LoraPlanner):
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = block_size
         self.adapters = adapters  # the engine's registry (shared, not copied)
-        self.lora_slots = lora_slots
-        self.num_lora_tokens = 0  # rows run with an adapter (the low-rank path)
+        self.lora = lora
 
     def run(self, plan: StepPlan) -> tuple[np.ndarray, list[slice | None]]:
         """-> logits [R, V] float32 and, per scheduled request, its slice of logits rows (None: no row)."""
         batch, logit_rows = self.build_batch(plan)
-        return self.model.forward(batch, self.kv_cache), logit_rows
+        self.model.projection_seconds = 0.0
+        logits = self.model.forward(batch, self.kv_cache)
+        self.lora.observe(self.model.projection_seconds)
+        return logits, logit_rows
 
     def build_batch(self, plan: StepPlan) -> tuple[ForwardBatch, list[slice | None]]:
         bs = self.block_size
@@ -62,14 +64,7 @@ class ModelRunner:
         positions = np.asarray(positions, np.int32)
         token_seq = np.asarray(token_seq, np.int32)
         slot_mapping = block_tables[token_seq, positions // bs].astype(np.int64) * bs + positions % bs
+        lora, merged = self.lora.plan(row_adapter, self.adapters.__getitem__)
         batch = ForwardBatch(np.asarray(token_ids, np.int64), positions, token_seq, slot_mapping, block_tables,
-                             np.asarray(logits_indices, np.int64), self._lora_rows(row_adapter))
+                             np.asarray(logits_indices, np.int64), lora, merged)
         return batch, logit_rows
-
-    def _lora_rows(self, row_adapter: list[str | None]) -> LoraRows | None:
-        names = {a for a in row_adapter if a is not None}
-        if not names:
-            return None
-        slot = self.lora_slots.slots_for(sorted(names), self.adapters.__getitem__) | {None: -1}
-        self.num_lora_tokens += sum(a is not None for a in row_adapter)
-        return self.lora_slots.rows(np.asarray([slot[a] for a in row_adapter], np.int32))

@@ -54,13 +54,29 @@ def llm(llama_dir, adapters):
     return llm
 
 
+@pytest.fixture(scope="module")
+def merged_llm(llama_dir, adapters):
+    """The same adapters on the merged path: every step runs its adapter's rows on a merged copy."""
+    llm = ns.LLM(llama_dir, **FP32, lora_merge="always")
+    for name, path in adapters.items():
+        llm.register_adapter(name, path)
+    return llm
+
+
+@pytest.fixture(params=["lowrank", "merged"])
+def either(request, llm, merged_llm):
+    return llm if request.param == "lowrank" else merged_llm
+
+
 @pytest.mark.parametrize("name", ["a", "b", "rs"])
-def test_adapter_logits_match_peft(llm, llama_dir, adapters, name, hf_models):
+def test_adapter_logits_match_peft(either, llama_dir, adapters, name, hf_models):
     tokens = random_prompt(40, seed=5)
     ref = hf_logits(peft_reference(llama_dir, adapters[name]), tokens)
-    got = llm.score(tokens, adapter=name)
+    merged_before = either.stats()["num_merged_tokens"]
+    got = either.score(tokens, adapter=name)
     np.testing.assert_allclose(got, ref, atol=1e-4, rtol=0)
     assert np.abs(got - hf_logits(hf_models["llama"], tokens)).max() > 0.1  # the adapter does change logits
+    assert either.stats()["num_merged_tokens"] - merged_before == (40 if either.config.lora_merge == "always" else 0)
 
 
 # per-module ranks and alphas, matched as PEFT does: a bare module name, a dotted suffix, a regular expression
@@ -69,12 +85,13 @@ PATTERNS = {"rank_pattern": {"q_proj": 2, "layers.1.mlp.down_proj": 6, r"layers\
 SUBSET = ["q_proj", "v_proj", "o_proj", "up_proj", "down_proj"]
 
 
+@pytest.mark.parametrize("merge", ["never", "always"])
 @pytest.mark.parametrize("rslora", [False, True], ids=["alpha_over_r", "rslora"])
 @pytest.mark.parametrize("variant", ["llama", "qwen2", "mistral"])
-def test_rank_and_alpha_patterns_match_peft(model_dirs, hf_models, tmp_path, variant, rslora):
+def test_rank_and_alpha_patterns_match_peft(model_dirs, hf_models, tmp_path, variant, rslora, merge):
     base = model_dirs[variant]
     path = make_adapter(base, tmp_path / "patterned", seed=7, modules=SUBSET, rslora=rslora, **PATTERNS)
-    llm = ns.LLM(base, **FP32)
+    llm = ns.LLM(base, **FP32, lora_merge=merge)
     llm.register_adapter("patterned", path)
     modules = llm.engine.adapters["patterned"].layers
     assert {m: lora.rank for m, lora in modules[1].items()} == {"q_proj": 2, "v_proj": 4, "o_proj": 3,
@@ -106,14 +123,14 @@ def peft_composed(llama_dir, adapters, weights: dict, combination: str):
     ("linear", {"b": 1.3}),
     ("svd", {"a": 0.7, "b": -0.3, "c": 0.5}),
 ])
-def test_composed_adapters_match_peft_add_weighted_adapter(llm, llama_dir, adapters, combination, weights):
+def test_composed_adapters_match_peft_add_weighted_adapter(either, llama_dir, adapters, combination, weights):
     name = f"{combination}-{'-'.join(weights)}"
-    llm.compose_adapter(name, weights, combination=combination)
+    either.compose_adapter(name, weights, combination=combination)
     tokens = random_prompt(40, seed=8)
-    got = llm.score(tokens, adapter=name)
+    got = either.score(tokens, adapter=name)
     np.testing.assert_allclose(got, hf_logits(peft_composed(llama_dir, adapters, weights, combination), tokens),
                                atol=1e-4, rtol=0)
-    assert np.abs(got - llm.score(tokens, adapter=next(iter(weights)))).max() > 0.1
+    assert np.abs(got - either.score(tokens, adapter=next(iter(weights)))).max() > 0.1
 
 
 @pytest.mark.parametrize("weights, combination, message", [
@@ -142,8 +159,8 @@ def test_bf16_adapter_slots_change_the_adapters_effect_by_little(llama_dir, adap
     def adapter_effect(slot_dtype: str | None) -> np.ndarray:
         engine = ns.LLM(llama_dir, weight_dtype=weight_dtype, kv_dtype="float32", activation_dtype="float32")
         if slot_dtype is not None:
-            engine.engine.runner.lora_slots = LoraSlots(engine.engine.spec, 4, 64, slot_dtype)
-        assert engine.engine.runner.lora_slots.dtype == (slot_dtype or "bfloat16")
+            engine.engine.runner.lora.slots = LoraSlots(engine.engine.spec, 4, 64, slot_dtype)
+        assert engine.engine.runner.lora.slots.dtype == (slot_dtype or "bfloat16")
         engine.register_adapter("rs", adapters["rs"])
         return engine.score(tokens, adapter="rs") - engine.score(tokens)
 
@@ -166,7 +183,8 @@ def test_mixed_adapters_in_one_batch_equal_each_alone(llm):
     assert alone[0] != llm.generate(prompts[0], greedy)[0].token_ids
 
 
-def test_one_generate_call_with_an_adapter_per_prompt_equals_each_alone(llm):
+def test_one_generate_call_with_an_adapter_per_prompt_equals_each_alone_on_both_paths(either):
+    llm = either
     greedy = ns.SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
     prompts = [random_prompt(n, seed=40 + n) for n in (6, 21, 3, 14, 9, 30, 12)]
     names = ["a", None, "b", "rs", "c", "a", None]
@@ -180,6 +198,10 @@ def test_one_generate_call_with_an_adapter_per_prompt_equals_each_alone(llm):
     with pytest.raises(ns.InvalidRequest, match="adapter must be an adapter name"):
         llm.generate(prompts, greedy, adapter=3)
     assert not llm.engine.has_unfinished()
+    stats = llm.stats()
+    if llm.config.lora_merge == "always":  # every adapted row ran on its adapter's merged copy
+        assert stats["num_merged_tokens"] > 0 and stats["num_lora_tokens"] == 0
+        assert set(stats["lora_merged_held"]) >= {"a", "b", "rs", "c"}
 
 
 def weights_checksum(weights) -> str:
@@ -218,6 +240,26 @@ def test_more_adapters_than_slots_evict_and_stay_exact(llm, llama_dir, adapters)
     assert stats["lora_slot_hits"] > 0 and len(stats["lora_slots_held"]) == 2
     assert [o.token_ids for o in small.generate(prompts, greedy, adapter=names)] == expected  # 4 adapters, 2 slots
     assert weights_checksum(small.engine.model.weights) == before
+
+
+def test_merged_copies_are_bounded_in_bytes_and_leave_the_base_weights_alone(llm, llama_dir, adapters):
+    greedy = ns.SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    probe = ns.LLM(llama_dir, **FP32, lora_merge="always")
+    probe.register_adapter("a", adapters["a"])
+    probe.generate([5, 6, 7], greedy, adapter="a")
+    one_copy = probe.stats()["lora_merged_bytes"]  # a, all seven modules: a copy of every projection
+    merged = ns.LLM(llama_dir, **FP32, lora_merge="always", lora_merged_bytes=one_copy)
+    for name in ("a", "c", "rs"):
+        merged.register_adapter(name, adapters[name])
+    before = weights_checksum(merged.engine.model.weights)
+    prompts = [random_prompt(n, seed=90 + n) for n in (5, 9, 13, 7)]
+    names = ["a", "c", "rs", "a"]
+    expected = [llm.generate(p, greedy, adapter=n)[0].token_ids for p, n in zip(prompts, names)]
+    assert [merged.generate(p, greedy, adapter=n)[0].token_ids for p, n in zip(prompts, names)] == expected
+    stats = merged.stats()
+    assert stats["lora_merged_builds"] == 4 and stats["lora_merged_evictions"] >= 2  # "a" built again
+    assert stats["lora_merged_bytes"] <= one_copy and stats["num_lora_tokens"] == 0
+    assert weights_checksum(merged.engine.model.weights) == before
 
 
 def test_the_same_adapter_again_hits_its_slot(llama_dir, adapters):

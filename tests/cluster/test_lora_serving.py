@@ -27,10 +27,11 @@ def adapter_dirs(llama_dir, tmp_path_factory):
     return {name: make_adapter(llama_dir, root / name, **kw) for name, kw in ADAPTERS.items()}
 
 
-@pytest.fixture(scope="module")
-def config(tmp_path_factory):
-    # max_loras=2 per worker: the batch's four adapters and a composed one rotate through the slots
-    return sim_config("two_numa_sim", engine={"max_num_seqs": 16, "max_loras": 2},
+@pytest.fixture(scope="module", params=["never", "always"])
+def config(request, tmp_path_factory):
+    # max_loras=2 per worker: the batch's four adapters and a composed one rotate through the slots; with
+    # lora_merge "always" each step's most-used adapter runs on its merged copy, the others low-rank
+    return sim_config("two_numa_sim", engine={"max_num_seqs": 16, "max_loras": 2, "lora_merge": request.param},
                       adapter_registry=str(tmp_path_factory.mktemp("registry") / "adapters.json"))
 
 
@@ -47,7 +48,8 @@ def test_mixed_adapters_through_the_client_equal_each_alone(ray_cluster, llama_d
 
     private = tmp_path / "cache-only"  # registered from here, then moved away: no worker can read it
     shutil.copytree(adapter_dirs["a"].parent, private)
-    client = ns.serve(config, model=llama_dir, name=NAME)
+    deployment = f"{NAME}-{config.engine.lora_merge}"
+    client = ns.serve(config, model=llama_dir, name=deployment)
     try:
         for name in ADAPTERS:
             client.register_adapter(name, private / name)
@@ -64,15 +66,23 @@ def test_mixed_adapters_through_the_client_equal_each_alone(ray_cluster, llama_d
         cache = stats["adapter_cache"]
         assert cache["num_adapters"] == 5 and cache["adapter_hits"] >= 5 and cache["adapter_bytes"] > 0
         workers = [w for w in stats["workers"].values() if isinstance(w, dict) and "lora_slot_misses" in w]
-        assert len(workers) == 2 and sum(w["lora_slot_misses"] for w in workers) >= 5
-        assert all(len(w["lora_slots_held"]) <= 2 and w["num_adapters_loaded"] <= 2 for w in workers)
-        assert sum(w["num_lora_tokens"] for w in workers) > 0
+        assert len(workers) == 2 and all(w["num_adapters_loaded"] <= 2 for w in workers)  # max_loras
+        if config.engine.lora_merge == "never":  # all low-rank, the five adapters rotating through 2 slots each
+            assert sum(w["lora_slot_misses"] for w in workers) >= 5 and all(len(w["lora_slots_held"]) <= 2
+                                                                            for w in workers)
+            assert sum(w["num_lora_tokens"] for w in workers) > 0 == sum(w["num_merged_tokens"] for w in workers)
+        else:  # every adapted row on its adapter's merged copy, built once per worker
+            assert sum(w["num_merged_tokens"] for w in workers) > 0 == sum(w["num_lora_tokens"] for w in workers)
+            assert sum(w["lora_merged_builds"] for w in workers) >= 5
+
+        assert_a_session_switching_adapter_recomputes_and_switching_back_reuses(client)
 
         shutil.move(tmp_path / "moved", private)  # a restarted cache reloads from the registered directories
-        cache_actor = ray.get_actor(f"{NAME}.adapters", namespace="numaserve")
-        _, pid = cache_process()
+        cache_actor = ray.get_actor(f"{deployment}.adapters", namespace="numaserve")
+        _, pid = cache_process(deployment)
         ray.kill(cache_actor, no_restart=False)
-        wait_for(lambda: cache_process()[0] == "ALIVE" and cache_process()[1] != pid, 60, "the adapter cache to restart")
+        wait_for(lambda: cache_process(deployment)[0] == "ALIVE" and cache_process(deployment)[1] != pid, 60,
+                 "the adapter cache to restart")
         assert ray.get(cache_actor.adapters.remote())["mix"] == "compose({'a': 0.6, 'b': 0.4}, 'cat')"
         assert ray.get(cache_actor.stats.remote())["num_adapters_loaded"] == 0  # loaded when asked for
         fresh = random_prompt(9, seed=99)
@@ -82,6 +92,23 @@ def test_mixed_adapters_through_the_client_equal_each_alone(ray_cluster, llama_d
         client.shutdown()
 
 
-def cache_process() -> tuple[str, int]:
-    [state] = list_actors(filters=[("name", "=", f"{NAME}.adapters")])
+def assert_a_session_switching_adapter_recomputes_and_switching_back_reuses(client):
+    """A session's turns stay on one worker; its KV is keyed by adapter (the prefix cache's blocks are)."""
+    def hits() -> int:
+        workers = client.stats()["workers"].values()
+        return sum(w["metrics"]["values"]["prefix_cache_hits"] for w in workers if "metrics" in w)
+
+    history = random_prompt(48, seed=123)  # three full blocks of 16
+    turns = []
+    for adapter in ("a", "b", "a"):
+        before = hits()
+        done = client.generate(history, GREEDY, adapter=adapter, session="chat")
+        turns.append(hits() - before)
+        history = history + done.token_ids + random_prompt(5, seed=len(history))
+    assert turns[0] == 0 and turns[1] == 0  # the first turn, then the switch: all computed anew
+    assert turns[2] >= 48  # back on "a": the first turn's blocks are still cached
+
+
+def cache_process(name: str) -> tuple[str, int]:
+    [state] = list_actors(filters=[("name", "=", f"{name}.adapters")])
     return state.state, state.pid

@@ -1,0 +1,110 @@
+"""Merged LoRA weights: W + scaling * B A for every adapted projection, in the base weight's own format.
+
+A merged copy serves one adapter's rows with the base linear alone (no low-rank work), at the price of a
+second copy of the projections: as many bytes as the model's linear weights (float32 exact; bf16
+rounded; q8_0 / q4_0 requantized, so its outputs differ from the low-rank path's by one more
+quantization). MergedCache keeps an engine's merged copies, least recently used out past max_bytes.
+"""
+
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+
+from memory.weights import Int8Matrix, WeightMatrix
+from models.linear import dequantize
+from models.lora import LoraAdapter
+from models.spec import ModelSpec
+
+FUSED = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate_up": ("gate_proj", "up_proj"),
+         "down": ("down_proj",)}  # a layer's fused weights and the modules they stack, in row order
+
+
+@dataclass(frozen=True)
+class MergedWeights:
+    name: str  # the adapter's
+    layers: tuple[dict[str, WeightMatrix | Int8Matrix], ...]  # per layer: fused weight -> merged matrix
+    nbytes: int
+    seconds: float  # what building it took
+
+
+def merge_adapter(base_layers: list[dict], adapter: LoraAdapter, spec: ModelSpec) -> MergedWeights:
+    """The adapter merged into a copy of every fused projection it adapts (the others are shared)."""
+    start = time.perf_counter()
+    rows = {"q_proj": spec.q_size, "k_proj": spec.kv_size, "v_proj": spec.kv_size, "o_proj": spec.hidden_size,
+            "gate_proj": spec.intermediate_size, "up_proj": spec.intermediate_size, "down_proj": spec.hidden_size}
+    layers, nbytes = [], 0
+    for base, lora in zip(base_layers, adapter.layers):
+        merged = {}
+        for key, modules in FUSED.items():
+            if not any(m in lora for m in modules):
+                merged[key] = base[key]
+                continue
+            delta = np.concatenate([lora[m].delta() if m in lora else np.zeros((rows[m], base[key].shape[1]),
+                                                                               np.float32) for m in modules])
+            merged[key] = _reencoded(base[key], dequantize(base[key]) + delta)
+            nbytes += merged[key].nbytes
+        layers.append(merged)
+    return MergedWeights(adapter.name, tuple(layers), nbytes, time.perf_counter() - start)
+
+
+def merged_nbytes(base_layers: list[dict], adapter: LoraAdapter) -> int:
+    """What merge_adapter's copy of these layers would hold, in bytes."""
+    return sum(base[key].nbytes for base, lora in zip(base_layers, adapter.layers)
+               for key, modules in FUSED.items() if any(m in lora for m in modules))
+
+
+@dataclass(frozen=True)
+class MergedRows:
+    """A step's rows that run on merged copies: per adapter one run of the batch (rows come grouped by
+    adapter), in row order: (start, end, its merged weights)."""
+    runs: tuple[tuple[int, int, MergedWeights], ...]
+
+
+def _reencoded(base: WeightMatrix | Int8Matrix, dense: np.ndarray) -> WeightMatrix | Int8Matrix:
+    if isinstance(base, Int8Matrix):
+        return Int8Matrix.pack(WeightMatrix.from_float(dense, base.dtype), base.activation_scale)
+    return WeightMatrix.from_float(dense, base.dtype)
+
+
+class MergedCache:
+    """An engine's merged copies by adapter name, least recently used out past max_bytes."""
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes = max_bytes
+        self._held: OrderedDict[str, MergedWeights] = OrderedDict()
+        self.num_builds = self.num_evictions = 0
+        self.build_seconds = 0.0
+
+    def get(self, name: str) -> MergedWeights | None:
+        merged = self._held.get(name)
+        if merged is not None:
+            self._held.move_to_end(name)
+        return merged
+
+    def holds(self, name: str) -> bool:
+        return name in self._held
+
+    def put(self, merged: MergedWeights, keep: set[str]) -> None:
+        """Hold a new copy; past max_bytes drop the least recently used ones not in keep (the step's)."""
+        self._held[merged.name] = merged
+        self.num_builds += 1
+        self.build_seconds += merged.seconds
+        for name in [n for n in self._held if n not in keep and n != merged.name]:
+            if self.nbytes <= self.max_bytes:
+                break
+            del self._held[name]
+            self.num_evictions += 1
+
+    def fits(self, nbytes: int) -> bool:
+        return nbytes <= self.max_bytes
+
+    @property
+    def nbytes(self) -> int:
+        return sum(m.nbytes for m in self._held.values())
+
+    def stats(self) -> dict:
+        return {"lora_merged_builds": self.num_builds, "lora_merged_evictions": self.num_evictions,
+                "lora_merged_bytes": self.nbytes, "lora_merged_held": list(self._held),
+                "lora_merged_build_s": self.build_seconds}

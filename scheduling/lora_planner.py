@@ -1,0 +1,83 @@
+"""LoraPlanner: how a step's adapted rows run: on an adapter's merged copy (at most one adapter a step) or
+on the low-rank path, with the slots, the merged copies and the measured costs that decide it
+(scheduling/lora_merge_policy.py)."""
+
+from collections import Counter
+from collections.abc import Callable
+
+import numpy as np
+
+from models.lora import LoraAdapter
+from models.lora_merge import MergedCache, MergedRows, merge_adapter, merged_nbytes
+from models.lora_slots import LoraRows, LoraSlots
+from scheduling.lora_merge_policy import MergeMeter, candidate, choose_merge, saving_s
+
+
+class LoraPlanner:
+    def __init__(self, slots: LoraSlots, base_layers: list[dict], spec, mode: str, merged_bytes: int,
+                 weight_bytes: int):
+        self.slots = slots
+        self.base_layers, self.spec = base_layers, spec
+        self.mode = mode if merged_bytes > 0 else "never"
+        self.merged = MergedCache(merged_bytes)
+        self.meter = MergeMeter(weight_bytes)
+        self.num_lora_tokens = self.num_merged_tokens = 0  # rows run on the low-rank path / on merged copies
+        self._last = (0, 0)  # the last step's (rows, low-rank rows), for observe
+
+    def plan(self, row_adapter: list[str | None],
+             adapter: Callable[[str], LoraAdapter]) -> tuple[LoraRows | None, MergedRows | None]:
+        """row_adapter: each row's adapter (rows of one adapter adjacent); adapter: name -> its weights."""
+        rows_by_adapter = Counter(a for a in row_adapter if a is not None)
+        self._last = (len(row_adapter), 0)
+        if not rows_by_adapter:
+            return None, None
+        merged = self._merged_rows(row_adapter, rows_by_adapter, adapter)
+        if merged is not None:
+            names = {w.name for _, _, w in merged.runs}
+            self.num_merged_tokens += sum(end - start for start, end, _ in merged.runs)
+            row_adapter = [None if a in names else a for a in row_adapter]
+        names = sorted({a for a in row_adapter if a is not None})
+        if not names:
+            return None, merged
+        slot = self.slots.slots_for(names, adapter) | {None: -1}
+        num_lowrank = sum(a is not None for a in row_adapter)
+        self.num_lora_tokens += num_lowrank
+        self._last = (len(row_adapter), num_lowrank)
+        return self.slots.rows(np.asarray([slot[a] for a in row_adapter], np.int32)), merged
+
+    def observe(self, projection_s: float) -> None:
+        """After the step's forward: its measured low-rank kernel and projection seconds feed the cost model."""
+        num_rows, num_lowrank = self._last
+        self.meter.observe(num_lowrank, self.slots.kernel_seconds, num_rows, projection_s)
+        self.slots.kernel_seconds = 0.0
+
+    def stats(self) -> dict:
+        costs = self.meter.costs()
+        return self.slots.stats() | self.merged.stats() | {
+            "num_lora_tokens": self.num_lora_tokens, "num_merged_tokens": self.num_merged_tokens,
+            "lora_merge": self.mode, "lora_lowrank_s_per_row": costs.lowrank_s_per_row,
+            "lora_weight_pass_s": costs.weight_pass_s}
+
+    def _merged_rows(self, row_adapter, rows_by_adapter: Counter, adapter) -> MergedRows | None:
+        if self.mode == "never":
+            return None
+        costs = self.meter.costs()
+        name = candidate(rows_by_adapter)
+        paying = self.meter.paying(name, saving_s(rows_by_adapter[name], len(row_adapter), costs) > 0)
+        held = {n for n in rows_by_adapter if self.merged.holds(n)}
+
+        def fits(names: list[str]) -> bool:
+            return self.merged.fits(sum(merged_nbytes(self.base_layers, adapter(n)) for n in names))
+
+        choice = choose_merge(self.mode, dict(rows_by_adapter), len(row_adapter), held, fits, paying, costs)
+        for name in choice.build:
+            built = merge_adapter(self.base_layers, adapter(name), self.spec)
+            self.merged.put(built, keep=set(choice.adapters))
+            self.meter.built(built.seconds)
+        if not choice.adapters:
+            return None
+        runs = []
+        for name in choice.adapters:
+            rows = [i for i, a in enumerate(row_adapter) if a == name]
+            runs.append((rows[0], rows[-1] + 1, self.merged.get(name)))
+        return MergedRows(tuple(sorted(runs, key=lambda r: r[0])))
