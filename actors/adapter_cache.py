@@ -3,11 +3,13 @@ against the served model at registration (scheduling/adapter_store.py), keeps th
 so a restarted cache (or deployment) still serves it, and holds the loaded tensors, least recently used
 out past max_bytes. A worker asks for an adapter by name and gets it through the object store, put there
 once per load and shared by every worker that asks: workers on other machines need no shared filesystem.
+It also keeps the merged copies workers build (scheduling/lora_planner.py), so each is built once.
 """
 
 import asyncio
 import json
 import os
+from collections import OrderedDict
 from pathlib import Path
 
 import ray
@@ -45,12 +47,17 @@ class AdapterRegistry:
 @ray.remote(num_cpus=0)
 class AdapterCache:
     def __init__(self, registry_path: str, model_path: str, max_lora_rank: int,
-                 adapter_roots: tuple[str, ...] | None = None, max_bytes: int | None = None):
+                 adapter_roots: tuple[str, ...] | None = None, max_bytes: int | None = None,
+                 max_merged_bytes: int = 0):
         self.registry = AdapterRegistry(registry_path)
         self.store = AdapterStore(read_spec(model_path), max_lora_rank, adapter_roots, max_bytes=max_bytes)
         for name, source in self.registry.read().items():
             self.store.restore(name, source)  # loaded when first asked for
         self._refs: dict[str, ray.ObjectRef] = {}  # the loaded adapters, in the object store
+        # merged copies a worker built (every worker serves the same model and engine config), for the others
+        self._merged: OrderedDict[str, tuple[ray.ObjectRef, int]] = OrderedDict()  # name -> (ref, bytes), LRU
+        self.max_merged_bytes = max_merged_bytes
+        self.num_merged_hits = self.num_merged_misses = 0
 
     def register(self, name: str, directory: str) -> str:
         """Validate and serve a PEFT adapter directory; -> its resolved path. AdapterError if it does not fit."""
@@ -75,6 +82,24 @@ class AdapterCache:
             self._refs[name] = ray.put(adapter)
         return [self._refs[name]]
 
+    def merged(self, name: str) -> list[ray.ObjectRef] | None:
+        """[a merged copy of the adapter a worker shared] or None (the caller builds it, then shares it)."""
+        held = self._merged.get(name)
+        self.num_merged_hits += held is not None
+        self.num_merged_misses += held is None
+        if held is None:
+            return None
+        self._merged.move_to_end(name)
+        return [held[0]]
+
+    def put_merged(self, name: str, refs: list[ray.ObjectRef], nbytes: int) -> None:
+        """Keep a worker's merged copy for the others, least recently used out past max_merged_bytes."""
+        if name not in self.store or nbytes > self.max_merged_bytes:
+            return
+        self._merged[name] = (refs[0], nbytes)
+        while sum(b for _, b in self._merged.values()) > self.max_merged_bytes:
+            self._merged.popitem(last=False)
+
     def path(self, name: str) -> str | None:
         """Where the adapter comes from (its directory, or its composition), None if not registered."""
         source = self.store.sources.get(name)
@@ -84,7 +109,9 @@ class AdapterCache:
         return {name: str(source) for name, source in self.store.sources.items()}
 
     def stats(self) -> dict:
-        return self.store.stats()
+        return self.store.stats() | {"merged_hits": self.num_merged_hits, "merged_misses": self.num_merged_misses,
+                                     "merged_held": list(self._merged),
+                                     "merged_bytes": sum(b for _, b in self._merged.values())}
 
     def _save(self) -> None:
         self.registry.write(self.store.sources)

@@ -31,6 +31,7 @@ from cluster_configs.engine_config import EngineConfig
 from cluster_configs.errors import InvalidRequest
 from cluster_configs.sampling_params import SamplingParams
 from memory import numa
+from models.lora_merge import MergedWeights
 from scheduling.engine import Engine
 from scheduling.outputs import RequestOutput
 from scheduling.policy import Policy, StepTelemetry
@@ -49,7 +50,8 @@ class NumaWorker:
         num_pinned = numa.pin_process(placement.cpu_ids)  # before the engine exists: numba has no pool yet
         memory_policy = numa.bind_memory(numa.physical_node_ids(placement.cpu_ids, numa.read_topology()))
         self._scheduler, self._adapter_cache = scheduler, adapter_cache
-        self.engine = Engine(Path(model_path), engine_config, fetch_adapter=self._fetch_adapter)
+        self.engine = Engine(Path(model_path), engine_config, fetch_adapter=self._fetch_adapter,
+                             shared_merged=CachedMerged(adapter_cache) if adapter_cache is not None else None)
         kv = self.engine.kv_cache
         numa.first_touch(kv.k, kv.v, kv.k_scale, kv.v_scale)
         self._num_pinned, self._memory_policy = num_pinned, memory_policy
@@ -281,3 +283,17 @@ def _set_result(future: asyncio.Future, value) -> None:
     if not future.done():
         future.set_result(value)
 
+
+class CachedMerged:
+    """The engine's SharedMerged (scheduling/lora_planner.py) in a deployment: merged copies through the
+    AdapterCache and the object store (loop thread; blocking calls, made only when a copy is missing)."""
+
+    def __init__(self, adapter_cache):
+        self.adapter_cache = adapter_cache
+
+    def get(self, name: str) -> MergedWeights | None:
+        refs = ray.get(self.adapter_cache.merged.remote(name), timeout=LOOKUP_TIMEOUT_S)
+        return None if refs is None else ray.get(refs[0], timeout=LOOKUP_TIMEOUT_S).local_copy()
+
+    def put(self, merged: MergedWeights) -> None:
+        self.adapter_cache.put_merged.remote(merged.name, [ray.put(merged)], merged.nbytes)  # not waited for

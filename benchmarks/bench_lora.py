@@ -100,7 +100,7 @@ def main() -> None:
     workers = {}
     for dtype in args.dtypes.split(","):
         argv = [str(ckpt), *map(str, adapters), "--weight-dtype", dtype, "--threads", str(args.threads),
-                "--max-loras", str(max(CONDITIONS)), "--max-lora-rank", str(RANK), "--max-num-seqs", str(BATCH)]
+                "--max-loras", str(max(CONDITIONS)), "--max-lora-rank", str(RANK), "--max-num-seqs", str(BATCH + 1)]
         workers[dtype] = EngineProcess(f"numaserve {dtype}", "benchmarks.lora_worker", argv, CLEAN_ENV)
     rng = np.random.default_rng(0)
     prompts = rng.integers(3, 32000, (BATCH, PROMPT_LEN)).tolist()

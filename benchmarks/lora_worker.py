@@ -42,10 +42,14 @@ class LoraBench:
         while any(r.num_computed_tokens < r.num_prompt_tokens for r in base):
             self.engine.step()
         prompt = [(7 * i) % 30000 + 3 for i in range(num_rows)]
-        self.engine.add_request(f"adapted-{stamp}", prompt, params, adapter=self.names[0], cache_salt=str(stamp))
+        adapted = self.engine.add_request(f"adapted-{stamp}", prompt, params, adapter=self.names[0],
+                                          cache_salt=str(stamp))
         start = time.perf_counter()
         self.engine.step()  # num_base decode rows + the adapter's num_rows prefill rows
         seconds = time.perf_counter() - start
+        if adapted.num_computed_tokens != num_rows:
+            raise RuntimeError(f"the adapter's {num_rows} rows did not all run in the timed step; raise "
+                               "max_num_seqs / max_num_batched_tokens")
         while self.engine.has_unfinished():
             self.engine.step()
         return seconds

@@ -87,7 +87,7 @@ class LlamaModel:
         """A layer's fused projection; rows on merged copies (batch.merged) run on their adapter's. Timed."""
         start = time.perf_counter()
         w, name = self.weights["layers"][i][key], f"layers.{i}.{key}"
-        runs = [(a, b, m.layers[i][key]) for a, b, m in batch.merged.runs if m.layers[i][key] is not w] \
+        runs = [(a, b, m.layers[i][key]) for a, b, m in batch.merged.runs if key in m.layers[i]] \
             if batch.merged is not None else []
         if not runs:
             out = self._linear(name, x, w)

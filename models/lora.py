@@ -84,13 +84,13 @@ def load_lora(name: str, path: str | Path, spec: ModelSpec, max_rank: int | None
         a, b = ab.get("A"), ab.get("B")
         if a is None or b is None:
             raise AdapterError(f"{weights_path}: layer {layer} {module} has lora_A without lora_B or vice versa")
+        if max_rank is not None and rank > max_rank:
+            raise AdapterError(f"{path}: layer {layer} {module} has rank {rank}, above max_lora_rank={max_rank}; "
+                               "raise max_lora_rank")
         if a.shape != (rank, in_features) or b.shape != (out_features, rank):
             raise AdapterError(f"{weights_path}: layer {layer} {module}: lora_A {a.shape} / lora_B {b.shape}, "
                                f"expected {(rank, in_features)} / {(out_features, rank)} (rank {rank} from r and "
                                "rank_pattern): the adapter was trained for another base model")
-        if max_rank is not None and rank > max_rank:
-            raise AdapterError(f"{path}: layer {layer} {module} has rank {rank}, above max_lora_rank={max_rank}; "
-                               "raise max_lora_rank")
         layers[layer][module] = LoraModule(np.ascontiguousarray(a, np.float32), np.ascontiguousarray(b, np.float32),
                                            scaling)
     return LoraAdapter(name, tuple(layers), config.max_rank, config.use_rslora)

@@ -8,7 +8,7 @@ quantization). MergedCache keeps an engine's merged copies, least recently used 
 
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -24,13 +24,20 @@ FUSED = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate_up": ("g
 @dataclass(frozen=True)
 class MergedWeights:
     name: str  # the adapter's
-    layers: tuple[dict[str, WeightMatrix | Int8Matrix], ...]  # per layer: fused weight -> merged matrix
+    layers: tuple[dict[str, WeightMatrix | Int8Matrix], ...]  # per layer: adapted fused weight -> merged matrix
     nbytes: int
     seconds: float  # what building it took
 
+    def local_copy(self) -> "MergedWeights":
+        """The same weights in this process's own memory (from read-only object-store buffers, say: a
+        worker's copy is then NUMA-local, first touched by its pinned thread)."""
+        def copy(w):
+            return replace(w, data=np.array(w.data), scales=None if w.scales is None else np.array(w.scales))
+        return replace(self, layers=tuple({k: copy(w) for k, w in layer.items()} for layer in self.layers))
+
 
 def merge_adapter(base_layers: list[dict], adapter: LoraAdapter, spec: ModelSpec) -> MergedWeights:
-    """The adapter merged into a copy of every fused projection it adapts (the others are shared)."""
+    """The adapter merged into a copy of every fused projection it adapts (the others stay the base's)."""
     start = time.perf_counter()
     rows = {"q_proj": spec.q_size, "k_proj": spec.kv_size, "v_proj": spec.kv_size, "o_proj": spec.hidden_size,
             "gate_proj": spec.intermediate_size, "up_proj": spec.intermediate_size, "down_proj": spec.hidden_size}
@@ -39,8 +46,7 @@ def merge_adapter(base_layers: list[dict], adapter: LoraAdapter, spec: ModelSpec
         merged = {}
         for key, modules in FUSED.items():
             if not any(m in lora for m in modules):
-                merged[key] = base[key]
-                continue
+                continue  # the base weight serves
             delta = np.concatenate([lora[m].delta() if m in lora else np.zeros((rows[m], base[key].shape[1]),
                                                                                np.float32) for m in modules])
             merged[key] = _reencoded(base[key], dequantize(base[key]) + delta)
@@ -74,8 +80,7 @@ class MergedCache:
     def __init__(self, max_bytes: int):
         self.max_bytes = max_bytes
         self._held: OrderedDict[str, MergedWeights] = OrderedDict()
-        self.num_builds = self.num_evictions = 0
-        self.build_seconds = 0.0
+        self.num_evictions = 0
 
     def get(self, name: str) -> MergedWeights | None:
         merged = self._held.get(name)
@@ -89,8 +94,6 @@ class MergedCache:
     def put(self, merged: MergedWeights, keep: set[str]) -> None:
         """Hold a new copy; past max_bytes drop the least recently used ones not in keep (the step's)."""
         self._held[merged.name] = merged
-        self.num_builds += 1
-        self.build_seconds += merged.seconds
         for name in [n for n in self._held if n not in keep and n != merged.name]:
             if self.nbytes <= self.max_bytes:
                 break
@@ -105,6 +108,5 @@ class MergedCache:
         return sum(m.nbytes for m in self._held.values())
 
     def stats(self) -> dict:
-        return {"lora_merged_builds": self.num_builds, "lora_merged_evictions": self.num_evictions,
-                "lora_merged_bytes": self.nbytes, "lora_merged_held": list(self._held),
-                "lora_merged_build_s": self.build_seconds}
+        return {"lora_merged_evictions": self.num_evictions, "lora_merged_bytes": self.nbytes,
+                "lora_merged_held": list(self._held)}

@@ -27,7 +27,7 @@ from models.tokenizer import IncrementalDetokenizer
 from scheduling.adapter_store import AdapterStore
 from scheduling.batcher import Batcher, StepPlan
 from scheduling.kv_cache_manager import KVCacheManager
-from scheduling.lora_planner import LoraPlanner
+from scheduling.lora_planner import LoraPlanner, SharedMerged
 from scheduling.model_runner import ModelRunner
 from scheduling.outputs import RequestOutput, StepResult
 from scheduling.request import Request, RequestStatus
@@ -42,9 +42,10 @@ Prompt = str | list[int]
 
 class Engine:
     def __init__(self, model_path: str | Path, config: EngineConfig | None = None,
-                 fetch_adapter: Callable[[str], LoraAdapter] | None = None):
+                 fetch_adapter: Callable[[str], LoraAdapter] | None = None, shared_merged: SharedMerged | None = None):
         """fetch_adapter: where a worker gets the adapters registered elsewhere (AdapterStore.add_remote); it
-        then holds at most max_loras of them."""
+        then holds at most max_loras of them. shared_merged: where merged LoRA copies are shared with the
+        other workers of a deployment."""
         self.config = config = config or EngineConfig()
         self.decisions = DecisionLog()
         numba.set_num_threads(min(config.num_threads or len(os.sched_getaffinity(0)),
@@ -72,7 +73,7 @@ class Engine:
                           "float32" if self.model.weight_dtype == "float32" else "bfloat16")
         self.runner = ModelRunner(self.model, self.kv_cache, bs, self.adapters, LoraPlanner(
             slots, self.model.weights["layers"], s, config.lora_merge, config.lora_merged_bytes,
-            self.model.weight_bytes))
+            self.model.weight_bytes, shared_merged))
         proposer = make_proposer(config.speculation, s, self.tokenizer, kv_cache_tokens=num_blocks * bs, block_size=bs,
                                  weight_dtype=config.weight_dtype, kv_dtype=config.resolved_kv_dtype,
                                  activation_dtype=config.activation_dtype, decisions=self.decisions,

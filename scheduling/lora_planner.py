@@ -4,20 +4,33 @@ on the low-rank path, with the slots, the merged copies and the measured costs t
 
 from collections import Counter
 from collections.abc import Callable
+from typing import Protocol
 
 import numpy as np
 
 from models.lora import LoraAdapter
-from models.lora_merge import MergedCache, MergedRows, merge_adapter, merged_nbytes
+from models.lora_merge import MergedCache, MergedRows, MergedWeights, merge_adapter, merged_nbytes
 from models.lora_slots import LoraRows, LoraSlots
 from scheduling.lora_merge_policy import MergeMeter, candidate, choose_merge, saving_s
 
 
+class SharedMerged(Protocol):
+    """Where an engine's merged copies are shared with others that serve the same model and config (in a
+    deployment: the adapter-cache actor), so each is built once."""
+
+    def get(self, name: str) -> MergedWeights | None: ...
+
+    def put(self, merged: MergedWeights) -> None: ...
+
+
 class LoraPlanner:
     def __init__(self, slots: LoraSlots, base_layers: list[dict], spec, mode: str, merged_bytes: int,
-                 weight_bytes: int):
+                 weight_bytes: int, shared: SharedMerged | None = None):
         self.slots = slots
         self.base_layers, self.spec = base_layers, spec
+        self.shared = shared
+        self.num_merged_shared = self.num_merged_builds = 0  # merged copies taken from `shared` / built here
+        self.merged_build_s = 0.0
         self.mode = mode if merged_bytes > 0 else "never"
         self.merged = MergedCache(merged_bytes)
         self.meter = MergeMeter(weight_bytes)
@@ -51,10 +64,25 @@ class LoraPlanner:
         self.meter.observe(num_lowrank, self.slots.kernel_seconds, num_rows, projection_s)
         self.slots.kernel_seconds = 0.0
 
+    def _merged_copy(self, adapter: LoraAdapter) -> MergedWeights:
+        shared = self.shared.get(adapter.name) if self.shared is not None else None
+        if shared is not None:
+            self.num_merged_shared += 1
+            return shared
+        built = merge_adapter(self.base_layers, adapter, self.spec)
+        self.meter.built(built.seconds)
+        self.num_merged_builds += 1
+        self.merged_build_s += built.seconds
+        if self.shared is not None:
+            self.shared.put(built)
+        return built
+
     def stats(self) -> dict:
         costs = self.meter.costs()
         return self.slots.stats() | self.merged.stats() | {
             "num_lora_tokens": self.num_lora_tokens, "num_merged_tokens": self.num_merged_tokens,
+            "lora_merged_builds": self.num_merged_builds, "lora_merged_build_s": self.merged_build_s,
+            "lora_merged_shared": self.num_merged_shared,
             "lora_merge": self.mode, "lora_lowrank_s_per_row": costs.lowrank_s_per_row,
             "lora_weight_pass_s": costs.weight_pass_s}
 
@@ -71,9 +99,7 @@ class LoraPlanner:
 
         choice = choose_merge(self.mode, dict(rows_by_adapter), len(row_adapter), held, fits, paying, costs)
         for name in choice.build:
-            built = merge_adapter(self.base_layers, adapter(name), self.spec)
-            self.merged.put(built, keep=set(choice.adapters))
-            self.meter.built(built.seconds)
+            self.merged.put(self._merged_copy(adapter(name)), keep=set(choice.adapters))
         if not choice.adapters:
             return None
         runs = []

@@ -262,6 +262,20 @@ def test_merged_copies_are_bounded_in_bytes_and_leave_the_base_weights_alone(llm
     assert weights_checksum(merged.engine.model.weights) == before
 
 
+def test_auto_merges_a_single_adapter_burst_once_the_measured_savings_pay_for_the_copy(llm, llama_dir, adapters):
+    greedy = ns.SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    auto = ns.LLM(llama_dir, **FP32, lora_merge="auto")
+    auto.register_adapter("a", adapters["a"])
+    prompt = random_prompt(7, seed=77)
+    assert auto.generate(prompt, greedy, adapter="a")[0].token_ids == llm.generate(prompt, greedy, adapter="a")[0].token_ids
+    stats = auto.stats()
+    # the first steps run low-rank (and are measured), then the burst pays for a copy and runs on it
+    assert stats["lora_merged_builds"] == 1 and stats["num_lora_tokens"] >= 8 and stats["num_merged_tokens"] > 0
+    assert stats["lora_lowrank_s_per_row"] > 0 and stats["lora_merged_build_s"] > 0
+    mixed = auto.generate([prompt, random_prompt(9, seed=78)], greedy, adapter=["a", None])
+    assert mixed[0].token_ids == llm.generate(prompt, greedy, adapter="a")[0].token_ids
+
+
 def test_the_same_adapter_again_hits_its_slot(llama_dir, adapters):
     llm = ns.LLM(llama_dir, **FP32, max_loras=2)
     llm.register_adapter("a", adapters["a"])

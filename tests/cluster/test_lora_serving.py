@@ -2,6 +2,7 @@
 adapter-cache actor reads (it is gone before any worker could), composed through the client, mixed in one
 concurrent batch with base requests; each request gets the greedy tokens it gets alone in-process."""
 
+import json
 import shutil
 from concurrent.futures import ThreadPoolExecutor
 
@@ -56,6 +57,7 @@ def test_mixed_adapters_through_the_client_equal_each_alone(ray_cluster, llama_d
         client.compose_adapter("mix", {"a": 0.6, "b": 0.4}, combination="cat")
         with pytest.raises(ns.AdapterError, match="one rank"):
             client.compose_adapter("bad", {"a": 0.5, "b": 0.5}, combination="linear")
+        assert_bad_adapters_are_refused_at_registration(client, private / "a", tmp_path)
         shutil.move(private, tmp_path / "moved")
         with ThreadPoolExecutor(12) as pool:
             got = list(pool.map(lambda a: collect(client.stream(a[0], GREEDY, adapter=a[1]))[0],
@@ -76,6 +78,8 @@ def test_mixed_adapters_through_the_client_equal_each_alone(ray_cluster, llama_d
             assert sum(w["lora_merged_builds"] for w in workers) >= 5
 
         assert_a_session_switching_adapter_recomputes_and_switching_back_reuses(client)
+        if config.engine.lora_merge == "always":
+            assert_a_merged_copy_is_built_once_and_shared(client)
 
         shutil.move(tmp_path / "moved", private)  # a restarted cache reloads from the registered directories
         cache_actor = ray.get_actor(f"{deployment}.adapters", namespace="numaserve")
@@ -90,6 +94,23 @@ def test_mixed_adapters_through_the_client_equal_each_alone(ray_cluster, llama_d
             reference.generate(fresh, GREEDY, adapter="mix")[0].token_ids
     finally:
         client.shutdown()
+
+
+def assert_bad_adapters_are_refused_at_registration(client, good, tmp_path):
+    """The cache actor runs every check at registration (scheduling/adapter_store.py): each bad adapter gets
+    an AdapterError naming it, and the deployment serves on."""
+    config = json.loads((good / "adapter_config.json").read_text())
+    for breakage, change, match in [("dora", {"use_dora": True}, "use_dora"),
+                                    ("too-big", {"r": 128, "lora_alpha": 128}, "above max_lora_rank"),
+                                    ("foreign", {"peft_type": "IA3"}, "only LORA")]:
+        bad = tmp_path / breakage
+        shutil.copytree(good, bad)
+        (bad / "adapter_config.json").write_text(json.dumps(config | change))
+        with pytest.raises(ns.AdapterError, match=match):
+            client.register_adapter(breakage, bad)
+    with pytest.raises(ns.AdapterError, match="taken by"):
+        client.register_adapter("a", tmp_path / "dora")
+    assert client.generate([5, 6, 7], GREEDY, adapter="a").finish_reason == "length"
 
 
 def assert_a_session_switching_adapter_recomputes_and_switching_back_reuses(client):
@@ -107,6 +128,24 @@ def assert_a_session_switching_adapter_recomputes_and_switching_back_reuses(clie
         history = history + done.token_ids + random_prompt(5, seed=len(history))
     assert turns[0] == 0 and turns[1] == 0  # the first turn, then the switch: all computed anew
     assert turns[2] >= 48  # back on "a": the first turn's blocks are still cached
+
+
+def assert_a_merged_copy_is_built_once_and_shared(client):
+    """The worker that builds a merged copy shares it through the AdapterCache: the other takes it."""
+    def totals() -> tuple[int, int]:
+        workers = [w for w in client.stats()["workers"].values() if "lora_merged_builds" in w]
+        return sum(w["lora_merged_builds"] for w in workers), sum(w["lora_merged_shared"] for w in workers)
+
+    client.compose_adapter("fresh", {"a": 1.0, "c": 0.5}, combination="cat")  # no worker holds a copy of it
+    builds, shared = totals()
+    long = client.stream(random_prompt(8, seed=200), ns.SamplingParams(max_tokens=300, ignore_eos=True),
+                         adapter="fresh")
+    next(long)  # running on one worker, which built the copy and shares it
+    wait_for(lambda: "fresh" in client.stats()["adapter_cache"]["merged_held"], 30, "the copy to be shared")
+    # the builder carries 300 outstanding tokens: the router sends the next one to the other worker
+    client.generate(random_prompt(8, seed=201), GREEDY, adapter="fresh")
+    long.close()
+    assert totals() == (builds + 1, shared + 1)
 
 
 def cache_process(name: str) -> tuple[str, int]:
