@@ -1,6 +1,6 @@
-"""LoraPlanner: how a step's adapted rows run: on an adapter's merged copy (at most one adapter a step) or
-on the low-rank path, with the slots, the merged copies and the measured costs that decide it
-(scheduling/lora_merge_policy.py)."""
+"""LoraPlanner: how a step's adapted rows run: on merged copies (lora_merge "always": every adapter whose
+copy fits; "auto": at most the step's most-used adapter) or on the low-rank path, with the slots, the
+merged copies and the measured costs that decide it (scheduling/lora_merge_policy.py)."""
 
 from collections import Counter
 from collections.abc import Callable
@@ -11,6 +11,7 @@ import numpy as np
 from models.lora import LoraAdapter
 from models.lora_merge import MergedCache, MergedRows, MergedWeights, merge_adapter, merged_nbytes
 from models.lora_slots import LoraRows, LoraSlots
+from models.spec import ModelSpec
 from scheduling.lora_merge_policy import MergeMeter, candidate, choose_merge, saving_s
 
 
@@ -24,7 +25,7 @@ class SharedMerged(Protocol):
 
 
 class LoraPlanner:
-    def __init__(self, slots: LoraSlots, base_layers: list[dict], spec, mode: str, merged_bytes: int,
+    def __init__(self, slots: LoraSlots, base_layers: list[dict], spec: ModelSpec, mode: str, merged_bytes: int,
                  weight_bytes: int, shared: SharedMerged | None = None):
         self.slots = slots
         self.base_layers, self.spec = base_layers, spec
