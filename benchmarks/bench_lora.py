@@ -26,24 +26,21 @@ import numpy as np
 from safetensors.numpy import save_file
 
 from benchmarks.bench_decode import CLEAN_ENV
-from benchmarks.checkpoints import CACHE, SHAPES, random_checkpoint
+from benchmarks.checkpoints import CACHE, random_checkpoint
 from benchmarks.engine_process import EngineProcess
+from models.lora_config import MODULES, module_key, module_shapes  # plain Python: this parent loads no engine
+from models.spec import load_spec
 
 RESULTS = Path(__file__).parent / "results"
 BATCH, PROMPT_LEN, RANK = 16, 16, 16
 CONDITIONS = (0, 1, 4, 16)  # distinct adapters in the batch
 CROSSOVER_ROWS = (1, 4, 16, 64, 256)  # one adapter's rows in a step, beside BATCH base decode rows
-MODULES = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
-           "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
 
 
 def random_adapters(name: str, num: int, rank: int) -> list[Path]:
     """num random PEFT LoRA directories of this rank on every module of checkpoint `name` (cached)."""
-    shape = SHAPES[name]
-    h, inter = shape["hidden_size"], shape["intermediate_size"]
-    kv = shape["num_key_value_heads"] * h // shape["num_attention_heads"]
-    dims = {"q_proj": (h, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, h),
-            "gate_proj": (inter, h), "up_proj": (inter, h), "down_proj": (h, inter)}  # (out, in)
+    spec = load_spec(random_checkpoint(name))
+    dims = module_shapes(spec)  # module -> (out, in)
     dirs = []
     for i in range(num):
         directory = CACHE / f"{name}-lora-r{rank}-{i}"
@@ -53,10 +50,10 @@ def random_adapters(name: str, num: int, rank: int) -> list[Path]:
         directory.mkdir(parents=True, exist_ok=True)
         rng = np.random.default_rng(1000 + i)
         tensors = {}
-        for layer in range(shape["num_hidden_layers"]):
-            for module, parent in MODULES.items():
+        for layer in range(spec.num_layers):
+            for module in MODULES:
                 out_features, in_features = dims[module]
-                key = f"base_model.model.model.layers.{layer}.{parent}.{module}"
+                key = f"base_model.model.{module_key(layer, module)}"
                 tensors[f"{key}.lora_A.weight"] = rng.standard_normal((rank, in_features), np.float32) / in_features ** .5
                 tensors[f"{key}.lora_B.weight"] = rng.standard_normal((out_features, rank), np.float32) * 0.01
         save_file(tensors, directory / "adapter_model.safetensors")

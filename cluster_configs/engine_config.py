@@ -39,9 +39,9 @@ class EngineConfig(BaseModel):
                                                      "a higher one is refused at registration")
     lora_merge: Literal["auto", "never", "always"] = Field(
         "never", description='run an adapter\'s rows on a merged copy of the weights: "auto" when the measured '
-                             'cost model says it pays (scheduling/lora_merge_policy.py), "always" (the adapter '
-                             'with most rows in each step), "never"; merged rows round differently, so a request\'s '
-                             "tokens may then depend on what it is batched with")
+                             'cost model says it pays (scheduling/lora_merge_policy.py), "always" (every adapter '
+                             'whose copy fits), "never"; merged rows round differently, so under "auto" a '
+                             "request's tokens may depend on what it is batched with")
     lora_merged_bytes: int = Field(2 << 30, ge=0, description="merged weight copies an engine keeps (least "
                                                               "recently used out); 0 = never merge")
     adapter_roots: tuple[str, ...] | None = Field(None, description="folders adapters may be registered from "

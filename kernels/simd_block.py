@@ -40,6 +40,12 @@ def _vector_load(builder, base, offset, elem_type):
     return builder.load(builder.bitcast(ptr, ir.VectorType(elem_type, LANES).as_pointer()), align=1)
 
 
+def widen_bf16(builder, bits):
+    # <LANES x i16> bf16 bits -> <LANES x float>: the bits become the high half of each float32
+    wide = builder.zext(bits, ir.VectorType(ir.IntType(32), LANES))
+    return builder.bitcast(builder.shl(wide, ir.Constant(ir.VectorType(ir.IntType(32), LANES), [16] * LANES)), _VF32)
+
+
 def _splat(builder, scalar):
     vec = builder.insert_element(ir.Constant(_VF32, ir.Undefined), scalar, ir.Constant(ir.IntType(32), 0))
     return builder.shuffle_vector(vec, ir.Constant(_VF32, ir.Undefined),
@@ -95,9 +101,7 @@ class _BFloat16(_Format):
         halves = []
         for h in range(2):
             bits = _vector_load(builder, self.data, builder.add(start, ir.Constant(_I64, h * LANES)), ir.IntType(16))
-            wide = builder.zext(bits, ir.VectorType(ir.IntType(32), LANES))
-            shifted = builder.shl(wide, ir.Constant(ir.VectorType(ir.IntType(32), LANES), [16] * LANES))
-            halves.append(builder.bitcast(shifted, _VF32))
+            halves.append(widen_bf16(builder, bits))
         return halves
 
 

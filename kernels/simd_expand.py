@@ -16,7 +16,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from kernels.simd_block import _F32, _I64, LANES, _fma, _splat, _vector_load
+from kernels.simd_block import _F32, _I64, LANES, _fma, _splat, _vector_load, widen_bf16
 
 _VF32 = ir.VectorType(_F32, LANES)
 
@@ -24,9 +24,7 @@ _VF32 = ir.VectorType(_F32, LANES)
 def _load_f32(builder, array_type, data, offset):
     if array_type.dtype == types.float32:
         return _vector_load(builder, data, offset, _F32)
-    bits = _vector_load(builder, data, offset, ir.IntType(16))  # bf16: the high half of a float32
-    wide = builder.zext(bits, ir.VectorType(ir.IntType(32), LANES))
-    return builder.bitcast(builder.shl(wide, ir.Constant(ir.VectorType(ir.IntType(32), LANES), [16] * LANES)), _VF32)
+    return widen_bf16(builder, _vector_load(builder, data, offset, ir.IntType(16)))
 
 
 @intrinsic(prefer_literal=True)

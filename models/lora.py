@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from cluster_configs.errors import AdapterError
-from models.lora_config import MODULES, read_lora_config
+from models.lora_config import MODULES, module_shapes, read_lora_config
 from models.safetensors_io import read_header, read_tensor
 from models.spec import ModelSpec
 
@@ -49,13 +49,6 @@ class LoraAdapter:
     @property
     def nbytes(self) -> int:
         return sum(m.a.nbytes + m.b.nbytes for layer in self.layers for m in layer.values())
-
-
-def module_shapes(spec: ModelSpec) -> dict[str, tuple[int, int]]:
-    """module -> (out_features, in_features)."""
-    h, q, kv, inter = spec.hidden_size, spec.q_size, spec.kv_size, spec.intermediate_size
-    return {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q),
-            "gate_proj": (inter, h), "up_proj": (inter, h), "down_proj": (h, inter)}
 
 
 def load_lora(name: str, path: str | Path, spec: ModelSpec, max_rank: int | None = None) -> LoraAdapter:

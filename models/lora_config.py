@@ -1,4 +1,5 @@
-"""adapter_config.json of a PEFT LoRA adapter: what numaserve serves of it, and each module's rank and scaling.
+"""adapter_config.json of a PEFT LoRA adapter: what numaserve serves of it, and each module's rank and scaling;
+the seven projections an adapter may adapt, with their parents and shapes.
 
 PEFT resolves a module's rank and alpha by its key in the base model ("model.layers.3.self_attn.q_proj"):
 the first key of rank_pattern / alpha_pattern that matches a dotted suffix of it as a regular expression
@@ -12,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from cluster_configs.errors import AdapterError
+from models.spec import ModelSpec
 
 MODULE_PARENTS = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
                   "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
@@ -50,6 +52,13 @@ class LoraConfig:
     @property
     def max_rank(self) -> int:
         return max([self.r, *self.rank_pattern.values()])
+
+
+def module_shapes(spec: ModelSpec) -> dict[str, tuple[int, int]]:
+    """module -> (out_features, in_features)."""
+    h, q, kv, inter = spec.hidden_size, spec.q_size, spec.kv_size, spec.intermediate_size
+    return {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q),
+            "gate_proj": (inter, h), "up_proj": (inter, h), "down_proj": (h, inter)}
 
 
 def module_key(layer: int, module: str) -> str:

@@ -15,6 +15,7 @@ import numpy as np
 from memory.weights import Int8Matrix, WeightMatrix
 from models.linear import dequantize
 from models.lora import LoraAdapter
+from models.lora_config import module_shapes
 from models.spec import ModelSpec
 
 FUSED = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate_up": ("gate_proj", "up_proj"),
@@ -39,16 +40,15 @@ class MergedWeights:
 def merge_adapter(base_layers: list[dict], adapter: LoraAdapter, spec: ModelSpec) -> MergedWeights:
     """The adapter merged into a copy of every fused projection it adapts (the others stay the base's)."""
     start = time.perf_counter()
-    rows = {"q_proj": spec.q_size, "k_proj": spec.kv_size, "v_proj": spec.kv_size, "o_proj": spec.hidden_size,
-            "gate_proj": spec.intermediate_size, "up_proj": spec.intermediate_size, "down_proj": spec.hidden_size}
+    shapes = module_shapes(spec)  # module -> (out, in)
     layers, nbytes = [], 0
     for base, lora in zip(base_layers, adapter.layers):
         merged = {}
         for key, modules in FUSED.items():
             if not any(m in lora for m in modules):
                 continue  # the base weight serves
-            delta = np.concatenate([lora[m].delta() if m in lora else np.zeros((rows[m], base[key].shape[1]),
-                                                                               np.float32) for m in modules])
+            delta = np.concatenate([lora[m].delta() if m in lora else np.zeros(shapes[m], np.float32)
+                                    for m in modules])
             merged[key] = _reencoded(base[key], dequantize(base[key]) + delta)
             nbytes += merged[key].nbytes
         layers.append(merged)

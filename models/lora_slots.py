@@ -18,8 +18,8 @@ import numpy as np
 
 from kernels.bf16 import to_bf16
 from kernels.lora import lora_shrink_expand
-from models.lora import LoraAdapter, module_shapes
-from models.lora_config import MODULES
+from models.lora import LoraAdapter
+from models.lora_config import MODULES, module_shapes
 from models.spec import ModelSpec
 
 _NO_SCALES = np.zeros((1, 1), np.uint16)  # the shrink's matmul_block takes scales; float formats read none

@@ -34,8 +34,6 @@ class AdapterSource:
     def from_json(cls, value) -> "AdapterSource":
         if isinstance(value, str):  # registries written before compositions: name -> directory
             return cls(path=value)
-        if isinstance(value, dict) and isinstance(value.get("path"), str):
-            return cls(path=value["path"])
         if isinstance(value, dict) and isinstance(value.get("weights"), dict):
             return cls(weights=tuple(value["weights"].items()), combination=str(value.get("combination")))
         raise ValueError(f"not an adapter source: {value!r}")

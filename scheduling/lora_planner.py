@@ -37,6 +37,7 @@ class LoraPlanner:
         self.meter = MergeMeter(weight_bytes)
         self.num_lora_tokens = self.num_merged_tokens = 0  # rows run on the low-rank path / on merged copies
         self._last = (0, 0)  # the last step's (rows, low-rank rows), for observe
+        self._copy_bytes: dict[str, int] = {}  # adapter -> its merged copy's bytes (a name keeps its weights)
 
     def plan(self, row_adapter: list[str | None],
              adapter: Callable[[str], LoraAdapter]) -> tuple[LoraRows | None, MergedRows | None]:
@@ -95,8 +96,13 @@ class LoraPlanner:
         paying = self.meter.paying(name, saving_s(rows_by_adapter[name], len(row_adapter), costs) > 0)
         held = {n for n in rows_by_adapter if self.merged.holds(n)}
 
+        def copy_bytes(name: str) -> int:
+            if name not in self._copy_bytes:
+                self._copy_bytes[name] = merged_nbytes(self.base_layers, adapter(name))
+            return self._copy_bytes[name]
+
         def fits(names: list[str]) -> bool:
-            return self.merged.fits(sum(merged_nbytes(self.base_layers, adapter(n)) for n in names))
+            return self.merged.fits(sum(map(copy_bytes, names)))
 
         choice = choose_merge(self.mode, dict(rows_by_adapter), len(row_adapter), held, fits, paying, costs)
         for name in choice.build:
