@@ -2,11 +2,13 @@
 
 Per layer and module one stacked buffer of max_loras slots (kernels/lora.py's layout): A [S, R, in] and B^T
 [S, R, out] and the module's scaling, R = max_lora_rank, zero-filled (pages are committed only where a
-slot's rank writes them). A and B are kept in float32 for a float32 engine (exact against PEFT) and as
-bf16 otherwise: the base weights are rounded already, and reading A and B is most of what an adapter
-costs at decode (bf16 halves it; each value's relative error is bf16's, 2^-9). A step's adapters are all
-given slots before it runs (the batcher admits at most max_loras distinct adapters into the running
-set), loading any that are not held and evicting the least recently used adapter the step does not use.
+slot's rank writes them). Reading A and B is most of what an adapter costs at decode, so they are stored
+like the base weights they adapt (slot_dtype): float32 for a float32 engine (exact against PEFT), bf16 for
+a bf16 one (each value's relative error 2^-9, half the bytes), q8_0 for a q8_0 or q4_0 one (34 bytes per
+32 values, GGML's rounding, the base linear's dequantization) when every dimension is a multiple of 32. A
+step's adapters are all given slots before it runs (the batcher admits at most max_loras distinct adapters
+into the running set), loading any that are not held and evicting the least recently used adapter the step
+does not use.
 """
 
 import time
@@ -18,21 +20,44 @@ import numpy as np
 
 from kernels.bf16 import to_bf16
 from kernels.lora import lora_shrink_expand
+from kernels.quant import QK, quantize_q8_0
 from models.lora import LoraAdapter
 from models.lora_config import MODULES, module_shapes
 from models.spec import ModelSpec
 
-_NO_SCALES = np.zeros((1, 1), np.uint16)  # the shrink's matmul_block takes scales; float formats read none
+STORED = {"float32": np.float32, "bfloat16": np.uint16, "q8_0": np.int8}  # slot dtype -> its arrays' dtype
+
+
+def slot_dtype(weight_dtype: str, spec: ModelSpec) -> str:
+    """How an engine with these base weights stores its adapters' A and B (see the module's docstring)."""
+    if weight_dtype == "float32":
+        return "float32"
+    whole_blocks = all(n % QK == 0 and k % QK == 0 for n, k in module_shapes(spec).values())
+    return "q8_0" if weight_dtype in ("q8_0", "q4_0") and whole_blocks else "bfloat16"
+
+
+def store(dtype: str, w: np.ndarray, data: np.ndarray, scales: np.ndarray) -> None:
+    """w: [r, width] f32 -> data [r, width] in dtype's storage (q8_0: and scales [r, width // 32] fp16 bits)."""
+    if dtype == "q8_0":
+        quantize_q8_0(np.ascontiguousarray(w, np.float32), data, scales)
+    else:
+        data[:] = w if dtype == "float32" else to_bf16(w)
 
 
 class LoraSlots:
     def __init__(self, spec: ModelSpec, max_loras: int, max_rank: int, dtype: str = "float32"):
         shapes = module_shapes(spec)
         L, S, R = spec.num_layers, max_loras, max_rank
-        self.dtype = dtype  # "float32" | "bfloat16"
-        store = np.float32 if dtype == "float32" else np.uint16
+        self.dtype = dtype  # "float32" | "bfloat16" | "q8_0"
+        store = STORED[dtype]
+
+        def scales(width: int) -> np.ndarray:  # q8_0's fp16 scale per 32 columns; [L, S, 1, 1] unread otherwise
+            return np.zeros((L, S, R, width // QK) if dtype == "q8_0" else (L, S, 1, 1), np.uint16)
+
         self.a = {m: np.zeros((L, S, R, k), store) for m, (_, k) in shapes.items()}  # [L, S, R, in]
         self.bt = {m: np.zeros((L, S, R, n), store) for m, (n, _) in shapes.items()}  # [L, S, R, out]
+        self.a_scales = {m: scales(k) for m, (_, k) in shapes.items()}  # [L, S, R, in // 32]
+        self.bt_scales = {m: scales(n) for m, (n, _) in shapes.items()}  # [L, S, R, out // 32]
         self.ranks = {m: np.zeros((L, S), np.int32) for m in MODULES}  # 0: the slot's adapter leaves m alone
         self.scalings = {m: np.zeros((L, S), np.float32) for m in MODULES}
         self.held: OrderedDict[str, int] = OrderedDict()  # adapter name -> slot, least recently used first
@@ -71,15 +96,12 @@ class LoraSlots:
         for i, layer in enumerate(adapter.layers):
             for m, lora in layer.items():
                 r = lora.rank
-                self.a[m][i, slot, :r] = self._stored(lora.a)
-                self.bt[m][i, slot, :r] = self._stored(lora.b.T)
+                store(self.dtype, lora.a, self.a[m][i, slot, :r], self.a_scales[m][i, slot, :r])
+                store(self.dtype, lora.b.T, self.bt[m][i, slot, :r], self.bt_scales[m][i, slot, :r])
                 self.ranks[m][i, slot] = r
                 self.scalings[m][i, slot] = lora.scaling
         self.bytes_loaded += adapter.nbytes
         self.held[adapter.name] = slot
-
-    def _stored(self, w: np.ndarray) -> np.ndarray:
-        return w if self.dtype == "float32" else to_bf16(w)
 
     def rows(self, row_slot: np.ndarray) -> "LoraRows":
         """A step's rows in the kernel's terms: row_slot [T] int32 (-1: no adapter), cut into runs of one slot."""
@@ -118,6 +140,7 @@ def add_lora(out: np.ndarray, x: np.ndarray, lora: LoraRows | None, layer: int,
     names = [m for m, _ in modules]
     offsets = np.array([0] + [cols.indices(out.shape[1])[1] for _, cols in modules], np.int64)
     lora_shrink_expand(x, lora.starts, lora.ends, lora.slots, tuple(h.a[m][layer] for m in names),
-                       tuple(h.bt[m][layer] for m in names), tuple(h.ranks[m][layer] for m in names),
-                       tuple(h.scalings[m][layer] for m in names), offsets, _NO_SCALES, out)
+                       tuple(h.a_scales[m][layer] for m in names), tuple(h.bt[m][layer] for m in names),
+                       tuple(h.bt_scales[m][layer] for m in names), tuple(h.ranks[m][layer] for m in names),
+                       tuple(h.scalings[m][layer] for m in names), offsets, out)
     h.kernel_seconds += time.perf_counter() - start

@@ -21,7 +21,7 @@ from models.calibration import load_calibration
 from models.llama import LlamaModel
 from models.loader import load_model
 from models.lora import LoraAdapter
-from models.lora_slots import LoraSlots
+from models.lora_slots import LoraSlots, slot_dtype
 from models.proposers import make_proposer
 from models.tokenizer import IncrementalDetokenizer
 from scheduling.adapter_store import AdapterStore
@@ -69,8 +69,7 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self.adapters = AdapterStore(s, config.max_lora_rank, config.adapter_roots, fetch=fetch_adapter,
                                      max_loaded=config.max_loras if fetch_adapter else None)
-        slots = LoraSlots(s, config.max_loras, config.max_lora_rank,
-                          "float32" if self.model.weight_dtype == "float32" else "bfloat16")
+        slots = LoraSlots(s, config.max_loras, config.max_lora_rank, slot_dtype(self.model.weight_dtype, s))
         self.runner = ModelRunner(self.model, self.kv_cache, bs, self.adapters, LoraPlanner(
             slots, self.model.weights["layers"], s, config.lora_merge, config.lora_merged_bytes,
             self.model.weight_bytes, shared_merged))

@@ -151,23 +151,31 @@ def test_bad_compositions_raise_adapter_error(llama_dir, adapters, weights, comb
     llm.compose_adapter("mix", {"a": 1.0, "c": 1.0}, combination="cat")  # the name is still free
 
 
-@pytest.mark.parametrize("weight_dtype", ["bfloat16", "q8_0"])
-def test_bf16_adapter_slots_change_the_adapters_effect_by_little(llama_dir, adapters, weight_dtype):
-    """Off float32 an engine keeps A and B as bf16 (models/lora_slots.py). Against the same engine with
-    float32 slots, the adapter's effect on the logits moves by 2.1% (bfloat16) / 2.0% (q8_0) of its
-    largest value here: bf16's rounding, carried through two random layers."""
+@pytest.mark.parametrize("variant, weight_dtype, stored", [
+    ("llama", "bfloat16", "bfloat16"),
+    ("llama", "q8_0", "bfloat16"),  # its k/v projections are 48 wide: not whole 32-column blocks
+    ("mistral", "q8_0", "q8_0"),
+    ("mistral", "q4_0", "q8_0"),
+])
+def test_rounded_adapter_slots_change_the_adapters_effect_by_little(model_dirs, tmp_path, variant, weight_dtype,
+                                                                    stored):
+    """Off float32 an engine stores A and B like its base weights (models/lora_slots.py). Against the same
+    engine with float32 slots, the adapter's effect on the logits moves by 1.0% (bf16 slots) and 1.6-2.0%
+    (q8_0 slots) of its largest value here: the rounding, carried through two random layers."""
+    adapter_dir = make_adapter(model_dirs[variant], tmp_path / "adapter", seed=11, r=8, alpha=16)
+
     def adapter_effect(slot_dtype: str | None) -> np.ndarray:
-        engine = ns.LLM(llama_dir, weight_dtype=weight_dtype, kv_dtype="float32", activation_dtype="float32")
+        engine = ns.LLM(model_dirs[variant], weight_dtype=weight_dtype, kv_dtype="float32", activation_dtype="float32")
         if slot_dtype is not None:
             engine.engine.runner.lora.slots = LoraSlots(engine.engine.spec, 4, 64, slot_dtype)
-        assert engine.engine.runner.lora.slots.dtype == (slot_dtype or "bfloat16")
-        engine.register_adapter("rs", adapters["rs"])
-        return engine.score(tokens, adapter="rs") - engine.score(tokens)
+        assert engine.engine.runner.lora.slots.dtype == (slot_dtype or stored)
+        engine.register_adapter("x", adapter_dir)
+        return engine.score(tokens, adapter="x") - engine.score(tokens)
 
     tokens = random_prompt(40, seed=5)
     exact, rounded = adapter_effect("float32"), adapter_effect(None)
     error = np.abs(rounded - exact).max() / np.abs(exact).max()
-    assert 0 < error < 0.04, error
+    assert 0 < error < 0.05, error
 
 
 def test_mixed_adapters_in_one_batch_equal_each_alone(llm):
