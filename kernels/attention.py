@@ -3,6 +3,12 @@
 KV cache of one layer: [num_blocks, block_size, n_kv_heads, head_dim] as float32, bfloat16 bits
 (uint16) or int8 with one float32 scale per (slot, kv head). A token reads its sequence's KV through
 block_tables[token_seq[t]]; prefill, chunked prefill and decode are the same call.
+
+A token sees its sequence's slots 0 .. positions[t] (within the window), unless it is a node of a token
+tree being verified (tree_starts[t] >= 0): then it sees the slots before the tree, and of the tree's slots
+tree_starts[t] + i those its mask row marks (its ancestors and itself). Its position (RoPE's, and the
+window's) is then the tree's start plus its depth, not its slot. A chain of drafts is the special case of
+a lower-triangular mask, and gives the same bits as plain positions.
 """
 
 import math
@@ -25,88 +31,125 @@ _FASTMATH = {"contract", "nnan", "ninf", "nsz", "afn", "arcp"}
 PARALLEL_MIN_WORK = 1 << 15  # query-head x key pairs below which waking the threads costs more than it saves
 
 
+_NO_TREE_MASK = np.zeros((1, 0), np.uint8)
+
+
 def paged_attention(q, k_cache, v_cache, k_scale, v_scale, has_scale, block_tables, token_seq, positions,
-                    window, softmax_scale, out):
+                    window, softmax_scale, out, tree_starts=None, tree_mask=None):
     # q: [T, n_heads, D] f32; k_cache, v_cache: [num_blocks, block_size, n_kv, D]
     # k_scale, v_scale: [num_blocks, block_size, n_kv] f32 (read only when has_scale)
     # block_tables: [S, max_blocks] int32; token_seq: [T] int32; positions: [T] int32
     # window: attend to the last `window` positions (0 = all); out: [T, n_heads, D] f32
+    # tree_starts: [T] int32, the slot where token t's tree begins (-1: not a tree node); tree_mask: [T, W]
+    # uint8, 1 where tree slot tree_starts[t] + i is visible to t (the caller leaves out what the window does)
     if q.shape[0] == 0:
         return
-    work = q.shape[0] * q.shape[1] * (int(positions.max()) + 1)
+    if tree_starts is None:
+        tree_starts, tree_mask = np.full(q.shape[0], -1, np.int32), _NO_TREE_MASK
+    work = q.shape[0] * q.shape[1] * (int(positions.max()) + 1 + tree_mask.shape[1])
     kernel = _attention_parallel if work >= PARALLEL_MIN_WORK else _attention_serial
-    kernel(q, k_cache, v_cache, k_scale, v_scale, has_scale, block_tables, token_seq, positions, window,
-           softmax_scale, out)
+    kernel(q, k_cache, v_cache, k_scale, v_scale, has_scale, block_tables, token_seq, positions, tree_starts,
+           tree_mask, window, softmax_scale, out)
 
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=_FASTMATH)
 def _attention_parallel(q, k_cache, v_cache, k_scale, v_scale, has_scale, block_tables, token_seq, positions,
-                        window, softmax_scale, out):
+                        tree_starts, tree_mask, window, softmax_scale, out):
     T, n_kv = q.shape[0], k_cache.shape[2]
     for task in prange(T * n_kv):
         tt = task // n_kv
         t = tt // 2 if tt % 2 == 0 else T - 1 - tt // 2  # 0, T-1, 1, T-2, ...: prefill rows grow with t,
         # and each thread takes a contiguous range of tasks, so pairing short with long rows balances them
-        _attend(q, k_cache, v_cache, k_scale, v_scale, has_scale, block_tables, token_seq, positions, window,
-                softmax_scale, out, t, task - tt * n_kv)
+        _attend(q, k_cache, v_cache, k_scale, v_scale, has_scale, block_tables, token_seq, positions, tree_starts,
+                tree_mask, window, softmax_scale, out, t, task - tt * n_kv)
 
 
 @njit(cache=True, nogil=True, fastmath=_FASTMATH)
 def _attention_serial(q, k_cache, v_cache, k_scale, v_scale, has_scale, block_tables, token_seq, positions,
-                      window, softmax_scale, out):
+                      tree_starts, tree_mask, window, softmax_scale, out):
     for t in range(q.shape[0]):
         for kh in range(k_cache.shape[2]):
-            _attend(q, k_cache, v_cache, k_scale, v_scale, has_scale, block_tables, token_seq, positions, window,
-                    softmax_scale, out, t, kh)
+            _attend(q, k_cache, v_cache, k_scale, v_scale, has_scale, block_tables, token_seq, positions,
+                    tree_starts, tree_mask, window, softmax_scale, out, t, kh)
 
 
 @njit(inline="always", nogil=True, fastmath=_FASTMATH)
-def _attend(q, k_cache, v_cache, k_scale, v_scale, has_scale, block_tables, token_seq, positions, window,
-            softmax_scale, out, t, kh):
+def _attend(q, k_cache, v_cache, k_scale, v_scale, has_scale, block_tables, token_seq, positions, tree_starts,
+            tree_mask, window, softmax_scale, out, t, kh):
     # token t, kv head kh, for its whole group of query heads: each key and value row is read and widened
-    # once; softmax in two passes over a score buffer (no running rescale).
+    # once; softmax in two passes over a score buffer (no running rescale). Visible slots, in this order:
+    # context [start, end), then the tree slots its mask marks (none for a token outside a tree).
     D = q.shape[2]
-    block_size = k_cache.shape[1]
     group = q.shape[1] // k_cache.shape[2]
     seq = token_seq[t]
-    end = positions[t] + 1
-    start = max(0, end - window) if window > 0 else 0
-    scores = np.empty((group, end - start), np.float32)
+    tree_start = tree_starts[t]
+    end = positions[t] + 1 if tree_start < 0 else tree_start
+    start = min(max(0, positions[t] + 1 - window) if window > 0 else 0, end)
+    width = tree_mask.shape[1] if tree_start >= 0 else 0  # the tree's slots
+    num_tree = 0
+    for i in range(width):
+        num_tree += tree_mask[t, i] != 0
+    scores = np.empty((group, end - start + num_tree), np.float32)
     row = np.empty(D, np.float32)
     qg = np.empty((group, D), np.float32)  # q is a strided view of the fused qkv output: copy once
     qg[:, :] = q[t, kh * group:(kh + 1) * group, :]
     acc = np.zeros((group, D), np.float32)
     for j in range(start, end):
-        b = block_tables[seq, j // block_size]
-        o = j % block_size
-        scale = np.float32(softmax_scale) * (k_scale[b, o, kh] if has_scale else np.float32(1.0))
-        for d in range(D):
-            row[d] = as_f32(k_cache[b, o, kh, d])
-        for g in range(group):
-            scores[g, j - start] = dot(qg[g], row) * scale
+        _score(qg, k_cache, k_scale, has_scale, block_tables, seq, j, kh, softmax_scale, row, scores, j - start)
+    n = end - start
+    for i in range(width):
+        if tree_mask[t, i] != 0:
+            _score(qg, k_cache, k_scale, has_scale, block_tables, seq, tree_start + i, kh, softmax_scale, row,
+                   scores, n)
+            n += 1
     for g in range(group):
         m = _NEG_BIG
-        for j in range(end - start):
+        for j in range(n):
             m = max(m, scores[g, j])
         denom = np.float32(0.0)
-        for j in range(end - start):
+        for j in range(n):
             p = np.float32(math.exp(scores[g, j] - m))
             scores[g, j] = p
             denom += p
         inv = np.float32(1.0) / denom
-        for j in range(end - start):
+        for j in range(n):
             scores[g, j] *= inv
     for j in range(start, end):
-        b = block_tables[seq, j // block_size]
-        o = j % block_size
-        vs = v_scale[b, o, kh] if has_scale else np.float32(1.0)
-        for d in range(D):
-            row[d] = as_f32(v_cache[b, o, kh, d]) * vs
-        for g in range(group):
-            p = scores[g, j - start]
-            for d in range(D):
-                acc[g, d] += p * row[d]
+        _add_value(v_cache, v_scale, has_scale, block_tables, seq, j, kh, row, scores, j - start, acc)
+    n = end - start
+    for i in range(width):
+        if tree_mask[t, i] != 0:
+            _add_value(v_cache, v_scale, has_scale, block_tables, seq, tree_start + i, kh, row, scores, n, acc)
+            n += 1
     out[t, kh * group:(kh + 1) * group, :] = acc
+
+
+@njit(inline="always", nogil=True, fastmath=_FASTMATH)
+def _score(qg, k_cache, k_scale, has_scale, block_tables, seq, j, kh, softmax_scale, row, scores, column):
+    # scores[:, column] = q . k_j for slot j of the sequence, each query head of the group
+    block_size = k_cache.shape[1]
+    b = block_tables[seq, j // block_size]
+    o = j % block_size
+    scale = np.float32(softmax_scale) * (k_scale[b, o, kh] if has_scale else np.float32(1.0))
+    for d in range(row.shape[0]):
+        row[d] = as_f32(k_cache[b, o, kh, d])
+    for g in range(qg.shape[0]):
+        scores[g, column] = dot(qg[g], row) * scale
+
+
+@njit(inline="always", nogil=True, fastmath=_FASTMATH)
+def _add_value(v_cache, v_scale, has_scale, block_tables, seq, j, kh, row, scores, column, acc):
+    # acc += p * v_j for slot j, p = scores[:, column]
+    block_size = v_cache.shape[1]
+    b = block_tables[seq, j // block_size]
+    o = j % block_size
+    vs = v_scale[b, o, kh] if has_scale else np.float32(1.0)
+    for d in range(row.shape[0]):
+        row[d] = as_f32(v_cache[b, o, kh, d]) * vs
+    for g in range(acc.shape[0]):
+        p = scores[g, column]
+        for d in range(row.shape[0]):
+            acc[g, d] += p * row[d]
 
 
 @njit(cache=True, nogil=True)
