@@ -18,6 +18,7 @@ class ForwardBatch:
     logits_indices: np.ndarray  # [R] int64, token rows whose next-token logits are wanted
     lora: LoraRows | None = None  # rows on the low-rank path (None: none)
     merged: MergedRows | None = None  # rows on an adapter's merged weights (None: none)
+    hidden_indices: np.ndarray | None = None  # [H] int64, token rows whose last hidden state is wanted
 
     @property
     def num_tokens(self) -> int:

@@ -44,6 +44,12 @@ class LlamaModel:
 
     def forward(self, batch: ForwardBatch, kv: KVCache) -> np.ndarray:
         """-> logits [len(batch.logits_indices), vocab] float32."""
+        return self.forward_hidden(batch, kv)[0]
+
+    def forward_hidden(self, batch: ForwardBatch, kv: KVCache) -> tuple[np.ndarray, np.ndarray | None]:
+        """-> logits [len(batch.logits_indices), vocab] and the last layer's hidden states after the final
+        norm (what the LM head reads; trained draft heads read them too) at batch.hidden_indices,
+        [len(hidden_indices), hidden] float32 (None when not asked for), from the same pass."""
         s, w = self.spec, self.weights
         T, D = batch.num_tokens, s.head_dim
         h = embed(w["embed"], batch.token_ids)  # [T, hidden]
@@ -81,7 +87,11 @@ class LlamaModel:
             h += down
         h_out = np.ascontiguousarray(h[batch.logits_indices])
         rms_norm(h_out, w["norm"], s.rms_norm_eps, h_out)
-        return self._linear("lm_head", h_out, w["lm_head"])
+        hidden = None
+        if batch.hidden_indices is not None:
+            hidden = np.ascontiguousarray(h[batch.hidden_indices])
+            rms_norm(hidden, w["norm"], s.rms_norm_eps, hidden)
+        return self._linear("lm_head", h_out, w["lm_head"]), hidden
 
     def _project(self, i: int, key: str, x: np.ndarray, batch: ForwardBatch) -> np.ndarray:
         """A layer's fused projection; rows on merged copies (batch.merged) run on their adapter's. Timed."""

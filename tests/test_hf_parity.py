@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 import torch
-from transformers import GenerationConfig
+from transformers import AutoModelForCausalLM, GenerationConfig
 
 import numaserve as ns
 from tests.conftest import random_prompt
@@ -71,9 +71,10 @@ def test_bfloat16_weights_match_hf_on_the_same_rounded_weights(variant, model_di
     assert np.abs(ours_bf16_kv - reference).max() < 3e-2
 
 
-def test_bfloat16_checkpoint_loads_exactly(tmp_path, hf_models):
-    # a checkpoint stored in bf16 serves the same numbers as the float32 one rounded to bf16
-    hf = hf_models["llama"]
+def test_bfloat16_checkpoint_loads_exactly(tmp_path, llama_dir):
+    # a checkpoint stored in bf16 serves the same numbers as the float32 one rounded to bf16 (its own copy
+    # of the model: rounding the session's shared one in place would change every later test's reference)
+    hf = AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32).eval()
     hf.to(torch.bfloat16).save_pretrained(tmp_path, safe_serialization=True)
     hf.float()
     from tests.model_factory import build_tokenizer
@@ -94,3 +95,31 @@ def test_text_prompt_uses_the_checkpoint_tokenizer(llama_dir):
     assert out.prompt_token_ids == hf_tok(text)["input_ids"]
     assert out.prompt_token_ids[0] == 1  # the BOS its post-processor declares
     assert out.text == hf_tok.decode(out.token_ids, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_the_last_hidden_states_of_chosen_rows_match_hf_from_the_same_pass(variant, model_dirs, hf_models):
+    """What trained draft heads read (Medusa, EAGLE): the final norm's output at the rows asked for, two
+    sequences in one flat batch, beside the logits of the same pass."""
+    from memory.kv_cache import KVCache
+    from models.batch import ForwardBatch
+    from models.llama import LlamaModel
+    from models.loader import load_model
+
+    spec, weights, _ = load_model(model_dirs[variant], "float32")
+    model, block = LlamaModel(spec, weights), 16
+    kv = KVCache(spec.num_layers, 8, block, spec.num_kv_heads, spec.head_dim, "float32")
+    prompts = [random_prompt(23, seed=2), random_prompt(40, seed=3)]
+    tables = np.array([[0, 1, 2, 7], [3, 4, 5, 6]], np.int32)  # [S, max_blocks]
+    token_seq = np.repeat([0, 1], [23, 40]).astype(np.int32)
+    positions = np.concatenate([np.arange(23), np.arange(40)]).astype(np.int32)
+    slots = tables[token_seq, positions // block].astype(np.int64) * block + positions % block
+    rows = np.array([0, 22, 23, 41, 62])  # first and last of each, one in the middle
+    batch = ForwardBatch(np.array(prompts[0] + prompts[1]), positions, token_seq, slots, tables,
+                         np.array([22, 62]), hidden_indices=rows)
+    logits, hidden = model.forward_hidden(batch, kv)
+    hf_model = hf_models[variant]
+    with torch.no_grad():
+        hf = [hf_model.model(torch.tensor([p])).last_hidden_state[0].numpy() for p in prompts]
+    np.testing.assert_allclose(hidden, np.concatenate(hf)[rows], atol=1e-4, rtol=0)
+    np.testing.assert_allclose(logits, np.stack([hf_logits(hf_model, p)[-1] for p in prompts]), atol=1e-4, rtol=0)
