@@ -1,14 +1,14 @@
 """SpeculationConfig: how an engine drafts tokens and verifies them in one target forward.
 
-Nested in EngineConfig as `speculation` (a SpeculationConfig or a dict). Off by default. Trained-head
-methods ("medusa", "eagle") join `method` when their proposers exist.
+Nested in EngineConfig as `speculation` (a SpeculationConfig or a dict). Off by default. "medusa" drafts
+with trained heads beside the model (models/medusa.py); "eagle" joins `method` when its proposer exists.
 """
 
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-SpeculationMethod = Literal["off", "ngram", "draft"]
+SpeculationMethod = Literal["off", "ngram", "draft", "medusa"]
 SpeculationMode = Literal["auto", "on", "latency_first", "throughput_first"]
 
 
@@ -21,6 +21,7 @@ class SpeculationConfig(BaseModel):
     prompt_lookup_min: int = Field(2, ge=1, le=64)
     prompt_lookup_max: int = Field(4, ge=1, le=64)
     draft_model: str | None = None  # a model directory or GGUF file with the target's tokenizer
+    num_heads: int | None = Field(None, ge=1, le=8)  # medusa: heads to draft with (None: every head in the file)
     # "auto" picks the depth per step and request that maximizes measured goodput; "on" always drafts
     # num_speculative_tokens; "latency_first" / "throughput_first" bias auto's trade-off
     mode: SpeculationMode = "auto"
@@ -36,6 +37,8 @@ class SpeculationConfig(BaseModel):
             raise ValueError("draft_model is required when method='draft'; pass a model directory or GGUF file")
         if self.method != "draft" and self.draft_model is not None:
             raise ValueError(f"draft_model is set but method={self.method!r}; use method='draft' or drop draft_model")
+        if self.method != "medusa" and self.num_heads is not None:
+            raise ValueError(f"num_heads is set but method={self.method!r}; use method='medusa' or drop num_heads")
         return self
 
     @property

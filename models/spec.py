@@ -37,6 +37,13 @@ class ModelSpec:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
+    @property
+    def num_params(self) -> int:
+        """Weights a forward reads per token: the layers' matrices and the LM head."""
+        h = self.hidden_size
+        per_layer = h * (self.q_size + 2 * self.kv_size) + self.q_size * h + 3 * h * self.intermediate_size
+        return self.num_layers * per_layer + self.vocab_size * h
+
 
 def _fail(path: Path, what: str) -> CheckpointError:
     return CheckpointError(f"{path}: {what}")

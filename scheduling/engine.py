@@ -7,6 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numba
+import numpy as np
 
 from cluster_configs.diagnostics import DecisionLog
 from cluster_configs.engine_config import EngineConfig
@@ -76,8 +77,10 @@ class Engine:
         proposer = make_proposer(config.speculation, s, self.tokenizer, kv_cache_tokens=num_blocks * bs, block_size=bs,
                                  weight_dtype=config.weight_dtype, kv_dtype=config.resolved_kv_dtype,
                                  activation_dtype=config.activation_dtype, decisions=self.decisions,
-                                 sampler=sample_batch)
+                                 sampler=sample_batch, model_dir=_model_dir(model_path),
+                                 target_weight_dtype=self.model.weight_dtype)
         self.speculator = Speculator(config.speculation, proposer, self.decisions) if proposer else None
+        self.runner.wants_hidden = proposer is not None and proposer.needs_hidden
         # what make_request validates against (the KV pool fit only when every layer keeps all its KV)
         self.limits = RequestLimits(s.vocab_size, self.max_model_len, block_size=bs,
                                     num_kv_blocks=num_blocks if window <= 0 else None)
@@ -139,9 +142,11 @@ class Engine:
         if not plan.scheduled:
             return []
         draft_s = self.speculator.propose(plan, self.batcher) if self.speculator else 0.0
-        logits, logit_rows = self.runner.run(plan)
+        logits, logit_rows, hidden = self.runner.run(plan)
         result = sample_step(plan, logits, logit_rows)
         outputs = self._process(plan, result)
+        if hidden is not None:
+            self._hand_over_hidden(plan, result, logit_rows, hidden)
         if self.speculator:  # the whole step but the proposer's passes: drafts also cost scheduling and rollback
             self.speculator.observe(plan, result, time.perf_counter() - start - draft_s, draft_s,
                                     len(self.batcher.waiting), self.kv.pool.num_used_blocks / self.kv.pool.num_blocks)
@@ -172,6 +177,17 @@ class Engine:
             if i is not None or reason is not None:
                 outputs.append(self._emit(req))
         return outputs
+
+    def _hand_over_hidden(self, plan: StepPlan, result: StepResult, logit_rows: list[slice | None],
+                          hidden: np.ndarray) -> None:
+        """To a proposer that drafts from hidden states: each running request's hidden state at the row that
+        produced its last token (a verification's row after its accepted drafts)."""
+        index = {rid: i for i, rid in enumerate(result.req_ids)}
+        for s, (req, _) in enumerate(plan.scheduled):
+            i = index.get(req.request_id)
+            if i is not None and logit_rows[s] is not None and req.request_id in self.requests:
+                row = logit_rows[s].start + result.num_accepted_tokens[i]
+                self.speculator.proposer.observe_hidden(req.request_id, req.num_tokens, hidden[row])
 
     def _append_tokens(self, req: Request, token_ids: list[int], logprobs: list[dict] | None) -> str | None:
         """Append token by token; -> the finish reason at the first token that ends the request (the rest
@@ -233,3 +249,9 @@ class Engine:
             "num_preemptions": self.batcher.num_preemptions,
             "num_generated_tokens": self.num_generated_tokens,
         } | self.adapters.stats() | self.runner.lora.stats() | (self.speculator.stats() if self.speculator else spec_stats_off())
+
+
+def _model_dir(model_path: str | Path) -> Path:
+    """The directory a model's side files (Medusa heads) sit in: the model directory, or a GGUF file's."""
+    path = Path(model_path)
+    return path.parent if path.suffix == ".gguf" else path

@@ -25,14 +25,16 @@ class ModelRunner:
         self.block_size = block_size
         self.adapters = adapters  # the engine's registry (shared, not copied)
         self.lora = lora
+        self.wants_hidden = False  # a proposer drafts from the hidden states of the logits rows
 
-    def run(self, plan: StepPlan) -> tuple[np.ndarray, list[slice | None]]:
-        """-> logits [R, V] float32 and, per scheduled request, its slice of logits rows (None: no row)."""
+    def run(self, plan: StepPlan) -> tuple[np.ndarray, list[slice | None], np.ndarray | None]:
+        """-> logits [R, V] float32, per scheduled request its slice of logits rows (None: no row), and
+        when wants_hidden the final-norm hidden states of the same rows [R, H] (else None)."""
         batch, logit_rows = self.build_batch(plan)
         self.model.projection_seconds = 0.0
-        logits = self.model.forward(batch, self.kv_cache)
+        logits, hidden = self.model.forward_hidden(batch, self.kv_cache)
         self.lora.observe(self.model.projection_seconds)
-        return logits, logit_rows
+        return logits, logit_rows, hidden
 
     def build_batch(self, plan: StepPlan) -> tuple[ForwardBatch, list[slice | None]]:
         bs = self.block_size
@@ -65,6 +67,7 @@ class ModelRunner:
         token_seq = np.asarray(token_seq, np.int32)
         slot_mapping = block_tables[token_seq, positions // bs].astype(np.int64) * bs + positions % bs
         lora, merged = self.lora.plan(row_adapter, self.adapters.__getitem__)
+        logits_indices = np.asarray(logits_indices, np.int64)
         batch = ForwardBatch(np.asarray(token_ids, np.int64), positions, token_seq, slot_mapping, block_tables,
-                             np.asarray(logits_indices, np.int64), lora, merged)
+                             logits_indices, lora, merged, logits_indices if self.wants_hidden else None)
         return batch, logit_rows

@@ -4,37 +4,15 @@ the files they load from refused by name when they do not fit."""
 import json
 
 import numpy as np
+import pydantic
 import pytest
 import torch
-from safetensors.torch import save_file
 
+import numaserve as ns
 from cluster_configs.errors import CheckpointError
-from models.medusa import CONFIG_FILE, HEADS_FILE, load_medusa_heads
+from models.medusa import CONFIG_FILE, load_medusa_heads
 from models.spec import load_spec
-
-
-class ResBlock(torch.nn.Module):
-    def __init__(self, hidden: int):
-        super().__init__()
-        self.linear = torch.nn.Linear(hidden, hidden)
-        self.act = torch.nn.SiLU()
-
-    def forward(self, x):
-        return x + self.act(self.linear(x))
-
-
-def torch_heads(hidden: int, vocab: int, num_heads: int, num_layers: int, seed: int) -> torch.nn.ModuleList:
-    torch.manual_seed(seed)
-    heads = torch.nn.ModuleList(
-        torch.nn.Sequential(*[ResBlock(hidden) for _ in range(num_layers)], torch.nn.Linear(hidden, vocab, bias=False))
-        for _ in range(num_heads))
-    return heads.eval()
-
-
-def save_heads(directory, heads: torch.nn.ModuleList, num_layers: int, config: dict | None = None) -> None:
-    save_file({k: v.contiguous() for k, v in heads.state_dict().items()}, directory / HEADS_FILE)
-    (directory / CONFIG_FILE).write_text(json.dumps(config or {"medusa_num_heads": len(heads),
-                                                               "medusa_num_layers": num_layers}))
+from tests.medusa_factory import make_heads, save_heads
 
 
 @pytest.fixture
@@ -46,7 +24,7 @@ def model_copy(llama_dir, tmp_path):
 @pytest.mark.parametrize("num_heads, num_layers", [(4, 1), (2, 2)])
 def test_medusa_heads_match_the_torch_module_float32(model_copy, num_heads, num_layers):
     spec = load_spec(model_copy)
-    heads = torch_heads(spec.hidden_size, spec.vocab_size, num_heads, num_layers, seed=num_heads)
+    heads = make_heads(spec.hidden_size, spec.vocab_size, num_heads, num_layers, seed=num_heads)
     save_heads(model_copy, heads, num_layers)
     ours = load_medusa_heads(model_copy, spec, "float32")
     hidden = np.random.default_rng(0).standard_normal((5, spec.hidden_size)).astype(np.float32)
@@ -59,7 +37,7 @@ def test_medusa_heads_match_the_torch_module_float32(model_copy, num_heads, num_
 
 def test_quantized_heads_keep_the_targets_lm_head_format(model_copy):
     spec = load_spec(model_copy)
-    save_heads(model_copy, torch_heads(spec.hidden_size, spec.vocab_size, 2, 1, seed=0), 1)
+    save_heads(model_copy, make_heads(spec.hidden_size, spec.vocab_size, 2, 1, seed=0), 1)
     assert [p.dtype for p in load_medusa_heads(model_copy, spec, "q4_0").projections] == ["q8_0", "q8_0"]
     assert [p.dtype for p in load_medusa_heads(model_copy, spec, "bfloat16").projections] == ["bfloat16"] * 2
 
@@ -77,7 +55,7 @@ def test_heads_that_do_not_fit_raise_checkpoint_error_naming_the_problem(model_c
     if breakage == "another model":
         vocab += 1
     if breakage != "no heads":
-        save_heads(model_copy, torch_heads(hidden, vocab, 3, 1, seed=0), 1)
+        save_heads(model_copy, make_heads(hidden, vocab, 3, 1, seed=0), 1)
     config = {"no config": None, "bad config": {"medusa_num_heads": 0, "medusa_num_layers": 1},
               "more heads than saved": {"medusa_num_heads": 4, "medusa_num_layers": 1}}.get(breakage, {
                   "medusa_num_heads": 3, "medusa_num_layers": 1})
@@ -87,3 +65,16 @@ def test_heads_that_do_not_fit_raise_checkpoint_error_naming_the_problem(model_c
         (model_copy / CONFIG_FILE).write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match=message):
         load_medusa_heads(model_copy, spec, "float32")
+
+
+def test_an_engine_asked_for_medusa_names_what_is_missing_or_does_not_fit(llama_dir, model_copy):
+    with pytest.raises(CheckpointError, match="no Medusa heads beside the model|medusa_config.json: missing"):
+        ns.LLM(llama_dir, speculation={"method": "medusa"})
+    spec = load_spec(model_copy)
+    save_heads(model_copy, make_heads(spec.hidden_size, spec.vocab_size, 2, 1, seed=0), 1)
+    with pytest.raises(CheckpointError, match="num_heads=3 but its Medusa heads file has 2"):
+        ns.LLM(model_copy, speculation={"method": "medusa", "num_heads": 3})
+    with pytest.raises(pydantic.ValidationError, match="num_heads is set but method='ngram'"):
+        ns.SpeculationConfig(method="ngram", num_heads=2)
+    llm = ns.LLM(model_copy, speculation={"method": "medusa", "num_heads": 1, "mode": "on"})
+    assert llm.engine.speculator.proposer.heads.num_heads == 1

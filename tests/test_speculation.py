@@ -18,6 +18,7 @@ from scheduling.spec_controller import SpeculationController
 from scheduling.spec_policy import SpeculationPolicy
 from tests.chi_square import chi_square_p_value
 from tests.conftest import random_prompt
+from tests.medusa_factory import model_with_heads
 
 FP32 = {"weight_dtype": "float32", "kv_dtype": "float32"}
 MODES = ("auto", "on", "latency_first", "throughput_first")
@@ -135,14 +136,27 @@ def reference(llama_dir, mixed):
     return outcome(run(ns.LLM(llama_dir, **FP32).engine, *mixed))
 
 
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("method", ["ngram", "draft"])
-def test_greedy_speculation_gives_the_same_tokens_as_none(llama_dir, draft_dir, mixed, reference, method, mode,
-                                                         memory_bound_costs):
-    spec = {"method": method, "num_speculative_tokens": K, "mode": mode}
+@pytest.fixture(scope="module")
+def medusa_dir(llama_dir, mixed, tmp_path_factory):
+    """The test model with K Medusa heads fitted to its greedy continuations of the mixed id prompts."""
+    prompts = [p for p in mixed[0] if isinstance(p, list)]
+    return model_with_heads(llama_dir, tmp_path_factory.mktemp("medusa") / "model", num_heads=K, prompts=prompts)
+
+
+def method_setup(method: str, llama_dir, draft_dir, medusa_dir) -> tuple:
+    """(the model to serve, the speculation fields) of a method."""
     if method == "draft":
-        spec["draft_model"] = str(draft_dir)
-    llm = ns.LLM(llama_dir, **FP32, speculation=spec, max_num_batched_tokens=512)
+        return llama_dir, {"draft_model": str(draft_dir)}
+    return (medusa_dir if method == "medusa" else llama_dir), {}
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("method", ["ngram", "draft", "medusa"])
+def test_greedy_speculation_gives_the_same_tokens_as_none(llama_dir, draft_dir, medusa_dir, mixed, reference, method,
+                                                         mode, memory_bound_costs):
+    model, extra = method_setup(method, llama_dir, draft_dir, medusa_dir)
+    spec = {"method": method, "num_speculative_tokens": K, "mode": mode} | extra
+    llm = ns.LLM(model, **FP32, speculation=spec, max_num_batched_tokens=512)
     # this draft model is the target's size, so its cost prior keeps the load-aware modes from ever trying
     # it; price it as free here so that they draft (pricing: tests/test_spec_policy.py)
     llm.engine.speculator.controller.cost_prior = (0.0, 0.0)
@@ -153,10 +167,11 @@ def test_greedy_speculation_gives_the_same_tokens_as_none(llama_dir, draft_dir, 
     assert stats["num_free_blocks"] == stats["num_blocks"]  # rolled-back and finished blocks all returned
 
 
-def test_greedy_speculation_under_preemption_in_a_small_kv_pool(llama_dir, draft_dir, mixed, reference):
+def test_greedy_speculation_under_preemption_in_a_small_kv_pool(llama_dir, draft_dir, medusa_dir, mixed, reference):
     bytes_per_block = 4 * 2 * 2 * 2 * 24 * 4  # block_size * (k, v) * layers * kv_heads * head_dim * fp32
-    for method, extra in (("ngram", {}), ("draft", {"draft_model": str(draft_dir)})):
-        llm = ns.LLM(llama_dir, **FP32, block_size=4, kv_cache_bytes=48 * bytes_per_block,
+    for method in ("ngram", "draft", "medusa"):
+        model, extra = method_setup(method, llama_dir, draft_dir, medusa_dir)
+        llm = ns.LLM(model, **FP32, block_size=4, kv_cache_bytes=48 * bytes_per_block,
                      max_num_batched_tokens=128, speculation={"method": method, "mode": "on", **extra})
         assert_same(outcome(run(llm.engine, *mixed)), reference)
         stats = llm.stats()
@@ -277,6 +292,20 @@ def vocab16(tmp_path_factory):
     return tiny_checkpoint(root / "target", seed=1), tiny_checkpoint(root / "draft", seed=2, num_layers=1)
 
 
+@pytest.fixture(scope="module")
+def vocab16_medusa(vocab16, tmp_path_factory):
+    """The vocab16 target with 2 random Medusa heads beside it (with 16 tokens, some of their guesses pass)."""
+    return model_with_heads(vocab16[0], tmp_path_factory.mktemp("vocab16-medusa") / "target", num_heads=2)
+
+
+def vocab16_setup(method: str, vocab16, vocab16_medusa) -> tuple:
+    """(the model to serve, the speculation fields) of a method on the vocab16 target."""
+    target, draft = vocab16
+    if method == "draft":
+        return target, {"draft_model": str(draft)}
+    return (vocab16_medusa if method == "medusa" else target), {}
+
+
 def reference_probs(logits: np.ndarray, top_k: int, top_p: float) -> np.ndarray:
     """softmax at temperature 1, then top_k, then top_p (the smallest set of most likely tokens reaching it)."""
     p = np.exp(logits.astype(np.float64) - logits.max())
@@ -293,11 +322,13 @@ NUM_RUNS = 20_000
 PROMPT = [3, 9, 4, 12, 7]
 
 
-@pytest.mark.parametrize("filters", [{}, {"top_k": 10, "top_p": 0.85}], ids=["plain", "top_k_top_p"])
-def test_sampling_with_a_draft_model_emits_the_targets_distribution(vocab16, filters):
-    target, draft = vocab16
-    llm = ns.LLM(target, **FP32, block_size=4, max_num_seqs=NUM_RUNS, max_num_batched_tokens=1 << 16,
-                 speculation={"method": "draft", "draft_model": str(draft), "num_speculative_tokens": 2, "mode": "on"})
+@pytest.mark.parametrize("method, filters", [("draft", {}), ("draft", {"top_k": 10, "top_p": 0.85}),
+                                             ("medusa", {"top_k": 10, "top_p": 0.85})],
+                         ids=["draft-plain", "draft-top_k_top_p", "medusa-top_k_top_p"])
+def test_sampling_with_drafts_emits_the_targets_distribution(vocab16, vocab16_medusa, method, filters):
+    model, extra = vocab16_setup(method, vocab16, vocab16_medusa)
+    llm = ns.LLM(model, **FP32, block_size=4, max_num_seqs=NUM_RUNS, max_num_batched_tokens=1 << 16,
+                 speculation={"method": method, "num_speculative_tokens": 2, "mode": "on"} | extra)
     params = [ns.SamplingParams(max_tokens=3, temperature=1.0, seed=s, ignore_eos=True, **filters)
               for s in range(NUM_RUNS)]
     outs = np.array([o.token_ids for o in llm.generate([PROMPT] * NUM_RUNS, params)])  # [runs, 3]
@@ -322,27 +353,28 @@ def test_sampling_with_a_draft_model_emits_the_targets_distribution(vocab16, fil
     assert p_third > MIN_P_VALUE, f"third token: chi-square p-value {p_third:.2e}"
 
 
-@pytest.mark.parametrize("method, mode", [("ngram", "on"), ("draft", "on"), ("draft", "auto")])
-def test_seeded_sampling_with_drafts_gives_the_tokens_of_no_speculation(vocab16, method, mode, memory_bound_costs):
+@pytest.mark.parametrize("method, mode", [("ngram", "on"), ("draft", "on"), ("draft", "auto"), ("medusa", "on")])
+def test_seeded_sampling_with_drafts_gives_the_tokens_of_no_speculation(vocab16, vocab16_medusa, method, mode,
+                                                                        memory_bound_costs):
     """Drafts only decide how many of the target's own keyed draws a step makes (scheduling/step_sampler.py)."""
-    target, draft = vocab16
+    target, _ = vocab16
+    model, extra = vocab16_setup(method, vocab16, vocab16_medusa)
     prompts = [random_prompt(n, seed=n, vocab=16) for n in range(4, 36)]
     params = [ns.SamplingParams(max_tokens=24, temperature=1.0, seed=s, ignore_eos=True, top_p=0.9 if s % 2 else 1.0,
                                 **({"top_k": 8, "repetition_penalty": 1.2} if s % 3 == 0 else {}))
               for s in range(len(prompts))]
     reference = [o.token_ids for o in ns.LLM(target, **FP32).generate(prompts, params)]
-    spec = {"method": method, "mode": mode, "prompt_lookup_min": 1} | (
-        {"draft_model": str(draft)} if method == "draft" else {})
-    llm = ns.LLM(target, **FP32, speculation=spec)
+    spec = {"method": method, "mode": mode, "prompt_lookup_min": 1} | extra
+    llm = ns.LLM(model, **FP32, speculation=spec)
     assert [o.token_ids for o in llm.generate(prompts, params)] == reference
     stats = llm.stats()
     assert 0 < stats["spec_num_accepted_tokens"] < stats["spec_num_draft_tokens"], stats
 
 
-@pytest.mark.parametrize("method, mode", [("ngram", "auto"), ("draft", "on"), ("draft", "auto")])
-def test_same_seed_same_tokens_alone_or_batched(vocab16, method, mode, memory_bound_costs):
-    target, draft = vocab16
-    spec = {"method": method, "mode": mode} | ({"draft_model": str(draft)} if method == "draft" else {})
+@pytest.mark.parametrize("method, mode", [("ngram", "auto"), ("draft", "on"), ("draft", "auto"), ("medusa", "on")])
+def test_same_seed_same_tokens_alone_or_batched(vocab16, vocab16_medusa, method, mode, memory_bound_costs):
+    target, extra = vocab16_setup(method, vocab16, vocab16_medusa)
+    spec = {"method": method, "mode": mode} | extra
     params = ns.SamplingParams(max_tokens=20, temperature=0.9, seed=42, ignore_eos=True)
     prompt = random_prompt(6, seed=5, vocab=16)
     alone = ns.LLM(target, **FP32, speculation=spec).generate(prompt, params)[0].token_ids

@@ -14,11 +14,17 @@ What the speculation policy needs to price a proposer (scheduling/spec_policy.py
 - `cost_prior`: a pass's cost before any was timed, as fractions of the target step's fixed cost and of
   its per-token cost.
 - `catches_up`: a request that has not drafted for a while costs a pass over every token it missed.
+
+A proposer that drafts from the target's hidden states (trained heads) sets `needs_hidden`: after each
+step the engine hands it, per request, the final-norm hidden state of the row that produced the request's
+last token (`observe_hidden`), from the step's own forward.
 """
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Protocol
+
+import numpy as np
 
 
 class SpecRequest(Protocol):
@@ -31,6 +37,7 @@ class SpecRequest(Protocol):
 class Proposer(ABC):
     cost_prior: tuple[float, float] = (0.0, 0.0)
     catches_up: bool = False
+    needs_hidden: bool = False
 
     def __init__(self) -> None:
         self.last_passes: list[tuple[int, float]] = []
@@ -41,3 +48,7 @@ class Proposer(ABC):
 
     def free(self, request_id: str) -> None:
         """Forget a finished or aborted request (a preempted one may stay: the next call catches up)."""
+
+    def observe_hidden(self, request_id: str, num_tokens: int, hidden: np.ndarray) -> None:
+        """hidden [H] f32: the target's final-norm hidden state at the row that produced token num_tokens - 1
+        of the request (only called when needs_hidden)."""

@@ -113,7 +113,7 @@ class DraftModelProposer(Proposer):
         # a forward costs about its share of the target's layers (fixed, per-layer calls) and of the
         # target's parameters (per token, weights read)
         self.cost_prior = (self.spec.num_layers / target_spec.num_layers,
-                           _num_params(self.spec) / _num_params(target_spec))
+                           self.spec.num_params / target_spec.num_params)
         s = self.spec
         self.block_size = block_size
         num_blocks = max(1, -(-kv_cache_tokens // block_size))
@@ -219,13 +219,6 @@ class DraftModelProposer(Proposer):
         batch = ForwardBatch(np.asarray(token_ids, np.int64), positions, token_seq, slot_mapping, block_tables,
                              np.asarray(last_rows, np.int64))
         return self.model.forward(batch, self.kv_cache)
-
-
-def _num_params(spec: ModelSpec) -> int:
-    """Weights a forward reads per token: the layers' matrices and the LM head."""
-    h = spec.hidden_size
-    per_layer = h * (spec.q_size + 2 * spec.kv_size) + spec.q_size * h + 3 * h * spec.intermediate_size
-    return spec.num_layers * per_layer + spec.vocab_size * h
 
 
 def _common_prefix(seq: _DraftSeq, token_ids: list[int]) -> int:
