@@ -78,6 +78,21 @@ def _fence(text: str) -> str:
     return "```python\n" + text + "\n```"
 
 
+def _medusa_paragraph(medusa: dict | None) -> str:
+    if medusa is None:
+        return ""
+    depths = ", ".join(f"{a:.3f}" for a in medusa["accepted_at_depth"])
+    return f"""
+**Medusa heads** (`base/medusa_heads.safetensors`, {medusa['heads']} heads of one residual block and their own
+projection, trained on the frozen base by `{medusa['reproduce']}` in {medusa['runtime_s']:.0f} s,
+{medusa['steps']} steps): greedy chain acceptance {medusa['mean_accepted_per_round']:.2f} of {medusa['heads']}
+guesses per round ({medusa['tokens_per_round']:.2f} tokens per verification; untrained heads, the base's
+LM head copied: {medusa['untrained_mean_accepted_per_round']:.2f}), over {medusa['positions']} held-out
+positions with {medusa['context_tokens']} tokens of context; share of rounds accepting at least 1, 2, ...
+guesses: {depths}. Head k guesses the token k + 2 places on from the hidden state that gives the next one.
+"""
+
+
 def model_card(m: dict) -> str:
     """The MODEL_CARD.md text for the metrics dict written by train_demo.py."""
     data, held, spec = m["data"], m["heldout"], m["speculation"]
@@ -134,7 +149,7 @@ per proposed token ({spec['mean_accepted_per_round']:.2f} of {spec['depth']} per
 {spec['positions']} held-out positions with {spec['context_tokens']} tokens of context each; the
 draft proposes {spec['depth']} greedy tokens and the base keeps the prefix that matches its own
 greedy choices.
-
+{_medusa_paragraph(m.get("medusa"))}
 **Adapters** (perplexity on held-out files of their own subset, and of the other subset):
 
 | adapter | own held-out files | base | base + adapter | other subset: base | other subset: + adapter |

@@ -1,0 +1,157 @@
+"""Train Medusa heads on the frozen demo base model (numaserve/assets/demo/base), seeded.
+
+    python scripts/train_heads.py --seed 0 --threads 2              # a few minutes on 2 cores
+    python scripts/train_heads.py --quick --out /tmp/demo-heads      # smoke run
+
+Writes medusa_heads.safetensors (bf16) and medusa_config.json into base/ (or --out), and the heads'
+held-out greedy acceptance into metrics.json under "medusa" (the model card renders it). The data is
+train_demo.py's: the standard library's .py files, its held-out files never trained on. Head k reads the
+base's final-norm hidden state at position t and learns the token at t + k + 2 (cross-entropy), its
+projection starting from the base's LM head and its residual block from zero, as in the Medusa paper.
+"""
+
+import argparse
+import json
+import math
+import os
+import time
+from pathlib import Path
+
+import demo_eval
+import torch
+import torch.nn.functional as F
+import transformers
+from safetensors.torch import save_file
+from tokenizers import Tokenizer
+from train_demo import ASSETS, collect_corpus, encode_corpus, load_model
+
+NUM_HEADS, NUM_LAYERS = 3, 1
+STEPS, QUICK_STEPS, LR = 600, 20, 1e-3
+BATCH, SEQ_LEN = 8, 256
+ACCEPT_POSITIONS, ACCEPT_CONTEXT = 512, 64
+
+
+class ResBlock(torch.nn.Module):
+    def __init__(self, hidden: int):
+        super().__init__()
+        self.linear = torch.nn.Linear(hidden, hidden)
+        self.act = torch.nn.SiLU()
+
+    def forward(self, x):
+        return x + self.act(self.linear(x))
+
+
+def new_heads(base: transformers.LlamaForCausalLM) -> torch.nn.ModuleList:
+    hidden, vocab = base.config.hidden_size, base.config.vocab_size
+    heads = torch.nn.ModuleList(
+        torch.nn.Sequential(*[ResBlock(hidden) for _ in range(NUM_LAYERS)], torch.nn.Linear(hidden, vocab, bias=False))
+        for _ in range(NUM_HEADS))
+    for head in heads:
+        for block in head[:-1]:
+            torch.nn.init.zeros_(block.linear.weight)
+            torch.nn.init.zeros_(block.linear.bias)
+        head[-1].weight.data.copy_(base.lm_head.weight.data)
+    return heads
+
+
+def heads_loss(heads: torch.nn.ModuleList, hidden: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """hidden [B, S, H] at every position, ids [B, S]: mean over heads of head k's cross-entropy against
+    the token k + 2 places on."""
+    losses = []
+    for k, head in enumerate(heads):
+        n = ids.shape[1] - k - 2
+        logits = head(hidden[:, :n])
+        losses.append(F.cross_entropy(logits.flatten(0, 1), ids[:, k + 2:k + 2 + n].flatten()))
+    return torch.stack(losses).mean()
+
+
+def train(heads, base, stream: torch.Tensor, steps: int, seed: int) -> list[float]:
+    """AdamW with a cosine decay on random windows of the stream; the base stays frozen."""
+    optimizer = torch.optim.AdamW(heads.parameters(), lr=LR, weight_decay=0.0)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 0.1 + 0.45 * (1 + math.cos(math.pi * s / steps)))
+    generator = torch.Generator().manual_seed(seed)
+    losses = []
+    for step in range(steps):
+        starts = torch.randint(0, len(stream) - SEQ_LEN, (BATCH,), generator=generator)
+        ids = torch.stack([stream[s:s + SEQ_LEN] for s in starts.tolist()])
+        with torch.no_grad():
+            hidden = base.model(input_ids=ids).last_hidden_state
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = heads_loss(heads, hidden, ids)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        schedule.step()
+        losses.append(loss.item())
+        if step % 50 == 0 or step == steps - 1:
+            print(f"step {step}: loss {loss.item():.3f}", flush=True)
+    return losses
+
+
+@torch.no_grad()
+def acceptance(heads, base, stream: torch.Tensor, num_positions: int, context_len: int) -> dict:
+    """Greedy chain speculation, one round per held-out position: the base's next token from the context,
+    then the heads' guesses for the tokens after it (head k: k + 2 places on) against the base's own
+    greedy continuation; a round accepts the longest matching prefix of the guesses."""
+    contexts = demo_eval.eval_windows(stream, num_positions, context_len)
+    accepted = []
+    for i in range(0, len(contexts), 64):
+        ctx = contexts[i:i + 64]
+        hidden = base.model(input_ids=ctx).last_hidden_state[:, -1]  # [B, H]: the row giving the next token
+        guesses = torch.stack([head(hidden).argmax(-1) for head in heads], dim=1)  # [B, K]
+        target = demo_eval.greedy_tokens(base, ctx, len(heads) + 1)[:, 1:]  # after the next token
+        accepted.append((guesses == target).long().cumprod(dim=1).sum(dim=1))
+    accepted = torch.cat(accepted).double()
+    per_position = [round(v, 4) for v in (torch.stack([accepted > k for k in range(len(heads))]).double()
+                                          .mean(dim=1)).tolist()]
+    return {"heads": len(heads), "positions": len(accepted), "context_tokens": context_len,
+            "mean_accepted_per_round": round(accepted.mean().item(), 4),
+            "tokens_per_round": round(accepted.mean().item() + 1, 4), "accepted_at_depth": per_position}
+
+
+def save(heads: torch.nn.ModuleList, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.to(torch.bfloat16).contiguous() for k, v in heads.state_dict().items()},
+              out / "medusa_heads.safetensors")
+    (out / "medusa_config.json").write_text(json.dumps({"medusa_num_heads": NUM_HEADS,
+                                                        "medusa_num_layers": NUM_LAYERS}, indent=2) + "\n")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the windows sampled for training")
+    parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="torch threads")
+    parser.add_argument("--quick", action="store_true", help="a smoke run: a few steps on a sixteenth of the files")
+    parser.add_argument("--out", type=Path, default=None, help="where to write the heads (default: the demo base)")
+    args = parser.parse_args()
+    os.environ["RAYON_NUM_THREADS"] = str(args.threads)
+    torch.set_num_threads(args.threads)
+    transformers.utils.logging.disable_progress_bar()
+    start = time.perf_counter()
+    base = load_model(ASSETS / "base")
+    base.requires_grad_(False)
+    tokenizer = Tokenizer.from_file(str(ASSETS / "base" / "tokenizer.json"))
+    streams = encode_corpus(tokenizer, collect_corpus(args.quick))
+    torch.manual_seed(args.seed)
+    heads = new_heads(base)
+    before = acceptance(heads, base, streams["heldout", "all"], ACCEPT_POSITIONS, ACCEPT_CONTEXT)
+    losses = train(heads, base, streams["train", "all"], QUICK_STEPS if args.quick else STEPS, args.seed)
+    heads.eval()
+    result = acceptance(heads, base, streams["heldout", "all"], ACCEPT_POSITIONS, ACCEPT_CONTEXT)
+    out = args.out or ASSETS / "base"
+    save(heads, out)
+    medusa = result | {"untrained_mean_accepted_per_round": before["mean_accepted_per_round"],
+                       "steps": len(losses), "final_loss": round(sum(losses[-20:]) / len(losses[-20:]), 4),
+                       "seed": args.seed, "threads": args.threads,
+                       "reproduce": f"python scripts/train_heads.py --seed {args.seed} --threads {args.threads}",
+                       "runtime_s": round(time.perf_counter() - start, 1)}
+    print(json.dumps(medusa, indent=2))
+    if args.out is None:  # the shipped family: its metrics and model card say what the heads do
+        metrics_path = ASSETS / "metrics.json"
+        metrics = json.loads(metrics_path.read_text()) | {"medusa": medusa}
+        metrics_path.write_text(json.dumps(metrics, indent=2) + "\n")
+        (ASSETS / "MODEL_CARD.md").write_text(demo_eval.model_card(metrics))
+
+
+if __name__ == "__main__":
+    main()
