@@ -1,0 +1,65 @@
+"""TokenTree invariants (hypothesis): depths, paths and masks agree; a walk appends the target's samples
+along one root-to-node path and stops at the first row whose sample no child carries; a chain's walk is
+the chain verification's (accept_matching)."""
+
+import itertools
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from scheduling.step_sampler import accept_matching
+from scheduling.token_tree import TokenTree
+
+
+@st.composite
+def trees(draw, max_nodes: int = 12, vocab: int = 4):
+    n = draw(st.integers(0, max_nodes))
+    parents = tuple(draw(st.integers(-1, i - 1)) for i in range(n))
+    tokens = tuple(draw(st.lists(st.integers(0, vocab - 1), min_size=n, max_size=n)))
+    return TokenTree(tokens, parents)
+
+
+@settings(max_examples=200, derandomize=True)
+@given(tree=trees())
+def test_depths_paths_and_masks_agree(tree):
+    mask = tree.mask()
+    for i in range(len(tree.tokens)):
+        path = tree.path(i)
+        assert path[-1] == i and len(path) == tree.depths[i]
+        assert tree.parents[path[0]] == -1
+        assert all(tree.parents[b] == a for a, b in itertools.pairwise(path))
+        assert np.flatnonzero(mask[i]).tolist() == sorted(path)
+
+
+@settings(max_examples=300, derandomize=True)
+@given(tree=trees(), data=st.data())
+def test_a_walk_appends_samples_along_one_path_and_stops_where_no_child_matches(tree, data):
+    samples = data.draw(st.lists(st.integers(0, 3), min_size=len(tree.tokens) + 1, max_size=len(tree.tokens) + 1))
+    tokens, rows = tree.walk(samples)
+    assert tokens == [samples[r] for r in rows] and rows[0] == 0
+    nodes = [r - 1 for r in rows[1:]]  # the accepted drafts' nodes
+    assert nodes == (tree.path(nodes[-1]) if nodes else [])
+    assert [tree.tokens[n] for n in nodes] == tokens[:-1]  # each accepted draft is the sample before it
+    last = rows[-1] - 1
+    assert tokens[-1] not in {t for t, p in zip(tree.tokens, tree.parents) if p == last}
+
+
+@settings(max_examples=200, derandomize=True)
+@given(drafts=st.lists(st.integers(0, 3), max_size=8), data=st.data())
+def test_a_chains_walk_is_the_chain_verification(drafts, data):
+    samples = data.draw(st.lists(st.integers(0, 3), min_size=len(drafts) + 1, max_size=len(drafts) + 1))
+    tree = TokenTree.chain(drafts)
+    assert tree.is_chain and tree.depths == tuple(range(1, len(drafts) + 1))
+    assert tree.walk(samples)[0] == accept_matching(np.array(samples), drafts)
+
+
+@pytest.mark.parametrize("tokens, parents, message", [
+    ((1, 2), (-1,), "2 tokens but 1 parents"),
+    ((1, 2), (-1, 1), "node 1's parent 1 is not an earlier node"),
+    ((1,), (-2,), "node 0's parent -2"),
+])
+def test_a_malformed_tree_is_refused_naming_the_node(tokens, parents, message):
+    with pytest.raises(ValueError, match=message):
+        TokenTree(tokens, parents)
