@@ -33,3 +33,17 @@ class KVCache:
     @property
     def nbytes(self) -> int:
         return self.k.nbytes + self.v.nbytes + self.k_scale.nbytes + self.v_scale.nbytes
+
+    def move_slots(self, block_ids: list[int], src: list[int], dst: list[int]) -> None:
+        """For every layer, the KV (and scales) of a sequence's slot src[i] copied to its slot dst[i], in order
+        (a tree verification keeps its accepted path: each dst <= its src, so no copy reads a slot written
+        before it). Slots are indices into the sequence, mapped through its block_ids."""
+        bs = self.block_size
+        for a, b in zip(src, dst):
+            if a != b:
+                ab, ao, bb, bo = block_ids[a // bs], a % bs, block_ids[b // bs], b % bs
+                self.k[:, bb, bo] = self.k[:, ab, ao]
+                self.v[:, bb, bo] = self.v[:, ab, ao]
+                if self.has_scale:
+                    self.k_scale[:, bb, bo] = self.k_scale[:, ab, ao]
+                    self.v_scale[:, bb, bo] = self.v_scale[:, ab, ao]

@@ -72,7 +72,7 @@ class LlamaModel:
                 write_kv(k, v, batch.slot_mapping, kv.k[i], kv.v[i])
             paged_attention(q, kv.k[i], kv.v[i], kv.k_scale[i], kv.v_scale[i], kv.has_scale,
                             batch.block_tables, batch.token_seq, batch.positions, s.layer_windows[i],
-                            self.softmax_scale, attn)
+                            self.softmax_scale, attn, batch.tree_starts, batch.tree_mask)
             attn_flat = attn.reshape(T, s.q_size)
             o = self._project(i, "o", attn_flat, batch)
             add_lora(o, attn_flat, batch.lora, i, (("o_proj", slice(None)),))

@@ -10,6 +10,7 @@ import bisect
 from dataclasses import dataclass, field
 
 from cluster_configs.engine_config import EngineConfig
+from models.token_tree import TokenTree
 from scheduling.kv_cache_manager import KVCacheManager
 from scheduling.request import Request, RequestStatus
 
@@ -19,6 +20,7 @@ class StepPlan:
     scheduled: list[tuple[Request, int]] = field(default_factory=list)  # (request, num_new_tokens), drafts included
     preempted: list[Request] = field(default_factory=list)
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)  # request id -> drafts to verify
+    draft_trees: dict[str, TokenTree] = field(default_factory=dict)  # request id -> its drafts' tree (not chains)
     token_budget_left: int = 0
 
     @property
@@ -88,14 +90,17 @@ class Batcher:
         plan.token_budget_left = budget
         return plan
 
-    def add_drafts(self, plan: StepPlan, index: int, draft_token_ids: list[int]) -> bool:
-        """Schedule drafts after plan.scheduled[index]'s last token if budget and free blocks allow."""
+    def add_drafts(self, plan: StepPlan, index: int, draft_token_ids: list[int], tree: TokenTree | None = None) -> bool:
+        """Schedule drafts after plan.scheduled[index]'s last token if budget and free blocks allow (a tree's
+        nodes take a slot each, in their order)."""
         req, n = plan.scheduled[index]
         k = len(draft_token_ids)
         if k > plan.token_budget_left or not self.kv.allocate_slots(req, n + k):
             return False
         plan.scheduled[index] = (req, n + k)
         plan.draft_token_ids[req.request_id] = draft_token_ids
+        if tree is not None and not tree.is_chain:
+            plan.draft_trees[req.request_id] = tree
         plan.token_budget_left -= k
         return True
 

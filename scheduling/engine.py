@@ -79,7 +79,8 @@ class Engine:
                                  activation_dtype=config.activation_dtype, decisions=self.decisions,
                                  sampler=sample_batch, model_dir=_model_dir(model_path),
                                  target_weight_dtype=self.model.weight_dtype)
-        self.speculator = Speculator(config.speculation, proposer, self.decisions) if proposer else None
+        window = min((w for w in s.layer_windows if w > 0), default=0)
+        self.speculator = Speculator(config.speculation, proposer, self.decisions, window) if proposer else None
         self.runner.wants_hidden = proposer is not None and proposer.needs_hidden
         # what make_request validates against (the KV pool fit only when every layer keeps all its KV)
         self.limits = RequestLimits(s.vocab_size, self.max_model_len, block_size=bs,
@@ -168,6 +169,10 @@ class Engine:
             elif i is not None:
                 reason = self._append_tokens(req, result.sampled_token_ids[i], result.logprobs[i])
             num_accepted = result.num_accepted_tokens[i] if i is not None else 0
+            if num_accepted and rid in plan.draft_trees:  # the accepted path's KV to the slots after the root
+                first = start + n - num_drafts
+                nodes = [r - 1 for r in result.sampled_rows[i][1:]]
+                self.kv_cache.move_slots(req.block_ids, [first + v for v in nodes], list(range(first, first + len(nodes))))
             req.num_computed_tokens = min(start + n - num_drafts + num_accepted, req.num_tokens)
             if num_drafts:
                 self.kv.rollback(req)
@@ -186,7 +191,7 @@ class Engine:
         for s, (req, _) in enumerate(plan.scheduled):
             i = index.get(req.request_id)
             if i is not None and logit_rows[s] is not None and req.request_id in self.requests:
-                row = logit_rows[s].start + result.num_accepted_tokens[i]
+                row = logit_rows[s].start + result.sampled_rows[i][-1]
                 self.speculator.proposer.observe_hidden(req.request_id, req.num_tokens, hidden[row])
 
     def _append_tokens(self, req: Request, token_ids: list[int], logprobs: list[dict] | None) -> str | None:

@@ -38,9 +38,10 @@ class ModelRunner:
 
     def build_batch(self, plan: StepPlan) -> tuple[ForwardBatch, list[slice | None]]:
         bs = self.block_size
-        token_ids, positions, token_seq, logits_indices = [], [], [], []
+        token_ids, positions, slots, token_seq, logits_indices = [], [], [], [], []
         logit_rows: list[slice | None] = [None] * len(plan.scheduled)
         row_adapter: list[str | None] = []
+        trees = []  # (first row of a tree's nodes, its first slot, the tree)
         max_blocks = max(len(req.block_ids) for req, _ in plan.scheduled)
         block_tables = np.zeros((len(plan.scheduled), max_blocks), np.int32)  # [S, max_blocks]
         # rows of one adapter next to each other: the LoRA kernel takes each adapter's rows as one run
@@ -51,7 +52,14 @@ class ModelRunner:
             start, row, num_base = req.num_computed_tokens, len(token_ids), n - len(drafts)
             token_ids += req.token_ids[start:start + num_base]
             token_ids += drafts
-            positions += range(start, start + n)
+            slots += range(start, start + n)  # in the sequence: a tree's nodes take the slots after its root
+            tree = plan.draft_trees.get(req.request_id)
+            if tree is None:
+                positions += range(start, start + n)
+            else:  # a node sits at the root's position plus its depth
+                root = start + num_base - 1
+                positions += [*range(start, start + num_base), *(root + d for d in tree.depths)]
+                trees.append((row + num_base, start + num_base, tree))
             token_seq += [s] * n
             row_adapter += [req.adapter_id] * n
             block_tables[s, :len(req.block_ids)] = [max(b, 0) for b in req.block_ids]  # released (-1) blocks are never read
@@ -64,10 +72,27 @@ class ModelRunner:
             logit_rows[s] = slice(len(logits_indices), len(logits_indices) + len(wanted)) if wanted else None
             logits_indices += wanted
         positions = np.asarray(positions, np.int32)
+        slots = np.asarray(slots, np.int64)
         token_seq = np.asarray(token_seq, np.int32)
-        slot_mapping = block_tables[token_seq, positions // bs].astype(np.int64) * bs + positions % bs
+        slot_mapping = block_tables[token_seq, slots // bs].astype(np.int64) * bs + slots % bs
         lora, merged = self.lora.plan(row_adapter, self.adapters.__getitem__)
         logits_indices = np.asarray(logits_indices, np.int64)
+        tree_starts, tree_mask = _tree_arrays(len(token_ids), trees)
         batch = ForwardBatch(np.asarray(token_ids, np.int64), positions, token_seq, slot_mapping, block_tables,
-                             logits_indices, lora, merged, logits_indices if self.wants_hidden else None)
+                             logits_indices, lora, merged, logits_indices if self.wants_hidden else None,
+                             tree_starts, tree_mask)
         return batch, logit_rows
+
+
+def _tree_arrays(num_tokens: int, trees: list) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """The attention kernel's tree inputs: tree_starts [T] int32 (-1 off trees), tree_mask [T, W] uint8."""
+    if not trees:
+        return None, None
+    width = max(len(tree.tokens) for *_, tree in trees)
+    tree_starts = np.full(num_tokens, -1, np.int32)
+    tree_mask = np.zeros((num_tokens, width), np.uint8)
+    for row, first_slot, tree in trees:
+        n = len(tree.tokens)
+        tree_starts[row:row + n] = first_slot
+        tree_mask[row:row + n] = tree.mask(width)
+    return tree_starts, tree_mask

@@ -17,15 +17,19 @@ class StepResult:
     logprobs: list[list[dict[int, float]] | None] = field(default_factory=list)  # per token, when asked
     num_draft_tokens: list[int] = field(default_factory=list)  # drafts verified for each request (0: none)
     num_accepted_tokens: list[int] = field(default_factory=list)  # of those, accepted
+    # per request, the offset in its logits rows of the row each token was sampled at (a chain: 0, 1, ...;
+    # a tree: the rows of its accepted path)
+    sampled_rows: list[list[int]] = field(default_factory=list)
     prompt_logits: dict[str, np.ndarray] = field(default_factory=dict)  # score(): request id -> [n, V]
 
     def add(self, req_id: str, token_ids: list[int], logprobs: list[dict[int, float]] | None,
-            num_drafts: int = 0, num_accepted: int = 0) -> None:
+            num_drafts: int = 0, num_accepted: int = 0, rows: list[int] | None = None) -> None:
         self.req_ids.append(req_id)
         self.sampled_token_ids.append(token_ids)
         self.logprobs.append(logprobs)
         self.num_draft_tokens.append(num_drafts)
         self.num_accepted_tokens.append(num_accepted)
+        self.sampled_rows.append(list(range(len(token_ids))) if rows is None else rows)
 
 
 @dataclass

@@ -20,6 +20,7 @@ import numpy as np
 from cluster_configs.diagnostics import DecisionLog
 from cluster_configs.speculation_config import SpeculationConfig
 from models.proposers.base import Proposer
+from models.token_tree import TokenTree
 from scheduling.batcher import Batcher, StepPlan
 from scheduling.outputs import StepResult
 from scheduling.spec_controller import SpeculationController
@@ -31,7 +32,11 @@ POLICY_REFRESH_STEPS = 8  # the controller's policy (a least-squares cost fit, ~
 
 
 class Speculator:
-    def __init__(self, config: SpeculationConfig, proposer: Proposer, decisions: DecisionLog | None = None):
+    def __init__(self, config: SpeculationConfig, proposer: Proposer, decisions: DecisionLog | None = None,
+                 window: int = 0):
+        # window: the model's shortest attention window (0: none); a tree node sees all its ancestors, so a
+        # tree is cut short of it
+        self.max_tree_depth = window - 1 if window > 0 else config.num_speculative_tokens
         self.config = config
         self.proposer = proposer
         self.controller = SpeculationController(config, proposer.cost_prior, proposer.catches_up)
@@ -88,9 +93,12 @@ class Speculator:
         # a proposer without passes of its own (a lookup) counts as one pass over the requests it drafted for
         self.draft_passes = self.proposer.last_passes or [(len(active), seconds)]
         for j, draft in zip(active, drafts):
-            draft = [int(t) for t in draft[:depths[j]]]
-            if draft:
-                batcher.add_drafts(plan, decoding[j], draft)
+            if isinstance(draft, TokenTree):
+                tree = draft.truncated(depths[j] if draft.is_chain else min(depths[j], self.max_tree_depth))
+            else:
+                tree = TokenTree.chain(draft[:depths[j]])
+            if tree.tokens:
+                batcher.add_drafts(plan, decoding[j], list(tree.tokens), tree)
         return seconds
 
     def observe(self, plan: StepPlan, result: StepResult, seconds: float, draft_seconds: float,

@@ -13,6 +13,8 @@ target's distributions; the standard rejection rule (accept with min(1, p / q)) 
 of them, but its tokens depend on whether and how deep a request drafted, which the load-aware policy
 decides from the batch (benchmarks/spec_coupling.py, the demo family's held-out windows: temperature 1,
 0.55 accepted by the race against 0.61 by the rule; temperature 0.7, 0.52 against 0.56).
+A request whose drafts form a tree (models/token_tree.py) has one row per node after its root row;
+node i's row sees its path's tokens at position num_tokens + depth, and the run is the tree's walk.
 Logprobs of every appended token of the step come from one top_logprobs_batch call.
 """
 
@@ -21,10 +23,13 @@ from functools import cached_property
 
 import numpy as np
 
+from models.token_tree import TokenTree
 from scheduling.batcher import StepPlan
 from scheduling.outputs import StepResult
 from scheduling.request import Request
 from scheduling.sampler import sample_batch, top_logprobs_batch
+
+_NO_DRAFTS = TokenTree((), ())  # a plain decode row
 
 
 class RowContext:
@@ -53,39 +58,29 @@ def sample_step(plan: StepPlan, logits: np.ndarray, logit_rows: list[slice | Non
             result.prompt_logits[req.request_id] = logits[rows]
             continue
         drafts = plan.draft_token_ids.get(req.request_id, [])
-        todo.append((req, drafts, rows, rows_to_sample.add(req, drafts, rows)))
+        tree = plan.draft_trees.get(req.request_id) or (TokenTree.chain(drafts) if drafts else _NO_DRAFTS)
+        todo.append((req, tree, rows, rows_to_sample.add(req, tree, rows)))
     sampled = sample_batch(_gather(logits, rows_to_sample.ids), rows_to_sample.reqs, rows_to_sample.positions)
-    runs = [accept_matching(sampled[first:first + len(drafts) + 1], drafts) for _, drafts, _, first in todo]
+    runs = [tree.walk(sampled[first:first + len(tree.tokens) + 1]) for _, tree, _, first in todo]
     logprobs = _logprobs(logits, todo, runs)
-    for (req, drafts, *_), tokens, lps in zip(todo, runs, logprobs):
-        result.add(req.request_id, tokens, lps, len(drafts), len(tokens) - 1)
+    for (req, tree, *_), (tokens, sampled_rows), lps in zip(todo, runs, logprobs):
+        depth = max(tree.depths, default=0)  # the positions the drafts covered
+        result.add(req.request_id, tokens, lps, depth, len(tokens) - 1, sampled_rows)
     return result
 
 
-def accept_matching(samples: np.ndarray, drafts: Sequence[int]) -> list[int]:
-    """The tokens a verification appends: the drafts while each equals the target's sample at its row, then
-    the target's sample at the first mismatch (or its bonus after the last draft). samples: [k + 1] int."""
-    out = []
-    for i, d in enumerate(drafts):
-        t = int(samples[i])
-        out.append(t)
-        if t != d:
-            return out
-    out.append(int(samples[len(drafts)]))
-    return out
-
-
-def _logprobs(logits: np.ndarray, todo: list, runs: list[list[int]]) -> list[list[dict[int, float]] | None]:
-    """Per request: the logprobs of each token of its run (token i from its row i), None if not asked."""
+def _logprobs(logits: np.ndarray, todo: list, runs: list[tuple[list[int], list[int]]]) \
+        -> list[list[dict[int, float]] | None]:
+    """Per request: the logprobs of each token of its run (from the row it was sampled at), None if not asked."""
     ids, tokens, counts = [], [], []
-    for (req, _, rows, *_), run in zip(todo, runs):
+    for (req, _, rows, *_), (run, sampled_rows) in zip(todo, runs):
         if req.params.logprobs is not None:
-            ids += range(rows.start, rows.start + len(run))
+            ids += [rows.start + r for r in sampled_rows]
             tokens += run
             counts += [req.params.logprobs] * len(run)
     rows = iter(top_logprobs_batch(logits[ids], tokens, counts) if ids else ())
     return [None if req.params.logprobs is None else [next(rows) for _ in run]
-            for (req, *_), run in zip(todo, runs)]
+            for (req, *_), (run, _) in zip(todo, runs)]
 
 
 def _gather(logits: np.ndarray, ids: list[int]) -> np.ndarray:
@@ -94,18 +89,22 @@ def _gather(logits: np.ndarray, ids: list[int]) -> np.ndarray:
 
 
 class _Rows:
-    """Logits rows gathered for one batched call: row i of a request with drafts sees drafts[:i]."""
+    """Logits rows gathered for one batched call: a request's row 1 + i (draft node i) sees the drafts of
+    the path down to node i."""
 
     def __init__(self):
         self.ids: list[int] = []
         self.reqs: list = []
         self.positions: list[int] = []
 
-    def add(self, req: Request, drafts: list[int], rows: slice) -> int:
+    def add(self, req: Request, tree: TokenTree, rows: slice) -> int:
         """-> the request's first row here."""
         first = len(self.ids)
-        for i in range(len(drafts) + 1):
-            self.ids.append(rows.start + i)
-            self.reqs.append(RowContext(req, drafts[:i]) if i else req)
-            self.positions.append(req.num_tokens + i)
+        self.ids.append(rows.start)
+        self.reqs.append(req)
+        self.positions.append(req.num_tokens)
+        for i, depth in enumerate(tree.depths):
+            self.ids.append(rows.start + 1 + i)
+            self.reqs.append(RowContext(req, [tree.tokens[j] for j in tree.path(i)]))
+            self.positions.append(req.num_tokens + depth)
         return first

@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 import numaserve as ns
 from models.proposers.base import Proposer
+from models.proposers.medusa import MedusaProposer
 from scheduling.engine import Engine
 from scheduling.spec_controller import SpeculationController
 from scheduling.spec_policy import SpeculationPolicy
@@ -179,6 +180,49 @@ def test_greedy_speculation_under_preemption_in_a_small_kv_pool(llama_dir, draft
         assert stats["num_free_blocks"] == stats["num_blocks"] == 48
 
 
+# ---- token trees: verified with tree attention, the accepted path's KV kept -----------------------
+
+def with_tree_proposer(llm, width: int) -> list[int]:
+    """Have the engine's Medusa proposer draft trees of this width; -> a list that records, per verification
+    that kept a tree path, whether the path left the first branch (its KV moved to the slots after the root)."""
+    assert isinstance(llm.engine.speculator.proposer, MedusaProposer)
+    llm.engine.speculator.proposer.width = width
+    moved = []
+    move_slots = llm.engine.kv_cache.move_slots
+
+    def counting(block_ids, src, dst):
+        moved.append(src != dst)
+        move_slots(block_ids, src, dst)
+
+    llm.engine.kv_cache.move_slots = counting
+    return moved
+
+
+@pytest.mark.parametrize("width", [2, 3])
+@pytest.mark.parametrize("kv_dtype", ["float32", "int8"])
+def test_greedy_tree_speculation_gives_the_same_tokens_as_none(llama_dir, medusa_dir, mixed, width, kv_dtype):
+    reference = outcome(run(ns.LLM(llama_dir, weight_dtype="float32", kv_dtype=kv_dtype).engine, *mixed))
+    llm = ns.LLM(medusa_dir, weight_dtype="float32", kv_dtype=kv_dtype,
+                 speculation={"method": "medusa", "num_speculative_tokens": K, "mode": "on"})
+    moved = with_tree_proposer(llm, width)
+    assert_same(outcome(run(llm.engine, *mixed)), reference)
+    stats = llm.stats()
+    assert 0 < stats["spec_num_accepted_tokens"] < stats["spec_num_draft_tokens"], stats
+    assert any(moved), "no accepted path left the first branch: the KV move went untested"
+    assert stats["num_free_blocks"] == stats["num_blocks"]
+
+
+def test_greedy_tree_speculation_under_preemption_in_a_small_kv_pool(medusa_dir, mixed, reference):
+    bytes_per_block = 4 * 2 * 2 * 2 * 24 * 4  # block_size * (k, v) * layers * kv_heads * head_dim * fp32
+    llm = ns.LLM(medusa_dir, **FP32, block_size=4, kv_cache_bytes=48 * bytes_per_block, max_num_batched_tokens=128,
+                 speculation={"method": "medusa", "mode": "on"})
+    with_tree_proposer(llm, 2)
+    assert_same(outcome(run(llm.engine, *mixed)), reference)
+    stats = llm.stats()
+    assert stats["num_preemptions"] > 0 and stats["spec_num_accepted_tokens"] > 0, stats
+    assert stats["num_free_blocks"] == stats["num_blocks"] == 48
+
+
 # ---- self-draft: every draft accepted; stops and max_tokens inside accepted runs --------------------
 
 @pytest.fixture(scope="module")
@@ -303,7 +347,7 @@ def vocab16_setup(method: str, vocab16, vocab16_medusa) -> tuple:
     target, draft = vocab16
     if method == "draft":
         return target, {"draft_model": str(draft)}
-    return (vocab16_medusa if method == "medusa" else target), {}
+    return (vocab16_medusa if method.startswith("medusa") else target), {}
 
 
 def reference_probs(logits: np.ndarray, top_k: int, top_p: float) -> np.ndarray:
@@ -353,7 +397,8 @@ def test_sampling_with_drafts_emits_the_targets_distribution(vocab16, vocab16_me
     assert p_third > MIN_P_VALUE, f"third token: chi-square p-value {p_third:.2e}"
 
 
-@pytest.mark.parametrize("method, mode", [("ngram", "on"), ("draft", "on"), ("draft", "auto"), ("medusa", "on")])
+@pytest.mark.parametrize("method, mode", [("ngram", "on"), ("draft", "on"), ("draft", "auto"), ("medusa", "on"),
+                                          ("medusa-tree", "on")])
 def test_seeded_sampling_with_drafts_gives_the_tokens_of_no_speculation(vocab16, vocab16_medusa, method, mode,
                                                                         memory_bound_costs):
     """Drafts only decide how many of the target's own keyed draws a step makes (scheduling/step_sampler.py)."""
@@ -364,8 +409,10 @@ def test_seeded_sampling_with_drafts_gives_the_tokens_of_no_speculation(vocab16,
                                 **({"top_k": 8, "repetition_penalty": 1.2} if s % 3 == 0 else {}))
               for s in range(len(prompts))]
     reference = [o.token_ids for o in ns.LLM(target, **FP32).generate(prompts, params)]
-    spec = {"method": method, "mode": mode, "prompt_lookup_min": 1} | extra
+    spec = {"method": method.removesuffix("-tree"), "mode": mode, "prompt_lookup_min": 1} | extra
     llm = ns.LLM(model, **FP32, speculation=spec)
+    if method == "medusa-tree":
+        with_tree_proposer(llm, 3)
     assert [o.token_ids for o in llm.generate(prompts, params)] == reference
     stats = llm.stats()
     assert 0 < stats["spec_num_accepted_tokens"] < stats["spec_num_draft_tokens"], stats

@@ -43,8 +43,9 @@ class Proposer(ABC):
         self.last_passes: list[tuple[int, float]] = []
 
     @abstractmethod
-    def propose(self, requests: Sequence[SpecRequest], depths: Sequence[int]) -> list[list[int]]:
-        """Drafts per request, each of length <= its depth; [] where the depth is 0 or nothing is found."""
+    def propose(self, requests: Sequence[SpecRequest], depths: Sequence[int]) -> list:
+        """Drafts per request: a list of tokens (a chain, of length <= its depth) or a TokenTree (no deeper
+        than its depth; verified with tree attention); [] where the depth is 0 or nothing is found."""
 
     def free(self, request_id: str) -> None:
         """Forget a finished or aborted request (a preempted one may stay: the next call catches up)."""

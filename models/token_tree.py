@@ -58,6 +58,12 @@ class TokenTree:
             out[i, self.path(i)] = 1
         return out
 
+    def truncated(self, max_depth: int) -> "TokenTree":
+        """The nodes at depth <= max_depth (their parents are kept with them), in their order."""
+        keep = [i for i, d in enumerate(self.depths) if d <= max_depth]
+        index = {old: new for new, old in enumerate(keep)} | {-1: -1}
+        return TokenTree(tuple(self.tokens[i] for i in keep), tuple(index[self.parents[i]] for i in keep))
+
     def walk(self, samples) -> tuple[list[int], list[int]]:
         """samples: [N + 1] the target's sample at each row (row 0: the root) -> (the tokens the verification
         appends: accepted drafts then the target's own token, the rows they were sampled at)."""
