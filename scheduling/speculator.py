@@ -26,6 +26,7 @@ from scheduling.outputs import StepResult
 from scheduling.spec_controller import SpeculationController
 from scheduling.spec_estimators import SpecStepStats, count_positions
 from scheduling.spec_policy import SpecTelemetry, SpeculationPolicy, choose_depths
+from scheduling.tree_policy import choose_tree_width
 
 SPEC_COUNTERS = ("spec_num_drafts", "spec_num_draft_tokens", "spec_num_accepted_tokens")
 POLICY_REFRESH_STEPS = 8  # the controller's policy (a least-squares cost fit, ~0.2 ms) is recomputed this often
@@ -87,6 +88,7 @@ class Speculator:
         active = [j for j, d in enumerate(depths) if d > 0]
         if not active:
             return 0.0
+        self._choose_width(plan.num_tokens, depths)
         start = time.perf_counter()
         drafts = self.proposer.propose([reqs[j] for j in active], [depths[j] for j in active])
         seconds = time.perf_counter() - start
@@ -133,6 +135,21 @@ class Speculator:
                 "spec_step_per_token_s": policy.per_token_s, "spec_draft_s_per_position": policy.draft_s_per_position,
                 "spec_draft_s_per_token": policy.draft_s_per_token,
                 "spec_draft_cost_factor": policy.draft_cost_factor, "spec_max_depth": policy.max_depth}
+
+    def _choose_width(self, num_base_tokens: int, depths: list[int]) -> None:
+        """A proposer that drafts trees (it measures accepted_counts) gets this step's width."""
+        proposer = self.proposer
+        if proposer.accepted_counts is None:
+            return
+        width = proposer.fixed_width or choose_tree_width(self.policy, proposer.accepted_counts,
+                                                           proposer.tree_sizes, depths, num_base_tokens)
+        if width != proposer.width:
+            measured = proposer.accepted_counts.sum(axis=1)[0]
+            mean = proposer.accepted_counts @ np.arange(proposer.accepted_counts.shape[1]) / max(measured, 1)
+            self.decisions.record("speculation", f"tree width {width}",
+                                  f"{'fixed' if proposer.fixed_width else 'goodput'}: mean drafts a tree of width "
+                                  f"1, 2, ... would keep {np.round(mean, 2).tolist()} over {measured} proposals")
+        proposer.width = width
 
     def _record_depth(self, depth: int) -> None:
         if depth != self.depth:

@@ -186,7 +186,7 @@ def with_tree_proposer(llm, width: int) -> list[int]:
     """Have the engine's Medusa proposer draft trees of this width; -> a list that records, per verification
     that kept a tree path, whether the path left the first branch (its KV moved to the slots after the root)."""
     assert isinstance(llm.engine.speculator.proposer, MedusaProposer)
-    llm.engine.speculator.proposer.width = width
+    llm.engine.speculator.proposer.fixed_width = width
     moved = []
     move_slots = llm.engine.kv_cache.move_slots
 
@@ -416,6 +416,20 @@ def test_seeded_sampling_with_drafts_gives_the_tokens_of_no_speculation(vocab16,
     assert [o.token_ids for o in llm.generate(prompts, params)] == reference
     stats = llm.stats()
     assert 0 < stats["spec_num_accepted_tokens"] < stats["spec_num_draft_tokens"], stats
+
+
+def test_the_policy_widens_medusa_trees_where_they_keep_more_and_tokens_stay_the_same(vocab16, vocab16_medusa,
+                                                                                       memory_bound_costs):
+    """Random heads over 16 tokens: a head's top 4 holds the next token 4 times as often as its top 1, and on
+    a memory-bound step extra tree nodes are nearly free, so the measured counts widen the tree."""
+    prompts = [random_prompt(n, seed=n, vocab=16) for n in range(4, 36)]
+    params = [ns.SamplingParams(max_tokens=24, temperature=1.0, seed=s, ignore_eos=True) for s in range(len(prompts))]
+    reference = [o.token_ids for o in ns.LLM(vocab16[0], **FP32).generate(prompts, params)]
+    llm = ns.LLM(vocab16_medusa, **FP32, speculation={"method": "medusa", "mode": "on"})
+    assert [o.token_ids for o in llm.generate(prompts, params)] == reference
+    widths = [d["choice"] for d in llm.diagnostics() if d["choice"].startswith("tree width")]
+    assert widths and widths[-1] != "tree width 1", widths
+    assert llm.engine.speculator.proposer.accepted_counts.sum(axis=1)[0] >= 16
 
 
 @pytest.mark.parametrize("method, mode", [("ngram", "auto"), ("draft", "on"), ("draft", "auto"), ("medusa", "on")])

@@ -18,6 +18,10 @@ What the speculation policy needs to price a proposer (scheduling/spec_policy.py
 A proposer that drafts from the target's hidden states (trained heads) sets `needs_hidden`: after each
 step the engine hands it, per request, the final-norm hidden state of the row that produced the request's
 last token (`observe_hidden`), from the step's own forward.
+
+A proposer that can draft token trees measures what each width would have kept (`accepted_counts`,
+`tree_sizes`: scheduling/tree_policy.py) and drafts at the `width` the speculator sets each step (or at
+its `fixed_width`).
 """
 
 from abc import ABC, abstractmethod
@@ -38,6 +42,10 @@ class Proposer(ABC):
     cost_prior: tuple[float, float] = (0.0, 0.0)
     catches_up: bool = False
     needs_hidden: bool = False
+    accepted_counts: np.ndarray | None = None  # [max width, max depth + 1] (tree drafters only)
+    tree_sizes: np.ndarray | None = None  # [max width, max depth + 1]
+    width: int = 1
+    fixed_width: int | None = None
 
     def __init__(self) -> None:
         self.last_passes: list[tuple[int, float]] = []

@@ -1,0 +1,35 @@
+"""Tree width: per step, the draft tree width that maximizes expected goodput (like choose_depths for depth).
+
+A proposer that ranks its guesses (Medusa heads) measures, for every proposal whose continuation is known,
+how many drafts a tree of each width would have had accepted (`accepted_counts[w - 1, l]`: proposals whose
+width-w tree keeps l drafts) and says how many nodes such a tree has (`tree_sizes[w - 1, d]` at depth d).
+Those counts are exact, not modelled: the tokens a verification keeps are the target's own draws, the
+same whatever was drafted (scheduling/step_sampler.py). A request drafting to depth d under width w then
+appends 1 + E[min(l, d)] tokens and costs the step per_token_s * (nodes - d) more than its chain, charged
+draft_cost_factor times as a chain's drafts are. Width 1 (the chain) until MIN_MEASURED proposals are in.
+"""
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from scheduling.spec_policy import SpeculationPolicy
+
+MIN_MEASURED = 16
+
+
+def choose_tree_width(policy: SpeculationPolicy, accepted_counts: np.ndarray, tree_sizes: np.ndarray,
+                      depths: Sequence[int], num_base_tokens: int) -> int:
+    """accepted_counts, tree_sizes: [W, K + 1] (see the module docstring); depths: the step's per request."""
+    max_depth = accepted_counts.shape[1] - 1  # a proposer drafts no deeper than it measures
+    depths = np.minimum(np.asarray([d for d in depths if d > 0], np.int64), max_depth)
+    measured = accepted_counts.sum(axis=1)  # [W], alike for every width
+    if len(depths) == 0 or measured.min() < MIN_MEASURED:
+        return 1
+    lengths = np.arange(accepted_counts.shape[1])  # [K + 1]
+    expected = np.stack([accepted_counts @ np.minimum(lengths, d) for d in depths], axis=1) / measured[:, None]
+    extra_nodes = (tree_sizes[:, depths] - depths).sum(axis=1)  # [W]: nodes beyond the chains' drafts
+    base_s = max(policy.fixed_s + policy.per_token_s * (num_base_tokens + depths.sum()), 1e-12)
+    goodput = (len(depths) + expected.sum(axis=1)) / (base_s + policy.draft_cost_factor * policy.per_token_s
+                                                       * extra_nodes)
+    return int(np.argmax(goodput)) + 1  # the first best: ties go to the narrower tree
