@@ -59,14 +59,36 @@ class MachineConfig(BaseModel):
 
 
 class HttpConfig(BaseModel):
-    """The deployment's OpenAI-compatible HTTP server (actors/http_server.py)."""
+    """The deployment's OpenAI-compatible HTTP server (actors/http_server.py) and the limits it enforces."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", hide_input_in_errors=True)  # errors never echo a key
 
     host: str = Field("127.0.0.1", min_length=1)  # loopback only unless a host (e.g. 0.0.0.0) is given
     port: int = Field(8000, ge=1, le=65535)
     served_model_name: str | None = Field(None, min_length=1)  # what `model` names; None: the model's folder name
     enable_lora_loading: bool = False  # POST /v1/load_lora_adapter registers adapters; refused (403) otherwise
+    # bearer tokens the server accepts (401 otherwise; /health stays open); each key is a tenant. (): no check
+    api_keys: tuple[str, ...] = ()
+    max_prompt_tokens: int | None = Field(None, ge=1)  # a longer prompt is a 400; None: only max_model_len bounds it
+    max_tokens_cap: int = Field(4096, ge=1)  # a request's max_tokens above this is a 400
+    # a client (API key, else `user`, else its IP address) with this many requests open gets 429 for the next
+    max_concurrent_per_client: int = Field(64, ge=1)
+    default_deadline_s: float | None = Field(600.0, gt=0.0, le=86_400.0)  # when a request sets none; None: no deadline
+
+    @field_validator("api_keys", mode="before")
+    @classmethod
+    def _keys_tuple(cls, v):
+        return (v,) if isinstance(v, str) else v
+
+    @field_validator("api_keys")
+    @classmethod
+    def _valid_keys(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        # never echo a key in the message
+        if any(not k or any(c.isspace() for c in k) for k in v):
+            raise ValueError("api_keys must be non-empty strings without whitespace")
+        if len(set(v)) != len(v):
+            raise ValueError("api_keys must be distinct (each key is one tenant)")
+        return v
 
 
 class WorkerPlacement(BaseModel):

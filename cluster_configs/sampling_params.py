@@ -20,6 +20,9 @@ class SamplingParams(BaseModel):
     repetition_penalty: float = Field(1.0, ge=1e-6)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    # seconds the request may take from its arrival; past it the engine aborts it (finish_reason "abort") and
+    # frees its KV blocks. The router hands a worker what is left of it. None: no deadline
+    deadline_s: float | None = Field(None, gt=0.0, le=86_400.0)
 
     @field_validator("stop", mode="before")
     @classmethod

@@ -137,21 +137,28 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         start = time.perf_counter()
+        expired = self._abort_expired()
         plan = self.batcher.schedule()
         for req in plan.preempted:
             self._forget_drafts(req.request_id)
         if not plan.scheduled:
-            return []
+            return expired
         draft_s = self.speculator.propose(plan, self.batcher) if self.speculator else 0.0
         logits, logit_rows, hidden = self.runner.run(plan)
         result = sample_step(plan, logits, logit_rows)
-        outputs = self._process(plan, result)
+        outputs = expired + self._process(plan, result)
         if hidden is not None:
             self._hand_over_hidden(plan, result, logit_rows, hidden)
         if self.speculator:  # the whole step but the proposer's passes: drafts also cost scheduling and rollback
             self.speculator.observe(plan, result, time.perf_counter() - start - draft_s, draft_s,
                                     len(self.batcher.waiting), self.kv.pool.num_used_blocks / self.kv.pool.num_blocks)
         return outputs
+
+    def _abort_expired(self) -> list[RequestOutput]:
+        """Requests past their deadline (waiting or running) finish with "abort"; their blocks go back."""
+        now = time.monotonic()
+        expired = [r for r in self.requests.values() if r.deadline is not None and now >= r.deadline]
+        return [out for r in expired if (out := self.abort(r.request_id)) is not None]
 
     def _process(self, plan: StepPlan, result: StepResult) -> list[RequestOutput]:
         """Append each request's tokens (a stop inside a run cuts it there), move its KV to what was

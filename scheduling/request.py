@@ -2,6 +2,7 @@
 
 import enum
 import itertools
+import time
 
 import numpy as np
 
@@ -26,6 +27,8 @@ class Request:
         self.params = params
         self.priority = priority  # lower is served first
         self.arrival = next(_arrival)
+        # monotonic time past which the engine aborts the request (params.deadline_s from its arrival here)
+        self.deadline = time.monotonic() + params.deadline_s if params.deadline_s is not None else None
         self.adapter_id = adapter_id
         self.cache_salt = cache_salt
         self.prompt_logits = prompt_logits  # score(): keep the logits of every prompt position
