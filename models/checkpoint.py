@@ -118,19 +118,23 @@ def load_weights(model_dir: str | Path, weight_dtype: str) -> tuple[ModelSpec, d
         "layers": [],
     }
     for i in range(spec.num_layers):
-        p = f"model.layers.{i}."
-        qkv = np.concatenate([read(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
-        gate_up = np.concatenate([read(p + "mlp.gate_proj.weight"), read(p + "mlp.up_proj.weight")])
-        layer = {
-            "input_norm": read(p + "input_layernorm.weight"),
-            "post_norm": read(p + "post_attention_layernorm.weight"),
-            "qkv": mat(qkv, weight_dtype),
-            "o": mat(read(p + "self_attn.o_proj.weight"), weight_dtype),
-            "gate_up": mat(gate_up, weight_dtype),
-            "down": mat(read(p + "mlp.down_proj.weight"), weight_dtype),
-            "qkv_bias": (np.concatenate([read(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
-                         if spec.qkv_bias else None),
-        }
-        weights["layers"].append(layer)
+        weights["layers"].append(load_layer(read, f"model.layers.{i}.", spec.qkv_bias, weight_dtype))
     read.close()
     return spec, weights
+
+
+def load_layer(read, prefix: str, qkv_bias: bool, weight_dtype: str) -> dict:
+    """One decoder layer's weights from read(name) -> float32 tensor: q|k|v and gate|up fused, matrices in
+    weight_dtype, norms and biases float32."""
+    mat, p = WeightMatrix.from_float, prefix
+    qkv = np.concatenate([read(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
+    gate_up = np.concatenate([read(p + "mlp.gate_proj.weight"), read(p + "mlp.up_proj.weight")])
+    return {
+        "input_norm": read(p + "input_layernorm.weight"),
+        "post_norm": read(p + "post_attention_layernorm.weight"),
+        "qkv": mat(qkv, weight_dtype),
+        "o": mat(read(p + "self_attn.o_proj.weight"), weight_dtype),
+        "gate_up": mat(gate_up, weight_dtype),
+        "down": mat(read(p + "mlp.down_proj.weight"), weight_dtype),
+        "qkv_bias": np.concatenate([read(p + f"self_attn.{n}_proj.bias") for n in "qkv"]) if qkv_bias else None,
+    }

@@ -46,13 +46,15 @@ class LlamaModel:
         """-> logits [len(batch.logits_indices), vocab] float32."""
         return self.forward_hidden(batch, kv)[0]
 
-    def forward_hidden(self, batch: ForwardBatch, kv: KVCache) -> tuple[np.ndarray, np.ndarray | None]:
+    def forward_hidden(self, batch: ForwardBatch, kv: KVCache,
+                       embeddings: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray | None]:
         """-> logits [len(batch.logits_indices), vocab] and the last layer's hidden states after the final
         norm (what the LM head reads; trained draft heads read them too) at batch.hidden_indices,
-        [len(hidden_indices), hidden] float32 (None when not asked for), from the same pass."""
+        [len(hidden_indices), hidden] float32 (None when not asked for), from the same pass.
+        embeddings: [T, hidden] the first layer's input instead of the tokens' embeddings (an EAGLE head)."""
         s, w = self.spec, self.weights
         T, D = batch.num_tokens, s.head_dim
-        h = embed(w["embed"], batch.token_ids)  # [T, hidden]
+        h = embed(w["embed"], batch.token_ids) if embeddings is None else embeddings.copy()  # [T, hidden]
         x = np.empty_like(h)
         attn = np.empty((T, s.num_heads, D), np.float32)
         for i, layer in enumerate(w["layers"]):

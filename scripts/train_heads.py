@@ -21,6 +21,7 @@ import demo_eval
 import torch
 import torch.nn.functional as F
 import transformers
+from head_modules import medusa_heads
 from safetensors.torch import save_file
 from tokenizers import Tokenizer
 from train_demo import ASSETS, collect_corpus, encode_corpus, load_model
@@ -31,21 +32,8 @@ BATCH, SEQ_LEN = 8, 256
 ACCEPT_POSITIONS, ACCEPT_CONTEXT = 512, 64
 
 
-class ResBlock(torch.nn.Module):
-    def __init__(self, hidden: int):
-        super().__init__()
-        self.linear = torch.nn.Linear(hidden, hidden)
-        self.act = torch.nn.SiLU()
-
-    def forward(self, x):
-        return x + self.act(self.linear(x))
-
-
 def new_heads(base: transformers.LlamaForCausalLM) -> torch.nn.ModuleList:
-    hidden, vocab = base.config.hidden_size, base.config.vocab_size
-    heads = torch.nn.ModuleList(
-        torch.nn.Sequential(*[ResBlock(hidden) for _ in range(NUM_LAYERS)], torch.nn.Linear(hidden, vocab, bias=False))
-        for _ in range(NUM_HEADS))
+    heads = medusa_heads(base.config.hidden_size, base.config.vocab_size, NUM_HEADS, NUM_LAYERS)
     for head in heads:
         for block in head[:-1]:
             torch.nn.init.zeros_(block.linear.weight)

@@ -11,24 +11,13 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, GenerationConfig
 
 from models.medusa import CONFIG_FILE, HEADS_FILE
-
-
-class ResBlock(torch.nn.Module):
-    def __init__(self, hidden: int):
-        super().__init__()
-        self.linear = torch.nn.Linear(hidden, hidden)
-        self.act = torch.nn.SiLU()
-
-    def forward(self, x):
-        return x + self.act(self.linear(x))
+from scripts.head_modules import medusa_heads
 
 
 def make_heads(hidden: int, vocab: int, num_heads: int, num_layers: int = 1, seed: int = 0) -> torch.nn.ModuleList:
-    """As the Medusa repository builds them: residual blocks, then a vocabulary projection."""
+    """Medusa heads as the Medusa repository builds them, randomly initialized."""
     torch.manual_seed(seed)
-    return torch.nn.ModuleList(
-        torch.nn.Sequential(*[ResBlock(hidden) for _ in range(num_layers)], torch.nn.Linear(hidden, vocab, bias=False))
-        for _ in range(num_heads)).eval()
+    return medusa_heads(hidden, vocab, num_heads, num_layers).eval()
 
 
 def save_heads(directory: Path, heads: torch.nn.ModuleList, num_layers: int = 1) -> None:

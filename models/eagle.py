@@ -1,0 +1,92 @@
+"""EAGLE draft head: one decoder layer over the target's own features, as in the EAGLE paper.
+
+At position i the head reads the target's final-norm hidden state f_i (the row that produced token i + 1)
+and the embedding of token i + 1, fused by fc: x_i = fc([embed(t_{i+1}); f_i]). One decoder layer of the
+target's shape (with its own KV over the positions it has read) and its own final norm turn that into
+f'_{i+1}, its guess of the target's next feature, and the target's LM head into a guess of token i + 2.
+Drafting feeds each guess back with its feature. The embedding and the LM head are the target's (shared,
+not stored); the file holds fc and the layer: `eagle_head.safetensors` beside the model with a 1-layer
+LlamaModel's names (`model.layers.0.*`, `model.norm.weight`) plus `fc.weight` [H, 2H] and `fc.bias` [H],
+and `eagle_config.json` (`eagle_num_layers`: 1).
+"""
+
+import json
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+
+from cluster_configs.errors import CheckpointError
+from memory.kv_cache import KVCache
+from memory.weights import WeightMatrix
+from models.batch import ForwardBatch
+from models.checkpoint import expected_shapes, load_layer
+from models.linear import embed, linear
+from models.llama import LlamaModel
+from models.safetensors_io import read_header, read_tensor
+from models.spec import ModelSpec
+
+HEAD_FILE, CONFIG_FILE = "eagle_head.safetensors", "eagle_config.json"
+
+
+@dataclass(frozen=True)
+class EagleHead:
+    fc: WeightMatrix  # [H, 2H] float32 (through our linear kernel: a row's result does not depend on its batch)
+    fc_bias: np.ndarray  # [H] f32
+    model: LlamaModel  # one layer: the target's embedding and LM head, the head's own layer and norm
+
+    def forward(self, batch: ForwardBatch, kv: KVCache, features: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """batch: the tokens t_{i+1} at positions i (block tables into the head's own KV); features [T, H]:
+        f_i -> logits [len(logits_indices), V] (guesses of t_{i+2}) and f'_{i+1} at batch.hidden_indices."""
+        x = np.concatenate([embed(self.model.weights["embed"], batch.token_ids), features], axis=1)  # [T, 2H]
+        fused = linear(x, self.fc) + self.fc_bias
+        return self.model.forward_hidden(batch, kv, embeddings=fused)
+
+
+def eagle_spec(spec: ModelSpec) -> ModelSpec:
+    """The head's layer stack: the target's shape, one layer."""
+    return replace(spec, num_layers=1, layer_windows=spec.layer_windows[:1])
+
+
+def load_eagle_head(model_dir: str | Path, spec: ModelSpec, target_weights: dict, weight_dtype: str) -> EagleHead:
+    """The head beside the model; CheckpointError naming the file and the fix if it is missing, malformed
+    or shaped for another model. Its matrices are stored in the target's weight_dtype."""
+    model_dir = Path(model_dir)
+    _check_config(model_dir / CONFIG_FILE)
+    path = model_dir / HEAD_FILE
+    if not path.is_file():
+        raise CheckpointError(f"{path}: no EAGLE head beside the model; train one (scripts/train_heads.py "
+                              "trains the demo model's) or use another speculation method")
+    entries, head_spec, H = read_header(path), eagle_spec(spec), spec.hidden_size
+    shapes = {name: shape for name, shape in expected_shapes(head_spec).items() if name.startswith("model.")}
+    shapes.pop("model.embed_tokens.weight", None)
+    shapes |= {"fc.weight": (H, 2 * H), "fc.bias": (H,)}
+
+    def read(name: str) -> np.ndarray:
+        entry = entries.get(name)
+        if entry is None:
+            raise CheckpointError(f"{path}: tensor {name!r} is missing; an EAGLE head holds fc and one decoder "
+                                  "layer of the target's shape")
+        if entry.shape != shapes[name]:
+            raise CheckpointError(f"{path}: tensor {name!r} has shape {entry.shape}, expected {shapes[name]} for "
+                                  "this model: the head was trained for another model")
+        return read_tensor(entry)
+
+    weights = {"embed": target_weights["embed"], "lm_head": target_weights["lm_head"],
+               "norm": read("model.norm.weight"),
+               "layers": [load_layer(read, "model.layers.0.", spec.qkv_bias, weight_dtype)]}
+    return EagleHead(WeightMatrix.from_float(read("fc.weight"), "float32"), read("fc.bias"),
+                     LlamaModel(head_spec, weights))
+
+
+def _check_config(path: Path) -> None:
+    try:
+        config = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: missing; an EAGLE head needs it beside {HEAD_FILE} "
+                              '({"eagle_num_layers": 1})') from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: not readable JSON ({e})") from None
+    layers = config.get("eagle_num_layers") if isinstance(config, dict) else None
+    if layers != 1:
+        raise CheckpointError(f"{path}: eagle_num_layers must be 1 (one decoder layer), got {layers!r}")

@@ -1,0 +1,84 @@
+"""The EAGLE head (models/eagle.py) against the torch module it is trained as (scripts/head_modules.py),
+over scattered KV blocks, and its files refused by name when they do not fit."""
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM
+
+from cluster_configs.errors import CheckpointError
+from memory.kv_cache import KVCache
+from models.batch import ForwardBatch
+from models.eagle import CONFIG_FILE, HEAD_FILE, eagle_spec, load_eagle_head
+from models.loader import load_model
+from scripts.head_modules import EagleHead
+
+
+def save_head(directory, head: EagleHead, config: dict | None = None) -> None:
+    save_file(head.head_state_dict(), directory / HEAD_FILE)
+    (directory / CONFIG_FILE).write_text(json.dumps(config or {"eagle_num_layers": 1}))
+
+
+@pytest.fixture
+def target(model_dirs, tmp_path, request):
+    variant = getattr(request, "param", "llama")
+    directory = shutil.copytree(model_dirs[variant], tmp_path / variant)
+    hf = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    torch.manual_seed(3)
+    head = EagleHead(hf.config).eval()
+    with torch.no_grad():
+        for p in head.parameters():  # away from the initial ones (norms at 1, zero biases)
+            p.add_(torch.randn(p.shape) * 0.05)
+    return directory, hf, head
+
+
+@pytest.mark.parametrize("target", ["llama", "qwen2"], indirect=True)
+def test_the_eagle_head_matches_its_torch_module_float32(target):
+    directory, hf, head = target
+    save_head(directory, head)
+    spec, weights, _ = load_model(directory, "float32")
+    ours = load_eagle_head(directory, spec, weights, "float32")
+    S, block = 21, 4
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(3, spec.vocab_size, S)
+    features = rng.standard_normal((S, spec.hidden_size)).astype(np.float32)
+    kv = KVCache(1, 16, block, spec.num_kv_heads, spec.head_dim, "float32")
+    table = rng.permutation(16)[:8].astype(np.int32)[None]  # [1, 8] scattered blocks
+    positions = np.arange(S, dtype=np.int32)
+    slots = table[0, positions // block].astype(np.int64) * block + positions % block
+    batch = ForwardBatch(tokens, positions, np.zeros(S, np.int32), slots, table, np.arange(S),
+                         hidden_indices=np.arange(S))
+    logits, hidden = ours.forward(batch, kv, features)
+    with torch.no_grad():
+        expected = head(hf.model.embed_tokens(torch.tensor(tokens)[None]), torch.from_numpy(features)[None])[0]
+        expected_logits = hf.lm_head(expected)
+    np.testing.assert_allclose(hidden, expected.numpy(), atol=1e-4, rtol=0)
+    np.testing.assert_allclose(logits, expected_logits.numpy(), atol=1e-4, rtol=0)
+    assert eagle_spec(spec).num_layers == 1
+
+
+@pytest.mark.parametrize("breakage, message", [
+    ("no head", "no EAGLE head beside the model"),
+    ("no config", "eagle_config.json: missing"),
+    ("two layers", "eagle_num_layers must be 1"),
+    ("another model", "trained for another model"),
+    ("a tensor missing", "tensor 'fc.bias' is missing"),
+])
+def test_heads_that_do_not_fit_raise_checkpoint_error_naming_the_problem(target, breakage, message):
+    directory, _, head = target
+    state = head.head_state_dict()
+    if breakage == "another model":
+        state["fc.weight"] = state["fc.weight"][:, 1:].contiguous()
+    if breakage == "a tensor missing":
+        del state["fc.bias"]
+    if breakage != "no head":
+        save_file(state, directory / HEAD_FILE)
+    if breakage != "no config":
+        (directory / CONFIG_FILE).write_text(json.dumps({"eagle_num_layers": 2 if breakage == "two layers" else 1}))
+    spec, weights, _ = load_model(directory, "float32")
+    with pytest.raises(CheckpointError, match=message):
+        load_eagle_head(directory, spec, weights, "float32")
