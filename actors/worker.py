@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import numba
+import psutil
 import ray
 
 from actors.adapter_cache import LOOKUP_TIMEOUT_S, fetch_adapter_ref
@@ -206,9 +207,11 @@ class NumaWorker:
         elif kind == "stats":
             stats = self.engine.stats() | {"worker_id": self.placement.worker_id, "num_streams": len(self._streams),
                                            "num_requests": self._num_requests,
+                                           "rss_bytes": psutil.Process().memory_info().rss,
                                            "token_budget": self.engine.batcher.token_budget,
                                            "max_num_seqs": self.engine.batcher.max_num_seqs,
-                                           "metrics": self.metrics.snapshot(self.engine)}
+                                           "metrics": self.metrics.snapshot(self.engine),
+                                           "decisions": self.engine.decisions.recent()}
             self._loop.call_soon_threadsafe(_set_result, arg, stats)
         elif kind == "policy":
             self._report_sent = None
