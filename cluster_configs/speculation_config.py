@@ -1,14 +1,14 @@
 """SpeculationConfig: how an engine drafts tokens and verifies them in one target forward.
 
-Nested in EngineConfig as `speculation` (a SpeculationConfig or a dict). Off by default. "medusa" drafts
-with trained heads beside the model (models/medusa.py); "eagle" joins `method` when its proposer exists.
+Nested in EngineConfig as `speculation` (a SpeculationConfig or a dict). Off by default. "medusa" and
+"eagle" draft with trained heads beside the model (models/medusa.py, models/eagle.py).
 """
 
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-SpeculationMethod = Literal["off", "ngram", "draft", "medusa"]
+SpeculationMethod = Literal["off", "ngram", "draft", "medusa", "eagle"]
 SpeculationMode = Literal["auto", "on", "latency_first", "throughput_first"]
 
 

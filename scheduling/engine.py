@@ -7,7 +7,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numba
-import numpy as np
 
 from cluster_configs.diagnostics import DecisionLog
 from cluster_configs.engine_config import EngineConfig
@@ -29,7 +28,7 @@ from scheduling.adapter_store import AdapterStore
 from scheduling.batcher import Batcher, StepPlan
 from scheduling.kv_cache_manager import KVCacheManager
 from scheduling.lora_planner import LoraPlanner, SharedMerged
-from scheduling.model_runner import ModelRunner
+from scheduling.model_runner import ModelRunner, RunOutput
 from scheduling.outputs import RequestOutput, StepResult
 from scheduling.request import Request, RequestStatus
 from scheduling.sampler import sample_batch
@@ -78,7 +77,7 @@ class Engine:
                                  weight_dtype=config.weight_dtype, kv_dtype=config.resolved_kv_dtype,
                                  activation_dtype=config.activation_dtype, decisions=self.decisions,
                                  sampler=sample_batch, model_dir=_model_dir(model_path),
-                                 target_weight_dtype=self.model.weight_dtype)
+                                 target_weights=self.model.weights, target_weight_dtype=self.model.weight_dtype)
         window = min((w for w in s.layer_windows if w > 0), default=0)
         self.speculator = Speculator(config.speculation, proposer, self.decisions, window) if proposer else None
         self.runner.wants_hidden = proposer is not None and proposer.needs_hidden
@@ -144,11 +143,11 @@ class Engine:
         if not plan.scheduled:
             return expired
         draft_s = self.speculator.propose(plan, self.batcher) if self.speculator else 0.0
-        logits, logit_rows, hidden = self.runner.run(plan)
-        result = sample_step(plan, logits, logit_rows)
+        run = self.runner.run(plan)
+        result = sample_step(plan, run.logits, run.logit_rows)
         outputs = expired + self._process(plan, result)
-        if hidden is not None:
-            self._hand_over_hidden(plan, result, logit_rows, hidden)
+        if run.hidden is not None:
+            self._hand_over_hidden(plan, result, run)
         if self.speculator:  # the whole step but the proposer's passes: drafts also cost scheduling and rollback
             self.speculator.observe(plan, result, time.perf_counter() - start - draft_s, draft_s,
                                     len(self.batcher.waiting), self.kv.pool.num_used_blocks / self.kv.pool.num_blocks)
@@ -190,16 +189,21 @@ class Engine:
                 outputs.append(self._emit(req))
         return outputs
 
-    def _hand_over_hidden(self, plan: StepPlan, result: StepResult, logit_rows: list[slice | None],
-                          hidden: np.ndarray) -> None:
-        """To a proposer that drafts from hidden states: each running request's hidden state at the row that
-        produced its last token (a verification's row after its accepted drafts)."""
+    def _hand_over_hidden(self, plan: StepPlan, result: StepResult, run: RunOutput) -> None:
+        """To a proposer that drafts from the target's features: each running request's features f_p of the
+        positions this step verified (its prompt or verified rows, then a verification's kept path, whose
+        last row produced its last token)."""
         index = {rid: i for i, rid in enumerate(result.req_ids)}
-        for s, (req, _) in enumerate(plan.scheduled):
-            i = index.get(req.request_id)
-            if i is not None and logit_rows[s] is not None and req.request_id in self.requests:
-                row = logit_rows[s].start + result.sampled_rows[i][-1]
-                self.speculator.proposer.observe_hidden(req.request_id, req.num_tokens, hidden[row])
+        for s, (req, n) in enumerate(plan.scheduled):
+            rid = req.request_id
+            if rid not in self.requests or req.prompt_logits:
+                continue
+            num_base = n - len(plan.draft_token_ids.get(rid, ()))
+            rows = list(range(run.first_rows[s], run.first_rows[s] + num_base))  # positions first_positions[s] ...
+            i = index.get(rid)
+            if i is not None:  # the kept path's rows after the root (the request's last base row)
+                rows += [rows[-1] + r for r in result.sampled_rows[i][1:]]
+            self.speculator.proposer.observe_hidden(rid, run.first_positions[s], run.hidden[rows])
 
     def _append_tokens(self, req: Request, token_ids: list[int], logprobs: list[dict] | None) -> str | None:
         """Append token by token; -> the finish reason at the first token that ends the request (the rest

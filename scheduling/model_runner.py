@@ -7,6 +7,8 @@ a request that reaches the end of its tokens, every row of its drafts (k + 1 row
 verified token and after each draft), every row of a score() request.
 """
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from memory.kv_cache import KVCache
@@ -17,6 +19,15 @@ from scheduling.batcher import StepPlan
 from scheduling.lora_planner import LoraPlanner
 
 
+@dataclass(frozen=True)
+class RunOutput:
+    logits: np.ndarray  # [R, V] f32
+    logit_rows: list[slice | None]  # per scheduled request, its logits rows (None: none)
+    hidden: np.ndarray | None  # [T, H] f32: every row's final-norm hidden state, when wants_hidden
+    first_rows: list[int]  # per scheduled request, its first row in the flat batch (its rows are contiguous)
+    first_positions: list[int]  # per scheduled request, that row's position (its num_computed_tokens then)
+
+
 class ModelRunner:
     def __init__(self, model: LlamaModel, kv_cache: KVCache, block_size: int, adapters: AdapterStore,
                  lora: LoraPlanner):
@@ -25,16 +36,17 @@ class ModelRunner:
         self.block_size = block_size
         self.adapters = adapters  # the engine's registry (shared, not copied)
         self.lora = lora
-        self.wants_hidden = False  # a proposer drafts from the hidden states of the logits rows
+        self.wants_hidden = False  # a proposer drafts from the target's hidden states (of every row)
 
-    def run(self, plan: StepPlan) -> tuple[np.ndarray, list[slice | None], np.ndarray | None]:
-        """-> logits [R, V] float32, per scheduled request its slice of logits rows (None: no row), and
-        when wants_hidden the final-norm hidden states of the same rows [R, H] (else None)."""
+    def run(self, plan: StepPlan) -> "RunOutput":
         batch, logit_rows = self.build_batch(plan)
         self.model.projection_seconds = 0.0
         logits, hidden = self.model.forward_hidden(batch, self.kv_cache)
         self.lora.observe(self.model.projection_seconds)
-        return logits, logit_rows, hidden
+        first_rows = [0] * len(plan.scheduled)
+        for row in np.flatnonzero(np.diff(batch.token_seq, prepend=-1) != 0):  # each request's rows are contiguous
+            first_rows[batch.token_seq[row]] = int(row)
+        return RunOutput(logits, logit_rows, hidden, first_rows, [int(batch.positions[r]) for r in first_rows])
 
     def build_batch(self, plan: StepPlan) -> tuple[ForwardBatch, list[slice | None]]:
         bs = self.block_size
@@ -78,9 +90,9 @@ class ModelRunner:
         lora, merged = self.lora.plan(row_adapter, self.adapters.__getitem__)
         logits_indices = np.asarray(logits_indices, np.int64)
         tree_starts, tree_mask = _tree_arrays(len(token_ids), trees)
+        every_row = np.arange(len(token_ids), dtype=np.int64) if self.wants_hidden else None
         batch = ForwardBatch(np.asarray(token_ids, np.int64), positions, token_seq, slot_mapping, block_tables,
-                             logits_indices, lora, merged, logits_indices if self.wants_hidden else None,
-                             tree_starts, tree_mask)
+                             logits_indices, lora, merged, every_row, tree_starts, tree_mask)
         return batch, logit_rows
 
 

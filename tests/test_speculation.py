@@ -19,6 +19,7 @@ from scheduling.spec_controller import SpeculationController
 from scheduling.spec_policy import SpeculationPolicy
 from tests.chi_square import chi_square_p_value
 from tests.conftest import random_prompt
+from tests.eagle_factory import model_with_eagle
 from tests.medusa_factory import model_with_heads
 
 FP32 = {"weight_dtype": "float32", "kv_dtype": "float32"}
@@ -144,18 +145,30 @@ def medusa_dir(llama_dir, mixed, tmp_path_factory):
     return model_with_heads(llama_dir, tmp_path_factory.mktemp("medusa") / "model", num_heads=K, prompts=prompts)
 
 
-def method_setup(method: str, llama_dir, draft_dir, medusa_dir) -> tuple:
+@pytest.fixture(scope="module")
+def eagle_dir(llama_dir, mixed, tmp_path_factory):
+    """The test model with an EAGLE head fitted to its greedy continuations of the mixed id prompts."""
+    prompts = [p for p in mixed[0] if isinstance(p, list)]
+    return model_with_eagle(llama_dir, tmp_path_factory.mktemp("eagle") / "model", prompts=prompts)
+
+
+@pytest.fixture(scope="module")
+def heads_dirs(medusa_dir, eagle_dir):
+    return {"medusa": medusa_dir, "eagle": eagle_dir}
+
+
+def method_setup(method: str, llama_dir, draft_dir, heads_dirs) -> tuple:
     """(the model to serve, the speculation fields) of a method."""
     if method == "draft":
         return llama_dir, {"draft_model": str(draft_dir)}
-    return (medusa_dir if method == "medusa" else llama_dir), {}
+    return heads_dirs.get(method, llama_dir), {}
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("method", ["ngram", "draft", "medusa"])
-def test_greedy_speculation_gives_the_same_tokens_as_none(llama_dir, draft_dir, medusa_dir, mixed, reference, method,
+@pytest.mark.parametrize("method", ["ngram", "draft", "medusa", "eagle"])
+def test_greedy_speculation_gives_the_same_tokens_as_none(llama_dir, draft_dir, heads_dirs, mixed, reference, method,
                                                          mode, memory_bound_costs):
-    model, extra = method_setup(method, llama_dir, draft_dir, medusa_dir)
+    model, extra = method_setup(method, llama_dir, draft_dir, heads_dirs)
     spec = {"method": method, "num_speculative_tokens": K, "mode": mode} | extra
     llm = ns.LLM(model, **FP32, speculation=spec, max_num_batched_tokens=512)
     # this draft model is the target's size, so its cost prior keeps the load-aware modes from ever trying
@@ -168,10 +181,10 @@ def test_greedy_speculation_gives_the_same_tokens_as_none(llama_dir, draft_dir, 
     assert stats["num_free_blocks"] == stats["num_blocks"]  # rolled-back and finished blocks all returned
 
 
-def test_greedy_speculation_under_preemption_in_a_small_kv_pool(llama_dir, draft_dir, medusa_dir, mixed, reference):
+def test_greedy_speculation_under_preemption_in_a_small_kv_pool(llama_dir, draft_dir, heads_dirs, mixed, reference):
     bytes_per_block = 4 * 2 * 2 * 2 * 24 * 4  # block_size * (k, v) * layers * kv_heads * head_dim * fp32
-    for method in ("ngram", "draft", "medusa"):
-        model, extra = method_setup(method, llama_dir, draft_dir, medusa_dir)
+    for method in ("ngram", "draft", "medusa", "eagle"):
+        model, extra = method_setup(method, llama_dir, draft_dir, heads_dirs)
         llm = ns.LLM(model, **FP32, block_size=4, kv_cache_bytes=48 * bytes_per_block,
                      max_num_batched_tokens=128, speculation={"method": method, "mode": "on", **extra})
         assert_same(outcome(run(llm.engine, *mixed)), reference)

@@ -4,6 +4,7 @@ from cluster_configs.diagnostics import DecisionLog
 from cluster_configs.speculation_config import SpeculationConfig
 from models.proposers.base import Proposer, SpecRequest
 from models.proposers.draft import DraftModelProposer, DraftSampler, argmax_sampler, check_same_vocabulary
+from models.proposers.eagle import EagleProposer
 from models.proposers.medusa import MedusaProposer
 from models.proposers.ngram import NgramProposer
 from models.spec import ModelSpec
@@ -14,12 +15,13 @@ def make_proposer(config: SpeculationConfig, target_spec: ModelSpec, target_toke
                   kv_cache_tokens: int, block_size: int, weight_dtype: str = "auto", kv_dtype: str = "float32",
                   activation_dtype: str = "auto", decisions: DecisionLog | None = None,
                   sampler: DraftSampler = argmax_sampler, model_dir: str | None = None,
-                  target_weight_dtype: str = "float32") -> Proposer | None:
+                  target_weights: dict | None = None, target_weight_dtype: str = "float32") -> Proposer | None:
     """The proposer of config.method (None when off). A draft model gets a KV pool of kv_cache_tokens
     tokens in blocks of block_size; pass the engine's weight, KV and activation dtypes so that a draft
     model equal to the target drafts exactly the target's greedy tokens; sampler: how a draft model picks
-    its token from its logits (the engine's batched sampler; else the argmax). Medusa heads are read from
-    beside the target in model_dir and stored like its LM head (target_weight_dtype: the served dtype)."""
+    its token from its logits (the engine's batched sampler; else the argmax). Medusa heads and an EAGLE head
+    are read from beside the target in model_dir and stored in its served weight dtype (target_weight_dtype);
+    an EAGLE head shares the target's embedding and LM head (target_weights)."""
     if config.method == "ngram":
         return NgramProposer(config)
     if config.method == "draft":
@@ -28,8 +30,11 @@ def make_proposer(config: SpeculationConfig, target_spec: ModelSpec, target_toke
                                   activation_dtype=activation_dtype, decisions=decisions, sampler=sampler)
     if config.method == "medusa":
         return MedusaProposer(model_dir, target_spec, target_weight_dtype, config.num_heads)
+    if config.method == "eagle":
+        return EagleProposer(model_dir, target_spec, target_weights, target_weight_dtype,
+                             kv_cache_tokens=kv_cache_tokens, block_size=block_size, kv_dtype=kv_dtype)
     return None
 
 
-__all__ = ["DraftModelProposer", "MedusaProposer", "NgramProposer", "Proposer", "SpecRequest", "check_same_vocabulary",
+__all__ = ["DraftModelProposer", "EagleProposer", "MedusaProposer", "NgramProposer", "Proposer", "SpecRequest", "check_same_vocabulary",
            "make_proposer"]

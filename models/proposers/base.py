@@ -16,8 +16,8 @@ What the speculation policy needs to price a proposer (scheduling/spec_policy.py
 - `catches_up`: a request that has not drafted for a while costs a pass over every token it missed.
 
 A proposer that drafts from the target's hidden states (trained heads) sets `needs_hidden`: after each
-step the engine hands it, per request, the final-norm hidden state of the row that produced the request's
-last token (`observe_hidden`), from the step's own forward.
+step the engine hands it, per request, the final-norm hidden states of the positions the step verified
+(`observe_hidden`), from the step's own forward; the last of them produced the request's last token.
 
 A proposer that can draft token trees measures what each width would have kept (`accepted_counts`,
 `tree_sizes`: scheduling/tree_policy.py) and drafts at the `width` the speculator sets each step (or at
@@ -58,6 +58,6 @@ class Proposer(ABC):
     def free(self, request_id: str) -> None:
         """Forget a finished or aborted request (a preempted one may stay: the next call catches up)."""
 
-    def observe_hidden(self, request_id: str, num_tokens: int, hidden: np.ndarray) -> None:
-        """hidden [H] f32: the target's final-norm hidden state at the row that produced token num_tokens - 1
-        of the request (only called when needs_hidden)."""
+    def observe_hidden(self, request_id: str, first: int, features: np.ndarray) -> None:
+        """features [n, H] f32: the target's final-norm hidden states f_p at the request's positions
+        p = first .. first + n - 1 (f_p is the row that produced token p + 1); only when needs_hidden."""

@@ -1,10 +1,10 @@
 """MedusaProposer: drafts from trained Medusa heads (models/medusa.py) over the target's hidden states.
 
-The engine hands over, after each step, the hidden state of the row that produced each request's last
-token (Proposer.observe_hidden); head k's argmax at that row is the draft k + 1 places after that token
-(the target's own LM head gave the token itself). A request whose last token came from elsewhere (a
-resumed or preempted request before its next forward) has no hidden state for it and drafts nothing that
-step. With width > 1 it drafts a token tree: the top-`width` guesses of the first two heads (every pair)
+The engine hands over, after each step, the hidden states of the positions it verified; the last is the
+row that produced the request's last token (Proposer.observe_hidden), and head k's argmax at that row is
+the draft k + 1 places after that token (the target's own LM head gave the token itself). A request
+whose last token came from elsewhere (a resumed or preempted request before its next forward) has no
+hidden state for it and drafts nothing that step. With width > 1 it drafts a token tree: the top-`width` guesses of the first two heads (every pair)
 and each later head's best guess under each pair, verified in one forward with tree attention. The width
 is the speculator's choice each step (scheduling/tree_policy.py) from what this proposer measures: for
 each proposal whose continuation is known, the drafts a tree of each width up to MAX_WIDTH would have had
@@ -50,8 +50,9 @@ class MedusaProposer(Proposer):
         self.tree_sizes = np.array([[tree_size(w, d) for d in range(K + 1)] for w in range(1, MAX_WIDTH + 1)])
         self._pending: dict[str, list[tuple[int, np.ndarray]]] = {}  # request id -> (its tokens, ranked [K, W])
 
-    def observe_hidden(self, request_id: str, num_tokens: int, hidden: np.ndarray) -> None:
-        self._hidden[request_id] = (num_tokens, hidden)
+    def observe_hidden(self, request_id: str, first: int, features: np.ndarray) -> None:
+        # the last feature (position first + n - 1) produced token first + n: the request then had first + n + 1
+        self._hidden[request_id] = (first + len(features) + 1, features[-1])
 
     def free(self, request_id: str) -> None:
         self._hidden.pop(request_id, None)
