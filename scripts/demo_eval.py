@@ -93,6 +93,20 @@ guesses: {depths}. Head k guesses the token k + 2 places on from the hidden stat
 """
 
 
+def _eagle_paragraph(eagle: dict | None) -> str:
+    if eagle is None:
+        return ""
+    return f"""
+**EAGLE head** (`base/eagle_head.safetensors`: fc over [token embedding; feature], one decoder layer of the
+base's shape and a norm, sharing the base's embedding and LM head; trained on the frozen base by
+`{eagle['reproduce']}` in {eagle['runtime_s']:.0f} s, {eagle['steps']} steps): greedy acceptance over
+{eagle['positions']} held-out positions with {eagle['context_tokens']} tokens of context, depth {eagle['depth']}:
+chain {eagle['chain_mean_accepted_per_round']:.2f} drafts kept per round ({eagle['chain_tokens_per_round']:.2f} tokens
+per verification); tree (top {eagle['tree_width']} of the first two steps, every pair)
+{eagle['tree_mean_accepted_per_round']:.2f} ({eagle['tree_tokens_per_round']:.2f} tokens per verification).
+"""
+
+
 def model_card(m: dict) -> str:
     """The MODEL_CARD.md text for the metrics dict written by train_demo.py."""
     data, held, spec = m["data"], m["heldout"], m["speculation"]
@@ -149,7 +163,7 @@ per proposed token ({spec['mean_accepted_per_round']:.2f} of {spec['depth']} per
 {spec['positions']} held-out positions with {spec['context_tokens']} tokens of context each; the
 draft proposes {spec['depth']} greedy tokens and the base keeps the prefix that matches its own
 greedy choices.
-{_medusa_paragraph(m.get("medusa"))}
+{_medusa_paragraph(m.get("medusa"))}{_eagle_paragraph(m.get("eagle"))}
 **Adapters** (perplexity on held-out files of their own subset, and of the other subset):
 
 | adapter | own held-out files | base | base + adapter | other subset: base | other subset: + adapter |

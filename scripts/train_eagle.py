@@ -1,0 +1,145 @@
+"""Train an EAGLE head on the frozen demo base model (numaserve/assets/demo/base), seeded.
+
+    python scripts/train_eagle.py --seed 0 --threads 2              # a few minutes on 2 cores
+    python scripts/train_eagle.py --quick --out /tmp/demo-eagle      # smoke run
+
+Writes eagle_head.safetensors (bf16) and eagle_config.json into base/ (or --out) and the head's held-out
+greedy acceptance into metrics.json under "eagle" (the model card renders it). Data: train_demo.py's (the
+standard library's .py files; held-out files never trained on). At position i the head reads the base's
+final-norm feature f_i and the embedding of token i + 1 and learns f_{i+1} (smooth L1) and token i + 2
+through the base's LM head (cross-entropy, weight 0.1), as in the EAGLE paper; its layer starts as a copy
+of the base's last layer.
+"""
+
+import argparse
+import json
+import math
+import os
+import time
+from pathlib import Path
+
+import demo_eval
+import torch
+import torch.nn.functional as F
+import transformers
+from head_modules import EagleHead
+from safetensors.torch import save_file
+from tokenizers import Tokenizer
+from train_demo import ASSETS, collect_corpus, encode_corpus, load_model
+
+STEPS, QUICK_STEPS, LR, TOKEN_WEIGHT = 800, 20, 1e-3, 0.1
+BATCH, SEQ_LEN = 8, 256
+ACCEPT_POSITIONS, ACCEPT_CONTEXT, ACCEPT_DEPTH, TREE_WIDTH = 512, 64, 5, 3
+
+
+def new_head(base: transformers.LlamaForCausalLM) -> EagleHead:
+    head = EagleHead(base.config)
+    last = base.model.layers[-1].state_dict()
+    head.model.layers[0].load_state_dict(last)
+    head.model.norm.load_state_dict(base.model.norm.state_dict())
+    return head
+
+
+def train(head: EagleHead, base, stream: torch.Tensor, steps: int, seed: int) -> list[float]:
+    optimizer = torch.optim.AdamW(head.parameters(), lr=LR, weight_decay=0.0)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 0.1 + 0.45 * (1 + math.cos(math.pi * s / steps)))
+    generator = torch.Generator().manual_seed(seed)
+    losses = []
+    for step in range(steps):
+        starts = torch.randint(0, len(stream) - SEQ_LEN, (BATCH,), generator=generator)
+        ids = torch.stack([stream[s:s + SEQ_LEN] for s in starts.tolist()])
+        with torch.no_grad():
+            features = base.model(input_ids=ids).last_hidden_state  # [B, S, H]
+            embeds = base.model.embed_tokens(ids)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            guess = head(embeds[:, 1:-1], features[:, :-2])  # position i: t_{i+1}, f_i -> f_{i+1}
+            regression = F.smooth_l1_loss(guess.float(), features[:, 1:-1])
+            logits = base.lm_head(guess)
+            tokens = F.cross_entropy(logits.flatten(0, 1).float(), ids[:, 2:].flatten())
+            loss = regression + TOKEN_WEIGHT * tokens
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        schedule.step()
+        losses.append(loss.item())
+        if step % 50 == 0 or step == steps - 1:
+            print(f"step {step}: loss {loss.item():.3f} (features {regression.item():.3f}, tokens {tokens.item():.3f})",
+                  flush=True)
+    return losses
+
+
+@torch.no_grad()
+def acceptance(head: EagleHead, base, stream: torch.Tensor) -> dict:
+    """Greedy speculation, one round per held-out position, as the engine runs it: the context's last token
+    came from feature f_{c-2}; the head drafts from there, feeding each guess back with its own feature.
+    Chain: each step's argmax. Tree: the top TREE_WIDTH of the first two steps (every pair), argmax after;
+    the round keeps the path matching the base's greedy continuation."""
+    contexts = demo_eval.eval_windows(stream, ACCEPT_POSITIONS, ACCEPT_CONTEXT)
+    kept = {"chain": [], "tree": []}
+    for i in range(0, len(contexts), 64):
+        ctx = contexts[i:i + 64]
+        features = base.model(input_ids=ctx).last_hidden_state[:, :-1]  # f_0 .. f_{c-2}
+        truth = demo_eval.greedy_tokens(base, ctx, ACCEPT_DEPTH)  # [B, depth]: t_c, t_{c+1}, ...
+        for name, width in (("chain", 1), ("tree", TREE_WIDTH)):
+            tokens, feats = ctx[:, 1:], features  # position j: t_{j+1}, f_j
+            alive = torch.ones(len(ctx), dtype=torch.bool)
+            count = torch.zeros(len(ctx), dtype=torch.long)
+            for d in range(ACCEPT_DEPTH):
+                out = head(base.model.embed_tokens(tokens), feats)[:, -1]  # the guess of the next feature
+                top = base.lm_head(out).topk(width if d < 2 else 1, dim=-1).indices  # [B, w]
+                hit = alive & (top == truth[:, d:d + 1]).any(dim=1)
+                count += hit.long()
+                alive = hit  # follow the base's own token: in a tree it is the matching child, if any
+                tokens = torch.cat([tokens, truth[:, d:d + 1]], dim=1)
+                feats = torch.cat([feats, out[:, None]], dim=1)
+            kept[name].append(count)
+    result = {"positions": len(contexts), "context_tokens": ACCEPT_CONTEXT, "depth": ACCEPT_DEPTH,
+              "tree_width": TREE_WIDTH}
+    for name, counts in kept.items():
+        counts = torch.cat(counts).double()
+        result[f"{name}_mean_accepted_per_round"] = round(counts.mean().item(), 4)
+        result[f"{name}_tokens_per_round"] = round(counts.mean().item() + 1, 4)
+    return result
+
+
+def save(head: EagleHead, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.to(torch.bfloat16) for k, v in head.head_state_dict().items()}, out / "eagle_head.safetensors")
+    (out / "eagle_config.json").write_text(json.dumps({"eagle_num_layers": 1}, indent=2) + "\n")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the windows sampled for training")
+    parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="torch threads")
+    parser.add_argument("--quick", action="store_true", help="a smoke run: a few steps on a sixteenth of the files")
+    parser.add_argument("--out", type=Path, default=None, help="where to write the head (default: the demo base)")
+    args = parser.parse_args()
+    os.environ["RAYON_NUM_THREADS"] = str(args.threads)
+    torch.set_num_threads(args.threads)
+    transformers.utils.logging.disable_progress_bar()
+    start = time.perf_counter()
+    base = load_model(ASSETS / "base")
+    base.requires_grad_(False)
+    tokenizer = Tokenizer.from_file(str(ASSETS / "base" / "tokenizer.json"))
+    streams = encode_corpus(tokenizer, collect_corpus(args.quick))
+    torch.manual_seed(args.seed)
+    head = new_head(base)
+    losses = train(head, base, streams["train", "all"], QUICK_STEPS if args.quick else STEPS, args.seed)
+    head.eval()
+    result = acceptance(head, base, streams["heldout", "all"])
+    save(head, args.out or ASSETS / "base")
+    eagle = result | {"steps": len(losses), "final_loss": round(sum(losses[-20:]) / len(losses[-20:]), 4),
+                      "seed": args.seed, "threads": args.threads,
+                      "reproduce": f"python scripts/train_eagle.py --seed {args.seed} --threads {args.threads}",
+                      "runtime_s": round(time.perf_counter() - start, 1)}
+    print(json.dumps(eagle, indent=2))
+    if args.out is None:  # the shipped family: its metrics and model card say what the head does
+        metrics_path = ASSETS / "metrics.json"
+        metrics = json.loads(metrics_path.read_text()) | {"eagle": eagle}
+        metrics_path.write_text(json.dumps(metrics, indent=2) + "\n")
+        (ASSETS / "MODEL_CARD.md").write_text(demo_eval.model_card(metrics))
+
+
+if __name__ == "__main__":
+    main()
