@@ -355,11 +355,19 @@ def vocab16_medusa(vocab16, tmp_path_factory):
     return model_with_heads(vocab16[0], tmp_path_factory.mktemp("vocab16-medusa") / "target", num_heads=2)
 
 
-def vocab16_setup(method: str, vocab16, vocab16_medusa) -> tuple:
+@pytest.fixture(scope="module")
+def vocab16_eagle(vocab16, tmp_path_factory):
+    """The vocab16 target with a random EAGLE head beside it."""
+    return model_with_eagle(vocab16[0], tmp_path_factory.mktemp("vocab16-eagle") / "target")
+
+
+def vocab16_setup(method: str, vocab16, vocab16_medusa, vocab16_eagle=None) -> tuple:
     """(the model to serve, the speculation fields) of a method on the vocab16 target."""
     target, draft = vocab16
     if method == "draft":
         return target, {"draft_model": str(draft)}
+    if method == "eagle":
+        return vocab16_eagle, {}
     return (vocab16_medusa if method.startswith("medusa") else target), {}
 
 
@@ -380,10 +388,10 @@ PROMPT = [3, 9, 4, 12, 7]
 
 
 @pytest.mark.parametrize("method, filters", [("draft", {}), ("draft", {"top_k": 10, "top_p": 0.85}),
-                                             ("medusa", {"top_k": 10, "top_p": 0.85})],
-                         ids=["draft-plain", "draft-top_k_top_p", "medusa-top_k_top_p"])
-def test_sampling_with_drafts_emits_the_targets_distribution(vocab16, vocab16_medusa, method, filters):
-    model, extra = vocab16_setup(method, vocab16, vocab16_medusa)
+                                             ("medusa", {"top_k": 10, "top_p": 0.85}), ("eagle", {})],
+                         ids=["draft-plain", "draft-top_k_top_p", "medusa-top_k_top_p", "eagle-plain"])
+def test_sampling_with_drafts_emits_the_targets_distribution(vocab16, vocab16_medusa, vocab16_eagle, method, filters):
+    model, extra = vocab16_setup(method, vocab16, vocab16_medusa, vocab16_eagle)
     llm = ns.LLM(model, **FP32, block_size=4, max_num_seqs=NUM_RUNS, max_num_batched_tokens=1 << 16,
                  speculation={"method": method, "num_speculative_tokens": 2, "mode": "on"} | extra)
     params = [ns.SamplingParams(max_tokens=3, temperature=1.0, seed=s, ignore_eos=True, **filters)
@@ -411,12 +419,12 @@ def test_sampling_with_drafts_emits_the_targets_distribution(vocab16, vocab16_me
 
 
 @pytest.mark.parametrize("method, mode", [("ngram", "on"), ("draft", "on"), ("draft", "auto"), ("medusa", "on"),
-                                          ("medusa-tree", "on")])
-def test_seeded_sampling_with_drafts_gives_the_tokens_of_no_speculation(vocab16, vocab16_medusa, method, mode,
-                                                                        memory_bound_costs):
+                                          ("medusa-tree", "on"), ("eagle", "on")])
+def test_seeded_sampling_with_drafts_gives_the_tokens_of_no_speculation(vocab16, vocab16_medusa, vocab16_eagle, method,
+                                                                        mode, memory_bound_costs):
     """Drafts only decide how many of the target's own keyed draws a step makes (scheduling/step_sampler.py)."""
     target, _ = vocab16
-    model, extra = vocab16_setup(method, vocab16, vocab16_medusa)
+    model, extra = vocab16_setup(method, vocab16, vocab16_medusa, vocab16_eagle)
     prompts = [random_prompt(n, seed=n, vocab=16) for n in range(4, 36)]
     params = [ns.SamplingParams(max_tokens=24, temperature=1.0, seed=s, ignore_eos=True, top_p=0.9 if s % 2 else 1.0,
                                 **({"top_k": 8, "repetition_penalty": 1.2} if s % 3 == 0 else {}))
@@ -445,9 +453,11 @@ def test_the_policy_widens_medusa_trees_where_they_keep_more_and_tokens_stay_the
     assert llm.engine.speculator.proposer.accepted_counts.sum(axis=1)[0] >= 16
 
 
-@pytest.mark.parametrize("method, mode", [("ngram", "auto"), ("draft", "on"), ("draft", "auto"), ("medusa", "on")])
-def test_same_seed_same_tokens_alone_or_batched(vocab16, vocab16_medusa, method, mode, memory_bound_costs):
-    target, extra = vocab16_setup(method, vocab16, vocab16_medusa)
+@pytest.mark.parametrize("method, mode", [("ngram", "auto"), ("draft", "on"), ("draft", "auto"), ("medusa", "on"),
+                                          ("eagle", "on")])
+def test_same_seed_same_tokens_alone_or_batched(vocab16, vocab16_medusa, vocab16_eagle, method, mode,
+                                                memory_bound_costs):
+    target, extra = vocab16_setup(method, vocab16, vocab16_medusa, vocab16_eagle)
     spec = {"method": method, "mode": mode} | extra
     params = ns.SamplingParams(max_tokens=20, temperature=0.9, seed=42, ignore_eos=True)
     prompt = random_prompt(6, seed=5, vocab=16)
