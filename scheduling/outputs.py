@@ -15,7 +15,7 @@ class StepResult:
     req_ids: list[str] = field(default_factory=list)
     sampled_token_ids: list[list[int]] = field(default_factory=list)
     logprobs: list[list[dict[int, float]] | None] = field(default_factory=list)  # per token, when asked
-    num_draft_tokens: list[int] = field(default_factory=list)  # drafts verified for each request (0: none)
+    num_draft_tokens: list[int] = field(default_factory=list)  # drafts verified per request (0: none; a tree: its depth)
     num_accepted_tokens: list[int] = field(default_factory=list)  # of those, accepted
     # per request, the offset in its logits rows of the row each token was sampled at (a chain: 0, 1, ...;
     # a tree: the rows of its accepted path)
