@@ -145,6 +145,8 @@ class ClusterConfig(BaseModel):
             data = yaml.safe_load(path.read_text())
         except yaml.YAMLError as e:
             raise ValueError(f"{path}: not valid YAML ({e})") from None
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"{path}: cannot read the config file ({e}); pass the path of a YAML file") from None
         if isinstance(data, dict):
             for key in ("model", "adapter_registry"):
                 if isinstance(data.get(key), str) and not Path(data[key]).expanduser().is_absolute():

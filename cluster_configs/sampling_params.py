@@ -4,7 +4,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
 class SamplingParams(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)  # inf temperature: NaN logits
 
     max_tokens: int = Field(16, ge=1)
     temperature: float = Field(1.0, ge=0.0)  # 0 = greedy

@@ -57,7 +57,11 @@ def read_gguf(path: Path, copied: set[str] | None = None) -> tuple[dict, dict[st
                               "that it is complete; write one with numaserve's export_gguf or convert_hf_to_gguf.py") from None
     if reader.byte_order != "I":
         raise CheckpointError(f"{path}: a big-endian GGUF file; convert it for little-endian hosts")
-    metadata = {name: field.contents() for name, field in reader.fields.items() if not name.startswith("GGUF.")}
+    try:
+        metadata = {name: field.contents() for name, field in reader.fields.items() if not name.startswith("GGUF.")}
+    except (ValueError, IndexError) as e:  # UnicodeDecodeError is a ValueError
+        raise CheckpointError(f"{path}: a metadata value is unreadable ({e}); the file is corrupt: re-download "
+                              "or re-export it") from None
     tensors = {t.name: _copy_tensor(path, t) if copied is None or t.name in copied else
                StoredTensor(t.tensor_type, tuple(int(d) for d in reversed(t.shape.tolist())), None)
                for t in reader.tensors}
@@ -135,7 +139,11 @@ def _spec(path: Path, metadata: dict, tensors: dict[str, StoredTensor]) -> Model
 def _rope_scaling(path: Path, metadata: dict, tensors: dict, rope_theta: float, head_dim: int) -> dict | None:
     freqs = tensors.pop("rope_freqs.weight", None)
     if ROPE_SCALING_KEY in metadata:
-        return json.loads(metadata[ROPE_SCALING_KEY])
+        try:
+            return json.loads(metadata[ROPE_SCALING_KEY])
+        except (TypeError, ValueError) as e:
+            raise CheckpointError(f"{path}: {ROPE_SCALING_KEY} is not valid JSON ({e}); the file is corrupt: "
+                                  "re-download or re-export it") from None
     kind = metadata.get(f"{ARCH}.rope.scaling.type", "linear")  # llama.cpp's default
     factor = f32(metadata.get(f"{ARCH}.rope.scaling.factor", 0.0))
     if kind not in ("none", "linear"):
@@ -245,5 +253,11 @@ def load_gguf(path: str | Path, weight_dtype: str) -> tuple[ModelSpec, dict, Tok
     path = Path(path)
     metadata, tensors = read_gguf(path)
     spec = _spec(path, metadata, tensors)
-    tokenizer = tokenizer_from_metadata(path, metadata)
+    try:
+        tokenizer = tokenizer_from_metadata(path, metadata)
+    except CheckpointError:
+        raise
+    except Exception as e:  # noqa: BLE001 -- the tokenizers library raises a bare Exception for a bad vocabulary
+        raise CheckpointError(f"{path}: the tokenizer.ggml.* vocabulary is inconsistent ({e}); the file is "
+                              "corrupt: re-download or re-export it") from None
     return spec, _weights(path, spec, tensors, weight_dtype), tokenizer

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from cluster_configs.errors import AdapterError
+from cluster_configs.errors import AdapterError, CheckpointError
 from models.lora_config import MODULES, module_shapes, read_lora_config
 from models.safetensors_io import read_header, read_tensor
 from models.spec import ModelSpec
@@ -62,12 +62,15 @@ def load_lora(name: str, path: str | Path, spec: ModelSpec, max_rank: int | None
     config = read_lora_config(path)
     shapes = module_shapes(spec)
     pairs: dict[tuple[int, str], dict[str, np.ndarray]] = {}
-    for key, entry in read_header(weights_path).items():
-        m = _KEY.fullmatch(key)
-        if m is None or m.group(2) not in MODULES or int(m.group(1)) >= spec.num_layers:
-            raise AdapterError(f"{weights_path}: tensor {key!r} does not adapt a supported module of this "
-                               f"{spec.num_layers}-layer model ({', '.join(MODULES)})")
-        pairs.setdefault((int(m.group(1)), m.group(2)), {})[m.group(3)] = read_tensor(entry)
+    try:
+        for key, entry in read_header(weights_path).items():
+            m = _KEY.fullmatch(key)
+            if m is None or m.group(2) not in MODULES or int(m.group(1)) >= spec.num_layers:
+                raise AdapterError(f"{weights_path}: tensor {key!r} does not adapt a supported module of this "
+                                   f"{spec.num_layers}-layer model ({', '.join(MODULES)})")
+            pairs.setdefault((int(m.group(1)), m.group(2)), {})[m.group(3)] = read_tensor(entry)
+    except CheckpointError as e:  # a corrupt file: the adapter's error, in the loader's words
+        raise AdapterError(str(e)) from None
     if not pairs:
         raise AdapterError(f"{weights_path}: holds no LoRA tensors")
     layers: list[dict[str, LoraModule]] = [{} for _ in range(spec.num_layers)]
