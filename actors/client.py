@@ -4,21 +4,29 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import ray
-from ray.exceptions import RayTaskError
+from ray.exceptions import RayActorError, RayTaskError
 
-from cluster_configs.errors import NumaserveError
+from cluster_configs.errors import NumaserveError, Unavailable
 from cluster_configs.sampling_params import SamplingParams
 from scheduling.outputs import Completion, RequestOutput
 
 
-def _get(ref):
-    """ray.get, raising numaserve's own errors (InvalidRequest, Overloaded, ...) as themselves."""
+def _get(ref, actor: str = "router"):
+    """ray.get, raising numaserve's own errors (InvalidRequest, Overloaded, ...) as themselves, and the death of
+    the actor called (router, adapter cache) as Unavailable."""
     try:
         return ray.get(ref)
     except RayTaskError as e:
         if isinstance(e.cause, NumaserveError):
             raise e.cause from None
         raise
+    except RayActorError:
+        raise _unavailable(actor) from None
+
+
+def _unavailable(actor: str) -> Unavailable:
+    return Unavailable(f"the deployment's {actor} went down mid-call (Ray restarts it; a stream it carried is "
+                       "lost): retry in a few seconds")
 
 
 def cancel_stream(stream) -> None:
@@ -66,22 +74,24 @@ class Client:
                 if isinstance(item, RequestOutput) and item.finished:
                     finished = True
                     return
+        except RayActorError:  # the router died between items
+            raise _unavailable("router") from None
         finally:
             if not finished:
                 cancel_stream(stream)
 
     def register_adapter(self, name: str, path: str | Path) -> str:
         """Register a PEFT adapter directory under name (kept across restarts); AdapterError if it is invalid."""
-        return _get(self.adapter_cache.register.remote(name, str(path)))
+        return _get(self.adapter_cache.register.remote(name, str(path)), "adapter cache")
 
     def compose_adapter(self, name: str, weights: dict[str, float], combination: str = "svd") -> None:
         """Register `name` as the weighted combination of registered adapters, as PEFT's add_weighted_adapter
         builds it: combination "cat", "linear" or "svd" (kept across restarts); AdapterError if it cannot be."""
-        _get(self.adapter_cache.compose.remote(name, weights, combination))
+        _get(self.adapter_cache.compose.remote(name, weights, combination), "adapter cache")
 
     def stats(self) -> dict:
         """The router's figures, each worker's, the policies, and the adapter cache's (under "adapter_cache")."""
-        return _get(self.router.stats.remote()) | {"adapter_cache": _get(self.adapter_cache.stats.remote())}
+        return _get(self.router.stats.remote()) | {"adapter_cache": _get(self.adapter_cache.stats.remote(), "adapter cache")}
 
     def shutdown(self) -> None:
         """Stop every actor of this deployment."""
