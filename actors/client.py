@@ -45,16 +45,16 @@ class Client:
         self.http_url = http_url  # the OpenAI-compatible API (e.g. "http://127.0.0.1:8000"), if the deployment has one
 
     def stream(self, prompt, params: SamplingParams | None = None, adapter: str | None = None,
-               session: str | None = None) -> Iterator[RequestOutput]:
+               session: str | None = None, cache_salt: str | None = None) -> Iterator[RequestOutput]:
         """Deltas of one completion (.text, .token_ids, .finish_reason, .logprobs when asked); closing the
-        iterator aborts it."""
-        chunks = self._chunks(prompt, params, adapter, session)
+        iterator aborts it. cache_salt: share cached prefix blocks only with requests of the same salt."""
+        chunks = self._chunks(prompt, params, adapter, session, cache_salt)
         next(chunks)  # the prompt's token ids: admitted
         yield from chunks
 
     def generate(self, prompt, params: SamplingParams | None = None, adapter: str | None = None,
-                 session: str | None = None) -> Completion:
-        chunks = self._chunks(prompt, params, adapter, session)
+                 session: str | None = None, cache_salt: str | None = None) -> Completion:
+        chunks = self._chunks(prompt, params, adapter, session, cache_salt)
         done = Completion(prompt_token_ids=next(chunks))
         for chunk in chunks:
             done.token_ids += chunk.token_ids
@@ -64,8 +64,8 @@ class Client:
                 done.logprobs = (done.logprobs or []) + chunk.logprobs
         return done
 
-    def _chunks(self, prompt, params, adapter, session):
-        stream = self.router.generate.remote(prompt, params, adapter, session)
+    def _chunks(self, prompt, params, adapter, session, cache_salt=None):
+        stream = self.router.generate.remote(prompt, params, adapter, session, cache_salt)
         finished = False
         try:
             for ref in stream:

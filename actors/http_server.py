@@ -27,6 +27,7 @@ from actors.chat_template import load_chat_template
 from actors.client import cancel_stream
 from actors.metrics import render
 from actors.openai_errors import APIError, JSONBodies, install_error_handlers
+from actors.openai_limits import Caller
 from actors.openai_protocol import ChatCompletionRequest, CompletionRequest, LoadLoraAdapterRequest
 from actors.openai_serving import OpenAIServing
 from cluster_configs.cluster_config import ClusterConfig, HttpConfig
@@ -99,8 +100,8 @@ class RayDeployment:
     def __init__(self, router, adapter_cache):
         self.router, self.adapter_cache = router, adapter_cache
 
-    def generate(self, prompt, params, adapter):
-        return RayRequestStream(self.router.generate.remote(prompt, params, adapter, None))
+    def generate(self, prompt, params, adapter, cache_salt=None):
+        return RayRequestStream(self.router.generate.remote(prompt, params, adapter, None, cache_salt))
 
     async def model_info(self) -> dict:
         return await _call(self.router.model_info.remote())
@@ -131,20 +132,27 @@ def build_app(serving: OpenAIServing) -> FastAPI:
     install_error_handlers(app)
     app.add_middleware(JSONBodies, max_bytes=MAX_BODY_BYTES)
 
+    def caller(request: Request) -> Caller:
+        """The /v1 routes' API key check (401), as vLLM's --api-key does; /health and /metrics stay open."""
+        key = serving.tenancy.authenticate(request.headers.get("authorization"))
+        return Caller(key, request.client.host if request.client else None)
+
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        return await _respond(request, serving.completions(body))
+        return await _respond(request, serving.completions(body, caller(request)))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        return await _respond(request, serving.chat(body))
+        return await _respond(request, serving.chat(body, caller(request)))
 
     @app.get("/v1/models")
-    async def models() -> dict:
+    async def models(request: Request) -> dict:
+        caller(request)
         return await serving.models()
 
     @app.post("/v1/load_lora_adapter")
-    async def load_lora_adapter(body: LoadLoraAdapterRequest) -> PlainTextResponse:
+    async def load_lora_adapter(body: LoadLoraAdapterRequest, request: Request) -> PlainTextResponse:
+        caller(request)
         return PlainTextResponse(await serving.load_lora_adapter(body))
 
     @app.get("/health")
@@ -209,7 +217,8 @@ class HttpServer:
                  adapter_cache):
         # small arguments only: Ray restarts the actor from them
         serving = OpenAIServing(RayDeployment(router, adapter_cache), model_name, model_path,
-                                load_chat_template(model_path), config.enable_lora_loading, system_fingerprint)
+                                load_chat_template(model_path), config.enable_lora_loading, system_fingerprint,
+                                config)
         family = socket.AF_INET6 if ":" in config.host else socket.AF_INET
         sock = socket.create_server((config.host, config.port), family=family)  # OSError: the actor fails to start
         self.url = f"http://{f'[{config.host}]' if ':' in config.host else config.host}:{config.port}"

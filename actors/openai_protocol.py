@@ -37,21 +37,27 @@ class _Sampling(BaseModel):
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None  # accepted, not used
+    user: str | None = None  # the tenant when the server has no API keys: its cache salt and concurrency bound
+    cache_salt: StrictStr | None = Field(None, min_length=1, description="share cached prefix blocks only with "
+                                         "requests of the same salt (and tenant)")  # vLLM's
     # vLLM's extensions
     top_k: int | None = Field(None, ge=-1, description="0 or -1 = off")
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     repetition_penalty: float | None = Field(None, gt=0.0)
     ignore_eos: bool = False
     stop_token_ids: list[StrictInt] | None = None
+    # numaserve's: seconds the request may take; past it a request is aborted (default: http.default_deadline_s)
+    deadline_s: float | None = Field(None, gt=0.0, le=86_400.0)
 
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None) -> list[SamplingParams]:
+    def sampling_params(self, max_tokens: int, logprobs: int | None,
+                        deadline_s: float | None = None) -> list[SamplingParams]:
         """One SamplingParams per choice (n): a seeded request's choice i is seeded with seed + i."""
-        fields = {"max_tokens": max_tokens, "logprobs": logprobs, "ignore_eos": self.ignore_eos}
+        fields = {"max_tokens": max_tokens, "logprobs": logprobs, "ignore_eos": self.ignore_eos,
+                  "deadline_s": deadline_s}
         for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "min_p", "repetition_penalty"):
             if getattr(self, name) is not None:
                 fields[name] = getattr(self, name)

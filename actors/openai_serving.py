@@ -22,12 +22,14 @@ from actors.openai_format import (
     completion_logprobs,
     usage,
 )
+from actors.openai_limits import ANONYMOUS, Caller, Tenancy, release_after
 from actors.openai_protocol import (
     MAX_CHOICES,
     ChatCompletionRequest,
     CompletionRequest,
     LoadLoraAdapterRequest,
 )
+from cluster_configs.cluster_config import HttpConfig
 from cluster_configs.errors import InvalidRequest
 from cluster_configs.sampling_params import SamplingParams
 from scheduling.outputs import RequestOutput
@@ -39,7 +41,8 @@ class RequestStream(Protocol):
 
 
 class Deployment(Protocol):
-    def generate(self, prompt, params: SamplingParams, adapter: str | None) -> RequestStream: ...
+    def generate(self, prompt, params: SamplingParams, adapter: str | None,
+                 cache_salt: str | None = None) -> RequestStream: ...
     async def model_info(self) -> dict: ...  # tokenizer, vocab_size, max_model_len
     async def adapter_path(self, name: str) -> str | None: ...
     async def adapters(self) -> dict[str, str]: ...
@@ -50,8 +53,9 @@ class Deployment(Protocol):
 
 class OpenAIServing:
     def __init__(self, deployment: Deployment, model_name: str, model_path: str, chat_template: ChatTemplate | None,
-                 enable_lora_loading: bool, fingerprint: str):
+                 enable_lora_loading: bool, fingerprint: str, limits: HttpConfig | None = None):
         self.deployment = deployment
+        self.tenancy = Tenancy(limits or HttpConfig())
         self.model_name, self.model_path = model_name, model_path
         self.chat_template = chat_template
         self.enable_lora_loading = enable_lora_loading
@@ -67,7 +71,26 @@ class OpenAIServing:
 
     # ---- endpoints ---------------------------------------------------------------------------------------
 
-    async def completions(self, req: CompletionRequest) -> dict | AsyncIterator[str]:
+    async def completions(self, req: CompletionRequest, caller: Caller = ANONYMOUS) -> dict | AsyncIterator[str]:
+        return await self._limited(req, caller, self._completions)
+
+    async def chat(self, req: ChatCompletionRequest, caller: Caller = ANONYMOUS) -> dict | AsyncIterator[str]:
+        return await self._limited(req, caller, self._chat)
+
+    async def _limited(self, req, caller: Caller, endpoint: Callable) -> dict | AsyncIterator[str]:
+        """endpoint(req, cache_salt) counted against its client's concurrency bound until its answer is done."""
+        release = self.tenancy.admit(self.tenancy.client(caller, req.user))
+        try:
+            result = await endpoint(req, self.tenancy.cache_salt(caller.api_key, req.user, req.cache_salt))
+        except BaseException:
+            release()
+            raise
+        if isinstance(result, dict):
+            release()
+            return result
+        return release_after(result, release)
+
+    async def _completions(self, req: CompletionRequest, salt: str | None) -> dict | AsyncIterator[str]:
         adapter = await self._adapter(req.model)
         await self.info()
         prompts = req.prompts()
@@ -75,10 +98,13 @@ class OpenAIServing:
         if req.echo and req.logprobs is not None:
             raise APIError(400, "echo with logprobs asks for the prompt's logprobs, which numaserve does not "
                                 "compute; drop echo or logprobs", param="echo")
-        params = req.sampling_params(req.max_tokens, req.logprobs)
+        if req.max_tokens is not None:
+            self.tenancy.check_max_tokens(req.max_tokens)
+        deadline_s = self.tenancy.deadline_s(req.deadline_s)
+        params = req.sampling_params(req.max_tokens, req.logprobs, deadline_s)
         header = ResponseHeader.new("cmpl", "text_completion", req.model or self.model_name, self.fingerprint)
         requests = [(p, sp) for p in prompts for sp in params]
-        choices, streams, firsts = await self._open(requests, adapter, "prompt")
+        choices, streams, firsts = await self._open(requests, adapter, "prompt", salt, deadline_s)
         if req.echo:
             for c, (prompt, _) in zip(choices, requests):
                 c.prompt_text = prompt if isinstance(prompt, str) else self._decode(c.prompt_ids)
@@ -95,12 +121,14 @@ class OpenAIServing:
         if req.stream:
             return self._stream(header, choices, streams, firsts, delta, [], req)
         await _collect(choices, streams, firsts)
+        if any(c.finish_reason == "abort" for c in choices):  # nothing was sent: an error, not a cut answer
+            raise self.tenancy.deadline_error(deadline_s)
         return header.body([{"index": c.index, "text": (c.prompt_text or "") + c.text,
                              "logprobs": (completion_logprobs(self._texts, c.token_ids, c.logprobs, len(c.prompt_text or ""))
                                           if c.logprobs is not None else None),
                              "finish_reason": c.finish_reason} for c in choices], usage=usage(choices, req.n))
 
-    async def chat(self, req: ChatCompletionRequest) -> dict | AsyncIterator[str]:
+    async def _chat(self, req: ChatCompletionRequest, salt: str | None) -> dict | AsyncIterator[str]:
         adapter = await self._adapter(req.model)
         info = await self.info()
         if self.chat_template is None or info["tokenizer"] is None:
@@ -112,10 +140,15 @@ class OpenAIServing:
         text = self.chat_template.render([m.template_message() for m in req.messages])
         prompt_ids = info["tokenizer"].hf_tokenizer.encode(text, add_special_tokens=False).ids  # the template's own
         k = req.num_logprobs()
-        max_tokens = req.max_new_tokens() or max((info["max_model_len"] or 0) - len(prompt_ids), 1)
-        params = req.sampling_params(max_tokens, k)
+        if req.max_new_tokens() is not None:
+            self.tenancy.check_max_tokens(req.max_new_tokens())
+        max_tokens = req.max_new_tokens() or min(max((info["max_model_len"] or 0) - len(prompt_ids), 1),
+                                                 self.tenancy.config.max_tokens_cap)
+        deadline_s = self.tenancy.deadline_s(req.deadline_s)
+        params = req.sampling_params(max_tokens, k, deadline_s)
         header = ResponseHeader.new("chatcmpl", "chat.completion", req.model or self.model_name, self.fingerprint)
-        choices, streams, firsts = await self._open([(prompt_ids, sp) for sp in params], adapter, "messages")
+        choices, streams, firsts = await self._open([(prompt_ids, sp) for sp in params], adapter, "messages", salt,
+                                                    deadline_s)
 
         def delta(c: ChoiceState, out: RequestOutput) -> dict | None:
             logprobs = chat_logprobs(self._texts, out.token_ids, out.logprobs, k) if out.logprobs is not None else None
@@ -131,6 +164,8 @@ class OpenAIServing:
                       "finish_reason": None} for c in choices]
             return self._stream(header, choices, streams, firsts, delta, roles, req)
         await _collect(choices, streams, firsts)
+        if any(c.finish_reason == "abort" for c in choices):
+            raise self.tenancy.deadline_error(deadline_s)
         return header.body([{"index": c.index, "message": {"role": "assistant", "content": c.text},
                              "logprobs": (chat_logprobs(self._texts, c.token_ids, c.logprobs, k)
                                           if c.logprobs is not None else None),
@@ -172,12 +207,18 @@ class OpenAIServing:
         raise APIError(404, f"model {model!r} does not exist; GET /v1/models lists the served model "
                             f"({self.model_name!r}) and the registered adapters", param="model", code="model_not_found")
 
-    async def _open(self, requests: list[tuple], adapter: str | None, prompt_param: str):
-        """Start every choice's request and wait until each is admitted and has its first output."""
-        streams = [self.deployment.generate(prompt, sp, adapter) for prompt, sp in requests]
+    async def _open(self, requests: list[tuple], adapter: str | None, prompt_param: str, salt: str | None = None,
+                    deadline_s: float | None = None):
+        """Start every choice's request and wait until each is admitted and has its first output (a request
+        aborted by its deadline before then is an error: nothing has been sent)."""
+        streams = [self.deployment.generate(prompt, sp, adapter, salt) for prompt, sp in requests]
         try:
             prompt_ids = await asyncio.gather(*(s.next() for s in streams))
+            for ids in prompt_ids:
+                self.tenancy.check_prompt(len(ids), prompt_param)
             firsts = await asyncio.gather(*(s.next() for s in streams))
+            if any(f.finish_reason == "abort" for f in firsts):
+                raise self.tenancy.deadline_error(deadline_s)
         except InvalidRequest as e:  # the router's or the engine's validation (scheduling/validation.py)
             for s in streams:
                 s.cancel()

@@ -32,6 +32,15 @@ STATS_TIMEOUT_S = 5.0
 HEALTH_TIMEOUT_S = 2.0
 
 
+def _deadline_left(params: SamplingParams, arrival: float) -> SamplingParams | None:
+    """params with deadline_s cut to what is left since arrival at the router (None in it: nothing is left);
+    None when the request has no deadline."""
+    if params.deadline_s is None:
+        return None
+    left = params.deadline_s - (asyncio.get_running_loop().time() - arrival)
+    return params.model_copy(update={"deadline_s": left if left > 0 else None})
+
+
 class WorkerStreamEnded(Exception):
     """A worker's stream stopped before its request finished: treated as the worker's loss."""
 
@@ -76,11 +85,16 @@ class Router:
 
     @ray.method(num_returns="streaming")
     async def generate(self, prompt, params: SamplingParams | None = None, adapter: str | None = None,
-                       session: str | None = None):
+                       session: str | None = None, cache_salt: str | None = None):
+        """cache_salt: requests share cached prefix blocks only with the same salt (the HTTP server gives each
+        tenant its own). params.deadline_s counts from now: each worker gets what is left of it."""
+        arrival = asyncio.get_running_loop().time()
         self._start_background()
         await self._fetch_model_info()
         if session is not None and not isinstance(session, str):
             raise InvalidRequest(f"session must be a str, got {type(session).__name__}")
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise InvalidRequest(f"cache_salt must be a str, got {type(cache_salt).__name__}", param="cache_salt")
         adapters = None  # the registered names, as far as validation needs them
         if adapter is not None:
             found = await lookup_adapter(self.adapter_cache, adapter) if isinstance(adapter, str) else None
@@ -90,11 +104,11 @@ class Router:
         request_id = uuid.uuid4().hex
         try:
             worker_id = self.routing.route(request_id, prompt_ids, params.max_tokens, session=session,
-                                           extra=(adapter, None), adapter=adapter)
+                                           extra=(adapter, cache_salt), adapter=adapter)
         except Overloaded:
             self.num_overloaded += 1
             raise
-        outputs = self._stream(request_id, worker_id, prompt_ids, params, adapter)
+        outputs = self._stream(request_id, worker_id, prompt_ids, params, adapter, cache_salt, arrival)
         try:
             yield prompt_ids
             async for out in outputs:
@@ -104,15 +118,20 @@ class Router:
             self.routing.finish(request_id)
 
     async def _stream(self, request_id: str, worker_id: str, prompt_ids: list[int], params: SamplingParams,
-                      adapter: str | None):
+                      adapter: str | None, cache_salt: str | None, arrival: float):
         generated: list[int] = []
         emitted_text, resume = "", None
         attempt_id, finished = None, False
         try:
             for attempt in range(len(self.workers) * 8 + 1):
                 attempt_id = f"{request_id}-{attempt}"
+                left = _deadline_left(params, arrival)
+                if left is not None and left.deadline_s is None:  # spent in the router (e.g. waiting to reroute)
+                    finished = True
+                    yield RequestOutput(request_id, [], "", "abort", [] if params.logprobs is not None else None)
+                    return
                 stream = self.workers[worker_id].generate.remote(
-                    attempt_id, prompt_ids + generated, params, adapter, None, resume)
+                    attempt_id, prompt_ids + generated, left or params, adapter, cache_salt, resume)
                 num_prefill = len(prompt_ids) + len(generated)
                 try:
                     async for ref in stream:
@@ -216,7 +235,8 @@ class Router:
             await asyncio.sleep(self.poll_interval_s)
 
     async def stats(self) -> dict:
-        """Per worker: the router's view (alive, outstanding), the engine's stats, and its placement info."""
+        """Per worker: the router's view (alive, outstanding), the engine's stats, and its placement info;
+        "decisions": per worker, its engine's recent decisions and why (cluster_configs/diagnostics.py)."""
         self._start_background()
 
         async def ask(worker_id: str) -> dict:
@@ -240,5 +260,7 @@ class Router:
             policies = await asyncio.wait_for(self.scheduler.stats.remote(), STATS_TIMEOUT_S)
         except (TimeoutError, ray.exceptions.RayError) as e:
             policies = {"error": repr(e)}  # the scheduler is dead or restarting; the workers serve on
+        # each worker's decision log (scheduling/engine.py), kept out of its figures: it is the long part
+        decisions = {worker_id: w.pop("decisions", []) for worker_id, w in workers.items()}
         return {"workers": workers, "routed": dict(self.routing.num_routed), "num_overloaded": self.num_overloaded,
-                "router_pid": os.getpid(), "policies": policies}
+                "router_pid": os.getpid(), "policies": policies, "decisions": decisions}

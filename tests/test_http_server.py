@@ -38,7 +38,7 @@ class EndlessDeployment:
     def __init__(self):
         self.opened, self.cancelled = [], []
 
-    def generate(self, prompt, params, adapter):
+    def generate(self, prompt, params, adapter, cache_salt=None):
         self.opened.append(EndlessStream(prompt, self.cancelled))
         return self.opened[-1]
 
@@ -64,7 +64,7 @@ class DownDeployment(EndlessDeployment):
         super().__init__()
         self.error = error
 
-    def generate(self, prompt, params, adapter):
+    def generate(self, prompt, params, adapter, cache_salt=None):
         return RefusingStream(self.error)
 
     async def num_serving_workers(self) -> int:
