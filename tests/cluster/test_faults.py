@@ -1,0 +1,216 @@
+"""The kill matrix: each actor of the deployment killed (Ray restarts it) under 32 concurrent greedy streams,
+16 through the HTTP server (the official openai client) and 16 through ns.Client (4 of them with an adapter).
+Every stream has a bounded wall time; per class: completed (tokens equal to the in-process engine's), failed
+with the expected typed error, hung (always zero). Then new requests are served again."""
+
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor, wait
+from dataclasses import dataclass
+
+import openai
+import pytest
+import ray
+
+import numaserve as ns
+from tests.cluster.conftest import reference_outputs, sim_config, wait_for
+from tests.conftest import random_prompt
+from tests.test_lora import make_adapter
+
+NAME = "faults"
+MODEL = "llama"
+NUM_HTTP, NUM_CLIENT, NUM_ADAPTER = 16, 16, 4  # the last NUM_ADAPTER client streams use adapter "a"
+GREEDY = ns.SamplingParams(max_tokens=160, temperature=0, ignore_eos=True)
+STREAM_BOUND_S = 90.0  # a stream not ended by then is hung
+BACK_WITHIN_S = 30.0
+PROMPTS = [random_prompt(6 + i % 11, seed=100 + i) for i in range(NUM_HTTP + NUM_CLIENT)]
+
+
+@dataclass
+class Outcome:
+    via: str  # "http" | "client"
+    text: str = ""
+    token_ids: tuple = ()
+    error: Exception | None = None
+    finished: bool = False
+
+
+def is_connection_error(e: Exception) -> bool:
+    return isinstance(e, (openai.APIConnectionError, OSError)) or any(
+        word in type(e).__name__ for word in ("Connect", "Protocol", "Read", "Network"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def adapter_dir(llama_dir, tmp_path_factory):
+    return make_adapter(llama_dir, tmp_path_factory.mktemp("faults") / "a", seed=1)
+
+
+@pytest.fixture(scope="module")
+def config(tmp_path_factory):
+    return sim_config("two_numa_sim", max_queued_per_worker=16, engine={"max_num_seqs": 16},
+                      adapter_registry=str(tmp_path_factory.mktemp("registry") / "adapters.json"),
+                      http={"port": free_port(), "host": "127.0.0.1"})
+
+
+@pytest.fixture(scope="module")
+def client(ray_cluster, llama_dir, config, adapter_dir):
+    client = ns.serve(config, model=llama_dir, name=NAME)
+    client.register_adapter("a", adapter_dir)
+    yield client
+    client.shutdown()
+
+
+@pytest.fixture(scope="module")
+def api(client) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{client.http_url}/v1", api_key="unused", max_retries=0, timeout=STREAM_BOUND_S)
+
+
+@pytest.fixture(scope="module")
+def expected(llama_dir, config, adapter_dir) -> list[ns.Completion]:
+    num_base = NUM_HTTP + NUM_CLIENT - NUM_ADAPTER
+    return (reference_outputs(llama_dir, config, PROMPTS[:num_base], GREEDY)
+            + reference_outputs(llama_dir, config, PROMPTS[num_base:], GREEDY, adapters={"a": adapter_dir}))
+
+
+def _http_stream(api, prompt, started) -> Outcome:
+    out = Outcome("http")
+    try:
+        for chunk in api.completions.create(model=MODEL, prompt=prompt, max_tokens=GREEDY.max_tokens, temperature=0,
+                                            stream=True, extra_body={"ignore_eos": True}):
+            if chunk.choices and chunk.choices[0].text:
+                if not out.text:
+                    started.release()  # once per stream
+                out.text += chunk.choices[0].text
+            out.finished = out.finished or bool(chunk.choices and chunk.choices[0].finish_reason)
+    except (openai.APIError, OSError) as e:
+        out.error = e
+    except Exception as e:  # the HTTP library's own, when the connection breaks mid-stream
+        if not is_connection_error(e):
+            raise
+        out.error = e
+    return out
+
+
+def _client_stream(client, prompt, adapter, started) -> Outcome:
+    out = Outcome("client")
+    try:
+        for chunk in client.stream(prompt, GREEDY, adapter=adapter):
+            if not out.token_ids:
+                started.release()  # once per stream
+            out.text += chunk.text
+            out.token_ids += tuple(chunk.token_ids)
+            out.finished = chunk.finish_reason is not None
+    except ns.NumaserveError as e:
+        out.error = e
+    return out
+
+
+def run_killing(client, api, actor: str) -> tuple[list[Outcome | None], int]:
+    """The 32 streams, `actor` killed once every stream has its first tokens: (outcome per stream, None if
+    hung; how many streams had not finished when the kill came)."""
+    started = threading.Semaphore(0)
+    num_base = NUM_HTTP + NUM_CLIENT - NUM_ADAPTER
+    with ThreadPoolExecutor(NUM_HTTP + NUM_CLIENT) as pool:
+        futures = [pool.submit(_http_stream, api, p, started) for p in PROMPTS[:NUM_HTTP]]
+        futures += [pool.submit(_client_stream, client, p, "a" if i >= num_base else None, started)
+                    for i, p in enumerate(PROMPTS) if i >= NUM_HTTP]
+        for _ in futures:  # every stream has its first tokens
+            assert started.acquire(timeout=60), "the streams did not start"
+        num_running = sum(not f.done() for f in futures)
+        ray.kill(ray.get_actor(f"{NAME}.{actor}", namespace="numaserve"), no_restart=False)
+        wait(futures, timeout=STREAM_BOUND_S)
+        return [f.result() if f.done() else None for f in futures], num_running
+
+
+def exact(outcome: Outcome, reference: ns.Completion) -> bool:
+    if outcome.error is not None or not outcome.finished or outcome.text != reference.text:
+        return False
+    return outcome.via == "http" or list(outcome.token_ids) == reference.token_ids
+
+
+def counts(outcomes, expected) -> dict:
+    return {"completed": sum(o is not None and exact(o, e) for o, e in zip(outcomes, expected)),
+            "failed": sum(o is not None and o.error is not None for o in outcomes),
+            "hung": sum(o is None for o in outcomes)}
+
+
+def answer(call):
+    """call()'s value, or None while the actor it reaches is restarting."""
+    try:
+        return call()
+    except ns.Unavailable:
+        return None
+
+
+def serves(client, api) -> bool:
+    try:
+        done = client.generate([5, 6, 7], ns.SamplingParams(max_tokens=3, ignore_eos=True))
+        r = api.completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=3, extra_body={"ignore_eos": True})
+    except (ns.NumaserveError, openai.APIError):
+        return False
+    return len(done.token_ids) == 3 and r.usage.completion_tokens == 3
+
+
+def test_a_killed_worker_loses_no_stream_of_32(client, api, expected):
+    outcomes, num_running = run_killing(client, api, "worker.local-numa0-0")
+    assert num_running > 0
+    assert counts(outcomes, expected) == {"completed": 32, "failed": 0, "hung": 0}
+    wait_for(lambda: all(w["alive"] for w in client.stats()["workers"].values()), BACK_WITHIN_S, "the worker to rejoin")
+    assert serves(client, api)
+
+
+def test_a_killed_scheduler_restarts_from_fresh_telemetry_and_no_stream_is_lost(client, api, expected):
+    before = client.stats()["policies"]
+    outcomes, num_running = run_killing(client, api, "scheduler")
+    assert num_running > 0
+    assert counts(outcomes, expected) == {"completed": 32, "failed": 0, "hung": 0}
+    # the new scheduler knows nothing it was not told again: every worker's policy is back from its reports
+    after = wait_for(lambda: (p := answer(lambda: client.stats()["policies"])) and "error" not in p and len(p) == 2 and p,
+                     BACK_WITHIN_S, "the restarted scheduler's policies")
+    assert set(after) == set(before)
+    assert serves(client, api)
+
+
+def test_a_killed_adapter_cache_reloads_its_registry_and_adapter_streams_go_on(client, api, expected):
+    outcomes, num_running = run_killing(client, api, "adapters")
+    assert num_running > 0
+    assert counts(outcomes, expected) == {"completed": 32, "failed": 0, "hung": 0}
+    cache = wait_for(lambda: answer(lambda: client.stats()["adapter_cache"]), BACK_WITHIN_S, "the adapter cache")
+    assert cache["num_adapters"] == 1  # its registry, reloaded
+    assert client.generate(PROMPTS[-1], GREEDY, adapter="a").token_ids == expected[-1].token_ids
+
+
+def test_a_killed_http_server_fails_only_its_connections_then_serves_again(client, api, expected):
+    outcomes, num_running = run_killing(client, api, "http")
+    assert num_running > 0
+    http, direct = outcomes[:NUM_HTTP], outcomes[NUM_HTTP:]
+    assert counts(direct, expected[NUM_HTTP:]) == {"completed": NUM_CLIENT, "failed": 0, "hung": 0}
+    http_counts = counts(http, expected[:NUM_HTTP])
+    assert http_counts["hung"] == 0 and http_counts["completed"] + http_counts["failed"] == NUM_HTTP, http_counts
+    assert http_counts["failed"] > 0  # the kill came while they streamed
+    assert all(is_connection_error(o.error) for o in http if o.error is not None)  # nothing else
+    start = time.monotonic()
+    wait_for(lambda: serves(client, api), BACK_WITHIN_S, "the HTTP server to serve again")
+    print(f"http kill: {http_counts}, served again after {time.monotonic() - start:.1f} s")
+
+
+def test_a_killed_router_ends_its_streams_with_a_typed_error_and_new_requests_are_served(client, api, expected):
+    outcomes, num_running = run_killing(client, api, "router")
+    assert num_running > 0
+    c = counts(outcomes, expected)
+    assert c["hung"] == 0 and c["completed"] + c["failed"] == 32, c  # every stream: exact, or a clear error
+    for o in outcomes:
+        if o.error is not None and o.via == "client":
+            assert isinstance(o.error, ns.Unavailable) and "router" in str(o.error), o.error
+        elif o.error is not None:
+            assert isinstance(o.error, openai.APIError) and "router" in str(o.error), o.error
+    start = time.monotonic()
+    wait_for(lambda: serves(client, api), BACK_WITHIN_S, "the restarted router to serve")
+    print(f"router kill: {c} (lost in flight: {c['failed']}), served again after {time.monotonic() - start:.1f} s")
