@@ -79,6 +79,12 @@ def cmd_serve(args) -> None:
 
     config = deploy.with_http(deploy.load_config(args.config, args.model), port=args.http_port, host=args.http_host,
                               served_model_name=args.served_model_name)
+    if args.api_key:
+        if config.http is None:
+            raise SystemExit("--api-key needs the HTTP server; pass --http-port too")
+        from cluster_configs.cluster_config import ClusterConfig
+        config = ClusterConfig.model_validate(config.model_dump() | {
+            "http": config.http.model_dump() | {"api_keys": tuple(args.api_key)}})
     deploy.init_ray(config, persistent=True)  # starts `ray start --head` if no cluster is running
     client = deploy.serve(config, name=args.name)
     stats = client.stats()
@@ -95,7 +101,29 @@ def cmd_serve(args) -> None:
 def cmd_stats(args) -> None:
     from actors import deploy
 
-    print(json.dumps(deploy.connect(args.name, args.address).stats(), indent=2, default=str))
+    client = deploy.connect(args.name, args.address)
+    if args.watch:
+        from numaserve.stats_watch import watch
+
+        try:
+            watch(client.stats, args.interval, args.count)
+        except KeyboardInterrupt:
+            pass
+        return
+    print(json.dumps(client.stats(), indent=2, default=str))
+
+
+def _positive(kind: type, fix: str):
+    """An argparse type: a number of `kind` above 0 (else exit 2 saying `fix`)."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a {kind.__name__}; {fix}") from None
+        if not 0 < value < float("inf"):
+            raise argparse.ArgumentTypeError(f"{text} is not a finite number above 0; {fix}")
+        return value
+    return parse
 
 
 def cmd_shutdown(args) -> None:
@@ -166,11 +194,22 @@ def _add_cluster_parsers(sub) -> None:
                                                      "port (default: the config's http.port; none: no HTTP server)")
     serve.add_argument("--http-host", help="address the HTTP server binds, e.g. 0.0.0.0 for every interface "
                                            "(default: the config's http.host, else 127.0.0.1: loopback only)")
+    serve.add_argument("--api-key", action="append", default=[],
+                       help="require this key as 'Authorization: Bearer <key>' on /v1 routes; repeat for several "
+                            "tenants (each key gets its own prefix-cache salt)")
     serve.add_argument("--served-model-name", help="the name requests give as `model` (default: the config's "
                                                    "http.served_model_name, else the model folder's name)")
     serve.set_defaults(func=cmd_serve)
     stats = sub.add_parser("stats", formatter_class=HelpFormatter,
-                           help="print a deployment's workers, routing and policy as JSON")
+                           help="print a deployment's workers, routing, policy and decisions as JSON, or with "
+                                "--watch a live table per worker")
+    stats.add_argument("--watch", action="store_true",
+                       help="a table per worker (NUMA node, cores, running / waiting, tokens/s, KV use, prefix hit "
+                            "rate, speculation acceptance, adapters held), refreshed in place until Ctrl-C")
+    stats.add_argument("--interval", type=_positive(float, "give --interval seconds above 0, e.g. 1"), default=1.0,
+                       help="with --watch: seconds between refreshes")
+    stats.add_argument("--count", type=_positive(int, "give --count a whole number of refreshes above 0, e.g. 10"),
+                       help="with --watch: stop after this many refreshes (default: until Ctrl-C)")
     stats.set_defaults(func=cmd_stats)
     shutdown = sub.add_parser("shutdown", formatter_class=HelpFormatter, help="stop every actor of a deployment")
     shutdown.set_defaults(func=cmd_shutdown)
@@ -209,7 +248,11 @@ def main(argv: list[str] | None = None) -> int:
 
         bench_main(argv[1:])
         return 0
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "stats" and not args.watch and (
+            args.count is not None or any(a.startswith("--interval") for a in argv)):
+        parser.error("--count and --interval apply to the live table: add --watch")  # exits 2
     try:
         args.func(args)
     except (NumaserveError, ValueError) as e:  # pydantic's ValidationError is a ValueError
