@@ -1,6 +1,10 @@
-"""Decisions an engine took and why (kernel paths, fallbacks, speculation depth, ...), in a bounded ring.
+"""Decisions an engine took and why (kernel paths, fallbacks, speculation depth, adapter paths, preemptions),
+in a bounded ring.
 
-`LLM.diagnostics()` and a worker's stats read it; a fallback is also logged, so it shows without asking.
+A decision is keyed by (topic, subject). Recording the same choice again for a key whose latest entry is
+still in the ring counts a repeat on that entry (its reason and time become the latest) instead of adding
+one: the ring holds changes of decision, not one entry per step. `LLM.diagnostics()` and a worker's
+stats ("decisions") read it; a fallback is also logged, so it shows without asking.
 """
 
 import logging
@@ -11,21 +15,37 @@ from dataclasses import asdict, dataclass
 log = logging.getLogger("numaserve")
 
 
-@dataclass(frozen=True)
+@dataclass
 class Decision:
-    topic: str  # what was decided: "activation_dtype", "threading", "speculation", "preemption", ...
+    topic: str  # what was decided: "kernel", "activation_dtype", "speculation", "lora_path", "preemption", ...
     choice: str  # what was chosen
     reason: str  # why, in words a user can act on
-    subject: str = ""  # what it applies to: a matrix name, a request id, ... ("" = the whole engine)
-    time: float = 0.0  # time.time() when recorded
+    subject: str = ""  # what it applies to: a layer type, a matrix, an adapter, a request id ("" = the engine)
+    time: float = 0.0  # time.time() when last recorded
+    count: int = 1  # times this choice was recorded in a row for (topic, subject)
 
 
 class DecisionLog:
     def __init__(self, maxlen: int = 512):
+        if maxlen < 1:
+            raise ValueError(f"DecisionLog maxlen={maxlen}: must be at least 1")
         self._ring: deque[Decision] = deque(maxlen=maxlen)
+        self._latest: dict[tuple[str, str], Decision] = {}  # (topic, subject) -> its entry still in the ring
 
     def record(self, topic: str, choice: str, reason: str, subject: str = "", *, warn: bool = False) -> None:
-        self._ring.append(Decision(topic, choice, reason, subject, time.time()))
+        key = (topic, subject)
+        latest = self._latest.get(key)
+        if latest is not None and latest.choice == choice:
+            latest.count += 1
+            latest.reason, latest.time = reason, time.time()
+            return
+        if len(self._ring) == self._ring.maxlen:
+            evicted = self._ring[0]
+            if self._latest.get((evicted.topic, evicted.subject)) is evicted:
+                del self._latest[(evicted.topic, evicted.subject)]
+        decision = Decision(topic, choice, reason, subject, time.time())
+        self._ring.append(decision)
+        self._latest[key] = decision
         if warn:
             log.warning("%s%s: %s (%s)", topic, f" [{subject}]" if subject else "", choice, reason)
 

@@ -17,6 +17,8 @@ their error exceeds the bound.
 Every choice and every fallback is recorded in the engine's decision log (a fallback also as a warning).
 """
 
+from collections import Counter
+
 from cluster_configs.diagnostics import DecisionLog
 from kernels.cpu import missing_features
 from memory.weights import Int8Matrix, WeightMatrix
@@ -36,9 +38,36 @@ def matrix_names(weights: dict):
 
 def plan_activations(weights: dict, activation_dtype: str, decisions: DecisionLog,
                      calibration: Calibration | None = None, static_scales: bool = False) -> dict:
-    """-> weights with int8-activation matrices repacked (Int8Matrix); the rest unchanged.
+    """-> weights with int8-activation matrices repacked (Int8Matrix); the rest unchanged. Records each
+    matrix's activation dtype and, per layer type, the kernel and dtypes it runs with (record_kernels).
 
     Raises CheckpointError if the calibration file was made for another model shape."""
+    planned = _plan(weights, activation_dtype, decisions, calibration, static_scales)
+    record_kernels(planned, decisions)
+    return planned
+
+
+def record_kernels(weights: dict, decisions: DecisionLog) -> None:
+    """One "kernel" decision per layer type (qkv, o, gate_up, down, lm_head): the linear kernel, weight and
+    activation dtypes its matrices run with, and in how many of the layers (models/linear.py)."""
+    by_type: dict[str, Counter] = {}
+    for name, holder, key in matrix_names(weights):
+        w = holder[key]
+        path = (f"matmul_int8: {w.dtype} weights x int8 activations" if isinstance(w, Int8Matrix)
+                else f"matmul: {w.dtype} weights x float32 activations")
+        by_type.setdefault(key, Counter())[path] += 1
+    for key, paths in by_type.items():
+        total = sum(paths.values())
+        (choice, num), *others = paths.most_common()
+        where = "the LM head" if key == "lm_head" else f"{num} of {total} layers"
+        reason = where + "".join(f"; {n} of {total} layers: {p}" for p, n in others)
+        if others:
+            reason += " (per-matrix fallbacks: see activation_dtype)"
+        decisions.record("kernel", choice, reason, subject=key)
+
+
+def _plan(weights: dict, activation_dtype: str, decisions: DecisionLog, calibration: Calibration | None,
+          static_scales: bool) -> dict:
     if calibration is not None:
         check_fits(calibration, len(weights["layers"]))
     if activation_dtype == "float32":

@@ -9,6 +9,7 @@ last (`add_drafts`), into what budget and free blocks are left: drafts never pre
 import bisect
 from dataclasses import dataclass, field
 
+from cluster_configs.diagnostics import DecisionLog
 from cluster_configs.engine_config import EngineConfig
 from models.token_tree import TokenTree
 from scheduling.kv_cache_manager import KVCacheManager
@@ -34,7 +35,7 @@ class StepPlan:
 
 
 class Batcher:
-    def __init__(self, config: EngineConfig, kv: KVCacheManager):
+    def __init__(self, config: EngineConfig, kv: KVCacheManager, decisions: DecisionLog | None = None):
         self.token_budget = config.max_num_batched_tokens
         self.max_num_seqs = config.max_num_seqs
         self.max_loras = config.max_loras
@@ -42,6 +43,7 @@ class Batcher:
         self.waiting: list[Request] = []  # sorted by sort_key
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.decisions = decisions or DecisionLog()
 
     def add(self, req: Request) -> None:
         bisect.insort(self.waiting, req, key=lambda r: r.sort_key)
@@ -63,7 +65,7 @@ class Batcher:
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             while not self.kv.allocate_slots(req, num_new):
                 victim = self.running.pop()  # lowest priority, latest arrival: never already scheduled
-                self._preempt(victim, plan)
+                self._preempt(victim, plan, req, num_new)
                 if victim is req:
                     break
             else:
@@ -104,7 +106,13 @@ class Batcher:
         plan.token_budget_left -= k
         return True
 
-    def _preempt(self, req: Request, plan: StepPlan) -> None:
+    def _preempt(self, req: Request, plan: StepPlan, needing: Request, num_new: int) -> None:
+        why = (f"no free KV block for {num_new} more tokens of {needing.request_id}; " if needing is not req
+               else f"no free KV block for its own {num_new} more tokens; ")
+        self.decisions.record("preemption", "recompute", why + f"lowest priority, latest arrival of "
+                              f"{len(self.running) + 1} running: its {len(req.block_ids)} blocks freed, its "
+                              f"{req.num_computed_tokens} computed tokens recomputed when it is scheduled again",
+                              subject=req.request_id)
         self.kv.free(req)
         req.collected_logits.clear()  # recomputed with the rest
         req.status = RequestStatus.WAITING

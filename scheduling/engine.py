@@ -65,14 +65,14 @@ class Engine:
         self.kv_cache = KVCache(s.num_layers, num_blocks, bs, s.num_kv_heads, s.head_dim, config.resolved_kv_dtype)
         window = min(s.layer_windows)  # blocks can be released only if every layer looks back a window
         self.kv = KVCacheManager(BlockPool(num_blocks), bs, config.enable_prefix_caching, window)
-        self.batcher = Batcher(config, self.kv)
+        self.batcher = Batcher(config, self.kv, self.decisions)
         self.requests: dict[str, Request] = {}
         self.adapters = AdapterStore(s, config.max_lora_rank, config.adapter_roots, fetch=fetch_adapter,
                                      max_loaded=config.max_loras if fetch_adapter else None)
         slots = LoraSlots(s, config.max_loras, config.max_lora_rank, slot_dtype(self.model.weight_dtype, s))
         self.runner = ModelRunner(self.model, self.kv_cache, bs, self.adapters, LoraPlanner(
             slots, self.model.weights["layers"], s, config.lora_merge, config.lora_merged_bytes,
-            self.model.weight_bytes, shared_merged))
+            self.model.weight_bytes, shared_merged, self.decisions))
         proposer = make_proposer(config.speculation, s, self.tokenizer, kv_cache_tokens=num_blocks * bs, block_size=bs,
                                  weight_dtype=config.weight_dtype, kv_dtype=config.resolved_kv_dtype,
                                  activation_dtype=config.activation_dtype, decisions=self.decisions,

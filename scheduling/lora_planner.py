@@ -8,6 +8,7 @@ from typing import Protocol
 
 import numpy as np
 
+from cluster_configs.diagnostics import DecisionLog
 from models.lora import LoraAdapter
 from models.lora_merge import MergedCache, MergedRows, MergedWeights, merge_adapter, merged_nbytes
 from models.lora_slots import LoraRows, LoraSlots
@@ -26,8 +27,9 @@ class SharedMerged(Protocol):
 
 class LoraPlanner:
     def __init__(self, slots: LoraSlots, base_layers: list[dict], spec: ModelSpec, mode: str, merged_bytes: int,
-                 weight_bytes: int, shared: SharedMerged | None = None):
+                 weight_bytes: int, shared: SharedMerged | None = None, decisions: DecisionLog | None = None):
         self.slots = slots
+        self.decisions = decisions or DecisionLog()
         self.base_layers, self.spec = base_layers, spec
         self.shared = shared
         self.num_merged_shared = self.num_merged_builds = 0  # merged copies taken from `shared` / built here
@@ -47,8 +49,9 @@ class LoraPlanner:
         if not rows_by_adapter:
             return None, None
         merged = self._merged_rows(row_adapter, rows_by_adapter, adapter)
+        names = set() if merged is None else {w.name for _, _, w in merged.runs}
+        self._record_paths(rows_by_adapter, len(row_adapter), names)
         if merged is not None:
-            names = {w.name for _, _, w in merged.runs}
             self.num_merged_tokens += sum(end - start for start, end, _ in merged.runs)
             row_adapter = [None if a in names else a for a in row_adapter]
         names = sorted({a for a in row_adapter if a is not None})
@@ -59,6 +62,15 @@ class LoraPlanner:
         self.num_lora_tokens += num_lowrank
         self._last = (len(row_adapter), num_lowrank)
         return self.slots.rows(np.asarray([slot[a] for a in row_adapter], np.int32)), merged
+
+    def _record_paths(self, rows_by_adapter: Counter, num_rows: int, merged_names: set[str]) -> None:
+        """A "lora_path" decision per adapter when its path (merged / low-rank) changes; repeats are counted."""
+        costs = self.meter.costs()
+        for name, num in rows_by_adapter.items():
+            path = "merged" if name in merged_names else "low-rank"
+            self.decisions.record("lora_path", path, f"lora_merge={self.mode}: {num} of {num_rows} rows; measured "
+                                  f"low-rank {costs.lowrank_s_per_row * 1e6:.1f} us/row, weight pass "
+                                  f"{costs.weight_pass_s * 1e3:.2f} ms", subject=name)
 
     def observe(self, projection_s: float) -> None:
         """After the step's forward: its measured low-rank kernel and projection seconds feed the cost model."""

@@ -84,7 +84,7 @@ class Speculator:
         # a run may append all its drafts and one more token; drafts past max_tokens would be cut unread
         max_depths = [r.max_num_tokens - r.num_tokens for r in reqs]
         depths = choose_depths(self.policy, plan.num_tokens, max_depths, token_budget=plan.token_budget_left)
-        self._record_depth(max(depths))
+        self._record_depth(max(depths), len(reqs), plan.num_tokens)
         active = [j for j, d in enumerate(depths) if d > 0]
         if not active:
             return 0.0
@@ -148,16 +148,20 @@ class Speculator:
             mean = proposer.accepted_counts @ np.arange(proposer.accepted_counts.shape[1]) / max(measured, 1)
             self.decisions.record("speculation", f"tree width {width}",
                                   f"{'fixed' if proposer.fixed_width else 'goodput'}: mean drafts a tree of width "
-                                  f"1, 2, ... would keep {np.round(mean, 2).tolist()} over {measured} proposals")
+                                  f"1, 2, ... would keep {np.round(mean, 2).tolist()} over {measured} proposals",
+                                  subject="tree width")
         proposer.width = width
 
-    def _record_depth(self, depth: int) -> None:
-        if depth != self.depth:
-            p = self.policy
-            self.decisions.record("speculation", f"depth {depth}",
-                                  f"mode {self.config.mode}: acceptance EMA {np.round(p.accept_rates, 2).tolist()}, "
-                                  f"step cost {p.fixed_s * 1e3:.2f} ms + {p.per_token_s * 1e3:.3f} ms/token, "
-                                  f"draft cost x{p.draft_cost_factor:.2f}")
+    def _record_depth(self, depth: int, num_decoding: int, num_tokens: int) -> None:
+        """A "speculation" decision per step; the log counts the steps a depth holds (a change is a new entry)."""
+        p = self.policy
+        self.decisions.record("speculation", f"depth {depth}",
+                              f"mode {self.config.mode}, policy from the "
+                              f"{'engine' if self.pushed_policy is None else 'scheduler'}: {num_decoding} decoding "
+                              f"of {num_tokens} tokens in the step, acceptance EMA "
+                              f"{np.round(p.accept_rates, 2).tolist()}, step cost {p.fixed_s * 1e3:.2f} ms + "
+                              f"{p.per_token_s * 1e3:.3f} ms/token, draft cost x{p.draft_cost_factor:.2f}",
+                              subject="depth")
         self.depth = depth
 
 
