@@ -249,6 +249,10 @@ CHAT = {"messages": [{"role": "user", "content": "hi"}]}
     ("/v1/completions", {"prompt": "hi", "repetition_penalty": 5e-324}, 400, "repetition_penalty",
      "greater than or equal to 0.000001"),
     ("/v1/completions", {"prompt": "hi", "logit_bias": {}}, 400, "logit_bias", "remove it"),
+    ("/v1/completions", {"prompt": "hi", "temperature": float("nan")}, 400, "temperature", "got nan"),
+    ("/v1/completions", {"prompt": "hi", "top_p": float("inf")}, 400, "top_p", None),
+    ("/v1/chat/completions", CHAT | {"presence_penalty": float("-inf")}, 400, "presence_penalty", None),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 10 ** 12}, 400, "max_tokens", None),
     ("/v1/completions", {}, 400, "prompt", "prompt is required"),
     ("/v1/completions", {"prompt": "hi", "n": 100, "max_tokens": 2}, 429, None, "queue is full"),
     ("/v1/completions", {"prompt": ["hi"] * 65, "n": 2}, 400, "n", "at most 128"),
@@ -261,7 +265,8 @@ CHAT = {"messages": [{"role": "user", "content": "hi"}]}
 ])
 def test_a_bad_request_gets_its_status_and_an_openai_error_body_and_service_goes_on(client, api, url, path, body,
                                                                                       status, param, match):
-    r = requests.post(f"{url}{path}", json=body, timeout=30)
+    # json.dumps writes NaN and Infinity as Python's json reads them (requests' json= refuses to)
+    r = requests.post(f"{url}{path}", data=json.dumps(body), headers={"Content-Type": "application/json"}, timeout=30)
     error = r.json()["error"]
     assert (r.status_code, set(error), error["param"]) == (status, ERROR_KEYS, param), error
     assert match is None or match in error["message"], error

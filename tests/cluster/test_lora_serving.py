@@ -4,7 +4,9 @@ concurrent batch with base requests; each request gets the greedy tokens it gets
 
 import json
 import shutil
+import tempfile
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import ray
@@ -32,7 +34,9 @@ def adapter_dirs(llama_dir, tmp_path_factory):
 def config(request, tmp_path_factory):
     # max_loras=2 per worker: the batch's four adapters and a composed one rotate through the slots; with
     # lora_merge "always" each step's most-used adapter runs on its merged copy, the others low-rank
-    return sim_config("two_numa_sim", engine={"max_num_seqs": 16, "max_loras": 2, "lora_merge": request.param},
+    # adapter_roots: pytest's temporary directories (every adapter here), so paths that leave them are refused
+    return sim_config("two_numa_sim", engine={"max_num_seqs": 16, "max_loras": 2, "lora_merge": request.param,
+                                              "adapter_roots": [str(tmp_path_factory.getbasetemp())]},
                       adapter_registry=str(tmp_path_factory.mktemp("registry") / "adapters.json"))
 
 
@@ -110,6 +114,16 @@ def assert_bad_adapters_are_refused_at_registration(client, good, tmp_path):
             client.register_adapter(breakage, bad)
     with pytest.raises(ns.AdapterError, match="taken by"):
         client.register_adapter("a", tmp_path / "dora")
+    outside = Path(tempfile.mkdtemp(prefix="outside-roots-")) / "a"  # a good adapter, outside adapter_roots
+    shutil.copytree(good, outside)
+    try:
+        climb = tmp_path.joinpath(*[".."] * len(tmp_path.parts)) / outside.relative_to("/")  # up past / and down
+        (tmp_path / "link").symlink_to(outside)
+        for name, path in (("climb", climb), ("link", tmp_path / "link")):
+            with pytest.raises(ns.AdapterError, match="outside adapter_roots"):
+                client.register_adapter(name, path)
+    finally:
+        shutil.rmtree(outside.parent)
     assert client.generate([5, 6, 7], GREEDY, adapter="a").finish_reason == "length"
 
 
