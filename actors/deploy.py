@@ -33,6 +33,7 @@ NAMESPACE = "numaserve"
 HEAD = {"node:__internal_head__": 0.001}  # control actors live on the head node, which outlives worker machines
 READY_TIMEOUT_S = 600.0
 RELEASE_WAIT_S = 5.0
+LOOPBACK = "127.0.0.1"
 log = logging.getLogger("numaserve")
 
 
@@ -153,12 +154,14 @@ def init_ray(config: ClusterConfig, persistent: bool = False) -> None:
     resources = config.ray_resources(config.machines[0].name)
     if persistent:
         ray_cli = Path(sys.executable).with_name("ray")
-        subprocess.run([str(ray_cli), "start", "--head", f"--resources={json.dumps(resources)}"], check=True,
-                       stdout=subprocess.DEVNULL)
+        # the dashboard and its job server on loopback (Ray's default, said here so it stays so): whoever
+        # reaches them can run code on the cluster (README, "Limits, tenants and the threat model")
+        subprocess.run([str(ray_cli), "start", "--head", f"--resources={json.dumps(resources)}",
+                        f"--dashboard-host={LOOPBACK}"], check=True, stdout=subprocess.DEVNULL)
         ray.init(address="auto", namespace=NAMESPACE)
     else:
         log.warning("numaserve: started Ray in this process; the deployment ends when it exits")
-        ray.init(namespace=NAMESPACE, resources=resources)
+        ray.init(namespace=NAMESPACE, resources=resources, dashboard_host=LOOPBACK)
 
 
 def check_resources(config: ClusterConfig, placements: list[WorkerPlacement]) -> None:

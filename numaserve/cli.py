@@ -79,12 +79,16 @@ def cmd_serve(args) -> None:
 
     config = deploy.with_http(deploy.load_config(args.config, args.model), port=args.http_port, host=args.http_host,
                               served_model_name=args.served_model_name)
-    if args.api_key:
+    limits = {field: value for field, value in (
+        ("api_keys", tuple(args.api_key) or None), ("max_prompt_tokens", args.max_prompt_tokens),
+        ("max_tokens_cap", args.max_tokens_cap), ("max_concurrent_per_client", args.max_concurrent_per_client),
+        ("default_deadline_s", args.default_deadline_s)) if value is not None}
+    if limits:
         if config.http is None:
-            raise SystemExit("--api-key needs the HTTP server; pass --http-port too")
+            flags = ", ".join("--api-key" if f == "api_keys" else "--" + f.replace("_", "-") for f in limits)
+            raise SystemExit(f"{flags}: these are the HTTP server's; pass --http-port too")
         from cluster_configs.cluster_config import ClusterConfig
-        config = ClusterConfig.model_validate(config.model_dump() | {
-            "http": config.http.model_dump() | {"api_keys": tuple(args.api_key)}})
+        config = ClusterConfig.model_validate(config.model_dump() | {"http": config.http.model_dump() | limits})
     deploy.init_ray(config, persistent=True)  # starts `ray start --head` if no cluster is running
     client = deploy.serve(config, name=args.name)
     stats = client.stats()
@@ -197,6 +201,16 @@ def _add_cluster_parsers(sub) -> None:
     serve.add_argument("--api-key", action="append", default=[],
                        help="require this key as 'Authorization: Bearer <key>' on /v1 routes; repeat for several "
                             "tenants (each key gets its own prefix-cache salt)")
+    serve.add_argument("--max-prompt-tokens", type=int, help="refuse longer prompts with a 400 (default: the "
+                                                              "config's http.max_prompt_tokens, else max_model_len)")
+    serve.add_argument("--max-tokens-cap", type=int, help="refuse a larger max_tokens with a 400 (default: the "
+                                                           "config's http.max_tokens_cap, 4096)")
+    serve.add_argument("--max-concurrent-per-client", type=int,
+                       help="open requests one client (API key, else user, else address) may have before 429 "
+                            "(default: the config's http.max_concurrent_per_client, 64)")
+    serve.add_argument("--default-deadline-s", type=float,
+                       help="seconds a request may take when it sets no deadline_s; then it is aborted (default: "
+                            "the config's http.default_deadline_s, 600)")
     serve.add_argument("--served-model-name", help="the name requests give as `model` (default: the config's "
                                                    "http.served_model_name, else the model folder's name)")
     serve.set_defaults(func=cmd_serve)
