@@ -10,7 +10,6 @@ LlamaModel's names (`model.layers.0.*`, `model.norm.weight`) plus `fc.weight` [H
 and `eagle_config.json` (`eagle_num_layers`: 1).
 """
 
-import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -21,6 +20,7 @@ from memory.kv_cache import KVCache
 from memory.weights import WeightMatrix
 from models.batch import ForwardBatch
 from models.checkpoint import expected_shapes, load_layer
+from models.head_config import read_head_config
 from models.linear import embed, linear
 from models.llama import LlamaModel
 from models.safetensors_io import read_header, read_tensor
@@ -80,13 +80,7 @@ def load_eagle_head(model_dir: str | Path, spec: ModelSpec, target_weights: dict
 
 
 def _check_config(path: Path) -> None:
-    try:
-        config = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: missing; an EAGLE head needs it beside {HEAD_FILE} "
-                              '({"eagle_num_layers": 1})') from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path}: not readable JSON ({e})") from None
-    layers = config.get("eagle_num_layers") if isinstance(config, dict) else None
+    config = read_head_config(path, f'an EAGLE head needs it beside {HEAD_FILE} ({{"eagle_num_layers": 1}})')
+    layers = config.get("eagle_num_layers")
     if layers != 1:
         raise CheckpointError(f"{path}: eagle_num_layers must be 1 (one decoder layer), got {layers!r}")

@@ -8,7 +8,6 @@ Files beside the model: `medusa_heads.safetensors` with the Medusa repository's 
 target's LM head (models/checkpoint.py lm_head_dtype); the blocks stay float32 (hidden x hidden, small).
 """
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,6 +16,7 @@ import numpy as np
 from cluster_configs.errors import CheckpointError
 from memory.weights import WeightMatrix
 from models.checkpoint import lm_head_dtype
+from models.head_config import read_head_config
 from models.linear import linear
 from models.safetensors_io import read_header, read_tensor
 from models.spec import ModelSpec
@@ -85,16 +85,11 @@ def load_medusa_heads(model_dir: str | Path, spec: ModelSpec, weight_dtype: str)
 
 
 def _read_config(path: Path) -> tuple[int, int]:
-    try:
-        config = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: missing; Medusa heads need it beside {HEADS_FILE} "
-                              '({"medusa_num_heads": K, "medusa_num_layers": 1})') from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path}: not readable JSON ({e})") from None
+    config = read_head_config(path, f"Medusa heads need it beside {HEADS_FILE} "
+                                    '({"medusa_num_heads": K, "medusa_num_layers": 1})')
     values = []
     for key, limit in (("medusa_num_heads", MAX_HEADS), ("medusa_num_layers", MAX_LAYERS)):
-        value = config.get(key) if isinstance(config, dict) else None
+        value = config.get(key)
         if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= limit:
             raise CheckpointError(f"{path}: {key} must be an integer from 1 to {limit}, got {value!r}")
         values.append(value)

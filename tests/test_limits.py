@@ -1,5 +1,7 @@
 """Request deadlines in the in-process engine, and the limit settings' validation (issue #14, part A)."""
 
+import time
+
 import pytest
 from pydantic import ValidationError
 
@@ -24,21 +26,32 @@ def _run_until(engine: Engine, req) -> list:
     return outputs
 
 
-def test_running_request_past_its_deadline_is_aborted_and_frees_its_blocks(engine):
-    req = engine.add_request("running", random_prompt(20, 1), LONG.model_copy(update={"deadline_s": 0.05}))
+def later(monkeypatch, seconds: float) -> None:
+    """The clock the engine reads deadlines with jumps `seconds` ahead (whatever this machine's speed)."""
+    now = time.monotonic()
+    monkeypatch.setattr(time, "monotonic", lambda: now + seconds)
+
+
+def test_running_request_past_its_deadline_is_aborted_and_frees_its_blocks(engine, monkeypatch):
+    req = engine.add_request("running", random_prompt(20, 1), LONG.model_copy(update={"deadline_s": 5.0}))
+    while len(req.output_token_ids) < 3:
+        engine.step()
+    later(monkeypatch, 10.0)
     outputs = _run_until(engine, req)
     assert req.finish_reason == "abort" and outputs[-1].finish_reason == "abort"
-    assert 0 < len(req.output_token_ids) < LONG.max_tokens  # it ran, then the deadline cut it
+    assert 3 <= len(req.output_token_ids) < LONG.max_tokens  # it ran, then the deadline cut it
     assert not engine.has_unfinished()
     assert engine.kv.pool.num_free_blocks == engine.kv.pool.num_blocks
 
 
-def test_waiting_request_past_its_deadline_is_aborted_without_running(engine):
+def test_waiting_request_past_its_deadline_is_aborted_without_running(engine, monkeypatch):
     first = engine.add_request("first", random_prompt(20, 2), LONG)
-    second = engine.add_request("second", random_prompt(20, 3), LONG.model_copy(update={"deadline_s": 0.02}))
+    second = engine.add_request("second", random_prompt(20, 3), LONG.model_copy(update={"deadline_s": 5.0}))
+    engine.step()  # max_num_seqs=1: the first runs, the second waits
+    later(monkeypatch, 10.0)
     outputs = _run_until(engine, second)
     assert outputs[-1].finish_reason == "abort" and outputs[-1].token_ids == []
-    assert not first.finished and second.num_computed_tokens == 0  # max_num_seqs=1: it never left the queue
+    assert not first.finished and second.num_computed_tokens == 0  # it never left the queue
     engine.abort("first")
     assert engine.kv.pool.num_free_blocks == engine.kv.pool.num_blocks
 

@@ -80,7 +80,7 @@ def test_the_proposer_counts_what_each_width_would_have_kept(truth, kept):
     proposer._hidden, proposer._pending = {}, {}
     proposer.accepted_counts = np.zeros((MAX_WIDTH, K + 1), np.int64)
     req = Req([3, 3, 3])
-    proposer.observe_hidden("r", 3, np.zeros(4, np.float32))
+    proposer.observe_hidden("r", 1, np.zeros((1, 4), np.float32))  # f_1 produced token 2: the request has 3
     assert proposer.propose([req], [K]) == [[1, 5, 7]]  # the chain: each head's best
     req.token_ids = [3, 3, 3] + truth  # the next token (9), then what heads 0, 1, 2 guessed at
     proposer.propose([req], [0])

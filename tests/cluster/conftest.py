@@ -2,6 +2,7 @@
 two_numa_sim.yaml and machine `sim0` of two_node_sim.yaml at once (it declares both sets of NUMA
 resources); the multi-machine test adds machine `sim1` and removes it again."""
 
+import socket
 import time
 from pathlib import Path
 
@@ -30,6 +31,13 @@ def reference_outputs(model_dir, config: ns.ClusterConfig, prompts: list,
     for name, path in (adapters or {}).items():
         llm.register_adapter(name, path)
     return llm.generate(prompts, params, adapter=next(iter(adapters), None) if adapters else None)
+
+
+def free_port() -> int:
+    """A TCP port free on loopback now (for an HTTP server under test)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def wait_for(condition, timeout_s: float, what: str):

@@ -1,7 +1,6 @@
 """`numaserve serve --config`, `numaserve stats`, `numaserve shutdown`, and their bad input."""
 
 import json
-import socket
 
 import pytest
 import requests
@@ -9,15 +8,13 @@ import requests
 import numaserve as ns
 from actors.deploy import DeploymentError
 from numaserve.cli import main
-from tests.cluster.conftest import CONFIGS
+from tests.cluster.conftest import CONFIGS, free_port
 
 NAME = "cli"
 
 
 def test_serve_stats_shutdown(ray_cluster, llama_dir, capsys):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     assert main(["serve", "--config", str(CONFIGS / "two_numa_sim.yaml"), "--model", str(llama_dir),
                  "--name", NAME, "--http-port", str(port), "--served-model-name", "tiny"]) == 0
     out = capsys.readouterr().out

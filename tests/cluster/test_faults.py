@@ -3,7 +3,6 @@
 Every stream has a bounded wall time; per class: completed (tokens equal to the in-process engine's), failed
 with the expected typed error, hung (always zero). Then new requests are served again."""
 
-import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, wait
@@ -14,7 +13,7 @@ import pytest
 import ray
 
 import numaserve as ns
-from tests.cluster.conftest import reference_outputs, sim_config, wait_for
+from tests.cluster.conftest import free_port, reference_outputs, sim_config, wait_for
 from tests.conftest import random_prompt
 from tests.test_lora import make_adapter
 
@@ -39,12 +38,6 @@ class Outcome:
 def is_connection_error(e: Exception) -> bool:
     return isinstance(e, (openai.APIConnectionError, OSError)) or any(
         word in type(e).__name__ for word in ("Connect", "Protocol", "Read", "Network"))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

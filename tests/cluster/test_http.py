@@ -4,7 +4,6 @@ streams are shaped as OpenAI's, bad requests get OpenAI error bodies and the ser
 free their workers, and a schema fuzz finds no 5xx."""
 
 import json
-import socket
 import time
 
 import openai
@@ -19,7 +18,7 @@ from schemathesis import GenerationMode
 from transformers import AutoTokenizer
 
 import numaserve as ns
-from tests.cluster.conftest import reference_outputs, sim_config, wait_for
+from tests.cluster.conftest import free_port, reference_outputs, sim_config, wait_for
 from tests.conftest import random_prompt
 
 NAME = "http"
@@ -27,12 +26,6 @@ MODEL = "llama"  # the served model's name: its folder's
 GREEDY = ns.SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 IGNORE_EOS = {"ignore_eos": True}
 ERROR_KEYS = {"message", "type", "param", "code"}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

@@ -12,8 +12,7 @@ import requests
 
 import numaserve as ns
 from numaserve.cli import main
-from tests.cluster.conftest import sim_config, wait_for
-from tests.cluster.test_http import free_port
+from tests.cluster.conftest import free_port, sim_config, wait_for
 from tests.conftest import random_prompt
 
 NAME = "tenants"
