@@ -11,10 +11,8 @@ through the base's LM head (cross-entropy, weight 0.1), as in the EAGLE paper; i
 of the base's last layer.
 """
 
-import argparse
 import json
 import math
-import os
 import time
 from pathlib import Path
 
@@ -23,9 +21,9 @@ import torch
 import torch.nn.functional as F
 import transformers
 from head_modules import EagleHead
+from head_training import frozen_base_and_data, parse_args, record
 from safetensors.torch import save_file
-from tokenizers import Tokenizer
-from train_demo import ASSETS, collect_corpus, encode_corpus, load_model
+from train_demo import ASSETS
 
 STEPS, QUICK_STEPS, LR, TOKEN_WEIGHT = 800, 20, 1e-3, 0.1
 BATCH, SEQ_LEN = 8, 256
@@ -109,36 +107,15 @@ def save(head: EagleHead, out: Path) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--seed", type=int, default=0, help="seed of the windows sampled for training")
-    parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="torch threads")
-    parser.add_argument("--quick", action="store_true", help="a smoke run: a few steps on a sixteenth of the files")
-    parser.add_argument("--out", type=Path, default=None, help="where to write the head (default: the demo base)")
-    args = parser.parse_args()
-    os.environ["RAYON_NUM_THREADS"] = str(args.threads)
-    torch.set_num_threads(args.threads)
-    transformers.utils.logging.disable_progress_bar()
+    args = parse_args(__doc__)
     start = time.perf_counter()
-    base = load_model(ASSETS / "base")
-    base.requires_grad_(False)
-    tokenizer = Tokenizer.from_file(str(ASSETS / "base" / "tokenizer.json"))
-    streams = encode_corpus(tokenizer, collect_corpus(args.quick))
-    torch.manual_seed(args.seed)
+    base, streams = frozen_base_and_data(args)
     head = new_head(base)
     losses = train(head, base, streams["train", "all"], QUICK_STEPS if args.quick else STEPS, args.seed)
     head.eval()
     result = acceptance(head, base, streams["heldout", "all"])
     save(head, args.out or ASSETS / "base")
-    eagle = result | {"steps": len(losses), "final_loss": round(sum(losses[-20:]) / len(losses[-20:]), 4),
-                      "seed": args.seed, "threads": args.threads,
-                      "reproduce": f"python scripts/train_eagle.py --seed {args.seed} --threads {args.threads}",
-                      "runtime_s": round(time.perf_counter() - start, 1)}
-    print(json.dumps(eagle, indent=2))
-    if args.out is None:  # the shipped family: its metrics and model card say what the head does
-        metrics_path = ASSETS / "metrics.json"
-        metrics = json.loads(metrics_path.read_text()) | {"eagle": eagle}
-        metrics_path.write_text(json.dumps(metrics, indent=2) + "\n")
-        (ASSETS / "MODEL_CARD.md").write_text(demo_eval.model_card(metrics))
+    record("eagle", result, losses, args, "train_eagle.py", start)
 
 
 if __name__ == "__main__":

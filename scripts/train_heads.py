@@ -10,10 +10,8 @@ base's final-norm hidden state at position t and learns the token at t + k + 2 (
 projection starting from the base's LM head and its residual block from zero, as in the Medusa paper.
 """
 
-import argparse
 import json
 import math
-import os
 import time
 from pathlib import Path
 
@@ -22,9 +20,9 @@ import torch
 import torch.nn.functional as F
 import transformers
 from head_modules import medusa_heads
+from head_training import frozen_base_and_data, parse_args, record
 from safetensors.torch import save_file
-from tokenizers import Tokenizer
-from train_demo import ASSETS, collect_corpus, encode_corpus, load_model
+from train_demo import ASSETS
 
 NUM_HEADS, NUM_LAYERS = 3, 1
 STEPS, QUICK_STEPS, LR = 600, 20, 1e-3
@@ -106,39 +104,17 @@ def save(heads: torch.nn.ModuleList, out: Path) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--seed", type=int, default=0, help="seed of the windows sampled for training")
-    parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="torch threads")
-    parser.add_argument("--quick", action="store_true", help="a smoke run: a few steps on a sixteenth of the files")
-    parser.add_argument("--out", type=Path, default=None, help="where to write the heads (default: the demo base)")
-    args = parser.parse_args()
-    os.environ["RAYON_NUM_THREADS"] = str(args.threads)
-    torch.set_num_threads(args.threads)
-    transformers.utils.logging.disable_progress_bar()
+    args = parse_args(__doc__)
     start = time.perf_counter()
-    base = load_model(ASSETS / "base")
-    base.requires_grad_(False)
-    tokenizer = Tokenizer.from_file(str(ASSETS / "base" / "tokenizer.json"))
-    streams = encode_corpus(tokenizer, collect_corpus(args.quick))
-    torch.manual_seed(args.seed)
+    base, streams = frozen_base_and_data(args)
     heads = new_heads(base)
     before = acceptance(heads, base, streams["heldout", "all"], ACCEPT_POSITIONS, ACCEPT_CONTEXT)
     losses = train(heads, base, streams["train", "all"], QUICK_STEPS if args.quick else STEPS, args.seed)
     heads.eval()
     result = acceptance(heads, base, streams["heldout", "all"], ACCEPT_POSITIONS, ACCEPT_CONTEXT)
-    out = args.out or ASSETS / "base"
-    save(heads, out)
-    medusa = result | {"untrained_mean_accepted_per_round": before["mean_accepted_per_round"],
-                       "steps": len(losses), "final_loss": round(sum(losses[-20:]) / len(losses[-20:]), 4),
-                       "seed": args.seed, "threads": args.threads,
-                       "reproduce": f"python scripts/train_heads.py --seed {args.seed} --threads {args.threads}",
-                       "runtime_s": round(time.perf_counter() - start, 1)}
-    print(json.dumps(medusa, indent=2))
-    if args.out is None:  # the shipped family: its metrics and model card say what the heads do
-        metrics_path = ASSETS / "metrics.json"
-        metrics = json.loads(metrics_path.read_text()) | {"medusa": medusa}
-        metrics_path.write_text(json.dumps(metrics, indent=2) + "\n")
-        (ASSETS / "MODEL_CARD.md").write_text(demo_eval.model_card(metrics))
+    save(heads, args.out or ASSETS / "base")
+    record("medusa", result | {"untrained_mean_accepted_per_round": before["mean_accepted_per_round"]}, losses, args,
+           "train_heads.py", start)
 
 
 if __name__ == "__main__":
