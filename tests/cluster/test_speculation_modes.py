@@ -8,7 +8,7 @@ import pytest
 
 import numaserve as ns
 from tests.cluster.conftest import collect, reference_outputs, sim_config
-from tests.cluster.test_speculation_serving import SPEC, TEXTS, num_speculated
+from tests.cluster.test_speculation_serving import SPEC, TEXTS
 from tests.conftest import random_prompt
 
 
@@ -23,6 +23,11 @@ def test_load_aware_modes_through_the_client_equal_no_speculation(ray_cluster, l
         with ThreadPoolExecutor(16) as pool:
             got = list(pool.map(lambda a: collect(client.stream(*a)), zip(prompts, params)))
         assert [g[0] for g in got] == [e.token_ids for e in expected]
-        assert sum(num_speculated(client, "spec_num_drafts").values()) > 0  # it did draft
+        # the mode ran: each worker speculates under the scheduler actor's policy for it. Whether that policy
+        # drafts depends on this machine's measured step costs (a CI run once priced n-gram drafts out under
+        # throughput_first, correctly for its costs); that the modes draft where drafts pay is
+        # tests/test_speculation.py's, under a fixed cost model
+        workers = client.stats()["workers"].values()
+        assert all(w["spec_policy_source"] == "scheduler" and w["spec_mode"] == mode for w in workers), workers
     finally:
         client.shutdown()
