@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 SpeculationMethod = Literal["off", "ngram", "draft", "medusa", "eagle"]
 SpeculationMode = Literal["auto", "on", "latency_first", "throughput_first"]
+MAX_TREE_WIDTH = 4  # the widest token tree a trained-head proposer drafts and measures
 
 
 class SpeculationConfig(BaseModel):
@@ -22,6 +23,8 @@ class SpeculationConfig(BaseModel):
     prompt_lookup_max: int = Field(4, ge=1, le=64)
     draft_model: str | None = None  # a model directory or GGUF file with the target's tokenizer
     num_heads: int | None = Field(None, ge=1, le=8)  # medusa: heads to draft with (None: every head in the file)
+    # medusa, eagle: the token tree's width, pinned (1: a chain); None: the policy chooses it per step
+    tree_width: int | None = Field(None, ge=1, le=MAX_TREE_WIDTH)
     # "auto" picks the depth per step and request that maximizes measured goodput; "on" always drafts
     # num_speculative_tokens; "latency_first" / "throughput_first" bias auto's trade-off
     mode: SpeculationMode = "auto"
@@ -39,6 +42,9 @@ class SpeculationConfig(BaseModel):
             raise ValueError(f"draft_model is set but method={self.method!r}; use method='draft' or drop draft_model")
         if self.method != "medusa" and self.num_heads is not None:
             raise ValueError(f"num_heads is set but method={self.method!r}; use method='medusa' or drop num_heads")
+        if self.method not in ("medusa", "eagle") and self.tree_width is not None:
+            raise ValueError(f"tree_width is set but method={self.method!r}; token trees are drafted by "
+                             "method='medusa' or 'eagle': use one of them or drop tree_width")
         return self
 
     @property

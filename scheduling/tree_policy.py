@@ -13,9 +13,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from models.proposers.tree_shape import MIN_MEASURED
 from scheduling.spec_policy import SpeculationPolicy
-
-MIN_MEASURED = 16
 
 
 def choose_tree_width(policy: SpeculationPolicy, accepted_counts: np.ndarray, tree_sizes: np.ndarray,

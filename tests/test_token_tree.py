@@ -69,3 +69,33 @@ def test_a_chains_walk_is_the_chain_verification(drafts, data):
 def test_a_malformed_tree_is_refused_naming_the_node(tokens, parents, message):
     with pytest.raises(ValueError, match=message):
         TokenTree(tokens, parents)
+
+
+@st.composite
+def ranked_trees(draw, max_nodes: int = 14):
+    """Trees whose siblings carry distinct tokens, ranked in their order (as a drafter's top-k)."""
+    n = draw(st.integers(0, max_nodes))
+    parents = tuple(draw(st.integers(-1, i - 1)) for i in range(n))
+    vocab = max_nodes + 1
+    base = draw(st.lists(st.integers(0, vocab - 1), min_size=n + 1, max_size=n + 1))  # per parent (+1: the root)
+    ranks = tuple(parents[:i].count(p) for i, p in enumerate(parents))
+    tokens = tuple((base[p + 1] + r) % vocab for p, r in zip(parents, ranks))
+    return TokenTree(tokens, parents, ranks)
+
+
+@settings(max_examples=300, derandomize=True)
+@given(tree=ranked_trees(), data=st.data())
+def test_kept_by_width_is_what_each_narrowed_tree_keeps(tree, data):
+    depth = max(tree.depths, default=0)
+    truth = data.draw(st.lists(st.integers(0, 14), min_size=depth + 1, max_size=depth + 1))
+    kept = tree.kept_by_width(truth, 4)
+    for width in range(1, 5):
+        narrow = tree.narrowed(width)
+        assert all(r < width for r in narrow.ranks)
+        assert all(p < 0 or narrow.ranks[p] < width for p in narrow.parents)
+        # the target samples truth[d] at a row of depth d (the root's is 0), whatever was drafted
+        samples = [truth[0], *(truth[d] for d in narrow.depths)]
+        tokens, _ = narrow.walk(samples)
+        assert len(tokens) - 1 == kept[width - 1]
+    assert kept == sorted(kept)  # a wider tree holds every narrower one
+    assert tree.narrowed(len(tree.tokens) + 1) == tree

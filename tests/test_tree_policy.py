@@ -4,7 +4,8 @@ measurement of what each width would have kept (exact against hand-computed walk
 import numpy as np
 import pytest
 
-from models.proposers.medusa import MAX_WIDTH, MedusaProposer, tree_size
+from models.proposers.medusa import MedusaProposer
+from models.proposers.tree_shape import MAX_WIDTH, tree_size, tree_sizes
 from scheduling.spec_policy import SpeculationPolicy
 from scheduling.tree_policy import MIN_MEASURED, choose_tree_width
 
@@ -24,7 +25,7 @@ def counts(mean_kept_by_width: list[list[int]]) -> np.ndarray:
     return out
 
 
-SIZES = np.array([[tree_size(w, d) for d in range(K + 1)] for w in range(1, MAX_WIDTH + 1)])
+SIZES = tree_sizes(K)
 
 
 def test_tree_sizes_match_the_trees_the_proposer_builds():
@@ -68,10 +69,10 @@ class Req:
 
 
 @pytest.mark.parametrize("truth, kept", [
-    ([9, 1, 5, 7], [3, 3, 3, 3]),  # every head's best guess was right: every width keeps all 3
-    ([9, 2, 5, 7], [0, 3, 3, 3]),  # head 0's second guess: width 1 keeps none, 2+ keep all
-    ([9, 1, 8, 7], [1, 1, 1, 3]),  # head 1's fourth guess: only width 4 keeps it and head 2's best after it
-    ([9, 4, 6, 3], [0, 0, 0, 2]),  # head 0's fourth, head 1's second, head 2 missed
+    ([1, 5, 7], [3, 3, 3, 3]),  # every head's best guess was right: every width keeps all 3
+    ([2, 5, 7], [0, 3, 3, 3]),  # head 0's second guess: width 1 keeps none, 2+ keep all
+    ([1, 8, 7], [1, 1, 1, 3]),  # head 1's fourth guess: only width 4 keeps it and head 2's best after it
+    ([4, 6, 3], [0, 0, 0, 2]),  # head 0's fourth, head 1's second, head 2 missed
 ])
 def test_the_proposer_counts_what_each_width_would_have_kept(truth, kept):
     proposer = MedusaProposer.__new__(MedusaProposer)
@@ -82,7 +83,7 @@ def test_the_proposer_counts_what_each_width_would_have_kept(truth, kept):
     req = Req([3, 3, 3])
     proposer.observe_hidden("r", 1, np.zeros((1, 4), np.float32))  # f_1 produced token 2: the request has 3
     assert proposer.propose([req], [K]) == [[1, 5, 7]]  # the chain: each head's best
-    req.token_ids = [3, 3, 3] + truth  # the next token (9), then what heads 0, 1, 2 guessed at
+    req.token_ids = [3, 3, 3] + truth  # the tokens heads 0, 1, 2 guessed at (head 0: the next one)
     proposer.propose([req], [0])
     got = [int(np.flatnonzero(row)[0]) for row in proposer.accepted_counts]
     assert got == kept and proposer.accepted_counts.sum() == MAX_WIDTH

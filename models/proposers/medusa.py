@@ -2,13 +2,13 @@
 
 The engine hands over, after each step, the hidden states of the positions it verified; the last is the
 row that produced the request's last token (Proposer.observe_hidden), and head k's argmax at that row is
-the draft k + 1 places after that token (the target's own LM head gave the token itself). A request
-whose last token came from elsewhere (a resumed or preempted request before its next forward) has no
-hidden state for it and drafts nothing that step. With width > 1 it drafts a token tree: the top-`width` guesses of the first two heads (every pair)
-and each later head's best guess under each pair, verified in one forward with tree attention. The width
-is the speculator's choice each step (scheduling/tree_policy.py) from what this proposer measures: for
-each proposal whose continuation is known, the drafts a tree of each width up to MAX_WIDTH would have had
-accepted (`accepted_counts`), and its size (`tree_sizes`); `fixed_width` pins it instead.
+the draft k + 1 places after that token (head 0 guesses the next one: the target's own LM head gave the
+last token itself). A request whose last token came from elsewhere (a resumed or preempted request before
+its next forward) has no hidden state for it and drafts nothing that step. With width > 1 it drafts a
+token tree (models/proposers/tree_shape.py: head k's top guesses are the tree's level k + 1), verified in
+one forward with tree attention. The width is the speculator's choice each step
+(scheduling/tree_policy.py) from what this proposer measures: every proposal's widest tree, checked once
+the tokens that followed it are known (`accepted_counts`); `fixed_width` pins it instead.
 """
 
 from collections.abc import Sequence
@@ -19,10 +19,9 @@ import numpy as np
 from cluster_configs.errors import CheckpointError
 from models.medusa import MedusaHeads, load_medusa_heads
 from models.proposers.base import Proposer, SpecRequest
+from models.proposers.tree_shape import MAX_WIDTH, branching, top_ids, tree_sizes
 from models.spec import ModelSpec
 from models.token_tree import TokenTree
-
-MAX_WIDTH = 4  # tree widths measured and offered to the policy
 
 
 class MedusaProposer(Proposer):
@@ -46,9 +45,9 @@ class MedusaProposer(Proposer):
         self.cost_prior = (head_params / spec.num_params, 0.0)
         self._hidden: dict[str, tuple[int, np.ndarray]] = {}  # request id -> (its tokens then, hidden [H])
         K = heads.num_heads
-        self.accepted_counts = np.zeros((MAX_WIDTH, K + 1), np.int64)  # [w - 1, l], see the module docstring
-        self.tree_sizes = np.array([[tree_size(w, d) for d in range(K + 1)] for w in range(1, MAX_WIDTH + 1)])
-        self._pending: dict[str, list[tuple[int, np.ndarray]]] = {}  # request id -> (its tokens, ranked [K, W])
+        self.accepted_counts = np.zeros((MAX_WIDTH, K + 1), np.int64)  # [w - 1, l]: trees of width w keeping l
+        self.tree_sizes = tree_sizes(K)
+        self._pending: dict[str, list[tuple[int, TokenTree]]] = {}  # request id -> (its tokens, widest tree)
 
     def observe_hidden(self, request_id: str, first: int, features: np.ndarray) -> None:
         # the last feature (position first + n - 1) produced token first + n: the request then had first + n + 1
@@ -67,59 +66,39 @@ class MedusaProposer(Proposer):
         if not rows:
             return drafts
         hidden = np.stack([self._hidden[requests[i].request_id][1] for i in rows])  # [R, H]
-        ranked = _top(self.heads.logits(hidden), MAX_WIDTH)  # [K, R, MAX_WIDTH], best first
+        ranked = top_ids(self.heads.logits(hidden), MAX_WIDTH)  # [K, R, MAX_WIDTH], best first
         for r, i in enumerate(rows):
             req = requests[i]
-            self._pending.setdefault(req.request_id, []).append((len(req.token_ids), ranked[:, r]))
-            depth = min(depths[i], self.heads.num_heads)
-            best = ranked[:depth, r, :self.width]
-            drafts[i] = best[:, 0].tolist() if self.width == 1 else _tree(best)
+            widest = _tree(ranked[:, r])
+            self._pending.setdefault(req.request_id, []).append((len(req.token_ids), widest))
+            tree = widest.truncated(depths[i]).narrowed(self.width)
+            drafts[i] = list(tree.tokens) if self.width == 1 else tree
         return drafts
 
     def _measure(self, req: SpecRequest) -> None:
         """Count, for each proposal of req whose continuation is known now, the drafts each width's tree
-        would have had accepted (head k guessed the token k + 1 places after the proposal's next one)."""
+        would have had accepted."""
         pending = self._pending.get(req.request_id)
         if not pending:
             return
         K, tokens = self.heads.num_heads, req.token_ids
-        while pending and pending[0][0] + 1 + K <= len(tokens):
-            n, ranked = pending.pop(0)
-            truth = tokens[n + 1:n + 1 + K]
-            for w in range(1, MAX_WIDTH + 1):
-                accepted = 0
-                for k in range(K):
-                    if truth[k] not in ranked[k, :w if k < 2 else 1]:
-                        break
-                    accepted += 1
-                self.accepted_counts[w - 1, accepted] += 1
+        while pending and pending[0][0] + K <= len(tokens):
+            n, widest = pending.pop(0)
+            for w, kept in enumerate(widest.kept_by_width(tokens[n:n + K], MAX_WIDTH)):
+                self.accepted_counts[w, kept] += 1
 
 
-def tree_size(width: int, depth: int) -> int:
-    """Nodes of _tree's tree of this width and depth."""
-    return 0 if depth == 0 else width if depth == 1 else width + width * width * (depth - 1)
-
-
-def _top(logits: np.ndarray, width: int) -> np.ndarray:
-    """[K, R, V] -> the ids of the `width` largest per row, best first (ties: the lower id): [K, R, width]."""
-    part = np.argpartition(-logits, width - 1, axis=2)[:, :, :width]
-    values = np.take_along_axis(logits, part, axis=2)
-    order = np.lexsort((part, -values), axis=2)
-    return np.take_along_axis(part, order, axis=2)
-
-
-def _tree(best: np.ndarray) -> TokenTree:
-    """best [depth, width]: each head's guesses, best first -> every pair of the first two heads' guesses,
-    each followed by the later heads' best guesses."""
-    tokens, parents = [], []
-    for first in best[0]:
-        tokens.append(int(first))
-        parents.append(-1)
-        top = len(tokens) - 1
-        for second in best[1] if len(best) > 1 else ():
-            tokens.append(int(second))
-            parents.append(top)
-            for later in best[2:, 0]:
-                tokens.append(int(later))
-                parents.append(len(tokens) - 2)
-    return TokenTree(tuple(tokens), tuple(parents))
+def _tree(ranked: np.ndarray) -> TokenTree:
+    """ranked [K, W]: each head's guesses, best first -> the width-W tree, head k's guesses at level k + 1."""
+    tokens, parents, ranks = [], [], []
+    frontier = [-1]
+    for depth, guesses in enumerate(ranked):
+        level = []
+        for parent in frontier:
+            for rank in range(branching(depth, ranked.shape[1])):
+                tokens.append(int(guesses[rank]))
+                parents.append(parent)
+                ranks.append(rank)
+                level.append(len(tokens) - 1)
+        frontier = level
+    return TokenTree(tuple(tokens), tuple(parents), tuple(ranks))
