@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 import numaserve as ns
 from models.proposers.base import Proposer
+from models.proposers.eagle import EagleProposer
 from models.proposers.medusa import MedusaProposer
 from scheduling.engine import Engine
 from scheduling.spec_controller import SpeculationController
@@ -196,9 +197,10 @@ def test_greedy_speculation_under_preemption_in_a_small_kv_pool(llama_dir, draft
 # ---- token trees: verified with tree attention, the accepted path's KV kept -----------------------
 
 def with_tree_proposer(llm, width: int) -> list[int]:
-    """Have the engine's Medusa proposer draft trees of this width; -> a list that records, per verification
-    that kept a tree path, whether the path left the first branch (its KV moved to the slots after the root)."""
-    assert isinstance(llm.engine.speculator.proposer, MedusaProposer)
+    """Have the engine's Medusa or EAGLE proposer draft trees of this width; -> a list that records, per
+    verification that kept a tree path, whether the path left the first branch (its KV moved to the slots
+    after the root)."""
+    assert isinstance(llm.engine.speculator.proposer, MedusaProposer | EagleProposer)
     llm.engine.speculator.proposer.fixed_width = width
     moved = []
     move_slots = llm.engine.kv_cache.move_slots
@@ -213,10 +215,11 @@ def with_tree_proposer(llm, width: int) -> list[int]:
 
 @pytest.mark.parametrize("width", [2, 3])
 @pytest.mark.parametrize("kv_dtype", ["float32", "int8"])
-def test_greedy_tree_speculation_gives_the_same_tokens_as_none(llama_dir, medusa_dir, mixed, width, kv_dtype):
+@pytest.mark.parametrize("method", ["medusa", "eagle"])
+def test_greedy_tree_speculation_gives_the_same_tokens_as_none(llama_dir, heads_dirs, mixed, method, width, kv_dtype):
     reference = outcome(run(ns.LLM(llama_dir, weight_dtype="float32", kv_dtype=kv_dtype).engine, *mixed))
-    llm = ns.LLM(medusa_dir, weight_dtype="float32", kv_dtype=kv_dtype,
-                 speculation={"method": "medusa", "num_speculative_tokens": K, "mode": "on"})
+    llm = ns.LLM(heads_dirs[method], weight_dtype="float32", kv_dtype=kv_dtype,
+                 speculation={"method": method, "num_speculative_tokens": K, "mode": "on"})
     moved = with_tree_proposer(llm, width)
     assert_same(outcome(run(llm.engine, *mixed)), reference)
     stats = llm.stats()
@@ -225,11 +228,11 @@ def test_greedy_tree_speculation_gives_the_same_tokens_as_none(llama_dir, medusa
     assert stats["num_free_blocks"] == stats["num_blocks"]
 
 
-def test_greedy_tree_speculation_under_preemption_in_a_small_kv_pool(medusa_dir, mixed, reference):
+@pytest.mark.parametrize("method", ["medusa", "eagle"])
+def test_greedy_tree_speculation_under_preemption_in_a_small_kv_pool(heads_dirs, mixed, reference, method):
     bytes_per_block = 4 * 2 * 2 * 2 * 24 * 4  # block_size * (k, v) * layers * kv_heads * head_dim * fp32
-    llm = ns.LLM(medusa_dir, **FP32, block_size=4, kv_cache_bytes=48 * bytes_per_block, max_num_batched_tokens=128,
-                 speculation={"method": "medusa", "mode": "on"})
-    with_tree_proposer(llm, 2)
+    llm = ns.LLM(heads_dirs[method], **FP32, block_size=4, kv_cache_bytes=48 * bytes_per_block,
+                 max_num_batched_tokens=128, speculation={"method": method, "mode": "on", "tree_width": 2})
     assert_same(outcome(run(llm.engine, *mixed)), reference)
     stats = llm.stats()
     assert stats["num_preemptions"] > 0 and stats["spec_num_accepted_tokens"] > 0, stats
@@ -366,7 +369,7 @@ def vocab16_setup(method: str, vocab16, vocab16_medusa, vocab16_eagle=None) -> t
     target, draft = vocab16
     if method == "draft":
         return target, {"draft_model": str(draft)}
-    if method == "eagle":
+    if method.startswith("eagle"):
         return vocab16_eagle, {}
     return (vocab16_medusa if method.startswith("medusa") else target), {}
 
@@ -388,12 +391,15 @@ PROMPT = [3, 9, 4, 12, 7]
 
 
 @pytest.mark.parametrize("method, filters", [("draft", {}), ("draft", {"top_k": 10, "top_p": 0.85}),
-                                             ("medusa", {"top_k": 10, "top_p": 0.85}), ("eagle", {})],
-                         ids=["draft-plain", "draft-top_k_top_p", "medusa-top_k_top_p", "eagle-plain"])
+                                             ("medusa", {"top_k": 10, "top_p": 0.85}), ("eagle", {}),
+                                             ("eagle-tree", {"top_k": 10, "top_p": 0.85})],
+                         ids=["draft-plain", "draft-top_k_top_p", "medusa-top_k_top_p", "eagle-plain",
+                              "eagle-tree-top_k_top_p"])
 def test_sampling_with_drafts_emits_the_targets_distribution(vocab16, vocab16_medusa, vocab16_eagle, method, filters):
     model, extra = vocab16_setup(method, vocab16, vocab16_medusa, vocab16_eagle)
     llm = ns.LLM(model, **FP32, block_size=4, max_num_seqs=NUM_RUNS, max_num_batched_tokens=1 << 16,
-                 speculation={"method": method, "num_speculative_tokens": 2, "mode": "on"} | extra)
+                 speculation={"method": method.removesuffix("-tree"), "num_speculative_tokens": 2, "mode": "on"}
+                 | extra | ({"tree_width": 3} if method.endswith("-tree") else {}))
     params = [ns.SamplingParams(max_tokens=3, temperature=1.0, seed=s, ignore_eos=True, **filters)
               for s in range(NUM_RUNS)]
     outs = np.array([o.token_ids for o in llm.generate([PROMPT] * NUM_RUNS, params)])  # [runs, 3]
@@ -419,7 +425,7 @@ def test_sampling_with_drafts_emits_the_targets_distribution(vocab16, vocab16_me
 
 
 @pytest.mark.parametrize("method, mode", [("ngram", "on"), ("draft", "on"), ("draft", "auto"), ("medusa", "on"),
-                                          ("medusa-tree", "on"), ("eagle", "on")])
+                                          ("medusa-tree", "on"), ("eagle", "on"), ("eagle-tree", "on")])
 def test_seeded_sampling_with_drafts_gives_the_tokens_of_no_speculation(vocab16, vocab16_medusa, vocab16_eagle, method,
                                                                         mode, memory_bound_costs):
     """Drafts only decide how many of the target's own keyed draws a step makes (scheduling/step_sampler.py)."""
@@ -432,21 +438,23 @@ def test_seeded_sampling_with_drafts_gives_the_tokens_of_no_speculation(vocab16,
     reference = [o.token_ids for o in ns.LLM(target, **FP32).generate(prompts, params)]
     spec = {"method": method.removesuffix("-tree"), "mode": mode, "prompt_lookup_min": 1} | extra
     llm = ns.LLM(model, **FP32, speculation=spec)
-    if method == "medusa-tree":
+    if method.endswith("-tree"):
         with_tree_proposer(llm, 3)
     assert [o.token_ids for o in llm.generate(prompts, params)] == reference
     stats = llm.stats()
     assert 0 < stats["spec_num_accepted_tokens"] < stats["spec_num_draft_tokens"], stats
 
 
-def test_the_policy_widens_medusa_trees_where_they_keep_more_and_tokens_stay_the_same(vocab16, vocab16_medusa,
-                                                                                       memory_bound_costs):
+@pytest.mark.parametrize("method", ["medusa", "eagle"])
+def test_the_policy_widens_trees_where_they_keep_more_and_tokens_stay_the_same(vocab16, vocab16_medusa, vocab16_eagle,
+                                                                                method, memory_bound_costs):
     """Random heads over 16 tokens: a head's top 4 holds the next token 4 times as often as its top 1, and on
     a memory-bound step extra tree nodes are nearly free, so the measured counts widen the tree."""
     prompts = [random_prompt(n, seed=n, vocab=16) for n in range(4, 36)]
     params = [ns.SamplingParams(max_tokens=24, temperature=1.0, seed=s, ignore_eos=True) for s in range(len(prompts))]
     reference = [o.token_ids for o in ns.LLM(vocab16[0], **FP32).generate(prompts, params)]
-    llm = ns.LLM(vocab16_medusa, **FP32, speculation={"method": "medusa", "mode": "on"})
+    model, _ = vocab16_setup(method, vocab16, vocab16_medusa, vocab16_eagle)
+    llm = ns.LLM(model, **FP32, speculation={"method": method, "mode": "on"})
     assert [o.token_ids for o in llm.generate(prompts, params)] == reference
     widths = [d["choice"] for d in llm.diagnostics() if d["choice"].startswith("tree width")]
     assert widths and widths[-1] != "tree width 1", widths

@@ -29,10 +29,11 @@ def make_proposer(config: SpeculationConfig, target_spec: ModelSpec, target_toke
                                   block_size=block_size, weight_dtype=weight_dtype, kv_dtype=kv_dtype,
                                   activation_dtype=activation_dtype, decisions=decisions, sampler=sampler)
     if config.method == "medusa":
-        return MedusaProposer(model_dir, target_spec, target_weight_dtype, config.num_heads)
+        return MedusaProposer(model_dir, target_spec, target_weight_dtype, config.num_heads, config.tree_width)
     if config.method == "eagle":
         return EagleProposer(model_dir, target_spec, target_weights, target_weight_dtype,
-                             kv_cache_tokens=kv_cache_tokens, block_size=block_size, kv_dtype=kv_dtype)
+                             kv_cache_tokens=kv_cache_tokens, block_size=block_size, kv_dtype=kv_dtype,
+                             max_depth=config.num_speculative_tokens, fixed_width=config.tree_width)
     return None
 
 
