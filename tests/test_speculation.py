@@ -239,6 +239,31 @@ def test_greedy_tree_speculation_under_preemption_in_a_small_kv_pool(heads_dirs,
     assert stats["num_free_blocks"] == stats["num_blocks"] == 48
 
 
+@pytest.mark.parametrize("width", [1, 3])
+def test_eagle_drafts_after_a_prefix_cache_hit_and_keeps_the_tokens(llama_dir, eagle_dir, mixed, width):
+    """The second request's prompt comes from the prefix cache, so the target hands over no features for it:
+    the head starts after it (models/proposers/eagle.py) and still drafts tokens the target keeps."""
+    prompt = mixed[0][3]  # 120 ids
+    params = ns.SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+    want = ns.LLM(llama_dir, **FP32).generate(prompt, params)[0].token_ids
+    llm = ns.LLM(eagle_dir, **FP32, speculation={"method": "eagle", "mode": "on", "tree_width": width})
+    proposer, first_seen = llm.engine.speculator.proposer, {}
+    observe = proposer.observe_hidden
+
+    def recording(request_id, first, features):
+        first_seen.setdefault(request_id, first)
+        observe(request_id, first, features)
+
+    proposer.observe_hidden = recording
+    for _ in range(2):
+        before = llm.stats()["spec_num_accepted_tokens"]
+        assert llm.generate(prompt, params)[0].token_ids == want
+        assert llm.stats()["spec_num_accepted_tokens"] > before
+    fresh, cached = first_seen.values()
+    assert fresh == 0 and cached > 0  # the second request's prompt came from the prefix cache
+    assert llm.stats()["num_free_blocks"] == llm.stats()["num_blocks"]
+
+
 # ---- self-draft: every draft accepted; stops and max_tokens inside accepted runs --------------------
 
 @pytest.fixture(scope="module")

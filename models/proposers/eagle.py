@@ -9,7 +9,11 @@ per further tree level feeds each guess back with its parent's feature guess. Wi
 wider, a token tree (models/proposers/tree_shape.py) whose nodes take the head's KV slots after the
 root's and see their ancestors through the tree mask, as the target verifies them. The KV those draft
 nodes wrote is dropped on the next call (their features were guesses): the catch-up overwrites it.
-A request whose features have a gap (none for some positions) drafts nothing until it is recomputed.
+The head runs a request from its first feature on: a prompt whose prefix came from the prefix cache has no
+features for that prefix (the target did not compute it), so the head starts after it, its positions
+shifted to start at 0 there (under RoPE attention depends on relative positions only); it misses the
+prefix's tokens in its own attention, not in the target's features. A later gap (positions the target
+skipped) restarts it the same way.
 
 Widths are measured as Medusa's are: every proposal's tree, once the tokens that followed it are known,
 tells what each narrower tree would have kept (`accepted_counts`); wider trees than the step's width are
@@ -39,7 +43,8 @@ EXPLORE_EVERY = 16  # after the first MIN_MEASURED proposals, one in this many d
 
 @dataclass
 class _EagleSeq:
-    num_done: int = 0  # positions whose head KV holds true features
+    start: int  # the first position the head has run (its KV slot 0); positions are the request's
+    num_done: int  # positions < num_done have head KV from true features
     features: list[np.ndarray] = field(default_factory=list)  # f_p for p = num_done, num_done + 1, ...
     block_ids: list[int] = field(default_factory=list)
 
@@ -105,14 +110,14 @@ class EagleProposer(Proposer):
         self._num_proposals = 0
 
     def observe_hidden(self, request_id: str, first: int, features: np.ndarray) -> None:
-        seq = self.seqs.setdefault(request_id, _EagleSeq())
-        if first < seq.next_feature:  # recomputed (after a preemption): keep what precedes it
+        seq = self.seqs.get(request_id)
+        if seq is None or not seq.start <= first <= seq.next_feature:  # new, or restarted (module docstring)
+            if seq is not None:
+                self._truncate(seq, seq.start)
+            seq = self.seqs[request_id] = _EagleSeq(first, first)
+        elif first < seq.next_feature:  # recomputed (after a preemption): keep what precedes it
             self._truncate(seq, min(seq.num_done, first))
             del seq.features[first - seq.num_done:]
-        if first > seq.next_feature:  # a gap: nothing to catch up from until the request is recomputed
-            self._truncate(seq, 0)
-            seq.features.clear()
-            return
         seq.features += list(features)
 
     def free(self, request_id: str) -> None:
@@ -198,12 +203,13 @@ class EagleProposer(Proposer):
     def _truncate(self, seq: _EagleSeq, keep: int) -> None:
         """Keep the KV of positions < keep."""
         seq.num_done = min(seq.num_done, keep)
-        num_blocks = -(-keep // self.block_size)
+        num_blocks = -(-(keep - seq.start) // self.block_size)
         self.pool.free(reversed(seq.block_ids[num_blocks:]))
         del seq.block_ids[num_blocks:]
 
-    def _reserve(self, seq: _EagleSeq, num_positions: int) -> bool:
-        need = -(-num_positions // self.block_size) - len(seq.block_ids)
+    def _reserve(self, seq: _EagleSeq, end: int) -> bool:
+        """Blocks for the head's KV of positions < end."""
+        need = -(-(end - seq.start) // self.block_size) - len(seq.block_ids)
         if need <= 0:
             return True
         blocks = self.pool.allocate(need) if self.pool.can_allocate(need) else None
@@ -273,12 +279,15 @@ class _Rows:
 
     def add(self, s: int, token: int, position: int, slot: int, feature: np.ndarray, *, wanted: bool,
             tree_start: int = -1, tree_row: np.ndarray | None = None) -> None:
+        """A row of sequence s at the request's position, in the KV slot of the request's position `slot`
+        (a tree node's: after the root's, as tree_start): both taken from the head's start."""
+        start = self.seqs[s].start
         if wanted:
             self.wanted.append(len(self.token_ids))
         self.token_ids.append(token)
-        self.positions.append(position)
-        self.slots.append(slot)
+        self.positions.append(position - start)
+        self.slots.append(slot - start)
         self.token_seq.append(s)
         self.features.append(feature)
-        self.tree_starts.append(tree_start)
+        self.tree_starts.append(tree_start - start if tree_start >= 0 else -1)
         self.tree_rows.append(tree_row)
