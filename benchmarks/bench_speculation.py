@@ -20,6 +20,12 @@ coupling: how often a sampled draft is accepted, the keyed race against the stan
 
     python -m benchmarks.bench_speculation coupling
 
+heads: Medusa and EAGLE (chain and tree) beside n-gram and the draft model on the demo model, then on the
+    TinyLlama shape at the demo model's acceptance, see benchmarks/spec_heads.py.
+
+    python -m benchmarks.bench_speculation heads demo
+    python -m benchmarks.bench_speculation heads tinyllama
+
 Writes benchmarks/results/speculation_acceptance.{json,png} and speculation_sweep.{json,png}, one JSON
 line per point on stdout. Run `acceptance` first: the sweep adds a point at the acceptance it measured.
 """
@@ -174,13 +180,16 @@ def main() -> None:
     s = sub.add_parser("sweep")
     from benchmarks.spec_sweep import add_arguments, sweep
     add_arguments(s)
-    from benchmarks import spec_coupling
+    from benchmarks import spec_coupling, spec_heads
     spec_coupling.add_arguments(sub.add_parser("coupling"))
+    spec_heads.add_arguments(sub.add_parser("heads"))
     args = parser.parse_args()
     if args.part == "acceptance":
         acceptance(args)
     elif args.part == "coupling":
         spec_coupling.coupling(args)
+    elif args.part == "heads":
+        spec_heads.main(args)
     else:
         sweep(args)
 

@@ -25,9 +25,7 @@ def random_checkpoint(name: str, seed: int = 0) -> Path:
         return directory
     shape = SHAPES[name]
     directory.mkdir(parents=True, exist_ok=True)
-    h, inter, layers = shape["hidden_size"], shape["intermediate_size"], shape["num_hidden_layers"]
-    head_dim = h // shape["num_attention_heads"]
-    kv = shape["num_key_value_heads"] * head_dim
+    h, layers = shape["hidden_size"], shape["num_hidden_layers"]
     rng = np.random.default_rng(seed)
 
     def normal(*dims):
@@ -36,13 +34,7 @@ def random_checkpoint(name: str, seed: int = 0) -> Path:
     tensors = {"model.embed_tokens.weight": normal(shape["vocab_size"], h),
                "lm_head.weight": normal(shape["vocab_size"], h), "model.norm.weight": np.ones(h, np.float16)}
     for i in range(layers):
-        p = f"model.layers.{i}."
-        tensors |= {p + "input_layernorm.weight": np.ones(h, np.float16),
-                    p + "post_attention_layernorm.weight": np.ones(h, np.float16),
-                    p + "self_attn.q_proj.weight": normal(h, h), p + "self_attn.k_proj.weight": normal(kv, h),
-                    p + "self_attn.v_proj.weight": normal(kv, h), p + "self_attn.o_proj.weight": normal(h, h),
-                    p + "mlp.gate_proj.weight": normal(inter, h), p + "mlp.up_proj.weight": normal(inter, h),
-                    p + "mlp.down_proj.weight": normal(h, inter)}
+        tensors |= _layer(f"model.layers.{i}.", shape, normal)
     save_file(tensors, directory / "model.safetensors.tmp")
     config = shape | {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "rms_norm_eps": 1e-5,
                       "rope_theta": 10000.0, "max_position_embeddings": 2048, "bos_token_id": 1,
@@ -71,3 +63,52 @@ def with_word_tokenizer(name: str) -> Path:
     tokenizer.save(str(directory / "tokenizer.json.tmp"))
     os.replace(directory / "tokenizer.json.tmp", directory / "tokenizer.json")
     return directory
+
+
+def with_random_heads(name: str, num_medusa_heads: int = 3, seed: int = 1) -> Path:
+    """random_checkpoint(name) with random Medusa heads (one residual block each) and a random EAGLE head
+    beside it, of the model's width: what drafting costs at that shape (their acceptance is meaningless)."""
+    from models.eagle import CONFIG_FILE as EAGLE_CONFIG
+    from models.eagle import HEAD_FILE as EAGLE_FILE
+    from models.medusa import CONFIG_FILE as MEDUSA_CONFIG
+    from models.medusa import HEADS_FILE as MEDUSA_FILE
+
+    source = random_checkpoint(name)
+    directory = CACHE / f"{name}-heads"
+    if (directory / EAGLE_FILE).exists():
+        return directory
+    directory.mkdir(parents=True, exist_ok=True)
+    for file in ("config.json", "model.safetensors"):
+        if not (directory / file).exists():
+            (directory / file).symlink_to(source / file)
+    shape = SHAPES[name]
+    h, v = shape["hidden_size"], shape["vocab_size"]
+    rng = np.random.default_rng(seed)
+
+    def normal(*dims):
+        return (rng.standard_normal(dims, dtype=np.float32) * 0.02).astype(np.float16)
+
+    medusa = {}
+    for k in range(num_medusa_heads):
+        medusa |= {f"{k}.0.linear.weight": normal(h, h), f"{k}.0.linear.bias": np.zeros(h, np.float16),
+                   f"{k}.1.weight": normal(v, h)}
+    save_file(medusa, directory / MEDUSA_FILE)
+    (directory / MEDUSA_CONFIG).write_text(json.dumps({"medusa_num_heads": num_medusa_heads, "medusa_num_layers": 1}))
+    eagle = {"fc.weight": normal(h, 2 * h), "fc.bias": np.zeros(h, np.float16),
+             "model.norm.weight": np.ones(h, np.float16)} | _layer("model.layers.0.", shape, normal)
+    (directory / EAGLE_CONFIG).write_text(json.dumps({"eagle_num_layers": 1}))
+    save_file(eagle, directory / (EAGLE_FILE + ".tmp"))
+    os.replace(directory / (EAGLE_FILE + ".tmp"), directory / EAGLE_FILE)
+    return directory
+
+
+def _layer(prefix: str, shape: dict, normal) -> dict:
+    """One decoder layer's tensors (norms at 1, matrices from normal(rows, cols))."""
+    h, inter = shape["hidden_size"], shape["intermediate_size"]
+    kv = shape["num_key_value_heads"] * h // shape["num_attention_heads"]
+    return {prefix + "input_layernorm.weight": np.ones(h, np.float16),
+            prefix + "post_attention_layernorm.weight": np.ones(h, np.float16),
+            prefix + "self_attn.q_proj.weight": normal(h, h), prefix + "self_attn.k_proj.weight": normal(kv, h),
+            prefix + "self_attn.v_proj.weight": normal(kv, h), prefix + "self_attn.o_proj.weight": normal(h, h),
+            prefix + "mlp.gate_proj.weight": normal(inter, h), prefix + "mlp.up_proj.weight": normal(inter, h),
+            prefix + "mlp.down_proj.weight": normal(h, inter)}
