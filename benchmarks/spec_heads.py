@@ -86,7 +86,7 @@ def compare(llms: dict[str, ns.LLM], batches: Sequence[int], samples: int, run_o
             row = {"batch": batch, "engine": name, "tokens_per_s": tok_s, "speedup_vs_off": tok_s / off,
                    "samples_tokens_per_s": times[name], "same_tokens_as_off": outputs[name] == outputs["off"]}
             if verifications:
-                row |= {"verifications": verifications, "draft_tokens_per_verification": drafted / verifications,
+                row |= {"verifications": verifications, "mean_draft_depth": drafted / verifications,
                         "tokens_per_verification": 1 + accepted / verifications,
                         "depth_last_step": llms[name].stats()["spec_depth"],
                         "tree_widths_chosen": list(dict.fromkeys(widths[name]))}

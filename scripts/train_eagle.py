@@ -25,7 +25,7 @@ from head_training import frozen_base_and_data, parse_args, record
 from safetensors.torch import save_file
 from train_demo import ASSETS
 
-STEPS, QUICK_STEPS, LR, TOKEN_WEIGHT = 800, 20, 1e-3, 0.1
+STEPS, QUICK_STEPS, LR, TOKEN_WEIGHT = 2000, 20, 1e-3, 0.1
 BATCH, SEQ_LEN = 8, 256
 ACCEPT_POSITIONS, ACCEPT_CONTEXT, ACCEPT_DEPTH, TREE_WIDTH = 512, 64, 5, 3
 
