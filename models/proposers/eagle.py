@@ -67,11 +67,12 @@ class _Growing:
     depths: list[int] = field(default_factory=list)
     guesses: dict[int, np.ndarray] = field(default_factory=dict)  # node (-1: the root) -> its feature guess
 
-    def grow(self, parent: int, logits: np.ndarray, guess: np.ndarray) -> None:
-        """Children of parent (-1: the root) from its row's logits [V]; guess [H]: its feature guess."""
+    def grow(self, parent: int, ranked: np.ndarray, guess: np.ndarray) -> None:
+        """Children of parent (-1: the root) from its row's best token ids ranked [MAX_WIDTH]; guess [H]: its
+        feature guess."""
         self.guesses[parent] = guess
         level = 1 if parent < 0 else self.depths[parent] + 1
-        for rank, token in enumerate(top_ids(logits, branching(level - 1, self.width))):
+        for rank, token in enumerate(ranked[:branching(level - 1, self.width)]):
             self.tokens.append(int(token))
             self.parents.append(parent)
             self.ranks.append(rank)
@@ -150,7 +151,7 @@ class EagleProposer(Proposer):
         if not feeds:
             return drafts
         logits, guesses = self._timed(self._catch_up, growing, feeds)
-        for g, (tokens, _, first), row, guess in zip(growing, feeds, logits, guesses):
+        for g, (tokens, _, first), row, guess in zip(growing, feeds, top_ids(logits, MAX_WIDTH), guesses):
             g.seq.num_done, g.seq.features = first + len(tokens), []  # every true feature has run
             g.grow(-1, row, guess)
         for level in range(1, max(g.depth for g in growing)):
@@ -164,7 +165,7 @@ class EagleProposer(Proposer):
             if not runs:
                 break
             logits, guesses = self._timed(self._run_level, runs)
-            rows = iter(zip(logits, guesses))
+            rows = iter(zip(top_ids(logits, MAX_WIDTH), guesses))
             for g, nodes in runs:
                 for node in nodes:
                     g.grow(node, *next(rows))

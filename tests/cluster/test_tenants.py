@@ -23,7 +23,7 @@ GREEDY = ns.SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
 @pytest.fixture(scope="module")
 def client(ray_cluster, llama_dir):
     config = sim_config("two_numa_sim", http={"port": free_port(), "api_keys": KEYS, "max_prompt_tokens": 100,
-                                              "max_tokens_cap": 300, "max_concurrent_per_client": 2})
+                                              "max_tokens_cap": 480, "max_concurrent_per_client": 2})
     client = ns.serve(config, model=llama_dir, name=NAME)
     yield client
     client.shutdown()
@@ -75,7 +75,7 @@ def test_a_missing_or_wrong_key_is_a_401_that_does_not_echo_it_and_service_goes_
 
 @pytest.mark.parametrize("prompt, max_tokens, code", [
     (random_prompt(101, seed=3), 2, "prompt_too_long"),
-    ([5, 6, 7], 301, "max_tokens_exceeded"),
+    ([5, 6, 7], 481, "max_tokens_exceeded"),
 ])
 def test_the_length_limits_are_400s_naming_the_setting(client, prompt, max_tokens, code):
     with pytest.raises(openai.BadRequestError) as e:
@@ -86,7 +86,7 @@ def test_the_length_limits_are_400s_naming_the_setting(client, prompt, max_token
 
 def test_a_clients_third_open_request_is_a_429_and_other_clients_are_served(client):
     release = threading.Event()
-    streams = [api(client, KEYS[0]).completions.create(model="llama", prompt=[5, 6, 7], max_tokens=300, stream=True,
+    streams = [api(client, KEYS[0]).completions.create(model="llama", prompt=[5, 6, 7], max_tokens=480, stream=True,
                                                        extra_body={"ignore_eos": True}) for _ in range(2)]
     try:
         for s in streams:
