@@ -27,6 +27,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+import numba
 import numpy as np
 
 import numaserve as ns
@@ -121,8 +122,8 @@ def demo(args) -> None:
                           for w in range(len(measured[0]))]
     meta = {"model": str(DEMO / "base"), "draft_model": str(DEMO / "draft"), "depth": args.depth,
             "tree_width": TREE_WIDTH, "num_prompts": args.num_prompts, "prompt_tokens": PROMPT_TOKENS,
-            "max_tokens": args.max_tokens, "samples": args.samples, "weight_dtype": "auto (q8_0 for the demo)",
-            "threads": llms["off"].engine.config.num_threads}
+            "max_tokens": args.max_tokens, "samples": args.samples, "weight_dtype": "auto (bfloat16)",
+            "threads": numba.get_num_threads()}
     save("demo", {"meta": meta | machine(), "rows": rows, "accepted_counts": counts})
 
 
@@ -223,7 +224,7 @@ def tinyllama(args) -> None:
     meta = {"model": f"{name} random (benchmarks/checkpoints.py), q8_0, random heads of its width",
             "acceptance": "the demo part's accepted_counts, replayed", "depth": args.depth, "tree_width": TREE_WIDTH,
             "prompt_tokens": args.prompt_len, "max_tokens": args.max_tokens, "samples": args.samples,
-            "threads": llms["off"].engine.config.num_threads}
+            "threads": numba.get_num_threads()}
     save("tinyllama", {"meta": meta | machine(), "rows": rows})
 
 
