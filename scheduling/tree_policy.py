@@ -1,12 +1,13 @@
 """Tree width: per step, the draft tree width that maximizes expected goodput (like choose_depths for depth).
 
-A proposer that ranks its guesses (Medusa heads) measures, for every proposal whose continuation is known,
+A proposer that ranks its guesses (Medusa, EAGLE) measures, for every proposal whose continuation is known,
 how many drafts a tree of each width would have had accepted (`accepted_counts[w - 1, l]`: proposals whose
 width-w tree keeps l drafts) and says how many nodes such a tree has (`tree_sizes[w - 1, d]` at depth d).
 Those counts are exact, not modelled: the tokens a verification keeps are the target's own draws, the
 same whatever was drafted (scheduling/step_sampler.py). A request drafting to depth d under width w then
 appends 1 + E[min(l, d)] tokens and costs the step per_token_s * (nodes - d) more than its chain, charged
-draft_cost_factor times as a chain's drafts are. Width 1 (the chain) until MIN_MEASURED proposals are in.
+draft_cost_factor times as a chain's drafts are. Width 1 (the chain) until every width has MIN_MEASURED
+proposals (Medusa measures every width each proposal; EAGLE the widths up to the one it drafted).
 """
 
 from collections.abc import Sequence
@@ -22,7 +23,7 @@ def choose_tree_width(policy: SpeculationPolicy, accepted_counts: np.ndarray, tr
     """accepted_counts, tree_sizes: [W, K + 1] (see the module docstring); depths: the step's per request."""
     max_depth = accepted_counts.shape[1] - 1  # a proposer drafts no deeper than it measures
     depths = np.minimum(np.asarray([d for d in depths if d > 0], np.int64), max_depth)
-    measured = accepted_counts.sum(axis=1)  # [W], alike for every width
+    measured = accepted_counts.sum(axis=1)  # [W] proposals measured per width
     if len(depths) == 0 or measured.min() < MIN_MEASURED:
         return 1
     lengths = np.arange(accepted_counts.shape[1])  # [K + 1]

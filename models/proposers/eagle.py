@@ -201,6 +201,7 @@ class EagleProposer(Proposer):
         logits, guesses = run(*args)
         self.last_passes.append((len(logits), time.perf_counter() - start))
         return logits, guesses
+
     def _truncate(self, seq: _EagleSeq, keep: int) -> None:
         """Keep the KV of positions < keep."""
         seq.num_done = min(seq.num_done, keep)
