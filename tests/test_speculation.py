@@ -416,10 +416,10 @@ PROMPT = [3, 9, 4, 12, 7]
 
 
 @pytest.mark.parametrize("method, filters", [("draft", {}), ("draft", {"top_k": 10, "top_p": 0.85}),
-                                             ("medusa", {"top_k": 10, "top_p": 0.85}), ("eagle", {}),
-                                             ("eagle-tree", {"top_k": 10, "top_p": 0.85})],
-                         ids=["draft-plain", "draft-top_k_top_p", "medusa-top_k_top_p", "eagle-plain",
-                              "eagle-tree-top_k_top_p"])
+                                             ("medusa", {"top_k": 10, "top_p": 0.85}), ("medusa-tree", {}),
+                                             ("eagle", {}), ("eagle-tree", {"top_k": 10, "top_p": 0.85})],
+                         ids=["draft-plain", "draft-top_k_top_p", "medusa-top_k_top_p", "medusa-tree-plain",
+                              "eagle-plain", "eagle-tree-top_k_top_p"])
 def test_sampling_with_drafts_emits_the_targets_distribution(vocab16, vocab16_medusa, vocab16_eagle, method, filters):
     model, extra = vocab16_setup(method, vocab16, vocab16_medusa, vocab16_eagle)
     llm = ns.LLM(model, **FP32, block_size=4, max_num_seqs=NUM_RUNS, max_num_batched_tokens=1 << 16,
