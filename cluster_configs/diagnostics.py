@@ -10,6 +10,7 @@ stats ("decisions") read it; a fallback is also logged, so it shows without aski
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 log = logging.getLogger("numaserve")
@@ -19,7 +20,7 @@ log = logging.getLogger("numaserve")
 class Decision:
     topic: str  # what was decided: "kernel", "activation_dtype", "speculation", "lora_path", "preemption", ...
     choice: str  # what was chosen
-    reason: str  # why, in words a user can act on
+    reason: str | Callable[[], str]  # why, in words a user can act on (a callable: worded when read)
     subject: str = ""  # what it applies to: a layer type, a matrix, an adapter, a request id ("" = the engine)
     time: float = 0.0  # time.time() when last recorded
     count: int = 1  # times this choice was recorded in a row for (topic, subject)
@@ -32,7 +33,10 @@ class DecisionLog:
         self._ring: deque[Decision] = deque(maxlen=maxlen)
         self._latest: dict[tuple[str, str], Decision] = {}  # (topic, subject) -> its entry still in the ring
 
-    def record(self, topic: str, choice: str, reason: str, subject: str = "", *, warn: bool = False) -> None:
+    def record(self, topic: str, choice: str, reason: str | Callable[[], str], subject: str = "", *,
+               warn: bool = False) -> None:
+        """reason: words, or a callable that words them when the log is read (a decision recorded every step
+        need not format its reason every step)."""
         key = (topic, subject)
         latest = self._latest.get(key)
         if latest is not None and latest.choice == choice:
@@ -47,7 +51,11 @@ class DecisionLog:
         self._ring.append(decision)
         self._latest[key] = decision
         if warn:
-            log.warning("%s%s: %s (%s)", topic, f" [{subject}]" if subject else "", choice, reason)
+            log.warning("%s%s: %s (%s)", topic, f" [{subject}]" if subject else "", choice, _words(reason))
 
     def recent(self, topic: str | None = None) -> list[dict]:
-        return [asdict(d) for d in self._ring if topic is None or d.topic == topic]
+        return [asdict(d) | {"reason": _words(d.reason)} for d in self._ring if topic is None or d.topic == topic]
+
+
+def _words(reason: str | Callable[[], str]) -> str:
+    return reason() if callable(reason) else reason

@@ -38,6 +38,7 @@ after it, it keeps the last pushed policy until the next, also while the schedul
 (the scheduler keeps no speculation state, so a restarted one answers as the old one would have).
 """
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -159,7 +160,21 @@ def choose_depths(policy: SpeculationPolicy, num_base_tokens: int, max_depths: S
     accept_rates: per request its own acceptance EMA, None for the policy's; token_budget: draft tokens
     the step's budget has room for.
     """
-    caps = np.clip(np.asarray(max_depths, np.int64), 0, policy.max_depth)  # [R]
+    caps = tuple(min(max(int(d), 0), policy.max_depth) for d in max_depths)
+    if accept_rates is None:  # a policy holds for several steps and steps repeat: decided once per shape
+        return list(_choose_depths_cached(policy, num_base_tokens, caps, token_budget))
+    return _choose_depths(policy, num_base_tokens, caps, accept_rates, token_budget)
+
+
+@functools.lru_cache(maxsize=1024)
+def _choose_depths_cached(policy: SpeculationPolicy, num_base_tokens: int, caps: tuple[int, ...],
+                          token_budget: int | None) -> tuple[int, ...]:
+    return tuple(_choose_depths(policy, num_base_tokens, caps, None, token_budget))
+
+
+def _choose_depths(policy: SpeculationPolicy, num_base_tokens: int, max_depths: tuple[int, ...],
+                   accept_rates: Sequence[Sequence[float] | None] | None, token_budget: int | None) -> list[int]:
+    caps = np.asarray(max_depths, np.int64)  # [R], already within 0 .. policy.max_depth
     if policy.probe:
         width = len(caps) if policy.probe_width is None else policy.probe_width
         caps = np.where(np.arange(len(caps)) < width, np.minimum(caps, 1), 0)

@@ -154,13 +154,12 @@ class Speculator:
 
     def _record_depth(self, depth: int, num_decoding: int, num_tokens: int) -> None:
         """A "speculation" decision per step; the log counts the steps a depth holds (a change is a new entry)."""
-        p = self.policy
+        p, source = self.policy, "engine" if self.pushed_policy is None else "scheduler"
         self.decisions.record("speculation", f"depth {depth}",
-                              f"mode {self.config.mode}, policy from the "
-                              f"{'engine' if self.pushed_policy is None else 'scheduler'}: {num_decoding} decoding "
-                              f"of {num_tokens} tokens in the step, acceptance EMA "
-                              f"{np.round(p.accept_rates, 2).tolist()}, step cost {p.fixed_s * 1e3:.2f} ms + "
-                              f"{p.per_token_s * 1e3:.3f} ms/token, draft cost x{p.draft_cost_factor:.2f}",
+                              lambda: f"mode {self.config.mode}, policy from the {source}: {num_decoding} decoding "
+                                      f"of {num_tokens} tokens in the step, acceptance EMA "
+                                      f"{np.round(p.accept_rates, 2).tolist()}, step cost {p.fixed_s * 1e3:.2f} ms + "
+                                      f"{p.per_token_s * 1e3:.3f} ms/token, draft cost x{p.draft_cost_factor:.2f}",
                               subject="depth")
         self.depth = depth
 
