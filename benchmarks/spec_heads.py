@@ -15,7 +15,8 @@ tinyllama: the TinyLlama-shaped random checkpoint (q8_0) with random Medusa head
     target's own greedy continuation.
 
     python -m benchmarks.bench_speculation heads demo         # about 6 minutes on 2 cores
-    python -m benchmarks.bench_speculation heads tinyllama    # about 10 minutes; run demo first
+    python -m benchmarks.bench_speculation heads tinyllama    # about 20 minutes; run demo first
+    python -m benchmarks.bench_speculation heads rows         # what a TinyLlama forward of n rows costs
 
 Writes benchmarks/results/speculation_heads.json (both parts) and speculation_heads.png.
 """
@@ -90,6 +91,7 @@ def compare(llms: dict[str, ns.LLM], batches: Sequence[int], samples: int, run_o
                 row |= {"verifications": verifications, "mean_draft_depth": drafted / verifications,
                         "tokens_per_verification": 1 + accepted / verifications,
                         "depth_last_step": llms[name].stats()["spec_depth"],
+                        # width decisions in the engine's log so far (earlier batch sizes included)
                         "tree_widths_chosen": list(dict.fromkeys(widths[name]))}
             print(json.dumps(row), flush=True)
             rows.append(row)
@@ -228,6 +230,28 @@ def tinyllama(args) -> None:
     save("tinyllama", {"meta": meta | machine(), "rows": rows})
 
 
+def rows(args) -> None:
+    """The cost side's shape: one TinyLlama-shaped (q8_0) forward of n rows (a prefill of n tokens, no prefix
+    cache), fastest of 4, for the row counts a verification takes."""
+    llm = ns.LLM(with_random_heads("tinyllama-1.1b"), weight_dtype="q8_0", max_num_seqs=1, max_model_len=256,
+                 enable_prefix_caching=False)
+    rng, params = np.random.default_rng(0), ns.SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    ms = {}
+    for n in (1, 2, 4, 8, 16, 24, 40, 64):
+        times = []
+        for s in range(4):
+            llm.engine.add_request(f"rows-{n}-{s}", rng.integers(3, 32000, n).tolist(), params)
+            start = time.perf_counter()
+            llm.engine.step()  # the whole prompt in one forward
+            times.append(time.perf_counter() - start)
+            while llm.engine.has_unfinished():
+                llm.engine.step()
+        ms[n] = round(min(times) * 1e3, 1)
+        print(json.dumps({"rows": n, "ms": ms[n]}), flush=True)
+    save("rows", {"meta": {"model": "tinyllama-1.1b random, q8_0", "threads": numba.get_num_threads()} | machine(),
+                  "forward_ms_by_rows": ms})
+
+
 def machine() -> dict:
     return {"cpu": platform.processor() or platform.machine(), "date": time.strftime("%Y-%m-%d %H:%M")}
 
@@ -300,7 +324,7 @@ def plot(results: dict, path: Path) -> None:
 
 
 def add_arguments(p) -> None:
-    p.add_argument("which", choices=["demo", "tinyllama"])
+    p.add_argument("which", choices=["demo", "tinyllama", "rows"])
     p.add_argument("--depth", type=int, default=5)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--samples", type=int, default=3)
@@ -310,4 +334,4 @@ def add_arguments(p) -> None:
 
 
 def main(args) -> None:
-    demo(args) if args.which == "demo" else tinyllama(args)
+    {"demo": demo, "tinyllama": tinyllama, "rows": rows}[args.which](args)
