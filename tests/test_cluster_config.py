@@ -73,6 +73,13 @@ def test_relative_paths_in_yaml_are_taken_from_the_files_folder(tmp_path):
     ("http: {prot: 8000}", "http.prot"),
     ("http: {served_model_name: ''}", "http.served_model_name"),
     ("- just\n- a list", "ClusterConfig"),
+    # wrong types and unknown keys (the bad-input matrix)
+    ("workers_per_node: two", "workers_per_node"),
+    ("engine: 5", "engine"),
+    ("engine: {max_num_seqs: many}", "engine.max_num_seqs"),
+    ("engine: {enable_prefix_caching: [1]}", "engine.enable_prefix_caching"),
+    ("http: {port: '80a'}", "http.port"),
+    ("engine: {block_size: 16, colour: red}", "engine.colour"),
 ])
 def test_bad_yaml_values_raise_a_validation_error_naming_the_field(tmp_path, yaml_text, field):
     path = tmp_path / "bad.yaml"

@@ -3,7 +3,6 @@ over scattered KV blocks, and its files refused by name when they do not fit."""
 
 import json
 import shutil
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -83,17 +82,3 @@ def test_heads_that_do_not_fit_raise_checkpoint_error_naming_the_problem(target,
     spec, weights, _ = load_model(directory, "float32")
     with pytest.raises(CheckpointError, match=message):
         load_eagle_head(directory, spec, weights, "float32")
-
-
-def test_the_shipped_demo_head_drafts_tokens_the_demo_base_accepts():
-    """The demo family's trained EAGLE head (scripts/train_eagle.py): greedy tokens unchanged, drafts kept."""
-    import numaserve as ns
-
-    base = Path(ns.__file__).parent / "assets" / "demo" / "base"
-    prompts = ["def parse_args(argv):\n    ", "class Queue:\n    def __init__(self", "import os\n\ndef walk(path):\n"]
-    params = ns.SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
-    llm = ns.LLM(base, speculation={"method": "eagle", "mode": "on"})
-    assert [o.token_ids for o in llm.generate(prompts, params)] == \
-        [o.token_ids for o in ns.LLM(base).generate(prompts, params)]
-    stats = llm.stats()
-    assert 0 < stats["spec_num_accepted_tokens"] < stats["spec_num_draft_tokens"], stats

@@ -2,7 +2,6 @@
 the files they load from refused by name when they do not fit."""
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pydantic
@@ -79,15 +78,3 @@ def test_an_engine_asked_for_medusa_names_what_is_missing_or_does_not_fit(llama_
         ns.SpeculationConfig(method="ngram", num_heads=2)
     llm = ns.LLM(model_copy, speculation={"method": "medusa", "num_heads": 1, "mode": "on"})
     assert llm.engine.speculator.proposer.heads.num_heads == 1
-
-
-def test_the_shipped_demo_heads_draft_tokens_the_demo_base_accepts():
-    """The demo family's trained heads (scripts/train_heads.py): greedy tokens unchanged, drafts accepted."""
-    base = Path(ns.__file__).parent / "assets" / "demo" / "base"
-    prompts = ["def parse_args(argv):\n    ", "class Queue:\n    def __init__(self", "import os\n\ndef walk(path):\n"]
-    params = ns.SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
-    llm = ns.LLM(base, speculation={"method": "medusa", "mode": "on"})
-    assert [o.token_ids for o in llm.generate(prompts, params)] == \
-        [o.token_ids for o in ns.LLM(base).generate(prompts, params)]
-    stats = llm.stats()
-    assert 0 < stats["spec_num_accepted_tokens"] < stats["spec_num_draft_tokens"], stats
