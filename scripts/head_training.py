@@ -3,8 +3,10 @@ line, the frozen base and train_demo.py's data, and recording the result in metr
 
 import argparse
 import json
+import math
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import demo_eval
@@ -12,6 +14,8 @@ import torch
 import transformers
 from tokenizers import Tokenizer
 from train_demo import ASSETS, collect_corpus, encode_corpus, load_model
+
+LR, BATCH, SEQ_LEN = 1e-3, 8, 256  # AdamW's peak rate; random windows per step, tokens per window
 
 
 def parse_args(doc: str) -> argparse.Namespace:
@@ -48,3 +52,25 @@ def record(key: str, result: dict, losses: list[float], args: argparse.Namespace
         metrics = json.loads(metrics_path.read_text()) | {key: result}
         metrics_path.write_text(json.dumps(metrics, indent=2) + "\n")
         (ASSETS / "MODEL_CARD.md").write_text(demo_eval.model_card(metrics))
+
+
+def train_loop(module: torch.nn.Module, stream: torch.Tensor, steps: int, seed: int,
+               step_loss: Callable[[torch.Tensor], tuple[torch.Tensor, str]]) -> list[float]:
+    """AdamW with a cosine decay over `steps` batches of BATCH random SEQ_LEN-token windows of the stream
+    (seeded); step_loss(ids [BATCH, SEQ_LEN]) -> (the loss, words for the progress line). -> the losses."""
+    optimizer = torch.optim.AdamW(module.parameters(), lr=LR, weight_decay=0.0)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 0.1 + 0.45 * (1 + math.cos(math.pi * s / steps)))
+    generator = torch.Generator().manual_seed(seed)
+    losses = []
+    for step in range(steps):
+        starts = torch.randint(0, len(stream) - SEQ_LEN, (BATCH,), generator=generator)
+        ids = torch.stack([stream[s:s + SEQ_LEN] for s in starts.tolist()])
+        loss, detail = step_loss(ids)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        schedule.step()
+        losses.append(loss.item())
+        if step % 50 == 0 or step == steps - 1:
+            print(f"step {step}: loss {loss.item():.3f}{detail}", flush=True)
+    return losses

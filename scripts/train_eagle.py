@@ -12,7 +12,6 @@ of the base's last layer.
 """
 
 import json
-import math
 import time
 from pathlib import Path
 
@@ -21,12 +20,11 @@ import torch
 import torch.nn.functional as F
 import transformers
 from head_modules import EagleHead
-from head_training import frozen_base_and_data, parse_args, record
+from head_training import frozen_base_and_data, parse_args, record, train_loop
 from safetensors.torch import save_file
 from train_demo import ASSETS
 
-STEPS, QUICK_STEPS, LR, TOKEN_WEIGHT = 2000, 20, 1e-3, 0.1
-BATCH, SEQ_LEN = 8, 256
+STEPS, QUICK_STEPS, TOKEN_WEIGHT = 2000, 20, 0.1
 ACCEPT_POSITIONS, ACCEPT_CONTEXT, ACCEPT_DEPTH, TREE_WIDTH = 512, 64, 5, 3
 
 
@@ -39,13 +37,8 @@ def new_head(base: transformers.LlamaForCausalLM) -> EagleHead:
 
 
 def train(head: EagleHead, base, stream: torch.Tensor, steps: int, seed: int) -> list[float]:
-    optimizer = torch.optim.AdamW(head.parameters(), lr=LR, weight_decay=0.0)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 0.1 + 0.45 * (1 + math.cos(math.pi * s / steps)))
-    generator = torch.Generator().manual_seed(seed)
-    losses = []
-    for step in range(steps):
-        starts = torch.randint(0, len(stream) - SEQ_LEN, (BATCH,), generator=generator)
-        ids = torch.stack([stream[s:s + SEQ_LEN] for s in starts.tolist()])
+    """The head on random windows of the stream (head_training.train_loop); the base stays frozen."""
+    def step_loss(ids: torch.Tensor) -> tuple[torch.Tensor, str]:
         with torch.no_grad():
             features = base.model(input_ids=ids).last_hidden_state  # [B, S, H]
             embeds = base.model.embed_tokens(ids)
@@ -55,15 +48,9 @@ def train(head: EagleHead, base, stream: torch.Tensor, steps: int, seed: int) ->
             logits = base.lm_head(guess)
             tokens = F.cross_entropy(logits.flatten(0, 1).float(), ids[:, 2:].flatten())
             loss = regression + TOKEN_WEIGHT * tokens
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        schedule.step()
-        losses.append(loss.item())
-        if step % 50 == 0 or step == steps - 1:
-            print(f"step {step}: loss {loss.item():.3f} (features {regression.item():.3f}, tokens {tokens.item():.3f})",
-                  flush=True)
-    return losses
+        return loss, f" (features {regression.item():.3f}, tokens {tokens.item():.3f})"
+
+    return train_loop(head, stream, steps, seed, step_loss)
 
 
 @torch.no_grad()

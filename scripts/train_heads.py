@@ -11,7 +11,6 @@ projection starting from the base's LM head and its residual block from zero, as
 """
 
 import json
-import math
 import time
 from pathlib import Path
 
@@ -20,13 +19,12 @@ import torch
 import torch.nn.functional as F
 import transformers
 from head_modules import medusa_heads
-from head_training import frozen_base_and_data, parse_args, record
+from head_training import frozen_base_and_data, parse_args, record, train_loop
 from safetensors.torch import save_file
 from train_demo import ASSETS
 
 NUM_HEADS, NUM_LAYERS = 3, 1
-STEPS, QUICK_STEPS, LR = 600, 20, 1e-3
-BATCH, SEQ_LEN = 8, 256
+STEPS, QUICK_STEPS = 600, 20
 ACCEPT_POSITIONS, ACCEPT_CONTEXT = 512, 64
 
 
@@ -52,26 +50,14 @@ def heads_loss(heads: torch.nn.ModuleList, hidden: torch.Tensor, ids: torch.Tens
 
 
 def train(heads, base, stream: torch.Tensor, steps: int, seed: int) -> list[float]:
-    """AdamW with a cosine decay on random windows of the stream; the base stays frozen."""
-    optimizer = torch.optim.AdamW(heads.parameters(), lr=LR, weight_decay=0.0)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 0.1 + 0.45 * (1 + math.cos(math.pi * s / steps)))
-    generator = torch.Generator().manual_seed(seed)
-    losses = []
-    for step in range(steps):
-        starts = torch.randint(0, len(stream) - SEQ_LEN, (BATCH,), generator=generator)
-        ids = torch.stack([stream[s:s + SEQ_LEN] for s in starts.tolist()])
+    """The heads on random windows of the stream (head_training.train_loop); the base stays frozen."""
+    def step_loss(ids: torch.Tensor) -> tuple[torch.Tensor, str]:
         with torch.no_grad():
             hidden = base.model(input_ids=ids).last_hidden_state
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = heads_loss(heads, hidden, ids)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        schedule.step()
-        losses.append(loss.item())
-        if step % 50 == 0 or step == steps - 1:
-            print(f"step {step}: loss {loss.item():.3f}", flush=True)
-    return losses
+            return heads_loss(heads, hidden, ids), ""
+
+    return train_loop(heads, stream, steps, seed, step_loss)
 
 
 @torch.no_grad()
