@@ -6,15 +6,16 @@ of block b (original column 32 b + W j + e) moves to position 8 W j + W b + e. A
 runs then leaves block b's partial sums in its own lanes, with no shuffle:
   pair order (W = 2, q8_0): 16-value int16 vectors, vpmaddwd leaves block b in int32 lane b
       (kernels/simd_int8.py);
-  quad order (W = 4, q4_0): 32-value int8 vectors, vpmaddubsw leaves block b in int16 lanes 2b, 2b + 1
-      (kernels/simd_u8s8.py).
+  quad order (W = 4, q4_0; q8_0 under VNNI): 32-value int8 vectors, vpmaddubsw leaves block b in int16
+      lanes 2b, 2b + 1 (kernels/simd_u8s8.py), vpdpbusd in int32 lane b (kernels/simd_vnni.py).
 
   activations: xq [T, Kp] (values -127..127) int16 in pair order or int8 in quad order, xd f32
-               [T, Kp // 32] block scales, xsum int32 [T, Kp // 32] block sums of xq (q4_0's offset of
-               8 is corrected with them)
-  q8_0 weights: int8 [N, Kp] in pair order; q4_0 weights: uint8 [N, Kp // 2] in quad order, per group
-               4 chunks of 32 bytes, chunk c holding vector 2c in its low nibbles and vector 2c + 1 in
-               its high nibbles (the GGML nibble 0..15 = value + 8); scales: fp16 bits uint16 [N, Kp // 32].
+               [T, Kp // 32] block scales, xsum int32 [T, Kp // 32] block sums of xq (the unsigned
+               weights' offsets of 8 and 128 are corrected with them)
+  q8_0 weights: int8 [N, Kp] in pair order, or (VNNI) uint8 value + 128 [N, Kp] in quad order; q4_0
+               weights: uint8 [N, Kp // 2] in quad order, per group 4 chunks of 32 bytes, chunk c holding
+               vector 2c in its low nibbles and vector 2c + 1 in its high nibbles (the GGML nibble 0..15 =
+               value + 8); scales: fp16 bits uint16 [N, Kp // 32].
 Dynamic quantization (per block): d = max|x| / 127, q = rint(x * (1 / d)); static (calibrated,
 per tensor): d = s, q = clip(rint(x * (1 / s)), -127, 127).
 """
@@ -31,11 +32,6 @@ PARALLEL_MIN_TOKENS = 16  # waking the thread pool costs more than quantizing a 
 
 def padded_k(k: int) -> int:
     return -(-k // GROUP) * GROUP
-
-
-def activation_dtype(weight_dtype: str) -> type:
-    """xq's dtype for a q8_0 (pair order) or q4_0 (quad order) matrix: the quantizer writes the order it implies."""
-    return np.int8 if weight_dtype == "q4_0" else np.int16
 
 
 @njit(inline="always", nogil=True)
@@ -115,6 +111,16 @@ def pack_q8_0(qs, out):
 
 
 @njit(cache=True, nogil=True, parallel=True)
+def pack_q8_0_quads(qs, out):
+    # qs: [N, K] int8 (GGML q8_0 values) -> out: [N, Kp] uint8 value + 128 in quad order (the VNNI kernel's
+    # unsigned side), padding 128 (value 0)
+    K = qs.shape[1]
+    for n in prange(qs.shape[0]):
+        for k in range(out.shape[1]):
+            out[n, _packed_index(k, QUADS)] = np.uint8(np.int64(qs[n, k]) + 128) if k < K else np.uint8(128)
+
+
+@njit(cache=True, nogil=True, parallel=True)
 def pack_q4_0(qs, out):
     # qs: [N, K // 2] uint8 (GGML nibbles: byte i of a block = element i | element i + 16 << 4)
     # -> out: [N, Kp // 2] uint8 in quad order, per group chunk c = vector 2c (low nibbles) | 2c + 1 (high)
@@ -141,8 +147,9 @@ def pad_scales(scales: np.ndarray, kp: int) -> np.ndarray:
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def unpack_int8_weights(packed, is_q4, K, out):
-    # the inverse of pack_q8_0 / pack_q4_0 as values: packed -> out: [N, K] int8 (q4_0: nibble - 8)
+def unpack_int8_weights(packed, is_q4, quads, K, out):
+    # the inverse of pack_q8_0 / pack_q8_0_quads (quads) / pack_q4_0 (is_q4) as values: packed -> out:
+    # [N, K] int8 (q4_0: nibble - 8; q8_0 in quad order: byte - 128)
     for n in prange(packed.shape[0]):
         for k in range(K):
             if is_q4:
@@ -150,5 +157,7 @@ def unpack_int8_weights(packed, is_q4, K, out):
                 j, m = divmod(r, 32)
                 byte = np.int64(packed[n, g * (GROUP // 2) + (j // 2) * 32 + m])
                 out[n, k] = ((byte >> (4 * (j % 2))) & 15) - 8
+            elif quads:
+                out[n, k] = np.int64(packed[n, _packed_index(k, QUADS)]) - 128
             else:
                 out[n, k] = packed[n, _packed_index(k, PAIRS)]

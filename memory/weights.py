@@ -5,8 +5,17 @@ from dataclasses import dataclass
 import numpy as np
 
 from kernels.bf16 import to_bf16
-from kernels.int8_layout import pack_q4_0, pack_q8_0, pad_scales, padded_k, unpack_int8_weights
+from kernels.cpu import missing_features
+from kernels.int8_layout import (
+    pack_q4_0,
+    pack_q8_0,
+    pack_q8_0_quads,
+    pad_scales,
+    padded_k,
+    unpack_int8_weights,
+)
 from kernels.quant import QK, quantize_q4_0, quantize_q8_0
+from kernels.simd_vnni import VNNI_FEATURES
 
 WEIGHT_DTYPES = ("float32", "bfloat16", "q8_0", "q4_0")
 
@@ -57,8 +66,11 @@ class WeightMatrix:
 class Int8Matrix:
     """A q8_0 / q4_0 matrix repacked for int8 activations (kernels/int8_layout.py), [out_features, in_features].
 
-    data: int8 [N, Kp] | uint8 [N, Kp // 2]; scales: uint16 fp16 [N, Kp // 32]; Kp = K padded to 256.
-    activation_scale: a calibrated static scale for this matrix's inputs, 0 = per-block dynamic scales.
+    data: q8_0 int8 [N, Kp] in pair order (the AVX2 kernel) | q8_0 uint8 value + 128 [N, Kp] in quad order
+    (the VNNI kernel) | q4_0 uint8 [N, Kp // 2] (both kernels); scales: uint16 fp16 [N, Kp // 32];
+    Kp = K padded to 256. vnni: run by the VNNI kernel (kernels/simd_vnni.py), chosen at packing when the
+    host has it; both kernels give the same bits. activation_scale: a calibrated static scale for this
+    matrix's inputs, 0 = per-block dynamic scales.
     """
 
     dtype: str
@@ -66,26 +78,37 @@ class Int8Matrix:
     scales: np.ndarray
     shape: tuple[int, int]
     activation_scale: float = 0.0
+    vnni: bool = False
 
     @classmethod
-    def pack(cls, w: WeightMatrix, activation_scale: float = 0.0) -> "Int8Matrix":
+    def pack(cls, w: WeightMatrix, activation_scale: float = 0.0, vnni: bool | None = None) -> "Int8Matrix":
+        """vnni: None = whether the host has AVX512-VNNI (NUMASERVE_DISABLE_CPU_FEATURES hides it)."""
         if w.dtype not in ("q8_0", "q4_0"):
             raise ValueError(f"int8 activations need q8_0 or q4_0 weights, got {w.dtype}")
+        vnni = host_has_vnni() if vnni is None else vnni
         n, k = w.shape
         kp = padded_k(k)
-        if w.dtype == "q8_0":
+        if w.dtype == "q8_0" and vnni:
+            data = np.zeros((n, kp), np.uint8)
+            pack_q8_0_quads(w.data, data)
+        elif w.dtype == "q8_0":
             data = np.zeros((n, kp), np.int8)
             pack_q8_0(w.data, data)
         else:
             data = np.zeros((n, kp // 2), np.uint8)
             pack_q4_0(w.data, data)
-        return cls(w.dtype, data, pad_scales(w.scales, kp), (n, k), float(activation_scale))
+        return cls(w.dtype, data, pad_scales(w.scales, kp), (n, k), float(activation_scale), vnni)
+
+    @property
+    def activation_int_dtype(self) -> type:
+        """The quantized activations' dtype: int8 in quad order, or int16 in pair order for the AVX2 q8_0 kernel."""
+        return np.int16 if self.data.dtype == np.int8 else np.int8
 
     def unpack(self) -> WeightMatrix:
         """The same values in the GGML layout (export, tests)."""
         n, k = self.shape
         values = np.empty((n, k), np.int8)
-        unpack_int8_weights(self.data, self.dtype == "q4_0", k, values)
+        unpack_int8_weights(self.data, self.dtype == "q4_0", self.data.dtype == np.uint8, k, values)
         scales = np.ascontiguousarray(self.scales[:, :k // QK])
         if self.dtype == "q8_0":
             return WeightMatrix("q8_0", values, scales)
@@ -100,3 +123,7 @@ class Int8Matrix:
     @property
     def nbytes(self) -> int:
         return self.data.nbytes + self.scales.nbytes
+
+
+def host_has_vnni() -> bool:
+    return not missing_features(VNNI_FEATURES)

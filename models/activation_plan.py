@@ -24,7 +24,7 @@ from kernels.cpu import missing_features
 from memory.weights import Int8Matrix, WeightMatrix
 from models.calibration import LAYER_MATRICES, Calibration, MatrixCalibration, check_fits
 
-INT8_FEATURES = ("avx2", "f16c")  # vpmaddwd on 256-bit vectors, fp16 scale conversion
+INT8_FEATURES = ("avx2", "f16c")  # vpmaddwd on 256-bit vectors, fp16 scale conversion (and VNNI where present)
 BF16_FEATURES = ("avx512bf16",)
 
 
@@ -53,8 +53,10 @@ def record_kernels(weights: dict, decisions: DecisionLog) -> None:
     by_type: dict[str, Counter] = {}
     for name, holder, key in matrix_names(weights):
         w = holder[key]
-        path = (f"matmul_int8: {w.dtype} weights x int8 activations" if isinstance(w, Int8Matrix)
-                else f"matmul: {w.dtype} weights x float32 activations")
+        if isinstance(w, Int8Matrix):
+            path = f"{'matmul_vnni' if w.vnni else 'matmul_int8'}: {w.dtype} weights x int8 activations"
+        else:
+            path = f"matmul: {w.dtype} weights x float32 activations"
         by_type.setdefault(key, Counter())[path] += 1
     for key, paths in by_type.items():
         total = sum(paths.values())

@@ -11,9 +11,9 @@ dequantized tiles through BLAS for the other formats at every batch size anyway.
 import numpy as np
 
 from kernels.dequant import dequantize_rows
-from kernels.int8_layout import QK, activation_dtype, quantize_activations
+from kernels.int8_layout import QK, quantize_activations
 from kernels.linear import gather_rows_bf16, matmul
-from kernels.linear_int8 import matmul_int8
+from kernels.linear_int8 import matmul_int8, matmul_vnni
 from memory.weights import Int8Matrix, WeightMatrix
 
 _NO_SCALES = np.zeros((1, 1), np.uint16)
@@ -25,11 +25,14 @@ def linear(x: np.ndarray, w: WeightMatrix | Int8Matrix) -> np.ndarray:
     out = np.empty((T, N), np.float32)
     if isinstance(w, Int8Matrix):
         kp = w.scales.shape[1] * QK
-        xq = np.empty((T, kp), activation_dtype(w.dtype))
+        xq = np.empty((T, kp), w.activation_int_dtype)
         xd = np.empty((T, kp // QK), np.float32)
         xsum = np.empty((T, kp // QK), np.int32)
         quantize_activations(np.ascontiguousarray(x), xq, xd, xsum, w.activation_scale)
-        matmul_int8(xq, xd, xsum, w.data, w.scales, out)
+        if w.vnni:
+            matmul_vnni(xq, xd, xsum, w.data, w.scales, out, 4 if w.dtype == "q4_0" else 8)
+        else:
+            matmul_int8(xq, xd, xsum, w.data, w.scales, out)
     else:  # one kernel at every batch size: see the module docstring
         matmul(np.ascontiguousarray(x), w.data, _scales(w), out)
     return out

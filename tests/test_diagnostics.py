@@ -82,8 +82,18 @@ def test_int8_activations_run_the_int8_kernel_on_q8_0_weights(llama_dir, monkeyp
         pytest.skip("this CPU lacks avx2/f16c: int8 activations always fall back here")
     llm = ns.LLM(llama_dir, weight_dtype="q8_0", activation_dtype="int8")
     n = llm.engine.spec.num_layers
-    expected = {key: ("matmul_int8: q8_0 weights x int8 activations", f"{n} of {n} layers") for key in LAYER_MATRICES}
+    kernel = "matmul_int8" if missing_features(("avx512vnni", "avx512vl")) else "matmul_vnni"
+    expected = {key: (f"{kernel}: q8_0 weights x int8 activations", f"{n} of {n} layers") for key in LAYER_MATRICES}
     assert {k: v for k, v in kernels(llm).items() if k != "lm_head"} == expected
+
+
+def test_hiding_vnni_runs_the_avx2_int8_kernel(llama_dir, monkeypatch):
+    monkeypatch.setenv("NUMASERVE_DISABLE_CPU_FEATURES", "avx512vnni")
+    from kernels.cpu import missing_features
+    if missing_features(("avx2", "f16c")):
+        pytest.skip("this CPU lacks avx2/f16c: int8 activations always fall back here")
+    llm = ns.LLM(llama_dir, weight_dtype="q8_0", activation_dtype="int8")
+    assert {v[0] for k, v in kernels(llm).items() if k != "lm_head"} == {"matmul_int8: q8_0 weights x int8 activations"}
 
 
 def test_hiding_avx2_records_the_float32_fallback_and_its_kernels(llama_dir, monkeypatch, caplog):

@@ -10,14 +10,19 @@ import numpy as np
 import pytest
 
 import numaserve as ns
+from kernels.cpu import missing_features
 from kernels.fp16 import f32_to_f16
 from kernels.int8_layout import pack_q4_0, pack_q8_0, pad_scales, padded_k, quantize_activations
 from kernels.linear_int8 import matmul_int8
+from kernels.simd_vnni import VNNI_FEATURES
 from memory.weights import Int8Matrix, WeightMatrix
 from models.linear import dequantize, linear
 from tests.model_factory import build_model
 
 FORMATS = ("q8_0", "q4_0")
+HAS_VNNI = not missing_features(VNNI_FEATURES)
+# every kernel the host can run: the AVX2 one, and the VNNI one where present
+KERNELS = [False] + ([True] if HAS_VNNI else [])
 
 
 def quantize_ref(x: np.ndarray, static_scale: float = 0.0):
@@ -52,21 +57,37 @@ def int8_matmul_ref(x: np.ndarray, w: WeightMatrix, static_scale: float = 0.0) -
     return (isum * (dx[:, None, :] * dw[None, :, :]).astype(np.float64)).sum(-1)
 
 
-def run_kernel(x: np.ndarray, w: WeightMatrix, static_scale: float = 0.0) -> np.ndarray:
-    return linear(x, Int8Matrix.pack(w, static_scale))
+def run_kernel(x: np.ndarray, w: WeightMatrix, static_scale: float = 0.0, vnni: bool = False) -> np.ndarray:
+    return linear(x, Int8Matrix.pack(w, static_scale, vnni=vnni))
 
 
+@pytest.mark.parametrize("vnni", KERNELS)
 @pytest.mark.parametrize("dtype", FORMATS)
 @pytest.mark.parametrize("k", [32, 96, 256, 544])  # under a group, several groups, a partial last group
-def test_packing_round_trips(dtype, k):
+def test_packing_round_trips(dtype, k, vnni):
     w = WeightMatrix.from_float(np.random.default_rng(k).standard_normal((7, k)).astype(np.float32), dtype)
-    back = Int8Matrix.pack(w).unpack()
+    back = Int8Matrix.pack(w, vnni=vnni).unpack()
     assert np.array_equal(back.data, w.data) and np.array_equal(back.scales, w.scales)
 
 
+@pytest.mark.skipif(not HAS_VNNI, reason="this CPU lacks AVX512-VNNI")
+@pytest.mark.parametrize("dtype", FORMATS)
+@pytest.mark.parametrize("num_tokens", [1, 2, 3, 4, 5, 9, 70])
+def test_vnni_kernel_gives_the_avx2_kernels_bits(dtype, num_tokens):
+    # the same integer sums and the same float operations in the same order: every output bit equal
+    rng = np.random.default_rng(40 + num_tokens)
+    w = WeightMatrix.from_float(rng.standard_normal((45, 800)).astype(np.float32) * 0.02, dtype)
+    x = rng.standard_normal((num_tokens, 800)).astype(np.float32)
+    x[0, 40:72] *= 300.0  # one block far larger than the rest
+    if dtype == "q8_0":
+        w.data[3, :32] = -128  # GGUF files may hold -128, below the quantizer's -127: 0 as an unsigned byte
+    assert np.array_equal(run_kernel(x, w, vnni=True), run_kernel(x, w, vnni=False))
+
+
+@pytest.mark.parametrize("vnni", KERNELS)
 @pytest.mark.parametrize("dtype", FORMATS)
 @pytest.mark.parametrize("num_tokens", [1, 2, 3, 4, 5, 7, 8, 11])  # matvec, whole blocks, every remainder
-def test_integer_part_is_bit_exact(dtype, num_tokens):
+def test_integer_part_is_bit_exact(dtype, num_tokens, vnni):
     # unit scales and integer activations: every float operation is exact, so the kernel's result must be
     # the exact integer sum
     rng = np.random.default_rng(num_tokens)
@@ -80,7 +101,7 @@ def test_integer_part_is_bit_exact(dtype, num_tokens):
     w = WeightMatrix(dtype, data, np.full((n, k // 32), f32_to_f16(np.float32(1.0)), np.uint16))
     exact = (x.astype(np.int64) @ weight_values(w).T).astype(np.float64)
     assert np.abs(exact).max() < 2 ** 24  # representable in float32, so equality is the test
-    assert np.array_equal(run_kernel(x, w), exact.astype(np.float32))
+    assert np.array_equal(run_kernel(x, w, vnni=vnni), exact.astype(np.float32))
 
 
 def _bound(x, w, k):
@@ -89,15 +110,16 @@ def _bound(x, w, k):
     return 4 * (k // 32 + 8) * np.finfo(np.float32).eps * (dq + 1e-30) + 1e-7
 
 
+@pytest.mark.parametrize("vnni", KERNELS)
 @pytest.mark.parametrize("dtype", FORMATS)
 @pytest.mark.parametrize("k,num_tokens", [(256, 1), (96, 2), (544, 3), (256, 6), (2048, 13), (4096, 150)])
-def test_matmul_equals_reference(dtype, k, num_tokens):
+def test_matmul_equals_reference(dtype, k, num_tokens, vnni):
     # (4096, 150): x chunks of 64 tokens, so three passes over the weights
     rng = np.random.default_rng(k + num_tokens)
     w = WeightMatrix.from_float(rng.standard_normal((37, k)).astype(np.float32) * 0.02, dtype)
     x = rng.standard_normal((num_tokens, k)).astype(np.float32)
     x[0, :32] = 0.0  # an all-zero block: scale 0
-    got = run_kernel(x, w)
+    got = run_kernel(x, w, vnni=vnni)
     ref = int8_matmul_ref(x, w)
     assert np.all(np.abs(got - ref) <= _bound(x, w, k))
 
