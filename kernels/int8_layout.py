@@ -139,6 +139,25 @@ def pack_q4_0(qs, out):
             out[n, dst] |= nibble << (4 * (j % 2))
 
 
+def interleave_rows(packed: np.ndarray, rows: int, group_bytes: int) -> np.ndarray:
+    """packed: [N, B] rows (B: whole groups of group_bytes) -> [N4, B], N4 = N rounded up to `rows` (padding
+    rows zero): blocks of `rows` rows, each stored group by group with the group's bytes of its rows one
+    after another (the VNNI kernel reads a block as one stream)."""
+    n, b = packed.shape
+    n4 = -(-n // rows) * rows
+    padded = np.zeros((n4, b), packed.dtype)
+    padded[:n] = packed
+    return np.ascontiguousarray(padded.reshape(n4 // rows, rows, b // group_bytes, group_bytes)
+                                .transpose(0, 2, 1, 3)).reshape(n4, b)
+
+
+def deinterleave_rows(data: np.ndarray, rows: int, group_bytes: int, n: int) -> np.ndarray:
+    """The inverse of interleave_rows: [N4, B] -> the first n rows [n, B]."""
+    n4, b = data.shape
+    return np.ascontiguousarray(data.reshape(n4 // rows, b // group_bytes, rows, group_bytes)
+                                .transpose(0, 2, 1, 3).reshape(n4, b)[:n])
+
+
 def pad_scales(scales: np.ndarray, kp: int) -> np.ndarray:
     # scales: [N, K // 32] uint16 -> [N, Kp // 32], padded blocks with scale 0
     out = np.zeros((scales.shape[0], kp // QK), np.uint16)

@@ -15,6 +15,7 @@ from numba.extending import overload
 
 from kernels.simd_int8 import int8_block
 from kernels.simd_u8s8 import u8s8_block
+from kernels.simd_vnni import ROWS as VNNI_ROWS
 from kernels.simd_vnni import vnni_block
 
 _X_CHUNK_BYTES = 1 << 19  # tokens of x per pass over the weights: half of a core's L2
@@ -68,64 +69,41 @@ def _row_impl(xq, xd, xsum, data, scales, out, n, c0, c1):
 
 @njit(cache=True, nogil=True, parallel=True)
 def matmul_vnni(xq, xd, xsum, data, scales, out, bits):
-    # xq: [T, Kp] int8 (quad order), xd/xsum: [T, Kp // 32], data: uint8 q8_0 [N, Kp] (bits 8) | q4_0
-    # [N, Kp // 2] (bits 4), scales: [N, Kp // 32], out: [T, N] f32. Tasks own 4 output rows (the last
-    # N % 4 one at a time): 4 rows x 4 tokens keep 16 int32 and 16 float32 accumulators in AVX-512's 32
-    # vector registers (5632 x 2048, 2 Zen 4 cores, weights in cache: 580-640 GFLOP/s from 4 tokens up,
-    # against 490-510 for 2 x 4, 300-430 for 1 x 4 and 180-310 for the AVX2 kernel).
+    # xq: [T, Kp] int8 (quad order), xd/xsum: [T, Kp // 32], data: uint8 q8_0 [N4, Kp] (bits 8) | q4_0
+    # [N4, Kp // 2] (bits 4) in 4-row blocks (int8_layout.interleave_rows), scales: [N4, Kp // 32],
+    # out: [T, N] f32, N4 = N rounded up to 4. A task owns a block of 4 output rows (kernels/simd_vnni.py).
+    # 2 Zen 4 cores: 5632 x 2048 with the weights in cache, 550-650 GFLOP/s from 4 tokens up against
+    # 190-300 for the AVX2 kernel; 44 matrices of 11264 x 2048 (1 GB) from memory, 1 / 4 / 8 / 16 tokens
+    # in 35 / 32 / 32 / 56 ms (memory-bound up to 8 tokens).
     T, Kp = xq.shape
-    N = out.shape[1]
     chunk = max(4, _X_CHUNK_BYTES // Kp // 4 * 4)
     for c0 in range(0, T, chunk):
         c1 = min(T, c0 + chunk)
-        for task in prange((N + VNNI_ROWS - 1) // VNNI_ROWS):
-            n = task * VNNI_ROWS
+        for task in prange(data.shape[0] // VNNI_ROWS):
             if bits == 4:
-                _vnni_rows(xq, xd, xsum, data, scales, out, n, c0, c1, 4)
+                _vnni_tokens(xq, xd, xsum, data, scales, out, task * VNNI_ROWS, c0, c1, 4)
             else:
-                _vnni_rows(xq, xd, xsum, data, scales, out, n, c0, c1, 8)
+                _vnni_tokens(xq, xd, xsum, data, scales, out, task * VNNI_ROWS, c0, c1, 8)
 
 
-VNNI_ROWS = 4
-
-
-def _vnni_rows(xq, xd, xsum, data, scales, out, n, c0, c1, bits):
+def _vnni_tokens(xq, xd, xsum, data, scales, out, n, c0, c1, bits):
     raise NotImplementedError("numba-only")
 
 
-@overload(_vnni_rows, inline="always", prefer_literal=True)
-def _vnni_rows_impl(xq, xd, xsum, data, scales, out, n, c0, c1, bits):
+@overload(_vnni_tokens, inline="always", prefer_literal=True)
+def _vnni_tokens_impl(xq, xd, xsum, data, scales, out, n, c0, c1, bits):
     if not isinstance(bits, types.IntegerLiteral):
         return None
     b = bits.literal_value
 
     def impl(xq, xd, xsum, data, scales, out, n, c0, c1, bits):
-        if n + 4 <= out.shape[1]:
-            _vnni_tokens(xq, xd, xsum, data, scales, out, n, c0, c1, b, 4)
-        else:
-            for r in range(n, out.shape[1]):
-                _vnni_tokens(xq, xd, xsum, data, scales, out, r, c0, c1, b, 1)
-    return impl
-
-
-def _vnni_tokens(xq, xd, xsum, data, scales, out, n, c0, c1, bits, rows):
-    raise NotImplementedError("numba-only")
-
-
-@overload(_vnni_tokens, inline="always", prefer_literal=True)
-def _vnni_tokens_impl(xq, xd, xsum, data, scales, out, n, c0, c1, bits, rows):
-    if not (isinstance(bits, types.IntegerLiteral) and isinstance(rows, types.IntegerLiteral)):
-        return None
-    b, r = bits.literal_value, rows.literal_value
-
-    def impl(xq, xd, xsum, data, scales, out, n, c0, c1, bits, rows):
         t = c0
         while t + 4 <= c1:
-            vnni_block(xq, xd, xsum, data, scales, out, t, n, b, r, 4)
+            vnni_block(xq, xd, xsum, data, scales, out, t, n, b, 4)
             t += 4
         if c1 - t >= 2:
-            vnni_block(xq, xd, xsum, data, scales, out, t, n, b, r, 2)
+            vnni_block(xq, xd, xsum, data, scales, out, t, n, b, 2)
             t += 2
         if c1 - t == 1:
-            vnni_block(xq, xd, xsum, data, scales, out, t, n, b, r, 1)
+            vnni_block(xq, xd, xsum, data, scales, out, t, n, b, 1)
     return impl

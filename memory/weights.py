@@ -7,6 +7,9 @@ import numpy as np
 from kernels.bf16 import to_bf16
 from kernels.cpu import missing_features
 from kernels.int8_layout import (
+    GROUP,
+    deinterleave_rows,
+    interleave_rows,
     pack_q4_0,
     pack_q8_0,
     pack_q8_0_quads,
@@ -15,6 +18,7 @@ from kernels.int8_layout import (
     unpack_int8_weights,
 )
 from kernels.quant import QK, quantize_q4_0, quantize_q8_0
+from kernels.simd_vnni import ROWS as VNNI_ROWS
 from kernels.simd_vnni import VNNI_FEATURES
 
 WEIGHT_DTYPES = ("float32", "bfloat16", "q8_0", "q4_0")
@@ -66,11 +70,12 @@ class WeightMatrix:
 class Int8Matrix:
     """A q8_0 / q4_0 matrix repacked for int8 activations (kernels/int8_layout.py), [out_features, in_features].
 
-    data: q8_0 int8 [N, Kp] in pair order (the AVX2 kernel) | q8_0 uint8 value + 128 [N, Kp] in quad order
-    (the VNNI kernel) | q4_0 uint8 [N, Kp // 2] (both kernels); scales: uint16 fp16 [N, Kp // 32];
-    Kp = K padded to 256. vnni: run by the VNNI kernel (kernels/simd_vnni.py), chosen at packing when the
-    host has it; both kernels give the same bits. activation_scale: a calibrated static scale for this
-    matrix's inputs, 0 = per-block dynamic scales.
+    For the AVX2 kernels: data q8_0 int8 [N, Kp] in pair order | q4_0 uint8 [N, Kp // 2] in quad order;
+    scales uint16 fp16 [N, Kp // 32]. For the VNNI kernel (vnni, kernels/simd_vnni.py): q8_0 as uint8
+    value + 128 [N4, Kp] | q4_0 [N4, Kp // 2], both in quad order and in blocks of 4 interleaved rows
+    (interleave_rows), scales [N4, Kp // 32]; N4 = N rounded up to 4, the padding rows zero. Kp = K padded
+    to 256. vnni is chosen at packing when the host has it; both kernels give the same bits.
+    activation_scale: a calibrated static scale for this matrix's inputs, 0 = per-block dynamic scales.
     """
 
     dtype: str
@@ -89,7 +94,7 @@ class Int8Matrix:
         n, k = w.shape
         kp = padded_k(k)
         if w.dtype == "q8_0" and vnni:
-            data = np.zeros((n, kp), np.uint8)
+            data = np.empty((n, kp), np.uint8)
             pack_q8_0_quads(w.data, data)
         elif w.dtype == "q8_0":
             data = np.zeros((n, kp), np.int8)
@@ -97,7 +102,11 @@ class Int8Matrix:
         else:
             data = np.zeros((n, kp // 2), np.uint8)
             pack_q4_0(w.data, data)
-        return cls(w.dtype, data, pad_scales(w.scales, kp), (n, k), float(activation_scale), vnni)
+        scales = pad_scales(w.scales, kp)
+        if vnni:
+            data = interleave_rows(data, VNNI_ROWS, _group_bytes(w.dtype))
+            scales = interleave_rows(scales, VNNI_ROWS, scales.shape[1])  # row order kept: padding rows only
+        return cls(w.dtype, data, scales, (n, k), float(activation_scale), vnni)
 
     @property
     def activation_int_dtype(self) -> type:
@@ -107,9 +116,10 @@ class Int8Matrix:
     def unpack(self) -> WeightMatrix:
         """The same values in the GGML layout (export, tests)."""
         n, k = self.shape
+        data = deinterleave_rows(self.data, VNNI_ROWS, _group_bytes(self.dtype), n) if self.vnni else self.data
         values = np.empty((n, k), np.int8)
-        unpack_int8_weights(self.data, self.dtype == "q4_0", self.data.dtype == np.uint8, k, values)
-        scales = np.ascontiguousarray(self.scales[:, :k // QK])
+        unpack_int8_weights(data, self.dtype == "q4_0", data.dtype == np.uint8, k, values)
+        scales = np.ascontiguousarray(self.scales[:n, :k // QK])
         if self.dtype == "q8_0":
             return WeightMatrix("q8_0", values, scales)
         nibbles = (values.reshape(n, k // QK, QK).astype(np.int16) + 8).astype(np.uint8)
@@ -127,3 +137,8 @@ class Int8Matrix:
 
 def host_has_vnni() -> bool:
     return not missing_features(VNNI_FEATURES)
+
+
+def _group_bytes(dtype: str) -> int:
+    """A packed row's bytes per group of 256 values."""
+    return GROUP // 2 if dtype == "q4_0" else GROUP

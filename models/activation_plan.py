@@ -68,6 +68,14 @@ def record_kernels(weights: dict, decisions: DecisionLog) -> None:
         decisions.record("kernel", choice, reason, subject=key)
 
 
+def for_activations(w: WeightMatrix, activation_dtype: str) -> WeightMatrix | Int8Matrix:
+    """One matrix outside a model's layers (a draft head's): repacked for int8 activations where
+    plan_activations would repack it without a calibration file, else unchanged."""
+    if activation_dtype in ("int8", "auto") and w.dtype in ("q8_0", "q4_0") and not missing_features(INT8_FEATURES):
+        return Int8Matrix.pack(w)
+    return w
+
+
 def _plan(weights: dict, activation_dtype: str, decisions: DecisionLog, calibration: Calibration | None,
           static_scales: bool) -> dict:
     if calibration is not None:

@@ -15,9 +15,11 @@ from pathlib import Path
 
 import numpy as np
 
+from cluster_configs.diagnostics import DecisionLog
 from cluster_configs.errors import CheckpointError
 from memory.kv_cache import KVCache
-from memory.weights import WeightMatrix
+from memory.weights import Int8Matrix, WeightMatrix
+from models.activation_plan import for_activations, plan_activations
 from models.batch import ForwardBatch
 from models.checkpoint import expected_shapes, load_layer
 from models.head_config import read_head_config
@@ -31,7 +33,7 @@ HEAD_FILE, CONFIG_FILE = "eagle_head.safetensors", "eagle_config.json"
 
 @dataclass(frozen=True)
 class EagleHead:
-    fc: WeightMatrix  # [H, 2H] float32 (through our linear kernel: a row's result does not depend on its batch)
+    fc: WeightMatrix | Int8Matrix  # [H, 2H] (our linear kernels: a row's result does not depend on its batch)
     fc_bias: np.ndarray  # [H] f32
     model: LlamaModel  # one layer: the target's embedding and LM head, the head's own layer and norm
 
@@ -48,9 +50,11 @@ def eagle_spec(spec: ModelSpec) -> ModelSpec:
     return replace(spec, num_layers=1, layer_windows=spec.layer_windows[:1])
 
 
-def load_eagle_head(model_dir: str | Path, spec: ModelSpec, target_weights: dict, weight_dtype: str) -> EagleHead:
+def load_eagle_head(model_dir: str | Path, spec: ModelSpec, target_weights: dict, weight_dtype: str,
+                    activation_dtype: str = "float32") -> EagleHead:
     """The head beside the model; CheckpointError naming the file and the fix if it is missing, malformed
-    or shaped for another model. Its matrices are stored in the target's weight_dtype."""
+    or shaped for another model. Its matrices (fc included) are stored in the target's weight_dtype and
+    multiply activations as the target's do (activation_dtype: int8 ones for q8_0 / q4_0 where the CPU can)."""
     model_dir = Path(model_dir)
     _check_config(model_dir / CONFIG_FILE)
     path = model_dir / HEAD_FILE
@@ -75,8 +79,9 @@ def load_eagle_head(model_dir: str | Path, spec: ModelSpec, target_weights: dict
     weights = {"embed": target_weights["embed"], "lm_head": target_weights["lm_head"],
                "norm": read("model.norm.weight"),
                "layers": [load_layer(read, "model.layers.0.", spec.qkv_bias, weight_dtype)]}
-    return EagleHead(WeightMatrix.from_float(read("fc.weight"), "float32"), read("fc.bias"),
-                     LlamaModel(head_spec, weights))
+    weights = plan_activations(weights, activation_dtype, DecisionLog())  # the target's LM head stays as it is
+    fc = for_activations(WeightMatrix.from_float(read("fc.weight"), weight_dtype), activation_dtype)
+    return EagleHead(fc, read("fc.bias"), LlamaModel(head_spec, weights))
 
 
 def _check_config(path: Path) -> None:

@@ -33,7 +33,8 @@ def make_proposer(config: SpeculationConfig, target_spec: ModelSpec, target_toke
     if config.method == "eagle":
         return EagleProposer(model_dir, target_spec, target_weights, target_weight_dtype,
                              kv_cache_tokens=kv_cache_tokens, block_size=block_size, kv_dtype=kv_dtype,
-                             max_depth=config.num_speculative_tokens, fixed_width=config.tree_width)
+                             max_depth=config.num_speculative_tokens, fixed_width=config.tree_width,
+                             activation_dtype=activation_dtype)
     return None
 
 
