@@ -67,15 +67,19 @@ def with_word_tokenizer(name: str) -> Path:
 
 def with_random_heads(name: str, num_medusa_heads: int = 3, seed: int = 1) -> Path:
     """random_checkpoint(name) with random Medusa heads (one residual block each) and a random EAGLE head
-    beside it, of the model's width: what drafting costs at that shape (their acceptance is meaningless)."""
+    beside it, of the model's width: what drafting costs at that shape (their acceptance is meaningless).
+    The EAGLE head's draft vocabulary is a quarter of the vocabulary (every 4th id), as the demo model's
+    head drafts from the quarter of its vocabulary most frequent in its training data."""
     from models.eagle import CONFIG_FILE as EAGLE_CONFIG
+    from models.eagle import D2T
     from models.eagle import HEAD_FILE as EAGLE_FILE
     from models.medusa import CONFIG_FILE as MEDUSA_CONFIG
     from models.medusa import HEADS_FILE as MEDUSA_FILE
+    from models.safetensors_io import read_header
 
     source = random_checkpoint(name)
     directory = CACHE / f"{name}-heads"
-    if (directory / EAGLE_FILE).exists():
+    if (directory / EAGLE_FILE).exists() and D2T in read_header(directory / EAGLE_FILE):
         return directory
     directory.mkdir(parents=True, exist_ok=True)
     for file in ("config.json", "model.safetensors"):
@@ -94,8 +98,10 @@ def with_random_heads(name: str, num_medusa_heads: int = 3, seed: int = 1) -> Pa
                    f"{k}.1.weight": normal(v, h)}
     save_file(medusa, directory / MEDUSA_FILE)
     (directory / MEDUSA_CONFIG).write_text(json.dumps({"medusa_num_heads": num_medusa_heads, "medusa_num_layers": 1}))
+    draft_ids = np.arange(0, v, 4, dtype=np.int64)
     eagle = {"fc.weight": normal(h, 2 * h), "fc.bias": np.zeros(h, np.float16),
-             "model.norm.weight": np.ones(h, np.float16)} | _layer("model.layers.0.", shape, normal)
+             "model.norm.weight": np.ones(h, np.float16), D2T: draft_ids - np.arange(len(draft_ids))
+             } | _layer("model.layers.0.", shape, normal)
     (directory / EAGLE_CONFIG).write_text(json.dumps({"eagle_num_layers": 1}))
     save_file(eagle, directory / (EAGLE_FILE + ".tmp"))
     os.replace(directory / (EAGLE_FILE + ".tmp"), directory / EAGLE_FILE)

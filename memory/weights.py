@@ -142,3 +142,11 @@ def host_has_vnni() -> bool:
 def _group_bytes(dtype: str) -> int:
     """A packed row's bytes per group of 256 values."""
     return GROUP // 2 if dtype == "q4_0" else GROUP
+
+
+def select_rows(w: WeightMatrix | Int8Matrix, ids: np.ndarray) -> WeightMatrix | Int8Matrix:
+    """The matrix of w's rows ids [n] (in that order), in w's format and layout."""
+    if isinstance(w, Int8Matrix):
+        return Int8Matrix.pack(select_rows(w.unpack(), ids), w.activation_scale, w.vnni)
+    return WeightMatrix(w.dtype, np.ascontiguousarray(w.data[ids]),
+                        None if w.scales is None else np.ascontiguousarray(w.scales[ids]))

@@ -8,6 +8,11 @@ Drafting feeds each guess back with its feature. The embedding and the LM head a
 not stored); the file holds fc and the layer: `eagle_head.safetensors` beside the model with a 1-layer
 LlamaModel's names (`model.layers.0.*`, `model.norm.weight`) plus `fc.weight` [H, 2H] and `fc.bias` [H],
 and `eagle_config.json` (`eagle_num_layers`: 1).
+
+A draft vocabulary (FR-Spec: the most frequent tokens; EAGLE-3's `d2t` tensor, [Vd] int64, target id of
+draft id i = i + d2t[i]) makes the head guess among those tokens only: its LM head is the target's rows of
+them, read once at load, so a pass reads Vd instead of V rows. A token outside it is never drafted (the
+target still verifies every guess: outputs are unchanged, only acceptance can drop).
 """
 
 from dataclasses import dataclass, replace
@@ -18,24 +23,30 @@ import numpy as np
 from cluster_configs.diagnostics import DecisionLog
 from cluster_configs.errors import CheckpointError
 from memory.kv_cache import KVCache
-from memory.weights import Int8Matrix, WeightMatrix
+from memory.weights import Int8Matrix, WeightMatrix, select_rows
 from models.activation_plan import for_activations, plan_activations
 from models.batch import ForwardBatch
 from models.checkpoint import expected_shapes, load_layer
 from models.head_config import read_head_config
 from models.linear import embed, linear
 from models.llama import LlamaModel
-from models.safetensors_io import read_header, read_tensor
+from models.safetensors_io import read_header, read_int_tensor, read_tensor
 from models.spec import ModelSpec
 
 HEAD_FILE, CONFIG_FILE = "eagle_head.safetensors", "eagle_config.json"
+D2T = "d2t"  # the draft vocabulary (optional)
 
 
 @dataclass(frozen=True)
 class EagleHead:
     fc: WeightMatrix | Int8Matrix  # [H, 2H] (our linear kernels: a row's result does not depend on its batch)
     fc_bias: np.ndarray  # [H] f32
-    model: LlamaModel  # one layer: the target's embedding and LM head, the head's own layer and norm
+    model: LlamaModel  # one layer: the target's embedding and LM head (its draft vocabulary's rows), its own layer and norm
+    draft_ids: np.ndarray | None = None  # [Vd] int64: the target ids of its logits' columns (None: all of them)
+
+    def target_ids(self, ids: np.ndarray) -> np.ndarray:
+        """Column indices of the head's logits -> target token ids."""
+        return ids if self.draft_ids is None else self.draft_ids[ids]
 
     def forward(self, batch: ForwardBatch, kv: KVCache, features: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """batch: the tokens t_{i+1} at positions i (block tables into the head's own KV); features [T, H]:
@@ -76,12 +87,27 @@ def load_eagle_head(model_dir: str | Path, spec: ModelSpec, target_weights: dict
                                   "this model: the head was trained for another model")
         return read_tensor(entry)
 
-    weights = {"embed": target_weights["embed"], "lm_head": target_weights["lm_head"],
-               "norm": read("model.norm.weight"),
+    draft_ids = _draft_ids(path, entries[D2T], spec.vocab_size) if D2T in entries else None
+    lm_head = target_weights["lm_head"] if draft_ids is None else select_rows(target_weights["lm_head"], draft_ids)
+    weights = {"embed": target_weights["embed"], "lm_head": lm_head, "norm": read("model.norm.weight"),
                "layers": [load_layer(read, "model.layers.0.", spec.qkv_bias, weight_dtype)]}
     weights = plan_activations(weights, activation_dtype, DecisionLog())  # the target's LM head stays as it is
     fc = for_activations(WeightMatrix.from_float(read("fc.weight"), weight_dtype), activation_dtype)
-    return EagleHead(fc, read("fc.bias"), LlamaModel(head_spec, weights))
+    return EagleHead(fc, read("fc.bias"), LlamaModel(head_spec, weights), draft_ids)
+
+
+def _draft_ids(path: Path, entry, vocab_size: int) -> np.ndarray:
+    """The target ids of a draft vocabulary from its d2t tensor; CheckpointError if they are not distinct
+    ascending ids of this model's vocabulary."""
+    d2t = read_int_tensor(entry)
+    if d2t.ndim != 1 or not 0 < len(d2t) <= vocab_size:
+        raise CheckpointError(f"{path}: tensor {D2T!r} has shape {d2t.shape}; expected [draft vocabulary size] "
+                              f"of at most {vocab_size} (the model's vocabulary)")
+    ids = np.arange(len(d2t), dtype=np.int64) + d2t
+    if ids[0] < 0 or ids[-1] >= vocab_size or np.any(np.diff(ids) <= 0):
+        raise CheckpointError(f"{path}: tensor {D2T!r} does not map draft ids to distinct ascending token ids below "
+                              f"{vocab_size}; it must hold target_id - draft_id for each draft id (EAGLE-3's d2t)")
+    return ids
 
 
 def _check_config(path: Path) -> None:

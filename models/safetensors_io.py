@@ -15,6 +15,7 @@ from cluster_configs.errors import CheckpointError
 from kernels.bf16 import from_bf16
 
 _DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "F64": np.float64}
+_INT_DTYPES = {"I64": np.int64, "I32": np.int32}  # index tensors (an EAGLE head's draft vocabulary)
 
 
 @dataclass(frozen=True)
@@ -68,7 +69,7 @@ def _entry(path: Path, name: str, info, data_start: int, data_size: int) -> Tens
     start, end = offsets
     if end > data_size:
         raise bad(f"ends at byte {end} of the data but the file holds {data_size} data bytes (truncated?)")
-    np_dtype = _DTYPES.get(info["dtype"])
+    np_dtype = _DTYPES.get(info["dtype"], _INT_DTYPES.get(info["dtype"]))
     if np_dtype is not None and (want := int(np.prod(shape, dtype=object)) * np.dtype(np_dtype).itemsize) != end - start:
         raise bad(f"has shape {tuple(shape)} of {info['dtype']} ({want} bytes) but its data range holds "
                   f"{end - start} bytes")
@@ -82,14 +83,27 @@ def read_tensor(entry: TensorEntry) -> np.ndarray:
     if np_dtype is None:
         raise CheckpointError(f"{entry.path}: tensor dtype {entry.dtype} is not supported; "
                               "store weights as float32, float16 or bfloat16")
-    raw = np.empty(entry.nbytes // np.dtype(np_dtype).itemsize, np_dtype)
-    with open(entry.path, "rb") as f:
-        f.seek(entry.offset)
-        if f.readinto(memoryview(raw).cast("B")) != entry.nbytes:
-            raise CheckpointError(f"{entry.path}: file is truncated; re-download or re-save it")
-    raw = raw.reshape(entry.shape)
+    raw = _read_raw(entry, np_dtype)
     out = from_bf16(raw) if entry.dtype == "BF16" else raw.astype(np.float32, copy=False)
     if out.size and not (np.isfinite(out.min()) and np.isfinite(out.max())):
         raise CheckpointError(f"{entry.path}: tensor {entry.name!r} holds NaN or inf values; the file is corrupt "
                               "(or the training diverged): re-download or re-save it")
     return out
+
+
+def read_int_tensor(entry: TensorEntry) -> np.ndarray:
+    """An integer tensor (I64 or I32) as int64, copied into process memory."""
+    np_dtype = _INT_DTYPES.get(entry.dtype)
+    if np_dtype is None:
+        raise CheckpointError(f"{entry.path}: tensor {entry.name!r} is {entry.dtype}; it holds indices: store it "
+                              "as int64 (I64) or int32 (I32)")
+    return _read_raw(entry, np_dtype).astype(np.int64, copy=False)
+
+
+def _read_raw(entry: TensorEntry, np_dtype) -> np.ndarray:
+    raw = np.empty(entry.nbytes // np.dtype(np_dtype).itemsize, np_dtype)
+    with open(entry.path, "rb") as f:
+        f.seek(entry.offset)
+        if f.readinto(memoryview(raw).cast("B")) != entry.nbytes:
+            raise CheckpointError(f"{entry.path}: file is truncated; re-download or re-save it")
+    return raw.reshape(entry.shape)

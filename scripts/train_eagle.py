@@ -8,7 +8,9 @@ greedy acceptance into metrics.json under "eagle" (the model card renders it). D
 standard library's .py files; held-out files never trained on). At position i the head reads the base's
 final-norm feature f_i and the embedding of token i + 1 and learns f_{i+1} (smooth L1) and token i + 2
 through the base's LM head (cross-entropy, weight 0.1), as in the EAGLE paper; its layer starts as a copy
-of the base's last layer.
+of the base's last layer. Its draft vocabulary (FR-Spec; `d2t` in the file, models/eagle.py) is the
+DRAFT_VOCAB tokens most frequent in the training data, a quarter of the vocabulary: it guesses among those
+only, so a pass reads a quarter of the LM head; the acceptance below is measured with it.
 """
 
 import json
@@ -25,6 +27,7 @@ from safetensors.torch import save_file
 from train_demo import ASSETS
 
 STEPS, QUICK_STEPS, TOKEN_WEIGHT = 2000, 20, 0.1
+DRAFT_VOCAB = 2048
 ACCEPT_POSITIONS, ACCEPT_CONTEXT, ACCEPT_DEPTH, TREE_WIDTH = 512, 64, 5, 3
 
 
@@ -53,12 +56,19 @@ def train(head: EagleHead, base, stream: torch.Tensor, steps: int, seed: int) ->
     return train_loop(head, stream, steps, seed, step_loss)
 
 
+def draft_vocabulary(stream: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """The DRAFT_VOCAB ids most frequent in the stream, ascending (ties to the lower id)."""
+    counts = torch.bincount(stream, minlength=vocab_size)
+    order = sorted(range(vocab_size), key=lambda i: (-int(counts[i]), i))
+    return torch.tensor(sorted(order[:DRAFT_VOCAB]), dtype=torch.long)
+
+
 @torch.no_grad()
-def acceptance(head: EagleHead, base, stream: torch.Tensor) -> dict:
+def acceptance(head: EagleHead, base, stream: torch.Tensor, draft_ids: torch.Tensor) -> dict:
     """Greedy speculation, one round per held-out position, as the engine runs it: the context's last token
     came from feature f_{c-2}; the head drafts from there, feeding each guess back with its own feature.
     Chain: each step's argmax. Tree: the top TREE_WIDTH of the first two steps (every pair), argmax after;
-    the round keeps the path matching the base's greedy continuation."""
+    the round keeps the path matching the base's greedy continuation. Guesses come from the draft vocabulary."""
     contexts = demo_eval.eval_windows(stream, ACCEPT_POSITIONS, ACCEPT_CONTEXT)
     kept = {"chain": [], "tree": []}
     for i in range(0, len(contexts), 64):
@@ -71,7 +81,7 @@ def acceptance(head: EagleHead, base, stream: torch.Tensor) -> dict:
             count = torch.zeros(len(ctx), dtype=torch.long)
             for d in range(ACCEPT_DEPTH):
                 out = head(base.model.embed_tokens(tokens), feats)[:, -1]  # the guess of the next feature
-                top = base.lm_head(out).topk(width if d < 2 else 1, dim=-1).indices  # [B, w]
+                top = draft_ids[(out @ base.lm_head.weight[draft_ids].T).topk(width if d < 2 else 1, dim=-1).indices]
                 hit = alive & (top == truth[:, d:d + 1]).any(dim=1)
                 count += hit.long()
                 alive = hit  # follow the base's own token: in a tree it is the matching child, if any
@@ -79,7 +89,8 @@ def acceptance(head: EagleHead, base, stream: torch.Tensor) -> dict:
                 feats = torch.cat([feats, out[:, None]], dim=1)
             kept[name].append(count)
     result = {"positions": len(contexts), "context_tokens": ACCEPT_CONTEXT, "depth": ACCEPT_DEPTH,
-              "tree_width": TREE_WIDTH}
+              "tree_width": TREE_WIDTH, "draft_vocab": len(draft_ids),
+              "heldout_tokens_in_draft_vocab": round(torch.isin(stream, draft_ids).double().mean().item(), 4)}
     for name, counts in kept.items():
         counts = torch.cat(counts).double()
         result[f"{name}_mean_accepted_per_round"] = round(counts.mean().item(), 4)
@@ -87,9 +98,11 @@ def acceptance(head: EagleHead, base, stream: torch.Tensor) -> dict:
     return result
 
 
-def save(head: EagleHead, out: Path) -> None:
+def save(head: EagleHead, draft_ids: torch.Tensor, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.to(torch.bfloat16) for k, v in head.head_state_dict().items()}, out / "eagle_head.safetensors")
+    tensors = {k: v.to(torch.bfloat16) for k, v in head.head_state_dict().items()}
+    tensors["d2t"] = draft_ids - torch.arange(len(draft_ids))  # EAGLE-3's convention: target id - draft id
+    save_file(tensors, out / "eagle_head.safetensors")
     (out / "eagle_config.json").write_text(json.dumps({"eagle_num_layers": 1}, indent=2) + "\n")
 
 
@@ -100,8 +113,9 @@ def main() -> None:
     head = new_head(base)
     losses = train(head, base, streams["train", "all"], QUICK_STEPS if args.quick else STEPS, args.seed)
     head.eval()
-    result = acceptance(head, base, streams["heldout", "all"])
-    save(head, args.out or ASSETS / "base")
+    draft_ids = draft_vocabulary(streams["train", "all"], base.config.vocab_size)
+    result = acceptance(head, base, streams["heldout", "all"], draft_ids)
+    save(head, draft_ids, args.out or ASSETS / "base")
     record("eagle", result, losses, args, "train_eagle.py", start)
 
 

@@ -82,3 +82,54 @@ def test_heads_that_do_not_fit_raise_checkpoint_error_naming_the_problem(target,
     spec, weights, _ = load_model(directory, "float32")
     with pytest.raises(CheckpointError, match=message):
         load_eagle_head(directory, spec, weights, "float32")
+
+
+def with_draft_vocabulary(directory, head: EagleHead, draft_ids) -> None:
+    state = head.head_state_dict()
+    state["d2t"] = torch.as_tensor(draft_ids, dtype=torch.int64) - torch.arange(len(draft_ids))
+    save_file(state, directory / HEAD_FILE)
+    (directory / CONFIG_FILE).write_text(json.dumps({"eagle_num_layers": 1}))
+
+
+@pytest.mark.parametrize("weight_dtype", ["float32", "q8_0"])
+def test_a_draft_vocabulary_keeps_the_full_heads_logits_of_its_tokens(target, weight_dtype):
+    directory, _, head = target
+    spec, weights, _ = load_model(directory, weight_dtype)
+    save_head(directory, head)
+    full = load_eagle_head(directory, spec, weights, weight_dtype, "auto")
+    draft_ids = np.sort(np.random.default_rng(1).choice(spec.vocab_size, 40, replace=False))
+    with_draft_vocabulary(directory, head, draft_ids)
+    small = load_eagle_head(directory, spec, weights, weight_dtype, "auto")
+    assert np.array_equal(small.draft_ids, draft_ids) and full.draft_ids is None
+    S = 6
+    rng = np.random.default_rng(2)
+    tokens, features = rng.integers(3, spec.vocab_size, S), rng.standard_normal((S, spec.hidden_size)).astype(np.float32)
+    outs = []
+    for ours in (full, small):
+        kv = KVCache(1, 4, 4, spec.num_kv_heads, spec.head_dim, "float32")
+        table = np.array([[2, 0]], np.int32)
+        positions = np.arange(S, dtype=np.int32)
+        slots = table[0, positions // 4].astype(np.int64) * 4 + positions % 4
+        outs.append(ours.forward(ForwardBatch(tokens, positions, np.zeros(S, np.int32), slots, table, np.arange(S),
+                                              hidden_indices=np.arange(S)), kv, features))
+    (full_logits, full_hidden), (small_logits, small_hidden) = outs
+    assert np.array_equal(small_hidden, full_hidden)
+    assert np.array_equal(small_logits, full_logits[:, draft_ids])  # each row's dot products, computed alone
+    assert np.array_equal(small.target_ids(np.array([[0, 39]])), draft_ids[[[0, 39]]])
+
+
+@pytest.mark.parametrize("d2t, message", [
+    (np.array([0, 5, 3]), "distinct ascending"),  # ids 0, 6, 5
+    (np.array([0, 0, 10 ** 6]), "distinct ascending"),  # past the vocabulary
+    (np.zeros((2, 2), np.int64), "has shape"),
+    (np.array([0.5, 1.5]), "holds indices"),
+])
+def test_a_draft_vocabulary_that_does_not_fit_raises_checkpoint_error(target, d2t, message):
+    directory, _, head = target
+    state = head.head_state_dict()
+    state["d2t"] = torch.as_tensor(d2t)
+    save_file(state, directory / HEAD_FILE)
+    (directory / CONFIG_FILE).write_text(json.dumps({"eagle_num_layers": 1}))
+    spec, weights, _ = load_model(directory, "float32")
+    with pytest.raises(CheckpointError, match=message):
+        load_eagle_head(directory, spec, weights, "float32")

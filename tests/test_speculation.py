@@ -8,10 +8,12 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+import safetensors.torch
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 import numaserve as ns
+from models.eagle import HEAD_FILE
 from models.proposers.base import Proposer
 from models.proposers.eagle import EagleProposer
 from models.proposers.medusa import MedusaProposer
@@ -237,6 +239,34 @@ def test_greedy_tree_speculation_under_preemption_in_a_small_kv_pool(heads_dirs,
     stats = llm.stats()
     assert stats["num_preemptions"] > 0 and stats["spec_num_accepted_tokens"] > 0, stats
     assert stats["num_free_blocks"] == stats["num_blocks"] == 48
+
+
+@pytest.mark.parametrize("width", [1, 2])
+def test_eagle_with_a_draft_vocabulary_drafts_only_its_tokens_and_keeps_the_targets(eagle_dir, mixed, reference,
+                                                                                     tmp_path, width):
+    """A head with a draft vocabulary (models/eagle.py d2t) of the tokens most frequent in the reference
+    outputs guesses among them only; the tokens stay the target's."""
+    counts = np.bincount([t for ids, *_ in reference for t in ids], minlength=384)
+    draft_ids = np.sort(np.argsort(-counts, kind="stable")[:96])
+    directory = shutil.copytree(eagle_dir, tmp_path / "model")
+    state = dict(safetensors.torch.load_file(directory / HEAD_FILE))
+    state["d2t"] = torch.as_tensor(draft_ids) - torch.arange(len(draft_ids))
+    safetensors.torch.save_file(state, directory / HEAD_FILE)
+    llm = ns.LLM(directory, **FP32, speculation={"method": "eagle", "num_speculative_tokens": K, "mode": "on",
+                                                 "tree_width": width})
+    proposer, drafted = llm.engine.speculator.proposer, []
+    propose = proposer.propose
+
+    def recording(requests, depths):
+        drafts = propose(requests, depths)
+        drafted.extend(t for d in drafts for t in (d if isinstance(d, list) else d.tokens))
+        return drafts
+
+    proposer.propose = recording
+    assert_same(outcome(run(llm.engine, *mixed)), reference)
+    assert drafted and set(drafted) <= set(draft_ids.tolist())
+    stats = llm.stats()
+    assert 0 < stats["spec_num_accepted_tokens"] < stats["spec_num_draft_tokens"], stats
 
 
 @pytest.mark.parametrize("width", [1, 3])

@@ -98,10 +98,11 @@ class EagleProposer(Proposer):
         self.pool = BlockPool(num_blocks)
         # a tree node sees all its ancestors: a windowed head layer keeps trees inside its window
         self.max_tree_depth = s.layer_windows[0] - 1 if s.layer_windows[0] > 0 else max_depth
-        # a pass: one layer of the target's and its LM head (the target's own, read again)
+        # a pass: one layer of the target's and its LM head (the target's own, read again: the draft
+        # vocabulary's rows of it)
         layer = spec.num_params - spec.vocab_size * spec.hidden_size
-        self.cost_prior = (1 / spec.num_layers, (layer / spec.num_layers + spec.vocab_size * spec.hidden_size)
-                           / spec.num_params)
+        vocab = spec.vocab_size if self.head.draft_ids is None else len(self.head.draft_ids)
+        self.cost_prior = (1 / spec.num_layers, (layer / spec.num_layers + vocab * spec.hidden_size) / spec.num_params)
         self.seqs: dict[str, _EagleSeq] = {}
         self.width = 1  # this step's: set by the speculator
         self.fixed_width = fixed_width  # None: the policy chooses
@@ -151,7 +152,7 @@ class EagleProposer(Proposer):
         if not feeds:
             return drafts
         logits, guesses = self._timed(self._catch_up, growing, feeds)
-        for g, (tokens, _, first), row, guess in zip(growing, feeds, top_ids(logits, MAX_WIDTH), guesses):
+        for g, (tokens, _, first), row, guess in zip(growing, feeds, self._ranked(logits), guesses):
             g.seq.num_done, g.seq.features = first + len(tokens), []  # every true feature has run
             g.grow(-1, row, guess)
         for level in range(1, max(g.depth for g in growing)):
@@ -165,7 +166,7 @@ class EagleProposer(Proposer):
             if not runs:
                 break
             logits, guesses = self._timed(self._run_level, runs)
-            rows = iter(zip(top_ids(logits, MAX_WIDTH), guesses))
+            rows = iter(zip(self._ranked(logits), guesses))
             for g, nodes in runs:
                 for node in nodes:
                     g.grow(node, *next(rows))
@@ -194,6 +195,10 @@ class EagleProposer(Proposer):
             depth = max(tree.depths, default=0)
             for w, kept in enumerate(tree.kept_by_width(tokens[n:n + depth], width)):
                 self.accepted_counts[w, kept] += 1
+
+    def _ranked(self, logits: np.ndarray) -> np.ndarray:
+        """logits [R, Vd] -> each row's best MAX_WIDTH target token ids, best first [R, MAX_WIDTH]."""
+        return self.head.target_ids(top_ids(logits, MAX_WIDTH))
 
     def _timed(self, run, *args) -> tuple[np.ndarray, np.ndarray]:
         """run(*args) -> its logits and feature guesses; its rows and seconds are a pass (last_passes)."""
