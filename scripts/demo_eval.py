@@ -99,10 +99,10 @@ def _eagle_paragraph(eagle: dict | None) -> str:
     return f"""
 **EAGLE head** (`base/eagle_head.safetensors`: fc over [token embedding; feature], one decoder layer of the
 base's shape and a norm, sharing the base's embedding and LM head; trained on the frozen base by
-`{eagle['reproduce']}` in {eagle['runtime_s']:.0f} s, {eagle['steps']} steps). It drafts from a vocabulary of the
-{eagle.get('draft_vocab', 'all')} tokens most frequent in the training data (`d2t`; they make up
-{100 * eagle.get('heldout_tokens_in_draft_vocab', 1.0):.1f}% of the held-out tokens). Greedy acceptance over
-{eagle['positions']} held-out positions with {eagle['context_tokens']} tokens of context, depth {eagle['depth']}:
+`{eagle['reproduce']}` in {eagle['runtime_s']:.0f} s, {eagle['steps']} steps). It drafts from the
+{eagle.get('draft_vocab', 'all')} tokens most frequent in the training data (`d2t`, set by
+`{eagle.get('vocabulary_set_by', eagle['reproduce'])}`; {100 * eagle.get('heldout_tokens_in_draft_vocab', 1.0):.1f}% of the held-out
+tokens). Greedy acceptance over {eagle['positions']} held-out positions with {eagle['context_tokens']} tokens of context, depth {eagle['depth']}:
 chain {eagle['chain_mean_accepted_per_round']:.2f} drafts kept per round ({eagle['chain_tokens_per_round']:.2f} tokens
 per verification); tree (top {eagle['tree_width']} of the first two steps, every pair)
 {eagle['tree_mean_accepted_per_round']:.2f} ({eagle['tree_tokens_per_round']:.2f} tokens per verification).

@@ -18,12 +18,15 @@ from train_demo import ASSETS, collect_corpus, encode_corpus, load_model
 LR, BATCH, SEQ_LEN = 1e-3, 8, 256  # AdamW's peak rate; random windows per step, tokens per window
 
 
-def parse_args(doc: str) -> argparse.Namespace:
+def parse_args(doc: str, extra: Callable[[argparse.ArgumentParser], object] | None = None) -> argparse.Namespace:
+    """The scripts' shared options; extra(parser) adds a script's own."""
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seed", type=int, default=0, help="seed of the windows sampled for training")
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="torch threads")
     parser.add_argument("--quick", action="store_true", help="a smoke run: a few steps on a sixteenth of the files")
     parser.add_argument("--out", type=Path, default=None, help="where to write the head (default: the demo base)")
+    if extra is not None:
+        extra(parser)
     return parser.parse_args()
 
 
