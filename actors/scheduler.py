@@ -33,8 +33,8 @@ class Scheduler:
         now, out = time.time(), {}
         for worker_id, (t, received) in self.telemetry.items():
             policy = self.policy.policy(worker_id)
-            telemetry = vars(t) | {"speculation": t.speculation.summary() if t.speculation else None}
+            telemetry = vars(t) | {"speculation": [m.summary() for m in t.speculation] if t.speculation else None}
             out[worker_id] = {"policy": {k: v for k, v in vars(policy).items() if k != "speculation"},
-                              "speculation": asdict(policy.speculation) if policy.speculation else None,
+                              "speculation": [asdict(p) for p in policy.speculation] if policy.speculation else None,
                               "telemetry": telemetry, "telemetry_age_s": now - received}
         return out

@@ -252,7 +252,7 @@ class NumaWorker:
         telemetry = StepTelemetry(self.placement.worker_id, stats["num_running"], stats["num_waiting"],
                                   meter.num_steps, meter.num_tokens, meter.mean_step_s, stats["kv_usage"],
                                   stats["num_preemptions"],
-                                  self.engine.speculator.telemetry() if self.engine.speculator else None)
+                                  self.engine.speculator.telemetries() if self.engine.speculator else None)
         meter.reset()
         self._report_sent = time.monotonic()
         answer = self._scheduler.report.remote(telemetry).future()
@@ -262,7 +262,7 @@ class NumaWorker:
         self.engine.batcher.token_budget = policy.token_budget
         self.engine.batcher.max_num_seqs = policy.max_num_seqs
         if policy.speculation is not None and self.engine.speculator is not None:
-            self.engine.speculator.push(policy.speculation)
+            self.engine.speculator.push_policies(policy.speculation)
 
 
 class _StepMeter:

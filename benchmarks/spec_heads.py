@@ -34,7 +34,7 @@ import numpy as np
 import numaserve as ns
 from benchmarks.checkpoints import SHAPES, with_random_heads
 from benchmarks.heldout_prompts import build_prompts
-from benchmarks.spec_common import find_proposer, install_proposer, run_decode, share_weights
+from benchmarks.spec_common import find_proposer, run_decode, share_weights
 from models.proposers.base import Proposer, SpecRequest
 from models.token_tree import TokenTree
 
@@ -53,12 +53,15 @@ def configs(depth: int, draft_model: str | None) -> dict[str, dict | None]:
     on = {"mode": "on", "num_speculative_tokens": depth}
     medusa = {"method": "medusa", "mode": "on", "num_speculative_tokens": 3}
     eagle = {"method": "eagle"} | on
+    auto = {"method": "auto", "mode": "auto", "num_speculative_tokens": depth}
     return {"off": None,
             **({"ngram": {"method": "ngram"} | on, "draft": {"method": "draft", "draft_model": draft_model} | on}
                if draft_model else {}),
             "medusa-chain": medusa | {"tree_width": 1}, "medusa-tree": medusa | {"tree_width": TREE_WIDTH},
             "eagle-chain": eagle | {"tree_width": 1}, "eagle-tree": eagle | {"tree_width": TREE_WIDTH},
-            "eagle-auto": eagle | {"mode": "auto"}}
+            "eagle-auto": eagle | {"mode": "auto"},
+            # every method the model has (the draft model where there is one), one chosen per step
+            "auto": auto | ({"draft_model": draft_model} if draft_model else {})}
 
 
 def counters(llm: ns.LLM) -> np.ndarray:
@@ -91,6 +94,8 @@ def compare(llms: dict[str, ns.LLM], batches: Sequence[int], samples: int, run_o
                 row |= {"verifications": verifications, "mean_draft_depth": drafted / verifications,
                         "tokens_per_verification": 1 + accepted / verifications,
                         "depth_last_step": llms[name].stats()["spec_depth"],
+                        **({"drafts_by_method": llms[name].stats()["spec_num_drafts_by_method"]}
+                           if name == "auto" else {}),
                         # width decisions in the engine's log so far (earlier batch sizes included)
                         "tree_widths_chosen": list(dict.fromkeys(widths[name]))}
             print(json.dumps(row), flush=True)
@@ -203,10 +208,13 @@ def tinyllama(args) -> None:
     llms = {}
     for engine, spec in configs(args.depth, None).items():
         llms[engine] = ns.LLM(path, **common, **({"speculation": spec} if spec else {}))
-        if spec:
-            inner = getattr(*find_proposer(llms[engine].engine))
-            install_proposer(llms[engine].engine, AcceptanceReplay(inner, continuations, counts[spec["method"]],
-                                                                   args.prompt_len, vocab))
+        speculator = llms[engine].engine.speculator
+        # method "auto": each trained-head candidate replays its own method's counts; n-gram runs as it is
+        for method, candidate in (speculator.candidates.items() if spec and spec["method"] == "auto"
+                                  else [(spec["method"], speculator)] if spec else []):
+            if method in counts:
+                candidate.proposer = AcceptanceReplay(candidate.proposer, continuations, counts[method],
+                                                      args.prompt_len, vocab)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, vocab, args.prompt_len).tolist() for _ in range(args.batch)]
     params = ns.SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
@@ -273,9 +281,12 @@ def goals(results: dict) -> dict:
         for batch in sorted({r["batch"] for r in rows}):
             at = [r for r in rows if r["batch"] == batch]
             best = max(at, key=lambda r: r["speedup_vs_off"])
-            auto = next(r for r in at if r["engine"] == "eagle-auto")
             out[f"{part}_batch{batch}_best"] = f"{best['engine']} {best['speedup_vs_off']:.2f}x"
-            out[f"{part}_batch{batch}_eagle_auto"] = f"{auto['speedup_vs_off']:.2f}x"
+            for engine in ("eagle-auto", "auto"):
+                row = next((r for r in at if r["engine"] == engine), None)
+                if row is not None:
+                    out[f"{part}_batch{batch}_{engine.replace('-', '_')}"] = (
+                        f"{row['speedup_vs_off']:.2f}x ({row['speedup_vs_off'] / best['speedup_vs_off']:.2f} of the best)")
     demo_tree = [r for r in results.get("demo", {}).get("rows", []) if r["engine"] == "eagle-tree" and r["batch"] == 1]
     if demo_tree:
         value = demo_tree[0]["tokens_per_verification"]

@@ -1,14 +1,16 @@
 """SpeculationConfig: how an engine drafts tokens and verifies them in one target forward.
 
 Nested in EngineConfig as `speculation` (a SpeculationConfig or a dict). Off by default. "medusa" and
-"eagle" draft with trained heads beside the model (models/medusa.py, models/eagle.py).
+"eagle" draft with trained heads beside the model (models/medusa.py, models/eagle.py). "auto" weighs
+every method the model has (n-gram; Medusa and EAGLE when their heads are beside it; the draft model when
+draft_model is set) and lets the best one draft each step (scheduling/method_chooser.py).
 """
 
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-SpeculationMethod = Literal["off", "ngram", "draft", "medusa", "eagle"]
+SpeculationMethod = Literal["off", "ngram", "draft", "medusa", "eagle", "auto"]
 SpeculationMode = Literal["auto", "on", "latency_first", "throughput_first"]
 MAX_TREE_WIDTH = 4  # the widest token tree a trained-head proposer drafts and measures
 
@@ -38,14 +40,23 @@ class SpeculationConfig(BaseModel):
                              f"({self.prompt_lookup_max})")
         if self.method == "draft" and not self.draft_model:
             raise ValueError("draft_model is required when method='draft'; pass a model directory or GGUF file")
-        if self.method != "draft" and self.draft_model is not None:
-            raise ValueError(f"draft_model is set but method={self.method!r}; use method='draft' or drop draft_model")
-        if self.method != "medusa" and self.num_heads is not None:
-            raise ValueError(f"num_heads is set but method={self.method!r}; use method='medusa' or drop num_heads")
-        if self.method not in ("medusa", "eagle") and self.tree_width is not None:
+        if self.method not in ("draft", "auto") and self.draft_model is not None:
+            raise ValueError(f"draft_model is set but method={self.method!r}; use method='draft' (or 'auto') "
+                             "or drop draft_model")
+        if self.method not in ("medusa", "auto") and self.num_heads is not None:
+            raise ValueError(f"num_heads is set but method={self.method!r}; use method='medusa' (or 'auto') or "
+                             "drop num_heads")
+        if self.method not in ("medusa", "eagle", "auto") and self.tree_width is not None:
             raise ValueError(f"tree_width is set but method={self.method!r}; token trees are drafted by "
-                             "method='medusa' or 'eagle': use one of them or drop tree_width")
+                             "method='medusa' or 'eagle' (or 'auto'): use one of them or drop tree_width")
         return self
+
+    def for_method(self, method: str) -> "SpeculationConfig":
+        """This config for one of the methods "auto" weighs: the fields that method does not take dropped."""
+        return SpeculationConfig.model_validate(self.model_dump() | {
+            "method": method, "draft_model": self.draft_model if method == "draft" else None,
+            "num_heads": self.num_heads if method == "medusa" else None,
+            "tree_width": self.tree_width if method in ("medusa", "eagle") else None})
 
     @property
     def enabled(self) -> bool:

@@ -22,17 +22,16 @@ from models.llama import LlamaModel
 from models.loader import load_model
 from models.lora import LoraAdapter
 from models.lora_slots import LoraSlots, slot_dtype
-from models.proposers import make_proposer
 from models.tokenizer import IncrementalDetokenizer
 from scheduling.adapter_store import AdapterStore
 from scheduling.batcher import Batcher, StepPlan
 from scheduling.kv_cache_manager import KVCacheManager
 from scheduling.lora_planner import LoraPlanner, SharedMerged
+from scheduling.method_chooser import make_speculator
 from scheduling.model_runner import ModelRunner, RunOutput
 from scheduling.outputs import RequestOutput, StepResult
 from scheduling.request import Request, RequestStatus
-from scheduling.sampler import sample_batch
-from scheduling.speculator import Speculator, spec_stats_off
+from scheduling.speculator import spec_stats_off
 from scheduling.step_sampler import sample_step
 from scheduling.stop_checker import find_stop_string, finish_reason_after_token, num_safe_chars
 from scheduling.validation import RequestLimits, validate_request
@@ -73,14 +72,9 @@ class Engine:
         self.runner = ModelRunner(self.model, self.kv_cache, bs, self.adapters, LoraPlanner(
             slots, self.model.weights["layers"], s, config.lora_merge, config.lora_merged_bytes,
             self.model.weight_bytes, shared_merged, self.decisions))
-        proposer = make_proposer(config.speculation, s, self.tokenizer, kv_cache_tokens=num_blocks * bs, block_size=bs,
-                                 weight_dtype=config.weight_dtype, kv_dtype=config.resolved_kv_dtype,
-                                 activation_dtype=config.activation_dtype, decisions=self.decisions,
-                                 sampler=sample_batch, model_dir=_model_dir(model_path),
-                                 target_weights=self.model.weights, target_weight_dtype=self.model.weight_dtype)
-        window = min((w for w in s.layer_windows if w > 0), default=0)
-        self.speculator = Speculator(config.speculation, proposer, self.decisions, window) if proposer else None
-        self.runner.wants_hidden = proposer is not None and proposer.needs_hidden
+        self.speculator = make_speculator(config, s, self.tokenizer, _model_dir(model_path), self.model,
+                                          kv_cache_tokens=num_blocks * bs, decisions=self.decisions)
+        self.runner.wants_hidden = self.speculator is not None and self.speculator.needs_hidden
         # what make_request validates against (the KV pool fit only when every layer keeps all its KV)
         self.limits = RequestLimits(s.vocab_size, self.max_model_len, block_size=bs,
                                     num_kv_blocks=num_blocks if window <= 0 else None)
@@ -203,7 +197,7 @@ class Engine:
             i = index.get(rid)
             if i is not None:  # the kept path's rows after the root (the request's last base row)
                 rows += [rows[-1] + r for r in result.sampled_rows[i][1:]]
-            self.speculator.proposer.observe_hidden(rid, run.first_positions[s], run.hidden[rows])
+            self.speculator.observe_hidden(rid, run.first_positions[s], run.hidden[rows])
 
     def _append_tokens(self, req: Request, token_ids: list[int], logprobs: list[dict] | None) -> str | None:
         """Append token by token; -> the finish reason at the first token that ends the request (the rest

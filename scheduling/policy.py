@@ -12,8 +12,9 @@ arrives.
   again. It never drops below one decode token per running request.
 - Admission bound = max_num_seqs + max_queued: a worker whose cap was cut also admits fewer, so the
   router's Overloaded pushes back on clients instead of queues growing without end.
-- Speculation: spec_policy.speculation_policy of the SpecTelemetry the worker sent (the same function the
-  in-process engine runs); it reads that telemetry alone, so a restarted scheduler answers the same.
+- Speculation: spec_policy.speculation_policy of each SpecTelemetry the worker sent, one per draft method
+  it weighs (one, or every candidate of method "auto"), answered in the same order (the same function
+  the in-process engine runs); it reads that telemetry alone, so a restarted scheduler answers the same.
 """
 
 from dataclasses import dataclass
@@ -35,7 +36,7 @@ class StepTelemetry:
     step_time_s: float  # mean wall time of those steps (0 when idle)
     kv_usage: float  # used / total KV blocks
     num_preemptions: int  # since the worker started
-    speculation: SpecTelemetry | None = None  # None: the worker does not speculate
+    speculation: tuple[SpecTelemetry, ...] | None = None  # per draft method; None: the worker does not speculate
 
 
 @dataclass(frozen=True)
@@ -43,7 +44,7 @@ class Policy:
     token_budget: int
     max_num_seqs: int
     admission_bound: int  # requests the router may have outstanding on this worker
-    speculation: SpeculationPolicy | None = None  # for a worker that sent SpecTelemetry
+    speculation: tuple[SpeculationPolicy, ...] | None = None  # for a worker that sent SpecTelemetry, in its order
 
 
 @dataclass(frozen=True)
@@ -86,7 +87,7 @@ class BatchingPolicy:
         floor = min(lim.max_token_budget, max(MIN_TOKEN_BUDGET, t.num_running))
         budget = max(floor, min(lim.max_token_budget, budget))
 
-        speculation = speculation_policy(t.speculation) if t.speculation is not None else None
+        speculation = tuple(map(speculation_policy, t.speculation)) if t.speculation is not None else None
         policy = Policy(budget, max_num_seqs, max_num_seqs + lim.max_queued, speculation)
         self.policies[t.worker_id] = policy
         return policy

@@ -200,10 +200,25 @@ def _choose_depths(policy: SpeculationPolicy, num_base_tokens: int, max_depths: 
     else:
         deepest = np.maximum.accumulate(j_idx + 1)
         d = np.arange(1, len(order) + 1)
-        base_s = max(policy.fixed_s + policy.per_token_s * num_base_tokens, 1e-12)
-        draft_s = (policy.per_token_s + policy.draft_s_per_token) * d + policy.draft_s_per_position * deepest
-        goodput = (len(caps) + np.cumsum(gains)) / (base_s + policy.draft_cost_factor * draft_s)
+        goodput = (len(caps) + np.cumsum(gains)) / step_seconds(policy, num_base_tokens, d, deepest)
         best = int(np.argmax(goodput))
-        num_drafts = best + 1 if goodput[best] > len(caps) / base_s else 0
+        num_drafts = best + 1 if goodput[best] > len(caps) / step_seconds(policy, num_base_tokens, 0, 0) else 0
     np.maximum.at(depths, r_idx[:num_drafts], j_idx[:num_drafts] + 1)
     return depths.tolist()
+
+
+def step_seconds(policy: SpeculationPolicy, num_base_tokens: int, num_drafts, deepest):
+    """The policy's expected seconds of a step: its base tokens, num_drafts draft tokens (verified and
+    drafted) and the proposer's passes to the deepest draft, charged draft_cost_factor times (scalars or
+    arrays)."""
+    base_s = max(policy.fixed_s + policy.per_token_s * num_base_tokens, 1e-12)
+    draft_s = (policy.per_token_s + policy.draft_s_per_token) * num_drafts + policy.draft_s_per_position * deepest
+    return base_s + policy.draft_cost_factor * draft_s
+
+
+def expected_goodput(policy: SpeculationPolicy, num_base_tokens: int, depths: Sequence[int]) -> float:
+    """Tokens per second the policy expects of a step whose decoding requests draft `depths` (what
+    choose_depths maximizes): a request appends 1 + sum_{i<d} prod_{j<=i} a_j tokens."""
+    rates = np.cumprod(np.asarray(policy.accept_rates, np.float64))
+    gains = sum(float(rates[:d].sum()) for d in depths)
+    return (len(depths) + gains) / step_seconds(policy, num_base_tokens, sum(depths), max(depths, default=0))

@@ -13,7 +13,7 @@ until the next push, but its probe, like a local one, lasts POLICY_REFRESH_STEPS
 """
 
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -25,11 +25,20 @@ from scheduling.batcher import Batcher, StepPlan
 from scheduling.outputs import StepResult
 from scheduling.spec_controller import SpeculationController
 from scheduling.spec_estimators import SpecStepStats, count_positions
-from scheduling.spec_policy import SpecTelemetry, SpeculationPolicy, choose_depths
+from scheduling.spec_policy import SpecTelemetry, SpeculationPolicy, choose_depths, expected_goodput
 from scheduling.tree_policy import choose_tree_width
 
 SPEC_COUNTERS = ("spec_num_drafts", "spec_num_draft_tokens", "spec_num_accepted_tokens")
 POLICY_REFRESH_STEPS = 8  # the controller's policy (a least-squares cost fit, ~0.2 ms) is recomputed this often
+
+
+@dataclass(frozen=True)
+class DraftChoice:
+    """A step's drafting decision: depth per decoding request and the goodput the policy expects of it."""
+    decoding: list[int]  # indices into plan.scheduled
+    requests: list  # their Requests
+    depths: list[int]
+    goodput: float  # expected tokens per second of the step (scheduling/spec_policy.py)
 
 
 class Speculator:
@@ -74,16 +83,32 @@ class Speculator:
         """What the policy is decided from (speculation_policy), for a scheduler in another process."""
         return self.controller.telemetry()
 
+    @property
+    def needs_hidden(self) -> bool:
+        return self.proposer.needs_hidden
+
     def propose(self, plan: StepPlan, batcher: Batcher) -> float:
         """Schedule drafts for the plan's decoding requests; -> the proposer's seconds."""
+        return self.draft(plan, batcher, self.choose(plan))
+
+    def choose(self, plan: StepPlan) -> DraftChoice | None:
+        """This step's depth per decoding request under the policy in force (None: no decoding request)."""
         self.draft_passes = []
         decoding = plan.decoding()
         if not decoding:
-            return 0.0
+            return None
         reqs = [plan.scheduled[i][0] for i in decoding]
         # a run may append all its drafts and one more token; drafts past max_tokens would be cut unread
         max_depths = [r.max_num_tokens - r.num_tokens for r in reqs]
-        depths = choose_depths(self.policy, plan.num_tokens, max_depths, token_budget=plan.token_budget_left)
+        policy = self.policy
+        depths = choose_depths(policy, plan.num_tokens, max_depths, token_budget=plan.token_budget_left)
+        return DraftChoice(decoding, reqs, depths, expected_goodput(policy, plan.num_tokens, depths))
+
+    def draft(self, plan: StepPlan, batcher: Batcher, choice: DraftChoice | None) -> float:
+        """Have the proposer draft the choice's depths into the plan; -> its seconds."""
+        if choice is None:
+            return 0.0
+        decoding, reqs, depths = choice.decoding, choice.requests, choice.depths
         self._record_depth(max(depths), len(reqs), plan.num_tokens)
         active = [j for j, d in enumerate(depths) if d > 0]
         if not active:
@@ -104,12 +129,15 @@ class Speculator:
         return seconds
 
     def observe(self, plan: StepPlan, result: StepResult, seconds: float, draft_seconds: float,
-                num_waiting: int, kv_usage: float) -> SpecStepStats:
+                num_waiting: int, kv_usage: float, drafted: bool = True) -> SpecStepStats:
+        """drafted: whether this speculator's proposer drafted the step's drafts (False: another method's,
+        which this one sees as a step without drafts: its step cost, not its acceptance)."""
         k = self.config.num_speculative_tokens
-        runs = [(d, a) for d, a in zip(result.num_draft_tokens, result.num_accepted_tokens) if d > 0]
+        runs = [(d, a) for d, a in zip(result.num_draft_tokens, result.num_accepted_tokens) if d > 0] if drafted else []
         verified, accepted = count_positions(runs, k)
         stats = SpecStepStats(plan.num_tokens, seconds, len(plan.scheduled), num_waiting, kv_usage, draft_seconds,
-                              max((d for d, _ in runs), default=0), verified, accepted, tuple(self.draft_passes))
+                              max((d for d, _ in runs), default=0), verified, accepted,
+                              tuple(self.draft_passes) if drafted else ())
         self.controller.observe(stats)
         self._num_steps_since_policy += 1
         self.num_drafts += len(runs)
@@ -121,6 +149,19 @@ class Speculator:
 
     def free(self, request_id: str) -> None:
         self.proposer.free(request_id)
+
+    def observe_hidden(self, request_id: str, first: int, features: np.ndarray) -> None:
+        if self.proposer.needs_hidden:
+            self.proposer.observe_hidden(request_id, first, features)
+
+    def telemetries(self) -> tuple[SpecTelemetry, ...]:
+        """What the scheduler decides this engine's policy from, one record per method (here one)."""
+        return (self.telemetry(),)
+
+    def push_policies(self, policies: tuple[SpeculationPolicy, ...]) -> None:
+        """The scheduler's answer to telemetries()."""
+        [policy] = policies
+        self.push(policy)
 
     def stats(self) -> dict:
         policy = self.policy

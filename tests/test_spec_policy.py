@@ -12,8 +12,10 @@ from hypothesis import strategies as st
 
 import numaserve as ns
 from actors.scheduler import Scheduler
+from cluster_configs.diagnostics import DecisionLog
 from models.proposers.base import Proposer
 from scheduling.batcher import StepPlan
+from scheduling.method_chooser import MethodChooser
 from scheduling.outputs import StepResult
 from scheduling.policy import BatchingPolicy, PolicyLimits, StepTelemetry
 from scheduling.spec_controller import SpeculationController
@@ -32,7 +34,7 @@ from scheduling.spec_policy import (
     choose_depths,
     speculation_policy,
 )
-from scheduling.speculator import POLICY_REFRESH_STEPS, Speculator
+from scheduling.speculator import POLICY_REFRESH_STEPS, DraftChoice, Speculator
 
 K = 4
 FIXED_S, PER_TOKEN_S = 0.010, 0.0005  # the simulated machine: a step costs 10 ms + 0.5 ms per token
@@ -383,19 +385,23 @@ def test_the_engines_own_decision_and_the_one_from_its_telemetry_are_the_same():
 
 
 def test_the_scheduler_answers_a_speculating_worker_with_its_policy_and_keeps_no_state_for_it():
+    """One policy per draft method the worker weighs, in its order (two here: a method "auto" worker)."""
     limits = PolicyLimits(max_token_budget=512, max_num_seqs=64, max_queued=16, target_step_s=0.1)
     t = spec_telemetry(num_waiting=2, kv_usage=0.875)
-    report = StepTelemetry("w0", 4, 2, 10, 40, 0.02, 0.875, 0, speculation=t)
+    other = spec_telemetry(config=ns.SpeculationConfig(method="eagle", num_speculative_tokens=K), accept_rates=(0.95,) * K)
+    report = StepTelemetry("w0", 4, 2, 10, 40, 0.02, 0.875, 0, speculation=(t, other))
     policy = BatchingPolicy(limits).update(report)
-    assert policy.speculation == speculation_policy(t) and policy.token_budget == 512
+    assert policy.speculation == (speculation_policy(t), speculation_policy(other)) and policy.token_budget == 512
+    assert policy.speculation[0] != policy.speculation[1]
     assert BatchingPolicy(limits).update(report).speculation == policy.speculation  # a restarted scheduler
     assert BatchingPolicy(limits).update(replace(report, speculation=None)).speculation is None
     scheduler = Scheduler.__ray_actor_class__(limits)  # the actor's code, in this process
     assert scheduler.report(report) == policy
     stats = scheduler.stats()["w0"]
-    assert stats["speculation"] == asdict(policy.speculation) and stats["policy"]["token_budget"] == 512
-    assert stats["telemetry"]["speculation"]["num_step_costs"] == len(LINE)
-    assert stats["telemetry"]["speculation"]["accept_rates"] == t.accept_rates
+    assert stats["speculation"] == [asdict(p) for p in policy.speculation] and stats["policy"]["token_budget"] == 512
+    assert stats["telemetry"]["speculation"][0]["num_step_costs"] == len(LINE)
+    assert stats["telemetry"]["speculation"][0]["accept_rates"] == t.accept_rates
+    assert stats["telemetry"]["speculation"][1]["method"] == "eagle"
 
 
 class NoDrafts(Proposer):
@@ -414,3 +420,37 @@ def test_an_engine_keeps_a_pushed_policy_until_the_next_but_its_probe_lasts_one_
         assert spec.policy == (pushed if step < POLICY_REFRESH_STEPS else replace(pushed, probe=False)), step
         spec.observe(StepPlan(), StepResult(), 0.01, 0.0, 0, 0.3)
     assert spec.telemetry().num_requests == 0 and spec.telemetry().kv_usage == 0.3
+
+
+# ---- method "auto": the chooser picks the method with the best expected goodput ----------------------
+
+class Candidate:
+    """A stand-in for one method's Speculator: its step's choice fixed, its drafting counted."""
+
+    def __init__(self, goodput: float, depth: int, probe: bool = False):
+        self.goodput, self.depth, self.policy, self.num_drafted = goodput, depth, replace(SpeculationPolicy.off(), probe=probe), 0
+
+    def choose(self, plan):
+        return DraftChoice([0, 1], [None, None], [self.depth, self.depth], self.goodput)
+
+    def draft(self, plan, batcher, choice):
+        self.num_drafted += 1
+        return 0.0
+
+
+@pytest.mark.parametrize("candidates, drafts", [
+    ({"ngram": (90.0, 2), "eagle": (120.0, 4), "medusa": (100.0, 3)}, "eagle"),  # the best expected goodput
+    ({"ngram": (90.0, 2), "eagle": (120.0, 0)}, "ngram"),  # a method that would not draft is not chosen
+    ({"ngram": (90.0, 0), "eagle": (80.0, 0)}, None),  # no method beats a plain step: nobody drafts
+    ({"ngram": (90.0, 2), "eagle": (20.0, 1, True)}, "eagle"),  # a probing method drafts its probe
+])
+def test_the_method_chooser_lets_the_best_expected_method_draft(candidates, drafts):
+    fakes = {name: Candidate(*c) for name, c in candidates.items()}
+    log = DecisionLog()
+    chooser = MethodChooser(ns.SpeculationConfig(method="auto"), fakes, log)
+    for _ in range(3):
+        chooser.propose(StepPlan(token_budget_left=64), None)
+    assert {n: f.num_drafted for n, f in fakes.items()} == {n: 3 if n == drafts else 0 for n in fakes}
+    assert chooser.chosen == drafts
+    recorded = [d["choice"] for d in log.recent("speculation") if d["subject"] == "method"]
+    assert recorded == ([f"method {drafts}"] if drafts else [])  # a change of method, recorded once

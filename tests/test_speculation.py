@@ -2,6 +2,7 @@
 and mode, stops and max_tokens inside accepted runs, preemption); a self-draft accepts everything; sampled
 outputs follow the target's own distribution and, seeded, are the tokens of no speculation, alone or batched."""
 
+import itertools
 import json
 import shutil
 from dataclasses import replace
@@ -14,10 +15,13 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 import numaserve as ns
 from models.eagle import HEAD_FILE
+from models.medusa import CONFIG_FILE as MEDUSA_CONFIG
+from models.medusa import HEADS_FILE as MEDUSA_HEADS
 from models.proposers.base import Proposer
 from models.proposers.eagle import EagleProposer
 from models.proposers.medusa import MedusaProposer
 from scheduling.engine import Engine
+from scheduling.method_chooser import MethodChooser
 from scheduling.spec_controller import SpeculationController
 from scheduling.spec_policy import SpeculationPolicy
 from tests.chi_square import chi_square_p_value
@@ -194,6 +198,72 @@ def test_greedy_speculation_under_preemption_in_a_small_kv_pool(llama_dir, draft
         stats = llm.stats()
         assert stats["num_preemptions"] > 0 and stats["spec_num_accepted_tokens"] > 0, stats
         assert stats["num_free_blocks"] == stats["num_blocks"] == 48
+
+
+# ---- method "auto": every method the model has, one drafting per step ------------------------------
+
+@pytest.fixture(scope="module")
+def all_heads_dir(medusa_dir, eagle_dir, tmp_path_factory):
+    """The test model with its Medusa heads and its EAGLE head both beside it."""
+    directory = shutil.copytree(eagle_dir, tmp_path_factory.mktemp("all-heads") / "model")
+    for file in (MEDUSA_HEADS, MEDUSA_CONFIG):
+        shutil.copy(medusa_dir / file, directory / file)
+    return directory
+
+
+def take_turns(chooser: MethodChooser) -> None:
+    """Make the chooser's methods draft in turn, one step each (whatever their goodput says)."""
+    names, step = list(chooser.candidates), itertools.count()
+    turn = {"now": 0}
+    for name, candidate in chooser.candidates.items():
+        def on_turn_only(plan, name=name, choose=candidate.choose):
+            choice = choose(plan)
+            if choice is not None and names[turn["now"] % len(names)] != name:
+                choice = replace(choice, depths=[0] * len(choice.depths))
+            return choice
+        candidate.choose = on_turn_only
+    propose = chooser.propose
+
+    def next_turn(plan, batcher):
+        turn["now"] = next(step)
+        return propose(plan, batcher)
+    chooser.propose = next_turn
+
+
+def test_method_auto_weighs_every_method_the_model_has(all_heads_dir, llama_dir, draft_dir):
+    llm = ns.LLM(all_heads_dir, **FP32, speculation={"method": "auto", "draft_model": str(draft_dir)})
+    assert list(llm.engine.speculator.candidates) == ["ngram", "medusa", "eagle", "draft"]
+    assert list(ns.LLM(llama_dir, **FP32, speculation={"method": "auto"}).engine.speculator.candidates) == ["ngram"]
+
+
+@pytest.mark.parametrize("small_pool", [False, True])
+def test_methods_drafting_in_turn_give_the_same_tokens_as_none(all_heads_dir, draft_dir, mixed, reference,
+                                                               small_pool):
+    """Switching method every step (EAGLE catching up on positions another method verified, the draft
+    model on tokens it did not draft, Medusa and n-gram between them), with preemption in a small pool."""
+    pool = {"block_size": 4, "kv_cache_bytes": 48 * 4 * 2 * 2 * 2 * 24 * 4, "max_num_batched_tokens": 128} \
+        if small_pool else {"max_num_batched_tokens": 512}
+    llm = ns.LLM(all_heads_dir, **FP32, **pool, speculation={"method": "auto", "mode": "on", "num_speculative_tokens": K,
+                                                            "draft_model": str(draft_dir)})
+    take_turns(llm.engine.speculator)
+    assert_same(outcome(run(llm.engine, *mixed)), reference)
+    stats = llm.stats()
+    assert all(n > 0 for n in stats["spec_num_drafts_by_method"].values()), stats["spec_num_drafts_by_method"]
+    assert 0 < stats["spec_num_accepted_tokens"] < stats["spec_num_draft_tokens"]
+    assert stats["num_preemptions"] > 0 if small_pool else True
+    assert stats["num_free_blocks"] == stats["num_blocks"]
+
+
+def test_method_auto_drafts_with_the_method_it_expects_most_of_and_says_why(all_heads_dir, mixed, reference,
+                                                                            memory_bound_costs):
+    llm = ns.LLM(all_heads_dir, **FP32, max_num_batched_tokens=512,
+                 speculation={"method": "auto", "num_speculative_tokens": K})
+    assert_same(outcome(run(llm.engine, *mixed)), reference)
+    stats = llm.stats()
+    assert stats["spec_method"] == "auto" and stats["spec_method_chosen"] in ("ngram", "medusa", "eagle")
+    assert stats["spec_num_accepted_tokens"] > 0
+    choices = [d for d in llm.diagnostics() if d["topic"] == "speculation" and d["choice"].startswith("method ")]
+    assert choices and "expected tokens/s by method" in choices[-1]["reason"]
 
 
 # ---- token trees: verified with tree attention, the accepted path's KV kept -----------------------

@@ -23,3 +23,11 @@ def test_bad_speculation_fields_name_the_problem(fields, message):
 @pytest.mark.parametrize("method", ["medusa", "eagle"])
 def test_tree_width_is_taken_by_the_tree_drafters(method):
     assert ns.SpeculationConfig(method=method, tree_width=3).tree_width == 3
+
+
+def test_method_auto_takes_every_methods_fields_and_hands_each_method_its_own():
+    auto = ns.SpeculationConfig(method="auto", draft_model="d", num_heads=2, tree_width=3, num_speculative_tokens=6)
+    assert auto.for_method("draft").draft_model == "d" and auto.for_method("draft").tree_width is None
+    assert auto.for_method("medusa").num_heads == 2 and auto.for_method("medusa").draft_model is None
+    assert auto.for_method("eagle").tree_width == 3 and auto.for_method("eagle").num_heads is None
+    assert {auto.for_method(m).num_speculative_tokens for m in ("ngram", "medusa", "eagle", "draft")} == {6}

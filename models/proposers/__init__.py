@@ -1,7 +1,11 @@
 """Draft proposers for speculative decoding, behind one interface (base.Proposer)."""
 
+from pathlib import Path
+
 from cluster_configs.diagnostics import DecisionLog
 from cluster_configs.speculation_config import SpeculationConfig
+from models.eagle import CONFIG_FILE as EAGLE_CONFIG
+from models.medusa import CONFIG_FILE as MEDUSA_CONFIG
 from models.proposers.base import Proposer, SpecRequest
 from models.proposers.draft import DraftModelProposer, DraftSampler, argmax_sampler, check_same_vocabulary
 from models.proposers.eagle import EagleProposer
@@ -38,5 +42,14 @@ def make_proposer(config: SpeculationConfig, target_spec: ModelSpec, target_toke
     return None
 
 
-__all__ = ["DraftModelProposer", "EagleProposer", "MedusaProposer", "NgramProposer", "Proposer", "SpecRequest", "check_same_vocabulary",
-           "make_proposer"]
+def auto_candidates(config: SpeculationConfig, model_dir: str | Path | None) -> list[str]:
+    """The methods speculation method "auto" weighs: n-gram lookup always, Medusa and EAGLE where their heads
+    sit beside the model, the draft model where one is configured."""
+    beside = Path(model_dir) if model_dir is not None else None
+    return (["ngram"] + (["medusa"] if beside and (beside / MEDUSA_CONFIG).is_file() else [])
+            + (["eagle"] if beside and (beside / EAGLE_CONFIG).is_file() else [])
+            + (["draft"] if config.draft_model else []))
+
+
+__all__ = ["DraftModelProposer", "EagleProposer", "MedusaProposer", "NgramProposer", "Proposer", "SpecRequest",
+           "auto_candidates", "check_same_vocabulary", "make_proposer"]

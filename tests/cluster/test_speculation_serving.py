@@ -124,7 +124,7 @@ def test_workers_apply_the_speculation_policy_the_scheduler_pushes(client):
 
     def live():  # a worker in the middle of the streams (mode "on": drafting at once)
         stats = client.stats()
-        return next(((w, s, stats["policies"][w]["speculation"]) for w, s in stats["workers"].items()
+        return next(((w, s, stats["policies"][w]["speculation"][0]) for w, s in stats["workers"].items()
                      if s.get("num_running") and (s["spec_depth"] or client.mode != "on")), None)
     worker_id, stats, policy = wait_for(live, 30, "a worker serving the streams")
     if client.mode == "on":  # forced: the pushed depth is the configured one, and the worker drafts that deep
@@ -136,12 +136,12 @@ def test_workers_apply_the_speculation_policy_the_scheduler_pushes(client):
 
     def same_policy():  # once idle, the worker's telemetry no longer changes: the last push is in force
         stats = client.stats()
-        return all(s["spec_policy_source"] == "scheduler" and in_force(s) == pushed(stats["policies"][w]["speculation"])
+        return all(s["spec_policy_source"] == "scheduler" and in_force(s) == pushed(stats["policies"][w]["speculation"][0])
                    for w, s in stats["workers"].items()) and stats
     stats = wait_for(same_policy, 20, "every worker to apply the scheduler's last policy")
     for worker_id, policy in stats["policies"].items():
-        assert policy["speculation"]["mode"] == client.mode  # forced "on" stays on; auto decides
-        telemetry = policy["telemetry"]["speculation"]
+        assert [p["mode"] for p in policy["speculation"]] == [client.mode]  # forced "on" stays on; auto decides
+        [telemetry] = policy["telemetry"]["speculation"]  # one method, one policy
         assert telemetry["method"] == client.method and telemetry["num_step_costs"] > 0
         assert tuple(telemetry["accept_rates"]) == tuple(stats["workers"][worker_id]["spec_accept_rate_ema"])
 
@@ -165,7 +165,7 @@ def test_a_worker_drafts_at_the_depth_its_scheduler_pushes_not_its_configured_on
                                                                                    plain_config):
     config = sim_config("two_numa_sim", engine={"max_num_seqs": 16, "speculation": SPEC | {"mode": "auto"}})
     forced = SpeculationPolicy("on", 2, (0.6,) * 4, 1.0, 1 / 16, 0.0, 1.0, 1.0)
-    scheduler = PushingScheduler.remote(Policy(256, 16, 32, forced))
+    scheduler = PushingScheduler.remote(Policy(256, 16, 32, (forced,)))
     placement = config.placements()[1]
     worker = NumaWorker.options(runtime_env={"env_vars": {"NUMBA_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}}).remote(
         placement, str(llama_dir), config.worker_engine_config(placement), scheduler, None, 0.05)
@@ -181,7 +181,7 @@ def test_a_worker_drafts_at_the_depth_its_scheduler_pushes_not_its_configured_on
         # forced on at depth 2: two drafts per run (its own controller would decide from acceptance up to 4)
         assert stats["spec_num_drafts"] < stats["spec_num_draft_tokens"] <= 2 * stats["spec_num_drafts"]
         assert stats["spec_verified_per_position"][2:] == [0, 0]
-        telemetry = ray.get(scheduler.last_telemetry.remote()).speculation
+        [telemetry] = ray.get(scheduler.last_telemetry.remote()).speculation
         assert telemetry.config == config.engine.speculation and len(telemetry.accept_rates) == 4
         assert telemetry.step_costs and telemetry.cost_prior == (0.0, 0.0) and not telemetry.catches_up
     finally:
@@ -194,8 +194,8 @@ def test_workers_keep_the_last_policy_and_serve_exactly_when_the_scheduler_is_go
     wait_for_both_workers(client)
     def settled():
         stats = client.stats()
-        return all(in_force(s) == pushed(stats["policies"][w]["speculation"]) for w, s in stats["workers"].items()) \
-            and {w: pushed(p["speculation"]) for w, p in stats["policies"].items()}
+        return all(in_force(s) == pushed(stats["policies"][w]["speculation"][0]) for w, s in stats["workers"].items()) \
+            and {w: pushed(p["speculation"][0]) for w, p in stats["policies"].items()}
     last = wait_for(settled, 20, "every worker to apply the scheduler's last policy")
     ray.kill(ray.get_actor(f"{NAME}.scheduler", namespace="numaserve"), no_restart=True)
     before = num_speculated(client, "spec_num_drafts")
