@@ -4,10 +4,11 @@ It holds one Speculator per candidate method (n-gram lookup always; Medusa or EA
 beside the model; a draft model when one is configured), each with its own proposer and controller. Each
 step every candidate decides its depths under its own policy (its measured acceptance per position, the
 step's measured cost, its own passes' cost: scheduling/spec_policy.py) and the expected goodput of that
-decision; the method with the highest goodput drafts, or none when no draft beats a plain step (every
-candidate's best is depth 0). A candidate whose policy probes (no draft of its own verified for a while,
-scheduling/spec_policy.py) drafts that step instead, so that every method's acceptance stays measured
-while another one is chosen. Every candidate observes every step: the step's cost as it is, its drafts
+decision, its drafts discounted by the share of asked-for drafts its proposer has been making (n-gram
+lookup on text without repeats makes none, and its untested acceptance prior must not keep it chosen);
+the method with the highest goodput drafts, or none when no draft beats a plain step. A candidate
+whose policy probes (no draft of its own verified for a while, scheduling/spec_policy.py) drafts that
+step instead, so that every method's acceptance stays measured while another one is chosen. Every candidate observes every step: the step's cost as it is, its drafts
 and acceptance only when they were its own. A change of method is a recorded decision.
 
 Because each decision weighs the step as it is (batch size, tokens, budget), the choice follows the
@@ -28,7 +29,7 @@ from models.spec import ModelSpec
 from scheduling.batcher import Batcher, StepPlan
 from scheduling.outputs import StepResult
 from scheduling.sampler import sample_batch
-from scheduling.spec_policy import SpecTelemetry, SpeculationPolicy
+from scheduling.spec_policy import SpecTelemetry, SpeculationPolicy, expected_goodput
 from scheduling.speculator import SPEC_COUNTERS, Speculator
 
 
@@ -40,6 +41,7 @@ class MethodChooser:
         self.decisions = decisions or DecisionLog()
         self.chosen: str | None = None  # the method that drafted the last step with drafts
         self._drafting: str | None = None  # the method drafting this step (None: no drafts)
+        self.depth = 0  # the deepest draft of the last step with decoding requests
         self.num_drafts_by_method = dict.fromkeys(candidates, 0)
 
     @property
@@ -52,22 +54,27 @@ class MethodChooser:
         self._drafting = None
         if all(c is None for c in choices.values()):
             return 0.0
-        probing = [name for name, s in self.candidates.items() if s.policy.probe and any(choices[name].depths)]
-        drafting = [name for name, c in choices.items() if any(c.depths)]
+        self.depth = 0
+        goodput = {name: expected_goodput(c.policy, plan.num_tokens, c.depths, self.candidates[name].proposal_rate)
+                   for name, c in choices.items()}
+        probing = [name for name, c in choices.items() if c.policy.probe and any(c.depths)]
+        # a method drafts if its decision beats a plain step under its own policy (mode "on": always)
+        drafting = [name for name, c in choices.items() if any(c.depths) and (
+            self.config.mode == "on" or goodput[name] > expected_goodput(c.policy, plan.num_tokens, [0] * len(c.depths)))]
         if probing:
             name, why = probing[0], "probe: its acceptance is re-measured"
         elif drafting:
-            name = max(drafting, key=lambda n: choices[n].goodput)
-            why = "the highest expected goodput"
+            name, why = max(drafting, key=goodput.__getitem__), "the highest expected goodput"
         else:
             return 0.0
         self._drafting = name
         if name != self.chosen:
-            goodputs = {n: round(c.goodput, 1) for n, c in choices.items()}
+            goodputs = {n: round(g, 1) for n, g in goodput.items()}
             self.decisions.record("speculation", f"method {name}",
                                   f"{why}; expected tokens/s by method {goodputs} at {len(choices[name].depths)} "
                                   f"decoding of {plan.num_tokens} tokens in the step", subject="method")
             self.chosen = name
+        self.depth = max(choices[name].depths)
         return self.candidates[name].draft(plan, batcher, choices[name])
 
     def observe(self, plan: StepPlan, result: StepResult, seconds: float, draft_seconds: float,
@@ -104,7 +111,8 @@ class MethodChooser:
         summed = {key: sum(m[key] for m in per_method.values()) for key in SPEC_COUNTERS}
         for key in ("spec_accepted_per_position", "spec_verified_per_position"):
             summed[key] = np.sum([m[key] for m in per_method.values()], axis=0).tolist()
-        return shown | summed | {"spec_method": "auto", "spec_mode": self.config.mode, "spec_method_chosen": self.chosen,
+        return shown | summed | {"spec_method": "auto", "spec_mode": self.config.mode, "spec_depth": self.depth,
+                                 "spec_method_chosen": self.chosen,
                                  "spec_num_drafts_by_method": dict(self.num_drafts_by_method),
                                  "spec_methods": per_method}
 

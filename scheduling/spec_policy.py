@@ -216,9 +216,11 @@ def step_seconds(policy: SpeculationPolicy, num_base_tokens: int, num_drafts, de
     return base_s + policy.draft_cost_factor * draft_s
 
 
-def expected_goodput(policy: SpeculationPolicy, num_base_tokens: int, depths: Sequence[int]) -> float:
+def expected_goodput(policy: SpeculationPolicy, num_base_tokens: int, depths: Sequence[int],
+                     proposal_rate: float = 1.0) -> float:
     """Tokens per second the policy expects of a step whose decoding requests draft `depths` (what
-    choose_depths maximizes): a request appends 1 + sum_{i<d} prod_{j<=i} a_j tokens."""
+    choose_depths maximizes): a request appends 1 + sum_{i<d} prod_{j<=i} a_j tokens, the drafts counted at
+    proposal_rate (the share of asked-for drafts its proposer makes)."""
     rates = np.cumprod(np.asarray(policy.accept_rates, np.float64))
-    gains = sum(float(rates[:d].sum()) for d in depths)
+    gains = proposal_rate * sum(float(rates[:d].sum()) for d in depths)
     return (len(depths) + gains) / step_seconds(policy, num_base_tokens, sum(depths), max(depths, default=0))

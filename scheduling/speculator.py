@@ -25,20 +25,21 @@ from scheduling.batcher import Batcher, StepPlan
 from scheduling.outputs import StepResult
 from scheduling.spec_controller import SpeculationController
 from scheduling.spec_estimators import SpecStepStats, count_positions
-from scheduling.spec_policy import SpecTelemetry, SpeculationPolicy, choose_depths, expected_goodput
+from scheduling.spec_policy import SpecTelemetry, SpeculationPolicy, choose_depths
 from scheduling.tree_policy import choose_tree_width
 
 SPEC_COUNTERS = ("spec_num_drafts", "spec_num_draft_tokens", "spec_num_accepted_tokens")
 POLICY_REFRESH_STEPS = 8  # the controller's policy (a least-squares cost fit, ~0.2 ms) is recomputed this often
+PROPOSAL_ALPHA = 0.1  # EMA weight of one drafting step in proposal_rate
 
 
 @dataclass(frozen=True)
 class DraftChoice:
-    """A step's drafting decision: depth per decoding request and the goodput the policy expects of it."""
+    """A step's drafting decision: the depth per decoding request, under `policy`."""
     decoding: list[int]  # indices into plan.scheduled
     requests: list  # their Requests
     depths: list[int]
-    goodput: float  # expected tokens per second of the step (scheduling/spec_policy.py)
+    policy: SpeculationPolicy
 
 
 class Speculator:
@@ -57,6 +58,9 @@ class Speculator:
         self.draft_passes: list[tuple[int, float]] = []  # this step's proposer passes: (tokens, seconds)
         self.depth = 0  # the deepest draft of the last step with decoding requests
         self.num_drafts = 0  # verifications: request-steps with at least one draft
+        # the share of asked-for draft positions the proposer fills (a lookup finds nothing on text without
+        # repeats), an EMA: what method "auto" discounts a method's expected gain by
+        self.proposal_rate = 1.0
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         k = config.num_speculative_tokens
@@ -102,7 +106,7 @@ class Speculator:
         max_depths = [r.max_num_tokens - r.num_tokens for r in reqs]
         policy = self.policy
         depths = choose_depths(policy, plan.num_tokens, max_depths, token_budget=plan.token_budget_left)
-        return DraftChoice(decoding, reqs, depths, expected_goodput(policy, plan.num_tokens, depths))
+        return DraftChoice(decoding, reqs, depths, policy)
 
     def draft(self, plan: StepPlan, batcher: Batcher, choice: DraftChoice | None) -> float:
         """Have the proposer draft the choice's depths into the plan; -> its seconds."""
@@ -119,6 +123,7 @@ class Speculator:
         seconds = time.perf_counter() - start
         # a proposer without passes of its own (a lookup) counts as one pass over the requests it drafted for
         self.draft_passes = self.proposer.last_passes or [(len(active), seconds)]
+        num_positions = 0  # draft positions the proposer filled, of those asked for
         for j, draft in zip(active, drafts):
             if isinstance(draft, TokenTree):
                 tree = draft.truncated(depths[j] if draft.is_chain else min(depths[j], self.max_tree_depth))
@@ -126,6 +131,9 @@ class Speculator:
                 tree = TokenTree.chain(draft[:depths[j]])
             if tree.tokens:
                 batcher.add_drafts(plan, decoding[j], list(tree.tokens), tree)
+                num_positions += max(tree.depths)
+        asked = sum(depths[j] for j in active)
+        self.proposal_rate += PROPOSAL_ALPHA * (num_positions / asked - self.proposal_rate)
         return seconds
 
     def observe(self, plan: StepPlan, result: StepResult, seconds: float, draft_seconds: float,
@@ -175,7 +183,8 @@ class Speculator:
                 "spec_accept_rate_ema": list(policy.accept_rates), "spec_step_fixed_s": policy.fixed_s,
                 "spec_step_per_token_s": policy.per_token_s, "spec_draft_s_per_position": policy.draft_s_per_position,
                 "spec_draft_s_per_token": policy.draft_s_per_token,
-                "spec_draft_cost_factor": policy.draft_cost_factor, "spec_max_depth": policy.max_depth}
+                "spec_draft_cost_factor": policy.draft_cost_factor, "spec_max_depth": policy.max_depth,
+                "spec_proposal_rate": self.proposal_rate}
 
     def _choose_width(self, num_base_tokens: int, depths: list[int]) -> None:
         """A proposer that drafts trees (it measures accepted_counts) gets this step's width."""

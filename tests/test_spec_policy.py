@@ -425,13 +425,15 @@ def test_an_engine_keeps_a_pushed_policy_until_the_next_but_its_probe_lasts_one_
 # ---- method "auto": the chooser picks the method with the best expected goodput ----------------------
 
 class Candidate:
-    """A stand-in for one method's Speculator: its step's choice fixed, its drafting counted."""
+    """A stand-in for one method's Speculator: its step's choice fixed (its policy expects tokens/s
+    `goodput` of a plain step of 2 requests, more with drafts), its drafting counted."""
 
-    def __init__(self, goodput: float, depth: int, probe: bool = False):
-        self.goodput, self.depth, self.policy, self.num_drafted = goodput, depth, replace(SpeculationPolicy.off(), probe=probe), 0
+    def __init__(self, goodput: float, depth: int, probe: bool = False, proposal_rate: float = 1.0):
+        self.depth, self.num_drafted, self.proposal_rate = depth, 0, proposal_rate
+        self.policy = SpeculationPolicy("auto", 4, (0.5,) * 4, 2 / goodput, 0.0, 0.0, 1.0, 1.0, probe)
 
     def choose(self, plan):
-        return DraftChoice([0, 1], [None, None], [self.depth, self.depth], self.goodput)
+        return DraftChoice([0, 1], [None, None], [self.depth, self.depth], self.policy)
 
     def draft(self, plan, batcher, choice):
         self.num_drafted += 1
@@ -443,6 +445,9 @@ class Candidate:
     ({"ngram": (90.0, 2), "eagle": (120.0, 0)}, "ngram"),  # a method that would not draft is not chosen
     ({"ngram": (90.0, 0), "eagle": (80.0, 0)}, None),  # no method beats a plain step: nobody drafts
     ({"ngram": (90.0, 2), "eagle": (20.0, 1, True)}, "eagle"),  # a probing method drafts its probe
+    # a method whose proposer fills few of the drafts asked of it is discounted by that share
+    ({"ngram": (120.0, 4, False, 0.1), "eagle": (90.0, 4)}, "eagle"),
+    ({"ngram": (120.0, 4, False, 0.0)}, None),  # drafts it never makes only cost: a plain step is better
 ])
 def test_the_method_chooser_lets_the_best_expected_method_draft(candidates, drafts):
     fakes = {name: Candidate(*c) for name, c in candidates.items()}

@@ -254,6 +254,17 @@ def test_methods_drafting_in_turn_give_the_same_tokens_as_none(all_heads_dir, dr
     assert stats["num_free_blocks"] == stats["num_blocks"]
 
 
+def test_a_proposer_that_finds_no_drafts_lowers_its_proposal_rate(llama_dir):
+    """What method "auto" discounts a method's expected gain by: the share of asked-for drafts it makes."""
+    params = ns.SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    rates = {}
+    for name, prompt in (("repeats", [5, 6, 7, 8] * 10), ("random", random_prompt(40, seed=11))):
+        llm = ns.LLM(llama_dir, **FP32, speculation={"method": "ngram", "mode": "on"})
+        llm.generate(prompt, params)
+        rates[name] = llm.stats()["spec_proposal_rate"]
+    assert rates["random"] < 0.2 and rates["repeats"] > 2 * rates["random"], rates
+
+
 def test_method_auto_drafts_with_the_method_it_expects_most_of_and_says_why(all_heads_dir, mixed, reference,
                                                                             memory_bound_costs):
     llm = ns.LLM(all_heads_dir, **FP32, max_num_batched_tokens=512,
