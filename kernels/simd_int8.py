@@ -43,6 +43,12 @@ def hsum8(builder, vec):
     return builder.extract_element(vec, ir.Constant(I32, 0))
 
 
+def operands_fit(arrays, dtypes) -> bool:
+    """A block intrinsic's typing check: every array 2-D and C-contiguous, with these dtypes (None: any)."""
+    return all(isinstance(a, types.Array) and a.ndim == 2 and a.layout == "C" and (d is None or a.dtype == d)
+               for a, d in zip(arrays, dtypes))
+
+
 def block_operands(context, builder, signature, args):
     """A block intrinsic's (xq, xd, xsum, data, scales, out) arrays, t0 and n0 as int64, Kp and N."""
     arrays = [context.make_array(ty)(context, builder, value) for ty, value in zip(signature.args[:6], args[:6])]
@@ -59,11 +65,8 @@ def int8_block(typingctx, xq, xd, xsum, data, scales, out, t0, n0, rows, tokens)
     xq: [T, Kp] int16, xd/xsum: [T, Kp // 32] f32/int32, data: [N, Kp] int8 (q8_0) or [N, Kp // 2]
     uint8 (q4_0), scales: [N, Kp // 32] uint16 fp16, out: [T, N] f32; rows, tokens: literals.
     """
-    arrays = (xq, xd, xsum, data, scales, out)
-    if not all(isinstance(a, types.Array) and a.ndim == 2 and a.layout == "C" for a in arrays):
-        return None
-    if (xq.dtype, xd.dtype, xsum.dtype, scales.dtype, out.dtype) != (
-            types.int16, types.float32, types.int32, types.uint16, types.float32):
+    if not operands_fit((xq, xd, xsum, data, scales, out),
+                        (types.int16, types.float32, types.int32, None, types.uint16, types.float32)):
         return None
     if data.dtype not in (types.int8, types.uint8):
         return None

@@ -19,7 +19,18 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from kernels.simd_int8 import GROUP, I8, V8F, V8I, V16I16, block_operands, const64, hsum8, load_vec
+from kernels.simd_int8 import (
+    GROUP,
+    I8,
+    V8F,
+    V8I,
+    V16I16,
+    block_operands,
+    const64,
+    hsum8,
+    load_vec,
+    operands_fit,
+)
 
 V32I8 = ir.VectorType(I8, 32)
 
@@ -31,11 +42,8 @@ def u8s8_block(typingctx, xq, xd, xsum, data, scales, out, t0, n0, tokens):
     xq: [T, Kp] int8 (quad order), xd/xsum: [T, Kp // 32] f32/int32, data: [N, Kp // 2] uint8,
     scales: [N, Kp // 32] uint16 fp16, out: [T, N] f32; tokens: a literal.
     """
-    arrays = (xq, xd, xsum, data, scales, out)
-    if not all(isinstance(a, types.Array) and a.ndim == 2 and a.layout == "C" for a in arrays):
-        return None
-    if (xq.dtype, xd.dtype, xsum.dtype, data.dtype, scales.dtype, out.dtype) != (
-            types.int8, types.float32, types.int32, types.uint8, types.uint16, types.float32):
+    if not operands_fit((xq, xd, xsum, data, scales, out),
+                        (types.int8, types.float32, types.int32, types.uint8, types.uint16, types.float32)):
         return None
     if not isinstance(tokens, types.IntegerLiteral):
         return None

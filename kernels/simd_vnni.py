@@ -28,7 +28,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from kernels.simd_int8 import GROUP, I8, I32, V8F, V8I, block_operands, const64, hsum8, load_vec
+from kernels.simd_int8 import GROUP, I8, I32, V8F, V8I, block_operands, const64, hsum8, load_vec, operands_fit
 
 V32I8 = ir.VectorType(I8, 32)
 VNNI_FEATURES = ("avx512vnni", "avx512vl", "f16c")
@@ -51,11 +51,8 @@ def vnni_block(typingctx, xq, xd, xsum, data, scales, out, t0, n0, bits, tokens)
     128) or [N4, Kp // 2] (q4_0 nibbles) in 4-row blocks, scales: [N4, Kp // 32] uint16 fp16 (N4: N
     rounded up to 4), out: [T, N] f32; n0 % 4 == 0; bits (8 | 4), tokens: literals.
     """
-    arrays = (xq, xd, xsum, data, scales, out)
-    if not all(isinstance(a, types.Array) and a.ndim == 2 and a.layout == "C" for a in arrays):
-        return None
-    if (xq.dtype, xd.dtype, xsum.dtype, data.dtype, scales.dtype, out.dtype) != (
-            types.int8, types.float32, types.int32, types.uint8, types.uint16, types.float32):
+    if not operands_fit((xq, xd, xsum, data, scales, out),
+                        (types.int8, types.float32, types.int32, types.uint8, types.uint16, types.float32)):
         return None
     if not all(isinstance(a, types.IntegerLiteral) for a in (bits, tokens)):
         return None

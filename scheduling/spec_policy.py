@@ -221,6 +221,9 @@ def expected_goodput(policy: SpeculationPolicy, num_base_tokens: int, depths: Se
     """Tokens per second the policy expects of a step whose decoding requests draft `depths` (what
     choose_depths maximizes): a request appends 1 + sum_{i<d} prod_{j<=i} a_j tokens, the drafts counted at
     proposal_rate (the share of asked-for drafts its proposer makes)."""
-    rates = np.cumprod(np.asarray(policy.accept_rates, np.float64))
-    gains = proposal_rate * sum(float(rates[:d].sum()) for d in depths)
+    chain, reach = [0.0], 1.0  # chain[d]: expected accepted drafts of a depth-d request (plain Python: every step)
+    for rate in policy.accept_rates[:max(depths, default=0)]:
+        reach *= rate  # the chance a draft at this position is reached and accepted
+        chain.append(chain[-1] + reach)
+    gains = proposal_rate * sum(chain[d] for d in depths)
     return (len(depths) + gains) / step_seconds(policy, num_base_tokens, sum(depths), max(depths, default=0))

@@ -54,6 +54,7 @@ class Speculator:
         self.pushed_policy: SpeculationPolicy | None = None  # a scheduler actor's; None: the controller's
         self._policy: SpeculationPolicy | None = None
         self._num_steps_since_policy = 0  # since the policy in force was decided or pushed
+        self.refresh_steps = POLICY_REFRESH_STEPS  # method "auto" refreshes each of its methods' less often
         self.decisions = decisions or DecisionLog()
         self.draft_passes: list[tuple[int, float]] = []  # this step's proposer passes: (tokens, seconds)
         self.depth = 0  # the deepest draft of the last step with decoding requests
@@ -70,13 +71,21 @@ class Speculator:
     @property
     def policy(self) -> SpeculationPolicy:
         if self.pushed_policy is not None:
-            if self.pushed_policy.probe and self._num_steps_since_policy >= POLICY_REFRESH_STEPS:
+            if self.pushed_policy.probe and self._num_steps_since_policy >= self.refresh_steps:
                 self.pushed_policy = replace(self.pushed_policy, probe=False)  # the probe has had its steps
                 self.controller.adopt(self.pushed_policy)
             return self.pushed_policy
-        if self._policy is None or self._num_steps_since_policy >= POLICY_REFRESH_STEPS:
+        if self._policy is None or self._num_steps_since_policy >= self.refresh_steps:
             self._policy, self._num_steps_since_policy = self.controller.policy(), 0
         return self._policy
+
+    def end_probe(self) -> None:
+        """The probe in force has drafted its step (method "auto" probes one step): decide anew next time."""
+        if self.pushed_policy is None:
+            self._policy = None
+        elif self.pushed_policy.probe:
+            self.pushed_policy = replace(self.pushed_policy, probe=False)
+            self.controller.adopt(self.pushed_policy)
 
     def push(self, policy: SpeculationPolicy) -> None:
         """Put a policy decided elsewhere in force, until the next push."""
@@ -121,8 +130,12 @@ class Speculator:
         start = time.perf_counter()
         drafts = self.proposer.propose([reqs[j] for j in active], [depths[j] for j in active])
         seconds = time.perf_counter() - start
-        # a proposer without passes of its own (a lookup) counts as one pass over the requests it drafted for
-        self.draft_passes = self.proposer.last_passes or [(len(active), seconds)]
+        # a proposer without passes of its own (a lookup) counts as one pass over the requests it drafted for;
+        # its passes are charged all of its time (the Python between them too: on a 1 ms step that decides
+        # whether drafting pays), in proportion to their own
+        passes = self.proposer.last_passes or [(len(active), seconds)]
+        timed = sum(s for _, s in passes)
+        self.draft_passes = [(n, s * seconds / timed) for n, s in passes] if 0 < timed < seconds else passes
         num_positions = 0  # draft positions the proposer filled, of those asked for
         for j, draft in zip(active, drafts):
             if isinstance(draft, TokenTree):
