@@ -3,21 +3,20 @@
 It holds one Speculator per candidate method (n-gram lookup always; Medusa or EAGLE when their heads sit
 beside the model; a draft model when one is configured), each with its own proposer and controller. Each
 step every candidate decides its depths under its own policy (its measured acceptance per position, the
-step's measured cost, its own passes' cost: scheduling/spec_policy.py) and the expected goodput of that
-decision, its drafts discounted by the share of asked-for drafts its proposer has been making (n-gram
-lookup on text without repeats makes none, and its untested acceptance prior must not keep it chosen)
-and its estimate scaled by how much of what it promised its decode steps delivered (the calibration);
-the method with the highest goodput drafts (the last one stays unless another expects SWITCH_MARGIN
-more), or none when no draft beats a plain step (calibrated the same way). A candidate
-whose policy probes (no draft of its own verified for a while, scheduling/spec_policy.py) drafts one
-step instead, so that every method's acceptance stays measured while another one is chosen. Every candidate observes every step: the step's cost as it is, its drafts
-and acceptance only when they were its own. A change of method is a recorded decision.
-
-Because each decision weighs the step as it is (batch size, tokens, budget), the choice follows the
-batch size: a cheap proposer (n-gram) or none where verification competes with other requests' tokens, a
-trained head where a step is memory-bound and its guesses are kept.
+measured step and pass costs: scheduling/spec_policy.py); the candidates whose policy drafts, and "none"
+(a plain step; not in mode "on"), are the step's options. Which option drafts is decided by what each
+option has delivered: per batch size (decoding requests, rounded down to a power of two), an EMA of the
+decode tokens per second of the steps it ran. An option not yet measured at a batch size, or not for
+REMEASURE_STEPS of its decode steps, is run for MEASURE_STEPS steps (the first not counted: a head
+catching up on the positions another option verified); otherwise the best measured option runs. The
+cost models decide depths; what they leave out (Python between a head's passes, a proposer that makes
+no drafts, a catch-up) cannot mislead the choice, which follows the batch size by construction.
+A candidate whose policy probes (no draft of its own verified for a while) drafts one step, so that a
+method its policy priced out is re-measured too. Every candidate observes every step: the step's cost as
+it is, its drafts and acceptance only when they were its own. A change of option is a recorded decision.
 """
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -31,11 +30,20 @@ from models.spec import ModelSpec
 from scheduling.batcher import Batcher, StepPlan
 from scheduling.outputs import StepResult
 from scheduling.sampler import sample_batch
-from scheduling.spec_policy import SpecTelemetry, SpeculationPolicy, expected_goodput
+from scheduling.spec_policy import SpecTelemetry, SpeculationPolicy
 from scheduling.speculator import POLICY_REFRESH_STEPS, SPEC_COUNTERS, Speculator
 
-SWITCH_MARGIN = 0.05  # another method drafts instead of the last one only when it expects this much more
-CALIBRATION_ALPHA = 0.05  # EMA weight of one decode step in a method's delivered / expected ratio
+MEASURE_STEPS = 6  # decode steps an option runs when it is measured (the first not counted)
+REMEASURE_STEPS = 256  # decode steps at a batch size after which an option is measured again
+MEASURE_ALPHA = 0.2  # EMA weight of one decode step in an option's delivered tokens/s
+NONE = "none"  # the option of a plain step
+
+
+@dataclass
+class Delivered:
+    """What one option delivered at one batch size."""
+    tokens_per_s: float
+    measured_at: int  # the decode step (of that batch size) it was last measured at
 
 
 class MethodChooser:
@@ -47,14 +55,15 @@ class MethodChooser:
             s.refresh_steps = POLICY_REFRESH_STEPS * len(candidates)
         self.decisions = decisions or DecisionLog()
         self.chosen: str | None = None  # the method that drafted the last step with drafts
-        self._drafting: str | None = None  # the method drafting this step (None: no drafts)
         self.depth = 0  # the deepest draft of the last step with decoding requests
         self.num_drafts_by_method = dict.fromkeys(candidates, 0)
-        # per method (None: no drafts), an EMA of delivered / expected tokens per second over the decode steps
-        # it decided: each estimate is scaled by it, so a method whose model promises more than it delivers
-        # (time its passes do not see, a KV catch-up) is judged by what it delivers
-        self.calibration: dict[str | None, float] = dict.fromkeys([None, *candidates], 1.0)
-        self._predicted: float | None = None  # this step's decision's expected tokens/s, before calibration
+        self.delivered: dict[tuple[int, str], Delivered] = {}  # (batch size bucket, option) -> its measure
+        self.num_decode_steps: dict[int, int] = {}  # per batch size bucket
+        self._option: str | None = None  # this step's option (None: no decoding request)
+        self._bucket = 0
+        self._last_option: str | None = None  # the previous decode step's
+        self._trial: tuple[str, int] | None = None  # an option being measured: (option, steps left)
+        self._decode_step = False  # this step runs decoding requests only
         self._probed: set[str] = set()  # methods whose probe in force has drafted its step
 
     @property
@@ -62,59 +71,71 @@ class MethodChooser:
         return any(s.needs_hidden for s in self.candidates.values())
 
     def propose(self, plan: StepPlan, batcher: Batcher) -> float:
-        """Choose this step's method and have it draft; -> its proposer's seconds."""
+        """Choose this step's option and have its method draft; -> its proposer's seconds."""
         choices = {name: s.choose(plan) for name, s in self.candidates.items()}
-        self._drafting = self._predicted = None
+        self._option = None
         if all(c is None for c in choices.values()):
             return 0.0
         self.depth = 0
-        first = next(iter(choices.values()))
-        plain = self.calibration[None] * expected_goodput(first.policy, plan.num_tokens, [0] * len(first.depths))
-        goodput = {name: self.calibration[name] * expected_goodput(c.policy, plan.num_tokens, c.depths,
-                                                                   self.candidates[name].proposal_rate)
-                   for name, c in choices.items() if any(c.depths)}
+        drafting = [name for name, c in choices.items() if any(c.depths)]
         # a probe policy stays in force for a few steps; here each probe drafts once (with every method
         # probing in turn, a few steps each would add up to a third of all steps)
         self._probed &= {name for name, c in choices.items() if c.policy.probe}
-        probing = [name for name in goodput if choices[name].policy.probe and name not in self._probed]
-        # a method drafts if it expects more than a plain step (mode "on": always)
-        drafting = [name for name, g in goodput.items() if self.config.mode == "on" or g > plain]
+        probing = [name for name in drafting if choices[name].policy.probe and name not in self._probed]
+        num_decoding = len(next(c for c in choices.values() if c is not None).depths)
+        self._bucket = 1 << (num_decoding.bit_length() - 1)  # batch sizes 1, 2-3, 4-7, ...
+        self._decode_step = num_decoding == len(plan.scheduled)  # (drafts, once added, make rows of more tokens)
         if probing:
-            name, why = probing[0], "probe: its acceptance is re-measured"
-            self._probed.add(name)
-        elif drafting:
-            name, why = max(drafting, key=goodput.__getitem__), "the highest expected goodput"
-            if self.chosen in drafting and goodput[name] < (1 + SWITCH_MARGIN) * goodput[self.chosen]:
-                name = self.chosen  # switching costs what the estimates leave out (a head's catch-up pass)
+            option, why = probing[0], "probe: its policy re-measures its acceptance"
+            self._probed.add(option)
         else:
-            self._predicted = plain / self.calibration[None]
+            option, why = self._choose(drafting if self.config.mode == "on" else [NONE, *drafting])
+        self._option = option
+        if option != self._last_option and why:
+            self.decisions.record("speculation", f"method {option}", why, subject="method")
+        if option == NONE or option is None:
             return 0.0
-        self._drafting, self._predicted = name, goodput[name] / self.calibration[name]
-        if name != self.chosen:
-            estimates = {"none": round(plain, 1)} | {n: round(g, 1) for n, g in goodput.items()}
-            self.decisions.record("speculation", f"method {name}",
-                                  f"{why}; expected tokens/s {estimates} at {len(choices[name].depths)} decoding of "
-                                  f"{plan.num_tokens} tokens in the step (estimates scaled by what each delivered)",
-                                  subject="method")
-            self.chosen = name
-        self.depth = max(choices[name].depths)
-        seconds = self.candidates[name].draft(plan, batcher, choices[name])
-        if name in self._probed:
-            self.candidates[name].end_probe()
+        self.chosen, self.depth = option, max(choices[option].depths)
+        seconds = self.candidates[option].draft(plan, batcher, choices[option])
+        if option in self._probed:
+            self.candidates[option].end_probe()
         return seconds
+
+    def _choose(self, options: list[str]) -> tuple[str | None, str]:
+        """The option to run at this step's batch size, and why (words for the decision log)."""
+        if not options:
+            return None, ""
+        if self._trial is not None and self._trial[0] in options and self._trial[1] > 0:
+            return self._trial[0], ""
+        now = self.num_decode_steps.get(self._bucket, 0)
+        known = {o: self.delivered.get((self._bucket, o)) for o in options}
+        stale = [o for o, d in known.items() if d is None or now - d.measured_at >= REMEASURE_STEPS]
+        if stale:
+            self._trial = (stale[0], MEASURE_STEPS)
+            return stale[0], f"measuring what it delivers at batch size {self._bucket}"
+        self._trial = None
+        best = max(options, key=lambda o: known[o].tokens_per_s)
+        rates = {o: round(d.tokens_per_s, 1) for o, d in known.items()}
+        return best, f"delivered the most decode tokens/s at batch size {self._bucket}: {rates}"
 
     def observe(self, plan: StepPlan, result: StepResult, seconds: float, draft_seconds: float,
                 num_waiting: int, kv_usage: float) -> None:
         for name, s in self.candidates.items():
-            own = name == self._drafting
+            own = name == self._option
             stats = s.observe(plan, result, seconds, draft_seconds if own else 0.0, num_waiting, kv_usage, drafted=own)
             if own and sum(stats.num_drafts_per_position):
                 self.num_drafts_by_method[name] += 1
-        decoding = plan.decoding()
-        if self._predicted and len(decoding) == len(plan.scheduled):  # a decode step: its tokens are the decision's
-            delivered = sum(len(ids) for ids in result.sampled_token_ids) / max(seconds + draft_seconds, 1e-9)
-            ratio = self.calibration[self._drafting]
-            self.calibration[self._drafting] = ratio + CALIBRATION_ALPHA * (delivered / self._predicted - ratio)
+        if self._option is None or not self._decode_step:
+            return  # only a decode step's tokens are the option's
+        now = self.num_decode_steps[self._bucket] = self.num_decode_steps.get(self._bucket, 0) + 1
+        if self._trial is not None and self._trial[0] == self._option:
+            self._trial = (self._option, self._trial[1] - 1)
+        if self._option == self._last_option:  # the first step after a switch pays the switch
+            rate = sum(len(ids) for ids in result.sampled_token_ids) / max(seconds + draft_seconds, 1e-9)
+            d = self.delivered.setdefault((self._bucket, self._option), Delivered(rate, now))
+            d.tokens_per_s += MEASURE_ALPHA * (rate - d.tokens_per_s)
+            d.measured_at = now
+        self._last_option = self._option
 
     def free(self, request_id: str) -> None:
         for s in self.candidates.values():
@@ -142,9 +163,9 @@ class MethodChooser:
         summed = {key: sum(m[key] for m in per_method.values()) for key in SPEC_COUNTERS}
         for key in ("spec_accepted_per_position", "spec_verified_per_position"):
             summed[key] = np.sum([m[key] for m in per_method.values()], axis=0).tolist()
+        delivered = {f"{o} at {b}": round(d.tokens_per_s, 2) for (b, o), d in sorted(self.delivered.items())}
         return shown | summed | {"spec_method": "auto", "spec_mode": self.config.mode, "spec_depth": self.depth,
-                                 "spec_method_chosen": self.chosen,
-                                 "spec_calibration": {str(k): v for k, v in self.calibration.items()},
+                                 "spec_method_chosen": self.chosen, "spec_delivered_tokens_per_s": delivered,
                                  "spec_num_drafts_by_method": dict(self.num_drafts_by_method),
                                  "spec_methods": per_method}
 

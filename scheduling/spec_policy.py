@@ -215,15 +215,3 @@ def step_seconds(policy: SpeculationPolicy, num_base_tokens: int, num_drafts, de
     draft_s = (policy.per_token_s + policy.draft_s_per_token) * num_drafts + policy.draft_s_per_position * deepest
     return base_s + policy.draft_cost_factor * draft_s
 
-
-def expected_goodput(policy: SpeculationPolicy, num_base_tokens: int, depths: Sequence[int],
-                     proposal_rate: float = 1.0) -> float:
-    """Tokens per second the policy expects of a step whose decoding requests draft `depths` (what
-    choose_depths maximizes): a request appends 1 + sum_{i<d} prod_{j<=i} a_j tokens, the drafts counted at
-    proposal_rate (the share of asked-for drafts its proposer makes)."""
-    chain, reach = [0.0], 1.0  # chain[d]: expected accepted drafts of a depth-d request (plain Python: every step)
-    for rate in policy.accept_rates[:max(depths, default=0)]:
-        reach *= rate  # the chance a draft at this position is reached and accepted
-        chain.append(chain[-1] + reach)
-    gains = proposal_rate * sum(chain[d] for d in depths)
-    return (len(depths) + gains) / step_seconds(policy, num_base_tokens, sum(depths), max(depths, default=0))

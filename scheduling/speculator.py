@@ -30,7 +30,6 @@ from scheduling.tree_policy import choose_tree_width
 
 SPEC_COUNTERS = ("spec_num_drafts", "spec_num_draft_tokens", "spec_num_accepted_tokens")
 POLICY_REFRESH_STEPS = 8  # the controller's policy (a least-squares cost fit, ~0.2 ms) is recomputed this often
-PROPOSAL_ALPHA = 0.1  # EMA weight of one drafting step in proposal_rate
 
 
 @dataclass(frozen=True)
@@ -59,9 +58,6 @@ class Speculator:
         self.draft_passes: list[tuple[int, float]] = []  # this step's proposer passes: (tokens, seconds)
         self.depth = 0  # the deepest draft of the last step with decoding requests
         self.num_drafts = 0  # verifications: request-steps with at least one draft
-        # the share of asked-for draft positions the proposer fills (a lookup finds nothing on text without
-        # repeats), an EMA: what method "auto" discounts a method's expected gain by
-        self.proposal_rate = 1.0
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         k = config.num_speculative_tokens
@@ -136,7 +132,6 @@ class Speculator:
         passes = self.proposer.last_passes or [(len(active), seconds)]
         timed = sum(s for _, s in passes)
         self.draft_passes = [(n, s * seconds / timed) for n, s in passes] if 0 < timed < seconds else passes
-        num_positions = 0  # draft positions the proposer filled, of those asked for
         for j, draft in zip(active, drafts):
             if isinstance(draft, TokenTree):
                 tree = draft.truncated(depths[j] if draft.is_chain else min(depths[j], self.max_tree_depth))
@@ -144,9 +139,6 @@ class Speculator:
                 tree = TokenTree.chain(draft[:depths[j]])
             if tree.tokens:
                 batcher.add_drafts(plan, decoding[j], list(tree.tokens), tree)
-                num_positions += max(tree.depths)
-        asked = sum(depths[j] for j in active)
-        self.proposal_rate += PROPOSAL_ALPHA * (num_positions / asked - self.proposal_rate)
         return seconds
 
     def observe(self, plan: StepPlan, result: StepResult, seconds: float, draft_seconds: float,
@@ -196,8 +188,7 @@ class Speculator:
                 "spec_accept_rate_ema": list(policy.accept_rates), "spec_step_fixed_s": policy.fixed_s,
                 "spec_step_per_token_s": policy.per_token_s, "spec_draft_s_per_position": policy.draft_s_per_position,
                 "spec_draft_s_per_token": policy.draft_s_per_token,
-                "spec_draft_cost_factor": policy.draft_cost_factor, "spec_max_depth": policy.max_depth,
-                "spec_proposal_rate": self.proposal_rate}
+                "spec_draft_cost_factor": policy.draft_cost_factor, "spec_max_depth": policy.max_depth}
 
     def _choose_width(self, num_base_tokens: int, depths: list[int]) -> None:
         """A proposer that drafts trees (it measures accepted_counts) gets this step's width."""

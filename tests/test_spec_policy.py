@@ -15,7 +15,7 @@ from actors.scheduler import Scheduler
 from cluster_configs.diagnostics import DecisionLog
 from models.proposers.base import Proposer
 from scheduling.batcher import StepPlan
-from scheduling.method_chooser import MethodChooser
+from scheduling.method_chooser import MEASURE_STEPS, REMEASURE_STEPS, MethodChooser
 from scheduling.outputs import StepResult
 from scheduling.policy import BatchingPolicy, PolicyLimits, StepTelemetry
 from scheduling.spec_controller import SpeculationController
@@ -425,40 +425,66 @@ def test_an_engine_keeps_a_pushed_policy_until_the_next_but_its_probe_lasts_one_
 # ---- method "auto": the chooser picks the method with the best expected goodput ----------------------
 
 class Candidate:
-    """A stand-in for one method's Speculator: its step's choice fixed (its policy expects tokens/s
-    `goodput` of a plain step of 2 requests, more with drafts), its drafting counted."""
+    """A stand-in for one method's Speculator: it always drafts (or never: depth 0), or probes."""
 
-    def __init__(self, goodput: float, depth: int, probe: bool = False, proposal_rate: float = 1.0):
-        self.depth, self.num_drafted, self.proposal_rate = depth, 0, proposal_rate
-        self.policy = SpeculationPolicy("auto", 4, (0.5,) * 4, 2 / goodput, 0.0, 0.0, 1.0, 1.0, probe)
+    def __init__(self, depth: int = 2, probe: bool = False):
+        self.depth, self.num_drafted = depth, 0
+        self.policy = replace(SpeculationPolicy.off(), probe=probe)
 
     def choose(self, plan):
-        return DraftChoice([0, 1], [None, None], [self.depth, self.depth], self.policy)
+        n = len(plan.scheduled)
+        return DraftChoice(list(range(n)), [None] * n, [self.depth] * n, self.policy)
 
     def draft(self, plan, batcher, choice):
         self.num_drafted += 1
         return 0.0
 
+    def observe(self, plan, result, seconds, draft_seconds, num_waiting, kv_usage, drafted=True):
+        return SpecStepStats(plan.num_tokens, seconds, len(plan.scheduled), 0, 0.0,
+                             num_drafts_per_position=(int(drafted),))
+
     def end_probe(self):
         self.policy = replace(self.policy, probe=False)
 
 
-@pytest.mark.parametrize("candidates, drafts", [
-    ({"ngram": (90.0, 2), "eagle": (120.0, 4), "medusa": (100.0, 3)}, ["eagle"] * 3),  # the best expected goodput
-    ({"ngram": (90.0, 2), "eagle": (120.0, 0)}, ["ngram"] * 3),  # a method that would not draft is not chosen
-    ({"ngram": (90.0, 0), "eagle": (80.0, 0)}, [None] * 3),  # no method beats a plain step: nobody drafts
-    ({"ngram": (90.0, 2), "eagle": (20.0, 1, True)}, ["eagle", "ngram", "ngram"]),  # a probe drafts one step
-    # a method whose proposer fills few of the drafts asked of it is discounted by that share
-    ({"ngram": (120.0, 4, False, 0.1), "eagle": (90.0, 4)}, ["eagle"] * 3),
-    ({"ngram": (120.0, 4, False, 0.0)}, [None] * 3),  # drafts it never makes only cost: a plain step is better
-])
-def test_the_method_chooser_lets_the_best_expected_method_draft(candidates, drafts):
-    fakes = {name: Candidate(*c) for name, c in candidates.items()}
+def decode_steps(chooser: MethodChooser, num_steps: int, batch: int, tokens_per_s: dict) -> list:
+    """Run num_steps decode steps of `batch` requests; the option chosen delivers its tokens_per_s.
+    -> the option of each step."""
+    plan = StepPlan([(object(), 1)] * batch)
+    plan.decoding = lambda: list(range(batch))
+    ran = []
+    for _ in range(num_steps):
+        chooser.propose(plan, None)
+        option = chooser._option
+        seconds = batch / tokens_per_s[option]
+        chooser.observe(plan, StepResult(sampled_token_ids=[[1]] * batch), seconds, 0.0, 0, 0.0)
+        ran.append(option)
+    return ran
+
+
+def test_the_method_chooser_runs_what_delivered_most_at_each_batch_size_after_measuring_each_option():
+    fakes = {"ngram": Candidate(), "medusa": Candidate(depth=0), "eagle": Candidate()}  # medusa's policy: no drafts
     log = DecisionLog()
     chooser = MethodChooser(ns.SpeculationConfig(method="auto"), fakes, log)
-    for _ in drafts:
-        chooser.propose(StepPlan(token_budget_left=64), None)
-    assert {n: f.num_drafted for n, f in fakes.items()} == {n: drafts.count(n) for n in fakes}
-    assert chooser.chosen == next((d for d in reversed(drafts) if d), None)
-    recorded = [d["choice"] for d in log.recent("speculation") if d["subject"] == "method"]
-    assert recorded == [f"method {d}" for i, d in enumerate(drafts) if d and d not in drafts[:i]]  # changes only
+    at_1 = {"none": 100.0, "ngram": 150.0, "eagle": 250.0}
+    ran = decode_steps(chooser, 60, 1, at_1)
+    measuring = 3 * MEASURE_STEPS  # each option once (medusa is no option: its policy does not draft)
+    assert sorted(set(ran[:measuring])) == ["eagle", "ngram", "none"] and set(ran[measuring:]) == {"eagle"}
+    assert fakes["medusa"].num_drafted == 0
+    # another batch size is measured on its own, and there a plain step delivers most
+    at_16 = {"none": 1000.0, "ngram": 900.0, "eagle": 800.0}
+    assert set(decode_steps(chooser, 40, 16, at_16)[measuring:]) == {"none"}
+    assert set(decode_steps(chooser, 10, 1, at_1)) == {"eagle"}  # batch size 1 keeps what it measured
+    # options are measured again after REMEASURE_STEPS decode steps of their batch size
+    ran = decode_steps(chooser, REMEASURE_STEPS, 1, at_1 | {"none": 400.0})
+    assert ran[-1] == "none"
+    reasons = [d["reason"] for d in log.recent("speculation") if d["subject"] == "method"]
+    assert any("delivered the most decode tokens/s at batch size 16" in r for r in reasons)
+
+
+def test_a_probing_method_drafts_one_step_then_the_chooser_goes_on():
+    fakes = {"ngram": Candidate(), "eagle": Candidate(probe=True)}
+    chooser = MethodChooser(ns.SpeculationConfig(method="auto"), fakes)
+    ran = decode_steps(chooser, 4, 1, {"none": 100.0, "ngram": 150.0, "eagle": 120.0})
+    # the probe's one step, then the options are measured in turn, a plain step first
+    assert ran == ["eagle", "none", "none", "none"] and not fakes["eagle"].policy.probe
