@@ -63,7 +63,7 @@ class MethodChooser:
         self._bucket = 0
         self._last_option: str | None = None  # the previous decode step's
         self._trial: tuple[str, int] | None = None  # an option being measured: (option, steps left)
-        self._decode_step = False  # this step runs decoding requests only
+        self._decode_step = False  # this step measures its option (see propose)
         self._probed: set[str] = set()  # methods whose probe in force has drafted its step
 
     @property
@@ -84,7 +84,9 @@ class MethodChooser:
         probing = [name for name in drafting if choices[name].policy.probe and name not in self._probed]
         num_decoding = len(next(c for c in choices.values() if c is not None).depths)
         self._bucket = 1 << (num_decoding.bit_length() - 1)  # batch sizes 1, 2-3, 4-7, ...
-        self._decode_step = num_decoding == len(plan.scheduled)  # (drafts, once added, make rows of more tokens)
+        # a step of decoding requests only (drafts, once added, make rows of more tokens), not a probe: what
+        # it delivers is its option's
+        self._decode_step = num_decoding == len(plan.scheduled) and not probing
         if probing:
             option, why = probing[0], "probe: its policy re-measures its acceptance"
             self._probed.add(option)
