@@ -53,30 +53,48 @@ def _quantize_row(x, t, xq, xd, xsum, inv_static, static_scale, width):
         for b in range(BLOCKS_PER_GROUP):
             blk = g * BLOCKS_PER_GROUP + b
             c0 = blk * QK
-            n = max(0, min(QK, K - c0))  # columns of this block inside the row (0 for padding)
-            if static_scale > 0:
-                d = np.float32(static_scale)
-                inv = np.float32(inv_static)
-            else:
-                amax = np.float32(0.0)
-                for k in range(n):
-                    amax = max(amax, abs(x[t, c0 + k]))
-                d = amax / np.float32(127.0)
-                inv = np.float32(1.0) / d if d != 0 else np.float32(0.0)
-            total = 0
-            for k in range(n):
-                v = min(max(np.rint(x[t, c0 + k] * inv), np.float32(-127.0)), np.float32(127.0))
-                q[b * QK + k] = np.int16(v)
-                total += np.int32(v)
-            for k in range(n, QK):
-                q[b * QK + k] = 0
-            xd[t, blk] = d
-            xsum[t, blk] = total
+            if c0 + QK <= K:  # a whole block: fixed trip counts, which LLVM unrolls and vectorizes
+                xd[t, blk], xsum[t, blk] = _quantize_block(x, t, c0, QK, q, b * QK, inv_static, static_scale)
+            else:  # the last block of a row that is not whole blocks, or padding
+                n = max(0, K - c0)
+                xd[t, blk], xsum[t, blk] = _quantize_block(x, t, c0, n, q, b * QK, inv_static, static_scale)
+                for k in range(n, QK):
+                    q[b * QK + k] = 0
         base = g * GROUP
-        for j in range(QK // width):
-            for b in range(BLOCKS_PER_GROUP):
-                for e in range(width):
-                    xq[t, base + (j * BLOCKS_PER_GROUP + b) * width + e] = q[b * QK + width * j + e]
+        if width == QUADS:
+            _reorder(q, xq, t, base, QUADS)
+        else:
+            _reorder(q, xq, t, base, PAIRS)
+
+
+@njit(inline="always", nogil=True)
+def _quantize_block(x, t, c0, n, q, q0, inv_static, static_scale):
+    # x[t, c0:c0+n] -> q[q0:q0+n]; -> (the block's scale, the sum of its values)
+    if static_scale > 0:
+        d = np.float32(static_scale)
+        inv = np.float32(inv_static)
+    else:
+        amax = np.float32(0.0)
+        for k in range(n):
+            a = abs(x[t, c0 + k])
+            amax = max(amax, a)
+        d = amax / np.float32(127.0)
+        inv = np.float32(1.0) / d if d != 0 else np.float32(0.0)
+    total = 0
+    for k in range(n):
+        v = min(max(np.rint(x[t, c0 + k] * inv), np.float32(-127.0)), np.float32(127.0))
+        q[q0 + k] = np.int16(v)
+        total += np.int32(v)
+    return d, total
+
+
+@njit(inline="always", nogil=True)
+def _reorder(q, xq, t, base, width):
+    # q: one group's 256 values in column order -> xq[t, base:base+256] in runs of `width` (a constant)
+    for j in range(QK // width):
+        for b in range(BLOCKS_PER_GROUP):
+            for e in range(width):
+                xq[t, base + (j * BLOCKS_PER_GROUP + b) * width + e] = q[b * QK + width * j + e]
 
 
 @njit(cache=True, nogil=True)

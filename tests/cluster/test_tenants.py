@@ -4,8 +4,6 @@ a second tenant's identical prompt gets no prefix-cache hit while the same tenan
 every limit answers its status with an OpenAI body and the deployment serves on; the engines' decisions
 reach client.stats(), and `numaserve stats --watch` draws its table from the live deployment."""
 
-import threading
-
 import openai
 import pytest
 import requests
@@ -85,20 +83,26 @@ def test_the_length_limits_are_400s_naming_the_setting(client, prompt, max_token
 
 
 def test_a_clients_third_open_request_is_a_429_and_other_clients_are_served(client):
-    release = threading.Event()
-    streams = [api(client, KEYS[0]).completions.create(model="llama", prompt=[5, 6, 7], max_tokens=480, stream=True,
-                                                       extra_body={"ignore_eos": True}) for _ in range(2)]
-    try:
-        for s in streams:
-            next(iter(s))  # both open and streaming
-        with pytest.raises(openai.RateLimitError) as e:
-            complete(client, KEYS[0], [5, 6, 7])
-        assert "max_concurrent_per_client=2" in e.value.body["message"]
-        assert complete(client, KEYS[1], [5, 6, 7]).usage.completion_tokens == 2  # another client
-    finally:
-        release.set()
-        for s in streams:
-            s.close()
+    """Two streams of 480 tokens are open (the cap; the model holds 512 positions) when a third request of
+    the same key comes: 429. On a loaded box both streams have been seen to finish first (CI, once); such
+    a race lets the third through, so the attempt is made again, up to three times."""
+    for _ in range(3):
+        streams = [api(client, KEYS[0]).completions.create(model="llama", prompt=[5, 6, 7], max_tokens=480,
+                                                           stream=True, extra_body={"ignore_eos": True})
+                   for _ in range(2)]
+        try:  # both admitted: the server sends a stream's headers once it counted the request
+            try:
+                complete(client, KEYS[0], [5, 6, 7])
+            except openai.RateLimitError as e:
+                assert "max_concurrent_per_client=2" in e.body["message"]
+                assert complete(client, KEYS[1], [5, 6, 7]).usage.completion_tokens == 2  # another client
+                break
+        finally:
+            for s in streams:
+                s.close()
+        wait_for(lambda: _serves(client), 30, "the client's slots to be released")
+    else:
+        pytest.fail("a third request of a client with two open streams was served three times (no 429)")
     wait_for(lambda: _serves(client), 30, "the client's slots to be released")
 
 
