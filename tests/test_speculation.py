@@ -17,6 +17,7 @@ import numaserve as ns
 from models.eagle import HEAD_FILE
 from models.medusa import CONFIG_FILE as MEDUSA_CONFIG
 from models.medusa import HEADS_FILE as MEDUSA_HEADS
+from models.proposers import eagle as eagle_proposer
 from models.proposers.base import Proposer
 from models.proposers.eagle import EagleProposer
 from models.proposers.medusa import MedusaProposer
@@ -339,6 +340,28 @@ def test_eagle_with_a_draft_vocabulary_drafts_only_its_tokens_and_keeps_the_targ
     assert drafted and set(drafted) <= set(draft_ids.tolist())
     stats = llm.stats()
     assert 0 < stats["spec_num_accepted_tokens"] < stats["spec_num_draft_tokens"], stats
+
+
+def test_eagle_keeps_a_bounded_number_of_unseen_features_and_restarts_from_the_newest(llama_dir, eagle_dir, mixed,
+                                                                                      monkeypatch):
+    """A request that has not drafted for MAX_UNSEEN positions (here its 120-token prompt, with the bound
+    at 24) keeps only that many features: the head restarts from the newest RESTART_KEEP, drafts, and the
+    tokens are the target's."""
+    monkeypatch.setattr(eagle_proposer, "MAX_UNSEEN", 24)
+    monkeypatch.setattr(eagle_proposer, "RESTART_KEEP", 8)
+    prompt, params = mixed[0][3], ns.SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+    want = ns.LLM(llama_dir, **FP32).generate(prompt, params)[0].token_ids
+    llm = ns.LLM(eagle_dir, **FP32, speculation={"method": "eagle", "mode": "on"})
+    proposer, most = llm.engine.speculator.proposer, []
+    observe = proposer.observe_hidden
+
+    def bounded(request_id, first, features):
+        observe(request_id, first, features)
+        most.append(len(proposer.seqs[request_id].features))
+
+    proposer.observe_hidden = bounded
+    assert llm.generate(prompt, params)[0].token_ids == want
+    assert len(prompt) > 24 and max(most) <= 24 and llm.stats()["spec_num_accepted_tokens"] > 0
 
 
 @pytest.mark.parametrize("width", [1, 3])

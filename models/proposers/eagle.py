@@ -13,7 +13,7 @@ The head runs a request from its first feature on: a prompt whose prefix came fr
 features for that prefix (the target did not compute it), so the head starts after it, its positions
 shifted to start at 0 there (under RoPE attention depends on relative positions only); it misses the
 prefix's tokens in its own attention, not in the target's features. A later gap (positions the target
-skipped) restarts it the same way.
+skipped) restarts it the same way, and so does a request that has not drafted for MAX_UNSEEN positions.
 
 Widths are measured as Medusa's are: every proposal's tree, once the tokens that followed it are known,
 tells what each narrower tree would have kept (`accepted_counts`); wider trees than the step's width are
@@ -39,6 +39,10 @@ from models.token_tree import TokenTree
 
 SPARE_BLOCKS = 64  # beyond the target's KV capacity: draft positions past a request's verified tokens
 EXPLORE_EVERY = 16  # after the first MIN_MEASURED proposals, one in this many drafts the widest tree
+# a request's features not yet run through the head are kept up to MAX_UNSEEN (H floats each), then the
+# head restarts from the newest RESTART_KEEP: a request that does not draft for long (another method
+# drafts, or none) holds bounded memory, and drafting again catches up on RESTART_KEEP positions at most
+MAX_UNSEEN, RESTART_KEEP = 512, 128
 
 
 @dataclass
@@ -121,6 +125,10 @@ class EagleProposer(Proposer):
             self._truncate(seq, min(seq.num_done, first))
             del seq.features[first - seq.num_done:]
         seq.features += list(features)
+        if len(seq.features) > MAX_UNSEEN:  # not drafting for long (method auto chose another): restart
+            self._truncate(seq, seq.start)  # from the newest RESTART_KEEP features, as after a prefix hit
+            self.seqs[request_id] = _EagleSeq(seq.next_feature - RESTART_KEEP, seq.next_feature - RESTART_KEEP,
+                                              seq.features[-RESTART_KEEP:])
 
     def free(self, request_id: str) -> None:
         self._pending.pop(request_id, None)
