@@ -129,22 +129,26 @@ def pack_q8_0(qs, out):
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def pack_q8_0_quads(qs, out):
-    # qs: [N, K] int8 (GGML q8_0 values) -> out: [N, Kp] uint8 value + 128 in quad order (the VNNI kernel's
-    # unsigned side), padding 128 (value 0)
-    K = qs.shape[1]
+def pack_q8_0_quads(qs, out, rows):
+    # qs: [N, K] int8 (GGML q8_0 values) -> out: [N4, Kp] uint8 value + 128 in quad order (the VNNI kernel's
+    # unsigned side), padding 128 (value 0), in blocks of `rows` rows interleaved by group (1: row by row);
+    # out zeroed, N4 = N rounded up to rows
+    K, Kp = qs.shape[1], out.shape[1]
     for n in prange(qs.shape[0]):
-        for k in range(out.shape[1]):
-            out[n, _packed_index(k, QUADS)] = np.uint8(np.int64(qs[n, k]) + 128) if k < K else np.uint8(128)
+        for k in range(Kp):
+            i, j = _interleaved(n, _packed_index(k, QUADS), Kp, rows, GROUP)
+            out[i, j] = np.uint8(np.int64(qs[n, k]) + 128) if k < K else np.uint8(128)
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def pack_q4_0(qs, out):
+def pack_q4_0(qs, out, rows):
     # qs: [N, K // 2] uint8 (GGML nibbles: byte i of a block = element i | element i + 16 << 4)
-    # -> out: [N, Kp // 2] uint8 in quad order, per group chunk c = vector 2c (low nibbles) | 2c + 1 (high)
+    # -> out: [N4, Kp // 2] uint8 in quad order, per group chunk c = vector 2c (low nibbles) | 2c + 1 (high),
+    # in blocks of `rows` rows interleaved by group (1: row by row); out zeroed, N4 = N rounded up to rows
     K = qs.shape[1] * 2
+    row_bytes = out.shape[1]
     for n in prange(qs.shape[0]):
-        for k in range(out.shape[1] * 2):
+        for k in range(row_bytes * 2):
             nibble = np.int64(8)  # padding: value 0 (its block scale is 0 too)
             if k < K:
                 blk, i = divmod(k, QK)
@@ -153,33 +157,33 @@ def pack_q4_0(qs, out):
             p = _packed_index(k, QUADS)
             g, r = divmod(p, GROUP)
             j, m = divmod(r, 32)  # vector j of the group, lane m
-            dst = g * (GROUP // 2) + (j // 2) * 32 + m
-            out[n, dst] |= nibble << (4 * (j % 2))
+            row, col = _interleaved(n, g * (GROUP // 2) + (j // 2) * 32 + m, row_bytes, rows, GROUP // 2)
+            out[row, col] |= nibble << (4 * (j % 2))
 
 
-def interleave_rows(packed: np.ndarray, rows: int, group_bytes: int) -> np.ndarray:
-    """packed: [N, B] rows (B: whole groups of group_bytes) -> [N4, B], N4 = N rounded up to `rows` (padding
-    rows zero): blocks of `rows` rows, each stored group by group with the group's bytes of its rows one
-    after another (the VNNI kernel reads a block as one stream)."""
-    n, b = packed.shape
-    n4 = -(-n // rows) * rows
-    padded = np.zeros((n4, b), packed.dtype)
-    padded[:n] = packed
-    return np.ascontiguousarray(padded.reshape(n4 // rows, rows, b // group_bytes, group_bytes)
-                                .transpose(0, 2, 1, 3)).reshape(n4, b)
+@njit(inline="always", nogil=True)
+def _interleaved(n, pos, row_bytes, rows, group_bytes):
+    # byte pos of row n in row-major order -> (row, column) where blocks of `rows` rows are stored group by
+    # group, the group's bytes of the block's rows one after another (the VNNI kernel reads a block as one
+    # stream); rows = 1: (n, pos)
+    # signed throughout: a parfor index may be unsigned, and numba's divmod of mixed signs gives floats
+    rows, group_bytes, row_bytes = np.int64(rows), np.int64(group_bytes), np.int64(row_bytes)
+    block, r = divmod(np.int64(n), rows)
+    g, offset = divmod(np.int64(pos), group_bytes)
+    return divmod(((block * (row_bytes // group_bytes) + g) * rows + r) * group_bytes + offset, row_bytes)
 
 
 def deinterleave_rows(data: np.ndarray, rows: int, group_bytes: int, n: int) -> np.ndarray:
-    """The inverse of interleave_rows: [N4, B] -> the first n rows [n, B]."""
+    """Blocks of `rows` rows interleaved by group (pack_q8_0_quads, pack_q4_0) -> the first n rows, row by row."""
     n4, b = data.shape
     return np.ascontiguousarray(data.reshape(n4 // rows, b // group_bytes, rows, group_bytes)
                                 .transpose(0, 2, 1, 3).reshape(n4, b)[:n])
 
 
-def pad_scales(scales: np.ndarray, kp: int) -> np.ndarray:
-    # scales: [N, K // 32] uint16 -> [N, Kp // 32], padded blocks with scale 0
-    out = np.zeros((scales.shape[0], kp // QK), np.uint16)
-    out[:, :scales.shape[1]] = scales
+def pad_scales(scales: np.ndarray, kp: int, num_rows: int | None = None) -> np.ndarray:
+    # scales: [N, K // 32] uint16 -> [num_rows (default N), Kp // 32], padded blocks and rows with scale 0
+    out = np.zeros((num_rows or scales.shape[0], kp // QK), np.uint16)
+    out[:scales.shape[0], :scales.shape[1]] = scales
     return out
 
 

@@ -70,7 +70,7 @@ def _row_impl(xq, xd, xsum, data, scales, out, n, c0, c1):
 @njit(cache=True, nogil=True, parallel=True)
 def matmul_vnni(xq, xd, xsum, data, scales, out, bits):
     # xq: [T, Kp] int8 (quad order), xd/xsum: [T, Kp // 32], data: uint8 q8_0 [N4, Kp] (bits 8) | q4_0
-    # [N4, Kp // 2] (bits 4) in 4-row blocks (int8_layout.interleave_rows), scales: [N4, Kp // 32],
+    # [N4, Kp // 2] (bits 4) in 4-row blocks (int8_layout.pack_q8_0_quads, pack_q4_0), scales: [N4, Kp // 32],
     # out: [T, N] f32, N4 = N rounded up to 4. A task owns a block of 4 output rows (kernels/simd_vnni.py).
     # 2 Zen 4 cores: 5632 x 2048 with the weights in cache, 550-650 GFLOP/s from 4 tokens up against
     # 190-300 for the AVX2 kernel; 44 matrices of 11264 x 2048 (1 GB) from memory, 1 / 4 / 8 / 16 tokens

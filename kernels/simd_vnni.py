@@ -11,7 +11,7 @@ multiply-add by (weight scale x activation scale) per lane move a group into a f
 the same order: the outputs are bit for bit those of the AVX2 kernels, with one instruction per 32
 products instead of two to three per 16.
 
-Weights come in blocks of 4 rows interleaved by group (kernels/int8_layout.py interleave_rows): a task
+Weights come in blocks of 4 rows interleaved by group (kernels/int8_layout.py pack_q8_0_quads, pack_q4_0): a task
 reads one sequential stream, and prefetches PREFETCH_BYTES ahead in it into L2, so the next blocks' bytes
 arrive while this one is multiplied. 4 rows x 4 tokens keep 16 int32 and 16 float32 accumulators in AVX-512's 32
 vector registers. Rows past the matrix's last (padding of the last block) are computed, not stored.

@@ -9,7 +9,6 @@ from kernels.cpu import missing_features
 from kernels.int8_layout import (
     GROUP,
     deinterleave_rows,
-    interleave_rows,
     pack_q4_0,
     pack_q8_0,
     pack_q8_0_quads,
@@ -73,7 +72,7 @@ class Int8Matrix:
     For the AVX2 kernels: data q8_0 int8 [N, Kp] in pair order | q4_0 uint8 [N, Kp // 2] in quad order;
     scales uint16 fp16 [N, Kp // 32]. For the VNNI kernel (vnni, kernels/simd_vnni.py): q8_0 as uint8
     value + 128 [N4, Kp] | q4_0 [N4, Kp // 2], both in quad order and in blocks of 4 interleaved rows
-    (interleave_rows), scales [N4, Kp // 32]; N4 = N rounded up to 4, the padding rows zero. Kp = K padded
+    (kernels/int8_layout.py), scales [N4, Kp // 32]; N4 = N rounded up to 4, the padding rows zero. Kp = K padded
     to 256. vnni is chosen at packing when the host has it; both kernels give the same bits.
     activation_scale: a calibrated static scale for this matrix's inputs, 0 = per-block dynamic scales.
     """
@@ -93,20 +92,18 @@ class Int8Matrix:
         vnni = host_has_vnni() if vnni is None else vnni
         n, k = w.shape
         kp = padded_k(k)
+        rows = VNNI_ROWS if vnni else 1
+        n4 = -(-n // rows) * rows
         if w.dtype == "q8_0" and vnni:
-            data = np.empty((n, kp), np.uint8)
-            pack_q8_0_quads(w.data, data)
+            data = np.zeros((n4, kp), np.uint8)
+            pack_q8_0_quads(w.data, data, rows)
         elif w.dtype == "q8_0":
             data = np.zeros((n, kp), np.int8)
             pack_q8_0(w.data, data)
         else:
-            data = np.zeros((n, kp // 2), np.uint8)
-            pack_q4_0(w.data, data)
-        scales = pad_scales(w.scales, kp)
-        if vnni:
-            data = interleave_rows(data, VNNI_ROWS, _group_bytes(w.dtype))
-            scales = interleave_rows(scales, VNNI_ROWS, scales.shape[1])  # row order kept: padding rows only
-        return cls(w.dtype, data, scales, (n, k), float(activation_scale), vnni)
+            data = np.zeros((n4, kp // 2), np.uint8)
+            pack_q4_0(w.data, data, rows)
+        return cls(w.dtype, data, pad_scales(w.scales, kp, n4), (n, k), float(activation_scale), vnni)
 
     @property
     def activation_int_dtype(self) -> type:

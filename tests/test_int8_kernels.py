@@ -157,7 +157,7 @@ def test_quantizer_writes_the_layout_the_kernel_reads():
     matmul_int8(unit_x, ones, xsum, packed, pad_scales(unit.scales, kp), out)  # identity weights: q back
     assert np.array_equal(out, q.reshape(3, kp).astype(np.float32))
     q4 = np.zeros((kp, kp // 2), np.uint8)
-    pack_q4_0(WeightMatrix.from_float(np.eye(kp, dtype=np.float32), "q4_0").data, q4)  # packs without error
+    pack_q4_0(WeightMatrix.from_float(np.eye(kp, dtype=np.float32), "q4_0").data, q4, 1)  # packs without error
 
 
 @pytest.mark.parametrize("dtype, width", [(np.int16, 2), (np.int8, 4)])
