@@ -136,7 +136,7 @@ def pack_q8_0_quads(qs, out, rows):
     K, Kp = qs.shape[1], out.shape[1]
     for n in prange(qs.shape[0]):
         for k in range(Kp):
-            i, j = _interleaved(n, _packed_index(k, QUADS), Kp, rows, GROUP)
+            i, j = interleaved_position(n, _packed_index(k, QUADS), Kp, rows, GROUP)
             out[i, j] = np.uint8(np.int64(qs[n, k]) + 128) if k < K else np.uint8(128)
 
 
@@ -157,12 +157,12 @@ def pack_q4_0(qs, out, rows):
             p = _packed_index(k, QUADS)
             g, r = divmod(p, GROUP)
             j, m = divmod(r, 32)  # vector j of the group, lane m
-            row, col = _interleaved(n, g * (GROUP // 2) + (j // 2) * 32 + m, row_bytes, rows, GROUP // 2)
+            row, col = interleaved_position(n, g * (GROUP // 2) + (j // 2) * 32 + m, row_bytes, rows, GROUP // 2)
             out[row, col] |= nibble << (4 * (j % 2))
 
 
 @njit(inline="always", nogil=True)
-def _interleaved(n, pos, row_bytes, rows, group_bytes):
+def interleaved_position(n, pos, row_bytes, rows, group_bytes):
     # byte pos of row n in row-major order -> (row, column) where blocks of `rows` rows are stored group by
     # group, the group's bytes of the block's rows one after another (the VNNI kernel reads a block as one
     # stream); rows = 1: (n, pos)

@@ -17,6 +17,9 @@ from kernels.int8_layout import (
     unpack_int8_weights,
 )
 from kernels.quant import QK, quantize_q4_0, quantize_q8_0
+from kernels.simd_bf16 import GROUP as BF16_GROUP
+from kernels.simd_bf16 import ROWS as BF16_ROWS
+from kernels.simd_bf16 import pack_bf16
 from kernels.simd_vnni import ROWS as VNNI_ROWS
 from kernels.simd_vnni import VNNI_FEATURES
 
@@ -110,6 +113,10 @@ class Int8Matrix:
         """The quantized activations' dtype: int8 in quad order, or int16 in pair order for the AVX2 q8_0 kernel."""
         return np.int16 if self.data.dtype == np.int8 else np.int8
 
+    def repacked(self, w: WeightMatrix) -> "Int8Matrix":
+        """w (of this matrix's dtype) packed as this one is: its kernel and activation scale."""
+        return Int8Matrix.pack(w, self.activation_scale, self.vnni)
+
     def unpack(self) -> WeightMatrix:
         """The same values in the GGML layout (export, tests)."""
         n, k = self.shape
@@ -132,6 +139,44 @@ class Int8Matrix:
         return self.data.nbytes + self.scales.nbytes
 
 
+@dataclass(frozen=True)
+class Bf16Matrix:
+    """A bf16 matrix packed for bf16 activations (kernels/simd_bf16.py), [out_features, in_features]: data
+    uint16 [N4, Kp] in blocks of 4 rows interleaved by group of 128 values, N4 = N rounded up to 4 and Kp =
+    K rounded up to 128, the padding zero."""
+
+    data: np.ndarray
+    shape: tuple[int, int]
+
+    @classmethod
+    def pack(cls, w: WeightMatrix) -> "Bf16Matrix":
+        if w.dtype != "bfloat16":
+            raise ValueError(f"bf16 activations need bfloat16 weights, got {w.dtype}")
+        n, k = w.shape
+        data = np.zeros((-(-n // BF16_ROWS) * BF16_ROWS, -(-k // BF16_GROUP) * BF16_GROUP), np.uint16)
+        pack_bf16(w.data, data)
+        return cls(data, (n, k))
+
+    def unpack(self) -> WeightMatrix:
+        n, k = self.shape
+        return WeightMatrix("bfloat16", deinterleave_rows(self.data, BF16_ROWS, BF16_GROUP, n)[:, :k].copy())
+
+    def repacked(self, w: WeightMatrix) -> "Bf16Matrix":
+        return Bf16Matrix.pack(w)
+
+    @property
+    def dtype(self) -> str:
+        return "bfloat16"
+
+    @property
+    def activation(self) -> str:
+        return "bfloat16"
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.nbytes
+
+
 def host_has_vnni() -> bool:
     return not missing_features(VNNI_FEATURES)
 
@@ -143,7 +188,7 @@ def _group_bytes(dtype: str) -> int:
 
 def select_rows(w: WeightMatrix | Int8Matrix, ids: np.ndarray) -> WeightMatrix | Int8Matrix:
     """The matrix of w's rows ids [n] (in that order), in w's format and layout."""
-    if isinstance(w, Int8Matrix):
-        return Int8Matrix.pack(select_rows(w.unpack(), ids), w.activation_scale, w.vnni)
+    if isinstance(w, (Int8Matrix, Bf16Matrix)):
+        return w.repacked(select_rows(w.unpack(), ids))
     return WeightMatrix(w.dtype, np.ascontiguousarray(w.data[ids]),
                         None if w.scales is None else np.ascontiguousarray(w.scales[ids]))

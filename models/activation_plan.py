@@ -4,9 +4,10 @@
 - "float32": every matrix multiplies float32 activations (exact: within 1e-4 of transformers).
 - "int8": q8_0 / q4_0 matrices (the LM head included) get activations quantized per 32-value block and
   integer dot products (kernels/linear_int8.py); other weight formats keep float32 activations.
-- "bfloat16": needs a bf16 dot-product instruction (AVX512-BF16's vdpbf16ps). No kernel for it is built
-  yet, so it falls back to float32 on every CPU: rounding activations to bf16 and then multiplying in
-  float32 would lose precision and gain nothing.
+- "bfloat16": bf16 matrices (the LM head included) get activations rounded to bf16 and AVX512-BF16's
+  vdpbf16ps (kernels/linear_bf16.py); other weight formats keep float32 activations. A CPU without the
+  instruction falls back to float32: rounding activations to bf16 and then multiplying in float32 would
+  lose precision and gain nothing.
 - "auto": "int8" where the matrix is q8_0 / q4_0 and the CPU can run it, float32 elsewhere (measured:
   perplexity within 0.3% of float32 activations on the demo model, 1.6-2.5x the matmul speed; README).
 A calibration file beside the model (models/calibration.py, written by `numaserve calibrate`) keeps the
@@ -21,11 +22,11 @@ from collections import Counter
 
 from cluster_configs.diagnostics import DecisionLog
 from kernels.cpu import missing_features
-from memory.weights import Int8Matrix, WeightMatrix
+from kernels.simd_bf16 import BF16_FEATURES
+from memory.weights import Bf16Matrix, Int8Matrix, WeightMatrix
 from models.calibration import LAYER_MATRICES, Calibration, MatrixCalibration, check_fits
 
 INT8_FEATURES = ("avx2", "f16c")  # vpmaddwd on 256-bit vectors, fp16 scale conversion (and VNNI where present)
-BF16_FEATURES = ("avx512bf16",)
 
 
 def matrix_names(weights: dict):
@@ -55,6 +56,8 @@ def record_kernels(weights: dict, decisions: DecisionLog) -> None:
         w = holder[key]
         if isinstance(w, Int8Matrix):
             path = f"{'matmul_vnni' if w.vnni else 'matmul_int8'}: {w.dtype} weights x int8 activations"
+        elif isinstance(w, Bf16Matrix):
+            path = "matmul_bf16: bfloat16 weights x bfloat16 activations"
         else:
             path = f"matmul: {w.dtype} weights x float32 activations"
         by_type.setdefault(key, Counter())[path] += 1
@@ -86,12 +89,13 @@ def _plan(weights: dict, activation_dtype: str, decisions: DecisionLog, calibrat
         return weights
     if activation_dtype == "bfloat16":
         missing = missing_features(BF16_FEATURES)
-        why = (f"this CPU lacks {', '.join(missing)} (vdpbf16ps)" if missing
-               else "the bf16 dot-product kernel is not built yet")
-        decisions.record("activation_dtype", "float32", f"bfloat16 activations requested but {why}; "
-                         "computing with float32 activations (exact)", warn=True)
-        _calibration_unused(calibration, decisions, "bfloat16 activations fall back to float32")
-        return weights
+        if missing:
+            decisions.record("activation_dtype", "float32", f"bfloat16 activations requested but this CPU lacks "
+                             f"{', '.join(missing)} (vdpbf16ps); computing with float32 activations (exact)", warn=True)
+            _calibration_unused(calibration, decisions, "bfloat16 activations fall back to float32")
+            return weights
+        _calibration_unused(calibration, decisions, "its scales are for int8 activations")
+        return _planned(weights, decisions, _bf16_choice)
     missing = missing_features(INT8_FEATURES)
     if missing:
         decisions.record("activation_dtype", "float32", f"activation_dtype={activation_dtype} but this CPU lacks "
@@ -141,3 +145,19 @@ def _falls_back(cal: MatrixCalibration, bound: float, static_scales: bool) -> bo
 def _calibration_unused(calibration: Calibration | None, decisions: DecisionLog, why: str) -> None:
     if calibration is not None:
         decisions.record("calibration", "unused", f"{calibration.path}: not needed ({why})")
+
+
+def _planned(weights: dict, decisions: DecisionLog, choose) -> dict:
+    """weights with each matrix replaced by choose(w) -> (matrix, choice, why), every choice recorded."""
+    layers = [dict(layer) for layer in weights["layers"]]
+    planned = dict(weights, layers=layers)
+    for name, holder, key in matrix_names(planned):
+        holder[key], choice, why = choose(holder[key])
+        decisions.record("activation_dtype", choice, why, subject=name)
+    return planned
+
+
+def _bf16_choice(w):
+    if isinstance(w, WeightMatrix) and w.dtype == "bfloat16":
+        return Bf16Matrix.pack(w), "bfloat16", "bfloat16 weights: vdpbf16ps on activations rounded to bf16"
+    return w, "float32", f"{w.dtype} weights: bfloat16 activations are used with bfloat16 weights only"

@@ -9,7 +9,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGML_QUANT_VERSION, GGMLQuantizationType, GGUFWriter, RopeScalingType
 
 from cluster_configs.errors import CheckpointError
-from memory.weights import Int8Matrix, WeightMatrix
+from memory.weights import Bf16Matrix, Int8Matrix, WeightMatrix
 from models.gguf_format import (
     ARCH,
     FILE_TYPE,
@@ -62,7 +62,7 @@ def _tensor_data(t: WeightMatrix | np.ndarray, rows) -> np.ndarray:
     """GGML's layout: F32 as is; BF16, Q8_0, Q4_0 as uint8 [N, bytes per row] of (fp16 d, qs) blocks."""
     if isinstance(t, np.ndarray):
         return np.ascontiguousarray(t, np.float32)
-    if isinstance(t, Int8Matrix):
+    if isinstance(t, (Int8Matrix, Bf16Matrix)):
         t = t.unpack()
     w = t if rows is None else take_rows(t, rows)
     if w.dtype == "float32":

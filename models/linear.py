@@ -13,17 +13,22 @@ import numpy as np
 from kernels.dequant import dequantize_rows
 from kernels.int8_layout import QK, quantize_activations
 from kernels.linear import gather_rows_bf16, matmul
+from kernels.linear_bf16 import matmul_bf16, round_activations
 from kernels.linear_int8 import matmul_int8, matmul_vnni
-from memory.weights import Int8Matrix, WeightMatrix
+from memory.weights import Bf16Matrix, Int8Matrix, WeightMatrix
 
 _NO_SCALES = np.zeros((1, 1), np.uint16)
 
 
-def linear(x: np.ndarray, w: WeightMatrix | Int8Matrix) -> np.ndarray:
+def linear(x: np.ndarray, w: WeightMatrix | Int8Matrix | Bf16Matrix) -> np.ndarray:
     # x: [T, K] f32 -> [T, N] f32
     T, N = x.shape[0], w.shape[0]
     out = np.empty((T, N), np.float32)
-    if isinstance(w, Int8Matrix):
+    if isinstance(w, Bf16Matrix):
+        xb = np.empty((T, w.data.shape[1]), np.uint16)
+        round_activations(np.ascontiguousarray(x), xb)
+        matmul_bf16(xb, w.data, out)
+    elif isinstance(w, Int8Matrix):
         kp = w.scales.shape[1] * QK
         xq = np.empty((T, kp), w.activation_int_dtype)
         xd = np.empty((T, kp // QK), np.float32)
@@ -51,9 +56,9 @@ def embed(w: WeightMatrix, token_ids: np.ndarray) -> np.ndarray:
     return out
 
 
-def dequantize(w: WeightMatrix | Int8Matrix) -> np.ndarray:
+def dequantize(w: WeightMatrix | Int8Matrix | Bf16Matrix) -> np.ndarray:
     """The whole matrix as float32 [N, K] (tests, export)."""
-    if isinstance(w, Int8Matrix):
+    if isinstance(w, (Int8Matrix, Bf16Matrix)):
         w = w.unpack()
     if w.dtype == "float32":
         return w.data

@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from memory.weights import Int8Matrix, WeightMatrix
+from memory.weights import Bf16Matrix, Int8Matrix, WeightMatrix
 from models.linear import dequantize
 from models.lora import LoraAdapter
 from models.lora_config import module_shapes
@@ -68,9 +68,9 @@ class MergedRows:
     runs: tuple[tuple[int, int, MergedWeights], ...]
 
 
-def _reencoded(base: WeightMatrix | Int8Matrix, dense: np.ndarray) -> WeightMatrix | Int8Matrix:
-    if isinstance(base, Int8Matrix):
-        return Int8Matrix.pack(WeightMatrix.from_float(dense, base.dtype), base.activation_scale)
+def _reencoded(base: WeightMatrix | Int8Matrix | Bf16Matrix, dense: np.ndarray) -> WeightMatrix | Int8Matrix | Bf16Matrix:
+    if isinstance(base, (Int8Matrix, Bf16Matrix)):  # packed for its activations: the merged copy is too
+        return base.repacked(WeightMatrix.from_float(dense, base.dtype))
     return WeightMatrix.from_float(dense, base.dtype)
 
 

@@ -201,7 +201,8 @@ def test_missing_instructions_fall_back_to_float32_with_a_reason(q_model, monkey
     assert np.array_equal(llm.score(tokens), exact.score(tokens))
 
 
-def test_bfloat16_activations_without_a_kernel_fall_back_with_a_reason(q_model):
+def test_bfloat16_activations_without_avx512_bf16_fall_back_with_a_reason(q_model, monkeypatch):
+    monkeypatch.setenv("NUMASERVE_DISABLE_CPU_FEATURES", "avx512bf16")
     llm = ns.LLM(q_model, weight_dtype="bfloat16", activation_dtype="bfloat16")
     [decision] = [d for d in llm.diagnostics() if d["topic"] == "activation_dtype"]
-    assert decision["choice"] == "float32" and "bfloat16" in decision["reason"]
+    assert decision["choice"] == "float32" and "lacks avx512bf16" in decision["reason"]
