@@ -75,11 +75,10 @@ class DownDeployment(EndlessDeployment):
 def server(request):
     deployment = getattr(request, "param", None) or EndlessDeployment()
     app = build_app(OpenAIServing(deployment, "stub", "/stub", None, False, "fp_stub"))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, lifespan="off", log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
+    sock = socket.create_server(("127.0.0.1", 0))  # bound here and handed over: no other socket can take the port
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, lifespan="off", log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     wait_for(lambda: server.started, "the server to start")
     yield f"http://127.0.0.1:{port}", deployment
