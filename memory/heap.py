@@ -3,10 +3,18 @@
 Repacking weights at load time (models/activation_plan.py) frees the original matrices, but glibc keeps
 freed chunks in its heap: measured on the TinyLlama-shaped q8_0 checkpoint, the process stayed ~1 GB
 above its weights (RSS 2.25 GB for 1.17 GB of weights) until `malloc_trim` returned them.
+
+Buffers that start as zeros and may stay unused (LoRA slots, the KV pool) come from their own anonymous
+mapping: `np.zeros` of a size glibc serves from its heap (below its mmap threshold, which freeing the
+load's temporaries raises to 32 MB) reuses the freed chunks and writes their zeros, so the whole buffer
+is resident at once (measured: TinyLlama bf16 with bf16 activations, 0.8 GB of untouched LoRA slots).
 """
 
 import ctypes
 import ctypes.util
+import mmap
+
+import numpy as np
 
 
 def release_free_heap() -> bool:
@@ -18,3 +26,13 @@ def release_free_heap() -> bool:
         return False
     trim(0)  # returns whether memory was released; either way the heap is now trimmed
     return True
+
+
+def untouched_zeros(shape: tuple[int, ...], dtype) -> np.ndarray:
+    """A zeroed array whose pages take memory only once written (an anonymous mapping of its own, unmapped
+    when the array is freed)."""
+    dtype = np.dtype(dtype)
+    count = int(np.prod(shape, dtype=np.int64))
+    if count * dtype.itemsize == 0:
+        return np.zeros(shape, dtype)
+    return np.frombuffer(mmap.mmap(-1, count * dtype.itemsize), dtype, count).reshape(shape)

@@ -2,6 +2,8 @@
 
 import numpy as np
 
+from memory.heap import untouched_zeros
+
 KV_STORAGE = {"float32": np.float32, "bfloat16": np.uint16, "int8": np.int8}
 
 
@@ -18,12 +20,12 @@ class KVCache:
         self.block_size = block_size
         self.num_blocks = num_blocks
         shape = (num_layers, num_blocks, block_size, n_kv_heads, head_dim)
-        # zeros (not empty): pages are first touched by the thread that allocates, i.e. the pinned worker
-        self.k = np.zeros(shape, KV_STORAGE[kv_dtype])  # [L, num_blocks, block_size, n_kv, D]
-        self.v = np.zeros(shape, KV_STORAGE[kv_dtype])
+        # pages taken as blocks are first written, by the pinned worker's threads (NUMA-local, first touch)
+        self.k = untouched_zeros(shape, KV_STORAGE[kv_dtype])  # [L, num_blocks, block_size, n_kv, D]
+        self.v = untouched_zeros(shape, KV_STORAGE[kv_dtype])
         scale_shape = shape[:-1] if kv_dtype == "int8" else (num_layers, 1, 1, 1)
-        self.k_scale = np.zeros(scale_shape, np.float32)  # [L, num_blocks, block_size, n_kv]
-        self.v_scale = np.zeros(scale_shape, np.float32)
+        self.k_scale = untouched_zeros(scale_shape, np.float32)  # [L, num_blocks, block_size, n_kv]
+        self.v_scale = untouched_zeros(scale_shape, np.float32)
         self.bytes_per_token = kv_bytes_per_token(num_layers, n_kv_heads, head_dim, kv_dtype)
 
     @property

@@ -21,6 +21,7 @@ import numpy as np
 from kernels.bf16 import to_bf16
 from kernels.lora import lora_shrink_expand
 from kernels.quant import QK, quantize_q8_0
+from memory.heap import untouched_zeros
 from models.lora import LoraAdapter
 from models.lora_config import MODULES, module_shapes
 from models.spec import ModelSpec
@@ -54,8 +55,8 @@ class LoraSlots:
         def scales(width: int) -> np.ndarray:  # q8_0's fp16 scale per 32 columns; [L, S, 1, 1] unread otherwise
             return np.zeros((L, S, R, width // QK) if dtype == "q8_0" else (L, S, 1, 1), np.uint16)
 
-        self.a = {m: np.zeros((L, S, R, k), store) for m, (_, k) in shapes.items()}  # [L, S, R, in]
-        self.bt = {m: np.zeros((L, S, R, n), store) for m, (n, _) in shapes.items()}  # [L, S, R, out]
+        self.a = {m: untouched_zeros((L, S, R, k), store) for m, (_, k) in shapes.items()}  # [L, S, R, in]
+        self.bt = {m: untouched_zeros((L, S, R, n), store) for m, (n, _) in shapes.items()}  # [L, S, R, out]
         self.a_scales = {m: scales(k) for m, (_, k) in shapes.items()}  # [L, S, R, in // 32]
         self.bt_scales = {m: scales(n) for m, (n, _) in shapes.items()}  # [L, S, R, out // 32]
         self.ranks = {m: np.zeros((L, S), np.int32) for m in MODULES}  # 0: the slot's adapter leaves m alone
