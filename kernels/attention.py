@@ -11,14 +11,14 @@ window's) is then the tree's start plus its depth, not its slot. A chain of draf
 a lower-triangular mask, and gives the same bits as plain positions.
 """
 
-import math
 
 import numpy as np
 from numba import njit, prange, types
 from numba.extending import overload
 
 from kernels.bf16 import as_f32, f32_to_bf16
-from kernels.simd_dot import dot
+from kernels.exp32 import exp32
+from kernels.simd_dot import dots
 
 _NEG_BIG = np.float32(-3.0e38)  # stands in for -inf (fastmath assumes no infinities)
 # fastmath without "reassoc": every sum in the order written (the scores' dot products in kernels/simd_dot.py),
@@ -52,7 +52,7 @@ def paged_attention(q, k_cache, v_cache, k_scale, v_scale, has_scale, block_tabl
            tree_mask, window, softmax_scale, out)
 
 
-@njit(cache=True, nogil=True, parallel=True, fastmath=_FASTMATH)
+@njit(cache=True, nogil=True, parallel=True, fastmath=_FASTMATH, error_model="numpy")
 def _attention_parallel(q, k_cache, v_cache, k_scale, v_scale, has_scale, block_tables, token_seq, positions,
                         tree_starts, tree_mask, window, softmax_scale, out):
     T, n_kv = q.shape[0], k_cache.shape[2]
@@ -64,7 +64,7 @@ def _attention_parallel(q, k_cache, v_cache, k_scale, v_scale, has_scale, block_
                 tree_mask, window, softmax_scale, out, t, task - tt * n_kv)
 
 
-@njit(cache=True, nogil=True, fastmath=_FASTMATH)
+@njit(cache=True, nogil=True, fastmath=_FASTMATH, error_model="numpy")
 def _attention_serial(q, k_cache, v_cache, k_scale, v_scale, has_scale, block_tables, token_seq, positions,
                       tree_starts, tree_mask, window, softmax_scale, out):
     for t in range(q.shape[0]):
@@ -73,7 +73,7 @@ def _attention_serial(q, k_cache, v_cache, k_scale, v_scale, has_scale, block_ta
                     tree_starts, tree_mask, window, softmax_scale, out, t, kh)
 
 
-@njit(inline="always", nogil=True, fastmath=_FASTMATH)
+@njit(inline="always", nogil=True, fastmath=_FASTMATH, error_model="numpy")
 def _attend(q, k_cache, v_cache, k_scale, v_scale, has_scale, block_tables, token_seq, positions, tree_starts,
             tree_mask, window, softmax_scale, out, t, kh):
     # token t, kv head kh, for its whole group of query heads: each key and value row is read and widened
@@ -103,8 +103,7 @@ def _attend(q, k_cache, v_cache, k_scale, v_scale, has_scale, block_tables, toke
         scale = np.float32(softmax_scale) * (k_scale[b, o, kh] if has_scale else np.float32(1.0))
         for d in range(D):
             row[d] = as_f32(k_cache[b, o, kh, d])
-        for g in range(group):
-            scores[g, j - start] = dot(qg[g], row) * scale
+        dots(qg, row, scores, j - start, scale)
     n = end - start
     for i in range(width):
         if tree_mask[t, i] != 0:
@@ -116,10 +115,10 @@ def _attend(q, k_cache, v_cache, k_scale, v_scale, has_scale, block_tables, toke
         for j in range(n):
             m = max(m, scores[g, j])
         denom = np.float32(0.0)
+        for j in range(n):  # vectorized, then summed in order
+            scores[g, j] = exp32(scores[g, j] - m)
         for j in range(n):
-            p = np.float32(math.exp(scores[g, j] - m))
-            scores[g, j] = p
-            denom += p
+            denom += scores[g, j]
         inv = np.float32(1.0) / denom
         for j in range(n):
             scores[g, j] *= inv
@@ -141,7 +140,7 @@ def _attend(q, k_cache, v_cache, k_scale, v_scale, has_scale, block_tables, toke
     out[t, kh * group:(kh + 1) * group, :] = acc
 
 
-@njit(inline="always", nogil=True, fastmath=_FASTMATH)
+@njit(inline="always", nogil=True, fastmath=_FASTMATH, error_model="numpy")
 def _score(qg, k_cache, k_scale, has_scale, block_tables, seq, j, kh, softmax_scale, row, scores, column):
     # scores[:, column] = q . k_j for slot j of the sequence, each query head of the group
     block_size = k_cache.shape[1]
@@ -150,11 +149,10 @@ def _score(qg, k_cache, k_scale, has_scale, block_tables, seq, j, kh, softmax_sc
     scale = np.float32(softmax_scale) * (k_scale[b, o, kh] if has_scale else np.float32(1.0))
     for d in range(row.shape[0]):
         row[d] = as_f32(k_cache[b, o, kh, d])
-    for g in range(qg.shape[0]):
-        scores[g, column] = dot(qg[g], row) * scale
+    dots(qg, row, scores, column, scale)
 
 
-@njit(inline="always", nogil=True, fastmath=_FASTMATH)
+@njit(inline="always", nogil=True, fastmath=_FASTMATH, error_model="numpy")
 def _add_value(v_cache, v_scale, has_scale, block_tables, seq, j, kh, row, scores, column, acc):
     # acc += p * v_j for slot j, p = scores[:, column]
     block_size = v_cache.shape[1]

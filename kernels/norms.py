@@ -9,6 +9,8 @@ import math
 import numpy as np
 from numba import njit, prange
 
+from kernels.exp32 import exp32
+
 PARALLEL_MIN_TOKENS = 16
 # the serial and the parallel loop must give a token the same bits (batch invariance, models/linear.py):
 # with fastmath's "arcp" / "afn" / "reassoc" LLVM computed SiLU differently in the two (85 of 768 values)
@@ -83,21 +85,23 @@ def _rope_serial(x, positions, inv_freq, attention_scaling):
         _rope_row(x, positions, inv_freq, attention_scaling, t)
 
 
-@njit(inline="always", nogil=True, fastmath=_FASTMATH)
+# error_model "numpy": the division's ZeroDivisionError check (numba's default, Python's rule) kept LLVM from
+# vectorizing the row (1 + exp(-g) >= 1 anyway)
+@njit(inline="always", nogil=True, fastmath=_FASTMATH, error_model="numpy")
 def _silu_mul_row(gate_up, out, t):
     I = out.shape[1]
     for i in range(I):
         g = gate_up[t, i]
-        out[t, i] = g / (np.float32(1.0) + np.exp(-g)) * gate_up[t, I + i]
+        out[t, i] = g / (np.float32(1.0) + exp32(-g)) * gate_up[t, I + i]
 
 
-@njit(cache=True, nogil=True, parallel=True, fastmath=_FASTMATH)
+@njit(cache=True, nogil=True, parallel=True, fastmath=_FASTMATH, error_model="numpy")
 def _silu_mul_parallel(gate_up, out):
     for t in prange(out.shape[0]):
         _silu_mul_row(gate_up, out, t)
 
 
-@njit(cache=True, nogil=True, fastmath=_FASTMATH)
+@njit(cache=True, nogil=True, fastmath=_FASTMATH, error_model="numpy")
 def _silu_mul_serial(gate_up, out):
     for t in range(out.shape[0]):
         _silu_mul_row(gate_up, out, t)

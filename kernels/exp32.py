@@ -1,0 +1,56 @@
+"""exp32(x): float32 exp that LLVM vectorizes (numba's math.exp / np.exp call the scalar libm expf, ~3 ns a value:
+the softmax of attention and SiLU waited on it one value at a time).
+
+exp(x) = 2**n exp(r), x = n ln2 + r, |r| <= ln2/2 (ln2 in two parts, Cody and Waite); exp(r) by Cephes' expf
+polynomial (relative error ~1 ulp: tests/test_exp32.py bounds it against float64); 2**n written into the
+exponent bits. Branch-free. x is clamped to [-87, 88], where 2**n stays a normal float: exp(x) for x below
+-87 is 0, above 88 exp(88) (the callers' arguments are <= 0 (softmax) or make the result vanish (SiLU)).
+Inlined with its caller's fastmath flags, which must leave out "reassoc" (it could undo the two-part
+reduction); the kernels here use contract, nnan, ninf, nsz, afn, arcp.
+"""
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, types
+from numba.extending import intrinsic
+
+_LOG2E = np.float32(1.44269504088896341)
+_LN2_HI = np.float32(0.693359375)  # exact in 10 bits: n * _LN2_HI is exact for |n| <= 128
+_LN2_LO = np.float32(-2.12194440e-4)
+_SHIFT = np.float32(12582912.0)  # 1.5 * 2**23: adding it rounds to an integer held in the low mantissa bits
+_SHIFT_BITS = np.int32(np.array([_SHIFT]).view(np.int32)[0])
+_X_MIN, _X_MAX = np.float32(-87.0), np.float32(88.0)
+
+
+@intrinsic
+def _as_int32(typingctx, x):
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(args[0], ir.IntType(32))
+    return types.int32(types.float32), codegen
+
+
+@intrinsic
+def _as_float32(typingctx, x):
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(args[0], ir.FloatType())
+    return types.float32(types.int32), codegen
+
+
+@njit(inline="always", nogil=True)
+def exp32(x):
+    """exp(x) for a float32 x (see the module docstring for its range)."""
+    keep = x >= _X_MIN
+    s = min(max(x, _X_MIN), _X_MAX)
+    k = s * _LOG2E + _SHIFT
+    n = k - _SHIFT
+    r = s - n * _LN2_HI
+    r = r - n * _LN2_LO
+    p = np.float32(1.9875691500e-4)
+    p = p * r + np.float32(1.3981999507e-3)
+    p = p * r + np.float32(8.3334519073e-3)
+    p = p * r + np.float32(4.1665795894e-2)
+    p = p * r + np.float32(1.6666665459e-1)
+    p = p * r + np.float32(5.0000001201e-1)
+    y = p * (r * r) + r + np.float32(1.0)
+    two_n = _as_float32(np.int32((_as_int32(k) - _SHIFT_BITS + np.int32(127)) << np.int32(23)))
+    return y * two_n if keep else np.float32(0.0)
