@@ -10,9 +10,9 @@ reduction); the kernels here use contract, nnan, ninf, nsz, afn, arcp.
 """
 
 import numpy as np
-from llvmlite import ir
-from numba import njit, types
-from numba.extending import intrinsic
+from numba import njit
+
+from kernels.bits import as_float, as_int
 
 _LOG2E = np.float32(1.44269504088896341)
 _LN2_HI = np.float32(0.693359375)  # exact in 10 bits: n * _LN2_HI is exact for |n| <= 128
@@ -20,20 +20,6 @@ _LN2_LO = np.float32(-2.12194440e-4)
 _SHIFT = np.float32(12582912.0)  # 1.5 * 2**23: adding it rounds to an integer held in the low mantissa bits
 _SHIFT_BITS = np.int32(np.array([_SHIFT]).view(np.int32)[0])
 _X_MIN, _X_MAX = np.float32(-87.0), np.float32(88.0)
-
-
-@intrinsic
-def _as_int32(typingctx, x):
-    def codegen(context, builder, sig, args):
-        return builder.bitcast(args[0], ir.IntType(32))
-    return types.int32(types.float32), codegen
-
-
-@intrinsic
-def _as_float32(typingctx, x):
-    def codegen(context, builder, sig, args):
-        return builder.bitcast(args[0], ir.FloatType())
-    return types.float32(types.int32), codegen
 
 
 @njit(inline="always", nogil=True)
@@ -52,5 +38,5 @@ def exp32(x):
     p = p * r + np.float32(1.6666665459e-1)
     p = p * r + np.float32(5.0000001201e-1)
     y = p * (r * r) + r + np.float32(1.0)
-    two_n = _as_float32(np.int32((_as_int32(k) - _SHIFT_BITS + np.int32(127)) << np.int32(23)))
+    two_n = as_float(np.int32((as_int(k) - _SHIFT_BITS + np.int32(127)) << np.int32(23)))
     return y * two_n if keep else np.float32(0.0)

@@ -14,10 +14,9 @@ the top-p search, gather and sort ~2.5 us per 1k).
 """
 
 import numpy as np
-from llvmlite import ir
-from numba import njit, types
-from numba.core.extending import intrinsic
+from numba import njit
 
+from kernels.bits import as_float, as_int
 from kernels.race import race_all, race_kept
 
 _LOG2E = 1.4426950408889634
@@ -35,20 +34,6 @@ def _sum(w):
     for j in range(w.shape[0]):
         total += w[j]
     return total
-
-
-@intrinsic
-def _as_int64(typingctx, x):
-    def codegen(context, builder, sig, args):
-        return builder.bitcast(args[0], ir.IntType(64))
-    return types.int64(types.float64), codegen
-
-
-@intrinsic
-def _as_float64(typingctx, x):
-    def codegen(context, builder, sig, args):
-        return builder.bitcast(args[0], ir.DoubleType())
-    return types.float64(types.int64), codegen
 
 
 @njit(cache=True, nogil=True, fastmath={"contract"})  # no reassoc: it could undo the two-part ln2 reduction
@@ -82,7 +67,7 @@ def _exp_weights(x, temperature, w):
         p = p * r + 0.5
         p = p * r + 1.0
         p = p * r + 1.0
-        two_n = _as_float64((_as_int64(k) - _SHIFT_BITS + 1023) << 52)
+        two_n = as_float((as_int(k) - _SHIFT_BITS + 1023) << 52)
         w[j] = p * two_n if keep else 0.0
     return m, _sum(w)
 

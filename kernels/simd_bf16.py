@@ -21,7 +21,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from kernels.int8_layout import interleaved_position
-from kernels.simd_int8 import I8, I32, V8F, V8I, const64, hsum8, load_vec, operands_fit
+from kernels.simd_int8 import I8, I32, V8F, V8I, const64, load_vec, operands_fit, store_block
 from kernels.simd_vnni import PREFETCH_BYTES, PREFETCH_LOCALITY
 
 BF16_FEATURES = ("avx512bf16", "avx512vl")
@@ -82,11 +82,7 @@ def bf16_block(typingctx, xb, w, out, t0, n0, tokens):
             for r in range(ROWS):
                 for t in range(TB):
                     builder.store(sums[r][t], accs[r][t])
-        for r in range(ROWS):
-            with builder.if_then(builder.icmp_signed("<", weight_rows[r], N), likely=True):
-                for t in range(TB):
-                    ptr = builder.gep(oa.data, [builder.add(builder.mul(token_rows[t], N), weight_rows[r])])
-                    builder.store(hsum8(builder, builder.load(accs[r][t])), ptr)
+        store_block(builder, oa.data, accs, token_rows, weight_rows, N)
         return context.get_dummy_value()
 
     return types.none(xb, w, out, t0, n0, tokens), codegen

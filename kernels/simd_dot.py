@@ -17,6 +17,8 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from kernels.simd_int8 import hsum8
+
 _F32, _I32, _I64 = ir.FloatType(), ir.IntType(32), ir.IntType(64)
 _V8F = ir.VectorType(_F32, 8)
 BLOCK = 8  # rows whose chains interleave: FMA latency 4 x 2 issued per cycle
@@ -38,16 +40,7 @@ def _emit_dots(builder, a_rows: list, b_data, D):
         bv = load8(b_data, i)
         for a, acc in zip(a_rows, accs):
             builder.store(builder.call(fma, [load8(a, i), bv, builder.load(acc)]), acc)
-    totals = []
-    for acc in accs:
-        vec, width = builder.load(acc), 8
-        while width > 1:  # 8 -> 4 -> 2 -> 1 lanes
-            width //= 2
-            lo = builder.shuffle_vector(vec, vec, ir.Constant(ir.VectorType(_I32, width), list(range(width))))
-            hi = builder.shuffle_vector(vec, vec, ir.Constant(ir.VectorType(_I32, width),
-                                                              list(range(width, 2 * width))))
-            vec = builder.fadd(lo, hi)
-        totals.append(cgutils.alloca_once_value(builder, builder.extract_element(vec, ir.Constant(_I32, 0))))
+    totals = [cgutils.alloca_once_value(builder, hsum8(builder, builder.load(acc))) for acc in accs]  # 8 -> 4 -> 2 -> 1
     with cgutils.for_range_slice(builder, builder.mul(builder.udiv(D, eight), eight), D, ir.Constant(_I64, 1)) as (i, _):
         y = builder.load(builder.gep(b_data, [i]))
         for a, total in zip(a_rows, totals):

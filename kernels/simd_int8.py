@@ -43,6 +43,25 @@ def hsum8(builder, vec):
     return builder.extract_element(vec, ir.Constant(I32, 0))
 
 
+def fold_group(builder, fma, iacc, dw, dx, accs):
+    """accs[r][t] += float(iacc[r][t]) x (dw[r] x dx[t]): a group's exact int32 sums moved into the float32
+    accumulators, one convert and one fused multiply-add per lane (the order every int8 kernel keeps)."""
+    for r, row in enumerate(iacc):
+        for t, sums in enumerate(row):
+            scale = builder.fmul(dw[r], dx[t])
+            builder.store(builder.call(fma, [builder.sitofp(sums, V8F), scale, builder.load(accs[r][t])]), accs[r][t])
+
+
+def store_block(builder, out_data, accs, token_rows, weight_rows, N):
+    """out[token_rows[t], weight_rows[r]] = the horizontal sum of accs[r][t], for the rows < N (a last block's
+    padding rows are computed, not stored)."""
+    for r, row in enumerate(weight_rows):
+        with builder.if_then(builder.icmp_signed("<", row, N), likely=True):
+            for t, token in enumerate(token_rows):
+                ptr = builder.gep(out_data, [builder.add(builder.mul(token, N), row)])
+                builder.store(hsum8(builder, builder.load(accs[r][t])), ptr)
+
+
 def operands_fit(arrays, dtypes) -> bool:
     """A block intrinsic's typing check: every array 2-D and C-contiguous, with these dtypes (None: any)."""
     return all(isinstance(a, types.Array) and a.ndim == 2 and a.layout == "C" and (d is None or a.dtype == d)
@@ -121,16 +140,8 @@ def int8_block(typingctx, xq, xd, xsum, data, scales, out, t0, n0, rows, tokens)
                     xv = load_vec(builder, xa.data, builder.add(x_base[t], const64(16 * j)), V16I16)
                     for r in range(R):
                         iacc[r][t] = builder.add(iacc[r][t], builder.call(pmaddwd, [weights[r], xv]))
-            for r in range(R):
-                for t in range(TB):
-                    scale = builder.fmul(dw[r], dx[t])
-                    total = builder.call(fma, [builder.sitofp(iacc[r][t], V8F), scale, builder.load(accs[r][t])])
-                    builder.store(total, accs[r][t])
-        for t in range(TB):
-            out_row = builder.mul(token_rows[t], N)
-            for r in range(R):
-                ptr = builder.gep(oa.data, [builder.add(out_row, weight_rows[r])])
-                builder.store(hsum8(builder, builder.load(accs[r][t])), ptr)
+            fold_group(builder, fma, iacc, dw, dx, accs)
+        store_block(builder, oa.data, accs, token_rows, weight_rows, N)
         return context.get_dummy_value()
 
     return types.none(xq, xd, xsum, data, scales, out, t0, n0, rows, tokens), codegen

@@ -28,7 +28,19 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from kernels.simd_int8 import GROUP, I8, I32, V8F, V8I, block_operands, const64, hsum8, load_vec, operands_fit
+from kernels.simd_int8 import (
+    GROUP,
+    I8,
+    I32,
+    V8F,
+    V8I,
+    block_operands,
+    const64,
+    fold_group,
+    load_vec,
+    operands_fit,
+    store_block,
+)
 
 V32I8 = ir.VectorType(I8, 32)
 VNNI_FEATURES = ("avx512vnni", "avx512vl", "f16c")
@@ -111,16 +123,8 @@ def vnni_block(typingctx, xq, xd, xsum, data, scales, out, t0, n0, bits, tokens)
                     xv = builder.bitcast(load_vec(builder, xa.data, builder.add(x_base[t], const64(32 * j)), V32I8), V8I)
                     for r in range(ROWS):
                         iacc[r][t] = builder.call(dpbusd, [iacc[r][t], weights[r], xv])
-            for r in range(ROWS):
-                for t in range(TB):
-                    scale = builder.fmul(dw[r], dx[t])
-                    total = builder.call(fma, [builder.sitofp(iacc[r][t], V8F), scale, builder.load(accs[r][t])])
-                    builder.store(total, accs[r][t])
-        for r in range(ROWS):
-            with builder.if_then(builder.icmp_signed("<", weight_rows[r], N), likely=True):
-                for t in range(TB):
-                    ptr = builder.gep(oa.data, [builder.add(builder.mul(token_rows[t], N), weight_rows[r])])
-                    builder.store(hsum8(builder, builder.load(accs[r][t])), ptr)
+            fold_group(builder, fma, iacc, dw, dx, accs)
+        store_block(builder, oa.data, accs, token_rows, weight_rows, N)
         return context.get_dummy_value()
 
     return types.none(xq, xd, xsum, data, scales, out, t0, n0, bits, tokens), codegen
