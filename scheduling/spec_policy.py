@@ -70,6 +70,9 @@ class SpeculationPolicy:
     probe: bool = False  # depth 1 this step, to re-measure acceptance
     draft_s_per_token: float = 0.0
     probe_width: int | None = None  # requests a probe drafts for (None: all)
+    # the slope over every recent step (prefill chunks and tree steps too): what a token costs past the sizes
+    # per_token_s was fitted at, where a memory-bound step turns compute-bound (a tree's extra nodes)
+    wide_per_token_s: float | None = None  # None: per_token_s
 
     @classmethod
     def off(cls) -> "SpeculationPolicy":
@@ -125,8 +128,10 @@ def speculation_policy(t: SpecTelemetry) -> SpeculationPolicy:
         draft_fixed_s, draft_per_token_s = fit_step_cost(t.draft_pass_costs, 2 * num_requests)
     else:
         draft_fixed_s, draft_per_token_s = t.cost_prior[0] * fixed_s, t.cost_prior[1] * per_token_s
+    wide_per_token_s = max(fit_step_cost(t.step_costs)[1], per_token_s)
     policy = SpeculationPolicy(cfg.mode, max_depth, t.accept_rates, fixed_s, per_token_s, draft_fixed_s, factor,
-                               cfg.max_compute_fraction, False, draft_per_token_s, 1 if t.catches_up else None)
+                               cfg.max_compute_fraction, False, draft_per_token_s, 1 if t.catches_up else None,
+                               wide_per_token_s)
     if (cfg.mode != "on" and max_depth > 0
             and t.num_steps_without_drafts >= probe_interval(t.catches_up, t.num_idle_probes)
             and pays_at_full_acceptance(policy, num_requests)):

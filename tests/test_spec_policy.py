@@ -317,7 +317,8 @@ def spec_telemetry(**fields) -> SpecTelemetry:
 def exact(policy: SpeculationPolicy) -> SpeculationPolicy:
     """The policy with its fitted costs rounded off the least-squares noise, for exact comparison."""
     return replace(policy, **{f: round(getattr(policy, f), 12) for f in
-                              ("fixed_s", "per_token_s", "draft_s_per_position", "draft_s_per_token", "draft_cost_factor")})
+                              ("fixed_s", "per_token_s", "draft_s_per_position", "draft_s_per_token", "draft_cost_factor",
+                               "wide_per_token_s")})
 
 
 def test_policy_from_fixed_telemetry():
@@ -325,7 +326,7 @@ def test_policy_from_fixed_telemetry():
     t = spec_telemetry(num_waiting=2, kv_usage=0.875, cost_prior=(0.5, 0.25))
     assert exact(speculation_policy(t)) == SpeculationPolicy(
         "auto", K, (0.9, 0.8, 0.7, 0.6), FIXED_S, PER_TOKEN_S, 0.5 * FIXED_S, 1.875, 1.0, False,
-        0.25 * PER_TOKEN_S, None)
+        0.25 * PER_TOKEN_S, None, PER_TOKEN_S)
     passes = tuple((n, 0.002 + 0.0001 * n) for n in (1, 2, 3, 4) * 3)  # timed passes replace the prior
     p = exact(speculation_policy(replace(t, draft_pass_costs=passes)))
     assert (p.draft_s_per_position, p.draft_s_per_token) == (0.002, 0.0001)

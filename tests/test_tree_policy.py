@@ -4,16 +4,18 @@ measurement of what each width would have kept (exact against hand-computed walk
 import numpy as np
 import pytest
 
+import numaserve as ns
 from models.proposers.medusa import MedusaProposer
 from models.proposers.tree_shape import MAX_WIDTH, tree_size, tree_sizes
-from scheduling.spec_policy import SpeculationPolicy
+from scheduling.spec_policy import SpecTelemetry, SpeculationPolicy, speculation_policy
 from scheduling.tree_policy import MIN_MEASURED, choose_tree_width
 
 K = 3
 
 
-def policy(fixed_s: float, per_token_s: float) -> SpeculationPolicy:
-    return SpeculationPolicy("on", K, (0.5,) * K, fixed_s, per_token_s, 0.0, 1.0, 1.0)
+def policy(fixed_s: float, per_token_s: float, wide_per_token_s: float | None = None) -> SpeculationPolicy:
+    return SpeculationPolicy("on", K, (0.5,) * K, fixed_s, per_token_s, 0.0, 1.0, 1.0,
+                             wide_per_token_s=wide_per_token_s)
 
 
 def counts(mean_kept_by_width: list[list[int]]) -> np.ndarray:
@@ -41,6 +43,26 @@ def test_a_wider_tree_is_chosen_when_it_keeps_more_and_tokens_are_cheap():
     assert choose_tree_width(policy(0.010, 0.00001), kept, SIZES, [K] * 4, 4) == 2  # ties go narrower
     # a token costing ten fixed costs: 7 more nodes per request for one more token do not pay
     assert choose_tree_width(policy(0.001, 0.010), kept, SIZES, [K] * 4, 4) == 1
+
+
+def test_tree_nodes_are_priced_at_the_slope_of_all_steps_not_the_flat_local_one():
+    # the depths' local fit is flat (a few rows ride on the weights' stream) but steps as large as the trees
+    # cost a tenth of the fixed cost per token: 7 more nodes per request for one more token do not pay
+    kept = counts([[1] * MIN_MEASURED, [2] * MIN_MEASURED, [2] * MIN_MEASURED, [2] * MIN_MEASURED])
+    assert choose_tree_width(policy(0.010, 0.00001, 0.00001), kept, SIZES, [K] * 4, 4) == 2
+    assert choose_tree_width(policy(0.010, 0.00001, 0.001), kept, SIZES, [K] * 4, 4) == 1
+
+
+def test_the_wide_slope_is_fitted_over_every_step_and_never_below_the_local_one():
+    config = ns.SpeculationConfig(method="medusa", num_speculative_tokens=K, mode="on")
+    flat_then_steep = tuple((n, 0.010) for n in (1, 2, 3, 4) * 4) + tuple((n, 0.010 + 0.001 * (n - 4))
+                                                                         for n in (16, 32, 64))
+    p = speculation_policy(SpecTelemetry(config, (0.5,) * K, flat_then_steep, num_requests=1))
+    assert p.per_token_s == pytest.approx(0.0, abs=1e-9)  # the depths' fit: steps up to 2 x (1 + K) tokens
+    assert p.wide_per_token_s > 0.0005
+    line = tuple((n, 0.01 + 0.0001 * n) for n in (1, 2, 3, 4) * 4)
+    p = speculation_policy(SpecTelemetry(config, (0.5,) * K, line, num_requests=1))
+    assert p.wide_per_token_s == pytest.approx(p.per_token_s)
 
 
 def test_the_chain_until_enough_proposals_are_measured_and_without_drafts():
