@@ -11,7 +11,6 @@ window's) is then the tree's start plus its depth, not its slot. A chain of draf
 a lower-triangular mask, and gives the same bits as plain positions.
 """
 
-
 import numpy as np
 from numba import njit, prange, types
 from numba.extending import overload

@@ -8,8 +8,9 @@ same whatever was drafted (scheduling/step_sampler.py). A request drafting to de
 appends 1 + E[min(l, d)] tokens and costs the step wide_per_token_s * (nodes - d) more than its chain,
 charged draft_cost_factor times as a chain's drafts are: the slope over all recent steps, not the local one
 the depths are priced with (flat where a few rows ride on the weights' memory stream, so 30 more rows would
-look free: on the TinyLlama shape the policy tried width-3 trees that cost 3.5x a row-step). Width 1 (the chain) until every width has MIN_MEASURED
-proposals (Medusa measures every width each proposal; EAGLE the widths up to the one it drafted).
+look free: on the TinyLlama shape the policy tried width-3 trees that cost 3.5x a row-step). Width 1 (the
+chain) until every width has MIN_MEASURED proposals (Medusa measures every width each proposal; EAGLE the
+widths up to the one it drafted).
 """
 
 from collections.abc import Sequence
