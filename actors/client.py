@@ -93,6 +93,16 @@ class Client:
         """The router's figures, each worker's, the policies, and the adapter cache's (under "adapter_cache")."""
         return _get(self.router.stats.remote()) | {"adapter_cache": _get(self.adapter_cache.stats.remote(), "adapter cache")}
 
+    def pause_generation(self, worker_ids: list[str] | None = None) -> list[str]:
+        """Stop the workers (all, or worker_ids) taking steps: requests in flight stay where they are, new ones
+        are admitted and wait, aborts and stats go on (vLLM's pause in "keep" mode). Returns the workers paused
+        (a worker restarting now comes back unpaused)."""
+        return _get(self.router.pause.remote(True, worker_ids))
+
+    def resume_generation(self, worker_ids: list[str] | None = None) -> list[str]:
+        """Let paused workers (all, or worker_ids) step again; the workers resumed."""
+        return _get(self.router.pause.remote(False, worker_ids))
+
     def shutdown(self) -> None:
         """Stop every actor of this deployment."""
         from actors.deploy import shutdown

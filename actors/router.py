@@ -200,6 +200,25 @@ class Router:
 
         return [m for m in await asyncio.gather(*(ask(w) for w in self.workers)) if m is not None]
 
+    async def pause(self, paused: bool, worker_ids: list[str] | None = None) -> list[str]:
+        """Pause (or resume) the live workers among worker_ids (None: all); the ids that answered. A worker
+        restarting now comes back unpaused."""
+        ids = list(self.workers) if worker_ids is None else worker_ids
+        unknown = set(ids) - set(self.workers)
+        if unknown:
+            raise InvalidRequest(f"no worker {sorted(unknown)} in this deployment; its workers: {sorted(self.workers)}")
+
+        async def tell(worker_id: str) -> bool:
+            handle = self.workers[worker_id]
+            try:
+                await asyncio.wait_for(handle.pause.remote() if paused else handle.resume.remote(), STATS_TIMEOUT_S)
+                return True
+            except (TimeoutError, ray.exceptions.RayError):
+                return False
+
+        live = [w for w in ids if self.routing.workers[w].alive]
+        return [w for w, told in zip(live, await asyncio.gather(*map(tell, live))) if told]
+
     # ---- worker health and policy ------------------------------------------------------------------
 
     def _worker_lost(self, worker_id: str) -> None:

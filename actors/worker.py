@@ -2,8 +2,10 @@
 
 Threads: the actor's event loop serves generate/abort/stats/info; one loop thread owns the Engine and is
 the only thread that touches it after construction (numba kernels must never run from two threads).
-They talk through `_inbox` (requests, aborts, stats queries, in) and `call_soon_threadsafe` (outputs,
-out). The loop thread also reports StepTelemetry to the scheduler (with the speculator's SpecTelemetry) and
+They talk through `_inbox` (requests, aborts, stats queries, pause and resume, in) and `call_soon_threadsafe`
+(outputs, out). A paused worker takes no step (its requests stay as they are, as vLLM's pause in "keep" mode)
+but goes on taking requests, aborts and stats queries, and ends requests whose deadline passes; tests pause
+one to hold requests in flight. The loop thread also reports StepTelemetry to the scheduler (with the speculator's SpecTelemetry) and
 applies the Policy it answers: batch limits and the speculation policy. Until the first answer the engine's
 own controller decides speculation; while the scheduler is dead or restarting the last answer stays in force.
 Adapters come from the AdapterCache by name through the object store: a request's adapter is asked for
@@ -65,6 +67,7 @@ class NumaWorker:
         self._num_requests = 0  # served through generate (the warm-up is not one)
         self.metrics = WorkerMetrics(model_name or Path(model_path).name, placement.worker_id, placement.node_id)
         self._failure: BaseException | None = None
+        self._paused = False  # read and written by the loop thread only
         ready = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(ready,), name=f"step-loop-{placement.worker_id}",
                                         daemon=True)
@@ -130,9 +133,21 @@ class NumaWorker:
         self._inbox.put(("abort", request_id))
 
     async def stats(self) -> dict:
+        return await self._ask("stats")
+
+    async def pause(self) -> None:
+        """Take no step until resume(): requests in flight stay where they are (none finishes, none is lost).
+        Returns once the step loop has stopped: no step starts after it."""
+        await self._ask("pause", True)
+
+    async def resume(self) -> None:
+        await self._ask("pause", False)
+
+    async def _ask(self, kind: str, value=None):
+        """The loop thread's answer to one inbox message."""
         self._loop = asyncio.get_running_loop()
         answer = self._loop.create_future()
-        self._inbox.put(("stats", answer))
+        self._inbox.put((kind, (value, answer)))
         return await asyncio.wait_for(answer, STATS_TIMEOUT_S)
 
     async def model_info(self) -> dict:
@@ -172,12 +187,18 @@ class NumaWorker:
         meter = _StepMeter()
         next_report = time.monotonic()
         while True:
-            self._drain_inbox(block=not self.engine.has_unfinished())
-            if self.engine.has_unfinished():
+            self._drain_inbox(block=not self._steps())
+            if self._steps():
                 self._step(meter)
+            elif self._paused and (expired := self.engine.abort_expired()):  # a pause holds no one past a deadline
+                self.metrics.outputs(self.engine, expired)
+                self._deliver([(out.request_id, out) for out in expired])
             if self._scheduler is not None and time.monotonic() >= next_report:
                 next_report = time.monotonic() + self._telemetry_interval_s
                 self._report(meter)
+
+    def _steps(self) -> bool:
+        return self.engine.has_unfinished() and not self._paused
 
     def _warm_up(self) -> None:
         """Compile (or load from numba's cache) every kernel before the first request."""
@@ -204,15 +225,19 @@ class NumaWorker:
             if out is not None:
                 self.metrics.outputs(self.engine, [out])
                 self._deliver([(arg, out)])
+        elif kind == "pause":
+            self._paused, answer = arg
+            self._loop.call_soon_threadsafe(_set_result, answer, None)
         elif kind == "stats":
+            _, answer = arg
             stats = self.engine.stats() | {"worker_id": self.placement.worker_id, "num_streams": len(self._streams),
                                            "num_requests": self._num_requests,
                                            "rss_bytes": psutil.Process().memory_info().rss,
                                            "token_budget": self.engine.batcher.token_budget,
                                            "max_num_seqs": self.engine.batcher.max_num_seqs,
                                            "metrics": self.metrics.snapshot(self.engine),
-                                           "decisions": self.engine.decisions.recent()}
-            self._loop.call_soon_threadsafe(_set_result, arg, stats)
+                                           "decisions": self.engine.decisions.recent(), "paused": self._paused}
+            self._loop.call_soon_threadsafe(_set_result, answer, stats)
         elif kind == "policy":
             self._report_sent = None
             try:

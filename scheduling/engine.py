@@ -130,7 +130,7 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         start = time.perf_counter()
-        expired = self._abort_expired()
+        expired = self.abort_expired()
         plan = self.batcher.schedule()
         for req in plan.preempted:
             self._forget_drafts(req.request_id)
@@ -147,7 +147,7 @@ class Engine:
                                     len(self.batcher.waiting), self.kv.pool.num_used_blocks / self.kv.pool.num_blocks)
         return outputs
 
-    def _abort_expired(self) -> list[RequestOutput]:
+    def abort_expired(self) -> list[RequestOutput]:
         """Requests past their deadline (waiting or running) finish with "abort"; their blocks go back."""
         now = time.monotonic()
         expired = [r for r in self.requests.values() if r.deadline is not None and now >= r.deadline]

@@ -4,6 +4,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from tests.model_factory import VARIANTS, build_model
+from tests.stress import cpu_burner, pytest_addoption, pytest_configure, pytest_generate_tests  # noqa: F401
 
 torch.set_num_threads(1)
 

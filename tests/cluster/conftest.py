@@ -5,6 +5,7 @@ resources); the multi-machine test adds machine `sim1` and removes it again."""
 import random
 import socket
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -60,6 +61,18 @@ def wait_for(condition, timeout_s: float, what: str):
             return value
         time.sleep(0.1)
     raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+
+
+@contextmanager
+def paused(client, worker_ids: list[str] | None = None):
+    """Inside the block the workers (all, or worker_ids) take no step: a request in flight stays in flight
+    whatever this machine's speed, so what the test does to it happens mid-request by construction."""
+    every = list(worker_ids or client.stats()["workers"])
+    assert sorted(client.pause_generation(worker_ids)) == sorted(every), "a worker to pause did not answer"
+    try:
+        yield
+    finally:
+        client.resume_generation(worker_ids)
 
 
 def collect(stream) -> tuple[list[int], str, str | None, int]:

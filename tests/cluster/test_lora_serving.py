@@ -13,7 +13,7 @@ import ray
 from ray.util.state import list_actors
 
 import numaserve as ns
-from tests.cluster.conftest import collect, sim_config, wait_for
+from tests.cluster.conftest import collect, paused, sim_config, wait_for
 from tests.conftest import random_prompt
 from tests.test_lora import make_adapter
 
@@ -40,6 +40,7 @@ def config(request, tmp_path_factory):
                       adapter_registry=str(tmp_path_factory.mktemp("registry") / "adapters.json"))
 
 
+@pytest.mark.load_sensitive
 def test_mixed_adapters_through_the_client_equal_each_alone(ray_cluster, llama_dir, adapter_dirs, config,
                                                             tmp_path):
     prompts = [random_prompt(4 + 3 * i, seed=70 + i) for i in range(12)]
@@ -146,20 +147,24 @@ def assert_a_session_switching_adapter_recomputes_and_switching_back_reuses(clie
 
 def assert_a_merged_copy_is_built_once_and_shared(client):
     """The worker that builds a merged copy shares it through the AdapterCache: the other takes it."""
-    def totals() -> tuple[int, int]:
-        workers = [w for w in client.stats()["workers"].values() if "lora_merged_builds" in w]
-        return sum(w["lora_merged_builds"] for w in workers), sum(w["lora_merged_shared"] for w in workers)
+    def per_worker() -> dict[str, tuple[int, int]]:
+        return {w: (s["lora_merged_builds"], s["lora_merged_shared"]) for w, s in client.stats()["workers"].items()
+                if "lora_merged_builds" in s}
 
     client.compose_adapter("fresh", {"a": 1.0, "c": 0.5}, combination="cat")  # no worker holds a copy of it
-    builds, shared = totals()
+    before = per_worker()
     long = client.stream(random_prompt(8, seed=200), ns.SamplingParams(max_tokens=300, ignore_eos=True),
                          adapter="fresh")
     next(long)  # running on one worker, which built the copy and shares it
+    [builder] = [w for w, (builds, _) in per_worker().items() if builds > before[w][0]]
     wait_for(lambda: "fresh" in client.stats()["adapter_cache"]["merged_held"], 30, "the copy to be shared")
-    # the builder carries 300 outstanding tokens: the router sends the next one to the other worker
-    client.generate(random_prompt(8, seed=201), GREEDY, adapter="fresh")
+    # the builder, paused, carries the long request's outstanding tokens: the router sends the next to the other
+    with ThreadPoolExecutor(1) as pool, paused(client, [builder]):
+        pool.submit(client.generate, random_prompt(8, seed=201), GREEDY, adapter="fresh").result(timeout=60)
     long.close()
-    assert totals() == (builds + 1, shared + 1)
+    after = per_worker()
+    assert sum(a[0] - before[w][0] for w, a in after.items()) == 1  # built once
+    assert [w for w, a in after.items() if a[1] > before[w][1]] == [w for w in after if w != builder]  # and shared
 
 
 def cache_process(name: str) -> tuple[str, int]:
