@@ -26,17 +26,21 @@ def _run_until(engine: Engine, req) -> list:
     return outputs
 
 
-def later(monkeypatch, seconds: float) -> None:
-    """The clock the engine reads deadlines with jumps `seconds` ahead (whatever this machine's speed)."""
-    now = time.monotonic()
-    monkeypatch.setattr(time, "monotonic", lambda: now + seconds)
+class Clock:
+    """The clock the engine reads deadlines with, moved by the test alone (whatever this machine's speed)."""
+
+    def __init__(self, monkeypatch):
+        self.now = time.monotonic()
+        monkeypatch.setattr(time, "monotonic", lambda: self.now)
 
 
+@pytest.mark.load_sensitive
 def test_running_request_past_its_deadline_is_aborted_and_frees_its_blocks(engine, monkeypatch):
+    clock = Clock(monkeypatch)
     req = engine.add_request("running", random_prompt(20, 1), LONG.model_copy(update={"deadline_s": 5.0}))
     while len(req.output_token_ids) < 3:
         engine.step()
-    later(monkeypatch, 10.0)
+    clock.now += 10.0
     outputs = _run_until(engine, req)
     assert req.finish_reason == "abort" and outputs[-1].finish_reason == "abort"
     assert 3 <= len(req.output_token_ids) < LONG.max_tokens  # it ran, then the deadline cut it
@@ -44,11 +48,13 @@ def test_running_request_past_its_deadline_is_aborted_and_frees_its_blocks(engin
     assert engine.kv.pool.num_free_blocks == engine.kv.pool.num_blocks
 
 
+@pytest.mark.load_sensitive
 def test_waiting_request_past_its_deadline_is_aborted_without_running(engine, monkeypatch):
+    clock = Clock(monkeypatch)
     first = engine.add_request("first", random_prompt(20, 2), LONG)
     second = engine.add_request("second", random_prompt(20, 3), LONG.model_copy(update={"deadline_s": 5.0}))
     engine.step()  # max_num_seqs=1: the first runs, the second waits
-    later(monkeypatch, 10.0)
+    clock.now += 10.0
     outputs = _run_until(engine, second)
     assert outputs[-1].finish_reason == "abort" and outputs[-1].token_ids == []
     assert not first.finished and second.num_computed_tokens == 0  # it never left the queue

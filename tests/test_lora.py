@@ -11,6 +11,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 
 import numaserve as ns
 from models.lora_slots import LoraSlots
+from scheduling.lora_merge_policy import MergeMeter
 from tests.conftest import random_prompt
 from tests.test_hf_parity import hf_logits
 
@@ -270,7 +271,23 @@ def test_merged_copies_are_bounded_in_bytes_and_leave_the_base_weights_alone(llm
     assert weights_checksum(merged.engine.model.weights) == before
 
 
-def test_auto_merges_a_single_adapter_burst_once_the_measured_savings_pay_for_the_copy(llm, llama_dir, adapters):
+@pytest.fixture
+def fixed_merge_costs(monkeypatch):
+    """lora_merge "auto" decides from measured seconds, which differ from machine to machine (a fast box's
+    low-rank rows may never pay for a copy). Here each step is charged fixed costs instead: 1 ms per low-rank
+    row, 0.5 ms a weight pass (a build keeps its prior, the weights' bytes at BUILD_BYTES_PER_S), so a burst
+    of one adapter pays for its copy after BURST_STEPS steps on every machine alike."""
+    observe = MergeMeter.observe
+
+    def charged(self, lowrank_rows, lowrank_s, num_rows, linear_s, small_step_rows=32):
+        observe(self, lowrank_rows, 1e-3 * lowrank_rows, num_rows, 5e-4, small_step_rows)
+    monkeypatch.setattr(MergeMeter, "observe", charged)
+    monkeypatch.setattr(MergeMeter, "built", lambda self, seconds: None)
+
+
+@pytest.mark.load_sensitive
+def test_auto_merges_a_single_adapter_burst_once_the_measured_savings_pay_for_the_copy(llm, llama_dir, adapters,
+                                                                                         fixed_merge_costs):
     greedy = ns.SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
     auto = ns.LLM(llama_dir, **FP32, lora_merge="auto")
     auto.register_adapter("a", adapters["a"])

@@ -20,7 +20,7 @@ def trees(draw, max_nodes: int = 12, vocab: int = 4):
     return TokenTree(tokens, parents)
 
 
-@settings(max_examples=200, derandomize=True)
+@settings(max_examples=200, derandomize=True, deadline=None)
 @given(tree=trees())
 def test_depths_paths_and_masks_agree(tree):
     mask = tree.mask()
@@ -32,7 +32,7 @@ def test_depths_paths_and_masks_agree(tree):
         assert np.flatnonzero(mask[i]).tolist() == sorted(path)
 
 
-@settings(max_examples=300, derandomize=True)
+@settings(max_examples=300, derandomize=True, deadline=None)
 @given(tree=trees(), data=st.data())
 def test_a_walk_appends_samples_along_one_path_and_stops_where_no_child_matches(tree, data):
     samples = data.draw(st.lists(st.integers(0, 3), min_size=len(tree.tokens) + 1, max_size=len(tree.tokens) + 1))
@@ -45,7 +45,7 @@ def test_a_walk_appends_samples_along_one_path_and_stops_where_no_child_matches(
     assert tokens[-1] not in {t for t, p in zip(tree.tokens, tree.parents) if p == last}
 
 
-@settings(max_examples=200, derandomize=True)
+@settings(max_examples=200, derandomize=True, deadline=None)
 @given(drafts=st.lists(st.integers(0, 3), max_size=8), data=st.data())
 def test_a_chains_walk_is_the_chain_verification(drafts, data):
     samples = data.draw(st.lists(st.integers(0, 3), min_size=len(drafts) + 1, max_size=len(drafts) + 1))
@@ -83,7 +83,7 @@ def ranked_trees(draw, max_nodes: int = 14):
     return TokenTree(tokens, parents, ranks)
 
 
-@settings(max_examples=300, derandomize=True)
+@settings(max_examples=300, derandomize=True, deadline=None)
 @given(tree=ranked_trees(), data=st.data())
 def test_kept_by_width_is_what_each_narrowed_tree_keeps(tree, data):
     depth = max(tree.depths, default=0)

@@ -68,11 +68,23 @@ def paused(client, worker_ids: list[str] | None = None):
     """Inside the block the workers (all, or worker_ids) take no step: a request in flight stays in flight
     whatever this machine's speed, so what the test does to it happens mid-request by construction."""
     every = list(worker_ids or client.stats()["workers"])
-    assert sorted(client.pause_generation(worker_ids)) == sorted(every), "a worker to pause did not answer"
     try:
+        assert sorted(client.pause_generation(worker_ids)) == sorted(every), "a worker to pause did not answer"
         yield
     finally:
         client.resume_generation(worker_ids)
+
+
+def worker_pid(client, worker_id: str) -> int | None:
+    """The worker's process id, None while the router has it down or it does not answer."""
+    stats = client.stats()["workers"][worker_id]
+    return stats["info"]["pid"] if stats.get("alive") and "info" in stats else None
+
+
+def wait_for_restart(client, worker_id: str, old_pid: int, timeout_s: float = 120) -> None:
+    """A killed worker is back: a new process, warmed up and taken back by the router."""
+    wait_for(lambda: worker_pid(client, worker_id) not in (None, old_pid), timeout_s,
+             f"worker {worker_id} to restart and rejoin")
 
 
 def collect(stream) -> tuple[list[int], str, str | None, int]:

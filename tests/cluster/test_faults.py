@@ -18,7 +18,14 @@ import pytest
 import ray
 
 import numaserve as ns
-from tests.cluster.conftest import free_port, reference_outputs, sim_config, wait_for
+from tests.cluster.conftest import (
+    free_port,
+    reference_outputs,
+    sim_config,
+    wait_for,
+    wait_for_restart,
+    worker_pid,
+)
 from tests.conftest import random_prompt
 from tests.test_lora import make_adapter
 
@@ -164,10 +171,11 @@ def serves(client, api) -> bool:
 
 @pytest.mark.load_sensitive
 def test_a_killed_worker_loses_no_stream_of_32(client, api, expected):
+    victim_pid = worker_pid(client, "local-numa0-0")
     outcomes, num_running = run_killing(client, api, "worker.local-numa0-0")
     assert num_running > 0
     assert counts(outcomes, expected) == {"completed": 32, "failed": 0, "hung": 0}
-    wait_for(lambda: all(w["alive"] for w in client.stats()["workers"].values()), BACK_WITHIN_S, "the worker to rejoin")
+    wait_for_restart(client, "local-numa0-0", victim_pid, BACK_WITHIN_S)
     assert serves(client, api)
 
 

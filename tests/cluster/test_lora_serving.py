@@ -30,11 +30,12 @@ def adapter_dirs(llama_dir, tmp_path_factory):
     return {name: make_adapter(llama_dir, root / name, **kw) for name, kw in ADAPTERS.items()}
 
 
-@pytest.fixture(scope="module", params=["never", "always"])
+@pytest.fixture(params=["never", "always"])
 def config(request, tmp_path_factory):
     # max_loras=2 per worker: the batch's four adapters and a composed one rotate through the slots; with
     # lora_merge "always" each step's most-used adapter runs on its merged copy, the others low-rank
-    # adapter_roots: pytest's temporary directories (every adapter here), so paths that leave them are refused
+    # adapter_roots: pytest's temporary directories (every adapter here), so paths that leave them are refused;
+    # a registry per deployment (a repeated test registers its adapters from new directories)
     return sim_config("two_numa_sim", engine={"max_num_seqs": 16, "max_loras": 2, "lora_merge": request.param,
                                               "adapter_roots": [str(tmp_path_factory.getbasetemp())]},
                       adapter_registry=str(tmp_path_factory.mktemp("registry") / "adapters.json"))

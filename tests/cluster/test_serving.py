@@ -13,7 +13,16 @@ from ray.util.state import list_actors
 
 import numaserve as ns
 from actors.deploy import DeploymentError
-from tests.cluster.conftest import REPO, collect, paused, reference_outputs, sim_config, wait_for
+from tests.cluster.conftest import (
+    REPO,
+    collect,
+    paused,
+    reference_outputs,
+    sim_config,
+    wait_for,
+    wait_for_restart,
+    worker_pid,
+)
 from tests.conftest import random_prompt
 
 NAME = "serving"
@@ -156,7 +165,7 @@ def test_killing_a_worker_mid_stream_loses_no_request_and_the_restarted_worker_r
     prompts = [random_prompt(20, seed=500 + i) for i in range(12)]
     expected = reference_outputs(llama_dir, config, prompts, params)
     victim_id = "local-numa0-0"
-    victim = worker_handle(victim_id)
+    victim, victim_pid = worker_handle(victim_id), worker_pid(client, victim_id)
     rerouted_before = client.stats()["routed"]["reroute"]
     streams = [client.stream(p, sp) for p, sp in zip(prompts, params)]
     firsts = [next(s) for s in streams]  # every request is running
@@ -165,7 +174,7 @@ def test_killing_a_worker_mid_stream_loses_no_request_and_the_restarted_worker_r
             ray.kill(victim, no_restart=False)  # Ray restarts it
         rests = [collect(s) for s in streams]
     finally:  # the next tests need both workers back
-        wait_for(lambda: worker_stats(client)[victim_id]["alive"], 120, "the restarted worker to rejoin")
+        wait_for_restart(client, victim_id, victim_pid)
     assert [f.token_ids + r[0] for f, r in zip(firsts, rests)] == [e.token_ids for e in expected]
     assert [f.text + r[1] for f, r in zip(firsts, rests)] == [e.text for e in expected]
     assert all(r[2] == "length" for r in rests)

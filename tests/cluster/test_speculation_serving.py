@@ -14,7 +14,15 @@ import numaserve as ns
 from actors.worker import NumaWorker
 from scheduling.policy import Policy
 from scheduling.spec_policy import SpeculationPolicy
-from tests.cluster.conftest import collect, paused, reference_outputs, sim_config, wait_for
+from tests.cluster.conftest import (
+    collect,
+    paused,
+    reference_outputs,
+    sim_config,
+    wait_for,
+    wait_for_restart,
+    worker_pid,
+)
 from tests.conftest import random_prompt
 from tests.test_speculation import perturbed_copy
 
@@ -104,13 +112,16 @@ def test_killing_a_speculating_worker_mid_stream_changes_no_token(client, llama_
                                 ignore_eos=True) for i in range(8)]
     prompts = [random_prompt(20, seed=700 + i) + random_prompt(6, seed=i) * 3 for i in range(8)]
     expected = reference_outputs(llama_dir, plain_config, prompts, params)  # no speculation: same tokens
+    wait_for_both_workers(client)
     rerouted_before = client.stats()["routed"]["reroute"]
     survivor, before = "local-numa1-0", num_accepted(client)
+    victim_pid = worker_pid(client, "local-numa0-0")
     streams = [client.stream(p, sp) for p, sp in zip(prompts, params)]
     firsts = [next(s) for s in streams]
     with paused(client):  # the victim's streams are in flight when it dies, whatever this machine's speed
         ray.kill(ray.get_actor(f"{NAME}.worker.local-numa0-0", namespace="numaserve"), no_restart=False)
     rests = [collect(s) for s in streams]
+    wait_for_restart(client, "local-numa0-0", victim_pid)
     assert [f.token_ids + r[0] for f, r in zip(firsts, rests)] == [e.token_ids for e in expected]
     assert [f.text + r[1] for f, r in zip(firsts, rests)] == [e.text for e in expected]
     assert client.stats()["routed"]["reroute"] > rerouted_before
