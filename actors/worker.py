@@ -5,8 +5,8 @@ the only thread that touches it after construction (numba kernels must never run
 They talk through `_inbox` (requests, aborts, stats queries, pause and resume, in) and `call_soon_threadsafe`
 (outputs, out). A paused worker takes no step (its requests stay as they are, as vLLM's pause in "keep" mode)
 but goes on taking requests, aborts and stats queries, and ends requests whose deadline passes; tests pause
-one to hold requests in flight. The loop thread also reports StepTelemetry to the scheduler (with the speculator's SpecTelemetry) and
-applies the Policy it answers: batch limits and the speculation policy. Until the first answer the engine's
+one to hold requests in flight. The loop thread also reports StepTelemetry to the scheduler (with the
+speculator's SpecTelemetry) and applies the Policy it answers: batch limits and the speculation policy. Until the first answer the engine's
 own controller decides speculation; while the scheduler is dead or restarting the last answer stays in force.
 Adapters come from the AdapterCache by name through the object store: a request's adapter is asked for
 (and so loaded there) before the request is queued, and the engine fetches it when a step needs it and
