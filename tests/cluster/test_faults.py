@@ -87,11 +87,11 @@ def expected(llama_dir, config, adapter_dir) -> list[ns.Completion]:
 def _http_stream(api, prompt, started) -> Outcome:
     out = Outcome("http")
     try:
-        for chunk in api.completions.create(model=MODEL, prompt=prompt, max_tokens=GREEDY.max_tokens, temperature=0,
-                                            stream=True, extra_body={"ignore_eos": True}):
+        stream = api.completions.create(model=MODEL, prompt=prompt, max_tokens=GREEDY.max_tokens, temperature=0,
+                                        stream=True, extra_body={"ignore_eos": True})
+        started.release()  # the server answers a stream's headers once its first token is out (its text may be
+        for chunk in stream:  # empty for a while: a token's bytes need not end a character)
             if chunk.choices and chunk.choices[0].text:
-                if not out.text:
-                    started.release()  # once per stream
                 out.text += chunk.choices[0].text
             out.finished = out.finished or bool(chunk.choices and chunk.choices[0].finish_reason)
     except (openai.APIError, OSError) as e:
