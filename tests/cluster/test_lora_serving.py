@@ -169,5 +169,5 @@ def assert_a_merged_copy_is_built_once_and_shared(client):
 
 
 def cache_process(name: str) -> tuple[str, int]:
-    [state] = list_actors(filters=[("name", "=", f"{name}.adapters")])
+    [state] = list_actors(filters=[("name", "=", f"{name}.adapters"), ("state", "!=", "DEAD")])  # not an earlier run's
     return state.state, state.pid
