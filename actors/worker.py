@@ -68,6 +68,7 @@ class NumaWorker:
         self.metrics = WorkerMetrics(model_name or Path(model_path).name, placement.worker_id, placement.node_id)
         self._failure: BaseException | None = None
         self._paused = False  # read and written by the loop thread only
+        self._advancing: tuple[int, asyncio.Future] | None = None  # paused: steps still to take, who waits for them
         ready = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(ready,), name=f"step-loop-{placement.worker_id}",
                                         daemon=True)
@@ -143,6 +144,11 @@ class NumaWorker:
     async def resume(self) -> None:
         await self._ask("pause", False)
 
+    async def advance(self, num_steps: int = 1) -> None:
+        """Paused: take num_steps steps (fewer if the requests run out), then stay paused; returns after them.
+        Tests move a paused worker by exact steps (a request's first token, and no more)."""
+        await self._ask("advance", num_steps)
+
     async def _ask(self, kind: str, value=None):
         """The loop thread's answer to one inbox message."""
         self._loop = asyncio.get_running_loop()
@@ -190,6 +196,7 @@ class NumaWorker:
             self._drain_inbox(block=not self._steps())
             if self._steps():
                 self._step(meter)
+                self._advanced()
             elif self._paused and (expired := self.engine.abort_expired()):  # a pause holds no one past a deadline
                 self.metrics.outputs(self.engine, expired)
                 self._deliver([(out.request_id, out) for out in expired])
@@ -198,7 +205,17 @@ class NumaWorker:
                 self._report(meter)
 
     def _steps(self) -> bool:
-        return self.engine.has_unfinished() and not self._paused
+        return self.engine.has_unfinished() and (not self._paused or self._advancing is not None)
+
+    def _advanced(self, num_steps: int = 1) -> None:
+        """Count steps taken while advancing a paused worker; answer once they are all taken (or none is left)."""
+        if self._advancing is None:
+            return
+        left, answer = self._advancing[0] - num_steps, self._advancing[1]
+        self._advancing = (left, answer)
+        if left <= 0 or not self.engine.has_unfinished():
+            self._advancing = None
+            self._loop.call_soon_threadsafe(_set_result, answer, None)
 
     def _warm_up(self) -> None:
         """Compile (or load from numba's cache) every kernel before the first request."""
@@ -228,6 +245,13 @@ class NumaWorker:
         elif kind == "pause":
             self._paused, answer = arg
             self._loop.call_soon_threadsafe(_set_result, answer, None)
+        elif kind == "advance":
+            if not self._paused:
+                error = InvalidRequest("advance() moves a paused worker; pause it first")
+                self._loop.call_soon_threadsafe(_set_exception, arg[1], error)
+            else:
+                self._advancing = arg
+                self._advanced(0)
         elif kind == "stats":
             _, answer = arg
             stats = self.engine.stats() | {"worker_id": self.placement.worker_id, "num_streams": len(self._streams),
@@ -310,6 +334,11 @@ class _StepMeter:
 def _set_result(future: asyncio.Future, value) -> None:
     if not future.done():
         future.set_result(value)
+
+
+def _set_exception(future: asyncio.Future, error: Exception) -> None:
+    if not future.done():
+        future.set_exception(error)
 
 
 class CachedMerged:

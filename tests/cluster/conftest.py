@@ -75,6 +75,19 @@ def paused(client, worker_ids: list[str] | None = None):
         client.resume_generation(worker_ids)
 
 
+def queued(client) -> int:
+    """Requests in the workers' engines (-1 while a worker does not answer)."""
+    workers = client.stats()["workers"].values()
+    return sum(w["num_waiting"] + w["num_running"] if "num_waiting" in w else -1 for w in workers)
+
+
+def advance(client, num_steps: int = 1) -> None:
+    """Every worker of a paused deployment takes num_steps steps (fewer if it runs out of requests), then stays
+    paused."""
+    for worker_id in client.stats()["workers"]:
+        ray.get(ray.get_actor(f"{client.name}.worker.{worker_id}", namespace="numaserve").advance.remote(num_steps))
+
+
 def worker_pid(client, worker_id: str) -> int | None:
     """The worker's process id, None while the router has it down or it does not answer."""
     stats = client.stats()["workers"][worker_id]

@@ -5,6 +5,7 @@ free their workers, and a schema fuzz finds no 5xx."""
 
 import json
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
@@ -18,7 +19,7 @@ from schemathesis import GenerationMode
 from transformers import AutoTokenizer
 
 import numaserve as ns
-from tests.cluster.conftest import free_port, paused, reference_outputs, sim_config, wait_for
+from tests.cluster.conftest import advance, free_port, paused, queued, reference_outputs, sim_config, wait_for
 from tests.conftest import random_prompt
 
 NAME = "http"
@@ -309,9 +310,16 @@ def test_requests_dropped_by_the_client_are_aborted_and_free_their_kv_blocks(cli
     wait_for(lambda: idle(client), 30, "an idle deployment")
     aborted = metric(scrape(url), "numaserve:request_success_total", finished_reason="abort")
     long = {"model": MODEL, "max_tokens": 480, "temperature": 0, "extra_body": IGNORE_EOS}
-    streams = [api.completions.create(prompt=random_prompt(8, seed=i), stream=True, **long) for i in range(3)]
-    assert all(next(iter(s)).choices[0].text is not None for s in streams)  # each is running
-    with paused(client):  # none can run on to its 480 tokens before its close reaches the worker
+    with ThreadPoolExecutor(3) as pool, paused(client):  # none can run on to its 480 tokens before its close
+        opening = [pool.submit(api.completions.create, prompt=random_prompt(8, seed=i), stream=True, **long)
+                   for i in range(3)]  # each returns once its first token is out (the server's headers wait)
+        wait_for(lambda: queued(client) == 3, 30, "the three requests to reach the workers")
+        for _ in range(50):  # a step at a time, until each has its first token (a few tokens of 480 at most)
+            if all(o.done() for o in opening):
+                break
+            advance(client)
+            time.sleep(0.05)
+        streams = [o.result() for o in opening]
         assert metric(scrape(url), "numaserve:num_requests_running") == 3
         assert metric(scrape(url), "numaserve:kv_cache_usage_perc") > 0
         for s in streams:

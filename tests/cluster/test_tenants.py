@@ -12,7 +12,7 @@ import requests
 
 import numaserve as ns
 from numaserve.cli import main
-from tests.cluster.conftest import free_port, paused, sim_config, wait_for
+from tests.cluster.conftest import free_port, paused, queued, sim_config, wait_for
 from tests.conftest import random_prompt
 
 NAME = "tenants"
@@ -105,12 +105,6 @@ def test_a_clients_third_open_request_is_a_429_and_other_clients_are_served(clie
     for s in streams:
         s.close()
     wait_for(lambda: _serves(client), 30, "the client's slots to be released")
-
-
-def queued(client) -> int:
-    """Requests in the workers' engines (-1 while a worker does not answer)."""
-    workers = client.stats()["workers"].values()
-    return sum(w["num_waiting"] + w["num_running"] if "num_waiting" in w else -1 for w in workers)
 
 
 def _serves(client) -> bool:
