@@ -3,8 +3,9 @@ NUMA node.
 
 Each worker's loop thread keeps a WorkerMetrics: it times each request from its submission (queue time,
 time to first token, inter-token latency, end-to-end latency) and counts prompt and generation tokens and
-finished requests by reason, from the engine's outputs; running / waiting requests, KV usage, prefix-cache
-queries and hits and preemptions are read from the engine's own stats. It records all of them with
+finished requests by reason, from the engine's outputs; prefix-cache queries and hits and preemptions from
+each step's StepStats; running / waiting requests and KV usage are gauges of the engine's stats. It records
+all of them with
 ray.util.metrics, for Ray's per-node Prometheus export and dashboard (where Ray's rules make the names
 `ray_numaserve_...`), and keeps exact copies that its stats carry: the router gathers those
 (Router.metrics) and `render` turns them into the Prometheus text the HTTP server answers at GET /metrics.
@@ -23,6 +24,8 @@ from prometheus_client.core import (
 )
 from prometheus_client.exposition import generate_latest
 from ray.util import metrics as ray_metrics
+
+from scheduling.outputs import RequestOutput, StepOutput
 
 LABELS = ("model_name", "worker", "numa_node")
 REASON = "finished_reason"
@@ -48,7 +51,7 @@ GAUGES = (
     Metric("num_requests_waiting", "gauge", "Requests queued on the worker, not yet running"),
     Metric("kv_cache_usage_perc", "gauge", "Fraction of the worker's KV blocks in use (1 = full)"),
 )
-# read from the engine's cumulative stats (those of the warm-up request taken off)
+# counted from the engine's StepStats
 ENGINE_COUNTERS = (
     Metric("prefix_cache_queries", "counter", "Prompt tokens looked up in the prefix cache"),
     Metric("prefix_cache_hits", "counter", "Prompt tokens found in the prefix cache"),
@@ -90,37 +93,39 @@ class WorkerMetrics:
 
     def __init__(self, model_name: str, worker_id: str, numa_node: int):
         self.labels = {"model_name": model_name, "worker": worker_id, "numa_node": str(numa_node)}
-        self.counters = dict.fromkeys((m.name for m in COUNTERS), 0)
+        self.counters = dict.fromkeys((m.name for m in (*ENGINE_COUNTERS, *COUNTERS)), 0)
         self.finished = dict.fromkeys(FINISH_REASONS, 0)
         self.histograms = {m.name: _Histogram(m.buckets) for m in HISTOGRAMS}
         self.timings: dict[str, _Timing] = {}  # the requests submitted through the worker and not finished
         self.unscheduled: set[str] = set()  # of those, the ones no step has run yet
-        self._engine_base: dict[str, float] | None = None  # the engine's counters before the first request
         self._ray = _ray_metrics()
-        self._ray_engine_counters: dict[str, float] = {}
         self._ray_gauges_at = -math.inf
 
-    def submitted(self, engine, req) -> None:
+    def submitted(self, req) -> None:
         """req was just handed to the engine."""
-        if self._engine_base is None:
-            self._engine_base = _engine_counters(engine)
         self.timings[req.request_id] = _Timing(time.perf_counter(), num_prompt_tokens=req.num_prompt_tokens)
         self.unscheduled.add(req.request_id)
 
-    def outputs(self, engine, outputs: list, step_start: float | None = None) -> None:
-        """After an engine step that began at step_start (perf_counter), or an abort: outputs are the
-        RequestOutputs it emitted."""
+    def step(self, step: StepOutput, step_start: float) -> None:
+        """After an engine step that began at step_start (perf_counter)."""
+        stats = step.stats
+        for req_id in self.unscheduled.intersection(stats.scheduled_ids):
+            self._observe("request_queue_time_seconds", step_start - self.timings[req_id].arrival)
+            self.unscheduled.discard(req_id)
+        self._count("prefix_cache_queries", stats.num_prefix_lookup_tokens)
+        self._count("prefix_cache_hits", stats.num_prefix_hit_tokens)
+        self._count("num_preemptions", len(stats.preempted_ids))
+        self.outputs(step.outputs)
         now = time.perf_counter()
-        emitted = {out.request_id for out in outputs if out.token_ids}
-        for req_id in list(self.unscheduled):
-            req = engine.requests.get(req_id)  # None: finished in its first step, or aborted while waiting
-            ran = req.num_computed_tokens > 0 if req is not None else req_id in emitted
-            if ran:
-                self._observe("request_queue_time_seconds", (step_start or now) - self.timings[req_id].arrival)
-            if ran or req is None:
-                self.unscheduled.discard(req_id)
+        if now - self._ray_gauges_at >= RAY_GAUGE_INTERVAL_S:
+            self._ray_gauges_at = now
+            self._record_gauges({"num_requests_running": stats.num_running,
+                                 "num_requests_waiting": stats.num_waiting, "kv_cache_usage_perc": stats.kv_usage})
+
+    def outputs(self, outputs: list[RequestOutput]) -> None:
+        """The RequestOutputs of a step, an abort or passed deadlines."""
+        now = time.perf_counter()
         num_generated, num_prompt = 0, 0
-        any_finished = False
         for out in outputs:
             t = self.timings.get(out.request_id)
             if t is None:
@@ -134,7 +139,6 @@ class WorkerMetrics:
                 t.last_token = now
                 num_generated += len(out.token_ids)
             if out.finish_reason is not None:
-                any_finished = True
                 del self.timings[out.request_id]
                 self.unscheduled.discard(out.request_id)
                 self._observe("e2e_request_latency_seconds", now - t.arrival)
@@ -142,9 +146,6 @@ class WorkerMetrics:
                 self._ray[REQUEST_SUCCESS.name].inc(1, self.labels | {REASON: out.finish_reason})
         self._count("prompt_tokens", num_prompt)
         self._count("generation_tokens", num_generated)
-        if any_finished or now - self._ray_gauges_at >= RAY_GAUGE_INTERVAL_S:
-            self._ray_gauges_at = now
-            self._record_engine_stats(engine.stats(), _engine_counters(engine))
 
     def snapshot(self, engine) -> dict:
         """Exact values now, as plain data (it crosses to the router): the labels, then each metric's value;
@@ -152,10 +153,9 @@ class WorkerMetrics:
         for req_id in [r for r in self.timings if r not in engine.requests]:
             del self.timings[req_id]  # failed with the engine's step: they have no output
             self.unscheduled.discard(req_id)
-        stats, engine_counters = engine.stats(), _engine_counters(engine)
-        self._record_engine_stats(stats, engine_counters)
-        base = self._engine_base or engine_counters
-        values = _gauges(stats) | {k: v - base[k] for k, v in engine_counters.items()} | self.counters
+        gauges = _gauges(engine.stats())
+        self._record_gauges(gauges)
+        values = gauges | self.counters
         return {"labels": dict(self.labels), "values": values, REQUEST_SUCCESS.name: dict(self.finished),
                 "histograms": {name: h.as_dict() for name, h in self.histograms.items()}}
 
@@ -168,16 +168,9 @@ class WorkerMetrics:
             self.counters[name] += n
             self._ray[name].inc(n, self.labels)
 
-    def _record_engine_stats(self, stats: dict, engine_counters: dict[str, float]) -> None:
-        for name, value in _gauges(stats).items():
+    def _record_gauges(self, gauges: dict[str, float]) -> None:
+        for name, value in gauges.items():
             self._ray[name].set(value, self.labels)
-        if self._engine_base is None:
-            return
-        for name, value in engine_counters.items():
-            delta = value - self._engine_base[name] - self._ray_engine_counters.get(name, 0)
-            if delta > 0:
-                self._ray[name].inc(delta, self.labels)
-                self._ray_engine_counters[name] = self._ray_engine_counters.get(name, 0) + delta
 
 
 class _Histogram:
@@ -197,11 +190,6 @@ class _Histogram:
 def _gauges(stats: dict) -> dict[str, float]:
     return {"num_requests_running": stats["num_running"], "num_requests_waiting": stats["num_waiting"],
             "kv_cache_usage_perc": stats["kv_usage"]}
-
-
-def _engine_counters(engine) -> dict[str, float]:
-    return {"prefix_cache_queries": engine.kv.num_lookup_tokens, "prefix_cache_hits": engine.kv.num_hit_tokens,
-            "num_preemptions": engine.batcher.num_preemptions}
 
 
 _ray_cache: dict | None = None

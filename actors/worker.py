@@ -37,7 +37,7 @@ from memory import numa
 from models.lora_merge import MergedWeights
 from scheduling.engine import Engine
 from scheduling.outputs import RequestOutput
-from scheduling.policy import Policy, StepTelemetry
+from scheduling.policy import StepTelemetry
 
 IDLE_WAIT_S = 0.02  # how long an idle loop thread blocks on its inbox
 POLICY_TIMEOUT_S = 5.0  # a scheduler answer older than this is dropped (the scheduler may be restarting)
@@ -198,7 +198,7 @@ class NumaWorker:
                 self._step(meter)
                 self._advanced()
             elif self._paused and (expired := self.engine.abort_expired()):  # a pause holds no one past a deadline
-                self.metrics.outputs(self.engine, expired)
+                self.metrics.outputs(expired)
                 self._deliver([(out.request_id, out) for out in expired])
             if self._scheduler is not None and time.monotonic() >= next_report:
                 next_report = time.monotonic() + self._telemetry_interval_s
@@ -236,11 +236,11 @@ class NumaWorker:
     def _handle(self, kind: str, arg) -> None:
         if kind == "submit":
             self.engine.submit(arg)
-            self.metrics.submitted(self.engine, arg)
+            self.metrics.submitted(arg)
         elif kind == "abort":
             out = self.engine.abort(arg)
             if out is not None:
-                self.metrics.outputs(self.engine, [out])
+                self.metrics.outputs([out])
                 self._deliver([(arg, out)])
         elif kind == "pause":
             self._paused, answer = arg
@@ -257,30 +257,27 @@ class NumaWorker:
             stats = self.engine.stats() | {"worker_id": self.placement.worker_id, "num_streams": len(self._streams),
                                            "num_requests": self._num_requests,
                                            "rss_bytes": psutil.Process().memory_info().rss,
-                                           "token_budget": self.engine.batcher.token_budget,
-                                           "max_num_seqs": self.engine.batcher.max_num_seqs,
                                            "metrics": self.metrics.snapshot(self.engine),
                                            "decisions": self.engine.decisions.recent(), "paused": self._paused}
             self._loop.call_soon_threadsafe(_set_result, answer, stats)
         elif kind == "policy":
             self._report_sent = None
             try:
-                self._apply(arg.result())
+                self.engine.apply(arg.result())
             except ray.exceptions.RayError:
                 pass  # the scheduler died or is restarting: keep the policy in force
 
     def _step(self, meter: "_StepMeter") -> None:
-        before = [(r, r.num_computed_tokens) for r in self.engine.requests.values()]
         start = time.perf_counter()
         try:
-            outputs = self.engine.step()
+            step = self.engine.step()
         except Exception as e:  # noqa: BLE001  (a bug must fail its requests, not hang them)
             self._fail_all(e)
             return
-        meter.add(sum(max(r.num_computed_tokens - n, 0) for r, n in before), time.perf_counter() - start)
-        self.metrics.outputs(self.engine, outputs, start)
-        if outputs:
-            self._deliver([(out.request_id, out) for out in outputs])
+        meter.add(step.stats.num_computed_tokens, step.stats.seconds.total)
+        self.metrics.step(step, start)
+        if step.outputs:
+            self._deliver([(out.request_id, out) for out in step.outputs])
 
     def _deliver(self, items: list[tuple[str, RequestOutput | Exception]]) -> None:
         if self._loop is not None:
@@ -300,18 +297,11 @@ class NumaWorker:
         stats = self.engine.stats()
         telemetry = StepTelemetry(self.placement.worker_id, stats["num_running"], stats["num_waiting"],
                                   meter.num_steps, meter.num_tokens, meter.mean_step_s, stats["kv_usage"],
-                                  stats["num_preemptions"],
-                                  self.engine.speculator.telemetries() if self.engine.speculator else None)
+                                  stats["num_preemptions"], self.engine.speculation.telemetries())
         meter.reset()
         self._report_sent = time.monotonic()
         answer = self._scheduler.report.remote(telemetry).future()
         answer.add_done_callback(lambda f: self._inbox.put(("policy", f)))
-
-    def _apply(self, policy: Policy) -> None:
-        self.engine.batcher.token_budget = policy.token_budget
-        self.engine.batcher.max_num_seqs = policy.max_num_seqs
-        if policy.speculation is not None and self.engine.speculator is not None:
-            self.engine.speculator.push_policies(policy.speculation)
 
 
 class _StepMeter:

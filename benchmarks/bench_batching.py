@@ -27,13 +27,12 @@ def run_level(llm: ns.LLM, concurrency: int, prompt_len: int, max_tokens: int, s
         engine.add_request(f"c{concurrency}-{i}", rng.integers(3, 32000, prompt_len).tolist(), params)
     decode_tokens, decode_seconds, utilization, batch_sizes = 0, 0.0, [], []
     while engine.has_unfinished():
-        plan_is_decode = all(r.num_computed_tokens == r.num_tokens - 1 for r in engine.batcher.running) and \
-            not engine.batcher.waiting
         kv_utilization = engine.stats()["kv_utilization"]  # tokens stored / slots allocated, as the step starts
         start = time.perf_counter()
-        outputs = engine.step()
+        step = engine.step()
         elapsed = time.perf_counter() - start
-        if plan_is_decode and outputs:
+        outputs, stats = step.outputs, step.stats
+        if stats.num_decode_tokens and not stats.num_prefill_tokens and not stats.num_waiting and outputs:
             decode_tokens += sum(len(o.token_ids) for o in outputs)
             decode_seconds += elapsed
             batch_sizes.append(len(outputs))

@@ -39,7 +39,7 @@ class LoadRunner:
         start = time.perf_counter()
         admit()
         while active:
-            outputs = engine.step()
+            outputs = engine.step().outputs
             now = time.perf_counter()
             for out in outputs:
                 record = active[out.request_id]

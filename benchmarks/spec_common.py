@@ -117,7 +117,7 @@ def run_decode(engine, prompts: list, params: ns.SamplingParams, num_steps: int 
     num_tokens, steps = 0, 0
     start = time.perf_counter()
     while engine.has_unfinished() and (num_steps is None or steps < num_steps):
-        num_tokens += sum(len(o.token_ids) for o in engine.step())
+        num_tokens += sum(len(o.token_ids) for o in engine.step().outputs)
         steps += 1
     seconds = time.perf_counter() - start
     final = {r.request_id: list(r.token_ids) for r in reqs}

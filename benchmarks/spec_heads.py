@@ -208,7 +208,7 @@ def tinyllama(args) -> None:
     llms = {}
     for engine, spec in configs(args.depth, None).items():
         llms[engine] = ns.LLM(path, **common, **({"speculation": spec} if spec else {}))
-        speculator = llms[engine].engine.speculator
+        speculator = llms[engine].engine.speculation
         # method "auto": each trained-head candidate replays its own method's counts; n-gram runs as it is
         for method, candidate in (speculator.candidates.items() if spec and spec["method"] == "auto"
                                   else [(spec["method"], speculator)] if spec else []):

@@ -57,7 +57,7 @@ class LLM:
         req = self.engine.add_request(f"llm-{next(_ids)}", prompt, params, adapter=adapter)
         try:
             while not req.finished:
-                for out in self.engine.step():
+                for out in self.engine.step().outputs:
                     if out.request_id == req.request_id and out.text:
                         yield out.text
         finally:

@@ -7,31 +7,14 @@ last (`add_drafts`), into what budget and free blocks are left: drafts never pre
 """
 
 import bisect
-from dataclasses import dataclass, field
+from dataclasses import replace
 
 from cluster_configs.diagnostics import DecisionLog
 from cluster_configs.engine_config import EngineConfig
 from models.token_tree import TokenTree
 from scheduling.kv_cache_manager import KVCacheManager
+from scheduling.plan import ScheduledRequest, StepPlan
 from scheduling.request import Request, RequestStatus
-
-
-@dataclass
-class StepPlan:
-    scheduled: list[tuple[Request, int]] = field(default_factory=list)  # (request, num_new_tokens), drafts included
-    preempted: list[Request] = field(default_factory=list)
-    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)  # request id -> drafts to verify
-    draft_trees: dict[str, TokenTree] = field(default_factory=dict)  # request id -> its drafts' tree (not chains)
-    token_budget_left: int = 0
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(n for _, n in self.scheduled)
-
-    def decoding(self) -> list[int]:
-        """Indices into scheduled of the requests computing only their last token (those may draft)."""
-        return [i for i, (req, n) in enumerate(self.scheduled)
-                if n == 1 and req.num_computed_tokens + 1 == req.num_tokens and not req.prompt_logits]
 
 
 class Batcher:
@@ -42,7 +25,6 @@ class Batcher:
         self.kv = kv
         self.waiting: list[Request] = []  # sorted by sort_key
         self.running: list[Request] = []
-        self.num_preemptions = 0
         self.decisions = decisions or DecisionLog()
 
     def add(self, req: Request) -> None:
@@ -56,7 +38,8 @@ class Batcher:
         self.kv.free(req)
 
     def schedule(self) -> StepPlan:
-        plan = StepPlan()
+        scheduled: list[ScheduledRequest] = []
+        preempted: list[Request] = []
         budget = self.token_budget
         self.running.sort(key=lambda r: r.sort_key)
         i = 0
@@ -65,15 +48,16 @@ class Batcher:
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             while not self.kv.allocate_slots(req, num_new):
                 victim = self.running.pop()  # lowest priority, latest arrival: never already scheduled
-                self._preempt(victim, plan, req, num_new)
+                self._preempt(victim, preempted, req, num_new)
                 if victim is req:
                     break
             else:
-                plan.scheduled.append((req, num_new))
+                scheduled.append(ScheduledRequest(req, num_new))
                 budget -= num_new
                 i += 1
         adapters = {r.adapter_id for r in self.running} - {None}
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not plan.preempted:
+        num_lookup = num_hit = 0
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
             req = self.waiting[0]
             if req.adapter_id is not None and req.adapter_id not in adapters and len(adapters) >= self.max_loras:
                 break  # its adapter waits for a LoRA slot: one frees when the last request of another finishes
@@ -81,32 +65,31 @@ class Batcher:
             num_new = min(req.num_tokens - len(cached) * self.kv.block_size, budget)
             if not self.kv.allocate_slots(req, num_new, cached):
                 break
-            self.kv.record_admission(req)
+            if self.kv.looks_up(req):
+                num_lookup, num_hit = num_lookup + req.num_tokens, num_hit + req.num_cached_tokens
             self.waiting.pop(0)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             if req.adapter_id is not None:
                 adapters.add(req.adapter_id)
-            plan.scheduled.append((req, num_new))
+            scheduled.append(ScheduledRequest(req, num_new))
             budget -= num_new
-        plan.token_budget_left = budget
-        return plan
+        return StepPlan(tuple(scheduled), tuple(preempted), budget, num_lookup, num_hit)
 
-    def add_drafts(self, plan: StepPlan, index: int, draft_token_ids: list[int], tree: TokenTree | None = None) -> bool:
-        """Schedule drafts after plan.scheduled[index]'s last token if budget and free blocks allow (a tree's
-        nodes take a slot each, in their order)."""
-        req, n = plan.scheduled[index]
-        k = len(draft_token_ids)
-        if k > plan.token_budget_left or not self.kv.allocate_slots(req, n + k):
-            return False
-        plan.scheduled[index] = (req, n + k)
-        plan.draft_token_ids[req.request_id] = draft_token_ids
-        if tree is not None and not tree.is_chain:
-            plan.draft_trees[req.request_id] = tree
-        plan.token_budget_left -= k
-        return True
+    def with_drafts(self, plan: StepPlan, drafts: dict[int, TokenTree], method: str) -> StepPlan:
+        """plan with drafts after the last token of plan.scheduled[i] for each i in drafts, in order, where
+        budget and free blocks allow (a tree's nodes take a slot each, in their order)."""
+        scheduled, budget = list(plan.scheduled), plan.token_budget_left
+        for i, tree in sorted(drafts.items()):
+            s, k = scheduled[i], len(tree.tokens)
+            if k > budget or not self.kv.allocate_slots(s.request, s.num_new_tokens + k):
+                continue
+            scheduled[i] = replace(s, num_new_tokens=s.num_new_tokens + k, draft_token_ids=tree.tokens,
+                                   tree=None if tree.is_chain else tree, draft_method=method)
+            budget -= k
+        return replace(plan, scheduled=tuple(scheduled), token_budget_left=budget)
 
-    def _preempt(self, req: Request, plan: StepPlan, needing: Request, num_new: int) -> None:
+    def _preempt(self, req: Request, preempted: list[Request], needing: Request, num_new: int) -> None:
         why = (f"no free KV block for {num_new} more tokens of {needing.request_id}; " if needing is not req
                else f"no free KV block for its own {num_new} more tokens; ")
         self.decisions.record("preemption", "recompute", why + f"lowest priority, latest arrival of "
@@ -116,6 +99,5 @@ class Batcher:
         self.kv.free(req)
         req.collected_logits.clear()  # recomputed with the rest
         req.status = RequestStatus.WAITING
-        self.num_preemptions += 1
-        plan.preempted.append(req)
+        preempted.append(req)
         self.add(req)

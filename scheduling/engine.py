@@ -1,4 +1,5 @@
-"""The engine: one model, one KV cache, one batcher. Each step plans, runs the model, post-processes."""
+"""The engine: one model, one KV cache, one batcher. Each step schedules, drafts, runs the model, samples,
+processes the outputs, and hands on a StepOutput with the step's StepStats."""
 
 import math
 import os
@@ -24,16 +25,18 @@ from models.lora import LoraAdapter
 from models.lora_slots import LoraSlots, slot_dtype
 from models.tokenizer import IncrementalDetokenizer
 from scheduling.adapter_store import AdapterStore
-from scheduling.batcher import Batcher, StepPlan
+from scheduling.batcher import Batcher
 from scheduling.kv_cache_manager import KVCacheManager
 from scheduling.lora_planner import LoraPlanner, SharedMerged
-from scheduling.method_chooser import make_speculator
-from scheduling.model_runner import ModelRunner, RunOutput
-from scheduling.outputs import RequestOutput, StepResult
-from scheduling.request import Request, RequestStatus
-from scheduling.speculator import spec_stats_off
+from scheduling.model_runner import ModelRunner
+from scheduling.output_processor import OutputProcessor, ProcessedStep, emit, finish
+from scheduling.outputs import RequestOutput, SamplerOutput, StepOutput
+from scheduling.plan import StepPlan
+from scheduling.policy import Policy
+from scheduling.request import Request
+from scheduling.speculation import make_speculation
 from scheduling.step_sampler import sample_step
-from scheduling.stop_checker import find_stop_string, finish_reason_after_token, num_safe_chars
+from scheduling.step_stats import DraftCounts, EngineTotals, StageClock, StepStats
 from scheduling.validation import RequestLimits, validate_request
 
 Prompt = str | list[int]
@@ -63,7 +66,7 @@ class Engine:
                              "bytes; raise kv_cache_bytes or lower block_size")
         self.kv_cache = KVCache(s.num_layers, num_blocks, bs, s.num_kv_heads, s.head_dim, config.resolved_kv_dtype)
         window = min(s.layer_windows)  # blocks can be released only if every layer looks back a window
-        self.kv = KVCacheManager(BlockPool(num_blocks), bs, config.enable_prefix_caching, window)
+        self.kv = KVCacheManager(BlockPool(num_blocks), self.kv_cache, config.enable_prefix_caching, window)
         self.batcher = Batcher(config, self.kv, self.decisions)
         self.requests: dict[str, Request] = {}
         self.adapters = AdapterStore(s, config.max_lora_rank, config.adapter_roots, fetch=fetch_adapter,
@@ -72,13 +75,14 @@ class Engine:
         self.runner = ModelRunner(self.model, self.kv_cache, bs, self.adapters, LoraPlanner(
             slots, self.model.weights["layers"], s, config.lora_merge, config.lora_merged_bytes,
             self.model.weight_bytes, shared_merged, self.decisions))
-        self.speculator = make_speculator(config, s, self.tokenizer, _model_dir(model_path), self.model,
-                                          kv_cache_tokens=num_blocks * bs, decisions=self.decisions)
-        self.runner.wants_hidden = self.speculator is not None and self.speculator.needs_hidden
+        self.speculation = make_speculation(config, s, self.tokenizer, _model_dir(model_path), self.model,
+                                            kv_cache_tokens=num_blocks * bs, decisions=self.decisions)
+        self.runner.wants_hidden = self.speculation.needs_hidden
+        self.processor = OutputProcessor(self.kv, self.spec.eos_token_ids)
         # what make_request validates against (the KV pool fit only when every layer keeps all its KV)
         self.limits = RequestLimits(s.vocab_size, self.max_model_len, block_size=bs,
                                     num_kv_blocks=num_blocks if window <= 0 else None)
-        self.num_generated_tokens = 0
+        self.totals = EngineTotals()
 
     def register_adapter(self, name: str, path: str | Path) -> None:
         """Load a PEFT LoRA adapter; requests name it with adapter=name. Raises AdapterError."""
@@ -120,32 +124,30 @@ class Engine:
         req = self.requests.get(request_id)
         if req is None:
             return None
-        self._finish(req, "abort")
-        return self._emit(req)
+        finish(req, "abort")
+        self._release(req)
+        return emit(req)
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
     # ---- the step ---------------------------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
-        start = time.perf_counter()
+    def step(self) -> StepOutput:
+        clock = StageClock()
         expired = self.abort_expired()
-        plan = self.batcher.schedule()
-        for req in plan.preempted:
-            self._forget_drafts(req.request_id)
+        plan = clock.lap("schedule", self.batcher.schedule())
+        plan = clock.lap("propose", self.speculation.propose(plan, self.batcher))
         if not plan.scheduled:
-            return expired
-        draft_s = self.speculator.propose(plan, self.batcher) if self.speculator else 0.0
-        run = self.runner.run(plan)
-        result = sample_step(plan, run.logits, run.logit_rows)
-        outputs = expired + self._process(plan, result)
-        if run.hidden is not None:
-            self._hand_over_hidden(plan, result, run)
-        if self.speculator:  # the whole step but the proposer's passes: drafts also cost scheduling and rollback
-            self.speculator.observe(plan, result, time.perf_counter() - start - draft_s, draft_s,
-                                    len(self.batcher.waiting), self.kv.pool.num_used_blocks / self.kv.pool.num_blocks)
-        return outputs
+            return StepOutput(expired, self._record(plan, None, None, clock))
+        run = clock.lap("run", self.runner.run(plan))
+        out = clock.lap("sample", sample_step(plan, run))
+        processed = clock.lap("process", self.processor.process(plan, out))
+        for req in processed.finished:
+            self._release(req)
+        stats = self._record(plan, out, processed, clock)
+        self.speculation.observe(plan, run, out, stats)
+        return StepOutput(expired + processed.outputs, stats)
 
     def abort_expired(self) -> list[RequestOutput]:
         """Requests past their deadline (waiting or running) finish with "abort"; their blocks go back."""
@@ -153,93 +155,42 @@ class Engine:
         expired = [r for r in self.requests.values() if r.deadline is not None and now >= r.deadline]
         return [out for r in expired if (out := self.abort(r.request_id)) is not None]
 
-    def _process(self, plan: StepPlan, result: StepResult) -> list[RequestOutput]:
-        """Append each request's tokens (a stop inside a run cuts it there), move its KV to what was
-        verified (rejected drafts' slots roll back), commit full blocks, finish, emit."""
-        index = {rid: i for i, rid in enumerate(result.req_ids)}
-        outputs = []
-        for req, n in plan.scheduled:
-            start, rid = req.num_computed_tokens, req.request_id
-            num_drafts = len(plan.draft_token_ids.get(rid, ()))
-            i = index.get(rid)
-            reason = None
-            if req.prompt_logits:
-                req.collected_logits.append(result.prompt_logits[rid])
-                reason = "length" if start + n == req.num_tokens else None
-            elif i is not None:
-                reason = self._append_tokens(req, result.sampled_token_ids[i], result.logprobs[i])
-            num_accepted = result.num_accepted_tokens[i] if i is not None else 0
-            if num_accepted and rid in plan.draft_trees:  # the accepted path's KV to the slots after the root
-                first = start + n - num_drafts
-                nodes = [r - 1 for r in result.sampled_rows[i][1:]]
-                self.kv_cache.move_slots(req.block_ids, [first + v for v in nodes], list(range(first, first + len(nodes))))
-            req.num_computed_tokens = min(start + n - num_drafts + num_accepted, req.num_tokens)
-            if num_drafts:
-                self.kv.rollback(req)
-            self.kv.commit_full_blocks(req)
-            if reason is not None:
-                self._finish(req, reason)
-            if i is not None or reason is not None:
-                outputs.append(self._emit(req))
-        return outputs
-
-    def _hand_over_hidden(self, plan: StepPlan, result: StepResult, run: RunOutput) -> None:
-        """To a proposer that drafts from the target's features: each running request's features f_p of the
-        positions this step verified (its prompt or verified rows, then a verification's kept path, whose
-        last row produced its last token)."""
-        index = {rid: i for i, rid in enumerate(result.req_ids)}
-        for s, (req, n) in enumerate(plan.scheduled):
-            rid = req.request_id
-            if rid not in self.requests or req.prompt_logits:
-                continue
-            num_base = n - len(plan.draft_token_ids.get(rid, ()))
-            rows = list(range(run.first_rows[s], run.first_rows[s] + num_base))  # positions first_positions[s] ...
-            i = index.get(rid)
-            if i is not None:  # the kept path's rows after the root (the request's last base row)
-                rows += [rows[-1] + r for r in result.sampled_rows[i][1:]]
-            self.speculator.observe_hidden(rid, run.first_positions[s], run.hidden[rows])
-
-    def _append_tokens(self, req: Request, token_ids: list[int], logprobs: list[dict] | None) -> str | None:
-        """Append token by token; -> the finish reason at the first token that ends the request (the rest
-        of the run is dropped), else None."""
-        p = req.params
-        for j, token in enumerate(token_ids):
-            req.token_ids.append(token)
-            self.num_generated_tokens += 1
-            if logprobs is not None:
-                req.logprobs.append(logprobs[j])
-            reason = finish_reason_after_token(token, req.num_tokens - req.num_prompt_tokens, req.num_tokens,
-                                               req.max_num_tokens, p, self.spec.eos_token_ids)
-            if req.detokenizer is not None and reason != "stop":
-                delta = req.detokenizer.add([token])
-                req.text += delta
-                cut = find_stop_string(req.text, len(delta), p.stop) if p.stop else -1
-                if cut >= 0:
-                    req.text = req.text[:cut]
-                    reason = "stop"
-            if reason is not None:
-                return reason
-        return None
-
-    def _finish(self, req: Request, reason: str) -> None:
-        req.status = RequestStatus.FINISHED
-        req.finish_reason = reason
+    def _release(self, req: Request) -> None:
+        """A finished request's blocks and draft state go back; the engine forgets it."""
         self.batcher.remove(req)
-        self._forget_drafts(req.request_id)
+        self.speculation.free(req.request_id)
         del self.requests[req.request_id]
 
-    def _forget_drafts(self, request_id: str) -> None:
-        if self.speculator:
-            self.speculator.free(request_id)
+    def _record(self, plan: StepPlan, out: SamplerOutput | None, processed: ProcessedStep | None,
+                clock: StageClock) -> StepStats:
+        """The step's StepStats, added to the engine's totals."""
+        drafts: dict[str, list[int]] = {}  # method -> [requests, draft tokens, accepted]
+        for scheduled, sampled in zip(plan.scheduled, out.sampled if out else ()):
+            if scheduled.draft_method is not None and sampled is not None:
+                counts = drafts.setdefault(scheduled.draft_method, [0, 0, 0])
+                counts[0] += 1
+                counts[1] += len(scheduled.draft_token_ids)
+                counts[2] += sampled.num_accepted_tokens
+        num_decode = sum(s.num_new_tokens for s in plan.scheduled if s.is_decoding)
+        stats = StepStats(
+            num_prefill_tokens=plan.num_tokens - num_decode, num_decode_tokens=num_decode,
+            num_computed_tokens=processed.num_computed_tokens if processed else 0,
+            num_generated_tokens=processed.num_generated_tokens if processed else 0,
+            scheduled_ids=tuple(s.request.request_id for s in plan.scheduled),
+            preempted_ids=tuple(r.request_id for r in plan.preempted),
+            num_prefix_lookup_tokens=plan.num_prefix_lookup_tokens, num_prefix_hit_tokens=plan.num_prefix_hit_tokens,
+            drafts=tuple(DraftCounts(m, *c) for m, c in drafts.items()), seconds=clock.seconds(),
+            num_running=len(self.batcher.running), num_waiting=len(self.batcher.waiting),
+            kv_usage=self.kv.pool.num_used_blocks / self.kv.pool.num_blocks)
+        self.totals = self.totals.plus(stats)
+        return stats
 
-    def _emit(self, req: Request) -> RequestOutput:
-        safe = len(req.text) if req.finished else num_safe_chars(req.text, req.params.stop)
-        text = req.text[req.num_emitted_chars:safe]
-        req.num_emitted_chars = max(req.num_emitted_chars, safe)
-        new_ids = req.output_token_ids[req.num_emitted_tokens:]
-        req.num_emitted_tokens += len(new_ids)
-        logprobs = req.logprobs[len(req.logprobs) - len(new_ids):] if req.params.logprobs is not None else None
-        return RequestOutput(req.request_id, new_ids, text, req.finish_reason, logprobs)
+    def apply(self, policy: Policy) -> None:
+        """A scheduler's policy: the token budget and sequence cap from the next step, speculation's policies."""
+        self.batcher.token_budget = policy.token_budget
+        self.batcher.max_num_seqs = policy.max_num_seqs
+        if policy.speculation is not None:
+            self.speculation.push_policies(policy.speculation)
 
     # ---- figures ----------------------------------------------------------------------------------
 
@@ -255,10 +206,12 @@ class Engine:
             "kv_usage": pool.num_used_blocks / pool.num_blocks,
             "kv_utilization": stored / used_slots if used_slots else math.nan,
             "kv_bytes_per_token": self.kv_cache.bytes_per_token,
-            "prefix_hit_rate": self.kv.prefix_hit_rate,
-            "num_preemptions": self.batcher.num_preemptions,
-            "num_generated_tokens": self.num_generated_tokens,
-        } | self.adapters.stats() | self.runner.lora.stats() | (self.speculator.stats() if self.speculator else spec_stats_off())
+            "prefix_hit_rate": self.totals.prefix_hit_rate,
+            "num_preemptions": self.totals.num_preemptions,
+            "num_generated_tokens": self.totals.num_generated_tokens,
+            "token_budget": self.batcher.token_budget,
+            "max_num_seqs": self.batcher.max_num_seqs,
+        } | self.adapters.stats() | self.runner.lora.stats() | self.speculation.stats()
 
 
 def _model_dir(model_path: str | Path) -> Path:

@@ -1,21 +1,27 @@
-"""Per-request KV block bookkeeping over the block pool: prefix hits, slot allocation, commits, frees."""
+"""Per-request KV block bookkeeping over the block pool: prefix hits, slot allocation, accepting a
+verification's drafts, commits, frees."""
 
 from memory.block_pool import NULL_BLOCK, BlockPool, hash_block
+from memory.kv_cache import KVCache
+from scheduling.plan import ScheduledRequest
 from scheduling.request import Request
 
 
 class KVCacheManager:
-    def __init__(self, pool: BlockPool, block_size: int, enable_prefix_caching: bool, sliding_window: int):
+    def __init__(self, pool: BlockPool, kv_cache: KVCache, enable_prefix_caching: bool, sliding_window: int):
         self.pool = pool
-        self.block_size = block_size
+        self.kv_cache = kv_cache  # the arrays: only a verified tree's kept path moves in them
+        self.block_size = kv_cache.block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.sliding_window = sliding_window  # > 0 only when every layer is windowed
-        self.num_lookup_tokens = 0
-        self.num_hit_tokens = 0
+
+    def looks_up(self, req: Request) -> bool:
+        """Whether req's prompt is looked up in (and its full blocks shared through) the prefix cache."""
+        return self.enable_prefix_caching and not req.prompt_logits
 
     def find_cached_prefix(self, req: Request) -> list[int]:
         """Cached blocks holding a prefix of req (without taking them); at least one token stays to compute."""
-        if not self.enable_prefix_caching or req.prompt_logits:
+        if not self.looks_up(req):
             return []
         block_ids: list[int] = []
         parent = None
@@ -29,11 +35,6 @@ class KVCacheManager:
             block_ids.append(block_id)
             parent = block_hash
         return block_ids
-
-    def record_admission(self, req: Request) -> None:
-        if self.enable_prefix_caching and not req.prompt_logits:
-            self.num_lookup_tokens += req.num_tokens
-            self.num_hit_tokens += req.num_cached_tokens
 
     def allocate_slots(self, req: Request, num_new_tokens: int, cached_block_ids: list[int] = ()) -> bool:
         """Blocks for num_new_tokens more tokens of req (after its cached prefix); False if the pool is short."""
@@ -53,6 +54,20 @@ class KVCacheManager:
         if num_new_blocks > 0:
             req.block_ids.extend(self.pool.allocate(num_new_blocks))
         return True
+
+    def accept(self, scheduled: ScheduledRequest, num_accepted: int, kept_rows: list[int]) -> None:
+        """After the step's tokens were appended to the request: its KV holds what was verified. A tree's kept
+        path moves to the slots after its root, rejected drafts' blocks go back, full blocks are committed.
+        kept_rows: the rows its tokens were sampled at (0: the root, 1 + i: node i)."""
+        req, num_drafts = scheduled.request, len(scheduled.draft_token_ids)
+        first = req.num_computed_tokens + scheduled.num_base_tokens  # the first draft's slot
+        if num_accepted and scheduled.tree is not None:
+            nodes = [r - 1 for r in kept_rows[1:]]
+            self.kv_cache.move_slots(req.block_ids, [first + v for v in nodes], list(range(first, first + len(nodes))))
+        req.num_computed_tokens = min(first + num_accepted, req.num_tokens)
+        if num_drafts:
+            self.rollback(req)
+        self.commit_full_blocks(req)
 
     def commit_full_blocks(self, req: Request) -> None:
         """After a step: make req's newly filled blocks findable by later requests."""
@@ -79,10 +94,6 @@ class KVCacheManager:
         req.block_ids = []
         req.block_hashes = []
         req.num_computed_tokens = 0
-
-    @property
-    def prefix_hit_rate(self) -> float:
-        return self.num_hit_tokens / self.num_lookup_tokens if self.num_lookup_tokens else 0.0
 
     def _hash_full_blocks(self, req: Request) -> None:
         bs = self.block_size

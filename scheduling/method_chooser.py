@@ -17,21 +17,18 @@ it is, its drafts and acceptance only when they were its own. A change of option
 """
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
 from cluster_configs.diagnostics import DecisionLog
-from cluster_configs.engine_config import EngineConfig
 from cluster_configs.speculation_config import SpeculationConfig
-from models.llama import LlamaModel
-from models.proposers import auto_candidates, make_proposer
-from models.spec import ModelSpec
-from scheduling.batcher import Batcher, StepPlan
-from scheduling.outputs import StepResult
-from scheduling.sampler import sample_batch
+from scheduling.batcher import Batcher
+from scheduling.model_runner import RunOutput
+from scheduling.outputs import SamplerOutput
+from scheduling.plan import StepPlan
 from scheduling.spec_policy import SpecTelemetry, SpeculationPolicy
-from scheduling.speculator import POLICY_REFRESH_STEPS, SPEC_COUNTERS, Speculator
+from scheduling.speculator import POLICY_REFRESH_STEPS, SPEC_COUNTERS, Speculator, hidden_features
+from scheduling.step_stats import StepStats
 
 MEASURE_STEPS = 6  # decode steps an option runs when it is measured (the first not counted)
 REMEASURE_STEPS = 256  # decode steps at a batch size after which an option is measured again
@@ -65,17 +62,20 @@ class MethodChooser:
         self._trial: tuple[str, int] | None = None  # an option being measured: (option, steps left)
         self._decode_step = False  # this step measures its option (see propose)
         self._probed: set[str] = set()  # methods whose probe in force has drafted its step
+        self._draft_seconds = 0.0  # this step's proposer seconds
 
     @property
     def needs_hidden(self) -> bool:
         return any(s.needs_hidden for s in self.candidates.values())
 
-    def propose(self, plan: StepPlan, batcher: Batcher) -> float:
-        """Choose this step's option and have its method draft; -> its proposer's seconds."""
+    def propose(self, plan: StepPlan, batcher: Batcher) -> StepPlan:
+        """Choose this step's option; -> the plan with its method's drafts."""
+        for req in plan.preempted:
+            self.free(req.request_id)
         choices = {name: s.choose(plan) for name, s in self.candidates.items()}
-        self._option = None
+        self._option, self._draft_seconds = None, 0.0
         if all(c is None for c in choices.values()):
-            return 0.0
+            return plan
         self.depth = 0
         drafting = [name for name, c in choices.items() if any(c.depths)]
         # a probe policy stays in force for a few steps; here each probe drafts once (with every method
@@ -96,12 +96,13 @@ class MethodChooser:
         if option != self._last_option and why:
             self.decisions.record("speculation", f"method {option}", why, subject="method")
         if option == NONE or option is None:
-            return 0.0
+            return plan
         self.chosen, self.depth = option, max(choices[option].depths)
-        seconds = self.candidates[option].draft(plan, batcher, choices[option])
+        plan = self.candidates[option].draft(plan, batcher, choices[option])
+        self._draft_seconds = self.candidates[option].draft_seconds
         if option in self._probed:
             self.candidates[option].end_probe()
-        return seconds
+        return plan
 
     def _choose(self, options: list[str]) -> tuple[str | None, str]:
         """The option to run at this step's batch size, and why (words for the decision log)."""
@@ -120,11 +121,22 @@ class MethodChooser:
         rates = {o: round(d.tokens_per_s, 1) for o, d in known.items()}
         return best, f"delivered the most decode tokens/s at batch size {self._bucket}: {rates}"
 
-    def observe(self, plan: StepPlan, result: StepResult, seconds: float, draft_seconds: float,
-                num_waiting: int, kv_usage: float) -> None:
+    def observe(self, plan: StepPlan, run: RunOutput, out: SamplerOutput, stats: StepStats) -> None:
+        if self.needs_hidden:
+            for request_id, first, features in hidden_features(plan, run, out):
+                for s in self.candidates.values():
+                    if s.needs_hidden:
+                        s.proposer.observe_hidden(request_id, first, features)
+        self.record(plan, out, stats.seconds.total - self._draft_seconds, self._draft_seconds, stats.num_waiting,
+                    stats.kv_usage)
+
+    def record(self, plan: StepPlan, out: SamplerOutput, seconds: float, draft_seconds: float,
+               num_waiting: int, kv_usage: float) -> None:
+        """A step's figures into every candidate (its own drafts only into the option's) and the option's
+        measure. seconds: the step but the proposer's passes."""
         for name, s in self.candidates.items():
             own = name == self._option
-            stats = s.observe(plan, result, seconds, draft_seconds if own else 0.0, num_waiting, kv_usage, drafted=own)
+            stats = s.record(plan, out, seconds, draft_seconds if own else 0.0, num_waiting, kv_usage, drafted=own)
             if own and sum(stats.num_drafts_per_position):
                 self.num_drafts_by_method[name] += 1
         if self._option is None or not self._decode_step:
@@ -133,7 +145,7 @@ class MethodChooser:
         if self._trial is not None and self._trial[0] == self._option:
             self._trial = (self._option, self._trial[1] - 1)
         if self._option == self._last_option:  # the first step after a switch pays the switch
-            rate = sum(len(ids) for ids in result.sampled_token_ids) / max(seconds + draft_seconds, 1e-9)
+            rate = sum(len(s.token_ids) for s in out.sampled if s is not None) / max(seconds + draft_seconds, 1e-9)
             d = self.delivered.setdefault((self._bucket, self._option), Delivered(rate, now))
             d.tokens_per_s += MEASURE_ALPHA * (rate - d.tokens_per_s)
             d.measured_at = now
@@ -142,10 +154,6 @@ class MethodChooser:
     def free(self, request_id: str) -> None:
         for s in self.candidates.values():
             s.free(request_id)
-
-    def observe_hidden(self, request_id: str, first: int, features: np.ndarray) -> None:
-        for s in self.candidates.values():
-            s.observe_hidden(request_id, first, features)
 
     def telemetries(self) -> tuple[SpecTelemetry, ...]:
         """One record per candidate, in order: the scheduler answers with a policy for each."""
@@ -170,26 +178,3 @@ class MethodChooser:
                                  "spec_method_chosen": self.chosen, "spec_delivered_tokens_per_s": delivered,
                                  "spec_num_drafts_by_method": dict(self.num_drafts_by_method),
                                  "spec_methods": per_method}
-
-
-def make_speculator(config: EngineConfig, spec: ModelSpec, tokenizer, model_dir: Path, model: LlamaModel, *,
-                    kv_cache_tokens: int, decisions: DecisionLog) -> "Speculator | MethodChooser | None":
-    """An engine's speculation: a Speculator for one method, a MethodChooser over every candidate for method
-    "auto", None when off. Proposers get the engine's dtypes and KV geometry and the target's weights."""
-    spec_config = config.speculation
-    if not spec_config.enabled:
-        return None
-    window = min((w for w in spec.layer_windows if w > 0), default=0)
-
-    def speculator(method_config: SpeculationConfig) -> Speculator:
-        proposer = make_proposer(method_config, spec, tokenizer, kv_cache_tokens=kv_cache_tokens,
-                                 block_size=config.block_size, weight_dtype=config.weight_dtype,
-                                 kv_dtype=config.resolved_kv_dtype, activation_dtype=config.activation_dtype,
-                                 decisions=decisions, sampler=sample_batch, model_dir=model_dir,
-                                 target_weights=model.weights, target_weight_dtype=model.weight_dtype)
-        return Speculator(method_config, proposer, decisions, window)
-
-    if spec_config.method != "auto":
-        return speculator(spec_config)
-    return MethodChooser(spec_config, {m: speculator(spec_config.for_method(m))
-                                       for m in auto_candidates(spec_config, model_dir)}, decisions)

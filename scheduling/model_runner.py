@@ -15,17 +15,19 @@ from memory.kv_cache import KVCache
 from models.batch import ForwardBatch
 from models.llama import LlamaModel
 from scheduling.adapter_store import AdapterStore
-from scheduling.batcher import StepPlan
 from scheduling.lora_planner import LoraPlanner
+from scheduling.plan import StepPlan
 
 
 @dataclass(frozen=True)
 class RunOutput:
+    """Aligned with StepPlan.scheduled: logit_rows[i], first_rows[i], first_positions[i] are scheduled[i]'s."""
+
     logits: np.ndarray  # [R, V] f32
-    logit_rows: list[slice | None]  # per scheduled request, its logits rows (None: none)
+    logit_rows: list[slice | None]  # its logits rows (None: none)
     hidden: np.ndarray | None  # [T, H] f32: every row's final-norm hidden state, when wants_hidden
-    first_rows: list[int]  # per scheduled request, its first row in the flat batch (its rows are contiguous)
-    first_positions: list[int]  # per scheduled request, that row's position (its num_computed_tokens then)
+    first_rows: list[int]  # its first row in the flat batch (its rows are contiguous)
+    first_positions: list[int]  # that row's position (its num_computed_tokens then)
 
 
 class ModelRunner:
@@ -54,18 +56,17 @@ class ModelRunner:
         logit_rows: list[slice | None] = [None] * len(plan.scheduled)
         row_adapter: list[str | None] = []
         trees = []  # (first row of a tree's nodes, its first slot, the tree)
-        max_blocks = max(len(req.block_ids) for req, _ in plan.scheduled)
+        max_blocks = max(len(s.request.block_ids) for s in plan.scheduled)
         block_tables = np.zeros((len(plan.scheduled), max_blocks), np.int32)  # [S, max_blocks]
         # rows of one adapter next to each other: the LoRA kernel takes each adapter's rows as one run
-        order = sorted(range(len(plan.scheduled)), key=lambda i: plan.scheduled[i][0].adapter_id or "")
+        order = sorted(range(len(plan.scheduled)), key=lambda i: plan.scheduled[i].request.adapter_id or "")
         for s in order:
-            req, n = plan.scheduled[s]
-            drafts = plan.draft_token_ids.get(req.request_id, ())
-            start, row, num_base = req.num_computed_tokens, len(token_ids), n - len(drafts)
+            scheduled = plan.scheduled[s]
+            req, n, tree = scheduled.request, scheduled.num_new_tokens, scheduled.tree
+            start, row, num_base = req.num_computed_tokens, len(token_ids), scheduled.num_base_tokens
             token_ids += req.token_ids[start:start + num_base]
-            token_ids += drafts
+            token_ids += scheduled.draft_token_ids
             slots += range(start, start + n)  # in the sequence: a tree's nodes take the slots after its root
-            tree = plan.draft_trees.get(req.request_id)
             if tree is None:
                 positions += range(start, start + n)
             else:  # a node sits at the root's position plus its depth

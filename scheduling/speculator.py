@@ -9,10 +9,12 @@ A step where every depth is 0 calls no proposer and verifies nothing: it is a pl
 
 The policy in force is the controller's, re-decided every POLICY_REFRESH_STEPS steps, until one is
 `push`ed (a worker pushes the scheduler actor's, computed from `telemetry()`); a pushed policy stays
-until the next push, but its probe, like a local one, lasts POLICY_REFRESH_STEPS steps.
+until the next push, but its probe, like a local one, lasts POLICY_REFRESH_STEPS steps. Reading `policy`
+changes nothing: the policy in force moves on only in `refresh_policy`, which each step's `choose` calls.
 """
 
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -21,11 +23,14 @@ from cluster_configs.diagnostics import DecisionLog
 from cluster_configs.speculation_config import SpeculationConfig
 from models.proposers.base import Proposer
 from models.token_tree import TokenTree
-from scheduling.batcher import Batcher, StepPlan
-from scheduling.outputs import StepResult
+from scheduling.batcher import Batcher
+from scheduling.model_runner import RunOutput
+from scheduling.outputs import SamplerOutput
+from scheduling.plan import StepPlan
 from scheduling.spec_controller import SpeculationController
 from scheduling.spec_estimators import SpecStepStats, count_positions
-from scheduling.spec_policy import SpecTelemetry, SpeculationPolicy, choose_depths
+from scheduling.spec_policy import SpecTelemetry, SpeculationPolicy, choose_depths, speculation_policy
+from scheduling.step_stats import StepStats
 from scheduling.tree_policy import choose_tree_width
 
 SPEC_COUNTERS = ("spec_num_drafts", "spec_num_draft_tokens", "spec_num_accepted_tokens")
@@ -51,11 +56,14 @@ class Speculator:
         self.proposer = proposer
         self.controller = SpeculationController(config, proposer.cost_prior, proposer.catches_up)
         self.pushed_policy: SpeculationPolicy | None = None  # a scheduler actor's; None: the controller's
-        self._policy: SpeculationPolicy | None = None
+        # the controller's policy, in force when none is pushed; decided (and adopted) at the first refresh
+        self._policy = speculation_policy(self.controller.telemetry())
         self._num_steps_since_policy = 0  # since the policy in force was decided or pushed
+        self._decide_anew = True  # the controller decides at the next refresh (a probe has drafted its step)
         self.refresh_steps = POLICY_REFRESH_STEPS  # method "auto" refreshes each of its methods' less often
         self.decisions = decisions or DecisionLog()
         self.draft_passes: list[tuple[int, float]] = []  # this step's proposer passes: (tokens, seconds)
+        self.draft_seconds = 0.0  # this step's proposer seconds
         self.depth = 0  # the deepest draft of the last step with decoding requests
         self.num_drafts = 0  # verifications: request-steps with at least one draft
         self.num_draft_tokens = 0
@@ -66,19 +74,23 @@ class Speculator:
 
     @property
     def policy(self) -> SpeculationPolicy:
+        """The policy in force."""
+        return self._policy if self.pushed_policy is None else self.pushed_policy
+
+    def refresh_policy(self) -> None:
+        """Move the policy in force on: a pushed probe that has had its steps ends; the controller's own
+        policy is decided anew every refresh_steps steps (or after its probe drafted)."""
         if self.pushed_policy is not None:
             if self.pushed_policy.probe and self._num_steps_since_policy >= self.refresh_steps:
                 self.pushed_policy = replace(self.pushed_policy, probe=False)  # the probe has had its steps
                 self.controller.adopt(self.pushed_policy)
-            return self.pushed_policy
-        if self._policy is None or self._num_steps_since_policy >= self.refresh_steps:
-            self._policy, self._num_steps_since_policy = self.controller.policy(), 0
-        return self._policy
+        elif self._decide_anew or self._num_steps_since_policy >= self.refresh_steps:
+            self._policy, self._num_steps_since_policy, self._decide_anew = self.controller.policy(), 0, False
 
     def end_probe(self) -> None:
         """The probe in force has drafted its step (method "auto" probes one step): decide anew next time."""
         if self.pushed_policy is None:
-            self._policy = None
+            self._decide_anew = True
         elif self.pushed_policy.probe:
             self.pushed_policy = replace(self.pushed_policy, probe=False)
             self.controller.adopt(self.pushed_policy)
@@ -96,32 +108,43 @@ class Speculator:
     def needs_hidden(self) -> bool:
         return self.proposer.needs_hidden
 
-    def propose(self, plan: StepPlan, batcher: Batcher) -> float:
-        """Schedule drafts for the plan's decoding requests; -> the proposer's seconds."""
+    def propose(self, plan: StepPlan, batcher: Batcher) -> StepPlan:
+        """The plan with drafts for its decoding requests."""
+        for req in plan.preempted:
+            self.free(req.request_id)
         return self.draft(plan, batcher, self.choose(plan))
+
+    def observe(self, plan: StepPlan, run: RunOutput, out: SamplerOutput, stats: StepStats) -> None:
+        if self.proposer.needs_hidden:
+            for request_id, first, features in hidden_features(plan, run, out):
+                self.proposer.observe_hidden(request_id, first, features)
+        # the whole step but the proposer's passes: drafts also cost scheduling and rollback
+        self.record(plan, out, stats.seconds.total - self.draft_seconds, self.draft_seconds, stats.num_waiting,
+                    stats.kv_usage)
 
     def choose(self, plan: StepPlan) -> DraftChoice | None:
         """This step's depth per decoding request under the policy in force (None: no decoding request)."""
-        self.draft_passes = []
+        self.draft_passes, self.draft_seconds = [], 0.0
         decoding = plan.decoding()
         if not decoding:
             return None
-        reqs = [plan.scheduled[i][0] for i in decoding]
+        reqs = [plan.scheduled[i].request for i in decoding]
         # a run may append all its drafts and one more token; drafts past max_tokens would be cut unread
         max_depths = [r.max_num_tokens - r.num_tokens for r in reqs]
+        self.refresh_policy()
         policy = self.policy
         depths = choose_depths(policy, plan.num_tokens, max_depths, token_budget=plan.token_budget_left)
         return DraftChoice(decoding, reqs, depths, policy)
 
-    def draft(self, plan: StepPlan, batcher: Batcher, choice: DraftChoice | None) -> float:
-        """Have the proposer draft the choice's depths into the plan; -> its seconds."""
+    def draft(self, plan: StepPlan, batcher: Batcher, choice: DraftChoice | None) -> StepPlan:
+        """The plan with the proposer's drafts of the choice's depths (its seconds: draft_seconds)."""
         if choice is None:
-            return 0.0
+            return plan
         decoding, reqs, depths = choice.decoding, choice.requests, choice.depths
         self._record_depth(max(depths), len(reqs), plan.num_tokens)
         active = [j for j, d in enumerate(depths) if d > 0]
         if not active:
-            return 0.0
+            return plan
         self._choose_width(plan.num_tokens, depths)
         start = time.perf_counter()
         drafts = self.proposer.propose([reqs[j] for j in active], [depths[j] for j in active])
@@ -132,21 +155,25 @@ class Speculator:
         passes = self.proposer.last_passes or [(len(active), seconds)]
         timed = sum(s for _, s in passes)
         self.draft_passes = [(n, s * seconds / timed) for n, s in passes] if 0 < timed < seconds else passes
+        self.draft_seconds = seconds
+        trees = {}
         for j, draft in zip(active, drafts):
             if isinstance(draft, TokenTree):
                 tree = draft.truncated(depths[j] if draft.is_chain else min(depths[j], self.max_tree_depth))
             else:
                 tree = TokenTree.chain(draft[:depths[j]])
             if tree.tokens:
-                batcher.add_drafts(plan, decoding[j], list(tree.tokens), tree)
-        return seconds
+                trees[decoding[j]] = tree
+        return batcher.with_drafts(plan, trees, self.config.method)
 
-    def observe(self, plan: StepPlan, result: StepResult, seconds: float, draft_seconds: float,
-                num_waiting: int, kv_usage: float, drafted: bool = True) -> SpecStepStats:
-        """drafted: whether this speculator's proposer drafted the step's drafts (False: another method's,
-        which this one sees as a step without drafts: its step cost, not its acceptance)."""
+    def record(self, plan: StepPlan, out: SamplerOutput, seconds: float, draft_seconds: float,
+               num_waiting: int, kv_usage: float, drafted: bool = True) -> SpecStepStats:
+        """A step's figures into the controller and the counters. seconds: the step but the proposer's
+        passes; drafted: whether this speculator's proposer drafted the step's drafts (False: another
+        method's, which this one sees as a step without drafts: its step cost, not its acceptance)."""
         k = self.config.num_speculative_tokens
-        runs = [(d, a) for d, a in zip(result.num_draft_tokens, result.num_accepted_tokens) if d > 0] if drafted else []
+        runs = [(s.num_draft_tokens, s.num_accepted_tokens) for s in out.sampled
+                if s is not None and s.num_draft_tokens > 0] if drafted else []
         verified, accepted = count_positions(runs, k)
         stats = SpecStepStats(plan.num_tokens, seconds, len(plan.scheduled), num_waiting, kv_usage, draft_seconds,
                               max((d for d, _ in runs), default=0), verified, accepted,
@@ -162,10 +189,6 @@ class Speculator:
 
     def free(self, request_id: str) -> None:
         self.proposer.free(request_id)
-
-    def observe_hidden(self, request_id: str, first: int, features: np.ndarray) -> None:
-        if self.proposer.needs_hidden:
-            self.proposer.observe_hidden(request_id, first, features)
 
     def telemetries(self) -> tuple[SpecTelemetry, ...]:
         """What the scheduler decides this engine's policy from, one record per method (here one)."""
@@ -216,6 +239,21 @@ class Speculator:
                                       f"{p.per_token_s * 1e3:.3f} ms/token, draft cost x{p.draft_cost_factor:.2f}",
                               subject="depth")
         self.depth = depth
+
+
+def hidden_features(plan: StepPlan, run: RunOutput, out: SamplerOutput) -> Iterator[tuple[str, int, np.ndarray]]:
+    """For a proposer that drafts from the target's features: each running request's (id, first position,
+    features [n, H]) of the positions this step verified (its prompt or verified rows, then a verification's
+    kept path, whose last row produced its last token)."""
+    for s, (scheduled, sampled) in enumerate(zip(plan.scheduled, out.sampled)):
+        req = scheduled.request
+        if req.finished or req.prompt_logits:
+            continue
+        first = run.first_rows[s]
+        rows = list(range(first, first + scheduled.num_base_tokens))  # positions first_positions[s] ...
+        if sampled is not None:  # the kept path's rows after the root (the request's last base row)
+            rows += [rows[-1] + r for r in sampled.rows[1:]]
+        yield req.request_id, run.first_positions[s], run.hidden[rows]
 
 
 def spec_stats_off() -> dict:

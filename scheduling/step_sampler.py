@@ -1,4 +1,4 @@
-"""One step's sampling: every logits row of the step -> a StepResult with a list of tokens per request.
+"""One step's sampling: every logits row of the step -> a SamplerOutput with a list of tokens per request.
 
 A request without drafts samples its one row. A speculating request has k + 1 rows (after its last
 verified token and after each draft); row i is sampled as if drafts 0..i-1 were already its output
@@ -24,12 +24,11 @@ from functools import cached_property
 import numpy as np
 
 from models.token_tree import TokenTree
-from scheduling.batcher import StepPlan
-from scheduling.outputs import StepResult
+from scheduling.model_runner import RunOutput
+from scheduling.outputs import SampledTokens, SamplerOutput
+from scheduling.plan import StepPlan
 from scheduling.request import Request
 from scheduling.sampler import sample_batch, top_logprobs_batch
-
-_NO_DRAFTS = TokenTree((), ())  # a plain decode row
 
 
 class RowContext:
@@ -46,41 +45,42 @@ class RowContext:
         return getattr(self.req, name)
 
 
-def sample_step(plan: StepPlan, logits: np.ndarray, logit_rows: list[slice | None]) -> StepResult:
-    """logits: [R, V] f32, logit_rows: per scheduled request its rows (None: none)."""
+def sample_step(plan: StepPlan, run: RunOutput) -> SamplerOutput:
+    logits = run.logits  # [R, V] f32
     rows_to_sample = _Rows()
-    todo = []  # (request, drafts, its logits rows, its first row in rows_to_sample)
-    result = StepResult()
-    for (req, _), rows in zip(plan.scheduled, logit_rows):
+    todo = []  # (index in plan.scheduled, request, its drafts' tree, its logits rows, its first row in rows_to_sample)
+    prompt_logits: list[np.ndarray | None] = [None] * len(plan.scheduled)
+    for i, (scheduled, rows) in enumerate(zip(plan.scheduled, run.logit_rows)):
+        req = scheduled.request
         if rows is None:
             continue
         if req.prompt_logits:
-            result.prompt_logits[req.request_id] = logits[rows]
+            prompt_logits[i] = logits[rows]
             continue
-        drafts = plan.draft_token_ids.get(req.request_id, [])
-        tree = plan.draft_trees.get(req.request_id) or (TokenTree.chain(drafts) if drafts else _NO_DRAFTS)
-        todo.append((req, tree, rows, rows_to_sample.add(req, tree, rows)))
+        tree = scheduled.draft_tree
+        todo.append((i, req, tree, rows, rows_to_sample.add(req, tree, rows)))
     sampled = sample_batch(_gather(logits, rows_to_sample.ids), rows_to_sample.reqs, rows_to_sample.positions)
-    runs = [tree.walk(sampled[first:first + len(tree.tokens) + 1]) for _, tree, _, first in todo]
+    runs = [tree.walk(sampled[first:first + len(tree.tokens) + 1]) for *_, tree, _, first in todo]
     logprobs = _logprobs(logits, todo, runs)
-    for (req, tree, *_), (tokens, sampled_rows), lps in zip(todo, runs, logprobs):
+    out: list[SampledTokens | None] = [None] * len(plan.scheduled)
+    for (i, _, tree, *_), (tokens, sampled_rows), lps in zip(todo, runs, logprobs):
         depth = max(tree.depths, default=0)  # the positions the drafts covered
-        result.add(req.request_id, tokens, lps, depth, len(tokens) - 1, sampled_rows)
-    return result
+        out[i] = SampledTokens(tokens, lps, depth, len(tokens) - 1, sampled_rows)
+    return SamplerOutput(tuple(out), tuple(prompt_logits))
 
 
 def _logprobs(logits: np.ndarray, todo: list, runs: list[tuple[list[int], list[int]]]) \
         -> list[list[dict[int, float]] | None]:
     """Per request: the logprobs of each token of its run (from the row it was sampled at), None if not asked."""
     ids, tokens, counts = [], [], []
-    for (req, _, rows, *_), (run, sampled_rows) in zip(todo, runs):
+    for (_, req, _, rows, _), (run, sampled_rows) in zip(todo, runs):
         if req.params.logprobs is not None:
             ids += [rows.start + r for r in sampled_rows]
             tokens += run
             counts += [req.params.logprobs] * len(run)
     rows = iter(top_logprobs_batch(logits[ids], tokens, counts) if ids else ())
     return [None if req.params.logprobs is None else [next(rows) for _ in run]
-            for (req, *_), (run, _) in zip(todo, runs)]
+            for (_, req, *_), (run, _) in zip(todo, runs)]
 
 
 def _gather(logits: np.ndarray, ids: list[int]) -> np.ndarray:

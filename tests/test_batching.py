@@ -55,7 +55,7 @@ def test_priority_decides_who_is_preempted(llama_dir):
     urgent = engine.make_request("urgent", random_prompt(40, seed=1), params, priority=0)
     background = engine.make_request("background", random_prompt(40, seed=2), params, priority=5)
     run_engine(engine, [background, urgent])
-    assert engine.batcher.num_preemptions > 0
+    assert engine.stats()["num_preemptions"] > 0
     assert urgent.num_cached_tokens == 0 and urgent.finish_reason == background.finish_reason == "length"
 
 
@@ -71,7 +71,7 @@ def test_prefix_cache_reuses_a_shared_200_token_prefix(llama_dir):
     assert a.num_cached_tokens == 0
     assert b.num_cached_tokens == 192  # 12 full blocks of 16 out of the 200 shared tokens
     assert b.output_token_ids == reference
-    assert engine.kv.prefix_hit_rate == pytest.approx(192 / (len(first) + len(second)))
+    assert engine.stats()["prefix_hit_rate"] == pytest.approx(192 / (len(first) + len(second)))
 
 
 def test_different_cache_salts_never_share_blocks(llama_dir):
@@ -103,12 +103,12 @@ def test_multi_turn_follow_up_recomputes_only_new_tokens(llama_dir):
 
 def test_abort_frees_blocks_at_once(llama_dir):
     engine = ns.LLM(llama_dir, **FP32).engine
-    free = engine.kv.pool.num_free_blocks
+    free = engine.stats()["num_free_blocks"]
     engine.add_request("long", random_prompt(50, seed=41), ns.SamplingParams(max_tokens=200, ignore_eos=True))
     engine.step()
-    assert engine.kv.pool.num_free_blocks < free
+    assert engine.stats()["num_free_blocks"] < free
     out = engine.abort("long")
-    assert out.finish_reason == "abort" and engine.kv.pool.num_free_blocks == free
+    assert out.finish_reason == "abort" and engine.stats()["num_free_blocks"] == free
     assert engine.abort("long") is None and not engine.has_unfinished()
 
 
@@ -130,7 +130,8 @@ def test_sliding_window_generation_keeps_a_bounded_number_of_blocks(model_dirs):
     most = 0
     while engine.has_unfinished():
         engine.step()
-        most = max(most, engine.kv.pool.num_used_blocks)
+        stats = engine.stats()
+        most = max(most, stats["num_blocks"] - stats["num_free_blocks"])
     assert req.num_tokens == 180 and most <= 8 // 4 + 2  # the window's blocks and the one being filled
     reference = ns.LLM(model_dirs["mistral"], **FP32, enable_prefix_caching=False).generate(
         [random_prompt(30, seed=51)], ns.SamplingParams(max_tokens=150, temperature=0, ignore_eos=True))[0]

@@ -22,7 +22,7 @@ def engine(llama_dir):
 def _run_until(engine: Engine, req) -> list:
     outputs = []
     while not req.finished:
-        outputs += [o for o in engine.step() if o.request_id == req.request_id]
+        outputs += [o for o in engine.step().outputs if o.request_id == req.request_id]
     return outputs
 
 
@@ -45,7 +45,7 @@ def test_running_request_past_its_deadline_is_aborted_and_frees_its_blocks(engin
     assert req.finish_reason == "abort" and outputs[-1].finish_reason == "abort"
     assert 3 <= len(req.output_token_ids) < LONG.max_tokens  # it ran, then the deadline cut it
     assert not engine.has_unfinished()
-    assert engine.kv.pool.num_free_blocks == engine.kv.pool.num_blocks
+    assert engine.stats()["num_free_blocks"] == engine.stats()["num_blocks"]
 
 
 @pytest.mark.load_sensitive
@@ -59,7 +59,7 @@ def test_waiting_request_past_its_deadline_is_aborted_without_running(engine, mo
     assert outputs[-1].finish_reason == "abort" and outputs[-1].token_ids == []
     assert not first.finished and second.num_computed_tokens == 0  # it never left the queue
     engine.abort("first")
-    assert engine.kv.pool.num_free_blocks == engine.kv.pool.num_blocks
+    assert engine.stats()["num_free_blocks"] == engine.stats()["num_blocks"]
 
 
 def test_request_within_its_deadline_finishes_normally(engine):

@@ -77,4 +77,4 @@ def test_an_engine_asked_for_medusa_names_what_is_missing_or_does_not_fit(llama_
     with pytest.raises(pydantic.ValidationError, match="num_heads is set but method='ngram'"):
         ns.SpeculationConfig(method="ngram", num_heads=2)
     llm = ns.LLM(model_copy, speculation={"method": "medusa", "num_heads": 1, "mode": "on"})
-    assert llm.engine.speculator.proposer.heads.num_heads == 1
+    assert llm.engine.speculation.proposer.heads.num_heads == 1

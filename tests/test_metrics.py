@@ -1,6 +1,8 @@
 """WorkerMetrics over an in-process engine (no Ray cluster: ray.util.metrics records nowhere) and render's
 Prometheus text: counts exact, the warm-up left out, an abort counted by its reason, histograms cumulative."""
 
+import time
+
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -13,15 +15,20 @@ GREEDY = ns.SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 
 
 def run(engine: Engine, metrics: WorkerMetrics) -> None:
-    """The worker's loop: step until every request is done, the metrics seeing each step's outputs."""
+    """The worker's loop: step until every request is done, the metrics seeing each step."""
     while engine.has_unfinished():
-        metrics.outputs(engine, engine.step())
+        step(engine, metrics)
+
+
+def step(engine: Engine, metrics: WorkerMetrics) -> None:
+    start = time.perf_counter()
+    metrics.step(engine.step(), start)
 
 
 def submit(engine: Engine, metrics: WorkerMetrics, request_id: str, prompt: list[int], params=GREEDY) -> None:
     req = engine.make_request(request_id, prompt, params)
     engine.submit(req)
-    metrics.submitted(engine, req)
+    metrics.submitted(req)
 
 
 def samples(snapshots: list[dict]) -> list:
@@ -50,8 +57,8 @@ def test_counts_are_exact_and_the_warm_up_is_not_counted(engine):
     submit(engine, metrics, "r3", prompts[3])  # finds the full blocks of r2's prompt in the prefix cache
     run(engine, metrics)
     submit(engine, metrics, "gone", random_prompt(7, seed=1), ns.SamplingParams(max_tokens=50, ignore_eos=True))
-    metrics.outputs(engine, engine.step())
-    metrics.outputs(engine, [engine.abort("gone")])
+    step(engine, metrics)
+    metrics.outputs([engine.abort("gone")])
     snapshot = metrics.snapshot(engine)
     assert snapshot["labels"] == {"model_name": "llama", "worker": "local-numa1-0", "numa_node": "1"}
     v = snapshot["values"]

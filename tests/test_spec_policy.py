@@ -14,10 +14,11 @@ import numaserve as ns
 from actors.scheduler import Scheduler
 from cluster_configs.diagnostics import DecisionLog
 from models.proposers.base import Proposer
-from scheduling.batcher import StepPlan
 from scheduling.method_chooser import MEASURE_STEPS, REMEASURE_STEPS, MethodChooser
-from scheduling.outputs import StepResult
+from scheduling.outputs import SampledTokens, SamplerOutput
+from scheduling.plan import ScheduledRequest, StepPlan
 from scheduling.policy import BatchingPolicy, PolicyLimits, StepTelemetry
+from scheduling.request import Request
 from scheduling.spec_controller import SpeculationController
 from scheduling.spec_estimators import (
     ACCEPT_ALPHA,
@@ -418,8 +419,9 @@ def test_an_engine_keeps_a_pushed_policy_until_the_next_but_its_probe_lasts_one_
     assert spec.policy == pushed and spec.stats()["spec_policy_source"] == "scheduler"
     assert spec.controller.num_idle_probes == 1
     for step in range(3 * POLICY_REFRESH_STEPS):
+        spec.refresh_policy()  # as each step's choose does: reading the policy moves nothing on
         assert spec.policy == (pushed if step < POLICY_REFRESH_STEPS else replace(pushed, probe=False)), step
-        spec.observe(StepPlan(), StepResult(), 0.01, 0.0, 0, 0.3)
+        spec.record(StepPlan(), SamplerOutput((), ()), 0.01, 0.0, 0, 0.3)
     assert spec.telemetry().num_requests == 0 and spec.telemetry().kv_usage == 0.3
 
 
@@ -431,6 +433,7 @@ class Candidate:
     def __init__(self, depth: int = 2, probe: bool = False):
         self.depth, self.num_drafted = depth, 0
         self.policy = replace(SpeculationPolicy.off(), probe=probe)
+        self.draft_seconds = 0.0
 
     def choose(self, plan):
         n = len(plan.scheduled)
@@ -438,9 +441,9 @@ class Candidate:
 
     def draft(self, plan, batcher, choice):
         self.num_drafted += 1
-        return 0.0
+        return plan
 
-    def observe(self, plan, result, seconds, draft_seconds, num_waiting, kv_usage, drafted=True):
+    def record(self, plan, out, seconds, draft_seconds, num_waiting, kv_usage, drafted=True):
         return SpecStepStats(plan.num_tokens, seconds, len(plan.scheduled), 0, 0.0,
                              num_drafts_per_position=(int(drafted),))
 
@@ -451,14 +454,17 @@ class Candidate:
 def decode_steps(chooser: MethodChooser, num_steps: int, batch: int, tokens_per_s: dict) -> list:
     """Run num_steps decode steps of `batch` requests; the option chosen delivers its tokens_per_s.
     -> the option of each step."""
-    plan = StepPlan([(object(), 1)] * batch)
-    plan.decoding = lambda: list(range(batch))
+    reqs = [Request(f"r{i}", [1, 2], ns.SamplingParams(), max_model_len=64) for i in range(batch)]
+    for req in reqs:
+        req.num_computed_tokens = 1  # decoding: its last token to compute
+    plan = StepPlan(tuple(ScheduledRequest(req, 1) for req in reqs))
+    out = SamplerOutput((SampledTokens([1], None, 0, 0, [0]),) * batch, (None,) * batch)
     ran = []
     for _ in range(num_steps):
         chooser.propose(plan, None)
         option = chooser._option
         seconds = batch / tokens_per_s[option]
-        chooser.observe(plan, StepResult(sampled_token_ids=[[1]] * batch), seconds, 0.0, 0, 0.0)
+        chooser.record(plan, out, seconds, 0.0, 0, 0.0)
         ran.append(option)
     return ran
 

@@ -71,15 +71,17 @@ def perturbed_copy(src, dst, scale: float, seed: int = 0):
 def record_runs(engine: Engine) -> dict[str, list[tuple[int, list[int], int]]]:
     """Request id -> per step (outputs it had before, the run the step sampled for it, drafts verified)."""
     runs: dict[str, list] = {}
-    process = engine._process
+    process = engine.processor.process
 
-    def recording(plan, result):
-        before = {req.request_id: len(req.output_token_ids) for req, _ in plan.scheduled}
-        for rid, tokens, num_drafts in zip(result.req_ids, result.sampled_token_ids, result.num_draft_tokens):
-            runs.setdefault(rid, []).append((before[rid], list(tokens), num_drafts))
-        return process(plan, result)
+    def recording(plan, out):
+        for scheduled, sampled in zip(plan.scheduled, out.sampled):
+            if sampled is not None:
+                req = scheduled.request
+                runs.setdefault(req.request_id, []).append(
+                    (len(req.output_token_ids), list(sampled.token_ids), sampled.num_draft_tokens))
+        return process(plan, out)
 
-    engine._process = recording
+    engine.processor.process = recording
     return runs
 
 
@@ -181,7 +183,7 @@ def test_greedy_speculation_gives_the_same_tokens_as_none(llama_dir, draft_dir, 
     llm = ns.LLM(model, **FP32, speculation=spec, max_num_batched_tokens=512)
     # this draft model is the target's size, so its cost prior keeps the load-aware modes from ever trying
     # it; price it as free here so that they draft (pricing: tests/test_spec_policy.py)
-    llm.engine.speculator.controller.cost_prior = (0.0, 0.0)
+    llm.engine.speculation.controller.cost_prior = (0.0, 0.0)
     assert_same(outcome(run(llm.engine, *mixed)), reference)
     stats = llm.stats()
     assert stats["spec_num_draft_tokens"] > 0 and stats["spec_num_accepted_tokens"] > 0, stats
@@ -233,8 +235,8 @@ def take_turns(chooser: MethodChooser) -> None:
 
 def test_method_auto_weighs_every_method_the_model_has(all_heads_dir, llama_dir, draft_dir):
     llm = ns.LLM(all_heads_dir, **FP32, speculation={"method": "auto", "draft_model": str(draft_dir)})
-    assert list(llm.engine.speculator.candidates) == ["ngram", "medusa", "eagle", "draft"]
-    assert list(ns.LLM(llama_dir, **FP32, speculation={"method": "auto"}).engine.speculator.candidates) == ["ngram"]
+    assert list(llm.engine.speculation.candidates) == ["ngram", "medusa", "eagle", "draft"]
+    assert list(ns.LLM(llama_dir, **FP32, speculation={"method": "auto"}).engine.speculation.candidates) == ["ngram"]
 
 
 @pytest.mark.parametrize("small_pool", [False, True])
@@ -246,7 +248,7 @@ def test_methods_drafting_in_turn_give_the_same_tokens_as_none(all_heads_dir, dr
         if small_pool else {"max_num_batched_tokens": 512}
     llm = ns.LLM(all_heads_dir, **FP32, **pool, speculation={"method": "auto", "mode": "on", "num_speculative_tokens": K,
                                                             "draft_model": str(draft_dir)})
-    take_turns(llm.engine.speculator)
+    take_turns(llm.engine.speculation)
     assert_same(outcome(run(llm.engine, *mixed)), reference)
     stats = llm.stats()
     assert all(n > 0 for n in stats["spec_num_drafts_by_method"].values()), stats["spec_num_drafts_by_method"]
@@ -275,8 +277,8 @@ def with_tree_proposer(llm, width: int) -> list[int]:
     """Have the engine's Medusa or EAGLE proposer draft trees of this width; -> a list that records, per
     verification that kept a tree path, whether the path left the first branch (its KV moved to the slots
     after the root)."""
-    assert isinstance(llm.engine.speculator.proposer, MedusaProposer | EagleProposer)
-    llm.engine.speculator.proposer.fixed_width = width
+    assert isinstance(llm.engine.speculation.proposer, MedusaProposer | EagleProposer)
+    llm.engine.speculation.proposer.fixed_width = width
     moved = []
     move_slots = llm.engine.kv_cache.move_slots
 
@@ -327,7 +329,7 @@ def test_eagle_with_a_draft_vocabulary_drafts_only_its_tokens_and_keeps_the_targ
     safetensors.torch.save_file(state, directory / HEAD_FILE)
     llm = ns.LLM(directory, **FP32, speculation={"method": "eagle", "num_speculative_tokens": K, "mode": "on",
                                                  "tree_width": width})
-    proposer, drafted = llm.engine.speculator.proposer, []
+    proposer, drafted = llm.engine.speculation.proposer, []
     propose = proposer.propose
 
     def recording(requests, depths):
@@ -352,7 +354,7 @@ def test_eagle_keeps_a_bounded_number_of_unseen_features_and_restarts_from_the_n
     prompt, params = mixed[0][3], ns.SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
     want = ns.LLM(llama_dir, **FP32).generate(prompt, params)[0].token_ids
     llm = ns.LLM(eagle_dir, **FP32, speculation={"method": "eagle", "mode": "on"})
-    proposer, most = llm.engine.speculator.proposer, []
+    proposer, most = llm.engine.speculation.proposer, []
     observe = proposer.observe_hidden
 
     def bounded(request_id, first, features):
@@ -372,7 +374,7 @@ def test_eagle_drafts_after_a_prefix_cache_hit_and_keeps_the_tokens(llama_dir, e
     params = ns.SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
     want = ns.LLM(llama_dir, **FP32).generate(prompt, params)[0].token_ids
     llm = ns.LLM(eagle_dir, **FP32, speculation={"method": "eagle", "mode": "on", "tree_width": width})
-    proposer, first_seen = llm.engine.speculator.proposer, {}
+    proposer, first_seen = llm.engine.speculation.proposer, {}
     observe = proposer.observe_hidden
 
     def recording(request_id, first, features):
@@ -608,7 +610,7 @@ def test_the_policy_widens_trees_where_they_keep_more_and_tokens_stay_the_same(v
     assert [o.token_ids for o in llm.generate(prompts, params)] == reference
     widths = [d["choice"] for d in llm.diagnostics() if d["choice"].startswith("tree width")]
     assert widths and widths[-1] != "tree width 1", widths
-    assert llm.engine.speculator.proposer.accepted_counts.sum(axis=1)[0] >= 16
+    assert llm.engine.speculation.proposer.accepted_counts.sum(axis=1)[0] >= 16
 
 
 @pytest.mark.parametrize("method, mode", [("ngram", "auto"), ("draft", "on"), ("draft", "auto"), ("medusa", "on"),
@@ -637,8 +639,8 @@ class Untouchable(Proposer):
 
 def test_depth_0_calls_no_proposer_and_changes_nothing(llama_dir, mixed, reference):
     llm = ns.LLM(llama_dir, **FP32, speculation={"method": "ngram", "mode": "auto"})
-    llm.engine.speculator.proposer = Untouchable()
-    llm.engine.speculator.pushed_policy = SpeculationPolicy.off()  # as a scheduler would push it: depth 0
+    llm.engine.speculation.proposer = Untouchable()
+    llm.engine.speculation.pushed_policy = SpeculationPolicy.off()  # as a scheduler would push it: depth 0
     assert_same(outcome(run(llm.engine, *mixed)), reference)
     stats = llm.stats()
     assert stats["spec_num_drafts"] == stats["spec_depth"] == 0

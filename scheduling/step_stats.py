@@ -1,0 +1,96 @@
+"""Typed stats: what one step did (StepStats) and an engine's running totals of them (EngineTotals).
+
+The engine records a StepStats per step; stats(), worker telemetry, Prometheus metrics and the
+speculation policy read those records, never engine state.
+"""
+
+import time
+from dataclasses import dataclass, fields, replace
+
+STAGES = ("schedule", "propose", "run", "sample", "process")
+
+
+@dataclass(frozen=True)
+class StageSeconds:
+    schedule: float = 0.0  # deadlines, the batcher's plan
+    propose: float = 0.0  # choosing draft depths, the proposer's passes, scheduling the drafts
+    run: float = 0.0  # the target model's forward
+    sample: float = 0.0
+    process: float = 0.0  # appending, stops, detokenizing; accepting drafts' KV; finishing
+
+    @property
+    def total(self) -> float:
+        return sum(getattr(self, s) for s in STAGES)
+
+
+class StageClock:
+    """Times a step's stages one after another: value = clock.lap(stage, value) after each."""
+
+    def __init__(self):
+        self._last = time.perf_counter()
+        self._seconds = dict.fromkeys(STAGES, 0.0)
+
+    def lap(self, stage: str, value=None):
+        now = time.perf_counter()
+        self._seconds[stage] += now - self._last
+        self._last = now
+        return value
+
+    def seconds(self) -> StageSeconds:
+        return StageSeconds(**self._seconds)
+
+
+@dataclass(frozen=True)
+class DraftCounts:
+    """One speculation method's drafts verified in a step."""
+
+    method: str
+    num_drafts: int  # requests that verified drafts
+    num_draft_tokens: int
+    num_accepted_tokens: int
+
+
+@dataclass(frozen=True)
+class StepStats:
+    num_prefill_tokens: int = 0  # scheduled tokens of prompts (chunks, recomputation after preemption)
+    num_decode_tokens: int = 0  # scheduled last tokens of decoding requests and their drafts
+    num_computed_tokens: int = 0  # tokens whose KV the step kept (rejected drafts not counted)
+    num_generated_tokens: int = 0  # output tokens appended
+    scheduled_ids: tuple[str, ...] = ()
+    preempted_ids: tuple[str, ...] = ()
+    num_prefix_lookup_tokens: int = 0  # prompt tokens of the requests admitted, looked up in the prefix cache
+    num_prefix_hit_tokens: int = 0  # of those, found there
+    drafts: tuple[DraftCounts, ...] = ()  # per method that drafted
+    seconds: StageSeconds = StageSeconds()
+    # after the step
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_usage: float = 0.0  # fraction of KV blocks in use
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prefill_tokens + self.num_decode_tokens
+
+
+@dataclass(frozen=True)
+class EngineTotals:
+    """Sums of an engine's StepStats counters since it started."""
+
+    num_steps: int = 0
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+    num_computed_tokens: int = 0
+    num_generated_tokens: int = 0
+    num_preemptions: int = 0
+    num_prefix_lookup_tokens: int = 0
+    num_prefix_hit_tokens: int = 0
+
+    def plus(self, step: StepStats) -> "EngineTotals":
+        added = {f.name: getattr(self, f.name) + getattr(step, f.name) for f in fields(self)
+                 if f.name not in ("num_steps", "num_preemptions")}
+        return replace(self, num_steps=self.num_steps + 1, num_preemptions=self.num_preemptions
+                       + len(step.preempted_ids), **added)
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.num_prefix_hit_tokens / self.num_prefix_lookup_tokens if self.num_prefix_lookup_tokens else 0.0
