@@ -49,11 +49,12 @@ def serve(handlers: dict[str, Callable]) -> None:
 class EngineProcess:
     """The parent's handle on one worker process."""
 
-    def __init__(self, name: str, module: str, args: list[str], env: dict[str, str]):
+    def __init__(self, name: str, module: str, args: list[str], env: dict[str, str], cwd: str | None = None):
+        """cwd: the source tree whose module runs (default: this one)."""
         self.name = name
         self.proc = subprocess.Popen([sys.executable, "-m", module, *args], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, env=env, text=True, bufsize=1,
-                                     cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+                                     cwd=cwd or os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         atexit.register(self.kill)  # a stopped worker would outlive a parent that failed
         self._read()  # "ready": the model is loaded
         self.proc.send_signal(signal.SIGSTOP)

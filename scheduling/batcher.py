@@ -27,6 +27,10 @@ class Batcher:
         self.running: list[Request] = []
         self.decisions = decisions or DecisionLog()
 
+    def stats(self) -> dict:
+        return {"num_running": len(self.running), "num_waiting": len(self.waiting), "token_budget": self.token_budget,
+                "max_num_seqs": self.max_num_seqs}
+
     def add(self, req: Request) -> None:
         bisect.insort(self.waiting, req, key=lambda r: r.sort_key)
 

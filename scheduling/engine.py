@@ -1,7 +1,6 @@
 """The engine: one model, one KV cache, one batcher. Each step schedules, drafts, runs the model, samples,
 processes the outputs, and hands on a StepOutput with the step's StepStats."""
 
-import math
 import os
 import time
 from collections.abc import Callable
@@ -16,7 +15,7 @@ from cluster_configs.sampling_params import SamplingParams
 from kernels import threading_decision
 from memory.block_pool import BlockPool
 from memory.heap import release_free_heap
-from memory.kv_cache import KVCache, kv_bytes_per_token
+from memory.kv_cache import KVCache
 from models.activation_plan import plan_activations
 from models.calibration import load_calibration
 from models.llama import LlamaModel
@@ -26,7 +25,7 @@ from models.lora_slots import LoraSlots, slot_dtype
 from models.tokenizer import IncrementalDetokenizer
 from scheduling.adapter_store import AdapterStore
 from scheduling.batcher import Batcher
-from scheduling.kv_cache_manager import KVCacheManager
+from scheduling.kv_cache_manager import KVCacheManager, num_kv_blocks
 from scheduling.lora_planner import LoraPlanner, SharedMerged
 from scheduling.model_runner import ModelRunner
 from scheduling.output_processor import OutputProcessor, ProcessedStep, emit, finish
@@ -36,7 +35,7 @@ from scheduling.policy import Policy
 from scheduling.request import Request
 from scheduling.speculation import make_speculation
 from scheduling.step_sampler import sample_step
-from scheduling.step_stats import DraftCounts, EngineTotals, StageClock, StepStats
+from scheduling.step_stats import EngineTotals, StageClock, StepStats, step_stats
 from scheduling.validation import RequestLimits, validate_request
 
 Prompt = str | list[int]
@@ -59,11 +58,7 @@ class Engine:
         self.model = LlamaModel(self.spec, weights)
         s, bs = self.spec, config.block_size
         self.max_model_len = config.max_model_len or s.max_position_embeddings
-        block_bytes = kv_bytes_per_token(s.num_layers, s.num_kv_heads, s.head_dim, config.resolved_kv_dtype) * bs
-        num_blocks = min(config.kv_cache_bytes // block_bytes, config.max_num_seqs * -(-self.max_model_len // bs))
-        if num_blocks < 1:
-            raise ValueError(f"kv_cache_bytes={config.kv_cache_bytes} cannot hold one KV block of {block_bytes} "
-                             "bytes; raise kv_cache_bytes or lower block_size")
+        num_blocks = num_kv_blocks(s, config, self.max_model_len)
         self.kv_cache = KVCache(s.num_layers, num_blocks, bs, s.num_kv_heads, s.head_dim, config.resolved_kv_dtype)
         window = min(s.layer_windows)  # blocks can be released only if every layer looks back a window
         self.kv = KVCacheManager(BlockPool(num_blocks), self.kv_cache, config.enable_prefix_caching, window)
@@ -75,7 +70,7 @@ class Engine:
         self.runner = ModelRunner(self.model, self.kv_cache, bs, self.adapters, LoraPlanner(
             slots, self.model.weights["layers"], s, config.lora_merge, config.lora_merged_bytes,
             self.model.weight_bytes, shared_merged, self.decisions))
-        self.speculation = make_speculation(config, s, self.tokenizer, _model_dir(model_path), self.model,
+        self.speculation = make_speculation(config, s, self.tokenizer, model_path, self.model,
                                             kv_cache_tokens=num_blocks * bs, decisions=self.decisions)
         self.runner.wants_hidden = self.speculation.needs_hidden
         self.processor = OutputProcessor(self.kv, self.spec.eos_token_ids)
@@ -94,11 +89,9 @@ class Engine:
 
     # ---- requests ---------------------------------------------------------------------------------
 
-    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None, *,
-                    priority: int = 0, adapter: str | None = None, cache_salt: str | None = None,
-                    prompt_logits: bool = False) -> Request:
-        req = self.make_request(request_id, prompt, params, priority=priority, adapter=adapter,
-                                cache_salt=cache_salt, prompt_logits=prompt_logits)
+    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None, **options) -> Request:
+        """make_request(request_id, prompt, params, **options), then submit it."""
+        req = self.make_request(request_id, prompt, params, **options)
         self.submit(req)
         return req
 
@@ -163,25 +156,8 @@ class Engine:
 
     def _record(self, plan: StepPlan, out: SamplerOutput | None, processed: ProcessedStep | None,
                 clock: StageClock) -> StepStats:
-        """The step's StepStats, added to the engine's totals."""
-        drafts: dict[str, list[int]] = {}  # method -> [requests, draft tokens, accepted]
-        for scheduled, sampled in zip(plan.scheduled, out.sampled if out else ()):
-            if scheduled.draft_method is not None and sampled is not None:
-                counts = drafts.setdefault(scheduled.draft_method, [0, 0, 0])
-                counts[0] += 1
-                counts[1] += len(scheduled.draft_token_ids)
-                counts[2] += sampled.num_accepted_tokens
-        num_decode = sum(s.num_new_tokens for s in plan.scheduled if s.is_decoding)
-        stats = StepStats(
-            num_prefill_tokens=plan.num_tokens - num_decode, num_decode_tokens=num_decode,
-            num_computed_tokens=processed.num_computed_tokens if processed else 0,
-            num_generated_tokens=processed.num_generated_tokens if processed else 0,
-            scheduled_ids=tuple(s.request.request_id for s in plan.scheduled),
-            preempted_ids=tuple(r.request_id for r in plan.preempted),
-            num_prefix_lookup_tokens=plan.num_prefix_lookup_tokens, num_prefix_hit_tokens=plan.num_prefix_hit_tokens,
-            drafts=tuple(DraftCounts(m, *c) for m, c in drafts.items()), seconds=clock.seconds(),
-            num_running=len(self.batcher.running), num_waiting=len(self.batcher.waiting),
-            kv_usage=self.kv.pool.num_used_blocks / self.kv.pool.num_blocks)
+        stats = step_stats(plan, out, processed, clock.seconds(), len(self.batcher.running), len(self.batcher.waiting),
+                           self.kv.usage)
         self.totals = self.totals.plus(stats)
         return stats
 
@@ -195,26 +171,9 @@ class Engine:
     # ---- figures ----------------------------------------------------------------------------------
 
     def stats(self) -> dict:
-        pool = self.kv.pool
-        used_slots = pool.num_used_blocks * self.config.block_size
-        stored = sum(r.num_computed_tokens for r in self.batcher.running)
-        return {
-            "num_running": len(self.batcher.running),
-            "num_waiting": len(self.batcher.waiting),
-            "num_blocks": pool.num_blocks,
-            "num_free_blocks": pool.num_free_blocks,
-            "kv_usage": pool.num_used_blocks / pool.num_blocks,
-            "kv_utilization": stored / used_slots if used_slots else math.nan,
-            "kv_bytes_per_token": self.kv_cache.bytes_per_token,
-            "prefix_hit_rate": self.totals.prefix_hit_rate,
-            "num_preemptions": self.totals.num_preemptions,
-            "num_generated_tokens": self.totals.num_generated_tokens,
-            "token_budget": self.batcher.token_budget,
-            "max_num_seqs": self.batcher.max_num_seqs,
+        totals = self.totals
+        return self.batcher.stats() | self.kv.stats(self.batcher.running) | {
+            "prefix_hit_rate": totals.prefix_hit_rate, "num_preemptions": totals.num_preemptions,
+            "num_generated_tokens": totals.num_generated_tokens,
         } | self.adapters.stats() | self.runner.lora.stats() | self.speculation.stats()
 
-
-def _model_dir(model_path: str | Path) -> Path:
-    """The directory a model's side files (Medusa heads) sit in: the model directory, or a GGUF file's."""
-    path = Path(model_path)
-    return path.parent if path.suffix == ".gguf" else path

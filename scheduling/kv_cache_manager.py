@@ -1,8 +1,12 @@
 """Per-request KV block bookkeeping over the block pool: prefix hits, slot allocation, accepting a
 verification's drafts, commits, frees."""
 
+import math
+
+from cluster_configs.engine_config import EngineConfig
 from memory.block_pool import NULL_BLOCK, BlockPool, hash_block
-from memory.kv_cache import KVCache
+from memory.kv_cache import KVCache, kv_bytes_per_token
+from models.spec import ModelSpec
 from scheduling.plan import ScheduledRequest
 from scheduling.request import Request
 
@@ -14,6 +18,18 @@ class KVCacheManager:
         self.block_size = kv_cache.block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.sliding_window = sliding_window  # > 0 only when every layer is windowed
+
+    @property
+    def usage(self) -> float:
+        """Fraction of the blocks in use."""
+        return self.pool.num_used_blocks / self.pool.num_blocks
+
+    def stats(self, running: list[Request]) -> dict:
+        used_slots = self.pool.num_used_blocks * self.block_size
+        stored = sum(r.num_computed_tokens for r in running)
+        return {"num_blocks": self.pool.num_blocks, "num_free_blocks": self.pool.num_free_blocks, "kv_usage": self.usage,
+                "kv_utilization": stored / used_slots if used_slots else math.nan,  # slots holding KV, of those taken
+                "kv_bytes_per_token": self.kv_cache.bytes_per_token}
 
     def looks_up(self, req: Request) -> bool:
         """Whether req's prompt is looked up in (and its full blocks shared through) the prefix cache."""
@@ -110,3 +126,14 @@ class KVCacheManager:
             if req.block_ids[i] != NULL_BLOCK:
                 self.pool.free([req.block_ids[i]])
                 req.block_ids[i] = NULL_BLOCK
+
+
+def num_kv_blocks(spec: ModelSpec, config: EngineConfig, max_model_len: int) -> int:
+    """The KV pool's size: what kv_cache_bytes holds, but no more than max_num_seqs requests of max_model_len."""
+    bs = config.block_size
+    block_bytes = kv_bytes_per_token(spec.num_layers, spec.num_kv_heads, spec.head_dim, config.resolved_kv_dtype) * bs
+    num_blocks = min(config.kv_cache_bytes // block_bytes, config.max_num_seqs * -(-max_model_len // bs))
+    if num_blocks < 1:
+        raise ValueError(f"kv_cache_bytes={config.kv_cache_bytes} cannot hold one KV block of {block_bytes} "
+                         "bytes; raise kv_cache_bytes or lower block_size")
+    return num_blocks

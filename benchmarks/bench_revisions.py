@@ -1,0 +1,132 @@
+"""Decode speed of two revisions of numaserve on the same weights: the code of this tree against another
+checkout (a refactor must not cost speed).
+
+Each revision's engine runs in its own long-lived process started in its own tree (benchmarks/numaserve_worker.py
+of that tree, so it imports that tree's code), with the same threads and settings; the processes alternate
+sample by sample, the order flipping every sample, and each row's medians and ratio come from one run. Every
+sample decodes prompts of its own (unique token ids), so no prefix cache serves one sample from another's.
+
+    git worktree add /tmp/numaserve-old <revision>
+    python -m benchmarks.bench_revisions --old /tmp/numaserve-old [--rows demo:bfloat16:16,tinyllama-1.1b:q8_0:1,...]
+
+Writes benchmarks/results/revisions.json and revisions.png.
+"""
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from benchmarks.checkpoints import random_checkpoint
+from benchmarks.engine_process import EngineProcess
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+DEMO = ROOT / "numaserve" / "assets" / "demo" / "base"
+PROMPT_LEN = 16
+DEFAULT_ROWS = "demo:bfloat16:16,tinyllama-1.1b:q8_0:1,tinyllama-1.1b:q8_0:32"
+
+
+def model_dir(name: str) -> Path:
+    return DEMO if name == "demo" else random_checkpoint(name)
+
+
+def revision(tree: Path) -> str:
+    def git(*argv: str) -> str:
+        return subprocess.run(["git", "-C", str(tree), *argv], check=True, capture_output=True, text=True).stdout.strip()
+
+    dirty = git("status", "--porcelain", "--untracked-files=no")
+    return git("rev-parse", "--short", "HEAD") + (" (uncommitted changes)" if dirty else "")
+
+
+def start(tree: Path, label: str, model: Path, weight_dtype: str, args) -> EngineProcess:
+    argv = [str(model), "--weight-dtype", weight_dtype, "--activation-dtype", args.activation_dtype,
+            "--threads", str(args.threads), "--max-num-seqs", str(max(32, args.max_batch))]
+    return EngineProcess(f"{label} {weight_dtype}", "benchmarks.numaserve_worker", argv, dict(os.environ), cwd=tree)
+
+
+def run_row(name: str, weight_dtype: str, batch: int, trees: dict[str, Path], args, seed: int) -> dict:
+    model = model_dir(name)
+    engines = {label: start(tree, label, model, weight_dtype, args) for label, tree in trees.items()}
+    rng = np.random.default_rng(seed)
+    tokens_per_s: dict[str, list[float]] = {label: [] for label in engines}
+    try:
+        for sample in range(args.samples):
+            order = list(engines) if sample % 2 == 0 else list(engines)[::-1]
+            for label in order:
+                prompts = rng.integers(3, 250, (batch, PROMPT_LEN)).tolist()  # unique to this sample and engine
+                seconds = engines[label].call("decode", prompts=prompts, num_steps=args.steps)
+                tokens_per_s[label].append(batch * args.steps / seconds)
+    finally:
+        for engine in engines.values():
+            engine.close()
+    medians = {label: statistics.median(v) for label, v in tokens_per_s.items()}
+    return {"model": name, "weight_dtype": weight_dtype, "batch": batch, "tokens_per_s": tokens_per_s,
+            "median_tokens_per_s": medians, "new_over_old": medians["new"] / medians["old"]}
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = results["rows"]
+    labels = [f"{r['model']} {r['weight_dtype']}\nbatch {r['batch']}" for r in rows]
+    x = np.arange(len(rows))
+    fig, ax = plt.subplots(figsize=(2.4 * len(rows) + 2, 4))
+    for offset, label in ((-0.2, "old"), (0.2, "new")):
+        ax.bar(x + offset, [r["median_tokens_per_s"][label] for r in rows], 0.4,
+               label=f"{label}: {results['revisions'][label]}")
+    for i, r in enumerate(rows):
+        ax.annotate(f"{r['new_over_old']:.3f}x", (i, max(r["median_tokens_per_s"].values())), ha="center",
+                    va="bottom")
+    ax.set_xticks(x, labels)
+    ax.set_ylabel("decode tokens/s (median)")
+    ax.set_title(f"numaserve revisions, {results['machine']['cpu']}, {results['threads']} threads")
+    ax.legend(loc="upper left", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--old", required=True, type=Path, help="the other revision's tree (a git worktree)")
+    parser.add_argument("--rows", default=DEFAULT_ROWS, help="model:weight_dtype:batch, comma-separated")
+    parser.add_argument("--activation-dtype", default="float32")
+    parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    parser.add_argument("--samples", type=int, default=7, help="timed samples per engine and row")
+    parser.add_argument("--steps", type=int, default=32, help="decode steps per sample")
+    parser.add_argument("--out", type=Path, default=RESULTS / "revisions.json")
+    args = parser.parse_args()
+    rows = [(m, d, int(b)) for m, d, b in (row.split(":") for row in args.rows.split(","))]
+    args.max_batch = max(b for *_, b in rows)
+    trees = {"old": args.old.resolve(), "new": ROOT}
+    results = {"command": "python -m benchmarks.bench_revisions " + " ".join(sys.argv[1:]),
+               "revisions": {label: revision(tree) for label, tree in trees.items()},
+               "machine": {"cpu": _cpu_name(), "platform": platform.platform()}, "threads": args.threads,
+               "samples": args.samples, "steps": args.steps, "rows": []}
+    for i, (name, dtype, batch) in enumerate(rows):
+        row = run_row(name, dtype, batch, trees, args, seed=i)
+        results["rows"].append(row)
+        print(f"{name} {dtype} batch {batch}: old {row['median_tokens_per_s']['old']:.1f}, new "
+              f"{row['median_tokens_per_s']['new']:.1f} tokens/s, new/old {row['new_over_old']:.3f}", flush=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=1))
+    plot(results, args.out.with_suffix(".png"))
+
+
+def _cpu_name() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor()
+
+
+if __name__ == "__main__":
+    main()
