@@ -22,6 +22,7 @@ from cluster_configs.errors import InvalidRequest, NumaserveError, Overloaded, U
 from cluster_configs.sampling_params import SamplingParams
 from models.tokenizer import Tokenizer
 from scheduling.outputs import RequestOutput
+from scheduling.policy import admission_bound
 from scheduling.routing import RoutingPolicy
 from scheduling.validation import RequestLimits, validate_request
 
@@ -54,7 +55,7 @@ class Router:
         self.max_model_len = config.engine.max_model_len  # None: the model's own, checked by the worker's engine
         self.workers = workers  # worker id -> NumaWorker handle
         self.scheduler, self.adapter_cache = scheduler, adapter_cache
-        bound = config.engine.max_num_seqs + config.max_queued_per_worker
+        bound = admission_bound(config.engine.max_num_seqs, config.max_queued_per_worker)
         self.routing = RoutingPolicy(list(workers), config.engine.block_size, bound)
         self.poll_interval_s = config.telemetry_interval_s
         self.num_overloaded = 0
