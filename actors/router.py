@@ -20,6 +20,7 @@ from actors.resume import resume_state
 from cluster_configs.cluster_config import ClusterConfig
 from cluster_configs.errors import InvalidRequest, NumaserveError, Overloaded, Unavailable
 from cluster_configs.sampling_params import SamplingParams
+from memory.block_pool import prefix_cache_key
 from models.tokenizer import Tokenizer
 from scheduling.outputs import RequestOutput
 from scheduling.policy import admission_bound
@@ -105,7 +106,7 @@ class Router:
         request_id = uuid.uuid4().hex
         try:
             worker_id = self.routing.route(request_id, prompt_ids, params.max_tokens, session=session,
-                                           extra=(adapter, cache_salt), adapter=adapter)
+                                           extra=prefix_cache_key(adapter, cache_salt), adapter=adapter)
         except Overloaded:
             self.num_overloaded += 1
             raise

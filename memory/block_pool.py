@@ -13,6 +13,11 @@ from collections.abc import Iterable, Sequence
 NULL_BLOCK = -1  # a block-table entry whose block was released (out of a sliding window)
 
 
+def prefix_cache_key(adapter_id: str | None, cache_salt: str | None) -> tuple:
+    """What besides its tokens decides whether two requests may share a cached block (hash_block's extra)."""
+    return adapter_id, cache_salt
+
+
 def hash_block(parent_hash: int | None, token_ids: Sequence[int], extra: tuple) -> int:
     """Stable 64-bit hash of a full block, chained on its parent (same value in every process)."""
     h = hashlib.blake2b(digest_size=8)
