@@ -92,13 +92,6 @@ class BlockPool:
             if self.ref_cnt[block_id] == 0:
                 self.free_queue[block_id] = None
 
-    def is_cached(self, block_id: int) -> bool:
-        return self.block_hash[block_id] is not None
-
-    def reset_prefix_cache(self) -> None:
-        for block_id in list(self.free_queue):
-            self._evict(block_id)
-
     def _evict(self, block_id: int) -> None:
         block_hash = self.block_hash[block_id]
         if block_hash is not None:
