@@ -7,10 +7,11 @@ import shutil
 import numpy as np
 import pytest
 import torch
+from numba import njit
 from transformers import RepetitionPenaltyLogitsProcessor
 
 import numaserve as ns
-from kernels.race import fill_token_uniforms, race_all, race_kept
+from kernels.race import _uniform, race_all, race_kept
 from scheduling.sampler import (
     apply_penalties,
     apply_penalties_batch,
@@ -405,6 +406,13 @@ def test_tokens_at_different_positions_are_independent():
     joint = np.bincount(first * 4 + second, minlength=16)
     p_value = chi_square_p_value(joint, np.outer(probs, probs).ravel())
     assert p_value > MIN_P_VALUE, f"tokens at positions 10 and 11: chi-square p-value {p_value:.2e}"
+
+
+@njit(cache=True)
+def fill_token_uniforms(key, out):
+    """out[j] = v_j, the race's uniform for token j of the row keyed by key. out: [V] f64."""
+    for j in range(out.shape[0]):
+        out[j] = _uniform(key, j)
 
 
 def test_the_race_uniforms_are_uniform_and_uncorrelated_across_tokens_positions_and_seeds():
