@@ -12,6 +12,7 @@ from transformers import RepetitionPenaltyLogitsProcessor
 
 import numaserve as ns
 from kernels.race import _uniform, race_all, race_kept
+from kernels.sampling import _filter_row
 from scheduling.sampler import (
     apply_penalties,
     apply_penalties_batch,
@@ -20,7 +21,6 @@ from scheduling.sampler import (
     sample,
     sample_batch,
     sampling_probs,
-    sampling_probs_batch,
     top_logprobs_batch,
 )
 from tests.chi_square import chi_square_p_value
@@ -221,6 +221,44 @@ def requests_for(logits: np.ndarray, params: dict, seed: int = 0) -> list[Req]:
 def reference_probs(logits: np.ndarray, reqs: list[Req]) -> np.ndarray:
     return np.stack([sampling_probs(apply_penalties(x, r.token_ids[:r.num_prompt_tokens], r.output_token_ids,
                                                     r.params), r.params) for x, r in zip(logits, reqs)])
+
+
+@njit(cache=True)
+def filtered_probs(logits, temperature, top_k, top_p, min_p, out):
+    """out[i] = row i's distribution as the sampling kernel filters it. logits: [N, V] f32; out: [N, V] f64."""
+    V = logits.shape[1]
+    scratch = np.empty(V)
+    idx = np.empty(V, np.int64)
+    for i in range(logits.shape[0]):
+        w = out[i]
+        n, total = _filter_row(logits[i], temperature[i], top_k[i], top_p[i], min_p[i], w, idx)
+        if n < 0:
+            for j in range(V):
+                w[j] /= total
+        else:
+            scratch[:n] = w[idx[:n]]
+            w[:] = 0.0
+            for m in range(n):
+                w[idx[m]] = scratch[m] / total
+
+
+def sampling_probs_batch(logits: np.ndarray, reqs: list[Req]) -> np.ndarray:
+    """[N, V] float64: the distribution each row's request samples from, batched as the sampler does (its
+    penalties, then kernels/sampling.py's filters; one-hot at the argmax for a greedy request)."""
+    logits = apply_penalties_batch(np.asarray(logits, np.float32), reqs)
+    out = np.zeros(logits.shape)
+    greedy = np.array([r.params.greedy for r in reqs], bool)
+    rows = np.flatnonzero(~greedy)
+    if rows.size:
+        params = [reqs[i].params for i in rows]
+        probs = np.empty((rows.size, logits.shape[1]))
+        filtered_probs(np.ascontiguousarray(logits[rows]), np.array([p.temperature for p in params], np.float64),
+                       np.array([p.top_k for p in params], np.int64), np.array([p.top_p for p in params], np.float64),
+                       np.array([p.min_p for p in params], np.float64), probs)
+        out[rows] = probs
+    greedy_rows = np.flatnonzero(greedy)
+    out[greedy_rows, np.argmax(logits[greedy_rows], axis=1)] = 1.0
+    return out
 
 
 def llm_like_logits(num_rows: int, vocab: int, seed: int) -> np.ndarray:
