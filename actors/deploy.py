@@ -203,11 +203,12 @@ def _start(config: ClusterConfig, placements: list[WorkerPlacement], name: str) 
     scheduler = Scheduler.options(name=f"{name}.scheduler", resources=HEAD, **detached).remote(limits)
     workers = {}
     for p in placements:
-        num_threads = str(len(p.cpu_ids))  # numba's pool size is fixed when numba loads
+        engine_config = config.worker_engine_config(p)
+        num_threads = str(engine_config.num_threads)  # numba sizes its pool once, when it loads
         workers[p.worker_id] = NumaWorker.options(
             name=f"{name}.worker.{p.worker_id}", resources={p.resource: _worker_share(config)},
             runtime_env={"env_vars": {"NUMBA_NUM_THREADS": num_threads, "OMP_NUM_THREADS": num_threads}},
-            **detached).remote(p, config.model, config.worker_engine_config(p), scheduler, adapter_cache,
+            **detached).remote(p, config.model, engine_config, scheduler, adapter_cache,
                                config.telemetry_interval_s, config.stream_interval_ms / 1000,
                                model_name=served_model_name(config))
     deadline = time.monotonic() + READY_TIMEOUT_S

@@ -11,6 +11,8 @@ The stream this actor yields: first the prompt's token ids (once admitted), then
 import asyncio
 import os
 import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import ray
 from ray.exceptions import NodeDiedError, ObjectLostError, RayActorError, RayTaskError
@@ -20,8 +22,10 @@ from actors.resume import resume_state
 from cluster_configs.cluster_config import ClusterConfig
 from cluster_configs.errors import InvalidRequest, NumaserveError, Overloaded, Unavailable
 from cluster_configs.sampling_params import SamplingParams
+from memory.block_pool import prefix_cache_key
 from models.tokenizer import Tokenizer
 from scheduling.outputs import RequestOutput
+from scheduling.policy import admission_bound
 from scheduling.routing import RoutingPolicy
 from scheduling.validation import RequestLimits, validate_request
 
@@ -54,7 +58,7 @@ class Router:
         self.max_model_len = config.engine.max_model_len  # None: the model's own, checked by the worker's engine
         self.workers = workers  # worker id -> NumaWorker handle
         self.scheduler, self.adapter_cache = scheduler, adapter_cache
-        bound = config.engine.max_num_seqs + config.max_queued_per_worker
+        bound = admission_bound(config.engine.max_num_seqs, config.max_queued_per_worker)
         self.routing = RoutingPolicy(list(workers), config.engine.block_size, bound)
         self.poll_interval_s = config.telemetry_interval_s
         self.num_overloaded = 0
@@ -104,7 +108,7 @@ class Router:
         request_id = uuid.uuid4().hex
         try:
             worker_id = self.routing.route(request_id, prompt_ids, params.max_tokens, session=session,
-                                           extra=(adapter, cache_salt), adapter=adapter)
+                                           extra=prefix_cache_key(adapter, cache_salt), adapter=adapter)
         except Overloaded:
             self.num_overloaded += 1
             raise
@@ -175,30 +179,14 @@ class Router:
 
     async def num_serving_workers(self, timeout_s: float = HEALTH_TIMEOUT_S) -> int:
         """How many workers answer within timeout_s (a restarting one does not)."""
-        async def answers(worker_id: str) -> bool:
-            if not self.routing.workers[worker_id].alive:
-                return False
-            try:
-                await asyncio.wait_for(self.workers[worker_id].info.remote(), timeout_s)
-                return True
-            except (TimeoutError, ray.exceptions.RayError):
-                return False
-
-        return sum(await asyncio.gather(*(answers(w) for w in self.workers)))
+        answers, _ = await self._ask_live_workers(lambda handle: handle.info.remote(), timeout_s)
+        return len(answers)
 
     async def metrics(self) -> list[dict]:
         """Each live worker's metrics snapshot (actors/metrics.py); a worker that does not answer in time is
         left out."""
-        async def ask(worker_id: str) -> dict | None:
-            if not self.routing.workers[worker_id].alive:
-                return None
-            try:
-                stats = await asyncio.wait_for(self.workers[worker_id].stats.remote(), STATS_TIMEOUT_S)
-            except (TimeoutError, ray.exceptions.RayError):
-                return None
-            return stats["metrics"]
-
-        return [m for m in await asyncio.gather(*(ask(w) for w in self.workers)) if m is not None]
+        answers, _ = await self._ask_live_workers(lambda handle: handle.stats.remote())
+        return [stats["metrics"] for stats in answers.values()]
 
     async def pause(self, paused: bool, worker_ids: list[str] | None = None) -> list[str]:
         """Pause (or resume) the live workers among worker_ids (None: all); the ids that answered. A worker
@@ -208,18 +196,29 @@ class Router:
         if unknown:
             raise InvalidRequest(f"no worker {sorted(unknown)} in this deployment; its workers: {sorted(self.workers)}")
 
-        async def tell(worker_id: str) -> bool:
-            handle = self.workers[worker_id]
-            try:
-                await asyncio.wait_for(handle.pause.remote() if paused else handle.resume.remote(), STATS_TIMEOUT_S)
-                return True
-            except (TimeoutError, ray.exceptions.RayError):
-                return False
-
-        live = [w for w in ids if self.routing.workers[w].alive]
-        return [w for w, told in zip(live, await asyncio.gather(*map(tell, live))) if told]
+        answers, _ = await self._ask_live_workers(
+            lambda handle: handle.pause.remote() if paused else handle.resume.remote(), worker_ids=ids)
+        return list(answers)
 
     # ---- worker health and policy ------------------------------------------------------------------
+
+    async def _ask_live_workers(self, call: Callable[[Any], Awaitable], timeout_s: float = STATS_TIMEOUT_S,
+                                worker_ids: list[str] | None = None) -> tuple[dict[str, Any], dict[str, Exception]]:
+        """call(handle) (an awaitable) on every live worker among worker_ids (None: all) at once, each given
+        timeout_s -> (worker id -> answer, worker id -> the TimeoutError or RayError it failed with), in
+        worker_ids' order. Workers marked down are in neither: a restarting one is not waited for."""
+        live = [w for w in (self.workers if worker_ids is None else worker_ids) if self.routing.workers[w].alive]
+
+        async def ask(worker_id: str):
+            try:
+                return True, await asyncio.wait_for(call(self.workers[worker_id]), timeout_s)
+            except (TimeoutError, ray.exceptions.RayError) as e:
+                return False, e
+
+        answers, errors = {}, {}
+        for worker_id, (ok, value) in zip(live, await asyncio.gather(*map(ask, live))):
+            (answers if ok else errors)[worker_id] = value
+        return answers, errors
 
     def _worker_lost(self, worker_id: str) -> None:
         self.routing.mark_down(worker_id)
@@ -258,20 +257,17 @@ class Router:
         "decisions": per worker, its engine's recent decisions and why (cluster_configs/diagnostics.py)."""
         self._start_background()
 
-        async def ask(worker_id: str) -> dict:
-            if not self.routing.workers[worker_id].alive:
-                return {}  # restarting, or its machine is gone: the probe will tell when it is back
-            handle = self.workers[worker_id]
-            try:
-                stats, info = await asyncio.wait_for(
-                    asyncio.gather(handle.stats.remote(), handle.info.remote()), STATS_TIMEOUT_S)
-            except (TimeoutError, ray.exceptions.RayError) as e:
-                return {"error": repr(e)}
-            return stats | {"info": info}
-
-        answers = await asyncio.gather(*(ask(w) for w in self.workers))
+        answers, errors = await self._ask_live_workers(
+            lambda handle: asyncio.gather(handle.stats.remote(), handle.info.remote()))
         workers = {}
-        for (worker_id, load), answer in zip(self.routing.workers.items(), answers):
+        for worker_id, load in self.routing.workers.items():
+            if worker_id in answers:
+                stats, info = answers[worker_id]
+                answer = stats | {"info": info}
+            elif worker_id in errors:
+                answer = {"error": repr(errors[worker_id])}
+            else:
+                answer = {}  # restarting, or its machine is gone: the probe will tell when it is back
             workers[worker_id] = {"alive": load.alive, "num_outstanding_requests": load.num_requests,
                                   "num_outstanding_tokens": load.num_tokens,
                                   "admission_bound": load.admission_bound} | answer

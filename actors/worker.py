@@ -33,6 +33,7 @@ from cluster_configs.cluster_config import WorkerPlacement
 from cluster_configs.engine_config import EngineConfig
 from cluster_configs.errors import InvalidRequest
 from cluster_configs.sampling_params import SamplingParams
+from kernels import resolve_num_threads
 from memory import numa
 from models.lora_merge import MergedWeights
 from scheduling.engine import Engine
@@ -182,7 +183,8 @@ class NumaWorker:
 
     def _run(self, ready: threading.Event) -> None:
         try:
-            numba.set_num_threads(self.engine.config.num_threads or len(self.placement.cpu_ids))  # thread-local
+            # thread-local: this loop thread runs the kernels
+            numba.set_num_threads(resolve_num_threads(self.engine.config.num_threads, self.placement.cpu_ids))
             self._num_threads = numba.get_num_threads()
             self._warm_up()
         except BaseException as e:  # noqa: BLE001  (re-raised by __init__)

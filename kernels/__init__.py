@@ -30,6 +30,7 @@ recorded), e.g. `omp` with OMP_WAIT_POLICY=ACTIVE on dedicated cores, which `num
 import ctypes
 import os
 import re
+from collections.abc import Collection
 from importlib import metadata
 
 import numba
@@ -80,6 +81,12 @@ def _pin_threading_layer() -> tuple[str, str]:
 
 _LAYER, _REASON = _pin_threading_layer()
 _GOMP_BEFORE_US = _libgomp_loaded()  # an OpenMP runtime loaded before us ignores our wait policy
+
+
+def resolve_num_threads(requested: int | None, cpu_ids: Collection[int]) -> int:
+    """The kernel threads to run: requested, else one per core of cpu_ids; never more than numba's pool
+    (NUMBA_NUM_THREADS, fixed when numba loads)."""
+    return min(requested or len(cpu_ids), numba.config.NUMBA_NUM_THREADS)
 
 
 def threading_decision() -> dict:

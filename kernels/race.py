@@ -48,13 +48,6 @@ def _uniform(key, j):
     return (np.float64(h >> np.uint64(11)) + 0.5) * _TO_UNIT
 
 
-@njit(cache=True, nogil=True)
-def fill_token_uniforms(key, out):
-    """out[j] = v_j of the row keyed by key (the race's uniforms, for tests). out: [V] f64."""
-    for j in range(out.shape[0]):
-        out[j] = _uniform(key, j)
-
-
 @njit(cache=True, nogil=True, inline="always")
 def _score(w, key, j):
     return w / -np.log1p(-_uniform(key, j))

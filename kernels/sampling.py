@@ -240,25 +240,6 @@ def sample_filtered(logits, temperature, top_k, top_p, min_p, keys, out):
 
 
 @njit(cache=True, nogil=True)
-def filtered_probs(logits, temperature, top_k, top_p, min_p, out):
-    """out[i] = row i's filtered distribution. logits: [N, V] f32; out: [N, V] f64, rows sum to 1."""
-    V = logits.shape[1]
-    scratch = np.empty(V)
-    idx = np.empty(V, np.int64)
-    for i in range(logits.shape[0]):
-        w = out[i]
-        n, total = _filter_row(logits[i], temperature[i], top_k[i], top_p[i], min_p[i], w, idx)
-        if n < 0:
-            for j in range(V):
-                w[j] /= total
-        else:
-            scratch[:n] = w[idx[:n]]
-            w[:] = 0.0
-            for m in range(n):
-                w[idx[m]] = scratch[m] / total
-
-
-@njit(cache=True, nogil=True)
 def log_normalizers(logits, out):
     """out[i] = log(sum(exp(logits[i]))) in float64 (the log-softmax of row i is logits[i] - out[i]).
     logits: [N, V] f32; out: [N] f64."""

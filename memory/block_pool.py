@@ -13,6 +13,11 @@ from collections.abc import Iterable, Sequence
 NULL_BLOCK = -1  # a block-table entry whose block was released (out of a sliding window)
 
 
+def prefix_cache_key(adapter_id: str | None, cache_salt: str | None) -> tuple:
+    """What besides its tokens decides whether two requests may share a cached block (hash_block's extra)."""
+    return adapter_id, cache_salt
+
+
 def hash_block(parent_hash: int | None, token_ids: Sequence[int], extra: tuple) -> int:
     """Stable 64-bit hash of a full block, chained on its parent (same value in every process)."""
     h = hashlib.blake2b(digest_size=8)
@@ -86,13 +91,6 @@ class BlockPool:
             self.ref_cnt[block_id] -= 1
             if self.ref_cnt[block_id] == 0:
                 self.free_queue[block_id] = None
-
-    def is_cached(self, block_id: int) -> bool:
-        return self.block_hash[block_id] is not None
-
-    def reset_prefix_cache(self) -> None:
-        for block_id in list(self.free_queue):
-            self._evict(block_id)
 
     def _evict(self, block_id: int) -> None:
         block_hash = self.block_hash[block_id]

@@ -26,17 +26,6 @@ class NumaNode:
     cpu_ids: tuple[int, ...]
 
 
-@dataclass(frozen=True)
-class Placement:
-    """What a worker did to itself: reported by NumaWorker.info()."""
-
-    node_id: int  # the (possibly simulated) NUMA node the worker serves
-    cpu_ids: tuple[int, ...]  # cores it was given
-    thread_cpu_ids: tuple[int, ...]  # union of the affinities of all its threads, read back from the kernel
-    num_os_threads: int  # threads of the process that were pinned
-    memory_policy: str  # "bind:<nodes>" (libnuma) or "first-touch (<why>)"
-
-
 def parse_cpu_list(text: str) -> list[int]:
     """'0-3,8,10-11' -> [0, 1, 2, 3, 8, 10, 11] (the kernel's cpulist format)."""
     cpu_ids: list[int] = []

@@ -63,10 +63,6 @@ class WeightMatrix:
     def nbytes(self) -> int:
         return self.data.nbytes + (0 if self.scales is None else self.scales.nbytes)
 
-    @property
-    def activation(self) -> str:
-        return "float32"
-
 
 @dataclass(frozen=True)
 class Int8Matrix:
@@ -131,10 +127,6 @@ class Int8Matrix:
         return WeightMatrix("q4_0", np.ascontiguousarray(packed.reshape(n, k // 2)), scales)
 
     @property
-    def activation(self) -> str:
-        return "int8"
-
-    @property
     def nbytes(self) -> int:
         return self.data.nbytes + self.scales.nbytes
 
@@ -166,10 +158,6 @@ class Bf16Matrix:
 
     @property
     def dtype(self) -> str:
-        return "bfloat16"
-
-    @property
-    def activation(self) -> str:
         return "bfloat16"
 
     @property

@@ -12,7 +12,7 @@ from cluster_configs.diagnostics import DecisionLog
 from cluster_configs.engine_config import EngineConfig
 from cluster_configs.errors import InvalidRequest
 from cluster_configs.sampling_params import SamplingParams
-from kernels import threading_decision
+from kernels import resolve_num_threads, threading_decision
 from memory.block_pool import BlockPool
 from memory.heap import release_free_heap
 from memory.kv_cache import KVCache
@@ -49,8 +49,7 @@ class Engine:
         other workers of a deployment."""
         self.config = config = config or EngineConfig()
         self.decisions = DecisionLog()
-        numba.set_num_threads(min(config.num_threads or len(os.sched_getaffinity(0)),
-                                  numba.config.NUMBA_NUM_THREADS))
+        numba.set_num_threads(resolve_num_threads(config.num_threads, os.sched_getaffinity(0)))
         self.decisions.record("threading", **threading_decision())  # after set_num_threads started the threads
         self.spec, weights, self.tokenizer = load_model(model_path, config.weight_dtype)
         weights = plan_activations(weights, config.activation_dtype, self.decisions, load_calibration(model_path))

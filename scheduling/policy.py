@@ -26,6 +26,11 @@ KV_LOW = 0.80  # below this the cap may grow again
 MIN_TOKEN_BUDGET = 16
 
 
+def admission_bound(max_num_seqs: int, max_queued: int) -> int:
+    """Requests the router may have outstanding on a worker: those it runs plus those it may queue."""
+    return max_num_seqs + max_queued
+
+
 @dataclass(frozen=True)
 class StepTelemetry:
     worker_id: str
@@ -63,7 +68,7 @@ class BatchingPolicy:
 
     def initial(self) -> Policy:
         lim = self.limits
-        return Policy(lim.max_token_budget, lim.max_num_seqs, lim.max_num_seqs + lim.max_queued)
+        return Policy(lim.max_token_budget, lim.max_num_seqs, admission_bound(lim.max_num_seqs, lim.max_queued))
 
     def policy(self, worker_id: str) -> Policy:
         return self.policies.get(worker_id) or self.initial()
@@ -88,6 +93,6 @@ class BatchingPolicy:
         budget = max(floor, min(lim.max_token_budget, budget))
 
         speculation = tuple(map(speculation_policy, t.speculation)) if t.speculation is not None else None
-        policy = Policy(budget, max_num_seqs, max_num_seqs + lim.max_queued, speculation)
+        policy = Policy(budget, max_num_seqs, admission_bound(max_num_seqs, lim.max_queued), speculation)
         self.policies[t.worker_id] = policy
         return policy

@@ -7,6 +7,7 @@ import time
 import numpy as np
 
 from cluster_configs.sampling_params import SamplingParams
+from memory.block_pool import prefix_cache_key
 from scheduling.sampler import request_seed
 from scheduling.validation import max_num_tokens
 
@@ -65,7 +66,7 @@ class Request:
     @property
     def cache_extra(self) -> tuple:
         """What besides the tokens decides whether two requests may share KV blocks."""
-        return self.adapter_id, self.cache_salt
+        return prefix_cache_key(self.adapter_id, self.cache_salt)
 
     @property
     def finished(self) -> bool:

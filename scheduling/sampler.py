@@ -20,7 +20,7 @@ import numpy as np
 
 from cluster_configs.sampling_params import SamplingParams
 from kernels.race import fill_row_keys
-from kernels.sampling import filtered_probs, log_normalizers, sample_filtered
+from kernels.sampling import log_normalizers, sample_filtered
 
 # ---- keyed randomness --------------------------------------------------------------------------------
 
@@ -65,23 +65,6 @@ def sample_batch(logits: np.ndarray, requests: Sequence, positions: Sequence[int
     sample_filtered(np.ascontiguousarray(logits[rows] if len(rows) < len(requests) else logits),
                     *_filter_args(reqs), keys, tokens)
     out[rows] = tokens
-    return out
-
-
-def sampling_probs_batch(logits: np.ndarray, requests: Sequence) -> np.ndarray:
-    """[N, V] float64: the distribution each row's request samples from (penalties, temperature, top-k,
-    top-p, min-p; one-hot at the argmax for a greedy request). Rows sum to 1."""
-    logits = apply_penalties_batch(np.asarray(logits, np.float32), requests)
-    out = np.zeros(logits.shape)
-    greedy = np.array([r.params.greedy for r in requests], bool)
-    rows = np.flatnonzero(~greedy)
-    if rows.size:
-        probs = out if rows.size == len(requests) else np.empty((rows.size, logits.shape[1]))
-        filtered_probs(np.ascontiguousarray(logits[rows]), *_filter_args([requests[i] for i in rows]), probs)
-        if probs is not out:
-            out[rows] = probs
-    greedy_rows = np.flatnonzero(greedy)
-    out[greedy_rows, np.argmax(logits[greedy_rows], axis=1)] = 1.0
     return out
 
 

@@ -108,7 +108,7 @@ class BlockPoolMachine(RuleBasedStateMachine):
         owners = Counter(b for r in self.live for b in r.block_ids)
         for block, n in owners.items():
             if n > 1:  # one block, several owners: only through a verified prefix-cache hit
-                assert self.pool.is_cached(block)
+                assert self.pool.block_hash[block] is not None
         for r in self.live:
             for i, block in enumerate(r.block_ids[: r.num_computed_tokens // BLOCK_SIZE]):
                 assert self.content[block] == r.token_ids[i * BLOCK_SIZE:(i + 1) * BLOCK_SIZE]

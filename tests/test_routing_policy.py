@@ -5,7 +5,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import numaserve as ns
+from memory.block_pool import BlockPool, prefix_cache_key
+from scheduling.kv_cache_manager import KVCacheManager
 from scheduling.policy import BatchingPolicy, Policy, PolicyLimits, StepTelemetry
+from scheduling.request import Request
 from scheduling.routing import ADAPTER_LOAD_TOKENS, NUM_AFFINITY_BLOCKS, RoutingPolicy
 from tests.conftest import random_prompt
 
@@ -80,8 +83,22 @@ def test_prefix_hashes_cover_only_full_leading_blocks_and_depend_on_the_adapter(
     assert r.prefix_hashes(random_prompt(BS - 1, 1)) == []
     assert len(r.prefix_hashes(random_prompt(BS * 10, 1))) == NUM_AFFINITY_BLOCKS
     p = random_prompt(2 * BS, 1)
-    assert r.prefix_hashes(p, ("a", None)) != r.prefix_hashes(p, ("b", None))
+    assert r.prefix_hashes(p, prefix_cache_key("a", None)) != r.prefix_hashes(p, prefix_cache_key("b", None))
     assert r.prefix_hashes(p + [1, 2]) == r.prefix_hashes(p)
+
+
+@pytest.mark.parametrize("adapter, cache_salt", [(None, None), ("a", None), (None, "tenant"), ("a", "tenant")])
+def test_prefix_hashes_are_the_hashes_the_engine_commits_its_blocks_under(adapter, cache_salt):
+    """The router sends a prompt where blocks hashed as the worker's engine hashes them are cached."""
+    prompt = random_prompt(5 * BS + 3, 2)
+    req = Request("r", prompt, ns.SamplingParams(max_tokens=1), adapter_id=adapter, cache_salt=cache_salt,
+                  max_model_len=1024)
+    kv = KVCacheManager(BlockPool(16), BS, enable_prefix_caching=True, sliding_window=0)
+    assert kv.allocate_slots(req, len(prompt))
+    req.num_computed_tokens = len(prompt)
+    kv.commit_full_blocks(req)
+    hashes = routing().prefix_hashes(prompt, prefix_cache_key(adapter, cache_salt))
+    assert hashes == req.block_hashes[:NUM_AFFINITY_BLOCKS]
 
 
 def test_overloaded_when_every_live_worker_is_at_its_bound_and_admits_again_after():

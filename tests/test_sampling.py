@@ -7,10 +7,12 @@ import shutil
 import numpy as np
 import pytest
 import torch
+from numba import njit
 from transformers import RepetitionPenaltyLogitsProcessor
 
 import numaserve as ns
-from kernels.race import fill_token_uniforms, race_all, race_kept
+from kernels.race import _uniform, race_all, race_kept
+from kernels.sampling import _filter_row
 from scheduling.sampler import (
     apply_penalties,
     apply_penalties_batch,
@@ -19,7 +21,6 @@ from scheduling.sampler import (
     sample,
     sample_batch,
     sampling_probs,
-    sampling_probs_batch,
     top_logprobs_batch,
 )
 from tests.chi_square import chi_square_p_value
@@ -222,6 +223,44 @@ def reference_probs(logits: np.ndarray, reqs: list[Req]) -> np.ndarray:
                                                     r.params), r.params) for x, r in zip(logits, reqs)])
 
 
+@njit(cache=True)
+def filtered_probs(logits, temperature, top_k, top_p, min_p, out):
+    """out[i] = row i's distribution as the sampling kernel filters it. logits: [N, V] f32; out: [N, V] f64."""
+    V = logits.shape[1]
+    scratch = np.empty(V)
+    idx = np.empty(V, np.int64)
+    for i in range(logits.shape[0]):
+        w = out[i]
+        n, total = _filter_row(logits[i], temperature[i], top_k[i], top_p[i], min_p[i], w, idx)
+        if n < 0:
+            for j in range(V):
+                w[j] /= total
+        else:
+            scratch[:n] = w[idx[:n]]
+            w[:] = 0.0
+            for m in range(n):
+                w[idx[m]] = scratch[m] / total
+
+
+def sampling_probs_batch(logits: np.ndarray, reqs: list[Req]) -> np.ndarray:
+    """[N, V] float64: the distribution each row's request samples from, batched as the sampler does (its
+    penalties, then kernels/sampling.py's filters; one-hot at the argmax for a greedy request)."""
+    logits = apply_penalties_batch(np.asarray(logits, np.float32), reqs)
+    out = np.zeros(logits.shape)
+    greedy = np.array([r.params.greedy for r in reqs], bool)
+    rows = np.flatnonzero(~greedy)
+    if rows.size:
+        params = [reqs[i].params for i in rows]
+        probs = np.empty((rows.size, logits.shape[1]))
+        filtered_probs(np.ascontiguousarray(logits[rows]), np.array([p.temperature for p in params], np.float64),
+                       np.array([p.top_k for p in params], np.int64), np.array([p.top_p for p in params], np.float64),
+                       np.array([p.min_p for p in params], np.float64), probs)
+        out[rows] = probs
+    greedy_rows = np.flatnonzero(greedy)
+    out[greedy_rows, np.argmax(logits[greedy_rows], axis=1)] = 1.0
+    return out
+
+
 def llm_like_logits(num_rows: int, vocab: int, seed: int) -> np.ndarray:
     """Heavy-tailed rows (a few tokens far above a broad floor), and some exact ties, like a trained model's."""
     rng = np.random.default_rng(seed)
@@ -405,6 +444,13 @@ def test_tokens_at_different_positions_are_independent():
     joint = np.bincount(first * 4 + second, minlength=16)
     p_value = chi_square_p_value(joint, np.outer(probs, probs).ravel())
     assert p_value > MIN_P_VALUE, f"tokens at positions 10 and 11: chi-square p-value {p_value:.2e}"
+
+
+@njit(cache=True)
+def fill_token_uniforms(key, out):
+    """out[j] = v_j, the race's uniform for token j of the row keyed by key. out: [V] f64."""
+    for j in range(out.shape[0]):
+        out[j] = _uniform(key, j)
 
 
 def test_the_race_uniforms_are_uniform_and_uncorrelated_across_tokens_positions_and_seeds():

@@ -1,4 +1,5 @@
-"""Import order does not change numba's threading layer or the engine's recorded threading decision."""
+"""Import order does not change numba's threading layer or the engine's recorded threading decision; the
+thread count an engine or a worker asks for."""
 
 import json
 import os
@@ -6,7 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numba
 import pytest
+
+from kernels import resolve_num_threads
 
 ROOT = Path(__file__).resolve().parent.parent
 DEMO = ROOT / "numaserve" / "assets" / "demo" / "base"
@@ -53,3 +57,11 @@ def test_the_pinned_layer_is_not_an_openmp_runtime_someone_else_loaded(runs):
     for run in runs.values():
         assert run["layer"] in ("tbb", "workqueue")
         assert run["decisions"][0][0].startswith(run["layer"])
+
+
+def test_the_thread_count_is_the_one_asked_for_else_one_per_core_and_never_beyond_numbas_pool():
+    pool = numba.config.NUMBA_NUM_THREADS
+    assert resolve_num_threads(None, [3]) == 1
+    assert resolve_num_threads(1, range(pool + 4)) == 1
+    assert resolve_num_threads(None, range(pool + 4)) == pool
+    assert resolve_num_threads(pool + 1, [0]) == pool
