@@ -106,9 +106,15 @@ def batched_sampler():
     fn = getattr(sampler, "sample_batch", None)
     if fn is None:
         return None
+    from models.sampling_batch import SamplingBatch
+
     names = list(inspect.signature(fn).parameters)
-    if names[:2] == ["logits", "requests"]:
+    if names[:2] == ["logits", "requests"]:  # before SamplingBatch: the requests themselves
         return lambda logits, requests: [int(t) for t in fn(logits, requests)]
+    if names[:2] == ["logits", "batch"]:  # the step builds its SamplingBatch (timed with the sampler)
+        return lambda logits, requests: [int(t) for t in fn(logits, SamplingBatch.build(
+            [r.params for r in requests], [r.params.seed or 0 for r in requests], [r.num_tokens for r in requests],
+            [r.token_ids for r in requests], [r.num_prompt_tokens for r in requests]))]
     return None
 
 

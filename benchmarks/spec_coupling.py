@@ -19,16 +19,11 @@ import numpy as np
 
 import numaserve as ns
 from benchmarks.heldout_eval import card_windows
-from scheduling.sampler import sample_batch, sampling_probs
+from models.sampling_batch import SamplingBatch
+from scheduling.sampler import sample_batch
+from tests.reference_sampler import sampling_probs
 
 SETTINGS = ({"temperature": 1.0}, {"temperature": 0.7}, {"temperature": 0.7, "top_p": 0.9})
-
-
-class _Row:
-    """One position as the sampler sees it: the request's params and seed, its tokens for the position."""
-
-    def __init__(self, params: ns.SamplingParams, token_ids: list[int], seed: int):
-        self.params, self.token_ids, self.num_prompt_tokens, self.seed = params, token_ids, len(token_ids), seed
 
 
 def coupling(args) -> dict:
@@ -46,9 +41,11 @@ def coupling(args) -> dict:
             for pos in range(0, len(ids), args.stride):
                 p, q = sampling_probs(p_logits[pos], params), sampling_probs(q_logits[pos], params)
                 one_minus_tv.append(float(np.minimum(p, q).sum()))
-                reqs = [_Row(params, ids[:pos + 1], seed) for seed in range(args.draws)]
-                ours = sample_batch(np.repeat(p_logits[pos:pos + 1], args.draws, axis=0), reqs)
-                theirs = sample_batch(np.repeat(q_logits[pos:pos + 1], args.draws, axis=0), reqs)
+                # one row per seed: the position's draw as a request seeded so samples it, from each model
+                n, history = args.draws, ids[:pos + 1]
+                batch = SamplingBatch.build([params] * n, range(n), [pos + 1] * n, [history] * n, [pos + 1] * n)
+                ours = sample_batch(np.repeat(p_logits[pos:pos + 1], n, axis=0), batch)
+                theirs = sample_batch(np.repeat(q_logits[pos:pos + 1], n, axis=0), batch)
                 agreement.append(float(np.mean(ours == theirs)))
         rows.append({"params": setting, "num_positions": len(agreement),
                      "rejection_rule_acceptance": float(np.mean(one_minus_tv)),

@@ -1,11 +1,11 @@
 """Sampling: one step's logits rows -> tokens, all rows at once.
 
-`sample_batch` is what a step calls: penalties only on the rows that set them, one argmax over every
-greedy row, one numba call (kernels/sampling.py) for the sampled rows (temperature, top-k, top-p, min-p).
-Filters follow the usual serving semantics, written out one request at a time in `apply_penalties` and
-`sampling_probs` below (the reference the batched code is tested against): top_k keeps the k most likely
-tokens, top_p the smallest set whose probability reaches top_p, min_p the tokens with probability
->= min_p * the top probability.
+`sample_batch` is what a step calls, over the step's SamplingBatch (models/sampling_batch.py): penalties
+only on the rows that set them, token masks where a row has one, one argmax over every greedy row, one numba
+call (kernels/sampling.py) for the sampled rows (temperature, top-k, top-p, min-p). Filters follow the
+usual serving semantics, written out one request at a time in tests/reference_sampler.py (the reference
+the batched code is tested against): top_k keeps the k most likely tokens, top_p the smallest set whose
+probability reaches top_p, min_p the tokens with probability >= min_p * the top probability.
 
 Randomness is keyed, never counted: a request's draw for the token at position p is kernels/race.py's
 exponential race with clocks keyed by (seed, p, token id), so a resumed request, a preempted one
@@ -21,6 +21,7 @@ import numpy as np
 from cluster_configs.sampling_params import SamplingParams
 from kernels.race import fill_row_keys
 from kernels.sampling import log_normalizers, sample_filtered
+from models.sampling_batch import SamplingBatch
 
 # ---- keyed randomness --------------------------------------------------------------------------------
 
@@ -37,68 +38,52 @@ def row_keys(seeds: Sequence[int], positions: Sequence[int]) -> np.ndarray:
     return out
 
 
-def _seed_of(req) -> int:
-    seed = getattr(req, "seed", None)
-    return request_seed(req.params) if seed is None else seed
-
-
 # ---- the batched sampler -----------------------------------------------------------------------------
 
-def sample_batch(logits: np.ndarray, requests: Sequence, positions: Sequence[int] | None = None) -> np.ndarray:
-    """[N] int64: one token per row. logits: [N, V] float32, row i for requests[i] (anything with .params,
-    .token_ids = prompt + output, .num_prompt_tokens, and .seed or a seeded params). positions[i]: where
-    the token will sit, keying its draw (default len(token_ids))."""
-    if not len(requests):
+def sample_batch(logits: np.ndarray, batch: SamplingBatch) -> np.ndarray:
+    """[N] int64: one token per row. logits: [N, V] float32, row i sampled as batch's row i."""
+    if not batch.num_rows:
         return np.empty(0, np.int64)
-    logits = apply_penalties_batch(np.asarray(logits, np.float32), requests)
-    greedy = np.array([r.params.greedy for r in requests], bool)
+    logits = apply_penalties_batch(np.asarray(logits, np.float32), batch)
+    if batch.token_masks is not None:
+        logits = np.where(batch.token_masks, logits, np.float32(-np.inf))
+    greedy = batch.greedy
     if greedy.all():
         return np.argmax(logits, axis=1).astype(np.int64)
-    out = np.empty(len(requests), np.int64)
+    out = np.empty(batch.num_rows, np.int64)
     if greedy.any():
         out[greedy] = np.argmax(logits[greedy], axis=1)
     rows = np.flatnonzero(~greedy)
-    reqs = [requests[i] for i in rows]
-    where = [len(r.token_ids) for r in reqs] if positions is None else np.asarray(positions)[rows]
-    keys = row_keys([_seed_of(r) for r in reqs], where)
+    keys = row_keys(batch.seeds[rows], batch.positions[rows])
     tokens = np.empty(len(rows), np.int64)
-    sample_filtered(np.ascontiguousarray(logits[rows] if len(rows) < len(requests) else logits),
-                    *_filter_args(reqs), keys, tokens)
+    sample_filtered(np.ascontiguousarray(logits[rows] if len(rows) < batch.num_rows else logits),
+                    batch.temperatures[rows], batch.top_k[rows], batch.top_p[rows], batch.min_p[rows], keys, tokens)
     out[rows] = tokens
     return out
 
 
-def _filter_args(requests: Sequence) -> tuple[np.ndarray, ...]:
-    params = [r.params for r in requests]
-    return (np.array([p.temperature for p in params], np.float64), np.array([p.top_k for p in params], np.int64),
-            np.array([p.top_p for p in params], np.float64), np.array([p.min_p for p in params], np.float64))
-
-
-def apply_penalties_batch(logits: np.ndarray, requests: Sequence) -> np.ndarray:
-    """logits [N, V] float32 with each row's penalties applied (the arithmetic of `apply_penalties`): a copy,
-    or logits itself when no request sets a penalty."""
-    params = [r.params for r in requests]
-    repeat = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
-    counted = [i for i, p in enumerate(params) if (p.presence_penalty or p.frequency_penalty)
-               and len(requests[i].token_ids) > requests[i].num_prompt_tokens]
-    if not repeat and not counted:
+def apply_penalties_batch(logits: np.ndarray, batch: SamplingBatch) -> np.ndarray:
+    """logits [N, V] float32 with each row's penalties applied (tests/reference_sampler.py's apply_penalties,
+    row by row): a copy, or logits itself when no row sets a penalty."""
+    repeat = np.flatnonzero(batch.repetition_penalties != 1.0)
+    counted = [i for i in np.flatnonzero((batch.presence_penalties != 0) | (batch.frequency_penalties != 0))
+               if len(batch.histories[i]) > batch.num_prompt_tokens[i]]
+    if not len(repeat) and not counted:
         return logits
     out = logits.copy()
     flat = out.reshape(-1)
     V = out.shape[1]
-    if repeat:  # every distinct prompt or output token of the row
-        seen = np.unique(np.concatenate([i * V + np.asarray(requests[i].token_ids, np.int64) for i in repeat]))
-        penalty = np.array([p.repetition_penalty for p in params], np.float32)[seen // V]
+    if len(repeat):  # every distinct prompt or output token of the row
+        seen = np.unique(np.concatenate([i * V + np.asarray(batch.histories[i], np.int64) for i in repeat]))
+        penalty = batch.repetition_penalties[seen // V]
         vals = flat[seen]
         flat[seen] = np.where(vals > 0, vals / penalty, vals * penalty)
     if counted:  # output tokens only, by count
-        keys = np.concatenate([i * V + np.asarray(requests[i].token_ids[requests[i].num_prompt_tokens:], np.int64)
+        keys = np.concatenate([i * V + np.asarray(batch.histories[i][batch.num_prompt_tokens[i]:], np.int64)
                                for i in counted])
         ids, counts = np.unique(keys, return_counts=True)
         row = ids // V
-        frequency = np.array([p.frequency_penalty for p in params])[row]
-        presence = np.array([p.presence_penalty for p in params])[row]
-        flat[ids] = flat[ids] - (frequency * counts + presence)
+        flat[ids] = flat[ids] - (batch.frequency_penalties[row] * counts + batch.presence_penalties[row])
     return out
 
 
@@ -117,48 +102,3 @@ def top_logprobs_batch(logits: np.ndarray, token_ids: Sequence[int], num_logprob
         row.setdefault(int(token), float(np.float64(x[token]) - norm))
         out.append(row)
     return out
-
-
-# ---- the reference: one request at a time ----------------------------------------------------------------
-
-def apply_penalties(logits: np.ndarray, prompt_ids: list[int], output_ids: list[int],
-                    params: SamplingParams) -> np.ndarray:
-    # logits: [V] f32, modified copy
-    logits = logits.copy()
-    if params.repetition_penalty != 1.0:
-        seen = np.unique(np.asarray(prompt_ids + output_ids, np.int64))
-        vals = logits[seen]
-        logits[seen] = np.where(vals > 0, vals / params.repetition_penalty, vals * params.repetition_penalty)
-    if output_ids and (params.presence_penalty or params.frequency_penalty):
-        ids, counts = np.unique(np.asarray(output_ids, np.int64), return_counts=True)
-        logits[ids] -= params.frequency_penalty * counts + params.presence_penalty
-    return logits
-
-
-def sampling_probs(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
-    """The distribution a non-greedy request samples from: [V] float64, sums to 1."""
-    x = logits.astype(np.float64) / params.temperature
-    if 0 < params.top_k < x.shape[0]:
-        kth = np.partition(x, -params.top_k)[-params.top_k]
-        x[x < kth] = -np.inf
-    probs = np.exp(x - x.max())
-    probs /= probs.sum()
-    if params.top_p < 1.0:
-        order = np.argsort(-probs, kind="stable")
-        cumulative = np.cumsum(probs[order])
-        drop = cumulative - probs[order] >= params.top_p  # tokens after the set already reached top_p
-        probs[order[drop]] = 0.0
-    if params.min_p > 0.0:
-        probs[probs < params.min_p * probs.max()] = 0.0
-    return probs / probs.sum()
-
-
-def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:
-    """One request's token from a counted generator, as the engine sampled before sample_batch: the reference
-    sample_batch is tested against (the same greedy tokens, the same distribution). The engine does not call it."""
-    if params.greedy:
-        return int(np.argmax(logits))
-    probs = sampling_probs(logits, params)
-    cdf = np.cumsum(probs)
-    return int(min(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"), len(cdf) - 1))
-

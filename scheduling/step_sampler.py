@@ -19,30 +19,17 @@ Logprobs of every appended token of the step come from one top_logprobs_batch ca
 """
 
 from collections.abc import Sequence
-from functools import cached_property
 
 import numpy as np
 
+from cluster_configs.sampling_params import SamplingParams
+from models.sampling_batch import SamplingBatch, sets_penalty
 from models.token_tree import TokenTree
 from scheduling.model_runner import RunOutput
 from scheduling.outputs import SampledTokens, SamplerOutput
 from scheduling.plan import StepPlan
 from scheduling.request import Request
 from scheduling.sampler import sample_batch, top_logprobs_batch
-
-
-class RowContext:
-    """A speculating request as its logits row i sees it: drafts 0..i-1 appended to its tokens."""
-
-    def __init__(self, req: Request, drafts: Sequence[int]):
-        self.req, self.drafts = req, drafts
-
-    @cached_property
-    def token_ids(self) -> list[int]:  # read only for penalties
-        return self.req.token_ids + list(self.drafts)
-
-    def __getattr__(self, name):  # params, seed, num_prompt_tokens, ...: the request's
-        return getattr(self.req, name)
 
 
 def sample_step(plan: StepPlan, run: RunOutput) -> SamplerOutput:
@@ -59,7 +46,7 @@ def sample_step(plan: StepPlan, run: RunOutput) -> SamplerOutput:
             continue
         tree = scheduled.draft_tree
         todo.append((i, req, tree, rows, rows_to_sample.add(req, tree, rows)))
-    sampled = sample_batch(_gather(logits, rows_to_sample.ids), rows_to_sample.reqs, rows_to_sample.positions)
+    sampled = sample_batch(_gather(logits, rows_to_sample.ids), rows_to_sample.batch())
     runs = [tree.walk(sampled[first:first + len(tree.tokens) + 1]) for *_, tree, _, first in todo]
     logprobs = _logprobs(logits, todo, runs)
     out: list[SampledTokens | None] = [None] * len(plan.scheduled)
@@ -89,22 +76,34 @@ def _gather(logits: np.ndarray, ids: list[int]) -> np.ndarray:
 
 
 class _Rows:
-    """Logits rows gathered for one batched call: a request's row 1 + i (draft node i) sees the drafts of
-    the path down to node i."""
+    """Logits rows gathered for one batched call: a request's row 1 + i (draft node i) is sampled as if the
+    drafts of the path down to node i were its output (penalties see them) at position num_tokens + depth."""
 
     def __init__(self):
         self.ids: list[int] = []
-        self.reqs: list = []
+        self.params: list[SamplingParams] = []
+        self.seeds: list[int] = []
         self.positions: list[int] = []
+        self.histories: list[Sequence[int]] = []
+        self.num_prompt_tokens: list[int] = []
 
     def add(self, req: Request, tree: TokenTree, rows: slice) -> int:
         """-> the request's first row here."""
         first = len(self.ids)
-        self.ids.append(rows.start)
-        self.reqs.append(req)
-        self.positions.append(req.num_tokens)
+        penalized = sets_penalty(req.params)
+        self._add(req, rows.start, req.num_tokens, req.token_ids if penalized else ())
         for i, depth in enumerate(tree.depths):
-            self.ids.append(rows.start + 1 + i)
-            self.reqs.append(RowContext(req, [tree.tokens[j] for j in tree.path(i)]))
-            self.positions.append(req.num_tokens + depth)
+            history = req.token_ids + [tree.tokens[j] for j in tree.path(i)] if penalized else ()
+            self._add(req, rows.start + 1 + i, req.num_tokens + depth, history)
         return first
+
+    def batch(self) -> SamplingBatch:
+        return SamplingBatch.build(self.params, self.seeds, self.positions, self.histories, self.num_prompt_tokens)
+
+    def _add(self, req: Request, row: int, position: int, history: Sequence[int]) -> None:
+        self.ids.append(row)
+        self.params.append(req.params)
+        self.seeds.append(req.seed)
+        self.positions.append(position)
+        self.histories.append(history)
+        self.num_prompt_tokens.append(req.num_prompt_tokens)

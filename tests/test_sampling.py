@@ -3,6 +3,7 @@ batched sampler against the per-request reference (same greedy tokens, same dist
 
 import json
 import shutil
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -13,18 +14,11 @@ from transformers import RepetitionPenaltyLogitsProcessor
 import numaserve as ns
 from kernels.race import _uniform, race_all, race_kept
 from kernels.sampling import _filter_row
-from scheduling.sampler import (
-    apply_penalties,
-    apply_penalties_batch,
-    request_seed,
-    row_keys,
-    sample,
-    sample_batch,
-    sampling_probs,
-    top_logprobs_batch,
-)
+from models.sampling_batch import SamplingBatch
+from scheduling.sampler import apply_penalties_batch, request_seed, row_keys, sample_batch, top_logprobs_batch
 from tests.chi_square import chi_square_p_value
 from tests.conftest import random_prompt
+from tests.reference_sampler import apply_penalties, sample, sampling_probs
 
 PROMPT = random_prompt(12, seed=7)
 NUM_SAMPLES = 400
@@ -218,6 +212,23 @@ def requests_for(logits: np.ndarray, params: dict, seed: int = 0) -> list[Req]:
     return reqs
 
 
+def batch_of(reqs: list[Req], positions: list[int] | None = None) -> SamplingBatch:
+    """The requests' rows as the engine's step builds them (scheduling/step_sampler.py): position
+    len(token_ids) unless given."""
+    seeds = [request_seed(r.params) if getattr(r, "seed", None) is None else r.seed for r in reqs]
+    where = [len(r.token_ids) for r in reqs] if positions is None else positions
+    return SamplingBatch.build([r.params for r in reqs], seeds, where, [r.token_ids for r in reqs],
+                               [r.num_prompt_tokens for r in reqs])
+
+
+def sample_requests(logits: np.ndarray, reqs: list[Req], positions: list[int] | None = None) -> np.ndarray:
+    return sample_batch(logits, batch_of(reqs, positions))
+
+
+def penalize_requests(logits: np.ndarray, reqs: list[Req]) -> np.ndarray:
+    return apply_penalties_batch(logits, batch_of(reqs))
+
+
 def reference_probs(logits: np.ndarray, reqs: list[Req]) -> np.ndarray:
     return np.stack([sampling_probs(apply_penalties(x, r.token_ids[:r.num_prompt_tokens], r.output_token_ids,
                                                     r.params), r.params) for x, r in zip(logits, reqs)])
@@ -245,7 +256,7 @@ def filtered_probs(logits, temperature, top_k, top_p, min_p, out):
 def sampling_probs_batch(logits: np.ndarray, reqs: list[Req]) -> np.ndarray:
     """[N, V] float64: the distribution each row's request samples from, batched as the sampler does (its
     penalties, then kernels/sampling.py's filters; one-hot at the argmax for a greedy request)."""
-    logits = apply_penalties_batch(np.asarray(logits, np.float32), reqs)
+    logits = penalize_requests(np.asarray(logits, np.float32), reqs)
     out = np.zeros(logits.shape)
     greedy = np.array([r.params.greedy for r in reqs], bool)
     rows = np.flatnonzero(~greedy)
@@ -278,8 +289,8 @@ def test_greedy_tokens_equal_the_per_request_sampler(penalties):
     rows = np.concatenate([logits, logits])
     reference = [sample(apply_penalties(x, r.token_ids[:r.num_prompt_tokens], r.output_token_ids, r.params),
                         r.params, None) for x, r in zip(rows, reqs)]
-    assert sample_batch(rows, reqs).tolist() == reference
-    mixed = sample_batch(np.concatenate([rows, logits[:8]]), reqs + requests_for(logits[:8], {"top_p": 0.9}))
+    assert sample_requests(rows, reqs).tolist() == reference
+    mixed = sample_requests(np.concatenate([rows, logits[:8]]), reqs + requests_for(logits[:8], {"top_p": 0.9}))
     assert mixed[:len(reqs)].tolist() == reference  # greedy rows among sampled ones
     if penalties.get("repetition_penalty", 1.0) > 1.0 or penalties.get("frequency_penalty", 0.0) > 0.0:
         assert reference != np.argmax(rows, axis=1).tolist()  # the penalties lowered the top token: it mattered
@@ -293,13 +304,13 @@ def test_batched_penalties_equal_the_reference_exactly(penalties):
     reqs[3] = Req(ns.SamplingParams(), reqs[3].token_ids, 8)  # rows without penalties in the same batch
     reqs[5].token_ids = reqs[5].token_ids[:8]  # no output yet: presence / frequency do not apply
     expected = np.stack([apply_penalties(x, r.token_ids[:8], r.output_token_ids, r.params) for x, r in zip(logits, reqs)])
-    assert np.array_equal(apply_penalties_batch(logits, reqs), expected)
+    assert np.array_equal(penalize_requests(logits, reqs), expected)
     assert np.array_equal(logits, before)  # the caller's logits are not modified
 
 
 def test_without_penalties_the_logits_are_not_copied():
     logits = llm_like_logits(4, 100, seed=3)
-    assert apply_penalties_batch(logits, requests_for(logits, {"top_p": 0.5})) is logits
+    assert penalize_requests(logits, requests_for(logits, {"top_p": 0.5})) is logits
 
 
 @pytest.mark.parametrize("params", FILTERS, ids=str)
@@ -347,7 +358,7 @@ def test_sampled_tokens_follow_the_reference_distribution(params, vocab):
     probs = reference_probs(logits, [req])[0]
     assert (probs * NUM_DRAWS >= 5).sum() >= 3, "too peaked a distribution to test"
     reqs = [Req(req.params.model_copy(update={"seed": s}), req.token_ids, 8) for s in range(NUM_DRAWS)]
-    tokens = sample_batch(np.repeat(logits, NUM_DRAWS, axis=0), reqs)
+    tokens = sample_requests(np.repeat(logits, NUM_DRAWS, axis=0), reqs)
     p_value = chi_square_p_value(np.bincount(tokens, minlength=vocab), probs)
     assert p_value > MIN_P_VALUE, f"{params}, vocab {vocab}: chi-square p-value {p_value:.2e}"
 
@@ -379,7 +390,7 @@ def test_sampled_tokens_have_the_per_request_samplers_distribution(params):
     rng = np.random.default_rng(14)
     before = np.array([sample(penalized, req.params, rng) for _ in range(NUM_DRAWS)])
     reqs = [Req(req.params.model_copy(update={"seed": s}), req.token_ids, 8) for s in range(NUM_DRAWS)]
-    after = sample_batch(np.repeat(logits, NUM_DRAWS, axis=0), reqs)
+    after = sample_requests(np.repeat(logits, NUM_DRAWS, axis=0), reqs)
     counts_before, counts_after = np.bincount(before, minlength=vocab), np.bincount(after, minlength=vocab)
     assert (counts_before > 0).sum() >= 5, "too peaked a distribution to test"
     p_value = two_sample_p_value(counts_before, counts_after)
@@ -389,7 +400,7 @@ def test_sampled_tokens_have_the_per_request_samplers_distribution(params):
 def test_two_sample_check_detects_a_different_distribution():
     # power check of the test above: the same draws against draws at another temperature
     logits = (np.random.default_rng(13).standard_normal((1, 200)) * 1.5).astype(np.float32)
-    tokens = [sample_batch(np.repeat(logits, NUM_DRAWS, axis=0),  # other seeds: draws with shared clocks agree
+    tokens = [sample_requests(np.repeat(logits, NUM_DRAWS, axis=0),  # other seeds: draws with shared clocks agree
                            [Req(ns.SamplingParams(temperature=t, seed=i * NUM_DRAWS + s), [0], 1) for s in range(NUM_DRAWS)])
               for i, t in enumerate((1.0, 1.1))]
     assert two_sample_p_value(*(np.bincount(t, minlength=200) for t in tokens)) < 1e-6
@@ -399,7 +410,7 @@ def test_chi_square_check_detects_a_wrong_filter():
     # power check of the test above: draws from top_p 0.9 fail against the top_p 0.8 reference
     logits = (np.random.default_rng(8).standard_normal((1, 40)) * 1.5).astype(np.float32)
     reqs = [Req(ns.SamplingParams(top_p=0.9, seed=s), [0], 1) for s in range(NUM_DRAWS)]
-    tokens = sample_batch(np.repeat(logits, NUM_DRAWS, axis=0), reqs)
+    tokens = sample_requests(np.repeat(logits, NUM_DRAWS, axis=0), reqs)
     wrong = sampling_probs(logits[0], ns.SamplingParams(top_p=0.8))
     observed = np.bincount(tokens, minlength=40)
     assert observed[wrong == 0].sum() > 0 or chi_square_p_value(observed, wrong) < 1e-12
@@ -410,28 +421,28 @@ def test_chi_square_check_detects_a_wrong_filter():
 def test_same_seed_and_position_give_the_same_token_whatever_the_batch():
     logits = llm_like_logits(12, 2000, seed=9)
     reqs = [Req(ns.SamplingParams(seed=s, **FILTERS[i % 9]), [3, 4, 5, i], 2) for i, s in enumerate(range(50, 62))]
-    alone = [int(sample_batch(logits[i:i + 1], [r])[0]) for i, r in enumerate(reqs)]
-    assert sample_batch(logits, reqs).tolist() == alone
+    alone = [int(sample_requests(logits[i:i + 1], [r])[0]) for i, r in enumerate(reqs)]
+    assert sample_requests(logits, reqs).tolist() == alone
     order = np.random.default_rng(0).permutation(12)
     others = requests_for(llm_like_logits(5, 2000, seed=10), {"top_k": 5})
     mixed_reqs = [reqs[i] for i in order] + others
     mixed_logits = np.concatenate([logits[order], llm_like_logits(5, 2000, seed=10)])
     mixed_reqs.insert(3, Req(ns.SamplingParams(temperature=0.0), [1], 1))
     mixed_logits = np.insert(mixed_logits, 3, logits[0], axis=0)
-    tokens = sample_batch(mixed_logits, mixed_reqs).tolist()
+    tokens = sample_requests(mixed_logits, mixed_reqs).tolist()
     assert [tokens[mixed_reqs.index(r)] for r in reqs] == alone
 
 
 def test_the_draw_is_keyed_by_position_and_seed_only():
     logits = np.zeros((1, 1000), np.float32)
     req = Req(ns.SamplingParams(seed=7), [1, 2, 3], 1)
-    at_3 = sample_batch(logits, [req])  # default position: len(token_ids)
-    assert sample_batch(logits, [Req(ns.SamplingParams(seed=7), [9] * 3, 3)], positions=[3]) == at_3
-    assert sample_batch(logits, [req], positions=[3]) == at_3
+    at_3 = sample_requests(logits, [req])  # default position: len(token_ids)
+    assert sample_requests(logits, [Req(ns.SamplingParams(seed=7), [9] * 3, 3)], positions=[3]) == at_3
+    assert sample_requests(logits, [req], positions=[3]) == at_3
     # a request's own seed (drawn once for an unseeded request) keys its draws
     unseeded = Req(ns.SamplingParams(), [1, 2, 3], 1, seed=request_seed(ns.SamplingParams(seed=7)))
-    assert sample_batch(logits, [unseeded]) == at_3
-    draws = [int(sample_batch(logits, [req], positions=[p])[0]) for p in range(3, 23)]
+    assert sample_requests(logits, [unseeded]) == at_3
+    draws = [int(sample_requests(logits, [req], positions=[p])[0]) for p in range(3, 23)]
     assert len(set(draws)) > 15  # 20 positions of a uniform 1000-token distribution: new draws
 
 
@@ -439,8 +450,8 @@ def test_tokens_at_different_positions_are_independent():
     probs = np.array([0.4, 0.3, 0.2, 0.1])
     logits = np.repeat(np.log(probs)[None].astype(np.float32), NUM_DRAWS, axis=0)
     reqs = [Req(ns.SamplingParams(seed=s), [0], 1) for s in range(NUM_DRAWS)]
-    first = sample_batch(logits, reqs, positions=[10] * NUM_DRAWS)
-    second = sample_batch(logits, reqs, positions=[11] * NUM_DRAWS)
+    first = sample_requests(logits, reqs, positions=[10] * NUM_DRAWS)
+    second = sample_requests(logits, reqs, positions=[11] * NUM_DRAWS)
     joint = np.bincount(first * 4 + second, minlength=16)
     p_value = chi_square_p_value(joint, np.outer(probs, probs).ravel())
     assert p_value > MIN_P_VALUE, f"tokens at positions 10 and 11: chi-square p-value {p_value:.2e}"
@@ -516,3 +527,22 @@ def test_top_logprobs_batch_are_the_models_log_softmax():
         assert list(row)[:k] == top and token in row and len(row) == len(set(top) | {token})
         for t, lp in row.items():
             assert lp == pytest.approx(x[t], abs=1e-12)
+
+
+def test_a_token_mask_keeps_each_row_to_its_allowed_tokens():
+    """SamplingBatch.token_masks (what structured outputs fill): a greedy row takes its best allowed token, a
+    sampled row draws only allowed ones; rows without a restriction allow every token."""
+    logits = llm_like_logits(6, 500, seed=9)
+    reqs = [Req(ns.SamplingParams(temperature=0.0 if i < 3 else 1.0, seed=i), [1, 2], 2) for i in range(6)]
+    rng = np.random.default_rng(3)
+    masks = np.zeros(logits.shape, bool)
+    for i in range(5):  # 5 allowed tokens, never the row's argmax
+        masks[i, rng.choice(np.setdiff1d(np.arange(500), [np.argmax(logits[i])]), 5, replace=False)] = True
+    masks[5] = True  # the last row is not restricted
+    for _ in range(20):
+        reqs = [Req(r.params.model_copy(update={"seed": int(rng.integers(1 << 30))}), r.token_ids, 2) for r in reqs]
+        tokens = sample_batch(logits, replace(batch_of(reqs), token_masks=masks))
+        assert all(masks[i, t] for i, t in enumerate(tokens))
+        assert [int(t) for t in tokens[:3]] == [int(np.flatnonzero(m)[np.argmax(x[m])]) for x, m in
+                                                 zip(logits[:3], masks[:3])]
+        assert tokens[5] == sample_requests(logits[5:], reqs[5:])[0]  # all allowed: the unmasked draw

@@ -27,16 +27,17 @@ from models.batch import ForwardBatch
 from models.llama import LlamaModel
 from models.loader import load_model
 from models.proposers.base import Proposer, SpecRequest
+from models.sampling_batch import SamplingBatch
 from models.spec import ModelSpec
 from models.tokenizer import Tokenizer
 
 GREEDY = SamplingParams(temperature=0.0)  # a request without params drafts greedily
-# (logits [M, V] f32, requests as _DraftView) -> [M] int tokens: the engine passes its own batched sampler
+# (logits [M, V] f32, the rows' SamplingBatch) -> [M] int tokens: the engine passes its own batched sampler
 # (scheduling/sampler.py's sample_batch), so that a sampled request's draft races with the target's clocks
-DraftSampler = Callable[[np.ndarray, Sequence], np.ndarray]
+DraftSampler = Callable[[np.ndarray, SamplingBatch], np.ndarray]
 
 
-def argmax_sampler(logits: np.ndarray, requests: Sequence) -> np.ndarray:
+def argmax_sampler(logits: np.ndarray, batch: SamplingBatch) -> np.ndarray:
     return np.argmax(logits, axis=1)
 
 
@@ -67,26 +68,6 @@ def check_same_vocabulary(draft_path: str | Path, draft_spec: ModelSpec, draft_t
     raise CheckpointError(f"{where}: its tokenizer differs from the target's at {len(diff)} token ids (e.g. id "
                           f"{i} is {t!r} in the draft, {by_id.get(i)!r} in the target); a draft model needs "
                           "the target's tokenizer")
-
-
-@dataclass
-class _DraftView:
-    """A request as the draft's sampler sees it: its params and seed, the draft's tokens so far (verified
-    tokens + this call's drafts) for penalties and the position."""
-    req: SpecRequest
-    token_ids: list[int]
-
-    @property
-    def params(self) -> SamplingParams:
-        return getattr(self.req, "params", None) or GREEDY
-
-    @property
-    def seed(self) -> int | None:
-        return getattr(self.req, "seed", None)
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return getattr(self.req, "num_prompt_tokens", len(self.token_ids))
 
 
 @dataclass
@@ -168,7 +149,7 @@ class DraftModelProposer(Proposer):
         draft is the target's own draw whenever the two distributions agree enough
         (scheduling/step_sampler.py)."""
         logits = np.ascontiguousarray(logits[:, :self.vocab_size], np.float32)  # [M, V]
-        return self.sampler(logits, [_DraftView(r, self.seqs[r.request_id].token_ids) for r in reqs]).tolist()
+        return self.sampler(logits, _sampling_batch(reqs, [self.seqs[r.request_id].token_ids for r in reqs])).tolist()
 
     def _truncate(self, seq: _DraftSeq, keep: int) -> None:
         del seq.token_ids[keep:]
@@ -231,3 +212,11 @@ def _common_prefix(seq: _DraftSeq, token_ids: list[int]) -> int:
         return n
     return next(i for i in range(start, n) if a[i] != b[i])
 
+
+def _sampling_batch(reqs: list[SpecRequest], token_ids: list[list[int]]) -> SamplingBatch:
+    """The draft's rows as the requests sample: their params and seeds, the draft's tokens so far (verified
+    tokens + this call's drafts) for penalties and the position."""
+    params = [getattr(r, "params", None) or GREEDY for r in reqs]
+    seeds = [(p.seed or 0) % 2**64 if getattr(r, "seed", None) is None else r.seed for r, p in zip(reqs, params)]
+    return SamplingBatch.build(params, seeds, [len(t) for t in token_ids], token_ids,
+                               [getattr(r, "num_prompt_tokens", len(t)) for r, t in zip(reqs, token_ids)])

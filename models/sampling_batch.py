@@ -1,0 +1,62 @@
+"""SamplingBatch: what sampling one step's logits rows needs, as arrays built once (vLLM's SamplingMetadata).
+
+Row i is one logits row to sample: its request's parameters, the seed and position that key its draw
+(kernels/race.py), and, for penalties, the token ids before that position. The engine builds one per step
+(scheduling/step_sampler.py: a verification's row after draft j sees drafts 0..j as output); a draft model
+builds its own for its rows (models/proposers/draft.py).
+"""
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from cluster_configs.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class SamplingBatch:
+    greedy: np.ndarray  # [N] bool
+    temperatures: np.ndarray  # [N] float64
+    top_k: np.ndarray  # [N] int64 (0: off)
+    top_p: np.ndarray  # [N] float64
+    min_p: np.ndarray  # [N] float64
+    seeds: np.ndarray  # [N] uint64
+    positions: np.ndarray  # [N] int64: where the row's token will sit (keys its draw)
+    repetition_penalties: np.ndarray  # [N] float32 (1: off)
+    frequency_penalties: np.ndarray  # [N] float64
+    presence_penalties: np.ndarray  # [N] float64
+    # per row: prompt + output token ids before its position; only rows that set a penalty are read (others: ())
+    histories: tuple[Sequence[int], ...]
+    num_prompt_tokens: np.ndarray  # [N] int64: of each history, the prompt's
+    token_masks: np.ndarray | None = None  # [N, V] bool: the tokens a row may take (None: every token)
+
+    @classmethod
+    def build(cls, params: Sequence[SamplingParams], seeds: Sequence[int], positions: Sequence[int],
+              histories: Sequence[Sequence[int]], num_prompt_tokens: Sequence[int],
+              token_masks: np.ndarray | None = None) -> "SamplingBatch":
+        return cls(np.array([p.greedy for p in params], bool), np.array([p.temperature for p in params], np.float64),
+                   np.array([p.top_k for p in params], np.int64), np.array([p.top_p for p in params], np.float64),
+                   np.array([p.min_p for p in params], np.float64), np.asarray(seeds, np.uint64).reshape(-1),
+                   np.asarray(positions, np.int64).reshape(-1),
+                   np.array([p.repetition_penalty for p in params], np.float32),
+                   np.array([p.frequency_penalty for p in params], np.float64),
+                   np.array([p.presence_penalty for p in params], np.float64), tuple(histories),
+                   np.asarray(num_prompt_tokens, np.int64).reshape(-1), token_masks)
+
+    @property
+    def num_rows(self) -> int:
+        return self.greedy.shape[0]
+
+    def rows(self, idx: np.ndarray) -> "SamplingBatch":
+        """The batch of rows idx (in that order)."""
+        return SamplingBatch(self.greedy[idx], self.temperatures[idx], self.top_k[idx], self.top_p[idx],
+                             self.min_p[idx], self.seeds[idx], self.positions[idx], self.repetition_penalties[idx],
+                             self.frequency_penalties[idx], self.presence_penalties[idx],
+                             tuple(self.histories[i] for i in idx), self.num_prompt_tokens[idx],
+                             None if self.token_masks is None else self.token_masks[idx])
+
+
+def sets_penalty(params: SamplingParams) -> bool:
+    """Whether sampling params's rows read their histories."""
+    return params.repetition_penalty != 1.0 or bool(params.presence_penalty or params.frequency_penalty)
