@@ -30,8 +30,8 @@ import numpy as np
 from benchmarks.checkpoints import random_checkpoint
 from benchmarks.heldout_eval import card_windows, heldout_texts, perplexity
 from cluster_configs.diagnostics import DecisionLog
-from memory.weights import Int8Matrix
-from models.activation_plan import matrix_names, plan_activations
+from memory.weights import Int8Matrix, ModelWeights
+from models.activation_plan import plan_activations, with_linear_matrices
 from models.activation_ranges import METHODS
 from models.calibrate import WindowRunner, calibrate
 from models.calibration import CalibrationOptions
@@ -114,7 +114,7 @@ def speed(model: str, weight_dtype: str, samples: int, threads: int) -> dict:
     return out
 
 
-def _with_static_scales(bench, dynamic: dict) -> dict:
+def _with_static_scales(bench, dynamic: ModelWeights) -> ModelWeights:
     """The same packed weights with minmax static scales measured over one random 256-token prefill."""
     model_ = bench.engine.model
     absmax: dict[str, float] = {}
@@ -125,12 +125,11 @@ def _with_static_scales(bench, dynamic: dict) -> dict:
     model_.observer = observe
     bench.prefill(np.random.default_rng(1).integers(3, 32000, PREFILL_LEN).tolist())
     model_.observer = None
-    layers = [dict(layer) for layer in dynamic["layers"]]
-    static = dict(dynamic, layers=layers)
-    for name, holder, key in matrix_names(static):
-        if isinstance(holder[key], Int8Matrix):
-            holder[key] = dataclasses.replace(holder[key], activation_scale=absmax[name] / 127)
-    return static
+
+    def scaled(name, w):
+        return dataclasses.replace(w, activation_scale=absmax[name] / 127) if isinstance(w, Int8Matrix) else w
+
+    return with_linear_matrices(dynamic, scaled)
 
 
 def plot(result: dict, path: Path) -> None:

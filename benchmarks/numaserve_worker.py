@@ -18,6 +18,7 @@ import psutil
 
 import numaserve as ns
 from benchmarks.engine_process import serve
+from memory.weights import PROJECTIONS, ModelWeights
 from models.gguf_writer import convert_to_gguf, export_gguf
 
 
@@ -37,7 +38,7 @@ class NumaserveBench:
         decisions = self.llm.diagnostics()
         return {"weight_bytes": model.weight_bytes, "num_params": num_params,
                 # a decode step reads only T embedding rows
-                "read_bytes": model.weight_bytes - model.weights["embed"].nbytes,
+                "read_bytes": model.weight_bytes - model.weights.embed.nbytes,
                 "rss_delta_bytes": self.rss_weights, "threading_layer": numba.threading_layer(),
                 "threading": [d["choice"] for d in decisions if d["topic"] == "threading"],
                 "activation_dtypes": sorted({d["choice"] for d in decisions if d["topic"] == "activation_dtype"}),
@@ -76,12 +77,12 @@ def decode_seconds(engine, reqs) -> float:
     return time.perf_counter() - start
 
 
-def _matrices(weights: dict):
-    yield weights["embed"]
-    if weights["lm_head"] is not weights["embed"]:
-        yield weights["lm_head"]
-    for layer in weights["layers"]:
-        yield from (layer[k] for k in ("qkv", "o", "gate_up", "down"))
+def _matrices(weights: ModelWeights):
+    yield weights.embed
+    if weights.lm_head is not weights.embed:
+        yield weights.lm_head
+    for layer in weights.layers:
+        yield from (layer.projection(k) for k in PROJECTIONS)
 
 
 def main() -> None:

@@ -1,6 +1,7 @@
-"""Weight containers: a matrix in one of the served formats (float32, bfloat16, q8_0, q4_0)."""
+"""Weight containers: a matrix in one of the served formats (float32, bfloat16, q8_0, q4_0), and a model's
+weights (ModelWeights, its LayerWeights) as the loaders build them and the forward pass reads them."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -163,6 +164,55 @@ class Bf16Matrix:
     @property
     def nbytes(self) -> int:
         return self.data.nbytes
+
+
+Matrix = WeightMatrix | Int8Matrix | Bf16Matrix  # a served matrix, packed for its activations or not
+PROJECTIONS = ("qkv", "o", "gate_up", "down")  # a layer's matrices in forward order (activation plans, LoRA)
+
+
+@dataclass(frozen=True, eq=False)  # eq=False: arrays have no truth value, so equality is identity
+class LayerWeights:
+    """One decoder layer: norms and biases float32, matrices [out_features, in_features] in a served format."""
+
+    input_norm: np.ndarray  # [hidden] f32
+    qkv: Matrix  # [q_size + 2 * kv_size, hidden]: q | k | v fused
+    qkv_bias: np.ndarray | None  # [q_size + 2 * kv_size] f32 (Qwen2), None without
+    o: Matrix  # [hidden, q_size]
+    post_norm: np.ndarray  # [hidden] f32
+    gate_up: Matrix  # [2 * intermediate, hidden]: gate | up fused
+    down: Matrix  # [hidden, intermediate]
+
+    def projection(self, name: str) -> Matrix:
+        """The matrix of a projection named in PROJECTIONS."""
+        return getattr(self, _projection(name))
+
+    def with_projection(self, name: str, matrix: Matrix) -> "LayerWeights":
+        """A copy with that projection's matrix swapped (the rest shared)."""
+        return replace(self, **{_projection(name): matrix})
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in (self.input_norm, self.qkv, self.qkv_bias, self.o, self.post_norm,
+                                      self.gate_up, self.down) if a is not None)
+
+
+@dataclass(frozen=True, eq=False)
+class ModelWeights:
+    embed: WeightMatrix  # [vocab, hidden]
+    norm: np.ndarray  # [hidden] f32: the final norm
+    lm_head: Matrix  # [vocab, hidden]: embed itself when tied (until packed for its activations)
+    layers: tuple[LayerWeights, ...]  # [num_layers]
+
+    @property
+    def nbytes(self) -> int:
+        head = 0 if self.lm_head is self.embed else self.lm_head.nbytes
+        return self.embed.nbytes + self.norm.nbytes + head + sum(layer.nbytes for layer in self.layers)
+
+
+def _projection(name: str) -> str:
+    if name not in PROJECTIONS:
+        raise ValueError(f"{name!r} is not a layer projection; one of {PROJECTIONS}")
+    return name
 
 
 def host_has_vnni() -> bool:

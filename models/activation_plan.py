@@ -19,26 +19,39 @@ Every choice and every fallback is recorded in the engine's decision log (a fall
 """
 
 from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import replace
 
 from cluster_configs.diagnostics import DecisionLog
 from kernels.cpu import missing_features
 from kernels.simd_bf16 import BF16_FEATURES
-from memory.weights import Bf16Matrix, Int8Matrix, WeightMatrix
-from models.calibration import LAYER_MATRICES, Calibration, MatrixCalibration, check_fits
+from memory.weights import PROJECTIONS, Bf16Matrix, Int8Matrix, Matrix, ModelWeights, WeightMatrix
+from models.calibration import Calibration, MatrixCalibration, check_fits
 
 INT8_FEATURES = ("avx2", "f16c")  # vpmaddwd on 256-bit vectors, fp16 scale conversion (and VNNI where present)
 
 
-def matrix_names(weights: dict):
-    """(name, holder, key) of every matrix whose input the forward pass observes (models/llama.py)."""
-    for i, layer in enumerate(weights["layers"]):
-        for key in LAYER_MATRICES:
-            yield f"layers.{i}.{key}", layer, key
-    yield "lm_head", weights, "lm_head"
+def linear_matrices(weights: ModelWeights) -> Iterator[tuple[str, str, Matrix]]:
+    """(name, layer type, matrix) of every matrix whose input the forward pass observes (models/llama.py):
+    "layers.{i}.{key}", key | "lm_head", "lm_head"."""
+    for i, layer in enumerate(weights.layers):
+        for key in PROJECTIONS:
+            yield f"layers.{i}.{key}", key, layer.projection(key)
+    yield "lm_head", "lm_head", weights.lm_head
 
 
-def plan_activations(weights: dict, activation_dtype: str, decisions: DecisionLog,
-                     calibration: Calibration | None = None, static_scales: bool = False) -> dict:
+def with_linear_matrices(weights: ModelWeights, choose: Callable[[str, Matrix], Matrix]) -> ModelWeights:
+    """A copy with each matrix of linear_matrices (name, w) replaced by choose(name, w), called in that order."""
+    layers = []
+    for i, layer in enumerate(weights.layers):
+        for key in PROJECTIONS:
+            layer = layer.with_projection(key, choose(f"layers.{i}.{key}", layer.projection(key)))
+        layers.append(layer)
+    return replace(weights, layers=tuple(layers), lm_head=choose("lm_head", weights.lm_head))
+
+
+def plan_activations(weights: ModelWeights, activation_dtype: str, decisions: DecisionLog,
+                     calibration: Calibration | None = None, static_scales: bool = False) -> ModelWeights:
     """-> weights with int8-activation matrices repacked (Int8Matrix); the rest unchanged. Records each
     matrix's activation dtype and, per layer type, the kernel and dtypes it runs with (record_kernels).
 
@@ -48,12 +61,11 @@ def plan_activations(weights: dict, activation_dtype: str, decisions: DecisionLo
     return planned
 
 
-def record_kernels(weights: dict, decisions: DecisionLog) -> None:
+def record_kernels(weights: ModelWeights, decisions: DecisionLog) -> None:
     """One "kernel" decision per layer type (qkv, o, gate_up, down, lm_head): the linear kernel, weight and
     activation dtypes its matrices run with, and in how many of the layers (models/linear.py)."""
     by_type: dict[str, Counter] = {}
-    for name, holder, key in matrix_names(weights):
-        w = holder[key]
+    for _, key, w in linear_matrices(weights):
         if isinstance(w, Int8Matrix):
             path = f"{'matmul_vnni' if w.vnni else 'matmul_int8'}: {w.dtype} weights x int8 activations"
         elif isinstance(w, Bf16Matrix):
@@ -79,10 +91,10 @@ def for_activations(w: WeightMatrix, activation_dtype: str) -> WeightMatrix | In
     return w
 
 
-def _plan(weights: dict, activation_dtype: str, decisions: DecisionLog, calibration: Calibration | None,
-          static_scales: bool) -> dict:
+def _plan(weights: ModelWeights, activation_dtype: str, decisions: DecisionLog, calibration: Calibration | None,
+          static_scales: bool) -> ModelWeights:
     if calibration is not None:
-        check_fits(calibration, len(weights["layers"]))
+        check_fits(calibration, len(weights.layers))
     if activation_dtype == "float32":
         decisions.record("activation_dtype", "float32", "requested: exact float32 activations")
         _calibration_unused(calibration, decisions, "activation_dtype=float32")
@@ -103,12 +115,11 @@ def _plan(weights: dict, activation_dtype: str, decisions: DecisionLog, calibrat
                          warn=activation_dtype != "auto")
         _calibration_unused(calibration, decisions, f"this CPU lacks {', '.join(missing)}")
         return weights
-    layers = [dict(layer) for layer in weights["layers"]]
-    planned = dict(weights, layers=layers)
     fallbacks = []
-    for name, holder, key in matrix_names(planned):
-        w = holder[key]
+
+    def choose(name: str, w: Matrix) -> Matrix:
         cal = calibration.matrices[name] if calibration is not None else None
+        chosen = w
         if not isinstance(w, WeightMatrix) or w.dtype not in ("q8_0", "q4_0"):
             choice, why = "float32", f"{w.dtype} weights: int8 activations are used with q8_0 / q4_0 weights only"
         elif cal is not None and _falls_back(cal, calibration.bound, static_scales):
@@ -119,14 +130,17 @@ def _plan(weights: dict, activation_dtype: str, decisions: DecisionLog, calibrat
             fallbacks.append(name)
         else:
             scale = cal.scale if static_scales and cal is not None else 0.0
-            holder[key] = Int8Matrix.pack(w, scale)
+            chosen = Int8Matrix.pack(w, scale)
             choice, why = "int8", (f"{w.dtype} weights, " + (
                 f"static activation scale {scale:.4g} ({calibration.method}-calibrated)" if scale
                 else "dynamic per-block activation scales"))
         decisions.record("activation_dtype", choice, why, subject=name)
+        return chosen
+
+    planned = with_linear_matrices(weights, choose)
     if calibration is not None:
         c = calibration
-        note = "" if c.weight_dtype == planned["layers"][0]["qkv"].dtype else (
+        note = "" if c.weight_dtype == planned.layers[0].qkv.dtype else (
             f"; its errors were measured with {c.weight_dtype} weights")
         decisions.record("calibration", "used", f"{c.path or 'not from a file'}: {c.method} scales "
                          f"({'static, used' if static_scales else 'dynamic scales used; static ones unused'}), "
@@ -147,14 +161,14 @@ def _calibration_unused(calibration: Calibration | None, decisions: DecisionLog,
         decisions.record("calibration", "unused", f"{calibration.path}: not needed ({why})")
 
 
-def _planned(weights: dict, decisions: DecisionLog, choose) -> dict:
+def _planned(weights: ModelWeights, decisions: DecisionLog, choose) -> ModelWeights:
     """weights with each matrix replaced by choose(w) -> (matrix, choice, why), every choice recorded."""
-    layers = [dict(layer) for layer in weights["layers"]]
-    planned = dict(weights, layers=layers)
-    for name, holder, key in matrix_names(planned):
-        holder[key], choice, why = choose(holder[key])
+    def chosen(name: str, w: Matrix) -> Matrix:
+        w, choice, why = choose(w)
         decisions.record("activation_dtype", choice, why, subject=name)
-    return planned
+        return w
+
+    return with_linear_matrices(weights, chosen)
 
 
 def _bf16_choice(w):

@@ -16,8 +16,8 @@ import numpy as np
 
 from cluster_configs.errors import CheckpointError
 from memory.kv_cache import KVCache
-from memory.weights import Int8Matrix, WeightMatrix
-from models.activation_plan import matrix_names as weight_matrices
+from memory.weights import Int8Matrix, ModelWeights, WeightMatrix
+from models.activation_plan import linear_matrices
 from models.activation_ranges import RangeStats, static_scale
 from models.batch import ForwardBatch
 from models.calibration import (
@@ -102,9 +102,9 @@ def calibrate(model_path: str | Path, texts: list[str], text_label: str,
 class WindowRunner:
     """The model over one window of tokens at a time (positions from 0), logits at every position."""
 
-    def __init__(self, spec, weights: dict):
+    def __init__(self, spec, weights: ModelWeights):
         self.model = LlamaModel(spec, weights)
-        self.matrices = {name: holder[key] for name, holder, key in weight_matrices(weights)}
+        self.matrices = {name: w for name, _, w in linear_matrices(weights)}
         self.max_tokens = min(WINDOW_TOKENS, spec.max_position_embeddings)
         num_blocks = -(-self.max_tokens // _BLOCK)
         self.kv = KVCache(spec.num_layers, num_blocks, _BLOCK, spec.num_kv_heads, spec.head_dim, "float32")

@@ -17,9 +17,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from cluster_configs.engine_config import WeightDtype
 from cluster_configs.errors import CheckpointError, NumaserveError
+from memory.weights import PROJECTIONS
 
 FORMAT_VERSION = 1
-LAYER_MATRICES = ("qkv", "o", "gate_up", "down")
 
 
 class CalibrationError(NumaserveError, ValueError):
@@ -83,7 +83,7 @@ class Calibration(BaseModel):
 
 def matrix_names(num_layers: int) -> list[str]:
     """Every calibrated matrix of a model, in forward order."""
-    return [f"layers.{i}.{key}" for i in range(num_layers) for key in LAYER_MATRICES] + ["lm_head"]
+    return [f"layers.{i}.{key}" for i in range(num_layers) for key in PROJECTIONS] + ["lm_head"]
 
 
 def calibration_path(model_path: str | Path) -> Path:

@@ -8,7 +8,7 @@ import numpy as np
 from tqdm import tqdm
 
 from cluster_configs.errors import CheckpointError
-from memory.weights import WeightMatrix
+from memory.weights import LayerWeights, ModelWeights, WeightMatrix
 from models.safetensors_io import TensorEntry, read_header, read_tensor
 from models.spec import ModelSpec, load_spec
 
@@ -99,7 +99,7 @@ def lm_head_dtype(weight_dtype: str) -> str:
     return "q8_0" if weight_dtype == "q4_0" else weight_dtype
 
 
-def load_weights(model_dir: str | Path, weight_dtype: str) -> tuple[ModelSpec, dict]:
+def load_weights(model_dir: str | Path, weight_dtype: str) -> tuple[ModelSpec, ModelWeights]:
     """-> (spec, weights): matrices as WeightMatrix in `weight_dtype`, quantized as they are read
     (q|k|v and gate|up fused),
     norms and biases as float32."""
@@ -111,30 +111,25 @@ def load_weights(model_dir: str | Path, weight_dtype: str) -> tuple[ModelSpec, d
     mat = WeightMatrix.from_float
     head_dtype = lm_head_dtype(weight_dtype)
     embed = mat(read("model.embed_tokens.weight"), head_dtype if spec.tie_word_embeddings else weight_dtype)
-    weights = {
-        "embed": embed,
-        "norm": read("model.norm.weight"),
-        "lm_head": embed if spec.tie_word_embeddings else mat(read("lm_head.weight"), head_dtype),
-        "layers": [],
-    }
-    for i in range(spec.num_layers):
-        weights["layers"].append(load_layer(read, f"model.layers.{i}.", spec.qkv_bias, weight_dtype))
+    norm = read("model.norm.weight")
+    lm_head = embed if spec.tie_word_embeddings else mat(read("lm_head.weight"), head_dtype)
+    layers = tuple(load_layer(read, f"model.layers.{i}.", spec.qkv_bias, weight_dtype) for i in range(spec.num_layers))
     read.close()
-    return spec, weights
+    return spec, ModelWeights(embed=embed, norm=norm, lm_head=lm_head, layers=layers)
 
 
-def load_layer(read, prefix: str, qkv_bias: bool, weight_dtype: str) -> dict:
+def load_layer(read, prefix: str, qkv_bias: bool, weight_dtype: str) -> LayerWeights:
     """One decoder layer's weights from read(name) -> float32 tensor: q|k|v and gate|up fused, matrices in
     weight_dtype, norms and biases float32."""
     mat, p = WeightMatrix.from_float, prefix
     qkv = np.concatenate([read(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
     gate_up = np.concatenate([read(p + "mlp.gate_proj.weight"), read(p + "mlp.up_proj.weight")])
-    return {
-        "input_norm": read(p + "input_layernorm.weight"),
-        "post_norm": read(p + "post_attention_layernorm.weight"),
-        "qkv": mat(qkv, weight_dtype),
-        "o": mat(read(p + "self_attn.o_proj.weight"), weight_dtype),
-        "gate_up": mat(gate_up, weight_dtype),
-        "down": mat(read(p + "mlp.down_proj.weight"), weight_dtype),
-        "qkv_bias": np.concatenate([read(p + f"self_attn.{n}_proj.bias") for n in "qkv"]) if qkv_bias else None,
-    }
+    return LayerWeights(
+        input_norm=read(p + "input_layernorm.weight"),
+        post_norm=read(p + "post_attention_layernorm.weight"),
+        qkv=mat(qkv, weight_dtype),
+        o=mat(read(p + "self_attn.o_proj.weight"), weight_dtype),
+        gate_up=mat(gate_up, weight_dtype),
+        down=mat(read(p + "mlp.down_proj.weight"), weight_dtype),
+        qkv_bias=np.concatenate([read(p + f"self_attn.{n}_proj.bias") for n in "qkv"]) if qkv_bias else None,
+    )

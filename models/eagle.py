@@ -23,7 +23,7 @@ import numpy as np
 from cluster_configs.diagnostics import DecisionLog
 from cluster_configs.errors import CheckpointError
 from memory.kv_cache import KVCache
-from memory.weights import Int8Matrix, WeightMatrix, select_rows
+from memory.weights import Int8Matrix, ModelWeights, WeightMatrix, select_rows
 from models.activation_plan import for_activations, plan_activations
 from models.batch import ForwardBatch
 from models.checkpoint import expected_shapes, load_layer
@@ -51,7 +51,7 @@ class EagleHead:
     def forward(self, batch: ForwardBatch, kv: KVCache, features: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """batch: the tokens t_{i+1} at positions i (block tables into the head's own KV); features [T, H]:
         f_i -> logits [len(logits_indices), V] (guesses of t_{i+2}) and f'_{i+1} at batch.hidden_indices."""
-        x = np.concatenate([embed(self.model.weights["embed"], batch.token_ids), features], axis=1)  # [T, 2H]
+        x = np.concatenate([embed(self.model.weights.embed, batch.token_ids), features], axis=1)  # [T, 2H]
         fused = linear(x, self.fc) + self.fc_bias
         return self.model.forward_hidden(batch, kv, embeddings=fused)
 
@@ -61,7 +61,7 @@ def eagle_spec(spec: ModelSpec) -> ModelSpec:
     return replace(spec, num_layers=1, layer_windows=spec.layer_windows[:1])
 
 
-def load_eagle_head(model_dir: str | Path, spec: ModelSpec, target_weights: dict, weight_dtype: str,
+def load_eagle_head(model_dir: str | Path, spec: ModelSpec, target_weights: ModelWeights, weight_dtype: str,
                     activation_dtype: str = "float32") -> EagleHead:
     """The head beside the model; CheckpointError naming the file and the fix if it is missing, malformed
     or shaped for another model. Its matrices (fc included) are stored in the target's weight_dtype and
@@ -88,9 +88,10 @@ def load_eagle_head(model_dir: str | Path, spec: ModelSpec, target_weights: dict
         return read_tensor(entry)
 
     draft_ids = _draft_ids(path, entries[D2T], spec.vocab_size) if D2T in entries else None
-    lm_head = target_weights["lm_head"] if draft_ids is None else select_rows(target_weights["lm_head"], draft_ids)
-    weights = {"embed": target_weights["embed"], "lm_head": lm_head, "norm": read("model.norm.weight"),
-               "layers": [load_layer(read, "model.layers.0.", spec.qkv_bias, weight_dtype)]}
+    lm_head = target_weights.lm_head if draft_ids is None else select_rows(target_weights.lm_head, draft_ids)
+    # the target's embedding and LM head (its draft vocabulary's rows), the head's own norm and layer
+    weights = replace(target_weights, lm_head=lm_head, norm=read("model.norm.weight"),
+                      layers=(load_layer(read, "model.layers.0.", spec.qkv_bias, weight_dtype),))
     weights = plan_activations(weights, activation_dtype, DecisionLog())  # the target's LM head stays as it is
     fc = for_activations(WeightMatrix.from_float(read("fc.weight"), weight_dtype), activation_dtype)
     return EagleHead(fc, read("fc.bias"), LlamaModel(head_spec, weights), draft_ids)

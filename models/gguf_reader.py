@@ -11,7 +11,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 from tqdm import tqdm
 
 from cluster_configs.errors import CheckpointError
-from memory.weights import WeightMatrix
+from memory.weights import LayerWeights, ModelWeights, WeightMatrix
 from models.checkpoint import lm_head_dtype
 from models.gguf_format import (
     ARCH,
@@ -203,7 +203,7 @@ def take_rows(w: WeightMatrix, rows: np.ndarray) -> WeightMatrix:
     return WeightMatrix(w.dtype, w.data[rows], None if w.scales is None else w.scales[rows])
 
 
-def _weights(path: Path, spec: ModelSpec, tensors: dict, weight_dtype: str) -> dict:
+def _weights(path: Path, spec: ModelSpec, tensors: dict, weight_dtype: str) -> ModelWeights:
     h, q, kv, inter, D = spec.hidden_size, spec.q_size, spec.kv_size, spec.intermediate_size, spec.head_dim
 
     def pop(name, shape):
@@ -212,32 +212,29 @@ def _weights(path: Path, spec: ModelSpec, tensors: dict, weight_dtype: str) -> d
     head_dtype = lm_head_dtype(weight_dtype)
     embed = _served([pop("token_embd.weight", (spec.vocab_size, h))], weight_dtype,
                     head_dtype if spec.tie_word_embeddings else weight_dtype)
-    weights = {
-        "embed": embed,
-        "norm": _vector(pop("output_norm.weight", (h,))),
-        "lm_head": embed if spec.tie_word_embeddings else _served(
-            [pop("output.weight", (spec.vocab_size, h))], weight_dtype, head_dtype),
-        "layers": [],
-    }
+    norm = _vector(pop("output_norm.weight", (h,)))
+    lm_head = embed if spec.tie_word_embeddings else _served(
+        [pop("output.weight", (spec.vocab_size, h))], weight_dtype, head_dtype)
+    layers = []
     qkv_rows = np.concatenate([np.argsort(rope_row_order(spec.num_heads, D)),
                                q + np.argsort(rope_row_order(spec.num_kv_heads, D)), np.arange(q + kv, q + 2 * kv)])
     for i in tqdm(range(spec.num_layers), desc=f"loading {path.name}", disable=not sys.stderr.isatty(), leave=False):
         p = f"blk.{i}."
         qkv = [pop(p + "attn_q.weight", (q, h)), pop(p + "attn_k.weight", (kv, h)), pop(p + "attn_v.weight", (kv, h))]
-        weights["layers"].append({
-            "input_norm": _vector(pop(p + "attn_norm.weight", (h,))),
-            "post_norm": _vector(pop(p + "ffn_norm.weight", (h,))),
-            "qkv": _served(qkv, weight_dtype, weight_dtype, qkv_rows),
-            "o": _served([pop(p + "attn_output.weight", (h, q))], weight_dtype, weight_dtype),
-            "gate_up": _served([pop(p + "ffn_gate.weight", (inter, h)), pop(p + "ffn_up.weight", (inter, h))],
-                               weight_dtype, weight_dtype),
-            "down": _served([pop(p + "ffn_down.weight", (h, inter))], weight_dtype, weight_dtype),
-            "qkv_bias": None,
-        })
+        layers.append(LayerWeights(
+            input_norm=_vector(pop(p + "attn_norm.weight", (h,))),
+            post_norm=_vector(pop(p + "ffn_norm.weight", (h,))),
+            qkv=_served(qkv, weight_dtype, weight_dtype, qkv_rows),
+            o=_served([pop(p + "attn_output.weight", (h, q))], weight_dtype, weight_dtype),
+            gate_up=_served([pop(p + "ffn_gate.weight", (inter, h)), pop(p + "ffn_up.weight", (inter, h))],
+                            weight_dtype, weight_dtype),
+            down=_served([pop(p + "ffn_down.weight", (h, inter))], weight_dtype, weight_dtype),
+            qkv_bias=None,
+        ))
     if tensors:
         raise CheckpointError(f"{path}: tensors {sorted(tensors)[:4]} are not part of a llama model as numaserve "
                               "runs it (no biases, no extra layers); serve the Hugging Face directory instead")
-    return weights
+    return ModelWeights(embed=embed, norm=norm, lm_head=lm_head, layers=tuple(layers))
 
 
 def read_gguf_spec(path: str | Path) -> ModelSpec:
@@ -247,7 +244,7 @@ def read_gguf_spec(path: str | Path) -> ModelSpec:
     return _spec(path, metadata, tensors)
 
 
-def load_gguf(path: str | Path, weight_dtype: str) -> tuple[ModelSpec, dict, Tokenizer | None]:
+def load_gguf(path: str | Path, weight_dtype: str) -> tuple[ModelSpec, ModelWeights, Tokenizer | None]:
     """-> (spec, weights, tokenizer) like the Hugging Face loader. weight_dtype "auto" keeps the file's
     types (F16 and BF16 serve as bfloat16); quantized tensors already in the wanted format keep their bytes."""
     path = Path(path)

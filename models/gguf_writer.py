@@ -9,7 +9,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGML_QUANT_VERSION, GGMLQuantizationType, GGUFWriter, RopeScalingType
 
 from cluster_configs.errors import CheckpointError
-from memory.weights import Bf16Matrix, Int8Matrix, WeightMatrix
+from memory.weights import Bf16Matrix, Int8Matrix, ModelWeights, WeightMatrix
 from models.gguf_format import (
     ARCH,
     FILE_TYPE,
@@ -27,26 +27,26 @@ from models.spec import ModelSpec
 from models.tokenizer import Tokenizer
 
 
-def _tensor_plan(spec: ModelSpec, weights: dict) -> list[tuple[str, WeightMatrix | np.ndarray, np.ndarray | None]]:
+def _tensor_plan(spec: ModelSpec, weights: ModelWeights) -> list[tuple[str, WeightMatrix | np.ndarray, np.ndarray | None]]:
     """(GGUF name, served tensor, rows of it to write or None for all): fused matrices split lazily."""
     q, kv, inter, D = spec.q_size, spec.kv_size, spec.intermediate_size, spec.head_dim
-    plan = [("token_embd.weight", weights["embed"], None), ("output_norm.weight", weights["norm"], None)]
+    plan = [("token_embd.weight", weights.embed, None), ("output_norm.weight", weights.norm, None)]
     if not spec.tie_word_embeddings:
-        plan.append(("output.weight", weights["lm_head"], None))
+        plan.append(("output.weight", weights.lm_head, None))
     if rope_type(spec) == "llama3":
         plan.append(("rope_freqs.weight", rope_freq_factors(spec), None))
     q_rows, k_rows = rope_row_order(spec.num_heads, D), q + rope_row_order(spec.num_kv_heads, D)
-    for i, layer in enumerate(weights["layers"]):
+    for i, layer in enumerate(weights.layers):
         p = f"blk.{i}."
-        plan += [(p + "attn_norm.weight", layer["input_norm"], None),
-                 (p + "attn_q.weight", layer["qkv"], q_rows),
-                 (p + "attn_k.weight", layer["qkv"], k_rows),
-                 (p + "attn_v.weight", layer["qkv"], np.arange(q + kv, q + 2 * kv)),
-                 (p + "attn_output.weight", layer["o"], None),
-                 (p + "ffn_norm.weight", layer["post_norm"], None),
-                 (p + "ffn_gate.weight", layer["gate_up"], np.arange(inter)),
-                 (p + "ffn_up.weight", layer["gate_up"], np.arange(inter, 2 * inter)),
-                 (p + "ffn_down.weight", layer["down"], None)]
+        plan += [(p + "attn_norm.weight", layer.input_norm, None),
+                 (p + "attn_q.weight", layer.qkv, q_rows),
+                 (p + "attn_k.weight", layer.qkv, k_rows),
+                 (p + "attn_v.weight", layer.qkv, np.arange(q + kv, q + 2 * kv)),
+                 (p + "attn_output.weight", layer.o, None),
+                 (p + "ffn_norm.weight", layer.post_norm, None),
+                 (p + "ffn_gate.weight", layer.gate_up, np.arange(inter)),
+                 (p + "ffn_up.weight", layer.gate_up, np.arange(inter, 2 * inter)),
+                 (p + "ffn_down.weight", layer.down, None)]
     return plan
 
 
@@ -75,9 +75,9 @@ def _tensor_data(t: WeightMatrix | np.ndarray, rows) -> np.ndarray:
     return np.concatenate([scales, qs], axis=2).reshape(n, -1)
 
 
-def _add_model_metadata(writer: GGUFWriter, spec: ModelSpec, weights: dict, name: str) -> None:
+def _add_model_metadata(writer: GGUFWriter, spec: ModelSpec, weights: ModelWeights, name: str) -> None:
     writer.add_name(name)
-    writer.add_file_type(FILE_TYPE[weights["layers"][0]["qkv"].dtype])
+    writer.add_file_type(FILE_TYPE[weights.layers[0].qkv.dtype])
     writer.add_quantization_version(GGML_QUANT_VERSION)
     writer.add_vocab_size(spec.vocab_size)
     writer.add_context_length(spec.max_position_embeddings)
@@ -111,7 +111,7 @@ def _add_vocab(writer: GGUFWriter, vocab: GGUFVocab) -> None:
     writer.add_add_eos_token(vocab.add_eos)
 
 
-def export_gguf(spec: ModelSpec, weights: dict, tokenizer: Tokenizer | None, out_path: str | Path,
+def export_gguf(spec: ModelSpec, weights: ModelWeights, tokenizer: Tokenizer | None, out_path: str | Path,
                 name: str = "numaserve export") -> Path:
     """Write a loaded model as a llama GGUF file llama.cpp runs: every tensor in its served format (q8_0 ->
     Q8_0, q4_0 -> Q4_0, bfloat16 -> BF16, float32 -> F32, norms F32), byte for byte. A model without a

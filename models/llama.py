@@ -8,6 +8,7 @@ import numpy as np
 from kernels.attention import paged_attention, write_kv, write_kv_int8
 from kernels.norms import rms_norm, rope_inplace, silu_mul
 from memory.kv_cache import KVCache
+from memory.weights import Matrix, ModelWeights
 from models.batch import ForwardBatch
 from models.linear import embed, linear
 from models.lora_slots import add_lora
@@ -16,7 +17,7 @@ from models.spec import ModelSpec
 
 
 class LlamaModel:
-    def __init__(self, spec: ModelSpec, weights: dict):
+    def __init__(self, spec: ModelSpec, weights: ModelWeights):
         self.spec = spec
         self.weights = weights
         self.inv_freq, self.attention_scaling = rope_inv_freq(spec)
@@ -31,16 +32,11 @@ class LlamaModel:
 
     @property
     def weight_dtype(self) -> str:
-        return self.weights["layers"][0]["qkv"].dtype
+        return self.weights.layers[0].qkv.dtype
 
     @property
     def weight_bytes(self) -> int:
-        w = self.weights
-        total = w["embed"].nbytes + w["norm"].nbytes
-        total += 0 if w["lm_head"] is w["embed"] else w["lm_head"].nbytes  # tied, unless repacked for int8
-        for layer in w["layers"]:
-            total += sum(v.nbytes for v in layer.values() if v is not None)
-        return total
+        return self.weights.nbytes  # a tied LM head once, unless repacked for its activations
 
     def forward(self, batch: ForwardBatch, kv: KVCache) -> np.ndarray:
         """-> logits [len(batch.logits_indices), vocab] float32."""
@@ -54,15 +50,15 @@ class LlamaModel:
         embeddings: [T, hidden] the first layer's input instead of the tokens' embeddings (an EAGLE head)."""
         s, w = self.spec, self.weights
         T, D = batch.num_tokens, s.head_dim
-        h = embed(w["embed"], batch.token_ids) if embeddings is None else embeddings.copy()  # [T, hidden]
+        h = embed(w.embed, batch.token_ids) if embeddings is None else embeddings.copy()  # [T, hidden]
         x = np.empty_like(h)
         attn = np.empty((T, s.num_heads, D), np.float32)
-        for i, layer in enumerate(w["layers"]):
-            rms_norm(h, layer["input_norm"], s.rms_norm_eps, x)
-            qkv = self._project(i, "qkv", x, batch)  # [T, q_size + 2 * kv_size]
+        for i, layer in enumerate(w.layers):
+            rms_norm(h, layer.input_norm, s.rms_norm_eps, x)
+            qkv = self._project(i, "qkv", layer.qkv, x, batch)  # [T, q_size + 2 * kv_size]
             add_lora(qkv, x, batch.lora, i, self.qkv_modules)
-            if layer["qkv_bias"] is not None:
-                qkv += layer["qkv_bias"]
+            if layer.qkv_bias is not None:
+                qkv += layer.qkv_bias
             q = qkv[:, :s.q_size].reshape(T, s.num_heads, D)
             k = qkv[:, s.q_size:s.q_size + s.kv_size].reshape(T, s.num_kv_heads, D)
             v = qkv[:, s.q_size + s.kv_size:].reshape(T, s.num_kv_heads, D)
@@ -76,31 +72,32 @@ class LlamaModel:
                             batch.block_tables, batch.token_seq, batch.positions, s.layer_windows[i],
                             self.softmax_scale, attn, batch.tree_starts, batch.tree_mask)
             attn_flat = attn.reshape(T, s.q_size)
-            o = self._project(i, "o", attn_flat, batch)
+            o = self._project(i, "o", layer.o, attn_flat, batch)
             add_lora(o, attn_flat, batch.lora, i, (("o_proj", slice(None)),))
             h += o
-            rms_norm(h, layer["post_norm"], s.rms_norm_eps, x)
-            gate_up = self._project(i, "gate_up", x, batch)  # [T, 2 * intermediate]
+            rms_norm(h, layer.post_norm, s.rms_norm_eps, x)
+            gate_up = self._project(i, "gate_up", layer.gate_up, x, batch)  # [T, 2 * intermediate]
             add_lora(gate_up, x, batch.lora, i, self.gate_up_modules)
             act = np.empty((T, s.intermediate_size), np.float32)
             silu_mul(gate_up, act)
-            down = self._project(i, "down", act, batch)
+            down = self._project(i, "down", layer.down, act, batch)
             add_lora(down, act, batch.lora, i, (("down_proj", slice(None)),))
             h += down
         h_out = np.ascontiguousarray(h[batch.logits_indices])
-        rms_norm(h_out, w["norm"], s.rms_norm_eps, h_out)
+        rms_norm(h_out, w.norm, s.rms_norm_eps, h_out)
         hidden = None
         if batch.hidden_indices is not None:
             hidden = np.ascontiguousarray(h[batch.hidden_indices])
-            rms_norm(hidden, w["norm"], s.rms_norm_eps, hidden)
-        return self._linear("lm_head", h_out, w["lm_head"]), hidden
+            rms_norm(hidden, w.norm, s.rms_norm_eps, hidden)
+        return self._linear("lm_head", h_out, w.lm_head), hidden
 
-    def _project(self, i: int, key: str, x: np.ndarray, batch: ForwardBatch) -> np.ndarray:
-        """A layer's fused projection; rows on merged copies (batch.merged) run on their adapter's. Timed."""
+    def _project(self, i: int, key: str, w: Matrix, x: np.ndarray, batch: ForwardBatch) -> np.ndarray:
+        """Layer i's fused projection `key` (w, its matrix); rows on merged copies (batch.merged) run on their
+        adapter's. Timed."""
         start = time.perf_counter()
-        w, name = self.weights["layers"][i][key], f"layers.{i}.{key}"
-        runs = [(a, b, m.layers[i][key]) for a, b, m in batch.merged.runs if key in m.layers[i]] \
-            if batch.merged is not None else []
+        name = f"layers.{i}.{key}"
+        runs = [] if batch.merged is None else [
+            (a, b, merged) for a, b, m in batch.merged.runs if (merged := m.layers[i].projection(key)) is not None]
         if not runs:
             out = self._linear(name, x, w)
         else:
@@ -115,7 +112,7 @@ class LlamaModel:
         self.projection_seconds += time.perf_counter() - start
         return out
 
-    def _linear(self, name: str, x: np.ndarray, w) -> np.ndarray:
+    def _linear(self, name: str, x: np.ndarray, w: Matrix) -> np.ndarray:
         # name: "layers.{i}.qkv" | ".o" | ".gate_up" | ".down" | "lm_head", the keys of activation plans
         if self.observer is not None:
             self.observer(name, x)

@@ -2,12 +2,13 @@
 
 from pathlib import Path
 
+from memory.weights import ModelWeights
 from models.checkpoint import load_weights
 from models.spec import ModelSpec, load_spec
 from models.tokenizer import Tokenizer
 
 
-def load_model(path: str | Path, weight_dtype: str) -> tuple[ModelSpec, dict, Tokenizer | None]:
+def load_model(path: str | Path, weight_dtype: str) -> tuple[ModelSpec, ModelWeights, Tokenizer | None]:
     """weight_dtype: a served dtype, or "auto" (bfloat16 for float checkpoints; a GGUF keeps its own)."""
     path = Path(path)
     if path.suffix == ".gguf":

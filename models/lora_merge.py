@@ -8,11 +8,12 @@ quantization). MergedCache keeps an engine's merged copies, least recently used 
 
 import time
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
 
-from memory.weights import Bf16Matrix, Int8Matrix, WeightMatrix
+from memory.weights import PROJECTIONS, Bf16Matrix, Int8Matrix, LayerWeights, Matrix, WeightMatrix
 from models.linear import dequantize
 from models.lora import LoraAdapter
 from models.lora_config import module_shapes
@@ -23,9 +24,26 @@ FUSED = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate_up": ("g
 
 
 @dataclass(frozen=True)
+class MergedLayer:
+    """One layer's merged copies of the fused projections an adapter adapts; None where the base's serves."""
+    qkv: Matrix | None = None  # [q_size + 2 * kv_size, hidden]
+    o: Matrix | None = None  # [hidden, q_size]
+    gate_up: Matrix | None = None  # [2 * intermediate, hidden]
+    down: Matrix | None = None  # [hidden, intermediate]
+
+    def projection(self, name: str) -> Matrix | None:
+        """The merged copy of a projection named in PROJECTIONS, None if the adapter leaves it alone."""
+        return getattr(self, name)
+
+    def adapted(self) -> dict[str, Matrix]:
+        """name -> merged copy of each projection the adapter adapts."""
+        return {name: w for name in PROJECTIONS if (w := self.projection(name)) is not None}
+
+
+@dataclass(frozen=True)
 class MergedWeights:
     name: str  # the adapter's
-    layers: tuple[dict[str, WeightMatrix | Int8Matrix], ...]  # per layer: adapted fused weight -> merged matrix
+    layers: tuple[MergedLayer, ...]  # [num_layers]
     nbytes: int
     seconds: float  # what building it took
 
@@ -34,30 +52,33 @@ class MergedWeights:
         worker's copy is then NUMA-local, first touched by its pinned thread)."""
         def copy(w):
             return replace(w, data=np.array(w.data), scales=None if w.scales is None else np.array(w.scales))
-        return replace(self, layers=tuple({k: copy(w) for k, w in layer.items()} for layer in self.layers))
+        return replace(self, layers=tuple(replace(layer, **{k: copy(w) for k, w in layer.adapted().items()})
+                                          for layer in self.layers))
 
 
-def merge_adapter(base_layers: list[dict], adapter: LoraAdapter, spec: ModelSpec) -> MergedWeights:
+def merge_adapter(base_layers: Sequence[LayerWeights], adapter: LoraAdapter, spec: ModelSpec) -> MergedWeights:
     """The adapter merged into a copy of every fused projection it adapts (the others stay the base's)."""
     start = time.perf_counter()
     shapes = module_shapes(spec)  # module -> (out, in)
     layers, nbytes = [], 0
     for base, lora in zip(base_layers, adapter.layers):
-        merged = {}
+        merged = MergedLayer()
         for key, modules in FUSED.items():
             if not any(m in lora for m in modules):
                 continue  # the base weight serves
             delta = np.concatenate([lora[m].delta() if m in lora else np.zeros(shapes[m], np.float32)
                                     for m in modules])
-            merged[key] = _reencoded(base[key], dequantize(base[key]) + delta)
-            nbytes += merged[key].nbytes
+            w = base.projection(key)
+            copy = _reencoded(w, dequantize(w) + delta)
+            merged = replace(merged, **{key: copy})
+            nbytes += copy.nbytes
         layers.append(merged)
     return MergedWeights(adapter.name, tuple(layers), nbytes, time.perf_counter() - start)
 
 
-def merged_nbytes(base_layers: list[dict], adapter: LoraAdapter) -> int:
+def merged_nbytes(base_layers: Sequence[LayerWeights], adapter: LoraAdapter) -> int:
     """What merge_adapter's copy of these layers would hold, in bytes."""
-    return sum(base[key].nbytes for base, lora in zip(base_layers, adapter.layers)
+    return sum(base.projection(key).nbytes for base, lora in zip(base_layers, adapter.layers)
                for key, modules in FUSED.items() if any(m in lora for m in modules))
 
 

@@ -67,7 +67,7 @@ class Engine:
                                      max_loaded=config.max_loras if fetch_adapter else None)
         slots = LoraSlots(s, config.max_loras, config.max_lora_rank, slot_dtype(self.model.weight_dtype, s))
         self.runner = ModelRunner(self.model, self.kv_cache, bs, self.adapters, LoraPlanner(
-            slots, self.model.weights["layers"], s, config.lora_merge, config.lora_merged_bytes,
+            slots, self.model.weights.layers, s, config.lora_merge, config.lora_merged_bytes,
             self.model.weight_bytes, shared_merged, self.decisions))
         self.speculation = make_speculation(config, s, self.tokenizer, model_path, self.model,
                                             kv_cache_tokens=num_blocks * bs, decisions=self.decisions)

@@ -9,6 +9,7 @@ from typing import Protocol
 import numpy as np
 
 from cluster_configs.diagnostics import DecisionLog
+from memory.weights import LayerWeights
 from models.lora import LoraAdapter
 from models.lora_merge import MergedCache, MergedRows, MergedWeights, merge_adapter, merged_nbytes
 from models.lora_slots import LoraRows, LoraSlots
@@ -26,7 +27,7 @@ class SharedMerged(Protocol):
 
 
 class LoraPlanner:
-    def __init__(self, slots: LoraSlots, base_layers: list[dict], spec: ModelSpec, mode: str, merged_bytes: int,
+    def __init__(self, slots: LoraSlots, base_layers: tuple[LayerWeights, ...], spec: ModelSpec, mode: str, merged_bytes: int,
                  weight_bytes: int, shared: SharedMerged | None = None, decisions: DecisionLog | None = None):
         self.slots = slots
         self.decisions = decisions or DecisionLog()

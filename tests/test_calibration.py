@@ -153,7 +153,7 @@ def test_recorded_errors_equal_a_direct_measurement(model_dir, calibration):
     runner.run(token_windows(stream, 256, 32), lambda name, x: inputs.append(x.copy()) if name == "layers.1.down"
                else None)
     x = np.concatenate(inputs)
-    w = weights["layers"][1]["down"]
+    w = weights.layers[1].down
     m = calibration.matrices["layers.1.down"]
     ref = linear(x, w).astype(np.float64)
     for packed, recorded in ((Int8Matrix.pack(w), m.error_dynamic), (Int8Matrix.pack(w, m.scale), m.error_static)):
@@ -191,18 +191,17 @@ def test_matrices_over_the_bound_fall_back_to_float32_with_the_reason(model_dir)
     plan = {d["subject"]: d for d in log.recent("activation_dtype")}
     assert [name for name, d in plan.items() if d["choice"] == "float32"] == over
     assert all("exceeds the bound 0.001" in plan[name]["reason"] for name in over)
-    packed = [name for name, (holder, key) in zip(matrix_names(NUM_LAYERS), _holders(planned))
-              if isinstance(holder[key], Int8Matrix)]
+    packed = [name for name, w in zip(matrix_names(NUM_LAYERS), _matrices(planned)) if isinstance(w, Int8Matrix)]
     assert packed == ["layers.0.qkv"]
     [used] = log.recent("calibration")
     assert used["choice"] == "used" and f"float32 activations for {len(over)} matrices" in used["reason"]
 
 
-def _holders(weights):
-    for layer in weights["layers"]:
+def _matrices(weights):
+    for layer in weights.layers:
         for key in ("qkv", "o", "gate_up", "down"):
-            yield layer, key
-    yield weights, "lm_head"
+            yield layer.projection(key)
+    yield weights.lm_head
 
 
 def test_static_scales_come_from_the_file_and_fall_back_by_static_error(model_dir, calibration):
@@ -211,14 +210,14 @@ def test_static_scales_come_from_the_file_and_fall_back_by_static_error(model_di
     cal = calibration.model_copy(update={"bound": bound})
     _, weights, _ = load_model(model_dir, "q8_0")
     planned = plan_activations(weights, "int8", DecisionLog(), cal, static_scales=True)
-    for name, (holder, key) in zip(matrix_names(NUM_LAYERS), _holders(planned)):
+    for name, w in zip(matrix_names(NUM_LAYERS), _matrices(planned)):
         m = cal.matrices[name]
         if m.error_static > bound:
-            assert not isinstance(holder[key], Int8Matrix)
+            assert not isinstance(w, Int8Matrix)
         else:
-            assert holder[key].activation_scale == m.scale
+            assert w.activation_scale == m.scale
     dynamic = plan_activations(weights, "int8", DecisionLog(), cal)  # the default: dynamic, file's fallbacks
-    assert all(holder[key].activation_scale == 0.0 for holder, key in _holders(dynamic))
+    assert all(w.activation_scale == 0.0 for w in _matrices(dynamic))
 
 
 # ---- the engine and the file --------------------------------------------------------------------------

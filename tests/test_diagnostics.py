@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 import numaserve as ns
 from cluster_configs.diagnostics import DecisionLog
-from models.calibration import LAYER_MATRICES
+from memory.weights import PROJECTIONS
 from tests.conftest import random_prompt
 from tests.test_lora import make_adapter
 
@@ -71,7 +71,7 @@ def test_kernel_and_dtypes_per_layer_type_follow_the_weight_format(llama_dir):
     llm = ns.LLM(llama_dir, **FP32)
     n = llm.engine.spec.num_layers
     assert kernels(llm) == {key: ("matmul: float32 weights x float32 activations", f"{n} of {n} layers")
-                            for key in LAYER_MATRICES} | {
+                            for key in PROJECTIONS} | {
         "lm_head": ("matmul: float32 weights x float32 activations", "the LM head")}
 
 
@@ -83,7 +83,7 @@ def test_int8_activations_run_the_int8_kernel_on_q8_0_weights(llama_dir, monkeyp
     llm = ns.LLM(llama_dir, weight_dtype="q8_0", activation_dtype="int8")
     n = llm.engine.spec.num_layers
     kernel = "matmul_int8" if missing_features(("avx512vnni", "avx512vl")) else "matmul_vnni"
-    expected = {key: (f"{kernel}: q8_0 weights x int8 activations", f"{n} of {n} layers") for key in LAYER_MATRICES}
+    expected = {key: (f"{kernel}: q8_0 weights x int8 activations", f"{n} of {n} layers") for key in PROJECTIONS}
     assert {k: v for k, v in kernels(llm).items() if k != "lm_head"} == expected
 
 
@@ -105,7 +105,7 @@ def test_hiding_avx2_records_the_float32_fallback_and_its_kernels(llama_dir, mon
     assert "this CPU lacks avx2" in caplog.text  # an explicit request that falls back also warns
     n = llm.engine.spec.num_layers
     assert {k: v for k, v in kernels(llm).items() if k != "lm_head"} == {
-        key: ("matmul: q8_0 weights x float32 activations", f"{n} of {n} layers") for key in LAYER_MATRICES}
+        key: ("matmul: q8_0 weights x float32 activations", f"{n} of {n} layers") for key in PROJECTIONS}
 
 
 # ---- adapters, preemption, speculation ----------------------------------------------------------

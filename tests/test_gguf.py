@@ -228,11 +228,11 @@ def test_exported_blocks_decode_with_ggml_reference_to_the_served_values(dtype, 
     # gguf.quants.dequantize is GGML's reference decoder: it must read our bytes as the values we serve
     spec, weights, _ = load_model(model_dirs["llama"], dtype)
     tensors = {t.name: t for t in gguf.GGUFReader(exported["llama", dtype]).tensors}
-    qkv = dequantize(weights["layers"][1]["qkv"])  # [q + 2 kv, hidden]: q rows in Hugging Face order
+    qkv = dequantize(weights.layers[1].qkv)  # [q + 2 kv, hidden]: q rows in Hugging Face order
     q_gguf = gguf.quants.dequantize(tensors["blk.1.attn_q.weight"].data, tensors["blk.1.attn_q.weight"].tensor_type)
     assert np.array_equal(q_gguf, permute(qkv[:spec.q_size], spec.num_heads, spec.num_heads))
     down = tensors["blk.0.ffn_down.weight"]
-    assert np.array_equal(gguf.quants.dequantize(down.data, down.tensor_type), dequantize(weights["layers"][0]["down"]))
+    assert np.array_equal(gguf.quants.dequantize(down.data, down.tensor_type), dequantize(weights.layers[0].down))
 
 
 def test_tied_export_has_no_output_tensor(exported):

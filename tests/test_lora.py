@@ -1,5 +1,6 @@
 """LoRA adapters in PEFT format: exact against peft, mixed in one batch, bad adapters refused."""
 
+import dataclasses
 import hashlib
 import json
 import shutil
@@ -218,16 +219,14 @@ def weights_checksum(weights) -> str:
     digest = hashlib.sha256()
 
     def walk(w):
-        if isinstance(w, dict):
-            for key in sorted(w):
-                walk(w[key])
+        if dataclasses.is_dataclass(w):  # ModelWeights, LayerWeights, a matrix: its arrays in field order
+            for f in dataclasses.fields(w):
+                walk(getattr(w, f.name))
         elif isinstance(w, list | tuple):
             for v in w:
                 walk(v)
         elif isinstance(w, np.ndarray):
             digest.update(w.tobytes())
-        elif w is not None:
-            walk([w.data, w.scales])
     walk(weights)
     return digest.hexdigest()
 

@@ -4,6 +4,7 @@ from pathlib import Path
 
 from cluster_configs.diagnostics import DecisionLog
 from cluster_configs.speculation_config import SpeculationConfig
+from memory.weights import ModelWeights
 from models.eagle import CONFIG_FILE as EAGLE_CONFIG
 from models.medusa import CONFIG_FILE as MEDUSA_CONFIG
 from models.proposers.base import Proposer, SpecRequest
@@ -19,7 +20,7 @@ def make_proposer(config: SpeculationConfig, target_spec: ModelSpec, target_toke
                   kv_cache_tokens: int, block_size: int, weight_dtype: str = "auto", kv_dtype: str = "float32",
                   activation_dtype: str = "auto", decisions: DecisionLog | None = None,
                   sampler: DraftSampler = argmax_sampler, model_dir: str | None = None,
-                  target_weights: dict | None = None, target_weight_dtype: str = "float32") -> Proposer | None:
+                  target_weights: ModelWeights | None = None, target_weight_dtype: str = "float32") -> Proposer | None:
     """The proposer of config.method (None when off). A draft model gets a KV pool of kv_cache_tokens
     tokens in blocks of block_size; pass the engine's weight, KV and activation dtypes so that a draft
     model equal to the target drafts exactly the target's greedy tokens; sampler: how a draft model picks

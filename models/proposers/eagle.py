@@ -30,6 +30,7 @@ import numpy as np
 
 from memory.block_pool import BlockPool
 from memory.kv_cache import KVCache
+from memory.weights import ModelWeights
 from models.batch import ForwardBatch
 from models.eagle import EagleHead, eagle_spec, load_eagle_head
 from models.proposers.base import Proposer, SpecRequest
@@ -90,7 +91,7 @@ class EagleProposer(Proposer):
     needs_hidden = True
     catches_up = True  # a request that stopped drafting runs its missed positions through the head's layer
 
-    def __init__(self, model_dir: str | Path, spec: ModelSpec, target_weights: dict, weight_dtype: str, *,
+    def __init__(self, model_dir: str | Path, spec: ModelSpec, target_weights: ModelWeights, weight_dtype: str, *,
                  kv_cache_tokens: int, block_size: int = 16, kv_dtype: str = "float32", max_depth: int = 4,
                  fixed_width: int | None = None, activation_dtype: str = "float32"):
         super().__init__()
