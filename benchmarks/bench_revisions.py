@@ -98,7 +98,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--old", required=True, type=Path, help="the other revision's tree (a git worktree)")
     parser.add_argument("--rows", default=DEFAULT_ROWS, help="model:weight_dtype:batch, comma-separated")
-    parser.add_argument("--activation-dtype", default="float32")
+    parser.add_argument("--activation-dtype", default="auto", help="as EngineConfig.activation_dtype")
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     parser.add_argument("--samples", type=int, default=7, help="timed samples per engine and row")
     parser.add_argument("--steps", type=int, default=32, help="decode steps per sample")
