@@ -32,10 +32,11 @@ class AdapterRegistry:
         if not self.path.exists():
             return {}
         try:
-            return {name: AdapterSource.from_json(v) for name, v in dict(json.loads(self.path.read_text())).items()}
+            return {name: AdapterSource.from_json(v)
+                    for name, v in dict(json.loads(self.path.read_text())).items()}
         except (ValueError, TypeError) as e:
-            raise AdapterError(f"{self.path}: the adapter registry is not a JSON object of adapter sources ({e}); "
-                               "fix or delete the file") from None
+            raise AdapterError(f"{self.path}: the adapter registry is not a JSON object of adapter sources "
+                               f"({e}); fix or delete the file") from None
 
     def write(self, sources: dict[str, AdapterSource]) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -60,7 +61,8 @@ class AdapterCache:
         self.num_merged_hits = self.num_merged_misses = 0
 
     def register(self, name: str, directory: str) -> str:
-        """Validate and serve a PEFT adapter directory; -> its resolved path. AdapterError if it does not fit."""
+        """Validate and serve a PEFT adapter directory; -> its resolved path. AdapterError if it does not
+        fit."""
         path = self.store.register(name, directory)
         self._save()
         return path
@@ -109,7 +111,8 @@ class AdapterCache:
         return {name: str(source) for name, source in self.store.sources.items()}
 
     def stats(self) -> dict:
-        return self.store.stats() | {"merged_hits": self.num_merged_hits, "merged_misses": self.num_merged_misses,
+        return self.store.stats() | {"merged_hits": self.num_merged_hits,
+                                     "merged_misses": self.num_merged_misses,
                                      "merged_held": list(self._merged),
                                      "merged_bytes": sum(b for _, b in self._merged.values())}
 

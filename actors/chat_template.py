@@ -1,9 +1,9 @@
 """A model's chat template, rendered the way Hugging Face's apply_chat_template renders it.
 
-The template comes from the model: chat_template.jinja beside tokenizer_config.json (transformers >= 4.43 saves
-it there), else tokenizer_config.json's "chat_template" (a string, or a list of named templates: "default"),
-or a GGUF file's tokenizer.chat_template. It runs in jinja2's immutable sandbox with transformers' settings
-(trim_blocks, lstrip_blocks, loop controls, a tojson that does not escape HTML, raise_exception,
+The template comes from the model: chat_template.jinja beside tokenizer_config.json (transformers >= 4.43
+saves it there), else tokenizer_config.json's "chat_template" (a string, or a list of named templates:
+"default"), or a GGUF file's tokenizer.chat_template. It runs in jinja2's immutable sandbox with transformers'
+settings (trim_blocks, lstrip_blocks, loop controls, a tojson that does not escape HTML, raise_exception,
 strftime_now) and sees the messages, add_generation_prompt and the tokenizer's special tokens.
 """
 
@@ -30,12 +30,14 @@ class ChatTemplate:
         """The prompt text of a conversation; InvalidRequest when the template refuses it."""
         try:
             return _compile(self.source).render(messages=messages, tools=None, documents=None,
-                                                add_generation_prompt=add_generation_prompt, **self.special_tokens)
+                                                add_generation_prompt=add_generation_prompt,
+                                                **self.special_tokens)
         except jinja2.TemplateError as e:  # raise_exception(...) in the template, a syntax or sandbox error
             raise InvalidRequest(f"the model's chat template refused the messages: {e}; send messages the "
                                  "template accepts (roles, order)") from None
         except (TypeError, ValueError, KeyError, AttributeError) as e:
-            raise InvalidRequest(f"the model's chat template failed on the messages ({type(e).__name__}: {e}); "
+            raise InvalidRequest("the model's chat template failed on the messages "
+                                 f"({type(e).__name__}: {e}); "
                                  "send plain string contents and the usual roles") from None
 
 
@@ -48,11 +50,13 @@ def load_chat_template(model: str | Path) -> ChatTemplate | None:
     jinja_file = path / "chat_template.jinja"
     source = jinja_file.read_text() if jinja_file.is_file() else config.get("chat_template")
     if isinstance(source, list):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
-        source = next((t.get("template") for t in source if isinstance(t, dict) and t.get("name") == "default"), None)
+        source = next((t.get("template") for t in source
+                       if isinstance(t, dict) and t.get("name") == "default"), None)
     if not isinstance(source, str) or not source:
         return None
     specials = _read_json(path / "special_tokens_map.json") | config
-    return ChatTemplate(source, {k: _token_text(specials[k]) for k in SPECIAL_TOKENS if specials.get(k) is not None})
+    return ChatTemplate(source, {k: _token_text(specials[k])
+                                 for k in SPECIAL_TOKENS if specials.get(k) is not None})
 
 
 def _read_json(path: Path) -> dict:
@@ -64,7 +68,8 @@ def _read_json(path: Path) -> dict:
 
 
 def _token_text(token) -> str:
-    return token.get("content", "") if isinstance(token, dict) else str(token)  # AddedToken dicts carry content
+    # AddedToken dicts carry content
+    return token.get("content", "") if isinstance(token, dict) else str(token)
 
 
 def _from_gguf(path: Path) -> ChatTemplate | None:

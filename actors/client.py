@@ -12,8 +12,8 @@ from scheduling.outputs import Completion, RequestOutput
 
 
 def _get(ref, actor: str = "router"):
-    """ray.get, raising numaserve's own errors (InvalidRequest, Overloaded, ...) as themselves, and the death of
-    the actor called (router, adapter cache) as Unavailable."""
+    """ray.get, raising numaserve's own errors (InvalidRequest, Overloaded, ...) as themselves, and the death
+    of the actor called (router, adapter cache) as Unavailable."""
     try:
         return ray.get(ref)
     except RayTaskError as e:
@@ -25,8 +25,8 @@ def _get(ref, actor: str = "router"):
 
 
 def _unavailable(actor: str) -> Unavailable:
-    return Unavailable(f"the deployment's {actor} went down mid-call (Ray restarts it; a stream it carried is "
-                       "lost): retry in a few seconds")
+    return Unavailable(f"the deployment's {actor} went down mid-call (Ray restarts it; a stream it carried "
+                       "is lost): retry in a few seconds")
 
 
 def cancel_stream(stream) -> None:
@@ -42,7 +42,8 @@ class Client:
         self.name = name
         self.router = router
         self.adapter_cache = adapter_cache
-        self.http_url = http_url  # the OpenAI-compatible API (e.g. "http://127.0.0.1:8000"), if the deployment has one
+        # the OpenAI-compatible API (e.g. "http://127.0.0.1:8000"), if the deployment has one
+        self.http_url = http_url
 
     def stream(self, prompt, params: SamplingParams | None = None, adapter: str | None = None,
                session: str | None = None, cache_salt: str | None = None) -> Iterator[RequestOutput]:
@@ -81,22 +82,26 @@ class Client:
                 cancel_stream(stream)
 
     def register_adapter(self, name: str, path: str | Path) -> str:
-        """Register a PEFT adapter directory under name (kept across restarts); AdapterError if it is invalid."""
+        """Register a PEFT adapter directory under name (kept across restarts); AdapterError if it is
+        invalid."""
         return _get(self.adapter_cache.register.remote(name, str(path)), "adapter cache")
 
     def compose_adapter(self, name: str, weights: dict[str, float], combination: str = "svd") -> None:
         """Register `name` as the weighted combination of registered adapters, as PEFT's add_weighted_adapter
-        builds it: combination "cat", "linear" or "svd" (kept across restarts); AdapterError if it cannot be."""
+        builds it: combination "cat", "linear" or "svd" (kept across restarts); AdapterError if it cannot
+        be."""
         _get(self.adapter_cache.compose.remote(name, weights, combination), "adapter cache")
 
     def stats(self) -> dict:
-        """The router's figures, each worker's, the policies, and the adapter cache's (under "adapter_cache")."""
-        return _get(self.router.stats.remote()) | {"adapter_cache": _get(self.adapter_cache.stats.remote(), "adapter cache")}
+        """The router's figures, each worker's, the policies, and the adapter cache's (under
+        "adapter_cache")."""
+        return _get(self.router.stats.remote()) | {"adapter_cache": _get(self.adapter_cache.stats.remote(),
+                                                                         "adapter cache")}
 
     def pause_generation(self, worker_ids: list[str] | None = None) -> list[str]:
-        """Stop the workers (all, or worker_ids) taking steps: requests in flight stay where they are, new ones
-        are admitted and wait, aborts and stats go on (vLLM's pause in "keep" mode). Returns the workers paused
-        (a worker restarting now comes back unpaused)."""
+        """Stop the workers (all, or worker_ids) taking steps: requests in flight stay where they are, new
+        ones are admitted and wait, aborts and stats go on (vLLM's pause in "keep" mode). Returns the workers
+        paused (a worker restarting now comes back unpaused)."""
         return _get(self.router.pause.remote(True, worker_ids))
 
     def resume_generation(self, worker_ids: list[str] | None = None) -> list[str]:

@@ -30,7 +30,8 @@ from models.spec import load_spec
 from scheduling.policy import PolicyLimits
 
 NAMESPACE = "numaserve"
-HEAD = {"node:__internal_head__": 0.001}  # control actors live on the head node, which outlives worker machines
+# control actors live on the head node, which outlives worker machines
+HEAD = {"node:__internal_head__": 0.001}
 READY_TIMEOUT_S = 600.0
 RELEASE_WAIT_S = 5.0
 LOOPBACK = "127.0.0.1"
@@ -51,8 +52,8 @@ def serve(config: ClusterConfig | str | Path | None = None, model: str | Path | 
     config = with_http(load_config(config, model), port=http_port, host=http_host)
     init_ray(config)
     if deployment_actor_names(name):
-        raise DeploymentError(f"a deployment named {name!r} is already running; use numaserve.connect({name!r}) "
-                              "or shut it down first")
+        raise DeploymentError(f"a deployment named {name!r} is already running; use "
+                              f"numaserve.connect({name!r}) or shut it down first")
     placements = config.placements()
     check_resources(config, placements)
     try:
@@ -105,10 +106,11 @@ def with_http(config: ClusterConfig, port: int | None = None, host: str | None =
     if not update:
         return config
     if config.http is None and port is None:
-        raise DeploymentError(f"{', '.join(update)} given without an HTTP port; pass the port too (http_port=..., "
-                              "--http-port) or set `http: {port: ...}` in the config")
+        raise DeploymentError(f"{', '.join(update)} given without an HTTP port; pass the port too "
+                              "(http_port=..., --http-port) or set `http: {port: ...}` in the config")
     http = (config.http or HttpConfig()).model_dump() | update
-    return ClusterConfig.model_validate(config.model_dump() | {"http": http})  # a bad value: names http.<field>
+    # a bad value: names http.<field>
+    return ClusterConfig.model_validate(config.model_dump() | {"http": http})
 
 
 def load_config(config: ClusterConfig | str | Path | None, model: str | Path | None = None) -> ClusterConfig:
@@ -118,7 +120,8 @@ def load_config(config: ClusterConfig | str | Path | None, model: str | Path | N
     elif isinstance(config, (str, Path)):
         config = ClusterConfig.from_yaml(config)
     elif not isinstance(config, ClusterConfig):
-        raise DeploymentError(f"config must be a ClusterConfig, a YAML path or None, got {type(config).__name__}")
+        raise DeploymentError("config must be a ClusterConfig, a YAML path or None, got "
+                              f"{type(config).__name__}")
     if model is not None:
         config = config.model_copy(update={"model": str(Path(model).expanduser().resolve())})
     if config.model is None:
@@ -149,8 +152,8 @@ def init_ray(config: ClusterConfig, persistent: bool = False) -> None:
     except ConnectionError:
         pass
     if len(config.machines) != 1:
-        raise DeploymentError(f"no Ray cluster is running and the config spans {len(config.machines)} machines; "
-                              "start Ray on each with its resources: " + _start_hints(config))
+        raise DeploymentError(f"no Ray cluster is running and the config spans {len(config.machines)} "
+                              "machines; start Ray on each with its resources: " + _start_hints(config))
     resources = config.ray_resources(config.machines[0].name)
     if persistent:
         ray_cli = Path(sys.executable).with_name("ray")
@@ -196,8 +199,8 @@ def _start(config: ClusterConfig, placements: list[WorkerPlacement], name: str) 
     detached = {"namespace": NAMESPACE, "lifetime": "detached", "max_restarts": -1}
     registry = config.adapter_registry or str(Path.home() / ".cache" / "numaserve" / f"adapters-{name}.json")
     adapter_cache = AdapterCache.options(name=f"{name}.adapters", resources=HEAD, **detached).remote(
-        registry, config.model, config.engine.max_lora_rank, config.engine.adapter_roots, config.adapter_cache_bytes,
-        config.engine.lora_merged_bytes)
+        registry, config.model, config.engine.max_lora_rank, config.engine.adapter_roots,
+        config.adapter_cache_bytes, config.engine.lora_merged_bytes)
     limits = PolicyLimits(config.engine.max_num_batched_tokens, config.engine.max_num_seqs,
                           config.max_queued_per_worker, config.target_step_ms / 1000)
     scheduler = Scheduler.options(name=f"{name}.scheduler", resources=HEAD, **detached).remote(limits)
@@ -227,7 +230,8 @@ def _start(config: ClusterConfig, placements: list[WorkerPlacement], name: str) 
 
 def _http_url(name: str) -> str | None:
     try:
-        return ray.get(ray.get_actor(f"{name}.http", namespace=NAMESPACE).ready.remote(), timeout=READY_TIMEOUT_S)
+        return ray.get(ray.get_actor(f"{name}.http", namespace=NAMESPACE).ready.remote(),
+                       timeout=READY_TIMEOUT_S)
     except ValueError:
         return None  # no HTTP server in this deployment
 

@@ -1,4 +1,5 @@
-"""HttpServer: the deployment's OpenAI-compatible HTTP API, a FastAPI app served by uvicorn inside a Ray actor.
+"""HttpServer: the deployment's OpenAI-compatible HTTP API, a FastAPI app served by uvicorn inside a Ray
+actor.
 
 uvicorn runs as a task on the actor's own event loop (Ray Serve's proxy does the same), so requests to the
 router are awaited there: a stream's chunks arrive through the router's streaming generator with `await`,
@@ -49,7 +50,8 @@ def served_model_name(config: ClusterConfig) -> str:
 
 def fingerprint(config: ClusterConfig) -> str:
     """system_fingerprint: changes when the model or the engine config does."""
-    return "fp_" + hashlib.sha256(f"{config.model}|{config.engine.model_dump_json()}".encode()).hexdigest()[:12]
+    return "fp_" + hashlib.sha256(
+        f"{config.model}|{config.engine.model_dump_json()}".encode()).hexdigest()[:12]
 
 
 # ---- the deployment as OpenAIServing sees it ------------------------------------------------------------
@@ -203,8 +205,8 @@ class _Server(uvicorn.Server):
 
 
 def _actor_loop() -> asyncio.AbstractEventLoop:
-    """The event loop of this async actor, which runs its methods (Ray runs __init__ on it too; older Ray ran it
-    in that loop's thread before the loop started)."""
+    """The event loop of this async actor, which runs its methods (Ray runs __init__ on it too; older Ray ran
+    it in that loop's thread before the loop started)."""
     try:
         return asyncio.get_running_loop()
     except RuntimeError:
@@ -217,13 +219,15 @@ class HttpServer:
                  adapter_cache):
         # small arguments only: Ray restarts the actor from them
         serving = OpenAIServing(RayDeployment(router, adapter_cache), model_name, model_path,
-                                load_chat_template(model_path), config.enable_lora_loading, system_fingerprint,
-                                config)
+                                load_chat_template(model_path), config.enable_lora_loading,
+                                system_fingerprint, config)
         family = socket.AF_INET6 if ":" in config.host else socket.AF_INET
-        sock = socket.create_server((config.host, config.port), family=family)  # OSError: the actor fails to start
+        # OSError: the actor fails to start
+        sock = socket.create_server((config.host, config.port), family=family)
         self.url = f"http://{f'[{config.host}]' if ':' in config.host else config.host}:{config.port}"
         self.server = _Server(uvicorn.Config(build_app(serving), lifespan="off", log_config=None,
-                                             log_level="warning", access_log=False, timeout_graceful_shutdown=1))
+                                             log_level="warning", access_log=False,
+                                             timeout_graceful_shutdown=1))
         self.serving = _actor_loop().create_task(self.server.serve(sockets=[sock]))
 
     async def ready(self) -> str:

@@ -32,10 +32,10 @@ REASON = "finished_reason"
 FINISH_REASONS = ("stop", "length", "abort")
 RAY_GAUGE_INTERVAL_S = 0.1  # Ray exports every few seconds: fresher gauges buy nothing
 
-_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
-                    5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
-_REQUEST_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
-                    120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
+                    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_REQUEST_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
+                    50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 
 
 @dataclass(frozen=True)
@@ -61,17 +61,17 @@ COUNTERS = (
     Metric("prompt_tokens", "counter", "Prompt tokens of requests that reached their first token"),
     Metric("generation_tokens", "counter", "Tokens generated"),
 )
-REQUEST_SUCCESS = Metric("request_success", "counter", "Finished requests by finish reason (abort: cancelled or "
-                                                       "its client went away)")
+REQUEST_SUCCESS = Metric("request_success", "counter", "Finished requests by finish reason (abort: cancelled "
+                                                       "or its client went away)")
 HISTOGRAMS = (
     Metric("time_to_first_token_seconds", "histogram", "From submission to the worker to the first token",
            _LATENCY_BUCKETS),
-    Metric("inter_token_latency_seconds", "histogram", "Between a request's successive engine steps with tokens",
-           _LATENCY_BUCKETS),
+    Metric("inter_token_latency_seconds", "histogram",
+           "Between a request's successive engine steps with tokens", _LATENCY_BUCKETS),
     Metric("e2e_request_latency_seconds", "histogram", "From submission to the worker to the finish",
            _REQUEST_BUCKETS),
-    Metric("request_queue_time_seconds", "histogram", "From submission to the worker to its first scheduled step",
-           _REQUEST_BUCKETS),
+    Metric("request_queue_time_seconds", "histogram",
+           "From submission to the worker to its first scheduled step", _REQUEST_BUCKETS),
 )
 ALL = (*GAUGES, *ENGINE_COUNTERS, *COUNTERS, REQUEST_SUCCESS, *HISTOGRAMS)
 
@@ -120,7 +120,8 @@ class WorkerMetrics:
         if now - self._ray_gauges_at >= RAY_GAUGE_INTERVAL_S:
             self._ray_gauges_at = now
             self._record_gauges({"num_requests_running": stats.num_running,
-                                 "num_requests_waiting": stats.num_waiting, "kv_cache_usage_perc": stats.kv_usage})
+                                 "num_requests_waiting": stats.num_waiting,
+                                 "kv_cache_usage_perc": stats.kv_usage})
 
     def outputs(self, outputs: list[RequestOutput]) -> None:
         """The RequestOutputs of a step, an abort or passed deadlines."""
@@ -208,7 +209,8 @@ def _ray_metrics() -> dict:
                 keys = (*LABELS, REASON) if m is REQUEST_SUCCESS else LABELS
                 _ray_cache[m.name] = ray_metrics.Counter(name, m.help, tag_keys=keys)
             else:
-                _ray_cache[m.name] = ray_metrics.Histogram(name, m.help, boundaries=list(m.buckets), tag_keys=LABELS)
+                _ray_cache[m.name] = ray_metrics.Histogram(name, m.help, boundaries=list(m.buckets),
+                                                           tag_keys=LABELS)
     return _ray_cache
 
 

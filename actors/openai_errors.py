@@ -1,5 +1,5 @@
-"""Errors as OpenAI answers them: {"error": {"message", "type", "param", "code"}} with the HTTP status a client
-expects. Every failure a request can cause maps here; the server goes on serving."""
+"""Errors as OpenAI answers them: {"error": {"message", "type", "param", "code"}} with the HTTP status a
+client expects. Every failure a request can cause maps here; the server goes on serving."""
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -14,8 +14,8 @@ RETRY_AFTER_S = 1  # what a refused client is told to wait (Retry-After)
 UNION_FIELDS = {
     "prompt": "must be a string, a list of strings, a list of token ids, or a list of token-id lists",
     "stop": "must be a string or a list of strings",
-    "content": 'must be a string or a list of text parts ({"type": "text", "text": "..."}); the models here read '
-               "text only",
+    "content": 'must be a string or a list of text parts ({"type": "text", "text": "..."}); the models here '
+               "read text only",
 }
 
 
@@ -60,8 +60,8 @@ def _validation_error(e: RequestValidationError) -> APIError:
     first = errors[0]
     if first["type"] == "json_invalid":
         detail = first.get("ctx", {}).get("error", "")
-        return APIError(400, f"the body is not valid JSON ({detail} at character {first['loc'][-1]}); send a JSON "
-                             "object", code="invalid_json")
+        return APIError(400, f"the body is not valid JSON ({detail} at character {first['loc'][-1]}); send a "
+                             "JSON object", code="invalid_json")
     loc = _loc(first)
     if not loc:
         return APIError(400, f"the body must be a JSON object of this endpoint's fields ({first['msg']})",

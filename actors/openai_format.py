@@ -63,7 +63,8 @@ class TokenTexts:
 
 def _byte_decoder() -> dict[str, int]:
     """GPT-2's byte-level alphabet (tokenizers' ByteLevel): symbol -> byte."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), 256)]
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
+                 *range(ord("\xae"), 256)]
     others = [b for b in range(256) if b not in printable]
     return {chr(b): b for b in printable} | {chr(256 + i): b for i, b in enumerate(others)}
 
@@ -100,7 +101,8 @@ def _top_by_text(texts: TokenTexts, row: dict[int, float]) -> dict[str, float]:
 def chat_logprobs(texts: TokenTexts, token_ids: list[int], logprobs: list[dict[int, float]], k: int) -> dict:
     """The chat shape: each token with its bytes and the k most likely (a row lists those first, in order)."""
     def entry(token_id: int, value: float) -> dict:
-        return {"token": texts.text(token_id), "logprob": _logprob(value), "bytes": list(texts.bytes(token_id))}
+        return {"token": texts.text(token_id), "logprob": _logprob(value),
+                "bytes": list(texts.bytes(token_id))}
 
     return {"content": [entry(t, lp[t]) | {"top_logprobs": [entry(i, v) for i, v in list(lp.items())[:k]]}
                         for t, lp in zip(token_ids, logprobs)]}

@@ -30,23 +30,27 @@ class _Sampling(BaseModel):
     model: str | None = None  # the served model's name or a registered adapter's; None: the served model
     temperature: float | None = Field(None, ge=0.0, description="0 = greedy; default 1")
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    n: int = Field(1, ge=1, le=MAX_CHOICES, description="completions per prompt; with a seed, choice i uses seed + i")
-    stop: StrictStr | list[StrictStr] | None = Field(None, description="strings that end a completion (not included)")
+    n: int = Field(1, ge=1, le=MAX_CHOICES,
+                   description="completions per prompt; with a seed, choice i uses seed + i")
+    stop: StrictStr | list[StrictStr] | None = Field(
+        None, description="strings that end a completion (not included)")
     seed: int | None = Field(None, ge=0, lt=2**63)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None  # the tenant when the server has no API keys: its cache salt and concurrency bound
-    cache_salt: StrictStr | None = Field(None, min_length=1, description="share cached prefix blocks only with "
-                                         "requests of the same salt (and tenant)")  # vLLM's
+    # the tenant when the server has no API keys: its cache salt and concurrency bound
+    user: str | None = None
+    cache_salt: StrictStr | None = Field(None, min_length=1, description="share cached prefix blocks only "
+                                         "with requests of the same salt (and tenant)")  # vLLM's
     # vLLM's extensions
     top_k: int | None = Field(None, ge=-1, description="0 or -1 = off")
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     repetition_penalty: float | None = Field(None, gt=0.0)
     ignore_eos: bool = False
     stop_token_ids: list[StrictInt] | None = None
-    # numaserve's: seconds the request may take; past it a request is aborted (default: http.default_deadline_s)
+    # numaserve's: seconds the request may take; past it a request is aborted
+    # (default: http.default_deadline_s)
     deadline_s: float | None = Field(None, gt=0.0, le=86_400.0)
 
     @property
@@ -58,7 +62,8 @@ class _Sampling(BaseModel):
         """One SamplingParams per choice (n): a seeded request's choice i is seeded with seed + i."""
         fields = {"max_tokens": max_tokens, "logprobs": logprobs, "ignore_eos": self.ignore_eos,
                   "deadline_s": deadline_s}
-        for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "min_p", "repetition_penalty"):
+        for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "min_p",
+                     "repetition_penalty"):
             if getattr(self, name) is not None:
                 fields[name] = getattr(self, name)
         if self.top_k is not None:
@@ -84,14 +89,16 @@ class CompletionRequest(_Sampling):
         description="a string, a list of strings, a list of token ids, or a list of token-id lists")
     max_tokens: int | None = Field(16, ge=1, description="tokens to generate at most; default 16")
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS,
-                                 description="log-probabilities of the sampled token and this many most likely")
+                                 description="log-probabilities of the sampled token and this many most "
+                                             "likely")
     echo: bool = False  # the prompt's text before each completion
 
     def prompts(self) -> list[str | list[int]]:
         if isinstance(self.prompt, str) or (self.prompt and isinstance(self.prompt[0], int)):
             return [self.prompt]
         if not self.prompt:
-            raise InvalidRequest("prompt: the list is empty; pass a string, token ids, or a non-empty list of them")
+            raise InvalidRequest("prompt: the list is empty; pass a string, token ids, or a non-empty list "
+                                 "of them")
         return list(self.prompt)
 
 

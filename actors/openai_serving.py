@@ -52,8 +52,9 @@ class Deployment(Protocol):
 
 
 class OpenAIServing:
-    def __init__(self, deployment: Deployment, model_name: str, model_path: str, chat_template: ChatTemplate | None,
-                 enable_lora_loading: bool, fingerprint: str, limits: HttpConfig | None = None):
+    def __init__(self, deployment: Deployment, model_name: str, model_path: str,
+                 chat_template: ChatTemplate | None, enable_lora_loading: bool, fingerprint: str,
+                 limits: HttpConfig | None = None):
         self.deployment = deployment
         self.tenancy = Tenancy(limits or HttpConfig())
         self.model_name, self.model_path = model_name, model_path
@@ -71,14 +72,16 @@ class OpenAIServing:
 
     # ---- endpoints ---------------------------------------------------------------------------------------
 
-    async def completions(self, req: CompletionRequest, caller: Caller = ANONYMOUS) -> dict | AsyncIterator[str]:
+    async def completions(self, req: CompletionRequest,
+                          caller: Caller = ANONYMOUS) -> dict | AsyncIterator[str]:
         return await self._limited(req, caller, self._completions)
 
     async def chat(self, req: ChatCompletionRequest, caller: Caller = ANONYMOUS) -> dict | AsyncIterator[str]:
         return await self._limited(req, caller, self._chat)
 
     async def _limited(self, req, caller: Caller, endpoint: Callable) -> dict | AsyncIterator[str]:
-        """endpoint(req, cache_salt) counted against its client's concurrency bound until its answer is done."""
+        """endpoint(req, cache_salt) counted against its client's concurrency bound until its answer is
+        done."""
         release = self.tenancy.admit(self.tenancy.client(caller, req.user))
         try:
             result = await endpoint(req, self.tenancy.cache_salt(caller.api_key, req.user, req.cache_salt))
@@ -116,7 +119,8 @@ class OpenAIServing:
                         if out.logprobs is not None else None)
             if not (echo + out.text or out.token_ids and logprobs or out.finished):
                 return None
-            return {"index": c.index, "text": echo + out.text, "logprobs": logprobs, "finish_reason": out.finish_reason}
+            return {"index": c.index, "text": echo + out.text, "logprobs": logprobs,
+                    "finish_reason": out.finish_reason}
 
         if req.stream:
             return self._stream(header, choices, streams, firsts, delta, [], req)
@@ -124,7 +128,8 @@ class OpenAIServing:
         if any(c.finish_reason == "abort" for c in choices):  # nothing was sent: an error, not a cut answer
             raise self.tenancy.deadline_error(deadline_s)
         return header.body([{"index": c.index, "text": (c.prompt_text or "") + c.text,
-                             "logprobs": (completion_logprobs(self._texts, c.token_ids, c.logprobs, len(c.prompt_text or ""))
+                             "logprobs": (completion_logprobs(self._texts, c.token_ids, c.logprobs,
+                                                              len(c.prompt_text or ""))
                                           if c.logprobs is not None else None),
                              "finish_reason": c.finish_reason} for c in choices], usage=usage(choices, req.n))
 
@@ -133,12 +138,14 @@ class OpenAIServing:
         info = await self.info()
         if self.chat_template is None or info["tokenizer"] is None:
             raise APIError(400, f"model {self.model_name!r} has no chat template (no chat_template.jinja or "
-                                "chat_template in tokenizer_config.json, or no tokenizer); use /v1/completions with "
-                                "the model's own prompt format, or add a template to the model directory",
+                                "chat_template in tokenizer_config.json, or no tokenizer); use "
+                                "/v1/completions with the model's own prompt format, or add a template to "
+                                "the model directory",
                            param="messages", code="no_chat_template")
         _check_num_choices(1, req.n)
         text = self.chat_template.render([m.template_message() for m in req.messages])
-        prompt_ids = info["tokenizer"].hf_tokenizer.encode(text, add_special_tokens=False).ids  # the template's own
+        # the template's own
+        prompt_ids = info["tokenizer"].hf_tokenizer.encode(text, add_special_tokens=False).ids
         k = req.num_logprobs()
         if req.max_new_tokens() is not None:
             self.tenancy.check_max_tokens(req.max_new_tokens())
@@ -146,20 +153,22 @@ class OpenAIServing:
                                                  self.tenancy.config.max_tokens_cap)
         deadline_s = self.tenancy.deadline_s(req.deadline_s)
         params = req.sampling_params(max_tokens, k, deadline_s)
-        header = ResponseHeader.new("chatcmpl", "chat.completion", req.model or self.model_name, self.fingerprint)
-        choices, streams, firsts = await self._open([(prompt_ids, sp) for sp in params], adapter, "messages", salt,
-                                                    deadline_s)
+        header = ResponseHeader.new("chatcmpl", "chat.completion", req.model or self.model_name,
+                                    self.fingerprint)
+        choices, streams, firsts = await self._open([(prompt_ids, sp) for sp in params], adapter, "messages",
+                                                    salt, deadline_s)
 
         def delta(c: ChoiceState, out: RequestOutput) -> dict | None:
-            logprobs = chat_logprobs(self._texts, out.token_ids, out.logprobs, k) if out.logprobs is not None else None
+            logprobs = (chat_logprobs(self._texts, out.token_ids, out.logprobs, k)
+                        if out.logprobs is not None else None)
             if not (out.text or out.token_ids and logprobs or out.finished):
                 return None
-            return {"index": c.index, "delta": {"content": out.text} if out.text else {}, "logprobs": logprobs,
-                    "finish_reason": out.finish_reason}
+            return {"index": c.index, "delta": {"content": out.text} if out.text else {},
+                    "logprobs": logprobs, "finish_reason": out.finish_reason}
 
         if req.stream:
-            header = ResponseHeader(header.id, "chat.completion.chunk", header.model, header.system_fingerprint,
-                                    header.created)
+            header = ResponseHeader(header.id, "chat.completion.chunk", header.model,
+                                    header.system_fingerprint, header.created)
             roles = [{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                       "finish_reason": None} for c in choices]
             return self._stream(header, choices, streams, firsts, delta, roles, req)
@@ -185,8 +194,8 @@ class OpenAIServing:
     async def load_lora_adapter(self, req: LoadLoraAdapterRequest) -> str:
         if not self.enable_lora_loading:
             raise APIError(403, "loading adapters over HTTP is disabled in this deployment; set "
-                                "http: {enable_lora_loading: true} in its config, or register adapters from Python "
-                                "with client.register_adapter(name, path)", type="permission_error",
+                                "http: {enable_lora_loading: true} in its config, or register adapters from "
+                                "Python with client.register_adapter(name, path)", type="permission_error",
                            code="lora_loading_disabled")
         if req.lora_name == self.model_name:
             raise APIError(400, f"lora_name {req.lora_name!r} is the served model's name; pick another",
@@ -205,10 +214,11 @@ class OpenAIServing:
         if await self.deployment.adapter_path(model) is not None:
             return model
         raise APIError(404, f"model {model!r} does not exist; GET /v1/models lists the served model "
-                            f"({self.model_name!r}) and the registered adapters", param="model", code="model_not_found")
+                            f"({self.model_name!r}) and the registered adapters", param="model",
+                       code="model_not_found")
 
-    async def _open(self, requests: list[tuple], adapter: str | None, prompt_param: str, salt: str | None = None,
-                    deadline_s: float | None = None):
+    async def _open(self, requests: list[tuple], adapter: str | None, prompt_param: str,
+                    salt: str | None = None, deadline_s: float | None = None):
         """Start every choice's request and wait until each is admitted and has its first output (a request
         aborted by its deadline before then is an error: nothing has been sent)."""
         streams = [self.deployment.generate(prompt, sp, adapter, salt) for prompt, sp in requests]
@@ -224,7 +234,8 @@ class OpenAIServing:
                 s.cancel()
             message = str(e)
             code = "context_length_exceeded" if "max_model_len" in message else "invalid_value"
-            param = prompt_param if e.param == "prompt" else e.param  # chat: the prompt is the rendered messages
+            # chat: the prompt is the rendered messages
+            param = prompt_param if e.param == "prompt" else e.param
             raise APIError(400, message, param=param, code=code) from None
         except BaseException:
             for s in streams:
@@ -233,9 +244,11 @@ class OpenAIServing:
         return [ChoiceState(i, ids) for i, ids in enumerate(prompt_ids)], streams, firsts
 
     async def _stream(self, header: ResponseHeader, choices: list[ChoiceState], streams: list[RequestStream],
-                      firsts: list[RequestOutput], delta: Callable, opening: list[dict], req) -> AsyncIterator[str]:
+                      firsts: list[RequestOutput], delta: Callable, opening: list[dict],
+                      req) -> AsyncIterator[str]:
         """The SSE data of a stream: each choice's deltas as they come, finish_reason on its last chunk, the
-        usage chunk if asked, [DONE]. A client that goes away cancels this generator: every request is aborted."""
+        usage chunk if asked, [DONE]. A client that goes away cancels this generator: every request is
+        aborted."""
         queue: asyncio.Queue = asyncio.Queue()
         tasks: list[asyncio.Task] = []
         extra = {"usage": None} if req.include_usage else {}
@@ -281,7 +294,8 @@ async def _pump(i: int, stream: RequestStream, queue: asyncio.Queue) -> None:
         queue.put_nowait((i, e))
 
 
-async def _collect(choices: list[ChoiceState], streams: list[RequestStream], firsts: list[RequestOutput]) -> None:
+async def _collect(choices: list[ChoiceState], streams: list[RequestStream],
+                   firsts: list[RequestOutput]) -> None:
     async def drain(c: ChoiceState, stream: RequestStream, first: RequestOutput) -> None:
         c.add(first)
         while c.finish_reason is None:

@@ -19,12 +19,14 @@ class Resume:
 
     num_prompt_tokens: int  # of the original prompt
     text: str  # decoded but not yet sent (an unfinished character, or a possible start of a stop string)
-    detokenizer: tuple[list[int], int, int] | None  # IncrementalDetokenizer (token_ids, prefix_offset, read_offset)
+    # IncrementalDetokenizer (token_ids, prefix_offset, read_offset)
+    detokenizer: tuple[list[int], int, int] | None
 
 
 def resume_state(tokenizer: Tokenizer | None, prompt_ids: list[int], output_ids: list[int],
                  emitted_text: str) -> Resume:
-    """Where a lost worker was with a request: its detokenizer replayed token by token, as its engine ran it."""
+    """Where a lost worker was with a request: its detokenizer replayed token by token, as its engine ran
+    it."""
     if tokenizer is None:
         return Resume(len(prompt_ids), "", None)
     d = IncrementalDetokenizer(tokenizer, prompt_ids)

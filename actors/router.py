@@ -53,9 +53,12 @@ class WorkerStreamEnded(Exception):
 class Router:
     def __init__(self, config: ClusterConfig, workers: dict, scheduler, adapter_cache):
         # small arguments only: Ray restarts the actor from them, after the deploying driver may have exited
-        self.tokenizer: Tokenizer | None = None  # a worker's, fetched on first use (see NumaWorker.model_info)
-        self.limits: RequestLimits | None = None  # what requests are validated against here, with the tokenizer
-        self.max_model_len = config.engine.max_model_len  # None: the model's own, checked by the worker's engine
+        # a worker's, fetched on first use (see NumaWorker.model_info)
+        self.tokenizer: Tokenizer | None = None
+        # what requests are validated against here, with the tokenizer
+        self.limits: RequestLimits | None = None
+        # None: the model's own, checked by the worker's engine
+        self.max_model_len = config.engine.max_model_len
         self.workers = workers  # worker id -> NumaWorker handle
         self.scheduler, self.adapter_cache = scheduler, adapter_cache
         bound = admission_bound(config.engine.max_num_seqs, config.max_queued_per_worker)
@@ -84,8 +87,8 @@ class Router:
                 self.max_model_len = self.max_model_len or info.get("max_model_len")
                 self.limits = RequestLimits(info["vocab_size"], self.max_model_len)
                 return
-        raise Unavailable(f"no worker is available (all {len(self.workers)} are down or restarting); retry in "
-                          "a few seconds")
+        raise Unavailable(f"no worker is available (all {len(self.workers)} are down or restarting); retry "
+                          "in a few seconds")
 
     @ray.method(num_returns="streaming")
     async def generate(self, prompt, params: SamplingParams | None = None, adapter: str | None = None,
@@ -98,13 +101,14 @@ class Router:
         if session is not None and not isinstance(session, str):
             raise InvalidRequest(f"session must be a str, got {type(session).__name__}")
         if cache_salt is not None and not isinstance(cache_salt, str):
-            raise InvalidRequest(f"cache_salt must be a str, got {type(cache_salt).__name__}", param="cache_salt")
+            raise InvalidRequest(f"cache_salt must be a str, got {type(cache_salt).__name__}",
+                                 param="cache_salt")
         adapters = None  # the registered names, as far as validation needs them
         if adapter is not None:
             found = await lookup_adapter(self.adapter_cache, adapter) if isinstance(adapter, str) else None
             adapters = {adapter} if found is not None else await self.adapter_cache.adapters.remote()
-        prompt_ids, params = validate_request(prompt, params, self.limits, tokenizer=self.tokenizer, adapter=adapter,
-                                              adapters=adapters)
+        prompt_ids, params = validate_request(prompt, params, self.limits, tokenizer=self.tokenizer,
+                                              adapter=adapter, adapters=adapters)
         request_id = uuid.uuid4().hex
         try:
             worker_id = self.routing.route(request_id, prompt_ids, params.max_tokens, session=session,
@@ -130,9 +134,11 @@ class Router:
             for attempt in range(len(self.workers) * 8 + 1):
                 attempt_id = f"{request_id}-{attempt}"
                 left = _deadline_left(params, arrival)
-                if left is not None and left.deadline_s is None:  # spent in the router (e.g. waiting to reroute)
+                # spent in the router (e.g. waiting to reroute)
+                if left is not None and left.deadline_s is None:
                     finished = True
-                    yield RequestOutput(request_id, [], "", "abort", [] if params.logprobs is not None else None)
+                    yield RequestOutput(request_id, [], "", "abort",
+                                        [] if params.logprobs is not None else None)
                     return
                 stream = self.workers[worker_id].generate.remote(
                     attempt_id, prompt_ids + generated, left or params, adapter, cache_salt, resume)
@@ -145,7 +151,8 @@ class Router:
                         generated += out.token_ids
                         emitted_text += out.text
                         finished = out.finished
-                        yield RequestOutput(request_id, out.token_ids, out.text, out.finish_reason, out.logprobs)
+                        yield RequestOutput(request_id, out.token_ids, out.text, out.finish_reason,
+                                            out.logprobs)
                         if finished:
                             return
                     raise WorkerStreamEnded(worker_id)
@@ -175,7 +182,8 @@ class Router:
         """What a front end needs to tokenize and size requests: the tokenizer (or None), the vocabulary size
         and max_model_len."""
         await self._fetch_model_info()
-        return {"tokenizer": self.tokenizer, "vocab_size": self.limits.vocab_size, "max_model_len": self.max_model_len}
+        return {"tokenizer": self.tokenizer, "vocab_size": self.limits.vocab_size,
+                "max_model_len": self.max_model_len}
 
     async def num_serving_workers(self, timeout_s: float = HEALTH_TIMEOUT_S) -> int:
         """How many workers answer within timeout_s (a restarting one does not)."""
@@ -194,7 +202,8 @@ class Router:
         ids = list(self.workers) if worker_ids is None else worker_ids
         unknown = set(ids) - set(self.workers)
         if unknown:
-            raise InvalidRequest(f"no worker {sorted(unknown)} in this deployment; its workers: {sorted(self.workers)}")
+            raise InvalidRequest(f"no worker {sorted(unknown)} in this deployment; its workers: "
+                                 f"{sorted(self.workers)}")
 
         answers, _ = await self._ask_live_workers(
             lambda handle: handle.pause.remote() if paused else handle.resume.remote(), worker_ids=ids)
@@ -203,11 +212,13 @@ class Router:
     # ---- worker health and policy ------------------------------------------------------------------
 
     async def _ask_live_workers(self, call: Callable[[Any], Awaitable], timeout_s: float = STATS_TIMEOUT_S,
-                                worker_ids: list[str] | None = None) -> tuple[dict[str, Any], dict[str, Exception]]:
+                                worker_ids: list[str] | None = None
+                                ) -> tuple[dict[str, Any], dict[str, Exception]]:
         """call(handle) (an awaitable) on every live worker among worker_ids (None: all) at once, each given
         timeout_s -> (worker id -> answer, worker id -> the TimeoutError or RayError it failed with), in
         worker_ids' order. Workers marked down are in neither: a restarting one is not waited for."""
-        live = [w for w in (self.workers if worker_ids is None else worker_ids) if self.routing.workers[w].alive]
+        live = [w for w in (self.workers if worker_ids is None else worker_ids)
+                if self.routing.workers[w].alive]
 
         async def ask(worker_id: str):
             try:
@@ -227,7 +238,8 @@ class Router:
             asyncio.get_running_loop().create_task(self._probe_until_up(worker_id))
 
     async def _probe_until_up(self, worker_id: str) -> None:
-        """A call to a restarting actor waits for its restart (or fails); when one answers, the worker rejoins."""
+        """A call to a restarting actor waits for its restart (or fails); when one answers, the worker
+        rejoins."""
         try:
             while True:
                 try:
@@ -277,5 +289,6 @@ class Router:
             policies = {"error": repr(e)}  # the scheduler is dead or restarting; the workers serve on
         # each worker's decision log (scheduling/engine.py), kept out of its figures: it is the long part
         decisions = {worker_id: w.pop("decisions", []) for worker_id, w in workers.items()}
-        return {"workers": workers, "routed": dict(self.routing.num_routed), "num_overloaded": self.num_overloaded,
-                "router_pid": os.getpid(), "policies": policies, "decisions": decisions}
+        return {"workers": workers, "routed": dict(self.routing.num_routed),
+                "num_overloaded": self.num_overloaded, "router_pid": os.getpid(), "policies": policies,
+                "decisions": decisions}

@@ -29,12 +29,15 @@ class Scheduler:
 
     def stats(self) -> dict:
         """Per worker: the policy last sent (batching limits; speculation, None for a worker without it),
-        the telemetry it came from (speculation's cost windows counted, not listed) and that telemetry's age."""
+        the telemetry it came from (speculation's cost windows counted, not listed) and that telemetry's
+        age."""
         now, out = time.time(), {}
         for worker_id, (t, received) in self.telemetry.items():
             policy = self.policy.policy(worker_id)
-            telemetry = vars(t) | {"speculation": [m.summary() for m in t.speculation] if t.speculation else None}
+            telemetry = vars(t) | {"speculation": ([m.summary() for m in t.speculation]
+                                                   if t.speculation else None)}
             out[worker_id] = {"policy": {k: v for k, v in vars(policy).items() if k != "speculation"},
-                              "speculation": [asdict(p) for p in policy.speculation] if policy.speculation else None,
+                              "speculation": ([asdict(p) for p in policy.speculation]
+                                              if policy.speculation else None),
                               "telemetry": telemetry, "telemetry_age_s": now - received}
         return out

@@ -6,11 +6,11 @@ They talk through `_inbox` (requests, aborts, stats queries, pause and resume, i
 (outputs, out). A paused worker takes no step (its requests stay as they are, as vLLM's pause in "keep" mode)
 but goes on taking requests, aborts and stats queries, and ends requests whose deadline passes; tests pause
 one to hold requests in flight. The loop thread also reports StepTelemetry to the scheduler (with the
-speculator's SpecTelemetry) and applies the Policy it answers: batch limits and the speculation policy. Until the first answer the engine's
-own controller decides speculation; while the scheduler is dead or restarting the last answer stays in force.
-Adapters come from the AdapterCache by name through the object store: a request's adapter is asked for
-(and so loaded there) before the request is queued, and the engine fetches it when a step needs it and
-it is not among the max_loras it holds.
+speculator's SpecTelemetry) and applies the Policy it answers: batch limits and the speculation policy. Until
+the first answer the engine's own controller decides speculation; while the scheduler is dead or restarting
+the last answer stays in force. Adapters come from the AdapterCache by name through the object store: a
+request's adapter is asked for (and so loaded there) before the request is queued, and the engine fetches it
+when a step needs it and it is not among the max_loras it holds.
 """
 
 import asyncio
@@ -47,9 +47,9 @@ STATS_TIMEOUT_S = 30.0
 
 @ray.remote(num_cpus=0)
 class NumaWorker:
-    def __init__(self, placement: WorkerPlacement, model_path: str, engine_config: EngineConfig, scheduler=None,
-                 adapter_cache=None, telemetry_interval_s: float = 0.1, stream_interval_s: float = 0.0,
-                 model_name: str | None = None):
+    def __init__(self, placement: WorkerPlacement, model_path: str, engine_config: EngineConfig,
+                 scheduler=None, adapter_cache=None, telemetry_interval_s: float = 0.1,
+                 stream_interval_s: float = 0.0, model_name: str | None = None):
         self.placement = placement
         num_pinned = numa.pin_process(placement.cpu_ids)  # before the engine exists: numba has no pool yet
         memory_policy = numa.bind_memory(numa.physical_node_ids(placement.cpu_ids, numa.read_topology()))
@@ -62,17 +62,20 @@ class NumaWorker:
         self._telemetry_interval_s, self._stream_interval_s = telemetry_interval_s, stream_interval_s
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, DeltaStream] = {}
-        self._loop: asyncio.AbstractEventLoop | None = None  # the actor's event loop, known from the first call
+        # the actor's event loop, known from the first call
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._report_sent: float | None = None  # when the unanswered telemetry report went out
         self._num_threads = 0
         self._num_requests = 0  # served through generate (the warm-up is not one)
-        self.metrics = WorkerMetrics(model_name or Path(model_path).name, placement.worker_id, placement.node_id)
+        self.metrics = WorkerMetrics(model_name or Path(model_path).name, placement.worker_id,
+                                     placement.node_id)
         self._failure: BaseException | None = None
         self._paused = False  # read and written by the loop thread only
-        self._advancing: tuple[int, asyncio.Future] | None = None  # paused: steps still to take, who waits for them
+        # paused: steps still to take, who waits for them
+        self._advancing: tuple[int, asyncio.Future] | None = None
         ready = threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(ready,), name=f"step-loop-{placement.worker_id}",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._run, args=(ready,),
+                                        name=f"step-loop-{placement.worker_id}", daemon=True)
         self._thread.start()  # inherits this thread's affinity and memory policy
         ready.wait()
         if self._failure is not None:
@@ -82,18 +85,22 @@ class NumaWorker:
 
     @ray.method(num_returns="streaming")
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       adapter: str | None = None, cache_salt: str | None = None, resume: Resume | None = None):
+                       adapter: str | None = None, cache_salt: str | None = None,
+                       resume: Resume | None = None):
         """Deltas of one request: one RequestOutput per yield, holding every token ready since the last. The
-        first comes as soon as it is ready, the next ones at most every stream_interval_s (and the last at once).
-        With resume, prompt_token_ids end in the output a lost worker had streamed, and this one goes on."""
+        first comes as soon as it is ready, the next ones at most every stream_interval_s (and the last at
+        once). With resume, prompt_token_ids end in the output a lost worker had streamed, and this one goes
+        on."""
         self._loop = asyncio.get_running_loop()
         if request_id in self._streams:
-            raise InvalidRequest(f"request id {request_id!r} is already running on this worker; use a unique id")
+            raise InvalidRequest(f"request id {request_id!r} is already running on this worker; "
+                                 "use a unique id")
         if adapter is not None and adapter not in self.engine.adapters:
             await self._know_adapter(adapter)
         num_output = len(prompt_token_ids) - resume.num_prompt_tokens if resume else 0
         left = params.model_copy(update={"max_tokens": params.max_tokens - num_output}) if resume else params
-        req = self.engine.make_request(request_id, prompt_token_ids, left, adapter=adapter, cache_salt=cache_salt)
+        req = self.engine.make_request(request_id, prompt_token_ids, left, adapter=adapter,
+                                       cache_salt=cache_salt)
         if resume is not None:
             resume_request(req, params, resume)
         stream = DeltaStream(self._loop)
@@ -121,7 +128,8 @@ class NumaWorker:
         from there when a step needs it."""
         ref = await fetch_adapter_ref(self._adapter_cache, name) if self._adapter_cache is not None else None
         if ref is None:
-            raise InvalidRequest(f"unknown adapter {name!r}: register it first with client.register_adapter(name, path)")
+            raise InvalidRequest(f"unknown adapter {name!r}: register it first with "
+                                 "client.register_adapter(name, path)")
         self.engine.adapters.add_remote(name)
 
     def _fetch_adapter(self, name: str):
@@ -166,7 +174,8 @@ class NumaWorker:
     async def info(self) -> dict:
         """Where this worker runs and what it did to get there: cores, threads, memory policy."""
         p = self.placement
-        return {"worker_id": p.worker_id, "machine": p.machine, "numa_node": p.node_id, "cpu_ids": list(p.cpu_ids),
+        return {"worker_id": p.worker_id, "machine": p.machine, "numa_node": p.node_id,
+                "cpu_ids": list(p.cpu_ids),
                 "thread_cpu_ids": list(numa.thread_cpu_ids()), "num_threads": self._num_threads,
                 "num_pinned_threads": self._num_pinned, "memory_policy": self._memory_policy,
                 "hostname": socket.gethostname(), "pid": os.getpid(),
@@ -199,7 +208,8 @@ class NumaWorker:
             if self._steps():
                 self._step(meter)
                 self._advanced()
-            elif self._paused and (expired := self.engine.abort_expired()):  # a pause holds no one past a deadline
+            # a pause holds no one past a deadline
+            elif self._paused and (expired := self.engine.abort_expired()):
                 self.metrics.outputs(expired)
                 self._deliver([(out.request_id, out) for out in expired])
             if self._scheduler is not None and time.monotonic() >= next_report:
@@ -210,7 +220,8 @@ class NumaWorker:
         return self.engine.has_unfinished() and (not self._paused or self._advancing is not None)
 
     def _advanced(self, num_steps: int = 1) -> None:
-        """Count steps taken while advancing a paused worker; answer once they are all taken (or none is left)."""
+        """Count steps taken while advancing a paused worker; answer once they are all taken (or none is
+        left)."""
         if self._advancing is None:
             return
         left, answer = self._advancing[0] - num_steps, self._advancing[1]
@@ -256,11 +267,13 @@ class NumaWorker:
                 self._advanced(0)
         elif kind == "stats":
             _, answer = arg
-            stats = self.engine.stats() | {"worker_id": self.placement.worker_id, "num_streams": len(self._streams),
+            stats = self.engine.stats() | {"worker_id": self.placement.worker_id,
+                                           "num_streams": len(self._streams),
                                            "num_requests": self._num_requests,
                                            "rss_bytes": psutil.Process().memory_info().rss,
                                            "metrics": self.metrics.snapshot(self.engine),
-                                           "decisions": self.engine.decisions.recent(), "paused": self._paused}
+                                           "decisions": self.engine.decisions.recent(),
+                                           "paused": self._paused}
             self._loop.call_soon_threadsafe(_set_result, answer, stats)
         elif kind == "policy":
             self._report_sent = None

@@ -61,19 +61,24 @@ class MachineConfig(BaseModel):
 class HttpConfig(BaseModel):
     """The deployment's OpenAI-compatible HTTP server (actors/http_server.py) and the limits it enforces."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid", hide_input_in_errors=True)  # errors never echo a key
+    # errors never echo a key
+    model_config = ConfigDict(frozen=True, extra="forbid", hide_input_in_errors=True)
 
     host: str = Field("127.0.0.1", min_length=1)  # loopback only unless a host (e.g. 0.0.0.0) is given
     port: int = Field(8000, ge=1, le=65535)
-    served_model_name: str | None = Field(None, min_length=1)  # what `model` names; None: the model's folder name
-    enable_lora_loading: bool = False  # POST /v1/load_lora_adapter registers adapters; refused (403) otherwise
+    # what `model` names; None: the model's folder name
+    served_model_name: str | None = Field(None, min_length=1)
+    # POST /v1/load_lora_adapter registers adapters; refused (403) otherwise
+    enable_lora_loading: bool = False
     # bearer tokens the server accepts (401 otherwise; /health stays open); each key is a tenant. (): no check
     api_keys: tuple[str, ...] = ()
-    max_prompt_tokens: int | None = Field(None, ge=1)  # a longer prompt is a 400; None: only max_model_len bounds it
+    # a longer prompt is a 400; None: only max_model_len bounds it
+    max_prompt_tokens: int | None = Field(None, ge=1)
     max_tokens_cap: int = Field(4096, ge=1)  # a request's max_tokens above this is a 400
     # a client (API key, else `user`, else its IP address) with this many requests open gets 429 for the next
     max_concurrent_per_client: int = Field(64, ge=1)
-    default_deadline_s: float | None = Field(600.0, gt=0.0, le=86_400.0)  # when a request sets none; None: no deadline
+    # when a request sets none; None: no deadline
+    default_deadline_s: float | None = Field(600.0, gt=0.0, le=86_400.0)
 
     @field_validator("api_keys", mode="before")
     @classmethod
@@ -139,14 +144,16 @@ class ClusterConfig(BaseModel):
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> "ClusterConfig":
-        """Load a YAML config; relative `model` and `adapter_registry` paths are taken from the file's folder."""
+        """Load a YAML config; relative `model` and `adapter_registry` paths are taken from the file's
+        folder."""
         path = Path(path)
         try:
             data = yaml.safe_load(path.read_text())
         except yaml.YAMLError as e:
             raise ValueError(f"{path}: not valid YAML ({e})") from None
         except (OSError, UnicodeDecodeError) as e:
-            raise ValueError(f"{path}: cannot read the config file ({e}); pass the path of a YAML file") from None
+            raise ValueError(f"{path}: cannot read the config file ({e}); "
+                             "pass the path of a YAML file") from None
         if isinstance(data, dict):
             for key in ("model", "adapter_registry"):
                 if isinstance(data.get(key), str) and not Path(data[key]).expanduser().is_absolute():
@@ -175,7 +182,8 @@ class ClusterConfig(BaseModel):
         """The custom resources `ray start --resources` must declare on this machine."""
         m = next((m for m in self.machines if m.name == machine), None)
         if m is None:
-            raise ValueError(f"no machine named {machine!r}; the config has {[x.name for x in self.machines]}")
+            raise ValueError(f"no machine named {machine!r}; the config has "
+                             f"{[x.name for x in self.machines]}")
         if m.numa_nodes == "auto":
             raise ValueError(f'machine {machine!r} has numa_nodes "auto"; resolve it first (with_topology)')
         return {numa_resource(machine, n.id): 1.0 for n in m.numa_nodes}

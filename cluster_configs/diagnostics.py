@@ -18,10 +18,12 @@ log = logging.getLogger("numaserve")
 
 @dataclass
 class Decision:
-    topic: str  # what was decided: "kernel", "activation_dtype", "speculation", "lora_path", "preemption", ...
+    # what was decided: "kernel", "activation_dtype", "speculation", "lora_path", "preemption", ...
+    topic: str
     choice: str  # what was chosen
     reason: str | Callable[[], str]  # why, in words a user can act on (a callable: worded when read)
-    subject: str = ""  # what it applies to: a layer type, a matrix, an adapter, a request id ("" = the engine)
+    # what it applies to: a layer type, a matrix, an adapter, a request id ("" = the engine)
+    subject: str = ""
     time: float = 0.0  # time.time() when last recorded
     count: int = 1  # times this choice was recorded in a row for (topic, subject)
 
@@ -54,7 +56,8 @@ class DecisionLog:
             log.warning("%s%s: %s (%s)", topic, f" [{subject}]" if subject else "", choice, _words(reason))
 
     def recent(self, topic: str | None = None) -> list[dict]:
-        return [asdict(d) | {"reason": _words(d.reason)} for d in self._ring if topic is None or d.topic == topic]
+        return [asdict(d) | {"reason": _words(d.reason)} for d in self._ring
+                if topic is None or d.topic == topic]
 
 
 def _words(reason: str | Callable[[], str]) -> str:

@@ -14,41 +14,43 @@ ActivationDtype = Literal["auto", "float32", "bfloat16", "int8"]
 class EngineConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    weight_dtype: WeightDtype = Field("auto", description='weight storage; "auto" = bfloat16 (a GGUF file keeps the '
-                                                          'types it stores)')
+    weight_dtype: WeightDtype = Field("auto", description='weight storage; "auto" = bfloat16 (a GGUF file '
+                                                          'keeps the types it stores)')
     kv_dtype: KVDtype = Field("auto", description='KV cache storage; "auto" = bfloat16')
     block_size: int = Field(16, ge=1, le=1024, description="tokens per KV block (a power of two)")
     kv_cache_bytes: int = Field(1 << 30, gt=0, description="KV cache size, an upper bound: never more than "
                                                           "max_num_seqs full contexts")
     max_num_batched_tokens: int = Field(512, ge=1, description="token budget of one step")
     max_num_seqs: int = Field(64, ge=1, description="requests in one step's batch at most")
-    max_model_len: int | None = Field(None, ge=1, description="prompt + output tokens at most; None = the model's "
-                                                              "max_position_embeddings")
-    enable_prefix_caching: bool = Field(True, description="reuse the KV blocks of earlier requests' equal prompt "
-                                                          "prefixes")
-    num_threads: int | None = Field(None, ge=1, description="kernel threads; None = every core this process may "
-                                                            "run on")
+    max_model_len: int | None = Field(None, ge=1, description="prompt + output tokens at most; None = the "
+                                                              "model's max_position_embeddings")
+    enable_prefix_caching: bool = Field(True, description="reuse the KV blocks of earlier requests' equal "
+                                                          "prompt prefixes")
+    num_threads: int | None = Field(None, ge=1, description="kernel threads; None = every core this process "
+                                                            "may run on")
     # "float32" is exact (within 1e-4 of transformers); "bfloat16" (vdpbf16ps) and "int8" (VNNI, 32-value
     # blocks) trade a stated perplexity bound for speed; see models/activation_plan.py
-    activation_dtype: ActivationDtype = Field("auto", description="what activations are rounded to before the "
-                                                                  'linear layers\' dot products; "auto" picks per '
-                                                                  "weight dtype")
-    max_loras: int = Field(4, ge=1, description="adapters held ready for the kernels (least recently used out) "
-                                                "and so the most distinct adapters in one step's batch")
-    max_lora_rank: int = Field(64, ge=1, description="the largest LoRA rank an adapter may have (any module); "
-                                                     "a higher one is refused at registration")
+    activation_dtype: ActivationDtype = Field(
+        "auto", description="what activations are rounded to before the "
+                            'linear layers\' dot products; "auto" picks per '
+                            "weight dtype")
+    max_loras: int = Field(4, ge=1, description="adapters held ready for the kernels (least recently used "
+                                                "out) and so the most distinct adapters in one step's batch")
+    max_lora_rank: int = Field(64, ge=1, description="the largest LoRA rank an adapter may have (any "
+                                                     "module); a higher one is refused at registration")
     lora_merge: Literal["auto", "never", "always"] = Field(
-        "never", description='run an adapter\'s rows on a merged copy of the weights: "auto" when the measured '
-                             'cost model says it pays (scheduling/lora_merge_policy.py), "always" (every adapter '
-                             'whose copy fits), "never"; merged rows round differently, so under "auto" a '
-                             "request's tokens may depend on what it is batched with")
+        "never", description='run an adapter\'s rows on a merged copy of the weights: "auto" when the '
+                             'measured cost model says it pays (scheduling/lora_merge_policy.py), "always" '
+                             '(every adapter whose copy fits), "never"; merged rows round differently, so '
+                             'under "auto" a request\'s tokens may depend on what it is batched with')
     lora_merged_bytes: int = Field(2 << 30, ge=0, description="merged weight copies an engine keeps (least "
                                                               "recently used out); 0 = never merge")
-    adapter_roots: tuple[str, ...] | None = Field(None, description="folders adapters may be registered from "
-                                                                    "('..' and symlinks resolved); None = anywhere")
+    adapter_roots: tuple[str, ...] | None = Field(
+        None, description="folders adapters may be registered from ('..' and symlinks resolved); "
+                          "None = anywhere")
     speculation: SpeculationConfig = Field(default_factory=SpeculationConfig,
-                                           description="speculative decoding (a SpeculationConfig or a dict of its "
-                                                       "fields); off by default")
+                                           description="speculative decoding (a SpeculationConfig or a dict "
+                                                       "of its fields); off by default")
 
     @field_validator("block_size")
     @classmethod

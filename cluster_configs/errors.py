@@ -10,7 +10,8 @@ class InvalidRequest(NumaserveError, ValueError):
 
     def __init__(self, message: str, param: str | None = None):
         super().__init__(message)
-        self.param = param  # the request field at fault, if one is ("prompt", "max_tokens", ...): HTTP errors name it
+        # the request field at fault, if one is ("prompt", "max_tokens", ...): HTTP errors name it
+        self.param = param
 
 
 class CheckpointError(NumaserveError):

@@ -16,7 +16,8 @@ class SamplingParams(BaseModel):
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = Field(None, ge=0, le=20)
-    # > 1 discourages repeating prompt and output tokens, < 1 favours it; the floor keeps logits / penalty finite
+    # > 1 discourages repeating prompt and output tokens, < 1 favours it;
+    # the floor keeps logits / penalty finite
     repetition_penalty: float = Field(1.0, ge=1e-6)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)

@@ -24,7 +24,8 @@ class SpeculationConfig(BaseModel):
     prompt_lookup_min: int = Field(2, ge=1, le=64)
     prompt_lookup_max: int = Field(4, ge=1, le=64)
     draft_model: str | None = None  # a model directory or GGUF file with the target's tokenizer
-    num_heads: int | None = Field(None, ge=1, le=8)  # medusa: heads to draft with (None: every head in the file)
+    # medusa: heads to draft with (None: every head in the file)
+    num_heads: int | None = Field(None, ge=1, le=8)
     # medusa, eagle: the token tree's width, pinned (1: a chain); None: the policy chooses it per step
     tree_width: int | None = Field(None, ge=1, le=MAX_TREE_WIDTH)
     # "auto" picks the depth per step and request that maximizes measured goodput; "on" always drafts
@@ -39,13 +40,14 @@ class SpeculationConfig(BaseModel):
             raise ValueError(f"prompt_lookup_min ({self.prompt_lookup_min}) must be <= prompt_lookup_max "
                              f"({self.prompt_lookup_max})")
         if self.method == "draft" and not self.draft_model:
-            raise ValueError("draft_model is required when method='draft'; pass a model directory or GGUF file")
+            raise ValueError("draft_model is required when method='draft'; "
+                             "pass a model directory or GGUF file")
         if self.method not in ("draft", "auto") and self.draft_model is not None:
             raise ValueError(f"draft_model is set but method={self.method!r}; use method='draft' (or 'auto') "
                              "or drop draft_model")
         if self.method not in ("medusa", "auto") and self.num_heads is not None:
-            raise ValueError(f"num_heads is set but method={self.method!r}; use method='medusa' (or 'auto') or "
-                             "drop num_heads")
+            raise ValueError(f"num_heads is set but method={self.method!r}; use method='medusa' (or 'auto') "
+                             "or drop num_heads")
         if self.method not in ("medusa", "eagle", "auto") and self.tree_width is not None:
             raise ValueError(f"tree_width is set but method={self.method!r}; token trees are drafted by "
                              "method='medusa' or 'eagle' (or 'auto'): use one of them or drop tree_width")

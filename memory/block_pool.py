@@ -59,7 +59,8 @@ class BlockPool:
             block_ids.append(block_id)
         return block_ids
 
-    def lookup(self, block_hash: int, parent_hash: int | None, token_ids: Sequence[int], extra: tuple) -> int | None:
+    def lookup(self, block_hash: int, parent_hash: int | None, token_ids: Sequence[int],
+               extra: tuple) -> int | None:
         """The cached block with this content, verified against its tokens; None on a miss."""
         block_id = self.cached.get(block_hash)
         if block_id is None or self.block_key[block_id] != (parent_hash, tuple(token_ids), extra):

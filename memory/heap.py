@@ -37,5 +37,6 @@ def untouched_zeros(shape: tuple[int, ...], dtype) -> np.ndarray:
         return np.zeros(shape, dtype)
     buffer = mmap.mmap(-1, count * dtype.itemsize)
     if hasattr(mmap, "MADV_HUGEPAGE"):
-        buffer.madvise(mmap.MADV_HUGEPAGE)  # as numpy asks for its large arrays (fewer TLB misses in the KV reads)
+        # as numpy asks for its large arrays (fewer TLB misses in the KV reads)
+        buffer.madvise(mmap.MADV_HUGEPAGE)
     return np.frombuffer(buffer, dtype, count).reshape(shape)

@@ -37,9 +37,9 @@ class KVCache:
         return self.k.nbytes + self.v.nbytes + self.k_scale.nbytes + self.v_scale.nbytes
 
     def move_slots(self, block_ids: list[int], src: list[int], dst: list[int]) -> None:
-        """For every layer, the KV (and scales) of a sequence's slot src[i] copied to its slot dst[i], in order
-        (a tree verification keeps its accepted path: each dst <= its src, so no copy reads a slot written
-        before it). Slots are indices into the sequence, mapped through its block_ids."""
+        """For every layer, the KV (and scales) of a sequence's slot src[i] copied to its slot dst[i], in
+        order (a tree verification keeps its accepted path: each dst <= its src, so no copy reads a slot
+        written before it). Slots are indices into the sequence, mapped through its block_ids."""
         bs = self.block_size
         for a, b in zip(src, dst):
             if a != b:

@@ -67,13 +67,14 @@ class WeightMatrix:
 
 @dataclass(frozen=True)
 class Int8Matrix:
-    """A q8_0 / q4_0 matrix repacked for int8 activations (kernels/int8_layout.py), [out_features, in_features].
+    """A q8_0 / q4_0 matrix repacked for int8 activations (kernels/int8_layout.py),
+    [out_features, in_features].
 
     For the AVX2 kernels: data q8_0 int8 [N, Kp] in pair order | q4_0 uint8 [N, Kp // 2] in quad order;
     scales uint16 fp16 [N, Kp // 32]. For the VNNI kernel (vnni, kernels/simd_vnni.py): q8_0 as uint8
     value + 128 [N4, Kp] | q4_0 [N4, Kp // 2], both in quad order and in blocks of 4 interleaved rows
-    (kernels/int8_layout.py), scales [N4, Kp // 32]; N4 = N rounded up to 4, the padding rows zero. Kp = K padded
-    to 256. vnni is chosen at packing when the host has it; both kernels give the same bits.
+    (kernels/int8_layout.py), scales [N4, Kp // 32]; N4 = N rounded up to 4, the padding rows zero. Kp = K
+    padded to 256. vnni is chosen at packing when the host has it; both kernels give the same bits.
     activation_scale: a calibrated static scale for this matrix's inputs, 0 = per-block dynamic scales.
     """
 
@@ -107,7 +108,8 @@ class Int8Matrix:
 
     @property
     def activation_int_dtype(self) -> type:
-        """The quantized activations' dtype: int8 in quad order, or int16 in pair order for the AVX2 q8_0 kernel."""
+        """The quantized activations' dtype: int8 in quad order, or int16 in pair order for the AVX2 q8_0
+        kernel."""
         return np.int16 if self.data.dtype == np.int8 else np.int8
 
     def repacked(self, w: WeightMatrix) -> "Int8Matrix":
@@ -117,7 +119,8 @@ class Int8Matrix:
     def unpack(self) -> WeightMatrix:
         """The same values in the GGML layout (export, tests)."""
         n, k = self.shape
-        data = deinterleave_rows(self.data, VNNI_ROWS, _group_bytes(self.dtype), n) if self.vnni else self.data
+        data = (deinterleave_rows(self.data, VNNI_ROWS, _group_bytes(self.dtype), n)
+                if self.vnni else self.data)
         values = np.empty((n, k), np.int8)
         unpack_int8_weights(data, self.dtype == "q4_0", data.dtype == np.uint8, k, values)
         scales = np.ascontiguousarray(self.scales[:n, :k // QK])
@@ -172,7 +175,8 @@ PROJECTIONS = ("qkv", "o", "gate_up", "down")  # a layer's matrices in forward o
 
 @dataclass(frozen=True, eq=False)  # eq=False: arrays have no truth value, so equality is identity
 class LayerWeights:
-    """One decoder layer: norms and biases float32, matrices [out_features, in_features] in a served format."""
+    """One decoder layer: norms and biases float32, matrices [out_features, in_features] in a served
+    format."""
 
     input_norm: np.ndarray  # [hidden] f32
     qkv: Matrix  # [q_size + 2 * kv_size, hidden]: q | k | v fused

@@ -34,19 +34,21 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def _engine_fields(args) -> dict:
-    return {name: getattr(args, name) for name in EngineConfig.model_fields if getattr(args, name) is not None}
+    return {name: getattr(args, name) for name in EngineConfig.model_fields
+            if getattr(args, name) is not None}
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most")
     p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
-    p.add_argument("--top-p", type=float, default=1.0, help="sample from the likeliest tokens holding this much "
-                                                            "probability")
+    p.add_argument("--top-p", type=float, default=1.0, help="sample from the likeliest tokens holding this "
+                                                            "much probability")
     p.add_argument("--top-k", type=int, default=0, help="sample from the k likeliest tokens; 0 = all")
-    p.add_argument("--min-p", type=float, default=0.0, help="drop tokens less likely than min_p times the likeliest")
+    p.add_argument("--min-p", type=float, default=0.0,
+                   help="drop tokens less likely than min_p times the likeliest")
     p.add_argument("--seed", type=int, help="seed of the sampling draws (default: a fresh one each run)")
-    p.add_argument("--stop", action="append", default=[], help="a string that ends the text; repeat for several "
-                                                               "(default: none)")
+    p.add_argument("--stop", action="append", default=[], help="a string that ends the text; repeat for "
+                                                               "several (default: none)")
     p.add_argument("--repetition-penalty", type=float, default=1.0, help="> 1 discourages repeating tokens")
     p.add_argument("--ignore-eos", action="store_true", help="go on past the end-of-sequence token")
 
@@ -77,18 +79,20 @@ def cmd_demo(args) -> None:
 def cmd_serve(args) -> None:
     from actors import deploy
 
-    config = deploy.with_http(deploy.load_config(args.config, args.model), port=args.http_port, host=args.http_host,
-                              served_model_name=args.served_model_name)
+    config = deploy.with_http(deploy.load_config(args.config, args.model), port=args.http_port,
+                              host=args.http_host, served_model_name=args.served_model_name)
     limits = {field: value for field, value in (
         ("api_keys", tuple(args.api_key) or None), ("max_prompt_tokens", args.max_prompt_tokens),
-        ("max_tokens_cap", args.max_tokens_cap), ("max_concurrent_per_client", args.max_concurrent_per_client),
+        ("max_tokens_cap", args.max_tokens_cap),
+        ("max_concurrent_per_client", args.max_concurrent_per_client),
         ("default_deadline_s", args.default_deadline_s)) if value is not None}
     if limits:
         if config.http is None:
             flags = ", ".join("--api-key" if f == "api_keys" else "--" + f.replace("_", "-") for f in limits)
             raise SystemExit(f"{flags}: these are the HTTP server's; pass --http-port too")
         from cluster_configs.cluster_config import ClusterConfig
-        config = ClusterConfig.model_validate(config.model_dump() | {"http": config.http.model_dump() | limits})
+        config = ClusterConfig.model_validate(config.model_dump()
+                                              | {"http": config.http.model_dump() | limits})
     deploy.init_ray(config, persistent=True)  # starts `ray start --head` if no cluster is running
     client = deploy.serve(config, name=args.name)
     stats = client.stats()
@@ -141,7 +145,8 @@ def cmd_calibrate(args) -> None:
     from models.calibrate import calibrate, read_text_file
     from models.calibration import CalibrationOptions, save_calibration
 
-    options = CalibrationOptions(**{k: getattr(args, k) for k in ("method", "percentile", "bound", "weight_dtype")
+    options = CalibrationOptions(**{k: getattr(args, k)
+                                    for k in ("method", "percentile", "bound", "weight_dtype")
                                     if getattr(args, k) is not None})  # validated before the model loads
     if args.text is None:
         from benchmarks.heldout_eval import heldout_texts
@@ -153,16 +158,20 @@ def cmd_calibrate(args) -> None:
     start = time.perf_counter()
     calibration = calibrate(args.model, texts, label, options)
     path = save_calibration(calibration, args.model)
-    errors = [(m.error_dynamic, m.error_static) for m in calibration.matrices.values() if m.error_dynamic is not None]
-    print(f"numaserve: calibrated {args.model} ({calibration.weight_dtype} weights) on {calibration.num_tokens} tokens "
-          f"of {label} in {time.perf_counter() - start:.1f} s: {calibration.method} scales")
+    errors = [(m.error_dynamic, m.error_static) for m in calibration.matrices.values()
+              if m.error_dynamic is not None]
+    print(f"numaserve: calibrated {args.model} ({calibration.weight_dtype} weights) on "
+          f"{calibration.num_tokens} tokens of {label} in {time.perf_counter() - start:.1f} s: "
+          f"{calibration.method} scales")
     if errors:
-        print(f"  relative int8 output error: dynamic scales max {max(e[0] for e in errors):.4f}, static scales max "
-              f"{max(e[1] for e in errors):.4f}; bound {calibration.bound:g}")
+        print(f"  relative int8 output error: dynamic scales max {max(e[0] for e in errors):.4f}, static "
+              f"scales max {max(e[1] for e in errors):.4f}; bound {calibration.bound:g}")
     else:
-        print(f"  no q8_0 / q4_0 matrices: int8 activations will not run with {calibration.weight_dtype} weights")
+        print("  no q8_0 / q4_0 matrices: int8 activations will not run with "
+              f"{calibration.weight_dtype} weights")
     fallbacks = calibration.fallback_names
-    print(f"  float32 activations for {len(fallbacks)} matrices" + (f": {', '.join(fallbacks)}" if fallbacks else ""))
+    print(f"  float32 activations for {len(fallbacks)} matrices"
+          + (f": {', '.join(fallbacks)}" if fallbacks else ""))
     print(f"wrote {path}; the engine reads it when it loads {args.model}")
 
 
@@ -171,16 +180,16 @@ def _add_calibrate_parser(sub) -> None:
 
     defaults = CalibrationOptions()
     cal = sub.add_parser("calibrate", formatter_class=HelpFormatter,
-                         help="measure int8 activation ranges and errors per matrix; writes the calibration file "
-                              "the engine reads beside MODEL")
+                         help="measure int8 activation ranges and errors per matrix; writes the calibration "
+                              "file the engine reads beside MODEL")
     cal.add_argument("model", help="model directory or .gguf file")
-    cal.add_argument("--text", help="UTF-8 text to calibrate on (default: the demo model card's held-out set, "
-                                    "the Python standard library files it never trained on)")
+    cal.add_argument("--text", help="UTF-8 text to calibrate on (default: the demo model card's held-out "
+                                    "set, the Python standard library files it never trained on)")
     cal.add_argument("--method", help=f"minmax | percentile | kl (default {defaults.method})")
     cal.add_argument("--percentile", type=float, help=f"of |x|, for --method percentile (default "
                                                       f"{defaults.percentile:g})")
-    cal.add_argument("--bound", type=float, help="relative int8 output error above which a matrix keeps float32 "
-                                                 f"activations (default {defaults.bound:g})")
+    cal.add_argument("--bound", type=float, help="relative int8 output error above which a matrix keeps "
+                                                 f"float32 activations (default {defaults.bound:g})")
     cal.add_argument("--weight-dtype", help="q8_0 | q4_0 | ... (default: a GGUF file's own types, q8_0 for a "
                                             "directory)")
     cal.set_defaults(func=cmd_calibrate)
@@ -188,44 +197,50 @@ def _add_calibrate_parser(sub) -> None:
 
 def _add_cluster_parsers(sub) -> None:
     serve = sub.add_parser("serve", formatter_class=HelpFormatter,
-                           help="start a deployment on the Ray cluster (starting a head if none runs), with an "
-                                "OpenAI-compatible HTTP API when given --http-port")
-    serve.add_argument("--config", default=str(Path(__file__).parent.parent / "cluster_configs" / "local.yaml"),
+                           help="start a deployment on the Ray cluster (starting a head if none runs), with "
+                                "an OpenAI-compatible HTTP API when given --http-port")
+    serve.add_argument("--config",
+                       default=str(Path(__file__).parent.parent / "cluster_configs" / "local.yaml"),
                        help="ClusterConfig YAML (default: cluster_configs/local.yaml)")
     serve.add_argument("--model", help="model directory or GGUF file (default: the config's model)")
-    serve.add_argument("--http-port", type=int, help="serve the OpenAI-compatible API (/v1/completions, "
-                                                     "/v1/chat/completions, /v1/models, /health, /metrics) on this "
-                                                     "port (default: the config's http.port; none: no HTTP server)")
+    serve.add_argument("--http-port", type=int,
+                       help="serve the OpenAI-compatible API (/v1/completions, /v1/chat/completions, "
+                            "/v1/models, /health, /metrics) on this port (default: the config's http.port; "
+                            "none: no HTTP server)")
     serve.add_argument("--http-host", help="address the HTTP server binds, e.g. 0.0.0.0 for every interface "
                                            "(default: the config's http.host, else 127.0.0.1: loopback only)")
     serve.add_argument("--api-key", action="append", default=[],
-                       help="require this key as 'Authorization: Bearer <key>' on /v1 routes; repeat for several "
-                            "tenants (each key gets its own prefix-cache salt)")
-    serve.add_argument("--max-prompt-tokens", type=int, help="refuse longer prompts with a 400 (default: the "
-                                                              "config's http.max_prompt_tokens, else max_model_len)")
-    serve.add_argument("--max-tokens-cap", type=int, help="refuse a larger max_tokens with a 400 (default: the "
-                                                           "config's http.max_tokens_cap, 4096)")
+                       help="require this key as 'Authorization: Bearer <key>' on /v1 routes; repeat for "
+                            "several tenants (each key gets its own prefix-cache salt)")
+    serve.add_argument("--max-prompt-tokens", type=int,
+                       help="refuse longer prompts with a 400 (default: the config's http.max_prompt_tokens, "
+                            "else max_model_len)")
+    serve.add_argument("--max-tokens-cap", type=int, help="refuse a larger max_tokens with a 400 (default: "
+                                                           "the config's http.max_tokens_cap, 4096)")
     serve.add_argument("--max-concurrent-per-client", type=int,
                        help="open requests one client (API key, else user, else address) may have before 429 "
                             "(default: the config's http.max_concurrent_per_client, 64)")
     serve.add_argument("--default-deadline-s", type=float,
-                       help="seconds a request may take when it sets no deadline_s; then it is aborted (default: "
-                            "the config's http.default_deadline_s, 600)")
+                       help="seconds a request may take when it sets no deadline_s; then it is aborted "
+                            "(default: the config's http.default_deadline_s, 600)")
     serve.add_argument("--served-model-name", help="the name requests give as `model` (default: the config's "
                                                    "http.served_model_name, else the model folder's name)")
     serve.set_defaults(func=cmd_serve)
     stats = sub.add_parser("stats", formatter_class=HelpFormatter,
-                           help="print a deployment's workers, routing, policy and decisions as JSON, or with "
-                                "--watch a live table per worker")
+                           help="print a deployment's workers, routing, policy and decisions as JSON, or "
+                                "with --watch a live table per worker")
     stats.add_argument("--watch", action="store_true",
-                       help="a table per worker (NUMA node, cores, running / waiting, tokens/s, KV use, prefix hit "
-                            "rate, speculation acceptance, adapters held), refreshed in place until Ctrl-C")
-    stats.add_argument("--interval", type=_positive(float, "give --interval seconds above 0, e.g. 1"), default=1.0,
-                       help="with --watch: seconds between refreshes")
-    stats.add_argument("--count", type=_positive(int, "give --count a whole number of refreshes above 0, e.g. 10"),
+                       help="a table per worker (NUMA node, cores, running / waiting, tokens/s, KV use, "
+                            "prefix hit rate, speculation acceptance, adapters held), refreshed in place "
+                            "until Ctrl-C")
+    stats.add_argument("--interval", type=_positive(float, "give --interval seconds above 0, e.g. 1"),
+                       default=1.0, help="with --watch: seconds between refreshes")
+    stats.add_argument("--count",
+                       type=_positive(int, "give --count a whole number of refreshes above 0, e.g. 10"),
                        help="with --watch: stop after this many refreshes (default: until Ctrl-C)")
     stats.set_defaults(func=cmd_stats)
-    shutdown = sub.add_parser("shutdown", formatter_class=HelpFormatter, help="stop every actor of a deployment")
+    shutdown = sub.add_parser("shutdown", formatter_class=HelpFormatter,
+                              help="stop every actor of a deployment")
     shutdown.set_defaults(func=cmd_shutdown)
     for p in (serve, stats, shutdown):
         p.add_argument("--name", default="numaserve", help="deployment name")
@@ -237,8 +252,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="numaserve", description="CPU-native LLM serving",
                                      formatter_class=HelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    gen = sub.add_parser("generate", formatter_class=HelpFormatter, help="stream a completion of PROMPT from "
-                                                                           "MODEL_DIR in this process (no Ray)")
+    gen = sub.add_parser("generate", formatter_class=HelpFormatter,
+                         help="stream a completion of PROMPT from MODEL_DIR in this process (no Ray)")
     gen.add_argument("model_dir", help="model directory (Hugging Face safetensors) or GGUF file")
     gen.add_argument("prompt", help="the text to complete")
     _add_sampling_args(gen)
@@ -251,7 +266,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_calibrate_parser(sub)
     _add_cluster_parsers(sub)
     sub.add_parser("bench", formatter_class=HelpFormatter,
-                   help="decode/prefill benchmark against llama.cpp; `numaserve bench --help` for its options")
+                   help="decode/prefill benchmark against llama.cpp; `numaserve bench --help` for its "
+                        "options")
     return parser
 
 

@@ -40,8 +40,8 @@ def run_demo(max_tokens: int = 48, speculation: bool = True) -> dict:
 
     model_dir = DEMO_DIR / "base"
     if not (model_dir / "config.json").exists():
-        raise CheckpointError(f"{model_dir}: the demo model is missing; reinstall numaserve or rebuild it with "
-                              "python scripts/train_demo.py")
+        raise CheckpointError(f"{model_dir}: the demo model is missing; reinstall numaserve or rebuild it "
+                              "with python scripts/train_demo.py")
     start = time.perf_counter()
     # a registry of its own per run: a persistent one would tie the names to the first checkout that ran it
     registry_dir = tempfile.TemporaryDirectory(prefix="numaserve-demo-")
@@ -52,7 +52,8 @@ def run_demo(max_tokens: int = 48, speculation: bool = True) -> dict:
             client.register_adapter(name, DEMO_DIR / "adapters" / name)
         workers = client.stats()["workers"]
         print(f"deployment up in {time.perf_counter() - start:.1f} s: " + ", ".join(
-            f"{w} on cores {s['info']['cpu_ids']} ({s['info']['num_threads']} threads)" for w, s in workers.items()))
+            f"{w} on cores {s['info']['cpu_ids']} ({s['info']['num_threads']} threads)"
+            for w, s in workers.items()))
         summary = _adapters(client, max_tokens)
         if speculation:
             baseline = _greedy(client, max_tokens)

@@ -40,19 +40,23 @@ class LLM:
 
     def generate(self, prompts, params: SamplingParams | Sequence[SamplingParams] | None = None,
                  adapter: str | Sequence[str | None] | None = None) -> list[Completion]:
-        """params and adapter: one for every prompt, or a list with one per prompt (adapter None: the base model)."""
+        """params and adapter: one for every prompt, or a list with one per prompt (adapter None: the base
+        model)."""
         prompts = _as_prompt_list(prompts)
         params_list = _per_prompt(params, len(prompts), "params", "a numaserve.SamplingParams",
                                   (SamplingParams, type(None)))
-        adapters = _per_prompt(adapter, len(prompts), "adapter", "an adapter name (str) or None", (str, type(None)))
+        adapters = _per_prompt(adapter, len(prompts), "adapter", "an adapter name (str) or None",
+                               (str, type(None)))
+        # every prompt validated before any work
         requests = [self.engine.make_request(f"llm-{next(_ids)}", p, sp, adapter=a)
-                    for p, sp, a in zip(prompts, params_list, adapters)]  # every prompt validated before any work
+                    for p, sp, a in zip(prompts, params_list, adapters)]
         for req in requests:
             self.engine.submit(req)
         self._run_until_done(requests)
         return [self._completion(req) for req in requests]
 
-    def stream(self, prompt, params: SamplingParams | None = None, adapter: str | None = None) -> Iterator[str]:
+    def stream(self, prompt, params: SamplingParams | None = None,
+               adapter: str | None = None) -> Iterator[str]:
         """Text deltas of one completion as they are decoded; closing the iterator aborts the request."""
         req = self.engine.add_request(f"llm-{next(_ids)}", prompt, params, adapter=adapter)
         try:
@@ -98,7 +102,8 @@ class LLM:
 
     @staticmethod
     def _completion(req: Request) -> Completion:
-        return Completion(prompt_token_ids=req.token_ids[:req.num_prompt_tokens], token_ids=req.output_token_ids,
+        return Completion(prompt_token_ids=req.token_ids[:req.num_prompt_tokens],
+                          token_ids=req.output_token_ids,
                           text=req.text, finish_reason=req.finish_reason,
                           logprobs=req.logprobs if req.params.logprobs is not None else None)
 
@@ -108,7 +113,8 @@ def _per_prompt(value, num_prompts: int, name: str, expected: str, single: tuple
     if isinstance(value, single):
         return [value] * num_prompts
     if not isinstance(value, list | tuple):
-        raise InvalidRequest(f"{name} must be {expected} or a list of one per prompt, got {type(value).__name__}")
+        raise InvalidRequest(f"{name} must be {expected} or a list of one per prompt, got "
+                             f"{type(value).__name__}")
     if len(value) != num_prompts:
         raise InvalidRequest(f"{len(value)} {name} for {num_prompts} prompts; pass one per prompt")
     return list(value)

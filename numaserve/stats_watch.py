@@ -48,8 +48,8 @@ def worker_row(worker_id: str, w: dict, previous: dict | None, elapsed_s: float)
 
 def stats_table(stats: dict, previous: dict | None = None, elapsed_s: float = 0.0) -> Table:
     """The table of one refresh; previous: the stats of the refresh before (for tokens/s)."""
-    table = Table(title=f"numaserve: {len(stats['workers'])} workers, {sum(stats.get('routed', {}).values())} "
-                        "requests routed")
+    table = Table(title=f"numaserve: {len(stats['workers'])} workers, "
+                        f"{sum(stats.get('routed', {}).values())} requests routed")
     for name in COLUMNS:
         table.add_column(name, justify="left" if name in ("worker", "cores", "adapters") else "right")
     before = (previous or {}).get("workers", {})

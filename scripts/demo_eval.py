@@ -101,9 +101,12 @@ def _eagle_paragraph(eagle: dict | None) -> str:
 base's shape and a norm, sharing the base's embedding and LM head; trained on the frozen base by
 `{eagle['reproduce']}` in {eagle['runtime_s']:.0f} s, {eagle['steps']} steps). It drafts from the
 {eagle.get('draft_vocab', 'all')} tokens most frequent in the training data (`d2t`, set by
-`{eagle.get('vocabulary_set_by', eagle['reproduce'])}`; {100 * eagle.get('heldout_tokens_in_draft_vocab', 1.0):.1f}% of the held-out
-tokens). Greedy acceptance over {eagle['positions']} held-out positions with {eagle['context_tokens']} tokens of context, depth {eagle['depth']}:
-chain {eagle['chain_mean_accepted_per_round']:.2f} drafts kept per round ({eagle['chain_tokens_per_round']:.2f} tokens
+`{eagle.get('vocabulary_set_by', eagle['reproduce'])}`; \
+{100 * eagle.get('heldout_tokens_in_draft_vocab', 1.0):.1f}% of the held-out
+tokens). Greedy acceptance over {eagle['positions']} held-out positions with \
+{eagle['context_tokens']} tokens of context, depth {eagle['depth']}:
+chain {eagle['chain_mean_accepted_per_round']:.2f} drafts kept per round \
+({eagle['chain_tokens_per_round']:.2f} tokens
 per verification); tree (top {eagle['tree_width']} of the first two steps, every pair)
 {eagle['tree_mean_accepted_per_round']:.2f} ({eagle['tree_tokens_per_round']:.2f} tokens per verification).
 """
@@ -116,7 +119,8 @@ def model_card(m: dict) -> str:
         f"| `{name}` | {a['heldout_files']} | {a['base_ppl']:.2f} | {a['adapter_ppl']:.2f} "
         f"| {a['other_subset_base_ppl']:.2f} | {a['other_subset_adapter_ppl']:.2f} |"
         for name, a in m["adapters"].items())
-    samples = "\n\n".join(f"**{name}**, prompt `{m['samples']['prompt']!r}`:\n\n{_fence(m['samples']['prompt'] + text)}"
+    samples = "\n\n".join(f"**{name}**, prompt `{m['samples']['prompt']!r}`:\n\n"
+                          f"{_fence(m['samples']['prompt'] + text)}"
                           for name, text in m["samples"]["continuations"].items())
     return f"""# numaserve demo model family
 
@@ -132,7 +136,8 @@ demonstration of serving, not a useful code model.
 | `draft/` | same tokenizer, hidden {m['shapes']['draft']['hidden_size']}, \
 {m['shapes']['draft']['num_hidden_layers']} layers, for speculative decoding | {m['params']['draft']:,} |
 | `adapters/tests/` | LoRA (PEFT format) on `base`, trained on test modules | {m['params']['adapter']:,} |
-| `adapters/library/` | LoRA (PEFT format) on `base`, trained on library modules | {m['params']['adapter']:,} |
+| `adapters/library/` | LoRA (PEFT format) on `base`, trained on library modules \
+| {m['params']['adapter']:,} |
 
 Weights are bfloat16 safetensors in Hugging Face format; each model directory carries the tokenizer
 (byte-level BPE, {m['vocab_size']} tokens, `<unk>`=0 `<s>`=1 `</s>`=2; `encode` prepends `<s>`).

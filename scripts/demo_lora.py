@@ -50,8 +50,10 @@ def save_adapter(path: Path, wrapped: dict[str, LoraLinear], r: int, alpha: int,
     path.mkdir(parents=True, exist_ok=True)
     tensors = {}
     for name, layer in wrapped.items():
-        tensors[f"base_model.model.{name}.lora_A.weight"] = layer.lora_A.weight.detach().to(dtype).contiguous()
-        tensors[f"base_model.model.{name}.lora_B.weight"] = layer.lora_B.weight.detach().to(dtype).contiguous()
+        tensors[f"base_model.model.{name}.lora_A.weight"] = (
+            layer.lora_A.weight.detach().to(dtype).contiguous())
+        tensors[f"base_model.model.{name}.lora_B.weight"] = (
+            layer.lora_B.weight.detach().to(dtype).contiguous())
     save_file(tensors, path / "adapter_model.safetensors", metadata={"format": "pt"})
     config = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": None,

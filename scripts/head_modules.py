@@ -21,7 +21,8 @@ def medusa_heads(hidden: int, vocab: int, num_heads: int, num_layers: int = 1) -
     """Medusa heads with the Medusa repository's module (and so tensor) names: residual blocks, then a
     vocabulary projection."""
     return torch.nn.ModuleList(
-        torch.nn.Sequential(*[ResBlock(hidden) for _ in range(num_layers)], torch.nn.Linear(hidden, vocab, bias=False))
+        torch.nn.Sequential(*[ResBlock(hidden) for _ in range(num_layers)],
+                            torch.nn.Linear(hidden, vocab, bias=False))
         for _ in range(num_heads))
 
 

@@ -1,5 +1,6 @@
 """What training a draft head on the frozen demo base shares (train_heads.py, train_eagle.py): the command
-line, the frozen base and train_demo.py's data, and recording the result in metrics.json and the model card."""
+line, the frozen base and train_demo.py's data, and recording the result in metrics.json and the model
+card."""
 
 import argparse
 import json
@@ -18,20 +19,24 @@ from train_demo import ASSETS, collect_corpus, encode_corpus, load_model
 LR, BATCH, SEQ_LEN = 1e-3, 8, 256  # AdamW's peak rate; random windows per step, tokens per window
 
 
-def parse_args(doc: str, extra: Callable[[argparse.ArgumentParser], object] | None = None) -> argparse.Namespace:
+def parse_args(doc: str,
+               extra: Callable[[argparse.ArgumentParser], object] | None = None) -> argparse.Namespace:
     """The scripts' shared options; extra(parser) adds a script's own."""
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seed", type=int, default=0, help="seed of the windows sampled for training")
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="torch threads")
-    parser.add_argument("--quick", action="store_true", help="a smoke run: a few steps on a sixteenth of the files")
-    parser.add_argument("--out", type=Path, default=None, help="where to write the head (default: the demo base)")
+    parser.add_argument("--quick", action="store_true",
+                        help="a smoke run: a few steps on a sixteenth of the files")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="where to write the head (default: the demo base)")
     if extra is not None:
         extra(parser)
     return parser.parse_args()
 
 
 def frozen_base_and_data(args: argparse.Namespace) -> tuple[transformers.LlamaForCausalLM, dict]:
-    """The demo base (float32, frozen) and the token streams by (split, subset); seeds torch with args.seed."""
+    """The demo base (float32, frozen) and the token streams by (split, subset); seeds torch with
+    args.seed."""
     os.environ["RAYON_NUM_THREADS"] = str(args.threads)
     torch.set_num_threads(args.threads)
     transformers.utils.logging.disable_progress_bar()
@@ -43,7 +48,8 @@ def frozen_base_and_data(args: argparse.Namespace) -> tuple[transformers.LlamaFo
     return base, streams
 
 
-def record(key: str, result: dict, losses: list[float], args: argparse.Namespace, script: str, start: float) -> None:
+def record(key: str, result: dict, losses: list[float], args: argparse.Namespace, script: str,
+           start: float) -> None:
     """Print the result; for the shipped family (no --out), also into metrics.json[key] and the model card."""
     result = result | {"steps": len(losses), "final_loss": round(sum(losses[-20:]) / len(losses[-20:]), 4),
                        "seed": args.seed, "threads": args.threads,
@@ -62,7 +68,8 @@ def train_loop(module: torch.nn.Module, stream: torch.Tensor, steps: int, seed: 
     """AdamW with a cosine decay over `steps` batches of BATCH random SEQ_LEN-token windows of the stream
     (seeded); step_loss(ids [BATCH, SEQ_LEN]) -> (the loss, words for the progress line). -> the losses."""
     optimizer = torch.optim.AdamW(module.parameters(), lr=LR, weight_decay=0.0)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 0.1 + 0.45 * (1 + math.cos(math.pi * s / steps)))
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer,
+                                                 lambda s: 0.1 + 0.45 * (1 + math.cos(math.pi * s / steps)))
     generator = torch.Generator().manual_seed(seed)
     losses = []
     for step in range(steps):

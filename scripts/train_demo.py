@@ -217,8 +217,9 @@ def evaluate(out: Path, tokenizer: Tokenizer, streams: dict, corpus: Corpus, pla
             "base_ppl": demo_eval.perplexity(base, heldout),
             "draft_ppl": demo_eval.perplexity(draft, heldout),
         },
-        "speculation": demo_eval.draft_acceptance(draft, base, streams["heldout", "all"], plan.accept_positions,
-                                                  plan.accept_context, plan.accept_depth),
+        "speculation": demo_eval.draft_acceptance(draft, base, streams["heldout", "all"],
+                                                  plan.accept_positions, plan.accept_context,
+                                                  plan.accept_depth),
         "adapters": {},
         "samples": {"prompt": SAMPLE_PROMPT, "continuations": {
             "base": demo_eval.continuation(base, tokenizer, SAMPLE_PROMPT, plan.sample_tokens)}},
@@ -240,7 +241,8 @@ def evaluate(out: Path, tokenizer: Tokenizer, streams: dict, corpus: Corpus, pla
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="torch and tokenizers threads")
     parser.add_argument("--quick", action="store_true", help="tiny smoke run (writes to --out)")
@@ -267,7 +269,8 @@ class Stopwatch:
         print(f"== {name} done in {self.times[name]:.0f}s", flush=True)
 
 
-def run_info(args: argparse.Namespace, plan: Plan, corpus: Corpus, streams: dict, tokenizer: Tokenizer) -> dict:
+def run_info(args: argparse.Namespace, plan: Plan, corpus: Corpus, streams: dict,
+             tokenizer: Tokenizer) -> dict:
     quick = " --quick" if args.quick else ""
     out = "" if args.out == ASSETS else f" --out {args.out}"
     return {
@@ -315,7 +318,8 @@ def main() -> None:
     metrics = evaluate(out, tokenizer, streams, corpus, plan)
     stopwatch.lap("eval")
     stopwatch.times["total"] = round(sum(stopwatch.times.values()), 1)
-    metrics |= run_info(args, plan, corpus, streams, tokenizer) | {"params": params, "runtime_s": stopwatch.times}
+    metrics |= run_info(args, plan, corpus, streams, tokenizer) | {"params": params,
+                                                                    "runtime_s": stopwatch.times}
     (out / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
     (out / "MODEL_CARD.md").write_text(demo_eval.model_card(metrics))
     print(json.dumps({k: metrics[k] for k in ("heldout", "speculation", "adapters", "samples")}, indent=2))

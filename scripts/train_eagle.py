@@ -2,8 +2,9 @@
 
     python scripts/train_eagle.py --seed 0 --threads 2              # a few minutes on 2 cores
     python scripts/train_eagle.py --quick --out /tmp/demo-eagle      # smoke run
-    python scripts/train_eagle.py --vocabulary-only                  # the shipped head: its draft vocabulary
-                                                                     # set anew and its acceptance measured again
+    python scripts/train_eagle.py --vocabulary-only                  # the shipped head: its draft
+                                                                     # vocabulary set anew and its
+                                                                     # acceptance measured again
 
 Writes eagle_head.safetensors (bf16) and eagle_config.json into base/ (or --out) and the head's held-out
 greedy acceptance into metrics.json under "eagle" (the model card renders it). Data: train_demo.py's (the
@@ -70,7 +71,8 @@ def acceptance(head: EagleHead, base, stream: torch.Tensor, draft_ids: torch.Ten
     """Greedy speculation, one round per held-out position, as the engine runs it: the context's last token
     came from feature f_{c-2}; the head drafts from there, feeding each guess back with its own feature.
     Chain: each step's argmax. Tree: the top TREE_WIDTH of the first two steps (every pair), argmax after;
-    the round keeps the path matching the base's greedy continuation. Guesses come from the draft vocabulary."""
+    the round keeps the path matching the base's greedy continuation. Guesses come from the draft
+    vocabulary."""
     contexts = demo_eval.eval_windows(stream, ACCEPT_POSITIONS, ACCEPT_CONTEXT)
     kept = {"chain": [], "tree": []}
     for i in range(0, len(contexts), 64):
@@ -83,7 +85,8 @@ def acceptance(head: EagleHead, base, stream: torch.Tensor, draft_ids: torch.Ten
             count = torch.zeros(len(ctx), dtype=torch.long)
             for d in range(ACCEPT_DEPTH):
                 out = head(base.model.embed_tokens(tokens), feats)[:, -1]  # the guess of the next feature
-                top = draft_ids[(out @ base.lm_head.weight[draft_ids].T).topk(width if d < 2 else 1, dim=-1).indices]
+                top = draft_ids[(out @ base.lm_head.weight[draft_ids].T)
+                                .topk(width if d < 2 else 1, dim=-1).indices]
                 hit = alive & (top == truth[:, d:d + 1]).any(dim=1)
                 count += hit.long()
                 alive = hit  # follow the base's own token: in a tree it is the matching child, if any
@@ -133,7 +136,8 @@ def main() -> None:
     draft_ids = draft_vocabulary(streams["train", "all"], base.config.vocab_size)
     result = acceptance(head, base, streams["heldout", "all"], draft_ids)
     save(head, draft_ids, args.out or ASSETS / "base")
-    if args.vocabulary_only:  # the training's own record stands; only the draft vocabulary and acceptance are new
+    # the training's own record stands; only the draft vocabulary and acceptance are new
+    if args.vocabulary_only:
         result = {k: v for k, v in trained.items() if k not in result} | result | {
             "vocabulary_set_by": "python scripts/train_eagle.py --vocabulary-only"}
         metrics = json.loads((ASSETS / "metrics.json").read_text()) | {"eagle": result}

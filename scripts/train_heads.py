@@ -99,8 +99,8 @@ def main() -> None:
     heads.eval()
     result = acceptance(heads, base, streams["heldout", "all"], ACCEPT_POSITIONS, ACCEPT_CONTEXT)
     save(heads, args.out or ASSETS / "base")
-    record("medusa", result | {"untrained_mean_accepted_per_round": before["mean_accepted_per_round"]}, losses, args,
-           "train_heads.py", start)
+    record("medusa", result | {"untrained_mean_accepted_per_round": before["mean_accepted_per_round"]},
+           losses, args, "train_heads.py", start)
 
 
 if __name__ == "__main__":
