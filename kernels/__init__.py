@@ -90,7 +90,8 @@ def resolve_num_threads(requested: int | None, cpu_ids: Collection[int]) -> int:
 
 
 def threading_decision() -> dict:
-    """The threading layer in use and why, for the engine's decision log (call after numba's threads start)."""
+    """The threading layer in use and why, for the engine's decision log (call after numba's threads
+    start)."""
     layer = numba.threading_layer()
     choice, reason, warn = layer, _REASON, layer != _LAYER or layer == "workqueue"
     if layer == "omp":

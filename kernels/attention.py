@@ -20,11 +20,11 @@ from kernels.exp32 import exp32
 from kernels.simd_dot import dots
 
 _NEG_BIG = np.float32(-3.0e38)  # stands in for -inf (fastmath assumes no infinities)
-# fastmath without "reassoc": every sum in the order written (the scores' dot products in kernels/simd_dot.py),
-# so the serial and the parallel kernel give a token the same bits (with "reassoc" they did not). "arcp" stays
-# (the reciprocal once per row: no order to keep), and "afn" (per element; while exp was libm's expf, without
-# the two this ran at half speed: decode, 512 positions, TinyLlama heads, 0.54 against 0.30 ms per layer);
-# the softmax's exp is now kernels/exp32.py's arithmetic, which vectorizes
+# fastmath without "reassoc": every sum in the order written (the scores' dot products in
+# kernels/simd_dot.py), so the serial and the parallel kernel give a token the same bits (with "reassoc" they
+# did not). "arcp" stays (the reciprocal once per row: no order to keep), and "afn" (per element; while exp
+# was libm's expf, without the two this ran at half speed: decode, 512 positions, TinyLlama heads, 0.54
+# against 0.30 ms per layer); the softmax's exp is now kernels/exp32.py's arithmetic, which vectorizes
 _FASTMATH = {"contract", "nnan", "ninf", "nsz", "afn", "arcp"}
 
 
@@ -60,8 +60,8 @@ def _attention_parallel(q, k_cache, v_cache, k_scale, v_scale, has_scale, block_
         tt = task // n_kv
         t = tt // 2 if tt % 2 == 0 else T - 1 - tt // 2  # 0, T-1, 1, T-2, ...: prefill rows grow with t,
         # and each thread takes a contiguous range of tasks, so pairing short with long rows balances them
-        _attend(q, k_cache, v_cache, k_scale, v_scale, has_scale, block_tables, token_seq, positions, tree_starts,
-                tree_mask, window, softmax_scale, out, t, task - tt * n_kv)
+        _attend(q, k_cache, v_cache, k_scale, v_scale, has_scale, block_tables, token_seq, positions,
+                tree_starts, tree_mask, window, softmax_scale, out, t, task - tt * n_kv)
 
 
 @njit(cache=True, nogil=True, fastmath=_FASTMATH, error_model="numpy")
@@ -135,7 +135,8 @@ def _attend(q, k_cache, v_cache, k_scale, v_scale, has_scale, block_tables, toke
     n = end - start
     for i in range(width):
         if tree_mask[t, i] != 0:
-            _add_value(v_cache, v_scale, has_scale, block_tables, seq, tree_start + i, kh, row, scores, n, acc)
+            _add_value(v_cache, v_scale, has_scale, block_tables, seq, tree_start + i, kh, row,
+                       scores, n, acc)
             n += 1
     out[t, kh * group:(kh + 1) * group, :] = acc
 

@@ -157,7 +157,8 @@ def pack_q4_0(qs, out, rows):
             p = _packed_index(k, QUADS)
             g, r = divmod(p, GROUP)
             j, m = divmod(r, 32)  # vector j of the group, lane m
-            row, col = interleaved_position(n, g * (GROUP // 2) + (j // 2) * 32 + m, row_bytes, rows, GROUP // 2)
+            row, col = interleaved_position(n, g * (GROUP // 2) + (j // 2) * 32 + m, row_bytes, rows,
+                                            GROUP // 2)
             out[row, col] |= nibble << (4 * (j % 2))
 
 
@@ -174,7 +175,8 @@ def interleaved_position(n, pos, row_bytes, rows, group_bytes):
 
 
 def deinterleave_rows(data: np.ndarray, rows: int, group_bytes: int, n: int) -> np.ndarray:
-    """Blocks of `rows` rows interleaved by group (pack_q8_0_quads, pack_q4_0) -> the first n rows, row by row."""
+    """Blocks of `rows` rows interleaved by group (pack_q8_0_quads, pack_q4_0) -> the first n rows, row by
+    row."""
     n4, b = data.shape
     return np.ascontiguousarray(data.reshape(n4 // rows, b // group_bytes, rows, group_bytes)
                                 .transpose(0, 2, 1, 3).reshape(n4, b)[:n])

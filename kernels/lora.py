@@ -28,7 +28,8 @@ _ROWS, _TOKENS = 4, 4  # shrink register block: A rows x rows of a group
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def lora_shrink_expand(x, starts, ends, group_slots, a, a_scales, bt, bt_scales, ranks, scalings, col_offsets, out):
+def lora_shrink_expand(x, starts, ends, group_slots, a, a_scales, bt, bt_scales, ranks, scalings, col_offsets,
+                       out):
     # x: [T, K] f32; group g: rows starts[g]:ends[g] ([G] int64 each), all of slot group_slots[g] ([G]
     # int32); per module m (tuples of M): a[m]: [S, R, K] f32 | uint16 bf16 | int8 q8_0,
     # bt[m]: [S, R, N_m] (B transposed), the same dtype; q8_0's fp16 scales a_scales[m]: [S, R, K // 32],

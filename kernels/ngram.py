@@ -1,4 +1,5 @@
-"""Prompt lookup: draft the continuation of the most recent earlier occurrence of a sequence's last n tokens."""
+"""Prompt lookup: draft the continuation of the most recent earlier occurrence of a sequence's last n
+tokens."""
 
 from numba import njit
 

@@ -1,4 +1,5 @@
-"""Keyed draws: a token chosen by an exponential race whose clocks are a pure function of (seed, position, token).
+"""Keyed draws: a token chosen by an exponential race whose clocks are a pure function of
+(seed, position, token).
 
 Every token j of a row gets an exponential clock E_j = -log(1 - v_j), v_j uniform in (0, 1) from a
 counter-based hash of (row key, j); the draw is the kept token with the largest w_j / E_j (w: the row's

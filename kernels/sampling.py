@@ -25,7 +25,8 @@ _LN2_LO = 1.90821492927058770002e-10
 _SHIFT = 6755399441055744.0  # 1.5 * 2**52: adding it rounds to an integer held in the low mantissa bits
 _SHIFT_BITS = np.int64(np.array([_SHIFT]).view(np.int64)[0])
 _EXP_MIN = -708.0  # below this exp(s) would be subnormal: taken as 0
-_TOP_P_MARGIN = 1e-9  # the bisected threshold keeps this much extra mass, so rounding never cuts the nucleus short
+# the bisected threshold keeps this much extra mass, so rounding never cuts the nucleus short
+_TOP_P_MARGIN = 1e-9
 
 
 @njit(cache=True, nogil=True, fastmath={"contract", "reassoc"})
@@ -198,7 +199,8 @@ def _filter_row(x, temperature, top_k, top_p, min_p, w, idx):
     if top_p < 1.0:
         if n < 0:
             n, reached = _top_p_cut(w, idx, _top_p_candidates(w, total, top_p, idx), total, top_p)
-            if not reached and n < V:  # rounding hid part of the nucleus below the threshold: take every token
+            # rounding hid part of the nucleus below the threshold: take every token
+            if not reached and n < V:
                 n = _top_p_cut(w, idx, _gather(w, 0.0, idx), total, top_p)[0]
         else:
             n = _top_p_cut(w, idx, n, total, top_p)[0]

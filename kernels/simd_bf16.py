@@ -32,7 +32,8 @@ VECTORS = GROUP // 16  # 16 bf16 values per 256-bit vector
 
 @intrinsic(prefer_literal=True)
 def bf16_block(typingctx, xb, w, out, t0, n0, tokens):
-    """out[t0:t0+tokens, n0:n0+4] = dot products of bf16 activations with 4 packed bf16 weight rows (those < N).
+    """out[t0:t0+tokens, n0:n0+4] = dot products of bf16 activations with 4 packed bf16 weight rows
+    (those < N).
 
     xb: [T, Kp] uint16 (bf16 bits), w: [N4, Kp] uint16 in 4-row blocks (pack_bf16), out: [T, N] f32;
     n0 % 4 == 0; tokens: a literal.
@@ -45,7 +46,8 @@ def bf16_block(typingctx, xb, w, out, t0, n0, tokens):
     group_bytes = 2 * GROUP
 
     def codegen(context, builder, signature, args):
-        xa, wa, oa = (context.make_array(ty)(context, builder, value) for ty, value in zip(signature.args[:3], args[:3]))
+        xa, wa, oa = (context.make_array(ty)(context, builder, value)
+                      for ty, value in zip(signature.args[:3], args[:3]))
         t0_, n0_ = (context.cast(builder, args[i], signature.args[i], types.int64) for i in (3, 4))
         Kp = cgutils.unpack_tuple(builder, xa.shape, 2)[1]
         N = cgutils.unpack_tuple(builder, oa.shape, 2)[1]
@@ -55,19 +57,22 @@ def bf16_block(typingctx, xb, w, out, t0, n0, tokens):
         dpbf16 = cgutils.get_or_insert_function(module, ir.FunctionType(V8F, [V8F, V8I, V8I]),
                                                 "llvm.x86.avx512bf16.dpbf16ps.256")
         i8_ptr = I8.as_pointer()
-        prefetch = cgutils.get_or_insert_function(module, ir.FunctionType(ir.VoidType(), [i8_ptr, I32, I32, I32]),
+        prefetch = cgutils.get_or_insert_function(module,
+                                                  ir.FunctionType(ir.VoidType(), [i8_ptr, I32, I32, I32]),
                                                   "llvm.prefetch.p0")
         token_rows = [builder.add(t0_, const64(t)) for t in range(TB)]
         weight_rows = [builder.add(n0_, const64(r)) for r in range(ROWS)]
         block_base = builder.mul(builder.udiv(n0_, const64(ROWS)), num_groups)  # the block's first group
-        accs = [[cgutils.alloca_once_value(builder, ir.Constant(V8F, None)) for _ in range(TB)] for _ in range(ROWS)]
+        accs = [[cgutils.alloca_once_value(builder, ir.Constant(V8F, None)) for _ in range(TB)]
+                for _ in range(ROWS)]
         w_bytes = builder.bitcast(wa.data, i8_ptr)
 
         with cgutils.for_range(builder, num_groups) as loop:
             g = loop.index
             stream = builder.mul(builder.add(block_base, g), const64(ROWS * GROUP))  # in values (uint16)
             for line in range(0, ROWS * group_bytes, 64):  # a hint: never faults, even past the array
-                ptr = builder.gep(w_bytes, [builder.add(builder.mul(stream, const64(2)), const64(PREFETCH_BYTES + line))])
+                ptr = builder.gep(w_bytes, [builder.add(builder.mul(stream, const64(2)),
+                                                        const64(PREFETCH_BYTES + line))])
                 builder.call(prefetch, [ptr, ir.Constant(I32, 0), ir.Constant(I32, PREFETCH_LOCALITY),
                                         ir.Constant(I32, 1)])
             x_base = [builder.add(builder.mul(row, Kp), builder.mul(g, const64(GROUP))) for row in token_rows]

@@ -43,7 +43,8 @@ def _vector_load(builder, base, offset, elem_type):
 def widen_bf16(builder, bits):
     # <LANES x i16> bf16 bits -> <LANES x float>: the bits become the high half of each float32
     wide = builder.zext(bits, ir.VectorType(ir.IntType(32), LANES))
-    return builder.bitcast(builder.shl(wide, ir.Constant(ir.VectorType(ir.IntType(32), LANES), [16] * LANES)), _VF32)
+    return builder.bitcast(builder.shl(wide, ir.Constant(ir.VectorType(ir.IntType(32), LANES),
+                                                         [16] * LANES)), _VF32)
 
 
 def _splat(builder, scalar):
@@ -53,7 +54,8 @@ def _splat(builder, scalar):
 
 
 def _fma(builder, a, b, c):
-    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VF32, [_VF32] * 3), "llvm.fma.v16f32")
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VF32, [_VF32] * 3),
+                                        "llvm.fma.v16f32")
     return builder.call(fn, [a, b, c])
 
 
@@ -64,7 +66,8 @@ def _hsum(builder, vec):
         width //= 2
         i32 = ir.IntType(32)
         lo = builder.shuffle_vector(vec, vec, ir.Constant(ir.VectorType(i32, width), list(range(width))))
-        hi = builder.shuffle_vector(vec, vec, ir.Constant(ir.VectorType(i32, width), list(range(width, 2 * width))))
+        hi = builder.shuffle_vector(vec, vec,
+                                    ir.Constant(ir.VectorType(i32, width), list(range(width, 2 * width))))
         vec = builder.fadd(lo, hi)
     return builder.extract_element(vec, ir.Constant(ir.IntType(32), 0))
 
@@ -90,7 +93,8 @@ class _Format:
 class _Float32(_Format):
     def block(self, row, b):
         start = self.offset(row, b)
-        return [_vector_load(self.builder, self.data, self.builder.add(start, ir.Constant(_I64, h * LANES)), _F32)
+        return [_vector_load(self.builder, self.data,
+                             self.builder.add(start, ir.Constant(_I64, h * LANES)), _F32)
                 for h in range(2)]
 
 
@@ -100,7 +104,8 @@ class _BFloat16(_Format):
         start = self.offset(row, b)
         halves = []
         for h in range(2):
-            bits = _vector_load(builder, self.data, builder.add(start, ir.Constant(_I64, h * LANES)), ir.IntType(16))
+            bits = _vector_load(builder, self.data, builder.add(start, ir.Constant(_I64, h * LANES)),
+                                ir.IntType(16))
             halves.append(widen_bf16(builder, bits))
         return halves
 
@@ -120,7 +125,8 @@ class _Q8_0(_Quantized):
         d = self.scale(row, b)
         halves = []
         for h in range(2):
-            q = _vector_load(builder, self.data, builder.add(start, ir.Constant(_I64, h * LANES)), ir.IntType(8))
+            q = _vector_load(builder, self.data, builder.add(start, ir.Constant(_I64, h * LANES)),
+                             ir.IntType(8))
             wide = builder.sext(q, ir.VectorType(ir.IntType(32), LANES))
             halves.append(builder.fmul(builder.sitofp(wide, _VF32), d))
         return halves
@@ -187,7 +193,8 @@ def matmul_block(typingctx, x, data, scales, out, t0, n0, rows, tokens):
                       for h in range(2)]
                 for r in range(R):
                     for h in range(2):
-                        builder.store(_fma(builder, xs[h], weights[r][h], builder.load(accs[r][t])), accs[r][t])
+                        builder.store(_fma(builder, xs[h], weights[r][h], builder.load(accs[r][t])),
+                                      accs[r][t])
         for t in range(TB):
             out_row = builder.mul(builder.add(t0_, ir.Constant(_I64, t)), N)
             for r in range(R):

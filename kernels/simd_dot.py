@@ -25,7 +25,8 @@ BLOCK = 8  # rows whose chains interleave: FMA latency 4 x 2 issued per cycle
 
 
 def _emit_dots(builder, a_rows: list, b_data, D):
-    """The IR of sum(a * b) for each pointer in a_rows (float32*, D values each) against b_data -> float values."""
+    """The IR of sum(a * b) for each pointer in a_rows (float32*, D values each) against b_data -> float
+    values."""
     module = builder.module
     fma = cgutils.get_or_insert_function(module, ir.FunctionType(_V8F, [_V8F] * 3), "llvm.fma.v8f32")
     fma1 = cgutils.get_or_insert_function(module, ir.FunctionType(_F32, [_F32] * 3), "llvm.fma.f32")
@@ -40,11 +41,14 @@ def _emit_dots(builder, a_rows: list, b_data, D):
         bv = load8(b_data, i)
         for a, acc in zip(a_rows, accs):
             builder.store(builder.call(fma, [load8(a, i), bv, builder.load(acc)]), acc)
-    totals = [cgutils.alloca_once_value(builder, hsum8(builder, builder.load(acc))) for acc in accs]  # 8 -> 4 -> 2 -> 1
-    with cgutils.for_range_slice(builder, builder.mul(builder.udiv(D, eight), eight), D, ir.Constant(_I64, 1)) as (i, _):
+    # 8 -> 4 -> 2 -> 1
+    totals = [cgutils.alloca_once_value(builder, hsum8(builder, builder.load(acc))) for acc in accs]
+    with cgutils.for_range_slice(builder, builder.mul(builder.udiv(D, eight), eight), D,
+                                 ir.Constant(_I64, 1)) as (i, _):
         y = builder.load(builder.gep(b_data, [i]))
         for a, total in zip(a_rows, totals):
-            builder.store(builder.call(fma1, [builder.load(builder.gep(a, [i])), y, builder.load(total)]), total)
+            builder.store(builder.call(fma1, [builder.load(builder.gep(a, [i])), y, builder.load(total)]),
+                          total)
     return [builder.load(total) for total in totals]
 
 
@@ -65,31 +69,35 @@ def dot(typingctx, a, b):
 
 @intrinsic
 def dots(typingctx, a, b, out, column, scale):
-    """out[g, column] = dot(a[g], b) * scale for every row g: a [G, D], b [D], out [G, W] float32, C-contiguous;
-    scale float32."""
+    """out[g, column] = dot(a[g], b) * scale for every row g: a [G, D], b [D], out [G, W] float32,
+    C-contiguous; scale float32."""
     arrays = ((a, 2), (b, 1), (out, 2))
     if not all(isinstance(x, types.Array) and x.ndim == nd and x.dtype == types.float32 and x.layout == "C"
                for x, nd in arrays) or scale != types.float32 or not isinstance(column, types.Integer):
         return None
 
     def codegen(context, builder, signature, args):
-        aa, ba, oa = (context.make_array(ty)(context, builder, value) for ty, value in zip(signature.args[:3], args[:3]))
+        aa, ba, oa = (context.make_array(ty)(context, builder, value)
+                      for ty, value in zip(signature.args[:3], args[:3]))
         col = context.cast(builder, args[3], signature.args[3], types.int64)
         G, D = cgutils.unpack_tuple(builder, aa.shape, 2)
         W = cgutils.unpack_tuple(builder, oa.shape, 2)[1]
         g = cgutils.alloca_once_value(builder, ir.Constant(_I64, 0))
 
         def rows(n: int):  # while n rows are left: their dots, stored; g += n
-            check, body, done = (builder.append_basic_block(f"dots{n}.{part}") for part in ("check", "body", "done"))
+            check, body, done = (builder.append_basic_block(f"dots{n}.{part}")
+                                 for part in ("check", "body", "done"))
             builder.branch(check)
             builder.position_at_end(check)
             g0 = builder.load(g)
             builder.cbranch(builder.icmp_signed("<=", builder.add(g0, ir.Constant(_I64, n)), G), body, done)
             builder.position_at_end(body)
             firsts = [builder.add(g0, ir.Constant(_I64, r)) for r in range(n)]
-            totals = _emit_dots(builder, [builder.gep(aa.data, [builder.mul(f, D)]) for f in firsts], ba.data, D)
+            totals = _emit_dots(builder, [builder.gep(aa.data, [builder.mul(f, D)]) for f in firsts],
+                                ba.data, D)
             for f, total in zip(firsts, totals):
-                builder.store(builder.fmul(total, args[4]), builder.gep(oa.data, [builder.add(builder.mul(f, W), col)]))
+                builder.store(builder.fmul(total, args[4]),
+                              builder.gep(oa.data, [builder.add(builder.mul(f, W), col)]))
             builder.store(builder.add(g0, ir.Constant(_I64, n)), g)
             builder.branch(check)
             builder.position_at_end(done)

@@ -1,5 +1,5 @@
-"""LoRA's expand as an LLVM IR register block: out[t, c0 + n0 : +16] += scaling * sum_j tmp[t, j] * B^T[j, n0 : +16]
-for TB rows t at once.
+"""LoRA's expand as an LLVM IR register block: out[t, c0 + n0 : +16] += scaling * sum_j tmp[t, j] *
+B^T[j, n0 : +16] for TB rows t at once.
 
 TB accumulators of 16 float32 lanes stay in vector registers while the rank runs: each 16-wide slice of a
 B^T row is loaded once (bf16: shift; q8_0: sign-extend, convert, times its 32-column block's scale) and
@@ -57,7 +57,8 @@ def expand_block(typingctx, tmp, bt, bt_scales, out, t0, n0, c0, rank, scaling, 
     def codegen(context, builder, signature, args):
         ta, ba, sa, oa = (context.make_array(ty)(context, builder, value)
                           for ty, value in zip(signature.args[:4], args[:4]))
-        t0_, n0_, c0_, r_ = (context.cast(builder, v, ty, types.int64) for v, ty in zip(args[4:8], signature.args[4:8]))
+        t0_, n0_, c0_, r_ = (context.cast(builder, v, ty, types.int64)
+                             for v, ty in zip(args[4:8], signature.args[4:8]))
         scale = _splat(builder, context.cast(builder, args[8], signature.args[8], types.float32))
         R = cgutils.unpack_tuple(builder, ta.shape, 2)[1]
         N = cgutils.unpack_tuple(builder, ba.shape, 2)[1]

@@ -38,7 +38,8 @@ def hsum8(builder, vec):
     while width > 1:
         width //= 2
         lo = builder.shuffle_vector(vec, vec, ir.Constant(ir.VectorType(I32, width), list(range(width))))
-        hi = builder.shuffle_vector(vec, vec, ir.Constant(ir.VectorType(I32, width), list(range(width, 2 * width))))
+        hi = builder.shuffle_vector(vec, vec,
+                                    ir.Constant(ir.VectorType(I32, width), list(range(width, 2 * width))))
         vec = builder.fadd(lo, hi)
     return builder.extract_element(vec, ir.Constant(I32, 0))
 
@@ -49,7 +50,8 @@ def fold_group(builder, fma, iacc, dw, dx, accs):
     for r, row in enumerate(iacc):
         for t, sums in enumerate(row):
             scale = builder.fmul(dw[r], dx[t])
-            builder.store(builder.call(fma, [builder.sitofp(sums, V8F), scale, builder.load(accs[r][t])]), accs[r][t])
+            builder.store(builder.call(fma, [builder.sitofp(sums, V8F), scale, builder.load(accs[r][t])]),
+                          accs[r][t])
 
 
 def store_block(builder, out_data, accs, token_rows, weight_rows, N):
@@ -70,7 +72,8 @@ def operands_fit(arrays, dtypes) -> bool:
 
 def block_operands(context, builder, signature, args):
     """A block intrinsic's (xq, xd, xsum, data, scales, out) arrays, t0 and n0 as int64, Kp and N."""
-    arrays = [context.make_array(ty)(context, builder, value) for ty, value in zip(signature.args[:6], args[:6])]
+    arrays = [context.make_array(ty)(context, builder, value)
+              for ty, value in zip(signature.args[:6], args[:6])]
     t0, n0 = (context.cast(builder, args[i], signature.args[i], types.int64) for i in (6, 7))
     Kp = cgutils.unpack_tuple(builder, arrays[0].shape, 2)[1]
     N = cgutils.unpack_tuple(builder, arrays[5].shape, 2)[1]
@@ -104,20 +107,24 @@ def int8_block(typingctx, xq, xd, xsum, data, scales, out, t0, n0, rows, tokens)
         fma = cgutils.get_or_insert_function(module, ir.FunctionType(V8F, [V8F] * 3), "llvm.fma.v8f32")
         token_rows = [builder.add(t0_, const64(t)) for t in range(TB)]
         weight_rows = [builder.add(n0_, const64(r)) for r in range(R)]
-        accs = [[cgutils.alloca_once_value(builder, ir.Constant(V8F, None)) for _ in range(TB)] for _ in range(R)]
+        accs = [[cgutils.alloca_once_value(builder, ir.Constant(V8F, None)) for _ in range(TB)]
+                for _ in range(R)]
 
         with cgutils.for_range(builder, builder.udiv(Kp, const64(GROUP))) as loop:
             g = loop.index
             blk0 = builder.mul(g, const64(8))
             x_base = [builder.add(builder.mul(row, Kp), builder.mul(g, const64(GROUP))) for row in token_rows]
-            w_base = [builder.add(builder.mul(row, w_per_row), builder.mul(g, const64(GROUP // 2 if is_q4 else GROUP)))
+            w_base = [builder.add(builder.mul(row, w_per_row),
+                                  builder.mul(g, const64(GROUP // 2 if is_q4 else GROUP)))
                       for row in weight_rows]
-            dx = [load_vec(builder, da.data, builder.add(builder.mul(row, num_blocks), blk0), V8F) for row in token_rows]
+            dx = [load_vec(builder, da.data, builder.add(builder.mul(row, num_blocks), blk0), V8F)
+                  for row in token_rows]
             dw = [builder.fpext(load_vec(builder, ca.data, builder.add(builder.mul(row, num_blocks), blk0),
                                       ir.VectorType(ir.HalfType(), 8)), V8F) for row in weight_rows]
             if is_q4:  # value = nibble - 8: start from -8 x the block sums of x
                 minus8 = ir.Constant(V8I, [-8] * 8)
-                init = [builder.mul(load_vec(builder, sa.data, builder.add(builder.mul(row, num_blocks), blk0), V8I),
+                init = [builder.mul(load_vec(builder, sa.data,
+                                             builder.add(builder.mul(row, num_blocks), blk0), V8I),
                                     minus8) for row in token_rows]
             else:
                 init = [ir.Constant(V8I, None)] * TB
@@ -128,14 +135,16 @@ def int8_block(typingctx, xq, xd, xsum, data, scales, out, t0, n0, rows, tokens)
                 for r in range(R):
                     if is_q4:
                         if j % 2 == 0:
-                            nibbles[r] = load_vec(builder, wa.data, builder.add(w_base[r], const64(8 * j)), V16I8)
+                            nibbles[r] = load_vec(builder, wa.data, builder.add(w_base[r], const64(8 * j)),
+                                                  V16I8)
                         v = nibbles[r]
                         v = builder.and_(v, ir.Constant(V16I8, [15] * 16)) if j % 2 == 0 else builder.lshr(
                             v, ir.Constant(V16I8, [4] * 16))
                         weights.append(builder.zext(v, V16I16))
                     else:
-                        weights.append(builder.sext(load_vec(builder, wa.data, builder.add(w_base[r], const64(16 * j)),
-                                                          V16I8), V16I16))
+                        weights.append(builder.sext(load_vec(builder, wa.data,
+                                                             builder.add(w_base[r], const64(16 * j)),
+                                                             V16I8), V16I16))
                 for t in range(TB):
                     xv = load_vec(builder, xa.data, builder.add(x_base[t], const64(16 * j)), V16I16)
                     for r in range(R):

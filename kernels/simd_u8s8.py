@@ -69,7 +69,8 @@ def u8s8_block(typingctx, xq, xd, xsum, data, scales, out, t0, n0, tokens):
             g = loop.index
             blk0 = builder.mul(g, const64(8))
             x_base = [builder.add(builder.mul(row, Kp), builder.mul(g, const64(GROUP))) for row in token_rows]
-            w_base = builder.add(builder.mul(n0_, builder.udiv(Kp, const64(2))), builder.mul(g, const64(GROUP // 2)))
+            w_base = builder.add(builder.mul(n0_, builder.udiv(Kp, const64(2))),
+                                 builder.mul(g, const64(GROUP // 2)))
             dw = builder.fpext(load_vec(builder, ca.data, builder.add(builder.mul(n0_, num_blocks), blk0),
                                      ir.VectorType(ir.HalfType(), 8)), V8F)
             pairs = [ir.Constant(V16I16, None)] * TB
@@ -78,13 +79,17 @@ def u8s8_block(typingctx, xq, xd, xsum, data, scales, out, t0, n0, tokens):
                 nibbles = (builder.and_(packed, low), builder.and_(builder.lshr(packed, four), low))
                 for half, w in enumerate(nibbles):
                     for t in range(TB):
-                        xv = load_vec(builder, xa.data, builder.add(x_base[t], const64(32 * (2 * c + half))), V32I8)
+                        xv = load_vec(builder, xa.data, builder.add(x_base[t], const64(32 * (2 * c + half))),
+                                      V32I8)
                         pairs[t] = builder.add(pairs[t], builder.call(pmaddubsw, [w, xv]))
             for t in range(TB):
-                xs = load_vec(builder, sa.data, builder.add(builder.mul(token_rows[t], num_blocks), blk0), V8I)
+                xs = load_vec(builder, sa.data, builder.add(builder.mul(token_rows[t], num_blocks), blk0),
+                              V8I)
                 blocks = builder.add(builder.call(pmaddwd, [pairs[t], ones]), builder.mul(xs, minus8))
-                dx = load_vec(builder, da.data, builder.add(builder.mul(token_rows[t], num_blocks), blk0), V8F)
-                total = builder.call(fma, [builder.sitofp(blocks, V8F), builder.fmul(dw, dx), builder.load(accs[t])])
+                dx = load_vec(builder, da.data, builder.add(builder.mul(token_rows[t], num_blocks), blk0),
+                              V8F)
+                total = builder.call(fma, [builder.sitofp(blocks, V8F), builder.fmul(dw, dx),
+                                           builder.load(accs[t])])
                 builder.store(total, accs[t])
         for t in range(TB):
             ptr = builder.gep(oa.data, [builder.add(builder.mul(token_rows[t], N), n0_)])

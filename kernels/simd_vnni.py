@@ -11,10 +11,10 @@ multiply-add by (weight scale x activation scale) per lane move a group into a f
 the same order: the outputs are bit for bit those of the AVX2 kernels, with one instruction per 32
 products instead of two to three per 16.
 
-Weights come in blocks of 4 rows interleaved by group (kernels/int8_layout.py pack_q8_0_quads, pack_q4_0): a task
-reads one sequential stream, and prefetches PREFETCH_BYTES ahead in it into L2, so the next blocks' bytes
-arrive while this one is multiplied. 4 rows x 4 tokens keep 16 int32 and 16 float32 accumulators in AVX-512's 32
-vector registers. Rows past the matrix's last (padding of the last block) are computed, not stored.
+Weights come in blocks of 4 rows interleaved by group (kernels/int8_layout.py pack_q8_0_quads, pack_q4_0): a
+task reads one sequential stream, and prefetches PREFETCH_BYTES ahead in it into L2, so the next blocks' bytes
+arrive while this one is multiplied. 4 rows x 4 tokens keep 16 int32 and 16 float32 accumulators in AVX-512's
+32 vector registers. Rows past the matrix's last (padding of the last block) are computed, not stored.
 (Measured against this: one pass per block over all of a task's tokens, their float32 accumulators in a
 stack array, was 10-40% slower from 2 tokens up.)
 
@@ -80,31 +80,37 @@ def vnni_block(typingctx, xq, xd, xsum, data, scales, out, t0, n0, bits, tokens)
         num_groups = builder.udiv(Kp, const64(GROUP))
         module = builder.module
         # the byte operands typed <8 x i32>, the form every LLVM since VNNI's introduction accepts
-        dpbusd = cgutils.get_or_insert_function(module, ir.FunctionType(V8I, [V8I] * 3), "llvm.x86.avx512.vpdpbusd.256")
+        dpbusd = cgutils.get_or_insert_function(module, ir.FunctionType(V8I, [V8I] * 3),
+                                                "llvm.x86.avx512.vpdpbusd.256")
         fma = cgutils.get_or_insert_function(module, ir.FunctionType(V8F, [V8F] * 3), "llvm.fma.v8f32")
         i8_ptr = I8.as_pointer()
-        prefetch = cgutils.get_or_insert_function(module, ir.FunctionType(ir.VoidType(), [i8_ptr, I32, I32, I32]),
+        prefetch = cgutils.get_or_insert_function(module,
+                                                  ir.FunctionType(ir.VoidType(), [i8_ptr, I32, I32, I32]),
                                                   "llvm.prefetch.p0")
         low, four = ir.Constant(V32I8, [15] * 32), ir.Constant(V32I8, [4] * 32)
         minus_offset = ir.Constant(V8I, [-offset] * 8)
         token_rows = [builder.add(t0_, const64(t)) for t in range(TB)]
         weight_rows = [builder.add(n0_, const64(r)) for r in range(ROWS)]
         block_base = builder.mul(builder.udiv(n0_, const64(ROWS)), num_groups)  # the block's first group
-        accs = [[cgutils.alloca_once_value(builder, ir.Constant(V8F, None)) for _ in range(TB)] for _ in range(ROWS)]
+        accs = [[cgutils.alloca_once_value(builder, ir.Constant(V8F, None)) for _ in range(TB)]
+                for _ in range(ROWS)]
         with cgutils.for_range(builder, num_groups) as loop:
             g = loop.index
             blk0 = builder.mul(g, const64(8))
             x_base = [builder.add(builder.mul(row, Kp), builder.mul(g, const64(GROUP))) for row in token_rows]
-            stream = builder.mul(builder.add(block_base, g), const64(ROWS * group_bytes))  # this group's 4 rows
+            # this group's 4 rows
+            stream = builder.mul(builder.add(block_base, g), const64(ROWS * group_bytes))
             for line in range(0, ROWS * group_bytes, 64):  # a hint: never faults, even past the array
                 ptr = builder.gep(wa.data, [builder.add(stream, const64(PREFETCH_BYTES + line))])
                 builder.call(prefetch, [builder.bitcast(ptr, i8_ptr), ir.Constant(I32, 0),
                                         ir.Constant(I32, PREFETCH_LOCALITY), ir.Constant(I32, 1)])
             w_base = [builder.add(stream, const64(r * group_bytes)) for r in range(ROWS)]
-            dx = [load_vec(builder, da.data, builder.add(builder.mul(row, num_blocks), blk0), V8F) for row in token_rows]
+            dx = [load_vec(builder, da.data, builder.add(builder.mul(row, num_blocks), blk0), V8F)
+                  for row in token_rows]
             dw = [builder.fpext(load_vec(builder, ca.data, builder.add(builder.mul(row, num_blocks), blk0),
                                       ir.VectorType(ir.HalfType(), 8)), V8F) for row in weight_rows]
-            init = [builder.mul(load_vec(builder, sa.data, builder.add(builder.mul(row, num_blocks), blk0), V8I),
+            init = [builder.mul(load_vec(builder, sa.data,
+                                         builder.add(builder.mul(row, num_blocks), blk0), V8I),
                                 minus_offset) for row in token_rows]
             iacc = [list(init) for _ in range(ROWS)]
             packed = [None] * ROWS
@@ -113,14 +119,16 @@ def vnni_block(typingctx, xq, xd, xsum, data, scales, out, t0, n0, bits, tokens)
                 for r in range(ROWS):
                     if is_q4:  # chunk j // 2: vector j // 2 * 2 in its low nibbles, the next in its high ones
                         if j % 2 == 0:
-                            packed[r] = load_vec(builder, wa.data, builder.add(w_base[r], const64(16 * j)), V32I8)
+                            packed[r] = load_vec(builder, wa.data, builder.add(w_base[r], const64(16 * j)),
+                                                 V32I8)
                         v = builder.and_(packed[r], low) if j % 2 == 0 else builder.and_(
                             builder.lshr(packed[r], four), low)
                     else:
                         v = load_vec(builder, wa.data, builder.add(w_base[r], const64(32 * j)), V32I8)
                     weights.append(builder.bitcast(v, V8I))
                 for t in range(TB):
-                    xv = builder.bitcast(load_vec(builder, xa.data, builder.add(x_base[t], const64(32 * j)), V32I8), V8I)
+                    xv = builder.bitcast(load_vec(builder, xa.data, builder.add(x_base[t], const64(32 * j)),
+                                                  V32I8), V8I)
                     for r in range(ROWS):
                         iacc[r][t] = builder.call(dpbusd, [iacc[r][t], weights[r], xv])
             fold_group(builder, fma, iacc, dw, dx, accs)

@@ -28,7 +28,8 @@ from kernels.simd_bf16 import BF16_FEATURES
 from memory.weights import PROJECTIONS, Bf16Matrix, Int8Matrix, Matrix, ModelWeights, WeightMatrix
 from models.calibration import Calibration, MatrixCalibration, check_fits
 
-INT8_FEATURES = ("avx2", "f16c")  # vpmaddwd on 256-bit vectors, fp16 scale conversion (and VNNI where present)
+# vpmaddwd on 256-bit vectors, fp16 scale conversion (and VNNI where present)
+INT8_FEATURES = ("avx2", "f16c")
 
 
 def linear_matrices(weights: ModelWeights) -> Iterator[tuple[str, str, Matrix]]:
@@ -41,7 +42,8 @@ def linear_matrices(weights: ModelWeights) -> Iterator[tuple[str, str, Matrix]]:
 
 
 def with_linear_matrices(weights: ModelWeights, choose: Callable[[str, Matrix], Matrix]) -> ModelWeights:
-    """A copy with each matrix of linear_matrices (name, w) replaced by choose(name, w), called in that order."""
+    """A copy with each matrix of linear_matrices (name, w) replaced by choose(name, w), called in that
+    order."""
     layers = []
     for i, layer in enumerate(weights.layers):
         for key in PROJECTIONS:
@@ -86,13 +88,14 @@ def record_kernels(weights: ModelWeights, decisions: DecisionLog) -> None:
 def for_activations(w: WeightMatrix, activation_dtype: str) -> WeightMatrix | Int8Matrix:
     """One matrix outside a model's layers (a draft head's): repacked for int8 activations where
     plan_activations would repack it without a calibration file, else unchanged."""
-    if activation_dtype in ("int8", "auto") and w.dtype in ("q8_0", "q4_0") and not missing_features(INT8_FEATURES):
+    if (activation_dtype in ("int8", "auto") and w.dtype in ("q8_0", "q4_0")
+            and not missing_features(INT8_FEATURES)):
         return Int8Matrix.pack(w)
     return w
 
 
-def _plan(weights: ModelWeights, activation_dtype: str, decisions: DecisionLog, calibration: Calibration | None,
-          static_scales: bool) -> ModelWeights:
+def _plan(weights: ModelWeights, activation_dtype: str, decisions: DecisionLog,
+          calibration: Calibration | None, static_scales: bool) -> ModelWeights:
     if calibration is not None:
         check_fits(calibration, len(weights.layers))
     if activation_dtype == "float32":
@@ -102,15 +105,18 @@ def _plan(weights: ModelWeights, activation_dtype: str, decisions: DecisionLog, 
     if activation_dtype == "bfloat16":
         missing = missing_features(BF16_FEATURES)
         if missing:
-            decisions.record("activation_dtype", "float32", f"bfloat16 activations requested but this CPU lacks "
-                             f"{', '.join(missing)} (vdpbf16ps); computing with float32 activations (exact)", warn=True)
+            decisions.record("activation_dtype", "float32",
+                             f"bfloat16 activations requested but this CPU lacks "
+                             f"{', '.join(missing)} (vdpbf16ps); computing with float32 activations (exact)",
+                             warn=True)
             _calibration_unused(calibration, decisions, "bfloat16 activations fall back to float32")
             return weights
         _calibration_unused(calibration, decisions, "its scales are for int8 activations")
         return _planned(weights, decisions, _bf16_choice)
     missing = missing_features(INT8_FEATURES)
     if missing:
-        decisions.record("activation_dtype", "float32", f"activation_dtype={activation_dtype} but this CPU lacks "
+        decisions.record("activation_dtype", "float32",
+                         f"activation_dtype={activation_dtype} but this CPU lacks "
                          f"{', '.join(missing)}; computing with float32 activations (exact)",
                          warn=activation_dtype != "auto")
         _calibration_unused(calibration, decisions, f"this CPU lacks {', '.join(missing)}")
@@ -121,10 +127,12 @@ def _plan(weights: ModelWeights, activation_dtype: str, decisions: DecisionLog, 
         cal = calibration.matrices[name] if calibration is not None else None
         chosen = w
         if not isinstance(w, WeightMatrix) or w.dtype not in ("q8_0", "q4_0"):
-            choice, why = "float32", f"{w.dtype} weights: int8 activations are used with q8_0 / q4_0 weights only"
+            choice, why = "float32", (f"{w.dtype} weights: int8 activations are used with q8_0 / q4_0 "
+                                      "weights only")
         elif cal is not None and _falls_back(cal, calibration.bound, static_scales):
             error = cal.error_static if static_scales else cal.error_dynamic
-            choice, why = "float32", (f"calibration ({calibration.path or 'not from a file'}): relative int8 error {error:.3g} with "
+            choice, why = "float32", (f"calibration ({calibration.path or 'not from a file'}): relative int8 "
+                                      f"error {error:.3g} with "
                                       f"{'static' if static_scales else 'dynamic'} scales exceeds the bound "
                                       f"{calibration.bound:g}")
             fallbacks.append(name)
@@ -143,9 +151,10 @@ def _plan(weights: ModelWeights, activation_dtype: str, decisions: DecisionLog, 
         note = "" if c.weight_dtype == planned.layers[0].qkv.dtype else (
             f"; its errors were measured with {c.weight_dtype} weights")
         decisions.record("calibration", "used", f"{c.path or 'not from a file'}: {c.method} scales "
-                         f"({'static, used' if static_scales else 'dynamic scales used; static ones unused'}), "
-                         f"bound {c.bound:g}, {c.num_tokens} tokens of {c.text}{note}; float32 activations for "
-                         f"{len(fallbacks)} matrices" + (f": {', '.join(fallbacks)}" if fallbacks else ""),
+                         f"({'static, used' if static_scales else 'dynamic scales used; static ones unused'})"
+                         f", bound {c.bound:g}, {c.num_tokens} tokens of {c.text}{note}; "
+                         f"float32 activations for {len(fallbacks)} matrices"
+                         + (f": {', '.join(fallbacks)}" if fallbacks else ""),
                          warn=bool(fallbacks))
     return planned
 

@@ -19,7 +19,8 @@ class ForwardBatch:
     lora: LoraRows | None = None  # rows on the low-rank path (None: none)
     merged: MergedRows | None = None  # rows on an adapter's merged weights (None: none)
     hidden_indices: np.ndarray | None = None  # [H] int64, token rows whose last hidden state is wanted
-    tree_starts: np.ndarray | None = None  # [T] int32, a tree node's first tree slot (-1: not a node); None: no tree
+    # [T] int32, a tree node's first tree slot (-1: not a node); None: no tree
+    tree_starts: np.ndarray | None = None
     tree_mask: np.ndarray | None = None  # [T, W] uint8, the tree slots each node sees (kernels/attention.py)
 
     @property

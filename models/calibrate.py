@@ -41,7 +41,8 @@ def read_text_file(path: str | Path) -> str:
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
-        raise CalibrationError(f"--text {path}: cannot be read ({e}); pass a readable UTF-8 text file") from None
+        raise CalibrationError(f"--text {path}: cannot be read ({e}); "
+                               "pass a readable UTF-8 text file") from None
     if not text.strip():
         raise CalibrationError(f"--text {path}: the file is empty; pass text like what the model will serve "
                                "(a few thousand tokens or more)")
@@ -62,11 +63,12 @@ def calibrate(model_path: str | Path, texts: list[str], text_label: str,
     """Texts are tokenized one by one (each as the tokenizer frames it, then EOS) into one stream."""
     options = options or CalibrationOptions()
     if not any(text.strip() for text in texts):
-        raise CalibrationError(f"{text_label}: no text to calibrate on; pass text like what the model will serve")
+        raise CalibrationError(f"{text_label}: no text to calibrate on; "
+                               "pass text like what the model will serve")
     model_path = Path(model_path)
     if not model_path.exists():
-        raise CheckpointError(f"{model_path}: no such file or directory; pass a model directory (config.json and "
-                              "safetensors) or a .gguf file")
+        raise CheckpointError(f"{model_path}: no such file or directory; pass a model directory "
+                              "(config.json and safetensors) or a .gguf file")
     weight_dtype = options.weight_dtype
     if weight_dtype == "auto" and model_path.suffix != ".gguf":
         weight_dtype = "q8_0"  # int8 activations run with q8_0 / q4_0 weights only
@@ -94,8 +96,8 @@ def calibrate(model_path: str | Path, texts: list[str], text_label: str,
                                            error_static=err_static,
                                            fallback=err_dynamic is not None and err_dynamic > options.bound)
     return Calibration(method=options.method, percentile=options.percentile if options.method == "percentile"
-                       else None, bound=options.bound, weight_dtype=runner.model.weight_dtype, text=text_label,
-                       text_sha256=hashlib.sha256("\0".join(texts).encode()).hexdigest(),
+                       else None, bound=options.bound, weight_dtype=runner.model.weight_dtype,
+                       text=text_label, text_sha256=hashlib.sha256("\0".join(texts).encode()).hexdigest(),
                        num_tokens=sum(len(w) for w in windows), num_layers=spec.num_layers, matrices=matrices)
 
 

@@ -73,7 +73,8 @@ class Calibration(BaseModel):
         if unknown or missing:
             raise ValueError(f"matrices do not match num_layers={self.num_layers}: "
                              + "; ".join(f"{what} {', '.join(names[:4])}" + (" ..." if len(names) > 4 else "")
-                                         for what, names in (("unknown", unknown), ("missing", missing)) if names))
+                                         for what, names in (("unknown", unknown), ("missing", missing))
+                                         if names))
         return self
 
     @property
@@ -105,7 +106,8 @@ def load_calibration(model_path: str | Path) -> Calibration | None:
     try:
         calibration = Calibration.model_validate_json(text)
     except ValidationError as e:
-        problems = "; ".join(f"{'.'.join(map(str, err['loc'])) or 'file'}: {err['msg']}" for err in e.errors()[:3])
+        problems = "; ".join(f"{'.'.join(map(str, err['loc'])) or 'file'}: {err['msg']}"
+                             for err in e.errors()[:3])
         raise _unusable(path, f"is not a valid calibration file ({problems})") from None
     return calibration.model_copy(update={"path": str(path)})
 

@@ -79,10 +79,11 @@ class TensorReader:
                                       "the checkpoint is incomplete or not a "
                                       f"{spec.architecture} with this config.json")
             if entry.shape != shape:
-                raise CheckpointError(f"{entry.path}: tensor {name!r} has shape {entry.shape}, expected {shape} "
-                                      "from config.json; the weights and the config do not match")
-        self.progress = tqdm(total=sum(self.entries[n].nbytes for n in self.shapes), unit="B", unit_scale=True,
-                             desc=f"loading {model_dir.name}", disable=not sys.stderr.isatty(), leave=False)
+                raise CheckpointError(f"{entry.path}: tensor {name!r} has shape {entry.shape}, expected "
+                                      f"{shape} from config.json; the weights and the config do not match")
+        self.progress = tqdm(total=sum(self.entries[n].nbytes for n in self.shapes), unit="B",
+                             unit_scale=True, desc=f"loading {model_dir.name}",
+                             disable=not sys.stderr.isatty(), leave=False)
 
     def __call__(self, name: str) -> np.ndarray:
         entry = self.entries[name]
@@ -113,7 +114,8 @@ def load_weights(model_dir: str | Path, weight_dtype: str) -> tuple[ModelSpec, M
     embed = mat(read("model.embed_tokens.weight"), head_dtype if spec.tie_word_embeddings else weight_dtype)
     norm = read("model.norm.weight")
     lm_head = embed if spec.tie_word_embeddings else mat(read("lm_head.weight"), head_dtype)
-    layers = tuple(load_layer(read, f"model.layers.{i}.", spec.qkv_bias, weight_dtype) for i in range(spec.num_layers))
+    layers = tuple(load_layer(read, f"model.layers.{i}.", spec.qkv_bias, weight_dtype)
+                   for i in range(spec.num_layers))
     read.close()
     return spec, ModelWeights(embed=embed, norm=norm, lm_head=lm_head, layers=layers)
 

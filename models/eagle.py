@@ -41,14 +41,17 @@ D2T = "d2t"  # the draft vocabulary (optional)
 class EagleHead:
     fc: WeightMatrix | Int8Matrix  # [H, 2H] (our linear kernels: a row's result does not depend on its batch)
     fc_bias: np.ndarray  # [H] f32
-    model: LlamaModel  # one layer: the target's embedding and LM head (its draft vocabulary's rows), its own layer and norm
-    draft_ids: np.ndarray | None = None  # [Vd] int64: the target ids of its logits' columns (None: all of them)
+    # one layer: the target's embedding and LM head (its draft vocabulary's rows), its own layer and norm
+    model: LlamaModel
+    # [Vd] int64: the target ids of its logits' columns (None: all of them)
+    draft_ids: np.ndarray | None = None
 
     def target_ids(self, ids: np.ndarray) -> np.ndarray:
         """Column indices of the head's logits -> target token ids."""
         return ids if self.draft_ids is None else self.draft_ids[ids]
 
-    def forward(self, batch: ForwardBatch, kv: KVCache, features: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def forward(self, batch: ForwardBatch, kv: KVCache,
+                features: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """batch: the tokens t_{i+1} at positions i (block tables into the head's own KV); features [T, H]:
         f_i -> logits [len(logits_indices), V] (guesses of t_{i+2}) and f'_{i+1} at batch.hidden_indices."""
         x = np.concatenate([embed(self.model.weights.embed, batch.token_ids), features], axis=1)  # [T, 2H]
@@ -65,7 +68,8 @@ def load_eagle_head(model_dir: str | Path, spec: ModelSpec, target_weights: Mode
                     activation_dtype: str = "float32") -> EagleHead:
     """The head beside the model; CheckpointError naming the file and the fix if it is missing, malformed
     or shaped for another model. Its matrices (fc included) are stored in the target's weight_dtype and
-    multiply activations as the target's do (activation_dtype: int8 ones for q8_0 / q4_0 where the CPU can)."""
+    multiply activations as the target's do (activation_dtype: int8 ones for q8_0 / q4_0 where the CPU
+    can)."""
     model_dir = Path(model_dir)
     _check_config(model_dir / CONFIG_FILE)
     path = model_dir / HEAD_FILE
@@ -80,11 +84,11 @@ def load_eagle_head(model_dir: str | Path, spec: ModelSpec, target_weights: Mode
     def read(name: str) -> np.ndarray:
         entry = entries.get(name)
         if entry is None:
-            raise CheckpointError(f"{path}: tensor {name!r} is missing; an EAGLE head holds fc and one decoder "
-                                  "layer of the target's shape")
+            raise CheckpointError(f"{path}: tensor {name!r} is missing; an EAGLE head holds fc and one "
+                                  "decoder layer of the target's shape")
         if entry.shape != shapes[name]:
-            raise CheckpointError(f"{path}: tensor {name!r} has shape {entry.shape}, expected {shapes[name]} for "
-                                  "this model: the head was trained for another model")
+            raise CheckpointError(f"{path}: tensor {name!r} has shape {entry.shape}, expected {shapes[name]} "
+                                  "for this model: the head was trained for another model")
         return read_tensor(entry)
 
     draft_ids = _draft_ids(path, entries[D2T], spec.vocab_size) if D2T in entries else None
@@ -92,7 +96,8 @@ def load_eagle_head(model_dir: str | Path, spec: ModelSpec, target_weights: Mode
     # the target's embedding and LM head (its draft vocabulary's rows), the head's own norm and layer
     weights = replace(target_weights, lm_head=lm_head, norm=read("model.norm.weight"),
                       layers=(load_layer(read, "model.layers.0.", spec.qkv_bias, weight_dtype),))
-    weights = plan_activations(weights, activation_dtype, DecisionLog())  # the target's LM head stays as it is
+    # the target's LM head stays as it is
+    weights = plan_activations(weights, activation_dtype, DecisionLog())
     fc = for_activations(WeightMatrix.from_float(read("fc.weight"), weight_dtype), activation_dtype)
     return EagleHead(fc, read("fc.bias"), LlamaModel(head_spec, weights), draft_ids)
 
@@ -102,12 +107,13 @@ def _draft_ids(path: Path, entry, vocab_size: int) -> np.ndarray:
     ascending ids of this model's vocabulary."""
     d2t = read_int_tensor(entry)
     if d2t.ndim != 1 or not 0 < len(d2t) <= vocab_size:
-        raise CheckpointError(f"{path}: tensor {D2T!r} has shape {d2t.shape}; expected [draft vocabulary size] "
-                              f"of at most {vocab_size} (the model's vocabulary)")
+        raise CheckpointError(f"{path}: tensor {D2T!r} has shape {d2t.shape}; expected "
+                              f"[draft vocabulary size] of at most {vocab_size} (the model's vocabulary)")
     ids = np.arange(len(d2t), dtype=np.int64) + d2t
     if ids[0] < 0 or ids[-1] >= vocab_size or np.any(np.diff(ids) <= 0):
-        raise CheckpointError(f"{path}: tensor {D2T!r} does not map draft ids to distinct ascending token ids below "
-                              f"{vocab_size}; it must hold target_id - draft_id for each draft id (EAGLE-3's d2t)")
+        raise CheckpointError(f"{path}: tensor {D2T!r} does not map draft ids to distinct ascending token "
+                              f"ids below {vocab_size}; it must hold target_id - draft_id for each draft id "
+                              "(EAGLE-3's d2t)")
     return ids
 
 

@@ -20,7 +20,8 @@ from models.spec import ModelSpec
 
 GT = GGMLQuantizationType
 ARCH = "llama"
-ROPE_SCALING_KEY = "numaserve.rope_scaling"  # Hugging Face's rope_scaling as JSON: exact where rope_freqs rounds
+# Hugging Face's rope_scaling as JSON: exact where rope_freqs rounds
+ROPE_SCALING_KEY = "numaserve.rope_scaling"
 AUTO = {GT.F32: "float32", GT.F16: "bfloat16", GT.BF16: "bfloat16", GT.Q8_0: "q8_0", GT.Q4_0: "q4_0"}
 GGML_TYPE = {"float32": GT.F32, "bfloat16": GT.BF16, "q8_0": GT.Q8_0, "q4_0": GT.Q4_0}
 FILE_TYPE = {"float32": LlamaFileType.ALL_F32, "bfloat16": LlamaFileType.MOSTLY_BF16,
@@ -48,13 +49,14 @@ def llama3_scaling_from_factors(factors: np.ndarray, rope_theta: float, head_dim
     """Hugging Face's llama3 rope scaling from llama.cpp's per-frequency divisors (rope_freqs.weight).
 
     With u = L * v (L the original context, v = 1 / wavelength) the divisor is `factor` where u < low, 1 where
-    u > high, and 1 / ((1 - s) / factor + s) on the ramp between, s = (u - low) / (high - low). Only ratios are
-    determined: low_freq_factor is taken as 1."""
+    u > high, and 1 / ((1 - s) / factor + s) on the ramp between, s = (u - low) / (high - low). Only ratios
+    are determined: low_freq_factor is taken as 1."""
     r = factors.astype(np.float64)
     factor = float(r.max())
     if factor <= 1.0:
         return None
-    v = 1.0 / rope_theta ** (np.arange(0, head_dim, 2) / head_dim) / (2 * math.pi)  # ascending frequency order
+    # ascending frequency order
+    v = 1.0 / rope_theta ** (np.arange(0, head_dim, 2) / head_dim) / (2 * math.pi)
     low, high = np.isclose(r, factor), np.isclose(r, 1.0)
     ramp = ~low & ~high
     if not high.any() and not ramp.any():
@@ -64,12 +66,14 @@ def llama3_scaling_from_factors(factors: np.ndarray, rope_theta: float, head_dim
         slope, intercept = np.polyfit(v[ramp], s, 1)  # s = (L v - 1) / (high - 1)
         original, high_factor = round(-slope / intercept), float(f"{1 - 1 / intercept:.6g}")
     else:
-        original, high_factor = _llama3_bounds(v[low].max(), v[high].min() if high.any() else None, v[ramp], s)
+        original, high_factor = _llama3_bounds(v[low].max(), v[high].min() if high.any() else None,
+                                               v[ramp], s)
     return {"rope_type": "llama3", "factor": f32(factor), "low_freq_factor": 1.0,
             "high_freq_factor": high_factor, "original_max_position_embeddings": original}
 
 
-def _llama3_bounds(v_low: float, v_high: float | None, v_ramp: np.ndarray, s: np.ndarray) -> tuple[float, float]:
+def _llama3_bounds(v_low: float, v_high: float | None, v_ramp: np.ndarray,
+                   s: np.ndarray) -> tuple[float, float]:
     """(L, high) with at most one frequency on the ramp: every frequency on its side, the ramp one exact."""
     original = 1 / v_low  # the highest scaled frequency sits on the low boundary...
     if not len(v_ramp):

@@ -1,5 +1,5 @@
-"""Read a llama GGUF file into numaserve's (spec, weights, tokenizer): tensors copied out of the file, q/k rows
-un-permuted to Hugging Face's rope order, each matrix served in its stored format where it can be."""
+"""Read a llama GGUF file into numaserve's (spec, weights, tokenizer): tensors copied out of the file, q/k
+rows un-permuted to Hugging Face's rope order, each matrix served in its stored format where it can be."""
 
 import json
 import sys
@@ -53,15 +53,17 @@ def read_gguf(path: Path, copied: set[str] | None = None) -> tuple[dict, dict[st
     try:
         reader = GGUFReader(path)
     except (ValueError, IndexError, OverflowError, EOFError) as e:
-        raise CheckpointError(f"{path}: not a readable GGUF file ({e}); if it was copied or downloaded, check "
-                              "that it is complete; write one with numaserve's export_gguf or convert_hf_to_gguf.py") from None
+        raise CheckpointError(f"{path}: not a readable GGUF file ({e}); if it was copied or downloaded, "
+                              "check that it is complete; write one with numaserve's export_gguf or "
+                              "convert_hf_to_gguf.py") from None
     if reader.byte_order != "I":
         raise CheckpointError(f"{path}: a big-endian GGUF file; convert it for little-endian hosts")
     try:
-        metadata = {name: field.contents() for name, field in reader.fields.items() if not name.startswith("GGUF.")}
+        metadata = {name: field.contents() for name, field in reader.fields.items()
+                    if not name.startswith("GGUF.")}
     except (ValueError, IndexError) as e:  # UnicodeDecodeError is a ValueError
-        raise CheckpointError(f"{path}: a metadata value is unreadable ({e}); the file is corrupt: re-download "
-                              "or re-export it") from None
+        raise CheckpointError(f"{path}: a metadata value is unreadable ({e}); the file is corrupt: "
+                              "re-download or re-export it") from None
     tensors = {t.name: _copy_tensor(path, t) if copied is None or t.name in copied else
                StoredTensor(t.tensor_type, tuple(int(d) for d in reversed(t.shape.tolist())), None)
                for t in reader.tensors}
@@ -72,11 +74,12 @@ def _copy_tensor(path: Path, t) -> StoredTensor:
     kind = t.tensor_type
     if kind not in AUTO:
         raise CheckpointError(
-            f"{path}: tensor {t.name!r} is {kind.name}, which numaserve does not load (it loads F32, F16, BF16, "
-            "Q8_0 and Q4_0); requantize with `llama-quantize --pure model-f16.gguf out.gguf Q8_0` (or Q4_0), "
-            "or load the F16 GGUF / Hugging Face directory with weight_dtype='q4_0'")
+            f"{path}: tensor {t.name!r} is {kind.name}, which numaserve does not load (it loads F32, F16, "
+            "BF16, Q8_0 and Q4_0); requantize with `llama-quantize --pure model-f16.gguf out.gguf Q8_0` "
+            "(or Q4_0), or load the F16 GGUF / Hugging Face directory with weight_dtype='q4_0'")
     shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-    data = t.data.reshape(-1, t.data.shape[-1])  # F32, F16: [N, K]; BF16, Q8_0, Q4_0: uint8 [N, bytes per row]
+    # F32, F16: [N, K]; BF16, Q8_0, Q4_0: uint8 [N, bytes per row]
+    data = t.data.reshape(-1, t.data.shape[-1])
     if kind == GT.F16:
         return StoredTensor(kind, shape, np.array(data, np.float16))
     if kind == GT.F32:
@@ -87,7 +90,8 @@ def _copy_tensor(path: Path, t) -> StoredTensor:
     blocks = data.reshape(n, -1, GGML_QUANT_SIZES[kind][1])  # [N, K // 32, 2 + 32 | 2 + 16]
     scales = np.ascontiguousarray(blocks[:, :, :2]).view(np.uint16).reshape(n, -1)  # fp16 bits [N, K // 32]
     qs = np.ascontiguousarray(blocks[:, :, 2:]).reshape(n, -1)  # Q8_0: [N, K]; Q4_0: [N, K // 2]
-    return StoredTensor(kind, shape, WeightMatrix(AUTO[kind], qs.view(np.int8) if kind == GT.Q8_0 else qs, scales))
+    return StoredTensor(kind, shape, WeightMatrix(AUTO[kind], qs.view(np.int8) if kind == GT.Q8_0 else qs,
+                                                  scales))
 
 
 # ---- spec ------------------------------------------------------------------------------------------------
@@ -95,8 +99,9 @@ def _copy_tensor(path: Path, t) -> StoredTensor:
 def _spec(path: Path, metadata: dict, tensors: dict[str, StoredTensor]) -> ModelSpec:
     arch = metadata.get("general.architecture")
     if arch != ARCH:
-        raise CheckpointError(f"{path}: general.architecture={arch!r} is not supported; numaserve loads 'llama' "
-                              "GGUF files (Llama and Llama-shaped models); serve the Hugging Face directory instead")
+        raise CheckpointError(f"{path}: general.architecture={arch!r} is not supported; numaserve loads "
+                              "'llama' GGUF files (Llama and Llama-shaped models); serve the Hugging Face "
+                              "directory instead")
 
     def key(name: str, default=REQUIRED):
         return metadata_key(path, metadata, f"{ARCH}.{name}", default)
@@ -147,8 +152,8 @@ def _rope_scaling(path: Path, metadata: dict, tensors: dict, rope_theta: float, 
     kind = metadata.get(f"{ARCH}.rope.scaling.type", "linear")  # llama.cpp's default
     factor = f32(metadata.get(f"{ARCH}.rope.scaling.factor", 0.0))
     if kind not in ("none", "linear"):
-        raise CheckpointError(f"{path}: {ARCH}.rope.scaling.type={kind!r} is not supported; numaserve applies "
-                              "linear and llama3 (rope_freqs.weight) scaling")
+        raise CheckpointError(f"{path}: {ARCH}.rope.scaling.type={kind!r} is not supported; numaserve "
+                              "applies linear and llama3 (rope_freqs.weight) scaling")
     linear = kind == "linear" and factor not in (0.0, 1.0)
     if freqs is not None and linear:
         raise CheckpointError(f"{path}: both rope_freqs.weight and linear rope scaling; expected one of them")
@@ -170,8 +175,8 @@ def _pop(path: Path, tensors: dict, name: str, shape: tuple[int, ...]) -> Stored
         raise CheckpointError(f"{path}: tensor {name!r} is missing (expected shape {shape}); the file is "
                               "incomplete or not a llama model with these llama.* metadata")
     if t.shape != shape:
-        raise CheckpointError(f"{path}: tensor {name!r} has shape {t.shape}, expected {shape} from the llama.* "
-                              "metadata; the weights and the metadata do not match")
+        raise CheckpointError(f"{path}: tensor {name!r} has shape {t.shape}, expected {shape} from the "
+                              "llama.* metadata; the weights and the metadata do not match")
     return t
 
 
@@ -217,10 +222,13 @@ def _weights(path: Path, spec: ModelSpec, tensors: dict, weight_dtype: str) -> M
         [pop("output.weight", (spec.vocab_size, h))], weight_dtype, head_dtype)
     layers = []
     qkv_rows = np.concatenate([np.argsort(rope_row_order(spec.num_heads, D)),
-                               q + np.argsort(rope_row_order(spec.num_kv_heads, D)), np.arange(q + kv, q + 2 * kv)])
-    for i in tqdm(range(spec.num_layers), desc=f"loading {path.name}", disable=not sys.stderr.isatty(), leave=False):
+                               q + np.argsort(rope_row_order(spec.num_kv_heads, D)),
+                               np.arange(q + kv, q + 2 * kv)])
+    for i in tqdm(range(spec.num_layers), desc=f"loading {path.name}", disable=not sys.stderr.isatty(),
+                  leave=False):
         p = f"blk.{i}."
-        qkv = [pop(p + "attn_q.weight", (q, h)), pop(p + "attn_k.weight", (kv, h)), pop(p + "attn_v.weight", (kv, h))]
+        qkv = [pop(p + "attn_q.weight", (q, h)), pop(p + "attn_k.weight", (kv, h)),
+               pop(p + "attn_v.weight", (kv, h))]
         layers.append(LayerWeights(
             input_norm=_vector(pop(p + "attn_norm.weight", (h,))),
             post_norm=_vector(pop(p + "ffn_norm.weight", (h,))),
@@ -232,8 +240,9 @@ def _weights(path: Path, spec: ModelSpec, tensors: dict, weight_dtype: str) -> M
             qkv_bias=None,
         ))
     if tensors:
-        raise CheckpointError(f"{path}: tensors {sorted(tensors)[:4]} are not part of a llama model as numaserve "
-                              "runs it (no biases, no extra layers); serve the Hugging Face directory instead")
+        raise CheckpointError(f"{path}: tensors {sorted(tensors)[:4]} are not part of a llama model as "
+                              "numaserve runs it (no biases, no extra layers); serve the Hugging Face "
+                              "directory instead")
     return ModelWeights(embed=embed, norm=norm, lm_head=lm_head, layers=tuple(layers))
 
 
@@ -246,7 +255,8 @@ def read_gguf_spec(path: str | Path) -> ModelSpec:
 
 def load_gguf(path: str | Path, weight_dtype: str) -> tuple[ModelSpec, ModelWeights, Tokenizer | None]:
     """-> (spec, weights, tokenizer) like the Hugging Face loader. weight_dtype "auto" keeps the file's
-    types (F16 and BF16 serve as bfloat16); quantized tensors already in the wanted format keep their bytes."""
+    types (F16 and BF16 serve as bfloat16); quantized tensors already in the wanted format keep their
+    bytes."""
     path = Path(path)
     metadata, tensors = read_gguf(path)
     spec = _spec(path, metadata, tensors)

@@ -30,18 +30,21 @@ def tokenizer_from_metadata(path: Path, metadata: dict) -> Tokenizer | None:
     if model is None:
         return None  # token-id prompts only, as a model directory without tokenizer.json
     if model not in ("gpt2", "llama"):
-        raise CheckpointError(f"{path}: tokenizer.ggml.model={model!r} is not supported; numaserve reads byte-level "
-                              "BPE ('gpt2') and SentencePiece ('llama') vocabularies; serve the Hugging Face "
-                              "directory (with its tokenizer.json) instead")
+        raise CheckpointError(f"{path}: tokenizer.ggml.model={model!r} is not supported; numaserve reads "
+                              "byte-level BPE ('gpt2') and SentencePiece ('llama') vocabularies; serve the "
+                              "Hugging Face directory (with its tokenizer.json) instead")
     tokens = metadata_key(path, metadata, "tokenizer.ggml.tokens")
     types = metadata.get("tokenizer.ggml.token_type") or [TokenType.NORMAL] * len(tokens)
-    tok = _bpe_tokenizer(path, metadata, tokens) if model == "gpt2" else _spm_tokenizer(path, metadata, tokens)
+    tok = (_bpe_tokenizer(path, metadata, tokens) if model == "gpt2"
+           else _spm_tokenizer(path, metadata, tokens))
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
                             for t, k in zip(tokens, types) if k == TokenType.CONTROL])
-    tok.add_tokens([AddedToken(t, normalized=False) for t, k in zip(tokens, types) if k == TokenType.USER_DEFINED])
+    tok.add_tokens([AddedToken(t, normalized=False) for t, k in zip(tokens, types)
+                    if k == TokenType.USER_DEFINED])
     bos, eos = metadata.get("tokenizer.ggml.bos_token_id"), metadata.get("tokenizer.ggml.eos_token_id")
-    add_bos = bos is not None and metadata.get("tokenizer.ggml.add_bos_token", model == "llama")  # llama.cpp's
-    add_eos = eos is not None and metadata.get("tokenizer.ggml.add_eos_token", False)  # defaults
+    # llama.cpp's defaults
+    add_bos = bos is not None and metadata.get("tokenizer.ggml.add_bos_token", model == "llama")
+    add_eos = eos is not None and metadata.get("tokenizer.ggml.add_eos_token", False)
     if add_bos or add_eos:
         added = [bos] * add_bos + [eos] * add_eos
         tok.post_processor = processors.TemplateProcessing(
@@ -54,12 +57,13 @@ def _bpe_tokenizer(path: Path, metadata: dict, tokens: list[str]) -> HFTokenizer
     """Byte-level BPE: the split regex of tokenizer.ggml.pre, bytes mapped to symbols, ranked merges."""
     pre = metadata.get("tokenizer.ggml.pre", "gpt-2")
     if pre not in _PRE_REGEX:
-        raise CheckpointError(f"{path}: tokenizer.ggml.pre={pre!r} is not supported; numaserve reproduces the "
-                              f"{', '.join(map(repr, _PRE_REGEX))} pre-tokenizers; serve the Hugging Face directory "
-                              "(with its tokenizer.json) instead")
+        raise CheckpointError(f"{path}: tokenizer.ggml.pre={pre!r} is not supported; numaserve reproduces "
+                              f"the {', '.join(map(repr, _PRE_REGEX))} pre-tokenizers; serve the Hugging "
+                              "Face directory (with its tokenizer.json) instead")
     merges = [tuple(m.split(" ", 1)) for m in metadata_key(path, metadata, "tokenizer.ggml.merges")]
     unk = metadata.get("tokenizer.ggml.unknown_token_id")
-    tok = HFTokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges, ignore_merges=pre == "llama-bpe",
+    tok = HFTokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges,
+                                 ignore_merges=pre == "llama-bpe",
                                  unk_token=None if unk is None else tokens[unk]))
     regex = _PRE_REGEX[pre]
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False) if regex is None else \
@@ -71,7 +75,8 @@ def _bpe_tokenizer(path: Path, metadata: dict, tokens: list[str]) -> HFTokenizer
 
 def _spm_tokenizer(path: Path, metadata: dict, tokens: list[str]) -> HFTokenizer:
     """SentencePiece BPE as llama.cpp runs it (and Hugging Face's LlamaConverter builds it): spaces as U+2581,
-    repeatedly merge the adjacent pair whose union has the highest score, unknown characters as <0xXX> bytes."""
+    repeatedly merge the adjacent pair whose union has the highest score, unknown characters as <0xXX>
+    bytes."""
     scores = metadata_key(path, metadata, "tokenizer.ggml.scores")
     vocab = {t: i for i, t in enumerate(tokens)}
     merges = sorted(((t[:k], t[k:], i) for t, i in vocab.items() for k in range(1, len(t))
@@ -124,8 +129,9 @@ def vocab_from_tokenizer(spec: ModelSpec, tokenizer: Tokenizer) -> GGUFVocab:
     tok_json = json.loads(hf.to_str())
     model, pre = tok_json["model"], _pre_name(tok_json)
     if model["type"] != "BPE" or model.get("byte_fallback") or pre is None:
-        raise CheckpointError("the tokenizer is not a byte-level BPE with a GPT-2 or Llama-3 pre-tokenizer, the "
-                              "kinds numaserve writes to GGUF; convert this model with convert_hf_to_gguf.py")
+        raise CheckpointError("the tokenizer is not a byte-level BPE with a GPT-2 or Llama-3 pre-tokenizer, "
+                              "the kinds numaserve writes to GGUF; convert this model with "
+                              "convert_hf_to_gguf.py")
     added = {t["id"]: t for t in tok_json["added_tokens"]}
     by_id = {i: t for t, i in model["vocab"].items()} | {i: t["content"] for i, t in added.items()}
     if max(by_id) >= spec.vocab_size:
@@ -133,8 +139,10 @@ def vocab_from_tokenizer(spec: ModelSpec, tokenizer: Tokenizer) -> GGUFVocab:
                               "embedding rows; tokenizer and weights do not match")
     tokens = [by_id.get(i, f"[PAD{i}]") for i in range(spec.vocab_size)]
     types = [TokenType.UNUSED if i not in by_id else TokenType.NORMAL if i not in added
-             else TokenType.CONTROL if added[i]["special"] else TokenType.USER_DEFINED for i in range(spec.vocab_size)]
-    with_special, plain = hf.encode("a").ids, hf.encode("a", add_special_tokens=False).ids  # the post-processor
+             else TokenType.CONTROL if added[i]["special"] else TokenType.USER_DEFINED
+             for i in range(spec.vocab_size)]
+    # the post-processor
+    with_special, plain = hf.encode("a").ids, hf.encode("a", add_special_tokens=False).ids
     return GGUFVocab(tokens=tokens, types=[int(t) for t in types],
                      merges=[m if isinstance(m, str) else " ".join(m) for m in model["merges"]], pre=pre,
                      bos=spec.bos_token_id, eos=spec.eos_token_ids[0] if spec.eos_token_ids else None,
@@ -150,8 +158,8 @@ def synthetic_vocab(spec: ModelSpec) -> GGUFVocab:
     specials = {bos: "<s>", eos: "</s>"}
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
     if spec.vocab_size < len(alphabet) + len(specials) + 1:
-        raise CheckpointError(f"vocab_size={spec.vocab_size} is too small for a byte-level vocabulary; export "
-                              "the model with its tokenizer")
+        raise CheckpointError(f"vocab_size={spec.vocab_size} is too small for a byte-level vocabulary; "
+                              "export the model with its tokenizer")
     longer = (p for k in itertools.count(2) for p in itertools.product(alphabet, repeat=k))
     symbols = itertools.chain(([a] for a in alphabet), longer)
     tokens, types, merges = [], [], []
@@ -165,5 +173,5 @@ def synthetic_vocab(spec: ModelSpec) -> GGUFVocab:
         types.append(TokenType.NORMAL)
         if len(parts) > 1:
             merges.append("".join(parts[:-1]) + " " + parts[-1])
-    return GGUFVocab(tokens=tokens, types=[int(t) for t in types], merges=merges, pre="gpt-2", bos=bos, eos=eos,
-                     unk=None, add_bos=False, add_eos=False)
+    return GGUFVocab(tokens=tokens, types=[int(t) for t in types], merges=merges, pre="gpt-2", bos=bos,
+                     eos=eos, unk=None, add_bos=False, add_eos=False)

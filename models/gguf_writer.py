@@ -1,4 +1,5 @@
-"""Export a loaded model as a llama GGUF file llama.cpp runs, every tensor byte for byte in its served format."""
+"""Export a loaded model as a llama GGUF file llama.cpp runs, every tensor byte for byte in its served
+format."""
 
 import json
 import math
@@ -27,7 +28,8 @@ from models.spec import ModelSpec
 from models.tokenizer import Tokenizer
 
 
-def _tensor_plan(spec: ModelSpec, weights: ModelWeights) -> list[tuple[str, WeightMatrix | np.ndarray, np.ndarray | None]]:
+def _tensor_plan(spec: ModelSpec,
+                 weights: ModelWeights) -> list[tuple[str, WeightMatrix | np.ndarray, np.ndarray | None]]:
     """(GGUF name, served tensor, rows of it to write or None for all): fused matrices split lazily."""
     q, kv, inter, D = spec.q_size, spec.kv_size, spec.intermediate_size, spec.head_dim
     plan = [("token_embd.weight", weights.embed, None), ("output_norm.weight", weights.norm, None)]
@@ -117,8 +119,8 @@ def export_gguf(spec: ModelSpec, weights: ModelWeights, tokenizer: Tokenizer | N
     Q8_0, q4_0 -> Q4_0, bfloat16 -> BF16, float32 -> F32, norms F32), byte for byte. A model without a
     tokenizer gets a synthetic byte-level vocabulary of vocab_size tokens."""
     if spec.qkv_bias or any(spec.layer_windows):
-        raise CheckpointError(f"{spec.architecture} with attention biases or sliding windows has no llama GGUF "
-                              "equivalent; convert it with llama.cpp's convert_hf_to_gguf.py")
+        raise CheckpointError(f"{spec.architecture} with attention biases or sliding windows has no llama "
+                              "GGUF equivalent; convert it with llama.cpp's convert_hf_to_gguf.py")
     out_path = Path(out_path)
     vocab = synthetic_vocab(spec) if tokenizer is None else vocab_from_tokenizer(spec, tokenizer)
     tmp = out_path.with_name(out_path.name + ".tmp")
@@ -128,7 +130,8 @@ def export_gguf(spec: ModelSpec, weights: ModelWeights, tokenizer: Tokenizer | N
     plan = _tensor_plan(spec, weights)
     for tensor_name, t, rows in plan:
         shape, kind, nbytes = _tensor_info(t, rows)
-        writer.add_tensor_info(tensor_name, shape, np.dtype(np.float32), nbytes, raw_dtype=kind)  # shape in elements
+        # shape in elements
+        writer.add_tensor_info(tensor_name, shape, np.dtype(np.float32), nbytes, raw_dtype=kind)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()

@@ -1,4 +1,5 @@
-"""The small JSON config a trained draft head keeps beside the model (medusa_config.json, eagle_config.json)."""
+"""The small JSON config a trained draft head keeps beside the model (medusa_config.json,
+eagle_config.json)."""
 
 import json
 from pathlib import Path

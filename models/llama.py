@@ -24,11 +24,13 @@ class LlamaModel:
         self.softmax_scale = 1.0 / math.sqrt(spec.head_dim)
         q, kv, inter = spec.q_size, spec.kv_size, spec.intermediate_size
         # LoRA modules -> their columns in our fused projections
-        self.qkv_modules = (("q_proj", slice(0, q)), ("k_proj", slice(q, q + kv)), ("v_proj", slice(q + kv, None)))
+        self.qkv_modules = (("q_proj", slice(0, q)), ("k_proj", slice(q, q + kv)),
+                            ("v_proj", slice(q + kv, None)))
         self.gate_up_modules = (("gate_proj", slice(0, inter)), ("up_proj", slice(inter, None)))
         # calibration (models/calibration.py) sets this to see every linear layer's input: (name, x [T, K])
         self.observer = None
-        self.projection_seconds = 0.0  # time in the layers' projections, summed (the runner reads and resets it)
+        # time in the layers' projections, summed (the runner reads and resets it)
+        self.projection_seconds = 0.0
 
     @property
     def weight_dtype(self) -> str:
@@ -97,7 +99,8 @@ class LlamaModel:
         start = time.perf_counter()
         name = f"layers.{i}.{key}"
         runs = [] if batch.merged is None else [
-            (a, b, merged) for a, b, m in batch.merged.runs if (merged := m.layers[i].projection(key)) is not None]
+            (a, b, merged) for a, b, m in batch.merged.runs
+            if (merged := m.layers[i].projection(key)) is not None]
         if not runs:
             out = self._linear(name, x, w)
         else:

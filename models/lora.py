@@ -15,7 +15,8 @@ from models.lora_config import MODULES, module_shapes, read_lora_config
 from models.safetensors_io import read_header, read_tensor
 from models.spec import ModelSpec
 
-_KEY = re.compile(r"base_model\.model\.model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.default)?\.weight")
+_KEY = re.compile(r"base_model\.model\.model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])"
+                  r"(?:\.default)?\.weight")
 
 
 @dataclass(frozen=True)
@@ -66,8 +67,8 @@ def load_lora(name: str, path: str | Path, spec: ModelSpec, max_rank: int | None
         for key, entry in read_header(weights_path).items():
             m = _KEY.fullmatch(key)
             if m is None or m.group(2) not in MODULES or int(m.group(1)) >= spec.num_layers:
-                raise AdapterError(f"{weights_path}: tensor {key!r} does not adapt a supported module of this "
-                                   f"{spec.num_layers}-layer model ({', '.join(MODULES)})")
+                raise AdapterError(f"{weights_path}: tensor {key!r} does not adapt a supported module of "
+                                   f"this {spec.num_layers}-layer model ({', '.join(MODULES)})")
             pairs.setdefault((int(m.group(1)), m.group(2)), {})[m.group(3)] = read_tensor(entry)
     except CheckpointError as e:  # a corrupt file: the adapter's error, in the loader's words
         raise AdapterError(str(e)) from None
@@ -79,14 +80,16 @@ def load_lora(name: str, path: str | Path, spec: ModelSpec, max_rank: int | None
         rank, scaling = config.rank_and_scaling(layer, module)
         a, b = ab.get("A"), ab.get("B")
         if a is None or b is None:
-            raise AdapterError(f"{weights_path}: layer {layer} {module} has lora_A without lora_B or vice versa")
+            raise AdapterError(f"{weights_path}: layer {layer} {module} has lora_A without lora_B "
+                               "or vice versa")
         if max_rank is not None and rank > max_rank:
-            raise AdapterError(f"{path}: layer {layer} {module} has rank {rank}, above max_lora_rank={max_rank}; "
-                               "raise max_lora_rank")
+            raise AdapterError(f"{path}: layer {layer} {module} has rank {rank}, above "
+                               f"max_lora_rank={max_rank}; raise max_lora_rank")
         if a.shape != (rank, in_features) or b.shape != (out_features, rank):
-            raise AdapterError(f"{weights_path}: layer {layer} {module}: lora_A {a.shape} / lora_B {b.shape}, "
-                               f"expected {(rank, in_features)} / {(out_features, rank)} (rank {rank} from r and "
-                               "rank_pattern): the adapter was trained for another base model")
-        layers[layer][module] = LoraModule(np.ascontiguousarray(a, np.float32), np.ascontiguousarray(b, np.float32),
-                                           scaling)
+            raise AdapterError(f"{weights_path}: layer {layer} {module}: lora_A {a.shape} / lora_B "
+                               f"{b.shape}, expected {(rank, in_features)} / {(out_features, rank)} "
+                               f"(rank {rank} from r and rank_pattern): the adapter was trained for "
+                               "another base model")
+        layers[layer][module] = LoraModule(np.ascontiguousarray(a, np.float32),
+                                           np.ascontiguousarray(b, np.float32), scaling)
     return LoraAdapter(name, tuple(layers), config.max_rank, config.use_rslora)

@@ -1,4 +1,5 @@
-"""A new adapter from weighted adapters, with PEFT's add_weighted_adapter semantics for "cat", "linear", "svd".
+"""A new adapter from weighted adapters, with PEFT's add_weighted_adapter semantics for
+"cat", "linear", "svd".
 
 Per module, over the adapters that adapt it (weights w_i, scalings s_i):
 - cat:    A = [w_1 s_1 A_1; w_2 s_2 A_2; ...], B = [B_1, B_2, ...]: exactly sum_i w_i s_i B_i A_i;
@@ -23,17 +24,21 @@ COMBINATIONS = ("cat", "linear", "svd")
 
 def compose(name: str, parts: Sequence[tuple[LoraAdapter, float]], combination: str) -> LoraAdapter:
     if combination not in COMBINATIONS:
-        raise AdapterError(f"combination={combination!r} is not supported; use one of {', '.join(COMBINATIONS)}")
+        raise AdapterError(f"combination={combination!r} is not supported; "
+                           f"use one of {', '.join(COMBINATIONS)}")
     if not parts:
-        raise AdapterError("compose needs at least one adapter and its weight, e.g. {'tests': 0.7, 'library': 0.3}")
+        raise AdapterError("compose needs at least one adapter and its weight, "
+                           "e.g. {'tests': 0.7, 'library': 0.3}")
     for adapter, weight in parts:
         if isinstance(weight, bool) or not isinstance(weight, int | float) or not math.isfinite(weight):
-            raise AdapterError(f"the weight of adapter {adapter.name!r} must be a finite number, got {weight!r}")
+            raise AdapterError(f"the weight of adapter {adapter.name!r} must be a finite number, "
+                               f"got {weight!r}")
     if len(parts) == 1:
         combination = "linear"
     ranks = [adapter.config_rank for adapter, _ in parts]
     if combination == "linear" and len(set(ranks)) > 1:
-        raise AdapterError(f"combination='linear' needs adapters of one rank, got ranks {ranks}; use 'cat' or 'svd'")
+        raise AdapterError(f"combination='linear' needs adapters of one rank, got ranks {ranks}; "
+                           "use 'cat' or 'svd'")
     new_rank = sum(ranks) if combination == "cat" else max(ranks)
     scaling = math.sqrt(new_rank) if parts[0][0].use_rslora else 1.0  # alpha = r = new_rank
     layers = []

@@ -1,5 +1,5 @@
-"""adapter_config.json of a PEFT LoRA adapter: what numaserve serves of it, and each module's rank and scaling;
-the seven projections an adapter may adapt, with their parents and shapes.
+"""adapter_config.json of a PEFT LoRA adapter: what numaserve serves of it, and each module's rank and
+scaling; the seven projections an adapter may adapt, with their parents and shapes.
 
 PEFT resolves a module's rank and alpha by its key in the base model ("model.layers.3.self_attn.q_proj"):
 the first key of rank_pattern / alpha_pattern that matches a dotted suffix of it as a regular expression
@@ -21,10 +21,11 @@ MODULES = tuple(MODULE_PARENTS)
 
 # config fields that change what the adapter computes beyond W x + s B A x: refused by name when set
 UNSUPPORTED = {
-    "use_dora": "DoRA (use_dora) rescales every adapted weight's columns by a learned magnitude; merge it into "
-                "the base model (peft's merge_and_unload) or train a plain LoRA",
+    "use_dora": "DoRA (use_dora) rescales every adapted weight's columns by a learned magnitude; merge it "
+                "into the base model (peft's merge_and_unload) or train a plain LoRA",
     "lora_bias": "LoRA biases (lora_bias) are not supported; train with lora_bias=False",
-    "fan_in_fan_out": "fan_in_fan_out (Conv1D-style weights) is not supported; train with fan_in_fan_out=False",
+    "fan_in_fan_out": "fan_in_fan_out (Conv1D-style weights) is not supported; "
+                      "train with fan_in_fan_out=False",
     "modules_to_save": "modules_to_save (full trained copies of modules such as lm_head) are not supported; "
                        "train without them",
     "trainable_token_indices": "trainable_token_indices (retrained embedding rows) is not supported",
@@ -88,8 +89,8 @@ def read_lora_config(path: Path) -> LoraConfig:
         if config.get(key):
             raise AdapterError(f"{config_path}: {key}={config[key]!r}: {why}")
     if config.get("bias", "none") != "none":
-        raise AdapterError(f"{config_path}: bias={config['bias']!r}: trained base-model biases are not supported; "
-                           "train with bias='none'")
+        raise AdapterError(f"{config_path}: bias={config['bias']!r}: trained base-model biases are not "
+                           "supported; train with bias='none'")
     r = config.get("r")
     if not _positive_int(r):
         raise AdapterError(f"{config_path}: 'r' must be a positive integer, got {r!r}")
@@ -98,7 +99,8 @@ def read_lora_config(path: Path) -> LoraConfig:
     if not isinstance(rank_pattern, dict) or not all(_positive_int(v) for v in rank_pattern.values()):
         raise AdapterError(f"{config_path}: rank_pattern must map module patterns to positive integers, "
                            f"got {rank_pattern!r}")
-    if not _number(alpha) or not isinstance(alpha_pattern, dict) or not all(map(_number, alpha_pattern.values())):
+    if (not _number(alpha) or not isinstance(alpha_pattern, dict)
+            or not all(map(_number, alpha_pattern.values()))):
         raise AdapterError(f"{config_path}: lora_alpha and alpha_pattern's values must be numbers, got "
                            f"{alpha!r} and {alpha_pattern!r}")
     for p in (*rank_pattern, *alpha_pattern):
@@ -106,7 +108,8 @@ def read_lora_config(path: Path) -> LoraConfig:
             re.compile(p)
         except re.error as e:
             raise AdapterError(f"{config_path}: pattern {p!r} is not a regular expression ({e})") from None
-    return LoraConfig(r, float(alpha), bool(config.get("use_rslora")), dict(rank_pattern), dict(alpha_pattern))
+    return LoraConfig(r, float(alpha), bool(config.get("use_rslora")), dict(rank_pattern),
+                      dict(alpha_pattern))
 
 
 def _positive_int(v) -> bool:

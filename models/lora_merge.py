@@ -56,7 +56,8 @@ class MergedWeights:
                                           for layer in self.layers))
 
 
-def merge_adapter(base_layers: Sequence[LayerWeights], adapter: LoraAdapter, spec: ModelSpec) -> MergedWeights:
+def merge_adapter(base_layers: Sequence[LayerWeights], adapter: LoraAdapter,
+                  spec: ModelSpec) -> MergedWeights:
     """The adapter merged into a copy of every fused projection it adapts (the others stay the base's)."""
     start = time.perf_counter()
     shapes = module_shapes(spec)  # module -> (out, in)
@@ -89,7 +90,8 @@ class MergedRows:
     runs: tuple[tuple[int, int, MergedWeights], ...]
 
 
-def _reencoded(base: WeightMatrix | Int8Matrix | Bf16Matrix, dense: np.ndarray) -> WeightMatrix | Int8Matrix | Bf16Matrix:
+def _reencoded(base: WeightMatrix | Int8Matrix | Bf16Matrix,
+               dense: np.ndarray) -> WeightMatrix | Int8Matrix | Bf16Matrix:
     if isinstance(base, (Int8Matrix, Bf16Matrix)):  # packed for its activations: the merged copy is too
         return base.repacked(WeightMatrix.from_float(dense, base.dtype))
     return WeightMatrix.from_float(dense, base.dtype)

@@ -38,7 +38,8 @@ def slot_dtype(weight_dtype: str, spec: ModelSpec) -> str:
 
 
 def store(dtype: str, w: np.ndarray, data: np.ndarray, scales: np.ndarray) -> None:
-    """w: [r, width] f32 -> data [r, width] in dtype's storage (q8_0: and scales [r, width // 32] fp16 bits)."""
+    """w: [r, width] f32 -> data [r, width] in dtype's storage (q8_0: and scales [r, width // 32] fp16
+    bits)."""
     if dtype == "q8_0":
         quantize_q8_0(np.ascontiguousarray(w, np.float32), data, scales)
     else:
@@ -52,7 +53,8 @@ class LoraSlots:
         self.dtype = dtype  # "float32" | "bfloat16" | "q8_0"
         store = STORED[dtype]
 
-        def scales(width: int) -> np.ndarray:  # q8_0's fp16 scale per 32 columns; [L, S, 1, 1] unread otherwise
+        # q8_0's fp16 scale per 32 columns; [L, S, 1, 1] unread otherwise
+        def scales(width: int) -> np.ndarray:
             return np.zeros((L, S, R, width // QK) if dtype == "q8_0" else (L, S, 1, 1), np.uint16)
 
         self.a = {m: untouched_zeros((L, S, R, k), store) for m, (_, k) in shapes.items()}  # [L, S, R, in]
@@ -105,14 +107,17 @@ class LoraSlots:
         self.held[adapter.name] = slot
 
     def rows(self, row_slot: np.ndarray) -> "LoraRows":
-        """A step's rows in the kernel's terms: row_slot [T] int32 (-1: no adapter), cut into runs of one slot."""
+        """A step's rows in the kernel's terms: row_slot [T] int32 (-1: no adapter), cut into runs of one
+        slot."""
         starts = np.flatnonzero(np.diff(row_slot, prepend=-2) != 0)  # where each run of equal slots begins
         ends = np.append(starts[1:], len(row_slot))
         keep = row_slot[starts] >= 0
-        return LoraRows(starts[keep].astype(np.int64), ends[keep].astype(np.int64), row_slot[starts[keep]], self)
+        return LoraRows(starts[keep].astype(np.int64), ends[keep].astype(np.int64), row_slot[starts[keep]],
+                        self)
 
     def stats(self) -> dict:
-        """hits / misses: a step's adapters found in a slot or loaded into one (one count per step and adapter)."""
+        """hits / misses: a step's adapters found in a slot or loaded into one (one count per step and
+        adapter)."""
         return {"lora_slot_hits": self.num_hits, "lora_slot_misses": self.num_misses,
                 "lora_slot_evictions": self.num_evictions, "lora_slot_bytes_loaded": self.bytes_loaded,
                 "lora_slots_held": list(self.held)}

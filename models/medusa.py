@@ -68,11 +68,12 @@ def load_medusa_heads(model_dir: str | Path, spec: ModelSpec, weight_dtype: str)
     def tensor(name: str, shape: tuple[int, ...]) -> np.ndarray:
         entry = entries.get(name)
         if entry is None:
-            raise CheckpointError(f"{path}: tensor {name!r} is missing; {CONFIG_FILE} says {num_heads} heads of "
-                                  f"{num_layers} blocks")
+            raise CheckpointError(f"{path}: tensor {name!r} is missing; {CONFIG_FILE} says {num_heads} heads "
+                                  f"of {num_layers} blocks")
         if entry.shape != shape:
-            raise CheckpointError(f"{path}: tensor {name!r} has shape {entry.shape}, expected {shape} for this "
-                                  "model (hidden size, vocabulary): the heads were trained for another model")
+            raise CheckpointError(f"{path}: tensor {name!r} has shape {entry.shape}, expected {shape} "
+                                  "for this model (hidden size, vocabulary): the heads were trained for "
+                                  "another model")
         return read_tensor(entry)
 
     blocks, projections = [], []

@@ -43,9 +43,10 @@ def read_header(path: Path) -> dict[str, TensorEntry]:
             header = json.loads(f.read(header_len))
         if not isinstance(header, dict):
             raise TypeError(f"its header is a JSON {type(header).__name__}, not an object")
-    except (OSError, ValueError, TypeError, struct.error) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-        raise CheckpointError(f"{path}: not a readable safetensors file ({e}); if it was copied or downloaded, "
-                              "check that it is complete, or re-save the model with "
+    # JSONDecodeError and UnicodeDecodeError are ValueErrors
+    except (OSError, ValueError, TypeError, struct.error) as e:
+        raise CheckpointError(f"{path}: not a readable safetensors file ({e}); if it was copied or "
+                              "downloaded, check that it is complete, or re-save the model with "
                               "save_pretrained(dir, safe_serialization=True)") from None
     data_size = file_size - 8 - header_len
     return {name: _entry(path, name, info, 8 + header_len, data_size)
@@ -54,7 +55,8 @@ def read_header(path: Path) -> dict[str, TensorEntry]:
 
 def _entry(path: Path, name: str, info, data_start: int, data_size: int) -> TensorEntry:
     def bad(problem: str) -> CheckpointError:
-        return CheckpointError(f"{path}: tensor {name!r} {problem}; the file is corrupt: re-download or re-save it")
+        return CheckpointError(f"{path}: tensor {name!r} {problem}; the file is corrupt: "
+                               "re-download or re-save it")
 
     def ints(value) -> bool:
         return isinstance(value, list) and all(type(v) is int and v >= 0 for v in value)
@@ -70,15 +72,17 @@ def _entry(path: Path, name: str, info, data_start: int, data_size: int) -> Tens
     if end > data_size:
         raise bad(f"ends at byte {end} of the data but the file holds {data_size} data bytes (truncated?)")
     np_dtype = _DTYPES.get(info["dtype"], _INT_DTYPES.get(info["dtype"]))
-    if np_dtype is not None and (want := int(np.prod(shape, dtype=object)) * np.dtype(np_dtype).itemsize) != end - start:
+    if (np_dtype is not None
+            and (want := int(np.prod(shape, dtype=object)) * np.dtype(np_dtype).itemsize) != end - start):
         raise bad(f"has shape {tuple(shape)} of {info['dtype']} ({want} bytes) but its data range holds "
                   f"{end - start} bytes")
     return TensorEntry(path, info["dtype"], tuple(shape), data_start + start, end - start, name)
 
 
 def read_tensor(entry: TensorEntry) -> np.ndarray:
-    """The tensor as float32 (copied into process memory); a NaN or inf value is refused by name (a flipped bit in
-    an exponent would otherwise surface as NaN logits far from its cause; min and max cost ~7% of the read)."""
+    """The tensor as float32 (copied into process memory); a NaN or inf value is refused by name (a flipped
+    bit in an exponent would otherwise surface as NaN logits far from its cause; min and max cost ~7% of the
+    read)."""
     np_dtype = _DTYPES.get(entry.dtype)
     if np_dtype is None:
         raise CheckpointError(f"{entry.path}: tensor dtype {entry.dtype} is not supported; "
@@ -86,8 +90,8 @@ def read_tensor(entry: TensorEntry) -> np.ndarray:
     raw = _read_raw(entry, np_dtype)
     out = from_bf16(raw) if entry.dtype == "BF16" else raw.astype(np.float32, copy=False)
     if out.size and not (np.isfinite(out.min()) and np.isfinite(out.max())):
-        raise CheckpointError(f"{entry.path}: tensor {entry.name!r} holds NaN or inf values; the file is corrupt "
-                              "(or the training diverged): re-download or re-save it")
+        raise CheckpointError(f"{entry.path}: tensor {entry.name!r} holds NaN or inf values; the file is "
+                              "corrupt (or the training diverged): re-download or re-save it")
     return out
 
 
@@ -95,8 +99,8 @@ def read_int_tensor(entry: TensorEntry) -> np.ndarray:
     """An integer tensor (I64 or I32) as int64, copied into process memory."""
     np_dtype = _INT_DTYPES.get(entry.dtype)
     if np_dtype is None:
-        raise CheckpointError(f"{entry.path}: tensor {entry.name!r} is {entry.dtype}; it holds indices: store it "
-                              "as int64 (I64) or int32 (I32)")
+        raise CheckpointError(f"{entry.path}: tensor {entry.name!r} is {entry.dtype}; it holds indices: "
+                              "store it as int64 (I64) or int32 (I32)")
     return _read_raw(entry, np_dtype).astype(np.int64, copy=False)
 
 

@@ -26,7 +26,8 @@ class SamplingBatch:
     repetition_penalties: np.ndarray  # [N] float32 (1: off)
     frequency_penalties: np.ndarray  # [N] float64
     presence_penalties: np.ndarray  # [N] float64
-    # per row: prompt + output token ids before its position; only rows that set a penalty are read (others: ())
+    # per row: prompt + output token ids before its position; only rows that set a penalty are read
+    # (others: ())
     histories: tuple[Sequence[int], ...]
     num_prompt_tokens: np.ndarray  # [N] int64: of each history, the prompt's
     token_masks: np.ndarray | None = None  # [N, V] bool: the tokens a row may take (None: every token)
@@ -35,8 +36,10 @@ class SamplingBatch:
     def build(cls, params: Sequence[SamplingParams], seeds: Sequence[int], positions: Sequence[int],
               histories: Sequence[Sequence[int]], num_prompt_tokens: Sequence[int],
               token_masks: np.ndarray | None = None) -> "SamplingBatch":
-        return cls(np.array([p.greedy for p in params], bool), np.array([p.temperature for p in params], np.float64),
-                   np.array([p.top_k for p in params], np.int64), np.array([p.top_p for p in params], np.float64),
+        return cls(np.array([p.greedy for p in params], bool),
+                   np.array([p.temperature for p in params], np.float64),
+                   np.array([p.top_k for p in params], np.int64),
+                   np.array([p.top_p for p in params], np.float64),
                    np.array([p.min_p for p in params], np.float64), np.asarray(seeds, np.uint64).reshape(-1),
                    np.asarray(positions, np.int64).reshape(-1),
                    np.array([p.repetition_penalty for p in params], np.float32),
@@ -51,7 +54,8 @@ class SamplingBatch:
     def rows(self, idx: np.ndarray) -> "SamplingBatch":
         """The batch of rows idx (in that order)."""
         return SamplingBatch(self.greedy[idx], self.temperatures[idx], self.top_k[idx], self.top_p[idx],
-                             self.min_p[idx], self.seeds[idx], self.positions[idx], self.repetition_penalties[idx],
+                             self.min_p[idx], self.seeds[idx], self.positions[idx],
+                             self.repetition_penalties[idx],
                              self.frequency_penalties[idx], self.presence_penalties[idx],
                              tuple(self.histories[i] for i in idx), self.num_prompt_tokens[idx],
                              None if self.token_masks is None else self.token_masks[idx])

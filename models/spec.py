@@ -83,7 +83,8 @@ def load_spec(model_dir: Path) -> ModelSpec:
     archs = cfg.get("architectures") or []
     architecture = next((a for a in archs if a in ARCHITECTURES), None)
     if architecture is None:
-        raise _fail(path, f"architectures={archs!r} is not supported; numaserve serves {', '.join(ARCHITECTURES)}")
+        raise _fail(path, f"architectures={archs!r} is not supported; "
+                          f"numaserve serves {', '.join(ARCHITECTURES)}")
     try:
         num_heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
@@ -115,7 +116,8 @@ def load_spec(model_dir: Path) -> ModelSpec:
     except KeyError as e:
         raise _fail(path, f"field {e.args[0]!r} is missing; it is required for {architecture}") from None
     except (TypeError, ValueError) as e:
-        raise _fail(path, f"a field has the wrong type ({e}); compare with the transformers config class") from None
+        raise _fail(path, f"a field has the wrong type ({e}); "
+                          "compare with the transformers config class") from None
     if spec.num_heads % spec.num_kv_heads:
         raise _fail(path, f"num_attention_heads={spec.num_heads} is not a multiple of "
                           f"num_key_value_heads={spec.num_kv_heads}")
@@ -124,5 +126,6 @@ def load_spec(model_dir: Path) -> ModelSpec:
     if cfg.get("mlp_bias"):
         raise _fail(path, "mlp_bias=true is not supported; expected false")
     if scaling and scaling.get("rope_type", scaling.get("type")) not in ("llama3", "linear", "default"):
-        raise _fail(path, f"rope scaling {scaling!r} is not supported; expected rope_type 'llama3' or 'linear'")
+        raise _fail(path, f"rope scaling {scaling!r} is not supported; "
+                          "expected rope_type 'llama3' or 'linear'")
     return spec

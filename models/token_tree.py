@@ -101,7 +101,8 @@ class TokenTree:
         nodes = [i for i, k in enumerate(keep) if k]
         index = {old: new for new, old in enumerate(nodes)} | {-1: -1}
         ranks = None if self.ranks is None else tuple(self.ranks[i] for i in nodes)
-        return TokenTree(tuple(self.tokens[i] for i in nodes), tuple(index[self.parents[i]] for i in nodes), ranks)
+        return TokenTree(tuple(self.tokens[i] for i in nodes), tuple(index[self.parents[i]] for i in nodes),
+                         ranks)
 
     def walk(self, samples) -> tuple[list[int], list[int]]:
         """samples: [N + 1] the target's sample at each row (row 0: the root) -> (the tokens the verification

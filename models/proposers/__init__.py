@@ -17,10 +17,11 @@ from models.tokenizer import Tokenizer
 
 
 def make_proposer(config: SpeculationConfig, target_spec: ModelSpec, target_tokenizer: Tokenizer | None, *,
-                  kv_cache_tokens: int, block_size: int, weight_dtype: str = "auto", kv_dtype: str = "float32",
-                  activation_dtype: str = "auto", decisions: DecisionLog | None = None,
-                  sampler: DraftSampler = argmax_sampler, model_dir: str | None = None,
-                  target_weights: ModelWeights | None = None, target_weight_dtype: str = "float32") -> Proposer | None:
+                  kv_cache_tokens: int, block_size: int, weight_dtype: str = "auto",
+                  kv_dtype: str = "float32", activation_dtype: str = "auto",
+                  decisions: DecisionLog | None = None, sampler: DraftSampler = argmax_sampler,
+                  model_dir: str | None = None, target_weights: ModelWeights | None = None,
+                  target_weight_dtype: str = "float32") -> Proposer | None:
     """The proposer of config.method (None when off). A draft model gets a KV pool of kv_cache_tokens
     tokens in blocks of block_size; pass the engine's weight, KV and activation dtypes so that a draft
     model equal to the target drafts exactly the target's greedy tokens; sampler: how a draft model picks
@@ -30,11 +31,13 @@ def make_proposer(config: SpeculationConfig, target_spec: ModelSpec, target_toke
     if config.method == "ngram":
         return NgramProposer(config)
     if config.method == "draft":
-        return DraftModelProposer(config.draft_model, target_spec, target_tokenizer, kv_cache_tokens=kv_cache_tokens,
-                                  block_size=block_size, weight_dtype=weight_dtype, kv_dtype=kv_dtype,
+        return DraftModelProposer(config.draft_model, target_spec, target_tokenizer,
+                                  kv_cache_tokens=kv_cache_tokens, block_size=block_size,
+                                  weight_dtype=weight_dtype, kv_dtype=kv_dtype,
                                   activation_dtype=activation_dtype, decisions=decisions, sampler=sampler)
     if config.method == "medusa":
-        return MedusaProposer(model_dir, target_spec, target_weight_dtype, config.num_heads, config.tree_width)
+        return MedusaProposer(model_dir, target_spec, target_weight_dtype, config.num_heads,
+                              config.tree_width)
     if config.method == "eagle":
         return EagleProposer(model_dir, target_spec, target_weights, target_weight_dtype,
                              kv_cache_tokens=kv_cache_tokens, block_size=block_size, kv_dtype=kv_dtype,
@@ -52,5 +55,5 @@ def auto_candidates(config: SpeculationConfig, model_dir: str | Path | None) -> 
             + (["draft"] if config.draft_model else []))
 
 
-__all__ = ["DraftModelProposer", "EagleProposer", "MedusaProposer", "NgramProposer", "Proposer", "SpecRequest",
-           "auto_candidates", "check_same_vocabulary", "make_proposer"]
+__all__ = ["DraftModelProposer", "EagleProposer", "MedusaProposer", "NgramProposer", "Proposer",
+           "SpecRequest", "auto_candidates", "check_same_vocabulary", "make_proposer"]

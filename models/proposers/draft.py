@@ -47,9 +47,9 @@ def check_same_vocabulary(draft_path: str | Path, draft_spec: ModelSpec, draft_t
     where = f"draft model {draft_path}"
     if target_tok is None and draft_tok is None:
         if draft_spec.vocab_size != target_spec.vocab_size:
-            raise CheckpointError(f"{where}: vocabulary size {draft_spec.vocab_size} differs from the target's "
-                                  f"{target_spec.vocab_size} (neither has a tokenizer.json); use a draft model "
-                                  "of the target's family")
+            raise CheckpointError(f"{where}: vocabulary size {draft_spec.vocab_size} differs from the "
+                                  f"target's {target_spec.vocab_size} (neither has a tokenizer.json); use a "
+                                  "draft model of the target's family")
         return
     if target_tok is None or draft_tok is None:
         has, lacks = ("target", "draft model") if draft_tok is None else ("draft model", "target")
@@ -65,9 +65,9 @@ def check_same_vocabulary(draft_path: str | Path, draft_spec: ModelSpec, draft_t
     by_id = {i: t for t, i in target_vocab.items()}
     diff = sorted((i, t) for t, i in draft_vocab.items() if by_id.get(i) != t)
     i, t = diff[0]
-    raise CheckpointError(f"{where}: its tokenizer differs from the target's at {len(diff)} token ids (e.g. id "
-                          f"{i} is {t!r} in the draft, {by_id.get(i)!r} in the target); a draft model needs "
-                          "the target's tokenizer")
+    raise CheckpointError(f"{where}: its tokenizer differs from the target's at {len(diff)} token ids (e.g. "
+                          f"id {i} is {t!r} in the draft, {by_id.get(i)!r} in the target); a draft model "
+                          "needs the target's tokenizer")
 
 
 @dataclass
@@ -81,9 +81,9 @@ class DraftModelProposer(Proposer):
     catches_up = True  # a request that stopped drafting runs every token it missed through the draft model
 
     def __init__(self, path: str | Path, target_spec: ModelSpec, target_tokenizer: Tokenizer | None, *,
-                 kv_cache_tokens: int, block_size: int = 16, weight_dtype: str = "auto", kv_dtype: str = "float32",
-                 activation_dtype: str = "auto", decisions: DecisionLog | None = None,
-                 sampler: DraftSampler = argmax_sampler):
+                 kv_cache_tokens: int, block_size: int = 16, weight_dtype: str = "auto",
+                 kv_dtype: str = "float32", activation_dtype: str = "auto",
+                 decisions: DecisionLog | None = None, sampler: DraftSampler = argmax_sampler):
         super().__init__()
         self.sampler = sampler
         self.spec, weights, tokenizer = load_model(path, weight_dtype)
@@ -149,7 +149,8 @@ class DraftModelProposer(Proposer):
         draft is the target's own draw whenever the two distributions agree enough
         (scheduling/step_sampler.py)."""
         logits = np.ascontiguousarray(logits[:, :self.vocab_size], np.float32)  # [M, V]
-        return self.sampler(logits, _sampling_batch(reqs, [self.seqs[r.request_id].token_ids for r in reqs])).tolist()
+        return self.sampler(logits, _sampling_batch(reqs, [self.seqs[r.request_id].token_ids
+                                                           for r in reqs])).tolist()
 
     def _truncate(self, seq: _DraftSeq, keep: int) -> None:
         del seq.token_ids[keep:]
@@ -158,7 +159,8 @@ class DraftModelProposer(Proposer):
         self.pool.free(reversed(seq.block_ids[num_blocks:]))
         del seq.block_ids[num_blocks:]
 
-    def _reserve(self, requests: Sequence[SpecRequest], feeds: list[tuple[int, list[int]]], step_ids: set[str]):
+    def _reserve(self, requests: Sequence[SpecRequest], feeds: list[tuple[int, list[int]]],
+                 step_ids: set[str]):
         """Blocks for the feeds' new tokens. If short, requests outside this step lose their draft KV
         (least recently drafted first); a request that still does not fit stops drafting and drops its
         KV (it catches up when it next drafts)."""
@@ -197,8 +199,8 @@ class DraftModelProposer(Proposer):
         positions = np.asarray(positions, np.int32)
         token_seq = np.asarray(token_seq, np.int32)
         slot_mapping = block_tables[token_seq, positions // bs].astype(np.int64) * bs + positions % bs
-        batch = ForwardBatch(np.asarray(token_ids, np.int64), positions, token_seq, slot_mapping, block_tables,
-                             np.asarray(last_rows, np.int64))
+        batch = ForwardBatch(np.asarray(token_ids, np.int64), positions, token_seq, slot_mapping,
+                             block_tables, np.asarray(last_rows, np.int64))
         return self.model.forward(batch, self.kv_cache)
 
 
@@ -217,6 +219,7 @@ def _sampling_batch(reqs: list[SpecRequest], token_ids: list[list[int]]) -> Samp
     """The draft's rows as the requests sample: their params and seeds, the draft's tokens so far (verified
     tokens + this call's drafts) for penalties and the position."""
     params = [getattr(r, "params", None) or GREEDY for r in reqs]
-    seeds = [(p.seed or 0) % 2**64 if getattr(r, "seed", None) is None else r.seed for r, p in zip(reqs, params)]
+    seeds = [(p.seed or 0) % 2**64 if getattr(r, "seed", None) is None else r.seed
+             for r, p in zip(reqs, params)]
     return SamplingBatch.build(params, seeds, [len(t) for t in token_ids], token_ids,
                                [getattr(r, "num_prompt_tokens", len(t)) for r, t in zip(reqs, token_ids)])

@@ -91,11 +91,12 @@ class EagleProposer(Proposer):
     needs_hidden = True
     catches_up = True  # a request that stopped drafting runs its missed positions through the head's layer
 
-    def __init__(self, model_dir: str | Path, spec: ModelSpec, target_weights: ModelWeights, weight_dtype: str, *,
-                 kv_cache_tokens: int, block_size: int = 16, kv_dtype: str = "float32", max_depth: int = 4,
-                 fixed_width: int | None = None, activation_dtype: str = "float32"):
+    def __init__(self, model_dir: str | Path, spec: ModelSpec, target_weights: ModelWeights,
+                 weight_dtype: str, *, kv_cache_tokens: int, block_size: int = 16, kv_dtype: str = "float32",
+                 max_depth: int = 4, fixed_width: int | None = None, activation_dtype: str = "float32"):
         super().__init__()
-        self.head: EagleHead = load_eagle_head(model_dir, spec, target_weights, weight_dtype, activation_dtype)
+        self.head: EagleHead = load_eagle_head(model_dir, spec, target_weights, weight_dtype,
+                                               activation_dtype)
         self.block_size = block_size
         num_blocks = -(-(kv_cache_tokens + tree_sizes(max_depth).max()) // block_size) + SPARE_BLOCKS
         s = eagle_spec(spec)
@@ -107,7 +108,8 @@ class EagleProposer(Proposer):
         # vocabulary's rows of it)
         layer = spec.num_params - spec.vocab_size * spec.hidden_size
         vocab = spec.vocab_size if self.head.draft_ids is None else len(self.head.draft_ids)
-        self.cost_prior = (1 / spec.num_layers, (layer / spec.num_layers + vocab * spec.hidden_size) / spec.num_params)
+        self.cost_prior = (1 / spec.num_layers,
+                           (layer / spec.num_layers + vocab * spec.hidden_size) / spec.num_params)
         self.seqs: dict[str, _EagleSeq] = {}
         self.width = 1  # this step's: set by the speculator
         self.fixed_width = fixed_width  # None: the policy chooses
@@ -128,8 +130,8 @@ class EagleProposer(Proposer):
         seq.features += list(features)
         if len(seq.features) > MAX_UNSEEN:  # not drafting for long (method auto chose another): restart
             self._truncate(seq, seq.start)  # from the newest RESTART_KEEP features, as after a prefix hit
-            self.seqs[request_id] = _EagleSeq(seq.next_feature - RESTART_KEEP, seq.next_feature - RESTART_KEEP,
-                                              seq.features[-RESTART_KEEP:])
+            self.seqs[request_id] = _EagleSeq(seq.next_feature - RESTART_KEEP,
+                                              seq.next_feature - RESTART_KEEP, seq.features[-RESTART_KEEP:])
 
     def free(self, request_id: str) -> None:
         self._pending.pop(request_id, None)
@@ -157,7 +159,8 @@ class EagleProposer(Proposer):
             feeds.append(([req.token_ids[p + 1] for p in new], np.array(seq.features), seq.num_done))
             # an exploring proposal's head drafts the widest tree; the target still verifies this step's width
             width = self.fixed_width or (MAX_WIDTH if self._explores() else self.width)
-            growing.append(_Growing(i, seq, n - 2, width, depth if width == 1 else min(depth, self.max_tree_depth)))
+            growing.append(_Growing(i, seq, n - 2, width,
+                                    depth if width == 1 else min(depth, self.max_tree_depth)))
         if not feeds:
             return drafts
         logits, guesses = self._timed(self._catch_up, growing, feeds)
@@ -235,8 +238,8 @@ class EagleProposer(Proposer):
         return True
 
     def _catch_up(self, growing: list[_Growing], feeds: list) -> tuple[np.ndarray, np.ndarray]:
-        """Each request's unseen positions p (tokens t_{p+1}, features f_p) -> logits [R, V] and feature guesses
-        [R, H] of each one's last row, the root."""
+        """Each request's unseen positions p (tokens t_{p+1}, features f_p) -> logits [R, V] and feature
+        guesses [R, H] of each one's last row, the root."""
         rows = _Rows()
         for g, (tokens, features, first) in zip(growing, feeds):
             s = rows.add_sequence(g.seq)
@@ -253,8 +256,8 @@ class EagleProposer(Proposer):
             s = rows.add_sequence(g.seq)
             mask = g.tree().mask(width)
             for node in nodes:
-                rows.add(s, g.tokens[node], g.root + g.depths[node], g.root + 1 + node, g.guesses[g.parents[node]],
-                         wanted=True, tree_start=g.root + 1, tree_row=mask[node])
+                rows.add(s, g.tokens[node], g.root + g.depths[node], g.root + 1 + node,
+                         g.guesses[g.parents[node]], wanted=True, tree_start=g.root + 1, tree_row=mask[node])
         return self._forward(rows, width)
 
     def _forward(self, rows: "_Rows", tree_width: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -270,9 +273,9 @@ class EagleProposer(Proposer):
         if tree_width:
             tree_starts = np.asarray(rows.tree_starts, np.int32)
             tree_mask = np.stack(rows.tree_rows)
-        batch = ForwardBatch(np.asarray(rows.token_ids, np.int64), np.asarray(rows.positions, np.int32), token_seq,
-                             slot_mapping, block_tables, wanted, hidden_indices=wanted, tree_starts=tree_starts,
-                             tree_mask=tree_mask)
+        batch = ForwardBatch(np.asarray(rows.token_ids, np.int64), np.asarray(rows.positions, np.int32),
+                             token_seq, slot_mapping, block_tables, wanted, hidden_indices=wanted,
+                             tree_starts=tree_starts, tree_mask=tree_mask)
         return self.head.forward(batch, self.kv_cache, np.stack(rows.features).astype(np.float32))
 
 

@@ -27,8 +27,8 @@ from models.token_tree import TokenTree
 class MedusaProposer(Proposer):
     needs_hidden = True
 
-    def __init__(self, model_dir: str | Path, spec: ModelSpec, weight_dtype: str, num_heads: int | None = None,
-                 fixed_width: int | None = None):
+    def __init__(self, model_dir: str | Path, spec: ModelSpec, weight_dtype: str,
+                 num_heads: int | None = None, fixed_width: int | None = None):
         super().__init__()
         self.width = 1  # this step's: set by the speculator
         self.fixed_width = fixed_width  # None: the policy chooses
@@ -45,12 +45,14 @@ class MedusaProposer(Proposer):
         self.cost_prior = (head_params / spec.num_params, 0.0)
         self._hidden: dict[str, tuple[int, np.ndarray]] = {}  # request id -> (its tokens then, hidden [H])
         K = heads.num_heads
-        self.accepted_counts = np.zeros((MAX_WIDTH, K + 1), np.int64)  # [w - 1, l]: trees of width w keeping l
+        # [w - 1, l]: trees of width w keeping l
+        self.accepted_counts = np.zeros((MAX_WIDTH, K + 1), np.int64)
         self.tree_sizes = tree_sizes(K)
         self._pending: dict[str, list[tuple[int, TokenTree]]] = {}  # request id -> (its tokens, widest tree)
 
     def observe_hidden(self, request_id: str, first: int, features: np.ndarray) -> None:
-        # the last feature (position first + n - 1) produced token first + n: the request then had first + n + 1
+        # the last feature (position first + n - 1) produced token first + n: the request then had
+        # first + n + 1
         self._hidden[request_id] = (first + len(features) + 1, features[-1])
 
     def free(self, request_id: str) -> None:
