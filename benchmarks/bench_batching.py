@@ -27,7 +27,8 @@ def run_level(llm: ns.LLM, concurrency: int, prompt_len: int, max_tokens: int, s
         engine.add_request(f"c{concurrency}-{i}", rng.integers(3, 32000, prompt_len).tolist(), params)
     decode_tokens, decode_seconds, utilization, batch_sizes = 0, 0.0, [], []
     while engine.has_unfinished():
-        kv_utilization = engine.stats()["kv_utilization"]  # tokens stored / slots allocated, as the step starts
+        # tokens stored / slots allocated, as the step starts
+        kv_utilization = engine.stats()["kv_utilization"]
         start = time.perf_counter()
         step = engine.step()
         elapsed = time.perf_counter() - start

@@ -61,7 +61,8 @@ def quality(weight_dtype: str, windows: list[np.ndarray], texts: list[str]) -> d
                                                                                              weight_dtype=weight_dtype))
         calibrations[method] = cal
         everywhere = cal.model_copy(update={"bound": math.inf})
-        rows[f"int8 static {method}"] = ppl(plan_activations(weights, "int8", DecisionLog(), everywhere, True))
+        rows[f"int8 static {method}"] = ppl(plan_activations(weights, "int8", DecisionLog(),
+                                                             everywhere, True))
     sweep = []
     for method in SWEEP_METHODS if weight_dtype == WEIGHT_DTYPES[0] else ():
         for bound in BOUNDS:
@@ -76,8 +77,9 @@ def quality(weight_dtype: str, windows: list[np.ndarray], texts: list[str]) -> d
               for method, cal in calibrations.items()}
     for row in sweep:
         row["vs_float32"] = row["perplexity"] / exact - 1
-    out = {"perplexity": rows, "vs_float32": {k: v / exact - 1 for k, v in rows.items()}, "static_with_fallback":
-           sweep, "errors": errors, "num_matrices": len(calibrations["minmax"].matrices)}
+    out = {"perplexity": rows, "vs_float32": {k: v / exact - 1 for k, v in rows.items()},
+           "static_with_fallback": sweep, "errors": errors,
+           "num_matrices": len(calibrations["minmax"].matrices)}
     print(json.dumps({"weight_dtype": weight_dtype, "perplexity": rows, "vs_float32": out["vs_float32"]}))
     return out
 
@@ -92,7 +94,8 @@ def speed(model: str, weight_dtype: str, samples: int, threads: int) -> dict:
     dynamic = model_.weights
     static = _with_static_scales(bench, dynamic)
     rng = np.random.default_rng(0)
-    loads = {"prefill_256": (lambda p: bench.prefill(p), rng.integers(3, 32000, PREFILL_LEN).tolist(), PREFILL_LEN)}
+    loads = {"prefill_256": (lambda p: bench.prefill(p), rng.integers(3, 32000, PREFILL_LEN).tolist(),
+                             PREFILL_LEN)}
     for batch in (1, 8):
         prompts = [rng.integers(3, 32000, DECODE_PROMPT_LEN).tolist() for _ in range(batch)]
         loads[f"decode_b{batch}"] = (lambda p: bench.decode(p, DECODE_STEPS), prompts, batch * DECODE_STEPS)
@@ -167,14 +170,16 @@ def plot(result: dict, path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="tinyllama-1.1b", help="random checkpoint shape for the speed part")
+    parser.add_argument("--model", default="tinyllama-1.1b",
+                        help="random checkpoint shape for the speed part")
     parser.add_argument("--samples", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--skip-quality", action="store_true")
     parser.add_argument("--skip-speed", action="store_true")
     args = parser.parse_args(argv)
     result = {"meta": {"model": args.model, "samples": args.samples, "threads": args.threads,
-                       "cpu": platform.processor() or platform.machine(), "time": time.strftime("%Y-%m-%d %H:%M"),
+                       "cpu": platform.processor() or platform.machine(),
+                       "time": time.strftime("%Y-%m-%d %H:%M"),
                        "command": "python -m benchmarks.bench_calibration"}}
     if not args.skip_quality:
         from models.tokenizer import Tokenizer

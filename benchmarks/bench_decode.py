@@ -11,7 +11,8 @@ probes (bandwidth and matmul rooflines, sampled between the engines' samples: ba
 within seconds), on numba's workqueue layer, whose threads sleep between probes.
 A "torch imported first" pair (same weights, numaserve's shipped settings) checks import order.
 
-    python -m benchmarks.bench_decode [--dtypes bfloat16,q8_0,q4_0] [--activation-dtypes float32,bfloat16,int8]
+    python -m benchmarks.bench_decode [--dtypes bfloat16,q8_0,q4_0]
+                                      [--activation-dtypes float32,bfloat16,int8]
                                       [--samples 3]        (or: numaserve bench ...)
 
 Writes benchmarks/results/decode.json (after each weight dtype) and decode.png.
@@ -37,13 +38,15 @@ RESULTS = Path(__file__).parent / "results"
 PROMPT_LEN, DECODE_PROMPT_LEN = 512, 16
 ENGINE_MODULES = ("kernels", "scheduling.engine", "models.llama", "numaserve.llm")
 # what the engines' processes inherit: no threading settings of anyone's (ours included)
-CLEAN_ENV = {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "GOMP_", "KMP_", "NUMBA_THREADING"))}
+CLEAN_ENV = {k: v for k, v in os.environ.items()
+             if not k.startswith(("OMP_", "GOMP_", "KMP_", "NUMBA_THREADING"))}
 NUMASERVE_THREADING = {  # candidates for numaserve's process: extra environment
     "tbb": {},  # the shipped default (kernels/__init__.py)
     "omp-active": {"NUMBA_THREADING_LAYER": "omp", "OMP_WAIT_POLICY": "ACTIVE"},  # spinning waits
 }
 # activation dtypes meant for each weight dtype (others only with --all-combinations)
-MEANT_FOR = {"float32": {"float32", "bfloat16", "q8_0", "q4_0"}, "bfloat16": {"bfloat16"}, "int8": {"q8_0", "q4_0"}}
+MEANT_FOR = {"float32": {"float32", "bfloat16", "q8_0", "q4_0"}, "bfloat16": {"bfloat16"},
+             "int8": {"q8_0", "q4_0"}}
 
 
 def start_numaserve(ckpt: Path, weight_dtype: str, activation_dtype: str, args, threading: str,
@@ -56,8 +59,10 @@ def start_numaserve(ckpt: Path, weight_dtype: str, activation_dtype: str, args, 
 
 
 def start_llamacpp(gguf: Path, args) -> EngineProcess:
-    n_ctx = max(args.batches) * (DECODE_PROMPT_LEN + max(args.decode_tokens, args.batched_steps) + 8) + PROMPT_LEN
-    argv = [str(gguf), "--threads", str(args.threads), "--n-ctx", str(n_ctx), "--n-seq-max", str(max(args.batches))]
+    n_ctx = (max(args.batches) * (DECODE_PROMPT_LEN + max(args.decode_tokens, args.batched_steps) + 8)
+             + PROMPT_LEN)
+    argv = [str(gguf), "--threads", str(args.threads), "--n-ctx", str(n_ctx), "--n-seq-max",
+            str(max(args.batches))]
     return EngineProcess("llama.cpp", "benchmarks.llamacpp_runner", argv, CLEAN_ENV)
 
 
@@ -87,7 +92,8 @@ def tok_s(engine: EngineProcess, load: tuple[str, dict, int]):
     return lambda: num_tokens / engine.call(cmd, **kwargs)
 
 
-def pick_threading(ckpt: Path, weight_dtype: str, activation_dtype: str, args, loads: dict) -> tuple[str, dict]:
+def pick_threading(ckpt: Path, weight_dtype: str, activation_dtype: str, args,
+                   loads: dict) -> tuple[str, dict]:
     """numaserve's faster threading on these cores: decode batch 1 and 8, three alternating samples each."""
     if args.numaserve_threading != "auto":
         return args.numaserve_threading, {}
@@ -106,7 +112,8 @@ def pick_threading(ckpt: Path, weight_dtype: str, activation_dtype: str, args, l
     return best, {"weights": weight_dtype, "activations": activation_dtype, "tok_s": trial}
 
 
-def bench_dtype(ckpt: Path, weight_dtype: str, args, loads: dict, probe, threading: str, first: bool) -> list[dict]:
+def bench_dtype(ckpt: Path, weight_dtype: str, args, loads: dict, probe, threading: str,
+                first: bool) -> list[dict]:
     act_dtypes = [a for a in args.activation_dtypes if args.all_combinations or weight_dtype in MEANT_FOR[a]]
     ours = {a: start_numaserve(ckpt, weight_dtype, a, args, threading) for a in act_dtypes}
     info = {a: e.call("info") for a, e in ours.items()}
@@ -133,7 +140,8 @@ def bench_dtype(ckpt: Path, weight_dtype: str, args, loads: dict, probe, threadi
                 row["ratio"] = row["numaserve_tok_s"] / row["llamacpp_tok_s"]
             if "read_bytes_per_s" in times:
                 row["read_bytes_per_s"] = statistics.median(times["read_bytes_per_s"])
-                row["bandwidth_roofline"] = row["numaserve_tok_s"] * info[a]["read_bytes"] / row["read_bytes_per_s"]
+                row["bandwidth_roofline"] = (row["numaserve_tok_s"] * info[a]["read_bytes"]
+                                             / row["read_bytes_per_s"])
             elif "matmul_flop_per_s" in times:
                 row["matmul_flop_per_s"] = statistics.median(times["matmul_flop_per_s"])
                 flops = 2 * info[a]["num_params"]
@@ -141,12 +149,15 @@ def bench_dtype(ckpt: Path, weight_dtype: str, args, loads: dict, probe, threadi
             rows.append(row)
             print(json.dumps({k: v for k, v in row.items() if k != "samples"}), flush=True)
     if first and not args.no_torch_first:
-        rows += torch_first_rows(ckpt, weight_dtype, act_dtypes[0], args, loads, ours if threading == "tbb" else {})
+        rows += torch_first_rows(ckpt, weight_dtype, act_dtypes[0], args, loads,
+                                 ours if threading == "tbb" else {})
     for name, e in engines.items():
-        memory = {"dtype": weight_dtype, "metric": "memory", "engine": name, "peak_rss_bytes": e.call("peak_rss")}
+        memory = {"dtype": weight_dtype, "metric": "memory", "engine": name,
+                  "peak_rss_bytes": e.call("peak_rss")}
         if name.startswith("numaserve/"):
             own = info[name.removeprefix("numaserve/")]
-            memory |= {k: own[k] for k in ("weight_bytes", "rss_delta_bytes", "threading", "activation_dtypes")}
+            memory |= {k: own[k]
+                       for k in ("weight_bytes", "rss_delta_bytes", "threading", "activation_dtypes")}
             memory["bytes_per_param"] = own["weight_bytes"] / own["num_params"]
         else:
             memory |= e.call("info")  # llama.cpp's threads and system info (its SIMD paths)
@@ -155,8 +166,10 @@ def bench_dtype(ckpt: Path, weight_dtype: str, args, loads: dict, probe, threadi
     return rows
 
 
-def torch_first_rows(ckpt: Path, weight_dtype: str, act_dtype: str, args, loads: dict, running: dict) -> list[dict]:
-    """numaserve with its shipped settings, `import torch` first vs not, alternating; ratio to the plain one."""
+def torch_first_rows(ckpt: Path, weight_dtype: str, act_dtype: str, args, loads: dict,
+                     running: dict) -> list[dict]:
+    """numaserve with its shipped settings, `import torch` first vs not, alternating; ratio to the plain
+    one."""
     plain = running.get(act_dtype) or start_numaserve(ckpt, weight_dtype, act_dtype, args, "tbb")
     torch_first = start_numaserve(ckpt, weight_dtype, act_dtype, args, "tbb", torch_first=True)
     threading = {"plain": plain.call("info")["threading"], "torch": torch_first.call("info")["threading"]}
@@ -165,11 +178,12 @@ def torch_first_rows(ckpt: Path, weight_dtype: str, act_dtype: str, args, loads:
             engine.call(loads[metric][0], **loads[metric][1])
     rows = []
     for metric in ("decode_b1", "decode_b8"):
-        times = alternate(args.samples, {"plain": tok_s(plain, loads[metric]), "torch": tok_s(torch_first, loads[metric])})
+        times = alternate(args.samples, {"plain": tok_s(plain, loads[metric]),
+                                         "torch": tok_s(torch_first, loads[metric])})
         ours, base = statistics.median(times["torch"]), statistics.median(times["plain"])
         rows.append({"dtype": weight_dtype, "activation_dtype": act_dtype, "metric": f"torch_first_{metric}",
-                     "numaserve_tok_s": ours, "plain_tok_s": base, "ratio_to_plain": ours / base, "samples": times,
-                     "threading": threading})
+                     "numaserve_tok_s": ours, "plain_tok_s": base, "ratio_to_plain": ours / base,
+                     "samples": times, "threading": threading})
         print(json.dumps({k: v for k, v in rows[-1].items() if k != "samples"}), flush=True)
     torch_first.close()
     if plain is not running.get(act_dtype):
@@ -193,7 +207,8 @@ def plot(rows: list[dict], path: Path) -> None:
         sel = {(r["dtype"], r["activation_dtype"]): r for r in speed if r["metric"] == metric}
         for i, name in enumerate(series):
             if name == "llama.cpp":
-                vals = [next((r["llamacpp_tok_s"] for (d, _), r in sel.items() if d == dt), 0) for dt in dtypes]
+                vals = [next((r["llamacpp_tok_s"] for (d, _), r in sel.items() if d == dt), 0)
+                        for dt in dtypes]
             else:
                 vals = [sel.get((dt, name.split()[1]), {}).get("numaserve_tok_s", 0) for dt in dtypes]
             ax.bar(np.arange(len(dtypes)) + (i - (len(series) - 1) / 2) * width, vals, width, label=name)
@@ -212,14 +227,18 @@ def _cpu_name() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="numaserve bench", description=" ".join(__doc__.split("\n\n")[0].split()),
+    parser = argparse.ArgumentParser(prog="numaserve bench",
+                                     description=" ".join(__doc__.split("\n\n")[0].split()),
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--model", default="tinyllama-1.1b", help="random checkpoint shape (benchmarks/checkpoints.py)")
+    parser.add_argument("--model", default="tinyllama-1.1b",
+                        help="random checkpoint shape (benchmarks/checkpoints.py)")
     parser.add_argument("--dtypes", default="bfloat16,q8_0,q4_0", help="weight dtypes, comma-separated")
     parser.add_argument("--activation-dtypes", default="float32,bfloat16,int8", type=lambda s: s.split(","),
-                        help="activation dtypes, comma-separated (each with the weight dtypes it is meant for)")
+                        help="activation dtypes, comma-separated (each with the weight dtypes it is "
+                             "meant for)")
     parser.add_argument("--all-combinations", action="store_true",
-                        help="also bf16 activations with quantized weights and int8 activations with bf16 weights")
+                        help="also bf16 activations with quantized weights and int8 activations with bf16 "
+                             "weights")
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
                         help="threads of each engine (unless given: every core this process may run on)")
     parser.add_argument("--samples", type=int, default=3, help="timed samples per engine and row")
@@ -231,7 +250,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="numaserve's threading layer; auto: the faster in a short trial")
     parser.add_argument("--no-llamacpp", action="store_true", help="numaserve only")
     parser.add_argument("--no-torch-first", action="store_true", help='skip the "torch imported first" pair')
-    parser.add_argument("--out", default=str(RESULTS / "decode.json"), help="JSON to write (and the PNG beside it)")
+    parser.add_argument("--out", default=str(RESULTS / "decode.json"),
+                        help="JSON to write (and the PNG beside it)")
     return parser
 
 
@@ -247,8 +267,10 @@ def main(argv: list[str] | None = None) -> None:
 
     ckpt = random_checkpoint(args.model)
     probe = MachineProbe()
-    machine = {"read_bytes_per_s": probe.read_bandwidth(repeats=5), "matmul_flop_per_s": probe.matmul_flops(repeats=5)}
-    print(json.dumps(machine), flush=True)  # best of 5 at the start; each row keeps the median of its own probes
+    machine = {"read_bytes_per_s": probe.read_bandwidth(repeats=5),
+               "matmul_flop_per_s": probe.matmul_flops(repeats=5)}
+    # best of 5 at the start; each row keeps the median of its own probes
+    print(json.dumps(machine), flush=True)
     loads = workloads(args, np.random.default_rng(0))
     dtypes = args.dtypes.split(",")
     meant = [a for a in args.activation_dtypes if args.all_combinations or dtypes[0] in MEANT_FOR[a]]
@@ -268,7 +290,8 @@ def main(argv: list[str] | None = None) -> None:
     out.parent.mkdir(exist_ok=True)
     for i, dtype in enumerate(dtypes):
         rows += bench_dtype(ckpt, dtype, args, loads, probe, threading, first=i == 0)
-        out.write_text(json.dumps({"meta": meta, "machine": machine, "rows": rows}, indent=2))  # after each dtype
+        # after each dtype
+        out.write_text(json.dumps({"meta": meta, "machine": machine, "rows": rows}, indent=2))
     plot(rows, out.with_suffix(".png"))
 
 

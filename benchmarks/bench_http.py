@@ -37,7 +37,8 @@ import psutil
 RESULTS = Path(__file__).parent / "results"
 MODEL = "tinyllama-1.1b"
 SERVED_NAME = "tinyllama-q8_0"
-ENGINE = {"weight_dtype": "q8_0", "max_num_seqs": 64, "max_num_batched_tokens": 512, "kv_cache_bytes": 256 << 20}
+ENGINE = {"weight_dtype": "q8_0", "max_num_seqs": 64, "max_num_batched_tokens": 512,
+          "kv_cache_bytes": 256 << 20}
 MIN_REQUESTS = 4
 PATHS = ("http", "in-process")
 
@@ -57,7 +58,8 @@ async def http_load(url: str, prompts: list[list[int]], max_tokens: int, concurr
     async def one(prompt: list[int]) -> dict:
         record = {"start": time.perf_counter(), "times": [], "num_tokens": 0, "num_chunks": 0}
         stream = await client.completions.create(model=SERVED_NAME, prompt=prompt, max_tokens=max_tokens,
-                                                 temperature=0, stream=True, stream_options={"include_usage": True},
+                                                 temperature=0, stream=True,
+                                                 stream_options={"include_usage": True},
                                                  extra_body={"ignore_eos": True})
         async for chunk in stream:
             now = time.perf_counter()
@@ -100,7 +102,8 @@ def summarize(run: dict) -> dict:
 def pooled(runs: list[dict]) -> dict:
     ttft = [x for r in runs for x in r["ttft_s"]]
     itl = [x for r in runs for x in r["itl_s"]]
-    pct = {f"{name}_p{q}_ms": 1000 * float(np.percentile(xs, q)) for name, xs in (("ttft", ttft), ("itl", itl))
+    pct = {f"{name}_p{q}_ms": 1000 * float(np.percentile(xs, q))
+           for name, xs in (("ttft", ttft), ("itl", itl))
            for q in (50, 99)}
     return {"median_tokens_per_s": statistics.median(r["tokens_per_s"] for r in runs),
             "median_cpu_ms_per_token": statistics.median(r["cpu_ms_per_token"] for r in runs),
@@ -121,14 +124,16 @@ def plot(results: dict, path: Path) -> None:
 
     levels = [int(c) for c in results["levels"]]
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.4))
-    styles = {"http": ("#3a7", "HTTP (openai client, loopback)"), "in-process": ("#777", "in-process numaserve.LLM")}
+    styles = {"http": ("#3a7", "HTTP (openai client, loopback)"),
+              "in-process": ("#777", "in-process numaserve.LLM")}
     for name, (color, label) in styles.items():
         rows = [results["levels"][str(c)][name] for c in levels]
         axes[0].plot(levels, [r["median_tokens_per_s"] for r in rows], "o-", color=color, label=label)
         for ax, metric in ((axes[1], "ttft"), (axes[2], "itl")):
             ax.plot(levels, [r[f"{metric}_p50_ms"] for r in rows], "o-", color=color, label=f"{label} p50")
             ax.plot(levels, [r[f"{metric}_p99_ms"] for r in rows], "s--", color=color, label=f"{label} p99")
-    for ax, title, unit in ((axes[0], "output throughput", "tokens/s"), (axes[1], "time to first token", "ms"),
+    for ax, title, unit in ((axes[0], "output throughput", "tokens/s"),
+                            (axes[1], "time to first token", "ms"),
                             (axes[2], "inter-token latency", "ms")):
         ax.set_xscale("log", base=2)
         ax.set_xticks(levels, [str(c) for c in levels])
@@ -142,8 +147,9 @@ def plot(results: dict, path: Path) -> None:
     dedicated = "; worker on a core of its own: " + ", ".join(
         f"{c}: {level['http_over_in_process']:.3f}" for c, level in results["dedicated"].items()) \
         if results["dedicated"] else ""
-    fig.suptitle(f"TinyLlama-1.1B-shaped q8_0, {results['meta']['num_cores']} cores shared by worker and the rest: "
-                 f"HTTP / in-process throughput by streams {ratios}{dedicated} (goal >= 0.95 at 16)", fontsize=9)
+    fig.suptitle(f"TinyLlama-1.1B-shaped q8_0, {results['meta']['num_cores']} cores shared by worker and "
+                 f"the rest: HTTP / in-process throughput by streams {ratios}{dedicated} "
+                 "(goal >= 0.95 at 16)", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -175,7 +181,8 @@ def run_layout(layout: str, args, model: str, cores: list[int], levels: list[int
                                os.environ | threads_env)  # the worker's environment, as deploy sets it
     registry = tempfile.TemporaryDirectory(prefix="bench-http-")
     config = ns.ClusterConfig(
-        model=model, engine=ENGINE, machines=[{"name": layout, "numa_nodes": [{"id": 0, "cpus": engine_cores}]}],
+        model=model, engine=ENGINE,
+        machines=[{"name": layout, "numa_nodes": [{"id": 0, "cpus": engine_cores}]}],
         stream_interval_ms=0, target_step_ms=1e6, max_queued_per_worker=64,
         adapter_registry=str(Path(registry.name) / "adapters.json"),
         http={"port": free_port(), "served_model_name": SERVED_NAME})
@@ -185,7 +192,8 @@ def run_layout(layout: str, args, model: str, cores: list[int], levels: list[int
     raw = {c: {path: [] for path in PATHS} for c in levels}
     try:
         [worker] = client.stats()["workers"].values()
-        if layout == "dedicated":  # every process but the worker (and the stopped in-process engine) off its core
+        # every process but the worker (and the stopped in-process engine) off its core
+        if layout == "dedicated":
             for p in [psutil.Process(), *psutil.Process().children(recursive=True)]:  # this process and Ray's
                 if p.pid not in (worker["info"]["pid"], in_process.proc.pid):
                     pin(p.pid, other_cores)
@@ -233,12 +241,14 @@ def main(argv: list[str] | None = None) -> None:
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--concurrency", default="1,4,16,64", type=lambda s: [int(c) for c in s.split(",")],
                         help="concurrent streams per level with the worker on every core, comma-separated")
-    parser.add_argument("--dedicated-concurrency", default="16", type=lambda s: [int(c) for c in s.split(",") if c],
+    parser.add_argument("--dedicated-concurrency", default="16",
+                        type=lambda s: [int(c) for c in s.split(",") if c],
                         help="levels also run with the worker on a core of its own (empty: none)")
     parser.add_argument("--prompt-len", type=int, default=8, help="prompt tokens per request")
     parser.add_argument("--max-tokens", type=int, default=32, help="tokens generated per request")
     parser.add_argument("--repeats", type=int, default=2, help="runs of each path at each level")
-    parser.add_argument("--out", default=str(RESULTS / "http.json"), help="JSON to write (and the PNG beside it)")
+    parser.add_argument("--out", default=str(RESULTS / "http.json"),
+                        help="JSON to write (and the PNG beside it)")
     args = parser.parse_args(argv)
     from benchmarks.checkpoints import with_word_tokenizer
 
@@ -247,16 +257,18 @@ def main(argv: list[str] | None = None) -> None:
     load_before = os.getloadavg()
     layouts = {"shared": level_results(run_layout("shared", args, model, cores, args.concurrency))}
     if args.dedicated_concurrency and len(cores) > 1:
-        layouts["dedicated"] = level_results(run_layout("dedicated", args, model, cores, args.dedicated_concurrency))
+        layouts["dedicated"] = level_results(run_layout("dedicated", args, model, cores,
+                                                        args.dedicated_concurrency))
     results = {"meta": {"command": "python -m benchmarks.bench_http " + " ".join(argv or []),
                         "model": f"{MODEL} (random weights, word tokenizer)", "engine": ENGINE,
                         "prompt_len": args.prompt_len, "max_tokens": args.max_tokens, "repeats": args.repeats,
                         "min_requests": MIN_REQUESTS, "stream_interval_ms": 0, "target_step_ms": 1e6,
                         "num_cores": len(cores), "cpu": _cpu_name(), "date": time.strftime("%Y-%m-%d %H:%M"),
                         "load_average_before": load_before, "load_average_after": os.getloadavg(),
-                        "layouts": {"shared": "worker (or in-process engine) on every core with one thread each, "
-                                              "sharing them with client, router, HTTP server and Ray",
-                                    "dedicated": "worker (or in-process engine) on the last core, one thread; "
+                        "layouts": {"shared": "worker (or in-process engine) on every core with one thread "
+                                              "each, sharing them with client, router, HTTP server and Ray",
+                                    "dedicated": "worker (or in-process engine) on the last core, "
+                                                 "one thread; "
                                                  "client, router, HTTP server and Ray on the others"}},
                "levels": layouts["shared"], "dedicated": layouts.get("dedicated", {})}
     out = Path(args.out)

@@ -54,7 +54,8 @@ def random_adapters(name: str, num: int, rank: int) -> list[Path]:
             for module in MODULES:
                 out_features, in_features = dims[module]
                 key = f"base_model.model.{module_key(layer, module)}"
-                tensors[f"{key}.lora_A.weight"] = rng.standard_normal((rank, in_features), np.float32) / in_features ** .5
+                tensors[f"{key}.lora_A.weight"] = (rng.standard_normal((rank, in_features), np.float32)
+                                                   / in_features ** .5)
                 tensors[f"{key}.lora_B.weight"] = rng.standard_normal((out_features, rank), np.float32) * 0.01
         save_file(tensors, directory / "adapter_model.safetensors")
         (directory / "adapter_config.json").write_text(json.dumps(
@@ -73,7 +74,8 @@ def measure_crossover(workers: dict, samples: int) -> list[dict]:
         for n in CROSSOVER_ROWS:
             for merge in (("never", "always") if sample % 2 == 0 else ("always", "never")):
                 for dtype, w in workers.items():
-                    seconds[(dtype, n, merge)].append(w.call("mixed_step", num_rows=n, merge=merge, num_base=BATCH))
+                    seconds[(dtype, n, merge)].append(w.call("mixed_step", num_rows=n, merge=merge,
+                                                             num_base=BATCH))
     rows = []
     for dtype in workers:
         for n in CROSSOVER_ROWS:
@@ -97,7 +99,8 @@ def main() -> None:
     workers = {}
     for dtype in args.dtypes.split(","):
         argv = [str(ckpt), *map(str, adapters), "--weight-dtype", dtype, "--threads", str(args.threads),
-                "--max-loras", str(max(CONDITIONS)), "--max-lora-rank", str(RANK), "--max-num-seqs", str(BATCH + 1)]
+                "--max-loras", str(max(CONDITIONS)), "--max-lora-rank", str(RANK),
+                "--max-num-seqs", str(BATCH + 1)]
         workers[dtype] = EngineProcess(f"numaserve {dtype}", "benchmarks.lora_worker", argv, CLEAN_ENV)
     rng = np.random.default_rng(0)
     prompts = rng.integers(3, 32000, (BATCH, PROMPT_LEN)).tolist()
@@ -118,7 +121,8 @@ def main() -> None:
             median = statistics.median(values)
             rows.append({"weight_dtype": dtype, "num_adapters": c, "tok_s": BATCH * args.steps / median,
                          "ratio_to_base": base / median, "seconds": values})
-            print(f"{dtype:9s} {c:2d} adapters: {BATCH * args.steps / median:7.1f} tok/s = {base / median:.3f}x base")
+            print(f"{dtype:9s} {c:2d} adapters: {BATCH * args.steps / median:7.1f} tok/s = "
+                  f"{base / median:.3f}x base")
     result = {"command": "python -m benchmarks.bench_lora " + " ".join(
                   f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()),
               "date": time.strftime("%Y-%m-%d"), "machine": platform.processor() or platform.machine(),
@@ -142,7 +146,8 @@ def plot(rows: list[dict], crossover: list[dict], path: Path) -> None:
         mine = [r for r in rows if r["weight_dtype"] == dtype]
         ax.plot([str(r["num_adapters"]) for r in mine], [r["ratio_to_base"] for r in mine], "o-", label=dtype)
         cross = [r for r in crossover if r["weight_dtype"] == dtype]
-        bx.plot([r["adapter_rows"] for r in cross], [r["merged_over_lowrank"] for r in cross], "o-", label=dtype)
+        bx.plot([r["adapter_rows"] for r in cross], [r["merged_over_lowrank"] for r in cross], "o-",
+                label=dtype)
     ax.axhline(0.95, color="grey", ls="--", lw=0.8, label="goal: 0.95 with 4 adapters")
     ax.set_xlabel(f"distinct rank-{RANK} adapters in a decode batch of {BATCH}")
     ax.set_ylabel("decode tokens/s / base model's")

@@ -1,13 +1,15 @@
 """Decode speed of two revisions of numaserve on the same weights: the code of this tree against another
 checkout (a refactor must not cost speed).
 
-Each revision's engine runs in its own long-lived process started in its own tree (benchmarks/numaserve_worker.py
-of that tree, so it imports that tree's code), with the same threads and settings; the processes alternate
-sample by sample, the order flipping every sample, and each row's medians and ratio come from one run. Every
-sample decodes prompts of its own (unique token ids), so no prefix cache serves one sample from another's.
+Each revision's engine runs in its own long-lived process started in its own tree
+(benchmarks/numaserve_worker.py of that tree, so it imports that tree's code), with the same threads and
+settings; the processes alternate sample by sample, the order flipping every sample, and each row's medians
+and ratio come from one run. Every sample decodes prompts of its own (unique token ids), so no prefix cache
+serves one sample from another's.
 
     git worktree add /tmp/numaserve-old <revision>
-    python -m benchmarks.bench_revisions --old /tmp/numaserve-old [--rows demo:bfloat16:16,tinyllama-1.1b:q8_0:1,...]
+    python -m benchmarks.bench_revisions --old /tmp/numaserve-old
+                                         [--rows demo:bfloat16:16,tinyllama-1.1b:q8_0:1,...]
 
 Writes benchmarks/results/revisions.json and revisions.png.
 """
@@ -39,7 +41,8 @@ def model_dir(name: str) -> Path:
 
 def revision(tree: Path) -> str:
     def git(*argv: str) -> str:
-        return subprocess.run(["git", "-C", str(tree), *argv], check=True, capture_output=True, text=True).stdout.strip()
+        return subprocess.run(["git", "-C", str(tree), *argv], check=True, capture_output=True,
+                              text=True).stdout.strip()
 
     dirty = git("status", "--porcelain", "--untracked-files=no")
     return git("rev-parse", "--short", "HEAD") + (" (uncommitted changes)" if dirty else "")
@@ -48,7 +51,8 @@ def revision(tree: Path) -> str:
 def start(tree: Path, label: str, model: Path, weight_dtype: str, args) -> EngineProcess:
     argv = [str(model), "--weight-dtype", weight_dtype, "--activation-dtype", args.activation_dtype,
             "--threads", str(args.threads), "--max-num-seqs", str(max(32, args.max_batch))]
-    return EngineProcess(f"{label} {weight_dtype}", "benchmarks.numaserve_worker", argv, dict(os.environ), cwd=tree)
+    return EngineProcess(f"{label} {weight_dtype}", "benchmarks.numaserve_worker", argv, dict(os.environ),
+                         cwd=tree)
 
 
 def run_row(name: str, weight_dtype: str, batch: int, trees: dict[str, Path], args, seed: int) -> dict:
@@ -60,7 +64,8 @@ def run_row(name: str, weight_dtype: str, batch: int, trees: dict[str, Path], ar
         for sample in range(args.samples):
             order = list(engines) if sample % 2 == 0 else list(engines)[::-1]
             for label in order:
-                prompts = rng.integers(3, 250, (batch, PROMPT_LEN)).tolist()  # unique to this sample and engine
+                # unique to this sample and engine
+                prompts = rng.integers(3, 250, (batch, PROMPT_LEN)).tolist()
                 seconds = engines[label].call("decode", prompts=prompts, num_steps=args.steps)
                 tokens_per_s[label].append(batch * args.steps / seconds)
     finally:
@@ -95,7 +100,8 @@ def plot(results: dict, path: Path) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--old", required=True, type=Path, help="the other revision's tree (a git worktree)")
     parser.add_argument("--rows", default=DEFAULT_ROWS, help="model:weight_dtype:batch, comma-separated")
     parser.add_argument("--activation-dtype", default="auto", help="as EngineConfig.activation_dtype")
@@ -115,7 +121,8 @@ def main() -> None:
         row = run_row(name, dtype, batch, trees, args, seed=i)
         results["rows"].append(row)
         print(f"{name} {dtype} batch {batch}: old {row['median_tokens_per_s']['old']:.1f}, new "
-              f"{row['median_tokens_per_s']['new']:.1f} tokens/s, new/old {row['new_over_old']:.3f}", flush=True)
+              f"{row['median_tokens_per_s']['new']:.1f} tokens/s, new/old {row['new_over_old']:.3f}",
+              flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=1))
     plot(results, args.out.with_suffix(".png"))

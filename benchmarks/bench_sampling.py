@@ -113,8 +113,9 @@ def batched_sampler():
         return lambda logits, requests: [int(t) for t in fn(logits, requests)]
     if names[:2] == ["logits", "batch"]:  # the step builds its SamplingBatch (timed with the sampler)
         return lambda logits, requests: [int(t) for t in fn(logits, SamplingBatch.build(
-            [r.params for r in requests], [r.params.seed or 0 for r in requests], [r.num_tokens for r in requests],
-            [r.token_ids for r in requests], [r.num_prompt_tokens for r in requests]))]
+            [r.params for r in requests], [r.params.seed or 0 for r in requests],
+            [r.num_tokens for r in requests], [r.token_ids for r in requests],
+            [r.num_prompt_tokens for r in requests]))]
     return None
 
 
@@ -160,7 +161,8 @@ def plot(result: dict, path: Path) -> None:
     ax.axvline(0.05 * step_ms, color="k", ls=":", label="5% of the decode step")
     ax.set_xlabel(f"ms per step, {NUM_REQUESTS} requests, T={PARAMS['temperature']}, top_p={PARAMS['top_p']}")
     meta = result["meta"]
-    ax.set_title(f"Sampling cost vs {meta['model']} ({meta['weight_dtype']}) batch-{NUM_REQUESTS} decode step")
+    ax.set_title(f"Sampling cost vs {meta['model']} ({meta['weight_dtype']}) batch-{NUM_REQUESTS} "
+                 "decode step")
     ax.set_xlim(0, max(values + [step_ms]) * 1.5)
     ax.legend(loc="lower right")
     fig.tight_layout()
@@ -176,7 +178,8 @@ def main() -> None:
     args = parser.parse_args()
     rng = np.random.default_rng(1)
     requests = [BenchRequest(i, prompt=rng.integers(3, VOCAB, PROMPT_LEN).tolist(),
-                             output=rng.integers(3, VOCAB, 8).tolist(), params=SamplingParams(seed=i, **PARAMS))
+                             output=rng.integers(3, VOCAB, 8).tolist(),
+                             params=SamplingParams(seed=i, **PARAMS))
                 for i in range(NUM_REQUESTS)]
     samplers = {"before": step_before}
     after = batched_sampler()

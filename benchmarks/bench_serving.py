@@ -42,7 +42,8 @@ ENGINE = {"max_num_seqs": 32, "max_num_batched_tokens": 512, "kv_cache_bytes": 6
 
 def cluster_config(machine: str, nodes: list[list[int]], stream_interval_ms: float) -> ns.ClusterConfig:
     return ns.ClusterConfig(engine=ENGINE, max_queued_per_worker=64, stream_interval_ms=stream_interval_ms,
-                            machines=[{"name": machine, "numa_nodes": [{"id": i, "cpus": c} for i, c in enumerate(nodes)]}])
+                            machines=[{"name": machine,
+                                       "numa_nodes": [{"id": i, "cpus": c} for i, c in enumerate(nodes)]}])
 
 
 def pin(pid: int, cpu_ids: list[int]) -> None:
@@ -61,7 +62,8 @@ def workload(num_requests: int, prompt_len: int, seed: int) -> list[list[int]]:
 
 def deployment_processes(client) -> list[psutil.Process]:
     stats = client.stats()
-    return [psutil.Process(stats["router_pid"])] + [psutil.Process(w["info"]["pid"]) for w in stats["workers"].values()]
+    return ([psutil.Process(stats["router_pid"])]
+            + [psutil.Process(w["info"]["pid"]) for w in stats["workers"].values()])
 
 
 def measure(run, processes: list[psutil.Process]) -> dict:
@@ -72,8 +74,8 @@ def measure(run, processes: list[psutil.Process]) -> dict:
     num_tokens, num_chunks = run()
     seconds = time.perf_counter() - start
     cpu = sum(sum(p.cpu_times()[:2]) - c for p, c in zip(processes, cpu_before))
-    return {"tokens_per_s": num_tokens / seconds, "seconds": seconds, "cpu_ms_per_token": 1000 * cpu / num_tokens,
-            "tokens_per_chunk": num_tokens / num_chunks}
+    return {"tokens_per_s": num_tokens / seconds, "seconds": seconds,
+            "cpu_ms_per_token": 1000 * cpu / num_tokens, "tokens_per_chunk": num_tokens / num_chunks}
 
 
 def engine_process(conn, model: str, cpu_ids: list[int]) -> None:
@@ -167,9 +169,9 @@ def plot(results: dict, path: Path) -> None:
         ax.set_ylabel("aggregate tokens/s (median)")
         ax.tick_params(axis="x", labelsize=7)
     o, speedup = results["overhead"], results["scaling"]["speedup"]
-    fig.suptitle(f"at the default 100 ms stream interval: client overhead {o['dedicated_core'][100]:.1%} with the "
-                 f"worker on its own core, {o['shared_cores'][100]:.1%} sharing every core with client and router; "
-                 f"2 pinned workers {speedup[100]:.2f}x one", fontsize=10)
+    fig.suptitle(f"at the default 100 ms stream interval: client overhead {o['dedicated_core'][100]:.1%} "
+                 f"with the worker on its own core, {o['shared_cores'][100]:.1%} sharing every core with "
+                 f"client and router; 2 pinned workers {speedup[100]:.2f}x one", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -185,7 +187,8 @@ def main() -> None:
     params = ns.SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
     cores = sorted(os.sched_getaffinity(0))
     worker_core, control_cores = cores[-1:], cores[:-1]
-    layouts = {"dedicated": [worker_core], "shared": [cores], "single": [cores[:1]], "pair": [[c] for c in cores[:2]]}
+    layouts = {"dedicated": [worker_core], "shared": [cores], "single": [cores[:1]],
+               "pair": [[c] for c in cores[:2]]}
     configs = {f"{name}{ms}": cluster_config(f"{name}{ms}", nodes, ms)  # one machine name (resource) each
                for name, nodes in layouts.items() for ms in INTERVALS_MS}
     resources = {}
@@ -213,7 +216,8 @@ def main() -> None:
                                                     ("shared", cores, cores, "all cores")):
         clients, engine = deploy((layout,)), in_process_engine(cpu_ids)
         runs = {f"in-process, {label}": engine.run(prompts16, params)}
-        runs |= {f"client, {label}, {ms} ms": served(clients[f"{layout}{ms}"], prompts16, params, client_cpu_ids)
+        runs |= {f"client, {label}, {ms} ms": served(clients[f"{layout}{ms}"], prompts16, params,
+                                                     client_cpu_ids)
                  for ms in INTERVALS_MS}
         overhead |= alternate(runs, args.repeats)
         engine.close()
@@ -222,7 +226,8 @@ def main() -> None:
     clients = deploy(("single", "pair"))
     scaling = alternate({f"{label}, {ms} ms": served(clients[f"{name}{ms}"], prompts32, params, cores)
                          for ms in INTERVALS_MS
-                         for name, label in (("single", "1 worker, 1 core"), ("pair", "2 workers, 1 core each"))},
+                         for name, label in (("single", "1 worker, 1 core"),
+                                             ("pair", "2 workers, 1 core each"))},
                         args.repeats)
     for c in clients.values():
         c.shutdown()
@@ -237,10 +242,12 @@ def main() -> None:
                         "date": time.strftime("%Y-%m-%d")},
                "overhead": {"dedicated_core": {ms: 1 - ratio(f"client, 1 core, {ms} ms", "in-process, 1 core",
                                                              overhead) for ms in INTERVALS_MS},
-                            "shared_cores": {ms: 1 - ratio(f"client, all cores, {ms} ms", "in-process, all cores",
+                            "shared_cores": {ms: 1 - ratio(f"client, all cores, {ms} ms",
+                                                           "in-process, all cores",
                                                            overhead) for ms in INTERVALS_MS},
                             "runs": overhead},
-               "scaling": {"speedup": {ms: ratio(f"2 workers, 1 core each, {ms} ms", f"1 worker, 1 core, {ms} ms",
+               "scaling": {"speedup": {ms: ratio(f"2 workers, 1 core each, {ms} ms",
+                                                 f"1 worker, 1 core, {ms} ms",
                                                  scaling) for ms in INTERVALS_MS}, "runs": scaling}}
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "serving.json").write_text(json.dumps(results, indent=2))

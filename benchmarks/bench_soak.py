@@ -41,8 +41,8 @@ def _one(client, rng_seed: int, kind: str, adapter: str | None, arrival_s: float
     out = Outcome(kind, arrival_s)
     prompt = rng.integers(3, 384, int(rng.integers(4, 96))).tolist()
     max_tokens = int(rng.choice([4, 16, 32, 64]))
-    params = ns.SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0 if rng.random() < 0.5 else 0.8,
-                               seed=rng_seed)
+    params = ns.SamplingParams(max_tokens=max_tokens, ignore_eos=True,
+                               temperature=0 if rng.random() < 0.5 else 0.8, seed=rng_seed)
     if kind == "deadline":  # far more tokens than its deadline allows: the engine aborts it
         params = params.model_copy(update={"max_tokens": 400, "deadline_s": 0.05})
     start = time.monotonic()
@@ -102,7 +102,8 @@ def run_soak(client, duration_s: float, rate_per_s: float, adapter: str | None, 
     kinds = ["plain", "adapter", "disconnect", "deadline"]
     weights = [0.6, 0.2 if adapter else 0.0, 0.1, 0.1]
     weights = np.array(weights) / sum(weights)
-    client.generate([5, 6, 7], ns.SamplingParams(max_tokens=2))  # warm: stats below are of a serving deployment
+    # warm: stats below are of a serving deployment
+    client.generate([5, 6, 7], ns.SamplingParams(max_tokens=2))
     rss_before = {w: f[3] for w, f in _drained(client, 30).items()}
     slots = threading.BoundedSemaphore(MAX_CONCURRENT)
     futures, t0 = [], time.monotonic()
@@ -136,7 +137,8 @@ def run_soak(client, duration_s: float, rate_per_s: float, adapter: str | None, 
         "num_errors": len(unexpected), "errors": sorted({o.error or f"{o.kind}: {o.finish_reason}"
                                                          for o in unexpected})[:10],
         "num_tokens": sum(o.num_tokens for o in outcomes),
-        "ttft_p50_s": pct(ttft, 50), "ttft_p99_s": pct(ttft, 99), "itl_p50_s": pct(itl, 50), "itl_p99_s": pct(itl, 99),
+        "ttft_p50_s": pct(ttft, 50), "ttft_p99_s": pct(ttft, 99),
+        "itl_p50_s": pct(itl, 50), "itl_p99_s": pct(itl, 99),
         "num_blocks_leaked": sum(total - free for total, free, _, _ in after.values()),
         "num_requests_left": sum(busy for _, _, busy, _ in after.values()),
         "rss_before_bytes": rss_before, "rss_after_bytes": {w: f[3] for w, f in after.items()},
@@ -154,15 +156,16 @@ def _plot(result: dict, path: Path) -> None:
         xs = [o["arrival_s"] for o in done if o["kind"] == kind]
         ax.scatter(xs, [1000 * o["ttft_s"] for o in done if o["kind"] == kind], s=4, label=kind)
     ax.set(xlabel="arrival (s)", ylabel="TTFT (ms)", yscale="log",
-           title=f"soak {result['duration_s']:.0f} s: {result['num_completed']} completed, {result['num_errors']} "
-                 f"errors, {result['num_blocks_leaked']} blocks leaked")
+           title=f"soak {result['duration_s']:.0f} s: {result['num_completed']} completed, "
+                 f"{result['num_errors']} errors, {result['num_blocks_leaked']} blocks leaked")
     ax.legend(markerscale=3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--duration-s", type=float, default=600.0)
     parser.add_argument("--rate", type=float, default=4.0, help="mean arrivals per second (Poisson)")
     parser.add_argument("--out", type=Path, default=RESULTS / "soak.json")
@@ -182,7 +185,8 @@ def main() -> None:
         result = run_soak(client, args.duration_s, args.rate, "a")
     finally:
         client.shutdown()
-    result["command"] = f"python -m benchmarks.bench_soak --duration-s {args.duration_s:g} --rate {args.rate:g}"
+    result["command"] = (f"python -m benchmarks.bench_soak --duration-s {args.duration_s:g} "
+                         f"--rate {args.rate:g}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
     _plot(result, args.out.with_suffix(".png"))

@@ -11,10 +11,10 @@ CACHE = Path(os.environ.get("NUMASERVE_CACHE", Path.home() / ".cache" / "numaser
 
 SHAPES = {
     # ~56M parameters: big enough that weights, not Python, dominate a decode step
-    "llama-56m": {"hidden_size": 512, "intermediate_size": 1408, "num_hidden_layers": 8, "num_attention_heads": 8,
-                      "num_key_value_heads": 4, "vocab_size": 32000},
-    "tinyllama-1.1b": {"hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 22, "num_attention_heads": 32,
-                           "num_key_value_heads": 4, "vocab_size": 32000},
+    "llama-56m": {"hidden_size": 512, "intermediate_size": 1408, "num_hidden_layers": 8,
+                      "num_attention_heads": 8, "num_key_value_heads": 4, "vocab_size": 32000},
+    "tinyllama-1.1b": {"hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 22,
+                           "num_attention_heads": 32, "num_key_value_heads": 4, "vocab_size": 32000},
 }
 
 
@@ -97,7 +97,8 @@ def with_random_heads(name: str, num_medusa_heads: int = 3, seed: int = 1) -> Pa
         medusa |= {f"{k}.0.linear.weight": normal(h, h), f"{k}.0.linear.bias": np.zeros(h, np.float16),
                    f"{k}.1.weight": normal(v, h)}
     save_file(medusa, directory / MEDUSA_FILE)
-    (directory / MEDUSA_CONFIG).write_text(json.dumps({"medusa_num_heads": num_medusa_heads, "medusa_num_layers": 1}))
+    (directory / MEDUSA_CONFIG).write_text(json.dumps({"medusa_num_heads": num_medusa_heads,
+                                                       "medusa_num_layers": 1}))
     draft_ids = np.arange(0, v, 4, dtype=np.int64)
     eagle = {"fc.weight": normal(h, 2 * h), "fc.bias": np.zeros(h, np.float16),
              "model.norm.weight": np.ones(h, np.float16), D2T: draft_ids - np.arange(len(draft_ids))
@@ -114,7 +115,10 @@ def _layer(prefix: str, shape: dict, normal) -> dict:
     kv = shape["num_key_value_heads"] * h // shape["num_attention_heads"]
     return {prefix + "input_layernorm.weight": np.ones(h, np.float16),
             prefix + "post_attention_layernorm.weight": np.ones(h, np.float16),
-            prefix + "self_attn.q_proj.weight": normal(h, h), prefix + "self_attn.k_proj.weight": normal(kv, h),
-            prefix + "self_attn.v_proj.weight": normal(kv, h), prefix + "self_attn.o_proj.weight": normal(h, h),
-            prefix + "mlp.gate_proj.weight": normal(inter, h), prefix + "mlp.up_proj.weight": normal(inter, h),
+            prefix + "self_attn.q_proj.weight": normal(h, h),
+            prefix + "self_attn.k_proj.weight": normal(kv, h),
+            prefix + "self_attn.v_proj.weight": normal(kv, h),
+            prefix + "self_attn.o_proj.weight": normal(h, h),
+            prefix + "mlp.gate_proj.weight": normal(inter, h),
+            prefix + "mlp.up_proj.weight": normal(inter, h),
             prefix + "mlp.down_proj.weight": normal(h, inter)}

@@ -62,7 +62,8 @@ class EngineProcess:
     def _read(self):
         line = self.proc.stdout.readline()
         if not line:
-            raise RuntimeError(f"{self.name}: the worker exited (code {self.proc.wait()}); see its stderr above")
+            raise RuntimeError(f"{self.name}: the worker exited (code {self.proc.wait()}); "
+                               "see its stderr above")
         reply = json.loads(line)
         if "error" in reply:
             raise RuntimeError(f"{self.name}: {reply['error']}")

@@ -50,7 +50,8 @@ class LlamaCppRunner:
     def clear(self) -> None:
         lc.llama_memory_clear(lc.llama_get_memory(self.ctx), True)
 
-    def _decode(self, tokens: list[int], positions: list[int], seq_ids: list[int], want_logits: list[bool]) -> None:
+    def _decode(self, tokens: list[int], positions: list[int], seq_ids: list[int],
+                want_logits: list[bool]) -> None:
         b = self.batch
         b.n_tokens = len(tokens)
         for i, (tok, pos, seq, logits) in enumerate(zip(tokens, positions, seq_ids, want_logits)):
@@ -96,7 +97,8 @@ class LlamaCppRunner:
         outs = [[t] for t in nxt]
         start = time.perf_counter()
         for step in range(num_steps):
-            self._decode(nxt, [len(p) + step for p in prompts], list(range(len(prompts))), [True] * len(prompts))
+            self._decode(nxt, [len(p) + step for p in prompts], list(range(len(prompts))),
+                         [True] * len(prompts))
             nxt = [self._argmax(i) for i in range(len(prompts))]
             for o, t in zip(outs, nxt):
                 o.append(t)

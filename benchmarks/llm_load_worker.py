@@ -24,8 +24,8 @@ class LoadRunner:
         self.llm = ns.LLM(model_dir, **ns.EngineConfig.model_validate_json(engine_json).model_dump())
 
     def run(self, prompts: list[list[int]], max_tokens: int, concurrency: int) -> dict:
-        """-> {"seconds": first add to last token, "requests": [{"start", "times", "num_tokens"}]} (perf_counter
-        seconds; times: when each step that gave the request tokens returned)."""
+        """-> {"seconds": first add to last token, "requests": [{"start", "times", "num_tokens"}]}
+        (perf_counter seconds; times: when each step that gave the request tokens returned)."""
         engine = self.llm.engine
         params = ns.SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
         pending, active, done = list(prompts), {}, []

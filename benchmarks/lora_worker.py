@@ -15,7 +15,8 @@ from benchmarks.numaserve_worker import decode_seconds
 class LoraBench:
     def __init__(self, args):
         self.llm = ns.LLM(args.model_dir, weight_dtype=args.weight_dtype, kv_dtype="bfloat16",
-                          max_num_seqs=args.max_num_seqs, max_num_batched_tokens=512, num_threads=args.threads,
+                          max_num_seqs=args.max_num_seqs, max_num_batched_tokens=512,
+                          num_threads=args.threads,
                           max_loras=args.max_loras, max_lora_rank=args.max_lora_rank)
         self.names = []
         for i, path in enumerate(args.adapter_dirs):
@@ -34,7 +35,8 @@ class LoraBench:
 
     def mixed_step(self, num_rows: int, merge: str, num_base: int) -> float:
         """Seconds of one step that decodes num_base base requests and prefills num_rows tokens of one
-        adapter, with that adapter's rows on the low-rank path (merge "never") or its merged copy ("always")."""
+        adapter, with that adapter's rows on the low-rank path (merge "never") or its merged copy
+        ("always")."""
         self.engine.runner.lora.mode = merge
         params = ns.SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
         stamp = time.monotonic_ns()
@@ -55,7 +57,8 @@ class LoraBench:
         return seconds
 
     def stats(self) -> dict:
-        return {k: v for k, v in self.llm.stats().items() if k.startswith(("lora", "adapter", "num_lora", "num_merged"))}
+        return {k: v for k, v in self.llm.stats().items()
+                if k.startswith(("lora", "adapter", "num_lora", "num_merged"))}
 
 
 def main() -> None:

@@ -24,7 +24,8 @@ class MachineProbe:
     def __init__(self, nbytes: int = 1 << 30, m: int = 512, k: int = 2048, n: int = 2048):
         self.array = np.ones((nbytes // 16384, 4096), np.float32)
         rng = np.random.default_rng(0)
-        self.x, self.w = rng.standard_normal((m, k), dtype=np.float32), rng.standard_normal((n, k), dtype=np.float32)
+        self.x, self.w = (rng.standard_normal((m, k), dtype=np.float32),
+                          rng.standard_normal((n, k), dtype=np.float32))
         _read_all(self.array)
         self.x @ self.w.T
 

@@ -26,8 +26,9 @@ class NumaserveBench:
     def __init__(self, args):
         self.args = args
         rss_before = psutil.Process().memory_info().rss
-        self.llm = ns.LLM(args.model_dir, weight_dtype=args.weight_dtype, activation_dtype=args.activation_dtype,
-                          kv_dtype="bfloat16", max_num_seqs=args.max_num_seqs, max_num_batched_tokens=512,
+        self.llm = ns.LLM(args.model_dir, weight_dtype=args.weight_dtype,
+                          activation_dtype=args.activation_dtype, kv_dtype="bfloat16",
+                          max_num_seqs=args.max_num_seqs, max_num_batched_tokens=512,
                           num_threads=args.threads)
         self.rss_weights = psutil.Process().memory_info().rss - rss_before
         self.engine = self.llm.engine
@@ -41,7 +42,8 @@ class NumaserveBench:
                 "read_bytes": model.weight_bytes - model.weights.embed.nbytes,
                 "rss_delta_bytes": self.rss_weights, "threading_layer": numba.threading_layer(),
                 "threading": [d["choice"] for d in decisions if d["topic"] == "threading"],
-                "activation_dtypes": sorted({d["choice"] for d in decisions if d["topic"] == "activation_dtype"}),
+                "activation_dtypes": sorted({d["choice"] for d in decisions
+                                             if d["topic"] == "activation_dtype"}),
                 "torch_imported_first": "--torch-first" in sys.argv}
 
     def export_gguf(self, path: str) -> str:
@@ -63,7 +65,8 @@ class NumaserveBench:
     def decode(self, prompts: list[list[int]], num_steps: int) -> float:
         """Greedy decode of every prompt at once; -> seconds of the decode-only steps."""
         params = ns.SamplingParams(max_tokens=num_steps + 1, temperature=0, ignore_eos=True)
-        reqs = [self.engine.add_request(f"bench-{i}-{time.monotonic_ns()}", p, params) for i, p in enumerate(prompts)]
+        reqs = [self.engine.add_request(f"bench-{i}-{time.monotonic_ns()}", p, params)
+                for i, p in enumerate(prompts)]
         return decode_seconds(self.engine, reqs)
 
 

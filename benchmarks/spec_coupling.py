@@ -43,7 +43,8 @@ def coupling(args) -> dict:
                 one_minus_tv.append(float(np.minimum(p, q).sum()))
                 # one row per seed: the position's draw as a request seeded so samples it, from each model
                 n, history = args.draws, ids[:pos + 1]
-                batch = SamplingBatch.build([params] * n, range(n), [pos + 1] * n, [history] * n, [pos + 1] * n)
+                batch = SamplingBatch.build([params] * n, range(n), [pos + 1] * n, [history] * n,
+                                            [pos + 1] * n)
                 ours = sample_batch(np.repeat(p_logits[pos:pos + 1], n, axis=0), batch)
                 theirs = sample_batch(np.repeat(q_logits[pos:pos + 1], n, axis=0), batch)
                 agreement.append(float(np.mean(ours == theirs)))

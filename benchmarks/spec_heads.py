@@ -44,7 +44,8 @@ DEMO = Path(ns.__file__).parent / "assets" / "demo"
 PROMPT_TOKENS = 192  # the demo models were trained on 256-token windows: prompt + output stay inside one
 TREE_WIDTH = 3
 # engines whose counts of what each width keeps are replayed, a width from the first that measured it (the
-# tree engines measure up to their width at the full depth; eagle-auto's explorations the widest, at its depths)
+# tree engines measure up to their width at the full depth; eagle-auto's explorations the widest, at its
+# depths)
 COUNTS_FROM = {"medusa": ("medusa-tree",), "eagle": ("eagle-tree", "eagle-auto")}
 GOAL_TOKENS_PER_VERIFICATION, GOAL_SPEEDUP_B1 = 3.0, 2.5
 
@@ -55,7 +56,8 @@ def configs(depth: int, draft_model: str | None) -> dict[str, dict | None]:
     eagle = {"method": "eagle"} | on
     auto = {"method": "auto", "mode": "auto", "num_speculative_tokens": depth}
     return {"off": None,
-            **({"ngram": {"method": "ngram"} | on, "draft": {"method": "draft", "draft_model": draft_model} | on}
+            **({"ngram": {"method": "ngram"} | on,
+                "draft": {"method": "draft", "draft_model": draft_model} | on}
                if draft_model else {}),
             "medusa-chain": medusa | {"tree_width": 1}, "medusa-tree": medusa | {"tree_width": TREE_WIDTH},
             "eagle-chain": eagle | {"tree_width": 1}, "eagle-tree": eagle | {"tree_width": TREE_WIDTH},
@@ -66,7 +68,8 @@ def configs(depth: int, draft_model: str | None) -> dict[str, dict | None]:
 
 def counters(llm: ns.LLM) -> np.ndarray:
     stats = llm.stats()
-    return np.array([stats.get(k, 0) for k in ("spec_num_drafts", "spec_num_draft_tokens", "spec_num_accepted_tokens")])
+    return np.array([stats.get(k, 0)
+                     for k in ("spec_num_drafts", "spec_num_draft_tokens", "spec_num_accepted_tokens")])
 
 
 def compare(llms: dict[str, ns.LLM], batches: Sequence[int], samples: int, run_one) -> list[dict]:
@@ -83,7 +86,8 @@ def compare(llms: dict[str, ns.LLM], batches: Sequence[int], samples: int, run_o
                 tokens, seconds, outputs[name] = run_one(llms[name], batch)
                 spec[name] += counters(llms[name]) - before
                 times[name].append(tokens / seconds)
-                widths[name] += [d["choice"] for d in llms[name].diagnostics() if d["choice"].startswith("tree width")]
+                widths[name] += [d["choice"] for d in llms[name].diagnostics()
+                                 if d["choice"].startswith("tree width")]
         off = statistics.median(times["off"])
         for name in names:
             verifications, drafted, accepted = (int(x) for x in spec[name])
@@ -116,7 +120,8 @@ def demo(args) -> None:
         tokens, seconds, outputs = 0, 0.0, []
         for i in range(0, len(prompts), batch):
             run = run_decode(llm.engine, prompts[i:i + batch], params)
-            tokens, seconds, outputs = tokens + run["tokens"], seconds + run["seconds"], outputs + run["outputs"]
+            tokens, seconds, outputs = (tokens + run["tokens"], seconds + run["seconds"],
+                                        outputs + run["outputs"])
         return tokens, seconds, outputs
 
     for llm in llms.values():  # warm-up: numba compiles every kernel signature once
@@ -143,8 +148,10 @@ class AcceptanceReplay(Proposer):
     def __init__(self, inner: Proposer, continuations: dict[tuple[int, ...], list[int]], counts: np.ndarray,
                  prompt_len: int, vocab_size: int, seed: int = 0):
         super().__init__()
-        self.inner, self.continuations, self.prompt_len, self.vocab_size = inner, continuations, prompt_len, vocab_size
-        self.cost_prior, self.catches_up, self.needs_hidden = inner.cost_prior, inner.catches_up, inner.needs_hidden
+        self.inner, self.continuations, self.prompt_len, self.vocab_size = (inner, continuations,
+                                                                            prompt_len, vocab_size)
+        self.cost_prior, self.catches_up, self.needs_hidden = (inner.cost_prior, inner.catches_up,
+                                                               inner.needs_hidden)
         self.accepted_counts, self.tree_sizes, self.fixed_width = counts, inner.tree_sizes, inner.fixed_width
         self.rng = np.random.default_rng(seed)
 
@@ -188,15 +195,17 @@ class AcceptanceReplay(Proposer):
         for _ in range(kept):
             node = int(self.rng.choice(children[node]))
             path.add(node)
-        tokens = tuple(truth[d - 1] if i in path else (truth[d - 1] + int(self.rng.integers(1, self.vocab_size)))
-                       % self.vocab_size for i, d in enumerate(tree.depths))
+        tokens = tuple(truth[d - 1] if i in path
+                       else (truth[d - 1] + int(self.rng.integers(1, self.vocab_size))) % self.vocab_size
+                       for i, d in enumerate(tree.depths))
         return TokenTree(tokens, tree.parents, tree.ranks)
 
 
 def tinyllama(args) -> None:
     results = json.loads(OUT.read_text()) if OUT.exists() else {}
     if "demo" not in results:
-        raise SystemExit(f"{OUT} has no demo part: run `python -m benchmarks.bench_speculation heads demo` first")
+        raise SystemExit(f"{OUT} has no demo part: "
+                         "run `python -m benchmarks.bench_speculation heads demo` first")
     counts = {m: np.asarray(c, np.int64) for m, c in results["demo"]["accepted_counts"].items()}
     name, vocab = "tinyllama-1.1b", SHAPES["tinyllama-1.1b"]["vocab_size"]
     path = with_random_heads(name)
@@ -232,7 +241,8 @@ def tinyllama(args) -> None:
 
     rows = compare(llms, (1, args.batch), args.samples, run_one)
     meta = {"model": f"{name} random (benchmarks/checkpoints.py), q8_0, random heads of its width",
-            "acceptance": "the demo part's accepted_counts, replayed", "depth": args.depth, "tree_width": TREE_WIDTH,
+            "acceptance": "the demo part's accepted_counts, replayed",
+            "depth": args.depth, "tree_width": TREE_WIDTH,
             "prompt_tokens": args.prompt_len, "max_tokens": args.max_tokens, "samples": args.samples,
             "threads": numba.get_num_threads()}
     save("tinyllama", {"meta": meta | machine(), "rows": rows})
@@ -256,7 +266,8 @@ def rows(args) -> None:
                 llm.engine.step()
         ms[n] = round(min(times) * 1e3, 1)
         print(json.dumps({"rows": n, "ms": ms[n]}), flush=True)
-    save("rows", {"meta": {"model": "tinyllama-1.1b random, q8_0", "threads": numba.get_num_threads()} | machine(),
+    save("rows", {"meta": {"model": "tinyllama-1.1b random, q8_0",
+                           "threads": numba.get_num_threads()} | machine(),
                   "forward_ms_by_rows": ms})
 
 
@@ -286,11 +297,14 @@ def goals(results: dict) -> dict:
                 row = next((r for r in at if r["engine"] == engine), None)
                 if row is not None:
                     out[f"{part}_batch{batch}_{engine.replace('-', '_')}"] = (
-                        f"{row['speedup_vs_off']:.2f}x ({row['speedup_vs_off'] / best['speedup_vs_off']:.2f} of the best)")
-    demo_tree = [r for r in results.get("demo", {}).get("rows", []) if r["engine"] == "eagle-tree" and r["batch"] == 1]
+                        f"{row['speedup_vs_off']:.2f}x "
+                        f"({row['speedup_vs_off'] / best['speedup_vs_off']:.2f} of the best)")
+    demo_tree = [r for r in results.get("demo", {}).get("rows", [])
+                 if r["engine"] == "eagle-tree" and r["batch"] == 1]
     if demo_tree:
         value = demo_tree[0]["tokens_per_verification"]
-        out["eagle_tree_tokens_per_verification"] = {"value": round(value, 3), "goal": GOAL_TOKENS_PER_VERIFICATION,
+        out["eagle_tree_tokens_per_verification"] = {"value": round(value, 3),
+                                                     "goal": GOAL_TOKENS_PER_VERIFICATION,
                                                      "met": value >= GOAL_TOKENS_PER_VERIFICATION}
     # the speed goal holds at the EAGLE acceptance goal: the fastest EAGLE configuration (tree, chain or auto)
     # keeping >= GOAL_TOKENS_PER_VERIFICATION tokens per verification
@@ -318,7 +332,8 @@ def plot(results: dict, path: Path) -> None:
         rows = [r for r in demo_rows if r["batch"] == batch and "tokens_per_verification" in r]
         ax.bar([i + 0.4 * j for i in range(len(rows))], [r["tokens_per_verification"] for r in rows], 0.4,
                label=f"batch {batch}")
-        ax.set_xticks([i + 0.2 for i in range(len(rows))], [r["engine"] for r in rows], rotation=30, fontsize=8)
+        ax.set_xticks([i + 0.2 for i in range(len(rows))], [r["engine"] for r in rows], rotation=30,
+                      fontsize=8)
     ax.axhline(GOAL_TOKENS_PER_VERIFICATION, color="k", lw=0.8, ls="--")
     ax.set_ylabel("tokens per verification")
     ax.set_title("Demo model, held-out stdlib code, greedy")
@@ -328,7 +343,8 @@ def plot(results: dict, path: Path) -> None:
         engines = [e for e in dict.fromkeys(r["engine"] for r in rows) if e != "off"]
         for j, batch in enumerate(sorted({r["batch"] for r in rows})):
             speedup = {r["engine"]: r["speedup_vs_off"] for r in rows if r["batch"] == batch}
-            ax.bar([i + 0.4 * j for i in range(len(engines))], [speedup[e] for e in engines], 0.4, label=f"batch {batch}")
+            ax.bar([i + 0.4 * j for i in range(len(engines))], [speedup[e] for e in engines], 0.4,
+                   label=f"batch {batch}")
         ax.set_xticks([i + 0.2 for i in range(len(engines))], engines, rotation=30, fontsize=8)
         ax.axhline(1.0, color="k", lw=0.8)
         ax.set_ylabel("decode tokens/s vs no speculation")

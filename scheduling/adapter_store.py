@@ -41,7 +41,8 @@ class AdapterSource:
     def __str__(self) -> str:
         if self.path:
             return self.path
-        return f"compose({dict(self.weights)!r}, {self.combination!r})" if self.weights else "the adapter cache"
+        return (f"compose({dict(self.weights)!r}, {self.combination!r})" if self.weights
+                else "the adapter cache")
 
 
 REMOTE = AdapterSource(remote=True)
@@ -53,7 +54,8 @@ class AdapterStore(Mapping[str, LoraAdapter]):
                  fetch: Callable[[str], LoraAdapter] | None = None):
         self.spec = spec
         self.max_lora_rank = max_lora_rank
-        self.roots = None if adapter_roots is None else [Path(r).expanduser().resolve() for r in adapter_roots]
+        self.roots = None if adapter_roots is None else [Path(r).expanduser().resolve()
+                                                         for r in adapter_roots]
         self.max_bytes, self.max_loaded = max_bytes, max_loaded
         self.fetch = fetch  # name -> the adapter validated elsewhere (remote sources)
         self.sources: dict[str, AdapterSource] = {}  # every adapter served
@@ -87,7 +89,8 @@ class AdapterStore(Mapping[str, LoraAdapter]):
             self._add(name, self._build(name, source), source)
 
     def restore(self, name: str, source: AdapterSource) -> None:
-        """Serve `name` from a source registered before (a restarted cache), loading it when first asked for."""
+        """Serve `name` from a source registered before (a restarted cache), loading it when first
+        asked for."""
         self.sources[name] = source
 
     def add_remote(self, name: str) -> None:
@@ -143,8 +146,8 @@ class AdapterStore(Mapping[str, LoraAdapter]):
             return adapter
         adapter = compose(name, [(self[n], w) for n, w in source.weights], source.combination)
         if adapter.max_rank > self.max_lora_rank:
-            raise AdapterError(f"composing {name!r} ({source.combination}) gives rank {adapter.max_rank}, above "
-                               f"max_lora_rank={self.max_lora_rank}; raise max_lora_rank or use 'svd'")
+            raise AdapterError(f"composing {name!r} ({source.combination}) gives rank {adapter.max_rank}, "
+                               f"above max_lora_rank={self.max_lora_rank}; raise max_lora_rank or use 'svd'")
         return adapter
 
     def _add(self, name: str, adapter: LoraAdapter, source: AdapterSource) -> None:
@@ -167,7 +170,8 @@ class AdapterStore(Mapping[str, LoraAdapter]):
 
 def check_name(name) -> None:
     if not isinstance(name, str) or not re.fullmatch(NAME_PATTERN, name):
-        raise AdapterError(f"adapter name {name!r} is not valid: a non-empty string of letters, digits, '_' and '-'")
+        raise AdapterError(f"adapter name {name!r} is not valid: a non-empty string of letters, digits, "
+                           "'_' and '-'")
 
 
 def resolve_adapter_path(path: str | Path, roots: Sequence[Path] | None) -> Path:
@@ -177,7 +181,9 @@ def resolve_adapter_path(path: str | Path, roots: Sequence[Path] | None) -> Path
     resolved = Path(path).expanduser().resolve()
     if roots is not None and not any(resolved.is_relative_to(root) for root in roots):
         raise AdapterError(f"adapter path {path} (resolved: {resolved}) is outside adapter_roots "
-                           f"({', '.join(map(str, roots))}); move the adapter under one of them or add its folder")
+                           f"({', '.join(map(str, roots))}); move the adapter under one of them or "
+                           "add its folder")
     if not resolved.is_dir():
-        raise AdapterError(f"adapter path {path}: not a directory; pass the folder PEFT's save_pretrained wrote")
+        raise AdapterError(f"adapter path {path}: not a directory; "
+                           "pass the folder PEFT's save_pretrained wrote")
     return resolved

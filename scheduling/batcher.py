@@ -28,8 +28,8 @@ class Batcher:
         self.decisions = decisions or DecisionLog()
 
     def stats(self) -> dict:
-        return {"num_running": len(self.running), "num_waiting": len(self.waiting), "token_budget": self.token_budget,
-                "max_num_seqs": self.max_num_seqs}
+        return {"num_running": len(self.running), "num_waiting": len(self.waiting),
+                "token_budget": self.token_budget, "max_num_seqs": self.max_num_seqs}
 
     def add(self, req: Request) -> None:
         bisect.insort(self.waiting, req, key=lambda r: r.sort_key)
@@ -63,8 +63,10 @@ class Batcher:
         num_lookup = num_hit = 0
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
             req = self.waiting[0]
-            if req.adapter_id is not None and req.adapter_id not in adapters and len(adapters) >= self.max_loras:
-                break  # its adapter waits for a LoRA slot: one frees when the last request of another finishes
+            if (req.adapter_id is not None and req.adapter_id not in adapters
+                    and len(adapters) >= self.max_loras):
+                # its adapter waits for a LoRA slot: one frees when the last request of another finishes
+                break
             cached = self.kv.find_cached_prefix(req)
             num_new = min(req.num_tokens - len(cached) * self.kv.block_size, budget)
             if not self.kv.allocate_slots(req, num_new, cached):
@@ -98,7 +100,8 @@ class Batcher:
                else f"no free KV block for its own {num_new} more tokens; ")
         self.decisions.record("preemption", "recompute", why + f"lowest priority, latest arrival of "
                               f"{len(self.running) + 1} running: its {len(req.block_ids)} blocks freed, its "
-                              f"{req.num_computed_tokens} computed tokens recomputed when it is scheduled again",
+                              f"{req.num_computed_tokens} computed tokens recomputed when it is scheduled "
+                              "again",
                               subject=req.request_id)
         self.kv.free(req)
         req.collected_logits.clear()  # recomputed with the rest

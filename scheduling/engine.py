@@ -43,22 +43,26 @@ Prompt = str | list[int]
 
 class Engine:
     def __init__(self, model_path: str | Path, config: EngineConfig | None = None,
-                 fetch_adapter: Callable[[str], LoraAdapter] | None = None, shared_merged: SharedMerged | None = None):
+                 fetch_adapter: Callable[[str], LoraAdapter] | None = None,
+                 shared_merged: SharedMerged | None = None):
         """fetch_adapter: where a worker gets the adapters registered elsewhere (AdapterStore.add_remote); it
         then holds at most max_loras of them. shared_merged: where merged LoRA copies are shared with the
         other workers of a deployment."""
         self.config = config = config or EngineConfig()
         self.decisions = DecisionLog()
         numba.set_num_threads(resolve_num_threads(config.num_threads, os.sched_getaffinity(0)))
-        self.decisions.record("threading", **threading_decision())  # after set_num_threads started the threads
+        # after set_num_threads started the threads
+        self.decisions.record("threading", **threading_decision())
         self.spec, weights, self.tokenizer = load_model(model_path, config.weight_dtype)
-        weights = plan_activations(weights, config.activation_dtype, self.decisions, load_calibration(model_path))
+        weights = plan_activations(weights, config.activation_dtype, self.decisions,
+                                   load_calibration(model_path))
         release_free_heap()  # the matrices plan_activations repacked
         self.model = LlamaModel(self.spec, weights)
         s, bs = self.spec, config.block_size
         self.max_model_len = config.max_model_len or s.max_position_embeddings
         num_blocks = num_kv_blocks(s, config, self.max_model_len)
-        self.kv_cache = KVCache(s.num_layers, num_blocks, bs, s.num_kv_heads, s.head_dim, config.resolved_kv_dtype)
+        self.kv_cache = KVCache(s.num_layers, num_blocks, bs, s.num_kv_heads, s.head_dim,
+                                config.resolved_kv_dtype)
         window = min(s.layer_windows)  # blocks can be released only if every layer looks back a window
         self.kv = KVCacheManager(BlockPool(num_blocks), self.kv_cache, config.enable_prefix_caching, window)
         self.batcher = Batcher(config, self.kv, self.decisions)
@@ -88,7 +92,8 @@ class Engine:
 
     # ---- requests ---------------------------------------------------------------------------------
 
-    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None, **options) -> Request:
+    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
+                    **options) -> Request:
         """make_request(request_id, prompt, params, **options), then submit it."""
         req = self.make_request(request_id, prompt, params, **options)
         self.submit(req)
@@ -100,10 +105,11 @@ class Engine:
         """A validated request, not yet queued: every InvalidRequest is raised here, before any work."""
         if request_id in self.requests:
             raise InvalidRequest(f"request id {request_id!r} is already running; use a unique id")
-        prompt_ids, params = validate_request(prompt, params, self.limits, tokenizer=self.tokenizer, adapter=adapter,
-                                              adapters=self.adapters, prompt_logits=prompt_logits)
-        req = Request(request_id, prompt_ids, params, priority=priority, adapter_id=adapter, cache_salt=cache_salt,
-                      prompt_logits=prompt_logits, max_model_len=self.max_model_len)
+        prompt_ids, params = validate_request(prompt, params, self.limits, tokenizer=self.tokenizer,
+                                              adapter=adapter, adapters=self.adapters,
+                                              prompt_logits=prompt_logits)
+        req = Request(request_id, prompt_ids, params, priority=priority, adapter_id=adapter,
+                      cache_salt=cache_salt, prompt_logits=prompt_logits, max_model_len=self.max_model_len)
         if self.tokenizer is not None and not prompt_logits:
             req.detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids)
         return req
@@ -155,13 +161,14 @@ class Engine:
 
     def _record(self, plan: StepPlan, out: SamplerOutput | None, processed: ProcessedStep | None,
                 clock: StageClock) -> StepStats:
-        stats = step_stats(plan, out, processed, clock.seconds(), len(self.batcher.running), len(self.batcher.waiting),
-                           self.kv.usage)
+        stats = step_stats(plan, out, processed, clock.seconds(), len(self.batcher.running),
+                           len(self.batcher.waiting), self.kv.usage)
         self.totals = self.totals.plus(stats)
         return stats
 
     def apply(self, policy: Policy) -> None:
-        """A scheduler's policy: the token budget and sequence cap from the next step, speculation's policies."""
+        """A scheduler's policy: the token budget and sequence cap from the next step, speculation's
+        policies."""
         self.batcher.token_budget = policy.token_budget
         self.batcher.max_num_seqs = policy.max_num_seqs
         if policy.speculation is not None:

@@ -27,8 +27,10 @@ class KVCacheManager:
     def stats(self, running: list[Request]) -> dict:
         used_slots = self.pool.num_used_blocks * self.block_size
         stored = sum(r.num_computed_tokens for r in running)
-        return {"num_blocks": self.pool.num_blocks, "num_free_blocks": self.pool.num_free_blocks, "kv_usage": self.usage,
-                "kv_utilization": stored / used_slots if used_slots else math.nan,  # slots holding KV, of those taken
+        return {"num_blocks": self.pool.num_blocks, "num_free_blocks": self.pool.num_free_blocks,
+                "kv_usage": self.usage,
+                # slots holding KV, of those taken
+                "kv_utilization": stored / used_slots if used_slots else math.nan,
                 "kv_bytes_per_token": self.kv_cache.bytes_per_token}
 
     def looks_up(self, req: Request) -> bool:
@@ -36,7 +38,8 @@ class KVCacheManager:
         return self.enable_prefix_caching and not req.prompt_logits
 
     def find_cached_prefix(self, req: Request) -> list[int]:
-        """Cached blocks holding a prefix of req (without taking them); at least one token stays to compute."""
+        """Cached blocks holding a prefix of req (without taking them); at least one token stays to
+        compute."""
         if not self.looks_up(req):
             return []
         block_ids: list[int] = []
@@ -53,7 +56,8 @@ class KVCacheManager:
         return block_ids
 
     def allocate_slots(self, req: Request, num_new_tokens: int, cached_block_ids: list[int] = ()) -> bool:
-        """Blocks for num_new_tokens more tokens of req (after its cached prefix); False if the pool is short."""
+        """Blocks for num_new_tokens more tokens of req (after its cached prefix); False if the pool is
+        short."""
         num_computed = req.num_computed_tokens + len(cached_block_ids) * self.block_size
         self._release_out_of_window(req, num_computed)
         num_needed = -(-(num_computed + num_new_tokens) // self.block_size)
@@ -79,7 +83,8 @@ class KVCacheManager:
         first = req.num_computed_tokens + scheduled.num_base_tokens  # the first draft's slot
         if num_accepted and scheduled.tree is not None:
             nodes = [r - 1 for r in kept_rows[1:]]
-            self.kv_cache.move_slots(req.block_ids, [first + v for v in nodes], list(range(first, first + len(nodes))))
+            self.kv_cache.move_slots(req.block_ids, [first + v for v in nodes],
+                                     list(range(first, first + len(nodes))))
         req.num_computed_tokens = min(first + num_accepted, req.num_tokens)
         if num_drafts:
             self.rollback(req)
@@ -129,9 +134,11 @@ class KVCacheManager:
 
 
 def num_kv_blocks(spec: ModelSpec, config: EngineConfig, max_model_len: int) -> int:
-    """The KV pool's size: what kv_cache_bytes holds, but no more than max_num_seqs requests of max_model_len."""
+    """The KV pool's size: what kv_cache_bytes holds, but no more than max_num_seqs requests of
+    max_model_len."""
     bs = config.block_size
-    block_bytes = kv_bytes_per_token(spec.num_layers, spec.num_kv_heads, spec.head_dim, config.resolved_kv_dtype) * bs
+    block_bytes = kv_bytes_per_token(spec.num_layers, spec.num_kv_heads, spec.head_dim,
+                                     config.resolved_kv_dtype) * bs
     num_blocks = min(config.kv_cache_bytes // block_bytes, config.max_num_seqs * -(-max_model_len // bs))
     if num_blocks < 1:
         raise ValueError(f"kv_cache_bytes={config.kv_cache_bytes} cannot hold one KV block of {block_bytes} "

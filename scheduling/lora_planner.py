@@ -27,8 +27,9 @@ class SharedMerged(Protocol):
 
 
 class LoraPlanner:
-    def __init__(self, slots: LoraSlots, base_layers: tuple[LayerWeights, ...], spec: ModelSpec, mode: str, merged_bytes: int,
-                 weight_bytes: int, shared: SharedMerged | None = None, decisions: DecisionLog | None = None):
+    def __init__(self, slots: LoraSlots, base_layers: tuple[LayerWeights, ...], spec: ModelSpec, mode: str,
+                 merged_bytes: int, weight_bytes: int, shared: SharedMerged | None = None,
+                 decisions: DecisionLog | None = None):
         self.slots = slots
         self.decisions = decisions or DecisionLog()
         self.base_layers, self.spec = base_layers, spec
@@ -65,16 +66,19 @@ class LoraPlanner:
         return self.slots.rows(np.asarray([slot[a] for a in row_adapter], np.int32)), merged
 
     def _record_paths(self, rows_by_adapter: Counter, num_rows: int, merged_names: set[str]) -> None:
-        """A "lora_path" decision per adapter when its path (merged / low-rank) changes; repeats are counted."""
+        """A "lora_path" decision per adapter when its path (merged / low-rank) changes; repeats are
+        counted."""
         costs = self.meter.costs()
         for name, num in rows_by_adapter.items():
             path = "merged" if name in merged_names else "low-rank"
-            self.decisions.record("lora_path", path, f"lora_merge={self.mode}: {num} of {num_rows} rows; measured "
+            self.decisions.record("lora_path", path,
+                                  f"lora_merge={self.mode}: {num} of {num_rows} rows; measured "
                                   f"low-rank {costs.lowrank_s_per_row * 1e6:.1f} us/row, weight pass "
                                   f"{costs.weight_pass_s * 1e3:.2f} ms", subject=name)
 
     def observe(self, projection_s: float) -> None:
-        """After the step's forward: its measured low-rank kernel and projection seconds feed the cost model."""
+        """After the step's forward: its measured low-rank kernel and projection seconds feed the cost
+        model."""
         num_rows, num_lowrank = self._last
         self.meter.observe(num_lowrank, self.slots.kernel_seconds, num_rows, projection_s)
         self.slots.kernel_seconds = 0.0

@@ -48,7 +48,8 @@ class MethodChooser:
                  decisions: DecisionLog | None = None):
         self.config = config
         self.candidates = candidates
-        for s in candidates.values():  # one refresh per POLICY_REFRESH_STEPS steps among them all (~0.1 ms each)
+        # one refresh per POLICY_REFRESH_STEPS steps among them all (~0.1 ms each)
+        for s in candidates.values():
             s.refresh_steps = POLICY_REFRESH_STEPS * len(candidates)
         self.decisions = decisions or DecisionLog()
         self.chosen: str | None = None  # the method that drafted the last step with drafts
@@ -127,8 +128,8 @@ class MethodChooser:
                 for s in self.candidates.values():
                     if s.needs_hidden:
                         s.proposer.observe_hidden(request_id, first, features)
-        self.record(plan, out, stats.seconds.total - self._draft_seconds, self._draft_seconds, stats.num_waiting,
-                    stats.kv_usage)
+        self.record(plan, out, stats.seconds.total - self._draft_seconds, self._draft_seconds,
+                    stats.num_waiting, stats.kv_usage)
 
     def record(self, plan: StepPlan, out: SamplerOutput, seconds: float, draft_seconds: float,
                num_waiting: int, kv_usage: float) -> None:
@@ -136,7 +137,8 @@ class MethodChooser:
         measure. seconds: the step but the proposer's passes."""
         for name, s in self.candidates.items():
             own = name == self._option
-            stats = s.record(plan, out, seconds, draft_seconds if own else 0.0, num_waiting, kv_usage, drafted=own)
+            stats = s.record(plan, out, seconds, draft_seconds if own else 0.0, num_waiting, kv_usage,
+                             drafted=own)
             if own and sum(stats.num_drafts_per_position):
                 self.num_drafts_by_method[name] += 1
         if self._option is None or not self._decode_step:
@@ -145,7 +147,8 @@ class MethodChooser:
         if self._trial is not None and self._trial[0] == self._option:
             self._trial = (self._option, self._trial[1] - 1)
         if self._option == self._last_option:  # the first step after a switch pays the switch
-            rate = sum(len(s.token_ids) for s in out.sampled if s is not None) / max(seconds + draft_seconds, 1e-9)
+            rate = (sum(len(s.token_ids) for s in out.sampled if s is not None)
+                    / max(seconds + draft_seconds, 1e-9))
             d = self.delivered.setdefault((self._bucket, self._option), Delivered(rate, now))
             d.tokens_per_s += MEASURE_ALPHA * (rate - d.tokens_per_s)
             d.measured_at = now
@@ -174,7 +177,8 @@ class MethodChooser:
         for key in ("spec_accepted_per_position", "spec_verified_per_position"):
             summed[key] = np.sum([m[key] for m in per_method.values()], axis=0).tolist()
         delivered = {f"{o} at {b}": round(d.tokens_per_s, 2) for (b, o), d in sorted(self.delivered.items())}
-        return shown | summed | {"spec_method": "auto", "spec_mode": self.config.mode, "spec_depth": self.depth,
+        return shown | summed | {"spec_method": "auto", "spec_mode": self.config.mode,
+                                 "spec_depth": self.depth,
                                  "spec_method_chosen": self.chosen, "spec_delivered_tokens_per_s": delivered,
                                  "spec_num_drafts_by_method": dict(self.num_drafts_by_method),
                                  "spec_methods": per_method}

@@ -21,7 +21,8 @@ from scheduling.plan import StepPlan
 
 @dataclass(frozen=True)
 class RunOutput:
-    """Aligned with StepPlan.scheduled: logit_rows[i], first_rows[i], first_positions[i] are scheduled[i]'s."""
+    """Aligned with StepPlan.scheduled: logit_rows[i], first_rows[i], first_positions[i] are
+    scheduled[i]'s."""
 
     logits: np.ndarray  # [R, V] f32
     logit_rows: list[slice | None]  # its logits rows (None: none)
@@ -46,9 +47,11 @@ class ModelRunner:
         logits, hidden = self.model.forward_hidden(batch, self.kv_cache)
         self.lora.observe(self.model.projection_seconds)
         first_rows = [0] * len(plan.scheduled)
-        for row in np.flatnonzero(np.diff(batch.token_seq, prepend=-1) != 0):  # each request's rows are contiguous
+        # each request's rows are contiguous
+        for row in np.flatnonzero(np.diff(batch.token_seq, prepend=-1) != 0):
             first_rows[batch.token_seq[row]] = int(row)
-        return RunOutput(logits, logit_rows, hidden, first_rows, [int(batch.positions[r]) for r in first_rows])
+        return RunOutput(logits, logit_rows, hidden, first_rows,
+                         [int(batch.positions[r]) for r in first_rows])
 
     def build_batch(self, plan: StepPlan) -> tuple[ForwardBatch, list[slice | None]]:
         bs = self.block_size
@@ -75,7 +78,8 @@ class ModelRunner:
                 trees.append((row + num_base, start + num_base, tree))
             token_seq += [s] * n
             row_adapter += [req.adapter_id] * n
-            block_tables[s, :len(req.block_ids)] = [max(b, 0) for b in req.block_ids]  # released (-1) blocks are never read
+            # released (-1) blocks are never read
+            block_tables[s, :len(req.block_ids)] = [max(b, 0) for b in req.block_ids]
             if req.prompt_logits:
                 wanted = range(row, row + n)
             elif start + num_base == req.num_tokens:
@@ -92,8 +96,8 @@ class ModelRunner:
         logits_indices = np.asarray(logits_indices, np.int64)
         tree_starts, tree_mask = _tree_arrays(len(token_ids), trees)
         every_row = np.arange(len(token_ids), dtype=np.int64) if self.wants_hidden else None
-        batch = ForwardBatch(np.asarray(token_ids, np.int64), positions, token_seq, slot_mapping, block_tables,
-                             logits_indices, lora, merged, every_row, tree_starts, tree_mask)
+        batch = ForwardBatch(np.asarray(token_ids, np.int64), positions, token_seq, slot_mapping,
+                             block_tables, logits_indices, lora, merged, every_row, tree_starts, tree_mask)
         return batch, logit_rows
 
 

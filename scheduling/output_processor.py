@@ -49,7 +49,8 @@ class OutputProcessor:
                 outputs.append(emit(req))
         return ProcessedStep(outputs, finished, num_generated, num_computed)
 
-    def _append_tokens(self, req: Request, token_ids: list[int], logprobs: list[dict] | None) -> tuple[int, str | None]:
+    def _append_tokens(self, req: Request, token_ids: list[int],
+                       logprobs: list[dict] | None) -> tuple[int, str | None]:
         """Append token by token; -> (tokens appended, the finish reason at the first token that ends the
         request (the rest of the run is dropped), else None)."""
         p = req.params
@@ -77,7 +78,8 @@ def finish(req: Request, reason: str) -> None:
 
 
 def emit(req: Request) -> RequestOutput:
-    """req's tokens and text since its last output (text held back while it may still become a stop string)."""
+    """req's tokens and text since its last output (text held back while it may still become a stop
+    string)."""
     safe = len(req.text) if req.finished else num_safe_chars(req.text, req.params.stop)
     text = req.text[req.num_emitted_chars:safe]
     req.num_emitted_chars = max(req.num_emitted_chars, safe)

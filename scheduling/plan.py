@@ -13,7 +13,8 @@ _NO_DRAFTS = TokenTree((), ())  # a plain decode row
 class ScheduledRequest:
     request: Request
     num_new_tokens: int  # this step's tokens of the request, its drafts included
-    draft_token_ids: tuple[int, ...] = ()  # after its last verified token: a chain, or a tree's nodes in order
+    # after its last verified token: a chain, or a tree's nodes in order
+    draft_token_ids: tuple[int, ...] = ()
     tree: TokenTree | None = None  # the drafts' tree when it is not a chain
     draft_method: str | None = None  # the speculation method that drafted them
     is_decoding: bool = field(init=False)  # computing only its last token (so it may draft after it)

@@ -41,7 +41,8 @@ class StepTelemetry:
     step_time_s: float  # mean wall time of those steps (0 when idle)
     kv_usage: float  # used / total KV blocks
     num_preemptions: int  # since the worker started
-    speculation: tuple[SpecTelemetry, ...] | None = None  # per draft method; None: the worker does not speculate
+    # per draft method; None: the worker does not speculate
+    speculation: tuple[SpecTelemetry, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -49,7 +50,8 @@ class Policy:
     token_budget: int
     max_num_seqs: int
     admission_bound: int  # requests the router may have outstanding on this worker
-    speculation: tuple[SpeculationPolicy, ...] | None = None  # for a worker that sent SpecTelemetry, in its order
+    # for a worker that sent SpecTelemetry, in its order
+    speculation: tuple[SpeculationPolicy, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -68,7 +70,8 @@ class BatchingPolicy:
 
     def initial(self) -> Policy:
         lim = self.limits
-        return Policy(lim.max_token_budget, lim.max_num_seqs, admission_bound(lim.max_num_seqs, lim.max_queued))
+        return Policy(lim.max_token_budget, lim.max_num_seqs,
+                      admission_bound(lim.max_num_seqs, lim.max_queued))
 
     def policy(self, worker_id: str) -> Policy:
         return self.policies.get(worker_id) or self.initial()

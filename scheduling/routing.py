@@ -1,4 +1,5 @@
-"""Which worker serves a request: session stickiness, then prefix-cache affinity, then least outstanding tokens.
+"""Which worker serves a request: session stickiness, then prefix-cache affinity, then least outstanding
+tokens.
 
 The router keeps, per worker, the requests it has outstanding there and their outstanding tokens (prompt
 tokens not yet prefilled + tokens still to generate). A request is admitted only to a live worker below

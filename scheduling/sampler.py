@@ -57,7 +57,8 @@ def sample_batch(logits: np.ndarray, batch: SamplingBatch) -> np.ndarray:
     keys = row_keys(batch.seeds[rows], batch.positions[rows])
     tokens = np.empty(len(rows), np.int64)
     sample_filtered(np.ascontiguousarray(logits[rows] if len(rows) < batch.num_rows else logits),
-                    batch.temperatures[rows], batch.top_k[rows], batch.top_p[rows], batch.min_p[rows], keys, tokens)
+                    batch.temperatures[rows], batch.top_k[rows], batch.top_p[rows], batch.min_p[rows],
+                    keys, tokens)
     out[rows] = tokens
     return out
 

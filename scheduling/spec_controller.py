@@ -41,7 +41,8 @@ class SpeculationController:
         self._timed_proposer |= bool(stats.draft_passes)
         self.acceptance.update(stats.num_drafts_per_position, stats.num_accepted_per_position)
         drafted = sum(stats.num_drafts_per_position) > 0
-        self.num_steps_without_drafts = 0 if drafted else self.num_steps_without_drafts + (stats.num_requests > 0)
+        self.num_steps_without_drafts = (0 if drafted
+                                         else self.num_steps_without_drafts + (stats.num_requests > 0))
         if drafted and not self._probing:
             self.num_idle_probes = 0
 
@@ -54,7 +55,8 @@ class SpeculationController:
         return SpecTelemetry(self.config, tuple(self.acceptance.rates.tolist()), tuple(self.cost.samples),
                              tuple(self.draft_cost.samples), self.cost_prior, self.catches_up,
                              last.num_requests if last else 0, last.num_waiting if last else 0,
-                             last.kv_usage if last else 0.0, self.num_steps_without_drafts, self.num_idle_probes)
+                             last.kv_usage if last else 0.0, self.num_steps_without_drafts,
+                             self.num_idle_probes)
 
     def policy(self) -> SpeculationPolicy:
         """Decide here (the in-process engine, or a worker before the scheduler first answered)."""

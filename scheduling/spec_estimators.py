@@ -31,7 +31,8 @@ class SpecStepStats:
     draft_passes: tuple[tuple[int, float], ...] = ()  # the proposer's passes: (tokens, seconds) each
 
 
-def count_positions(results: Iterable[tuple[int, int]], depth: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def count_positions(results: Iterable[tuple[int, int]],
+                    depth: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(num drafted, num accepted) per request -> (drafts verified, drafts accepted) per position."""
     verified, accepted = [0] * depth, [0] * depth
     for num_drafted, num_accepted in results:

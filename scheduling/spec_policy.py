@@ -28,14 +28,15 @@ not pay even at full acceptance (a proposer as dear as the target). A proposer t
 catch up on every token it missed (a draft model runs them through its own KV) probes one request, and
 each probe that does not bring drafting back doubles the wait (up to MAX_PROBE_BACKOFF times).
 
-Who runs what: the engine's SpeculationController (scheduling/spec_controller.py) measures (acceptance EMAs, step and proposer cost
-samples, probe counts) and `telemetry()` hands that state over as a SpecTelemetry record; the pure
-`speculation_policy(telemetry)` decides the SpeculationPolicy; `choose_depths` applies it to each step's
-actual batch. The in-process LLM runs all three itself. In a deployment a worker sends its SpecTelemetry
-inside StepTelemetry, the scheduler actor runs speculation_policy on it (scheduling/policy.py) and pushes
-the answer back with the batching policy. Before the first answer a worker runs its own controller;
-after it, it keeps the last pushed policy until the next, also while the scheduler is dead or restarting
-(the scheduler keeps no speculation state, so a restarted one answers as the old one would have).
+Who runs what: the engine's SpeculationController (scheduling/spec_controller.py) measures (acceptance
+EMAs, step and proposer cost samples, probe counts) and `telemetry()` hands that state over as a
+SpecTelemetry record; the pure `speculation_policy(telemetry)` decides the SpeculationPolicy;
+`choose_depths` applies it to each step's actual batch. The in-process LLM runs all three itself. In a
+deployment a worker sends its SpecTelemetry inside StepTelemetry, the scheduler actor runs
+speculation_policy on it (scheduling/policy.py) and pushes the answer back with the batching policy.
+Before the first answer a worker runs its own controller; after it, it keeps the last pushed policy until
+the next, also while the scheduler is dead or restarting (the scheduler keeps no speculation state, so a
+restarted one answers as the old one would have).
 """
 
 import functools
@@ -97,13 +98,15 @@ class SpecTelemetry:
 
     def summary(self) -> dict:
         """For stats(): the fields without the cost windows, which are counted instead."""
-        fields = {k: v for k, v in vars(self).items() if k not in ("config", "step_costs", "draft_pass_costs")}
+        fields = {k: v for k, v in vars(self).items()
+                  if k not in ("config", "step_costs", "draft_pass_costs")}
         return {"method": self.config.method, "mode": self.config.mode, **fields,
                 "num_step_costs": len(self.step_costs), "num_draft_pass_costs": len(self.draft_pass_costs)}
 
 
 def probe_interval(catches_up: bool, num_idle_probes: int) -> int:
-    """Steps without a verified draft before a probe; a catching-up proposer backs off while probes find no pay."""
+    """Steps without a verified draft before a probe; a catching-up proposer backs off while probes find
+    no pay."""
     return PROBE_INTERVAL * (min(2 ** num_idle_probes, MAX_PROBE_BACKOFF) if catches_up else 1)
 
 
@@ -129,9 +132,9 @@ def speculation_policy(t: SpecTelemetry) -> SpeculationPolicy:
     else:
         draft_fixed_s, draft_per_token_s = t.cost_prior[0] * fixed_s, t.cost_prior[1] * per_token_s
     wide_per_token_s = max(fit_step_cost(t.step_costs)[1], per_token_s)
-    policy = SpeculationPolicy(cfg.mode, max_depth, t.accept_rates, fixed_s, per_token_s, draft_fixed_s, factor,
-                               cfg.max_compute_fraction, False, draft_per_token_s, 1 if t.catches_up else None,
-                               wide_per_token_s)
+    policy = SpeculationPolicy(cfg.mode, max_depth, t.accept_rates, fixed_s, per_token_s, draft_fixed_s,
+                               factor, cfg.max_compute_fraction, False, draft_per_token_s,
+                               1 if t.catches_up else None, wide_per_token_s)
     if (cfg.mode != "on" and max_depth > 0
             and t.num_steps_without_drafts >= probe_interval(t.catches_up, t.num_idle_probes)
             and pays_at_full_acceptance(policy, num_requests)):
@@ -178,7 +181,8 @@ def _choose_depths_cached(policy: SpeculationPolicy, num_base_tokens: int, caps:
 
 
 def _choose_depths(policy: SpeculationPolicy, num_base_tokens: int, max_depths: tuple[int, ...],
-                   accept_rates: Sequence[Sequence[float] | None] | None, token_budget: int | None) -> list[int]:
+                   accept_rates: Sequence[Sequence[float] | None] | None,
+                   token_budget: int | None) -> list[int]:
     caps = np.asarray(max_depths, np.int64)  # [R], already within 0 .. policy.max_depth
     if policy.probe:
         width = len(caps) if policy.probe_width is None else policy.probe_width
@@ -207,7 +211,8 @@ def _choose_depths(policy: SpeculationPolicy, num_base_tokens: int, max_depths: 
         d = np.arange(1, len(order) + 1)
         goodput = (len(caps) + np.cumsum(gains)) / step_seconds(policy, num_base_tokens, d, deepest)
         best = int(np.argmax(goodput))
-        num_drafts = best + 1 if goodput[best] > len(caps) / step_seconds(policy, num_base_tokens, 0, 0) else 0
+        num_drafts = (best + 1 if goodput[best] > len(caps) / step_seconds(policy, num_base_tokens, 0, 0)
+                      else 0)
     np.maximum.at(depths, r_idx[:num_drafts], j_idx[:num_drafts] + 1)
     return depths.tolist()
 
@@ -217,6 +222,7 @@ def step_seconds(policy: SpeculationPolicy, num_base_tokens: int, num_drafts, de
     drafted) and the proposer's passes to the deepest draft, charged draft_cost_factor times (scalars or
     arrays)."""
     base_s = max(policy.fixed_s + policy.per_token_s * num_base_tokens, 1e-12)
-    draft_s = (policy.per_token_s + policy.draft_s_per_token) * num_drafts + policy.draft_s_per_position * deepest
+    draft_s = ((policy.per_token_s + policy.draft_s_per_token) * num_drafts
+               + policy.draft_s_per_position * deepest)
     return base_s + policy.draft_cost_factor * draft_s
 

@@ -72,11 +72,11 @@ class NoSpeculation:
         return spec_stats_off()
 
 
-def make_speculation(config: EngineConfig, spec: ModelSpec, tokenizer, model_path: str | Path, model: LlamaModel, *,
-                     kv_cache_tokens: int, decisions: DecisionLog) -> Speculation:
+def make_speculation(config: EngineConfig, spec: ModelSpec, tokenizer, model_path: str | Path,
+                     model: LlamaModel, *, kv_cache_tokens: int, decisions: DecisionLog) -> Speculation:
     """An engine's speculation: a Speculator for one method, a MethodChooser over every candidate for method
-    "auto", NoSpeculation when off. Proposers get the engine's dtypes and KV geometry and the target's weights,
-    and find their side files (Medusa heads, ...) beside the model (a GGUF file's directory)."""
+    "auto", NoSpeculation when off. Proposers get the engine's dtypes and KV geometry and the target's
+    weights, and find their side files (Medusa heads, ...) beside the model (a GGUF file's directory)."""
     spec_config = config.speculation
     if not spec_config.enabled:
         return NoSpeculation()

@@ -34,7 +34,8 @@ from scheduling.step_stats import StepStats
 from scheduling.tree_policy import choose_tree_width
 
 SPEC_COUNTERS = ("spec_num_drafts", "spec_num_draft_tokens", "spec_num_accepted_tokens")
-POLICY_REFRESH_STEPS = 8  # the controller's policy (a least-squares cost fit, ~0.2 ms) is recomputed this often
+# the controller's policy (a least-squares cost fit, ~0.2 ms) is recomputed this often
+POLICY_REFRESH_STEPS = 8
 
 
 @dataclass(frozen=True)
@@ -119,8 +120,8 @@ class Speculator:
             for request_id, first, features in hidden_features(plan, run, out):
                 self.proposer.observe_hidden(request_id, first, features)
         # the whole step but the proposer's passes: drafts also cost scheduling and rollback
-        self.record(plan, out, stats.seconds.total - self.draft_seconds, self.draft_seconds, stats.num_waiting,
-                    stats.kv_usage)
+        self.record(plan, out, stats.seconds.total - self.draft_seconds, self.draft_seconds,
+                    stats.num_waiting, stats.kv_usage)
 
     def choose(self, plan: StepPlan) -> DraftChoice | None:
         """This step's depth per decoding request under the policy in force (None: no decoding request)."""
@@ -175,8 +176,8 @@ class Speculator:
         runs = [(s.num_draft_tokens, s.num_accepted_tokens) for s in out.sampled
                 if s is not None and s.num_draft_tokens > 0] if drafted else []
         verified, accepted = count_positions(runs, k)
-        stats = SpecStepStats(plan.num_tokens, seconds, len(plan.scheduled), num_waiting, kv_usage, draft_seconds,
-                              max((d for d, _ in runs), default=0), verified, accepted,
+        stats = SpecStepStats(plan.num_tokens, seconds, len(plan.scheduled), num_waiting, kv_usage,
+                              draft_seconds, max((d for d, _ in runs), default=0), verified, accepted,
                               tuple(self.draft_passes) if drafted else ())
         self.controller.observe(stats)
         self._num_steps_since_policy += 1
@@ -206,10 +207,12 @@ class Speculator:
                 "spec_num_accepted_tokens": self.num_accepted_tokens,
                 "spec_accepted_per_position": self.num_accepted_per_position.tolist(),
                 "spec_verified_per_position": self.num_verified_per_position.tolist(),
-                "spec_depth": self.depth, "spec_policy_source": "engine" if self.pushed_policy is None else "scheduler",
+                "spec_depth": self.depth,
+                "spec_policy_source": "engine" if self.pushed_policy is None else "scheduler",
                 # the goodput inputs: acceptance EMA per position, step cost = fixed + per_token * tokens
                 "spec_accept_rate_ema": list(policy.accept_rates), "spec_step_fixed_s": policy.fixed_s,
-                "spec_step_per_token_s": policy.per_token_s, "spec_draft_s_per_position": policy.draft_s_per_position,
+                "spec_step_per_token_s": policy.per_token_s,
+                "spec_draft_s_per_position": policy.draft_s_per_position,
                 "spec_draft_s_per_token": policy.draft_s_per_token,
                 "spec_draft_cost_factor": policy.draft_cost_factor, "spec_max_depth": policy.max_depth}
 
@@ -224,24 +227,28 @@ class Speculator:
             measured = proposer.accepted_counts.sum(axis=1)[0]
             mean = proposer.accepted_counts @ np.arange(proposer.accepted_counts.shape[1]) / max(measured, 1)
             self.decisions.record("speculation", f"tree width {width}",
-                                  f"{'fixed' if proposer.fixed_width else 'goodput'}: mean drafts a tree of width "
-                                  f"1, 2, ... would keep {np.round(mean, 2).tolist()} over {measured} proposals",
+                                  f"{'fixed' if proposer.fixed_width else 'goodput'}: mean drafts a tree of "
+                                  f"width 1, 2, ... would keep {np.round(mean, 2).tolist()} over "
+                                  f"{measured} proposals",
                                   subject="tree width")
         proposer.width = width
 
     def _record_depth(self, depth: int, num_decoding: int, num_tokens: int) -> None:
-        """A "speculation" decision per step; the log counts the steps a depth holds (a change is a new entry)."""
+        """A "speculation" decision per step; the log counts the steps a depth holds (a change is a new
+        entry)."""
         p, source = self.policy, "engine" if self.pushed_policy is None else "scheduler"
         self.decisions.record("speculation", f"depth {depth}",
-                              lambda: f"mode {self.config.mode}, policy from the {source}: {num_decoding} decoding "
-                                      f"of {num_tokens} tokens in the step, acceptance EMA "
-                                      f"{np.round(p.accept_rates, 2).tolist()}, step cost {p.fixed_s * 1e3:.2f} ms + "
-                                      f"{p.per_token_s * 1e3:.3f} ms/token, draft cost x{p.draft_cost_factor:.2f}",
+                              lambda: f"mode {self.config.mode}, policy from the {source}: {num_decoding} "
+                                      f"decoding of {num_tokens} tokens in the step, acceptance EMA "
+                                      f"{np.round(p.accept_rates, 2).tolist()}, step cost "
+                                      f"{p.fixed_s * 1e3:.2f} ms + {p.per_token_s * 1e3:.3f} ms/token, "
+                                      f"draft cost x{p.draft_cost_factor:.2f}",
                               subject="depth")
         self.depth = depth
 
 
-def hidden_features(plan: StepPlan, run: RunOutput, out: SamplerOutput) -> Iterator[tuple[str, int, np.ndarray]]:
+def hidden_features(plan: StepPlan, run: RunOutput,
+                    out: SamplerOutput) -> Iterator[tuple[str, int, np.ndarray]]:
     """For a proposer that drafts from the target's features: each running request's (id, first position,
     features [n, H]) of the positions this step verified (its prompt or verified rows, then a verification's
     kept path, whose last row produced its last token)."""

@@ -35,7 +35,8 @@ from scheduling.sampler import sample_batch, top_logprobs_batch
 def sample_step(plan: StepPlan, run: RunOutput) -> SamplerOutput:
     logits = run.logits  # [R, V] f32
     rows_to_sample = _Rows()
-    todo = []  # (index in plan.scheduled, request, its drafts' tree, its logits rows, its first row in rows_to_sample)
+    # (index in plan.scheduled, request, its drafts' tree, its logits rows, its first row in rows_to_sample)
+    todo = []
     prompt_logits: list[np.ndarray | None] = [None] * len(plan.scheduled)
     for i, (scheduled, rows) in enumerate(zip(plan.scheduled, run.logit_rows)):
         req = scheduled.request
@@ -58,7 +59,8 @@ def sample_step(plan: StepPlan, run: RunOutput) -> SamplerOutput:
 
 def _logprobs(logits: np.ndarray, todo: list, runs: list[tuple[list[int], list[int]]]) \
         -> list[list[dict[int, float]] | None]:
-    """Per request: the logprobs of each token of its run (from the row it was sampled at), None if not asked."""
+    """Per request: the logprobs of each token of its run (from the row it was sampled at), None if not
+    asked."""
     ids, tokens, counts = [], [], []
     for (_, req, _, rows, _), (run, sampled_rows) in zip(todo, runs):
         if req.params.logprobs is not None:
@@ -98,7 +100,8 @@ class _Rows:
         return first
 
     def batch(self) -> SamplingBatch:
-        return SamplingBatch.build(self.params, self.seeds, self.positions, self.histories, self.num_prompt_tokens)
+        return SamplingBatch.build(self.params, self.seeds, self.positions, self.histories,
+                                   self.num_prompt_tokens)
 
     def _add(self, req: Request, row: int, position: int, history: Sequence[int]) -> None:
         self.ids.append(row)

@@ -95,7 +95,8 @@ def step_stats(plan: "StepPlan", out: "SamplerOutput | None", processed: "Proces
         num_generated_tokens=processed.num_generated_tokens if processed else 0,
         scheduled_ids=tuple(s.request.request_id for s in plan.scheduled),
         preempted_ids=tuple(r.request_id for r in plan.preempted),
-        num_prefix_lookup_tokens=plan.num_prefix_lookup_tokens, num_prefix_hit_tokens=plan.num_prefix_hit_tokens,
+        num_prefix_lookup_tokens=plan.num_prefix_lookup_tokens,
+        num_prefix_hit_tokens=plan.num_prefix_hit_tokens,
         drafts=tuple(DraftCounts(m, *c) for m, c in drafts.items()), seconds=seconds,
         num_running=num_running, num_waiting=num_waiting, kv_usage=kv_usage)
 
@@ -121,4 +122,5 @@ class EngineTotals:
 
     @property
     def prefix_hit_rate(self) -> float:
-        return self.num_prefix_hit_tokens / self.num_prefix_lookup_tokens if self.num_prefix_lookup_tokens else 0.0
+        return (self.num_prefix_hit_tokens / self.num_prefix_lookup_tokens if self.num_prefix_lookup_tokens
+                else 0.0)

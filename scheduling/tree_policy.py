@@ -30,9 +30,11 @@ def choose_tree_width(policy: SpeculationPolicy, accepted_counts: np.ndarray, tr
     if len(depths) == 0 or measured.min() < MIN_MEASURED:
         return 1
     lengths = np.arange(accepted_counts.shape[1])  # [K + 1]
-    expected = np.stack([accepted_counts @ np.minimum(lengths, d) for d in depths], axis=1) / measured[:, None]
+    expected = (np.stack([accepted_counts @ np.minimum(lengths, d) for d in depths], axis=1)
+                / measured[:, None])
     extra_nodes = (tree_sizes[:, depths] - depths).sum(axis=1)  # [W]: nodes beyond the chains' drafts
     base_s = max(policy.fixed_s + policy.per_token_s * (num_base_tokens + depths.sum()), 1e-12)
     node_s = policy.per_token_s if policy.wide_per_token_s is None else policy.wide_per_token_s
-    goodput = (len(depths) + expected.sum(axis=1)) / (base_s + policy.draft_cost_factor * node_s * extra_nodes)
+    goodput = ((len(depths) + expected.sum(axis=1))
+               / (base_s + policy.draft_cost_factor * node_s * extra_nodes))
     return int(np.argmax(goodput)) + 1  # the first best: ties go to the narrower tree

@@ -48,7 +48,8 @@ def validate_request(prompt, params: SamplingParams | None, limits: RequestLimit
         raise InvalidRequest(f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {limits.vocab_size}); "
                              "pass ids the model can generate", param="stop_token_ids")
     if params.logprobs is not None and params.logprobs > limits.max_logprobs:
-        raise InvalidRequest(f"logprobs={params.logprobs} exceeds this engine's limit of {limits.max_logprobs}; "
+        raise InvalidRequest(f"logprobs={params.logprobs} exceeds this engine's limit of "
+                             f"{limits.max_logprobs}; "
                              f"ask for at most {limits.max_logprobs}", param="logprobs")
     return prompt_ids, params
 
@@ -95,22 +96,27 @@ def encode_prompt(prompt, tokenizer, vocab_size: int) -> list[int]:
     return ids
 
 
-def max_num_tokens(num_prompt_tokens: int, params: SamplingParams, max_model_len: int, prompt_logits: bool) -> int:
-    """The length a request may reach: prompt + max_tokens (the prompt alone when scored), at most max_model_len."""
+def max_num_tokens(num_prompt_tokens: int, params: SamplingParams, max_model_len: int,
+                   prompt_logits: bool) -> int:
+    """The length a request may reach: prompt + max_tokens (the prompt alone when scored), at most
+    max_model_len."""
     return min(max_model_len, num_prompt_tokens + (0 if prompt_logits else params.max_tokens))
 
 
-def check_length(num_prompt_tokens: int, params: SamplingParams, limits: RequestLimits, prompt_logits: bool) -> None:
+def check_length(num_prompt_tokens: int, params: SamplingParams, limits: RequestLimits,
+                 prompt_logits: bool) -> None:
     if limits.max_model_len is None:
         return
     limit = limits.max_model_len if prompt_logits else limits.max_model_len - 1
     if num_prompt_tokens > limit:
-        raise InvalidRequest(f"prompt has {num_prompt_tokens} tokens but max_model_len={limits.max_model_len} "
+        raise InvalidRequest(f"prompt has {num_prompt_tokens} tokens but "
+                             f"max_model_len={limits.max_model_len} "
                              f"leaves room for at most {limit}; shorten the prompt", param="prompt")
     if limits.num_kv_blocks is None or limits.block_size is None:
         return
     num_blocks = -(-max_num_tokens(num_prompt_tokens, params, limits.max_model_len, prompt_logits)
                    // limits.block_size)
     if num_blocks > limits.num_kv_blocks:
-        raise InvalidRequest(f"request needs up to {num_blocks} KV blocks but the pool has {limits.num_kv_blocks}; "
+        raise InvalidRequest(f"request needs up to {num_blocks} KV blocks "
+                             f"but the pool has {limits.num_kv_blocks}; "
                              "lower max_tokens or raise kv_cache_bytes", param="max_tokens")
