@@ -292,8 +292,8 @@ def fixed_merge_costs(monkeypatch):
 
 @pytest.mark.load_sensitive
 def test_auto_merges_a_single_adapter_burst_once_the_measured_savings_pay_for_the_copy(llm, llama_dir,
-                                                                                         adapters,
-                                                                                         fixed_merge_costs):
+                                                                                       adapters,
+                                                                                       fixed_merge_costs):
     greedy = ns.SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
     auto = ns.LLM(llama_dir, **FP32, lora_merge="auto")
     auto.register_adapter("a", adapters["a"])

@@ -271,8 +271,8 @@ CHAT = {"messages": [{"role": "user", "content": "hi"}]}
      400, "messages[0].content", None),
 ])
 def test_a_bad_request_gets_its_status_and_an_openai_error_body_and_service_goes_on(client, api, url, path,
-                                                                                      body, status, param,
-                                                                                      match):
+                                                                                    body, status, param,
+                                                                                    match):
     # json.dumps writes NaN and Infinity as Python's json reads them (requests' json= refuses to)
     r = requests.post(f"{url}{path}", data=json.dumps(body), headers={"Content-Type": "application/json"},
                       timeout=30)

@@ -219,7 +219,7 @@ def test_overloaded_is_raised_not_a_hang_when_admission_is_full_and_service_goes
     ("hello", {"session": 7}, "session must be a str"),
 ])
 def test_bad_requests_raise_invalid_request_through_the_client_and_service_goes_on(client, prompt, kwargs,
-                                                                                     match):
+                                                                                   match):
     with pytest.raises(ns.InvalidRequest, match=match):
         client.generate(prompt, **kwargs)
     with pytest.raises(ns.InvalidRequest, match=match):

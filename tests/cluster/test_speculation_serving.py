@@ -215,7 +215,7 @@ def test_a_worker_drafts_at_the_depth_its_scheduler_pushes_not_its_configured_on
 
 
 def test_workers_keep_the_last_policy_and_serve_exactly_when_the_scheduler_is_gone(client, llama_dir,
-                                                                                    plain_config):
+                                                                                   plain_config):
     # last in the module: the scheduler does not come back in this deployment
     wait_for_both_workers(client)
     def settled():
