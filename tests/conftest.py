@@ -22,7 +22,8 @@ def model_dirs(tmp_path_factory) -> dict:
 
 @pytest.fixture(scope="session")
 def hf_models(model_dirs) -> dict:
-    return {v: AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval() for v, d in model_dirs.items()}
+    return {v: AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+            for v, d in model_dirs.items()}
 
 
 @pytest.fixture(scope="session")

@@ -15,18 +15,20 @@ from models.eagle import CONFIG_FILE, HEAD_FILE
 from scripts.head_modules import EagleHead
 
 
-def model_with_eagle(model_dir: Path, out_dir: Path, prompts: list[list[int]] | None = None, new_tokens: int = 32,
-                     steps: int = 300, seed: int = 0) -> Path:
+def model_with_eagle(model_dir: Path, out_dir: Path, prompts: list[list[int]] | None = None,
+                     new_tokens: int = 32, steps: int = 300, seed: int = 0) -> Path:
     shutil.copytree(model_dir, out_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     torch.manual_seed(seed)
     head = EagleHead(model.config)
     if prompts:
-        generation = GenerationConfig(do_sample=False, max_new_tokens=new_tokens, eos_token_id=None, pad_token_id=0)
+        generation = GenerationConfig(do_sample=False, max_new_tokens=new_tokens, eos_token_id=None,
+                                      pad_token_id=0)
         data = []
         with torch.no_grad():
             for prompt in prompts:
-                ids = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                ids = model.generate(torch.tensor([prompt]),
+                                     attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                                      generation_config=generation)
                 data.append((ids, model.model(ids).last_hidden_state, model.model.embed_tokens(ids)))
         optimizer = torch.optim.Adam(head.parameters(), lr=3e-3)

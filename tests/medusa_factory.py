@@ -14,7 +14,8 @@ from models.medusa import CONFIG_FILE, HEADS_FILE
 from scripts.head_modules import medusa_heads
 
 
-def make_heads(hidden: int, vocab: int, num_heads: int, num_layers: int = 1, seed: int = 0) -> torch.nn.ModuleList:
+def make_heads(hidden: int, vocab: int, num_heads: int, num_layers: int = 1,
+               seed: int = 0) -> torch.nn.ModuleList:
     """Medusa heads as the Medusa repository builds them, randomly initialized."""
     torch.manual_seed(seed)
     return medusa_heads(hidden, vocab, num_heads, num_layers).eval()
@@ -22,7 +23,8 @@ def make_heads(hidden: int, vocab: int, num_heads: int, num_layers: int = 1, see
 
 def save_heads(directory: Path, heads: torch.nn.ModuleList, num_layers: int = 1) -> None:
     save_file({k: v.contiguous() for k, v in heads.state_dict().items()}, directory / HEADS_FILE)
-    (directory / CONFIG_FILE).write_text(json.dumps({"medusa_num_heads": len(heads), "medusa_num_layers": num_layers}))
+    (directory / CONFIG_FILE).write_text(json.dumps({"medusa_num_heads": len(heads),
+                                                     "medusa_num_layers": num_layers}))
 
 
 def model_with_heads(model_dir: Path, out_dir: Path, num_heads: int, prompts: list[list[int]] | None = None,
@@ -34,11 +36,13 @@ def model_with_heads(model_dir: Path, out_dir: Path, num_heads: int, prompts: li
     cfg = model.config
     heads = make_heads(cfg.hidden_size, cfg.vocab_size, num_heads)
     if prompts:
-        generation = GenerationConfig(do_sample=False, max_new_tokens=new_tokens, eos_token_id=None, pad_token_id=0)
+        generation = GenerationConfig(do_sample=False, max_new_tokens=new_tokens, eos_token_id=None,
+                                      pad_token_id=0)
         features, targets = [], []
         with torch.no_grad():
             for prompt in prompts:
-                ids = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                ids = model.generate(torch.tensor([prompt]),
+                                     attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                                      generation_config=generation)
                 features.append(model.model(ids).last_hidden_state[0])  # [L, H], what the heads read
                 targets.append(ids[0])

@@ -31,11 +31,12 @@ VARIANTS = {
     # GQA, head_dim != hidden / heads, llama3 rope scaling, untied lm_head
     "llama": (LlamaConfig, LlamaForCausalLM, {
         "head_dim": 24, "rope_theta": 500000.0,
-        "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                          "original_max_position_embeddings": 64}}),
+        "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 64}}),
     # tied embeddings, linear rope scaling, sharded safetensors
     "llama_tied": (LlamaConfig, LlamaForCausalLM, {
-        "tie_word_embeddings": True, "rope_scaling": {"rope_type": "linear", "factor": 2.0}, "num_key_value_heads": 1}),
+        "tie_word_embeddings": True, "rope_scaling": {"rope_type": "linear", "factor": 2.0},
+        "num_key_value_heads": 1}),
     "mistral": (MistralConfig, MistralForCausalLM, {"sliding_window": 8, "head_dim": 16}),
     "qwen2": (Qwen2Config, Qwen2ForCausalLM, {"tie_word_embeddings": False}),
 }
@@ -43,10 +44,13 @@ VARIANTS = {
 
 # TinyLlama-1.1B-Chat's (Zephyr's) template: the HTTP server renders it as apply_chat_template does
 CHAT_TEMPLATE = (
-    "{% for message in messages %}\n{% if message['role'] == 'user' %}\n{{ '<|user|>\n' + message['content'] + "
-    "eos_token }}\n{% elif message['role'] == 'system' %}\n{{ '<|system|>\n' + message['content'] + eos_token }}\n"
+    "{% for message in messages %}\n{% if message['role'] == 'user' %}\n"
+    "{{ '<|user|>\n' + message['content'] + "
+    "eos_token }}\n{% elif message['role'] == 'system' %}\n"
+    "{{ '<|system|>\n' + message['content'] + eos_token }}\n"
     "{% elif message['role'] == 'assistant' %}\n{{ '<|assistant|>\n'  + message['content'] + eos_token }}\n"
-    "{% endif %}\n{% if loop.last and add_generation_prompt %}\n{{ '<|assistant|>' }}\n{% endif %}\n{% endfor %}")
+    "{% endif %}\n{% if loop.last and add_generation_prompt %}\n"
+    "{{ '<|assistant|>' }}\n{% endif %}\n{% endfor %}")
 
 
 def build_tokenizer(directory: Path) -> PreTrainedTokenizerFast:

@@ -41,7 +41,8 @@ def sampling_probs(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
 
 def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:
     """One request's token from a counted generator, as the engine sampled before sample_batch: the reference
-    sample_batch is tested against (the same greedy tokens, the same distribution). The engine does not call it."""
+    sample_batch is tested against (the same greedy tokens, the same distribution). The engine does not call
+    it."""
     if params.greedy:
         return int(np.argmax(logits))
     probs = sampling_probs(logits, params)

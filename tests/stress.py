@@ -1,5 +1,5 @@
-"""The suite's stress mode, for the tests marked `load_sensitive` (their outcome once depended on this machine's
-speed, load or scheduling order, and is now fixed by construction; see the README's "Tests"):
+"""The suite's stress mode, for the tests marked `load_sensitive` (their outcome once depended on this
+machine's speed, load or scheduling order, and is now fixed by construction; see the README's "Tests"):
 
     .venv/bin/pytest -m load_sensitive --stress-repeat 10               # each 10 times in a row
     .venv/bin/pytest -m load_sensitive --stress-repeat 10 --stress-burn # the same under a CPU burner
@@ -26,8 +26,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "load_sensitive: its outcome once depended on the machine's speed or load; "
-                                       "repeated by --stress-repeat")
+    config.addinivalue_line("markers", "load_sensitive: its outcome once depended on the machine's speed or "
+                                       "load; repeated by --stress-repeat")
     if config.getoption("stress_repeat") < 1:
         raise pytest.UsageError("--stress-repeat must be at least 1")
 

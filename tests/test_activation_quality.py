@@ -80,7 +80,8 @@ def test_int8_activations_stay_within_the_perplexity_bound(engines, ppl, weight_
     assert abs(int8 / exact - 1) <= PPL_BOUND
 
 
-@pytest.mark.skipif(not HAS_BF16, reason="this CPU lacks AVX512-BF16: bfloat16 activations fall back to float32")
+@pytest.mark.skipif(not HAS_BF16,
+                    reason="this CPU lacks AVX512-BF16: bfloat16 activations fall back to float32")
 def test_bfloat16_activations_stay_within_the_perplexity_bound(engines, ppl, windows):
     chosen = _choices(engines("bfloat16", "bfloat16"))
     assert set(chosen.values()) == {"bfloat16"} and len(chosen) == 6 * 4 + 1  # every matrix, the LM head too
@@ -106,15 +107,18 @@ def test_paths_without_a_kernel_report_their_fallback_and_keep_the_bound(engines
 
 
 @pytest.mark.parametrize("weight_dtype, activation_dtype", [("q8_0", "int8"), ("q4_0", "int8"),
-                                                             *([("bfloat16", "bfloat16")] if HAS_BF16 else [])])
-def test_greedy_agreement_of_reduced_and_float32_activations(engines, windows, weight_dtype, activation_dtype):
+                                                            *([("bfloat16", "bfloat16")]
+                                                              if HAS_BF16 else [])])
+def test_greedy_agreement_of_reduced_and_float32_activations(engines, windows, weight_dtype,
+                                                             activation_dtype):
     step = len(windows) // NUM_PROMPTS
     prompts = [[int(t) for t in w[:PROMPT_TOKENS]] for w in windows[::step][:NUM_PROMPTS]]
     params = ns.SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
     tokens = {act: [c.token_ids for c in engines(weight_dtype, act).generate(prompts, params)]
               for act in ("float32", activation_dtype)}
     agreement = greedy_agreement(tokens[activation_dtype], tokens["float32"])
-    print(f"\ngreedy agreement, {weight_dtype} weights, {activation_dtype} vs float32 activations: {agreement}")
+    print(f"\ngreedy agreement, {weight_dtype} weights, {activation_dtype} vs float32 activations: "
+          f"{agreement}")
     assert agreement["num_tokens"] == NUM_PROMPTS * NEW_TOKENS
     assert agreement["prefix_agreement"] >= (MIN_PREFIX_AGREEMENT_BF16 if activation_dtype == "bfloat16"
                                              else MIN_PREFIX_AGREEMENT)

@@ -18,7 +18,8 @@ def dirs(llama_dir, tmp_path_factory):
 
 
 def same_weights(x, y) -> bool:
-    return all(set(lx) == set(ly) and all(np.array_equal(lx[m].a, ly[m].a) and np.array_equal(lx[m].b, ly[m].b)
+    return all(set(lx) == set(ly) and all(np.array_equal(lx[m].a, ly[m].a)
+                                          and np.array_equal(lx[m].b, ly[m].b)
                                           and lx[m].scaling == ly[m].scaling for m in lx)
                for lx, ly in zip(x.layers, y.layers))
 
@@ -65,7 +66,8 @@ def test_a_count_bound_over_a_remote_source_fetches_on_a_miss(llama_dir, dirs):
 
 
 def test_sources_round_trip_through_json():
-    for source in (AdapterSource(path="/x/y"), AdapterSource(weights=(("a", 0.7), ("b", -0.3)), combination="cat")):
+    for source in (AdapterSource(path="/x/y"),
+                   AdapterSource(weights=(("a", 0.7), ("b", -0.3)), combination="cat")):
         assert AdapterSource.from_json(source.to_json()) == source
     with pytest.raises(ValueError):
         AdapterSource.from_json({"nothing": 1})

@@ -1,5 +1,5 @@
-"""Corrupt and lying files, bad YAML and non-finite sampling values: each refused with its typed error naming the
-file and the problem, never an IndexError, a numpy error, a huge allocation or a hang."""
+"""Corrupt and lying files, bad YAML and non-finite sampling values: each refused with its typed error naming
+the file and the problem, never an IndexError, a numpy error, a huge allocation or a hang."""
 
 import json
 import shutil
@@ -57,10 +57,12 @@ SAFETENSORS_LIES = {  # case -> (the file's bytes from shard, the message)
                          "header is a JSON list"),
     "offsets_past_the_end": (lambda s: with_header(s, set_entry(data_offsets=[0, 10**12])),
                              f"'{UP}' ends at byte 1000000000000 of the data but the file holds"),
-    "offsets_reversed": (lambda s: with_header(s, set_entry(data_offsets=[100, 50])), r"data_offsets \[100, 50\]"),
+    "offsets_reversed": (lambda s: with_header(s, set_entry(data_offsets=[100, 50])),
+                         r"data_offsets \[100, 50\]"),
     "offsets_missing": (lambda s: with_header(s, lambda h: h[UP].pop("data_offsets")), "data_offsets None"),
     "shape_lies_about_size": (lambda s: with_header(s, set_entry(shape=[96, 640])),
-                              r"shape \(96, 640\) of F32 \(245760 bytes\) but its data range holds 24576 bytes"),
+                              (r"shape \(96, 640\) of F32 \(245760 bytes\) but its data range holds "
+                               r"24576 bytes")),
     "negative_dimension": (lambda s: with_header(s, set_entry(shape=[-96, 64])), "list of non-negative ints"),
     "dtype_unknown": (lambda s: with_header(s, set_entry(dtype="F8_E4M3")), "dtype F8_E4M3 is not supported"),
     "dtype_not_a_string": (lambda s: with_header(s, set_entry(dtype=7)), "malformed header entry"),

@@ -120,7 +120,8 @@ VOCAB, MAX_MODEL_LEN = 384, 64  # the test model's vocabulary; the llm fixture's
 BAD_REQUESTS = [  # prompt, params, adapter, the message: the problem and the fix
     ("", None, None, "the prompt is empty; pass at least one character or token"),
     ([], None, None, "the prompt is empty; pass at least one token"),
-    ([5, 384], None, None, r"token ids \[384\] are outside the vocabulary \[0, 384\); pass ids of this model's"),
+    ([5, 384], None, None,
+     r"token ids \[384\] are outside the vocabulary \[0, 384\); pass ids of this model's"),
     ([-1, 5], None, None, r"token ids \[-1\] are outside the vocabulary"),
     ([1.5, 2.0], None, None, "a prompt is a str or a list of int token ids, got list"),
     ([True, 3], None, None, "a prompt is a str or a list of int token ids, got list"),
@@ -131,7 +132,8 @@ BAD_REQUESTS = [  # prompt, params, adapter, the message: the problem and the fi
     ([5, 6], ns.SamplingParams(stop_token_ids=(3, 999)), None,
      r"stop_token_ids \[999\] are outside the vocabulary \[0, 384\); pass ids the model can generate"),
     ([5, 6], {"max_tokens": 3}, None, "params must be a numaserve.SamplingParams, got dict"),
-    ([5, 6], None, "nope", r"unknown adapter 'nope' \(registered: a, b\); register it first with register_adapter"),
+    ([5, 6], None, "nope",
+     r"unknown adapter 'nope' \(registered: a, b\); register it first with register_adapter"),
     ([5, 6], None, 7, r"adapter must be a registered adapter's name \(a str\) or None, got int"),
 ]
 
@@ -140,7 +142,8 @@ BAD_REQUESTS = [  # prompt, params, adapter, the message: the problem and the fi
 def test_validation_names_the_problem_and_the_fix(llm, prompt, params, adapter, message):
     limits = RequestLimits(VOCAB, MAX_MODEL_LEN, block_size=16, num_kv_blocks=100)
     with pytest.raises(ns.InvalidRequest, match=message):
-        validate_request(prompt, params, limits, tokenizer=llm.tokenizer, adapter=adapter, adapters={"a", "b"})
+        validate_request(prompt, params, limits, tokenizer=llm.tokenizer, adapter=adapter,
+                         adapters={"a", "b"})
 
 
 def test_validation_of_lengths_kv_and_logprobs():
@@ -153,19 +156,21 @@ def test_validation_of_lengths_kv_and_logprobs():
         validate_request([5] * 65, None, limits, prompt_logits=True)
     # what the request may grow to must fit the KV pool: here min(64, 10 + 20) = 30 tokens, 8 blocks of 4
     small_pool = RequestLimits(VOCAB, MAX_MODEL_LEN, block_size=4, num_kv_blocks=7)
-    with pytest.raises(ns.InvalidRequest, match="needs up to 8 KV blocks but the pool has 7; lower max_tokens or "
-                                                "raise kv_cache_bytes"):
+    with pytest.raises(ns.InvalidRequest, match="needs up to 8 KV blocks but the pool has 7; lower "
+                                                "max_tokens or raise kv_cache_bytes"):
         validate_request([5] * 10, ns.SamplingParams(max_tokens=20), small_pool)
     validate_request([5] * 10, ns.SamplingParams(max_tokens=18), small_pool)  # 28 tokens, 7 blocks
-    validate_request([5] * 10, ns.SamplingParams(max_tokens=20), small_pool, prompt_logits=True)  # the prompt's KV only
-    with pytest.raises(ns.InvalidRequest, match="logprobs=6 exceeds this engine's limit of 5; ask for at most 5"):
+    # the prompt's KV only
+    validate_request([5] * 10, ns.SamplingParams(max_tokens=20), small_pool, prompt_logits=True)
+    with pytest.raises(ns.InvalidRequest,
+                       match="logprobs=6 exceeds this engine's limit of 5; ask for at most 5"):
         validate_request([5], ns.SamplingParams(logprobs=6), RequestLimits(VOCAB, max_logprobs=5))
 
 
 @pytest.mark.parametrize("prompt, params, adapter, message", [r for r in BAD_REQUESTS if r[2] != "nope"])
 def test_the_engine_validates_through_the_same_function(llm, prompt, params, adapter, message):
-    """Engine.make_request raises what validate_request raises for the engine's limits (vocabulary, max_model_len,
-    KV pool, logprobs), before any work."""
+    """Engine.make_request raises what validate_request raises for the engine's limits (vocabulary,
+    max_model_len, KV pool, logprobs), before any work."""
     free_before = llm.stats()["num_free_blocks"]
     with pytest.raises(ns.InvalidRequest, match=message) as raised:
         llm.engine.make_request("bad", prompt, params, adapter=adapter)
@@ -266,7 +271,8 @@ def test_missing_tensor_is_named(tmp_path, llama_dir):
     del tensors["model.layers.1.mlp.up_proj.weight"]
     save_file(tensors, d / "model.safetensors")
     assert "model.layers.1.mlp.up_proj.weight" in entries
-    with pytest.raises(ns.CheckpointError, match=r"model\.layers\.1\.mlp\.up_proj\.weight.*missing.*\(96, 64\)"):
+    with pytest.raises(ns.CheckpointError,
+                       match=r"model\.layers\.1\.mlp\.up_proj\.weight.*missing.*\(96, 64\)"):
         ns.LLM(d)
 
 

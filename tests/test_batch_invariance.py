@@ -48,7 +48,8 @@ def test_a_querys_attention_is_the_same_alone_or_among_other_sequences():
     tables = np.full((4, 40), -1, np.int32)
     free = iter(rng.permutation(num_blocks))
     for s, n in enumerate(lengths):
-        tables[s, :(n + block_size - 1) // block_size] = [next(free) for _ in range((n + block_size - 1) // block_size)]
+        tables[s, :(n + block_size - 1) // block_size] = [next(free)
+                                                          for _ in range((n + block_size - 1) // block_size)]
     token_seq = np.concatenate([np.full(n, s, np.int32) for s, n in enumerate(lengths)])
     positions = np.concatenate([np.arange(n, dtype=np.int32) for n in lengths])
     q = rng.standard_normal((len(positions), n_heads, head_dim)).astype(np.float32)
@@ -68,7 +69,8 @@ def test_a_querys_attention_is_the_same_alone_or_among_other_sequences():
 ENGINES = {
     "float32": {"weight_dtype": "float32"},
     "bfloat16": {"weight_dtype": "bfloat16"},
-    "q8_0 int8 activations, int8 KV": {"weight_dtype": "q8_0", "activation_dtype": "int8", "kv_dtype": "int8"},
+    "q8_0 int8 activations, int8 KV": {"weight_dtype": "q8_0", "activation_dtype": "int8",
+                                       "kv_dtype": "int8"},
     "q4_0 float32 activations": {"weight_dtype": "q4_0", "activation_dtype": "float32"},
 }
 

@@ -40,7 +40,8 @@ def test_batching_changes_no_output(llama_dir, prompts, alone):
 def test_preemption_under_a_small_kv_pool_changes_no_output(llama_dir, prompts, alone):
     # 96 blocks of 4 tokens hold ~1.2 of the longest requests: the batch must preempt to get through
     bytes_per_block = 4 * 2 * 2 * 2 * 24 * 4  # block_size * (k, v) * layers * kv_heads * head_dim * fp32
-    llm = ns.LLM(llama_dir, **FP32, block_size=4, kv_cache_bytes=96 * bytes_per_block, max_num_batched_tokens=128)
+    llm = ns.LLM(llama_dir, **FP32, block_size=4, kv_cache_bytes=96 * bytes_per_block,
+                 max_num_batched_tokens=128)
     assert llm.stats()["num_blocks"] == 96
     together = llm.generate(prompts, GREEDY)
     assert llm.stats()["num_preemptions"] > 0

@@ -16,10 +16,12 @@ pytestmark = pytest.mark.skipif(bool(missing_features(BF16_FEATURES)), reason="t
 
 
 def bf16_matrix(n: int, k: int, seed: int) -> WeightMatrix:
-    return WeightMatrix.from_float(np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32), "bfloat16")
+    return WeightMatrix.from_float(np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32),
+                                   "bfloat16")
 
 
-@pytest.mark.parametrize("n, k", [(4, 128), (7, 300), (37, 1000)])  # whole blocks and groups, and partial ones
+# whole blocks and groups, and partial ones
+@pytest.mark.parametrize("n, k", [(4, 128), (7, 300), (37, 1000)])
 def test_packing_round_trips(n, k):
     w = bf16_matrix(n, k, n)
     assert np.array_equal(Bf16Matrix.pack(w).unpack().data, w.data)

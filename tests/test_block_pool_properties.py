@@ -1,5 +1,6 @@
 """Invariants of the block pool under random allocate / append / free / cache-hit / evict sequences, and
-speculative steps whose rejected drafts roll back (no leak, no double free, hashes only on verified blocks)."""
+speculative steps whose rejected drafts roll back (no leak, no double free, hashes only on verified
+blocks)."""
 
 from collections import Counter
 
@@ -30,7 +31,8 @@ class BlockPoolMachine(RuleBasedStateMachine):
     def _write(self, req: Request, start: int, token_ids: list[int]) -> None:
         """What the model does: write KV of token_ids at positions start, start + 1, ... (slot by slot)."""
         for pos, token in enumerate(token_ids, start):
-            self.content.setdefault(req.block_ids[pos // BLOCK_SIZE], [None] * BLOCK_SIZE)[pos % BLOCK_SIZE] = token
+            self.content.setdefault(req.block_ids[pos // BLOCK_SIZE],
+                                    [None] * BLOCK_SIZE)[pos % BLOCK_SIZE] = token
 
     def _compute(self, req: Request, num_new: int) -> None:
         """A plain step: write KV for the new tokens, then commit full blocks."""

@@ -39,7 +39,8 @@ NUM_LAYERS = 2
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("calib-model") / "model"
-    build_model(path, "llama", seed=3, initializer_range=0.02, hidden_size=128, intermediate_size=352, head_dim=32)
+    build_model(path, "llama", seed=3, initializer_range=0.02, hidden_size=128, intermediate_size=352,
+                head_dim=32)
     return path
 
 
@@ -51,7 +52,8 @@ def fresh(model_dir, tmp_path):
 
 @pytest.fixture(scope="module")
 def calibration(model_dir):
-    return calibrate(model_dir, [TEXT], "test text", CalibrationOptions(method="percentile", weight_dtype="q8_0"))
+    return calibrate(model_dir, [TEXT], "test text",
+                     CalibrationOptions(method="percentile", weight_dtype="q8_0"))
 
 
 def _decisions(llm, topic):
@@ -84,7 +86,8 @@ def test_percentile_scale_matches_numpy_within_one_bin(percentile):
 
 def kl_threshold_reference(hist: np.ndarray, bin_width: float, levels: int = 128) -> float:
     """TensorRT's entropy calibration written out loop by loop, as MXNet's _get_optimal_threshold does it
-    (one-sided: the histogram is of |x|), with its zero-bin smoothing and scipy.stats.entropy's normalization."""
+    (one-sided: the histogram is of |x|), with its zero-bin smoothing and scipy.stats.entropy's
+    normalization."""
     def smooth(dist, eps=1e-4):
         zeros = [v == 0 for v in dist]
         num_zeros = sum(zeros)
@@ -120,7 +123,8 @@ def test_kl_threshold_matches_the_loop_reference(dist):
         x[:5] = 40.0
     absmax = float(np.abs(x).max())
     hist = np.histogram(np.abs(x), bins=384, range=(0, absmax))[0]  # coarser than 2048: the loops are slow
-    assert kl_threshold(hist, absmax / 384) == pytest.approx(kl_threshold_reference(hist, absmax / 384), rel=1e-12)
+    assert kl_threshold(hist, absmax / 384) == pytest.approx(kl_threshold_reference(hist, absmax / 384),
+                                                             rel=1e-12)
 
 
 def test_kl_clips_outliers_that_minmax_keeps():
@@ -141,7 +145,8 @@ def test_calibration_measures_every_matrix(calibration):
     for m in calibration.matrices.values():
         assert 0 < m.scale * 127 <= m.absmax  # the 99.99th percentile of |x|
         assert 0 < m.error_dynamic < m.error_static < 0.5 and not m.fallback
-    assert calibration.weight_dtype == "q8_0" and calibration.text_sha256 == hashlib.sha256(TEXT.encode()).hexdigest()
+    assert (calibration.weight_dtype == "q8_0"
+            and calibration.text_sha256 == hashlib.sha256(TEXT.encode()).hexdigest())
 
 
 def test_recorded_errors_equal_a_direct_measurement(model_dir, calibration):
@@ -150,14 +155,16 @@ def test_recorded_errors_equal_a_direct_measurement(model_dir, calibration):
     stream = np.array(tokenizer.encode(TEXT) + [2], np.int64)
     inputs = []
     runner = WindowRunner(spec, weights)
-    runner.run(token_windows(stream, 256, 32), lambda name, x: inputs.append(x.copy()) if name == "layers.1.down"
-               else None)
+    runner.run(token_windows(stream, 256, 32),
+               lambda name, x: inputs.append(x.copy()) if name == "layers.1.down" else None)
     x = np.concatenate(inputs)
     w = weights.layers[1].down
     m = calibration.matrices["layers.1.down"]
     ref = linear(x, w).astype(np.float64)
-    for packed, recorded in ((Int8Matrix.pack(w), m.error_dynamic), (Int8Matrix.pack(w, m.scale), m.error_static)):
-        assert np.linalg.norm(linear(x, packed) - ref) / np.linalg.norm(ref) == pytest.approx(recorded, rel=1e-4)
+    for packed, recorded in ((Int8Matrix.pack(w), m.error_dynamic),
+                             (Int8Matrix.pack(w, m.scale), m.error_static)):
+        assert (np.linalg.norm(linear(x, packed) - ref) / np.linalg.norm(ref)
+                == pytest.approx(recorded, rel=1e-4))
     assert calibration.num_tokens == len(x)
 
 
@@ -165,8 +172,8 @@ def test_calibration_file_round_trips(fresh, calibration):
     path = save_calibration(calibration, fresh)
     assert path == fresh / "numaserve_calibration.json"
     stored = json.loads(path.read_text())
-    assert "path" not in stored and set(stored["matrices"]["lm_head"]) >= {"scale", "error_dynamic", "error_static",
-                                                                          "fallback"}
+    assert "path" not in stored and set(stored["matrices"]["lm_head"]) >= {"scale", "error_dynamic",
+                                                                          "error_static", "fallback"}
     loaded = load_calibration(fresh)
     assert loaded.model_dump() == calibration.model_dump() and loaded.path == str(path)
 
@@ -191,7 +198,8 @@ def test_matrices_over_the_bound_fall_back_to_float32_with_the_reason(model_dir)
     plan = {d["subject"]: d for d in log.recent("activation_dtype")}
     assert [name for name, d in plan.items() if d["choice"] == "float32"] == over
     assert all("exceeds the bound 0.001" in plan[name]["reason"] for name in over)
-    packed = [name for name, w in zip(matrix_names(NUM_LAYERS), _matrices(planned)) if isinstance(w, Int8Matrix)]
+    packed = [name for name, w in zip(matrix_names(NUM_LAYERS), _matrices(planned))
+              if isinstance(w, Int8Matrix)]
     assert packed == ["layers.0.qkv"]
     [used] = log.recent("calibration")
     assert used["choice"] == "used" and f"float32 activations for {len(over)} matrices" in used["reason"]
@@ -258,8 +266,8 @@ def _corrupt(stored: dict, case: str) -> str:
         del stored["matrices"]["lm_head"]
     elif case == "more layers":  # consistent in itself, made for a 3-layer model
         stored["num_layers"] = 3
-        stored["matrices"] |= {f"layers.2.{k}": stored["matrices"][f"layers.1.{k}"] for k in ("qkv", "o", "gate_up",
-                                                                                                 "down")}
+        stored["matrices"] |= {f"layers.2.{k}": stored["matrices"][f"layers.1.{k}"]
+                               for k in ("qkv", "o", "gate_up", "down")}
     elif case == "negative scale":
         stored["matrices"]["layers.1.qkv"]["scale"] = -1.0
     elif case == "unknown method":
@@ -267,8 +275,8 @@ def _corrupt(stored: dict, case: str) -> str:
     return json.dumps(stored)
 
 
-@pytest.mark.parametrize("case", ["bad json", "unknown matrix", "missing matrix", "more layers", "negative scale",
-                                  "unknown method"])
+@pytest.mark.parametrize("case", ["bad json", "unknown matrix", "missing matrix", "more layers",
+                                  "negative scale", "unknown method"])
 def test_corrupt_or_mismatched_file_raises_checkpoint_error_naming_file_and_fix(fresh, calibration, case):
     path = save_calibration(calibration, fresh)
     path.write_text(_corrupt(json.loads(path.read_text()), case))

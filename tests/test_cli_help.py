@@ -12,7 +12,8 @@ from numaserve.cli import build_parser, main
 
 def subcommands() -> dict[str, argparse.ArgumentParser]:
     [sub] = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
-    return dict(sub.choices) | {"bench": build_bench_parser()}  # `numaserve bench` hands its argv to bench_decode
+    # `numaserve bench` hands its argv to bench_decode
+    return dict(sub.choices) | {"bench": build_bench_parser()}
 
 
 def option_helps(parser: argparse.ArgumentParser) -> dict[str, str]:

@@ -40,7 +40,8 @@ def test_auto_topology_is_resolved_before_placement_and_workers_per_node_multipl
         config.placements()
     resolved = config.with_topology([(0, (0, 1, 2, 3)), (1, (4, 5, 6, 7))])
     placements = resolved.placements()
-    assert [p.worker_id for p in placements] == ["local-numa0-0", "local-numa0-1", "local-numa1-0", "local-numa1-1"]
+    assert [p.worker_id for p in placements] == ["local-numa0-0", "local-numa0-1", "local-numa1-0",
+                                                 "local-numa1-1"]
     assert resolved.worker_engine_config(placements[0]).num_threads == 2  # asked for fewer than the node's 4
 
 
@@ -48,7 +49,8 @@ def test_relative_paths_in_yaml_are_taken_from_the_files_folder(tmp_path):
     (tmp_path / "sub").mkdir()
     (tmp_path / "sub" / "c.yaml").write_text("model: ../m\nadapter_registry: reg.json\n")
     config = ns.ClusterConfig.from_yaml(tmp_path / "sub" / "c.yaml")
-    assert config.model == str(tmp_path / "m") and config.adapter_registry == str(tmp_path / "sub" / "reg.json")
+    assert (config.model == str(tmp_path / "m")
+            and config.adapter_registry == str(tmp_path / "sub" / "reg.json"))
 
 
 @pytest.mark.parametrize("yaml_text, field", [
@@ -113,4 +115,5 @@ def test_the_http_server_is_off_unless_configured_and_binds_loopback_by_default(
     path = tmp_path / "http.yaml"
     path.write_text("http: {port: 8123}")
     http = ns.ClusterConfig.from_yaml(path).http
-    assert (http.host, http.port, http.served_model_name, http.enable_lora_loading) == ("127.0.0.1", 8123, None, False)
+    assert (http.host, http.port, http.served_model_name, http.enable_lora_loading) == (
+        "127.0.0.1", 8123, None, False)

@@ -11,7 +11,8 @@ import numaserve as ns
 @pytest.mark.parametrize("method", ["medusa", "eagle"])
 def test_the_shipped_demo_heads_draft_tokens_the_demo_base_accepts(method):
     base = Path(ns.__file__).parent / "assets" / "demo" / "base"
-    prompts = ["def parse_args(argv):\n    ", "class Queue:\n    def __init__(self", "import os\n\ndef walk(path):\n"]
+    prompts = ["def parse_args(argv):\n    ", "class Queue:\n    def __init__(self",
+               "import os\n\ndef walk(path):\n"]
     params = ns.SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
     llm = ns.LLM(base, speculation={"method": method, "mode": "on"})
     assert [o.token_ids for o in llm.generate(prompts, params)] == \

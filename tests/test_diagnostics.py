@@ -83,7 +83,8 @@ def test_int8_activations_run_the_int8_kernel_on_q8_0_weights(llama_dir, monkeyp
     llm = ns.LLM(llama_dir, weight_dtype="q8_0", activation_dtype="int8")
     n = llm.engine.spec.num_layers
     kernel = "matmul_int8" if missing_features(("avx512vnni", "avx512vl")) else "matmul_vnni"
-    expected = {key: (f"{kernel}: q8_0 weights x int8 activations", f"{n} of {n} layers") for key in PROJECTIONS}
+    expected = {key: (f"{kernel}: q8_0 weights x int8 activations", f"{n} of {n} layers")
+                for key in PROJECTIONS}
     assert {k: v for k, v in kernels(llm).items() if k != "lm_head"} == expected
 
 
@@ -93,7 +94,8 @@ def test_hiding_vnni_runs_the_avx2_int8_kernel(llama_dir, monkeypatch):
     if missing_features(("avx2", "f16c")):
         pytest.skip("this CPU lacks avx2/f16c: int8 activations always fall back here")
     llm = ns.LLM(llama_dir, weight_dtype="q8_0", activation_dtype="int8")
-    assert {v[0] for k, v in kernels(llm).items() if k != "lm_head"} == {"matmul_int8: q8_0 weights x int8 activations"}
+    assert ({v[0] for k, v in kernels(llm).items() if k != "lm_head"}
+            == {"matmul_int8: q8_0 weights x int8 activations"})
 
 
 def test_hiding_avx2_records_the_float32_fallback_and_its_kernels(llama_dir, monkeypatch, caplog):
@@ -144,12 +146,14 @@ def test_each_preemption_is_recorded_against_its_request_with_the_reason(llama_d
 
 def test_speculation_depth_is_recorded_on_change_with_its_inputs(llama_dir):
     k = 3
-    llm = ns.LLM(llama_dir, **FP32, speculation={"method": "ngram", "num_speculative_tokens": k, "mode": "on"})
+    llm = ns.LLM(llama_dir, **FP32,
+                 speculation={"method": "ngram", "num_speculative_tokens": k, "mode": "on"})
     prompt = random_prompt(6, seed=4) * 4  # repeats: the n-gram lookup finds drafts
     llm.generate(prompt, ns.SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
     depths = [d for d in decisions(llm, "speculation") if d["subject"] == "depth"]
     assert depths, llm.diagnostics()
-    assert all(a["choice"] != b["choice"] for a, b in itertools.pairwise(depths))  # changes only: repeats counted
+    # changes only: repeats counted
+    assert all(a["choice"] != b["choice"] for a, b in itertools.pairwise(depths))
     assert all(d["choice"].startswith("depth ") and 0 <= int(d["choice"].split()[1]) <= k for d in depths)
-    assert all("mode on, policy from the engine: 1 decoding of" in d["reason"] and "acceptance EMA" in d["reason"]
-               and "step cost" in d["reason"] for d in depths)
+    assert all("mode on, policy from the engine: 1 decoding of" in d["reason"]
+               and "acceptance EMA" in d["reason"] and "step cost" in d["reason"] for d in depths)

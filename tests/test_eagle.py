@@ -54,7 +54,8 @@ def test_the_eagle_head_matches_its_torch_module_float32(target):
                          hidden_indices=np.arange(S))
     logits, hidden = ours.forward(batch, kv, features)
     with torch.no_grad():
-        expected = head(hf.model.embed_tokens(torch.tensor(tokens)[None]), torch.from_numpy(features)[None])[0]
+        expected = head(hf.model.embed_tokens(torch.tensor(tokens)[None]),
+                        torch.from_numpy(features)[None])[0]
         expected_logits = hf.lm_head(expected)
     np.testing.assert_allclose(hidden, expected.numpy(), atol=1e-4, rtol=0)
     np.testing.assert_allclose(logits, expected_logits.numpy(), atol=1e-4, rtol=0)
@@ -78,7 +79,8 @@ def test_heads_that_do_not_fit_raise_checkpoint_error_naming_the_problem(target,
     if breakage != "no head":
         save_file(state, directory / HEAD_FILE)
     if breakage != "no config":
-        (directory / CONFIG_FILE).write_text(json.dumps({"eagle_num_layers": 2 if breakage == "two layers" else 1}))
+        (directory / CONFIG_FILE).write_text(json.dumps(
+            {"eagle_num_layers": 2 if breakage == "two layers" else 1}))
     spec, weights, _ = load_model(directory, "float32")
     with pytest.raises(CheckpointError, match=message):
         load_eagle_head(directory, spec, weights, "float32")
@@ -103,15 +105,16 @@ def test_a_draft_vocabulary_keeps_the_full_heads_logits_of_its_tokens(target, we
     assert np.array_equal(small.draft_ids, draft_ids) and full.draft_ids is None
     S = 6
     rng = np.random.default_rng(2)
-    tokens, features = rng.integers(3, spec.vocab_size, S), rng.standard_normal((S, spec.hidden_size)).astype(np.float32)
+    tokens, features = (rng.integers(3, spec.vocab_size, S),
+                        rng.standard_normal((S, spec.hidden_size)).astype(np.float32))
     outs = []
     for ours in (full, small):
         kv = KVCache(1, 4, 4, spec.num_kv_heads, spec.head_dim, "float32")
         table = np.array([[2, 0]], np.int32)
         positions = np.arange(S, dtype=np.int32)
         slots = table[0, positions // 4].astype(np.int64) * 4 + positions % 4
-        outs.append(ours.forward(ForwardBatch(tokens, positions, np.zeros(S, np.int32), slots, table, np.arange(S),
-                                              hidden_indices=np.arange(S)), kv, features))
+        outs.append(ours.forward(ForwardBatch(tokens, positions, np.zeros(S, np.int32), slots, table,
+                                              np.arange(S), hidden_indices=np.arange(S)), kv, features))
     (full_logits, full_hidden), (small_logits, small_hidden) = outs
     assert np.array_equal(small_hidden, full_hidden)
     assert np.array_equal(small_logits, full_logits[:, draft_ids])  # each row's dot products, computed alone

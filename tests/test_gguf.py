@@ -1,6 +1,7 @@
 """GGUF interop: export-then-load is exact, files written by the gguf package's own writer (as llama.cpp's
-convert_hf_to_gguf.py writes them) load to the Hugging Face checkpoint's weights, the GGUF tokenizer tokenizes
-as tokenizer.json does, bad files fail with CheckpointError, and llama.cpp runs our exports (when installed)."""
+convert_hf_to_gguf.py writes them) load to the Hugging Face checkpoint's weights, the GGUF tokenizer
+tokenizes as tokenizer.json does, bad files fail with CheckpointError, and llama.cpp runs our exports (when
+installed)."""
 
 import collections
 import importlib.util
@@ -38,14 +39,15 @@ DTYPES = ("float32", "bfloat16", "q8_0", "q4_0")
 VARIANTS = ("llama", "llama_tied")
 TEXTS = ["The quick brown fox jumps over the lazy dog.", "def add(a, b):\n    return a + b\n",
          "Grüße aus Köln! Ünïcödé tëxt, emoji 🙂 and ∑ symbols.", "  two  spaces\n\n\tand tabs  ",
-         "<s>special</s> tokens inside text", "numaserve serves language models on CPUs, one worker per NUMA node.", ""]
+         "<s>special</s> tokens inside text",
+         "numaserve serves language models on CPUs, one worker per NUMA node.", ""]
 
 
 def make_llm(path, weight_dtype="auto") -> ns.LLM:
     return ns.LLM(path, weight_dtype=weight_dtype, kv_dtype="float32", max_model_len=128, max_num_seqs=1)
 
 
-# ---- an independent GGUF writer: the gguf package, used the way convert_hf_to_gguf.py uses it ---------------
+# ---- an independent GGUF writer: the gguf package, used the way convert_hf_to_gguf.py uses it --------------
 
 def permute(w: np.ndarray, n_head: int, n_head_kv: int | None) -> np.ndarray:
     """convert_hf_to_gguf.py LlamaModel.permute, in numpy."""
@@ -103,7 +105,8 @@ def reference_gguf(model_dir: Path, out: Path, ftype: GT = GT.F16, drop=(), meta
     """A llama GGUF as convert_hf_to_gguf.py writes it: tensors in `ftype` (q8_0 / q4_0 through gguf.quants;
     a Q4_0 file keeps output and a tied token_embd in Q8_0), norms F32, q/k rows permuted, gpt2 vocabulary.
     drop: keys or tensor names to leave out; metadata: key -> (value, GGUFValueType); extra: more tensors,
-    name -> (array, raw GGML type or None); spm_vocab: (tokens, scores, types) written as a "llama" vocabulary."""
+    name -> (array, raw GGML type or None); spm_vocab: (tokens, scores, types) written as a "llama"
+    vocabulary."""
     cfg = json.loads((model_dir / "config.json").read_text())
     n_head, n_kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     w = gguf.GGUFWriter(out, "llama")
@@ -191,7 +194,8 @@ def reference_f16(model_dirs, tmp_path_factory) -> dict:
 def exported(model_dirs, tmp_path_factory) -> dict:
     """(variant, dtype) -> our export of the HF checkpoint served in dtype."""
     root = tmp_path_factory.mktemp("export")
-    return {(v, dt): convert_to_gguf(model_dirs[v], root / f"{v}-{dt}.gguf", dt) for v in VARIANTS for dt in DTYPES}
+    return {(v, dt): convert_to_gguf(model_dirs[v], root / f"{v}-{dt}.gguf", dt)
+            for v in VARIANTS for dt in DTYPES}
 
 
 # ---- export then load ------------------------------------------------------------------------------------
@@ -229,10 +233,12 @@ def test_exported_blocks_decode_with_ggml_reference_to_the_served_values(dtype, 
     spec, weights, _ = load_model(model_dirs["llama"], dtype)
     tensors = {t.name: t for t in gguf.GGUFReader(exported["llama", dtype]).tensors}
     qkv = dequantize(weights.layers[1].qkv)  # [q + 2 kv, hidden]: q rows in Hugging Face order
-    q_gguf = gguf.quants.dequantize(tensors["blk.1.attn_q.weight"].data, tensors["blk.1.attn_q.weight"].tensor_type)
+    q_gguf = gguf.quants.dequantize(tensors["blk.1.attn_q.weight"].data,
+                                    tensors["blk.1.attn_q.weight"].tensor_type)
     assert np.array_equal(q_gguf, permute(qkv[:spec.q_size], spec.num_heads, spec.num_heads))
     down = tensors["blk.0.ffn_down.weight"]
-    assert np.array_equal(gguf.quants.dequantize(down.data, down.tensor_type), dequantize(weights.layers[0].down))
+    assert np.array_equal(gguf.quants.dequantize(down.data, down.tensor_type),
+                          dequantize(weights.layers[0].down))
 
 
 def test_tied_export_has_no_output_tensor(exported):
@@ -254,13 +260,14 @@ def test_reexport_of_a_loaded_gguf_keeps_every_tensor_and_key(exported, tmp_path
         assert a.value.scales is None or np.array_equal(a.value.scales, b.value.scales), name
 
 
-# ---- files written by the gguf package (the way convert_hf_to_gguf.py writes them) ---------------------------
+# ---- files written by the gguf package (the way convert_hf_to_gguf.py writes them) -------------------------
 
 @pytest.mark.parametrize("weight_dtype", ["float32", "auto", "q8_0", "q4_0"])
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_reference_f16_gguf_serves_the_hf_checkpoint_weights(variant, weight_dtype, f16_dirs, reference_f16):
-    # The F16 file holds the checkpoint's weights rounded to float16: numaserve serving that rounded checkpoint
-    # from safetensors must give bit-identical logits (same values, q/k un-permuted, rope scaling recovered).
+    # The F16 file holds the checkpoint's weights rounded to float16: numaserve serving that rounded
+    # checkpoint from safetensors must give bit-identical logits (same values, q/k un-permuted, rope scaling
+    # recovered).
     tokens = random_prompt(70, seed=4)
     hf_dtype = "bfloat16" if weight_dtype == "auto" else weight_dtype
     ours = make_llm(reference_f16[variant], weight_dtype)
@@ -269,7 +276,8 @@ def test_reference_f16_gguf_serves_the_hf_checkpoint_weights(variant, weight_dty
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_reference_f16_gguf_matches_transformers_within_f16_rounding(variant, reference_f16, f16_dirs, hf_models):
+def test_reference_f16_gguf_matches_transformers_within_f16_rounding(variant, reference_f16, f16_dirs,
+                                                                     hf_models):
     # Tolerance: what rounding the weights to float16 does to transformers' own logits (about 0.01 with these
     # large random weights), plus test_hf_parity's 1e-4 between numaserve and transformers. A missing q/k
     # un-permutation moves the logits by more than 5.
@@ -295,7 +303,8 @@ def test_reference_quantized_gguf_keeps_its_blocks(variant, ftype, dtype, f16_di
 def test_llama3_scaling_is_recovered_from_rope_freqs():
     scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 8192}  # Llama 3.1
-    cfg = {"hidden_size": 4096, "num_attention_heads": 32, "rope_parameters": scaling | {"rope_theta": 500000.0}}
+    cfg = {"hidden_size": 4096, "num_attention_heads": 32,
+           "rope_parameters": scaling | {"rope_theta": 500000.0}}
     assert llama3_scaling_from_factors(llama3_rope_factors(cfg), 500000.0, 128) == scaling
     assert llama3_scaling_from_factors(np.ones(64, np.float32), 500000.0, 128) is None
 
@@ -306,13 +315,14 @@ def test_llama3_scaling_is_recovered_from_rope_freqs():
     (10000.0, 64, 100, 2.0, 3.0, 4.0),  # low_freq_factor != 1: only ratios are determined
     (10000.0, 16, 4096, 1.0, 1.2, 8.0),  # none on the ramp
 ])
-def test_llama3_scaling_from_rope_freqs_reproduces_the_frequencies(theta, head_dim, original, low, high, factor):
+def test_llama3_scaling_from_rope_freqs_reproduces_the_frequencies(theta, head_dim, original, low, high,
+                                                                   factor):
     scaling = {"rope_type": "llama3", "factor": factor, "low_freq_factor": low, "high_freq_factor": high,
                "original_max_position_embeddings": original}
     cfg = {"head_dim": head_dim, "rope_parameters": scaling | {"rope_theta": theta}}
     recovered = llama3_scaling_from_factors(llama3_rope_factors(cfg), theta, head_dim)
-    spec = ModelSpec("LlamaForCausalLM", 8, 4 * head_dim, 8, 1, 4, 4, head_dim, 1e-5, theta, scaling, 128, False,
-                     False, (0,), 1, (2,))
+    spec = ModelSpec("LlamaForCausalLM", 8, 4 * head_dim, 8, 1, 4, 4, head_dim, 1e-5, theta, scaling, 128,
+                     False, False, (0,), 1, (2,))
     expected, _ = rope_inv_freq(spec)
     np.testing.assert_allclose(rope_inv_freq(replace(spec, rope_scaling=recovered))[0], expected, rtol=1e-6)
 
@@ -331,12 +341,14 @@ def test_gguf_tokenizer_tokenizes_like_tokenizer_json(source, llama_dir, f16_dir
         assert ours.tokenizer.decode(ids) == theirs.tokenizer.decode(ids)
     assert ours.tokenizer.special_ids == theirs.tokenizer.special_ids
     greedy = ns.SamplingParams(max_tokens=8, temperature=0)
-    assert ours.generate("The quick brown fox", greedy)[0].text == theirs.generate("The quick brown fox", greedy)[0].text
+    assert (ours.generate("The quick brown fox", greedy)[0].text
+            == theirs.generate("The quick brown fox", greedy)[0].text)
 
 
 def spm_vocab(size: int) -> tuple[list[str], list[float], list[int]]:
     """A SentencePiece-style vocabulary: <unk> <s> </s>, the 256 <0xXX> byte tokens, characters, then pieces
-    learned by merging the most frequent adjacent pair (a piece scores minus its merge step), unused padding."""
+    learned by merging the most frequent adjacent pair (a piece scores minus its merge step), unused
+    padding."""
     words = [list("\u2581" + w) for w in " ".join(CORPUS).split()]
     pieces = sorted({c for w in words for c in w})
     scores = [-1000.0] * len(pieces)
@@ -350,9 +362,11 @@ def spm_vocab(size: int) -> tuple[list[str], list[float], list[int]]:
         words = [merge_pair(w, a, b) for w in words]
     T = gguf.TokenType
     num_pad = size - 259 - len(pieces)
-    return (["<unk>", "<s>", "</s>"] + [f"<0x{i:02X}>" for i in range(256)] + pieces + [f"[PAD{i}]" for i in range(num_pad)],
+    return (["<unk>", "<s>", "</s>"] + [f"<0x{i:02X}>" for i in range(256)] + pieces
+            + [f"[PAD{i}]" for i in range(num_pad)],
             [0.0] * 259 + scores + [-1e9] * num_pad,
-            [T.UNKNOWN, T.CONTROL, T.CONTROL] + [T.BYTE] * 256 + [T.NORMAL] * len(pieces) + [T.UNUSED] * num_pad)
+            [T.UNKNOWN, T.CONTROL, T.CONTROL] + [T.BYTE] * 256 + [T.NORMAL] * len(pieces)
+            + [T.UNUSED] * num_pad)
 
 
 def merge_pair(symbols: list[str], a: str, b: str) -> list[str]:
@@ -366,8 +380,9 @@ def merge_pair(symbols: list[str], a: str, b: str) -> list[str]:
 
 
 def llama_cpp_spm_tokenize(text: str, tokens: list[str], scores: list[float]) -> list[int]:
-    """llama.cpp's llm_tokenizer_spm: BOS, then for each fragment between special tokens a space prefix, spaces
-    as U+2581, the best-scoring adjacent pair merged first (leftmost on ties), unknown pieces as bytes."""
+    """llama.cpp's llm_tokenizer_spm: BOS, then for each fragment between special tokens a space prefix,
+    spaces as U+2581, the best-scoring adjacent pair merged first (leftmost on ties), unknown pieces as
+    bytes."""
     vocab = {t: i for i, t in enumerate(tokens)}
     ids = [vocab["<s>"]]
     for fragment in re.split("(<s>|</s>)", text):
@@ -424,7 +439,8 @@ def q4_k_junk(rows: int) -> tuple[np.ndarray, GT]:
 BAD_FILES = {
     "architecture": ({"metadata": {"general.architecture": ("gpt2", GGUFValueType.STRING)}},
                      "general.architecture='gpt2'"),
-    "tensor_type": ({"extra": {"blk.0.attn_q.weight": q4_k_junk(96)}}, "'blk.0.attn_q.weight' is Q4_K.*--pure"),
+    "tensor_type": ({"extra": {"blk.0.attn_q.weight": q4_k_junk(96)}},
+                    "'blk.0.attn_q.weight' is Q4_K.*--pure"),
     "missing_tensor": ({"drop": ["blk.1.ffn_down.weight"]}, "'blk.1.ffn_down.weight' is missing"),
     "missing_key": ({"drop": ["llama.block_count"]}, "'llama.block_count' is missing"),
     "wrong_shape": ({"metadata": {"llama.feed_forward_length": (128, GGUFValueType.UINT32)}},
@@ -485,7 +501,8 @@ def llama_cpp(path: Path, **kwargs):
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_llama_cpp_runs_our_export_with_matching_logits(variant, dtype, model_dirs, exported):
     tokens = random_prompt(60, seed=7)
-    llm = llama_cpp(exported[variant, dtype], n_ctx=64, logits_all=True, type_k=0, type_v=0)  # f32 KV like ours
+    # f32 KV like ours
+    llm = llama_cpp(exported[variant, dtype], n_ctx=64, logits_all=True, type_k=0, type_v=0)
     llm.eval(tokens)
     theirs = np.asarray(llm.scores[:len(tokens)], np.float32)
     ours = make_llm(model_dirs[variant], dtype).score(tokens)

@@ -1,4 +1,5 @@
-"""memory/heap.py: zero buffers that cost memory only where written, after the load's repacking freed its heap."""
+"""memory/heap.py: zero buffers that cost memory only where written, after the load's repacking freed its
+heap."""
 
 import numpy as np
 import psutil

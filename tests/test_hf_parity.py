@@ -20,7 +20,8 @@ def hf_logits(model, token_ids: list[int]) -> np.ndarray:
 def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
     config = GenerationConfig(do_sample=False, max_new_tokens=n, eos_token_id=None, pad_token_id=0)
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        out = model.generate(torch.tensor([prompt]),
+                             attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                              generation_config=config)
     return out[0, len(prompt):].tolist()
 
@@ -48,7 +49,8 @@ def test_greedy_generate_matches_hf_token_for_token(variant, model_dirs, hf_mode
 def test_score_with_chunked_prefill_matches_one_pass(llama_dir):
     tokens = random_prompt(100, seed=5)
     whole = ns.LLM(llama_dir, weight_dtype="float32", kv_dtype="float32").score(tokens)
-    chunked = ns.LLM(llama_dir, weight_dtype="float32", kv_dtype="float32", max_num_batched_tokens=7).score(tokens)
+    chunked = ns.LLM(llama_dir, weight_dtype="float32", kv_dtype="float32",
+                     max_num_batched_tokens=7).score(tokens)
     # chunks of 7 rows take the streaming kernel, the whole prompt takes BLAS: only summation order differs
     np.testing.assert_allclose(chunked, whole, atol=1e-4, rtol=0)
 
@@ -122,4 +124,5 @@ def test_the_last_hidden_states_of_chosen_rows_match_hf_from_the_same_pass(varia
     with torch.no_grad():
         hf = [hf_model.model(torch.tensor([p])).last_hidden_state[0].numpy() for p in prompts]
     np.testing.assert_allclose(hidden, np.concatenate(hf)[rows], atol=1e-4, rtol=0)
-    np.testing.assert_allclose(logits, np.stack([hf_logits(hf_model, p)[-1] for p in prompts]), atol=1e-4, rtol=0)
+    np.testing.assert_allclose(logits, np.stack([hf_logits(hf_model, p)[-1] for p in prompts]),
+                               atol=1e-4, rtol=0)

@@ -76,7 +76,8 @@ class DownDeployment(EndlessDeployment):
 def server(request):
     deployment = getattr(request, "param", None) or EndlessDeployment()
     app = build_app(OpenAIServing(deployment, "stub", "/stub", None, False, "fp_stub"))
-    sock = socket.create_server(("127.0.0.1", 0))  # bound here and handed over: no other socket can take the port
+    # bound here and handed over: no other socket can take the port
+    sock = socket.create_server(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     server = uvicorn.Server(uvicorn.Config(app, lifespan="off", log_level="warning"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
@@ -119,7 +120,8 @@ def test_a_dropped_stream_cancels_each_of_its_choices(server):
     assert {id(s) for s in deployment.cancelled} == {id(s) for s in deployment.opened}
 
 
-@pytest.mark.parametrize("server", [DownDeployment(Unavailable("no worker is available; retry in a few seconds"))],
+@pytest.mark.parametrize("server",
+                         [DownDeployment(Unavailable("no worker is available; retry in a few seconds"))],
                          indirect=True)
 def test_with_no_worker_alive_health_and_requests_answer_503_with_retry_after(server):
     url, _ = server
@@ -128,8 +130,8 @@ def test_with_no_worker_alive_health_and_requests_answer_503_with_retry_after(se
     assert health.json()["error"]["code"] == "no_worker_available"
     r = requests.post(f"{url}/v1/completions", json={"prompt": [1, 2]}, timeout=10)
     assert r.status_code == 503 and r.headers["Retry-After"] == "1"
-    assert r.json()["error"] == {"message": "no worker is available; retry in a few seconds", "type": "server_error",
-                                 "param": None, "code": "no_worker_available"}
+    assert r.json()["error"] == {"message": "no worker is available; retry in a few seconds",
+                                 "type": "server_error", "param": None, "code": "no_worker_available"}
 
 
 @pytest.mark.parametrize("server", [DownDeployment(Overloaded("every worker's queue is full; retry later"))],

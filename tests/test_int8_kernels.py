@@ -142,7 +142,8 @@ def test_quantizer_writes_the_layout_the_kernel_reads():
     rng = np.random.default_rng(2)
     x = rng.standard_normal((3, 300)).astype(np.float32)
     kp = padded_k(300)
-    xq, xd, xsum = np.empty((3, kp), np.int16), np.empty((3, kp // 32), np.float32), np.empty((3, kp // 32), np.int32)
+    xq, xd, xsum = (np.empty((3, kp), np.int16), np.empty((3, kp // 32), np.float32),
+                    np.empty((3, kp // 32), np.int32))
     quantize_activations(x, xq, xd, xsum)
     q, d = quantize_ref(np.pad(x, ((0, 0), (0, kp - 300))))
     assert np.array_equal(xd, d) and np.array_equal(xsum, q.sum(-1))
@@ -157,7 +158,8 @@ def test_quantizer_writes_the_layout_the_kernel_reads():
     matmul_int8(unit_x, ones, xsum, packed, pad_scales(unit.scales, kp), out)  # identity weights: q back
     assert np.array_equal(out, q.reshape(3, kp).astype(np.float32))
     q4 = np.zeros((kp, kp // 2), np.uint8)
-    pack_q4_0(WeightMatrix.from_float(np.eye(kp, dtype=np.float32), "q4_0").data, q4, 1)  # packs without error
+    # packs without error
+    pack_q4_0(WeightMatrix.from_float(np.eye(kp, dtype=np.float32), "q4_0").data, q4, 1)
 
 
 @pytest.mark.parametrize("dtype, width", [(np.int16, 2), (np.int8, 4)])
@@ -176,7 +178,8 @@ def test_quantizer_orders_each_group_in_runs_of_its_width(dtype, width):
 @pytest.fixture(scope="module")
 def q_model(tmp_path_factory):
     path = tmp_path_factory.mktemp("int8-model")
-    build_model(path, "llama", seed=3, initializer_range=0.02, hidden_size=128, intermediate_size=352, head_dim=32)
+    build_model(path, "llama", seed=3, initializer_range=0.02, hidden_size=128, intermediate_size=352,
+                head_dim=32)
     return path
 
 

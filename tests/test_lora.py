@@ -39,7 +39,8 @@ def adapters(llama_dir, tmp_path_factory):
     return {"a": make_adapter(llama_dir, root / "a", seed=1),
             "b": make_adapter(llama_dir, root / "b", seed=2, modules=["q_proj", "v_proj"], r=8, alpha=4),
             "rs": make_adapter(llama_dir, root / "rs", seed=3, rslora=True),
-            "c": make_adapter(llama_dir, root / "c", seed=4, modules=["q_proj", "o_proj", "down_proj"], alpha=16)}
+            "c": make_adapter(llama_dir, root / "c", seed=4, modules=["q_proj", "o_proj", "down_proj"],
+                              alpha=16)}
 
 
 def peft_reference(llama_dir, adapter_dir):
@@ -78,7 +79,8 @@ def test_adapter_logits_match_peft(either, llama_dir, adapters, name, hf_models)
     got = either.score(tokens, adapter=name)
     np.testing.assert_allclose(got, ref, atol=1e-4, rtol=0)
     assert np.abs(got - hf_logits(hf_models["llama"], tokens)).max() > 0.1  # the adapter does change logits
-    assert either.stats()["num_merged_tokens"] - merged_before == (40 if either.config.lora_merge == "always" else 0)
+    assert either.stats()["num_merged_tokens"] - merged_before == (40 if either.config.lora_merge == "always"
+                                                                   else 0)
 
 
 # per-module ranks and alphas, matched as PEFT does: a bare module name, a dotted suffix, a regular expression
@@ -130,7 +132,8 @@ def test_composed_adapters_match_peft_add_weighted_adapter(either, llama_dir, ad
     either.compose_adapter(name, weights, combination=combination)
     tokens = random_prompt(40, seed=8)
     got = either.score(tokens, adapter=name)
-    np.testing.assert_allclose(got, hf_logits(peft_composed(llama_dir, adapters, weights, combination), tokens),
+    np.testing.assert_allclose(got, hf_logits(peft_composed(llama_dir, adapters, weights, combination),
+                                              tokens),
                                atol=1e-4, rtol=0)
     assert np.abs(got - either.score(tokens, adapter=next(iter(weights)))).max() > 0.1
 
@@ -159,15 +162,16 @@ def test_bad_compositions_raise_adapter_error(llama_dir, adapters, weights, comb
     ("mistral", "q8_0", "q8_0"),
     ("mistral", "q4_0", "q8_0"),
 ])
-def test_rounded_adapter_slots_change_the_adapters_effect_by_little(model_dirs, tmp_path, variant, weight_dtype,
-                                                                    stored):
+def test_rounded_adapter_slots_change_the_adapters_effect_by_little(model_dirs, tmp_path, variant,
+                                                                    weight_dtype, stored):
     """Off float32 an engine stores A and B like its base weights (models/lora_slots.py). Against the same
     engine with float32 slots, the adapter's effect on the logits moves by 1.0% (bf16 slots) and 1.6-2.0%
     (q8_0 slots) of its largest value here: the rounding, carried through two random layers."""
     adapter_dir = make_adapter(model_dirs[variant], tmp_path / "adapter", seed=11, r=8, alpha=16)
 
     def adapter_effect(slot_dtype: str | None) -> np.ndarray:
-        engine = ns.LLM(model_dirs[variant], weight_dtype=weight_dtype, kv_dtype="float32", activation_dtype="float32")
+        engine = ns.LLM(model_dirs[variant], weight_dtype=weight_dtype, kv_dtype="float32",
+                        activation_dtype="float32")
         if slot_dtype is not None:
             engine.engine.runner.lora.slots = LoraSlots(engine.engine.spec, 4, 64, slot_dtype)
         assert engine.engine.runner.lora.slots.dtype == (slot_dtype or stored)
@@ -200,7 +204,8 @@ def test_one_generate_call_with_an_adapter_per_prompt_equals_each_alone_on_both_
     names = ["a", None, "b", "rs", "c", "a", None]
     alone = [llm.generate(p, greedy, adapter=n)[0].token_ids for p, n in zip(prompts, names)]
     assert [o.token_ids for o in llm.generate(prompts, greedy, adapter=names)] == alone
-    assert len({tuple(llm.generate(prompts[0], greedy, adapter=n)[0].token_ids) for n in ("a", "b", None)}) == 3
+    assert len({tuple(llm.generate(prompts[0], greedy, adapter=n)[0].token_ids)
+                for n in ("a", "b", None)}) == 3
     with pytest.raises(ns.InvalidRequest, match="2 adapter for 7 prompts"):
         llm.generate(prompts, greedy, adapter=["a", "b"])
     with pytest.raises(ns.InvalidRequest, match="unknown adapter 'zz'"):
@@ -246,7 +251,8 @@ def test_more_adapters_than_slots_evict_and_stay_exact(llm, llama_dir, adapters)
     stats = small.stats()
     assert stats["lora_slot_evictions"] >= 3 and stats["lora_slot_misses"] == stats["lora_slot_evictions"] + 2
     assert stats["lora_slot_hits"] > 0 and len(stats["lora_slots_held"]) == 2
-    assert [o.token_ids for o in small.generate(prompts, greedy, adapter=names)] == expected  # 4 adapters, 2 slots
+    # 4 adapters, 2 slots
+    assert [o.token_ids for o in small.generate(prompts, greedy, adapter=names)] == expected
     assert weights_checksum(small.engine.model.weights) == before
 
 
@@ -285,16 +291,19 @@ def fixed_merge_costs(monkeypatch):
 
 
 @pytest.mark.load_sensitive
-def test_auto_merges_a_single_adapter_burst_once_the_measured_savings_pay_for_the_copy(llm, llama_dir, adapters,
-                                                                                         fixed_merge_costs):
+def test_auto_merges_a_single_adapter_burst_once_the_measured_savings_pay_for_the_copy(llm, llama_dir,
+                                                                                       adapters,
+                                                                                       fixed_merge_costs):
     greedy = ns.SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
     auto = ns.LLM(llama_dir, **FP32, lora_merge="auto")
     auto.register_adapter("a", adapters["a"])
     prompt = random_prompt(7, seed=77)
-    assert auto.generate(prompt, greedy, adapter="a")[0].token_ids == llm.generate(prompt, greedy, adapter="a")[0].token_ids
+    assert (auto.generate(prompt, greedy, adapter="a")[0].token_ids
+            == llm.generate(prompt, greedy, adapter="a")[0].token_ids)
     stats = auto.stats()
     # the first steps run low-rank (and are measured), then the burst pays for a copy and runs on it
-    assert stats["lora_merged_builds"] == 1 and stats["num_lora_tokens"] >= 8 and stats["num_merged_tokens"] > 0
+    assert (stats["lora_merged_builds"] == 1 and stats["num_lora_tokens"] >= 8
+            and stats["num_merged_tokens"] > 0)
     assert stats["lora_lowrank_s_per_row"] > 0 and stats["lora_merged_build_s"] > 0
     mixed = auto.generate([prompt, random_prompt(9, seed=78)], greedy, adapter=["a", None])
     assert mixed[0].token_ids == llm.generate(prompt, greedy, adapter="a")[0].token_ids
@@ -362,7 +371,8 @@ def test_requests_with_different_adapters_do_not_share_prefix_blocks(llm):
     ("modules_to_save", "modules_to_save"),
     ("bad_pattern", "rank_pattern must map"),
 ])
-def test_bad_adapters_raise_adapter_error_and_engine_keeps_serving(llm, adapters, tmp_path, breakage, message):
+def test_bad_adapters_raise_adapter_error_and_engine_keeps_serving(llm, adapters, tmp_path, breakage,
+                                                                   message):
     d = tmp_path / "adapter"
     shutil.copytree(adapters["a"], d)
     config = json.loads((d / "adapter_config.json").read_text())

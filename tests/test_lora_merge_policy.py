@@ -15,11 +15,14 @@ def test_never_and_no_adapter_merge_nothing():
 
 
 def test_always_merges_every_adapter_whose_copy_fits_most_rows_first_building_what_is_missing():
-    assert choose_merge("always", {"a": 3, "b": 5}, 10, set(), fits, 0, COSTS) == MergeChoice(("b", "a"), ("b", "a"))
-    assert choose_merge("always", {"a": 3, "b": 5}, 10, {"b"}, fits, 0, COSTS) == MergeChoice(("b", "a"), ("a",))
+    assert choose_merge("always", {"a": 3, "b": 5}, 10, set(), fits, 0, COSTS) == \
+        MergeChoice(("b", "a"), ("b", "a"))
+    assert choose_merge("always", {"a": 3, "b": 5}, 10, {"b"}, fits, 0, COSTS) == \
+        MergeChoice(("b", "a"), ("a",))
     assert choose_merge("always", {"a": 1, "b": 3, "c": 2}, 9, set(), fits, 0, COSTS) == \
         MergeChoice(("b", "c"), ("b", "c"))  # a third copy does not fit: a stays low-rank
-    assert choose_merge("always", {"huge": 4, "a": 1}, 5, set(), fits, 0, COSTS) == MergeChoice(("a",), ("a",))
+    assert choose_merge("always", {"huge": 4, "a": 1}, 5, set(), fits, 0, COSTS) == \
+        MergeChoice(("a",), ("a",))
 
 
 def test_auto_merges_a_held_copy_only_when_its_rows_low_rank_work_outweighs_a_second_weight_pass():
@@ -46,5 +49,6 @@ def test_the_meter_counts_paying_steps_in_a_row_per_candidate_and_averages_costs
     assert meter.paying("b", True) == 1 and meter.paying("b", False) == 0 and meter.paying("b", True) == 1
     meter.observe(lowrank_rows=10, lowrank_s=0.02, num_rows=10, linear_s=0.2)
     assert meter.costs().lowrank_s_per_row == 0.002
-    meter.observe(lowrank_rows=10, lowrank_s=0.04, num_rows=500, linear_s=9.0)  # a big step: no weight-pass sample
+    # a big step: no weight-pass sample
+    meter.observe(lowrank_rows=10, lowrank_s=0.04, num_rows=500, linear_s=9.0)
     assert 0.002 < meter.costs().lowrank_s_per_row < 0.004 and meter.costs().weight_pass_s < 0.2

@@ -32,7 +32,8 @@ def submit(engine: Engine, metrics: WorkerMetrics, request_id: str, prompt: list
 
 
 def samples(snapshots: list[dict]) -> list:
-    return [s for family in text_string_to_metric_families(render(snapshots).decode()) for s in family.samples]
+    return [s for family in text_string_to_metric_families(render(snapshots).decode())
+            for s in family.samples]
 
 
 def value(all_samples: list, name: str, **labels) -> float:
@@ -56,7 +57,8 @@ def test_counts_are_exact_and_the_warm_up_is_not_counted(engine):
     run(engine, metrics)
     submit(engine, metrics, "r3", prompts[3])  # finds the full blocks of r2's prompt in the prefix cache
     run(engine, metrics)
-    submit(engine, metrics, "gone", random_prompt(7, seed=1), ns.SamplingParams(max_tokens=50, ignore_eos=True))
+    submit(engine, metrics, "gone", random_prompt(7, seed=1),
+           ns.SamplingParams(max_tokens=50, ignore_eos=True))
     step(engine, metrics)
     metrics.outputs([engine.abort("gone")])
     snapshot = metrics.snapshot(engine)

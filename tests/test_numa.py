@@ -19,8 +19,8 @@ def fake_sys(tmp_path, nodes: dict[int, str]):
     return tmp_path
 
 
-@pytest.mark.parametrize("text, cpu_ids", [("0", [0]), ("0-3", [0, 1, 2, 3]), ("0-1,8,10-11", [0, 1, 8, 10, 11]),
-                                           ("", [])])
+@pytest.mark.parametrize("text, cpu_ids", [("0", [0]), ("0-3", [0, 1, 2, 3]),
+                                           ("0-1,8,10-11", [0, 1, 8, 10, 11]), ("", [])])
 def test_parse_cpu_list_reads_the_kernel_format(text, cpu_ids):
     assert numa.parse_cpu_list(text) == cpu_ids
 
@@ -28,7 +28,8 @@ def test_parse_cpu_list_reads_the_kernel_format(text, cpu_ids):
 def test_topology_of_a_two_socket_box_is_cut_to_the_allowed_cores(tmp_path):
     root = fake_sys(tmp_path, {0: "0-3,8-11", 1: "4-7,12-15", 2: ""})  # node 2: memory only
     topology = numa.read_topology(root, allowed=list(range(16)))
-    assert topology == [numa.NumaNode(0, (0, 1, 2, 3, 8, 9, 10, 11)), numa.NumaNode(1, (4, 5, 6, 7, 12, 13, 14, 15))]
+    assert topology == [numa.NumaNode(0, (0, 1, 2, 3, 8, 9, 10, 11)),
+                        numa.NumaNode(1, (4, 5, 6, 7, 12, 13, 14, 15))]
     assert numa.read_topology(root, allowed=[2, 3, 12]) == [numa.NumaNode(0, (2, 3)), numa.NumaNode(1, (12,))]
     assert numa.physical_node_ids((3, 4), topology) == [0, 1]
 

@@ -137,10 +137,12 @@ def test_a_self_draft_with_the_engines_sampler_drafts_a_sampled_requests_own_dra
     request with the same drawn seed draws the same; another seed draws otherwise."""
     params = ns.SamplingParams(temperature=1.2, top_p=0.95, repetition_penalty=1.1, seed=21)
     prompt = random_prompt(10, seed=22)
-    expected = target_llm.generate(prompt, params.model_copy(update={"max_tokens": 4, "ignore_eos": True}))[0].token_ids
+    expected = target_llm.generate(
+        prompt, params.model_copy(update={"max_tokens": 4, "ignore_eos": True}))[0].token_ids
     drafts = self_draft(llama_dir, sampler=sample_batch).propose([Req("s", list(prompt), params)], [4])[0]
     assert drafts == expected
-    others = [Req(f"o{i}", random_prompt(5 + 3 * i, seed=30 + i), ns.SamplingParams(temperature=0.9 if i % 2 else 0))
+    others = [Req(f"o{i}", random_prompt(5 + 3 * i, seed=30 + i),
+                  ns.SamplingParams(temperature=0.9 if i % 2 else 0))
               for i in range(5)]
     batched = self_draft(llama_dir, sampler=sample_batch).propose(
         others[:2] + [Req("s", list(prompt), params)] + others[2:], [3, 4, 4, 2, 4, 1])

@@ -31,8 +31,9 @@ def test_dequantized_values_equal_the_gguf_packages(dtype):
     assert np.array_equal(ours, ref)
 
 
+# 104: a column tail past 3 blocks
 @pytest.mark.parametrize("dtype, k", [("float32", 320), ("bfloat16", 320), ("q8_0", 320), ("q4_0", 320),
-                                      ("float32", 104), ("bfloat16", 104)])  # 104: a column tail past 3 blocks
+                                      ("float32", 104), ("bfloat16", 104)])
 @pytest.mark.parametrize("num_tokens", [1, 3, 4, 7, 127, 1001])
 def test_linear_equals_float64_dequantize_then_matmul(dtype, k, num_tokens):
     # every kernel path: 4x4 and 4x1 register blocks, row and column tails (70 rows), several token chunks
@@ -85,7 +86,8 @@ def test_quantized_perplexity_stays_close_to_float32(quality_model):
     assert abs(q4 / base - 1) < 0.02  # measured ~0.3% on this model; 2% states the bound we hold q4_0 to
 
 
-@pytest.mark.parametrize("dtype, bound", [("q8_0", 1.15), ("q4_0", 0.6), ("bfloat16", 2.01)])  # norms stay float32
+# norms stay float32
+@pytest.mark.parametrize("dtype, bound", [("q8_0", 1.15), ("q4_0", 0.6), ("bfloat16", 2.01)])
 def test_resident_weight_bytes_per_parameter(tmp_path, dtype, bound):
     # a model with TinyLlama's proportions (lm_head + embeddings ~12% of parameters), scaled down
     from tests.model_factory import build_model

@@ -1,4 +1,5 @@
-"""Routing (session > prefix affinity > adapter affinity > least outstanding tokens, admission bound) and the batching policy."""
+"""Routing (session > prefix affinity > adapter affinity > least outstanding tokens, admission bound) and the
+batching policy."""
 
 import pytest
 from hypothesis import given, settings
@@ -88,7 +89,8 @@ def test_prefix_hashes_cover_only_full_leading_blocks_and_depend_on_the_adapter(
     assert r.prefix_hashes(p + [1, 2]) == r.prefix_hashes(p)
 
 
-@pytest.mark.parametrize("adapter, cache_salt", [(None, None), ("a", None), (None, "tenant"), ("a", "tenant")])
+@pytest.mark.parametrize("adapter, cache_salt", [(None, None), ("a", None), (None, "tenant"),
+                                                 ("a", "tenant")])
 def test_prefix_hashes_are_the_hashes_the_engine_commits_its_blocks_under(adapter, cache_salt):
     """The router sends a prompt where blocks hashed as the worker's engine hashes them are cached."""
     prompt = random_prompt(5 * BS + 3, 2)

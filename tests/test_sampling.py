@@ -46,13 +46,15 @@ def test_same_seed_same_tokens_alone_or_batched(llm):
     params = ns.SamplingParams(max_tokens=20, temperature=1.0, seed=123)
     alone = llm.generate(PROMPT, params)[0].token_ids
     batched = llm.generate([random_prompt(30, seed=1), PROMPT, random_prompt(5, seed=2)],
-                           [ns.SamplingParams(max_tokens=20, seed=9), params, ns.SamplingParams(max_tokens=20)])
+                           [ns.SamplingParams(max_tokens=20, seed=9), params,
+                            ns.SamplingParams(max_tokens=20)])
     assert batched[1].token_ids == alone
     other_seed = llm.generate(PROMPT, params.model_copy(update={"seed": 124}))[0].token_ids
     assert other_seed != alone
 
 
-SEEDED_FILTERS = [{"temperature": 1.0}, {"temperature": 0.7, "top_p": 0.9}, {"top_k": 20, "repetition_penalty": 1.2},
+SEEDED_FILTERS = [{"temperature": 1.0}, {"temperature": 0.7, "top_p": 0.9},
+                  {"top_k": 20, "repetition_penalty": 1.2},
                   {"min_p": 0.05, "presence_penalty": 0.5, "frequency_penalty": 0.3},
                   {"temperature": 1.3, "top_k": 50, "top_p": 0.95}, {"temperature": 0.0}]
 
@@ -60,8 +62,10 @@ SEEDED_FILTERS = [{"temperature": 1.0}, {"temperature": 0.7, "top_p": 0.9}, {"to
 def test_seeded_requests_give_the_same_tokens_alone_batched_or_preempted(llm, llama_dir):
     """Each request's draws are keyed by (its seed, position): the batch around it, chunked prefill and a
     preemption (recompute) change none of its tokens."""
-    prompts = [random_prompt(n, seed=60 + i) for i, n in enumerate((1, 300, 17, 64, 3, 128, 250, 9, 33, 200, 2, 90))]
-    params = [ns.SamplingParams(max_tokens=24, seed=500 + i, ignore_eos=True, **SEEDED_FILTERS[i % len(SEEDED_FILTERS)])
+    prompts = [random_prompt(n, seed=60 + i)
+               for i, n in enumerate((1, 300, 17, 64, 3, 128, 250, 9, 33, 200, 2, 90))]
+    params = [ns.SamplingParams(max_tokens=24, seed=500 + i, ignore_eos=True,
+                                **SEEDED_FILTERS[i % len(SEEDED_FILTERS)])
               for i in range(len(prompts))]
     alone = [llm.generate(p, sp)[0].token_ids for p, sp in zip(prompts, params)]
     assert [o.token_ids for o in llm.generate(prompts, params)] == alone
@@ -132,13 +136,15 @@ def test_repetition_penalty_matches_transformers():
     logits = rng.normal(size=50).astype(np.float32)
     prompt, output = [3, 7, 7, 9], [9, 11]
     ours = apply_penalties(logits, prompt, output, ns.SamplingParams(repetition_penalty=1.7))
-    ref = RepetitionPenaltyLogitsProcessor(1.7)(torch.tensor([prompt + output]), torch.tensor(logits)[None])[0]
+    ref = RepetitionPenaltyLogitsProcessor(1.7)(torch.tensor([prompt + output]),
+                                                torch.tensor(logits)[None])[0]
     np.testing.assert_allclose(ours, ref.numpy(), rtol=1e-6)
 
 
 def test_presence_and_frequency_penalties_count_output_tokens_only():
     logits = np.zeros(10, np.float32)
-    out = apply_penalties(logits, [1, 1, 1], [4, 4, 5], ns.SamplingParams(presence_penalty=0.5, frequency_penalty=0.25))
+    out = apply_penalties(logits, [1, 1, 1], [4, 4, 5],
+                          ns.SamplingParams(presence_penalty=0.5, frequency_penalty=0.25))
     expected = np.zeros(10)
     expected[4] = -(0.5 + 2 * 0.25)
     expected[5] = -(0.5 + 1 * 0.25)
@@ -180,11 +186,14 @@ def test_stop_token_ids_and_eos_end_with_stop(llm, llama_dir, tmp_path):
 MIN_P_VALUE = 1e-3  # the chi-square tests are seeded: each passes or fails deterministically
 NUM_DRAWS = 20_000
 PENALTIES = [{}, {"repetition_penalty": 1.3}, {"presence_penalty": 0.7, "frequency_penalty": 0.4},
-             {"repetition_penalty": 1.1, "presence_penalty": -0.5, "frequency_penalty": 0.9}, {"repetition_penalty": 0.8}]
-FILTERS = [{"temperature": 0.7, "top_p": 0.9}, {"temperature": 1.3}, {"top_k": 40}, {"temperature": 0.8, "top_k": 40,
-           "top_p": 0.8}, {"min_p": 0.05}, {"top_p": 0.5, "min_p": 0.1}, {"temperature": 1.5, "top_k": 500,
-           "top_p": 0.95, "min_p": 0.02}, {"temperature": 0.05, "top_p": 0.99}, {"top_p": 0.3, "repetition_penalty": 1.3,
-           "presence_penalty": 0.5, "frequency_penalty": 0.3}, {"top_p": 1e-6}, {"top_k": 100_000}, {"min_p": 1.0}]
+             {"repetition_penalty": 1.1, "presence_penalty": -0.5, "frequency_penalty": 0.9},
+             {"repetition_penalty": 0.8}]
+FILTERS = [{"temperature": 0.7, "top_p": 0.9}, {"temperature": 1.3}, {"top_k": 40},
+           {"temperature": 0.8, "top_k": 40, "top_p": 0.8}, {"min_p": 0.05}, {"top_p": 0.5, "min_p": 0.1},
+           {"temperature": 1.5, "top_k": 500, "top_p": 0.95, "min_p": 0.02},
+           {"temperature": 0.05, "top_p": 0.99},
+           {"top_p": 0.3, "repetition_penalty": 1.3, "presence_penalty": 0.5, "frequency_penalty": 0.3},
+           {"top_p": 1e-6}, {"top_k": 100_000}, {"min_p": 1.0}]
 
 
 class Req:
@@ -236,7 +245,8 @@ def reference_probs(logits: np.ndarray, reqs: list[Req]) -> np.ndarray:
 
 @njit(cache=True)
 def filtered_probs(logits, temperature, top_k, top_p, min_p, out):
-    """out[i] = row i's distribution as the sampling kernel filters it. logits: [N, V] f32; out: [N, V] f64."""
+    """out[i] = row i's distribution as the sampling kernel filters it. logits: [N, V] f32; out: [N, V]
+    f64."""
     V = logits.shape[1]
     scratch = np.empty(V)
     idx = np.empty(V, np.int64)
@@ -263,8 +273,10 @@ def sampling_probs_batch(logits: np.ndarray, reqs: list[Req]) -> np.ndarray:
     if rows.size:
         params = [reqs[i].params for i in rows]
         probs = np.empty((rows.size, logits.shape[1]))
-        filtered_probs(np.ascontiguousarray(logits[rows]), np.array([p.temperature for p in params], np.float64),
-                       np.array([p.top_k for p in params], np.int64), np.array([p.top_p for p in params], np.float64),
+        filtered_probs(np.ascontiguousarray(logits[rows]),
+                       np.array([p.temperature for p in params], np.float64),
+                       np.array([p.top_k for p in params], np.int64),
+                       np.array([p.top_p for p in params], np.float64),
                        np.array([p.min_p for p in params], np.float64), probs)
         out[rows] = probs
     greedy_rows = np.flatnonzero(greedy)
@@ -273,7 +285,8 @@ def sampling_probs_batch(logits: np.ndarray, reqs: list[Req]) -> np.ndarray:
 
 
 def llm_like_logits(num_rows: int, vocab: int, seed: int) -> np.ndarray:
-    """Heavy-tailed rows (a few tokens far above a broad floor), and some exact ties, like a trained model's."""
+    """Heavy-tailed rows (a few tokens far above a broad floor), and some exact ties, like a trained
+    model's."""
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((num_rows, vocab)) * 2.0
     x[:, rng.integers(0, vocab, 30)] += rng.gamma(2.0, 4.0, (num_rows, 30))
@@ -285,15 +298,18 @@ def test_greedy_tokens_equal_the_per_request_sampler(penalties):
     logits = llm_like_logits(48, 32000, seed=1)
     logits[:, 7] = logits.max(axis=1) - 0.01  # a near tie, so penalties decide which wins
     reqs = requests_for(logits, {"temperature": 0.0, **penalties})
-    reqs += requests_for(logits, {"temperature": 1.3, "top_k": 1, **penalties}, seed=1)  # greedy through top_k
+    # greedy through top_k
+    reqs += requests_for(logits, {"temperature": 1.3, "top_k": 1, **penalties}, seed=1)
     rows = np.concatenate([logits, logits])
     reference = [sample(apply_penalties(x, r.token_ids[:r.num_prompt_tokens], r.output_token_ids, r.params),
                         r.params, None) for x, r in zip(rows, reqs)]
     assert sample_requests(rows, reqs).tolist() == reference
-    mixed = sample_requests(np.concatenate([rows, logits[:8]]), reqs + requests_for(logits[:8], {"top_p": 0.9}))
+    mixed = sample_requests(np.concatenate([rows, logits[:8]]),
+                            reqs + requests_for(logits[:8], {"top_p": 0.9}))
     assert mixed[:len(reqs)].tolist() == reference  # greedy rows among sampled ones
     if penalties.get("repetition_penalty", 1.0) > 1.0 or penalties.get("frequency_penalty", 0.0) > 0.0:
-        assert reference != np.argmax(rows, axis=1).tolist()  # the penalties lowered the top token: it mattered
+        # the penalties lowered the top token: it mattered
+        assert reference != np.argmax(rows, axis=1).tolist()
 
 
 @pytest.mark.parametrize("penalties", PENALTIES[1:], ids=str)
@@ -303,7 +319,8 @@ def test_batched_penalties_equal_the_reference_exactly(penalties):
     reqs = requests_for(logits, penalties)
     reqs[3] = Req(ns.SamplingParams(), reqs[3].token_ids, 8)  # rows without penalties in the same batch
     reqs[5].token_ids = reqs[5].token_ids[:8]  # no output yet: presence / frequency do not apply
-    expected = np.stack([apply_penalties(x, r.token_ids[:8], r.output_token_ids, r.params) for x, r in zip(logits, reqs)])
+    expected = np.stack([apply_penalties(x, r.token_ids[:8], r.output_token_ids, r.params)
+                         for x, r in zip(logits, reqs)])
     assert np.array_equal(penalize_requests(logits, reqs), expected)
     assert np.array_equal(logits, before)  # the caller's logits are not modified
 
@@ -321,7 +338,8 @@ def test_filtered_distributions_equal_the_reference(params):
         llm_like_logits(6, 32000, seed=5),
         (rng.standard_normal((2, 32000)) * 2.5).astype(np.float32),  # the benchmark's flat rows
         rng.integers(-6, 6, (2, 32000)).astype(np.float32),  # ties everywhere, at every boundary
-        np.where(rng.random((1, 32000)) < 0.9, -np.inf, rng.standard_normal((1, 32000))).astype(np.float32),  # masked
+        np.where(rng.random((1, 32000)) < 0.9, -np.inf,
+                 rng.standard_normal((1, 32000))).astype(np.float32),  # masked
         np.zeros((1, 32000), np.float32),  # all equal
     ])
     reqs = requests_for(logits, params)
@@ -351,7 +369,8 @@ def test_greedy_rows_have_a_one_hot_distribution():
 
 
 @pytest.mark.parametrize("vocab", [40, 1000], ids=["vocab40", "vocab1000"])
-@pytest.mark.parametrize("params", FILTERS[:7] + [{"temperature": 0.3, "top_p": 0.99}] + FILTERS[8:9], ids=str)
+@pytest.mark.parametrize("params", FILTERS[:7] + [{"temperature": 0.3, "top_p": 0.99}] + FILTERS[8:9],
+                         ids=str)
 def test_sampled_tokens_follow_the_reference_distribution(params, vocab):
     logits = (np.random.default_rng(8).standard_normal((1, vocab)) * 1.5).astype(np.float32)
     req = requests_for(logits, params)[0]
@@ -400,8 +419,10 @@ def test_sampled_tokens_have_the_per_request_samplers_distribution(params):
 def test_two_sample_check_detects_a_different_distribution():
     # power check of the test above: the same draws against draws at another temperature
     logits = (np.random.default_rng(13).standard_normal((1, 200)) * 1.5).astype(np.float32)
-    tokens = [sample_requests(np.repeat(logits, NUM_DRAWS, axis=0),  # other seeds: draws with shared clocks agree
-                           [Req(ns.SamplingParams(temperature=t, seed=i * NUM_DRAWS + s), [0], 1) for s in range(NUM_DRAWS)])
+    # other seeds: draws with shared clocks agree
+    tokens = [sample_requests(np.repeat(logits, NUM_DRAWS, axis=0),
+                              [Req(ns.SamplingParams(temperature=t, seed=i * NUM_DRAWS + s), [0], 1)
+                               for s in range(NUM_DRAWS)])
               for i, t in enumerate((1.0, 1.1))]
     assert two_sample_p_value(*(np.bincount(t, minlength=200) for t in tokens)) < 1e-6
 
@@ -420,7 +441,8 @@ def test_chi_square_check_detects_a_wrong_filter():
 
 def test_same_seed_and_position_give_the_same_token_whatever_the_batch():
     logits = llm_like_logits(12, 2000, seed=9)
-    reqs = [Req(ns.SamplingParams(seed=s, **FILTERS[i % 9]), [3, 4, 5, i], 2) for i, s in enumerate(range(50, 62))]
+    reqs = [Req(ns.SamplingParams(seed=s, **FILTERS[i % 9]), [3, 4, 5, i], 2)
+            for i, s in enumerate(range(50, 62))]
     alone = [int(sample_requests(logits[i:i + 1], [r])[0]) for i, r in enumerate(reqs)]
     assert sample_requests(logits, reqs).tolist() == alone
     order = np.random.default_rng(0).permutation(12)
@@ -470,7 +492,8 @@ def test_the_race_uniforms_are_uniform_and_uncorrelated_across_tokens_positions_
     for i, key in enumerate(keys):
         fill_token_uniforms(key, v[i])
     assert v.min() > 0.0 and v.max() < 1.0
-    p_value = chi_square_p_value(np.bincount((v.ravel() * 100).astype(int), minlength=100), np.full(100, 0.01))
+    p_value = chi_square_p_value(np.bincount((v.ravel() * 100).astype(int), minlength=100),
+                                 np.full(100, 0.01))
     assert p_value > MIN_P_VALUE, f"uniform histogram: chi-square p-value {p_value:.2e}"
     sigma = 1 / np.sqrt(v.size)  # of a correlation between independent samples
     grid = v.reshape(40, 50, 100)
@@ -540,7 +563,8 @@ def test_a_token_mask_keeps_each_row_to_its_allowed_tokens():
         masks[i, rng.choice(np.setdiff1d(np.arange(500), [np.argmax(logits[i])]), 5, replace=False)] = True
     masks[5] = True  # the last row is not restricted
     for _ in range(20):
-        reqs = [Req(r.params.model_copy(update={"seed": int(rng.integers(1 << 30))}), r.token_ids, 2) for r in reqs]
+        reqs = [Req(r.params.model_copy(update={"seed": int(rng.integers(1 << 30))}), r.token_ids, 2)
+                for r in reqs]
         tokens = sample_batch(logits, replace(batch_of(reqs), token_masks=masks))
         assert all(masks[i, t] for i, t in enumerate(tokens))
         assert [int(t) for t in tokens[:3]] == [int(np.flatnonzero(m)[np.argmax(x[m])]) for x, m in

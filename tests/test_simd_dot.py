@@ -1,4 +1,5 @@
-"""kernels/simd_dot.py: dots() gives every row dot()'s bits (attention's scores, whichever way they are computed)."""
+"""kernels/simd_dot.py: dots() gives every row dot()'s bits (attention's scores, whichever way they are
+computed)."""
 
 import numpy as np
 import pytest

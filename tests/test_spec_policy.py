@@ -45,8 +45,8 @@ def controller(**fields) -> SpeculationController:
     return SpeculationController(ns.SpeculationConfig(method="ngram", num_speculative_tokens=K, **fields))
 
 
-def run_step(ctrl: SpeculationController, batch: int, accept: float, *, waiting: int = 0, kv_usage: float = 0.3,
-             rng=None) -> tuple[list[int], SpeculationPolicy]:
+def run_step(ctrl: SpeculationController, batch: int, accept: float, *, waiting: int = 0,
+             kv_usage: float = 0.3, rng=None) -> tuple[list[int], SpeculationPolicy]:
     """Choose depths for a decode batch, verify drafts that each pass with probability `accept` (exactly
     round(accept * n) of the n verified at a position when rng is None), report the step."""
     policy = ctrl.policy()
@@ -68,7 +68,8 @@ def run_step(ctrl: SpeculationController, batch: int, accept: float, *, waiting:
         verified, accepted = count_positions(results, K)
     num_tokens = batch + sum(depths)
     ctrl.observe(SpecStepStats(num_tokens, FIXED_S + PER_TOKEN_S * num_tokens, batch, waiting, kv_usage,
-                               num_drafts_per_position=tuple(verified), num_accepted_per_position=tuple(accepted)))
+                               num_drafts_per_position=tuple(verified),
+                               num_accepted_per_position=tuple(accepted)))
     return depths, policy
 
 
@@ -208,8 +209,10 @@ def test_acceptance_is_learnt_in_a_few_drafts_then_smoothed():
 
 
 def test_speculation_config_nests_in_engine_config_and_names_bad_fields():
-    config = ns.EngineConfig(speculation={"method": "ngram", "num_speculative_tokens": 6, "mode": "latency_first"})
-    assert config.speculation == ns.SpeculationConfig(method="ngram", num_speculative_tokens=6, mode="latency_first")
+    config = ns.EngineConfig(speculation={"method": "ngram", "num_speculative_tokens": 6,
+                                          "mode": "latency_first"})
+    assert config.speculation == ns.SpeculationConfig(method="ngram", num_speculative_tokens=6,
+                                                      mode="latency_first")
     assert ns.EngineConfig().speculation.method == "off"
     bad = [({"num_speculative_tokens": 17}, "num_speculative_tokens"), ({"mode": "fast"}, "mode"),
            ({"max_compute_fraction": 0.0}, "max_compute_fraction"), ({"depth": 3}, "depth"),
@@ -236,7 +239,8 @@ def test_cost_fit_is_local_to_decode_sized_steps():
 
 
 @settings(max_examples=200, deadline=None)
-@given(rates=st.lists(st.floats(0.0, 1.0), min_size=K, max_size=K), max_depths=st.lists(st.integers(0, 8), max_size=12),
+@given(rates=st.lists(st.floats(0.0, 1.0), min_size=K, max_size=K),
+       max_depths=st.lists(st.integers(0, 8), max_size=12),
        extra_tokens=st.integers(0, 64), per_token=st.floats(0.0, 0.01), fraction=st.floats(0.05, 1.0),
        mode=st.sampled_from(["on", "auto", "latency_first", "throughput_first"]),
        budget=st.none() | st.integers(0, 20))
@@ -255,7 +259,8 @@ def test_depths_respect_every_cap_and_never_lower_expected_goodput(rates, max_de
 
 
 def test_a_catching_up_proposer_probes_one_request_and_backs_off_while_drafting_does_not_pay():
-    ctrl = SpeculationController(ns.SpeculationConfig(method="ngram", num_speculative_tokens=K), catches_up=True)
+    ctrl = SpeculationController(ns.SpeculationConfig(method="ngram", num_speculative_tokens=K),
+                                 catches_up=True)
     for _ in range(100):
         run_step(ctrl, 8, 0.0)
     probe_steps = []
@@ -301,7 +306,8 @@ def test_an_untimed_proposer_is_priced_by_its_prior_then_by_its_measured_passes(
         costly.observe(SpecStepStats(16, FIXED_S + PER_TOKEN_S * 16, 16, 0, 0.3,
                                      draft_passes=((n, 1e-5 + 1e-6 * n),)))
     policy = costly.policy()
-    assert policy.draft_s_per_position == pytest.approx(1e-5) and policy.draft_s_per_token == pytest.approx(1e-6)
+    assert (policy.draft_s_per_position == pytest.approx(1e-5)
+            and policy.draft_s_per_token == pytest.approx(1e-6))
 
 
 # ---- the policy from telemetry: what the scheduler actor runs for a worker ---------------------------
@@ -310,16 +316,16 @@ LINE = tuple((n, FIXED_S + PER_TOKEN_S * n) for n in (4, 8, 12, 16) * 4)  # step
 
 
 def spec_telemetry(**fields) -> SpecTelemetry:
-    base = {"config": ns.SpeculationConfig(method="ngram", num_speculative_tokens=K), "accept_rates": (0.9, 0.8, 0.7, 0.6),
-            "step_costs": LINE, "num_requests": 4}
+    base = {"config": ns.SpeculationConfig(method="ngram", num_speculative_tokens=K),
+            "accept_rates": (0.9, 0.8, 0.7, 0.6), "step_costs": LINE, "num_requests": 4}
     return SpecTelemetry(**(base | fields))
 
 
 def exact(policy: SpeculationPolicy) -> SpeculationPolicy:
     """The policy with its fitted costs rounded off the least-squares noise, for exact comparison."""
     return replace(policy, **{f: round(getattr(policy, f), 12) for f in
-                              ("fixed_s", "per_token_s", "draft_s_per_position", "draft_s_per_token", "draft_cost_factor",
-                               "wide_per_token_s")})
+                              ("fixed_s", "per_token_s", "draft_s_per_position", "draft_s_per_token",
+                               "draft_cost_factor", "wide_per_token_s")})
 
 
 def test_policy_from_fixed_telemetry():
@@ -337,7 +343,8 @@ def test_policy_from_telemetry_follows_mode_kv_and_method():
     on = spec_telemetry(config=ns.SpeculationConfig(method="ngram", num_speculative_tokens=K, mode="on",
                                                     max_compute_fraction=0.5), num_waiting=50, kv_usage=0.99)
     p = speculation_policy(on)
-    assert (p.mode, p.max_depth, p.draft_cost_factor, p.max_compute_fraction, p.probe) == ("on", K, 1.0, 0.5, False)
+    assert (p.mode, p.max_depth, p.draft_cost_factor, p.max_compute_fraction, p.probe) == (
+        "on", K, 1.0, 0.5, False)
     for mode in ("auto", "latency_first", "throughput_first"):
         config = ns.SpeculationConfig(method="ngram", num_speculative_tokens=K, mode=mode)
         assert speculation_policy(spec_telemetry(config=config, kv_usage=0.95)).max_depth == 0
@@ -390,17 +397,20 @@ def test_the_scheduler_answers_a_speculating_worker_with_its_policy_and_keeps_no
     """One policy per draft method the worker weighs, in its order (two here: a method "auto" worker)."""
     limits = PolicyLimits(max_token_budget=512, max_num_seqs=64, max_queued=16, target_step_s=0.1)
     t = spec_telemetry(num_waiting=2, kv_usage=0.875)
-    other = spec_telemetry(config=ns.SpeculationConfig(method="eagle", num_speculative_tokens=K), accept_rates=(0.95,) * K)
+    other = spec_telemetry(config=ns.SpeculationConfig(method="eagle", num_speculative_tokens=K),
+                           accept_rates=(0.95,) * K)
     report = StepTelemetry("w0", 4, 2, 10, 40, 0.02, 0.875, 0, speculation=(t, other))
     policy = BatchingPolicy(limits).update(report)
-    assert policy.speculation == (speculation_policy(t), speculation_policy(other)) and policy.token_budget == 512
+    assert (policy.speculation == (speculation_policy(t), speculation_policy(other))
+            and policy.token_budget == 512)
     assert policy.speculation[0] != policy.speculation[1]
     assert BatchingPolicy(limits).update(report).speculation == policy.speculation  # a restarted scheduler
     assert BatchingPolicy(limits).update(replace(report, speculation=None)).speculation is None
     scheduler = Scheduler.__ray_actor_class__(limits)  # the actor's code, in this process
     assert scheduler.report(report) == policy
     stats = scheduler.stats()["w0"]
-    assert stats["speculation"] == [asdict(p) for p in policy.speculation] and stats["policy"]["token_budget"] == 512
+    assert (stats["speculation"] == [asdict(p) for p in policy.speculation]
+            and stats["policy"]["token_budget"] == 512)
     assert stats["telemetry"]["speculation"][0]["num_step_costs"] == len(LINE)
     assert stats["telemetry"]["speculation"][0]["accept_rates"] == t.accept_rates
     assert stats["telemetry"]["speculation"][1]["method"] == "eagle"
@@ -470,7 +480,8 @@ def decode_steps(chooser: MethodChooser, num_steps: int, batch: int, tokens_per_
 
 
 def test_the_method_chooser_runs_what_delivered_most_at_each_batch_size_after_measuring_each_option():
-    fakes = {"ngram": Candidate(), "medusa": Candidate(depth=0), "eagle": Candidate()}  # medusa's policy: no drafts
+    # medusa's policy: no drafts
+    fakes = {"ngram": Candidate(), "medusa": Candidate(depth=0), "eagle": Candidate()}
     log = DecisionLog()
     chooser = MethodChooser(ns.SpeculationConfig(method="auto"), fakes, log)
     at_1 = {"none": 100.0, "ngram": 150.0, "eagle": 250.0}

@@ -1,6 +1,7 @@
 """Speculative decoding in the engine: greedy outputs equal those without it, token for token (every method
 and mode, stops and max_tokens inside accepted runs, preemption); a self-draft accepts everything; sampled
-outputs follow the target's own distribution and, seeded, are the tokens of no speculation, alone or batched."""
+outputs follow the target's own distribution and, seeded, are the tokens of no speculation, alone or
+batched."""
 
 import itertools
 import json
@@ -127,9 +128,11 @@ def mixed():
     """16 mixed prompts and params: lengths 1..120, repetitive text (n-gram hits), stop strings, stop ids,
     logprobs, penalties, several max_tokens."""
     prompts = [random_prompt(n, seed=200 + i) for i, n in enumerate((1, 7, 33, 120, 3, 64, 15, 90))]
-    prompts += ["The quick brown fox jumps over the lazy dog. The quick brown fox", "def add(a, b):\n    return",
-                [5, 6, 7, 8, 9] * 8, "numaserve serves language models on CPUs, one worker per NUMA node. numaserve",
-                [11, 12] * 20, "In the beginning was the word, and the word", random_prompt(40, seed=7), "Tokens"]
+    prompts += ["The quick brown fox jumps over the lazy dog. The quick brown fox",
+                "def add(a, b):\n    return", [5, 6, 7, 8, 9] * 8,
+                "numaserve serves language models on CPUs, one worker per NUMA node. numaserve",
+                [11, 12] * 20, "In the beginning was the word, and the word", random_prompt(40, seed=7),
+                "Tokens"]
     g = {"temperature": 0, "ignore_eos": True}
     params = [ns.SamplingParams(max_tokens=m, **g) for m in (24, 17, 9, 30, 1, 2, 24, 12)]
     params += [ns.SamplingParams(max_tokens=30, stop=["lazy", "fox jumps"], **g),
@@ -152,7 +155,8 @@ def reference(llama_dir, mixed):
 def medusa_dir(llama_dir, mixed, tmp_path_factory):
     """The test model with K Medusa heads fitted to its greedy continuations of the mixed id prompts."""
     prompts = [p for p in mixed[0] if isinstance(p, list)]
-    return model_with_heads(llama_dir, tmp_path_factory.mktemp("medusa") / "model", num_heads=K, prompts=prompts)
+    return model_with_heads(llama_dir, tmp_path_factory.mktemp("medusa") / "model", num_heads=K,
+                            prompts=prompts)
 
 
 @pytest.fixture(scope="module")
@@ -176,8 +180,8 @@ def method_setup(method: str, llama_dir, draft_dir, heads_dirs) -> tuple:
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("method", ["ngram", "draft", "medusa", "eagle"])
-def test_greedy_speculation_gives_the_same_tokens_as_none(llama_dir, draft_dir, heads_dirs, mixed, reference, method,
-                                                         mode, memory_bound_costs):
+def test_greedy_speculation_gives_the_same_tokens_as_none(llama_dir, draft_dir, heads_dirs, mixed, reference,
+                                                          method, mode, memory_bound_costs):
     model, extra = method_setup(method, llama_dir, draft_dir, heads_dirs)
     spec = {"method": method, "num_speculative_tokens": K, "mode": mode} | extra
     llm = ns.LLM(model, **FP32, speculation=spec, max_num_batched_tokens=512)
@@ -191,7 +195,8 @@ def test_greedy_speculation_gives_the_same_tokens_as_none(llama_dir, draft_dir, 
     assert stats["num_free_blocks"] == stats["num_blocks"]  # rolled-back and finished blocks all returned
 
 
-def test_greedy_speculation_under_preemption_in_a_small_kv_pool(llama_dir, draft_dir, heads_dirs, mixed, reference):
+def test_greedy_speculation_under_preemption_in_a_small_kv_pool(llama_dir, draft_dir, heads_dirs, mixed,
+                                                                reference):
     bytes_per_block = 4 * 2 * 2 * 2 * 24 * 4  # block_size * (k, v) * layers * kv_heads * head_dim * fp32
     for method in ("ngram", "draft", "medusa", "eagle"):
         model, extra = method_setup(method, llama_dir, draft_dir, heads_dirs)
@@ -236,7 +241,8 @@ def take_turns(chooser: MethodChooser) -> None:
 def test_method_auto_weighs_every_method_the_model_has(all_heads_dir, llama_dir, draft_dir):
     llm = ns.LLM(all_heads_dir, **FP32, speculation={"method": "auto", "draft_model": str(draft_dir)})
     assert list(llm.engine.speculation.candidates) == ["ngram", "medusa", "eagle", "draft"]
-    assert list(ns.LLM(llama_dir, **FP32, speculation={"method": "auto"}).engine.speculation.candidates) == ["ngram"]
+    assert (list(ns.LLM(llama_dir, **FP32, speculation={"method": "auto"}).engine.speculation.candidates)
+            == ["ngram"])
 
 
 @pytest.mark.parametrize("small_pool", [False, True])
@@ -246,7 +252,8 @@ def test_methods_drafting_in_turn_give_the_same_tokens_as_none(all_heads_dir, dr
     model on tokens it did not draft, Medusa and n-gram between them), with preemption in a small pool."""
     pool = {"block_size": 4, "kv_cache_bytes": 48 * 4 * 2 * 2 * 2 * 24 * 4, "max_num_batched_tokens": 128} \
         if small_pool else {"max_num_batched_tokens": 512}
-    llm = ns.LLM(all_heads_dir, **FP32, **pool, speculation={"method": "auto", "mode": "on", "num_speculative_tokens": K,
+    llm = ns.LLM(all_heads_dir, **FP32, **pool, speculation={"method": "auto", "mode": "on",
+                                                            "num_speculative_tokens": K,
                                                             "draft_model": str(draft_dir)})
     take_turns(llm.engine.speculation)
     assert_same(outcome(run(llm.engine, *mixed)), reference)
@@ -266,8 +273,10 @@ def test_method_auto_measures_what_each_method_delivers_and_says_why(all_heads_d
     assert stats["spec_method"] == "auto" and stats["spec_method_chosen"] in ("ngram", "medusa", "eagle")
     assert stats["spec_num_accepted_tokens"] > 0
     measured = {key.split(" at ")[0] for key in stats["spec_delivered_tokens_per_s"]}
-    assert "none" in measured and measured & {"ngram", "medusa", "eagle"}, stats["spec_delivered_tokens_per_s"]
-    choices = [d for d in llm.diagnostics() if d["topic"] == "speculation" and d["choice"].startswith("method ")]
+    assert "none" in measured and measured & {"ngram", "medusa", "eagle"}, (
+        stats["spec_delivered_tokens_per_s"])
+    choices = [d for d in llm.diagnostics()
+               if d["topic"] == "speculation" and d["choice"].startswith("method ")]
     assert choices and "measuring what it delivers at batch size" in choices[0]["reason"]
 
 
@@ -293,7 +302,8 @@ def with_tree_proposer(llm, width: int) -> list[int]:
 @pytest.mark.parametrize("width", [2, 3])
 @pytest.mark.parametrize("kv_dtype", ["float32", "int8"])
 @pytest.mark.parametrize("method", ["medusa", "eagle"])
-def test_greedy_tree_speculation_gives_the_same_tokens_as_none(llama_dir, heads_dirs, mixed, method, width, kv_dtype):
+def test_greedy_tree_speculation_gives_the_same_tokens_as_none(llama_dir, heads_dirs, mixed, method, width,
+                                                               kv_dtype):
     reference = outcome(run(ns.LLM(llama_dir, weight_dtype="float32", kv_dtype=kv_dtype).engine, *mixed))
     llm = ns.LLM(heads_dirs[method], weight_dtype="float32", kv_dtype=kv_dtype,
                  speculation={"method": method, "num_speculative_tokens": K, "mode": "on"})
@@ -317,8 +327,9 @@ def test_greedy_tree_speculation_under_preemption_in_a_small_kv_pool(heads_dirs,
 
 
 @pytest.mark.parametrize("width", [1, 2])
-def test_eagle_with_a_draft_vocabulary_drafts_only_its_tokens_and_keeps_the_targets(eagle_dir, mixed, reference,
-                                                                                     tmp_path, width):
+def test_eagle_with_a_draft_vocabulary_drafts_only_its_tokens_and_keeps_the_targets(eagle_dir, mixed,
+                                                                                    reference, tmp_path,
+                                                                                    width):
     """A head with a draft vocabulary (models/eagle.py d2t) of the tokens most frequent in the reference
     outputs guesses among them only; the tokens stay the target's."""
     counts = np.bincount([t for ids, *_ in reference for t in ids], minlength=384)
@@ -344,8 +355,8 @@ def test_eagle_with_a_draft_vocabulary_drafts_only_its_tokens_and_keeps_the_targ
     assert 0 < stats["spec_num_accepted_tokens"] < stats["spec_num_draft_tokens"], stats
 
 
-def test_eagle_keeps_a_bounded_number_of_unseen_features_and_restarts_from_the_newest(llama_dir, eagle_dir, mixed,
-                                                                                      monkeypatch):
+def test_eagle_keeps_a_bounded_number_of_unseen_features_and_restarts_from_the_newest(llama_dir, eagle_dir,
+                                                                                      mixed, monkeypatch):
     """A request that has not drafted for MAX_UNSEEN positions (here its 120-token prompt, with the bound
     at 24) keeps only that many features: the head restarts from the newest RESTART_KEEP, drafts, and the
     tokens are the target's."""
@@ -412,7 +423,8 @@ def test_self_draft_accepts_every_draft_and_appends_k_plus_1_tokens_per_verifica
     for req in reqs:
         verifications = [(len(tokens), d) for _, tokens, d in runs[req.request_id] if d > 0]
         assert all(n == d + 1 for n, d in verifications)
-        assert [n for n, _ in verifications[:-1]] == [K + 1] * (len(verifications) - 1)  # the last may be capped
+        # the last may be capped
+        assert [n for n, _ in verifications[:-1]] == [K + 1] * (len(verifications) - 1)
         assert len(req.output_token_ids) == 40
 
 
@@ -479,11 +491,13 @@ def test_stop_string_inside_an_accepted_run_cuts_it_there(llama_dir, self_draft)
 
 def test_max_tokens_inside_an_accepted_run_cuts_it_there(llama_dir, self_draft):
     prompt = random_prompt(9, seed=13)
-    max_tokens = K + 4  # runs: 1 token (prefill), K + 1, then K drafts capped to the 2 left: 3 sampled, 2 kept
+    # runs: 1 token (prefill), K + 1, then K drafts capped to the 2 left: 3 sampled, 2 kept
+    max_tokens = K + 4
     engine = self_draft()
     runs = record_runs(engine)
     [req] = run(engine, [prompt], ns.SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
-    assert (req.output_token_ids, req.finish_reason) == (continuation(llama_dir, prompt, max_tokens), "length")
+    assert (req.output_token_ids, req.finish_reason) == (continuation(llama_dir, prompt, max_tokens),
+                                                         "length")
     assert cut_inside_a_run(runs, req)
 
 
@@ -506,7 +520,8 @@ def vocab16(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def vocab16_medusa(vocab16, tmp_path_factory):
-    """The vocab16 target with 2 random Medusa heads beside it (with 16 tokens, some of their guesses pass)."""
+    """The vocab16 target with 2 random Medusa heads beside it (with 16 tokens, some of their guesses
+    pass)."""
     return model_with_heads(vocab16[0], tmp_path_factory.mktemp("vocab16-medusa") / "target", num_heads=2)
 
 
@@ -527,7 +542,8 @@ def vocab16_setup(method: str, vocab16, vocab16_medusa, vocab16_eagle=None) -> t
 
 
 def reference_probs(logits: np.ndarray, top_k: int, top_p: float) -> np.ndarray:
-    """softmax at temperature 1, then top_k, then top_p (the smallest set of most likely tokens reaching it)."""
+    """softmax at temperature 1, then top_k, then top_p (the smallest set of most likely tokens reaching
+    it)."""
     p = np.exp(logits.astype(np.float64) - logits.max())
     p /= p.sum()
     if top_k:
@@ -547,17 +563,20 @@ PROMPT = [3, 9, 4, 12, 7]
                                              ("eagle", {}), ("eagle-tree", {"top_k": 10, "top_p": 0.85})],
                          ids=["draft-plain", "draft-top_k_top_p", "medusa-top_k_top_p", "medusa-tree-plain",
                               "eagle-plain", "eagle-tree-top_k_top_p"])
-def test_sampling_with_drafts_emits_the_targets_distribution(vocab16, vocab16_medusa, vocab16_eagle, method, filters):
+def test_sampling_with_drafts_emits_the_targets_distribution(vocab16, vocab16_medusa, vocab16_eagle, method,
+                                                             filters):
     model, extra = vocab16_setup(method, vocab16, vocab16_medusa, vocab16_eagle)
     llm = ns.LLM(model, **FP32, block_size=4, max_num_seqs=NUM_RUNS, max_num_batched_tokens=1 << 16,
-                 speculation={"method": method.removesuffix("-tree"), "num_speculative_tokens": 2, "mode": "on"}
+                 speculation={"method": method.removesuffix("-tree"), "num_speculative_tokens": 2,
+                              "mode": "on"}
                  | extra | ({"tree_width": 3} if method.endswith("-tree") else {}))
     params = [ns.SamplingParams(max_tokens=3, temperature=1.0, seed=s, ignore_eos=True, **filters)
               for s in range(NUM_RUNS)]
     outs = np.array([o.token_ids for o in llm.generate([PROMPT] * NUM_RUNS, params)])  # [runs, 3]
     stats = llm.stats()
     assert stats["spec_num_draft_tokens"] > NUM_RUNS  # drafts proposed ...
-    assert 0 < stats["spec_num_accepted_tokens"] < stats["spec_num_draft_tokens"]  # ... some accepted, some not
+    # ... some accepted, some not
+    assert 0 < stats["spec_num_accepted_tokens"] < stats["spec_num_draft_tokens"]
     top_k, top_p = filters.get("top_k", 0), filters.get("top_p", 1.0)
     first = reference_probs(llm.score(PROMPT)[-1], top_k, top_p)
     joint, third = np.zeros((16, 16)), np.zeros(16)
@@ -571,20 +590,25 @@ def test_sampling_with_drafts_emits_the_targets_distribution(vocab16, vocab16_me
     np.add.at(observed, (outs[:, 0], outs[:, 1]), 1)
     p_joint = chi_square_p_value(observed.ravel(), joint.ravel())
     p_third = chi_square_p_value(np.bincount(outs[:, 2], minlength=16), third)
-    print(f"{filters or 'plain'}: chi-square p-values, first two tokens {p_joint:.3f}, third {p_third:.3f}")  # -rP
+    print(f"{filters or 'plain'}: chi-square p-values, first two tokens {p_joint:.3f}, "
+          f"third {p_third:.3f}")  # -rP
     assert p_joint > MIN_P_VALUE, f"first two tokens: chi-square p-value {p_joint:.2e}"
     assert p_third > MIN_P_VALUE, f"third token: chi-square p-value {p_third:.2e}"
 
 
-@pytest.mark.parametrize("method, mode", [("ngram", "on"), ("draft", "on"), ("draft", "auto"), ("medusa", "on"),
-                                          ("medusa-tree", "on"), ("eagle", "on"), ("eagle-tree", "on")])
-def test_seeded_sampling_with_drafts_gives_the_tokens_of_no_speculation(vocab16, vocab16_medusa, vocab16_eagle, method,
-                                                                        mode, memory_bound_costs):
-    """Drafts only decide how many of the target's own keyed draws a step makes (scheduling/step_sampler.py)."""
+@pytest.mark.parametrize("method, mode", [("ngram", "on"), ("draft", "on"), ("draft", "auto"),
+                                          ("medusa", "on"), ("medusa-tree", "on"), ("eagle", "on"),
+                                          ("eagle-tree", "on")])
+def test_seeded_sampling_with_drafts_gives_the_tokens_of_no_speculation(vocab16, vocab16_medusa,
+                                                                        vocab16_eagle, method, mode,
+                                                                        memory_bound_costs):
+    """Drafts only decide how many of the target's own keyed draws a step makes
+    (scheduling/step_sampler.py)."""
     target, _ = vocab16
     model, extra = vocab16_setup(method, vocab16, vocab16_medusa, vocab16_eagle)
     prompts = [random_prompt(n, seed=n, vocab=16) for n in range(4, 36)]
-    params = [ns.SamplingParams(max_tokens=24, temperature=1.0, seed=s, ignore_eos=True, top_p=0.9 if s % 2 else 1.0,
+    params = [ns.SamplingParams(max_tokens=24, temperature=1.0, seed=s, ignore_eos=True,
+                                top_p=0.9 if s % 2 else 1.0,
                                 **({"top_k": 8, "repetition_penalty": 1.2} if s % 3 == 0 else {}))
               for s in range(len(prompts))]
     reference = [o.token_ids for o in ns.LLM(target, **FP32).generate(prompts, params)]
@@ -598,12 +622,14 @@ def test_seeded_sampling_with_drafts_gives_the_tokens_of_no_speculation(vocab16,
 
 
 @pytest.mark.parametrize("method", ["medusa", "eagle"])
-def test_the_policy_widens_trees_where_they_keep_more_and_tokens_stay_the_same(vocab16, vocab16_medusa, vocab16_eagle,
-                                                                                method, memory_bound_costs):
+def test_the_policy_widens_trees_where_they_keep_more_and_tokens_stay_the_same(vocab16, vocab16_medusa,
+                                                                               vocab16_eagle, method,
+                                                                               memory_bound_costs):
     """Random heads over 16 tokens: a head's top 4 holds the next token 4 times as often as its top 1, and on
     a memory-bound step extra tree nodes are nearly free, so the measured counts widen the tree."""
     prompts = [random_prompt(n, seed=n, vocab=16) for n in range(4, 36)]
-    params = [ns.SamplingParams(max_tokens=24, temperature=1.0, seed=s, ignore_eos=True) for s in range(len(prompts))]
+    params = [ns.SamplingParams(max_tokens=24, temperature=1.0, seed=s, ignore_eos=True)
+              for s in range(len(prompts))]
     reference = [o.token_ids for o in ns.LLM(vocab16[0], **FP32).generate(prompts, params)]
     model, _ = vocab16_setup(method, vocab16, vocab16_medusa, vocab16_eagle)
     llm = ns.LLM(model, **FP32, speculation={"method": method, "mode": "on"})
@@ -613,8 +639,8 @@ def test_the_policy_widens_trees_where_they_keep_more_and_tokens_stay_the_same(v
     assert llm.engine.speculation.proposer.accepted_counts.sum(axis=1)[0] >= 16
 
 
-@pytest.mark.parametrize("method, mode", [("ngram", "auto"), ("draft", "on"), ("draft", "auto"), ("medusa", "on"),
-                                          ("eagle", "on")])
+@pytest.mark.parametrize("method, mode", [("ngram", "auto"), ("draft", "on"), ("draft", "auto"),
+                                          ("medusa", "on"), ("eagle", "on")])
 def test_same_seed_same_tokens_alone_or_batched(vocab16, vocab16_medusa, vocab16_eagle, method, mode,
                                                 memory_bound_costs):
     target, extra = vocab16_setup(method, vocab16, vocab16_medusa, vocab16_eagle)
@@ -647,13 +673,16 @@ def test_depth_0_calls_no_proposer_and_changes_nothing(llama_dir, mixed, referen
 
 
 def test_stats_report_the_counters_and_the_goodput_inputs(llama_dir):
-    llm = ns.LLM(llama_dir, **FP32, speculation={"method": "ngram", "mode": "on", "num_speculative_tokens": 3})
+    llm = ns.LLM(llama_dir, **FP32,
+                 speculation={"method": "ngram", "mode": "on", "num_speculative_tokens": 3})
     llm.generate([[5, 6, 7, 8] * 6], ns.SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
     stats = llm.stats()
     assert stats["spec_num_drafts"] > 0 and stats["spec_num_draft_tokens"] >= stats["spec_num_drafts"]
     assert sum(stats["spec_accepted_per_position"]) == stats["spec_num_accepted_tokens"]
     assert len(stats["spec_accept_rate_ema"]) == 3 and stats["spec_step_fixed_s"] >= 0
-    assert {"spec_step_per_token_s", "spec_draft_s_per_position", "spec_draft_cost_factor", "spec_depth"} <= set(stats)
-    assert any(d["topic"] == "speculation" for d in llm.diagnostics())  # depth changes are logged with reasons
+    assert {"spec_step_per_token_s", "spec_draft_s_per_position", "spec_draft_cost_factor",
+            "spec_depth"} <= set(stats)
+    # depth changes are logged with reasons
+    assert any(d["topic"] == "speculation" for d in llm.diagnostics())
     off = ns.LLM(llama_dir, **FP32).stats()
     assert off["spec_num_drafts"] == 0 and off["spec_method"] == "off"

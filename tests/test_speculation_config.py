@@ -26,7 +26,8 @@ def test_tree_width_is_taken_by_the_tree_drafters(method):
 
 
 def test_method_auto_takes_every_methods_fields_and_hands_each_method_its_own():
-    auto = ns.SpeculationConfig(method="auto", draft_model="d", num_heads=2, tree_width=3, num_speculative_tokens=6)
+    auto = ns.SpeculationConfig(method="auto", draft_model="d", num_heads=2, tree_width=3,
+                                num_speculative_tokens=6)
     assert auto.for_method("draft").draft_model == "d" and auto.for_method("draft").tree_width is None
     assert auto.for_method("medusa").num_heads == 2 and auto.for_method("medusa").draft_model is None
     assert auto.for_method("eagle").tree_width == 3 and auto.for_method("eagle").num_heads is None

@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parent.parent
 DEMO = ROOT / "numaserve" / "assets" / "demo" / "base"
 
 # torch (which brings its own libgomp) is imported first, or not at all
-SCRIPT = """
+SCRIPT = ("""
 import json, sys
 if sys.argv[1] == "torch":
     import torch  # noqa: F401
@@ -25,14 +25,16 @@ import numaserve as ns
 llm = ns.LLM(sys.argv[2], max_num_seqs=2)
 out = llm.generate(["def fib(n):", "x = "], ns.SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
 print(json.dumps({"layer": numba.threading_layer(), "torch": "torch" in sys.modules,
-                  "decisions": [(d["choice"], d["reason"]) for d in llm.diagnostics() if d["topic"] == "threading"],
+                  "decisions": [(d["choice"], d["reason"]) for d in llm.diagnostics() """
+          """if d["topic"] == "threading"],
                   "tokens": [c.token_ids for c in out]}))
-"""
+""")
 
 
 def run_generate(first: str) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("NUMBA_THREADING_LAYER", "OMP_WAIT_POLICY")}
-    env["NUMBA_THREADING_LAYER_PRIORITY"] = "omp workqueue tbb"  # the layer is pinned, not numba's first choice
+    # the layer is pinned, not numba's first choice
+    env["NUMBA_THREADING_LAYER_PRIORITY"] = "omp workqueue tbb"
     proc = subprocess.run([sys.executable, "-c", SCRIPT, first, str(DEMO)], check=False, cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]

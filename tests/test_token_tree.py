@@ -35,7 +35,8 @@ def test_depths_paths_and_masks_agree(tree):
 @settings(max_examples=300, derandomize=True, deadline=None)
 @given(tree=trees(), data=st.data())
 def test_a_walk_appends_samples_along_one_path_and_stops_where_no_child_matches(tree, data):
-    samples = data.draw(st.lists(st.integers(0, 3), min_size=len(tree.tokens) + 1, max_size=len(tree.tokens) + 1))
+    samples = data.draw(st.lists(st.integers(0, 3), min_size=len(tree.tokens) + 1,
+                                 max_size=len(tree.tokens) + 1))
     tokens, rows = tree.walk(samples)
     assert tokens == [samples[r] for r in rows] and rows[0] == 0
     nodes = [r - 1 for r in rows[1:]]  # the accepted drafts' nodes
@@ -77,7 +78,8 @@ def ranked_trees(draw, max_nodes: int = 14):
     n = draw(st.integers(0, max_nodes))
     parents = tuple(draw(st.integers(-1, i - 1)) for i in range(n))
     vocab = max_nodes + 1
-    base = draw(st.lists(st.integers(0, vocab - 1), min_size=n + 1, max_size=n + 1))  # per parent (+1: the root)
+    # per parent (+1: the root)
+    base = draw(st.lists(st.integers(0, vocab - 1), min_size=n + 1, max_size=n + 1))
     ranks = tuple(parents[:i].count(p) for i, p in enumerate(parents))
     tokens = tuple((base[p + 1] + r) % vocab for p, r in zip(parents, ranks))
     return TokenTree(tokens, parents, ranks)

@@ -63,14 +63,16 @@ class Batch:
                 continue
             depth, ancestors = depths_and_ancestors(parents)
             for i in range(len(parents)):
-                in_window = ancestors[i] & ((depth > depth[i] - window) if window else True)  # the caller's part
+                # the caller's part
+                in_window = ancestors[i] & ((depth > depth[i] - window) if window else True)
                 token_seq.append(s)
                 positions.append(ctx + depth[i])
                 starts.append(ctx)
                 masks.append(np.pad(in_window, (0, width - len(parents))))
                 self.visible.append([j for j in range(ctx) if not window or j > ctx + depth[i] - window]
                                     + [ctx + j for j in np.flatnonzero(in_window)])
-        self.token_seq, self.positions, self.starts = (np.array(a, np.int32) for a in (token_seq, positions, starts))
+        self.token_seq, self.positions, self.starts = (np.array(a, np.int32)
+                                                       for a in (token_seq, positions, starts))
         self.mask = np.array(masks, np.uint8).reshape(len(token_seq), width)
         self.q = rng.standard_normal((len(token_seq), H, D)).astype(np.float32)
         self.window = window

@@ -36,13 +36,14 @@ def reference_outputs(model_dir, config: ns.ClusterConfig, prompts: list,
 
 
 # Below the kernel's ephemeral range (Linux: 32768-60999), where outgoing connections (Ray's own, many) take
-# their local ports, and above Ray's worker ports (10002-19999): a port bound to 0 could be taken by a connection
-# before the server binds it (CI saw "Address already in use" that way).
+# their local ports, and above Ray's worker ports (10002-19999): a port bound to 0 could be taken by a
+# connection before the server binds it (CI saw "Address already in use" that way).
 FREE_PORTS = range(20000, 32768)
 
 
 def free_port() -> int:
-    """A TCP port free on loopback now that no outgoing connection will take (for an HTTP server under test)."""
+    """A TCP port free on loopback now that no outgoing connection will take (for an HTTP server under
+    test)."""
     for port in random.sample(FREE_PORTS, 64):
         with socket.socket() as s:
             try:
@@ -69,7 +70,8 @@ def paused(client, worker_ids: list[str] | None = None):
     whatever this machine's speed, so what the test does to it happens mid-request by construction."""
     every = list(worker_ids or client.stats()["workers"])
     try:
-        assert sorted(client.pause_generation(worker_ids)) == sorted(every), "a worker to pause did not answer"
+        assert sorted(client.pause_generation(worker_ids)) == sorted(every), (
+            "a worker to pause did not answer")
         yield
     finally:
         client.resume_generation(worker_ids)
@@ -82,10 +84,11 @@ def queued(client) -> int:
 
 
 def advance(client, num_steps: int = 1) -> None:
-    """Every worker of a paused deployment takes num_steps steps (fewer if it runs out of requests), then stays
-    paused."""
+    """Every worker of a paused deployment takes num_steps steps (fewer if it runs out of requests), then
+    stays paused."""
     for worker_id in client.stats()["workers"]:
-        ray.get(ray.get_actor(f"{client.name}.worker.{worker_id}", namespace="numaserve").advance.remote(num_steps))
+        ray.get(ray.get_actor(f"{client.name}.worker.{worker_id}",
+                              namespace="numaserve").advance.remote(num_steps))
 
 
 def worker_pid(client, worker_id: str) -> int | None:
@@ -113,7 +116,8 @@ def collect(stream) -> tuple[list[int], str, str | None, int]:
 
 @pytest.fixture(scope="session")
 def ray_cluster():
-    resources = sim_config("two_numa_sim").ray_resources("local") | sim_config("two_node_sim").ray_resources("sim0")
+    resources = (sim_config("two_numa_sim").ray_resources("local")
+                 | sim_config("two_node_sim").ray_resources("sim0"))
     cluster = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 2, "resources": resources, "include_dashboard": True, "dashboard_port": 0})
     ray.init(address=cluster.address, namespace="numaserve", log_to_driver=False)

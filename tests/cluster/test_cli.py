@@ -24,7 +24,8 @@ def test_serve_stats_shutdown(ray_cluster, llama_dir, capsys):
     try:
         models = requests.get(f"http://127.0.0.1:{port}/v1/models", timeout=30).json()
         assert [m["id"] for m in models["data"]] == ["tiny"]
-        done = ns.connect(NAME).generate("The quick brown fox", ns.SamplingParams(max_tokens=4, temperature=0))
+        done = ns.connect(NAME).generate("The quick brown fox",
+                                         ns.SamplingParams(max_tokens=4, temperature=0))
         assert len(done.token_ids) == 4
         assert main(["stats", "--name", NAME]) == 0
         stats = json.loads(capsys.readouterr().out)

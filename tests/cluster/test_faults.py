@@ -74,7 +74,8 @@ def client(ray_cluster, llama_dir, config, adapter_dir):
 
 @pytest.fixture(scope="module")
 def api(client) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{client.http_url}/v1", api_key="unused", max_retries=0, timeout=STREAM_BOUND_S)
+    return openai.OpenAI(base_url=f"{client.http_url}/v1", api_key="unused", max_retries=0,
+                         timeout=STREAM_BOUND_S)
 
 
 @pytest.fixture(scope="module")
@@ -87,10 +88,10 @@ def expected(llama_dir, config, adapter_dir) -> list[ns.Completion]:
 def _http_stream(api, prompt, started) -> Outcome:
     out = Outcome("http")
     try:
-        stream = api.completions.create(model=MODEL, prompt=prompt, max_tokens=GREEDY.max_tokens, temperature=0,
-                                        stream=True, extra_body={"ignore_eos": True})
-        started.release()  # the server answers a stream's headers once its first token is out (its text may be
-        for chunk in stream:  # empty for a while: a token's bytes need not end a character)
+        stream = api.completions.create(model=MODEL, prompt=prompt, max_tokens=GREEDY.max_tokens,
+                                        temperature=0, stream=True, extra_body={"ignore_eos": True})
+        started.release()  # the server answers a stream's headers once its first token is out (its text
+        for chunk in stream:  # may be empty for a while: a token's bytes need not end a character)
             if chunk.choices and chunk.choices[0].text:
                 out.text += chunk.choices[0].text
             out.finished = out.finished or bool(chunk.choices and chunk.choices[0].finish_reason)
@@ -163,7 +164,8 @@ def answer(call):
 def serves(client, api) -> bool:
     try:
         done = client.generate([5, 6, 7], ns.SamplingParams(max_tokens=3, ignore_eos=True))
-        r = api.completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=3, extra_body={"ignore_eos": True})
+        r = api.completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=3,
+                                   extra_body={"ignore_eos": True})
     except (ns.NumaserveError, openai.APIError):
         return False
     return len(done.token_ids) == 3 and r.usage.completion_tokens == 3
@@ -186,7 +188,8 @@ def test_a_killed_scheduler_restarts_from_fresh_telemetry_and_no_stream_is_lost(
     assert num_running > 0
     assert counts(outcomes, expected) == {"completed": 32, "failed": 0, "hung": 0}
     # the new scheduler knows nothing it was not told again: every worker's policy is back from its reports
-    after = wait_for(lambda: (p := answer(lambda: client.stats()["policies"])) and "error" not in p and len(p) == 2 and p,
+    after = wait_for(lambda: ((p := answer(lambda: client.stats()["policies"])) and "error" not in p
+                              and len(p) == 2 and p),
                      BACK_WITHIN_S, "the restarted scheduler's policies")
     assert set(after) == set(before)
     assert serves(client, api)
@@ -197,7 +200,8 @@ def test_a_killed_adapter_cache_reloads_its_registry_and_adapter_streams_go_on(c
     outcomes, num_running = run_killing(client, api, "adapters")
     assert num_running > 0
     assert counts(outcomes, expected) == {"completed": 32, "failed": 0, "hung": 0}
-    cache = wait_for(lambda: answer(lambda: client.stats()["adapter_cache"]), BACK_WITHIN_S, "the adapter cache")
+    cache = wait_for(lambda: answer(lambda: client.stats()["adapter_cache"]), BACK_WITHIN_S,
+                     "the adapter cache")
     assert cache["num_adapters"] == 1  # its registry, reloaded
     assert client.generate(PROMPTS[-1], GREEDY, adapter="a").token_ids == expected[-1].token_ids
 
@@ -209,7 +213,8 @@ def test_a_killed_http_server_fails_only_its_connections_then_serves_again(clien
     http, direct = outcomes[:NUM_HTTP], outcomes[NUM_HTTP:]
     assert counts(direct, expected[NUM_HTTP:]) == {"completed": NUM_CLIENT, "failed": 0, "hung": 0}
     http_counts = counts(http, expected[:NUM_HTTP])
-    assert http_counts["hung"] == 0 and http_counts["completed"] + http_counts["failed"] == NUM_HTTP, http_counts
+    assert (http_counts["hung"] == 0
+            and http_counts["completed"] + http_counts["failed"] == NUM_HTTP), http_counts
     assert http_counts["failed"] > 0  # the kill came while they streamed
     assert all(is_connection_error(o.error) for o in http if o.error is not None)  # nothing else
     start = time.monotonic()
@@ -218,7 +223,8 @@ def test_a_killed_http_server_fails_only_its_connections_then_serves_again(clien
 
 
 @pytest.mark.load_sensitive
-def test_a_killed_router_ends_its_streams_with_a_typed_error_and_new_requests_are_served(client, api, expected):
+def test_a_killed_router_ends_its_streams_with_a_typed_error_and_new_requests_are_served(client, api,
+                                                                                         expected):
     outcomes, num_running = run_killing(client, api, "router")
     assert num_running > 0
     c = counts(outcomes, expected)
@@ -230,4 +236,5 @@ def test_a_killed_router_ends_its_streams_with_a_typed_error_and_new_requests_ar
             assert isinstance(o.error, openai.APIError) and "router" in str(o.error), o.error
     start = time.monotonic()
     wait_for(lambda: serves(client, api), BACK_WITHIN_S, "the restarted router to serve")
-    print(f"router kill: {c} (lost in flight: {c['failed']}), served again after {time.monotonic() - start:.1f} s")
+    print(f"router kill: {c} (lost in flight: {c['failed']}), "
+          f"served again after {time.monotonic() - start:.1f} s")

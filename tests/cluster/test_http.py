@@ -56,7 +56,8 @@ def api(url) -> openai.OpenAI:
 
 
 def idle(client) -> bool:
-    """Every worker answered, and holds nothing (a worker busy past the router's stats timeout is not idle yet)."""
+    """Every worker answered, and holds nothing (a worker busy past the router's stats timeout is not idle
+    yet)."""
     keys = ("num_running", "num_waiting", "kv_usage", "num_streams", "num_outstanding_requests")
     return all(w.get(k) == 0 for w in client.stats()["workers"].values() for k in keys)
 
@@ -80,7 +81,8 @@ def test_a_greedy_completion_equals_llm_generate_with_exact_usage(api, llama_dir
     r = api.completions.create(model=MODEL, prompt="def add(a, b):", max_tokens=12, temperature=0,
                                extra_body=IGNORE_EOS)
     [choice] = r.choices
-    assert (choice.index, choice.text, choice.finish_reason, choice.logprobs) == (0, expected.text, "length", None)
+    assert (choice.index, choice.text, choice.finish_reason, choice.logprobs) == (
+        0, expected.text, "length", None)
     assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (
         len(expected.prompt_token_ids), 12, len(expected.prompt_token_ids) + 12)
     assert r.id.startswith("cmpl-") and r.object == "text_completion" and r.model == MODEL
@@ -99,8 +101,8 @@ def test_every_prompt_form_gives_its_choices_in_order(api, llama_dir, config):
 
 
 def test_streaming_text_equals_non_streaming_text_one_id_finish_reason_last_then_usage(api):
-    kwargs = {"model": MODEL, "prompt": ["def add(a, b):", "In the beginning"], "max_tokens": 40, "temperature": 0,
-              "extra_body": IGNORE_EOS}
+    kwargs = {"model": MODEL, "prompt": ["def add(a, b):", "In the beginning"], "max_tokens": 40,
+              "temperature": 0, "extra_body": IGNORE_EOS}
     whole = api.completions.create(**kwargs)
     chunks = list(api.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
     assert len({c.id for c in chunks}) == 1 and chunks[0].id != whole.id
@@ -117,7 +119,8 @@ def test_streaming_text_equals_non_streaming_text_one_id_finish_reason_last_then
 
 
 def test_n_3_with_a_seed_gives_three_seeded_completions(api, llama_dir, config):
-    params = [ns.SamplingParams(max_tokens=16, temperature=1.0, seed=11 + i, ignore_eos=True) for i in range(3)]
+    params = [ns.SamplingParams(max_tokens=16, temperature=1.0, seed=11 + i, ignore_eos=True)
+              for i in range(3)]
     expected = reference_outputs(llama_dir, config, ["The quick brown fox"] * 3, params)
     kwargs = {"model": MODEL, "prompt": "The quick brown fox", "n": 3, "seed": 11, "max_tokens": 16,
               "temperature": 1.0, "extra_body": IGNORE_EOS}
@@ -143,7 +146,8 @@ def test_stop_strings_end_the_text_before_them(api, llama_dir, config):
 
 
 def test_chat_renders_the_models_template_and_equals_llm_generate(api, llama_dir, config):
-    messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "def add(a, b):"}]
+    messages = [{"role": "system", "content": "You are terse."},
+                {"role": "user", "content": "def add(a, b):"}]
     ids = AutoTokenizer.from_pretrained(llama_dir).apply_chat_template(messages, add_generation_prompt=True,
                                                                        tokenize=True)
     ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
@@ -151,12 +155,14 @@ def test_chat_renders_the_models_template_and_equals_llm_generate(api, llama_dir
     kwargs = {"model": MODEL, "messages": messages, "temperature": 0, "extra_body": IGNORE_EOS}
     r = api.chat.completions.create(max_completion_tokens=12, **kwargs)
     [choice] = r.choices
-    assert (choice.message.role, choice.message.content, choice.finish_reason) == ("assistant", expected.text, "length")
+    assert (choice.message.role, choice.message.content, choice.finish_reason) == (
+        "assistant", expected.text, "length")
     assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(ids), 12)
     assert r.id.startswith("chatcmpl-") and r.object == "chat.completion" and r.model == MODEL
     assert api.chat.completions.create(max_tokens=12, **kwargs).choices[0].message.content == expected.text
     parts = [messages[0], {"role": "user", "content": [{"type": "text", "text": "def add(a, b):"}]}]
-    assert api.chat.completions.create(max_tokens=12, **kwargs | {"messages": parts}).choices[0].message.content == \
+    assert api.chat.completions.create(max_tokens=12,
+                                       **kwargs | {"messages": parts}).choices[0].message.content == \
         expected.text
     chunks = list(api.chat.completions.create(max_tokens=12, stream=True, **kwargs))
     assert len({c.id for c in chunks}) == 1 and all(c.object == "chat.completion.chunk" for c in chunks)
@@ -167,7 +173,8 @@ def test_chat_renders_the_models_template_and_equals_llm_generate(api, llama_dir
 
 def test_chat_without_max_tokens_may_fill_the_context(api, config):
     r = api.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], temperature=0)
-    assert r.choices[0].finish_reason == "stop" or r.usage.total_tokens == 512  # the model's max_position_embeddings
+    # the model's max_position_embeddings
+    assert r.choices[0].finish_reason == "stop" or r.usage.total_tokens == 512
 
 
 def test_logprobs_equal_the_in_process_llms(api, llama_dir, config):
@@ -183,7 +190,8 @@ def test_logprobs_equal_the_in_process_llms(api, llama_dir, config):
         assert all(min(abs(v - r) for r in row.values()) < 1e-5 for v in top.values()), (top, row)
         assert len(top) <= len(row)
     assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
-    streamed = [x for c in api.completions.create(**kwargs, stream=True) for x in c.choices[0].logprobs.token_logprobs]
+    streamed = [x for c in api.completions.create(**kwargs, stream=True)
+                for x in c.choices[0].logprobs.token_logprobs]
     assert streamed == lp.token_logprobs
 
     chat = api.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "def add(a, b):"}],
@@ -191,8 +199,10 @@ def test_logprobs_equal_the_in_process_llms(api, llama_dir, config):
                                        extra_body=IGNORE_EOS).choices[0]
     ids = AutoTokenizer.from_pretrained(llama_dir).apply_chat_template(
         [{"role": "user", "content": "def add(a, b):"}], add_generation_prompt=True, tokenize=True)
-    [expected] = reference_outputs(llama_dir, config, [list(ids["input_ids"] if hasattr(ids, "keys") else ids)],
-                                   ns.SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=2))
+    [expected] = reference_outputs(llama_dir, config,
+                                   [list(ids["input_ids"] if hasattr(ids, "keys") else ids)],
+                                   ns.SamplingParams(max_tokens=10, temperature=0, ignore_eos=True,
+                                                     logprobs=2))
     content = chat.logprobs.content
     assert [c.logprob for c in content] == pytest.approx(
         [row[t] for t, row in zip(expected.token_ids, expected.logprobs)], abs=1e-5)
@@ -208,10 +218,11 @@ def test_an_adapter_loaded_over_http_is_listed_and_selected_by_model(api, url, l
     from tests.test_lora import make_adapter
 
     path = make_adapter(llama_dir, tmp_path / "tests", seed=1)
-    r = requests.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "tests", "lora_path": str(path)}, timeout=30)
+    r = requests.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "tests", "lora_path": str(path)},
+                      timeout=30)
     assert r.status_code == 200, r.text
-    bad = requests.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "gone", "lora_path": str(tmp_path / "x")},
-                        timeout=30)
+    bad = requests.post(f"{url}/v1/load_lora_adapter",
+                        json={"lora_name": "gone", "lora_path": str(tmp_path / "x")}, timeout=30)
     assert bad.status_code == 400 and "not a directory" in bad.json()["error"]["message"]
     models = {m.id: m for m in api.models.list().data}
     assert set(models) == {MODEL, "tests"}
@@ -228,7 +239,8 @@ CHAT = {"messages": [{"role": "user", "content": "hi"}]}
 
 
 @pytest.mark.parametrize("path, body, status, param, match", [
-    ("/v1/completions", {"prompt": "hi", "temperature": -1}, 400, "temperature", "greater than or equal to 0"),
+    ("/v1/completions", {"prompt": "hi", "temperature": -1}, 400, "temperature",
+     "greater than or equal to 0"),
     ("/v1/completions", {"prompt": "hi", "logprobs": 21}, 400, "logprobs", "less than or equal to 20"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens", "greater than or equal to 1"),
     ("/v1/completions", {"prompt": "hi", "model": "nope"}, 404, "model", "model 'nope' does not exist"),
@@ -255,13 +267,15 @@ CHAT = {"messages": [{"role": "user", "content": "hi"}]}
     ("/v1/chat/completions", {"messages": []}, 400, "messages", "at least 1 item"),
     ("/v1/chat/completions", CHAT | {"top_logprobs": 2}, 400, None, "top_logprobs needs logprobs: true"),
     ("/v1/chat/completions", CHAT | {"logprobs": True, "top_logprobs": 21}, 400, "top_logprobs", "less than"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url", "url": "x"}]}]}, 400,
-     "messages[0].content", None),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url", "url": "x"}]}]},
+     400, "messages[0].content", None),
 ])
-def test_a_bad_request_gets_its_status_and_an_openai_error_body_and_service_goes_on(client, api, url, path, body,
-                                                                                      status, param, match):
+def test_a_bad_request_gets_its_status_and_an_openai_error_body_and_service_goes_on(client, api, url, path,
+                                                                                    body, status, param,
+                                                                                    match):
     # json.dumps writes NaN and Infinity as Python's json reads them (requests' json= refuses to)
-    r = requests.post(f"{url}{path}", data=json.dumps(body), headers={"Content-Type": "application/json"}, timeout=30)
+    r = requests.post(f"{url}{path}", data=json.dumps(body), headers={"Content-Type": "application/json"},
+                      timeout=30)
     error = r.json()["error"]
     assert (r.status_code, set(error), error["param"]) == (status, ERROR_KEYS, param), error
     assert match is None or match in error["message"], error
@@ -275,13 +289,15 @@ def test_a_bad_request_gets_its_status_and_an_openai_error_body_and_service_goes
     (b'{"prompt": "' + b"a" * (9 << 20) + b'"}', 413, "request_too_large"),
 ])
 def test_malformed_and_oversized_bodies_get_openai_errors(api, url, body, status, code):
-    r = requests.post(f"{url}/v1/completions", data=body, headers={"Content-Type": "application/json"}, timeout=60)
+    r = requests.post(f"{url}/v1/completions", data=body, headers={"Content-Type": "application/json"},
+                      timeout=60)
     assert (r.status_code, r.json()["error"]["code"]) == (status, code), r.text
     assert serves(api)
 
 
 def test_curl_style_bodies_without_a_json_content_type_are_read_as_json(url):
-    r = requests.post(f"{url}/v1/completions", data=json.dumps({"prompt": "hi", "max_tokens": 3, "ignore_eos": True}),
+    r = requests.post(f"{url}/v1/completions",
+                      data=json.dumps({"prompt": "hi", "max_tokens": 3, "ignore_eos": True}),
                       headers={"Content-Type": "application/x-www-form-urlencoded"}, timeout=30)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
 
@@ -328,7 +344,8 @@ def test_requests_dropped_by_the_client_are_aborted_and_free_their_kv_blocks(cli
         def freed() -> dict | None:
             samples = scrape(url)
             gauges = [metric(samples, f"numaserve:{name}") for name in ("num_requests_running",
-                                                                        "num_requests_waiting", "kv_cache_usage_perc")]
+                                                                        "num_requests_waiting",
+                                                                        "kv_cache_usage_perc")]
             return samples if gauges == [0, 0, 0] else None
 
         samples = wait_for(freed, 30, "/metrics to show the dropped streams' requests and KV blocks gone")
@@ -360,7 +377,8 @@ def test_metrics_after_a_known_workload_count_exactly_and_histograms_are_ordered
     answers = [api.completions.create(prompt=["def add(a, b):", "In the beginning", "x + y"], max_tokens=9,
                                       **greedy),
                api.completions.create(prompt="The quick brown fox", n=2, seed=3, max_tokens=5, **greedy),
-               api.chat.completions.create(messages=[{"role": "user", "content": "hi"}], max_tokens=7, **greedy)]
+               api.chat.completions.create(messages=[{"role": "user", "content": "hi"}], max_tokens=7,
+                                           **greedy)]
     chunks = list(api.completions.create(prompt="x = 1", max_tokens=6, stream=True,
                                          stream_options={"include_usage": True}, **greedy))
     after = scrape(url)
@@ -378,7 +396,8 @@ def test_metrics_after_a_known_workload_count_exactly_and_histograms_are_ordered
     assert delta("numaserve:request_success_total") == num_requests
     assert delta("numaserve:prompt_tokens_total") == prompt_tokens
     assert delta("numaserve:generation_tokens_total") == generation_tokens
-    assert delta("numaserve:prefix_cache_queries_total") == prompt_tokens  # each admitted once, never preempted
+    # each admitted once, never preempted
+    assert delta("numaserve:prefix_cache_queries_total") == prompt_tokens
     assert 0 <= delta("numaserve:prefix_cache_hits_total") <= prompt_tokens
     assert delta("numaserve:num_preemptions_total") == 0
     for name in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds"):
@@ -405,9 +424,11 @@ def test_fuzzing_the_schema_finds_no_server_error(client, url):
     # come from its Hypothesis strategies instead, positive and negative, for each operation in turn
     schema = schemathesis.openapi.from_url(f"{url}/openapi.json")
     operations = [result.ok() for result in schema.get_all_operations()]
-    assert {op.path for op in operations} >= {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health"}
+    assert {op.path for op in operations} >= {"/v1/completions", "/v1/chat/completions", "/v1/models",
+                                              "/health"}
     for operation in operations:
-        cases = st.one_of(operation.as_strategy(GenerationMode.POSITIVE), operation.as_strategy(GenerationMode.NEGATIVE))
+        cases = st.one_of(operation.as_strategy(GenerationMode.POSITIVE),
+                          operation.as_strategy(GenerationMode.NEGATIVE))
 
         @given(case=cases)
         @settings(max_examples=25, deadline=None, database=None, suppress_health_check=list(HealthCheck))
@@ -425,8 +446,8 @@ def test_the_workers_metrics_reach_rays_prometheus_export(client, api):
 
     def exported() -> set | None:
         text = requests.get(url, timeout=10).text
-        found = {s.labels.get("worker") for family in text_string_to_metric_families(text) for s in family.samples
-                 if s.name.startswith("ray_numaserve_generation_tokens")}
+        found = {s.labels.get("worker") for family in text_string_to_metric_families(text)
+                 for s in family.samples if s.name.startswith("ray_numaserve_generation_tokens")}
         return found & {"local-numa0-0", "local-numa1-0"}
 
     wait_for(exported, 60, "Ray's export to show a worker's numaserve_generation_tokens")  # every few seconds

@@ -34,8 +34,8 @@ def adapter_dirs(llama_dir, tmp_path_factory):
 def config(request, tmp_path_factory):
     # max_loras=2 per worker: the batch's four adapters and a composed one rotate through the slots; with
     # lora_merge "always" each step's most-used adapter runs on its merged copy, the others low-rank
-    # adapter_roots: pytest's temporary directories (every adapter here), so paths that leave them are refused;
-    # a registry per deployment (a repeated test registers its adapters from new directories)
+    # adapter_roots: pytest's temporary directories (every adapter here), so paths that leave them are
+    # refused; a registry per deployment (a repeated test registers its adapters from new directories)
     return sim_config("two_numa_sim", engine={"max_num_seqs": 16, "max_loras": 2, "lora_merge": request.param,
                                               "adapter_roots": [str(tmp_path_factory.getbasetemp())]},
                       adapter_registry=str(tmp_path_factory.mktemp("registry") / "adapters.json"))
@@ -75,12 +75,15 @@ def test_mixed_adapters_through_the_client_equal_each_alone(ray_cluster, llama_d
         assert cache["num_adapters"] == 5 and cache["adapter_hits"] >= 5 and cache["adapter_bytes"] > 0
         workers = [w for w in stats["workers"].values() if isinstance(w, dict) and "lora_slot_misses" in w]
         assert len(workers) == 2 and all(w["num_adapters_loaded"] <= 2 for w in workers)  # max_loras
-        if config.engine.lora_merge == "never":  # all low-rank, the five adapters rotating through 2 slots each
+        # all low-rank, the five adapters rotating through 2 slots each
+        if config.engine.lora_merge == "never":
             assert sum(w["lora_slot_misses"] for w in workers) >= 5 and all(len(w["lora_slots_held"]) <= 2
                                                                             for w in workers)
-            assert sum(w["num_lora_tokens"] for w in workers) > 0 == sum(w["num_merged_tokens"] for w in workers)
+            assert sum(w["num_lora_tokens"] for w in workers) > 0 == sum(w["num_merged_tokens"]
+                                                                         for w in workers)
         else:  # every adapted row on its adapter's merged copy, built once per worker
-            assert sum(w["num_merged_tokens"] for w in workers) > 0 == sum(w["num_lora_tokens"] for w in workers)
+            assert sum(w["num_merged_tokens"] for w in workers) > 0 == sum(w["num_lora_tokens"]
+                                                                           for w in workers)
             assert sum(w["lora_merged_builds"] for w in workers) >= 5
 
         assert_a_session_switching_adapter_recomputes_and_switching_back_reuses(client)
@@ -119,7 +122,8 @@ def assert_bad_adapters_are_refused_at_registration(client, good, tmp_path):
     outside = Path(tempfile.mkdtemp(prefix="outside-roots-")) / "a"  # a good adapter, outside adapter_roots
     shutil.copytree(good, outside)
     try:
-        climb = tmp_path.joinpath(*[".."] * len(tmp_path.parts)) / outside.relative_to("/")  # up past / and down
+        # up past / and down
+        climb = tmp_path.joinpath(*[".."] * len(tmp_path.parts)) / outside.relative_to("/")
         (tmp_path / "link").symlink_to(outside)
         for name, path in (("climb", climb), ("link", tmp_path / "link")):
             with pytest.raises(ns.AdapterError, match="outside adapter_roots"):
@@ -149,8 +153,8 @@ def assert_a_session_switching_adapter_recomputes_and_switching_back_reuses(clie
 def assert_a_merged_copy_is_built_once_and_shared(client):
     """The worker that builds a merged copy shares it through the AdapterCache: the other takes it."""
     def per_worker() -> dict[str, tuple[int, int]]:
-        return {w: (s["lora_merged_builds"], s["lora_merged_shared"]) for w, s in client.stats()["workers"].items()
-                if "lora_merged_builds" in s}
+        return {w: (s["lora_merged_builds"], s["lora_merged_shared"])
+                for w, s in client.stats()["workers"].items() if "lora_merged_builds" in s}
 
     client.compose_adapter("fresh", {"a": 1.0, "c": 0.5}, combination="cat")  # no worker holds a copy of it
     before = per_worker()
@@ -159,15 +163,18 @@ def assert_a_merged_copy_is_built_once_and_shared(client):
     next(long)  # running on one worker, which built the copy and shares it
     [builder] = [w for w, (builds, _) in per_worker().items() if builds > before[w][0]]
     wait_for(lambda: "fresh" in client.stats()["adapter_cache"]["merged_held"], 30, "the copy to be shared")
-    # the builder, paused, carries the long request's outstanding tokens: the router sends the next to the other
+    # the builder, paused, carries the long request's outstanding tokens: the router sends the next to the
+    # other
     with ThreadPoolExecutor(1) as pool, paused(client, [builder]):
         pool.submit(client.generate, random_prompt(8, seed=201), GREEDY, adapter="fresh").result(timeout=60)
     long.close()
     after = per_worker()
     assert sum(a[0] - before[w][0] for w, a in after.items()) == 1  # built once
-    assert [w for w, a in after.items() if a[1] > before[w][1]] == [w for w in after if w != builder]  # and shared
+    # and shared
+    assert [w for w, a in after.items() if a[1] > before[w][1]] == [w for w in after if w != builder]
 
 
 def cache_process(name: str) -> tuple[str, int]:
-    [state] = list_actors(filters=[("name", "=", f"{name}.adapters"), ("state", "!=", "DEAD")])  # not an earlier run's
+    # not an earlier run's
+    [state] = list_actors(filters=[("name", "=", f"{name}.adapters"), ("state", "!=", "DEAD")])
     return state.state, state.pid

@@ -84,7 +84,8 @@ def vocab16_dir(tmp_path_factory):
 def test_a_request_resumed_on_a_fresh_engine_continues_at_its_position(llama_dir, vocab16_dir, method):
     """Another worker knows nothing of the request's earlier draws: a seeded sampled request continues at its
     position, with n-gram speculation too (its verification realizes the plain sampler's keyed draws)."""
-    model_dir, prompt = (llama_dir, "The quick brown fox") if method == "off" else (vocab16_dir, [3, 9, 4, 12, 7])
+    model_dir, prompt = ((llama_dir, "The quick brown fox") if method == "off"
+                         else (vocab16_dir, [3, 9, 4, 12, 7]))
     first = ns.LLM(model_dir, **FP32, speculation=SPEC[method]).engine
     whole = first.make_request("whole", prompt, RESUMED_PARAMS)
     outputs = run_outputs(first, whole)
@@ -93,7 +94,8 @@ def test_a_request_resumed_on_a_fresh_engine_continues_at_its_position(llama_dir
         stats = first.stats()
         assert 0 < stats["spec_num_accepted_tokens"] < stats["spec_num_draft_tokens"], stats
     for cut in (1, len(outputs) // 2, len(outputs) - 1):
-        assert resume_on_a_fresh_engine(model_dir, SPEC[method], whole, outputs[:cut]) == whole.output_token_ids
+        assert (resume_on_a_fresh_engine(model_dir, SPEC[method], whole, outputs[:cut])
+                == whole.output_token_ids)
 
 
 def test_a_request_resumed_with_a_draft_model_continues_with_the_same_tokens(llama_dir, draft_dir):
@@ -105,7 +107,8 @@ def test_a_request_resumed_with_a_draft_model_continues_with_the_same_tokens(lla
     whole = first.make_request("whole", "The quick brown fox", RESUMED_PARAMS)
     outputs = run_outputs(first, whole)
     stats = first.stats()
-    assert 0 < stats["spec_num_accepted_tokens"] < stats["spec_num_draft_tokens"], stats  # some drafts rejected
+    # some drafts rejected
+    assert 0 < stats["spec_num_accepted_tokens"] < stats["spec_num_draft_tokens"], stats
     for cut in (1, len(outputs) // 2):
         assert resume_on_a_fresh_engine(llama_dir, spec, whole, outputs[:cut]) == whole.output_token_ids
 

@@ -27,14 +27,16 @@ from tests.conftest import random_prompt
 
 NAME = "serving"
 GREEDY = ns.SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-TEXTS = ["The quick brown fox", "def add(a, b):", "numaserve serves", "Grüße aus Köln! 🙂", "In the beginning"]
+TEXTS = ["The quick brown fox", "def add(a, b):", "numaserve serves", "Grüße aus Köln! 🙂",
+         "In the beginning"]
 
 
 @pytest.fixture(scope="module")
 def config(tmp_path_factory):
     # 16 running + 8 queued per worker: 48 requests admitted in all; a step-time target no step meets, so
     # the scheduler's policy visibly cuts the token budget
-    return sim_config("two_numa_sim", max_queued_per_worker=8, engine={"max_num_seqs": 16}, target_step_ms=0.01,
+    return sim_config("two_numa_sim", max_queued_per_worker=8, engine={"max_num_seqs": 16},
+                      target_step_ms=0.01,
                       adapter_registry=str(tmp_path_factory.mktemp("registry") / "adapters.json"))
 
 
@@ -83,7 +85,8 @@ def test_logprobs_cross_the_worker_stream_router_and_client_as_in_process(client
         done = client.generate("def add(a, b):", sp)
         assert done.token_ids == e.token_ids and len(done.logprobs) == len(e.logprobs) == 10
         for row, expected_row in zip(done.logprobs, e.logprobs):
-            assert list(row) == list(expected_row)  # the top ones in order, then the sampled token if not among them
+            # the top ones in order, then the sampled token if not among them
+            assert list(row) == list(expected_row)
             # float32 sums split over other thread counts: equal to ~1e-6
             assert list(row.values()) == pytest.approx(list(expected_row.values()), abs=1e-5)
         chunks = list(client.stream("def add(a, b):", sp))
@@ -122,7 +125,8 @@ def test_the_schedulers_policy_reaches_the_workers(client, config):
 def test_connect_works_from_another_driver_process(client, ray_cluster):
     code = (f"import numaserve as ns; c = ns.connect({NAME!r}, address={ray_cluster.address!r}); "
             "print(len(c.generate([5, 6, 7], ns.SamplingParams(max_tokens=5, ignore_eos=True)).token_ids))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         check=True)
     assert out.stdout.strip().splitlines()[-1] == "5"
 
 
@@ -148,7 +152,8 @@ def test_closing_a_stream_aborts_its_request_on_the_worker(client):
     with paused(client):  # it cannot run on to its 400 tokens before the close reaches its worker
         stream.close()
         wait_for(lambda: all(s.get("num_streams") == 0 and s.get("num_running") == 0
-                             and s["num_outstanding_requests"] == 0 for s in worker_stats(client).values()), 20,
+                             and s["num_outstanding_requests"] == 0
+                             for s in worker_stats(client).values()), 20,
                  "the abort to reach the worker")
     assert num_aborted(client) == aborted + 1
 
@@ -213,7 +218,8 @@ def test_overloaded_is_raised_not_a_hang_when_admission_is_full_and_service_goes
     ("hello", {"adapter": "nope"}, "unknown adapter 'nope'"),
     ("hello", {"session": 7}, "session must be a str"),
 ])
-def test_bad_requests_raise_invalid_request_through_the_client_and_service_goes_on(client, prompt, kwargs, match):
+def test_bad_requests_raise_invalid_request_through_the_client_and_service_goes_on(client, prompt, kwargs,
+                                                                                   match):
     with pytest.raises(ns.InvalidRequest, match=match):
         client.generate(prompt, **kwargs)
     with pytest.raises(ns.InvalidRequest, match=match):
@@ -246,7 +252,8 @@ def test_adapters_are_validated_persisted_across_a_restart_and_served(client, ll
     cache = ray.get_actor(f"{NAME}.adapters", namespace="numaserve")
     _, pid = cache_process()
     ray.kill(cache, no_restart=False)
-    wait_for(lambda: cache_process()[0] == "ALIVE" and cache_process()[1] != pid, 60, "the adapter cache to restart")
+    wait_for(lambda: cache_process()[0] == "ALIVE" and cache_process()[1] != pid, 60,
+             "the adapter cache to restart")
     assert ray.get(cache.adapters.remote()) == {"a": str(adapter)}  # read back from its file
 
     prompts = [random_prompt(20, seed=40 + i) for i in range(4)]
@@ -263,8 +270,9 @@ def test_a_client_script_submitted_with_ray_job_submit_reaches_the_deployment(ra
                                    ns.SamplingParams(max_tokens=8, temperature=0))
     ray_cli = Path(sys.executable).with_name("ray")
     job = subprocess.run(
-        [str(ray_cli), "job", "submit", "--address", f"http://{ray_cluster.webui_url}", "--working-dir", str(REPO),
-         "--", sys.executable, "tests/cluster/job_client.py", "def add(a, b):", "--name", NAME, "--max-tokens", "8"],
+        [str(ray_cli), "job", "submit", "--address", f"http://{ray_cluster.webui_url}", "--working-dir",
+         str(REPO), "--", sys.executable, "tests/cluster/job_client.py", "def add(a, b):", "--name", NAME,
+         "--max-tokens", "8"],
         check=False, capture_output=True, text=True, timeout=300)
     assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-3000:]
     line = next(x for x in job.stdout.splitlines() if x.startswith("COMPLETION "))
@@ -277,7 +285,8 @@ def test_serve_and_connect_refuse_what_they_cannot_do(client, llama_dir, tmp_pat
         ns.serve(sim_config("two_numa_sim"), model=llama_dir, name=NAME)
     with pytest.raises(DeploymentError, match="numa_local_0, numa_local_1 are taken by another deployment"):
         ns.serve(sim_config("two_numa_sim"), model=llama_dir, name="second")
-    elsewhere = sim_config("two_numa_sim", machines=[{"name": "elsewhere", "numa_nodes": [{"id": 0, "cpus": [0]}]}])
+    elsewhere = sim_config("two_numa_sim",
+                           machines=[{"name": "elsewhere", "numa_nodes": [{"id": 0, "cpus": [0]}]}])
     with pytest.raises(DeploymentError, match="no Ray node offers numa_elsewhere_0"):
         ns.serve(elsewhere, model=llama_dir, name="elsewhere")
     with pytest.raises(ns.CheckpointError, match="config.json"):

@@ -22,7 +22,8 @@ def test_load_aware_modes_through_the_client_equal_no_speculation(ray_cluster, l
     prompts = [TEXTS[i % len(TEXTS)] * 2 if i % 2 else random_prompt(3 + 5 * i, seed=i) for i in range(16)]
     params = [ns.SamplingParams(max_tokens=24, temperature=0, ignore_eos=True) for _ in range(16)]
     config = sim_config("two_numa_sim", engine={"max_num_seqs": 16, "speculation": SPEC | {"mode": mode}})
-    expected = reference_outputs(llama_dir, sim_config("two_numa_sim", engine={"max_num_seqs": 16}), prompts, params)
+    expected = reference_outputs(llama_dir, sim_config("two_numa_sim", engine={"max_num_seqs": 16}),
+                                 prompts, params)
     client = ns.serve(config, model=llama_dir, name=f"speculation-{mode}")
     try:
         with ThreadPoolExecutor(16) as pool:
@@ -33,12 +34,14 @@ def test_load_aware_modes_through_the_client_equal_no_speculation(ray_cluster, l
         # throughput_first, correctly for its costs); that the modes draft where drafts pay is
         # tests/test_speculation.py's, under a fixed cost model
         workers = client.stats()["workers"].values()
-        assert all(w["spec_policy_source"] == "scheduler" and w["spec_mode"] == mode for w in workers), workers
+        assert all(w["spec_policy_source"] == "scheduler" and w["spec_mode"] == mode
+                   for w in workers), workers
     finally:
         client.shutdown()
 
 
-def test_method_auto_through_the_client_equals_no_speculation_under_the_schedulers_policies(ray_cluster, llama_dir,
+def test_method_auto_through_the_client_equals_no_speculation_under_the_schedulers_policies(ray_cluster,
+                                                                                            llama_dir,
                                                                                             tmp_path):
     """Method "auto" on a model with random Medusa heads and a random EAGLE head beside it: the worker reports
     one SpecTelemetry per method (n-gram, Medusa, EAGLE), the scheduler answers one policy for each, and the
@@ -50,7 +53,8 @@ def test_method_auto_through_the_client_equals_no_speculation_under_the_schedule
     prompts = [TEXTS[i % len(TEXTS)] * 2 if i % 2 else random_prompt(3 + 5 * i, seed=i) for i in range(8)]
     params = [ns.SamplingParams(max_tokens=24, temperature=0, ignore_eos=True) for _ in range(8)]
     config = sim_config("two_numa_sim", engine={"max_num_seqs": 16, "speculation": {"method": "auto"}})
-    expected = reference_outputs(llama_dir, sim_config("two_numa_sim", engine={"max_num_seqs": 16}), prompts, params)
+    expected = reference_outputs(llama_dir, sim_config("two_numa_sim", engine={"max_num_seqs": 16}),
+                                 prompts, params)
     client = ns.serve(config, model=model, name="speculation-method-auto")
     try:
         with ThreadPoolExecutor(8) as pool:

@@ -28,7 +28,8 @@ from tests.test_speculation import perturbed_copy
 
 NAME = "speculation"
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "mode": "on", "prompt_lookup_min": 1}
-TEXTS = ["The quick brown fox jumps over the lazy dog. The quick brown fox", "def add(a, b):\n    return a + b\n",
+TEXTS = ["The quick brown fox jumps over the lazy dog. The quick brown fox",
+         "def add(a, b):\n    return a + b\n",
          "numaserve serves language models. numaserve", "In the beginning was the word, and the word"]
 
 
@@ -62,7 +63,8 @@ def num_accepted(client) -> dict[str, int]:
     return num_speculated(client)
 
 
-POLICY_FIELDS = {"max_depth": "spec_max_depth", "accept_rates": "spec_accept_rate_ema", "fixed_s": "spec_step_fixed_s",
+POLICY_FIELDS = {"max_depth": "spec_max_depth", "accept_rates": "spec_accept_rate_ema",
+                 "fixed_s": "spec_step_fixed_s",
                  "per_token_s": "spec_step_per_token_s", "draft_s_per_position": "spec_draft_s_per_position",
                  "draft_s_per_token": "spec_draft_s_per_token", "draft_cost_factor": "spec_draft_cost_factor"}
 
@@ -75,23 +77,25 @@ def in_force(worker_stats: dict) -> dict:
 
 def pushed(policy: dict) -> dict:
     """The same fields of a policy in Scheduler.stats()."""
-    return {field: tuple(policy[field]) if field == "accept_rates" else policy[field] for field in POLICY_FIELDS}
+    return {field: tuple(policy[field]) if field == "accept_rates" else policy[field]
+            for field in POLICY_FIELDS}
 
 
 
 def wait_for_both_workers(client) -> None:
     """A worker an earlier test killed is back (restarted, warmed up, probed alive by the router)."""
-    wait_for(lambda: all(s.get("alive") and "spec_depth" in s for s in client.stats()["workers"].values()), 120,
-               "both workers to serve")
+    wait_for(lambda: all(s.get("alive") and "spec_depth" in s for s in client.stats()["workers"].values()),
+             120, "both workers to serve")
 
 
 def test_greedy_results_through_the_client_equal_no_speculation(client, llama_dir, plain_config):
     prompts = [TEXTS[i % len(TEXTS)] if i % 2 else random_prompt(3 + 5 * i, seed=i) for i in range(16)]
-    params = [ns.SamplingParams(max_tokens=10 + i, temperature=0, ignore_eos=True, stop=["lazy"] if i == 1 else ())
+    params = [ns.SamplingParams(max_tokens=10 + i, temperature=0, ignore_eos=True,
+                                stop=["lazy"] if i == 1 else ())
               for i in range(16)]
     expected = reference_outputs(llama_dir, plain_config, prompts, params)
-    # speculation did run: n-gram drafts on these prompts are accepted; the perturbed draft model's first drafts
-    # mostly are not (0 of 25 accepted in one run), so there the test counts verifications
+    # speculation did run: n-gram drafts on these prompts are accepted; the perturbed draft model's first
+    # drafts mostly are not (0 of 25 accepted in one run), so there the test counts verifications
     key = "spec_num_accepted_tokens" if client.method == "ngram" else "spec_num_drafts"
     before = num_speculated(client, key)
     with ThreadPoolExecutor(16) as pool:
@@ -100,7 +104,8 @@ def test_greedy_results_through_the_client_equal_no_speculation(client, llama_di
     after = num_speculated(client, key)
     assert sum(after.values()) > sum(before.values()), after
     for stats in client.stats()["workers"].values():
-        assert {"spec_num_drafts", "spec_accepted_per_position", "spec_depth", "spec_accept_rate_ema"} <= set(stats)
+        assert {"spec_num_drafts", "spec_accepted_per_position", "spec_depth",
+                "spec_accept_rate_ema"} <= set(stats)
 
 
 @pytest.mark.load_sensitive
@@ -152,11 +157,13 @@ def test_workers_apply_the_speculation_policy_the_scheduler_pushes(client):
 
     def same_policy():  # once idle, the worker's telemetry no longer changes: the last push is in force
         stats = client.stats()
-        return all(s["spec_policy_source"] == "scheduler" and in_force(s) == pushed(stats["policies"][w]["speculation"][0])
+        return all(s["spec_policy_source"] == "scheduler"
+                   and in_force(s) == pushed(stats["policies"][w]["speculation"][0])
                    for w, s in stats["workers"].items()) and stats
     stats = wait_for(same_policy, 20, "every worker to apply the scheduler's last policy")
     for worker_id, policy in stats["policies"].items():
-        assert [p["mode"] for p in policy["speculation"]] == [client.mode]  # forced "on" stays on; auto decides
+        # forced "on" stays on; auto decides
+        assert [p["mode"] for p in policy["speculation"]] == [client.mode]
         [telemetry] = policy["telemetry"]["speculation"]  # one method, one policy
         assert telemetry["method"] == client.method and telemetry["num_step_costs"] > 0
         assert tuple(telemetry["accept_rates"]) == tuple(stats["workers"][worker_id]["spec_accept_rate_ema"])
@@ -183,14 +190,16 @@ def test_a_worker_drafts_at_the_depth_its_scheduler_pushes_not_its_configured_on
     forced = SpeculationPolicy("on", 2, (0.6,) * 4, 1.0, 1 / 16, 0.0, 1.0, 1.0)
     scheduler = PushingScheduler.remote(Policy(256, 16, 32, (forced,)))
     placement = config.placements()[1]
-    worker = NumaWorker.options(runtime_env={"env_vars": {"NUMBA_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}}).remote(
+    worker = NumaWorker.options(runtime_env={"env_vars": {"NUMBA_NUM_THREADS": "1",
+                                                          "OMP_NUM_THREADS": "1"}}).remote(
         placement, str(llama_dir), config.worker_engine_config(placement), scheduler, None, 0.05)
     try:
         ray.get(worker.info.remote(), timeout=120)
         wait_for(lambda: ray.get(scheduler.last_telemetry.remote()) is not None, 10, "the first report")
         prompt = random_prompt(12, seed=32) * 4
         params = ns.SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
-        token_ids = [t for ref in worker.generate.remote("r0", prompt, params) for t in ray.get(ref).token_ids]
+        token_ids = [t for ref in worker.generate.remote("r0", prompt, params)
+                     for t in ray.get(ref).token_ids]
         assert token_ids == reference_outputs(llama_dir, plain_config, [prompt], params)[0].token_ids
         stats = ray.get(worker.stats.remote())
         assert stats["spec_policy_source"] == "scheduler" and stats["spec_max_depth"] == 2
@@ -205,12 +214,14 @@ def test_a_worker_drafts_at_the_depth_its_scheduler_pushes_not_its_configured_on
         ray.kill(scheduler)
 
 
-def test_workers_keep_the_last_policy_and_serve_exactly_when_the_scheduler_is_gone(client, llama_dir, plain_config):
+def test_workers_keep_the_last_policy_and_serve_exactly_when_the_scheduler_is_gone(client, llama_dir,
+                                                                                   plain_config):
     # last in the module: the scheduler does not come back in this deployment
     wait_for_both_workers(client)
     def settled():
         stats = client.stats()
-        return all(in_force(s) == pushed(stats["policies"][w]["speculation"][0]) for w, s in stats["workers"].items()) \
+        return all(in_force(s) == pushed(stats["policies"][w]["speculation"][0])
+                   for w, s in stats["workers"].items()) \
             and {w: pushed(p["speculation"][0]) for w, p in stats["policies"].items()}
     last = wait_for(settled, 20, "every worker to apply the scheduler's last policy")
     ray.kill(ray.get_actor(f"{NAME}.scheduler", namespace="numaserve"), no_restart=True)

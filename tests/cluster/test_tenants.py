@@ -39,7 +39,8 @@ def prefix_hits(client) -> int:
 
 
 def complete(client, key: str, prompt, **kw):
-    return api(client, key).completions.create(model="llama", prompt=prompt, max_tokens=kw.pop("max_tokens", 2),
+    return api(client, key).completions.create(model="llama", prompt=prompt,
+                                               max_tokens=kw.pop("max_tokens", 2),
                                                extra_body={"ignore_eos": True} | kw)
 
 
@@ -126,7 +127,8 @@ def test_a_deadline_that_expires_before_anything_is_sent_is_a_408(client):
 
 
 def test_decisions_reach_the_client_and_stats_watch_draws_the_live_table(client, capsys, monkeypatch):
-    monkeypatch.setenv("COLUMNS", "200")  # rich's console width off a terminal: wide enough for the whole table
+    # rich's console width off a terminal: wide enough for the whole table
+    monkeypatch.setenv("COLUMNS", "200")
     decisions = client.stats()["decisions"]
     assert len(decisions) == 2 and all(any(d["topic"] == "kernel" for d in ds) for ds in decisions.values())
     assert main(["stats", "--name", NAME, "--watch", "--count", "2", "--interval", "0.2"]) in (0, None)
