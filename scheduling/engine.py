@@ -51,8 +51,7 @@ class Engine:
         self.config = config = config or EngineConfig()
         self.decisions = DecisionLog()
         numba.set_num_threads(resolve_num_threads(config.num_threads, os.sched_getaffinity(0)))
-        # after set_num_threads started the threads
-        self.decisions.record("threading", **threading_decision())
+        self.decisions.record("threading", **threading_decision())  # once set_num_threads started them
         self.spec, weights, self.tokenizer = load_model(model_path, config.weight_dtype)
         weights = plan_activations(weights, config.activation_dtype, self.decisions,
                                    load_calibration(model_path))
@@ -89,8 +88,6 @@ class Engine:
     def compose_adapter(self, name: str, weights: dict[str, float], combination: str = "svd") -> None:
         """Register name as a weighted combination of registered adapters. Raises AdapterError."""
         self.adapters.compose(name, weights, combination)
-
-    # ---- requests ---------------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
                     **options) -> Request:
@@ -129,8 +126,6 @@ class Engine:
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
-    # ---- the step ---------------------------------------------------------------------------------
-
     def step(self) -> StepOutput:
         clock = StageClock()
         expired = self.abort_expired()
@@ -167,14 +162,10 @@ class Engine:
         return stats
 
     def apply(self, policy: Policy) -> None:
-        """A scheduler's policy: the token budget and sequence cap from the next step, speculation's
-        policies."""
-        self.batcher.token_budget = policy.token_budget
-        self.batcher.max_num_seqs = policy.max_num_seqs
+        """A scheduler's Policy: batch limits from the next step, speculation's policies."""
+        self.batcher.token_budget, self.batcher.max_num_seqs = policy.token_budget, policy.max_num_seqs
         if policy.speculation is not None:
             self.speculation.push_policies(policy.speculation)
-
-    # ---- figures ----------------------------------------------------------------------------------
 
     def stats(self) -> dict:
         totals = self.totals
