@@ -5,7 +5,7 @@ speculation policy read those records, never engine state.
 """
 
 import time
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # (they hold StepStats)
@@ -115,10 +115,15 @@ class EngineTotals:
     num_prefix_hit_tokens: int = 0
 
     def plus(self, step: StepStats) -> "EngineTotals":
-        added = {f.name: getattr(self, f.name) + getattr(step, f.name) for f in fields(self)
-                 if f.name not in ("num_steps", "num_preemptions")}
-        return replace(self, num_steps=self.num_steps + 1, num_preemptions=self.num_preemptions
-                       + len(step.preempted_ids), **added)
+        return EngineTotals(
+            self.num_steps + 1,
+            self.num_prefill_tokens + step.num_prefill_tokens,
+            self.num_decode_tokens + step.num_decode_tokens,
+            self.num_computed_tokens + step.num_computed_tokens,
+            self.num_generated_tokens + step.num_generated_tokens,
+            self.num_preemptions + len(step.preempted_ids),
+            self.num_prefix_lookup_tokens + step.num_prefix_lookup_tokens,
+            self.num_prefix_hit_tokens + step.num_prefix_hit_tokens)
 
     @property
     def prefix_hit_rate(self) -> float:
