@@ -55,25 +55,33 @@ def start(tree: Path, label: str, model: Path, weight_dtype: str, args) -> Engin
                          cwd=tree)
 
 
-def run_row(name: str, weight_dtype: str, batch: int, trees: dict[str, Path], args, seed: int) -> dict:
+def run_model(name: str, weight_dtype: str, batches: list[int], trees: dict[str, Path], args,
+              seed: int) -> list[dict]:
+    """One row per batch size, on one engine per revision (loaded once for all of them)."""
     model = model_dir(name)
     engines = {label: start(tree, label, model, weight_dtype, args) for label, tree in trees.items()}
     rng = np.random.default_rng(seed)
-    tokens_per_s: dict[str, list[float]] = {label: [] for label in engines}
+    rows = []
     try:
-        for sample in range(args.samples):
-            order = list(engines) if sample % 2 == 0 else list(engines)[::-1]
-            for label in order:
-                # unique to this sample and engine
-                prompts = rng.integers(3, 250, (batch, PROMPT_LEN)).tolist()
-                seconds = engines[label].call("decode", prompts=prompts, num_steps=args.steps)
-                tokens_per_s[label].append(batch * args.steps / seconds)
+        for batch in batches:
+            tokens_per_s: dict[str, list[float]] = {label: [] for label in engines}
+            for sample in range(args.samples):
+                order = list(engines) if sample % 2 == 0 else list(engines)[::-1]
+                for label in order:
+                    # prompts unique to this sample and engine: no prefix cache serves one from another
+                    prompts = rng.integers(3, 250, (batch, PROMPT_LEN)).tolist()
+                    seconds = engines[label].call("decode", prompts=prompts, num_steps=args.steps)
+                    tokens_per_s[label].append(batch * args.steps / seconds)
+            medians = {label: statistics.median(v) for label, v in tokens_per_s.items()}
+            rows.append({"model": name, "weight_dtype": weight_dtype, "batch": batch,
+                         "tokens_per_s": tokens_per_s, "median_tokens_per_s": medians,
+                         "new_over_old": medians["new"] / medians["old"]})
+            print(f"{name} {weight_dtype} batch {batch}: old {medians['old']:.1f}, new {medians['new']:.1f} "
+                  f"tokens/s, new/old {rows[-1]['new_over_old']:.3f}", flush=True)
     finally:
         for engine in engines.values():
             engine.close()
-    medians = {label: statistics.median(v) for label, v in tokens_per_s.items()}
-    return {"model": name, "weight_dtype": weight_dtype, "batch": batch, "tokens_per_s": tokens_per_s,
-            "median_tokens_per_s": medians, "new_over_old": medians["new"] / medians["old"]}
+    return rows
 
 
 def plot(results: dict, path: Path) -> None:
@@ -117,12 +125,10 @@ def main() -> None:
                "revisions": {label: revision(tree) for label, tree in trees.items()},
                "machine": {"cpu": _cpu_name(), "platform": platform.platform()}, "threads": args.threads,
                "samples": args.samples, "steps": args.steps, "rows": []}
-    for i, (name, dtype, batch) in enumerate(rows):
-        row = run_row(name, dtype, batch, trees, args, seed=i)
-        results["rows"].append(row)
-        print(f"{name} {dtype} batch {batch}: old {row['median_tokens_per_s']['old']:.1f}, new "
-              f"{row['median_tokens_per_s']['new']:.1f} tokens/s, new/old {row['new_over_old']:.3f}",
-              flush=True)
+    models = list(dict.fromkeys((m, d) for m, d, _ in rows))  # in order, each once
+    for i, (name, dtype) in enumerate(models):
+        batches = [b for m, d, b in rows if (m, d) == (name, dtype)]
+        results["rows"] += run_model(name, dtype, batches, trees, args, seed=i)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=1))
     plot(results, args.out.with_suffix(".png"))
