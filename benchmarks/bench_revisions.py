@@ -135,10 +135,13 @@ def main() -> None:
 
 
 def _cpu_name() -> str:
+    """The CPU's name and generation (family, model), as /proc/cpuinfo gives them."""
+    fields = {}
     for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor()
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    return f"{fields.get('model name', platform.processor())} (family {fields.get('cpu family')}, " \
+           f"model {fields.get('model')})"
 
 
 if __name__ == "__main__":
