@@ -19,7 +19,7 @@ def run_outputs(engine, req) -> list[RequestOutput]:
     engine.submit(req)
     outputs = []
     while engine.has_unfinished():
-        outputs += [o for o in engine.step() if o.request_id == req.request_id]
+        outputs += [o for o in engine.step().outputs if o.request_id == req.request_id]
     return outputs
 
 
