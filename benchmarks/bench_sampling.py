@@ -1,6 +1,7 @@
 """Sampling cost of one engine step: 32 requests at temperature 0.7, top_p 0.9 on a 32k vocabulary, the
-per-request sampler the engine had before speculation ("before", copied below from commit 972df84) against
-the batched sampler of scheduling/sampler.py ("after"), alternating sample by sample, next to the
+per-request sampler the engine had before speculation ("before": tests/reference_sampler.py, the sampler
+as of commit 972df84) against the batched sampler of scheduling/sampler.py ("after"), alternating sample by
+sample, next to the
 TinyLlama-shaped batch-32 decode step time (greedy, so the step is the forward pass plus bookkeeping).
 Goal: sampling under 5% of that step.
 
@@ -23,50 +24,11 @@ import numpy as np
 import numaserve as ns
 from benchmarks.checkpoints import random_checkpoint
 from cluster_configs.sampling_params import SamplingParams
+from tests.reference_sampler import apply_penalties, sample
 
 RESULTS = Path(__file__).parent / "results"
 NUM_REQUESTS, VOCAB, PROMPT_LEN = 32, 32000, 16
 PARAMS = {"temperature": 0.7, "top_p": 0.9}
-
-
-# ---- before: the per-request sampler as of 972df84 (scheduling/sampler.py), verbatim ----------------
-
-def apply_penalties_before(logits: np.ndarray, prompt_ids: list[int], output_ids: list[int],
-                           params: SamplingParams) -> np.ndarray:
-    logits = logits.copy()
-    if params.repetition_penalty != 1.0:
-        seen = np.unique(np.asarray(prompt_ids + output_ids, np.int64))
-        vals = logits[seen]
-        logits[seen] = np.where(vals > 0, vals / params.repetition_penalty, vals * params.repetition_penalty)
-    if output_ids and (params.presence_penalty or params.frequency_penalty):
-        ids, counts = np.unique(np.asarray(output_ids, np.int64), return_counts=True)
-        logits[ids] -= params.frequency_penalty * counts + params.presence_penalty
-    return logits
-
-
-def sampling_probs_before(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
-    x = logits.astype(np.float64) / params.temperature
-    if 0 < params.top_k < x.shape[0]:
-        kth = np.partition(x, -params.top_k)[-params.top_k]
-        x[x < kth] = -np.inf
-    probs = np.exp(x - x.max())
-    probs /= probs.sum()
-    if params.top_p < 1.0:
-        order = np.argsort(-probs, kind="stable")
-        cumulative = np.cumsum(probs[order])
-        drop = cumulative - probs[order] >= params.top_p
-        probs[order[drop]] = 0.0
-    if params.min_p > 0.0:
-        probs[probs < params.min_p * probs.max()] = 0.0
-    return probs / probs.sum()
-
-
-def sample_before(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:
-    if params.greedy:
-        return int(np.argmax(logits))
-    probs = sampling_probs_before(logits, params)
-    cdf = np.cumsum(probs)
-    return int(min(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"), len(cdf) - 1))
 
 
 # ---- the step's requests, and the two samplers over them -------------------------------------------
@@ -94,8 +56,8 @@ def step_before(logits: np.ndarray, requests: list[BenchRequest]) -> list[int]:
     """What the engine's _append_token did, request by request."""
     out = []
     for i, r in enumerate(requests):
-        x = apply_penalties_before(logits[i], r.token_ids[:r.num_prompt_tokens], r.output_token_ids, r.params)
-        out.append(sample_before(x, r.params, r.rng))
+        x = apply_penalties(logits[i], r.token_ids[:r.num_prompt_tokens], r.output_token_ids, r.params)
+        out.append(sample(x, r.params, r.rng))
     return out
 
 
