@@ -36,7 +36,7 @@ from benchmarks.engine_process import EngineProcess
 
 RESULTS = Path(__file__).parent / "results"
 PROMPT_LEN, DECODE_PROMPT_LEN = 512, 16
-ENGINE_MODULES = ("kernels", "scheduling.engine", "models.llama", "numaserve.llm")
+ENGINE_MODULES = ("kernels", "scheduling.engine", "models.decoder", "numaserve.llm")
 # what the engines' processes inherit: no threading settings of anyone's (ours included)
 CLEAN_ENV = {k: v for k, v in os.environ.items()
              if not k.startswith(("OMP_", "GOMP_", "KMP_", "NUMBA_THREADING"))}

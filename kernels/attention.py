@@ -16,7 +16,7 @@ from numba import njit, prange, types
 from numba.extending import overload
 
 from kernels.bf16 import as_f32, f32_to_bf16
-from kernels.exp32 import exp32
+from kernels.exp32 import exp32, tanh32
 from kernels.simd_dot import dots
 
 _NEG_BIG = np.float32(-3.0e38)  # stands in for -inf (fastmath assumes no infinities)
@@ -35,11 +35,12 @@ _NO_TREE_MASK = np.zeros((1, 0), np.uint8)
 
 
 def paged_attention(q, k_cache, v_cache, k_scale, v_scale, has_scale, block_tables, token_seq, positions,
-                    window, softmax_scale, out, tree_starts=None, tree_mask=None):
+                    window, softmax_scale, out, tree_starts=None, tree_mask=None, softcap=0.0):
     # q: [T, n_heads, D] f32; k_cache, v_cache: [num_blocks, block_size, n_kv, D]
     # k_scale, v_scale: [num_blocks, block_size, n_kv] f32 (read only when has_scale)
     # block_tables: [S, max_blocks] int32; token_seq: [T] int32; positions: [T] int32
     # window: attend to the last `window` positions (0 = all); out: [T, n_heads, D] f32
+    # softcap: scores s -> softcap * tanh(s / softcap) before the softmax (Gemma 2), 0 = none
     # tree_starts: [T] int32, the slot where token t's tree begins (-1: not a tree node); tree_mask: [T, W]
     # uint8, 1 where tree slot tree_starts[t] + i is visible to t (the caller leaves out what the window does)
     if q.shape[0] == 0:
@@ -49,33 +50,33 @@ def paged_attention(q, k_cache, v_cache, k_scale, v_scale, has_scale, block_tabl
     work = q.shape[0] * q.shape[1] * (int(positions.max()) + 1 + tree_mask.shape[1])
     kernel = _attention_parallel if work >= PARALLEL_MIN_WORK else _attention_serial
     kernel(q, k_cache, v_cache, k_scale, v_scale, has_scale, block_tables, token_seq, positions, tree_starts,
-           tree_mask, window, softmax_scale, out)
+           tree_mask, window, softmax_scale, np.float32(softcap), out)
 
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=_FASTMATH, error_model="numpy")
 def _attention_parallel(q, k_cache, v_cache, k_scale, v_scale, has_scale, block_tables, token_seq, positions,
-                        tree_starts, tree_mask, window, softmax_scale, out):
+                        tree_starts, tree_mask, window, softmax_scale, softcap, out):
     T, n_kv = q.shape[0], k_cache.shape[2]
     for task in prange(T * n_kv):
         tt = task // n_kv
         t = tt // 2 if tt % 2 == 0 else T - 1 - tt // 2  # 0, T-1, 1, T-2, ...: prefill rows grow with t,
         # and each thread takes a contiguous range of tasks, so pairing short with long rows balances them
         _attend(q, k_cache, v_cache, k_scale, v_scale, has_scale, block_tables, token_seq, positions,
-                tree_starts, tree_mask, window, softmax_scale, out, t, task - tt * n_kv)
+                tree_starts, tree_mask, window, softmax_scale, softcap, out, t, task - tt * n_kv)
 
 
 @njit(cache=True, nogil=True, fastmath=_FASTMATH, error_model="numpy")
 def _attention_serial(q, k_cache, v_cache, k_scale, v_scale, has_scale, block_tables, token_seq, positions,
-                      tree_starts, tree_mask, window, softmax_scale, out):
+                      tree_starts, tree_mask, window, softmax_scale, softcap, out):
     for t in range(q.shape[0]):
         for kh in range(k_cache.shape[2]):
             _attend(q, k_cache, v_cache, k_scale, v_scale, has_scale, block_tables, token_seq, positions,
-                    tree_starts, tree_mask, window, softmax_scale, out, t, kh)
+                    tree_starts, tree_mask, window, softmax_scale, softcap, out, t, kh)
 
 
 @njit(inline="always", nogil=True, fastmath=_FASTMATH, error_model="numpy")
 def _attend(q, k_cache, v_cache, k_scale, v_scale, has_scale, block_tables, token_seq, positions, tree_starts,
-            tree_mask, window, softmax_scale, out, t, kh):
+            tree_mask, window, softmax_scale, softcap, out, t, kh):
     # token t, kv head kh, for its whole group of query heads: each key and value row is read and widened
     # once; softmax in two passes over a score buffer (no running rescale). Visible slots, in this order:
     # context [start, end), then the tree slots its mask marks (none for a token outside a tree).
@@ -110,6 +111,11 @@ def _attend(q, k_cache, v_cache, k_scale, v_scale, has_scale, block_tables, toke
             _score(qg, k_cache, k_scale, has_scale, block_tables, seq, tree_start + i, kh, softmax_scale, row,
                    scores, n)
             n += 1
+    if softcap > 0:
+        inv_cap = np.float32(1.0) / softcap
+        for g in range(group):
+            for j in range(n):
+                scores[g, j] = softcap * tanh32(scores[g, j] * inv_cap)
     for g in range(group):
         m = _NEG_BIG
         for j in range(n):

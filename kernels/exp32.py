@@ -40,3 +40,20 @@ def exp32(x):
     y = p * (r * r) + r + np.float32(1.0)
     two_n = as_float(np.int32((as_int(k) - _SHIFT_BITS + np.int32(127)) << np.int32(23)))
     return y * two_n if keep else np.float32(0.0)
+
+
+@njit(inline="always", nogil=True)
+def tanh32(x):
+    """tanh(x) for a float32 x, as 1 - 2 / (exp(2x) + 1): vectorizes with exp32 (absolute error ~1e-7; near 0
+    the subtraction loses tanh's relative precision, which its callers (soft-capping, GELU) do not need)."""
+    return np.float32(1.0) - np.float32(2.0) / (exp32(np.float32(2.0) * x) + np.float32(1.0))
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def softcap_inplace(x, cap):
+    # x: [R, N] f32 -> cap * tanh(x / cap) (Gemma 2's final logits)
+    c = np.float32(cap)
+    inv = np.float32(1.0) / c
+    for r in range(x.shape[0]):
+        for n in range(x.shape[1]):
+            x[r, n] = c * tanh32(x[r, n] * inv)

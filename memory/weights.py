@@ -176,15 +176,20 @@ PROJECTIONS = ("qkv", "o", "gate_up", "down")  # a layer's matrices in forward o
 @dataclass(frozen=True, eq=False)  # eq=False: arrays have no truth value, so equality is identity
 class LayerWeights:
     """One decoder layer: norms and biases float32, matrices [out_features, in_features] in a served
-    format."""
+    format. A norm a family's layers do not have is None (models/architectures.py NORM_ROLES: Llama has
+    attn_norm and mlp_norm, Gemma all four, OLMo 2 attn_out_norm and mlp_out_norm)."""
 
-    input_norm: np.ndarray  # [hidden] f32
     qkv: Matrix  # [q_size + 2 * kv_size, hidden]: q | k | v fused
     qkv_bias: np.ndarray | None  # [q_size + 2 * kv_size] f32 (Qwen2), None without
     o: Matrix  # [hidden, q_size]
-    post_norm: np.ndarray  # [hidden] f32
     gate_up: Matrix  # [2 * intermediate, hidden]: gate | up fused
     down: Matrix  # [hidden, intermediate]
+    attn_norm: np.ndarray | None = None  # [hidden] f32: before attention
+    attn_out_norm: np.ndarray | None = None  # [hidden] f32: on attention's output, before the residual add
+    mlp_norm: np.ndarray | None = None  # [hidden] f32: before the MLP
+    mlp_out_norm: np.ndarray | None = None  # [hidden] f32: on the MLP's output, before the residual add
+    q_norm: np.ndarray | None = None  # [head_dim] (per head) | [q_size] (all heads) f32
+    k_norm: np.ndarray | None = None  # [head_dim] | [kv_size] f32
 
     def projection(self, name: str) -> Matrix:
         """The matrix of a projection named in PROJECTIONS."""
@@ -196,8 +201,9 @@ class LayerWeights:
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in (self.input_norm, self.qkv, self.qkv_bias, self.o, self.post_norm,
-                                      self.gate_up, self.down) if a is not None)
+        return sum(a.nbytes for a in (self.qkv, self.qkv_bias, self.o, self.gate_up, self.down,
+                                      self.attn_norm, self.attn_out_norm, self.mlp_norm, self.mlp_out_norm,
+                                      self.q_norm, self.k_norm) if a is not None)
 
 
 @dataclass(frozen=True, eq=False)

@@ -33,7 +33,7 @@ INT8_FEATURES = ("avx2", "f16c")
 
 
 def linear_matrices(weights: ModelWeights) -> Iterator[tuple[str, str, Matrix]]:
-    """(name, layer type, matrix) of every matrix whose input the forward pass observes (models/llama.py):
+    """(name, layer type, matrix) of every matrix whose input the forward pass observes (models/decoder.py):
     "layers.{i}.{key}", key | "lm_head", "lm_head"."""
     for i, layer in enumerate(weights.layers):
         for key in PROJECTIONS:

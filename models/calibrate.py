@@ -1,7 +1,7 @@
 """`numaserve calibrate`: run a model over text with float32 activations and write its calibration file.
 
 Three passes over the same token windows, each watching every linear layer's input through
-`LlamaModel.observer`: (1) the largest |x|, (2) the histogram of |x| (percentile and kl only), then the
+`DecoderModel.observer`: (1) the largest |x|, (2) the histogram of |x| (percentile and kl only), then the
 static scales (models/activation_ranges.py), (3) per matrix, the output with int8 activations (dynamic
 per-block scales, and the static scale) against float32 activations with the same weights:
 error = ||Y_int8 - Y_f32|| / ||Y_f32|| over every calibration token. A matrix whose dynamic error
@@ -27,8 +27,8 @@ from models.calibration import (
     MatrixCalibration,
     matrix_names,
 )
+from models.decoder import DecoderModel
 from models.linear import linear
-from models.llama import LlamaModel
 from models.loader import load_model
 
 WINDOW_TOKENS = 256  # the demo family's training context
@@ -105,7 +105,7 @@ class WindowRunner:
     """The model over one window of tokens at a time (positions from 0), logits at every position."""
 
     def __init__(self, spec, weights: ModelWeights):
-        self.model = LlamaModel(spec, weights)
+        self.model = DecoderModel(spec, weights)
         self.matrices = {name: w for name, _, w in linear_matrices(weights)}
         self.max_tokens = min(WINDOW_TOKENS, spec.max_position_embeddings)
         num_blocks = -(-self.max_tokens // _BLOCK)

@@ -43,23 +43,26 @@ def find_tensors(model_dir: Path) -> dict[str, TensorEntry]:
 
 
 def expected_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
-    h, q, kv, inter = spec.hidden_size, spec.q_size, spec.kv_size, spec.intermediate_size
+    h, q, kv, inter, D = spec.hidden_size, spec.q_size, spec.kv_size, spec.intermediate_size, spec.head_dim
+    arch = spec.arch
     shapes = {"model.embed_tokens.weight": (spec.vocab_size, h), "model.norm.weight": (h,)}
     if not spec.tie_word_embeddings:
         shapes["lm_head.weight"] = (spec.vocab_size, h)
     for i in range(spec.num_layers):
         p = f"model.layers.{i}."
-        shapes |= {
-            p + "input_layernorm.weight": (h,),
-            p + "post_attention_layernorm.weight": (h,),
-            p + "self_attn.q_proj.weight": (q, h),
-            p + "self_attn.k_proj.weight": (kv, h),
-            p + "self_attn.v_proj.weight": (kv, h),
-            p + "self_attn.o_proj.weight": (h, q),
-            p + "mlp.gate_proj.weight": (inter, h),
-            p + "mlp.up_proj.weight": (inter, h),
-            p + "mlp.down_proj.weight": (h, inter),
-        }
+        shapes |= {p + f"{name}.weight": (h,) for name in arch.norms.values()}
+        if arch.fused_projections:
+            shapes |= {p + "self_attn.qkv_proj.weight": (q + 2 * kv, h),
+                       p + "mlp.gate_up_proj.weight": (2 * inter, h)}
+        else:
+            shapes |= {p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
+                       p + "self_attn.v_proj.weight": (kv, h), p + "mlp.gate_proj.weight": (inter, h),
+                       p + "mlp.up_proj.weight": (inter, h)}
+        shapes |= {p + "self_attn.o_proj.weight": (h, q), p + "mlp.down_proj.weight": (h, inter)}
+        if arch.qk_norm != "none":
+            whole = arch.qk_norm == "whole"
+            shapes |= {p + "self_attn.q_norm.weight": (q if whole else D,),
+                       p + "self_attn.k_norm.weight": (kv if whole else D,)}
         if spec.qkv_bias:
             shapes |= {p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
                        p + "self_attn.v_proj.bias": (kv,)}
@@ -112,26 +115,35 @@ def load_weights(model_dir: str | Path, weight_dtype: str) -> tuple[ModelSpec, M
     mat = WeightMatrix.from_float
     head_dtype = lm_head_dtype(weight_dtype)
     embed = mat(read("model.embed_tokens.weight"), head_dtype if spec.tie_word_embeddings else weight_dtype)
-    norm = read("model.norm.weight")
+    norm = read("model.norm.weight") + np.float32(spec.arch.norm_offset)
     lm_head = embed if spec.tie_word_embeddings else mat(read("lm_head.weight"), head_dtype)
-    layers = tuple(load_layer(read, f"model.layers.{i}.", spec.qkv_bias, weight_dtype)
-                   for i in range(spec.num_layers))
+    layers = tuple(load_layer(read, f"model.layers.{i}.", spec, weight_dtype) for i in range(spec.num_layers))
     read.close()
     return spec, ModelWeights(embed=embed, norm=norm, lm_head=lm_head, layers=layers)
 
 
-def load_layer(read, prefix: str, qkv_bias: bool, weight_dtype: str) -> LayerWeights:
+def load_layer(read, prefix: str, spec: ModelSpec, weight_dtype: str) -> LayerWeights:
     """One decoder layer's weights from read(name) -> float32 tensor: q|k|v and gate|up fused, matrices in
-    weight_dtype, norms and biases float32."""
-    mat, p = WeightMatrix.from_float, prefix
-    qkv = np.concatenate([read(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
-    gate_up = np.concatenate([read(p + "mlp.gate_proj.weight"), read(p + "mlp.up_proj.weight")])
+    weight_dtype, norms (as the forward applies them: Gemma's offset added) and biases float32."""
+    mat, p, arch = WeightMatrix.from_float, prefix, spec.arch
+
+    def norm(name: str) -> np.ndarray:
+        return read(p + name + ".weight") + np.float32(arch.norm_offset)
+
+    if arch.fused_projections:
+        qkv, gate_up = read(p + "self_attn.qkv_proj.weight"), read(p + "mlp.gate_up_proj.weight")
+    else:
+        qkv = np.concatenate([read(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
+        gate_up = np.concatenate([read(p + "mlp.gate_proj.weight"), read(p + "mlp.up_proj.weight")])
+    qk_norms = {} if arch.qk_norm == "none" else {"q_norm": norm("self_attn.q_norm"),
+                                                  "k_norm": norm("self_attn.k_norm")}
     return LayerWeights(
-        input_norm=read(p + "input_layernorm.weight"),
-        post_norm=read(p + "post_attention_layernorm.weight"),
         qkv=mat(qkv, weight_dtype),
         o=mat(read(p + "self_attn.o_proj.weight"), weight_dtype),
         gate_up=mat(gate_up, weight_dtype),
         down=mat(read(p + "mlp.down_proj.weight"), weight_dtype),
-        qkv_bias=np.concatenate([read(p + f"self_attn.{n}_proj.bias") for n in "qkv"]) if qkv_bias else None,
+        qkv_bias=(np.concatenate([read(p + f"self_attn.{n}_proj.bias") for n in "qkv"]) if spec.qkv_bias
+                  else None),
+        **{role: norm(name) for role, name in arch.norms.items()},
+        **qk_norms,
     )

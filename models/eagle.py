@@ -6,7 +6,7 @@ target's shape (with its own KV over the positions it has read) and its own fina
 f'_{i+1}, its guess of the target's next feature, and the target's LM head into a guess of token i + 2.
 Drafting feeds each guess back with its feature. The embedding and the LM head are the target's (shared,
 not stored); the file holds fc and the layer: `eagle_head.safetensors` beside the model with a 1-layer
-LlamaModel's names (`model.layers.0.*`, `model.norm.weight`) plus `fc.weight` [H, 2H] and `fc.bias` [H],
+DecoderModel's names (`model.layers.0.*`, `model.norm.weight`) plus `fc.weight` [H, 2H] and `fc.bias` [H],
 and `eagle_config.json` (`eagle_num_layers`: 1).
 
 A draft vocabulary (FR-Spec: the most frequent tokens; EAGLE-3's `d2t` tensor, [Vd] int64, target id of
@@ -27,9 +27,9 @@ from memory.weights import Int8Matrix, ModelWeights, WeightMatrix, select_rows
 from models.activation_plan import for_activations, plan_activations
 from models.batch import ForwardBatch
 from models.checkpoint import expected_shapes, load_layer
+from models.decoder import DecoderModel
 from models.head_config import read_head_config
 from models.linear import embed, linear
-from models.llama import LlamaModel
 from models.safetensors_io import read_header, read_int_tensor, read_tensor
 from models.spec import ModelSpec
 
@@ -42,7 +42,7 @@ class EagleHead:
     fc: WeightMatrix | Int8Matrix  # [H, 2H] (our linear kernels: a row's result does not depend on its batch)
     fc_bias: np.ndarray  # [H] f32
     # one layer: the target's embedding and LM head (its draft vocabulary's rows), its own layer and norm
-    model: LlamaModel
+    model: DecoderModel
     # [Vd] int64: the target ids of its logits' columns (None: all of them)
     draft_ids: np.ndarray | None = None
 
@@ -60,8 +60,11 @@ class EagleHead:
 
 
 def eagle_spec(spec: ModelSpec) -> ModelSpec:
-    """The head's layer stack: the target's shape, one layer."""
-    return replace(spec, num_layers=1, layer_windows=spec.layer_windows[:1])
+    """The head's layer stack: one Llama decoder layer of the target's shape (EAGLE heads are Llama layers
+    whatever the target's family), over the target's LM head (with its logit multiplier and soft-cap)."""
+    return replace(spec, architecture="LlamaForCausalLM", num_layers=1, layer_windows=spec.layer_windows[:1],
+                   layer_ropes=spec.layer_ropes[:1], embedding_multiplier=1.0,
+                   attention_multiplier=None, attn_softcap=0.0, residual_multiplier=1.0)
 
 
 def load_eagle_head(model_dir: str | Path, spec: ModelSpec, target_weights: ModelWeights, weight_dtype: str,
@@ -95,11 +98,11 @@ def load_eagle_head(model_dir: str | Path, spec: ModelSpec, target_weights: Mode
     lm_head = target_weights.lm_head if draft_ids is None else select_rows(target_weights.lm_head, draft_ids)
     # the target's embedding and LM head (its draft vocabulary's rows), the head's own norm and layer
     weights = replace(target_weights, lm_head=lm_head, norm=read("model.norm.weight"),
-                      layers=(load_layer(read, "model.layers.0.", spec.qkv_bias, weight_dtype),))
+                      layers=(load_layer(read, "model.layers.0.", head_spec, weight_dtype),))
     # the target's LM head stays as it is
     weights = plan_activations(weights, activation_dtype, DecisionLog())
     fc = for_activations(WeightMatrix.from_float(read("fc.weight"), weight_dtype), activation_dtype)
-    return EagleHead(fc, read("fc.bias"), LlamaModel(head_spec, weights), draft_ids)
+    return EagleHead(fc, read("fc.bias"), DecoderModel(head_spec, weights), draft_ids)
 
 
 def _draft_ids(path: Path, entry, vocab_size: int) -> np.ndarray:

@@ -15,7 +15,7 @@ import numpy as np
 from gguf import GGMLQuantizationType, LlamaFileType
 
 from cluster_configs.errors import CheckpointError
-from models.rope import rope_inv_freq
+from models.rope import inv_freq
 from models.spec import ModelSpec
 
 GT = GGMLQuantizationType
@@ -86,14 +86,13 @@ def _llama3_bounds(v_low: float, v_high: float | None, v_ramp: np.ndarray,
 
 def rope_freq_factors(spec: ModelSpec) -> np.ndarray:
     """llama.cpp's rope_freqs.weight for a llama3-scaled spec: [head_dim // 2] f32 divisors."""
-    base, _ = rope_inv_freq(replace(spec, rope_scaling=None))
-    scaled, _ = rope_inv_freq(spec)
+    base, _ = inv_freq(replace(spec.rope, scaling=None))
+    scaled, _ = inv_freq(spec.rope)
     return (base.astype(np.float64) / scaled).astype(np.float32)
 
 
 def rope_type(spec: ModelSpec) -> str:
-    scaling = spec.rope_scaling or {}
-    return scaling.get("rope_type", scaling.get("type", "default"))
+    return spec.rope.kind
 
 
 def rope_row_order(num_heads: int, head_dim: int) -> np.ndarray:

@@ -26,6 +26,7 @@ from models.gguf_format import (
 )
 from models.gguf_vocab import tokenizer_from_metadata
 from models.linear import dequantize
+from models.rope import Rope
 from models.spec import ModelSpec
 from models.tokenizer import Tokenizer
 
@@ -130,8 +131,8 @@ def _spec(path: Path, metadata: dict, tensors: dict[str, StoredTensor]) -> Model
         num_kv_heads=int(key("attention.head_count_kv", num_heads)),
         head_dim=head_dim,
         rms_norm_eps=f32(key("attention.layer_norm_rms_epsilon")),
-        rope_theta=rope_theta,
-        rope_scaling=_rope_scaling(path, metadata, tensors, rope_theta, head_dim),
+        layer_ropes=(Rope(rope_theta, _rope_scaling(path, metadata, tensors, rope_theta, head_dim),
+                          head_dim),) * int(key("block_count")),
         max_position_embeddings=int(key("context_length")),
         tie_word_embeddings="output.weight" not in tensors,
         qkv_bias=False,
@@ -230,8 +231,8 @@ def _weights(path: Path, spec: ModelSpec, tensors: dict, weight_dtype: str) -> M
         qkv = [pop(p + "attn_q.weight", (q, h)), pop(p + "attn_k.weight", (kv, h)),
                pop(p + "attn_v.weight", (kv, h))]
         layers.append(LayerWeights(
-            input_norm=_vector(pop(p + "attn_norm.weight", (h,))),
-            post_norm=_vector(pop(p + "ffn_norm.weight", (h,))),
+            attn_norm=_vector(pop(p + "attn_norm.weight", (h,))),
+            mlp_norm=_vector(pop(p + "ffn_norm.weight", (h,))),
             qkv=_served(qkv, weight_dtype, weight_dtype, qkv_rows),
             o=_served([pop(p + "attn_output.weight", (h, q))], weight_dtype, weight_dtype),
             gate_up=_served([pop(p + "ffn_gate.weight", (inter, h)), pop(p + "ffn_up.weight", (inter, h))],

@@ -40,12 +40,12 @@ def _tensor_plan(spec: ModelSpec,
     q_rows, k_rows = rope_row_order(spec.num_heads, D), q + rope_row_order(spec.num_kv_heads, D)
     for i, layer in enumerate(weights.layers):
         p = f"blk.{i}."
-        plan += [(p + "attn_norm.weight", layer.input_norm, None),
+        plan += [(p + "attn_norm.weight", layer.attn_norm, None),
                  (p + "attn_q.weight", layer.qkv, q_rows),
                  (p + "attn_k.weight", layer.qkv, k_rows),
                  (p + "attn_v.weight", layer.qkv, np.arange(q + kv, q + 2 * kv)),
                  (p + "attn_output.weight", layer.o, None),
-                 (p + "ffn_norm.weight", layer.post_norm, None),
+                 (p + "ffn_norm.weight", layer.mlp_norm, None),
                  (p + "ffn_gate.weight", layer.gate_up, np.arange(inter)),
                  (p + "ffn_up.weight", layer.gate_up, np.arange(inter, 2 * inter)),
                  (p + "ffn_down.weight", layer.down, None)]
@@ -118,7 +118,7 @@ def export_gguf(spec: ModelSpec, weights: ModelWeights, tokenizer: Tokenizer | N
     """Write a loaded model as a llama GGUF file llama.cpp runs: every tensor in its served format (q8_0 ->
     Q8_0, q4_0 -> Q4_0, bfloat16 -> BF16, float32 -> F32, norms F32), byte for byte. A model without a
     tokenizer gets a synthetic byte-level vocabulary of vocab_size tokens."""
-    if spec.qkv_bias or any(spec.layer_windows):
+    if spec.arch.gguf != "llama" or spec.qkv_bias or any(spec.layer_windows):
         raise CheckpointError(f"{spec.architecture} with attention biases or sliding windows has no llama "
                               "GGUF equivalent; convert it with llama.cpp's convert_hf_to_gguf.py")
     out_path = Path(out_path)

@@ -1,12 +1,13 @@
 """ModelSpec: the architecture facts of a checkpoint, read from its config.json."""
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
 from cluster_configs.errors import CheckpointError
-
-ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+from models.architectures import ARCHITECTURES, Architecture, architecture
+from models.rope import ROPE_TYPES, Rope
 
 
 @dataclass(frozen=True)
@@ -20,14 +21,43 @@ class ModelSpec:
     num_kv_heads: int
     head_dim: int
     rms_norm_eps: float
-    rope_theta: float
-    rope_scaling: dict | None
+    layer_ropes: tuple[Rope, ...]  # per layer
     max_position_embeddings: int
     tie_word_embeddings: bool
     qkv_bias: bool
     layer_windows: tuple[int, ...]  # per layer: sliding-window length, 0 = full attention
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
+    # the family's numbers (models/architectures.py describes the rest); the defaults are Llama's
+    embedding_multiplier: float = 1.0  # embeddings times this (Gemma: sqrt(hidden); Granite)
+    attention_multiplier: float | None = None  # scores = q.k times this; None: 1 / sqrt(head_dim)
+    attn_softcap: float = 0.0  # scores -> cap * tanh(scores / cap) (Gemma 2); 0 = none
+    residual_multiplier: float = 1.0  # each block's output times this before the residual add (Granite)
+    logit_multiplier: float = 1.0  # logits times this (Granite: 1 / logits_scaling)
+    final_softcap: float = 0.0  # logits -> cap * tanh(logits / cap) (Gemma 2); 0 = none
+
+    @property
+    def arch(self) -> Architecture:
+        return architecture(self.architecture)
+
+    @property
+    def softmax_scale(self) -> float:
+        m = self.attention_multiplier
+        return 1.0 / math.sqrt(self.head_dim) if m is None else m
+
+    @property
+    def rope(self) -> Rope:
+        """The global (full-attention) layers' rotary embedding: what GGUF's llama.rope.* keys describe."""
+        full = [r for r, w in zip(self.layer_ropes, self.layer_windows) if not w and r.rotary_dim]
+        return (full or [r for r in self.layer_ropes if r.rotary_dim] or list(self.layer_ropes))[0]
+
+    @property
+    def rope_theta(self) -> float:
+        return self.rope.theta
+
+    @property
+    def rope_scaling(self) -> dict | None:
+        return self.rope.scaling
 
     @property
     def q_size(self) -> int:
@@ -65,67 +95,113 @@ def _eos_ids(value) -> tuple[int, ...]:
     return tuple(value) if isinstance(value, list) else (int(value),)
 
 
-def _layer_windows(cfg: dict, architecture: str, num_layers: int) -> tuple[int, ...]:
-    window = cfg.get("sliding_window") or 0
-    if architecture == "MistralForCausalLM":
-        return (window,) * num_layers
-    if architecture == "Qwen2ForCausalLM" and cfg.get("use_sliding_window") and window:
-        types = cfg.get("layer_types") or [
-            "sliding_attention" if i >= cfg.get("max_window_layers", num_layers) else "full_attention"
-            for i in range(num_layers)]
-        return tuple(window if t == "sliding_attention" else 0 for t in types)
-    return (0,) * num_layers
+def _layer_types(cfg: dict, arch: Architecture, num_layers: int) -> tuple[str, ...]:
+    types = cfg.get("layer_types") or arch.layer_types(cfg, num_layers)
+    if len(types) != num_layers:
+        raise ValueError(f"layer_types has {len(types)} entries for {num_layers} layers")
+    return tuple(types)
+
+
+def _rope_parameters(cfg: dict, layer_type: str) -> dict:
+    """Hugging Face's rope parameters of a layer type, from either config format: transformers 5's
+    rope_parameters (flat, or nested by layer type) or 4.x's rope_theta, rope_scaling, partial_rotary_factor
+    and Gemma 3's rope_local_base_freq."""
+    params = cfg.get("rope_parameters") or {}
+    if isinstance(params.get(layer_type), dict):
+        params = params[layer_type]
+    elif not params:
+        params = dict(cfg.get("rope_scaling") or {})
+        if layer_type == "sliding_attention" and cfg.get("rope_local_base_freq"):
+            params = {"rope_theta": cfg["rope_local_base_freq"]}  # Gemma 3's local layers: plain rope
+    params = dict(params)
+    params.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
+    params.setdefault("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+    kind = params.get("rope_type", params.get("type", "default"))
+    params["rope_type"] = {"su": "longrope"}.get(kind, kind)
+    if params["rope_type"] in ("llama3", "longrope"):
+        # Phi-3 keeps its pretraining length beside the rope parameters; HF gives that one priority
+        key = "original_max_position_embeddings"
+        params[key] = cfg.get(key) or params.get(key) or cfg.get("max_position_embeddings", 2048)
+    if params["rope_type"] == "longrope" and params.get("factor") is None:
+        params["factor"] = (cfg.get("max_position_embeddings", 2048)
+                            / params["original_max_position_embeddings"])
+    return params
+
+
+def _rope(cfg: dict, layer_type: str, head_dim: int, uses_rope: bool) -> Rope:
+    params = _rope_parameters(cfg, layer_type)
+    theta = float(params.pop("rope_theta"))
+    rotary_dim = int(head_dim * float(params.pop("partial_rotary_factor"))) if uses_rope else 0
+    if params["rope_type"] not in ROPE_TYPES:
+        raise ValueError(f"rope scaling {params!r} is not supported; expected rope_type one of {ROPE_TYPES}")
+    return Rope(theta, None if params["rope_type"] == "default" else params, rotary_dim)
+
+
+def _multiplier(cfg: dict, key: str, default: float = 1.0) -> float:
+    value = cfg.get(key)
+    return default if value is None else float(value)
 
 
 def load_spec(model_dir: Path) -> ModelSpec:
     path = model_dir / "config.json"
     cfg = _read_json(path)
     archs = cfg.get("architectures") or []
-    architecture = next((a for a in archs if a in ARCHITECTURES), None)
-    if architecture is None:
+    name = next((a for a in archs if a in ARCHITECTURES), None)
+    if name is None:
         raise _fail(path, f"architectures={archs!r} is not supported; "
                           f"numaserve serves {', '.join(ARCHITECTURES)}")
+    arch = architecture(name)
     try:
         num_heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
         num_layers = int(cfg["num_hidden_layers"])
-        rope = cfg.get("rope_parameters") or {}
-        scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+        head_dim = int(cfg.get("head_dim") or hidden // num_heads)
+        types = _layer_types(cfg, arch, num_layers)
+        no_rope = cfg.get("no_rope_layers") or [1] * num_layers  # SmolLM3: 0 where a layer has no rope
+        window = int(cfg.get("sliding_window") or 0)
         gen_path = model_dir / "generation_config.json"
         gen = _read_json(gen_path) if gen_path.exists() else {}
         eos = _eos_ids(gen.get("eos_token_id", cfg.get("eos_token_id")))
+        logits_scaling = _multiplier(cfg, "logits_scaling")
         spec = ModelSpec(
-            architecture=architecture,
+            architecture=name,
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=hidden,
             intermediate_size=int(cfg["intermediate_size"]),
             num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
-            head_dim=int(cfg.get("head_dim") or hidden // num_heads),
+            head_dim=head_dim,
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(cfg.get("rope_theta", rope.get("rope_theta", 10000.0))),
-            rope_scaling=scaling,
+            layer_ropes=tuple(_rope(cfg, t, head_dim, bool(no_rope[i])) for i, t in enumerate(types)),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=architecture == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
-            layer_windows=_layer_windows(cfg, architecture, num_layers),
+            qkv_bias=arch.qkv_bias or bool(cfg.get("attention_bias", False)),
+            layer_windows=tuple(window if t == "sliding_attention" else 0 for t in types),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos,
+            # Gemma: HF multiplies by sqrt(hidden) rounded to the activations' dtype (float32 here)
+            embedding_multiplier=(float(math.sqrt(hidden)) if arch.scale_embeddings
+                                  else _multiplier(cfg, "embedding_multiplier")),
+            attention_multiplier=(float(cfg["query_pre_attn_scalar"]) ** -0.5
+                                  if cfg.get("query_pre_attn_scalar") else cfg.get("attention_multiplier")),
+            attn_softcap=_multiplier(cfg, "attn_logit_softcapping", 0.0),
+            residual_multiplier=_multiplier(cfg, "residual_multiplier"),
+            logit_multiplier=1.0 / logits_scaling,
+            final_softcap=_multiplier(cfg, "final_logit_softcapping", 0.0),
         )
     except KeyError as e:
-        raise _fail(path, f"field {e.args[0]!r} is missing; it is required for {architecture}") from None
+        raise _fail(path, f"field {e.args[0]!r} is missing; it is required for {name}") from None
     except (TypeError, ValueError) as e:
-        raise _fail(path, f"a field has the wrong type ({e}); "
+        raise _fail(path, f"a field has the wrong type or value ({e}); "
                           "compare with the transformers config class") from None
     if spec.num_heads % spec.num_kv_heads:
         raise _fail(path, f"num_attention_heads={spec.num_heads} is not a multiple of "
                           f"num_key_value_heads={spec.num_kv_heads}")
-    if cfg.get("hidden_act", "silu") != "silu":
-        raise _fail(path, f"hidden_act={cfg['hidden_act']!r} is not supported; expected 'silu'")
+    act = cfg.get("hidden_activation", cfg.get("hidden_act", "silu"))
+    expected = {"silu": ("silu",), "gelu_tanh": ("gelu_pytorch_tanh", "gelu_tanh")}[arch.activation]
+    if act not in expected:
+        raise _fail(path, f"hidden_act={act!r} is not supported for {name}; expected {expected[0]!r}")
     if cfg.get("mlp_bias"):
         raise _fail(path, "mlp_bias=true is not supported; expected false")
-    if scaling and scaling.get("rope_type", scaling.get("type")) not in ("llama3", "linear", "default"):
-        raise _fail(path, f"rope scaling {scaling!r} is not supported; "
-                          "expected rope_type 'llama3' or 'linear'")
     return spec

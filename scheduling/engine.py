@@ -18,7 +18,7 @@ from memory.heap import release_free_heap
 from memory.kv_cache import KVCache
 from models.activation_plan import plan_activations
 from models.calibration import load_calibration
-from models.llama import LlamaModel
+from models.decoder import DecoderModel
 from models.loader import load_model
 from models.lora import LoraAdapter
 from models.lora_slots import LoraSlots, slot_dtype
@@ -56,9 +56,9 @@ class Engine:
         weights = plan_activations(weights, config.activation_dtype, self.decisions,
                                    load_calibration(model_path))
         release_free_heap()  # the matrices plan_activations repacked
-        self.model = LlamaModel(self.spec, weights)
         s, bs = self.spec, config.block_size
         self.max_model_len = config.max_model_len or s.max_position_embeddings
+        self.model = DecoderModel(s, weights, self.max_model_len)
         num_blocks = num_kv_blocks(s, config, self.max_model_len)
         self.kv_cache = KVCache(s.num_layers, num_blocks, bs, s.num_kv_heads, s.head_dim,
                                 config.resolved_kv_dtype)

@@ -13,7 +13,7 @@ import numpy as np
 
 from memory.kv_cache import KVCache
 from models.batch import ForwardBatch
-from models.llama import LlamaModel
+from models.decoder import DecoderModel
 from scheduling.adapter_store import AdapterStore
 from scheduling.lora_planner import LoraPlanner
 from scheduling.plan import StepPlan
@@ -32,7 +32,7 @@ class RunOutput:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, kv_cache: KVCache, block_size: int, adapters: AdapterStore,
+    def __init__(self, model: DecoderModel, kv_cache: KVCache, block_size: int, adapters: AdapterStore,
                  lora: LoraPlanner):
         self.model = model
         self.kv_cache = kv_cache

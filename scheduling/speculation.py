@@ -11,7 +11,7 @@ from typing import Protocol
 from cluster_configs.diagnostics import DecisionLog
 from cluster_configs.engine_config import EngineConfig
 from cluster_configs.speculation_config import SpeculationConfig
-from models.llama import LlamaModel
+from models.decoder import DecoderModel
 from models.proposers import auto_candidates, make_proposer
 from models.spec import ModelSpec
 from scheduling.batcher import Batcher
@@ -73,7 +73,7 @@ class NoSpeculation:
 
 
 def make_speculation(config: EngineConfig, spec: ModelSpec, tokenizer, model_path: str | Path,
-                     model: LlamaModel, *, kv_cache_tokens: int, decisions: DecisionLog) -> Speculation:
+                     model: DecoderModel, *, kv_cache_tokens: int, decisions: DecisionLog) -> Speculation:
     """An engine's speculation: a Speculator for one method, a MethodChooser over every candidate for method
     "auto", NoSpeculation when off. Proposers get the engine's dtypes and KV geometry and the target's
     weights, and find their side files (Medusa heads, ...) beside the model (a GGUF file's directory)."""

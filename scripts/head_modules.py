@@ -38,7 +38,7 @@ class EagleHead(torch.nn.Module):
         config = type(target_config)(**(target_config.to_dict() | one_layer))
         hidden = config.hidden_size
         self.fc = torch.nn.Linear(2 * hidden, hidden, bias=True)
-        self.model = AutoModel.from_config(config)  # the target's architecture: LlamaModel, Qwen2Model, ...
+        self.model = AutoModel.from_config(config)  # the target's architecture: DecoderModel, Qwen2Model, ...
         del self.model.embed_tokens  # the target's
 
     def forward(self, token_embeds: torch.Tensor, features: torch.Tensor) -> torch.Tensor:

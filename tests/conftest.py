@@ -22,7 +22,9 @@ def model_dirs(tmp_path_factory) -> dict:
 
 @pytest.fixture(scope="session")
 def hf_models(model_dirs) -> dict:
-    return {v: AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    # eager attention: the one transformers applies Gemma 2's soft-capping in
+    return {v: AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32,
+                                                    attn_implementation="eager").eval()
             for v, d in model_dirs.items()}
 
 

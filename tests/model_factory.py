@@ -5,13 +5,27 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import (
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    GraniteConfig,
+    GraniteForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    Olmo2Config,
+    Olmo2ForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+    SmolLM3Config,
+    SmolLM3ForCausalLM,
 )
 
 VOCAB_SIZE = 384
@@ -39,6 +53,39 @@ VARIANTS = {
         "num_key_value_heads": 1}),
     "mistral": (MistralConfig, MistralForCausalLM, {"sliding_window": 8, "head_dim": 16}),
     "qwen2": (Qwen2Config, Qwen2ForCausalLM, {"tie_word_embeddings": False}),
+    # per-head q/k norms, head_dim != hidden / heads, its second layer sliding (max_window_layers)
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM, {
+        "head_dim": 24, "rope_theta": 1000000.0, "use_sliding_window": True, "sliding_window": 8,
+        "max_window_layers": 1}),
+    # sandwich norms, GeGLU, sqrt(hidden) embeddings, query_pre_attn_scalar != head_dim, attention and final
+    # soft-caps low enough to bite, alternating window 8 / global layers, tied
+    "gemma2": (Gemma2Config, Gemma2ForCausalLM, {
+        "head_dim": 16, "query_pre_attn_scalar": 24, "sliding_window": 8, "attn_logit_softcapping": 2.0,
+        "final_logit_softcapping": 3.0, "pad_token_id": 0}),
+    # + q/k norms, each layer type its own rope (local plain 10k, global linear x4 on 1e6), final soft-cap
+    "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM, {
+        "num_hidden_layers": 3, "head_dim": 16, "query_pre_attn_scalar": 20, "sliding_window": 8,
+        "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+        "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                            "full_attention": {"rope_type": "linear", "factor": 4.0,
+                                               "rope_theta": 1000000.0}},
+        "final_logit_softcapping": 4.0, "pad_token_id": 0}),
+    # fused qkv and gate_up, LongRoPE on 3/4 of each head (Phi-4-mini); served up to its 512 positions, past
+    # the original 32: the long factors (tests/test_architectures.py serves it within 32 too)
+    "phi3": (Phi3Config, Phi3ForCausalLM, {
+        "original_max_position_embeddings": 32, "pad_token_id": 0,
+        "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+                            "short_factor": [1.0, 1.1, 1.3, 1.7, 2.2, 3.0],
+                            "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 9.0]}}),
+    # every multiplier away from 1, tied
+    "granite": (GraniteConfig, GraniteForCausalLM, {
+        "embedding_multiplier": 6.0, "attention_multiplier": 0.2, "residual_multiplier": 0.4,
+        "logits_scaling": 3.0, "tie_word_embeddings": True}),
+    # norms after attention and MLP only, q/k norms over all heads
+    "olmo2": (Olmo2Config, Olmo2ForCausalLM, {"pad_token_id": 0}),
+    # its second layer without rope, tied
+    "smollm3": (SmolLM3Config, SmolLM3ForCausalLM, {
+        "no_rope_layers": [1, 0], "pad_token_id": 0, "tie_word_embeddings": True}),
 }
 
 

@@ -10,7 +10,6 @@ import json
 import math
 import re
 import shutil
-from dataclasses import replace
 from pathlib import Path
 
 import gguf
@@ -29,8 +28,7 @@ from models.gguf_reader import read_gguf
 from models.gguf_writer import convert_to_gguf
 from models.linear import dequantize
 from models.loader import load_model
-from models.rope import rope_inv_freq
-from models.spec import ModelSpec
+from models.rope import Rope, inv_freq
 from tests.conftest import random_prompt
 from tests.model_factory import CORPUS
 from tests.test_hf_parity import hf_logits
@@ -50,14 +48,14 @@ def make_llm(path, weight_dtype="auto") -> ns.LLM:
 # ---- an independent GGUF writer: the gguf package, used the way convert_hf_to_gguf.py uses it --------------
 
 def permute(w: np.ndarray, n_head: int, n_head_kv: int | None) -> np.ndarray:
-    """convert_hf_to_gguf.py LlamaModel.permute, in numpy."""
+    """convert_hf_to_gguf.py DecoderModel.permute, in numpy."""
     if n_head_kv is not None and n_head != n_head_kv:
         n_head = n_head_kv
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 def llama3_rope_factors(cfg: dict) -> np.ndarray:
-    """convert_hf_to_gguf.py LlamaModel.generate_extra_tensors for rope_type llama3."""
+    """convert_hf_to_gguf.py DecoderModel.generate_extra_tensors for rope_type llama3."""
     rope = cfg["rope_parameters"]
     dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     freqs = 1.0 / (rope["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
@@ -321,10 +319,8 @@ def test_llama3_scaling_from_rope_freqs_reproduces_the_frequencies(theta, head_d
                "original_max_position_embeddings": original}
     cfg = {"head_dim": head_dim, "rope_parameters": scaling | {"rope_theta": theta}}
     recovered = llama3_scaling_from_factors(llama3_rope_factors(cfg), theta, head_dim)
-    spec = ModelSpec("LlamaForCausalLM", 8, 4 * head_dim, 8, 1, 4, 4, head_dim, 1e-5, theta, scaling, 128,
-                     False, False, (0,), 1, (2,))
-    expected, _ = rope_inv_freq(spec)
-    np.testing.assert_allclose(rope_inv_freq(replace(spec, rope_scaling=recovered))[0], expected, rtol=1e-6)
+    expected, _ = inv_freq(Rope(theta, scaling, head_dim))
+    np.testing.assert_allclose(inv_freq(Rope(theta, recovered, head_dim))[0], expected, rtol=1e-6)
 
 
 # ---- tokenizer -------------------------------------------------------------------------------------------

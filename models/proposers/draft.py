@@ -24,7 +24,7 @@ from memory.block_pool import BlockPool
 from memory.kv_cache import KVCache
 from models.activation_plan import plan_activations
 from models.batch import ForwardBatch
-from models.llama import LlamaModel
+from models.decoder import DecoderModel
 from models.loader import load_model
 from models.proposers.base import Proposer, SpecRequest
 from models.sampling_batch import SamplingBatch
@@ -89,7 +89,7 @@ class DraftModelProposer(Proposer):
         self.spec, weights, tokenizer = load_model(path, weight_dtype)
         check_same_vocabulary(path, self.spec, tokenizer, target_spec, target_tokenizer)
         weights = plan_activations(weights, activation_dtype, decisions or DecisionLog())
-        self.model = LlamaModel(self.spec, weights)
+        self.model = DecoderModel(self.spec, weights)
         self.vocab_size = target_spec.vocab_size  # drafts are tokens of the target's vocabulary
         # a forward costs about its share of the target's layers (fixed, per-layer calls) and of the
         # target's parameters (per token, weights read)

@@ -1,27 +1,31 @@
-"""The Llama-family forward pass (Llama, Mistral, Qwen2) over a flat token batch and a paged KV cache."""
+"""The decoder forward pass of every dense family (models/architectures.py) over a flat token batch and a
+paged KV cache. What differs between families is data the pass reads, not branches: a layer's norms are
+applied where its weights have them, the spec's multipliers and soft-caps where they are not neutral."""
 
-import math
 import time
 
 import numpy as np
 
 from kernels.attention import paged_attention, write_kv, write_kv_int8
-from kernels.norms import rms_norm, rope_inplace, silu_mul
+from kernels.exp32 import softcap_inplace
+from kernels.norms import GATED_ACTIVATIONS, rms_norm, rms_norm_heads, rope_inplace
 from memory.kv_cache import KVCache
 from memory.weights import Matrix, ModelWeights
 from models.batch import ForwardBatch
 from models.linear import embed, linear
 from models.lora_slots import add_lora
-from models.rope import rope_inv_freq
+from models.rope import rope_table
 from models.spec import ModelSpec
 
 
-class LlamaModel:
-    def __init__(self, spec: ModelSpec, weights: ModelWeights):
+class DecoderModel:
+    def __init__(self, spec: ModelSpec, weights: ModelWeights, max_model_len: int | None = None):
         self.spec = spec
         self.weights = weights
-        self.inv_freq, self.attention_scaling = rope_inv_freq(spec)
-        self.softmax_scale = 1.0 / math.sqrt(spec.head_dim)
+        # [num_layers]; max_model_len (default: the model's context) picks LongRoPE's factors
+        self.ropes = tuple(rope_table(r, max_model_len or spec.max_position_embeddings)
+                           for r in spec.layer_ropes)
+        self.activation = GATED_ACTIVATIONS[spec.arch.activation]
         q, kv, inter = spec.q_size, spec.kv_size, spec.intermediate_size
         # LoRA modules -> their columns in our fused projections
         self.qkv_modules = (("q_proj", slice(0, q)), ("k_proj", slice(q, q + kv)),
@@ -53,10 +57,12 @@ class LlamaModel:
         s, w = self.spec, self.weights
         T, D = batch.num_tokens, s.head_dim
         h = embed(w.embed, batch.token_ids) if embeddings is None else embeddings.copy()  # [T, hidden]
+        if s.embedding_multiplier != 1.0 and embeddings is None:
+            h *= np.float32(s.embedding_multiplier)
         x = np.empty_like(h)
         attn = np.empty((T, s.num_heads, D), np.float32)
         for i, layer in enumerate(w.layers):
-            rms_norm(h, layer.input_norm, s.rms_norm_eps, x)
+            self._norm(h, layer.attn_norm, x)
             qkv = self._project(i, "qkv", layer.qkv, x, batch)  # [T, q_size + 2 * kv_size]
             add_lora(qkv, x, batch.lora, i, self.qkv_modules)
             if layer.qkv_bias is not None:
@@ -64,34 +70,61 @@ class LlamaModel:
             q = qkv[:, :s.q_size].reshape(T, s.num_heads, D)
             k = qkv[:, s.q_size:s.q_size + s.kv_size].reshape(T, s.num_kv_heads, D)
             v = qkv[:, s.q_size + s.kv_size:].reshape(T, s.num_kv_heads, D)
-            rope_inplace(q, batch.positions, self.inv_freq, self.attention_scaling)
-            rope_inplace(k, batch.positions, self.inv_freq, self.attention_scaling)
+            if layer.q_norm is not None:  # over each head [D], or over all heads as one row
+                rms_norm_heads(q if layer.q_norm.shape[0] == D else q.reshape(T, 1, -1), layer.q_norm,
+                               s.rms_norm_eps)
+                rms_norm_heads(k if layer.k_norm.shape[0] == D else k.reshape(T, 1, -1), layer.k_norm,
+                               s.rms_norm_eps)
+            rope = self.ropes[i]
+            rope_inplace(q, batch.positions, rope.inv_freq, rope.attention_scaling)
+            rope_inplace(k, batch.positions, rope.inv_freq, rope.attention_scaling)
             if kv.has_scale:
                 write_kv_int8(k, v, batch.slot_mapping, kv.k[i], kv.v[i], kv.k_scale[i], kv.v_scale[i])
             else:
                 write_kv(k, v, batch.slot_mapping, kv.k[i], kv.v[i])
             paged_attention(q, kv.k[i], kv.v[i], kv.k_scale[i], kv.v_scale[i], kv.has_scale,
                             batch.block_tables, batch.token_seq, batch.positions, s.layer_windows[i],
-                            self.softmax_scale, attn, batch.tree_starts, batch.tree_mask)
+                            s.softmax_scale, attn, batch.tree_starts, batch.tree_mask, s.attn_softcap)
             attn_flat = attn.reshape(T, s.q_size)
             o = self._project(i, "o", layer.o, attn_flat, batch)
             add_lora(o, attn_flat, batch.lora, i, (("o_proj", slice(None)),))
-            h += o
-            rms_norm(h, layer.post_norm, s.rms_norm_eps, x)
+            self._add_residual(h, o, layer.attn_out_norm)
+            self._norm(h, layer.mlp_norm, x)
             gate_up = self._project(i, "gate_up", layer.gate_up, x, batch)  # [T, 2 * intermediate]
             add_lora(gate_up, x, batch.lora, i, self.gate_up_modules)
             act = np.empty((T, s.intermediate_size), np.float32)
-            silu_mul(gate_up, act)
+            self.activation(gate_up, act)
             down = self._project(i, "down", layer.down, act, batch)
             add_lora(down, act, batch.lora, i, (("down_proj", slice(None)),))
-            h += down
+            self._add_residual(h, down, layer.mlp_out_norm)
         h_out = np.ascontiguousarray(h[batch.logits_indices])
         rms_norm(h_out, w.norm, s.rms_norm_eps, h_out)
         hidden = None
         if batch.hidden_indices is not None:
             hidden = np.ascontiguousarray(h[batch.hidden_indices])
             rms_norm(hidden, w.norm, s.rms_norm_eps, hidden)
-        return self._linear("lm_head", h_out, w.lm_head), hidden
+        logits = self._linear("lm_head", h_out, w.lm_head)
+        if s.logit_multiplier != 1.0:
+            logits *= np.float32(s.logit_multiplier)
+        if s.final_softcap:
+            softcap_inplace(logits, s.final_softcap)
+        return logits, hidden
+
+    def _norm(self, h: np.ndarray, weight: np.ndarray | None, out: np.ndarray) -> None:
+        """out = RMSNorm(h) where the layer has this norm, else a copy of h."""
+        if weight is None:
+            out[:] = h
+        else:
+            rms_norm(h, weight, self.spec.rms_norm_eps, out)
+
+    def _add_residual(self, h: np.ndarray, block_out: np.ndarray, out_norm: np.ndarray | None) -> None:
+        """h += a block's output (normed first where the layer has an output norm; times the spec's residual
+        multiplier)."""
+        if out_norm is not None:
+            rms_norm(block_out, out_norm, self.spec.rms_norm_eps, block_out)
+        if self.spec.residual_multiplier != 1.0:
+            block_out *= np.float32(self.spec.residual_multiplier)
+        h += block_out
 
     def _project(self, i: int, key: str, w: Matrix, x: np.ndarray, batch: ForwardBatch) -> np.ndarray:
         """Layer i's fused projection `key` (w, its matrix); rows on merged copies (batch.merged) run on their

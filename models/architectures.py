@@ -1,0 +1,80 @@
+"""One description per architecture: what differs between the families numaserve serves, as data the loaders
+(models/spec.py, models/checkpoint.py, the GGUF reader and writer) and the forward (models/decoder.py) read.
+
+Numeric quirks (embedding, attention, residual and logit multipliers, soft-capping, windows, rope bases) come
+from each checkpoint's config into ModelSpec; what is fixed per family (which norms a layer has, how its
+tensors are named, the MLP's activation) lives here.
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+# A layer's norms by role, in forward order: before attention, on attention's output (before the residual
+# add), before the MLP, on the MLP's output. Llama has the first and third; Gemma 2/3 all four ("sandwich");
+# OLMo 2 the second and fourth.
+NORM_ROLES = ("attn_norm", "attn_out_norm", "mlp_norm", "mlp_out_norm")
+LLAMA_NORMS = {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"}
+SANDWICH_NORMS = {"attn_norm": "input_layernorm", "attn_out_norm": "post_attention_layernorm",
+                  "mlp_norm": "pre_feedforward_layernorm", "mlp_out_norm": "post_feedforward_layernorm"}
+POST_NORMS = {"attn_out_norm": "post_attention_layernorm", "mlp_out_norm": "post_feedforward_layernorm"}
+# llama.cpp's tensor names for the same roles (blk.{i}.<name>.weight)
+GGUF_NORMS = {"attn_norm": "attn_norm", "attn_out_norm": "post_attention_norm", "mlp_norm": "ffn_norm",
+              "mlp_out_norm": "post_ffw_norm"}
+
+
+def _full(cfg: dict, n: int) -> tuple[str, ...]:
+    return ("full_attention",) * n
+
+
+def _all_sliding(cfg: dict, n: int) -> tuple[str, ...]:  # Mistral, Mixtral, Phi-3: every layer when set
+    return ("sliding_attention" if cfg.get("sliding_window") else "full_attention",) * n
+
+
+def _qwen_window_layers(cfg: dict, n: int) -> tuple[str, ...]:  # layers from max_window_layers on
+    if not (cfg.get("use_sliding_window") and cfg.get("sliding_window")):
+        return _full(cfg, n)
+    first = cfg.get("max_window_layers", n)
+    return tuple("sliding_attention" if i >= first else "full_attention" for i in range(n))
+
+
+def _alternating(cfg: dict, n: int) -> tuple[str, ...]:  # Gemma 2: even layers slide
+    return tuple("sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n))
+
+
+def _every_nth_global(cfg: dict, n: int) -> tuple[str, ...]:  # Gemma 3: every pattern-th layer is global
+    pattern = int(cfg.get("sliding_window_pattern", cfg.get("_sliding_window_pattern", 6)))
+    return tuple("sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n))
+
+
+@dataclass(frozen=True)
+class Architecture:
+    name: str  # Hugging Face's `architectures` entry
+    gguf: str  # llama.cpp's general.architecture
+    norms: dict[str, str] = field(default_factory=lambda: LLAMA_NORMS)  # role -> name under model.layers.{i}
+    qk_norm: str = "none"  # "none" | "head": an RMSNorm over each head [head_dim] | "whole": over all heads
+    norm_offset: float = 0.0  # RMSNorm scales by (offset + weight): Gemma stores weight - 1
+    activation: str = "silu"  # the MLP's gate activation: "silu" | "gelu_tanh"
+    fused_projections: bool = False  # qkv_proj and gate_up_proj stored fused (Phi-3)
+    scale_embeddings: bool = False  # embeddings times sqrt(hidden_size) (Gemma)
+    qkv_bias: bool = False  # q/k/v biases whatever the config says (Qwen2); else config's attention_bias
+    layer_types: Callable[[dict, int], tuple[str, ...]] = _full  # for configs without `layer_types`
+
+
+_GEMMA = {"norms": SANDWICH_NORMS, "norm_offset": 1.0, "activation": "gelu_tanh", "scale_embeddings": True}
+
+ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
+    Architecture("LlamaForCausalLM", "llama"),
+    Architecture("MistralForCausalLM", "llama", layer_types=_all_sliding),
+    Architecture("Qwen2ForCausalLM", "qwen2", qkv_bias=True, layer_types=_qwen_window_layers),
+    Architecture("Qwen3ForCausalLM", "qwen3", qk_norm="head", layer_types=_qwen_window_layers),
+    Architecture("Gemma2ForCausalLM", "gemma2", layer_types=_alternating, **_GEMMA),
+    Architecture("Gemma3ForCausalLM", "gemma3", qk_norm="head", layer_types=_every_nth_global, **_GEMMA),
+    Architecture("Phi3ForCausalLM", "phi3", fused_projections=True, layer_types=_all_sliding),
+    Architecture("GraniteForCausalLM", "granite"),
+    Architecture("Olmo2ForCausalLM", "olmo2", norms=POST_NORMS, qk_norm="whole"),
+    Architecture("SmolLM3ForCausalLM", "smollm3"),
+)}
+
+
+def architecture(name: str) -> Architecture:
+    return ARCHITECTURES[name]
