@@ -3,8 +3,9 @@
 The template comes from the model: chat_template.jinja beside tokenizer_config.json (transformers >= 4.43
 saves it there), else tokenizer_config.json's "chat_template" (a string, or a list of named templates:
 "default"), or a GGUF file's tokenizer.chat_template. It runs in jinja2's immutable sandbox with transformers'
-settings (trim_blocks, lstrip_blocks, loop controls, a tojson that does not escape HTML, raise_exception,
-strftime_now) and sees the messages, add_generation_prompt and the tokenizer's special tokens.
+settings (trim_blocks, lstrip_blocks, loop controls, {% generation %} blocks, a tojson that does not escape
+HTML, raise_exception, strftime_now) and sees the messages, add_generation_prompt and the tokenizer's special
+tokens.
 """
 
 import json
@@ -99,12 +100,27 @@ _compiled: dict[str, jinja2.Template] = {}
 def _compile(source: str) -> jinja2.Template:
     if source not in _compiled:
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                            extensions=[jinja2.ext.loopcontrols])
+                                            extensions=[_Generation, jinja2.ext.loopcontrols])
         env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _raise_exception
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         _compiled[source] = env.from_string(source)
     return _compiled[source]
+
+
+class _Generation(jinja2.ext.Extension):
+    """{% generation %}...{% endgeneration %} (SmolLM3's template): transformers' marker of the assistant's
+    tokens for training masks. Its body renders as a call block, as in transformers; nothing is tracked."""
+
+    tags = frozenset({"generation"})
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+    def _body(self, caller) -> str:
+        return caller()
 
 
 def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
