@@ -4,8 +4,8 @@ The template comes from the model: chat_template.jinja beside tokenizer_config.j
 saves it there), else tokenizer_config.json's "chat_template" (a string, or a list of named templates:
 "default"), or a GGUF file's tokenizer.chat_template. It runs in jinja2's immutable sandbox with transformers'
 settings (trim_blocks, lstrip_blocks, loop controls, {% generation %} blocks, a tojson that does not escape
-HTML, raise_exception, strftime_now) and sees the messages, add_generation_prompt and the tokenizer's special
-tokens.
+HTML, raise_exception, strftime_now) and sees what apply_chat_template passes: the messages,
+add_generation_prompt, tools, documents, the tokenizer's special tokens and any other template kwargs.
 """
 
 import json
@@ -27,12 +27,16 @@ class ChatTemplate:
     source: str
     special_tokens: dict[str, str] = field(default_factory=dict)  # e.g. {"bos_token": "<s>", ...}
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """The prompt text of a conversation; InvalidRequest when the template refuses it."""
+    def render(self, messages: list[dict], add_generation_prompt: bool = True,
+               tools: list[dict] | None = None, documents: list[dict] | None = None, **kwargs) -> str:
+        """The prompt text of a conversation; InvalidRequest when the template refuses it.
+
+        tools, documents and kwargs (enable_thinking, controls, ...) reach the template as apply_chat_template
+        passes them: a kwarg named like a special token overrides it."""
         try:
-            return _compile(self.source).render(messages=messages, tools=None, documents=None,
-                                                add_generation_prompt=add_generation_prompt,
-                                                **self.special_tokens)
+            return _compile(self.source).render(messages=_template_messages(messages),
+                                                add_generation_prompt=add_generation_prompt, tools=tools,
+                                                documents=documents, **(self.special_tokens | kwargs))
         except jinja2.TemplateError as e:  # raise_exception(...) in the template, a syntax or sandbox error
             raise InvalidRequest(f"the model's chat template refused the messages: {e}; send messages the "
                                  "template accepts (roles, order)") from None
@@ -40,6 +44,24 @@ class ChatTemplate:
             raise InvalidRequest("the model's chat template failed on the messages "
                                  f"({type(e).__name__}: {e}); "
                                  "send plain string contents and the usual roles") from None
+
+
+# a message's reasoning, under the names clients send it: templates read the first (and gpt-oss's "thinking")
+REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+
+
+def _template_messages(messages: list[dict]) -> list[dict]:
+    # as apply_chat_template: keys whose value is None dropped (templates test for a missing key), reasoning
+    # under any of its names copied to reasoning_content and thinking
+    out = []
+    for message in messages:
+        if isinstance(message, dict):
+            message = {k: v for k, v in message.items() if v is not None}
+            reasoning = next((message[k] for k in REASONING_FIELDS if k in message), None)
+            if reasoning is not None:
+                message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
+        out.append(message)
+    return out
 
 
 def load_chat_template(model: str | Path) -> ChatTemplate | None:
