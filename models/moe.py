@@ -101,7 +101,9 @@ def moe_forward(x: np.ndarray, experts: ExpertWeights, linear: Linear) -> tuple[
     offsets = np.empty(experts.num_experts + 1, np.int64)
     slots = np.empty(T * k, np.int64)
     group_by_expert(ids, offsets, slots)
-    y = np.empty((T, k, hidden), np.float32)  # each (token, slot)'s expert output
+    # each (token, slot)'s expert output, kept for the slot-order sum: T * k rows (a 512-token chunk, k = 8,
+    # hidden 2048: 32 MB)
+    y = np.empty((T, k, hidden), np.float32)
     for e in np.flatnonzero(np.diff(offsets)):
         rows = slots[offsets[e]:offsets[e + 1]]  # [n] flat positions t * k + j
         gate_up, down = experts.expert(e)
