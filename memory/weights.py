@@ -240,3 +240,21 @@ def select_rows(w: WeightMatrix | Int8Matrix, ids: np.ndarray) -> WeightMatrix |
         return w.repacked(select_rows(w.unpack(), ids))
     return WeightMatrix(w.dtype, np.ascontiguousarray(w.data[ids]),
                         None if w.scales is None else np.ascontiguousarray(w.scales[ids]))
+
+
+def row_block(w: Matrix, start: int, stop: int) -> Matrix:
+    """Rows [start, stop) of w as a zero-copy view in w's format and layout (a MoE expert's block of a
+    stacked matrix). Packed formats interleave blocks of 4 rows (Bf16Matrix, a VNNI Int8Matrix): start must
+    begin a block and stop end one or be the last row, else ValueError."""
+    n, k = w.shape
+    if not 0 <= start < stop <= n:
+        raise ValueError(f"rows [{start}, {stop}) are not a block of a matrix of {n} rows")
+    if isinstance(w, WeightMatrix):
+        return WeightMatrix(w.dtype, w.data[start:stop], None if w.scales is None else w.scales[start:stop])
+    rows = BF16_ROWS if isinstance(w, Bf16Matrix) else VNNI_ROWS if w.vnni else 1
+    if start % rows or (stop % rows and stop != n):
+        raise ValueError(f"rows [{start}, {stop}) split a block of {rows} interleaved rows")
+    end = -(-stop // rows) * rows  # the last block's padding rows come along
+    if isinstance(w, Bf16Matrix):
+        return Bf16Matrix(w.data[start:end], (stop - start, k))
+    return replace(w, data=w.data[start:end], scales=w.scales[start:end], shape=(stop - start, k))
