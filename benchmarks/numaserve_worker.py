@@ -18,7 +18,7 @@ import psutil
 
 import numaserve as ns
 from benchmarks.engine_process import serve
-from memory.weights import PROJECTIONS, ModelWeights
+from memory.weights import ModelWeights
 from models.gguf_writer import convert_to_gguf, export_gguf
 
 
@@ -85,7 +85,7 @@ def _matrices(weights: ModelWeights):
     if weights.lm_head is not weights.embed:
         yield weights.lm_head
     for layer in weights.layers:
-        yield from (layer.projection(k) for k in PROJECTIONS)
+        yield from (layer.projection(k) for k in layer.projections)
 
 
 def main() -> None:

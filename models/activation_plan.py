@@ -25,7 +25,7 @@ from dataclasses import replace
 from cluster_configs.diagnostics import DecisionLog
 from kernels.cpu import missing_features
 from kernels.simd_bf16 import BF16_FEATURES
-from memory.weights import PROJECTIONS, Bf16Matrix, Int8Matrix, Matrix, ModelWeights, WeightMatrix
+from memory.weights import Bf16Matrix, Int8Matrix, Matrix, ModelWeights, WeightMatrix
 from models.calibration import Calibration, MatrixCalibration, check_fits
 
 # vpmaddwd on 256-bit vectors, fp16 scale conversion (and VNNI where present)
@@ -34,9 +34,9 @@ INT8_FEATURES = ("avx2", "f16c")
 
 def linear_matrices(weights: ModelWeights) -> Iterator[tuple[str, str, Matrix]]:
     """(name, layer type, matrix) of every matrix whose input the forward pass observes (models/decoder.py):
-    "layers.{i}.{key}", key | "lm_head", "lm_head"."""
+    "layers.{i}.{key}", key | "lm_head", "lm_head" (key: a layer's projections, a MoE layer's experts')."""
     for i, layer in enumerate(weights.layers):
-        for key in PROJECTIONS:
+        for key in layer.projections:
             yield f"layers.{i}.{key}", key, layer.projection(key)
     yield "lm_head", "lm_head", weights.lm_head
 
@@ -46,7 +46,7 @@ def with_linear_matrices(weights: ModelWeights, choose: Callable[[str, Matrix], 
     order."""
     layers = []
     for i, layer in enumerate(weights.layers):
-        for key in PROJECTIONS:
+        for key in layer.projections:
             layer = layer.with_projection(key, choose(f"layers.{i}.{key}", layer.projection(key)))
         layers.append(layer)
     return replace(weights, layers=tuple(layers), lm_head=choose("lm_head", weights.lm_head))
@@ -96,6 +96,9 @@ def for_activations(w: WeightMatrix, activation_dtype: str) -> WeightMatrix | In
 
 def _plan(weights: ModelWeights, activation_dtype: str, decisions: DecisionLog,
           calibration: Calibration | None, static_scales: bool) -> ModelWeights:
+    if calibration is not None and any(layer.experts is not None for layer in weights.layers):
+        _calibration_unused(calibration, decisions, "calibration files describe dense models only")
+        calibration = None
     if calibration is not None:
         check_fits(calibration, len(weights.layers))
     if activation_dtype == "float32":

@@ -46,6 +46,26 @@ def _every_nth_global(cfg: dict, n: int) -> tuple[str, ...]:  # Gemma 3: every p
     return tuple("sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n))
 
 
+def _all_sparse(cfg: dict, n: int) -> tuple[bool, ...]:  # Mixtral
+    return (True,) * n
+
+
+def _qwen_sparse(cfg: dict, n: int) -> tuple[bool, ...]:  # Qwen3-MoE: every step-th, but mlp_only_layers
+    dense, step = set(cfg.get("mlp_only_layers") or ()), int(cfg.get("decoder_sparse_step") or 1)
+    return tuple(i not in dense and (i + 1) % step == 0 for i in range(n))
+
+
+@dataclass(frozen=True)
+class Experts:
+    """How a mixture-of-experts family stores and routes its experts: model.layers.{i}.<block>.gate.weight
+    is the router [E, hidden], <block>.experts.{e}.<gate | up | down>.weight an expert's SiLU-gated MLP."""
+
+    block: str  # "mlp" (Qwen3-MoE) | "block_sparse_moe" (Mixtral)
+    projections: tuple[str, str, str]  # an expert's gate, up and down tensors
+    normalize_key: str | None  # the config key of "renormalise the top-k weights"; None: always
+    sparse_layers: Callable[[dict, int], tuple[bool, ...]]  # which layers have experts (the rest dense)
+
+
 @dataclass(frozen=True)
 class Architecture:
     name: str  # Hugging Face's `architectures` entry
@@ -58,6 +78,7 @@ class Architecture:
     scale_embeddings: bool = False  # embeddings times sqrt(hidden_size) (Gemma)
     qkv_bias: bool = False  # q/k/v biases whatever the config says (Qwen2); else config's attention_bias
     layer_types: Callable[[dict, int], tuple[str, ...]] = _full  # for configs without `layer_types`
+    experts: Experts | None = None  # mixture-of-experts layers
 
 
 _GEMMA = {"norms": SANDWICH_NORMS, "norm_offset": 1.0, "activation": "gelu_tanh", "scale_embeddings": True}
@@ -73,6 +94,11 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
     Architecture("GraniteForCausalLM", "granite"),
     Architecture("Olmo2ForCausalLM", "olmo2", norms=POST_NORMS, qk_norm="whole"),
     Architecture("SmolLM3ForCausalLM", "smollm3"),
+    Architecture("Qwen3MoeForCausalLM", "qwen3moe", qk_norm="head", layer_types=_qwen_window_layers,
+                 experts=Experts("mlp", ("gate_proj", "up_proj", "down_proj"), "norm_topk_prob",
+                                 _qwen_sparse)),
+    Architecture("MixtralForCausalLM", "llama", layer_types=_all_sliding,
+                 experts=Experts("block_sparse_moe", ("w1", "w3", "w2"), None, _all_sparse)),
 )}
 
 

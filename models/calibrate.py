@@ -73,6 +73,9 @@ def calibrate(model_path: str | Path, texts: list[str], text_label: str,
     if weight_dtype == "auto" and model_path.suffix != ".gguf":
         weight_dtype = "q8_0"  # int8 activations run with q8_0 / q4_0 weights only
     spec, weights, tokenizer = load_model(model_path, weight_dtype)
+    if spec.num_experts:
+        raise CalibrationError(f"{model_path}: calibration of mixture-of-experts models is not supported; "
+                               "their int8 activations use dynamic per-block scales, which need none")
     if tokenizer is None:
         raise CheckpointError(f"{model_path}: has no tokenizer; calibration needs one to tokenize the text")
     eos = spec.eos_token_ids[0] if spec.eos_token_ids else None

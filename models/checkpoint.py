@@ -8,6 +8,7 @@ import numpy as np
 from tqdm import tqdm
 
 from cluster_configs.errors import CheckpointError
+from memory.experts import ExpertWeights
 from memory.weights import LayerWeights, ModelWeights, WeightMatrix
 from models.safetensors_io import TensorEntry, read_header, read_tensor
 from models.spec import ModelSpec, load_spec
@@ -56,9 +57,15 @@ def expected_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
                        p + "mlp.gate_up_proj.weight": (2 * inter, h)}
         else:
             shapes |= {p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
-                       p + "self_attn.v_proj.weight": (kv, h), p + "mlp.gate_proj.weight": (inter, h),
-                       p + "mlp.up_proj.weight": (inter, h)}
-        shapes |= {p + "self_attn.o_proj.weight": (h, q), p + "mlp.down_proj.weight": (h, inter)}
+                       p + "self_attn.v_proj.weight": (kv, h)}
+        shapes[p + "self_attn.o_proj.weight"] = (h, q)
+        if spec.is_moe(i):
+            shapes |= _expert_shapes(spec, p)
+        elif not arch.fused_projections:
+            shapes |= {p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h),
+                       p + "mlp.down_proj.weight": (h, inter)}
+        else:
+            shapes[p + "mlp.down_proj.weight"] = (h, inter)
         if arch.qk_norm != "none":
             whole = arch.qk_norm == "whole"
             shapes |= {p + "self_attn.q_norm.weight": (q if whole else D,),
@@ -66,6 +73,18 @@ def expected_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
         if spec.qkv_bias:
             shapes |= {p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
                        p + "self_attn.v_proj.bias": (kv,)}
+    return shapes
+
+
+def _expert_shapes(spec: ModelSpec, prefix: str) -> dict[str, tuple[int, ...]]:
+    h, inter, experts = spec.hidden_size, spec.moe_intermediate_size, spec.arch.experts
+    gate, up, down = experts.projections
+    block = prefix + experts.block
+    shapes = {f"{block}.gate.weight": (spec.num_experts, h)}
+    for e in range(spec.num_experts):
+        p = f"{block}.experts.{e}."
+        shapes |= {p + f"{gate}.weight": (inter, h), p + f"{up}.weight": (inter, h),
+                   p + f"{down}.weight": (h, inter)}
     return shapes
 
 
@@ -117,33 +136,57 @@ def load_weights(model_dir: str | Path, weight_dtype: str) -> tuple[ModelSpec, M
     embed = mat(read("model.embed_tokens.weight"), head_dtype if spec.tie_word_embeddings else weight_dtype)
     norm = read("model.norm.weight") + np.float32(spec.arch.norm_offset)
     lm_head = embed if spec.tie_word_embeddings else mat(read("lm_head.weight"), head_dtype)
-    layers = tuple(load_layer(read, f"model.layers.{i}.", spec, weight_dtype) for i in range(spec.num_layers))
+    layers = tuple(load_layer(read, f"model.layers.{i}.", spec, weight_dtype, spec.is_moe(i))
+                   for i in range(spec.num_layers))
     read.close()
     return spec, ModelWeights(embed=embed, norm=norm, lm_head=lm_head, layers=layers)
 
 
-def load_layer(read, prefix: str, spec: ModelSpec, weight_dtype: str) -> LayerWeights:
+def load_layer(read, prefix: str, spec: ModelSpec, weight_dtype: str, moe: bool = False) -> LayerWeights:
     """One decoder layer's weights from read(name) -> float32 tensor: q|k|v and gate|up fused, matrices in
-    weight_dtype, norms (as the forward applies them: Gemma's offset added) and biases float32."""
+    weight_dtype, norms (as the forward applies them: Gemma's offset added) and biases float32; moe: its
+    MLP is experts (stacked, the router float32)."""
     mat, p, arch = WeightMatrix.from_float, prefix, spec.arch
 
     def norm(name: str) -> np.ndarray:
         return read(p + name + ".weight") + np.float32(arch.norm_offset)
 
     if arch.fused_projections:
-        qkv, gate_up = read(p + "self_attn.qkv_proj.weight"), read(p + "mlp.gate_up_proj.weight")
+        qkv = read(p + "self_attn.qkv_proj.weight")
     else:
         qkv = np.concatenate([read(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
-        gate_up = np.concatenate([read(p + "mlp.gate_proj.weight"), read(p + "mlp.up_proj.weight")])
     qk_norms = {} if arch.qk_norm == "none" else {"q_norm": norm("self_attn.q_norm"),
                                                   "k_norm": norm("self_attn.k_norm")}
+    gate_up = down = experts = None
+    if moe:
+        experts = _load_experts(read, p, spec, weight_dtype)
+    else:
+        gate_up = mat(read(p + "mlp.gate_up_proj.weight") if arch.fused_projections else
+                      np.concatenate([read(p + "mlp.gate_proj.weight"), read(p + "mlp.up_proj.weight")]),
+                      weight_dtype)
+        down = mat(read(p + "mlp.down_proj.weight"), weight_dtype)
     return LayerWeights(
         qkv=mat(qkv, weight_dtype),
         o=mat(read(p + "self_attn.o_proj.weight"), weight_dtype),
-        gate_up=mat(gate_up, weight_dtype),
-        down=mat(read(p + "mlp.down_proj.weight"), weight_dtype),
+        gate_up=gate_up,
+        down=down,
+        experts=experts,
         qkv_bias=(np.concatenate([read(p + f"self_attn.{n}_proj.bias") for n in "qkv"]) if spec.qkv_bias
                   else None),
         **{role: norm(name) for role, name in arch.norms.items()},
         **qk_norms,
     )
+
+
+def _load_experts(read, prefix: str, spec: ModelSpec, weight_dtype: str) -> ExpertWeights:
+    """A MoE layer's router and experts, stacked: gate_up [E * 2I, hidden], down [E * hidden, I]."""
+    experts = spec.arch.experts
+    gate, up, down = experts.projections
+    block = prefix + experts.block
+    names = [f"{block}.experts.{e}." for e in range(spec.num_experts)]
+    gate_up = np.concatenate([np.concatenate([read(n + f"{gate}.weight"), read(n + f"{up}.weight")])
+                              for n in names])
+    downs = np.concatenate([read(n + f"{down}.weight") for n in names])
+    return ExpertWeights(read(f"{block}.gate.weight"), WeightMatrix.from_float(gate_up, weight_dtype),
+                         WeightMatrix.from_float(downs, weight_dtype), spec.num_experts,
+                         spec.num_experts_per_tok, spec.normalize_routing, spec.moe_intermediate_size)

@@ -9,11 +9,13 @@ import numpy as np
 from kernels.attention import paged_attention, write_kv, write_kv_int8
 from kernels.exp32 import softcap_inplace
 from kernels.norms import GATED_ACTIVATIONS, rms_norm, rms_norm_heads, rope_inplace
+from memory.experts import ExpertWeights
 from memory.kv_cache import KVCache
-from memory.weights import Matrix, ModelWeights
+from memory.weights import LayerWeights, Matrix, ModelWeights
 from models.batch import ForwardBatch
 from models.linear import embed, linear
 from models.lora_slots import add_lora
+from models.moe import ExpertLog, moe_forward
 from models.rope import rope_table
 from models.spec import ModelSpec
 
@@ -26,6 +28,7 @@ class DecoderModel:
         self.ropes = tuple(rope_table(r, max_model_len or spec.max_position_embeddings)
                            for r in spec.layer_ropes)
         self.activation = GATED_ACTIVATIONS[spec.arch.activation]
+        self.expert_log = ExpertLog(spec.num_layers, spec.num_experts)  # which experts tokens were routed to
         q, kv, inter = spec.q_size, spec.kv_size, spec.intermediate_size
         # LoRA modules -> their columns in our fused projections
         self.qkv_modules = (("q_proj", slice(0, q)), ("k_proj", slice(q, q + kv)),
@@ -90,13 +93,11 @@ class DecoderModel:
             add_lora(o, attn_flat, batch.lora, i, (("o_proj", slice(None)),))
             self._add_residual(h, o, layer.attn_out_norm)
             self._norm(h, layer.mlp_norm, x)
-            gate_up = self._project(i, "gate_up", layer.gate_up, x, batch)  # [T, 2 * intermediate]
-            add_lora(gate_up, x, batch.lora, i, self.gate_up_modules)
-            act = np.empty((T, s.intermediate_size), np.float32)
-            self.activation(gate_up, act)
-            down = self._project(i, "down", layer.down, act, batch)
-            add_lora(down, act, batch.lora, i, (("down_proj", slice(None)),))
-            self._add_residual(h, down, layer.mlp_out_norm)
+            if layer.experts is None:
+                mlp = self._mlp(i, layer, x, batch)
+            else:
+                mlp = self._experts(i, layer.experts, x)
+            self._add_residual(h, mlp, layer.mlp_out_norm)
         h_out = np.ascontiguousarray(h[batch.logits_indices])
         rms_norm(h_out, w.norm, s.rms_norm_eps, h_out)
         hidden = None
@@ -109,6 +110,24 @@ class DecoderModel:
         if s.final_softcap:
             softcap_inplace(logits, s.final_softcap)
         return logits, hidden
+
+    def _mlp(self, i: int, layer: LayerWeights, x: np.ndarray, batch: ForwardBatch) -> np.ndarray:
+        """The gated MLP of a dense layer: x [T, hidden] -> [T, hidden]."""
+        gate_up = self._project(i, "gate_up", layer.gate_up, x, batch)  # [T, 2 * intermediate]
+        add_lora(gate_up, x, batch.lora, i, self.gate_up_modules)
+        act = np.empty((x.shape[0], self.spec.intermediate_size), np.float32)
+        self.activation(gate_up, act)
+        down = self._project(i, "down", layer.down, act, batch)
+        add_lora(down, act, batch.lora, i, (("down_proj", slice(None)),))
+        return down
+
+    def _experts(self, i: int, experts: ExpertWeights, x: np.ndarray) -> np.ndarray:
+        """A MoE layer's experts: x [T, hidden] -> [T, hidden]; the routing counted in expert_log. Timed."""
+        start = time.perf_counter()
+        out, ids = moe_forward(x, experts, linear)
+        self.expert_log.record(i, ids)
+        self.projection_seconds += time.perf_counter() - start
+        return out
 
     def _norm(self, h: np.ndarray, weight: np.ndarray | None, out: np.ndarray) -> None:
         """out = RMSNorm(h) where the layer has this norm, else a copy of h."""

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from cluster_configs.errors import AdapterError, CheckpointError
-from models.lora_config import MODULES, module_shapes, read_lora_config
+from models.lora_config import MODULE_PARENTS, MODULES, module_shapes, read_lora_config
 from models.safetensors_io import read_header, read_tensor
 from models.spec import ModelSpec
 
@@ -66,6 +66,10 @@ def load_lora(name: str, path: str | Path, spec: ModelSpec, max_rank: int | None
     try:
         for key, entry in read_header(weights_path).items():
             m = _KEY.fullmatch(key)
+            if _adapts_experts(key, m, spec):
+                raise AdapterError(f"{weights_path}: tensor {key!r} adapts a mixture-of-experts layer's "
+                                   "experts or router, which numaserve does not support yet; train the "
+                                   "adapter on the attention projections (q_proj, k_proj, v_proj, o_proj)")
             if m is None or m.group(2) not in MODULES or int(m.group(1)) >= spec.num_layers:
                 raise AdapterError(f"{weights_path}: tensor {key!r} does not adapt a supported module of "
                                    f"this {spec.num_layers}-layer model ({', '.join(MODULES)})")
@@ -93,3 +97,13 @@ def load_lora(name: str, path: str | Path, spec: ModelSpec, max_rank: int | None
         layers[layer][module] = LoraModule(np.ascontiguousarray(a, np.float32),
                                            np.ascontiguousarray(b, np.float32), scaling)
     return LoraAdapter(name, tuple(layers), config.max_rank, config.use_rslora)
+
+
+def _adapts_experts(key: str, m: re.Match | None, spec: ModelSpec) -> bool:
+    """A tensor adapting a MoE layer's MLP: its experts, its router, or an MLP module of a layer with
+    experts."""
+    if m is None:
+        return spec.num_experts > 0 and any(part in key for part in (".experts.", ".block_sparse_moe.",
+                                                                     ".mlp.gate."))
+    layer = int(m.group(1))
+    return layer < spec.num_layers and spec.is_moe(layer) and MODULE_PARENTS.get(m.group(2)) == "mlp"

@@ -6,68 +6,16 @@ the stacked matrices (memory/weights.row_block); the ids moe_forward returns say
 """
 
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from kernels.moe import gather_rows, group_by_expert, route_tokens, scatter_rows, weighted_sum
 from kernels.norms import silu_mul
-from memory.weights import Matrix, WeightMatrix, row_block
+from memory.experts import ExpertWeights
+from memory.weights import Matrix, WeightMatrix
 from models.linear import linear as linear_f32
 
 Linear = Callable[[np.ndarray, Matrix], np.ndarray]  # (x [T, K] f32, w [N, K]) -> [T, N] f32
-
-
-@dataclass(frozen=True, eq=False)  # eq=False: arrays have no truth value, so equality is identity
-class ExpertWeights:
-    """One layer's experts; matrices [out_features, in_features] in a served format, stacked over experts."""
-
-    router: np.ndarray  # [E, hidden] f32, kept float32: the routing choice is sensitive to rounding
-    gate_up: Matrix  # [E * 2 * I, hidden]: expert e's gate rows then its up rows
-    down: Matrix  # [E * hidden, I]
-    num_experts: int
-    top_k: int
-    normalize: bool  # renormalise the top-k weights to sum 1 (Mixtral; Qwen3-MoE when norm_topk_prob)
-    intermediate_size: int
-    _views: tuple = field(init=False, repr=False)  # [E] (gate_up_e, down_e)
-
-    def __post_init__(self):
-        E, I, hidden = self.num_experts, self.intermediate_size, self.router.shape[-1]
-        if self.router.shape != (E, hidden) or self.router.dtype != np.float32:
-            raise ValueError(f"router must be float32 [{E}, hidden], got {self.router.dtype} "
-                             f"{self.router.shape}")
-        if self.gate_up.shape != (E * 2 * I, hidden) or self.down.shape != (E * hidden, I):
-            raise ValueError(f"expert matrices gate_up {self.gate_up.shape}, down {self.down.shape} do not "
-                             f"stack {E} experts of hidden {hidden}, intermediate {I}")
-        if not 1 <= self.top_k <= E:
-            raise ValueError(f"top_k {self.top_k} must be in [1, {E}]")
-        # row_block raises here if an expert's rows would split a packed block of interleaved rows
-        views = tuple((row_block(self.gate_up, e * 2 * I, (e + 1) * 2 * I),
-                       row_block(self.down, e * hidden, (e + 1) * hidden)) for e in range(E))
-        object.__setattr__(self, "_views", views)
-
-    @classmethod
-    def from_float(cls, router: np.ndarray, gate_up: np.ndarray, down: np.ndarray, dtype: str, top_k: int,
-                   normalize: bool) -> "ExpertWeights":
-        """From Hugging Face's stacked tensors: gate_up [E, 2 * I, hidden] (gate | up), down [E, hidden, I];
-        the matrices in dtype (WeightMatrix.from_float), the router float32."""
-        E, two_i, hidden = gate_up.shape
-        return cls(np.ascontiguousarray(router, np.float32),
-                   WeightMatrix.from_float(gate_up.reshape(E * two_i, hidden), dtype),
-                   WeightMatrix.from_float(down.reshape(E * hidden, two_i // 2), dtype),
-                   E, top_k, normalize, two_i // 2)
-
-    def expert(self, e: int) -> tuple[Matrix, Matrix]:
-        """Expert e's (gate_up [2 * I, hidden], down [hidden, I]): views into the stacked matrices."""
-        return self._views[e]
-
-    def with_matrices(self, gate_up: Matrix, down: Matrix) -> "ExpertWeights":
-        """A copy with the stacked matrices swapped (repacked for their activations), the router shared."""
-        return replace(self, gate_up=gate_up, down=down)
-
-    @property
-    def nbytes(self) -> int:
-        return self.router.nbytes + self.gate_up.nbytes + self.down.nbytes
 
 
 def route(logits: np.ndarray, top_k: int, normalize: bool) -> tuple[np.ndarray, np.ndarray]:
@@ -115,3 +63,28 @@ def moe_forward(x: np.ndarray, experts: ExpertWeights, linear: Linear) -> tuple[
     out = np.empty((T, hidden), np.float32)
     weighted_sum(y, weights, out)
     return out, ids
+
+
+class ExpertLog:
+    """Where a model's tokens were routed: (token, slot) pairs per expert of each layer since the model was
+    built, and the last step's choice (the engine's diagnostics read it)."""
+
+    def __init__(self, num_layers: int, num_experts: int):
+        self.counts = np.zeros((num_layers, num_experts), np.int64)  # [L, E]
+        self.last: list[np.ndarray | None] = [None] * num_layers  # [T, k] int32 per layer
+
+    def record(self, layer: int, ids: np.ndarray) -> None:
+        self.counts[layer] += np.bincount(ids.ravel(), minlength=self.counts.shape[1])
+        self.last[layer] = ids
+
+    def describe(self, layer: int, top: int = 8) -> str:
+        counts = self.counts[layer]
+        total = int(counts.sum())
+        if not total:
+            return "no token routed yet"
+        busiest = np.argsort(-counts, kind="stable")[:top]
+        used = int(np.count_nonzero(counts))
+        last = self.last[layer]
+        return (f"{total} (token, expert) routings to {used} of {len(counts)} experts; busiest: "
+                + ", ".join(f"{e} ({counts[e] / total:.0%})" for e in busiest if counts[e])
+                + f"; last step: {len(np.unique(last))} experts for {last.shape[0]} tokens")

@@ -35,6 +35,15 @@ class ModelSpec:
     residual_multiplier: float = 1.0  # each block's output times this before the residual add (Granite)
     logit_multiplier: float = 1.0  # logits times this (Granite: 1 / logits_scaling)
     final_softcap: float = 0.0  # logits -> cap * tanh(logits / cap) (Gemma 2); 0 = none
+    # mixture of experts (models/moe.py): layers with experts, each token through its top-k of them
+    moe_layers: tuple[bool, ...] = ()  # per layer: True where its MLP is experts; () = a dense model
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0  # one expert's intermediate size
+    normalize_routing: bool = True  # renormalise a token's top-k routing weights to sum 1
+
+    def is_moe(self, layer: int) -> bool:
+        return bool(self.moe_layers) and self.moe_layers[layer]
 
     @property
     def arch(self) -> Architecture:
@@ -69,10 +78,14 @@ class ModelSpec:
 
     @property
     def num_params(self) -> int:
-        """Weights a forward reads per token: the layers' matrices and the LM head."""
+        """Weights a forward reads per token: the layers' matrices (a MoE layer's router and top-k experts:
+        the active parameters) and the LM head."""
         h = self.hidden_size
-        per_layer = h * (self.q_size + 2 * self.kv_size) + self.q_size * h + 3 * h * self.intermediate_size
-        return self.num_layers * per_layer + self.vocab_size * h
+        attention = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
+        dense = 3 * h * self.intermediate_size
+        sparse = self.num_experts * h + self.num_experts_per_tok * 3 * h * self.moe_intermediate_size
+        return sum(attention + (sparse if self.is_moe(i) else dense)
+                   for i in range(self.num_layers)) + self.vocab_size * h
 
 
 def _fail(path: Path, what: str) -> CheckpointError:
@@ -137,6 +150,20 @@ def _rope(cfg: dict, layer_type: str, head_dim: int, uses_rope: bool) -> Rope:
     return Rope(theta, None if params["rope_type"] == "default" else params, rotary_dim)
 
 
+def _moe_fields(cfg: dict, arch: Architecture, num_layers: int) -> dict:
+    experts = arch.experts
+    if experts is None:
+        return {}
+    num_experts = int(cfg.get("num_experts") or cfg["num_local_experts"])  # Qwen3-MoE: either, by version
+    sparse = experts.sparse_layers(cfg, num_layers) if num_experts else (False,) * num_layers
+    top_k = int(cfg["num_experts_per_tok"])
+    if num_experts and not 1 <= top_k <= num_experts:
+        raise ValueError(f"num_experts_per_tok={top_k} must be between 1 and the {num_experts} experts")
+    return {"moe_layers": sparse, "num_experts": num_experts, "num_experts_per_tok": top_k,
+            "moe_intermediate_size": int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"]),
+            "normalize_routing": experts.normalize_key is None or bool(cfg.get(experts.normalize_key))}
+
+
 def _multiplier(cfg: dict, key: str, default: float = 1.0) -> float:
     value = cfg.get(key)
     return default if value is None else float(value)
@@ -163,6 +190,7 @@ def load_spec(model_dir: Path) -> ModelSpec:
         gen = _read_json(gen_path) if gen_path.exists() else {}
         eos = _eos_ids(gen.get("eos_token_id", cfg.get("eos_token_id")))
         logits_scaling = _multiplier(cfg, "logits_scaling")
+        moe = _moe_fields(cfg, arch, num_layers)
         spec = ModelSpec(
             architecture=name,
             vocab_size=int(cfg["vocab_size"]),
@@ -189,6 +217,7 @@ def load_spec(model_dir: Path) -> ModelSpec:
             residual_multiplier=_multiplier(cfg, "residual_multiplier"),
             logit_multiplier=1.0 / logits_scaling,
             final_softcap=_multiplier(cfg, "final_logit_softcapping", 0.0),
+            **moe,
         )
     except KeyError as e:
         raise _fail(path, f"field {e.args[0]!r} is missing; it is required for {name}") from None

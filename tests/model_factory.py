@@ -15,6 +15,8 @@ from transformers import (
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
     Olmo2Config,
     Olmo2ForCausalLM,
     Phi3Config,
@@ -24,6 +26,8 @@ from transformers import (
     Qwen2ForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
     SmolLM3Config,
     SmolLM3ForCausalLM,
 )
@@ -86,6 +90,13 @@ VARIANTS = {
     # its second layer without rope, tied
     "smollm3": (SmolLM3Config, SmolLM3ForCausalLM, {
         "no_rope_layers": [1, 0], "pad_token_id": 0, "tie_word_embeddings": True}),
+    # 8 experts, top 2, not renormalised (Mixtral is); its first layer dense (mlp_only_layers)
+    "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM, {
+        "num_hidden_layers": 3, "head_dim": 16, "num_experts": 8, "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32, "norm_topk_prob": False, "mlp_only_layers": [0]}),
+    # 4 experts, top 2, window 8
+    "mixtral": (MixtralConfig, MixtralForCausalLM, {
+        "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 8}),
 }
 
 

@@ -15,9 +15,10 @@ from kernels.cpu import missing_features
 from kernels.moe import group_by_expert
 from kernels.simd_bf16 import BF16_FEATURES
 from kernels.simd_vnni import VNNI_FEATURES
+from memory.experts import ExpertWeights
 from memory.weights import Bf16Matrix, Int8Matrix, WeightMatrix, row_block
 from models.linear import dequantize, linear
-from models.moe import ExpertWeights, moe_forward, route
+from models.moe import moe_forward, route
 
 HIDDEN, INTER = 64, 32  # whole q8_0 / q4_0 blocks, and whole 4-row packed blocks per expert
 # (weight dtype, packing): None = WeightMatrix with float32 activations, "int8" / "vnni" = Int8Matrix for

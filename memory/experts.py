@@ -1,0 +1,60 @@
+"""A mixture-of-experts layer's weights: the router and the experts' matrices stacked (models/moe.py runs
+them)."""
+
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from memory.weights import Matrix, WeightMatrix, row_block
+
+
+@dataclass(frozen=True, eq=False)  # eq=False: arrays have no truth value, so equality is identity
+class ExpertWeights:
+    """One layer's experts; matrices [out_features, in_features] in a served format, stacked over experts."""
+
+    router: np.ndarray  # [E, hidden] f32, kept float32: the routing choice is sensitive to rounding
+    gate_up: Matrix  # [E * 2 * I, hidden]: expert e's gate rows then its up rows
+    down: Matrix  # [E * hidden, I]
+    num_experts: int
+    top_k: int
+    normalize: bool  # renormalise the top-k weights to sum 1 (Mixtral; Qwen3-MoE when norm_topk_prob)
+    intermediate_size: int
+    _views: tuple = field(init=False, repr=False)  # [E] (gate_up_e, down_e)
+
+    def __post_init__(self):
+        E, I, hidden = self.num_experts, self.intermediate_size, self.router.shape[-1]
+        if self.router.shape != (E, hidden) or self.router.dtype != np.float32:
+            raise ValueError(f"router must be float32 [{E}, hidden], got {self.router.dtype} "
+                             f"{self.router.shape}")
+        if self.gate_up.shape != (E * 2 * I, hidden) or self.down.shape != (E * hidden, I):
+            raise ValueError(f"expert matrices gate_up {self.gate_up.shape}, down {self.down.shape} do not "
+                             f"stack {E} experts of hidden {hidden}, intermediate {I}")
+        if not 1 <= self.top_k <= E:
+            raise ValueError(f"top_k {self.top_k} must be in [1, {E}]")
+        # row_block raises here if an expert's rows would split a packed block of interleaved rows
+        views = tuple((row_block(self.gate_up, e * 2 * I, (e + 1) * 2 * I),
+                       row_block(self.down, e * hidden, (e + 1) * hidden)) for e in range(E))
+        object.__setattr__(self, "_views", views)
+
+    @classmethod
+    def from_float(cls, router: np.ndarray, gate_up: np.ndarray, down: np.ndarray, dtype: str, top_k: int,
+                   normalize: bool) -> "ExpertWeights":
+        """From Hugging Face's stacked tensors: gate_up [E, 2 * I, hidden] (gate | up), down [E, hidden, I];
+        the matrices in dtype (WeightMatrix.from_float), the router float32."""
+        E, two_i, hidden = gate_up.shape
+        return cls(np.ascontiguousarray(router, np.float32),
+                   WeightMatrix.from_float(gate_up.reshape(E * two_i, hidden), dtype),
+                   WeightMatrix.from_float(down.reshape(E * hidden, two_i // 2), dtype),
+                   E, top_k, normalize, two_i // 2)
+
+    def expert(self, e: int) -> tuple[Matrix, Matrix]:
+        """Expert e's (gate_up [2 * I, hidden], down [hidden, I]): views into the stacked matrices."""
+        return self._views[e]
+
+    def with_matrices(self, gate_up: Matrix, down: Matrix) -> "ExpertWeights":
+        """A copy with the stacked matrices swapped (repacked for their activations), the router shared."""
+        return replace(self, gate_up=gate_up, down=down)
+
+    @property
+    def nbytes(self) -> int:
+        return self.router.nbytes + self.gate_up.nbytes + self.down.nbytes
