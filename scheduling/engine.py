@@ -7,6 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numba
+import numpy as np
 
 from cluster_configs.diagnostics import DecisionLog
 from cluster_configs.engine_config import EngineConfig
@@ -59,6 +60,9 @@ class Engine:
         s, bs = self.spec, config.block_size
         self.max_model_len = config.max_model_len or s.max_position_embeddings
         self.model = DecoderModel(s, weights, self.max_model_len)
+        for i in np.flatnonzero(s.moe_layers):  # where its tokens go, worded when the diagnostics are read
+            self.decisions.record("experts", f"top-{s.num_experts_per_tok} of {s.num_experts}",
+                                  lambda i=i: self.model.expert_log.describe(i), subject=f"layers.{i}")
         num_blocks = num_kv_blocks(s, config, self.max_model_len)
         self.kv_cache = KVCache(s.num_layers, num_blocks, bs, s.num_kv_heads, s.head_dim,
                                 config.resolved_kv_dtype)
