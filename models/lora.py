@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from cluster_configs.errors import AdapterError, CheckpointError
-from models.lora_config import MODULE_PARENTS, MODULES, module_shapes, read_lora_config
+from models.lora_config import MODULES, module_shapes, read_lora_config
 from models.safetensors_io import read_header, read_tensor
 from models.spec import ModelSpec
 
@@ -106,4 +106,4 @@ def _adapts_experts(key: str, m: re.Match | None, spec: ModelSpec) -> bool:
         return spec.num_experts > 0 and any(part in key for part in (".experts.", ".block_sparse_moe.",
                                                                      ".mlp.gate."))
     layer = int(m.group(1))
-    return layer < spec.num_layers and spec.is_moe(layer) and MODULE_PARENTS.get(m.group(2)) == "mlp"
+    return layer < spec.num_layers and spec.is_moe(layer) and ".mlp." in key
