@@ -79,26 +79,36 @@ class Architecture:
     qkv_bias: bool = False  # q/k/v biases whatever the config says (Qwen2); else config's attention_bias
     layer_types: Callable[[dict, int], tuple[str, ...]] = _full  # for configs without `layer_types`
     experts: Experts | None = None  # mixture-of-experts layers
+    # config.json fields whose default (the transformers config class's, used when a file leaves them out)
+    # differs from Llama's
+    defaults: dict = field(default_factory=dict)
 
 
 _GEMMA = {"norms": SANDWICH_NORMS, "norm_offset": 1.0, "activation": "gelu_tanh", "scale_embeddings": True}
+_EPS_5 = {"rms_norm_eps": 1e-5}
 
 ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
     Architecture("LlamaForCausalLM", "llama"),
     Architecture("MistralForCausalLM", "llama", layer_types=_all_sliding),
     Architecture("Qwen2ForCausalLM", "qwen2", qkv_bias=True, layer_types=_qwen_window_layers),
     Architecture("Qwen3ForCausalLM", "qwen3", qk_norm="head", layer_types=_qwen_window_layers),
-    Architecture("Gemma2ForCausalLM", "gemma2", layer_types=_alternating, **_GEMMA),
-    Architecture("Gemma3ForCausalLM", "gemma3", qk_norm="head", layer_types=_every_nth_global, **_GEMMA),
-    Architecture("Phi3ForCausalLM", "phi3", fused_projections=True, layer_types=_all_sliding),
+    Architecture("Gemma2ForCausalLM", "gemma2", layer_types=_alternating,
+                 defaults={"tie_word_embeddings": True}, **_GEMMA),
+    Architecture("Gemma3ForCausalLM", "gemma3", qk_norm="head", layer_types=_every_nth_global,
+                 defaults={"tie_word_embeddings": True, "rope_theta": 1000000.0,
+                           "rope_local_base_freq": 10000.0}, **_GEMMA),
+    Architecture("Phi3ForCausalLM", "phi3", fused_projections=True, layer_types=_all_sliding,
+                 defaults=_EPS_5),
     Architecture("GraniteForCausalLM", "granite"),
-    Architecture("Olmo2ForCausalLM", "olmo2", norms=POST_NORMS, qk_norm="whole"),
-    Architecture("SmolLM3ForCausalLM", "smollm3"),
+    Architecture("Olmo2ForCausalLM", "olmo2", norms=POST_NORMS, qk_norm="whole", defaults=_EPS_5),
+    Architecture("SmolLM3ForCausalLM", "smollm3",
+                 defaults={"tie_word_embeddings": True, "rope_theta": 2000000.0}),
     Architecture("Qwen3MoeForCausalLM", "qwen3moe", qk_norm="head", layer_types=_qwen_window_layers,
                  experts=Experts("mlp", ("gate_proj", "up_proj", "down_proj"), "norm_topk_prob",
                                  _qwen_sparse)),
     Architecture("MixtralForCausalLM", "llama", layer_types=_all_sliding,
-                 experts=Experts("block_sparse_moe", ("w1", "w3", "w2"), None, _all_sparse)),
+                 experts=Experts("block_sparse_moe", ("w1", "w3", "w2"), None, _all_sparse),
+                 defaults={"rope_theta": 1000000.0} | _EPS_5),
 )}
 
 

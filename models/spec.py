@@ -150,6 +150,15 @@ def _rope(cfg: dict, layer_type: str, head_dim: int, uses_rope: bool) -> Rope:
     return Rope(theta, None if params["rope_type"] == "default" else params, rotary_dim)
 
 
+def _rope_layers(cfg: dict, num_layers: int) -> list[int]:
+    """Per layer 1 if it applies rope (SmolLM3: no_rope_layers, else every no_rope_layer_interval-th
+    layer without)."""
+    interval = cfg.get("no_rope_layer_interval")
+    if cfg.get("no_rope_layers") is None and interval:
+        return [int((i + 1) % interval != 0) for i in range(num_layers)]
+    return cfg.get("no_rope_layers") or [1] * num_layers
+
+
 def _moe_fields(cfg: dict, arch: Architecture, num_layers: int) -> dict:
     experts = arch.experts
     if experts is None:
@@ -178,13 +187,14 @@ def load_spec(model_dir: Path) -> ModelSpec:
         raise _fail(path, f"architectures={archs!r} is not supported; "
                           f"numaserve serves {', '.join(ARCHITECTURES)}")
     arch = architecture(name)
+    cfg = arch.defaults | cfg
     try:
         num_heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
         num_layers = int(cfg["num_hidden_layers"])
         head_dim = int(cfg.get("head_dim") or hidden // num_heads)
         types = _layer_types(cfg, arch, num_layers)
-        no_rope = cfg.get("no_rope_layers") or [1] * num_layers  # SmolLM3: 0 where a layer has no rope
+        no_rope = _rope_layers(cfg, num_layers)
         window = int(cfg.get("sliding_window") or 0)
         gen_path = model_dir / "generation_config.json"
         gen = _read_json(gen_path) if gen_path.exists() else {}
