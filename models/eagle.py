@@ -68,11 +68,11 @@ def eagle_spec(spec: ModelSpec) -> ModelSpec:
 
 
 def load_eagle_head(model_dir: str | Path, spec: ModelSpec, target_weights: ModelWeights, weight_dtype: str,
-                    activation_dtype: str = "float32") -> EagleHead:
+                    activation_dtype: str = "float32", max_model_len: int | None = None) -> EagleHead:
     """The head beside the model; CheckpointError naming the file and the fix if it is missing, malformed
     or shaped for another model. Its matrices (fc included) are stored in the target's weight_dtype and
     multiply activations as the target's do (activation_dtype: int8 ones for q8_0 / q4_0 where the CPU
-    can)."""
+    can). max_model_len: the target engine's (LongRoPE's factors as the target's)."""
     model_dir = Path(model_dir)
     _check_config(model_dir / CONFIG_FILE)
     path = model_dir / HEAD_FILE
@@ -102,7 +102,7 @@ def load_eagle_head(model_dir: str | Path, spec: ModelSpec, target_weights: Mode
     # the target's LM head stays as it is
     weights = plan_activations(weights, activation_dtype, DecisionLog())
     fc = for_activations(WeightMatrix.from_float(read("fc.weight"), weight_dtype), activation_dtype)
-    return EagleHead(fc, read("fc.bias"), DecoderModel(head_spec, weights), draft_ids)
+    return EagleHead(fc, read("fc.bias"), DecoderModel(head_spec, weights, max_model_len), draft_ids)
 
 
 def _draft_ids(path: Path, entry, vocab_size: int) -> np.ndarray:
