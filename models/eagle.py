@@ -83,6 +83,14 @@ def load_eagle_head(model_dir: str | Path, spec: ModelSpec, target_weights: Mode
     shapes = {name: shape for name, shape in expected_shapes(head_spec).items() if name.startswith("model.")}
     shapes.pop("model.embed_tokens.weight", None)
     shapes |= {"fc.weight": (H, 2 * H), "fc.bias": (H,)}
+    # a layer of the target's own family (q/k norms, sandwich or post norms, fused projections) is not what
+    # this head runs: refused, not read in part
+    foreign = sorted(n for n in entries if n.startswith("model.layers.") and n not in shapes)
+    if foreign:
+        raise CheckpointError(f"{path}: tensors {', '.join(foreign)} are not part of an EAGLE head's layer, "
+                              "which is a Llama decoder layer (input_layernorm, q/k/v/o_proj, "
+                              "post_attention_layernorm, gate/up/down_proj) whatever the target's family; "
+                              "train the head as one")
 
     def read(name: str) -> np.ndarray:
         entry = entries.get(name)
