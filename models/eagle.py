@@ -68,11 +68,11 @@ def eagle_spec(spec: ModelSpec) -> ModelSpec:
 
 
 def load_eagle_head(model_dir: str | Path, spec: ModelSpec, target_weights: ModelWeights, weight_dtype: str,
-                    activation_dtype: str = "float32") -> EagleHead:
+                    activation_dtype: str = "float32", max_model_len: int | None = None) -> EagleHead:
     """The head beside the model; CheckpointError naming the file and the fix if it is missing, malformed
     or shaped for another model. Its matrices (fc included) are stored in the target's weight_dtype and
     multiply activations as the target's do (activation_dtype: int8 ones for q8_0 / q4_0 where the CPU
-    can)."""
+    can). max_model_len: the target engine's (LongRoPE's factors as the target's)."""
     model_dir = Path(model_dir)
     _check_config(model_dir / CONFIG_FILE)
     path = model_dir / HEAD_FILE
@@ -83,6 +83,14 @@ def load_eagle_head(model_dir: str | Path, spec: ModelSpec, target_weights: Mode
     shapes = {name: shape for name, shape in expected_shapes(head_spec).items() if name.startswith("model.")}
     shapes.pop("model.embed_tokens.weight", None)
     shapes |= {"fc.weight": (H, 2 * H), "fc.bias": (H,)}
+    # a layer of the target's own family (q/k norms, sandwich or post norms, fused projections) is not what
+    # this head runs: refused, not read in part
+    foreign = sorted(n for n in entries if n.startswith("model.layers.") and n not in shapes)
+    if foreign:
+        raise CheckpointError(f"{path}: tensors {', '.join(foreign)} are not part of an EAGLE head's layer, "
+                              "which is a Llama decoder layer (input_layernorm, q/k/v/o_proj, "
+                              "post_attention_layernorm, gate/up/down_proj) whatever the target's family; "
+                              "train the head as one")
 
     def read(name: str) -> np.ndarray:
         entry = entries.get(name)
@@ -102,7 +110,7 @@ def load_eagle_head(model_dir: str | Path, spec: ModelSpec, target_weights: Mode
     # the target's LM head stays as it is
     weights = plan_activations(weights, activation_dtype, DecisionLog())
     fc = for_activations(WeightMatrix.from_float(read("fc.weight"), weight_dtype), activation_dtype)
-    return EagleHead(fc, read("fc.bias"), DecoderModel(head_spec, weights), draft_ids)
+    return EagleHead(fc, read("fc.bias"), DecoderModel(head_spec, weights, max_model_len), draft_ids)
 
 
 def _draft_ids(path: Path, entry, vocab_size: int) -> np.ndarray:

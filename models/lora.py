@@ -1,17 +1,19 @@
 """LoRA adapters in the PEFT format, applied un-merged so one batch can mix adapters.
 
 An adapted linear computes W x + scaling * B (A x), A: [r, in], B: [out, r], with each module's own rank
-and scaling (models/lora_config.py).
+and scaling (models/lora_config.py). A module fused in the checkpoint (Phi-3's qkv_proj, gate_up_proj) is
+kept as PEFT holds it (composition treats it as one matrix, as PEFT does) and served as its parts: the
+same A and scaling, B cut into the parts' rows (the columns of our fused projections).
 """
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from cluster_configs.errors import AdapterError, CheckpointError
-from models.lora_config import MODULES, module_shapes, read_lora_config
+from models.lora_config import FUSED_MODULES, module_shapes, read_lora_config, target_modules
 from models.safetensors_io import read_header, read_tensor
 from models.spec import ModelSpec
 
@@ -42,6 +44,17 @@ class LoraAdapter:
     # and rank_pattern's ranks, and use_rslora
     config_rank: int
     use_rslora: bool = False
+    # a fused module -> its parts and their rows, in row order (Phi-3's qkv_proj: q_proj, k_proj, v_proj)
+    fused: dict[str, tuple[tuple[str, int], ...]] = field(default_factory=dict)
+
+    @property
+    def module_layers(self) -> tuple[dict[str, LoraModule], ...]:
+        """Per layer: each of lora_config.MODULES it adapts -> its LoRA (a fused module's parts: its A and
+        scaling, their rows of its B); what the slots and merged copies hold."""
+        if not self.fused:
+            return self.layers
+        return tuple({part: m for name, lora in layer.items() for part, m in _parts(name, lora, self.fused)}
+                     for layer in self.layers)
 
     @property
     def max_rank(self) -> int:
@@ -61,7 +74,7 @@ def load_lora(name: str, path: str | Path, spec: ModelSpec, max_rank: int | None
         raise AdapterError(f"{weights_path}: missing; save adapters with safetensors (pickled "
                            "adapter_model.bin files are refused: they can run arbitrary code)")
     config = read_lora_config(path)
-    shapes = module_shapes(spec)
+    shapes = target_modules(spec)
     pairs: dict[tuple[int, str], dict[str, np.ndarray]] = {}
     try:
         for key, entry in read_header(weights_path).items():
@@ -70,9 +83,10 @@ def load_lora(name: str, path: str | Path, spec: ModelSpec, max_rank: int | None
                 raise AdapterError(f"{weights_path}: tensor {key!r} adapts a mixture-of-experts layer's "
                                    "experts or router, which numaserve does not support yet; train the "
                                    "adapter on the attention projections (q_proj, k_proj, v_proj, o_proj)")
-            if m is None or m.group(2) not in MODULES or int(m.group(1)) >= spec.num_layers:
+            if m is None or m.group(2) not in shapes or int(m.group(1)) >= spec.num_layers:
                 raise AdapterError(f"{weights_path}: tensor {key!r} does not adapt a supported module of "
-                                   f"this {spec.num_layers}-layer model ({', '.join(MODULES)})")
+                                   f"this {spec.num_layers}-layer {spec.architecture} (target_modules "
+                                   f"{', '.join(shapes)})")
             pairs.setdefault((int(m.group(1)), m.group(2)), {})[m.group(3)] = read_tensor(entry)
     except CheckpointError as e:  # a corrupt file: the adapter's error, in the loader's words
         raise AdapterError(str(e)) from None
@@ -96,7 +110,10 @@ def load_lora(name: str, path: str | Path, spec: ModelSpec, max_rank: int | None
                                "another base model")
         layers[layer][module] = LoraModule(np.ascontiguousarray(a, np.float32),
                                            np.ascontiguousarray(b, np.float32), scaling)
-    return LoraAdapter(name, tuple(layers), config.max_rank, config.use_rslora)
+    part_rows = {m: out for m, (out, _) in module_shapes(spec).items()}
+    fused = {name: tuple((p, part_rows[p]) for p in parts) for name, parts in FUSED_MODULES.items()
+             if name in shapes}
+    return LoraAdapter(name, tuple(layers), config.max_rank, config.use_rslora, fused)
 
 
 def _adapts_experts(key: str, m: re.Match | None, spec: ModelSpec) -> bool:
@@ -107,3 +124,11 @@ def _adapts_experts(key: str, m: re.Match | None, spec: ModelSpec) -> bool:
                                                                      ".mlp.gate."))
     layer = int(m.group(1))
     return layer < spec.num_layers and spec.is_moe(layer) and ".mlp." in key
+
+
+def _parts(name: str, lora: LoraModule, fused: dict) -> list[tuple[str, LoraModule]]:
+    if name not in fused:
+        return [(name, lora)]
+    ends = np.cumsum([rows for _, rows in fused[name]])
+    return [(part, LoraModule(lora.a, np.ascontiguousarray(lora.b[end - rows:end]), lora.scaling))
+            for (part, rows), end in zip(fused[name], ends)]

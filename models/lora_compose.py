@@ -46,7 +46,7 @@ def compose(name: str, parts: Sequence[tuple[LoraAdapter, float]], combination: 
         modules = {m for adapter, _ in parts for m in adapter.layers[i]}
         layers.append({m: _combine([(a.layers[i][m], w) for a, w in parts if m in a.layers[i]], combination,
                                    new_rank, scaling, f"layer {i} {m}") for m in sorted(modules)})
-    return LoraAdapter(name, tuple(layers), new_rank, parts[0][0].use_rslora)
+    return LoraAdapter(name, tuple(layers), new_rank, parts[0][0].use_rslora, parts[0][0].fused)
 
 
 def _combine(loras: list[tuple[LoraModule, float]], combination: str, new_rank: int, scaling: float,

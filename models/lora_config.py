@@ -1,5 +1,6 @@
 """adapter_config.json of a PEFT LoRA adapter: what numaserve serves of it, and each module's rank and
-scaling; the seven projections an adapter may adapt, with their parents and shapes.
+scaling; the seven projections an adapter may adapt (Phi-3's: four, two of them fused), with their parents
+and shapes.
 
 PEFT resolves a module's rank and alpha by its key in the base model ("model.layers.3.self_attn.q_proj"):
 the first key of rank_pattern / alpha_pattern that matches a dotted suffix of it as a regular expression
@@ -17,7 +18,10 @@ from models.spec import ModelSpec
 
 MODULE_PARENTS = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
                   "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
-MODULES = tuple(MODULE_PARENTS)
+MODULES = tuple(MODULE_PARENTS)  # what the slots and merged copies hold (a fused module as its parts)
+# Phi-3 stores q|k|v and gate|up fused: its adapters target these, each module's rows its parts' in order
+FUSED_MODULES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+PARENTS = MODULE_PARENTS | {"qkv_proj": "self_attn", "gate_up_proj": "mlp"}
 
 # config fields that change what the adapter computes beyond W x + s B A x: refused by name when set
 UNSUPPORTED = {
@@ -62,9 +66,21 @@ def module_shapes(spec: ModelSpec) -> dict[str, tuple[int, int]]:
             "gate_proj": (inter, h), "up_proj": (inter, h), "down_proj": (h, inter)}
 
 
+def target_modules(spec: ModelSpec) -> dict[str, tuple[int, int]]:
+    """module an adapter of this model may adapt -> (out_features, in_features): the model's own linear
+    layers, so for Phi-3 the fused qkv_proj and gate_up_proj in place of their parts."""
+    shapes = module_shapes(spec)
+    if not spec.arch.fused_projections:
+        return shapes
+    fused = {name: (sum(shapes[p][0] for p in parts), shapes[parts[0]][1])
+             for name, parts in FUSED_MODULES.items()}
+    return {"qkv_proj": fused["qkv_proj"], "o_proj": shapes["o_proj"], "gate_up_proj": fused["gate_up_proj"],
+            "down_proj": shapes["down_proj"]}
+
+
 def module_key(layer: int, module: str) -> str:
     """The module's name in the base model, as PEFT matches patterns against it."""
-    return f"model.layers.{layer}.{MODULE_PARENTS[module]}.{module}"
+    return f"model.layers.{layer}.{PARENTS[module]}.{module}"
 
 
 def pattern_key(patterns: dict, key: str) -> str:

@@ -62,7 +62,7 @@ def merge_adapter(base_layers: Sequence[LayerWeights], adapter: LoraAdapter,
     start = time.perf_counter()
     shapes = module_shapes(spec)  # module -> (out, in)
     layers, nbytes = [], 0
-    for base, lora in zip(base_layers, adapter.layers):
+    for base, lora in zip(base_layers, adapter.module_layers):
         merged = MergedLayer()
         for key, modules in FUSED.items():
             if not any(m in lora for m in modules):
@@ -79,7 +79,7 @@ def merge_adapter(base_layers: Sequence[LayerWeights], adapter: LoraAdapter,
 
 def merged_nbytes(base_layers: Sequence[LayerWeights], adapter: LoraAdapter) -> int:
     """What merge_adapter's copy of these layers would hold, in bytes."""
-    return sum(base.projection(key).nbytes for base, lora in zip(base_layers, adapter.layers)
+    return sum(base.projection(key).nbytes for base, lora in zip(base_layers, adapter.module_layers)
                for key, modules in FUSED.items() if any(m in lora for m in modules))
 
 

@@ -96,7 +96,7 @@ class LoraSlots:
     def _load(self, adapter: LoraAdapter, slot: int) -> None:
         for m in MODULES:
             self.ranks[m][:, slot] = 0
-        for i, layer in enumerate(adapter.layers):
+        for i, layer in enumerate(adapter.module_layers):
             for m, lora in layer.items():
                 r = lora.rank
                 store(self.dtype, lora.a, self.a[m][i, slot, :r], self.a_scales[m][i, slot, :r])

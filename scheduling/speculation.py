@@ -88,7 +88,8 @@ def make_speculation(config: EngineConfig, spec: ModelSpec, tokenizer, model_pat
                                  block_size=config.block_size, weight_dtype=config.weight_dtype,
                                  kv_dtype=config.resolved_kv_dtype, activation_dtype=config.activation_dtype,
                                  decisions=decisions, sampler=sample_batch, model_dir=model_dir,
-                                 target_weights=model.weights, target_weight_dtype=model.weight_dtype)
+                                 target_weights=model.weights, target_weight_dtype=model.weight_dtype,
+                                 max_model_len=config.max_model_len or spec.max_position_embeddings)
         return Speculator(method_config, proposer, decisions, window)
 
     if spec_config.method != "auto":

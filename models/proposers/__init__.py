@@ -21,20 +21,23 @@ def make_proposer(config: SpeculationConfig, target_spec: ModelSpec, target_toke
                   kv_dtype: str = "float32", activation_dtype: str = "auto",
                   decisions: DecisionLog | None = None, sampler: DraftSampler = argmax_sampler,
                   model_dir: str | None = None, target_weights: ModelWeights | None = None,
-                  target_weight_dtype: str = "float32") -> Proposer | None:
+                  target_weight_dtype: str = "float32", max_model_len: int | None = None) -> Proposer | None:
     """The proposer of config.method (None when off). A draft model gets a KV pool of kv_cache_tokens
     tokens in blocks of block_size; pass the engine's weight, KV and activation dtypes so that a draft
     model equal to the target drafts exactly the target's greedy tokens; sampler: how a draft model picks
     its token from its logits (the engine's batched sampler; else the argmax). Medusa heads and an EAGLE head
     are read from beside the target in model_dir and stored in its served weight dtype (target_weight_dtype);
-    an EAGLE head shares the target's embedding and LM head (target_weights)."""
+    an EAGLE head shares the target's embedding and LM head (target_weights). max_model_len: the engine's,
+    which picks LongRoPE's factors (Phi-3) for a draft model and an EAGLE head as for the target (None: each
+    model's own context)."""
     if config.method == "ngram":
         return NgramProposer(config)
     if config.method == "draft":
         return DraftModelProposer(config.draft_model, target_spec, target_tokenizer,
                                   kv_cache_tokens=kv_cache_tokens, block_size=block_size,
                                   weight_dtype=weight_dtype, kv_dtype=kv_dtype,
-                                  activation_dtype=activation_dtype, decisions=decisions, sampler=sampler)
+                                  activation_dtype=activation_dtype, decisions=decisions, sampler=sampler,
+                                  max_model_len=max_model_len)
     if config.method == "medusa":
         return MedusaProposer(model_dir, target_spec, target_weight_dtype, config.num_heads,
                               config.tree_width)
@@ -42,7 +45,7 @@ def make_proposer(config: SpeculationConfig, target_spec: ModelSpec, target_toke
         return EagleProposer(model_dir, target_spec, target_weights, target_weight_dtype,
                              kv_cache_tokens=kv_cache_tokens, block_size=block_size, kv_dtype=kv_dtype,
                              max_depth=config.num_speculative_tokens, fixed_width=config.tree_width,
-                             activation_dtype=activation_dtype)
+                             activation_dtype=activation_dtype, max_model_len=max_model_len)
     return None
 
 

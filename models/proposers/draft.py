@@ -83,13 +83,16 @@ class DraftModelProposer(Proposer):
     def __init__(self, path: str | Path, target_spec: ModelSpec, target_tokenizer: Tokenizer | None, *,
                  kv_cache_tokens: int, block_size: int = 16, weight_dtype: str = "auto",
                  kv_dtype: str = "float32", activation_dtype: str = "auto",
-                 decisions: DecisionLog | None = None, sampler: DraftSampler = argmax_sampler):
+                 decisions: DecisionLog | None = None, sampler: DraftSampler = argmax_sampler,
+                 max_model_len: int | None = None):
         super().__init__()
         self.sampler = sampler
         self.spec, weights, tokenizer = load_model(path, weight_dtype)
         check_same_vocabulary(path, self.spec, tokenizer, target_spec, target_tokenizer)
         weights = plan_activations(weights, activation_dtype, decisions or DecisionLog())
-        self.model = DecoderModel(self.spec, weights)
+        # the target engine's max_model_len: LongRoPE's factors as the target's (Phi-3 within its original
+        # context rotates by the short ones)
+        self.model = DecoderModel(self.spec, weights, max_model_len)
         self.vocab_size = target_spec.vocab_size  # drafts are tokens of the target's vocabulary
         # a forward costs about its share of the target's layers (fixed, per-layer calls) and of the
         # target's parameters (per token, weights read)

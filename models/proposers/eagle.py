@@ -93,10 +93,11 @@ class EagleProposer(Proposer):
 
     def __init__(self, model_dir: str | Path, spec: ModelSpec, target_weights: ModelWeights,
                  weight_dtype: str, *, kv_cache_tokens: int, block_size: int = 16, kv_dtype: str = "float32",
-                 max_depth: int = 4, fixed_width: int | None = None, activation_dtype: str = "float32"):
+                 max_depth: int = 4, fixed_width: int | None = None, activation_dtype: str = "float32",
+                 max_model_len: int | None = None):
         super().__init__()
         self.head: EagleHead = load_eagle_head(model_dir, spec, target_weights, weight_dtype,
-                                               activation_dtype)
+                                               activation_dtype, max_model_len)
         self.block_size = block_size
         num_blocks = -(-(kv_cache_tokens + tree_sizes(max_depth).max()) // block_size) + SPARE_BLOCKS
         s = eagle_spec(spec)
