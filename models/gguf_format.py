@@ -2,9 +2,10 @@
 
 Quantized tensors map byte for byte: a GGUF Q8_0 block is (fp16 d, 32 x int8), a Q4_0 block (fp16 d, 16 bytes,
 element j in the low nibble and j + 16 in the high nibble of byte j); a WeightMatrix holds the same values
-split into `scales` and `data`. llama.cpp's rope rotates adjacent pairs where Hugging Face's rotates i with
-i + head_dim / 2, so convert_hf_to_gguf.py interleaves the two halves of every head of attn_q / attn_k: we
-undo that on load and redo it on export.
+split into `scales` and `data`. llama.cpp's "normal" rope (Llama, Granite, SmolLM3) rotates adjacent pairs
+where Hugging Face's rotates i with i + head_dim / 2, so convert_hf_to_gguf.py interleaves the two halves of
+every head of attn_q / attn_k for those families (models/gguf_families.py): we undo that on load and redo it
+on export.
 """
 
 import math
@@ -19,9 +20,12 @@ from models.rope import inv_freq
 from models.spec import ModelSpec
 
 GT = GGMLQuantizationType
-ARCH = "llama"
-# Hugging Face's rope_scaling as JSON: exact where rope_freqs rounds
+# the global rope's Hugging Face rope_scaling as JSON, written by earlier exports (now part of SPEC_KEY)
 ROPE_SCALING_KEY = "numaserve.rope_scaling"
+# the ModelSpec fields llama.cpp's keys do not give back exactly, as JSON (models/gguf_spec.py)
+SPEC_KEY = "numaserve.spec"
+# rope tensors: llama3 frequency divisors; LongRoPE's long and short factors
+ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 AUTO = {GT.F32: "float32", GT.F16: "bfloat16", GT.BF16: "bfloat16", GT.Q8_0: "q8_0", GT.Q4_0: "q4_0"}
 GGML_TYPE = {"float32": GT.F32, "bfloat16": GT.BF16, "q8_0": GT.Q8_0, "q4_0": GT.Q4_0}
 FILE_TYPE = {"float32": LlamaFileType.ALL_F32, "bfloat16": LlamaFileType.MOSTLY_BF16,
@@ -85,14 +89,10 @@ def _llama3_bounds(v_low: float, v_high: float | None, v_ramp: np.ndarray,
 
 
 def rope_freq_factors(spec: ModelSpec) -> np.ndarray:
-    """llama.cpp's rope_freqs.weight for a llama3-scaled spec: [head_dim // 2] f32 divisors."""
+    """llama.cpp's rope_freqs.weight for a llama3-scaled spec: [rotary_dim // 2] f32 divisors."""
     base, _ = inv_freq(replace(spec.rope, scaling=None))
     scaled, _ = inv_freq(spec.rope)
     return (base.astype(np.float64) / scaled).astype(np.float32)
-
-
-def rope_type(spec: ModelSpec) -> str:
-    return spec.rope.kind
 
 
 def rope_row_order(num_heads: int, head_dim: int) -> np.ndarray:
