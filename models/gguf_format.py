@@ -8,6 +8,7 @@ every head of attn_q / attn_k for those families (models/gguf_families.py): we u
 on export.
 """
 
+import json
 import math
 from dataclasses import replace
 from pathlib import Path
@@ -16,7 +17,7 @@ import numpy as np
 from gguf import GGMLQuantizationType, LlamaFileType
 
 from cluster_configs.errors import CheckpointError
-from models.rope import inv_freq
+from models.rope import Rope, inv_freq
 from models.spec import ModelSpec
 
 GT = GGMLQuantizationType
@@ -93,6 +94,62 @@ def rope_freq_factors(spec: ModelSpec) -> np.ndarray:
     base, _ = inv_freq(replace(spec.rope, scaling=None))
     scaled, _ = inv_freq(spec.rope)
     return (base.astype(np.float64) / scaled).astype(np.float32)
+
+
+def rope_tensors(spec: ModelSpec) -> dict[str, np.ndarray]:
+    """llama.cpp's rope tensors for the global rope's scaling: llama3's divisors, LongRoPE's factors."""
+    rope = spec.rope
+    if rope.kind == "llama3":
+        return {"rope_freqs.weight": rope_freq_factors(spec)}
+    if rope.kind == "longrope":
+        return {f"rope_factors_{k}.weight": np.asarray(rope.scaling[f"{k}_factor"], np.float32)
+                for k in ("long", "short")}
+    return {}
+
+
+def rope_scaling(path: Path, metadata: dict, key, vector, theta: float, rotary_dim: int,
+                 context: int) -> dict | None:
+    """The global rope's Hugging Face scaling from llama.cpp's keys (key(name, default) reads {arch}.name) and
+    rope tensors (vector(name) -> f32 values or None): linear, llama3 (rope_freqs) or LongRoPE
+    (rope_factors_long / _short, Phi-3)."""
+    if ROPE_SCALING_KEY in metadata:  # earlier exports
+        return json.loads(metadata[ROPE_SCALING_KEY])
+    freqs = vector("rope_freqs.weight")
+    long, short = vector("rope_factors_long.weight"), vector("rope_factors_short.weight")
+    kind = key("rope.scaling.type", "linear")  # llama.cpp's default
+    factor = f32(key("rope.scaling.factor", 0.0))
+    if kind not in ("none", "linear", "longrope"):
+        raise CheckpointError(f"{path}: rope.scaling.type={kind!r} is not supported; numaserve applies "
+                              "linear, llama3 (rope_freqs.weight) and LongRoPE (rope_factors_*) scaling")
+    linear = kind == "linear" and factor not in (0.0, 1.0)
+    if sum((freqs is not None, long is not None or short is not None, linear)) > 1:
+        raise CheckpointError(f"{path}: more than one of rope_freqs.weight, rope_factors_* and linear rope "
+                              "scaling; expected one of them")
+    half = (rotary_dim // 2,)
+    for name, t in (("rope_freqs", freqs), ("rope_factors_long", long), ("rope_factors_short", short)):
+        if t is not None and t.shape != half:
+            raise CheckpointError(f"{path}: tensor '{name}.weight' has shape {t.shape}, expected {half}: one "
+                                  "value per rotary frequency")
+    if linear:
+        return {"rope_type": "linear", "factor": factor}
+    if freqs is not None:
+        return llama3_scaling_from_factors(freqs, theta, rotary_dim)
+    if long is None and short is None:
+        return None
+    if long is None or short is None:
+        raise CheckpointError(f"{path}: LongRoPE needs both rope_factors_long.weight and "
+                              "rope_factors_short.weight")
+    original = int(key("rope.scaling.original_context_length"))
+    scaling = {"rope_type": "longrope", "long_factor": long.tolist(), "short_factor": short.tolist(),
+               "original_max_position_embeddings": original, "factor": context / original}
+    attn_factor = key("rope.scaling.attn_factor", None)
+    if attn_factor is not None and np.float32(attn_factor) != np.float32(_attention_factor(scaling)):
+        scaling["attention_factor"] = f32(attn_factor)
+    return scaling
+
+
+def _attention_factor(scaling: dict) -> float:
+    return inv_freq(Rope(10000.0, scaling, 2 * len(scaling["long_factor"])))[1]
 
 
 def rope_row_order(num_heads: int, head_dim: int) -> np.ndarray:

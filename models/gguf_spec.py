@@ -15,15 +15,7 @@ from gguf import GGUFValueType
 from cluster_configs.errors import CheckpointError
 from models.architectures import Architecture, architecture
 from models.gguf_families import GGUFFamily, gguf_family, has_qkv_bias
-from models.gguf_format import (
-    REQUIRED,
-    ROPE_SCALING_KEY,
-    SPEC_KEY,
-    f32,
-    llama3_scaling_from_factors,
-    metadata_key,
-    rope_freq_factors,
-)
+from models.gguf_format import REQUIRED, SPEC_KEY, f32, metadata_key, rope_scaling, rope_tensors
 from models.rope import Rope, inv_freq
 from models.spec import ModelSpec
 
@@ -120,7 +112,7 @@ def _layer_types(arch: Architecture, pattern, window: int, num_layers: int) -> t
 def _layer_ropes(path: Path, family: GGUFFamily, metadata: dict, key, vector: Vector, types: tuple[str, ...],
                  rotary_dim: int, context: int) -> tuple[Rope, ...]:
     theta = f32(key("rope.freq_base", 10000.0))
-    scaling = _rope_scaling(path, metadata, key, vector, theta, rotary_dim, context)
+    scaling = rope_scaling(path, metadata, key, vector, theta, rotary_dim, context)
     full = Rope(theta, scaling, rotary_dim)
     local_theta = key("rope.freq_base_swa", family.plain_swa_rope or None)
     local_scaling = None if family.plain_swa_rope else scaling
@@ -129,48 +121,6 @@ def _layer_ropes(path: Path, family: GGUFFamily, metadata: dict, key, vector: Ve
     period = family.no_rope_period
     return tuple(dataclasses.replace(r, rotary_dim=0) if period and (i + 1) % period == 0 else r
                  for i, r in enumerate(ropes))
-
-
-def _rope_scaling(path: Path, metadata: dict, key, vector: Vector, theta: float, rotary_dim: int,
-                  context: int) -> dict | None:
-    if ROPE_SCALING_KEY in metadata:  # earlier exports
-        return json.loads(metadata[ROPE_SCALING_KEY])
-    freqs = vector("rope_freqs.weight")
-    long, short = vector("rope_factors_long.weight"), vector("rope_factors_short.weight")
-    kind = key("rope.scaling.type", "linear")  # llama.cpp's default
-    factor = f32(key("rope.scaling.factor", 0.0))
-    if kind not in ("none", "linear", "longrope"):
-        raise CheckpointError(f"{path}: rope.scaling.type={kind!r} is not supported; numaserve applies "
-                              "linear, llama3 (rope_freqs.weight) and LongRoPE (rope_factors_*) scaling")
-    linear = kind == "linear" and factor not in (0.0, 1.0)
-    if sum((freqs is not None, long is not None or short is not None, linear)) > 1:
-        raise CheckpointError(f"{path}: more than one of rope_freqs.weight, rope_factors_* and linear rope "
-                              "scaling; expected one of them")
-    half = (rotary_dim // 2,)
-    for name, t in (("rope_freqs", freqs), ("rope_factors_long", long), ("rope_factors_short", short)):
-        if t is not None and t.shape != half:
-            raise CheckpointError(f"{path}: tensor '{name}.weight' has shape {t.shape}, expected {half}: one "
-                                  "value per rotary frequency")
-    if linear:
-        return {"rope_type": "linear", "factor": factor}
-    if freqs is not None:
-        return llama3_scaling_from_factors(freqs, theta, rotary_dim)
-    if long is None and short is None:
-        return None
-    if long is None or short is None:
-        raise CheckpointError(f"{path}: LongRoPE needs both rope_factors_long.weight and "
-                              "rope_factors_short.weight")
-    original = int(key("rope.scaling.original_context_length"))
-    scaling = {"rope_type": "longrope", "long_factor": long.tolist(), "short_factor": short.tolist(),
-               "original_max_position_embeddings": original, "factor": context / original}
-    attn_factor = key("rope.scaling.attn_factor", None)
-    if attn_factor is not None and np.float32(attn_factor) != np.float32(_attention_factor(scaling)):
-        scaling["attention_factor"] = f32(attn_factor)
-    return scaling
-
-
-def _attention_factor(scaling: dict) -> float:
-    return inv_freq(Rope(10000.0, scaling, 2 * len(scaling["long_factor"])))[1]
 
 
 def _scales(family: GGUFFamily, arch: Architecture, key, hidden: int, num_heads: int, head_dim: int,
@@ -202,17 +152,6 @@ def _overrides(text: str | None) -> dict:
 
 
 # ---- writing ---------------------------------------------------------------------------------------------
-
-def rope_tensors(spec: ModelSpec) -> dict[str, np.ndarray]:
-    """llama.cpp's rope tensors for the global rope's scaling: llama3's divisors, LongRoPE's factors."""
-    rope = spec.rope
-    if rope.kind == "llama3":
-        return {"rope_freqs.weight": rope_freq_factors(spec)}
-    if rope.kind == "longrope":
-        return {f"rope_factors_{k}.weight": np.asarray(rope.scaling[f"{k}_factor"], np.float32)
-                for k in ("long", "short")}
-    return {}
-
 
 def spec_metadata(spec: ModelSpec, family: GGUFFamily, shapes: Shapes,
                   tokenizer_ids: dict[str, int]) -> dict[str, tuple]:
