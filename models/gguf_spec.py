@@ -59,8 +59,8 @@ def _derive(path: Path, metadata: dict, shapes: Shapes, vector: Vector) -> Model
     if key("expert_count", 0):
         raise CheckpointError(f"{path}: {family.name}.expert_count={key('expert_count')}: mixture-of-experts "
                               "models are not supported; serve a dense model")
-    hidden, num_heads, num_layers = int(key("embedding_length")), int(key("attention.head_count")), \
-        int(key("block_count"))
+    hidden = int(key("embedding_length"))
+    num_heads, num_layers = int(key("attention.head_count")), int(key("block_count"))
     head_dim = int(key("attention.key_length", hidden // num_heads))
     rotary_dim = int(key("rope.dimension_count", head_dim))
     if key("attention.value_length", head_dim) != head_dim or rotary_dim > head_dim or rotary_dim % 2:
