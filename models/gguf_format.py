@@ -2,11 +2,13 @@
 
 Quantized tensors map byte for byte: a GGUF Q8_0 block is (fp16 d, 32 x int8), a Q4_0 block (fp16 d, 16 bytes,
 element j in the low nibble and j + 16 in the high nibble of byte j); a WeightMatrix holds the same values
-split into `scales` and `data`. llama.cpp's rope rotates adjacent pairs where Hugging Face's rotates i with
-i + head_dim / 2, so convert_hf_to_gguf.py interleaves the two halves of every head of attn_q / attn_k: we
-undo that on load and redo it on export.
+split into `scales` and `data`. llama.cpp's "normal" rope (Llama, Granite, SmolLM3) rotates adjacent pairs
+where Hugging Face's rotates i with i + head_dim / 2, so convert_hf_to_gguf.py interleaves the two halves of
+every head of attn_q / attn_k for those families (models/gguf_families.py): we undo that on load and redo it
+on export.
 """
 
+import json
 import math
 from dataclasses import replace
 from pathlib import Path
@@ -15,13 +17,16 @@ import numpy as np
 from gguf import GGMLQuantizationType, LlamaFileType
 
 from cluster_configs.errors import CheckpointError
-from models.rope import inv_freq
+from models.rope import Rope, inv_freq
 from models.spec import ModelSpec
 
 GT = GGMLQuantizationType
-ARCH = "llama"
-# Hugging Face's rope_scaling as JSON: exact where rope_freqs rounds
+# the global rope's Hugging Face rope_scaling as JSON, written by earlier exports (now part of SPEC_KEY)
 ROPE_SCALING_KEY = "numaserve.rope_scaling"
+# the ModelSpec fields llama.cpp's keys do not give back exactly, as JSON (models/gguf_spec.py)
+SPEC_KEY = "numaserve.spec"
+# rope tensors: llama3 frequency divisors; LongRoPE's long and short factors
+ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 AUTO = {GT.F32: "float32", GT.F16: "bfloat16", GT.BF16: "bfloat16", GT.Q8_0: "q8_0", GT.Q4_0: "q4_0"}
 GGML_TYPE = {"float32": GT.F32, "bfloat16": GT.BF16, "q8_0": GT.Q8_0, "q4_0": GT.Q4_0}
 FILE_TYPE = {"float32": LlamaFileType.ALL_F32, "bfloat16": LlamaFileType.MOSTLY_BF16,
@@ -85,14 +90,66 @@ def _llama3_bounds(v_low: float, v_high: float | None, v_ramp: np.ndarray,
 
 
 def rope_freq_factors(spec: ModelSpec) -> np.ndarray:
-    """llama.cpp's rope_freqs.weight for a llama3-scaled spec: [head_dim // 2] f32 divisors."""
+    """llama.cpp's rope_freqs.weight for a llama3-scaled spec: [rotary_dim // 2] f32 divisors."""
     base, _ = inv_freq(replace(spec.rope, scaling=None))
     scaled, _ = inv_freq(spec.rope)
     return (base.astype(np.float64) / scaled).astype(np.float32)
 
 
-def rope_type(spec: ModelSpec) -> str:
-    return spec.rope.kind
+def rope_tensors(spec: ModelSpec) -> dict[str, np.ndarray]:
+    """llama.cpp's rope tensors for the global rope's scaling: llama3's divisors, LongRoPE's factors."""
+    rope = spec.rope
+    if rope.kind == "llama3":
+        return {"rope_freqs.weight": rope_freq_factors(spec)}
+    if rope.kind == "longrope":
+        return {f"rope_factors_{k}.weight": np.asarray(rope.scaling[f"{k}_factor"], np.float32)
+                for k in ("long", "short")}
+    return {}
+
+
+def rope_scaling(path: Path, metadata: dict, key, vector, theta: float, rotary_dim: int,
+                 context: int) -> dict | None:
+    """The global rope's Hugging Face scaling from llama.cpp's keys (key(name, default) reads {arch}.name) and
+    rope tensors (vector(name) -> f32 values or None): linear, llama3 (rope_freqs) or LongRoPE
+    (rope_factors_long / _short, Phi-3)."""
+    if ROPE_SCALING_KEY in metadata:  # earlier exports
+        return json.loads(metadata[ROPE_SCALING_KEY])
+    freqs = vector("rope_freqs.weight")
+    long, short = vector("rope_factors_long.weight"), vector("rope_factors_short.weight")
+    kind = key("rope.scaling.type", "linear")  # llama.cpp's default
+    factor = f32(key("rope.scaling.factor", 0.0))
+    if kind not in ("none", "linear", "longrope"):
+        raise CheckpointError(f"{path}: rope.scaling.type={kind!r} is not supported; numaserve applies "
+                              "linear, llama3 (rope_freqs.weight) and LongRoPE (rope_factors_*) scaling")
+    linear = kind == "linear" and factor not in (0.0, 1.0)
+    if sum((freqs is not None, long is not None or short is not None, linear)) > 1:
+        raise CheckpointError(f"{path}: more than one of rope_freqs.weight, rope_factors_* and linear rope "
+                              "scaling; expected one of them")
+    half = (rotary_dim // 2,)
+    for name, t in (("rope_freqs", freqs), ("rope_factors_long", long), ("rope_factors_short", short)):
+        if t is not None and t.shape != half:
+            raise CheckpointError(f"{path}: tensor '{name}.weight' has shape {t.shape}, expected {half}: one "
+                                  "value per rotary frequency")
+    if linear:
+        return {"rope_type": "linear", "factor": factor}
+    if freqs is not None:
+        return llama3_scaling_from_factors(freqs, theta, rotary_dim)
+    if long is None and short is None:
+        return None
+    if long is None or short is None:
+        raise CheckpointError(f"{path}: LongRoPE needs both rope_factors_long.weight and "
+                              "rope_factors_short.weight")
+    original = int(key("rope.scaling.original_context_length"))
+    scaling = {"rope_type": "longrope", "long_factor": long.tolist(), "short_factor": short.tolist(),
+               "original_max_position_embeddings": original, "factor": context / original}
+    attn_factor = key("rope.scaling.attn_factor", None)
+    if attn_factor is not None and np.float32(attn_factor) != np.float32(_attention_factor(scaling)):
+        scaling["attention_factor"] = f32(attn_factor)
+    return scaling
+
+
+def _attention_factor(scaling: dict) -> float:
+    return inv_freq(Rope(10000.0, scaling, 2 * len(scaling["long_factor"])))[1]
 
 
 def rope_row_order(num_heads: int, head_dim: int) -> np.ndarray:

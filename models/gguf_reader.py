@@ -1,7 +1,8 @@
-"""Read a llama GGUF file into numaserve's (spec, weights, tokenizer): tensors copied out of the file, q/k
-rows un-permuted to Hugging Face's rope order, each matrix served in its stored format where it can be."""
+"""Read a GGUF file of a supported family (models/gguf_families.py) into numaserve's (spec, weights,
+tokenizer): tensors copied out of the file and stacked into our fused projections, q/k rows un-permuted to
+Hugging Face's rope order where the family's converter permuted them, each matrix served in its stored format
+where it can be."""
 
-import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,20 +14,11 @@ from tqdm import tqdm
 from cluster_configs.errors import CheckpointError
 from memory.weights import LayerWeights, ModelWeights, WeightMatrix
 from models.checkpoint import lm_head_dtype
-from models.gguf_format import (
-    ARCH,
-    AUTO,
-    GT,
-    REQUIRED,
-    ROPE_SCALING_KEY,
-    f32,
-    llama3_scaling_from_factors,
-    metadata_key,
-    rope_row_order,
-)
+from models.gguf_families import FAMILIES, Layout, layer_layouts
+from models.gguf_format import AUTO, GT, ROPE_TENSORS
+from models.gguf_spec import spec_from_gguf
 from models.gguf_vocab import tokenizer_from_metadata
 from models.linear import dequantize
-from models.rope import Rope
 from models.spec import ModelSpec
 from models.tokenizer import Tokenizer
 
@@ -95,89 +87,23 @@ def _copy_tensor(path: Path, t) -> StoredTensor:
                                                   scales))
 
 
-# ---- spec ------------------------------------------------------------------------------------------------
+# ---- weights ---------------------------------------------------------------------------------------------
 
 def _spec(path: Path, metadata: dict, tensors: dict[str, StoredTensor]) -> ModelSpec:
-    arch = metadata.get("general.architecture")
-    if arch != ARCH:
-        raise CheckpointError(f"{path}: general.architecture={arch!r} is not supported; numaserve loads "
-                              "'llama' GGUF files (Llama and Llama-shaped models); serve the Hugging Face "
-                              "directory instead")
+    """The spec from the metadata and the tensors' shapes; the rope tensors are consumed."""
+    rope = {name: tensors.pop(name) for name in ROPE_TENSORS if name in tensors}
+    shapes = {name: t.shape for name, t in tensors.items()}
+    return spec_from_gguf(path, metadata, shapes, lambda name: _vector(rope[name]) if name in rope else None)
 
-    def key(name: str, default=REQUIRED):
-        return metadata_key(path, metadata, f"{ARCH}.{name}", default)
-
-    if key("expert_count", 0):
-        raise CheckpointError(f"{path}: {ARCH}.expert_count={key('expert_count')}: mixture-of-experts models "
-                              "are not supported; serve a dense Llama-family model")
-    hidden, num_heads = int(key("embedding_length")), int(key("attention.head_count"))
-    head_dim = int(key("attention.key_length", hidden // num_heads))
-    for name in ("attention.value_length", "rope.dimension_count"):
-        if key(name, head_dim) != head_dim:
-            raise CheckpointError(f"{path}: {ARCH}.{name}={key(name)} differs from the head size {head_dim}; "
-                                  "partial rotary and split key/value sizes are not supported")
-    tokens = metadata.get("tokenizer.ggml.tokens")
-    embd = tensors.get("token_embd.weight")
-    vocab_size = key("vocab_size", len(tokens) if tokens else embd.shape[0] if embd else REQUIRED)
-    rope_theta = f32(key("rope.freq_base", 10000.0))
-    eos = (metadata.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom"))
-    return ModelSpec(
-        architecture="LlamaForCausalLM",
-        vocab_size=int(vocab_size),
-        hidden_size=hidden,
-        intermediate_size=int(key("feed_forward_length")),
-        num_layers=int(key("block_count")),
-        num_heads=num_heads,
-        num_kv_heads=int(key("attention.head_count_kv", num_heads)),
-        head_dim=head_dim,
-        rms_norm_eps=f32(key("attention.layer_norm_rms_epsilon")),
-        layer_ropes=(Rope(rope_theta, _rope_scaling(path, metadata, tensors, rope_theta, head_dim),
-                          head_dim),) * int(key("block_count")),
-        max_position_embeddings=int(key("context_length")),
-        tie_word_embeddings="output.weight" not in tensors,
-        qkv_bias=False,
-        layer_windows=(0,) * int(key("block_count")),
-        bos_token_id=metadata.get("tokenizer.ggml.bos_token_id"),
-        eos_token_ids=tuple(dict.fromkeys(int(i) for i in eos if i is not None)),
-    )
-
-
-def _rope_scaling(path: Path, metadata: dict, tensors: dict, rope_theta: float, head_dim: int) -> dict | None:
-    freqs = tensors.pop("rope_freqs.weight", None)
-    if ROPE_SCALING_KEY in metadata:
-        try:
-            return json.loads(metadata[ROPE_SCALING_KEY])
-        except (TypeError, ValueError) as e:
-            raise CheckpointError(f"{path}: {ROPE_SCALING_KEY} is not valid JSON ({e}); the file is corrupt: "
-                                  "re-download or re-export it") from None
-    kind = metadata.get(f"{ARCH}.rope.scaling.type", "linear")  # llama.cpp's default
-    factor = f32(metadata.get(f"{ARCH}.rope.scaling.factor", 0.0))
-    if kind not in ("none", "linear"):
-        raise CheckpointError(f"{path}: {ARCH}.rope.scaling.type={kind!r} is not supported; numaserve "
-                              "applies linear and llama3 (rope_freqs.weight) scaling")
-    linear = kind == "linear" and factor not in (0.0, 1.0)
-    if freqs is not None and linear:
-        raise CheckpointError(f"{path}: both rope_freqs.weight and linear rope scaling; expected one of them")
-    if linear:
-        return {"rope_type": "linear", "factor": factor}
-    if freqs is None:
-        return None
-    if freqs.shape != (head_dim // 2,):
-        raise CheckpointError(f"{path}: tensor 'rope_freqs.weight' has shape {freqs.shape}, expected "
-                              f"({head_dim // 2},): one divisor per rotary frequency")
-    return llama3_scaling_from_factors(_vector(freqs), rope_theta, head_dim)
-
-
-# ---- weights ---------------------------------------------------------------------------------------------
 
 def _pop(path: Path, tensors: dict, name: str, shape: tuple[int, ...]) -> StoredTensor:
     t = tensors.pop(name, None)
     if t is None:
         raise CheckpointError(f"{path}: tensor {name!r} is missing (expected shape {shape}); the file is "
-                              "incomplete or not a llama model with these llama.* metadata")
+                              "incomplete or its metadata do not describe its tensors")
     if t.shape != shape:
         raise CheckpointError(f"{path}: tensor {name!r} has shape {t.shape}, expected {shape} from the "
-                              "llama.* metadata; the weights and the metadata do not match")
+                              "metadata; the weights and the metadata do not match")
     return t
 
 
@@ -209,8 +135,23 @@ def take_rows(w: WeightMatrix, rows: np.ndarray) -> WeightMatrix:
     return WeightMatrix(w.dtype, w.data[rows], None if w.scales is None else w.scales[rows])
 
 
-def _weights(path: Path, spec: ModelSpec, tensors: dict, weight_dtype: str) -> ModelWeights:
-    h, q, kv, inter, D = spec.hidden_size, spec.q_size, spec.kv_size, spec.intermediate_size, spec.head_dim
+def _field(path: Path, tensors: dict, prefix: str, layouts: tuple[Layout, ...], weight_dtype: str):
+    """A LayerWeights field from the first layout whose tensors the file has: matrices in a served format,
+    vectors float32, rows back in our order."""
+    layout = next((lay for lay in layouts if all(prefix + s.name in tensors for s in lay)), layouts[0])
+    parts = [_pop(path, tensors, prefix + s.name, s.shape) for s in layout]
+    order = None
+    if any(s.rows is not None for s in layout):
+        order = np.argsort(np.concatenate([s.rows for s in layout]))
+        order = None if np.array_equal(order, np.arange(len(order))) else order
+    if len(layout[0].shape) == 1:
+        vector = np.concatenate([_vector(p) for p in parts])
+        return vector if order is None else vector[order]
+    return _served(parts, weight_dtype, weight_dtype, order)
+
+
+def _weights(path: Path, spec: ModelSpec, family: str, tensors: dict, weight_dtype: str) -> ModelWeights:
+    h = spec.hidden_size
 
     def pop(name, shape):
         return _pop(path, tensors, name, shape)
@@ -221,36 +162,23 @@ def _weights(path: Path, spec: ModelSpec, tensors: dict, weight_dtype: str) -> M
     norm = _vector(pop("output_norm.weight", (h,)))
     lm_head = embed if spec.tie_word_embeddings else _served(
         [pop("output.weight", (spec.vocab_size, h))], weight_dtype, head_dtype)
-    layers = []
-    qkv_rows = np.concatenate([np.argsort(rope_row_order(spec.num_heads, D)),
-                               q + np.argsort(rope_row_order(spec.num_kv_heads, D)),
-                               np.arange(q + kv, q + 2 * kv)])
-    for i in tqdm(range(spec.num_layers), desc=f"loading {path.name}", disable=not sys.stderr.isatty(),
-                  leave=False):
-        p = f"blk.{i}."
-        qkv = [pop(p + "attn_q.weight", (q, h)), pop(p + "attn_k.weight", (kv, h)),
-               pop(p + "attn_v.weight", (kv, h))]
-        layers.append(LayerWeights(
-            attn_norm=_vector(pop(p + "attn_norm.weight", (h,))),
-            mlp_norm=_vector(pop(p + "ffn_norm.weight", (h,))),
-            qkv=_served(qkv, weight_dtype, weight_dtype, qkv_rows),
-            o=_served([pop(p + "attn_output.weight", (h, q))], weight_dtype, weight_dtype),
-            gate_up=_served([pop(p + "ffn_gate.weight", (inter, h)), pop(p + "ffn_up.weight", (inter, h))],
-                            weight_dtype, weight_dtype),
-            down=_served([pop(p + "ffn_down.weight", (h, inter))], weight_dtype, weight_dtype),
-            qkv_bias=None,
-        ))
+    layouts = layer_layouts(spec, FAMILIES[family])
+    no_bias = {} if spec.qkv_bias else {"qkv_bias": None}
+    layers = tuple(
+        LayerWeights(**{field: _field(path, tensors, f"blk.{i}.", options, weight_dtype)
+                        for field, options in layouts.items()}, **no_bias)
+        for i in tqdm(range(spec.num_layers), desc=f"loading {path.name}", disable=not sys.stderr.isatty(),
+                      leave=False))
     if tensors:
-        raise CheckpointError(f"{path}: tensors {sorted(tensors)[:4]} are not part of a llama model as "
-                              "numaserve runs it (no biases, no extra layers); serve the Hugging Face "
-                              "directory instead")
-    return ModelWeights(embed=embed, norm=norm, lm_head=lm_head, layers=tuple(layers))
+        raise CheckpointError(f"{path}: tensors {sorted(tensors)[:4]} are not part of a {family} model "
+                              "as numaserve runs it; serve the Hugging Face directory instead")
+    return ModelWeights(embed=embed, norm=norm, lm_head=lm_head, layers=layers)
 
 
 def read_gguf_spec(path: str | Path) -> ModelSpec:
     """The spec alone, from the metadata and the tensors' shapes: no weight is copied."""
     path = Path(path)
-    metadata, tensors = read_gguf(path, {"rope_freqs.weight"})
+    metadata, tensors = read_gguf(path, set(ROPE_TENSORS))
     return _spec(path, metadata, tensors)
 
 
@@ -268,4 +196,4 @@ def load_gguf(path: str | Path, weight_dtype: str) -> tuple[ModelSpec, ModelWeig
     except Exception as e:  # noqa: BLE001 -- the tokenizers library raises a bare Exception for a bad vocabulary
         raise CheckpointError(f"{path}: the tokenizer.ggml.* vocabulary is inconsistent ({e}); the file is "
                               "corrupt: re-download or re-export it") from None
-    return spec, _weights(path, spec, tensors, weight_dtype), tokenizer
+    return spec, _weights(path, spec, metadata["general.architecture"], tensors, weight_dtype), tokenizer

@@ -21,8 +21,10 @@ from gguf import GGUFValueType
 from safetensors.numpy import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+import models.gguf_writer
 import numaserve as ns
 from cluster_configs.errors import CheckpointError
+from models.gguf_families import FAMILIES
 from models.gguf_format import llama3_scaling_from_factors
 from models.gguf_reader import read_gguf
 from models.gguf_writer import convert_to_gguf
@@ -471,8 +473,10 @@ def test_files_that_are_not_gguf_raise_checkpoint_error(exported, tmp_path):
             make_llm(path)
 
 
-def test_export_refuses_models_llama_gguf_cannot_hold(model_dirs, tmp_path):
-    with pytest.raises(CheckpointError, match="attention biases or sliding windows"):
+def test_export_refuses_an_architecture_without_a_gguf_family(model_dirs, tmp_path, monkeypatch):
+    # as if qwen2 were a family numaserve serves but has no llama.cpp names for
+    monkeypatch.setattr(models.gguf_writer, "FAMILIES", {k: f for k, f in FAMILIES.items() if k != "qwen2"})
+    with pytest.raises(CheckpointError, match="Qwen2ForCausalLM has no GGUF architecture numaserve writes"):
         convert_to_gguf(model_dirs["qwen2"], tmp_path / "qwen2.gguf", "q8_0")
 
 
