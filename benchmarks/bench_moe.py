@@ -90,18 +90,17 @@ def plot(results: dict, path: Path) -> None:
     for ax, r in zip(np.atleast_1d(axes), rows):
         vals = [r["numaserve_tok_s"], r.get("llamacpp_tok_s", 0)][:len(engines)]
         ax.bar(np.arange(len(engines)), vals, 0.6, color=["C0", "C1"][:len(engines)])
-        if "ratio" in r:
-            ax.annotate(f"{r['ratio']:.2f}x llama.cpp", (0, vals[0]), ha="center", va="bottom", fontsize=8)
         for i, name in enumerate(("numaserve", "llamacpp")[:len(engines)]):
+            notes = [f"{r['ratio']:.2f}x llama.cpp"] if "ratio" in r and i == 0 else []
             if f"{name}_of_roofline" in r:
-                ax.annotate(f"{r[f'{name}_of_roofline']:.0%} of roofline", (i, vals[i] / 2), ha="center",
-                            fontsize=8, color="w")
+                notes.append(f"{r[f'{name}_of_roofline']:.0%} of roofline")
+            ax.annotate("\n".join(notes), (i, vals[i]), ha="center", va="bottom", fontsize=8)
         if "roofline_tok_s" in r:
             ax.axhline(r["roofline_tok_s"], color="k", linestyle="--", linewidth=1)
-            ax.annotate(f"roofline: {r['bytes_per_token'] / 1e9:.2f} GB/token\nat "
+            ax.annotate(f"roofline: {r['bytes_per_token'] / 1e9:.2f} GB/token at "
                         f"{r['read_bytes_per_s'] / 1e9:.0f} GB/s", (0.5, r["roofline_tok_s"]), ha="center",
-                        va="top", fontsize=7, xycoords=("axes fraction", "data"))
-            ax.set_ylim(0, 1.1 * max(r["roofline_tok_s"], *vals))
+                        va="bottom", fontsize=7, xycoords=("axes fraction", "data"))
+        ax.set_ylim(0, 1.2 * max(r.get("roofline_tok_s", 0), *vals))
         ax.set_xticks(np.arange(len(engines)), engines)
         title = r["metric"].replace("decode_b", "decode, batch ").replace("prefill", "prefill, 512 tokens")
         ax.set_title(title, fontsize=10)
