@@ -92,6 +92,20 @@ def tok_s(engine: EngineProcess, load: tuple[str, dict, int]):
     return lambda: num_tokens / engine.call(cmd, **kwargs)
 
 
+def fresh_tok_s(engine: EngineProcess, metric: str, args, rng, vocab_size: int):
+    """tokens/s of one sample of metric ("prefill" or "decode_b<batch>", as workloads names them) on prompts
+    drawn for that sample alone, so no prefix cache serves one sample from another's."""
+    def sample() -> float:
+        if metric == "prefill":
+            return tok_s(engine, ("prefill", {"prompt": rng.integers(3, vocab_size, PROMPT_LEN).tolist()},
+                                  PROMPT_LEN))()
+        batch = int(metric.removeprefix("decode_b"))
+        steps = args.decode_tokens if batch == 1 else args.batched_steps
+        prompts = rng.integers(3, vocab_size, (batch, DECODE_PROMPT_LEN)).tolist()
+        return tok_s(engine, ("decode", {"prompts": prompts, "num_steps": steps}, batch * steps))()
+    return sample
+
+
 def pick_threading(ckpt: Path, weight_dtype: str, activation_dtype: str, args,
                    loads: dict) -> tuple[str, dict]:
     """numaserve's faster threading on these cores: decode batch 1 and 8, three alternating samples each."""
