@@ -31,10 +31,13 @@ class GGUFFamily:
     # Gemma: scores scaled by query_pre_attn_scalar ** -0.5, taken as the head size or, for these block counts
     # (the 27B models), as hidden / heads; None: 1 / sqrt(head_dim) unless attention.scale says otherwise
     wide_query_scalar: tuple[int, ...] | None = None
+    # the architecture its files load as when they have experts ({name}.expert_count > 0): Mixtral is a
+    # llama file with experts; "" for a family without (a MoE family's own architecture has them)
+    with_experts: str = ""
 
 
 FAMILIES: dict[str, GGUFFamily] = {f.name: f for f in (
-    GGUFFamily("llama", "LlamaForCausalLM", interleaved_rope=True),
+    GGUFFamily("llama", "LlamaForCausalLM", interleaved_rope=True, with_experts="MixtralForCausalLM"),
     GGUFFamily("qwen2", "Qwen2ForCausalLM"),
     GGUFFamily("qwen3", "Qwen3ForCausalLM"),
     GGUFFamily("gemma2", "Gemma2ForCausalLM", wide_query_scalar=(46,),
@@ -46,6 +49,7 @@ FAMILIES: dict[str, GGUFFamily] = {f.name: f for f in (
                required=("embedding_scale", "residual_scale", "attention.scale", "logit_scale")),
     GGUFFamily("olmo2", "Olmo2ForCausalLM"),
     GGUFFamily("smollm3", "SmolLM3ForCausalLM", interleaved_rope=True, no_rope_period=4),
+    GGUFFamily("qwen3moe", "Qwen3MoeForCausalLM", with_experts="Qwen3MoeForCausalLM"),
 )}
 
 
@@ -72,10 +76,12 @@ class TensorSlot:
 Layout = tuple[TensorSlot, ...]  # the tensors a field is stacked from, by rows
 
 
-def layer_layouts(spec: ModelSpec, family: GGUFFamily) -> dict[str, tuple[Layout, ...]]:
+def layer_layouts(spec: ModelSpec, family: GGUFFamily, layer: int) -> dict[str, tuple[Layout, ...]]:
     """LayerWeights field -> the layouts its tensors may have in a file, the family's own first (the one
     written). q|k|v and gate|up are separate tensors or fused (Phi-3's attn_qkv, and its ffn_up holding
-    gate|up); merged expert tensors (ffn_*_exps) would be further fields here."""
+    gate|up). A MoE layer has EXPERT_FIELDS in place of gate_up and down: llama.cpp's merged expert tensors,
+    ffn_gate_exps and ffn_up_exps [E, I, hidden] (each expert's gate and up rows, which our stacked gate_up
+    interleaves expert by expert), ffn_down_exps [E, hidden, I] and the router ffn_gate_inp [E, hidden]."""
     h, q, kv, inter, D = spec.hidden_size, spec.q_size, spec.kv_size, spec.intermediate_size, spec.head_dim
     arch = spec.arch
     q_rows, k_rows = np.arange(q), q + np.arange(kv)
@@ -103,9 +109,30 @@ def layer_layouts(spec: ModelSpec, family: GGUFFamily) -> dict[str, tuple[Layout
     if spec.qkv_bias:
         layouts["qkv_bias"] = stacked(("attn_q", "attn_k", "attn_v"), "attn_qkv", qkv_rows, "bias", ())
     layouts["o"] = whole("attn_output.weight", (h, q))
+    if spec.is_moe(layer):
+        return layouts | _expert_layouts(spec)
     layouts["gate_up"] = stacked(("ffn_gate", "ffn_up"), "ffn_up", gate_up_rows, "weight", (h,))
     layouts["down"] = whole("ffn_down.weight", (h, inter))
     return layouts
+
+
+EXPERT_FIELDS = ("experts.router", "experts.gate_up", "experts.down")  # ExpertWeights' router, gate_up, down
+
+
+def _expert_layouts(spec: ModelSpec) -> dict[str, tuple[Layout]]:
+    E, I, h = spec.num_experts, spec.moe_intermediate_size, spec.hidden_size
+    ours = np.arange(E * 2 * I).reshape(E, 2, I)  # our stacked gate_up's rows: expert, gate | up, row
+    return {"experts.router": ((TensorSlot("ffn_gate_inp.weight", None, (E, h)),),),
+            "experts.gate_up": ((TensorSlot("ffn_gate_exps.weight", ours[:, 0].reshape(-1), (E, I, h)),
+                                 TensorSlot("ffn_up_exps.weight", ours[:, 1].reshape(-1), (E, I, h))),),
+            "experts.down": ((TensorSlot("ffn_down_exps.weight", None, (E, h, I)),),)}
+
+
+def layer_field(layer, field: str):
+    """A LayerWeights field of layer_layouts, an ExpertWeights one for EXPERT_FIELDS."""
+    if field in EXPERT_FIELDS:
+        return getattr(layer.experts, field.split(".")[1])
+    return getattr(layer, field)
 
 
 def has_qkv_bias(shapes: dict[str, tuple[int, ...]]) -> bool:

@@ -12,9 +12,10 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 from tqdm import tqdm
 
 from cluster_configs.errors import CheckpointError
+from memory.experts import ExpertWeights
 from memory.weights import LayerWeights, ModelWeights, WeightMatrix
 from models.checkpoint import lm_head_dtype
-from models.gguf_families import FAMILIES, Layout, layer_layouts
+from models.gguf_families import FAMILIES, GGUFFamily, Layout, layer_layouts
 from models.gguf_format import AUTO, GT, ROPE_TENSORS
 from models.gguf_spec import spec_from_gguf
 from models.gguf_vocab import tokenizer_from_metadata
@@ -162,17 +163,31 @@ def _weights(path: Path, spec: ModelSpec, family: str, tensors: dict, weight_dty
     norm = _vector(pop("output_norm.weight", (h,)))
     lm_head = embed if spec.tie_word_embeddings else _served(
         [pop("output.weight", (spec.vocab_size, h))], weight_dtype, head_dtype)
-    layouts = layer_layouts(spec, FAMILIES[family])
-    no_bias = {} if spec.qkv_bias else {"qkv_bias": None}
-    layers = tuple(
-        LayerWeights(**{field: _field(path, tensors, f"blk.{i}.", options, weight_dtype)
-                        for field, options in layouts.items()}, **no_bias)
-        for i in tqdm(range(spec.num_layers), desc=f"loading {path.name}", disable=not sys.stderr.isatty(),
-                      leave=False))
+    layers = tuple(_layer(path, spec, FAMILIES[family], tensors, i, weight_dtype)
+                   for i in tqdm(range(spec.num_layers), desc=f"loading {path.name}",
+                                 disable=not sys.stderr.isatty(), leave=False))
     if tensors:
         raise CheckpointError(f"{path}: tensors {sorted(tensors)[:4]} are not part of a {family} model "
                               "as numaserve runs it; serve the Hugging Face directory instead")
     return ModelWeights(embed=embed, norm=norm, lm_head=lm_head, layers=layers)
+
+
+def _layer(path: Path, spec: ModelSpec, family: GGUFFamily, tensors: dict, i: int,
+           weight_dtype: str) -> LayerWeights:
+    fields = {}
+    for field, options in layer_layouts(spec, family, i).items():
+        if field == "experts.router":  # float32 whatever the weights' dtype (memory/experts.py)
+            slot = options[0][0]
+            fields[field] = np.ascontiguousarray(_to_float(_pop(path, tensors, f"blk.{i}.{slot.name}",
+                                                                slot.shape)))
+        else:
+            fields[field] = _field(path, tensors, f"blk.{i}.", options, weight_dtype)
+    if spec.is_moe(i):
+        fields["experts"] = ExpertWeights(
+            fields.pop("experts.router"), fields.pop("experts.gate_up"), fields.pop("experts.down"),
+            spec.num_experts, spec.num_experts_per_tok, spec.normalize_routing, spec.moe_intermediate_size)
+        fields |= {"gate_up": None, "down": None}
+    return LayerWeights(**({} if spec.qkv_bias else {"qkv_bias": None}) | fields)
 
 
 def read_gguf_spec(path: str | Path) -> ModelSpec:

@@ -51,14 +51,18 @@ def spec_from_gguf(path: Path, metadata: dict, shapes: Shapes, vector: Vector) -
 
 def _derive(path: Path, metadata: dict, shapes: Shapes, vector: Vector) -> ModelSpec:
     family = gguf_family(path, metadata.get("general.architecture"))
-    arch = architecture(family.architecture)
 
     def key(name: str, default=REQUIRED):
         return metadata_key(path, metadata, f"{family.name}.{name}", family.implied.get(name, default))
 
-    if key("expert_count", 0):
-        raise CheckpointError(f"{path}: {family.name}.expert_count={key('expert_count')}: mixture-of-experts "
-                              "models are not supported; serve a dense model")
+    num_experts = int(key("expert_count", 0))
+    if num_experts and not family.with_experts:
+        raise CheckpointError(f"{path}: {family.name}.expert_count={num_experts}: numaserve serves "
+                              "mixture-of-experts GGUF files of qwen3moe and of llama (Mixtral); serve a "
+                              "dense "
+                              f"{family.name} model or the Hugging Face directory")
+    name = family.with_experts if num_experts else family.architecture
+    arch = architecture(name)
     hidden = int(key("embedding_length"))
     num_heads, num_layers = int(key("attention.head_count")), int(key("block_count"))
     head_dim = int(key("attention.key_length", hidden // num_heads))
@@ -75,8 +79,13 @@ def _derive(path: Path, metadata: dict, shapes: Shapes, vector: Vector) -> Model
     types = _layer_types(arch, key("attention.sliding_window_pattern", None), window, num_layers)
     context = int(key("context_length"))
     eos = (metadata.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom"))
+    num_layers_moe = (True,) * num_layers if num_experts else ()
+    experts = {} if not num_experts else {  # llama.cpp: every layer, the top-k weights renormalised
+        "moe_layers": num_layers_moe, "num_experts": num_experts,
+        "num_experts_per_tok": int(key("expert_used_count")), "normalize_routing": True,
+        "moe_intermediate_size": int(key("expert_feed_forward_length", key("feed_forward_length")))}
     return ModelSpec(
-        architecture=family.architecture,
+        architecture=name,
         vocab_size=int(vocab_size),
         hidden_size=hidden,
         intermediate_size=int(key("feed_forward_length")),
@@ -93,6 +102,7 @@ def _derive(path: Path, metadata: dict, shapes: Shapes, vector: Vector) -> Model
         bos_token_id=metadata.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=tuple(dict.fromkeys(int(i) for i in eos if i is not None)),
         **_scales(family, arch, key, hidden, num_heads, head_dim, num_layers),
+        **experts,
     )
 
 
@@ -147,7 +157,7 @@ def _overrides(text: str | None) -> dict:
     if not isinstance(values, dict) or not values.keys() <= fields:
         raise ValueError(f"{SPEC_KEY} is not a JSON object of ModelSpec fields")
     decode = {"layer_ropes": lambda v: tuple(Rope(**r) for r in v), "layer_windows": tuple,
-              "eos_token_ids": tuple}
+              "eos_token_ids": tuple, "moe_layers": tuple}
     return {name: decode.get(name, lambda v: v)(value) for name, value in values.items()}
 
 
@@ -165,6 +175,10 @@ def spec_metadata(spec: ModelSpec, family: GGUFFamily, shapes: Shapes,
         ("feed_forward_length", spec.intermediate_size), ("attention.head_count", spec.num_heads),
         ("attention.head_count_kv", spec.num_kv_heads), ("attention.key_length", spec.head_dim),
         ("attention.value_length", spec.head_dim), ("rope.dimension_count", rope.rotary_dim))}
+    if spec.num_experts:
+        meta |= {f"{a}.{k}": (v, U32) for k, v in (
+            ("expert_count", spec.num_experts), ("expert_used_count", spec.num_experts_per_tok),
+            ("expert_feed_forward_length", spec.moe_intermediate_size))}
     meta |= {f"{a}.rope.freq_base": (rope.theta, F32),
              f"{a}.attention.layer_norm_rms_epsilon": (spec.rms_norm_eps, F32)}
     if rope.kind == "linear":

@@ -10,7 +10,7 @@ from gguf import GGML_QUANT_SIZES, GGML_QUANT_VERSION, GGMLQuantizationType, GGU
 
 from cluster_configs.errors import CheckpointError
 from memory.weights import Bf16Matrix, Int8Matrix, ModelWeights, WeightMatrix
-from models.gguf_families import FAMILIES, GGUFFamily, layer_layouts
+from models.gguf_families import FAMILIES, GGUFFamily, layer_field, layer_layouts
 from models.gguf_format import FILE_TYPE, GGML_TYPE, GT
 from models.gguf_reader import take_rows
 from models.gguf_spec import rope_tensors, spec_metadata
@@ -19,26 +19,29 @@ from models.loader import load_model
 from models.spec import ModelSpec
 from models.tokenizer import Tokenizer
 
-Plan = list[tuple[str, WeightMatrix | np.ndarray, np.ndarray | None]]
+# (GGUF name, served tensor, rows of it to write or None for all, the file's shape: None for the rows' own)
+Plan = list[tuple[str, WeightMatrix | np.ndarray, np.ndarray | None, tuple[int, ...] | None]]
 
 
 def _tensor_plan(spec: ModelSpec, weights: ModelWeights, family: GGUFFamily) -> Plan:
-    """(GGUF name, served tensor, rows of it to write or None for all): fused matrices split lazily."""
-    plan = [("token_embd.weight", weights.embed, None), ("output_norm.weight", weights.norm, None)]
+    """Every tensor of the file, in order: fused matrices split lazily, merged expert tensors 3-D."""
+    plan = [("token_embd.weight", weights.embed, None, None),
+            ("output_norm.weight", weights.norm, None, None)]
     if not spec.tie_word_embeddings:
-        plan.append(("output.weight", weights.lm_head, None))
-    plan += [(name, factors, None) for name, factors in rope_tensors(spec).items()]
-    layouts = layer_layouts(spec, family)
+        plan.append(("output.weight", weights.lm_head, None, None))
+    plan += [(name, factors, None, None) for name, factors in rope_tensors(spec).items()]
     for i, layer in enumerate(weights.layers):
-        for field, options in layouts.items():
-            plan += [(f"blk.{i}.{slot.name}", getattr(layer, field), slot.rows) for slot in options[0]]
+        for field, options in layer_layouts(spec, family, i).items():
+            plan += [(f"blk.{i}.{slot.name}", layer_field(layer, field), slot.rows,
+                      slot.shape if len(slot.shape) > 2 else None) for slot in options[0]]
     return plan
 
 
-def _tensor_info(t: WeightMatrix | np.ndarray, rows) -> tuple[tuple[int, ...], GGMLQuantizationType, int]:
+def _tensor_info(t: WeightMatrix | np.ndarray, rows,
+                 shape: tuple[int, ...] | None = None) -> tuple[tuple[int, ...], GGMLQuantizationType, int]:
     """-> (shape in elements, GGUF type, bytes) without building the data."""
     kind = GT.F32 if isinstance(t, np.ndarray) else GGML_TYPE[t.dtype]
-    shape = t.shape if rows is None else (len(rows), *t.shape[1:])
+    shape = shape or (t.shape if rows is None else (len(rows), *t.shape[1:]))
     block, size = GGML_QUANT_SIZES[kind]
     return shape, kind, math.prod(shape) // block * size
 
@@ -65,7 +68,7 @@ def _add_model_metadata(writer: GGUFWriter, spec: ModelSpec, weights: ModelWeigh
     writer.add_name(name)
     writer.add_file_type(FILE_TYPE[weights.layers[0].qkv.dtype])
     writer.add_quantization_version(GGML_QUANT_VERSION)
-    shapes = {tensor_name: _tensor_info(t, rows)[0] for tensor_name, t, rows in plan}
+    shapes = {tensor_name: _tensor_info(t, rows, shape)[0] for tensor_name, t, rows, shape in plan}
     token_ids = {f"tokenizer.ggml.{kind}_token_id": token_id for kind, token_id in
                  (("bos", vocab.bos), ("eos", vocab.eos)) if token_id is not None}
     for key, (value, *types) in spec_metadata(spec, family, shapes, token_ids).items():
@@ -101,14 +104,14 @@ def export_gguf(spec: ModelSpec, weights: ModelWeights, tokenizer: Tokenizer | N
     plan = _tensor_plan(spec, weights, family)
     _add_model_metadata(writer, spec, weights, name, family, plan, vocab)
     _add_vocab(writer, vocab)
-    for tensor_name, t, rows in plan:
-        shape, kind, nbytes = _tensor_info(t, rows)
+    for tensor_name, t, rows, file_shape in plan:
+        shape, kind, nbytes = _tensor_info(t, rows, file_shape)
         # shape in elements
         writer.add_tensor_info(tensor_name, shape, np.dtype(np.float32), nbytes, raw_dtype=kind)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
-    for _, t, rows in plan:  # one tensor in memory at a time
+    for _, t, rows, _ in plan:  # one tensor in memory at a time
         writer.write_tensor_data(_tensor_data(t, rows))
     writer.close()
     os.replace(tmp, out_path)
