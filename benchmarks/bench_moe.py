@@ -3,9 +3,9 @@ bandwidth roofline of the weights a token uses.
 
 A Qwen3-MoE-shaped random checkpoint (benchmarks/checkpoints.py: Qwen3-30B-A3B's layers, hidden 2048, 64
 experts of 768 with top 8 renormalised, its 151936-token vocabulary untied; 10 layers: 3.83B parameters,
-0.88B active per token, 4.1 GB in q8_0) in Hugging Face's per-expert layout. numaserve loads it at q8_0 with
-int8 activations (the fast path); llama.cpp runs the same q8_0 blocks exported to GGUF by numaserve
-(models.gguf_writer.export_gguf, in a short-lived worker before the timed ones start).
+0.88B active per token, 4.1 GB in q8_0) in Hugging Face's per-expert layout, exported once to a q8_0 GGUF by
+numaserve (models.gguf_writer.export_gguf, in a short-lived worker before the timed ones start): both engines
+load that file, numaserve with int8 activations (its fast path).
 
 As in bench_decode: each engine in its own long-lived process with its own best settings (numaserve's
 threading picked by a trial; llama.cpp's defaults in a clean environment), the same threads, the processes
@@ -154,7 +154,8 @@ def main() -> None:
             "llamacpp_settings": {"env": "the parent's without OMP_*/GOMP_*/KMP_*/NUMBA_THREADING*",
                                   "n_threads": args.threads, "n_threads_batch": args.threads, "mmap": False,
                                   "n_batch": 512, "kv_unified": True, "other": "llama.cpp defaults"}}
-    engines = {"numaserve": start_numaserve(ckpt, WEIGHT_DTYPE, ACTIVATION_DTYPE, args, threading)}
+    # the same GGUF for both when there is one (its q8_0 blocks are what numaserve quantizes the checkpoint to)
+    engines = {"numaserve": start_numaserve(gguf or ckpt, WEIGHT_DTYPE, ACTIVATION_DTYPE, args, threading)}
     rows = []
     try:
         if gguf:
