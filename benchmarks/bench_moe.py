@@ -154,7 +154,7 @@ def main() -> None:
             "llamacpp_settings": {"env": "the parent's without OMP_*/GOMP_*/KMP_*/NUMBA_THREADING*",
                                   "n_threads": args.threads, "n_threads_batch": args.threads, "mmap": False,
                                   "n_batch": 512, "kv_unified": True, "other": "llama.cpp defaults"}}
-    # the same GGUF for both when there is one (its q8_0 blocks are what numaserve quantizes the checkpoint to)
+    # the same GGUF for both when there is one (its q8_0 blocks: what numaserve quantizes the checkpoint to)
     engines = {"numaserve": start_numaserve(gguf or ckpt, WEIGHT_DTYPE, ACTIVATION_DTYPE, args, threading)}
     rows = []
     try:

@@ -107,3 +107,23 @@ def _vnni_tokens_impl(xq, xd, xsum, data, scales, out, n, c0, c1, bits):
         if c1 - t == 1:
             vnni_block(xq, xd, xsum, data, scales, out, t, n, b, 1)
     return impl
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def matmul_vnni_experts(xq, xd, xsum, data, scales, out, bits, experts, starts):
+    # Several experts' matmul_vnni in one parallel region (a MoE layer's routed experts: waking the threads
+    # once, not once per expert). data/scales: E experts' packed matrices stacked, N = out.shape[1] rows each
+    # (N % 4 == 0: an expert's rows are whole blocks of 4); experts: [S] int64 the experts that run;
+    # xq/xd/xsum: [R, ...] their input rows grouped by expert, experts[s]'s rows starts[s]:starts[s + 1]
+    # ([S + 1] int64); out: [R, N] f32. A task owns one expert's block of 4 output rows, for all its tokens.
+    N = out.shape[1]
+    blocks = N // VNNI_ROWS
+    for task in prange(experts.shape[0] * blocks):
+        s = task // blocks
+        e, r0, r1 = experts[s], starts[s], starts[s + 1]
+        d, c = data[e * N:(e + 1) * N], scales[e * N:(e + 1) * N]
+        n = (task - s * blocks) * VNNI_ROWS
+        if bits == 4:
+            _vnni_tokens(xq[r0:r1], xd[r0:r1], xsum[r0:r1], d, c, out[r0:r1], n, 0, r1 - r0, 4)
+        else:
+            _vnni_tokens(xq[r0:r1], xd[r0:r1], xsum[r0:r1], d, c, out[r0:r1], n, 0, r1 - r0, 8)

@@ -1,6 +1,7 @@
-"""The decoder forward pass of every dense family (models/architectures.py) over a flat token batch and a
-paged KV cache. What differs between families is data the pass reads, not branches: a layer's norms are
-applied where its weights have them, the spec's multipliers and soft-caps where they are not neutral."""
+"""The decoder forward pass of every family (models/architectures.py), dense or mixture-of-experts, over a
+flat token batch and a paged KV cache. What differs between families is data the pass reads, not branches: a
+layer's norms are applied where its weights have them, its experts where it has them (models/moe.py), the
+spec's multipliers and soft-caps where they are not neutral."""
 
 import time
 

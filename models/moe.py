@@ -9,10 +9,12 @@ from collections.abc import Callable
 
 import numpy as np
 
+from kernels.int8_layout import QK, quantize_activations
+from kernels.linear_int8 import matmul_vnni_experts
 from kernels.moe import gather_rows, group_by_expert, route_tokens, scatter_rows, weighted_sum
 from kernels.norms import silu_mul
 from memory.experts import ExpertWeights
-from memory.weights import Matrix, WeightMatrix
+from memory.weights import Int8Matrix, Matrix, WeightMatrix
 from models.linear import linear as linear_f32
 
 Linear = Callable[[np.ndarray, Matrix], np.ndarray]  # (x [T, K] f32, w [N, K]) -> [T, N] f32
@@ -52,14 +54,17 @@ def moe_forward(x: np.ndarray, experts: ExpertWeights, linear: Linear) -> tuple[
     # each (token, slot)'s expert output, kept for the slot-order sum: T * k rows (a 512-token chunk, k = 8,
     # hidden 2048: 32 MB)
     y = np.empty((T, k, hidden), np.float32)
-    for e in np.flatnonzero(np.diff(offsets)):
-        rows = slots[offsets[e]:offsets[e + 1]]  # [n] flat positions t * k + j
-        gate_up, down = experts.expert(e)
-        xe = np.empty((rows.shape[0], hidden), np.float32)
-        gather_rows(x, rows, k, xe)
-        act = np.empty((rows.shape[0], I), np.float32)
-        silu_mul(linear(xe, gate_up), act)  # [n, 2 * I] -> [n, I]
-        scatter_rows(linear(act, down), rows, y.reshape(T * k, hidden))
+    if _grouped(experts):
+        _experts_vnni(x, experts, offsets, slots, y.reshape(T * k, hidden))
+    else:
+        for e in np.flatnonzero(np.diff(offsets)):
+            rows = slots[offsets[e]:offsets[e + 1]]  # [n] flat positions t * k + j
+            gate_up, down = experts.expert(e)
+            xe = np.empty((rows.shape[0], hidden), np.float32)
+            gather_rows(x, rows, k, xe)
+            act = np.empty((rows.shape[0], I), np.float32)
+            silu_mul(linear(xe, gate_up), act)  # [n, 2 * I] -> [n, I]
+            scatter_rows(linear(act, down), rows, y.reshape(T * k, hidden))
     out = np.empty((T, hidden), np.float32)
     weighted_sum(y, weights, out)
     return out, ids
@@ -88,3 +93,39 @@ class ExpertLog:
         return (f"{total} (token, expert) routings to {used} of {len(counts)} experts; busiest: "
                 + ", ".join(f"{e} ({counts[e] / total:.0%})" for e in busiest if counts[e])
                 + f"; last step: {len(np.unique(last))} experts for {last.shape[0]} tokens")
+
+
+def _grouped(experts: ExpertWeights) -> bool:
+    """Whether the routed experts run in one kernel call per projection: both matrices packed for the VNNI
+    kernel (what int8 activations use where the CPU has it; ExpertWeights checked at construction that each
+    expert's rows are whole blocks of 4)."""
+    return all(isinstance(w, Int8Matrix) and w.vnni for w in (experts.gate_up, experts.down))
+
+
+def _experts_vnni(x: np.ndarray, experts: ExpertWeights, offsets: np.ndarray, slots: np.ndarray,
+                  y: np.ndarray) -> None:
+    """y[slot] = the slot's expert's output for its token's row of x [T, hidden], every routed expert's
+    rows in one matmul_vnni_experts call per projection (their weights read once each, as per expert).
+    y: [T * k, hidden] f32. The same bits as one linear call per expert (the kernel's sums do not depend on
+    the tokens beside a row)."""
+    k, I = experts.top_k, experts.intermediate_size
+    active = np.flatnonzero(np.diff(offsets))  # [S] the experts with rows
+    starts = np.append(offsets[active], offsets[-1])  # [S + 1]: expert active[s]'s slots, in slots' order
+    xe = np.empty((slots.shape[0], x.shape[1]), np.float32)  # [T * k, hidden] grouped by expert
+    gather_rows(x, slots, k, xe)
+    gate_up = _vnni_matmul(xe, experts.gate_up, active, starts, 2 * I)  # [T * k, 2I]
+    act = np.empty((slots.shape[0], I), np.float32)
+    silu_mul(gate_up, act)
+    scatter_rows(_vnni_matmul(act, experts.down, active, starts, x.shape[1]), slots, y)
+
+
+def _vnni_matmul(x: np.ndarray, w: Int8Matrix, active: np.ndarray, starts: np.ndarray, n: int) -> np.ndarray:
+    # x: [R, K] f32 grouped by expert -> [R, n] f32 through each row's expert's n rows of w
+    kp = w.scales.shape[1] * QK
+    xq = np.empty((x.shape[0], kp), w.activation_int_dtype)
+    xd = np.empty((x.shape[0], kp // QK), np.float32)
+    xsum = np.empty((x.shape[0], kp // QK), np.int32)
+    quantize_activations(x, xq, xd, xsum, w.activation_scale)
+    out = np.empty((x.shape[0], n), np.float32)
+    matmul_vnni_experts(xq, xd, xsum, w.data, w.scales, out, 4 if w.dtype == "q4_0" else 8, active, starts)
+    return out

@@ -13,6 +13,7 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBl
 from kernels.bf16 import from_bf16, to_bf16
 from kernels.cpu import missing_features
 from kernels.moe import group_by_expert
+from kernels.norms import silu_mul
 from kernels.simd_bf16 import BF16_FEATURES
 from kernels.simd_vnni import VNNI_FEATURES
 from memory.experts import ExpertWeights
@@ -285,3 +286,26 @@ def test_a_tokens_output_does_not_depend_on_its_batch(dtype, how):
         assert np.array_equal(alone[0], batch[t])
     part, _ = moe_forward(x[3:20], experts, linear)  # 17 tokens: the parallel weighted sum
     assert np.array_equal(part, batch[3:20])
+
+
+@pytest.mark.parametrize("dtype", ["q8_0", "q4_0"])
+@pytest.mark.parametrize("T", [1, 37])
+def test_vnni_experts_in_one_call_equal_one_linear_per_expert(dtype, T):
+    # VNNI-packed experts run all routed experts in one kernel call per projection (kernels/linear_int8.py
+    # matmul_vnni_experts): the same bits as each expert's own linear call over its rows
+    if missing_features(VNNI_FEATURES):
+        pytest.skip("no AVX512-VNNI here")
+    E, top_k = 16, 4
+    rng = np.random.default_rng(12)
+    experts = packed(ExpertWeights.from_float(*float_experts(rng, E), dtype, top_k, True), "vnni")
+    x = inputs(rng, T)
+    grouped, ids = moe_forward(x, experts, linear)
+    _, weights = route(linear(x, WeightMatrix("float32", experts.router)), top_k, True)
+    per_expert = np.zeros_like(grouped)
+    for t in range(T):
+        for j in range(top_k):
+            gate_up, down = experts.expert(ids[t, j])
+            act = np.empty((1, experts.intermediate_size), np.float32)
+            silu_mul(linear(x[t:t + 1], gate_up), act)
+            per_expert[t] += weights[t, j] * linear(act, down)[0]
+    assert np.array_equal(grouped, per_expert)
