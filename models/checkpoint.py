@@ -76,15 +76,21 @@ def expected_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _expert_shapes(spec: ModelSpec, prefix: str) -> dict[str, tuple[int, ...]]:
-    h, inter, experts = spec.hidden_size, spec.moe_intermediate_size, spec.arch.experts
-    gate, up, down = experts.projections
+def _expert_names(spec: ModelSpec, prefix: str) -> tuple[str, list[tuple[str, str, str]]]:
+    """A MoE layer's tensor names: its router's, and each expert's (gate, up, down)."""
+    experts = spec.arch.experts
     block = prefix + experts.block
-    shapes = {f"{block}.gate.weight": (spec.num_experts, h)}
-    for e in range(spec.num_experts):
-        p = f"{block}.experts.{e}."
-        shapes |= {p + f"{gate}.weight": (inter, h), p + f"{up}.weight": (inter, h),
-                   p + f"{down}.weight": (h, inter)}
+    return f"{block}.gate.weight", [
+        tuple(f"{block}.experts.{e}.{name}.weight" for name in experts.projections)
+        for e in range(spec.num_experts)]
+
+
+def _expert_shapes(spec: ModelSpec, prefix: str) -> dict[str, tuple[int, ...]]:
+    h, inter = spec.hidden_size, spec.moe_intermediate_size
+    router, names = _expert_names(spec, prefix)
+    shapes = {router: (spec.num_experts, h)}
+    for gate, up, down in names:
+        shapes |= {gate: (inter, h), up: (inter, h), down: (h, inter)}
     return shapes
 
 
@@ -180,13 +186,9 @@ def load_layer(read, prefix: str, spec: ModelSpec, weight_dtype: str, moe: bool 
 
 def _load_experts(read, prefix: str, spec: ModelSpec, weight_dtype: str) -> ExpertWeights:
     """A MoE layer's router and experts, stacked: gate_up [E * 2I, hidden], down [E * hidden, I]."""
-    experts = spec.arch.experts
-    gate, up, down = experts.projections
-    block = prefix + experts.block
-    names = [f"{block}.experts.{e}." for e in range(spec.num_experts)]
-    gate_up = np.concatenate([np.concatenate([read(n + f"{gate}.weight"), read(n + f"{up}.weight")])
-                              for n in names])
-    downs = np.concatenate([read(n + f"{down}.weight") for n in names])
-    return ExpertWeights(read(f"{block}.gate.weight"), WeightMatrix.from_float(gate_up, weight_dtype),
+    router, names = _expert_names(spec, prefix)
+    gate_up = np.concatenate([np.concatenate([read(gate), read(up)]) for gate, up, _ in names])
+    downs = np.concatenate([read(down) for _, _, down in names])
+    return ExpertWeights(read(router), WeightMatrix.from_float(gate_up, weight_dtype),
                          WeightMatrix.from_float(downs, weight_dtype), spec.num_experts,
                          spec.num_experts_per_tok, spec.normalize_routing, spec.moe_intermediate_size)

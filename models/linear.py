@@ -30,11 +30,7 @@ def linear(x: np.ndarray, w: WeightMatrix | Int8Matrix | Bf16Matrix) -> np.ndarr
         round_activations(np.ascontiguousarray(x), xb)
         matmul_bf16(xb, w.data, out)
     elif isinstance(w, Int8Matrix):
-        kp = w.scales.shape[1] * QK
-        xq = np.empty((T, kp), w.activation_int_dtype)
-        xd = np.empty((T, kp // QK), np.float32)
-        xsum = np.empty((T, kp // QK), np.int32)
-        quantize_activations(np.ascontiguousarray(x), xq, xd, xsum, w.activation_scale)
+        xq, xd, xsum = quantized_activations(x, w)
         if w.vnni:
             matmul_vnni(xq, xd, xsum, w.data, w.scales, out, 4 if w.dtype == "q4_0" else 8)
         else:
@@ -42,6 +38,16 @@ def linear(x: np.ndarray, w: WeightMatrix | Int8Matrix | Bf16Matrix) -> np.ndarr
     else:  # one kernel at every batch size: see the module docstring
         matmul(np.ascontiguousarray(x), w.data, _scales(w), out)
     return out
+
+
+def quantized_activations(x: np.ndarray, w: Int8Matrix) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """x [T, K] f32 quantized for w's int8 kernels: (xq [T, Kp], xd and xsum [T, Kp // 32])."""
+    T, kp = x.shape[0], w.scales.shape[1] * QK
+    xq = np.empty((T, kp), w.activation_int_dtype)
+    xd = np.empty((T, kp // QK), np.float32)
+    xsum = np.empty((T, kp // QK), np.int32)
+    quantize_activations(np.ascontiguousarray(x), xq, xd, xsum, w.activation_scale)
+    return xq, xd, xsum
 
 
 def embed(w: WeightMatrix, token_ids: np.ndarray) -> np.ndarray:

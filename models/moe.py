@@ -9,13 +9,13 @@ from collections.abc import Callable
 
 import numpy as np
 
-from kernels.int8_layout import QK, quantize_activations
 from kernels.linear_int8 import matmul_vnni_experts
 from kernels.moe import gather_rows, group_by_expert, route_tokens, scatter_rows, weighted_sum
 from kernels.norms import silu_mul
 from memory.experts import ExpertWeights
 from memory.weights import Int8Matrix, Matrix, WeightMatrix
 from models.linear import linear as linear_f32
+from models.linear import quantized_activations
 
 Linear = Callable[[np.ndarray, Matrix], np.ndarray]  # (x [T, K] f32, w [N, K]) -> [T, N] f32
 
@@ -121,11 +121,7 @@ def _experts_vnni(x: np.ndarray, experts: ExpertWeights, offsets: np.ndarray, sl
 
 def _vnni_matmul(x: np.ndarray, w: Int8Matrix, active: np.ndarray, starts: np.ndarray, n: int) -> np.ndarray:
     # x: [R, K] f32 grouped by expert -> [R, n] f32 through each row's expert's n rows of w
-    kp = w.scales.shape[1] * QK
-    xq = np.empty((x.shape[0], kp), w.activation_int_dtype)
-    xd = np.empty((x.shape[0], kp // QK), np.float32)
-    xsum = np.empty((x.shape[0], kp // QK), np.int32)
-    quantize_activations(x, xq, xd, xsum, w.activation_scale)
+    xq, xd, xsum = quantized_activations(x, w)
     out = np.empty((x.shape[0], n), np.float32)
     matmul_vnni_experts(xq, xd, xsum, w.data, w.scales, out, 4 if w.dtype == "q4_0" else 8, active, starts)
     return out

@@ -61,14 +61,6 @@ class ModelSpec:
         return (full or [r for r in self.layer_ropes if r.rotary_dim] or list(self.layer_ropes))[0]
 
     @property
-    def rope_theta(self) -> float:
-        return self.rope.theta
-
-    @property
-    def rope_scaling(self) -> dict | None:
-        return self.rope.scaling
-
-    @property
     def q_size(self) -> int:
         return self.num_heads * self.head_dim
 
