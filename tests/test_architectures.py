@@ -5,7 +5,6 @@ weights); n-gram and draft-model speculation give the tokens of none; PEFT LoRA 
 on its fused projections); Phi-3 within its original context rotates by LongRoPE's short factors, as
 transformers does; an EAGLE head (a Llama layer) drafts for a Qwen3 target, one of another layer is refused.
 """
-import json
 import shutil
 
 import numpy as np
@@ -18,17 +17,14 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 import numaserve as ns
 from kernels.cpu import missing_features
 from kernels.simd_bf16 import BF16_FEATURES
-from memory.kv_cache import KVCache
 from memory.weights import WeightMatrix
 from models.activation_plan import INT8_FEATURES
-from models.batch import ForwardBatch
 from models.checkpoint import lm_head_dtype
-from models.eagle import CONFIG_FILE, HEAD_FILE, load_eagle_head
 from models.linear import dequantize
-from models.loader import load_model
 from models.spec import load_spec
 from scripts.head_modules import EagleHead
 from tests.conftest import random_prompt
+from tests.test_eagle import head_against_torch, random_head, save_head
 from tests.test_hf_parity import hf_greedy, hf_logits
 from tests.test_lora import make_adapter, peft_composed
 from tests.test_speculation import perturbed_copy
@@ -392,42 +388,17 @@ def llama_layer_head(hf_config) -> EagleHead:
                          intermediate_size=c.intermediate_size, num_attention_heads=c.num_attention_heads,
                          num_key_value_heads=c.num_key_value_heads, head_dim=c.head_dim,
                          rms_norm_eps=c.rms_norm_eps, rope_theta=c.rope_parameters["rope_theta"])
-    torch.manual_seed(3)
-    head = EagleHead(config).eval()
-    with torch.no_grad():
-        for p in head.parameters():  # away from the initial ones (norms at 1, zero biases)
-            p.add_(torch.randn(p.shape) * 0.05)
-    return head
-
-
-def save_head(directory, head: EagleHead) -> None:
-    save_file(head.head_state_dict(), directory / HEAD_FILE)
-    (directory / CONFIG_FILE).write_text(json.dumps({"eagle_num_layers": 1}))
+    return random_head(config)
 
 
 def test_an_eagle_head_drafts_for_a_qwen3_target_and_changes_no_token(model_dirs, hf_models, tmp_path, alone):
     directory = shutil.copytree(model_dirs["qwen3"], tmp_path / "qwen3")
     hf = hf_models["qwen3"]
-    head = llama_layer_head(hf.config)
-    save_head(directory, head)
     # the head's forward against its torch module, over scattered KV blocks (head_dim 24 != hidden / heads)
-    spec, weights, _ = load_model(directory, "float32")
-    ours = load_eagle_head(directory, spec, weights, "float32")
-    S, block = 21, 4
-    rng = np.random.default_rng(0)
-    tokens = rng.integers(3, spec.vocab_size, S)
-    features = rng.standard_normal((S, spec.hidden_size)).astype(np.float32)
-    kv = KVCache(1, 16, block, spec.num_kv_heads, spec.head_dim, "float32")
-    table = rng.permutation(16)[:8].astype(np.int32)[None]  # [1, 8]
-    positions = np.arange(S, dtype=np.int32)
-    slots = table[0, positions // block].astype(np.int64) * block + positions % block
-    logits, hidden = ours.forward(ForwardBatch(tokens, positions, np.zeros(S, np.int32), slots, table,
-                                               np.arange(S), hidden_indices=np.arange(S)), kv, features)
-    with torch.no_grad():
-        embeds = hf.model.embed_tokens(torch.tensor(tokens)[None])
-        expected = head(embeds, torch.from_numpy(features)[None])[0]
-        np.testing.assert_allclose(hidden, expected.numpy(), atol=1e-4, rtol=0)
-        np.testing.assert_allclose(logits, hf.lm_head(expected).numpy(), atol=1e-4, rtol=0)
+    (hidden, logits), (expected, expected_logits), _ = head_against_torch(directory, hf,
+                                                                          llama_layer_head(hf.config))
+    np.testing.assert_allclose(hidden, expected, atol=1e-4, rtol=0)
+    np.testing.assert_allclose(logits, expected_logits, atol=1e-4, rtol=0)
     llm = ns.LLM(directory, **FP32, speculation=EAGLE)
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == alone("qwen3")
     assert llm.stats()["spec_num_draft_tokens"] > 0

@@ -28,17 +28,24 @@ def target(model_dirs, tmp_path, request):
     variant = getattr(request, "param", "llama")
     directory = shutil.copytree(model_dirs[variant], tmp_path / variant)
     hf = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    return directory, hf, random_head(hf.config)
+
+
+def random_head(config) -> EagleHead:
+    """A seeded EAGLE head of config's shape, its parameters moved away from the initial ones (norms at 1,
+    zero biases)."""
     torch.manual_seed(3)
-    head = EagleHead(hf.config).eval()
+    head = EagleHead(config).eval()
     with torch.no_grad():
-        for p in head.parameters():  # away from the initial ones (norms at 1, zero biases)
+        for p in head.parameters():
             p.add_(torch.randn(p.shape) * 0.05)
-    return directory, hf, head
+    return head
 
 
-@pytest.mark.parametrize("target", ["llama", "qwen2"], indirect=True)
-def test_the_eagle_head_matches_its_torch_module_float32(target):
-    directory, hf, head = target
+def head_against_torch(directory, hf, head: EagleHead):
+    """The head saved beside the target in directory, run by numaserve (float32) and by its torch module
+    over the same tokens and features, its KV in scattered blocks: ((hidden, logits) ours, (hidden, logits)
+    torch's), and the target's spec."""
     save_head(directory, head)
     spec, weights, _ = load_model(directory, "float32")
     ours = load_eagle_head(directory, spec, weights, "float32")
@@ -57,8 +64,14 @@ def test_the_eagle_head_matches_its_torch_module_float32(target):
         expected = head(hf.model.embed_tokens(torch.tensor(tokens)[None]),
                         torch.from_numpy(features)[None])[0]
         expected_logits = hf.lm_head(expected)
-    np.testing.assert_allclose(hidden, expected.numpy(), atol=1e-4, rtol=0)
-    np.testing.assert_allclose(logits, expected_logits.numpy(), atol=1e-4, rtol=0)
+    return (hidden, logits), (expected.numpy(), expected_logits.numpy()), spec
+
+
+@pytest.mark.parametrize("target", ["llama", "qwen2"], indirect=True)
+def test_the_eagle_head_matches_its_torch_module_float32(target):
+    (hidden, logits), (expected, expected_logits), spec = head_against_torch(*target)
+    np.testing.assert_allclose(hidden, expected, atol=1e-4, rtol=0)
+    np.testing.assert_allclose(logits, expected_logits, atol=1e-4, rtol=0)
     assert eagle_spec(spec).num_layers == 1
 
 

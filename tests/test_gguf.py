@@ -159,6 +159,11 @@ def reference_gguf(model_dir: Path, out: Path, ftype: GT = GT.F16, drop=(), meta
     for name, (data, kind) in (extra or {}).items():
         w.tensors[0].pop(name, None)
         w.add_tensor(name, data, raw_dtype=kind)
+    return finish_gguf(w, out, metadata, drop)
+
+
+def finish_gguf(w: gguf.GGUFWriter, out: Path, metadata=None, drop=()) -> Path:
+    """Set metadata (key -> (value, GGUFValueType)), leave out the keys or tensors in drop, write, close."""
     for key, (value, vtype) in (metadata or {}).items():
         w.add_key_value(key, value, vtype)
     for key in drop:

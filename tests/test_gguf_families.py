@@ -21,7 +21,15 @@ from models.gguf_writer import convert_to_gguf, export_gguf
 from models.loader import load_model
 from tests.conftest import random_prompt
 from tests.model_factory import build_model
-from tests.test_gguf import add_gpt2_vocab, hf_tensors, llama_cpp, make_llm, needs_llama_cpp, permute
+from tests.test_gguf import (
+    add_gpt2_vocab,
+    finish_gguf,
+    hf_tensors,
+    llama_cpp,
+    make_llm,
+    needs_llama_cpp,
+    permute,
+)
 from tests.test_hf_parity import hf_logits
 
 VARIANTS = ("qwen2", "qwen3", "gemma2", "gemma3", "phi3", "granite", "olmo2", "smollm3")
@@ -111,16 +119,7 @@ def reference_gguf(model_dir: Path, out: Path, ftype: GT = GT.F32, metadata=None
             w.add_tensor(name, data.astype(np.float32))
         else:
             w.add_tensor(name, gguf.quants.quantize(data.astype(np.float32), ftype), raw_dtype=ftype)
-    for key, (value, vtype) in (metadata or {}).items():
-        w.add_key_value(key, value, vtype)
-    for key in drop:
-        w.kv_data[0].pop(key, None)
-        w.tensors[0].pop(key, None)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return out
+    return finish_gguf(w, out, metadata, drop)
 
 
 @pytest.fixture(scope="module")

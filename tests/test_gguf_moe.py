@@ -17,7 +17,15 @@ from models.gguf_writer import convert_to_gguf, export_gguf
 from models.loader import load_model
 from tests.conftest import random_prompt
 from tests.model_factory import build_model
-from tests.test_gguf import add_gpt2_vocab, hf_tensors, llama_cpp, make_llm, needs_llama_cpp, permute
+from tests.test_gguf import (
+    add_gpt2_vocab,
+    finish_gguf,
+    hf_tensors,
+    llama_cpp,
+    make_llm,
+    needs_llama_cpp,
+    permute,
+)
 from tests.test_hf_parity import hf_logits
 
 VARIANTS = ("qwen3_moe", "mixtral")
@@ -122,11 +130,7 @@ def reference_moe_gguf(model_dir, out, ftype: GT):
         for proj, gguf_name in ((gate, "ffn_gate_exps"), (up, "ffn_up_exps"), (down, "ffn_down_exps")):
             stacked = np.stack([hf[f"model.layers.{i}.{block}.experts.{e}.{proj}.weight"] for e in range(E)])
             add(f"blk.{i}.{gguf_name}.weight", stacked)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return out
+    return finish_gguf(w, out)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
