@@ -11,7 +11,9 @@ As in bench_decode: each engine in its own long-lived process with its own best 
 threading picked by a trial; llama.cpp's defaults in a clean environment), the same threads, the processes
 alternating sample by sample with the order flipping, every sample on prompts of its own, medians and ratios
 from one run, one untimed sample per engine and row first. Batch-1 roofline: tokens/s x the bytes a token
-reads (ModelSpec.num_params' active weights in q8_0, the routers float32, the bf16 K and V it attends to)
+reads (its active matrices as numaserve serves them: every projection, each MoE layer's float32 router and
+top_k / num_experts of its experts, the LM head; the bf16 K and V it attends to; reported by the numaserve
+worker, so this process imports no engine code)
 / the read bandwidth probed between the samples.
 
     python -m benchmarks.bench_moe [--shape 10l|small] [--samples 5] [--no-llamacpp]
@@ -42,20 +44,11 @@ from benchmarks.bench_decode import (
 )
 from benchmarks.bench_revisions import _cpu_name, revision
 from benchmarks.checkpoints import CACHE, checkpoint_config, random_checkpoint
-from models.spec import ModelSpec, load_spec
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 CHECKPOINTS = {"10l": "qwen3moe-10l", "small": "qwen3moe-small"}  # --shape -> benchmarks/checkpoints.py
 WEIGHT_DTYPE, ACTIVATION_DTYPE = "q8_0", "int8"
-
-
-def bytes_per_token(spec: ModelSpec, context_len: float) -> float:
-    """Bytes a batch-1 decode step reads: the active matrices (ModelSpec.num_params) in q8_0, 34 bytes per 32
-    weights, but the routers in float32; K and V (bf16) of context_len positions in every layer."""
-    routers = spec.num_experts * spec.hidden_size * sum(spec.moe_layers)
-    kv = 2 * spec.num_layers * spec.kv_size * 2 * context_len
-    return (spec.num_params - routers) * 34 / 32 + 4 * routers + kv
 
 
 def llamacpp_gguf(ckpt: Path, args) -> tuple[Path | None, str]:
@@ -133,7 +126,7 @@ def main() -> None:
     from benchmarks.machine import MachineProbe
 
     ckpt = random_checkpoint(CHECKPOINTS[args.shape])
-    spec = load_spec(ckpt)
+    vocab_size = checkpoint_config(ckpt.name)["vocab_size"]
     probe = MachineProbe()
     machine = {"read_bytes_per_s": probe.read_bandwidth(repeats=5),
                "matmul_flop_per_s": probe.matmul_flops(repeats=5)}
@@ -145,7 +138,7 @@ def main() -> None:
     threading, trial = pick_threading(ckpt, WEIGHT_DTYPE, ACTIVATION_DTYPE, args, workloads(args, rng))
     meta = {"command": "python -m benchmarks.bench_moe " + " ".join(sys.argv[1:]), "revision": revision(ROOT),
             "date": time.strftime("%Y-%m-%d %H:%M"), "cpu": _cpu_name(), "checkpoint": ckpt.name,
-            "config": checkpoint_config(ckpt.name), "active_params": spec.num_params,
+            "config": checkpoint_config(ckpt.name),
             "threads": args.threads, "samples": args.samples, "decode_tokens": args.decode_tokens,
             "batched_steps": args.batched_steps, "llamacpp": skipped or str(gguf),
             "numaserve_settings": {"weight_dtype": WEIGHT_DTYPE, "activation_dtype": ACTIVATION_DTYPE,
@@ -161,9 +154,9 @@ def main() -> None:
         if gguf:
             engines["llama.cpp"] = start_llamacpp(gguf, args)
         info = engines["numaserve"].call("info")
-        meta["total_params"] = info["num_params"]
+        meta |= {"total_params": info["num_params"], "active_params": info["active_params"]}
         for metric in ["decode_b1", *(f"decode_b{b}" for b in args.batches), "prefill"]:
-            runs = {name: fresh_tok_s(e, metric, args, rng, spec.vocab_size) for name, e in engines.items()}
+            runs = {name: fresh_tok_s(e, metric, args, rng, vocab_size) for name, e in engines.items()}
             for run in runs.values():  # untimed
                 run()
             if metric == "decode_b1":
@@ -176,7 +169,9 @@ def main() -> None:
                 row["ratio"] = row["numaserve_tok_s"] / row["llamacpp_tok_s"]
             if metric == "decode_b1":
                 bandwidth = statistics.median(times["read_bytes_per_s"])
-                per_token = bytes_per_token(spec, DECODE_PROMPT_LEN + (args.decode_tokens + 1) / 2)
+                # the active matrices as served (the routers float32) and the bf16 K and V a token attends to
+                context = DECODE_PROMPT_LEN + (args.decode_tokens + 1) / 2
+                per_token = info["active_bytes"] + info["kv_bytes_per_position"] * context
                 row |= {"read_bytes_per_s": bandwidth, "bytes_per_token": per_token,
                         "roofline_tok_s": bandwidth / per_token}
                 for name, key in (("numaserve", "numaserve_tok_s"), ("llamacpp", "llamacpp_tok_s")):

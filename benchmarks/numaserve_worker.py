@@ -37,7 +37,10 @@ class NumaserveBench:
         model = self.engine.model
         num_params = int(sum(np.prod(m.shape) for m in _matrices(model.weights)))
         decisions = self.llm.diagnostics()
+        spec = self.engine.spec
         return {"weight_bytes": model.weight_bytes, "num_params": num_params,
+                "active_params": spec.num_params, "active_bytes": _active_bytes(model.weights),
+                "kv_bytes_per_position": 2 * spec.num_layers * spec.kv_size * 2,  # K and V, bf16
                 # a decode step reads only T embedding rows
                 "read_bytes": model.weight_bytes - model.weights.embed.nbytes,
                 "rss_delta_bytes": self.rss_weights, "threading_layer": numba.threading_layer(),
@@ -78,6 +81,21 @@ def decode_seconds(engine, reqs) -> float:
     while engine.has_unfinished():
         engine.step()
     return time.perf_counter() - start
+
+
+def _active_bytes(weights: ModelWeights) -> float:
+    """The matrix bytes a decode token reads as served: every projection, a MoE layer's router and its
+    top_k / num_experts share of the experts, the LM head."""
+    total = weights.lm_head.nbytes
+    for layer in weights.layers:
+        experts = layer.experts
+        total += sum(layer.projection(k).nbytes for k in layer.projections[:2])
+        if experts is None:
+            total += layer.gate_up.nbytes + layer.down.nbytes
+        else:
+            share = experts.top_k / experts.num_experts
+            total += experts.router.nbytes + share * (experts.gate_up.nbytes + experts.down.nbytes)
+    return total
 
 
 def _matrices(weights: ModelWeights):
