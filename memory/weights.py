@@ -2,6 +2,7 @@
 weights (ModelWeights, its LayerWeights) as the loaders build them and the forward pass reads them."""
 
 from dataclasses import dataclass, replace
+from itertools import pairwise
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -173,7 +174,64 @@ class Bf16Matrix:
         return self.data.nbytes
 
 
-Matrix = WeightMatrix | Int8Matrix | Bf16Matrix  # a served matrix, packed for its activations or not
+@dataclass(frozen=True)
+class StackedMatrix:
+    """One matrix whose row blocks keep different formats, [sum of the parts' rows, in_features]: a GGUF
+    file's attn_q, attn_k and attn_v in Q4_K, Q4_K and Q6_K served as the fused qkv without requantizing
+    any of them. Its outputs are the parts' outputs side by side (models/linear.py)."""
+
+    parts: tuple["WeightMatrix | Int8Matrix | Bf16Matrix", ...]
+
+    def __post_init__(self):
+        if len(self.parts) < 2 or len({p.shape[1] for p in self.parts}) != 1:
+            raise ValueError("a StackedMatrix stacks two or more matrices of one in_features")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return sum(p.shape[0] for p in self.parts), self.parts[0].shape[1]
+
+    @property
+    def dtype(self) -> str:
+        return "+".join(dict.fromkeys(p.dtype for p in self.parts))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    def row_ranges(self) -> list[tuple[int, int]]:
+        """Each part's rows [start, stop) in the stacked matrix."""
+        bounds = np.cumsum([0] + [p.shape[0] for p in self.parts])
+        return [(int(a), int(b)) for a, b in pairwise(bounds)]
+
+
+Matrix = WeightMatrix | Int8Matrix | Bf16Matrix | StackedMatrix  # a served matrix, packed or not
+
+
+def map_parts(w: Matrix, f) -> Matrix:
+    """f applied to w, or to each part of a StackedMatrix (stacked again)."""
+    return StackedMatrix(tuple(f(p) for p in w.parts)) if isinstance(w, StackedMatrix) else f(w)
+
+
+def parts(w: Matrix) -> tuple:
+    """w's parts (a StackedMatrix's), or w alone."""
+    return w.parts if isinstance(w, StackedMatrix) else (w,)
+
+
+def stacked(parts: list[WeightMatrix]) -> Matrix:
+    """Row blocks as one matrix: consecutive blocks of one format concatenated, and a StackedMatrix of the
+    runs where formats differ."""
+    runs: list[list[WeightMatrix]] = []
+    for p in parts:
+        if runs and runs[-1][0].dtype == p.dtype:
+            runs[-1].append(p)
+        else:
+            runs.append([p])
+    joined = [run[0] if len(run) == 1 else WeightMatrix(
+        run[0].dtype, np.concatenate([p.data for p in run]),
+        None if run[0].scales is None else np.concatenate([p.scales for p in run])) for run in runs]
+    return joined[0] if len(joined) == 1 else StackedMatrix(tuple(joined))
+
+
 PROJECTIONS = ("qkv", "o", "gate_up", "down")  # a dense layer's matrices in forward order (plans, LoRA)
 EXPERT_PROJECTIONS = ("experts.gate_up", "experts.down")  # a MoE layer's in place of gate_up and down
 

@@ -13,18 +13,15 @@ from tqdm import tqdm
 
 from cluster_configs.errors import CheckpointError
 from memory.experts import ExpertWeights
-from memory.weights import LayerWeights, ModelWeights, WeightMatrix
+from memory.weights import LayerWeights, Matrix, ModelWeights, StackedMatrix, WeightMatrix, stacked
 from models.checkpoint import lm_head_dtype
 from models.gguf_families import FAMILIES, GGUFFamily, Layout, layer_layouts
-from models.gguf_format import AUTO, GT, ROPE_TENSORS
+from models.gguf_format import AUTO, GT, RAW_BLOCKS, ROPE_TENSORS
 from models.gguf_spec import spec_from_gguf
 from models.gguf_vocab import tokenizer_from_metadata
 from models.linear import dequantize
 from models.spec import ModelSpec
 from models.tokenizer import Tokenizer
-
-_PRECISION = ("q4_0", "q8_0", "bfloat16", "float32")  # least to most precise
-
 
 # ---- reading ---------------------------------------------------------------------------------------------
 
@@ -67,13 +64,17 @@ def read_gguf(path: Path, copied: set[str] | None = None) -> tuple[dict, dict[st
 def _copy_tensor(path: Path, t) -> StoredTensor:
     kind = t.tensor_type
     if kind not in AUTO:
+        loaded = ", ".join(k.name for k in AUTO)
+        what = "an I-quant (IQ*)" if kind.name.startswith("IQ") else "a type"
         raise CheckpointError(
-            f"{path}: tensor {t.name!r} is {kind.name}, which numaserve does not load (it loads F32, F16, "
-            "BF16, Q8_0 and Q4_0); requantize with `llama-quantize --pure model-f16.gguf out.gguf Q8_0` "
-            "(or Q4_0), or load the F16 GGUF / Hugging Face directory with weight_dtype='q4_0'")
+            f"{path}: tensor {t.name!r} is {kind.name}, {what} numaserve does not load (it loads {loaded}); "
+            "requantize the F16 / BF16 GGUF with `llama-quantize model-f16.gguf out.gguf Q4_K_M` (or Q8_0, "
+            "Q6_K, Q5_K_M, Q4_0), or load the Hugging Face directory with weight_dtype='q4_k_m'")
     shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-    # F32, F16: [N, K]; BF16, Q8_0, Q4_0: uint8 [N, bytes per row]
+    # F32, F16: [N, K]; the others: uint8 [N, bytes per row]
     data = t.data.reshape(-1, t.data.shape[-1])
+    if kind in RAW_BLOCKS:
+        return StoredTensor(kind, shape, WeightMatrix(RAW_BLOCKS[kind], np.array(data, np.uint8)))
     if kind == GT.F16:
         return StoredTensor(kind, shape, np.array(data, np.float16))
     if kind == GT.F32:
@@ -117,22 +118,28 @@ def _vector(t: StoredTensor) -> np.ndarray:
 
 
 def _served(parts: list[StoredTensor], weight_dtype: str, role_dtype: str,
-            rows: np.ndarray | None = None) -> WeightMatrix:
-    """Parts stacked by rows in one served format: the file's bytes when it already stores that format."""
+            rows: np.ndarray | None = None) -> Matrix:
+    """Parts stacked by rows: weight_dtype "auto" keeps each part's stored format (F16 as bfloat16; parts of
+    different formats make a StackedMatrix), else one served format, the file's bytes where it already stores
+    that format."""
     if weight_dtype == "auto":
-        dtype = max((AUTO[p.ggml_type] for p in parts), key=_PRECISION.index)
+        dtypes = [AUTO[p.ggml_type] for p in parts]
     else:
         stored = {AUTO[p.ggml_type] if p.ggml_type != GT.F16 else "float16" for p in parts}
-        dtype = weight_dtype if stored == {weight_dtype} else role_dtype
+        dtypes = [weight_dtype if stored == {weight_dtype} else role_dtype] * len(parts)
     mats = [p.value if isinstance(p.value, WeightMatrix) and p.value.dtype == dtype
-            else WeightMatrix.from_float(_to_float(p), dtype) for p in parts]
-    if len(mats) > 1:
-        scales = None if mats[0].scales is None else np.concatenate([m.scales for m in mats])
-        mats = [WeightMatrix(mats[0].dtype, np.concatenate([m.data for m in mats]), scales)]
-    return mats[0] if rows is None else take_rows(mats[0], rows)
+            else WeightMatrix.from_float(_to_float(p), dtype) for p, dtype in zip(parts, dtypes)]
+    matrix = stacked(mats)
+    return matrix if rows is None else take_rows(matrix, rows)
 
 
-def take_rows(w: WeightMatrix, rows: np.ndarray) -> WeightMatrix:
+def take_rows(w: Matrix, rows: np.ndarray) -> Matrix:
+    """w's rows in the order `rows` (a StackedMatrix's may only be reordered within each part)."""
+    if isinstance(w, StackedMatrix):
+        for a, b in w.row_ranges():
+            if not np.array_equal(np.sort(rows[a:b]), np.arange(a, b)):
+                raise ValueError("rows of a StackedMatrix can only be reordered within its parts")
+        return StackedMatrix(tuple(take_rows(p, rows[a:b] - a) for p, (a, b) in zip(w.parts, w.row_ranges())))
     return WeightMatrix(w.dtype, w.data[rows], None if w.scales is None else w.scales[rows])
 
 

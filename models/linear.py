@@ -16,13 +16,15 @@ from kernels.int8_layout import QK, quantize_activations
 from kernels.linear import gather_rows_bf16, matmul
 from kernels.linear_bf16 import matmul_bf16, round_activations
 from kernels.linear_int8 import matmul_int8, matmul_vnni
-from memory.weights import Bf16Matrix, Int8Matrix, WeightMatrix
+from memory.weights import Bf16Matrix, Int8Matrix, Matrix, StackedMatrix, WeightMatrix
 
 _NO_SCALES = np.zeros((1, 1), np.uint16)
 
 
-def linear(x: np.ndarray, w: WeightMatrix | Int8Matrix | Bf16Matrix) -> np.ndarray:
+def linear(x: np.ndarray, w: Matrix) -> np.ndarray:
     # x: [T, K] f32 -> [T, N] f32
+    if isinstance(w, StackedMatrix):  # each part's outputs, side by side
+        return np.concatenate([linear(x, p) for p in w.parts], axis=1)
     T, N = x.shape[0], w.shape[0]
     out = np.empty((T, N), np.float32)
     if isinstance(w, Bf16Matrix):
@@ -63,8 +65,10 @@ def embed(w: WeightMatrix, token_ids: np.ndarray) -> np.ndarray:
     return out
 
 
-def dequantize(w: WeightMatrix | Int8Matrix | Bf16Matrix) -> np.ndarray:
-    """The whole matrix as float32 [N, K] (tests, export)."""
+def dequantize(w: Matrix) -> np.ndarray:
+    """The whole matrix as float32 [N, K] (tests, export, LoRA merges)."""
+    if isinstance(w, StackedMatrix):
+        return np.concatenate([dequantize(p) for p in w.parts])
     if isinstance(w, (Int8Matrix, Bf16Matrix)):
         w = w.unpack()
     if w.dtype == "float32":
