@@ -14,12 +14,12 @@ from tqdm import tqdm
 from cluster_configs.errors import CheckpointError
 from memory.experts import ExpertWeights
 from memory.weights import LayerWeights, Matrix, ModelWeights, StackedMatrix, WeightMatrix, stacked
-from models.checkpoint import lm_head_dtype
 from models.gguf_families import FAMILIES, GGUFFamily, Layout, layer_layouts
 from models.gguf_format import AUTO, GT, RAW_BLOCKS, ROPE_TENSORS
 from models.gguf_spec import spec_from_gguf
 from models.gguf_vocab import tokenizer_from_metadata
 from models.linear import dequantize
+from models.quant_mix import embedding_dtype, lm_head_dtype, matrix_dtype
 from models.spec import ModelSpec
 from models.tokenizer import Tokenizer
 
@@ -117,18 +117,20 @@ def _vector(t: StoredTensor) -> np.ndarray:
     return np.ascontiguousarray(_to_float(t).reshape(-1))  # [N] f32
 
 
-def _served(parts: list[StoredTensor], weight_dtype: str, role_dtype: str,
+def _served(parts: list[StoredTensor], weight_dtype: str, wanted: list[str],
             rows: np.ndarray | None = None) -> Matrix:
-    """Parts stacked by rows: weight_dtype "auto" keeps each part's stored format (F16 as bfloat16; parts of
-    different formats make a StackedMatrix), else one served format, the file's bytes where it already stores
-    that format."""
-    if weight_dtype == "auto":
-        dtypes = [AUTO[p.ggml_type] for p in parts]
-    else:
-        stored = {AUTO[p.ggml_type] if p.ggml_type != GT.F16 else "float16" for p in parts}
-        dtypes = [weight_dtype if stored == {weight_dtype} else role_dtype] * len(parts)
-    mats = [p.value if isinstance(p.value, WeightMatrix) and p.value.dtype == dtype
-            else WeightMatrix.from_float(_to_float(p), dtype) for p, dtype in zip(parts, dtypes)]
+    """Parts stacked by rows (parts in different formats make a StackedMatrix). weight_dtype "auto" keeps
+    each part's stored format (F16 as bfloat16); otherwise a part keeps the file's bytes where they are in
+    weight_dtype or in its wanted format, and is requantized to the wanted one where not."""
+    mats = []
+    for p, want in zip(parts, wanted):
+        stored = AUTO[p.ggml_type] if p.ggml_type != GT.F16 else "float16"
+        if weight_dtype == "auto":
+            dtype = AUTO[p.ggml_type]
+        else:
+            dtype = stored if stored in (weight_dtype, want) else want
+        keep = isinstance(p.value, WeightMatrix) and p.value.dtype == dtype
+        mats.append(p.value if keep else WeightMatrix.from_float(_to_float(p), dtype))
     matrix = stacked(mats)
     return matrix if rows is None else take_rows(matrix, rows)
 
@@ -143,9 +145,11 @@ def take_rows(w: Matrix, rows: np.ndarray) -> Matrix:
     return WeightMatrix(w.dtype, w.data[rows], None if w.scales is None else w.scales[rows])
 
 
-def _field(path: Path, tensors: dict, prefix: str, layouts: tuple[Layout, ...], weight_dtype: str):
-    """A LayerWeights field from the first layout whose tensors the file has: matrices in a served format,
-    vectors float32, rows back in our order."""
+def _field(path: Path, tensors: dict, prefix: str, layouts: tuple[Layout, ...], weight_dtype: str,
+           spec: ModelSpec, index: int):
+    """A LayerWeights field of layer `index` from the first layout whose tensors the file has: matrices in a
+    served format (a mix's choice per tensor category: models/quant_mix.py), vectors float32, rows back in
+    our order."""
     layout = next((lay for lay in layouts if all(prefix + s.name in tensors for s in lay)), layouts[0])
     parts = [_pop(path, tensors, prefix + s.name, s.shape) for s in layout]
     order = None
@@ -155,7 +159,9 @@ def _field(path: Path, tensors: dict, prefix: str, layouts: tuple[Layout, ...], 
     if len(layout[0].shape) == 1:
         vector = np.concatenate([_vector(p) for p in parts])
         return vector if order is None else vector[order]
-    return _served(parts, weight_dtype, weight_dtype, order)
+    wanted = [matrix_dtype(weight_dtype, s.name.split(".")[0].removesuffix("_exps"), index, spec.num_layers,
+                           spec.num_experts) for s in layout]
+    return _served(parts, weight_dtype, wanted, order)
 
 
 def _weights(path: Path, spec: ModelSpec, family: str, tensors: dict, weight_dtype: str) -> ModelWeights:
@@ -164,12 +170,11 @@ def _weights(path: Path, spec: ModelSpec, family: str, tensors: dict, weight_dty
     def pop(name, shape):
         return _pop(path, tensors, name, shape)
 
-    head_dtype = lm_head_dtype(weight_dtype)
     embed = _served([pop("token_embd.weight", (spec.vocab_size, h))], weight_dtype,
-                    head_dtype if spec.tie_word_embeddings else weight_dtype)
+                    [embedding_dtype(weight_dtype, spec.tie_word_embeddings)])
     norm = _vector(pop("output_norm.weight", (h,)))
     lm_head = embed if spec.tie_word_embeddings else _served(
-        [pop("output.weight", (spec.vocab_size, h))], weight_dtype, head_dtype)
+        [pop("output.weight", (spec.vocab_size, h))], weight_dtype, [lm_head_dtype(weight_dtype)])
     layers = tuple(_layer(path, spec, FAMILIES[family], tensors, i, weight_dtype)
                    for i in tqdm(range(spec.num_layers), desc=f"loading {path.name}",
                                  disable=not sys.stderr.isatty(), leave=False))
@@ -188,7 +193,7 @@ def _layer(path: Path, spec: ModelSpec, family: GGUFFamily, tensors: dict, i: in
             fields[field] = np.ascontiguousarray(_to_float(_pop(path, tensors, f"blk.{i}.{slot.name}",
                                                                 slot.shape)))
         else:
-            fields[field] = _field(path, tensors, f"blk.{i}.", options, weight_dtype)
+            fields[field] = _field(path, tensors, f"blk.{i}.", options, weight_dtype, spec, i)
     if spec.is_moe(i):
         fields["experts"] = ExpertWeights(
             fields.pop("experts.router"), fields.pop("experts.gate_up"), fields.pop("experts.down"),
