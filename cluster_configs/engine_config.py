@@ -36,6 +36,10 @@ class EngineConfig(BaseModel):
         "auto", description="what activations are rounded to before the "
                             'linear layers\' dot products; "auto" picks per '
                             "weight dtype")
+    activation_scales: Literal["dynamic", "static"] = Field(
+        "dynamic", description='int8 activations\' scales: "dynamic" per 32-value block, or "static" per '
+                               "matrix from the model's calibration file (numaserve calibrate; its method); "
+                               "dynamic measured more accurate and as fast (README, Calibration)")
     max_loras: int = Field(4, ge=1, description="adapters held ready for the kernels (least recently used "
                                                 "out) and so the most distinct adapters in one step's batch")
     max_lora_rank: int = Field(64, ge=1, description="the largest LoRA rank an adapter may have (any "

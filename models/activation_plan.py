@@ -13,8 +13,8 @@
 A calibration file beside the model (models/calibration.py, written by `numaserve calibrate`) keeps the
 matrices it marks (int8 error above its bound) in float32, and holds static per-tensor activation scales.
 Dynamic per-block scales stay the default even with a file: they measured both more accurate and as fast
-(README, benchmarks/bench_calibration.py); `static_scales=True` uses the file's scales and falls back where
-their error exceeds the bound.
+(README, benchmarks/bench_calibration.py); `static_scales=True` (EngineConfig.activation_scales="static")
+uses the file's scales and falls back where their error exceeds the bound.
 Every choice and every fallback is recorded in the engine's decision log (a fallback also as a warning).
 """
 
@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import replace
 
 from cluster_configs.diagnostics import DecisionLog
+from cluster_configs.errors import CheckpointError
 from kernels.cpu import missing_features
 from kernels.simd_bf16 import BF16_FEATURES
 from memory.weights import Bf16Matrix, Int8Matrix, Matrix, ModelWeights, WeightMatrix, map_parts, parts
@@ -57,7 +58,12 @@ def plan_activations(weights: ModelWeights, activation_dtype: str, decisions: De
     """-> weights with int8-activation matrices repacked (Int8Matrix); the rest unchanged. Records each
     matrix's activation dtype and, per layer type, the kernel and dtypes it runs with (record_kernels).
 
-    Raises CheckpointError if the calibration file was made for another model shape."""
+    Raises CheckpointError if the calibration file was made for another model shape, or static scales are
+    asked for without one."""
+    if static_scales and calibration is None:
+        raise CheckpointError("activation_scales='static' takes its scales from the model's calibration "
+                              "file, and there is none: run `numaserve calibrate MODEL` first, or use "
+                              "activation_scales='dynamic'")
     planned = _plan(weights, activation_dtype, decisions, calibration, static_scales)
     record_kernels(planned, decisions)
     return planned
