@@ -12,6 +12,8 @@ size anyway."""
 import numpy as np
 
 from kernels.dequant import dequantize_rows
+from kernels.dequant_blocks import dequantize_block_rows
+from kernels.ggml_blocks import BLOCK_DTYPES, CODE
 from kernels.int8_layout import QK, quantize_activations
 from kernels.linear import gather_rows_bf16, matmul
 from kernels.linear_bf16 import matmul_bf16, round_activations
@@ -59,7 +61,7 @@ def embed(w: WeightMatrix, token_ids: np.ndarray) -> np.ndarray:
         gather_rows_bf16(w.data, token_ids, out)
     else:
         for t, token in enumerate(token_ids):
-            dequantize_rows(w.data, _scales(w), token, out[t:t + 1])
+            _dequantize_rows(w, token, out[t:t + 1])
     return out
 
 
@@ -70,8 +72,16 @@ def dequantize(w: WeightMatrix | Int8Matrix | Bf16Matrix) -> np.ndarray:
     if w.dtype == "float32":
         return w.data
     out = np.empty(w.shape, np.float32)
-    dequantize_rows(w.data, _scales(w), 0, out)
+    _dequantize_rows(w, 0, out)
     return out
+
+
+def _dequantize_rows(w: WeightMatrix, row_start: int, out: np.ndarray) -> None:
+    # rows row_start .. row_start + R of w -> out: [R, K] f32
+    if w.dtype in BLOCK_DTYPES:  # uint8 like q4_0's nibbles: told apart by the format's code
+        dequantize_block_rows(CODE[w.dtype], w.data, row_start, out)
+    else:
+        dequantize_rows(w.data, _scales(w), row_start, out)
 
 
 def _scales(w: WeightMatrix) -> np.ndarray:
