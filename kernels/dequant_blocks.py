@@ -95,27 +95,36 @@ def _q6_k(row, dst):
 
 
 @njit(inline="always", nogil=True)
-def _q45_legacy(row, code, dst):
-    # q4_1 / q5_0 / q5_1 rows
-    type_size = 20 if code == Q4_1 else 22 if code == Q5_0 else 24
+def _q5_high_bits(row, at):
+    # the uint32 of 5th bits at row[at:at + 4]
+    qh = np.uint32(0)
+    for i in range(4):
+        qh |= np.uint32(row[at + i]) << np.uint32(8 * i)
+    return qh
+
+
+@njit(inline="always", nogil=True)
+def _legacy(row, fifth_bit, has_min, dst):
+    # q4_1 (has_min), q5_0 (fifth_bit), q5_1 (both) rows; the flags are compile-time constants per caller,
+    # so each format's loop is branch-free and vectorizes
+    type_size = 20 if not fifth_bit else 24 if has_min else 22
     for b in range(dst.shape[0] // 32):
-        o = b * type_size
+        o, y = b * type_size, b * 32
         d = fp16_at(row, o)
-        m = np.float32(0.0) if code == Q5_0 else fp16_at(row, o + 2)
-        qh = np.uint32(0)
-        if code != Q4_1:
-            at = o + (2 if code == Q5_0 else 4)
-            for i in range(4):
-                qh |= np.uint32(row[at + i]) << np.uint32(8 * i)
+        m = fp16_at(row, o + 2) if has_min else np.float32(0.0)
+        qh = _q5_high_bits(row, o + (4 if has_min else 2)) if fifth_bit else np.uint32(0)
         qs = o + type_size - 16
         for j in range(16):
             lo, hi = np.int32(row[qs + j] & 15), np.int32(row[qs + j] >> 4)
-            lo |= np.int32((qh >> np.uint32(j)) & np.uint32(1)) << 4
-            hi |= np.int32((qh >> np.uint32(j + 16)) & np.uint32(1)) << 4
-            if code == Q5_0:
-                dst[32 * b + j], dst[32 * b + 16 + j] = d * np.float32(lo - 16), d * np.float32(hi - 16)
+            if fifth_bit:
+                lo |= np.int32((qh >> np.uint32(j)) & np.uint32(1)) << 4
+                hi |= np.int32((qh >> np.uint32(j + 16)) & np.uint32(1)) << 4
+            if has_min:
+                dst[y + j] = d * np.float32(lo) + m
+                dst[y + 16 + j] = d * np.float32(hi) + m
             else:
-                dst[32 * b + j], dst[32 * b + 16 + j] = d * np.float32(lo) + m, d * np.float32(hi) + m
+                dst[y + j] = d * np.float32(lo - 16)
+                dst[y + 16 + j] = d * np.float32(hi - 16)
 
 
 @njit(inline="always", nogil=True)
@@ -127,8 +136,12 @@ def dequantize_block_row(code, row, dst):
         _q5_k(row, dst)
     elif code == Q6_K:
         _q6_k(row, dst)
+    elif code == Q4_1:
+        _legacy(row, False, True, dst)
+    elif code == Q5_0:
+        _legacy(row, True, False, dst)
     else:
-        _q45_legacy(row, code, dst)
+        _legacy(row, True, True, dst)
 
 
 @njit(cache=True, nogil=True)

@@ -17,6 +17,7 @@ from kernels.ggml_blocks import BLOCK_DTYPES, CODE
 from kernels.int8_layout import QK, quantize_activations
 from kernels.linear import gather_rows_bf16, matmul
 from kernels.linear_bf16 import matmul_bf16, round_activations
+from kernels.linear_blocks import matmul_blocks
 from kernels.linear_int8 import matmul_int8, matmul_vnni
 from memory.weights import Bf16Matrix, Int8Matrix, WeightMatrix
 
@@ -37,6 +38,8 @@ def linear(x: np.ndarray, w: WeightMatrix | Int8Matrix | Bf16Matrix) -> np.ndarr
             matmul_vnni(xq, xd, xsum, w.data, w.scales, out, 4 if w.dtype == "q4_0" else 8)
         else:
             matmul_int8(xq, xd, xsum, w.data, w.scales, out)
+    elif w.dtype in BLOCK_DTYPES:  # dequantized by groups of rows into the float32 kernel: the same bits
+        matmul_blocks(np.ascontiguousarray(x), w.data, CODE[w.dtype], out)
     else:  # one kernel at every batch size: see the module docstring
         matmul(np.ascontiguousarray(x), w.data, _scales(w), out)
     return out
