@@ -20,8 +20,8 @@ Block layouts (byte offsets in a block; fp16 little-endian; "q[i]" is value i of
 import numpy as np
 from numba import njit
 
+from kernels import ggml_blocks as gb
 from kernels.fp16 import f16_to_f32
-from kernels.ggml_blocks import Q4_1, Q4_K, Q5_0, Q5_K, Q6_K
 
 
 @njit(inline="always", nogil=True)
@@ -42,8 +42,8 @@ def scale_min_k4(row, at, j):
 @njit(inline="always", nogil=True)
 def _q4_k(row, dst):
     # dst: [K] f32; contiguous loops over 32 bytes, so that they vectorize
-    for b in range(dst.shape[0] // 256):
-        o, y = b * 144, b * 256
+    for b in range(dst.shape[0] // gb.QK_K):
+        o, y = b * gb.Q4_K_BYTES, b * gb.QK_K
         d, dmin = fp16_at(row, o), fp16_at(row, o + 2)
         for c in range(4):
             sc, m = scale_min_k4(row, o + 4, 2 * c)
@@ -58,8 +58,8 @@ def _q4_k(row, dst):
 
 @njit(inline="always", nogil=True)
 def _q5_k(row, dst):
-    for b in range(dst.shape[0] // 256):
-        o, y = b * 176, b * 256
+    for b in range(dst.shape[0] // gb.QK_K):
+        o, y = b * gb.Q5_K_BYTES, b * gb.QK_K
         d, dmin = fp16_at(row, o), fp16_at(row, o + 2)
         for c in range(4):
             sc, m = scale_min_k4(row, o + 4, 2 * c)
@@ -74,11 +74,11 @@ def _q5_k(row, dst):
 
 @njit(inline="always", nogil=True)
 def _q6_k(row, dst):
-    for b in range(dst.shape[0] // 256):
-        o = b * 210
+    for b in range(dst.shape[0] // gb.QK_K):
+        o = b * gb.Q6_K_BYTES
         d = fp16_at(row, o + 208)
         for h in range(2):
-            y = b * 256 + 128 * h
+            y = b * gb.QK_K + 128 * h
             for half in range(2):  # values l of 0..15 and of 16..31 of each 32 have their own scales
                 sc = o + 192 + 8 * h + half
                 d0 = d * np.float32(np.int8(row[sc]))
@@ -107,7 +107,7 @@ def _q5_high_bits(row, at):
 def _legacy(row, fifth_bit, has_min, dst):
     # q4_1 (has_min), q5_0 (fifth_bit), q5_1 (both) rows; the flags are compile-time constants per caller,
     # so each format's loop is branch-free and vectorizes
-    type_size = 20 if not fifth_bit else 24 if has_min else 22
+    type_size = gb.Q4_1_BYTES if not fifth_bit else gb.Q5_1_BYTES if has_min else gb.Q5_0_BYTES
     for b in range(dst.shape[0] // 32):
         o, y = b * type_size, b * 32
         d = fp16_at(row, o)
@@ -130,15 +130,15 @@ def _legacy(row, fifth_bit, has_min, dst):
 @njit(inline="always", nogil=True)
 def dequantize_block_row(code, row, dst):
     """One row of GGML blocks of format code, uint8 [row_bytes] -> dst: [K] f32."""
-    if code == Q4_K:
+    if code == gb.Q4_K:
         _q4_k(row, dst)
-    elif code == Q5_K:
+    elif code == gb.Q5_K:
         _q5_k(row, dst)
-    elif code == Q6_K:
+    elif code == gb.Q6_K:
         _q6_k(row, dst)
-    elif code == Q4_1:
+    elif code == gb.Q4_1:
         _legacy(row, False, True, dst)
-    elif code == Q5_0:
+    elif code == gb.Q5_0:
         _legacy(row, True, False, dst)
     else:
         _legacy(row, True, True, dst)
