@@ -12,6 +12,7 @@ from gguf import GGMLQuantizationType as GT
 GGML_TYPE = {"q4_k": GT.Q4_K, "q5_k": GT.Q5_K, "q6_k": GT.Q6_K,
              "q4_1": GT.Q4_1, "q5_0": GT.Q5_0, "q5_1": GT.Q5_1}
 BLOCK_DTYPES = tuple(GGML_TYPE)
+K_QUANT_DTYPES = ("q4_k", "q5_k", "q6_k")
 CODE = {dtype: int(t) for dtype, t in GGML_TYPE.items()}
 Q4_K, Q5_K, Q6_K, Q4_1, Q5_0, Q5_1 = (CODE[d] for d in BLOCK_DTYPES)  # the codes, for the numba kernels
 # bytes per block, as constants for the numba kernels (constant strides vectorize: a stride read from the

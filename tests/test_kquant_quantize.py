@@ -49,7 +49,11 @@ def test_quantized_bytes_equal_llama_cpps_in_the_fixture():
 
 @needs_llama_cpp
 def test_quantized_bytes_equal_llama_cpps_on_fresh_files(tmp_path):
-    assert_quantized_as_llama_cpp(make_fixture(tmp_path, seed=1))
+    (tmp_path / "0").mkdir()
+    (tmp_path / "1").mkdir()
+    committed, again = np.load(FIXTURE), make_fixture(tmp_path / "0", seed=0)
+    assert committed.files == list(again) and all(np.array_equal(committed[k], again[k]) for k in again)
+    assert_quantized_as_llama_cpp(make_fixture(tmp_path / "1", seed=1))
 
 
 def ggml_reference_rows(dtype: str, w: np.ndarray) -> np.ndarray:
