@@ -12,9 +12,12 @@ size anyway."""
 import numpy as np
 
 from kernels.dequant import dequantize_rows
+from kernels.dequant_blocks import dequantize_block_rows
+from kernels.ggml_blocks import BLOCK_DTYPES, CODE
 from kernels.int8_layout import QK, quantize_activations
 from kernels.linear import gather_rows_bf16, matmul
 from kernels.linear_bf16 import matmul_bf16, round_activations
+from kernels.linear_blocks import matmul_blocks
 from kernels.linear_int8 import matmul_int8, matmul_vnni
 from memory.weights import Bf16Matrix, Int8Matrix, Matrix, StackedMatrix, WeightMatrix
 
@@ -37,6 +40,8 @@ def linear(x: np.ndarray, w: Matrix) -> np.ndarray:
             matmul_vnni(xq, xd, xsum, w.data, w.scales, out, 4 if w.dtype == "q4_0" else 8)
         else:
             matmul_int8(xq, xd, xsum, w.data, w.scales, out)
+    elif w.dtype in BLOCK_DTYPES:  # dequantized by groups of rows into the float32 kernel: the same bits
+        matmul_blocks(np.ascontiguousarray(x), w.data, CODE[w.dtype], out)
     else:  # one kernel at every batch size: see the module docstring
         matmul(np.ascontiguousarray(x), w.data, _scales(w), out)
     return out
@@ -61,7 +66,7 @@ def embed(w: WeightMatrix, token_ids: np.ndarray) -> np.ndarray:
         gather_rows_bf16(w.data, token_ids, out)
     else:
         for t, token in enumerate(token_ids):
-            dequantize_rows(w.data, _scales(w), token, out[t:t + 1])
+            _dequantize_rows(w, token, out[t:t + 1])
     return out
 
 
@@ -74,8 +79,16 @@ def dequantize(w: Matrix) -> np.ndarray:
     if w.dtype == "float32":
         return w.data
     out = np.empty(w.shape, np.float32)
-    dequantize_rows(w.data, _scales(w), 0, out)
+    _dequantize_rows(w, 0, out)
     return out
+
+
+def _dequantize_rows(w: WeightMatrix, row_start: int, out: np.ndarray) -> None:
+    # rows row_start .. row_start + R of w -> out: [R, K] f32
+    if w.dtype in BLOCK_DTYPES:  # uint8 like q4_0's nibbles: told apart by the format's code
+        dequantize_block_rows(CODE[w.dtype], w.data, row_start, out)
+    else:
+        dequantize_rows(w.data, _scales(w), row_start, out)
 
 
 def _scales(w: WeightMatrix) -> np.ndarray:
