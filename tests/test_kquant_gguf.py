@@ -14,10 +14,12 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import numaserve as ns
 from memory.weights import StackedMatrix, parts
 from models.gguf_format import rope_row_order
+from models.gguf_writer import convert_to_gguf
 from models.loader import load_model
 from tests.conftest import random_prompt
-from tests.fixtures.make_kquant_gguf import FIXTURE, OVERRIDES
-from tests.model_factory import COMMON, VARIANTS
+from tests.fixtures.make_kquant_gguf import FIXTURE, OVERRIDES, SEED
+from tests.model_factory import COMMON, VARIANTS, build_model
+from tests.test_gguf import reference_gguf
 
 # llama.cpp's Q4_K_M choices for the fixture's 4 layers (layers 2 and 3 get more bits) and its fallbacks for
 # ffn_down's 288-value rows
@@ -90,3 +92,16 @@ def test_float32_logits_equal_transformers_over_the_dequantized_file(reference):
     with torch.no_grad():
         exact = reference(torch.tensor([tokens])).logits[0].numpy()
     np.testing.assert_allclose(llm.score(tokens), exact, atol=1e-4, rtol=0)
+
+
+def test_our_q4_k_m_of_the_f16_file_is_llama_cpps_byte_for_byte(tmp_path):
+    # the fixture's own source, rebuilt: the same random model (seeded) exported to F16 the same way
+    build_model(tmp_path / "hf", "llama", seed=SEED, **OVERRIDES)
+    f16 = reference_gguf(tmp_path / "hf", tmp_path / "f16.gguf")
+    ours = convert_to_gguf(f16, tmp_path / "ours.gguf", "q4_k_m")
+    theirs = {t.name: t for t in gguf.GGUFReader(FIXTURE).tensors}
+    mine = {t.name: t for t in gguf.GGUFReader(ours).tensors}
+    assert mine.keys() == theirs.keys()
+    for name, t in theirs.items():
+        assert mine[name].tensor_type == t.tensor_type, name
+        assert np.array_equal(mine[name].data, t.data), name
