@@ -1,0 +1,71 @@
+"""y = x @ W.T with x quantized to int8 (kernels/int8_layout.py) and Q4_K / Q5_K / Q4_1 / Q5_0 / Q5_1 weights
+packed by kernels/kquant_layout.py, through the VNNI register block of kernels/simd_kquant.py.
+
+The drivers are matmul_vnni's and matmul_vnni_experts' (kernels/linear_int8.py): a task owns a block of 4
+output rows and walks a chunk of tokens 4 at a time (then 2, then 1) while the chunk of x stays in L2.
+qtype (a GGMLQuantizationType value) is made a compile-time constant: each format compiles its own code.
+"""
+
+from numba import literally, njit, prange, types
+from numba.extending import overload
+
+from kernels.linear_int8 import EXPERT_TASK_BLOCKS, X_CHUNK_BYTES
+from kernels.simd_kquant import kquant_block
+from kernels.simd_vnni import ROWS
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def matmul_kquant(xq, xd, xsum, data, out, qtype):
+    # xq: [T, Kp] int8 (quad order), xd/xsum: [T, Kp // 32], data: uint8 [N4, ...] (kquant_layout.pack_kquant
+    # of format qtype), out: [T, N] f32
+    literally(qtype)
+    T, Kp = xq.shape
+    chunk = max(4, X_CHUNK_BYTES // Kp // 4 * 4)
+    for c0 in range(0, T, chunk):
+        c1 = min(T, c0 + chunk)
+        for task in prange(data.shape[0] // ROWS):
+            _kquant_tokens(xq, xd, xsum, data, out, task * ROWS, c0, c1, qtype)
+
+
+def _kquant_tokens(xq, xd, xsum, data, out, n, c0, c1, qtype):
+    raise NotImplementedError("numba-only")
+
+
+@overload(_kquant_tokens, inline="always", prefer_literal=True)
+def _kquant_tokens_impl(xq, xd, xsum, data, out, n, c0, c1, qtype):
+    if not isinstance(qtype, types.IntegerLiteral):
+        return None
+    q = qtype.literal_value
+
+    def impl(xq, xd, xsum, data, out, n, c0, c1, qtype):
+        t = c0
+        while t + 4 <= c1:
+            kquant_block(xq, xd, xsum, data, out, t, n, q, 4)
+            t += 4
+        if c1 - t >= 2:
+            kquant_block(xq, xd, xsum, data, out, t, n, q, 2)
+            t += 2
+        if c1 - t == 1:
+            kquant_block(xq, xd, xsum, data, out, t, n, q, 1)
+    return impl
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def matmul_kquant_experts(xq, xd, xsum, data, out, qtype, experts, starts):
+    # Several experts' matmul_kquant in one parallel region, as linear_int8.matmul_vnni_experts: data: E
+    # experts' packed matrices stacked, N = out.shape[1] rows each (N % 4 == 0); experts: [S] int64 the
+    # experts that run; xq/xd/xsum: [R, ...] their input rows grouped by expert, experts[s]'s rows
+    # starts[s]:starts[s + 1] ([S + 1] int64); out: [R, N] f32. A task owns EXPERT_TASK_BLOCKS consecutive
+    # blocks of 4 output rows of one expert, for all its tokens.
+    literally(qtype)
+    N = out.shape[1]
+    blocks = N // ROWS
+    chunks = (blocks + EXPERT_TASK_BLOCKS - 1) // EXPERT_TASK_BLOCKS
+    for task in prange(experts.shape[0] * chunks):
+        s = task // chunks
+        e, r0, r1 = experts[s], starts[s], starts[s + 1]
+        d = data[e * N:(e + 1) * N]
+        b0 = (task - s * chunks) * EXPERT_TASK_BLOCKS
+        x, xs, xt, o = xq[r0:r1], xd[r0:r1], xsum[r0:r1], out[r0:r1]
+        for b in range(b0, min(blocks, b0 + EXPERT_TASK_BLOCKS)):
+            _kquant_tokens(x, xs, xt, d, o, b * ROWS, 0, r1 - r0, qtype)
