@@ -3,28 +3,47 @@ packed by kernels/kquant_layout.py, through the VNNI register block of kernels/s
 
 The drivers are matmul_vnni's and matmul_vnni_experts' (kernels/linear_int8.py): a task owns a block of 4
 output rows and walks a chunk of tokens 4 at a time (then 2, then 1) while the chunk of x stays in L2.
-qtype (a GGMLQuantizationType value) is made a compile-time constant: each format compiles its own code.
+qtype (a GGMLQuantizationType value) picks the format's code per task, as matmul_vnni's bits: one compiled
+function serves all five. (numba.literally(qtype), one compilation per format, cost 8 ms a call: numba
+retypes the call through an exception every time.)
 """
 
-from numba import literally, njit, prange, types
+from gguf import GGMLQuantizationType as QT
+from numba import njit, prange, types
 from numba.extending import overload
 
 from kernels.linear_int8 import EXPERT_TASK_BLOCKS, X_CHUNK_BYTES
 from kernels.simd_kquant import kquant_block
 from kernels.simd_vnni import ROWS
 
+Q4_K, Q5_K, Q4_1, Q5_0, Q5_1 = int(QT.Q4_K), int(QT.Q5_K), int(QT.Q4_1), int(QT.Q5_0), int(QT.Q5_1)
+
 
 @njit(cache=True, nogil=True, parallel=True)
 def matmul_kquant(xq, xd, xsum, data, out, qtype):
     # xq: [T, Kp] int8 (quad order), xd/xsum: [T, Kp // 32], data: uint8 [N4, ...] (kquant_layout.pack_kquant
     # of format qtype), out: [T, N] f32
-    literally(qtype)
     T, Kp = xq.shape
     chunk = max(4, X_CHUNK_BYTES // Kp // 4 * 4)
     for c0 in range(0, T, chunk):
         c1 = min(T, c0 + chunk)
         for task in prange(data.shape[0] // ROWS):
-            _kquant_tokens(xq, xd, xsum, data, out, task * ROWS, c0, c1, qtype)
+            _by_format(xq, xd, xsum, data, out, task * ROWS, c0, c1, qtype)
+
+
+@njit(inline="always", nogil=True)
+def _by_format(xq, xd, xsum, data, out, n, c0, c1, qtype):
+    # qtype as a literal (the globals are constants): each branch compiles its format's block
+    if qtype == Q4_K:
+        _kquant_tokens(xq, xd, xsum, data, out, n, c0, c1, Q4_K)
+    elif qtype == Q5_K:
+        _kquant_tokens(xq, xd, xsum, data, out, n, c0, c1, Q5_K)
+    elif qtype == Q4_1:
+        _kquant_tokens(xq, xd, xsum, data, out, n, c0, c1, Q4_1)
+    elif qtype == Q5_0:
+        _kquant_tokens(xq, xd, xsum, data, out, n, c0, c1, Q5_0)
+    elif qtype == Q5_1:
+        _kquant_tokens(xq, xd, xsum, data, out, n, c0, c1, Q5_1)
 
 
 def _kquant_tokens(xq, xd, xsum, data, out, n, c0, c1, qtype):
@@ -57,7 +76,6 @@ def matmul_kquant_experts(xq, xd, xsum, data, out, qtype, experts, starts):
     # experts that run; xq/xd/xsum: [R, ...] their input rows grouped by expert, experts[s]'s rows
     # starts[s]:starts[s + 1] ([S + 1] int64); out: [R, N] f32. A task owns EXPERT_TASK_BLOCKS consecutive
     # blocks of 4 output rows of one expert, for all its tokens.
-    literally(qtype)
     N = out.shape[1]
     blocks = N // ROWS
     chunks = (blocks + EXPERT_TASK_BLOCKS - 1) // EXPERT_TASK_BLOCKS
@@ -68,4 +86,4 @@ def matmul_kquant_experts(xq, xd, xsum, data, out, qtype, experts, starts):
         b0 = (task - s * chunks) * EXPERT_TASK_BLOCKS
         x, xs, xt, o = xq[r0:r1], xd[r0:r1], xsum[r0:r1], out[r0:r1]
         for b in range(b0, min(blocks, b0 + EXPERT_TASK_BLOCKS)):
-            _kquant_tokens(x, xs, xt, d, o, b * ROWS, 0, r1 - r0, qtype)
+            _by_format(x, xs, xt, d, o, b * ROWS, 0, r1 - r0, qtype)

@@ -113,11 +113,8 @@ def kquant_block(typingctx, xq, xd, xsum, data, out, t0, n0, qtype, tokens):
             x_base = [builder.add(builder.mul(row, Kp), builder.mul(g, const64(GROUP))) for row in token_rows]
             tile = builder.mul(builder.add(block_base, g), const64(tile_bytes))
             prefetch_ahead(builder, wa.data, tile, tile_bytes)
-            dx = [load_vec(builder, da.data, builder.add(builder.mul(row, num_blocks), blk0), V8F)
-                  for row in token_rows]
             xsum_ = [load_vec(builder, sa.data, builder.add(builder.mul(row, num_blocks), blk0), V8I)
                      for row in token_rows]
-            scales = [_block_scales(builder, wa.data, tile, f, r) for r in range(ROWS)]
             if f.has_min:
                 init = [ir.Constant(V8I, None)] * TB
             else:  # Q5_0: q - 16
@@ -141,6 +138,11 @@ def kquant_block(typingctx, xq, xd, xsum, data, out, t0, n0, qtype, tokens):
                                                   V32I8), V8I)
                     for r in range(ROWS):
                         iacc[r][t] = builder.call(dpbusd, [iacc[r][t], weights[r], xv])
+            # the scales after the products: formed before, they stayed live through them and spilled (Q5_K,
+            # 4 tokens: 232 stack accesses in the block's code, 185 after)
+            dx = [load_vec(builder, da.data, builder.add(builder.mul(row, num_blocks), blk0), V8F)
+                  for row in token_rows]
+            scales = [_block_scales(builder, wa.data, tile, f, r) for r in range(ROWS)]
             if not f.has_min:
                 fold_group(builder, fma, iacc, [s for s, _ in scales], dx, accs)
             else:
