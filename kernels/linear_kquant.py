@@ -23,12 +23,19 @@ Q4_K, Q5_K, Q4_1, Q5_0, Q5_1 = int(QT.Q4_K), int(QT.Q5_K), int(QT.Q4_1), int(QT.
 def matmul_kquant(xq, xd, xsum, data, out, qtype):
     # xq: [T, Kp] int8 (quad order), xd/xsum: [T, Kp // 32], data: uint8 [N4, ...] (kquant_layout.pack_kquant
     # of format qtype), out: [T, N] f32
+    _check_format(qtype)
     T, Kp = xq.shape
     chunk = max(4, X_CHUNK_BYTES // Kp // 4 * 4)
     for c0 in range(0, T, chunk):
         c1 = min(T, c0 + chunk)
         for task in prange(data.shape[0] // ROWS):
             _by_format(xq, xd, xsum, data, out, task * ROWS, c0, c1, qtype)
+
+
+@njit(inline="always", nogil=True)
+def _check_format(qtype):
+    if qtype != Q4_K and qtype != Q5_K and qtype != Q4_1 and qtype != Q5_0 and qtype != Q5_1:
+        raise ValueError("qtype is not one of Q4_K, Q5_K, Q4_1, Q5_0, Q5_1")
 
 
 @njit(inline="always", nogil=True)
@@ -76,6 +83,7 @@ def matmul_kquant_experts(xq, xd, xsum, data, out, qtype, experts, starts):
     # experts that run; xq/xd/xsum: [R, ...] their input rows grouped by expert, experts[s]'s rows
     # starts[s]:starts[s + 1] ([S + 1] int64); out: [R, N] f32. A task owns EXPERT_TASK_BLOCKS consecutive
     # blocks of 4 output rows of one expert, for all its tokens.
+    _check_format(qtype)
     N = out.shape[1]
     blocks = N // ROWS
     chunks = (blocks + EXPERT_TASK_BLOCKS - 1) // EXPERT_TASK_BLOCKS

@@ -155,6 +155,18 @@ def test_experts_driver_equals_one_call_per_expert(qtype):
         np.testing.assert_array_equal(out[rows], run(KQuantMatrix.pack(raws[e], qtype, k), x[rows]))
 
 
+@requires_vnni
+def test_other_formats_are_refused():
+    x = np.zeros((1, 256), np.float32)
+    out = np.zeros((1, 4), np.float32)
+    data = np.zeros((4, 148), np.uint8)
+    with pytest.raises(ValueError, match="qtype"):
+        matmul_kquant(*activations(x), data, out, int(QT.Q6_K))
+    with pytest.raises(ValueError, match="qtype"):
+        matmul_kquant_experts(*activations(x), data, out, int(QT.Q4_0), np.zeros(1, np.int64),
+                              np.array([0, 1], np.int64))
+
+
 @pytest.mark.parametrize("qtype", FORMATS, ids=lambda q: q.name)
 @pytest.mark.parametrize("n", [1, 6, 8])
 def test_unpack_returns_the_raw_blocks_bit_for_bit(qtype, n):
