@@ -45,9 +45,13 @@ V8H = ir.VectorType(ir.HalfType(), 8)
 V8I8 = ir.VectorType(I8, 8)
 
 
-def _splat(builder, scalar):
-    vec = builder.insert_element(ir.Constant(V8F, None), scalar, ir.Constant(ir.IntType(32), 0))
-    return builder.shuffle_vector(vec, vec, ir.Constant(ir.VectorType(ir.IntType(32), 8), [0] * 8))
+def _splat_f16(builder, data, offset):
+    # the fp16 at byte offset of data in all 8 float32 lanes: splat as halves, then convert (a broadcast load
+    # and one vcvtph2ps; converting first took a word insert, the convert and a broadcast)
+    half = builder.load(builder.bitcast(builder.gep(data, [offset]), ir.HalfType().as_pointer()), align=1)
+    vec = builder.insert_element(ir.Constant(V8H, None), half, ir.Constant(ir.IntType(32), 0))
+    zeros = ir.Constant(ir.VectorType(ir.IntType(32), 8), [0] * 8)
+    return builder.fpext(builder.shuffle_vector(vec, vec, zeros), V8F)
 
 
 def _fifth_bits(builder, high, j):
@@ -60,21 +64,20 @@ def _fifth_bits(builder, high, j):
 
 
 def _block_scales(builder, data, tile, f, r):
-    # row r's (S, -M) per block of this group from its tile at byte `tile` (-M None for Q5_0)
+    # row r's (S, M) per block of this group (value = S q - M) from its tile at byte `tile` (M None for Q5_0)
     at = f.tile_offsets
 
     def part(name, width):
         return builder.add(tile, const64(at[name] + width * r))
 
     if f.super_block:
-        half_ptr = ir.HalfType().as_pointer()
-        d, dmin = (builder.fpext(builder.load(builder.bitcast(builder.gep(data, [part(name, 2)]), half_ptr),
-                                              align=1), ir.FloatType()) for name in ("d", "dmin"))
         sc, mn = (builder.uitofp(load_vec(builder, data, part(name, 8), V8I8), V8F)
                   for name in ("scales", "mins"))
-        return builder.fmul(_splat(builder, d), sc), builder.fmul(_splat(builder, builder.fneg(dmin)), mn)
-    s = builder.fpext(load_vec(builder, data, part("d", 16), V8H), V8F)
-    return s, builder.fpext(load_vec(builder, data, part("m", 16), V8H), V8F) if f.has_min else None
+        return (builder.fmul(_splat_f16(builder, data, part("d", 2)), sc),
+                builder.fmul(_splat_f16(builder, data, part("dmin", 2)), mn))
+    s, m = (builder.fpext(load_vec(builder, data, part(name, 16), V8H), V8F) if name in at else None
+            for name in ("d", "m"))
+    return s, builder.fneg(m) if m else None  # Q4_1, Q5_1: value = d q + m
 
 
 @intrinsic(prefer_literal=True)
@@ -147,7 +150,8 @@ def kquant_block(typingctx, xq, xd, xsum, data, out, t0, n0, qtype, tokens):
                 fold_group(builder, fma, iacc, [s for s, _ in scales], dx, accs)
             else:
                 xsum_f = [builder.sitofp(s, V8F) for s in xsum_]
-                for r, (s, minus_m) in enumerate(scales):
+                for r, (s, m) in enumerate(scales):
+                    minus_m = builder.fneg(m)  # folded into the fma (vfnmadd; Q4_1's -(-m) cancels)
                     for t in range(TB):
                         scaled = builder.fmul(s, builder.sitofp(iacc[r][t], V8F))
                         inner = builder.call(fma, [minus_m, xsum_f[t], scaled])
