@@ -11,8 +11,8 @@ kept per 32-value block b as the format gives it: value = S_b q - M_b with
 K is zero-padded to a whole number of groups of 256 values (one K-quant super-block, 8 legacy blocks): the
 padding's quants and scales are 0. Rows are padded with zeros to N4, a multiple of ROWS = 4.
 
-A tile is one group of one block of 4 rows, its parts one after another, each part the 4 rows' bytes in
-row order (per row:)
+A tile is one group of one block of 4 rows: its parts one after another, each part the 4 rows' bytes in
+row order, per row
     quants  128 bytes: chunk c (32 bytes) = vector 2c in its low nibbles, vector 2c + 1 in its high ones
             (vector j, lane m: int8_layout's quad order; q4_0's nibble layout)
     high    32 bytes (5-bit formats): bit j of byte m = the fifth bit of vector j's lane m
@@ -20,8 +20,8 @@ row order (per row:)
     legacy:   d 16 bytes (8 fp16), m 16 bytes (Q4_1, Q5_1)
 and data: uint8 [N4, Kp // 256 * tile_bytes // 4] holds each block's tiles group after group (the block's
 rows 4i..4i+3 of the array are its stream). Bytes per weight against the GGML block's: Q4_K 148 / 144 per
-256 (+2.8%: 16 bytes of sc, mn instead of their 12 packed 6-bit bytes, which cost a dozen shuffles per
-group to unpack), Q5_K 180 / 176 (+2.3%), Q4_1, Q5_0, Q5_1 the same as GGML's (but for padding).
+256 (+2.8%: sc and mn as 16 bytes, not packed into 12, so the kernel converts each 8 with no bit
+unpacking), Q5_K 180 / 176 (+2.3%), Q4_1, Q5_0, Q5_1 the same as GGML's (but for padding).
 """
 
 from dataclasses import dataclass
@@ -35,6 +35,7 @@ from kernels.int8_layout import GROUP, QK, QUADS, _packed_index, padded_k
 from kernels.simd_vnni import ROWS
 
 QT = GGMLQuantizationType
+PACK_ROWS = 4096  # a multiple of ROWS
 VECTORS = GROUP // 32  # 32-byte vectors of a group
 # position p of a group in quad order holds the group's value QUAD_ORDER[p]
 QUAD_ORDER = np.argsort([_packed_index.py_func(i, QUADS) for i in range(GROUP)])
@@ -58,6 +59,12 @@ class KQuantFormat:
         head = [("d", 2)] + ([("dmin", 2), ("scales", 12)] if self.super_block else
                              [("m", 2)] if self.has_min else [])
         return head + ([("qh", values // 8)] if self.bits == 5 else []) + [("qs", values // 2)]
+
+    @property
+    def nibble_run(self) -> int:
+        """Values per run of qs bytes: a run holds them in its low nibbles and the next as many in its high
+        ones (K-quants: 32-byte runs, sub-blocks 2i and 2i + 1; legacy: 16 bytes, a block's halves)."""
+        return GROUP // 8 if self.super_block else QK // 2
 
     @property
     def tile_parts(self) -> list[tuple[str, int]]:
@@ -84,30 +91,51 @@ FORMATS = {f.qtype: f for f in (KQuantFormat(int(QT.Q4_K), 4, True), KQuantForma
 
 def pack_kquant(raw: np.ndarray, qtype: int, k: int) -> np.ndarray:
     """raw: uint8 [N, K // block_values * block_bytes] GGML blocks -> data: uint8 [N4, Kp // 256 * tile // 4]
-    (tile = FORMATS[qtype].tile_offsets["end"])."""
+    (tile = FORMATS[qtype].tile_offsets["end"]), PACK_ROWS rows at a time (the numpy temporaries are a few
+    times the rows' values)."""
     f = FORMATS[qtype]
-    n, n4, kp = raw.shape[0], -(-raw.shape[0] // ROWS) * ROWS, padded_k(k)
-    parts = _parts(raw, f, k, kp)
-    num_groups = kp // GROUP
-    tiles = []
-    for name, _ in f.tile_parts:
-        part = np.concatenate([parts[name], np.zeros((n4 - n,) + parts[name].shape[1:], np.uint8)])
-        tiles.append(part.reshape(n4 // ROWS, ROWS, num_groups, -1).transpose(0, 2, 1, 3)
-                     .reshape(n4 // ROWS, num_groups, -1))
-    return np.concatenate(tiles, axis=-1).reshape(n4, -1)
+    values, size = GGML_QUANT_SIZES[QT(qtype)]
+    if k % values or raw.shape[1] != k // values * size:
+        raise ValueError(f"{QT(qtype).name} rows of {k} values need K % {values} == 0 and "
+                         f"{k // values * size} bytes each, got {raw.shape[1]}")
+    n, kp = raw.shape[0], padded_k(k)
+    data = np.empty((-(-n // ROWS) * ROWS, kp // GROUP * f.tile_offsets["end"] // ROWS), np.uint8)
+    for r0 in range(0, n, PACK_ROWS):
+        rows = raw[r0:r0 + PACK_ROWS]
+        n4 = -(-rows.shape[0] // ROWS) * ROWS
+        zero_rows = np.zeros((n4 - rows.shape[0], rows.shape[1]), np.uint8)  # zero blocks: values 0
+        parts = _parts(np.concatenate([rows, zero_rows]), f, k, kp)
+        tiles = [_interleave(parts[name]) for name, _ in f.tile_parts]
+        data[r0:r0 + n4] = np.concatenate(tiles, axis=-1).reshape(n4, -1)
+    return data
 
 
 def unpack_kquant(data: np.ndarray, qtype: int, n: int, k: int) -> np.ndarray:
     """The inverse of pack_kquant: the raw GGML blocks, bit for bit."""
     f = FORMATS[qtype]
-    n4, num_groups = data.shape[0], padded_k(k) // GROUP
-    tiles = data.reshape(n4 // ROWS, num_groups, -1)
-    parts = {}
-    for name, width in f.tile_parts:
-        part = tiles[..., f.tile_offsets[name]:f.tile_offsets[name] + ROWS * width]
-        parts[name] = part.reshape(n4 // ROWS, num_groups, ROWS, width).transpose(0, 2, 1, 3).reshape(
-            n4, num_groups, width)[:n]
-    return _raw(parts, f, k)
+    values, size = GGML_QUANT_SIZES[QT(qtype)]
+    num_groups = padded_k(k) // GROUP
+    raw = np.empty((n, k // values * size), np.uint8)
+    for r0 in range(0, n, PACK_ROWS):
+        tiles = data[r0:r0 + PACK_ROWS].reshape(-1, num_groups, f.tile_offsets["end"])
+        parts = {name: _deinterleave(tiles[..., f.tile_offsets[name]:f.tile_offsets[name] + ROWS * width])
+                 [:n - r0] for name, width in f.tile_parts}
+        raw[r0:r0 + PACK_ROWS] = _raw(parts, f, k)
+    return raw
+
+
+def _interleave(part):
+    # [N4, G, w] -> [N4 // 4, G, 4 w]: each group's bytes of a block's 4 rows one after another
+    n4, num_groups, width = part.shape
+    return part.reshape(n4 // ROWS, ROWS, num_groups, width).transpose(0, 2, 1, 3).reshape(
+        n4 // ROWS, num_groups, ROWS * width)
+
+
+def _deinterleave(part):
+    # the inverse of _interleave
+    blocks, num_groups, width = part.shape
+    return part.reshape(blocks, num_groups, ROWS, width // ROWS).transpose(0, 2, 1, 3).reshape(
+        blocks * ROWS, num_groups, width // ROWS)
 
 
 def _parts(raw, f, k, kp):
@@ -118,8 +146,7 @@ def _parts(raw, f, k, kp):
     for name, width in f.block_fields:
         fields[name] = blocks[..., at:at + width]
         at += width
-    half = GROUP // 8 if f.super_block else QK // 2  # values in one nibble of a run of qs bytes
-    qs = fields["qs"].reshape(n, -1, half)
+    qs = fields["qs"].reshape(n, -1, f.nibble_run)
     q = np.zeros((n, kp), np.uint8)
     q[:, :k] = np.stack([qs & 15, qs >> 4], axis=-2).reshape(n, k)
     if f.bits == 5:
@@ -156,8 +183,7 @@ def _raw(parts, f, k):
     values = GGML_QUANT_SIZES[QT(f.qtype)][0]
     nb = k // values
     q = q.reshape(n, -1)[:, :k]
-    half = GROUP // 8 if f.super_block else QK // 2
-    runs = q.reshape(n, -1, 2, half)
+    runs = q.reshape(n, -1, 2, f.nibble_run)
     fields = {"qs": ((runs[:, :, 0] & 15) | (runs[:, :, 1] << 4)).reshape(n, nb, -1)}
     if f.bits == 5 and f.super_block:
         bits = (q.reshape(n, nb, 8, 32) >> 4) << np.arange(8, dtype=np.uint8)[:, None]

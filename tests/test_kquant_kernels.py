@@ -8,6 +8,7 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as QT
 from gguf.quants import dequantize
 
+from kernels import kquant_layout
 from kernels.cpu import missing_features
 from kernels.int8_layout import padded_k, quantize_activations
 from kernels.kquant_layout import KQuantMatrix
@@ -183,3 +184,21 @@ def test_packed_bytes_per_weight_are_within_3_percent_of_ggml(qtype):
     n, k = 64, 4096
     raw = random_raw(qtype, n, k, np.random.default_rng(0))
     assert raw.nbytes <= KQuantMatrix.pack(raw, qtype, k).nbytes <= 1.03 * raw.nbytes
+
+
+@pytest.mark.parametrize("qtype", FORMATS, ids=lambda q: q.name)
+def test_packing_row_chunks_gives_the_whole_matrix_bytes(qtype, monkeypatch):
+    # 21 rows, 8 at a time: whole chunks and a last one of 5 rows (padded to 8)
+    k = shapes(qtype)[1]
+    raw = random_raw(qtype, 21, k, np.random.default_rng(1))
+    whole = KQuantMatrix.pack(raw, qtype, k)
+    monkeypatch.setattr(kquant_layout, "PACK_ROWS", 8)
+    chunked = KQuantMatrix.pack(raw, qtype, k)
+    assert np.array_equal(chunked.data, whole.data) and np.array_equal(chunked.unpack(), raw)
+
+
+def test_blocks_that_do_not_match_k_are_refused():
+    with pytest.raises(ValueError, match="Q4_K rows of 300 values"):
+        KQuantMatrix.pack(np.zeros((2, 144), np.uint8), QT.Q4_K, 300)
+    with pytest.raises(ValueError, match="Q5_0 rows of 64 values"):
+        KQuantMatrix.pack(np.zeros((2, 22), np.uint8), QT.Q5_0, 64)
