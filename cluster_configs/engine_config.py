@@ -6,7 +6,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from cluster_configs.speculation_config import SpeculationConfig
 
-WeightDtype = Literal["auto", "float32", "bfloat16", "q8_0", "q4_0"]
+WeightDtype = Literal["auto", "float32", "bfloat16", "q8_0", "q4_0", "q4_k", "q5_k", "q6_k", "q4_k_m",
+                      "q5_k_m"]
 KVDtype = Literal["auto", "float32", "bfloat16", "int8"]
 ActivationDtype = Literal["auto", "float32", "bfloat16", "int8"]
 
@@ -15,7 +16,8 @@ class EngineConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     weight_dtype: WeightDtype = Field("auto", description='weight storage; "auto" = bfloat16 (a GGUF file '
-                                                          'keeps the types it stores)')
+                                                          'keeps the types it stores); "q4_k_m" / "q5_k_m" = '
+                                                          "llama.cpp's mixes (models/quant_mix.py)")
     kv_dtype: KVDtype = Field("auto", description='KV cache storage; "auto" = bfloat16')
     block_size: int = Field(16, ge=1, le=1024, description="tokens per KV block (a power of two)")
     kv_cache_bytes: int = Field(1 << 30, gt=0, description="KV cache size, an upper bound: never more than "
@@ -34,6 +36,10 @@ class EngineConfig(BaseModel):
         "auto", description="what activations are rounded to before the "
                             'linear layers\' dot products; "auto" picks per '
                             "weight dtype")
+    activation_scales: Literal["dynamic", "static"] = Field(
+        "dynamic", description='int8 activations\' scales: "dynamic" per 32-value block, or "static" per '
+                               "matrix from the model's calibration file (numaserve calibrate; its method); "
+                               "dynamic measured more accurate and as fast (README, Calibration)")
     max_loras: int = Field(4, ge=1, description="adapters held ready for the kernels (least recently used "
                                                 "out) and so the most distinct adapters in one step's batch")
     max_lora_rank: int = Field(64, ge=1, description="the largest LoRA rank an adapter may have (any "

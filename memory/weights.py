@@ -1,13 +1,17 @@
-"""Weight containers: a matrix in one of the served formats (float32, bfloat16, q8_0, q4_0), and a model's
-weights (ModelWeights, its LayerWeights) as the loaders build them and the forward pass reads them."""
+"""Weight containers: a matrix in one of the served formats (float32, bfloat16, q8_0, q4_0, and GGML's block
+formats q4_k, q5_k, q6_k, q4_1, q5_0, q5_1), and a model's weights (ModelWeights, its LayerWeights) as the
+loaders build them and the forward pass reads them."""
 
 from dataclasses import dataclass, replace
+from itertools import pairwise
 from typing import TYPE_CHECKING
 
+import gguf
 import numpy as np
 
 from kernels.bf16 import to_bf16
 from kernels.cpu import missing_features
+from kernels.ggml_blocks import BLOCK_DTYPES, CODE, GGML_TYPE, K_QUANT_DTYPES, QK_K, row_bytes, row_values
 from kernels.int8_layout import (
     GROUP,
     deinterleave_rows,
@@ -19,6 +23,7 @@ from kernels.int8_layout import (
     unpack_int8_weights,
 )
 from kernels.quant import QK, quantize_q4_0, quantize_q8_0
+from kernels.quant_k import quantize_k
 from kernels.simd_bf16 import GROUP as BF16_GROUP
 from kernels.simd_bf16 import ROWS as BF16_ROWS
 from kernels.simd_bf16 import pack_bf16
@@ -28,14 +33,18 @@ from kernels.simd_vnni import VNNI_FEATURES
 if TYPE_CHECKING:
     from memory.experts import ExpertWeights
 
-WEIGHT_DTYPES = ("float32", "bfloat16", "q8_0", "q4_0")
+WEIGHT_DTYPES = ("float32", "bfloat16", "q8_0", "q4_0") + BLOCK_DTYPES
+# the format llama.cpp's llama-quant gives a matrix whose rows are not whole K-quant super-blocks of 256
+K_QUANT_FALLBACK = {"q4_k": "q5_0", "q5_k": "q5_1", "q6_k": "q8_0"}
 
 
 @dataclass(frozen=True)
 class WeightMatrix:
-    """[out_features, in_features]; bf16 as uint16 bits; q8_0 / q4_0 as GGML-valued blocks of 32.
+    """[out_features, in_features]; bf16 as uint16 bits; q8_0 / q4_0 as GGML-valued blocks of 32; the GGML
+    block formats (kernels/ggml_blocks.py) as their GGUF bytes.
 
-    data: f32 [N, K] | uint16 [N, K] | int8 [N, K] | uint8 [N, K // 2]; scales: uint16 fp16 [N, K // 32].
+    data: f32 [N, K] | uint16 [N, K] | int8 [N, K] | uint8 [N, K // 2] | uint8 [N, row_bytes(dtype, K)];
+    scales: uint16 fp16 [N, K // 32] (q8_0, q4_0), else None.
     """
 
     dtype: str
@@ -44,12 +53,25 @@ class WeightMatrix:
 
     @classmethod
     def from_float(cls, w: np.ndarray, dtype: str) -> "WeightMatrix":
+        """w: [N, K] in dtype, quantized as llama.cpp quantizes without an importance matrix. Rows that are
+        not whole super-blocks take K_QUANT_FALLBACK's format, rows that are not whole blocks of 32 bf16."""
         if dtype == "float32":
             return cls(dtype, np.ascontiguousarray(w, dtype=np.float32))
+        if dtype in K_QUANT_FALLBACK and w.shape[1] % QK_K:
+            dtype = K_QUANT_FALLBACK[dtype]
         if dtype == "bfloat16" or w.shape[1] % QK:
             return cls("bfloat16", to_bf16(w))  # rows that are not whole blocks stay bf16
         w = np.ascontiguousarray(w, dtype=np.float32)
         n, k = w.shape
+        if dtype in K_QUANT_DTYPES:
+            data = np.empty((n, row_bytes(dtype, k)), np.uint8)
+            quantize_k(CODE[dtype], w, data)
+            return cls(dtype, data)
+        if dtype in BLOCK_DTYPES:
+            # q4_1, q5_0, q5_1: the gguf package's, ggml's reference rounding (tests/test_kquant_quantize.py).
+            # Fast enough in numpy: 0.07-0.11 s per 5632 x 2048 matrix on one core, ~10 s for a 1B model,
+            # where its K-quants take ~80 s on two (their search is the cost)
+            return cls(dtype, gguf.quants.quantize(w, GGML_TYPE[dtype]))
         scales = np.empty((n, k // QK), np.uint16)
         if dtype == "q8_0":
             qs = np.empty((n, k), np.int8)
@@ -62,6 +84,8 @@ class WeightMatrix:
     @property
     def shape(self) -> tuple[int, int]:
         n, k = self.data.shape
+        if self.dtype in BLOCK_DTYPES:
+            return n, row_values(self.dtype, k)
         return (n, k * 2) if self.dtype == "q4_0" else (n, k)
 
     @property
@@ -173,7 +197,64 @@ class Bf16Matrix:
         return self.data.nbytes
 
 
-Matrix = WeightMatrix | Int8Matrix | Bf16Matrix  # a served matrix, packed for its activations or not
+@dataclass(frozen=True)
+class StackedMatrix:
+    """One matrix whose row blocks keep different formats, [sum of the parts' rows, in_features]: a GGUF
+    file's attn_q, attn_k and attn_v in Q4_K, Q4_K and Q6_K served as the fused qkv without requantizing
+    any of them. Its outputs are the parts' outputs side by side (models/linear.py)."""
+
+    parts: tuple["WeightMatrix | Int8Matrix | Bf16Matrix", ...]
+
+    def __post_init__(self):
+        if len(self.parts) < 2 or len({p.shape[1] for p in self.parts}) != 1:
+            raise ValueError("a StackedMatrix stacks two or more matrices of one in_features")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return sum(p.shape[0] for p in self.parts), self.parts[0].shape[1]
+
+    @property
+    def dtype(self) -> str:
+        return "+".join(dict.fromkeys(p.dtype for p in self.parts))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    def row_ranges(self) -> list[tuple[int, int]]:
+        """Each part's rows [start, stop) in the stacked matrix."""
+        bounds = np.cumsum([0] + [p.shape[0] for p in self.parts])
+        return [(int(a), int(b)) for a, b in pairwise(bounds)]
+
+
+Matrix = WeightMatrix | Int8Matrix | Bf16Matrix | StackedMatrix  # a served matrix, packed or not
+
+
+def map_parts(w: Matrix, f) -> Matrix:
+    """f applied to w, or to each part of a StackedMatrix (stacked again)."""
+    return StackedMatrix(tuple(f(p) for p in w.parts)) if isinstance(w, StackedMatrix) else f(w)
+
+
+def parts(w: Matrix) -> tuple:
+    """w's parts (a StackedMatrix's), or w alone."""
+    return w.parts if isinstance(w, StackedMatrix) else (w,)
+
+
+def stacked(parts: list[WeightMatrix]) -> Matrix:
+    """Row blocks as one matrix: consecutive blocks of one format concatenated, and a StackedMatrix of the
+    runs where formats differ."""
+    runs: list[list[WeightMatrix]] = []
+    for p in parts:
+        if runs and runs[-1][0].dtype == p.dtype:
+            runs[-1].append(p)
+        else:
+            runs.append([p])
+    joined = [run[0] if len(run) == 1 else WeightMatrix(
+        run[0].dtype, np.concatenate([p.data for p in run]),
+        None if run[0].scales is None else np.concatenate([p.scales for p in run])) for run in runs]
+    return joined[0] if len(joined) == 1 else StackedMatrix(tuple(joined))
+
+
 PROJECTIONS = ("qkv", "o", "gate_up", "down")  # a dense layer's matrices in forward order (plans, LoRA)
 EXPERT_PROJECTIONS = ("experts.gate_up", "experts.down")  # a MoE layer's in place of gate_up and down
 

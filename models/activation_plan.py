@@ -13,8 +13,8 @@
 A calibration file beside the model (models/calibration.py, written by `numaserve calibrate`) keeps the
 matrices it marks (int8 error above its bound) in float32, and holds static per-tensor activation scales.
 Dynamic per-block scales stay the default even with a file: they measured both more accurate and as fast
-(README, benchmarks/bench_calibration.py); `static_scales=True` uses the file's scales and falls back where
-their error exceeds the bound.
+(README, benchmarks/bench_calibration.py); `static_scales=True` (EngineConfig.activation_scales="static")
+uses the file's scales and falls back where their error exceeds the bound.
 Every choice and every fallback is recorded in the engine's decision log (a fallback also as a warning).
 """
 
@@ -23,9 +23,10 @@ from collections.abc import Callable, Iterator
 from dataclasses import replace
 
 from cluster_configs.diagnostics import DecisionLog
+from cluster_configs.errors import CheckpointError
 from kernels.cpu import missing_features
 from kernels.simd_bf16 import BF16_FEATURES
-from memory.weights import Bf16Matrix, Int8Matrix, Matrix, ModelWeights, WeightMatrix
+from memory.weights import Bf16Matrix, Int8Matrix, Matrix, ModelWeights, WeightMatrix, map_parts, parts
 from models.calibration import Calibration, MatrixCalibration, check_fits
 
 # vpmaddwd on 256-bit vectors, fp16 scale conversion (and VNNI where present)
@@ -57,7 +58,12 @@ def plan_activations(weights: ModelWeights, activation_dtype: str, decisions: De
     """-> weights with int8-activation matrices repacked (Int8Matrix); the rest unchanged. Records each
     matrix's activation dtype and, per layer type, the kernel and dtypes it runs with (record_kernels).
 
-    Raises CheckpointError if the calibration file was made for another model shape."""
+    Raises CheckpointError if the calibration file was made for another model shape, or static scales are
+    asked for without one."""
+    if static_scales and calibration is None:
+        raise CheckpointError("activation_scales='static' takes its scales from the model's calibration "
+                              "file, and there is none: run `numaserve calibrate MODEL` first, or use "
+                              "activation_scales='dynamic'")
     planned = _plan(weights, activation_dtype, decisions, calibration, static_scales)
     record_kernels(planned, decisions)
     return planned
@@ -67,14 +73,8 @@ def record_kernels(weights: ModelWeights, decisions: DecisionLog) -> None:
     """One "kernel" decision per layer type (qkv, o, gate_up, down, lm_head): the linear kernel, weight and
     activation dtypes its matrices run with, and in how many of the layers (models/linear.py)."""
     by_type: dict[str, Counter] = {}
-    for _, key, w in linear_matrices(weights):
-        if isinstance(w, Int8Matrix):
-            path = f"{'matmul_vnni' if w.vnni else 'matmul_int8'}: {w.dtype} weights x int8 activations"
-        elif isinstance(w, Bf16Matrix):
-            path = "matmul_bf16: bfloat16 weights x bfloat16 activations"
-        else:
-            path = f"matmul: {w.dtype} weights x float32 activations"
-        by_type.setdefault(key, Counter())[path] += 1
+    for _, key, matrix in linear_matrices(weights):
+        by_type.setdefault(key, Counter())[" | ".join(_kernel(w) for w in parts(matrix))] += 1
     for key, paths in by_type.items():
         total = sum(paths.values())
         (choice, num), *others = paths.most_common()
@@ -126,8 +126,11 @@ def _plan(weights: ModelWeights, activation_dtype: str, decisions: DecisionLog,
         return weights
     fallbacks = []
 
-    def choose(name: str, w: Matrix) -> Matrix:
+    def choose(name: str, w: Matrix) -> Matrix:  # a StackedMatrix part by part
         cal = calibration.matrices[name] if calibration is not None else None
+        return map_parts(w, lambda part: choose_part(name, part, cal))
+
+    def choose_part(name: str, w: Matrix, cal: MatrixCalibration | None) -> Matrix:
         chosen = w
         if not isinstance(w, WeightMatrix) or w.dtype not in ("q8_0", "q4_0"):
             choice, why = "float32", (f"{w.dtype} weights: int8 activations are used with q8_0 / q4_0 "
@@ -162,6 +165,15 @@ def _plan(weights: ModelWeights, activation_dtype: str, decisions: DecisionLog,
     return planned
 
 
+def _kernel(w: Matrix) -> str:
+    """The linear kernel a (part of a) matrix runs with, and its weight and activation dtypes."""
+    if isinstance(w, Int8Matrix):
+        return f"{'matmul_vnni' if w.vnni else 'matmul_int8'}: {w.dtype} weights x int8 activations"
+    if isinstance(w, Bf16Matrix):
+        return "matmul_bf16: bfloat16 weights x bfloat16 activations"
+    return f"matmul: {w.dtype} weights x float32 activations"
+
+
 def _falls_back(cal: MatrixCalibration, bound: float, static_scales: bool) -> bool:
     if not static_scales:
         return cal.fallback
@@ -176,6 +188,9 @@ def _calibration_unused(calibration: Calibration | None, decisions: DecisionLog,
 def _planned(weights: ModelWeights, decisions: DecisionLog, choose) -> ModelWeights:
     """weights with each matrix replaced by choose(w) -> (matrix, choice, why), every choice recorded."""
     def chosen(name: str, w: Matrix) -> Matrix:
+        return map_parts(w, lambda part: chosen_part(name, part))
+
+    def chosen_part(name: str, w: Matrix) -> Matrix:
         w, choice, why = choose(w)
         decisions.record("activation_dtype", choice, why, subject=name)
         return w

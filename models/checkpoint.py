@@ -9,7 +9,8 @@ from tqdm import tqdm
 
 from cluster_configs.errors import CheckpointError
 from memory.experts import ExpertWeights
-from memory.weights import LayerWeights, ModelWeights, WeightMatrix
+from memory.weights import LayerWeights, Matrix, ModelWeights, WeightMatrix, stacked
+from models.quant_mix import embedding_dtype, lm_head_dtype, matrix_dtype
 from models.safetensors_io import TensorEntry, read_header, read_tensor
 from models.spec import ModelSpec, load_spec
 
@@ -122,12 +123,6 @@ class TensorReader:
         self.progress.close()
 
 
-def lm_head_dtype(weight_dtype: str) -> str:
-    """The output projection decides every logit: q4_0 models keep it in q8_0 (as llama.cpp keeps it
-    in a higher precision); see the README for the measured perplexities."""
-    return "q8_0" if weight_dtype == "q4_0" else weight_dtype
-
-
 def load_weights(model_dir: str | Path, weight_dtype: str) -> tuple[ModelSpec, ModelWeights]:
     """-> (spec, weights): matrices as WeightMatrix in `weight_dtype`, quantized as they are read
     (q|k|v and gate|up fused),
@@ -138,42 +133,46 @@ def load_weights(model_dir: str | Path, weight_dtype: str) -> tuple[ModelSpec, M
     spec = load_spec(model_dir)
     read = TensorReader(model_dir, spec)
     mat = WeightMatrix.from_float
-    head_dtype = lm_head_dtype(weight_dtype)
-    embed = mat(read("model.embed_tokens.weight"), head_dtype if spec.tie_word_embeddings else weight_dtype)
+    embed = mat(read("model.embed_tokens.weight"), embedding_dtype(weight_dtype, spec.tie_word_embeddings))
     norm = read("model.norm.weight") + np.float32(spec.arch.norm_offset)
-    lm_head = embed if spec.tie_word_embeddings else mat(read("lm_head.weight"), head_dtype)
-    layers = tuple(load_layer(read, f"model.layers.{i}.", spec, weight_dtype, spec.is_moe(i))
+    lm_head = embed if spec.tie_word_embeddings else mat(read("lm_head.weight"), lm_head_dtype(weight_dtype))
+    layers = tuple(load_layer(read, f"model.layers.{i}.", spec, weight_dtype, spec.is_moe(i), i)
                    for i in range(spec.num_layers))
     read.close()
     return spec, ModelWeights(embed=embed, norm=norm, lm_head=lm_head, layers=layers)
 
 
-def load_layer(read, prefix: str, spec: ModelSpec, weight_dtype: str, moe: bool = False) -> LayerWeights:
-    """One decoder layer's weights from read(name) -> float32 tensor: q|k|v and gate|up fused, matrices in
-    weight_dtype, norms (as the forward applies them: Gemma's offset added) and biases float32; moe: its
-    MLP is experts (stacked, the router float32)."""
-    mat, p, arch = WeightMatrix.from_float, prefix, spec.arch
+def load_layer(read, prefix: str, spec: ModelSpec, weight_dtype: str, moe: bool = False,
+               index: int = 0) -> LayerWeights:
+    """Layer `index`'s weights from read(name) -> float32 tensor: q|k|v and gate|up fused, matrices in
+    weight_dtype (a mix's choice per matrix: models/quant_mix.py), norms (as the forward applies them:
+    Gemma's offset added) and biases float32; moe: its MLP is experts (stacked, the router float32)."""
+    p, arch = prefix, spec.arch
 
     def norm(name: str) -> np.ndarray:
         return read(p + name + ".weight") + np.float32(arch.norm_offset)
 
+    def mat(category: str, *names: str) -> Matrix:
+        """The tensors `names`, stacked by rows, in the format of their GGUF category."""
+        dtype = matrix_dtype(weight_dtype, category, index, spec.num_layers, spec.num_experts)
+        return WeightMatrix.from_float(np.concatenate([read(p + n + ".weight") for n in names]), dtype)
+
     if arch.fused_projections:
-        qkv = read(p + "self_attn.qkv_proj.weight")
+        qkv = mat("attn_qkv", "self_attn.qkv_proj")
     else:
-        qkv = np.concatenate([read(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
+        qkv = stacked([mat(f"attn_{n}", f"self_attn.{n}_proj") for n in "qkv"])
     qk_norms = {} if arch.qk_norm == "none" else {"q_norm": norm("self_attn.q_norm"),
                                                   "k_norm": norm("self_attn.k_norm")}
     gate_up = down = experts = None
     if moe:
-        experts = _load_experts(read, p, spec, weight_dtype)
+        experts = _load_experts(read, p, spec, weight_dtype, index)
     else:
-        gate_up = mat(read(p + "mlp.gate_up_proj.weight") if arch.fused_projections else
-                      np.concatenate([read(p + "mlp.gate_proj.weight"), read(p + "mlp.up_proj.weight")]),
-                      weight_dtype)
-        down = mat(read(p + "mlp.down_proj.weight"), weight_dtype)
+        gate_up = (mat("ffn_up", "mlp.gate_up_proj") if arch.fused_projections else
+                   mat("ffn_gate", "mlp.gate_proj", "mlp.up_proj"))
+        down = mat("ffn_down", "mlp.down_proj")
     return LayerWeights(
-        qkv=mat(qkv, weight_dtype),
-        o=mat(read(p + "self_attn.o_proj.weight"), weight_dtype),
+        qkv=qkv,
+        o=mat("attn_output", "self_attn.o_proj"),
         gate_up=gate_up,
         down=down,
         experts=experts,
@@ -184,11 +183,15 @@ def load_layer(read, prefix: str, spec: ModelSpec, weight_dtype: str, moe: bool 
     )
 
 
-def _load_experts(read, prefix: str, spec: ModelSpec, weight_dtype: str) -> ExpertWeights:
+def _load_experts(read, prefix: str, spec: ModelSpec, weight_dtype: str, index: int) -> ExpertWeights:
     """A MoE layer's router and experts, stacked: gate_up [E * 2I, hidden], down [E * hidden, I]."""
     router, names = _expert_names(spec, prefix)
     gate_up = np.concatenate([np.concatenate([read(gate), read(up)]) for gate, up, _ in names])
     downs = np.concatenate([read(down) for _, _, down in names])
-    return ExpertWeights(read(router), WeightMatrix.from_float(gate_up, weight_dtype),
-                         WeightMatrix.from_float(downs, weight_dtype), spec.num_experts,
+
+    def dtype(category: str) -> str:
+        return matrix_dtype(weight_dtype, category, index, spec.num_layers, spec.num_experts)
+
+    return ExpertWeights(read(router), WeightMatrix.from_float(gate_up, dtype("ffn_gate")),
+                         WeightMatrix.from_float(downs, dtype("ffn_down")), spec.num_experts,
                          spec.num_experts_per_tok, spec.normalize_routing, spec.moe_intermediate_size)

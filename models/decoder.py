@@ -12,7 +12,7 @@ from kernels.exp32 import softcap_inplace
 from kernels.norms import GATED_ACTIVATIONS, rms_norm, rms_norm_heads, rope_inplace
 from memory.experts import ExpertWeights
 from memory.kv_cache import KVCache
-from memory.weights import LayerWeights, Matrix, ModelWeights
+from memory.weights import LayerWeights, Matrix, ModelWeights, parts
 from models.batch import ForwardBatch
 from models.linear import embed, linear
 from models.lora_slots import add_lora
@@ -42,7 +42,8 @@ class DecoderModel:
 
     @property
     def weight_dtype(self) -> str:
-        return self.weights.layers[0].qkv.dtype
+        """The layers' format (a StackedMatrix's first part's: a mix's default format)."""
+        return parts(self.weights.layers[0].qkv)[0].dtype
 
     @property
     def weight_bytes(self) -> int:

@@ -13,18 +13,15 @@ from tqdm import tqdm
 
 from cluster_configs.errors import CheckpointError
 from memory.experts import ExpertWeights
-from memory.weights import LayerWeights, ModelWeights, WeightMatrix
-from models.checkpoint import lm_head_dtype
+from memory.weights import LayerWeights, Matrix, ModelWeights, StackedMatrix, WeightMatrix, stacked
 from models.gguf_families import FAMILIES, GGUFFamily, Layout, layer_layouts
-from models.gguf_format import AUTO, GT, ROPE_TENSORS
+from models.gguf_format import AUTO, GT, RAW_BLOCKS, ROPE_TENSORS
 from models.gguf_spec import spec_from_gguf
 from models.gguf_vocab import tokenizer_from_metadata
 from models.linear import dequantize
+from models.quant_mix import embedding_dtype, lm_head_dtype, matrix_dtype
 from models.spec import ModelSpec
 from models.tokenizer import Tokenizer
-
-_PRECISION = ("q4_0", "q8_0", "bfloat16", "float32")  # least to most precise
-
 
 # ---- reading ---------------------------------------------------------------------------------------------
 
@@ -67,13 +64,17 @@ def read_gguf(path: Path, copied: set[str] | None = None) -> tuple[dict, dict[st
 def _copy_tensor(path: Path, t) -> StoredTensor:
     kind = t.tensor_type
     if kind not in AUTO:
+        loaded = ", ".join(k.name for k in AUTO)
+        what = "an I-quant (IQ*)" if kind.name.startswith("IQ") else "a type"
         raise CheckpointError(
-            f"{path}: tensor {t.name!r} is {kind.name}, which numaserve does not load (it loads F32, F16, "
-            "BF16, Q8_0 and Q4_0); requantize with `llama-quantize --pure model-f16.gguf out.gguf Q8_0` "
-            "(or Q4_0), or load the F16 GGUF / Hugging Face directory with weight_dtype='q4_0'")
+            f"{path}: tensor {t.name!r} is {kind.name}, {what} numaserve does not load (it loads {loaded}); "
+            "requantize the F16 / BF16 GGUF with `llama-quantize model-f16.gguf out.gguf Q4_K_M` (or Q8_0, "
+            "Q6_K, Q5_K_M, Q4_0), or load the Hugging Face directory with weight_dtype='q4_k_m'")
     shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-    # F32, F16: [N, K]; BF16, Q8_0, Q4_0: uint8 [N, bytes per row]
+    # F32, F16: [N, K]; the others: uint8 [N, bytes per row]
     data = t.data.reshape(-1, t.data.shape[-1])
+    if kind in RAW_BLOCKS:
+        return StoredTensor(kind, shape, WeightMatrix(RAW_BLOCKS[kind], np.array(data, np.uint8)))
     if kind == GT.F16:
         return StoredTensor(kind, shape, np.array(data, np.float16))
     if kind == GT.F32:
@@ -116,29 +117,39 @@ def _vector(t: StoredTensor) -> np.ndarray:
     return np.ascontiguousarray(_to_float(t).reshape(-1))  # [N] f32
 
 
-def _served(parts: list[StoredTensor], weight_dtype: str, role_dtype: str,
-            rows: np.ndarray | None = None) -> WeightMatrix:
-    """Parts stacked by rows in one served format: the file's bytes when it already stores that format."""
-    if weight_dtype == "auto":
-        dtype = max((AUTO[p.ggml_type] for p in parts), key=_PRECISION.index)
-    else:
-        stored = {AUTO[p.ggml_type] if p.ggml_type != GT.F16 else "float16" for p in parts}
-        dtype = weight_dtype if stored == {weight_dtype} else role_dtype
-    mats = [p.value if isinstance(p.value, WeightMatrix) and p.value.dtype == dtype
-            else WeightMatrix.from_float(_to_float(p), dtype) for p in parts]
-    if len(mats) > 1:
-        scales = None if mats[0].scales is None else np.concatenate([m.scales for m in mats])
-        mats = [WeightMatrix(mats[0].dtype, np.concatenate([m.data for m in mats]), scales)]
-    return mats[0] if rows is None else take_rows(mats[0], rows)
+def _served(parts: list[StoredTensor], weight_dtype: str, wanted: list[str],
+            rows: np.ndarray | None = None) -> Matrix:
+    """Parts stacked by rows (parts in different formats make a StackedMatrix). weight_dtype "auto" keeps
+    each part's stored format (F16 as bfloat16); otherwise a part keeps the file's bytes where they are in
+    weight_dtype or in its wanted format, and is requantized to the wanted one where not."""
+    mats = []
+    for p, want in zip(parts, wanted):
+        stored = AUTO[p.ggml_type] if p.ggml_type != GT.F16 else "float16"
+        if weight_dtype == "auto":
+            dtype = AUTO[p.ggml_type]
+        else:
+            dtype = stored if stored in (weight_dtype, want) else want
+        keep = isinstance(p.value, WeightMatrix) and p.value.dtype == dtype
+        mats.append(p.value if keep else WeightMatrix.from_float(_to_float(p), dtype))
+    matrix = stacked(mats)
+    return matrix if rows is None else take_rows(matrix, rows)
 
 
-def take_rows(w: WeightMatrix, rows: np.ndarray) -> WeightMatrix:
+def take_rows(w: Matrix, rows: np.ndarray) -> Matrix:
+    """w's rows in the order `rows` (a StackedMatrix's may only be reordered within each part)."""
+    if isinstance(w, StackedMatrix):
+        for a, b in w.row_ranges():
+            if not np.array_equal(np.sort(rows[a:b]), np.arange(a, b)):
+                raise ValueError("rows of a StackedMatrix can only be reordered within its parts")
+        return StackedMatrix(tuple(take_rows(p, rows[a:b] - a) for p, (a, b) in zip(w.parts, w.row_ranges())))
     return WeightMatrix(w.dtype, w.data[rows], None if w.scales is None else w.scales[rows])
 
 
-def _field(path: Path, tensors: dict, prefix: str, layouts: tuple[Layout, ...], weight_dtype: str):
-    """A LayerWeights field from the first layout whose tensors the file has: matrices in a served format,
-    vectors float32, rows back in our order."""
+def _field(path: Path, tensors: dict, prefix: str, layouts: tuple[Layout, ...], weight_dtype: str,
+           spec: ModelSpec, index: int):
+    """A LayerWeights field of layer `index` from the first layout whose tensors the file has: matrices in a
+    served format (a mix's choice per tensor category: models/quant_mix.py), vectors float32, rows back in
+    our order."""
     layout = next((lay for lay in layouts if all(prefix + s.name in tensors for s in lay)), layouts[0])
     parts = [_pop(path, tensors, prefix + s.name, s.shape) for s in layout]
     order = None
@@ -148,7 +159,9 @@ def _field(path: Path, tensors: dict, prefix: str, layouts: tuple[Layout, ...], 
     if len(layout[0].shape) == 1:
         vector = np.concatenate([_vector(p) for p in parts])
         return vector if order is None else vector[order]
-    return _served(parts, weight_dtype, weight_dtype, order)
+    wanted = [matrix_dtype(weight_dtype, s.name.split(".")[0].removesuffix("_exps"), index, spec.num_layers,
+                           spec.num_experts) for s in layout]
+    return _served(parts, weight_dtype, wanted, order)
 
 
 def _weights(path: Path, spec: ModelSpec, family: str, tensors: dict, weight_dtype: str) -> ModelWeights:
@@ -157,12 +170,11 @@ def _weights(path: Path, spec: ModelSpec, family: str, tensors: dict, weight_dty
     def pop(name, shape):
         return _pop(path, tensors, name, shape)
 
-    head_dtype = lm_head_dtype(weight_dtype)
     embed = _served([pop("token_embd.weight", (spec.vocab_size, h))], weight_dtype,
-                    head_dtype if spec.tie_word_embeddings else weight_dtype)
+                    [embedding_dtype(weight_dtype, spec.tie_word_embeddings)])
     norm = _vector(pop("output_norm.weight", (h,)))
     lm_head = embed if spec.tie_word_embeddings else _served(
-        [pop("output.weight", (spec.vocab_size, h))], weight_dtype, head_dtype)
+        [pop("output.weight", (spec.vocab_size, h))], weight_dtype, [lm_head_dtype(weight_dtype)])
     layers = tuple(_layer(path, spec, FAMILIES[family], tensors, i, weight_dtype)
                    for i in tqdm(range(spec.num_layers), desc=f"loading {path.name}",
                                  disable=not sys.stderr.isatty(), leave=False))
@@ -181,7 +193,7 @@ def _layer(path: Path, spec: ModelSpec, family: GGUFFamily, tensors: dict, i: in
             fields[field] = np.ascontiguousarray(_to_float(_pop(path, tensors, f"blk.{i}.{slot.name}",
                                                                 slot.shape)))
         else:
-            fields[field] = _field(path, tensors, f"blk.{i}.", options, weight_dtype)
+            fields[field] = _field(path, tensors, f"blk.{i}.", options, weight_dtype, spec, i)
     if spec.is_moe(i):
         fields["experts"] = ExpertWeights(
             fields.pop("experts.router"), fields.pop("experts.gate_up"), fields.pop("experts.down"),

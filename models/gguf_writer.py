@@ -9,7 +9,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGML_QUANT_VERSION, GGMLQuantizationType, GGUFWriter
 
 from cluster_configs.errors import CheckpointError
-from memory.weights import Bf16Matrix, Int8Matrix, ModelWeights, WeightMatrix
+from memory.weights import Matrix, ModelWeights, StackedMatrix, WeightMatrix, parts
 from models.gguf_families import FAMILIES, GGUFFamily, layer_field, layer_layouts
 from models.gguf_format import FILE_TYPE, GGML_TYPE, GT
 from models.gguf_reader import take_rows
@@ -37,36 +37,63 @@ def _tensor_plan(spec: ModelSpec, weights: ModelWeights, family: GGUFFamily) -> 
     return plan
 
 
-def _tensor_info(t: WeightMatrix | np.ndarray, rows,
+def _tensor_info(t: Matrix | np.ndarray, rows,
                  shape: tuple[int, ...] | None = None) -> tuple[tuple[int, ...], GGMLQuantizationType, int]:
     """-> (shape in elements, GGUF type, bytes) without building the data."""
+    if not isinstance(t, np.ndarray):
+        t, rows = _part(t, rows)
     kind = GT.F32 if isinstance(t, np.ndarray) else GGML_TYPE[t.dtype]
     shape = shape or (t.shape if rows is None else (len(rows), *t.shape[1:]))
     block, size = GGML_QUANT_SIZES[kind]
     return shape, kind, math.prod(shape) // block * size
 
 
-def _tensor_data(t: WeightMatrix | np.ndarray, rows) -> np.ndarray:
-    """GGML's layout: F32 as is; BF16, Q8_0, Q4_0 as uint8 [N, bytes per row] of (fp16 d, qs) blocks."""
+def _part(t: Matrix, rows: np.ndarray | None) -> tuple[Matrix, np.ndarray | None]:
+    """The matrix that holds these rows (a StackedMatrix's part: a file tensor is one part) and the rows in
+    it."""
+    if not isinstance(t, StackedMatrix):
+        return t, rows
+    for part, (a, b) in zip(t.parts, t.row_ranges()):
+        if rows is not None and len(rows) and a <= rows.min() and rows.max() < b:
+            return part, rows - a
+    raise ValueError("a GGUF tensor must lie within one part of a StackedMatrix")
+
+
+def _tensor_data(t: Matrix | np.ndarray, rows) -> np.ndarray:
+    """GGML's layout: F32 as is; BF16, Q8_0, Q4_0 as uint8 [N, bytes per row] of (fp16 d, qs) blocks; the
+    K-quants and legacy types as their raw blocks."""
     if isinstance(t, np.ndarray):
         return np.ascontiguousarray(t if rows is None else t[rows], np.float32)
-    if isinstance(t, (Int8Matrix, Bf16Matrix)):
+    t, rows = _part(t, rows)
+    if not isinstance(t, WeightMatrix):  # packed for its activations
         t = t.unpack()
     w = t if rows is None else take_rows(t, rows)
+    if w.scales is None and w.dtype != "float32":  # bfloat16 bits or raw blocks
+        return np.ascontiguousarray(w.data).view(np.uint8)
     if w.dtype == "float32":
         return np.ascontiguousarray(w.data)
-    if w.dtype == "bfloat16":
-        return np.ascontiguousarray(w.data).view(np.uint8)
     n, num_blocks = w.scales.shape
     scales = np.ascontiguousarray(w.scales).view(np.uint8).reshape(n, num_blocks, 2)
     qs = np.ascontiguousarray(w.data).view(np.uint8).reshape(n, num_blocks, -1)  # [N, K // 32, 32 | 16]
     return np.concatenate([scales, qs], axis=2).reshape(n, -1)
 
 
+def _file_dtype(weights: ModelWeights) -> str:
+    """The llama.cpp file type's name: the layers' most common format by values; "q4_k_m" when Q4_K with
+    Q6_K (llama.cpp's Q4_K_M mix)."""
+    values: dict[str, int] = {}
+    for layer in weights.layers:
+        for key in layer.projections:
+            for p in parts(layer.projection(key)):
+                values[p.dtype] = values.get(p.dtype, 0) + p.shape[0] * p.shape[1]
+    dtype = max(values, key=values.get)
+    return "q4_k_m" if dtype == "q4_k" and "q6_k" in values else dtype
+
+
 def _add_model_metadata(writer: GGUFWriter, spec: ModelSpec, weights: ModelWeights, name: str,
                         family: GGUFFamily, plan: Plan, vocab: GGUFVocab) -> None:
     writer.add_name(name)
-    writer.add_file_type(FILE_TYPE[weights.layers[0].qkv.dtype])
+    writer.add_file_type(FILE_TYPE[_file_dtype(weights)])
     writer.add_quantization_version(GGML_QUANT_VERSION)
     shapes = {tensor_name: _tensor_info(t, rows, shape)[0] for tensor_name, t, rows, shape in plan}
     token_ids = {f"tokenizer.ggml.{kind}_token_id": token_id for kind, token_id in

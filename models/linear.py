@@ -12,17 +12,22 @@ size anyway."""
 import numpy as np
 
 from kernels.dequant import dequantize_rows
+from kernels.dequant_blocks import dequantize_block_rows
+from kernels.ggml_blocks import BLOCK_DTYPES, CODE
 from kernels.int8_layout import QK, quantize_activations
 from kernels.linear import gather_rows_bf16, matmul
 from kernels.linear_bf16 import matmul_bf16, round_activations
+from kernels.linear_blocks import matmul_blocks
 from kernels.linear_int8 import matmul_int8, matmul_vnni
-from memory.weights import Bf16Matrix, Int8Matrix, WeightMatrix
+from memory.weights import Bf16Matrix, Int8Matrix, Matrix, StackedMatrix, WeightMatrix
 
 _NO_SCALES = np.zeros((1, 1), np.uint16)
 
 
-def linear(x: np.ndarray, w: WeightMatrix | Int8Matrix | Bf16Matrix) -> np.ndarray:
+def linear(x: np.ndarray, w: Matrix) -> np.ndarray:
     # x: [T, K] f32 -> [T, N] f32
+    if isinstance(w, StackedMatrix):  # each part's outputs, side by side
+        return np.concatenate([linear(x, p) for p in w.parts], axis=1)
     T, N = x.shape[0], w.shape[0]
     out = np.empty((T, N), np.float32)
     if isinstance(w, Bf16Matrix):
@@ -35,6 +40,8 @@ def linear(x: np.ndarray, w: WeightMatrix | Int8Matrix | Bf16Matrix) -> np.ndarr
             matmul_vnni(xq, xd, xsum, w.data, w.scales, out, 4 if w.dtype == "q4_0" else 8)
         else:
             matmul_int8(xq, xd, xsum, w.data, w.scales, out)
+    elif w.dtype in BLOCK_DTYPES:  # dequantized by groups of rows into the float32 kernel: the same bits
+        matmul_blocks(np.ascontiguousarray(x), w.data, CODE[w.dtype], out)
     else:  # one kernel at every batch size: see the module docstring
         matmul(np.ascontiguousarray(x), w.data, _scales(w), out)
     return out
@@ -59,19 +66,29 @@ def embed(w: WeightMatrix, token_ids: np.ndarray) -> np.ndarray:
         gather_rows_bf16(w.data, token_ids, out)
     else:
         for t, token in enumerate(token_ids):
-            dequantize_rows(w.data, _scales(w), token, out[t:t + 1])
+            _dequantize_rows(w, token, out[t:t + 1])
     return out
 
 
-def dequantize(w: WeightMatrix | Int8Matrix | Bf16Matrix) -> np.ndarray:
-    """The whole matrix as float32 [N, K] (tests, export)."""
+def dequantize(w: Matrix) -> np.ndarray:
+    """The whole matrix as float32 [N, K] (tests, export, LoRA merges)."""
+    if isinstance(w, StackedMatrix):
+        return np.concatenate([dequantize(p) for p in w.parts])
     if isinstance(w, (Int8Matrix, Bf16Matrix)):
         w = w.unpack()
     if w.dtype == "float32":
         return w.data
     out = np.empty(w.shape, np.float32)
-    dequantize_rows(w.data, _scales(w), 0, out)
+    _dequantize_rows(w, 0, out)
     return out
+
+
+def _dequantize_rows(w: WeightMatrix, row_start: int, out: np.ndarray) -> None:
+    # rows row_start .. row_start + R of w -> out: [R, K] f32
+    if w.dtype in BLOCK_DTYPES:  # uint8 like q4_0's nibbles: told apart by the format's code
+        dequantize_block_rows(CODE[w.dtype], w.data, row_start, out)
+    else:
+        dequantize_rows(w.data, _scales(w), row_start, out)
 
 
 def _scales(w: WeightMatrix) -> np.ndarray:

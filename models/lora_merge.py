@@ -13,7 +13,15 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from memory.weights import PROJECTIONS, Bf16Matrix, Int8Matrix, LayerWeights, Matrix, WeightMatrix
+from memory.weights import (
+    PROJECTIONS,
+    Bf16Matrix,
+    Int8Matrix,
+    LayerWeights,
+    Matrix,
+    StackedMatrix,
+    WeightMatrix,
+)
 from models.linear import dequantize
 from models.lora import LoraAdapter
 from models.lora_config import module_shapes
@@ -90,8 +98,11 @@ class MergedRows:
     runs: tuple[tuple[int, int, MergedWeights], ...]
 
 
-def _reencoded(base: WeightMatrix | Int8Matrix | Bf16Matrix,
-               dense: np.ndarray) -> WeightMatrix | Int8Matrix | Bf16Matrix:
+def _reencoded(base: Matrix, dense: np.ndarray) -> Matrix:
+    """dense [N, K] f32 in base's format and layout (a StackedMatrix part by part)."""
+    if isinstance(base, StackedMatrix):
+        return StackedMatrix(tuple(_reencoded(p, dense[a:b])
+                                   for p, (a, b) in zip(base.parts, base.row_ranges())))
     if isinstance(base, (Int8Matrix, Bf16Matrix)):  # packed for its activations: the merged copy is too
         return base.repacked(WeightMatrix.from_float(dense, base.dtype))
     return WeightMatrix.from_float(dense, base.dtype)

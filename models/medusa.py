@@ -5,7 +5,7 @@ Head k: h_k = h + SiLU(W h + b) for each of its residual blocks, then its own vo
 Files beside the model: `medusa_heads.safetensors` with the Medusa repository's tensor names
 (`{k}.{j}.linear.weight` / `.bias` for block j, `{k}.{num_layers}.weight` for the projection) and
 `medusa_config.json` (`medusa_num_heads`, `medusa_num_layers`). The projections are stored like the
-target's LM head (models/checkpoint.py lm_head_dtype); the blocks stay float32 (hidden x hidden, small).
+target's LM head (models/quant_mix.py lm_head_dtype); the blocks stay float32 (hidden x hidden, small).
 """
 
 from dataclasses import dataclass
@@ -15,9 +15,9 @@ import numpy as np
 
 from cluster_configs.errors import CheckpointError
 from memory.weights import WeightMatrix
-from models.checkpoint import lm_head_dtype
 from models.head_config import read_head_config
 from models.linear import linear
+from models.quant_mix import lm_head_dtype
 from models.safetensors_io import read_header, read_tensor
 from models.spec import ModelSpec
 

@@ -55,7 +55,7 @@ class Engine:
         self.decisions.record("threading", **threading_decision())  # once set_num_threads started them
         self.spec, weights, self.tokenizer = load_model(model_path, config.weight_dtype)
         weights = plan_activations(weights, config.activation_dtype, self.decisions,
-                                   load_calibration(model_path))
+                                   load_calibration(model_path), config.activation_scales == "static")
         release_free_heap()  # the matrices plan_activations repacked
         s, bs = self.spec, config.block_size
         self.max_model_len = config.max_model_len or s.max_position_embeddings

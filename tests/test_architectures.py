@@ -19,8 +19,8 @@ from kernels.cpu import missing_features
 from kernels.simd_bf16 import BF16_FEATURES
 from memory.weights import WeightMatrix
 from models.activation_plan import INT8_FEATURES
-from models.checkpoint import lm_head_dtype
 from models.linear import dequantize
+from models.quant_mix import lm_head_dtype
 from models.spec import load_spec
 from scripts.head_modules import EagleHead
 from tests.conftest import random_prompt

@@ -13,6 +13,7 @@ from pydantic import ValidationError
 
 import numaserve as ns
 from cluster_configs.diagnostics import DecisionLog
+from cluster_configs.errors import CheckpointError
 from memory.weights import Int8Matrix
 from models.activation_plan import plan_activations
 from models.activation_ranges import RangeStats, kl_threshold, static_scale
@@ -363,3 +364,17 @@ def test_bad_options_are_typed_errors():
         CalibrationOptions(method="entropy")
     with pytest.raises(CalibrationError):
         calibrate(DEMO_DIR / "base", [""], "empty text")
+
+
+def test_engine_serves_static_scales_when_asked(fresh, calibration):
+    with pytest.raises(CheckpointError, match="numaserve calibrate"):  # static scales need the file
+        ns.LLM(fresh, weight_dtype="q8_0", activation_dtype="int8", activation_scales="static")
+    save_calibration(calibration, fresh)
+    llm = ns.LLM(fresh, weight_dtype="q8_0", activation_dtype="int8", activation_scales="static")
+    [used] = _decisions(llm, "calibration")
+    assert "static, used" in used["reason"]
+    scales = [w.activation_scale for w in _matrices(llm.engine.model.weights) if isinstance(w, Int8Matrix)]
+    assert scales and all(s > 0 for s in scales)
+    dynamic = ns.LLM(fresh, weight_dtype="q8_0", activation_dtype="int8")
+    tokens = list(range(3, 60))
+    assert not np.array_equal(llm.score(tokens), dynamic.score(tokens))

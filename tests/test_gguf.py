@@ -435,15 +435,15 @@ def test_model_without_tokenizer_exports_a_synthetic_vocabulary(llama_dir, tmp_p
 
 # ---- bad input -------------------------------------------------------------------------------------------
 
-def q4_k_junk(rows: int) -> tuple[np.ndarray, GT]:
-    return np.zeros((rows, 144), np.uint8), GT.Q4_K  # one 256-value Q4_K block per row
+def iq4_nl_junk(rows: int) -> tuple[np.ndarray, GT]:
+    return np.zeros((rows, 36), np.uint8), GT.IQ4_NL  # two 32-value IQ4_NL blocks per 64-value row
 
 
 BAD_FILES = {
     "architecture": ({"metadata": {"general.architecture": ("gpt2", GGUFValueType.STRING)}},
                      "general.architecture='gpt2'"),
-    "tensor_type": ({"extra": {"blk.0.attn_q.weight": q4_k_junk(96)}},
-                    "'blk.0.attn_q.weight' is Q4_K.*--pure"),
+    "tensor_type": ({"extra": {"blk.0.attn_q.weight": iq4_nl_junk(96)}},
+                    "'blk.0.attn_q.weight' is IQ4_NL, an I-quant .* Q4_K_M"),
     "missing_tensor": ({"drop": ["blk.1.ffn_down.weight"]}, "'blk.1.ffn_down.weight' is missing"),
     "missing_key": ({"drop": ["llama.block_count"]}, "'llama.block_count' is missing"),
     "wrong_shape": ({"metadata": {"llama.feed_forward_length": (128, GGUFValueType.UINT32)}},
