@@ -28,9 +28,9 @@ from dataclasses import dataclass
 from functools import cached_property
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-from gguf.quants import Q4_K
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 
+from kernels.ggml_blocks import Q4_1, Q4_K, Q5_0, Q5_1, Q5_K
 from kernels.int8_layout import GROUP, QK, QUADS, _packed_index, padded_k
 from kernels.simd_vnni import ROWS
 
@@ -43,7 +43,7 @@ QUAD_ORDER = np.argsort([_packed_index.py_func(i, QUADS) for i in range(GROUP)])
 
 @dataclass(frozen=True)
 class KQuantFormat:
-    qtype: int  # GGMLQuantizationType
+    qtype: int  # the GGML type id (kernels/ggml_blocks.py's CODE)
     bits: int  # 4 | 5
     has_min: bool
 
@@ -84,9 +84,9 @@ class KQuantFormat:
         return offsets | {"end": at}
 
 
-FORMATS = {f.qtype: f for f in (KQuantFormat(int(QT.Q4_K), 4, True), KQuantFormat(int(QT.Q5_K), 5, True),
-                                KQuantFormat(int(QT.Q4_1), 4, True), KQuantFormat(int(QT.Q5_0), 5, False),
-                                KQuantFormat(int(QT.Q5_1), 5, True))}
+FORMATS = {f.qtype: f for f in (KQuantFormat(Q4_K, 4, True), KQuantFormat(Q5_K, 5, True),
+                                KQuantFormat(Q4_1, 4, True), KQuantFormat(Q5_0, 5, False),
+                                KQuantFormat(Q5_1, 5, True))}
 
 
 def pack_kquant(raw: np.ndarray, qtype: int, k: int) -> np.ndarray:
@@ -161,7 +161,7 @@ def _parts(raw, f, k, kp):
     if f.bits == 5:
         parts["high"] = ((vectors >> 4) << np.arange(VECTORS, dtype=np.uint8)[:, None]).sum(2, dtype=np.uint8)
     if f.super_block:
-        sc, mn = Q4_K.get_scale_min(fields["scales"].reshape(-1, 12))
+        sc, mn = quants.Q4_K.get_scale_min(fields["scales"].reshape(-1, 12))
         return parts | {"scales": sc.reshape(n, num_groups, 8), "mins": mn.reshape(n, num_groups, 8),
                         "d": fields["d"], "dmin": fields["dmin"]}
     for name in ("d", "m") if f.has_min else ("d",):  # padding blocks: scale 0
@@ -205,7 +205,7 @@ def _raw(parts, f, k):
 @dataclass(frozen=True)
 class KQuantMatrix:
     """A Q4_K / Q5_K / Q4_1 / Q5_0 / Q5_1 matrix [N, K] packed for kernels/linear_kquant.py: data uint8
-    [N4, Kp // 256 * tile_bytes // 4] (see above); qtype a GGMLQuantizationType value."""
+    [N4, Kp // 256 * tile_bytes // 4] (see above); qtype the GGML type id (ggml_blocks.CODE[dtype])."""
 
     qtype: int
     data: np.ndarray

@@ -3,9 +3,9 @@ packed by kernels/kquant_layout.py, through the VNNI register block of kernels/s
 
 The drivers are matmul_vnni's and matmul_vnni_experts' (kernels/linear_int8.py): a task owns a block of 4
 output rows and walks a chunk of tokens 4 at a time (then 2, then 1) while the chunk of x stays in L2.
-qtype (a GGMLQuantizationType value) picks the format's code per task, as matmul_vnni's bits: one compiled
-function serves all five. (numba.literally(qtype), one compilation per format, cost 8 ms a call: numba
-retypes the call through an exception every time.)
+qtype (the GGML type id, kernels/ggml_blocks.py's CODE) picks the format's code per task, as matmul_vnni's
+bits: one compiled function serves all five. (numba.literally(qtype), one compilation per format, cost
+8 ms a call: numba retypes the call through an exception every time.)
 
 Measured on 2 Zen 4 cores shared with other jobs (A/B alternating in one process, medians; the spread is
 between runs), 5632 x 2048, ms: in cache, 1 token q4_0 (matmul_vnni) 0.15-0.21 (25th percentiles
@@ -17,15 +17,13 @@ stream at least q4_0's bytes per second (q4_0 8.8-13.9 GB/s, Q4_K 9.5-15.9, Q5_K
 machine's load set the level).
 """
 
-from gguf import GGMLQuantizationType as QT
 from numba import njit, prange, types
 from numba.extending import overload
 
+from kernels.ggml_blocks import Q4_1, Q4_K, Q5_0, Q5_1, Q5_K
 from kernels.linear_int8 import EXPERT_TASK_BLOCKS, X_CHUNK_BYTES
 from kernels.simd_kquant import kquant_block
 from kernels.simd_vnni import ROWS
-
-Q4_K, Q5_K, Q4_1, Q5_0, Q5_1 = int(QT.Q4_K), int(QT.Q5_K), int(QT.Q4_1), int(QT.Q5_0), int(QT.Q5_1)
 
 
 @njit(cache=True, nogil=True, parallel=True)

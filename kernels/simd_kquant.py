@@ -87,8 +87,8 @@ def kquant_block(typingctx, xq, xd, xsum, data, out, t0, n0, qtype, tokens):
     """out[t0:t0+tokens, n0:n0+4] = the int8 dot products of quantized x with 4 packed W rows (those < N).
 
     xq: [T, Kp] int8 (quad order), xd/xsum: [T, Kp // 32] f32/int32, data: uint8 [N4, ...] packed by
-    kquant_layout.pack_kquant, out: [T, N] f32; n0 % 4 == 0; qtype (a GGMLQuantizationType value in
-    kquant_layout.FORMATS), tokens: literals.
+    kquant_layout.pack_kquant, out: [T, N] f32; n0 % 4 == 0; qtype (a GGML type id in kquant_layout.FORMATS),
+    tokens: literals.
     """
     if not operands_fit((xq, xd, xsum, data, out),
                         (types.int8, types.float32, types.int32, types.uint8, types.float32)):

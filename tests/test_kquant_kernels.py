@@ -10,10 +10,12 @@ from gguf.quants import dequantize
 
 from kernels import kquant_layout
 from kernels.cpu import missing_features
+from kernels.ggml_blocks import CODE
 from kernels.int8_layout import padded_k, quantize_activations
 from kernels.kquant_layout import KQuantMatrix
 from kernels.linear_kquant import matmul_kquant, matmul_kquant_experts
 from kernels.simd_vnni import VNNI_FEATURES
+from memory.weights import WeightMatrix
 
 FORMATS = (QT.Q4_K, QT.Q5_K, QT.Q4_1, QT.Q5_0, QT.Q5_1)
 requires_vnni = pytest.mark.skipif(bool(missing_features(VNNI_FEATURES)), reason="this CPU lacks AVX512-VNNI")
@@ -77,6 +79,19 @@ def test_matmul_equals_dequantized_reference(qtype, case):
     x[0, 32:64] = 0.0  # an all-zero activation block: scale 0
     ref, magnitude = reference(raw, qtype, x)
     got = run(KQuantMatrix.pack(raw, qtype, k), x)
+    assert np.all(np.abs(got - ref) <= 1e-5 * magnitude)
+
+
+@requires_vnni
+@pytest.mark.parametrize("dtype", ["q4_k", "q5_k", "q4_1", "q5_0", "q5_1"])
+def test_matmul_of_weights_quantized_by_from_float(dtype):
+    # the blocks llama.cpp's quantizers write (positive d, dmin; signed m), not random bytes
+    rng = np.random.default_rng(5)
+    w = WeightMatrix.from_float(rng.standard_normal((13, 768)).astype(np.float32) * 0.02, dtype)
+    assert w.dtype == dtype
+    x = rng.standard_normal((6, 768)).astype(np.float32)
+    ref, magnitude = reference(w.data, QT(CODE[dtype]), x)
+    got = run(KQuantMatrix.pack(w.data, CODE[dtype], 768), x)
     assert np.all(np.abs(got - ref) <= 1e-5 * magnitude)
 
 
