@@ -18,7 +18,7 @@ from kernels.simd_u8s8 import u8s8_block
 from kernels.simd_vnni import ROWS as VNNI_ROWS
 from kernels.simd_vnni import vnni_block
 
-_X_CHUNK_BYTES = 1 << 19  # tokens of x per pass over the weights: half of a core's L2
+X_CHUNK_BYTES = 1 << 19  # tokens of x per pass over the weights: half of a core's L2
 # matmul_vnni_experts' blocks of 4 rows per task: one block a task cost 6-8% more at 1 token (Qwen3-MoE's
 # experts, 8 of 64 routed, 2 Zen 4 cores: gate_up 0.85 against 0.80 ms, down 0.49 against 0.45; 32 blocks
 # 0.91 / 0.43)
@@ -30,7 +30,7 @@ def matmul_int8(xq, xd, xsum, data, scales, out):
     # xq: [T, Kp] int16 (q8_0) | int8 (q4_0), xd/xsum: [T, Kp // 32], data/scales: one packed weight,
     # out: [T, N] f32
     T, Kp = xq.shape
-    chunk = max(4, _X_CHUNK_BYTES // (xq.itemsize * Kp) // 4 * 4)
+    chunk = max(4, X_CHUNK_BYTES // (xq.itemsize * Kp) // 4 * 4)
     for c0 in range(0, T, chunk):
         c1 = min(T, c0 + chunk)
         for n in prange(out.shape[1]):
@@ -80,7 +80,7 @@ def matmul_vnni(xq, xd, xsum, data, scales, out, bits):
     # 190-300 for the AVX2 kernel; 44 matrices of 11264 x 2048 (1 GB) from memory, 1 / 4 / 8 / 16 tokens
     # in 35 / 32 / 32 / 56 ms (memory-bound up to 8 tokens).
     T, Kp = xq.shape
-    chunk = max(4, _X_CHUNK_BYTES // Kp // 4 * 4)
+    chunk = max(4, X_CHUNK_BYTES // Kp // 4 * 4)
     for c0 in range(0, T, chunk):
         c1 = min(T, c0 + chunk)
         for task in prange(data.shape[0] // VNNI_ROWS):

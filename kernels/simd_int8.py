@@ -70,13 +70,15 @@ def operands_fit(arrays, dtypes) -> bool:
                for a, d in zip(arrays, dtypes))
 
 
-def block_operands(context, builder, signature, args):
-    """A block intrinsic's (xq, xd, xsum, data, scales, out) arrays, t0 and n0 as int64, Kp and N."""
+def block_operands(context, builder, signature, args, num_arrays=6):
+    """A block intrinsic's arrays (xq, xd, xsum, the weight's arrays, out: its first num_arrays arguments),
+    t0 and n0 (the next two) as int64, Kp (xq's columns) and N (out's)."""
     arrays = [context.make_array(ty)(context, builder, value)
-              for ty, value in zip(signature.args[:6], args[:6])]
-    t0, n0 = (context.cast(builder, args[i], signature.args[i], types.int64) for i in (6, 7))
+              for ty, value in zip(signature.args[:num_arrays], args[:num_arrays])]
+    t0, n0 = (context.cast(builder, args[i], signature.args[i], types.int64)
+              for i in (num_arrays, num_arrays + 1))
     Kp = cgutils.unpack_tuple(builder, arrays[0].shape, 2)[1]
-    N = cgutils.unpack_tuple(builder, arrays[5].shape, 2)[1]
+    N = cgutils.unpack_tuple(builder, arrays[-1].shape, 2)[1]
     return arrays, t0, n0, Kp, N
 
 

@@ -54,6 +54,35 @@ PREFETCH_BYTES = 32768
 PREFETCH_LOCALITY = 2
 
 
+def dpbusd_function(module):
+    """vpdpbusd on 256-bit vectors: acc + per int32 lane the sum of 4 products of unsigned bytes (the first
+    operand) with signed bytes (the second), the byte operands typed <8 x i32>, the form every LLVM since
+    VNNI's introduction accepts."""
+    return cgutils.get_or_insert_function(module, ir.FunctionType(V8I, [V8I] * 3),
+                                          "llvm.x86.avx512.vpdpbusd.256")
+
+
+def prefetch_ahead(builder, data, position, num_bytes):
+    """Ask for num_bytes of the byte array `data` from position + PREFETCH_BYTES, into L2 (a hint: it never
+    faults, even past the array)."""
+    i8_ptr = I8.as_pointer()
+    prefetch = cgutils.get_or_insert_function(builder.module,
+                                              ir.FunctionType(ir.VoidType(), [i8_ptr, I32, I32, I32]),
+                                              "llvm.prefetch.p0")
+    for line in range(0, num_bytes, 64):
+        ptr = builder.gep(data, [builder.add(position, const64(PREFETCH_BYTES + line))])
+        builder.call(prefetch, [builder.bitcast(ptr, i8_ptr), ir.Constant(I32, 0),
+                                ir.Constant(I32, PREFETCH_LOCALITY), ir.Constant(I32, 1)])
+
+
+def nibble_vector(builder, chunk, j):
+    """Vector j of a group from its 32-byte chunk j // 2 (q4_0's nibble layout): the low nibbles for even j,
+    the high ones for odd j."""
+    low = ir.Constant(V32I8, [15] * 32)
+    if j % 2 == 0:
+        return builder.and_(chunk, low)
+    return builder.and_(builder.lshr(chunk, ir.Constant(V32I8, [4] * 32)), low)
+
 
 @intrinsic(prefer_literal=True)
 def vnni_block(typingctx, xq, xd, xsum, data, scales, out, t0, n0, bits, tokens):
@@ -79,15 +108,8 @@ def vnni_block(typingctx, xq, xd, xsum, data, scales, out, t0, n0, bits, tokens)
         num_blocks = builder.udiv(Kp, const64(32))
         num_groups = builder.udiv(Kp, const64(GROUP))
         module = builder.module
-        # the byte operands typed <8 x i32>, the form every LLVM since VNNI's introduction accepts
-        dpbusd = cgutils.get_or_insert_function(module, ir.FunctionType(V8I, [V8I] * 3),
-                                                "llvm.x86.avx512.vpdpbusd.256")
+        dpbusd = dpbusd_function(module)
         fma = cgutils.get_or_insert_function(module, ir.FunctionType(V8F, [V8F] * 3), "llvm.fma.v8f32")
-        i8_ptr = I8.as_pointer()
-        prefetch = cgutils.get_or_insert_function(module,
-                                                  ir.FunctionType(ir.VoidType(), [i8_ptr, I32, I32, I32]),
-                                                  "llvm.prefetch.p0")
-        low, four = ir.Constant(V32I8, [15] * 32), ir.Constant(V32I8, [4] * 32)
         minus_offset = ir.Constant(V8I, [-offset] * 8)
         token_rows = [builder.add(t0_, const64(t)) for t in range(TB)]
         weight_rows = [builder.add(n0_, const64(r)) for r in range(ROWS)]
@@ -100,10 +122,7 @@ def vnni_block(typingctx, xq, xd, xsum, data, scales, out, t0, n0, bits, tokens)
             x_base = [builder.add(builder.mul(row, Kp), builder.mul(g, const64(GROUP))) for row in token_rows]
             # this group's 4 rows
             stream = builder.mul(builder.add(block_base, g), const64(ROWS * group_bytes))
-            for line in range(0, ROWS * group_bytes, 64):  # a hint: never faults, even past the array
-                ptr = builder.gep(wa.data, [builder.add(stream, const64(PREFETCH_BYTES + line))])
-                builder.call(prefetch, [builder.bitcast(ptr, i8_ptr), ir.Constant(I32, 0),
-                                        ir.Constant(I32, PREFETCH_LOCALITY), ir.Constant(I32, 1)])
+            prefetch_ahead(builder, wa.data, stream, ROWS * group_bytes)
             w_base = [builder.add(stream, const64(r * group_bytes)) for r in range(ROWS)]
             dx = [load_vec(builder, da.data, builder.add(builder.mul(row, num_blocks), blk0), V8F)
                   for row in token_rows]
@@ -121,8 +140,7 @@ def vnni_block(typingctx, xq, xd, xsum, data, scales, out, t0, n0, bits, tokens)
                         if j % 2 == 0:
                             packed[r] = load_vec(builder, wa.data, builder.add(w_base[r], const64(16 * j)),
                                                  V32I8)
-                        v = builder.and_(packed[r], low) if j % 2 == 0 else builder.and_(
-                            builder.lshr(packed[r], four), low)
+                        v = nibble_vector(builder, packed[r], j)
                     else:
                         v = load_vec(builder, wa.data, builder.add(w_base[r], const64(32 * j)), V32I8)
                     weights.append(builder.bitcast(v, V8I))
