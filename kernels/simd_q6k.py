@@ -7,12 +7,20 @@ f + 4] (the signed side) leave block b's first 16-value sub-block's sum in lane 
 lane 8 + b. The accumulator starts at the token's offsets (-32 x the sub-block sums of x), so it ends at
 the sums of x (q - 32). One vpmulld by the row's 16 int8 scales (laid out in those lanes) and one add of the
 two halves give block b's exact int32 dot product: |sub-block sum| <= 16 x 32 x 127, x 128, twice, is
-below 2**24, so the convert that follows is exact too. Then, as every int8 kernel (kernels/simd_int8.py
+below 2**24, so the convert that follows is exact too. Then, as in every int8 kernel (kernels/simd_int8.py
 fold_group), one fused multiply-add by (d x activation scale) per lane moves a group into a float32
-accumulator, in group order: a token's outputs are the same bits whatever the other tokens of its block.
+accumulator, in group order, and the 8 lanes are summed at the end in one order: a token's outputs are the
+same bits whatever its batch and its place in it.
 
-The offsets come from memory (kernels/q6k_layout.py subblock_offsets, once per call) rather than from 4
-vpdpbusd against a constant per token and group, which cost a fifth of the block's time at 32 tokens.
+Measured choices (2 Zen 4 cores shared with other work, 5632 x 2048, medians of alternated runs):
+  the offsets come from memory (kernels/q6k_layout.py subblock_offsets, once per call): 4 vpdpbusd against
+      a constant per token and group instead cost a fifth of the block's time at 32 tokens;
+  two rows' block sums share one 512-bit float32 accumulator (the halves' add is then a two-source
+      shuffle), 16 -> 8 float registers at 4 tokens: 10-15% faster at 8 tokens than one 256-bit
+      accumulator per (row, token);
+  4 rows x 4 tokens beats 4 x 2 and 4 x 3 at 8 tokens and ties at 32 (its 16 + 8 accumulators still spill
+      a few registers; 4 x 2 does not but decodes each row's values for 2 tokens only); splitting the
+      4-row block into 2 x 4 was no faster in a draft.
 Weights stream as in kernels/simd_vnni.py: one sequential stream per task (a block's 4 rows interleaved by
 group), prefetched PREFETCH_BYTES ahead into L2, and d's small stream alongside. Rows past the matrix's last
 (padding of the last block) are computed, not stored.
@@ -28,26 +36,24 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from kernels.q6k_layout import BLOCK_BYTES, ROWS, SCALES, VALUES
-from kernels.simd_int8 import (
-    GROUP,
-    I8,
-    I32,
-    V8F,
-    block_operands,
-    const64,
-    fold_group,
-    load_vec,
-    operands_fit,
-    store_block,
-)
+from kernels.simd_int8 import GROUP, I8, I32, block_operands, const64, hsum8, load_vec, operands_fit
 from kernels.simd_vnni import PREFETCH_BYTES, PREFETCH_LOCALITY
 
 I16 = ir.IntType(16)
 V32I8, V64I8, V32I16 = ir.VectorType(I8, 32), ir.VectorType(I8, 64), ir.VectorType(I16, 32)
 V16I8, V16I = ir.VectorType(I8, 16), ir.VectorType(I32, 16)
-V4H, V4F = ir.VectorType(ir.HalfType(), 4), ir.VectorType(ir.FloatType(), 4)
+F32 = ir.FloatType()
+V4H, V4F, V8F = ir.VectorType(ir.HalfType(), 4), ir.VectorType(F32, 4), ir.VectorType(F32, 8)
+V16F = ir.VectorType(F32, 16)
 Q6K_FEATURES = ("avx512vnni", "avx512bw", "f16c")
 _D_PREFETCH = PREFETCH_BYTES * ROWS * 2 // BLOCK_BYTES  # d's bytes as far ahead as the values' stream
+
+
+def _lanes(indices):
+    return ir.Constant(ir.VectorType(I32, len(indices)), list(indices))
+
+
+FIRST_HALVES, SECOND_HALVES = _lanes([*range(8), *range(16, 24)]), _lanes([*range(8, 16), *range(24, 32)])
 
 
 def _bytes(value):
@@ -68,16 +74,28 @@ def _decode(builder, a, b, c):
     return [builder.bitcast(builder.and_(v, six), V16I) for v in (a, b, c)] + [builder.bitcast(top, V16I)]
 
 
-def _load64(builder, base, at, offset):
-    return load_vec(builder, base, builder.add(at, const64(offset)), V64I8)
+def _row_weights(builder, data, stream, r):
+    """Row r's group in the block's stream -> (its 4 pairs of values, its scales as int32 lanes)."""
+    a, b, c = (load_vec(builder, data, builder.add(stream, const64(VALUES + 192 * r + 64 * v)), V64I8)
+               for v in range(3))
+    scales = load_vec(builder, data, builder.add(stream, const64(SCALES + 16 * r)), V16I8)
+    return _decode(builder, a, b, c), builder.sext(scales, V16I)
 
 
 def _x_pairs(builder, xq, at):
     """A token's group of activations at xq[at] -> its 4 pairs [vector f | vector f + 4]."""
-    concat = ir.Constant(ir.VectorType(I32, 64), list(range(64)))
     vectors = [load_vec(builder, xq, builder.add(at, const64(32 * j)), V32I8) for j in range(8)]
-    return [builder.bitcast(builder.shuffle_vector(vectors[f], vectors[f + 4], concat), V16I)
+    return [builder.bitcast(builder.shuffle_vector(vectors[f], vectors[f + 4], _lanes(range(64))), V16I)
             for f in range(4)]
+
+
+def _fold_rows(builder, fma, sums, scales, scale, acc):
+    """acc (row pair p, token t: the rows' block lanes side by side) += float(two rows' exact block sums) x
+    scale; sums: the rows' half sums [first | second], scales: their int8 scales in those lanes."""
+    a, b = (builder.mul(s, c) for s, c in zip(sums, scales))
+    blocks = builder.add(builder.shuffle_vector(a, b, FIRST_HALVES),
+                         builder.shuffle_vector(a, b, SECOND_HALVES))
+    builder.store(builder.call(fma, [builder.sitofp(blocks, V16F), scale, builder.load(acc)]), acc)
 
 
 @intrinsic(prefer_literal=True)
@@ -102,7 +120,7 @@ def q6k_block(typingctx, xq, xd, offsets, data, d, out, t0, n0, tokens):
         module = builder.module
         dpbusd = cgutils.get_or_insert_function(module, ir.FunctionType(V16I, [V16I] * 3),
                                                 "llvm.x86.avx512.vpdpbusd.512")
-        fma = cgutils.get_or_insert_function(module, ir.FunctionType(V8F, [V8F] * 3), "llvm.fma.v8f32")
+        fma = cgutils.get_or_insert_function(module, ir.FunctionType(V16F, [V16F] * 3), "llvm.fma.v16f32")
         i8_ptr = I8.as_pointer()
         prefetch = cgutils.get_or_insert_function(module,
                                                   ir.FunctionType(ir.VoidType(), [i8_ptr, I32, I32, I32]),
@@ -114,47 +132,48 @@ def q6k_block(typingctx, xq, xd, offsets, data, d, out, t0, n0, tokens):
                                     ir.Constant(I32, 1)])
 
         token_rows = [builder.add(t0_, const64(t)) for t in range(TB)]
-        weight_rows = [builder.add(n0_, const64(r)) for r in range(ROWS)]
         block_base = builder.mul(builder.udiv(n0_, const64(ROWS)), num_groups)  # the block's first group
         x_at = [builder.mul(row, Kp) for row in token_rows]
+        xd_at = [builder.mul(row, num_blocks) for row in token_rows]
         offsets_at = [builder.mul(row, builder.mul(num_groups, const64(16))) for row in token_rows]
-        halves = [ir.Constant(ir.VectorType(I32, 8), list(range(h, h + 8))) for h in (0, 8)]
-        accs = [[cgutils.alloca_once_value(builder, ir.Constant(V8F, None)) for _ in range(TB)]
-                for _ in range(ROWS)]
+        accs = [[cgutils.alloca_once_value(builder, ir.Constant(V16F, None)) for _ in range(TB)]
+                for _ in range(ROWS // 2)]
         with cgutils.for_range(builder, num_groups) as loop:
             g = loop.index
-            blk0 = builder.mul(g, const64(8))
             stream = builder.mul(builder.add(block_base, g), const64(BLOCK_BYTES))  # this group of the 4 rows
             for line in range(0, BLOCK_BYTES, 64):
                 prefetch_l2(wa.data, builder.add(stream, const64(PREFETCH_BYTES + line)))
             d_at = builder.mul(builder.add(block_base, g), const64(ROWS))
             prefetch_l2(ca.data, builder.add(d_at, const64(_D_PREFETCH)))
             d4 = builder.fpext(load_vec(builder, ca.data, d_at, V4H), V4F)
-            dw = [builder.shuffle_vector(d4, d4, ir.Constant(ir.VectorType(I32, 8), [r] * 8))
-                  for r in range(ROWS)]
-            dx = [load_vec(builder, da.data, builder.add(builder.mul(row, num_blocks), blk0), V8F)
-                  for row in token_rows]
+            dw = [builder.shuffle_vector(d4, d4, _lanes([2 * p] * 8 + [2 * p + 1] * 8))
+                  for p in range(ROWS // 2)]
+            dx = [load_vec(builder, da.data, builder.add(at, builder.mul(g, const64(8))), V8F)
+                  for at in xd_at]
+            dx = [builder.shuffle_vector(v, v, _lanes([*range(8)] * 2)) for v in dx]  # both rows of a pair
             init = [load_vec(builder, oa_.data, builder.add(at, builder.mul(g, const64(16))), V16I)
                     for at in offsets_at]
             pairs = [_x_pairs(builder, xa.data, builder.add(at, builder.mul(g, const64(GROUP))))
                      for at in x_at]
-            weights = [_decode(builder, *(_load64(builder, wa.data, stream, VALUES + 192 * r + 64 * v)
-                                          for v in range(3))) for r in range(ROWS)]
-            scales = [builder.sext(load_vec(builder, wa.data, builder.add(stream, const64(SCALES + 16 * r)),
-                                            V16I8), V16I) for r in range(ROWS)]
-            sums = []
-            for r in range(ROWS):
-                row = []
+            weights, scales = zip(*(_row_weights(builder, wa.data, stream, r) for r in range(ROWS)))
+            sums = [list(init) for _ in range(ROWS)]
+            for f in range(4):
                 for t in range(TB):
-                    acc = init[t]
-                    for f in range(4):
-                        acc = builder.call(dpbusd, [acc, weights[r][f], pairs[t][f]])
-                    scaled = builder.mul(acc, scales[r])
-                    row.append(builder.add(builder.shuffle_vector(scaled, scaled, halves[0]),
-                                           builder.shuffle_vector(scaled, scaled, halves[1])))
-                sums.append(row)
-            fold_group(builder, fma, sums, dw, dx, accs)
-        store_block(builder, oa.data, accs, token_rows, weight_rows, N)
+                    for r in range(ROWS):
+                        sums[r][t] = builder.call(dpbusd, [sums[r][t], weights[r][f], pairs[t][f]])
+            for p in range(ROWS // 2):
+                rows = (2 * p, 2 * p + 1)
+                for t in range(TB):
+                    _fold_rows(builder, fma, [sums[r][t] for r in rows], [scales[r] for r in rows],
+                               builder.fmul(dw[p], dx[t]), accs[p][t])
+        for p in range(ROWS // 2):
+            for h in range(2):  # the pair's rows: lanes 0-7, 8-15
+                row = builder.add(n0_, const64(2 * p + h))
+                with builder.if_then(builder.icmp_signed("<", row, N), likely=True):
+                    for t, token in enumerate(token_rows):
+                        v = builder.load(accs[p][t])
+                        total = hsum8(builder, builder.shuffle_vector(v, v, _lanes(range(8 * h, 8 * h + 8))))
+                        builder.store(total, builder.gep(oa.data, [builder.add(builder.mul(token, N), row)]))
         return context.get_dummy_value()
 
     return types.none(xq, xd, offsets, data, d, out, t0, n0, tokens), codegen
