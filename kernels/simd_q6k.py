@@ -5,25 +5,29 @@ Per group of 256 values (kernels/q6k_layout.py), each (row, token) keeps one 512
 vpdpbusd of the 6-bit values (0..63, the unsigned side) by pairs of activation vectors [vector f | vector
 f + 4] (the signed side) leave block b's first 16-value sub-block's sum in lane b and its second one's in
 lane 8 + b. The accumulator starts at the token's offsets (-32 x the sub-block sums of x), so it ends at
-the sums of x (q - 32). One vpmulld by the row's 16 int8 scales (laid out in those lanes) and one add of the
-two halves give block b's exact int32 dot product: |sub-block sum| <= 16 x 32 x 127, x 128, twice, is
-below 2**24, so the convert that follows is exact too. Then, as in every int8 kernel (kernels/simd_int8.py
-fold_group), one fused multiply-add by (d x activation scale) per lane moves a group into a float32
-accumulator, in group order, and the 8 lanes are summed at the end in one order: a token's outputs are the
-same bits whatever its batch and its place in it.
+the sums of x (q - 32), exact. Those half sums, converted, times the row's 16 scales (laid out in those lanes)
+and the two halves added give block b's exact dot product as a float32 (_fold_rows: no step rounds). Then, as
+in every int8 kernel (kernels/simd_int8.py fold_group), one fused multiply-add by (d x activation scale) per
+lane moves a group into a float32 accumulator, in group order, and the 8 lanes are summed at the end in one
+order: a token's outputs are the same bits whatever its batch and its place in it.
 
 Measured choices (2 Zen 4 cores shared with other work, 5632 x 2048, medians of alternated runs):
   the offsets come from memory (kernels/q6k_layout.py subblock_offsets, once per call): 4 vpdpbusd against
       a constant per token and group instead cost a fifth of the block's time at 32 tokens;
   two rows' block sums share one 512-bit float32 accumulator (the halves' add is then a two-source
-      shuffle), 16 -> 8 float registers at 4 tokens: 10-15% faster at 8 tokens than one 256-bit
+      shuffle), 16 -> 8 float registers at 4 tokens: 11-13% faster at 8 tokens than one 256-bit
       accumulator per (row, token);
-  4 rows x 4 tokens beats 4 x 2 and 4 x 3 at 8 tokens and ties at 32 (its 16 + 8 accumulators still spill
-      a few registers; 4 x 2 does not but decodes each row's values for 2 tokens only); splitting the
-      4-row block into 2 x 4 was no faster in a draft.
+  the scales multiply in float32, exactly: vpmulld by the int32 scales (the same sums) took 6-8% longer at 8
+      and 32 tokens;
+  the values' decode is shifts and masks (kernels/q6k_layout.py); the 2-bit moves as vgf2p8affineqb were
+      no faster;
+  4 rows x 4 tokens beats 4 x 2 by 5-8% at 8 tokens and matches 4 x 3 (its 16 + 8 accumulators still
+      spill a few registers; 4 x 2 does not but decodes each row's values for 2 tokens only); splitting
+      the 4-row block into 2 x 4 was no faster in a draft;
+  the prefetch distance (16, 32 or 64 KB) and prefetching d's small stream made no difference at 1 token.
 Weights stream as in kernels/simd_vnni.py: one sequential stream per task (a block's 4 rows interleaved by
-group), prefetched PREFETCH_BYTES ahead into L2, and d's small stream alongside. Rows past the matrix's last
-(padding of the last block) are computed, not stored.
+group), prefetched PREFETCH_BYTES ahead into L2; d's stream (1/104 of the bytes) is left to the hardware.
+Rows past the matrix's last (padding of the last block) are computed, not stored.
 
 Needs AVX512-VNNI, AVX512-BW (512-bit byte vectors) and F16C. numba's on-disk cache of
 kernels/linear_q6k.py does not notice edits to this file: after changing the code generation here, delete
@@ -46,7 +50,6 @@ F32 = ir.FloatType()
 V4H, V4F, V8F = ir.VectorType(ir.HalfType(), 4), ir.VectorType(F32, 4), ir.VectorType(F32, 8)
 V16F = ir.VectorType(F32, 16)
 Q6K_FEATURES = ("avx512vnni", "avx512bw", "f16c")
-_D_PREFETCH = PREFETCH_BYTES * ROWS * 2 // BLOCK_BYTES  # d's bytes as far ahead as the values' stream
 
 
 def _lanes(indices):
@@ -89,13 +92,21 @@ def _x_pairs(builder, xq, at):
             for f in range(4)]
 
 
+def _pair_scales(builder, scales):
+    """Two rows' int32 scales [first halves | second halves] -> float32 [the rows' first halves], [second]."""
+    return [builder.sitofp(builder.shuffle_vector(*scales, halves), V16F)
+            for halves in (FIRST_HALVES, SECOND_HALVES)]
+
+
 def _fold_rows(builder, fma, sums, scales, scale, acc):
-    """acc (row pair p, token t: the rows' block lanes side by side) += float(two rows' exact block sums) x
-    scale; sums: the rows' half sums [first | second], scales: their int8 scales in those lanes."""
-    a, b = (builder.mul(s, c) for s, c in zip(sums, scales))
-    blocks = builder.add(builder.shuffle_vector(a, b, FIRST_HALVES),
-                         builder.shuffle_vector(a, b, SECOND_HALVES))
-    builder.store(builder.call(fma, [builder.sitofp(blocks, V16F), scale, builder.load(acc)]), acc)
+    """acc (a row pair and a token: the two rows' block lanes side by side) += (the rows' exact block sums) x
+    scale; sums: the two rows' int32 half sums [first | second], scales: _pair_scales. Every step before the
+    last is exact in float32: a half sum (|.| <= 16 x 32 x 127) converts exactly, its product by a scale
+    (<= 2**23) and the two halves' sum (< 2**24) round nothing."""
+    first, second = (builder.sitofp(builder.shuffle_vector(*sums, halves), V16F)
+                     for halves in (FIRST_HALVES, SECOND_HALVES))
+    blocks = builder.call(fma, [first, scales[0], builder.fmul(second, scales[1])])
+    builder.store(builder.call(fma, [blocks, scale, builder.load(acc)]), acc)
 
 
 @intrinsic(prefer_literal=True)
@@ -126,10 +137,6 @@ def q6k_block(typingctx, xq, xd, offsets, data, d, out, t0, n0, tokens):
                                                   ir.FunctionType(ir.VoidType(), [i8_ptr, I32, I32, I32]),
                                                   "llvm.prefetch.p0")
 
-        def prefetch_l2(base, offset):  # a hint: never faults, even past the array
-            ptr = builder.bitcast(builder.gep(base, [offset]), i8_ptr)
-            builder.call(prefetch, [ptr, ir.Constant(I32, 0), ir.Constant(I32, PREFETCH_LOCALITY),
-                                    ir.Constant(I32, 1)])
 
         token_rows = [builder.add(t0_, const64(t)) for t in range(TB)]
         block_base = builder.mul(builder.udiv(n0_, const64(ROWS)), num_groups)  # the block's first group
@@ -141,10 +148,11 @@ def q6k_block(typingctx, xq, xd, offsets, data, d, out, t0, n0, tokens):
         with cgutils.for_range(builder, num_groups) as loop:
             g = loop.index
             stream = builder.mul(builder.add(block_base, g), const64(BLOCK_BYTES))  # this group of the 4 rows
-            for line in range(0, BLOCK_BYTES, 64):
-                prefetch_l2(wa.data, builder.add(stream, const64(PREFETCH_BYTES + line)))
+            for line in range(0, BLOCK_BYTES, 64):  # a hint: never faults, even past the array
+                ptr = builder.gep(wa.data, [builder.add(stream, const64(PREFETCH_BYTES + line))])
+                builder.call(prefetch, [builder.bitcast(ptr, i8_ptr), ir.Constant(I32, 0),
+                                        ir.Constant(I32, PREFETCH_LOCALITY), ir.Constant(I32, 1)])
             d_at = builder.mul(builder.add(block_base, g), const64(ROWS))
-            prefetch_l2(ca.data, builder.add(d_at, const64(_D_PREFETCH)))
             d4 = builder.fpext(load_vec(builder, ca.data, d_at, V4H), V4F)
             dw = [builder.shuffle_vector(d4, d4, _lanes([2 * p] * 8 + [2 * p + 1] * 8))
                   for p in range(ROWS // 2)]
@@ -163,8 +171,9 @@ def q6k_block(typingctx, xq, xd, offsets, data, d, out, t0, n0, tokens):
                         sums[r][t] = builder.call(dpbusd, [sums[r][t], weights[r][f], pairs[t][f]])
             for p in range(ROWS // 2):
                 rows = (2 * p, 2 * p + 1)
+                pair_scales = _pair_scales(builder, [scales[r] for r in rows])
                 for t in range(TB):
-                    _fold_rows(builder, fma, [sums[r][t] for r in rows], [scales[r] for r in rows],
+                    _fold_rows(builder, fma, [sums[r][t] for r in rows], pair_scales,
                                builder.fmul(dw[p], dx[t]), accs[p][t])
         for p in range(ROWS // 2):
             for h in range(2):  # the pair's rows: lanes 0-7, 8-15
