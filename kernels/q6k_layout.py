@@ -30,7 +30,8 @@ from dataclasses import dataclass
 import numpy as np
 from numba import njit, prange
 
-GROUP = 256
+from kernels.int8_layout import GROUP
+
 ROWS = 4  # rows per interleaved block
 RAW_BYTES = 210  # one raw Q6_K block
 ROW_BYTES = 208  # one row's packed group without d
@@ -39,20 +40,59 @@ BLOCK_BYTES = SCALES + ROWS * 16
 
 
 @njit(inline="always", nogil=True)
-def _raw_positions(v):
-    # value v of a raw block -> (ql byte, its nibble's shift, qh byte, its 2 bits' shift)
-    half, w = divmod(v, 128)
-    quarter, lane = divmod(w, 32)
-    return 64 * half + 32 * (quarter % 2) + lane, 4 * (quarter // 2), 128 + 32 * half + lane, 2 * quarter
+def _read_raw(raw, n, at, q):
+    # the raw block raw[n, at:at + 210]'s values -> q: [256] uint8 (0..63) in column order
+    for half in range(2):
+        for lane in range(32):
+            low, high = raw[n, at + 64 * half + lane], raw[n, at + 64 * half + 32 + lane]
+            top = raw[n, at + 128 + 32 * half + lane]  # the 2 high bits of 4 values
+            v = 128 * half + lane
+            q[v] = low & 15 | (top & 3) << 4
+            q[v + 32] = high & 15 | (top >> 2 & 3) << 4
+            q[v + 64] = low >> 4 | (top >> 4 & 3) << 4
+            q[v + 96] = high >> 4 | (top >> 6) << 4
 
 
 @njit(inline="always", nogil=True)
-def _pair_position(v):
-    # value v of a group -> (pair f, byte i of the pair's 64-byte vector)
-    b, within = divmod(v, 32)
-    sub, r = divmod(within, 16)
-    f, e = divmod(r, 4)
-    return f, 32 * sub + 4 * b + e
+def _write_raw(q, raw, n, at):
+    # the inverse of _read_raw: q -> the values' bytes of raw[n, at:at + 192]
+    for half in range(2):
+        for lane in range(32):
+            v = 128 * half + lane
+            raw[n, at + 64 * half + lane] = q[v] & 15 | (q[v + 64] & 15) << 4
+            raw[n, at + 64 * half + 32 + lane] = q[v + 32] & 15 | (q[v + 96] & 15) << 4
+            top = 0
+            for quarter in range(4):
+                top |= (q[v + 32 * quarter] >> 4) << (2 * quarter)
+            raw[n, at + 128 + 32 * half + lane] = top
+
+
+@njit(inline="always", nogil=True)
+def _write_vectors(q, flat, at):
+    # q: [256] values in column order -> A, B, C at flat[at:at + 192]: byte i = 32 sub + 4 b + e of pair f
+    # is value 32 b + 16 sub + 4 f + e (the quad order's vector f + 4 sub, lane 4 b + e)
+    for sub in range(2):
+        for b in range(8):
+            for e in range(4):
+                i, v = 32 * sub + 4 * b + e, 32 * b + 16 * sub + e
+                top = q[v + 12]  # pair 3's value, 2 bits in each of A, B, C
+                for f in range(3):
+                    flat[at + 64 * f + i] = q[v + 4 * f] | (top >> (2 * f) & 3) << 6
+
+
+@njit(inline="always", nogil=True)
+def _read_vectors(flat, at, q):
+    # the inverse of _write_vectors: A, B, C at flat[at:at + 192] -> q
+    for sub in range(2):
+        for b in range(8):
+            for e in range(4):
+                i, v = 32 * sub + 4 * b + e, 32 * b + 16 * sub + e
+                top = 0
+                for f in range(3):
+                    byte = flat[at + 64 * f + i]
+                    q[v + 4 * f] = byte & 63
+                    top |= (byte >> 6) << (2 * f)
+                q[v + 12] = top
 
 
 @njit(inline="always", nogil=True)
@@ -71,23 +111,17 @@ def _block_base(n, g, num_groups):
 
 @njit(cache=True, nogil=True, parallel=True)
 def pack_q6k(raw, data, d):
-    # raw: uint8 [N, G * 210] -> data: uint8 [N4, G * 208], d: uint16 [N4, G] (both zeroed by the caller)
+    # raw: uint8 [N, G * 210] -> data: uint8 [N4, G * 208], d: uint16 [N4, G] (padding rows zeroed by the
+    # caller)
     num_groups = raw.shape[1] // RAW_BYTES
     flat, flat_d = data.reshape(data.size), d.reshape(d.size)
     for n in prange(raw.shape[0]):
+        q = np.empty(GROUP, np.uint8)
         for g in range(num_groups):
             src = g * RAW_BYTES
             base, r = _block_base(n, g, num_groups)
-            vectors = base + VALUES + 192 * r
-            for v in range(GROUP):
-                ql, ql_shift, qh, qh_shift = _raw_positions(v)
-                q = (raw[n, src + ql] >> ql_shift) & 15 | ((raw[n, src + qh] >> qh_shift) & 3) << 4
-                f, i = _pair_position(v)
-                if f < 3:
-                    flat[vectors + 64 * f + i] |= q
-                else:
-                    for part in range(3):
-                        flat[vectors + 64 * part + i] |= ((q >> (2 * part)) & 3) << 6
+            _read_raw(raw, n, src, q)
+            _write_vectors(q, flat, base + VALUES + 192 * r)
             for s in range(16):
                 flat[base + SCALES + 16 * r + _scale_position(s)] = raw[n, src + 192 + s]
             flat_d[(base // BLOCK_BYTES) * ROWS + r] = raw[n, src + 208] | np.uint16(raw[n, src + 209]) << 8
@@ -95,25 +129,16 @@ def pack_q6k(raw, data, d):
 
 @njit(cache=True, nogil=True, parallel=True)
 def unpack_q6k(data, d, raw):
-    # the inverse of pack_q6k: data, d -> raw: uint8 [N, G * 210] (zeroed by the caller)
+    # the inverse of pack_q6k: data, d -> raw: uint8 [N, G * 210]
     num_groups = raw.shape[1] // RAW_BYTES
     flat, flat_d = data.reshape(data.size), d.reshape(d.size)
     for n in prange(raw.shape[0]):
+        q = np.empty(GROUP, np.uint8)
         for g in range(num_groups):
             dst = g * RAW_BYTES
             base, r = _block_base(n, g, num_groups)
-            vectors = base + VALUES + 192 * r
-            for v in range(GROUP):
-                f, i = _pair_position(v)
-                if f < 3:
-                    q = flat[vectors + 64 * f + i] & 63
-                else:
-                    q = 0
-                    for part in range(3):
-                        q |= (flat[vectors + 64 * part + i] >> 6) << (2 * part)
-                ql, ql_shift, qh, qh_shift = _raw_positions(v)
-                raw[n, dst + ql] |= (q & 15) << ql_shift
-                raw[n, dst + qh] |= (q >> 4) << qh_shift
+            _read_vectors(flat, base + VALUES + 192 * r, q)
+            _write_raw(q, raw, n, dst)
             for s in range(16):
                 raw[n, dst + 192 + s] = flat[base + SCALES + 16 * r + _scale_position(s)]
             bits = flat_d[(base // BLOCK_BYTES) * ROWS + r]
@@ -160,7 +185,7 @@ class Q6KPacked:
     def unpack(self) -> np.ndarray:
         """The raw GGUF bytes: uint8 [N, K // 256 * 210]."""
         n, k = self.shape
-        raw = np.zeros((n, k // GROUP * RAW_BYTES), np.uint8)
+        raw = np.empty((n, k // GROUP * RAW_BYTES), np.uint8)
         unpack_q6k(self.data, self.d, raw)
         return raw
 
