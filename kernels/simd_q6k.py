@@ -21,9 +21,10 @@ Measured choices (2 Zen 4 cores shared with other work, 5632 x 2048, medians of 
       and 32 tokens;
   the values' decode is shifts and masks (kernels/q6k_layout.py); the 2-bit moves as vgf2p8affineqb were
       no faster;
-  4 rows x 4 tokens beats 4 x 2 by 5-8% at 8 tokens and matches 4 x 3 (its 16 + 8 accumulators still
-      spill a few registers; 4 x 2 does not but decodes each row's values for 2 tokens only); splitting
-      the 4-row block into 2 x 4 was no faster in a draft;
+  4 rows x 4 tokens beats 4 x 3 and 4 x 2 (1 thread, 8 tokens: 0.90 / 0.98 / 1.05 ms; 32 tokens, best runs:
+      3.5 / 3.7 / 3.9 ms) though its 16 + 8 accumulators still spill a few registers (4 x 2's do not, but it
+      decodes each row's values for 2 tokens only); splitting the 4-row block into 2 x 4 was 4-15% slower in
+      a draft;
   the prefetch distance (16, 32 or 64 KB) and prefetching d's small stream made no difference at 1 token.
 Weights stream as in kernels/simd_vnni.py: one sequential stream per task (a block's 4 rows interleaved by
 group), prefetched PREFETCH_BYTES ahead into L2; d's stream (1/104 of the bytes) is left to the hardware.
