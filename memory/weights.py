@@ -22,11 +22,14 @@ from kernels.int8_layout import (
     padded_k,
     unpack_int8_weights,
 )
+from kernels.kquant_layout import KQuantMatrix
+from kernels.q6k_layout import Q6KPacked
 from kernels.quant import QK, quantize_q4_0, quantize_q8_0
 from kernels.quant_k import quantize_k
 from kernels.simd_bf16 import GROUP as BF16_GROUP
 from kernels.simd_bf16 import ROWS as BF16_ROWS
 from kernels.simd_bf16 import pack_bf16
+from kernels.simd_q6k import Q6K_FEATURES
 from kernels.simd_vnni import ROWS as VNNI_ROWS
 from kernels.simd_vnni import VNNI_FEATURES
 
@@ -198,12 +201,57 @@ class Bf16Matrix:
 
 
 @dataclass(frozen=True)
+class BlockInt8Matrix:
+    """A matrix in a GGML block format (q4_k, q5_k, q6_k, q4_1, q5_0, q5_1) repacked for int8 activations
+    through AVX512-VNNI, [out_features, in_features]: Q6_K for its own kernel (kernels/q6k_layout.py,
+    kernels/linear_q6k.py), the others for kernels/linear_kquant.py. The activations are Int8Matrix's
+    VNNI ones (quad order, K padded to 256), so one quantized input serves every format of a layer.
+    activation_scale: a calibrated static scale for its inputs, 0 = per-block dynamic scales."""
+
+    dtype: str
+    packed: "KQuantMatrix | Q6KPacked"
+    activation_scale: float = 0.0
+
+    @classmethod
+    def pack(cls, w: WeightMatrix, activation_scale: float = 0.0) -> "BlockInt8Matrix":
+        if w.dtype not in BLOCK_DTYPES:
+            raise ValueError(f"BlockInt8Matrix packs the GGML block formats {BLOCK_DTYPES}, got {w.dtype}")
+        packed = (Q6KPacked.pack(w.data, w.shape) if w.dtype == "q6_k"
+                  else KQuantMatrix.pack(w.data, CODE[w.dtype], w.shape[1]))
+        return cls(w.dtype, packed, float(activation_scale))
+
+    @staticmethod
+    def features(dtype: str) -> tuple[str, ...]:
+        """The CPU features its kernel needs."""
+        return Q6K_FEATURES if dtype == "q6_k" else VNNI_FEATURES
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.packed.shape
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.nbytes
+
+    @property
+    def activation_int_dtype(self) -> type:
+        return np.int8
+
+    def unpack(self) -> WeightMatrix:
+        """The GGUF blocks, bit for bit those packed."""
+        return WeightMatrix(self.dtype, self.packed.unpack())
+
+    def repacked(self, w: WeightMatrix) -> "BlockInt8Matrix":
+        return BlockInt8Matrix.pack(w, self.activation_scale)
+
+
+@dataclass(frozen=True)
 class StackedMatrix:
     """One matrix whose row blocks keep different formats, [sum of the parts' rows, in_features]: a GGUF
     file's attn_q, attn_k and attn_v in Q4_K, Q4_K and Q6_K served as the fused qkv without requantizing
     any of them. Its outputs are the parts' outputs side by side (models/linear.py)."""
 
-    parts: tuple["WeightMatrix | Int8Matrix | Bf16Matrix", ...]
+    parts: tuple["WeightMatrix | Int8Matrix | Bf16Matrix | BlockInt8Matrix", ...]
 
     def __post_init__(self):
         if len(self.parts) < 2 or len({p.shape[1] for p in self.parts}) != 1:
@@ -227,7 +275,8 @@ class StackedMatrix:
         return [(int(a), int(b)) for a, b in pairwise(bounds)]
 
 
-Matrix = WeightMatrix | Int8Matrix | Bf16Matrix | StackedMatrix  # a served matrix, packed or not
+# a served matrix, packed for its activations or not
+Matrix = WeightMatrix | Int8Matrix | Bf16Matrix | BlockInt8Matrix | StackedMatrix
 
 
 def map_parts(w: Matrix, f) -> Matrix:
@@ -335,9 +384,11 @@ def _group_bytes(dtype: str) -> int:
     return GROUP // 2 if dtype == "q4_0" else GROUP
 
 
-def select_rows(w: WeightMatrix | Int8Matrix, ids: np.ndarray) -> WeightMatrix | Int8Matrix:
+def select_rows(w: Matrix, ids: np.ndarray) -> Matrix:
     """The matrix of w's rows ids [n] (in that order), in w's format and layout."""
-    if isinstance(w, (Int8Matrix, Bf16Matrix)):
+    if isinstance(w, StackedMatrix):
+        raise TypeError("select_rows of a StackedMatrix: its parts' formats differ; dequantize it first")
+    if isinstance(w, (Int8Matrix, Bf16Matrix, BlockInt8Matrix)):
         return w.repacked(select_rows(w.unpack(), ids))
     return WeightMatrix(w.dtype, np.ascontiguousarray(w.data[ids]),
                         None if w.scales is None else np.ascontiguousarray(w.scales[ids]))
@@ -352,10 +403,17 @@ def row_block(w: Matrix, start: int, stop: int) -> Matrix:
         raise ValueError(f"rows [{start}, {stop}) are not a block of a matrix of {n} rows")
     if isinstance(w, WeightMatrix):
         return WeightMatrix(w.dtype, w.data[start:stop], None if w.scales is None else w.scales[start:stop])
-    rows = BF16_ROWS if isinstance(w, Bf16Matrix) else VNNI_ROWS if w.vnni else 1
+    if isinstance(w, StackedMatrix):
+        raise TypeError("row_block of a StackedMatrix: stack experts of one format")
+    interleaved = isinstance(w, BlockInt8Matrix) or w.vnni
+    rows = BF16_ROWS if isinstance(w, Bf16Matrix) else VNNI_ROWS if interleaved else 1
     if start % rows or (stop % rows and stop != n):
         raise ValueError(f"rows [{start}, {stop}) split a block of {rows} interleaved rows")
     end = -(-stop // rows) * rows  # the last block's padding rows come along
     if isinstance(w, Bf16Matrix):
         return Bf16Matrix(w.data[start:end], (stop - start, k))
+    if isinstance(w, BlockInt8Matrix):  # both layouts keep a block of 4 rows' stream in its 4 rows
+        p = w.packed
+        extra = {"d": p.d[start:end]} if isinstance(p, Q6KPacked) else {}
+        return replace(w, packed=replace(p, data=p.data[start:end], shape=(stop - start, k), **extra))
     return replace(w, data=w.data[start:end], scales=w.scales[start:end], shape=(stop - start, k))

@@ -2,13 +2,14 @@
 
 `EngineConfig.activation_dtype`:
 - "float32": every matrix multiplies float32 activations (exact: within 1e-4 of transformers).
-- "int8": q8_0 / q4_0 matrices (the LM head included) get activations quantized per 32-value block and
-  integer dot products (kernels/linear_int8.py); other weight formats keep float32 activations.
+- "int8": quantized matrices (q8_0, q4_0 and the GGML block formats; the LM head included) get activations
+  quantized per 32-value block and integer dot products (kernels/linear_int8.py; the block formats through
+  VNNI: kernels/linear_kquant.py, kernels/linear_q6k.py); other weight formats keep float32 activations.
 - "bfloat16": bf16 matrices (the LM head included) get activations rounded to bf16 and AVX512-BF16's
   vdpbf16ps (kernels/linear_bf16.py); other weight formats keep float32 activations. A CPU without the
   instruction falls back to float32: rounding activations to bf16 and then multiplying in float32 would
   lose precision and gain nothing.
-- "auto": "int8" where the matrix is q8_0 / q4_0 and the CPU can run it, float32 elsewhere (measured:
+- "auto": "int8" where the matrix is quantized and the CPU can run it, float32 elsewhere (measured:
   perplexity within 0.3% of float32 activations on the demo model, 1.6-2.5x the matmul speed; README).
 A calibration file beside the model (models/calibration.py, written by `numaserve calibrate`) keeps the
 matrices it marks (int8 error above its bound) in float32, and holds static per-tensor activation scales.
@@ -25,8 +26,18 @@ from dataclasses import replace
 from cluster_configs.diagnostics import DecisionLog
 from cluster_configs.errors import CheckpointError
 from kernels.cpu import missing_features
+from kernels.ggml_blocks import BLOCK_DTYPES
 from kernels.simd_bf16 import BF16_FEATURES
-from memory.weights import Bf16Matrix, Int8Matrix, Matrix, ModelWeights, WeightMatrix, map_parts, parts
+from memory.weights import (
+    Bf16Matrix,
+    BlockInt8Matrix,
+    Int8Matrix,
+    Matrix,
+    ModelWeights,
+    WeightMatrix,
+    map_parts,
+    parts,
+)
 from models.calibration import Calibration, MatrixCalibration, check_fits
 
 # vpmaddwd on 256-bit vectors, fp16 scale conversion (and VNNI where present)
@@ -80,17 +91,20 @@ def record_kernels(weights: ModelWeights, decisions: DecisionLog) -> None:
         (choice, num), *others = paths.most_common()
         where = "the LM head" if key == "lm_head" else f"{num} of {total} layers"
         reason = where + "".join(f"; {n} of {total} layers: {p}" for p, n in others)
-        if others:
+        if any("float32 activations" in p for p, _ in others) != ("float32 activations" in choice):
             reason += " (per-matrix fallbacks: see activation_dtype)"
         decisions.record("kernel", choice, reason, subject=key)
 
 
-def for_activations(w: WeightMatrix, activation_dtype: str) -> WeightMatrix | Int8Matrix:
+def for_activations(w: WeightMatrix, activation_dtype: str) -> Matrix:
     """One matrix outside a model's layers (a draft head's): repacked for int8 activations where
     plan_activations would repack it without a calibration file, else unchanged."""
-    if (activation_dtype in ("int8", "auto") and w.dtype in ("q8_0", "q4_0")
-            and not missing_features(INT8_FEATURES)):
+    if activation_dtype not in ("int8", "auto"):
+        return w
+    if w.dtype in ("q8_0", "q4_0") and not missing_features(INT8_FEATURES):
         return Int8Matrix.pack(w)
+    if w.dtype in BLOCK_DTYPES and not missing_features(BlockInt8Matrix.features(w.dtype)):
+        return BlockInt8Matrix.pack(w)
     return w
 
 
@@ -132,9 +146,14 @@ def _plan(weights: ModelWeights, activation_dtype: str, decisions: DecisionLog,
 
     def choose_part(name: str, w: Matrix, cal: MatrixCalibration | None) -> Matrix:
         chosen = w
-        if not isinstance(w, WeightMatrix) or w.dtype not in ("q8_0", "q4_0"):
-            choice, why = "float32", (f"{w.dtype} weights: int8 activations are used with q8_0 / q4_0 "
-                                      "weights only")
+        blocks = isinstance(w, WeightMatrix) and w.dtype in BLOCK_DTYPES
+        lacking = missing_features(BlockInt8Matrix.features(w.dtype)) if blocks else ()
+        if not isinstance(w, WeightMatrix) or w.dtype not in ("q8_0", "q4_0", *BLOCK_DTYPES):
+            choice, why = "float32", (f"{w.dtype} weights: int8 activations are used with quantized weights "
+                                      "only")
+        elif lacking:
+            choice, why = "float32", (f"{w.dtype} weights: their int8 kernel needs {', '.join(lacking)}, "
+                                      "which this CPU lacks; float32 activations (exact)")
         elif cal is not None and _falls_back(cal, calibration.bound, static_scales):
             error = cal.error_static if static_scales else cal.error_dynamic
             choice, why = "float32", (f"calibration ({calibration.path or 'not from a file'}): relative int8 "
@@ -144,7 +163,7 @@ def _plan(weights: ModelWeights, activation_dtype: str, decisions: DecisionLog,
             fallbacks.append(name)
         else:
             scale = cal.scale if static_scales and cal is not None else 0.0
-            chosen = Int8Matrix.pack(w, scale)
+            chosen = BlockInt8Matrix.pack(w, scale) if blocks else Int8Matrix.pack(w, scale)
             choice, why = "int8", (f"{w.dtype} weights, " + (
                 f"static activation scale {scale:.4g} ({calibration.method}-calibrated)" if scale
                 else "dynamic per-block activation scales"))
@@ -167,6 +186,9 @@ def _plan(weights: ModelWeights, activation_dtype: str, decisions: DecisionLog,
 
 def _kernel(w: Matrix) -> str:
     """The linear kernel a (part of a) matrix runs with, and its weight and activation dtypes."""
+    if isinstance(w, BlockInt8Matrix):
+        kernel = "matmul_q6k" if w.dtype == "q6_k" else "matmul_kquant"
+        return f"{kernel}: {w.dtype} weights x int8 activations"
     if isinstance(w, Int8Matrix):
         return f"{'matmul_vnni' if w.vnni else 'matmul_int8'}: {w.dtype} weights x int8 activations"
     if isinstance(w, Bf16Matrix):

@@ -14,12 +14,14 @@ import numpy as np
 from kernels.dequant import dequantize_rows
 from kernels.dequant_blocks import dequantize_block_rows
 from kernels.ggml_blocks import BLOCK_DTYPES, CODE
-from kernels.int8_layout import QK, quantize_activations
+from kernels.int8_layout import QK, padded_k, quantize_activations
 from kernels.linear import gather_rows_bf16, matmul
 from kernels.linear_bf16 import matmul_bf16, round_activations
 from kernels.linear_blocks import matmul_blocks
 from kernels.linear_int8 import matmul_int8, matmul_vnni
-from memory.weights import Bf16Matrix, Int8Matrix, Matrix, StackedMatrix, WeightMatrix
+from kernels.linear_kquant import matmul_kquant
+from kernels.linear_q6k import matmul_q6k
+from memory.weights import Bf16Matrix, BlockInt8Matrix, Int8Matrix, Matrix, StackedMatrix, WeightMatrix
 
 _NO_SCALES = np.zeros((1, 1), np.uint16)
 
@@ -40,6 +42,13 @@ def linear(x: np.ndarray, w: Matrix) -> np.ndarray:
             matmul_vnni(xq, xd, xsum, w.data, w.scales, out, 4 if w.dtype == "q4_0" else 8)
         else:
             matmul_int8(xq, xd, xsum, w.data, w.scales, out)
+    elif isinstance(w, BlockInt8Matrix):
+        xq, xd, xsum = quantized_activations(x, w)
+        p = w.packed
+        if w.dtype == "q6_k":
+            matmul_q6k(xq, xd, xsum, p.data, p.d, out)
+        else:
+            matmul_kquant(xq, xd, xsum, p.data, out, p.qtype)
     elif w.dtype in BLOCK_DTYPES:  # dequantized by groups of rows into the float32 kernel: the same bits
         matmul_blocks(np.ascontiguousarray(x), w.data, CODE[w.dtype], out)
     else:  # one kernel at every batch size: see the module docstring
@@ -47,9 +56,10 @@ def linear(x: np.ndarray, w: Matrix) -> np.ndarray:
     return out
 
 
-def quantized_activations(x: np.ndarray, w: Int8Matrix) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def quantized_activations(x: np.ndarray,
+                          w: Int8Matrix | BlockInt8Matrix) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """x [T, K] f32 quantized for w's int8 kernels: (xq [T, Kp], xd and xsum [T, Kp // 32])."""
-    T, kp = x.shape[0], w.scales.shape[1] * QK
+    T, kp = x.shape[0], padded_k(w.shape[1])
     xq = np.empty((T, kp), w.activation_int_dtype)
     xd = np.empty((T, kp // QK), np.float32)
     xsum = np.empty((T, kp // QK), np.int32)
@@ -74,7 +84,7 @@ def dequantize(w: Matrix) -> np.ndarray:
     """The whole matrix as float32 [N, K] (tests, export, LoRA merges)."""
     if isinstance(w, StackedMatrix):
         return np.concatenate([dequantize(p) for p in w.parts])
-    if isinstance(w, (Int8Matrix, Bf16Matrix)):
+    if isinstance(w, (Int8Matrix, Bf16Matrix, BlockInt8Matrix)):
         w = w.unpack()
     if w.dtype == "float32":
         return w.data

