@@ -27,6 +27,7 @@ import numpy as np
 
 from benchmarks.checkpoints import random_checkpoint
 from benchmarks.engine_process import EngineProcess
+from benchmarks.machine import cpu_name
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -123,7 +124,7 @@ def main() -> None:
     trees = {"old": args.old.resolve(), "new": ROOT}
     results = {"command": "python -m benchmarks.bench_revisions " + " ".join(sys.argv[1:]),
                "revisions": {label: revision(tree) for label, tree in trees.items()},
-               "machine": {"cpu": _cpu_name(), "platform": platform.platform()}, "threads": args.threads,
+               "machine": {"cpu": cpu_name(), "platform": platform.platform()}, "threads": args.threads,
                "samples": args.samples, "steps": args.steps, "rows": []}
     models = list(dict.fromkeys((m, d) for m, d, _ in rows))  # in order, each once
     for i, (name, dtype) in enumerate(models):
@@ -132,16 +133,6 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=1))
     plot(results, args.out.with_suffix(".png"))
-
-
-def _cpu_name() -> str:
-    """The CPU's name and generation (family, model), as /proc/cpuinfo gives them."""
-    fields = {}
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        key, _, value = line.partition(":")
-        fields.setdefault(key.strip(), value.strip())
-    return f"{fields.get('model name', platform.processor())} (family {fields.get('cpu family')}, " \
-           f"model {fields.get('model')})"
 
 
 if __name__ == "__main__":

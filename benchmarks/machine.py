@@ -1,6 +1,8 @@
 """The machine's own limits, measured in the same run: memory read bandwidth and float32 matmul rate."""
 
+import platform
 import time
+from pathlib import Path
 
 import numpy as np
 from numba import njit, prange
@@ -43,3 +45,13 @@ def _timed(fn) -> float:
     start = time.perf_counter()
     fn()
     return time.perf_counter() - start
+
+
+def cpu_name() -> str:
+    """The CPU's name and generation (family, model), as /proc/cpuinfo gives them."""
+    fields = {}
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    return f"{fields.get('model name', platform.processor())} (family {fields.get('cpu family')}, " \
+           f"model {fields.get('model')})"

@@ -405,8 +405,10 @@ def row_block(w: Matrix, start: int, stop: int) -> Matrix:
         return WeightMatrix(w.dtype, w.data[start:stop], None if w.scales is None else w.scales[start:stop])
     if isinstance(w, StackedMatrix):
         raise TypeError("row_block of a StackedMatrix: stack experts of one format")
-    interleaved = isinstance(w, BlockInt8Matrix) or w.vnni
-    rows = BF16_ROWS if isinstance(w, Bf16Matrix) else VNNI_ROWS if interleaved else 1
+    if isinstance(w, Bf16Matrix):
+        rows = BF16_ROWS
+    else:
+        rows = VNNI_ROWS if isinstance(w, BlockInt8Matrix) or w.vnni else 1
     if start % rows or (stop % rows and stop != n):
         raise ValueError(f"rows [{start}, {stop}) split a block of {rows} interleaved rows")
     end = -(-stop // rows) * rows  # the last block's padding rows come along
