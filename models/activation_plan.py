@@ -91,7 +91,8 @@ def record_kernels(weights: ModelWeights, decisions: DecisionLog) -> None:
         (choice, num), *others = paths.most_common()
         where = "the LM head" if key == "lm_head" else f"{num} of {total} layers"
         reason = where + "".join(f"; {n} of {total} layers: {p}" for p, n in others)
-        if any("float32 activations" in p for p, _ in others) != ("float32 activations" in choice):
+        exact = "float32 activations" in choice
+        if any(("float32 activations" in p) != exact for p, _ in others):  # some fell back, or all but some
             reason += " (per-matrix fallbacks: see activation_dtype)"
         decisions.record("kernel", choice, reason, subject=key)
 
