@@ -1,13 +1,12 @@
 """An object tree <-> (a JSON-able description, its numpy arrays): how the packed cache stores whatever the
-engine loads (the spec, the planned ModelWeights with every matrix container, the tokenizer).
+engine loads (the spec, the planned ModelWeights with every matrix container).
 
 Generic over dataclasses: a container class stores its init fields and is rebuilt by calling the class with
 them (so __post_init__ recomputes its init=False fields and checks them again); a new matrix class of
 arrays and ints needs no code here. Stored besides: numpy arrays (by index into the array list; a
 non-contiguous one as a C-contiguous copy), numpy scalars, tuples, lists, dicts with str keys, str, int,
-float, bool, None, and a Tokenizer (its tokenizer.json text, as bytes). An object met twice is stored once
-and comes back as one object (a tied LM head is the embedding itself). Anything else raises Unstorable
-naming where it is, and the caller stores nothing.
+float, bool and None. An object met twice is stored once and comes back as one object (a tied LM head is
+the embedding itself). Anything else raises Unstorable naming where it is, and the caller stores nothing.
 
 A class is named "module:QualName" and resolved only if its module is already imported or lies in one of
 numaserve's packages (PACKAGES): a cache entry cannot make the loader import arbitrary code.
@@ -19,9 +18,6 @@ import sys
 from typing import Any
 
 import numpy as np
-from tokenizers import Tokenizer as HFTokenizer
-
-from models.tokenizer import Tokenizer
 
 PACKAGES = ("memory", "models", "kernels")
 _PLAIN = (bool, int, float, str)  # stored as JSON values
@@ -62,9 +58,6 @@ def flatten(obj: Any) -> tuple[Any, list[np.ndarray]]:
             if not all(isinstance(k, str) for k in x):
                 raise Unstorable(f"{where}: a dict with keys that are not str")
             return {"dict": {k: encode(v, f"{where}[{k!r}]") for k, v in x.items()}}
-        if isinstance(x, Tokenizer):
-            text = np.frombuffer(x.hf_tokenizer.to_str().encode(), np.uint8)
-            return {"tokenizer": add_array(text, where)}
         if dataclasses.is_dataclass(x) and not isinstance(x, type):
             if id(x) in objects:
                 return {"ref": objects[id(x)]}
@@ -76,7 +69,7 @@ def flatten(obj: Any) -> tuple[Any, list[np.ndarray]]:
             objects[id(x)] = len(objects)
             return {"dataclass": f"{type(x).__module__}:{type(x).__qualname__}", "fields": fields}
         raise Unstorable(f"{where}: a {type(x).__module__}.{type(x).__qualname__} (the cache stores "
-                         "dataclasses, numpy arrays, tuples, lists, dicts, str, numbers, None, a Tokenizer)")
+                         "dataclasses, numpy arrays, tuples, lists, dicts, str, numbers and None)")
 
     return encode(obj, "model"), arrays
 
@@ -101,8 +94,6 @@ def unflatten(tree: Any, arrays: list[np.ndarray]) -> Any:
             return tuple(decode(v) for v in value)
         if tag == "dict":
             return {k: decode(v) for k, v in value.items()}
-        if tag == "tokenizer":
-            return Tokenizer(HFTokenizer.from_str(arrays[value].tobytes().decode()))
         if tag == "ref":
             return objects[value]
         if tag == "dataclass":

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from tokenizers import Tokenizer as HFTokenizer
+
 from cluster_configs.diagnostics import DecisionLog
 from cluster_configs.engine_config import EngineConfig
 from memory.weights import ModelWeights
@@ -27,6 +29,8 @@ from models.tokenizer import Tokenizer
 
 Outcome = Literal["hit", "built", "rebuilt", "not cached", "off"]
 # what reading an entry may raise when its bytes or its description do not fit the code: rebuilt, not used
+# (a bad tokenizer.json would make the tokenizers library raise a bare Exception: the manifest holding it is
+# checksummed before it is parsed)
 _UNREADABLE = (CorruptEntry, OSError, ValueError, KeyError, TypeError, AttributeError, IndexError)
 
 
@@ -59,43 +63,28 @@ def load_planned(model_path: str | Path, config: EngineConfig, decisions: Decisi
     started = time.perf_counter()
     model_path = Path(model_path)
     calibration = load_calibration(model_path)
-    cache, key, hash_seconds = None, None, 0.0
-    if config.packed_cache_dir is None:
-        reason = "packed_cache_dir=None: the weights are repacked at every start"
-    else:
-        directory = Path(config.packed_cache_dir).expanduser()
-        try:
-            cache = PackedCache(directory, config.packed_cache_bytes)
-            key, hash_seconds = cache.key(model_path, config.weight_dtype, config.activation_dtype,
-                                          calibration)
-        except OSError as e:
-            reason = f"cannot use {directory} ({e}); the weights are repacked at every start"
-            cache = None
-    if cache is None:
+    cache, key, hash_seconds, why_not = _keyed_cache(model_path, config, calibration)
+    if key is None:
         spec, weights, tokenizer, _ = _load(model_path, config, decisions, calibration)
         outcome: Outcome = "off" if config.packed_cache_dir is None else "not cached"
-        return _done(spec, weights, tokenizer, decisions, outcome, reason, started, hash_seconds, None, 0)
+        return _done(spec, weights, tokenizer, decisions, outcome, why_not, started, hash_seconds, None, 0)
     entry = cache.entry_path(key)
     try:
-        fields, arrays = read_entry(entry)
-        if fields["key"] != key:
-            raise CorruptEntry(f"{entry}: its manifest's key is another model's")
-        tree = unflatten(fields["tree"], arrays)
-        replayed = [(topic, choice, why, subject, warn) for topic, choice, why, subject, warn
-                    in fields["decisions"]]
-        for topic, choice, why, subject, warn in replayed:
-            decisions.record(topic, choice, why, subject, warn=warn)
-        cache.touch(entry)
-        return _done(tree["spec"], tree["weights"], tree["tokenizer"], decisions, "hit", f"read {entry}",
-                     started, hash_seconds, entry, sum(a.nbytes for a in arrays))
+        spec, weights, tokenizer, size = _read(entry, key, decisions)
     except FileNotFoundError:
         outcome, problem = "built", "no entry yet"
     except _UNREADABLE as e:
         outcome, problem = "rebuilt", f"{type(e).__name__}: {e}"
+    else:
+        cache.touch(entry)
+        return _done(spec, weights, tokenizer, decisions, "hit", f"read {entry}", started, hash_seconds,
+                     entry, size)
     spec, weights, tokenizer, recorded = _load(model_path, config, decisions, calibration)
     try:
-        tree, arrays = flatten({"spec": spec, "weights": weights, "tokenizer": tokenizer})
-        size = write_entry(entry, {"key": key, "tree": tree, "decisions": recorded}, arrays)
+        tree, arrays = flatten({"spec": spec, "weights": weights})
+        text = None if tokenizer is None else tokenizer.hf_tokenizer.to_str()  # its tokenizer.json
+        fields = {"key": key, "tree": tree, "tokenizer": text, "decisions": recorded}
+        size = write_entry(entry, fields, arrays)
     except Unstorable as e:
         outcome, reason, size = "not cached", f"{problem}; nothing written: cannot store {e}", 0
     except OSError as e:
@@ -108,6 +97,38 @@ def load_planned(model_path: str | Path, config: EngineConfig, decisions: Decisi
                  entry if size else None, size)
 
 
+def _read(entry: Path, key: dict, decisions: DecisionLog) -> tuple[ModelSpec, ModelWeights, Tokenizer | None,
+                                                                   int]:
+    """-> (spec, weights, tokenizer, bytes read) from the entry; planning's decisions replayed into decisions.
+    Raises FileNotFoundError (no entry) or one of _UNREADABLE."""
+    fields, arrays, tokenizer = read_entry(entry, _tokenizer)  # the tokenizer built while the arrays are read
+    if fields["key"] != key:
+        raise CorruptEntry(f"{entry}: its manifest's key is another model's")
+    tree = unflatten(fields["tree"], arrays)
+    replayed = [(topic, choice, why, subject, warn)  # all well-formed before any is recorded
+                for topic, choice, why, subject, warn in fields["decisions"]]
+    for topic, choice, why, subject, warn in replayed:
+        decisions.record(topic, choice, why, subject, warn=warn)
+    return tree["spec"], tree["weights"], tokenizer, sum(a.nbytes for a in arrays)
+
+
+def _keyed_cache(model_path: Path, config: EngineConfig, calibration: Calibration | None,
+                 ) -> tuple[PackedCache | None, dict | None, float, str]:
+    """-> (the cache, the model's key in it, seconds spent hashing its files; or None, None, 0, why not)."""
+    if config.packed_cache_dir is None:
+        return None, None, 0.0, "packed_cache_dir=None: the weights are repacked at every start"
+    directory = Path(config.packed_cache_dir).expanduser()
+    try:
+        cache = PackedCache(directory, config.packed_cache_bytes)
+    except OSError as e:
+        return None, None, 0.0, f"cannot use {directory} ({e}); the weights are repacked at every start"
+    try:
+        key, seconds = cache.key(model_path, config.weight_dtype, config.activation_dtype, calibration)
+    except OSError as e:
+        return None, None, 0.0, f"cannot hash the model's files ({e})"
+    return cache, key, seconds, ""
+
+
 class _Recording:
     """Stands in for the DecisionLog while planning: passes each decision on and keeps it (an entry stores
     them; a hit replays them)."""
@@ -118,6 +139,11 @@ class _Recording:
     def record(self, topic: str, choice: str, reason, subject: str = "", *, warn: bool = False) -> None:
         self.log.record(topic, choice, reason, subject, warn=warn)
         self.records.append([topic, choice, reason if isinstance(reason, str) else reason(), subject, warn])
+
+
+def _tokenizer(fields: dict) -> Tokenizer | None:
+    text = fields["tokenizer"]
+    return None if text is None else Tokenizer(HFTokenizer.from_str(text))
 
 
 def _load(model_path: Path, config: EngineConfig, decisions: DecisionLog,

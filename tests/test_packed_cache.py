@@ -19,6 +19,7 @@ import pytest
 
 import numaserve as ns
 from cluster_configs.engine_config import EngineConfig
+from cluster_configs.errors import CheckpointError
 from kernels.cpu import cpu_features
 from memory.weights import Bf16Matrix, Int8Matrix
 from models import packed_cache, planned_load
@@ -95,6 +96,20 @@ def test_a_second_load_hits_without_loading_or_repacking_and_serves_identical_lo
     assert (w2.lm_head is w2.embed) == (w1.lm_head is w1.embed)
     assert type(w2.layers[-1].qkv) is type(w1.layers[-1].qkv)
     assert second.tokenizer.encode("the quick brown fox") == first.tokenizer.encode("the quick brown fox")
+
+
+def test_a_hit_warns_again_of_a_fallback_planning_warned_of(llama_dir, tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("NUMASERVE_DISABLE_CPU_FEATURES", "avx2")
+    load(llama_dir, tmp_path, activation_dtype="int8")
+    assert "this CPU lacks avx2" in caplog.text
+    caplog.clear()
+    hit = load(llama_dir, tmp_path, activation_dtype="int8")
+    assert outcome(hit) == "hit" and "this CPU lacks avx2" in caplog.text
+
+
+def test_the_loaders_errors_are_unchanged(tmp_path):
+    with pytest.raises(CheckpointError, match="no such file"):
+        load(tmp_path / "missing.gguf", tmp_path / "cache")
 
 
 def test_the_hit_matches_a_load_without_the_cache(llama_dir, tmp_path):
