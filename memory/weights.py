@@ -1,5 +1,8 @@
 """Weight containers: a matrix in one of the served formats (float32, bfloat16, q8_0, q4_0), and a model's
-weights (ModelWeights, its LayerWeights) as the loaders build them and the forward pass reads them."""
+weights (ModelWeights, its LayerWeights) as the loaders build them and the forward pass reads them.
+
+The packed cache stores these containers as they are (models/packed_tree.py): a change to the bytes a
+packer writes must bump models/packed_cache.LAYOUT_VERSION, or starts would read entries of the old layout."""
 
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING

@@ -81,8 +81,8 @@ class PackedCache:
             pass  # a read-only cache still serves its entries
 
     def prune(self, keep: Path) -> list[Path]:
-        """Remove the least recently used entries (never keep) until the entries fit max_bytes, and temp files
-        of writers that died. -> the paths removed."""
+        """Remove the least recently used entries (never keep) until the entries fit max_bytes, and the temp
+        files of writers that died. -> the entries removed."""
         entries, removed = [], []
         now = time.time()
         for p in self.directory.iterdir():
@@ -93,16 +93,15 @@ class PackedCache:
             if p.suffix == ENTRY_SUFFIX:
                 entries.append((st.st_mtime, st.st_size, p))
             elif p.name.endswith(".tmp") and now - st.st_mtime > _STALE_TEMP_SECONDS:
-                removed.append(p)
+                p.unlink(missing_ok=True)
         total = sum(size for _, size, _ in entries)
         for _, size, p in sorted(entries):
             if total <= self.max_bytes:
                 break
             if p != keep:
+                p.unlink(missing_ok=True)
                 removed.append(p)
                 total -= size
-        for p in removed:
-            p.unlink(missing_ok=True)
         return removed
 
     def _source_hash(self, path: Path) -> tuple[str, float]:

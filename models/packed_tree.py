@@ -40,7 +40,7 @@ def flatten(obj: Any) -> tuple[Any, list[np.ndarray]]:
         index = array_ids.get(id(a))
         if index is None:
             index = array_ids[id(a)] = len(arrays)
-            arrays.append(np.ascontiguousarray(a))
+            arrays.append(a if a.flags.c_contiguous else a.copy(order="C"))  # (ascontiguousarray: 0-d -> 1-d)
         return index
 
     def encode(x: Any, where: str) -> Any:

@@ -327,9 +327,14 @@ def test_pruning_removes_the_least_recently_used_entries_past_the_budget(llama_d
     from tests.model_factory import build_model
     build_model(other, "llama", seed=9)  # an entry of a's size
     budget = 2 * a.stat().st_size + b.stat().st_size // 2
+    dead, live = cache / ".dead-writer.tmp", cache / ".live-writer.tmp"
+    for temp in (dead, live):
+        temp.write_bytes(b"partial")
+    os.utime(dead, (now - 7200, now - 7200))
     c = load(other, cache, packed_cache_bytes=budget)
     assert outcome(c) == "built" and "removed 1 least recently used" in c.engine.load_stats.reason
     assert entries(cache) == sorted([a, Path(c.engine.load_stats.entry)])
+    assert not dead.exists() and live.exists()  # a temp file untouched for an hour is a dead writer's
 
 
 # ---- the config ------------------------------------------------------------------------------------------
@@ -362,8 +367,10 @@ def test_a_new_container_class_round_trips_with_its_arrays_and_shared_objects():
     rng = np.random.default_rng(0)
     m = PackedLike(rng.integers(0, 255, (4, 144), dtype=np.uint8), rng.random((4, 1), np.float32), (4, 256),
                    256)
-    tree, arrays = flatten({"pair": (m, m), "odd": np.arange(7, dtype=np.int8)[::2], "f": np.float32(0.1)})
+    tree, arrays = flatten({"pair": (m, m), "odd": np.arange(7, dtype=np.int8)[::2], "f": np.float32(0.1),
+                            "0-d": np.array(2.5, np.float32)})
     back = unflatten(json.loads(json.dumps(tree)), arrays)
+    assert back["0-d"].shape == () and back["0-d"] == np.float32(2.5)
     first, second = back["pair"]
     assert first is second and isinstance(first, PackedLike)
     assert first.shape == (4, 256) and first.block == 256
