@@ -6,8 +6,9 @@
 The manifest says, for each array, its dtype, shape, offset in the blob, bytes and checksum
 (kernels/checksum.py, 7x zlib.crc32's speed), and carries the caller's fields (the key, the object tree).
 Manifest and blob share one file so that one rename publishes both: a reader sees a whole entry or none,
-and a manifest can never describe another build's blob. JSON rather than msgpack: the manifest of a
-22-layer model is ~100 KB, parsed in about a millisecond, and readable with `head -c`.
+and a manifest can never describe another build's blob. JSON rather than msgpack: a TinyLlama-shaped
+model's manifest (1.2 MB, most of it its tokenizer.json as a string) parses in 4 ms, against the ~0.3 s
+read of its 1.17 GB blob, and stays readable with `head -c`; msgpack would not earn its dependency.
 
 Reading is one sequential pass into one buffer of process memory, then zero-copy views of it (no
 long-lived mmap: the VM reclaims idle file pages; see models/gguf_reader.read_gguf). Every array's checksum
@@ -85,7 +86,9 @@ def read_entry(path: Path, meanwhile: Callable[[dict], Any] = lambda fields: Non
     read into, their checksums verified. The read runs in a thread, in calls of up to 1 GiB that hold no GIL,
     while this thread calls meanwhile(fields) (work that needs the GIL: a tokenizer's construction) and
     numba's first dispatch of the checksum kernel (~0.3 s to set numba up in a process, which the first
-    token would pay otherwise). Raises CorruptEntry, or OSError (FileNotFoundError: no entry)."""
+    token would pay otherwise). The thread inherits this one's CPU affinity and memory policy, so a pinned
+    worker's weights land on its NUMA node (memory/numa.py). Raises CorruptEntry, or OSError
+    (FileNotFoundError: no entry)."""
     with open(path, "rb", buffering=0) as f:
         size = os.fstat(f.fileno()).st_size
         magic, manifest_bytes, manifest_crc = _HEADER.unpack(_read_exactly(f, _HEADER.size, path))
