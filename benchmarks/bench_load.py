@@ -1,18 +1,19 @@
 """Load time: numaserve's first start of a model (cold: an empty packed cache, so it hashes the file, loads,
 repacks and writes an entry) and its second (warm: it reads the entry back) against llama.cpp's load of the
-same file.
+same file (by default, and without mmap).
 
 A TinyLlama-shaped random checkpoint (benchmarks/checkpoints.py: 1.1B parameters), exported once to a q8_0
 GGUF by numaserve (models.gguf_writer.convert_to_gguf, in a short-lived process): 1.17 GB. Every sample
 is a fresh process that times its constructor alone (its imports timed apart): numaserve.LLM(gguf,
 packed_cache_dir=a benchmark's own directory) with its defaults otherwise, and llama_cpp.Llama(gguf,
 n_ctx=256, verbose=False) with llama.cpp's defaults otherwise (mmap on: its load maps the file and reads
-little of it). So each process then also times its first token (one token's logits), which reads every
-weight for both: llama.cpp's deferred page faults land there. llama.cpp gets the same threads for that token
-as numaserve uses (n_threads, n_threads_batch; they do not change its load). The three runs alternate, the
-order flipping every sample (benchmarks/bench_decode.alternate); a cold run empties the cache directory
-first; the files are read through once before every sample, so each run starts with them in the page cache.
-Medians from one run.
+little of it), and once more with use_mmap=False (it then reads the file into memory, as numaserve does and
+as benchmarks/llamacpp_runner.py runs it). So each process then also times its first token (one token's
+logits), which reads every weight: llama.cpp's deferred page faults land there. llama.cpp gets the same
+threads for that token as numaserve uses (n_threads, n_threads_batch; they do not change its load). The
+four runs alternate, the order flipping every sample (benchmarks/bench_decode.alternate); a cold run
+empties the cache directory first; the files are read through once before every sample, so each run starts
+with them in the page cache. Medians from one run.
 
     python -m benchmarks.bench_load [--shape tinyllama|small] [--samples 7]
 
@@ -33,7 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 CHECKPOINTS = {"tinyllama": "tinyllama-1.1b", "small": "llama-56m"}  # --shape -> benchmarks/checkpoints.py
 N_CTX = 256
-RUNS = ("numaserve cold", "numaserve warm", "llama.cpp")
+RUNS = ("numaserve cold", "numaserve warm", "llama.cpp", "llama.cpp no mmap")
 
 
 # ---- the sample processes ----------------------------------------------------------------------------------
@@ -53,12 +54,13 @@ def numaserve_sample(gguf: str, cache_dir: str) -> dict:
             "threads": llm.engine.decisions.recent("threading")[0]["choice"]}
 
 
-def llamacpp_sample(gguf: str, threads: int) -> dict:
+def llamacpp_sample(gguf: str, threads: int, use_mmap: bool) -> dict:
     started = time.perf_counter()
     import llama_cpp
 
     imported = time.perf_counter()
-    llm = llama_cpp.Llama(gguf, n_ctx=N_CTX, n_threads=threads, n_threads_batch=threads, verbose=False)
+    llm = llama_cpp.Llama(gguf, n_ctx=N_CTX, n_threads=threads, n_threads_batch=threads, use_mmap=use_mmap,
+                          verbose=False)
     loaded = time.perf_counter()
     llm.eval([llm.token_bos()])
     return {"import_s": imported - started, "load_s": loaded - imported,
@@ -98,17 +100,18 @@ def plot(results: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     med = results["medians"]
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    fig, ax = plt.subplots(figsize=(7.2, 4.2))
     x = range(len(RUNS))
     load = [med[r]["load_s"] for r in RUNS]
     first = [med[r]["first_token_s"] for r in RUNS]
-    ax.bar(x, load, 0.6, color=["C3", "C0", "C1"], label="load (constructor)")
-    ax.bar(x, first, 0.6, bottom=load, color=["C3", "C0", "C1"], alpha=0.35, hatch="//",
+    colors = ["C3", "C0", "C1", "C2"]
+    ax.bar(x, load, 0.6, color=colors, label="load (constructor)")
+    ax.bar(x, first, 0.6, bottom=load, color=colors, alpha=0.35, hatch="//",
            label="first token (reads every weight)")
     for i, r in enumerate(RUNS):
         note = f"{load[i]:.2f} s"
-        if r != "llama.cpp":
-            note += f"\n{results['ratios'][r]:.1f}x llama.cpp's load"
+        if r.startswith("numaserve"):
+            note += f"\n{results['ratios'][r + ' / llama.cpp']:.1f}x llama.cpp's load"
         ax.annotate(note, (i, load[i] + first[i]), ha="center", va="bottom", fontsize=8)
     ax.set_xticks(list(x), RUNS)
     ax.set_ylabel("seconds (median)")
@@ -132,7 +135,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.sample:
         engine, *rest = args.sample
-        result = numaserve_sample(*rest) if engine == "numaserve" else llamacpp_sample(rest[0], int(rest[1]))
+        result = (numaserve_sample(*rest) if engine == "numaserve" else
+                  llamacpp_sample(rest[0], int(rest[1]), rest[2] == "mmap"))
         print(json.dumps(result), flush=True)
         return
     from benchmarks.bench_decode import CLEAN_ENV, alternate
@@ -152,11 +156,13 @@ def main() -> None:
             return run_sample(["numaserve", str(gguf), str(cache_dir)], CLEAN_ENV)
         return run
 
-    def llamacpp() -> dict:
-        read_through([gguf])
-        return run_sample(["llamacpp", str(gguf), str(threads)], CLEAN_ENV)
+    def llamacpp(mmap: bool):
+        def run() -> dict:
+            read_through([gguf])
+            return run_sample(["llamacpp", str(gguf), str(threads), "mmap" if mmap else "read"], CLEAN_ENV)
+        return run
 
-    runs = dict(zip(RUNS, (numaserve(True), numaserve(False), llamacpp)))
+    runs = dict(zip(RUNS, (numaserve(True), numaserve(False), llamacpp(True), llamacpp(False))))
     numaserve(True)()  # untimed: numba's kernels compiled and cached, the entry written
     samples = alternate(args.samples, runs)
     expected = {"numaserve cold": "built", "numaserve warm": "hit"}
@@ -167,10 +173,13 @@ def main() -> None:
     timed = ("import_s", "load_s", "first_token_s")
     medians = {name: {k: statistics.median(s[k] for s in got) for k in timed}
                for name, got in samples.items()}
-    base = medians["llama.cpp"]["load_s"]
-    ratios = {name: medians[name]["load_s"] / base for name in expected}
-    to_first = {name: (m["load_s"] + m["first_token_s"]) / (base + medians["llama.cpp"]["first_token_s"])
-                for name, m in medians.items() if name in expected}
+    ratios, to_first = {}, {}  # numaserve's over llama.cpp's: load; load and first token
+    for name in expected:
+        for ref in ("llama.cpp", "llama.cpp no mmap"):
+            mine, theirs = medians[name], medians[ref]
+            ratios[f"{name} / {ref}"] = mine["load_s"] / theirs["load_s"]
+            to_first[f"{name} / {ref}"] = ((mine["load_s"] + mine["first_token_s"])
+                                           / (theirs["load_s"] + theirs["first_token_s"]))
     meta = {"command": "python -m benchmarks.bench_load " + " ".join(sys.argv[1:]),
             "revision": revision(ROOT), "date": time.strftime("%Y-%m-%d %H:%M"), "cpu": _cpu_name(),
             "checkpoint": ckpt.name,
@@ -178,9 +187,9 @@ def main() -> None:
             "entry_bytes": samples["numaserve warm"][0]["entry_bytes"], "samples": args.samples,
             "threads": threads, "n_ctx": N_CTX, "page_cache": "warm: files read through before every sample",
             "llamacpp_settings": "llama_cpp.Llama(gguf, n_ctx=256, n_threads=n_threads_batch=threads, "
-                                 "verbose=False), defaults otherwise (mmap on)"}
+                                 "verbose=False), defaults otherwise (mmap on); 'no mmap': use_mmap=False"}
     results = {"meta": meta, "medians": medians, "ratios": ratios, "load_and_first_token_ratios": to_first,
-               "warm_within_2x_llamacpp": ratios["numaserve warm"] <= 2.0, "samples": samples}
+               "warm_within_2x_llamacpp": ratios["numaserve warm / llama.cpp"] <= 2.0, "samples": samples}
     print(json.dumps({k: v for k, v in results.items() if k not in ("samples", "meta")}, indent=1))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=1))
