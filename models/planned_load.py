@@ -101,7 +101,7 @@ def _read(entry: Path, key: dict, decisions: DecisionLog) -> tuple[ModelSpec, Mo
                                                                    int]:
     """-> (spec, weights, tokenizer, bytes read) from the entry; planning's decisions replayed into decisions.
     Raises FileNotFoundError (no entry) or one of _UNREADABLE."""
-    fields, arrays, tokenizer = read_entry(entry, _tokenizer)  # the tokenizer built while the arrays are read
+    fields, arrays = read_entry(entry)
     if fields["key"] != key:
         raise CorruptEntry(f"{entry}: its manifest's key is another model's")
     tree = unflatten(fields["tree"], arrays)
@@ -109,7 +109,7 @@ def _read(entry: Path, key: dict, decisions: DecisionLog) -> tuple[ModelSpec, Mo
                 for topic, choice, why, subject, warn in fields["decisions"]]
     for topic, choice, why, subject, warn in replayed:
         decisions.record(topic, choice, why, subject, warn=warn)
-    return tree["spec"], tree["weights"], tokenizer, sum(a.nbytes for a in arrays)
+    return tree["spec"], tree["weights"], _tokenizer(fields["tokenizer"]), sum(a.nbytes for a in arrays)
 
 
 def _keyed_cache(model_path: Path, config: EngineConfig, calibration: Calibration | None,
@@ -141,8 +141,8 @@ class _Recording:
         self.records.append([topic, choice, reason if isinstance(reason, str) else reason(), subject, warn])
 
 
-def _tokenizer(fields: dict) -> Tokenizer | None:
-    text = fields["tokenizer"]
+def _tokenizer(text: str | None) -> Tokenizer | None:
+    """From its tokenizer.json text (0.1-0.2 s for a 32000-token vocabulary)."""
     return None if text is None else Tokenizer(HFTokenizer.from_str(text))
 
 
