@@ -97,8 +97,8 @@ def load_planned(model_path: str | Path, config: EngineConfig, decisions: Decisi
                  entry if size else None, size)
 
 
-def _read(entry: Path, key: dict, decisions: DecisionLog) -> tuple[ModelSpec, ModelWeights, Tokenizer | None,
-                                                                   int]:
+def _read(entry: Path, key: dict,
+          decisions: DecisionLog) -> tuple[ModelSpec, ModelWeights, Tokenizer | None, int]:
     """-> (spec, weights, tokenizer, bytes read) from the entry; planning's decisions replayed into decisions.
     Raises FileNotFoundError (no entry) or one of _UNREADABLE."""
     fields, arrays = read_entry(entry)
