@@ -17,26 +17,21 @@ _weights: dict = {}
 
 def share_weights() -> None:
     """Engines built after this share the loaded (and activation-planned) weights of the same checkpoint and
-    weight dtype, so a benchmark can hold one engine per configuration without one copy per engine."""
-    if getattr(engine_module.load_model, "_shared", False):
+    weight and activation dtypes, so a benchmark can hold one engine per configuration without one copy per
+    engine (the packed cache would read a copy for each). Planning's decisions go to the first engine's
+    log."""
+    if getattr(engine_module.load_planned, "_shared", False):
         return
-    load, plan = engine_module.load_model, engine_module.plan_activations
+    load = engine_module.load_planned
 
-    def load_model(path, weight_dtype, *args, **kwargs):
-        key = ("load", str(path), weight_dtype)
+    def load_planned(path, config, decisions):
+        key = (str(path), config.weight_dtype, config.activation_dtype)
         if key not in _weights:
-            _weights[key] = load(path, weight_dtype, *args, **kwargs)
+            _weights[key] = load(path, config, decisions)
         return _weights[key]
 
-    def plan_activations(weights, activation_dtype, *args, **kwargs):
-        key = ("plan", id(weights), activation_dtype)
-        if key not in _weights:
-            # the key holds id(weights): keep `weights` alive with the result
-            _weights[key] = (weights, plan(weights, activation_dtype, *args, **kwargs))
-        return _weights[key][1]
-
-    load_model._shared = True
-    engine_module.load_model, engine_module.plan_activations = load_model, plan_activations
+    load_planned._shared = True
+    engine_module.load_planned = load_planned
 
 
 def forget_shared_weights() -> None:

@@ -1,5 +1,6 @@
 """EngineConfig: the one frozen config of an engine. Its field names are public API."""
 
+import os
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -10,6 +11,12 @@ WeightDtype = Literal["auto", "float32", "bfloat16", "q8_0", "q4_0", "q4_k", "q5
                       "q5_k_m"]
 KVDtype = Literal["auto", "float32", "bfloat16", "int8"]
 ActivationDtype = Literal["auto", "float32", "bfloat16", "int8"]
+
+
+def default_packed_cache_dir() -> str:
+    """$NUMASERVE_CACHE_DIR ("off": no cache; the test suite sets it), else ~/.cache/numaserve/packed ("~"
+    is expanded where the engine runs)."""
+    return os.environ.get("NUMASERVE_CACHE_DIR", "~/.cache/numaserve/packed")
 
 
 class EngineConfig(BaseModel):
@@ -54,6 +61,14 @@ class EngineConfig(BaseModel):
     adapter_roots: tuple[str, ...] | None = Field(
         None, description="folders adapters may be registered from ('..' and symlinks resolved); "
                           "None = anywhere")
+    packed_cache_dir: str | None = Field(
+        default_factory=default_packed_cache_dir, validate_default=True,
+        description="where weights packed for this host are kept, so that a second start of the same model "
+                    "skips loading and repacking them (models/planned_load.py); None or 'off' = repack at "
+                    "every start; $NUMASERVE_CACHE_DIR sets the default")
+    packed_cache_bytes: int = Field(
+        32 << 30, ge=0, description="the packed cache's size at most, in bytes: the least recently used "
+                                    "entries go after a write")
     speculation: SpeculationConfig = Field(default_factory=SpeculationConfig,
                                            description="speculative decoding (a SpeculationConfig or a dict "
                                                        "of its fields); off by default")
@@ -64,6 +79,11 @@ class EngineConfig(BaseModel):
         if v & (v - 1):
             raise ValueError(f"block_size must be a power of two (got {v}); use e.g. 16")
         return v
+
+    @field_validator("packed_cache_dir")
+    @classmethod
+    def _off(cls, v: str | None) -> str | None:
+        return None if v == "off" else v
 
     @property
     def resolved_kv_dtype(self) -> str:

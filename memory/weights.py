@@ -1,6 +1,9 @@
 """Weight containers: a matrix in one of the served formats (float32, bfloat16, q8_0, q4_0, and GGML's block
 formats q4_k, q5_k, q6_k, q4_1, q5_0, q5_1), and a model's weights (ModelWeights, its LayerWeights) as the
-loaders build them and the forward pass reads them."""
+loaders build them and the forward pass reads them.
+
+The packed cache stores these containers as they are (models/packed_tree.py): a change to the bytes a
+packer writes must bump models/packed_cache.LAYOUT_VERSION, or starts would read entries of the old layout."""
 
 from dataclasses import dataclass, replace
 from itertools import pairwise

@@ -30,7 +30,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                                 '\'{"method": "ngram", "num_speculative_tokens": 4}\' (default: off)')
         else:
             p.add_argument(flag, dest=name, metavar="VALUE",
-                           help=f"{field.description} (default: {field.default})")  # None: EngineConfig's
+                           help=f"{field.description} (default: "  # None: EngineConfig's
+                                f"{field.get_default(call_default_factory=True)})")
 
 
 def _engine_fields(args) -> dict:

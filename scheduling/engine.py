@@ -17,12 +17,10 @@ from kernels import resolve_num_threads, threading_decision
 from memory.block_pool import BlockPool
 from memory.heap import release_free_heap
 from memory.kv_cache import KVCache
-from models.activation_plan import plan_activations
-from models.calibration import load_calibration
 from models.decoder import DecoderModel
-from models.loader import load_model
 from models.lora import LoraAdapter
 from models.lora_slots import LoraSlots, slot_dtype
+from models.planned_load import load_planned
 from models.tokenizer import IncrementalDetokenizer
 from scheduling.adapter_store import AdapterStore
 from scheduling.batcher import Batcher
@@ -53,10 +51,10 @@ class Engine:
         self.decisions = DecisionLog()
         numba.set_num_threads(resolve_num_threads(config.num_threads, os.sched_getaffinity(0)))
         self.decisions.record("threading", **threading_decision())  # once set_num_threads started them
-        self.spec, weights, self.tokenizer = load_model(model_path, config.weight_dtype)
-        weights = plan_activations(weights, config.activation_dtype, self.decisions,
-                                   load_calibration(model_path), config.activation_scales == "static")
-        release_free_heap()  # the matrices plan_activations repacked
+        loaded = load_planned(model_path, config, self.decisions)  # through the packed cache
+        self.spec, weights, self.tokenizer, self.load_stats = (loaded.spec, loaded.weights, loaded.tokenizer,
+                                                               loaded.stats)
+        release_free_heap()  # the matrices planning repacked
         s, bs = self.spec, config.block_size
         self.max_model_len = config.max_model_len or s.max_position_embeddings
         self.model = DecoderModel(s, weights, self.max_model_len)

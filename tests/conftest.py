@@ -1,3 +1,5 @@
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -7,6 +9,9 @@ from tests.model_factory import VARIANTS, build_model
 from tests.stress import cpu_burner, pytest_addoption, pytest_configure, pytest_generate_tests  # noqa: F401
 
 torch.set_num_threads(1)
+# engines the tests build repack at every start and write nothing to ~/.cache (EngineConfig's default reads
+# this); tests/test_packed_cache.py turns the packed cache on in tmp_path
+os.environ["NUMASERVE_CACHE_DIR"] = "off"
 
 
 @pytest.fixture(scope="session")

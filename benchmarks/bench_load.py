@@ -1,0 +1,200 @@
+"""Load time: numaserve's first start of a model (cold: an empty packed cache, so it hashes the file, loads,
+repacks and writes an entry) and its second (warm: it reads the entry back) against llama.cpp's load of the
+same file (by default, and without mmap).
+
+A TinyLlama-shaped random checkpoint (benchmarks/checkpoints.py: 1.1B parameters), exported once to a q8_0
+GGUF by numaserve (models.gguf_writer.convert_to_gguf, in a short-lived process): 1.17 GB. Every sample
+is a fresh process that times its constructor alone (its imports timed apart): numaserve.LLM(gguf,
+packed_cache_dir=a benchmark's own directory) with its defaults otherwise, and llama_cpp.Llama(gguf,
+n_ctx=256, verbose=False) with llama.cpp's defaults otherwise (mmap on: its load maps the file and reads
+little of it), and once more with use_mmap=False (it then reads the file into memory, as numaserve does and
+as benchmarks/llamacpp_runner.py runs it). So each process then also times its first token (one token's
+logits), which reads every weight: llama.cpp's deferred page faults land there. llama.cpp gets the same
+threads for that token as numaserve uses (n_threads, n_threads_batch; they do not change its load). The
+four runs alternate, the order flipping every sample (benchmarks/bench_decode.alternate); a cold run
+empties the cache directory first; the files are read through once before every sample, so each run starts
+with them in the page cache. Medians from one run.
+
+    python -m benchmarks.bench_load [--shape tinyllama|small] [--samples 7]
+
+Writes benchmarks/results/load.json and load.png.
+"""
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+CHECKPOINTS = {"tinyllama": "tinyllama-1.1b", "small": "llama-56m"}  # --shape -> benchmarks/checkpoints.py
+N_CTX = 256
+RUNS = ("numaserve cold", "numaserve warm", "llama.cpp", "llama.cpp no mmap")
+
+
+# ---- the sample processes ----------------------------------------------------------------------------------
+
+def numaserve_sample(gguf: str, cache_dir: str) -> dict:
+    started = time.perf_counter()
+    import numaserve as ns
+
+    imported = time.perf_counter()
+    llm = ns.LLM(gguf, packed_cache_dir=cache_dir)
+    loaded = time.perf_counter()
+    llm.generate([1], ns.SamplingParams(max_tokens=1, temperature=0))
+    stats = llm.engine.load_stats
+    return {"import_s": imported - started, "load_s": loaded - imported,
+            "first_token_s": time.perf_counter() - loaded, "outcome": stats.outcome,
+            "hash_s": stats.hash_seconds, "entry_bytes": stats.entry_bytes,
+            "threads": llm.engine.decisions.recent("threading")[0]["choice"]}
+
+
+def llamacpp_sample(gguf: str, threads: int, use_mmap: bool) -> dict:
+    started = time.perf_counter()
+    import llama_cpp
+
+    imported = time.perf_counter()
+    llm = llama_cpp.Llama(gguf, n_ctx=N_CTX, n_threads=threads, n_threads_batch=threads, use_mmap=use_mmap,
+                          verbose=False)
+    loaded = time.perf_counter()
+    llm.eval([llm.token_bos()])
+    return {"import_s": imported - started, "load_s": loaded - imported,
+            "first_token_s": time.perf_counter() - loaded}
+
+
+# ---- the benchmark -----------------------------------------------------------------------------------------
+
+def run_sample(argv: list[str], env: dict) -> dict:
+    out = subprocess.run([sys.executable, "-m", "benchmarks.bench_load", "--sample", *argv], cwd=ROOT,
+                         env=env, check=True, capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def read_through(paths: list[Path]) -> None:
+    """Every byte once, so the page cache holds the files (the VM may have reclaimed them meanwhile)."""
+    for path in paths:
+        with open(path, "rb", buffering=0) as f:
+            while f.read(64 << 20):
+                pass
+
+
+def exported_gguf(ckpt: Path) -> Path:
+    from benchmarks.checkpoints import CACHE
+
+    gguf = CACHE / f"{ckpt.name}-q8_0.gguf"  # the name bench_moe gives its exports
+    if not gguf.exists():
+        code = ("import sys; from models.gguf_writer import convert_to_gguf; "
+                "convert_to_gguf(sys.argv[1], sys.argv[2], 'q8_0')")
+        subprocess.run([sys.executable, "-c", code, str(ckpt), str(gguf)], cwd=ROOT, check=True)
+    return gguf
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    med = results["medians"]
+    fig, ax = plt.subplots(figsize=(7.2, 4.2))
+    x = range(len(RUNS))
+    load = [med[r]["load_s"] for r in RUNS]
+    first = [med[r]["first_token_s"] for r in RUNS]
+    colors = ["C3", "C0", "C1", "C2"]
+    ax.bar(x, load, 0.6, color=colors, label="load (constructor)")
+    ax.bar(x, first, 0.6, bottom=load, color=colors, alpha=0.35, hatch="//",
+           label="first token (reads every weight)")
+    for i, r in enumerate(RUNS):
+        note = f"{load[i]:.2f} s"
+        if r.startswith("numaserve"):
+            note += f"\n{results['ratios'][r + ' / llama.cpp']:.1f}x llama.cpp's load"
+        ax.annotate(note, (i, load[i] + first[i]), ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(list(x), RUNS)
+    ax.set_ylabel("seconds (median)")
+    ax.set_ylim(0, 1.25 * max(a + b for a, b in zip(load, first)))
+    ax.legend(fontsize=8, loc="upper right")
+    meta = results["meta"]
+    fig.suptitle(f"{meta['checkpoint']} q8_0 GGUF ({meta['gguf_bytes'] / 1e9:.2f} GB), {meta['cpu']}, "
+                 f"{meta['samples']} samples", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", default="tinyllama", choices=list(CHECKPOINTS),
+                        help="tinyllama: TinyLlama-1.1B's shape; small: llama-56m (a smoke test)")
+    parser.add_argument("--samples", type=int, default=7, help="timed samples per run")
+    parser.add_argument("--out", type=Path, default=RESULTS / "load.json")
+    parser.add_argument("--sample", nargs="+", help=argparse.SUPPRESS)  # inside a sample process
+    args = parser.parse_args()
+    if args.sample:
+        engine, *rest = args.sample
+        result = (numaserve_sample(*rest) if engine == "numaserve" else
+                  llamacpp_sample(rest[0], int(rest[1]), rest[2] == "mmap"))
+        print(json.dumps(result), flush=True)
+        return
+    from benchmarks.bench_decode import CLEAN_ENV, alternate
+    from benchmarks.bench_revisions import _cpu_name, revision
+    from benchmarks.checkpoints import CACHE, checkpoint_config, random_checkpoint
+
+    ckpt = random_checkpoint(CHECKPOINTS[args.shape])
+    gguf = exported_gguf(ckpt)
+    cache_dir = CACHE / "packed-bench"  # the benchmark's own: emptied before every cold run
+    threads = len(os.sched_getaffinity(0))
+
+    def numaserve(cold: bool):
+        def run() -> dict:
+            if cold:
+                shutil.rmtree(cache_dir, ignore_errors=True)
+            read_through([gguf, *cache_dir.glob("*.packed")])
+            return run_sample(["numaserve", str(gguf), str(cache_dir)], CLEAN_ENV)
+        return run
+
+    def llamacpp(mmap: bool):
+        def run() -> dict:
+            read_through([gguf])
+            return run_sample(["llamacpp", str(gguf), str(threads), "mmap" if mmap else "read"], CLEAN_ENV)
+        return run
+
+    runs = dict(zip(RUNS, (numaserve(True), numaserve(False), llamacpp(True), llamacpp(False))))
+    numaserve(True)()  # untimed: numba's kernels compiled and cached, the entry written
+    samples = alternate(args.samples, runs)
+    expected = {"numaserve cold": "built", "numaserve warm": "hit"}
+    for name, outcome in expected.items():
+        if any(s["outcome"] != outcome for s in samples[name]):
+            raise RuntimeError(f"{name}: outcomes {[s['outcome'] for s in samples[name]]}, expected "
+                               f"{outcome}")
+    timed = ("import_s", "load_s", "first_token_s")
+    medians = {name: {k: statistics.median(s[k] for s in got) for k in timed}
+               for name, got in samples.items()}
+    ratios, to_first = {}, {}  # numaserve's over llama.cpp's: load; load and first token
+    for name in expected:
+        for ref in ("llama.cpp", "llama.cpp no mmap"):
+            mine, theirs = medians[name], medians[ref]
+            ratios[f"{name} / {ref}"] = mine["load_s"] / theirs["load_s"]
+            to_first[f"{name} / {ref}"] = ((mine["load_s"] + mine["first_token_s"])
+                                           / (theirs["load_s"] + theirs["first_token_s"]))
+    meta = {"command": "python -m benchmarks.bench_load " + " ".join(sys.argv[1:]),
+            "revision": revision(ROOT), "date": time.strftime("%Y-%m-%d %H:%M"), "cpu": _cpu_name(),
+            "checkpoint": ckpt.name,
+            "config": checkpoint_config(ckpt.name), "gguf": str(gguf), "gguf_bytes": gguf.stat().st_size,
+            "entry_bytes": samples["numaserve warm"][0]["entry_bytes"], "samples": args.samples,
+            "threads": threads, "n_ctx": N_CTX, "page_cache": "warm: files read through before every sample",
+            "llamacpp_settings": "llama_cpp.Llama(gguf, n_ctx=256, n_threads=n_threads_batch=threads, "
+                                 "verbose=False), defaults otherwise (mmap on); 'no mmap': use_mmap=False"}
+    results = {"meta": meta, "medians": medians, "ratios": ratios, "load_and_first_token_ratios": to_first,
+               "warm_within_2x_llamacpp": ratios["numaserve warm / llama.cpp"] <= 2.0, "samples": samples}
+    print(json.dumps({k: v for k, v in results.items() if k not in ("samples", "meta")}, indent=1))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=1))
+    plot(results, args.out.with_suffix(".png"))
+
+
+if __name__ == "__main__":
+    main()

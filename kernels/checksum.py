@@ -1,0 +1,22 @@
+"""A 64-bit checksum of stored bytes, fast enough to verify a packed-weight cache entry at every start.
+
+weighted_sum = sum of words[i] * (2 * (start + i) + 1), mod 2**64. The weights are odd, so invertible mod
+2**64: a change confined to one 8-byte word always changes the sum; a random corruption (a torn write, a
+zeroed page) goes unnoticed with a chance of about 2**-64. It guards storage, not against an adversary (the
+cache's key holds the source's sha256). The loop vectorizes (AVX-512 vpmullq); measured on 1.17 GB in memory
+(this 2-core EPYC, five alternating runs): 25-28 GB/s, against zlib.crc32 3.9-4.2 and sha256 1.6-1.8 GB/s
+(blake2b 0.86, md5 0.76 in an earlier run).
+"""
+
+import numpy as np
+from numba import njit
+
+
+@njit(cache=True, nogil=True)
+def weighted_sum(words: np.ndarray, start: int) -> np.uint64:
+    """words: uint64 [n], word start + i of the stored bytes."""
+    s = np.uint64(0)
+    first = np.uint64(2 * start + 1)
+    for i in range(words.shape[0]):
+        s += words[i] * (first + np.uint64(2 * i))
+    return s
