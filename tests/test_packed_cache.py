@@ -26,6 +26,7 @@ from models import packed_cache, planned_load
 from models.calibration import Calibration, MatrixCalibration, matrix_names, save_calibration
 from models.gguf_writer import convert_to_gguf
 from models.packed_tree import Unstorable, flatten, unflatten
+from tests.fixtures.make_kquant_gguf import FIXTURE
 
 PROMPT = [1, 17, 5, 99, 250, 3, 42, 7]
 GREEDY = ns.SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
@@ -73,6 +74,8 @@ CASES = {  # name -> (model, engine fields)
     "bfloat16 activations": ("llama", {"weight_dtype": "bfloat16", "activation_dtype": "bfloat16"}),
     "experts": ("qwen3_moe", {}),
     "gguf": ("gguf", {"weight_dtype": "auto"}),
+    # llama.cpp's Q4_K_M file: K-quant packed matrices, StackedMatrix of Q4_K and Q6_K parts
+    "q4_k_m gguf": ("q4_k_m", {"weight_dtype": "auto"}),
 }
 
 
@@ -81,7 +84,7 @@ def test_a_second_load_hits_without_loading_or_repacking_and_serves_identical_lo
                                                                                      gguf_file, tmp_path,
                                                                                      monkeypatch):
     model, fields = CASES[case]
-    path = gguf_file if model == "gguf" else model_dirs[model]
+    path = {"gguf": gguf_file, "q4_k_m": FIXTURE}.get(model) or model_dirs[model]
     first = load(path, tmp_path, **fields)
     assert outcome(first) == "built" and len(entries(tmp_path)) == 1
     no_loading_or_repacking(monkeypatch)
