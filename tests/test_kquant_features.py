@@ -16,6 +16,7 @@ from transformers import LlamaForCausalLM
 
 import numaserve as ns
 from memory.weights import BlockInt8Matrix, WeightMatrix, parts
+from models.gguf_writer import convert_to_gguf
 from models.linear import dequantize
 from models.loader import load_model
 from tests.conftest import random_prompt
@@ -146,3 +147,18 @@ def test_an_adapter_on_the_quantized_base_matches_peft_and_a_merged_one_keeps_th
     # bound is that of quantization itself
     exact = ns.LLM(kq_dir, weight_dtype="float32", kv_dtype="float32")
     assert np.abs(got - expected).max() < 1.5 * np.abs(llm.score(tokens) - exact.score(tokens)).max()
+
+
+def test_a_q4_k_m_mixture_of_experts_exported_to_gguf_serves_what_it_served(tmp_path):
+    # experts stacked from the GGUF's 3-D tensors (Q4_K gate/up; Q6_K down in the layers with more bits)
+    moe = tmp_path / "moe"
+    build_model(moe, "qwen3_moe", hidden_size=256, moe_intermediate_size=256, intermediate_size=512,
+                head_dim=64)
+    path = convert_to_gguf(moe, tmp_path / "moe-q4_k_m.gguf", "q4_k_m")
+    tokens = random_prompt(30, seed=12)
+    for activation_dtype in ("float32", "int8"):
+        direct = ns.LLM(moe, weight_dtype="q4_k_m", activation_dtype=activation_dtype, kv_dtype="float32")
+        served = ns.LLM(path, activation_dtype=activation_dtype, kv_dtype="float32")
+        experts = served.engine.model.weights.layers[-1].experts
+        assert (experts.gate_up.dtype, experts.down.dtype) == ("q4_k", "q6_k")
+        assert np.array_equal(served.score(tokens), direct.score(tokens))
