@@ -1,8 +1,10 @@
 """A sparse mixture-of-experts MLP (Mixtral, Qwen3-MoE): a float32 router picks each token's top-k experts,
 each expert is a SiLU-gated MLP, and a token's output is the routing-weighted sum of its experts' outputs.
 
-Only the experts some token of the step was routed to run, each over its own rows, on zero-copy views of
-the stacked matrices (memory/weights.row_block); the ids moe_forward returns say which ones ran.
+Only the experts some token of the step was routed to run, each over its own rows: experts packed for the
+VNNI kernel all in one compiled call (kernels/moe_fused.py), other formats one linear call per expert on
+zero-copy views of the stacked matrices (memory/weights.row_block); the ids moe_forward returns say which
+ones ran.
 """
 
 from collections.abc import Callable
@@ -47,7 +49,7 @@ def moe_forward(x: np.ndarray, experts: ExpertWeights, linear: Linear,
     call per routed expert and projection on its views. A token's output is its slots' outputs summed in
     slot order, each from its own row alone: the same bits in any batch, and on either path."""
     x = np.ascontiguousarray(x, np.float32)
-    if _grouped(experts):
+    if _fused(experts):
         return _experts_fused(x, experts, buffers or MoeBuffers())
     T, hidden = x.shape
     k, I = experts.top_k, experts.intermediate_size
@@ -97,7 +99,7 @@ class ExpertLog:
                 + f"; last step: {len(np.unique(last))} experts for {last.shape[0]} tokens")
 
 
-def _grouped(experts: ExpertWeights) -> bool:
+def _fused(experts: ExpertWeights) -> bool:
     """Whether the routed experts run in one compiled call: both matrices packed for the VNNI kernel (what
     int8 activations use where the CPU has it; ExpertWeights checked at construction that each expert's rows
     are whole blocks of 4)."""

@@ -1,5 +1,6 @@
 """The mixture-of-experts layer (models/moe.py, kernels/moe.py): transformers' own MoE blocks, a plain float64
-reference over every weight format, reading only the routed experts, and batch invariance."""
+reference over every weight format, reading only the routed experts, batch invariance, and the fused path of
+VNNI-packed experts (kernels/moe_fused.py) bit for bit against one linear call per (token, slot)."""
 
 import numpy as np
 import pytest
