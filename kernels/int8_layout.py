@@ -109,14 +109,17 @@ def _quantize_parallel(x, xq, xd, xsum, inv_static, static_scale, width):
         _quantize_row(x, t, xq, xd, xsum, inv_static, static_scale, width)
 
 
-def quantize_activations(x: np.ndarray, xq: np.ndarray, xd: np.ndarray, xsum: np.ndarray,
-                         static_scale: float = 0.0) -> None:
+@njit(cache=True, nogil=True)  # compiled, so that compiled callers (kernels/moe_fused.py) run the same rule
+def quantize_activations(x, xq, xd, xsum, static_scale=0.0):
     # x: [T, K] f32 -> xq: [T, Kp] int16 (pair order) | int8 (quad order), xd: [T, Kp // 32] f32,
     # xsum: [T, Kp // 32] int32; static_scale > 0: every block uses that scale (calibrated); 0: per-block
     # dynamic scales
     inv = np.float32(1.0) / np.float32(static_scale) if static_scale > 0 else np.float32(0.0)
-    run = _quantize_parallel if x.shape[0] >= PARALLEL_MIN_TOKENS else _quantize_serial
-    run(x, xq, xd, xsum, inv, np.float32(static_scale), QUADS if xq.dtype == np.int8 else PAIRS)
+    width = QUADS if xq.itemsize == 1 else PAIRS
+    if x.shape[0] >= PARALLEL_MIN_TOKENS:
+        _quantize_parallel(x, xq, xd, xsum, inv, np.float32(static_scale), width)
+    else:
+        _quantize_serial(x, xq, xd, xsum, inv, np.float32(static_scale), width)
 
 
 @njit(cache=True, nogil=True, parallel=True)

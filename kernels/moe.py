@@ -1,5 +1,5 @@
 """Mixture-of-experts pieces: route tokens to their top-k experts, group a step's (token, slot) pairs by
-expert, gather an expert's input rows, scatter its output rows, and sum each token's expert outputs.
+expert, gather an expert's input rows, and sum each token's expert outputs (kept grouped by expert).
 
 A (token t, slot j) pair is named by its flat position t * k + j, slot j holding the token's j-th largest
 routing weight. Each token's result is computed from its own row alone and summed in slot order, so it does
@@ -53,9 +53,10 @@ def route_tokens(logits, normalize, ids, weights):
 
 
 @njit(cache=True, nogil=True)
-def group_by_expert(ids, offsets, slots):
-    # ids: [T, k] int32 in [0, E) -> offsets: [E + 1] int64, slots: [T * k] int64 flat positions t * k + j;
-    # expert e's pairs are slots[offsets[e]:offsets[e + 1]], ascending (so by token). A counting sort.
+def group_by_expert(ids, offsets, slots, position):
+    # ids: [T, k] int32 in [0, E) -> offsets: [E + 1] int64, slots: [T * k] int64 flat positions t * k + j,
+    # position: [T * k] int64 its inverse (slots[position[p]] = p); expert e's pairs are
+    # slots[offsets[e]:offsets[e + 1]], ascending (so by token). A counting sort.
     T, k = ids.shape
     E = offsets.shape[0] - 1
     offsets[:] = 0
@@ -71,10 +72,25 @@ def group_by_expert(ids, offsets, slots):
         for j in range(k):
             e = ids[t, j]
             slots[offsets[e]] = t * k + j
+            position[t * k + j] = offsets[e]
             offsets[e] += 1
     for e in range(E, 0, -1):
         offsets[e] = offsets[e - 1]
     offsets[0] = 0
+
+
+@njit(cache=True, nogil=True)
+def active_experts(offsets, active, starts):
+    # offsets: [E + 1] (group_by_expert) -> active[:S]: the experts with pairs, ascending, starts[:S + 1]:
+    # active[s]'s pairs are slots[starts[s]:starts[s + 1]]; -> S
+    S = 0
+    for e in range(offsets.shape[0] - 1):
+        if offsets[e + 1] > offsets[e]:
+            active[S] = e
+            starts[S] = offsets[e]
+            S += 1
+    starts[S] = offsets[-1]
+    return S
 
 
 @njit(cache=True, nogil=True)
@@ -85,34 +101,34 @@ def gather_rows(x, slots, k, out):
 
 
 @njit(cache=True, nogil=True)
-def scatter_rows(src, slots, dst):
-    # src: [n, H] f32, slots: [n] flat positions -> dst: [T * k, H] f32, dst[slots[i]] = src[i]
-    for i in range(slots.shape[0]):
-        dst[slots[i], :] = src[i, :]
-
-
-def weighted_sum(y, weights, out):
-    # y: [T, k, H] f32 (each slot's expert output), weights: [T, k] f32 -> out: [T, H] f32
-    (_weighted_sum_parallel if out.shape[0] >= PARALLEL_MIN_TOKENS else _weighted_sum_serial)(y, weights, out)
+def weighted_sum(y, weights, position, out):
+    # y: [>= T * k, H] f32 each pair's expert output, grouped by expert (group_by_expert's order), weights:
+    # [T, k] f32, position: [T * k] where pair t * k + j's row is -> out: [T, H] f32
+    if out.shape[0] >= PARALLEL_MIN_TOKENS:
+        _weighted_sum_parallel(y, weights, position, out)
+    else:
+        _weighted_sum_serial(y, weights, position, out)
 
 
 # no fastmath: contracting into FMAs (or reassociating) could give the serial and parallel loops other bits
 @njit(inline="always", nogil=True)
-def _weighted_sum_row(y, weights, out, t):
+def _weighted_sum_row(y, weights, position, out, t):
+    k = weights.shape[1]
     out[t, :] = 0.0
-    for j in range(y.shape[1]):  # slot order: the same sum for a token in any batch
+    for j in range(k):  # slot order: the same sum for a token in any batch
         w = weights[t, j]
-        for h in range(y.shape[2]):
-            out[t, h] += w * y[t, j, h]
+        r = position[t * k + j]
+        for h in range(out.shape[1]):
+            out[t, h] += w * y[r, h]
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def _weighted_sum_parallel(y, weights, out):
+def _weighted_sum_parallel(y, weights, position, out):
     for t in prange(out.shape[0]):
-        _weighted_sum_row(y, weights, out, t)
+        _weighted_sum_row(y, weights, position, out, t)
 
 
 @njit(cache=True, nogil=True)
-def _weighted_sum_serial(y, weights, out):
+def _weighted_sum_serial(y, weights, position, out):
     for t in range(out.shape[0]):
-        _weighted_sum_row(y, weights, out, t)
+        _weighted_sum_row(y, weights, position, out, t)

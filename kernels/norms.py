@@ -38,14 +38,23 @@ def rope_inplace(x, positions, inv_freq, attention_scaling):
     kernel(x, positions, inv_freq, attention_scaling)
 
 
+# the gated activations are compiled too, so that compiled callers (kernels/moe_fused.py) run the same rule
+@njit(cache=True, nogil=True)
 def silu_mul(gate_up, out):
     # gate_up: [T, 2*I] f32 (gate | up), out: [T, I] f32 = silu(gate) * up
-    (_silu_mul_parallel if out.shape[0] >= PARALLEL_MIN_TOKENS else _silu_mul_serial)(gate_up, out)
+    if out.shape[0] >= PARALLEL_MIN_TOKENS:
+        _silu_mul_parallel(gate_up, out)
+    else:
+        _silu_mul_serial(gate_up, out)
 
 
+@njit(cache=True, nogil=True)
 def gelu_tanh_mul(gate_up, out):
     # gate_up: [T, 2*I] f32 (gate | up), out: [T, I] f32 = gelu_tanh(gate) * up (PyTorch's approximate="tanh")
-    (_gelu_mul_parallel if out.shape[0] >= PARALLEL_MIN_TOKENS else _gelu_mul_serial)(gate_up, out)
+    if out.shape[0] >= PARALLEL_MIN_TOKENS:
+        _gelu_mul_parallel(gate_up, out)
+    else:
+        _gelu_mul_serial(gate_up, out)
 
 
 GATED_ACTIVATIONS = {"silu": silu_mul, "gelu_tanh": gelu_tanh_mul}

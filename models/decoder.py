@@ -17,6 +17,7 @@ from models.batch import ForwardBatch
 from models.linear import embed, linear
 from models.lora_slots import add_lora
 from models.moe import ExpertLog, moe_forward
+from models.moe_buffers import MoeBuffers
 from models.rope import rope_table
 from models.spec import ModelSpec
 
@@ -30,6 +31,7 @@ class DecoderModel:
                            for r in spec.layer_ropes)
         self.activation = GATED_ACTIVATIONS[spec.arch.activation]
         self.expert_log = ExpertLog(spec.num_layers, spec.num_experts)  # which experts tokens were routed to
+        self.moe_buffers = MoeBuffers()  # the MoE layers' working arrays, kept between steps
         q, kv, inter = spec.q_size, spec.kv_size, spec.intermediate_size
         # LoRA modules -> their columns in our fused projections
         self.qkv_modules = (("q_proj", slice(0, q)), ("k_proj", slice(q, q + kv)),
@@ -126,7 +128,7 @@ class DecoderModel:
     def _experts(self, i: int, experts: ExpertWeights, x: np.ndarray) -> np.ndarray:
         """A MoE layer's experts: x [T, hidden] -> [T, hidden]; the routing counted in expert_log. Timed."""
         start = time.perf_counter()
-        out, ids = moe_forward(x, experts, linear)
+        out, ids = moe_forward(x, experts, linear, self.moe_buffers)
         self.expert_log.record(i, ids)
         self.projection_seconds += time.perf_counter() - start
         return out

@@ -1,21 +1,23 @@
 """A sparse mixture-of-experts MLP (Mixtral, Qwen3-MoE): a float32 router picks each token's top-k experts,
 each expert is a SiLU-gated MLP, and a token's output is the routing-weighted sum of its experts' outputs.
 
-Only the experts some token of the step was routed to run, each over its own rows, on zero-copy views of
-the stacked matrices (memory/weights.row_block); the ids moe_forward returns say which ones ran.
+Only the experts some token of the step was routed to run, each over its own rows: experts packed for the
+VNNI kernel all in one compiled call (kernels/moe_fused.py), other formats one linear call per expert on
+zero-copy views of the stacked matrices (memory/weights.row_block); the ids moe_forward returns say which
+ones ran.
 """
 
 from collections.abc import Callable
 
 import numpy as np
 
-from kernels.linear_int8 import matmul_vnni_experts
-from kernels.moe import gather_rows, group_by_expert, route_tokens, scatter_rows, weighted_sum
+from kernels.moe import gather_rows, group_by_expert, route_tokens, weighted_sum
+from kernels.moe_fused import moe_vnni
 from kernels.norms import silu_mul
 from memory.experts import ExpertWeights
 from memory.weights import Int8Matrix, Matrix, WeightMatrix
 from models.linear import linear as linear_f32
-from models.linear import quantized_activations
+from models.moe_buffers import MoeBuffers
 
 Linear = Callable[[np.ndarray, Matrix], np.ndarray]  # (x [T, K] f32, w [N, K]) -> [T, N] f32
 
@@ -36,37 +38,39 @@ def route(logits: np.ndarray, top_k: int, normalize: bool) -> tuple[np.ndarray, 
     return ids, weights
 
 
-def moe_forward(x: np.ndarray, experts: ExpertWeights, linear: Linear) -> tuple[np.ndarray, np.ndarray]:
+def moe_forward(x: np.ndarray, experts: ExpertWeights, linear: Linear,
+                buffers: MoeBuffers | None = None) -> tuple[np.ndarray, np.ndarray]:
     """The MoE MLP over a flat token batch: x [T, hidden] f32 -> (out [T, hidden] f32, ids [T, k] int32,
     the experts each token was routed to: those that ran).
 
-    The router runs in float32 (models.linear.linear) whatever the caller's linear; the experts' matrices go
-    through `linear`, only the routed experts' views. A token's output is its slots' outputs summed in slot
-    order, each from its own row alone: the same bits in any batch."""
+    The router runs in float32 (models.linear.linear's kernel) whatever the caller's linear. Experts packed
+    for the VNNI kernel run in one compiled call (kernels/moe_fused.py) in `buffers` (a fresh MoeBuffers when
+    None; the results are views into it, valid until its next use); other formats go through `linear`, one
+    call per routed expert and projection on its views. A token's output is its slots' outputs summed in
+    slot order, each from its own row alone: the same bits in any batch, and on either path."""
+    x = np.ascontiguousarray(x, np.float32)
+    if _fused(experts):
+        return _experts_fused(x, experts, buffers or MoeBuffers())
     T, hidden = x.shape
     k, I = experts.top_k, experts.intermediate_size
-    x = np.ascontiguousarray(x, np.float32)
     logits = linear_f32(x, WeightMatrix("float32", experts.router))  # [T, E]
     ids, weights = route(logits, k, experts.normalize)
     offsets = np.empty(experts.num_experts + 1, np.int64)
-    slots = np.empty(T * k, np.int64)
-    group_by_expert(ids, offsets, slots)
-    # each (token, slot)'s expert output, kept for the slot-order sum: T * k rows (a 512-token chunk, k = 8,
-    # hidden 2048: 32 MB)
-    y = np.empty((T, k, hidden), np.float32)
-    if _grouped(experts):
-        _experts_vnni(x, experts, offsets, slots, y.reshape(T * k, hidden))
-    else:
-        for e in np.flatnonzero(np.diff(offsets)):
-            rows = slots[offsets[e]:offsets[e + 1]]  # [n] flat positions t * k + j
-            gate_up, down = experts.expert(e)
-            xe = np.empty((rows.shape[0], hidden), np.float32)
-            gather_rows(x, rows, k, xe)
-            act = np.empty((rows.shape[0], I), np.float32)
-            silu_mul(linear(xe, gate_up), act)  # [n, 2 * I] -> [n, I]
-            scatter_rows(linear(act, down), rows, y.reshape(T * k, hidden))
+    slots, position = np.empty(T * k, np.int64), np.empty(T * k, np.int64)
+    group_by_expert(ids, offsets, slots, position)
+    # each (token, slot)'s expert output, grouped by expert, kept for the slot-order sum: T * k rows (a
+    # 512-token chunk, k = 8, hidden 2048: 32 MB)
+    y = np.empty((T * k, hidden), np.float32)
+    for e in np.flatnonzero(np.diff(offsets)):
+        a, b = offsets[e], offsets[e + 1]
+        gate_up, down = experts.expert(e)
+        xe = np.empty((b - a, hidden), np.float32)
+        gather_rows(x, slots[a:b], k, xe)
+        act = np.empty((b - a, I), np.float32)
+        silu_mul(linear(xe, gate_up), act)  # [n, 2 * I] -> [n, I]
+        y[a:b] = linear(act, down)
     out = np.empty((T, hidden), np.float32)
-    weighted_sum(y, weights, out)
+    weighted_sum(y, weights, position, out)
     return out, ids
 
 
@@ -80,7 +84,7 @@ class ExpertLog:
 
     def record(self, layer: int, ids: np.ndarray) -> None:
         self.counts[layer] += np.bincount(ids.ravel(), minlength=self.counts.shape[1])
-        self.last[layer] = ids
+        self.last[layer] = ids.copy()  # ids may be a view into buffers the next layer reuses
 
     def describe(self, layer: int, top: int = 8) -> str:
         counts = self.counts[layer]
@@ -95,33 +99,23 @@ class ExpertLog:
                 + f"; last step: {len(np.unique(last))} experts for {last.shape[0]} tokens")
 
 
-def _grouped(experts: ExpertWeights) -> bool:
-    """Whether the routed experts run in one kernel call per projection: both matrices packed for the VNNI
-    kernel (what int8 activations use where the CPU has it; ExpertWeights checked at construction that each
-    expert's rows are whole blocks of 4)."""
+def _fused(experts: ExpertWeights) -> bool:
+    """Whether the routed experts run in one compiled call: both matrices packed for the VNNI kernel (what
+    int8 activations use where the CPU has it; ExpertWeights checked at construction that each expert's rows
+    are whole blocks of 4)."""
     return all(isinstance(w, Int8Matrix) and w.vnni for w in (experts.gate_up, experts.down))
 
 
-def _experts_vnni(x: np.ndarray, experts: ExpertWeights, offsets: np.ndarray, slots: np.ndarray,
-                  y: np.ndarray) -> None:
-    """y[slot] = the slot's expert's output for its token's row of x [T, hidden], every routed expert's
-    rows in one matmul_vnni_experts call per projection (their weights read once each, as per expert).
-    y: [T * k, hidden] f32. The same bits as one linear call per expert (the kernel's sums do not depend on
-    the tokens beside a row)."""
-    k, I = experts.top_k, experts.intermediate_size
-    active = np.flatnonzero(np.diff(offsets))  # [S] the experts with rows
-    starts = np.append(offsets[active], offsets[-1])  # [S + 1]: expert active[s]'s slots, in slots' order
-    xe = np.empty((slots.shape[0], x.shape[1]), np.float32)  # [T * k, hidden] grouped by expert
-    gather_rows(x, slots, k, xe)
-    gate_up = _vnni_matmul(xe, experts.gate_up, active, starts, 2 * I)  # [T * k, 2I]
-    act = np.empty((slots.shape[0], I), np.float32)
-    silu_mul(gate_up, act)
-    scatter_rows(_vnni_matmul(act, experts.down, active, starts, x.shape[1]), slots, y)
+def _experts_fused(x: np.ndarray, experts: ExpertWeights,
+                   buffers: MoeBuffers) -> tuple[np.ndarray, np.ndarray]:
+    # x: [T, hidden] f32 -> (out [T, hidden], ids [T, k]): views into buffers
+    T = x.shape[0]
+    gu, down = experts.gate_up, experts.down
+    arrays = buffers.arrays(experts, T)
+    moe_vnni(x, experts.router, experts.normalize, experts.top_k, gu.data, gu.scales, gu.activation_scale,
+             _bits(gu), down.data, down.scales, down.activation_scale, _bits(down), *arrays)
+    return arrays.out[:T], arrays.ids[:T]
 
 
-def _vnni_matmul(x: np.ndarray, w: Int8Matrix, active: np.ndarray, starts: np.ndarray, n: int) -> np.ndarray:
-    # x: [R, K] f32 grouped by expert -> [R, n] f32 through each row's expert's n rows of w
-    xq, xd, xsum = quantized_activations(x, w)
-    out = np.empty((x.shape[0], n), np.float32)
-    matmul_vnni_experts(xq, xd, xsum, w.data, w.scales, out, 4 if w.dtype == "q4_0" else 8, active, starts)
-    return out
+def _bits(w: Int8Matrix) -> int:
+    return 4 if w.dtype == "q4_0" else 8

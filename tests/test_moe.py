@@ -1,5 +1,6 @@
 """The mixture-of-experts layer (models/moe.py, kernels/moe.py): transformers' own MoE blocks, a plain float64
-reference over every weight format, reading only the routed experts, and batch invariance."""
+reference over every weight format, reading only the routed experts, batch invariance, and the fused path of
+VNNI-packed experts (kernels/moe_fused.py) bit for bit against one linear call per (token, slot)."""
 
 import numpy as np
 import pytest
@@ -19,7 +20,8 @@ from kernels.simd_vnni import VNNI_FEATURES
 from memory.experts import ExpertWeights
 from memory.weights import Bf16Matrix, Int8Matrix, WeightMatrix, row_block
 from models.linear import dequantize, linear
-from models.moe import moe_forward, route
+from models.moe import ExpertLog, moe_forward, route
+from models.moe_buffers import MoeBuffers
 
 HIDDEN, INTER = 64, 32  # whole q8_0 / q4_0 blocks, and whole 4-row packed blocks per expert
 # (weight dtype, packing): None = WeightMatrix with float32 activations, "int8" / "vnni" = Int8Matrix for
@@ -207,10 +209,11 @@ def test_grouping_is_a_stable_partition_of_the_slots(E, T, data):
     k = data.draw(st.integers(1, E))
     ids = np.array(data.draw(st.lists(st.lists(st.integers(0, E - 1), min_size=k, max_size=k),
                                       min_size=T, max_size=T)), np.int32).reshape(T, k)
-    offsets, slots = np.empty(E + 1, np.int64), np.empty(T * k, np.int64)
-    group_by_expert(ids, offsets, slots)
+    offsets, slots, position = np.empty(E + 1, np.int64), np.empty(T * k, np.int64), np.empty(T * k, np.int64)
+    group_by_expert(ids, offsets, slots, position)
     assert offsets[0] == 0 and offsets[-1] == T * k and np.all(np.diff(offsets) >= 0)
     assert sorted(slots.tolist()) == list(range(T * k))
+    assert np.array_equal(slots[position], np.arange(T * k))
     for e in range(E):
         mine = slots[offsets[e]:offsets[e + 1]]
         assert np.all(ids.reshape(-1)[mine] == e) and np.all(np.diff(mine) > 0)
@@ -288,24 +291,95 @@ def test_a_tokens_output_does_not_depend_on_its_batch(dtype, how):
     assert np.array_equal(part, batch[3:20])
 
 
-@pytest.mark.parametrize("dtype", ["q8_0", "q4_0"])
-@pytest.mark.parametrize("T", [1, 37])
-def test_vnni_experts_in_one_call_equal_one_linear_per_expert(dtype, T):
-    # VNNI-packed experts run all routed experts in one kernel call per projection (kernels/linear_int8.py
-    # matmul_vnni_experts): the same bits as each expert's own linear call over its rows
-    if missing_features(VNNI_FEATURES):
-        pytest.skip("no AVX512-VNNI here")
-    E, top_k = 16, 4
-    rng = np.random.default_rng(12)
-    experts = packed(ExpertWeights.from_float(*float_experts(rng, E), dtype, top_k, True), "vnni")
-    x = inputs(rng, T)
-    grouped, ids = moe_forward(x, experts, linear)
-    _, weights = route(linear(x, WeightMatrix("float32", experts.router)), top_k, True)
-    per_expert = np.zeros_like(grouped)
-    for t in range(T):
-        for j in range(top_k):
+# ---- (e) the fused path of VNNI-packed experts (kernels/moe_fused.py)
+
+
+def one_linear_per_pair(x, experts):
+    """The reference for the fused path: the router through models.linear.linear, then every (token, slot)
+    through its expert's own linear calls on its views, summed in slot order."""
+    k = experts.top_k
+    ids, weights = route(linear(x, WeightMatrix("float32", experts.router)), k, experts.normalize)
+    out = np.zeros_like(x)
+    for t in range(x.shape[0]):
+        for j in range(k):
             gate_up, down = experts.expert(ids[t, j])
             act = np.empty((1, experts.intermediate_size), np.float32)
             silu_mul(linear(x[t:t + 1], gate_up), act)
-            per_expert[t] += weights[t, j] * linear(act, down)[0]
-    assert np.array_equal(grouped, per_expert)
+            out[t] += weights[t, j] * linear(act, down)[0]
+    return out, ids
+
+
+def vnni_experts(rng, E, top_k, dtypes=("q8_0", "q8_0"), static=(0.0, 0.0), dominant=None):
+    router, gate_up, down = float_experts(rng, E, dominant)
+    experts = ExpertWeights.from_float(router, gate_up, down, "float32", top_k, True)
+    matrices = (experts.gate_up, experts.down)
+    return experts.with_matrices(*(Int8Matrix.pack(WeightMatrix.from_float(w.data, dtype), scale, vnni=True)
+                                   for w, dtype, scale in zip(matrices, dtypes, static)))
+
+
+# (E, top_k, T, dominant): one token; a few; 17 tokens (the parallel quantize, SiLU and sum from 16 rows or
+# tokens); 4 experts shared by 9 tokens; every token's first slot on expert 5; top 1 of a dominant
+# expert: every token on one expert and the other experts idle
+ROUTINGS = [(64, 8, 1, None), (64, 8, 3, None), (64, 8, 17, None), (4, 2, 9, None), (16, 4, 8, 5),
+            (8, 1, 6, 3)]
+
+
+@pytest.mark.parametrize("dtypes, static", [(("q8_0", "q8_0"), (0.0, 0.0)), (("q4_0", "q4_0"), (0.0, 0.0)),
+                                            (("q4_0", "q8_0"), (0.0, 0.0)), (("q8_0", "q8_0"), (0.05, 0.02))])
+@pytest.mark.parametrize("E, top_k, T, dominant", ROUTINGS)
+def test_the_fused_path_equals_one_linear_per_pair(dtypes, static, E, top_k, T, dominant):
+    # the same bits as each (token, slot) through its expert's linear calls, in every weight format, with
+    # dynamic and calibrated (static) activation scales
+    if missing_features(VNNI_FEATURES):
+        pytest.skip("no AVX512-VNNI here")
+    rng = np.random.default_rng(E + 10 * top_k + 100 * T)
+    experts = vnni_experts(rng, E, top_k, dtypes, static, dominant)
+    x = inputs(rng, T, dominant)
+    out, ids = moe_forward(x, experts, linear)
+    want, want_ids = one_linear_per_pair(x, experts)
+    assert np.array_equal(ids, want_ids)
+    if dominant is not None:
+        assert np.all(ids[:, 0] == dominant)
+    assert np.array_equal(out, want)
+
+
+def test_buffers_kept_between_steps_give_the_same_bits():
+    # one MoeBuffers through the layers of steps that grow, shrink and change shape: each result equals a
+    # fresh call's, and the ids a layer's ExpertLog keeps survive the next layers' steps
+    if missing_features(VNNI_FEATURES):
+        pytest.skip("no AVX512-VNNI here")
+    rng = np.random.default_rng(21)
+    layers = [vnni_experts(rng, 16, 4), vnni_experts(rng, 16, 4), vnni_experts(rng, 8, 2)]
+    buffers, log, last = MoeBuffers(), ExpertLog(3, 16), {}
+    for T, layer_ids in [(1, (0, 1)), (5, (0, 1)), (2, (0, 1)), (20, (2,)), (3, (0, 1))]:
+        for i in layer_ids:
+            x = inputs(rng, T)
+            out, ids = moe_forward(x, layers[i], linear, buffers)
+            log.record(i, ids)
+            want, last[i] = moe_forward(x, layers[i], linear)
+            assert np.array_equal(out, want) and np.array_equal(ids, last[i])
+    for i, ids in last.items():
+        assert np.array_equal(log.last[i], ids)
+
+
+@pytest.mark.parametrize("T", [1, 5])
+def test_the_fused_path_reads_only_its_routed_experts(T):
+    # the routed experts' bytes alone decide the result: the others' scales NaN change nothing
+    if missing_features(VNNI_FEATURES):
+        pytest.skip("no AVX512-VNNI here")
+    E, top_k = 16, 2
+    rng = np.random.default_rng(8 + T)
+    router, gate_up, down = float_experts(rng, E)
+    clean = ExpertWeights.from_float(router, gate_up, down, "q8_0", top_k, True)
+    x = inputs(rng, T)
+    out, ids = moe_forward(x, packed(clean, "vnni"), linear)
+    unrouted = sorted(set(range(E)) - set(ids.ravel().tolist()))
+    dirty = clean.with_matrices(
+        poisoned(clean.gate_up, [range(e * 2 * INTER, (e + 1) * 2 * INTER) for e in unrouted]),
+        poisoned(clean.down, [range(e * HIDDEN, (e + 1) * HIDDEN) for e in unrouted]))
+    dirty_out, dirty_ids = moe_forward(x, packed(dirty, "vnni"), linear)
+    assert np.array_equal(dirty_ids, ids) and np.array_equal(dirty_out, out)
+    # and the poison is read when routed (NaN down scales: the int8 quantization of act would turn a NaN
+    # gate_up into zeros)
+    everywhere = clean.with_matrices(clean.gate_up, poisoned(clean.down, [range(E * HIDDEN)]))
+    assert np.all(np.isnan(moe_forward(x, packed(everywhere, "vnni"), linear)[0]))
