@@ -11,7 +11,7 @@ probes (bandwidth and matmul rooflines, sampled between the engines' samples: ba
 within seconds), on numba's workqueue layer, whose threads sleep between probes.
 A "torch imported first" pair (same weights, numaserve's shipped settings) checks import order.
 
-    python -m benchmarks.bench_decode [--dtypes bfloat16,q8_0,q4_0]
+    python -m benchmarks.bench_decode [--dtypes bfloat16,q8_0,q4_0,q4_k_m]
                                       [--activation-dtypes float32,bfloat16,int8]
                                       [--samples 3]        (or: numaserve bench ...)
 
@@ -45,8 +45,8 @@ NUMASERVE_THREADING = {  # candidates for numaserve's process: extra environment
     "omp-active": {"NUMBA_THREADING_LAYER": "omp", "OMP_WAIT_POLICY": "ACTIVE"},  # spinning waits
 }
 # activation dtypes meant for each weight dtype (others only with --all-combinations)
-MEANT_FOR = {"float32": {"float32", "bfloat16", "q8_0", "q4_0"}, "bfloat16": {"bfloat16"},
-             "int8": {"q8_0", "q4_0"}}
+MEANT_FOR = {"float32": {"float32", "bfloat16", "q8_0", "q4_0", "q4_k_m"}, "bfloat16": {"bfloat16"},
+             "int8": {"q8_0", "q4_0", "q4_k_m"}}
 
 
 def start_numaserve(ckpt: Path, weight_dtype: str, activation_dtype: str, args, threading: str,
@@ -246,7 +246,8 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--model", default="tinyllama-1.1b",
                         help="random checkpoint shape (benchmarks/checkpoints.py)")
-    parser.add_argument("--dtypes", default="bfloat16,q8_0,q4_0", help="weight dtypes, comma-separated")
+    parser.add_argument("--dtypes", default="bfloat16,q8_0,q4_0,q4_k_m",
+                        help="weight dtypes, comma-separated")
     parser.add_argument("--activation-dtypes", default="float32,bfloat16,int8", type=lambda s: s.split(","),
                         help="activation dtypes, comma-separated (each with the weight dtypes it is "
                              "meant for)")
