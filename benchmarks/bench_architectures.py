@@ -25,8 +25,9 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.bench_decode import NUMASERVE_THREADING, alternate, fresh_tok_s, start_numaserve
-from benchmarks.bench_revisions import _cpu_name, revision
+from benchmarks.bench_revisions import revision
 from benchmarks.checkpoints import SHAPES, checkpoint_config, random_checkpoint
+from benchmarks.machine import cpu_name
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -124,7 +125,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=RESULTS / "architectures.json")
     args = parser.parse_args()
     meta = {"command": "python -m benchmarks.bench_architectures " + " ".join(sys.argv[1:]),
-            "revision": revision(ROOT), "date": time.strftime("%Y-%m-%d %H:%M"), "cpu": _cpu_name(),
+            "revision": revision(ROOT), "date": time.strftime("%Y-%m-%d %H:%M"), "cpu": cpu_name(),
             "shape": args.shape, "threads": args.threads, "samples": args.samples,
             "decode_tokens": args.decode_tokens, "batched_steps": args.batched_steps,
             "settings": {"threading": args.numaserve_threading, "kv_dtype": "bfloat16",

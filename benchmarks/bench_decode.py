@@ -22,8 +22,6 @@ import argparse
 import json
 import math
 import os
-import platform
-import re
 import statistics
 import sys
 import time
@@ -33,6 +31,7 @@ import numpy as np
 
 from benchmarks.checkpoints import CACHE, random_checkpoint
 from benchmarks.engine_process import EngineProcess
+from benchmarks.machine import cpu_name
 
 RESULTS = Path(__file__).parent / "results"
 PROMPT_LEN, DECODE_PROMPT_LEN = 512, 16
@@ -234,12 +233,6 @@ def plot(rows: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def _cpu_name() -> str:
-    with open("/proc/cpuinfo") as cpuinfo:
-        found = re.search(r"model name\s*:\s*(.*)", cpuinfo.read())
-    return found[1] if found else platform.processor()
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="numaserve bench",
                                      description=" ".join(__doc__.split("\n\n")[0].split()),
@@ -290,7 +283,7 @@ def main(argv: list[str] | None = None) -> None:
     dtypes = args.dtypes.split(",")
     meant = [a for a in args.activation_dtypes if args.all_combinations or dtypes[0] in MEANT_FOR[a]]
     threading, trial = pick_threading(ckpt, dtypes[0], meant[0], args, loads)
-    meta = {"model": args.model, "threads": args.threads, "samples": args.samples, "cpu": _cpu_name(),
+    meta = {"model": args.model, "threads": args.threads, "samples": args.samples, "cpu": cpu_name(),
             "date": time.strftime("%Y-%m-%d %H:%M"), "decode_tokens": args.decode_tokens,
             "batched_steps": args.batched_steps, "processes": "one per engine (and per numaserve activation "
             "dtype), alternating sample by sample; probes in the parent (numba workqueue layer)",

@@ -24,7 +24,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import socket
 import statistics
 import tempfile
@@ -33,6 +32,8 @@ from pathlib import Path
 
 import numpy as np
 import psutil
+
+from benchmarks.machine import cpu_name
 
 RESULTS = Path(__file__).parent / "results"
 MODEL = "tinyllama-1.1b"
@@ -263,7 +264,7 @@ def main(argv: list[str] | None = None) -> None:
                         "model": f"{MODEL} (random weights, word tokenizer)", "engine": ENGINE,
                         "prompt_len": args.prompt_len, "max_tokens": args.max_tokens, "repeats": args.repeats,
                         "min_requests": MIN_REQUESTS, "stream_interval_ms": 0, "target_step_ms": 1e6,
-                        "num_cores": len(cores), "cpu": _cpu_name(), "date": time.strftime("%Y-%m-%d %H:%M"),
+                        "num_cores": len(cores), "cpu": cpu_name(), "date": time.strftime("%Y-%m-%d %H:%M"),
                         "load_average_before": load_before, "load_average_after": os.getloadavg(),
                         "layouts": {"shared": "worker (or in-process engine) on every core with one thread "
                                               "each, sharing them with client, router, HTTP server and Ray",
@@ -282,14 +283,6 @@ def main(argv: list[str] | None = None) -> None:
                   f"{p['median_tokens_per_s']:.1f} ({level['http_over_in_process']:.3f}); TTFT p50 "
                   f"{h['ttft_p50_ms']:.0f} / {p['ttft_p50_ms']:.0f} ms, ITL p50 {h['itl_p50_ms']:.0f} / "
                   f"{p['itl_p50_ms']:.0f} ms, p99 {h['itl_p99_ms']:.0f} / {p['itl_p99_ms']:.0f} ms")
-
-
-def _cpu_name() -> str:
-    with open("/proc/cpuinfo") as cpuinfo:
-        for line in cpuinfo:
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor()
 
 
 if __name__ == "__main__":

@@ -15,9 +15,9 @@ four runs alternate, the order flipping every sample (benchmarks/bench_decode.al
 empties the cache directory first; the files are read through once before every sample, so each run starts
 with them in the page cache. Medians from one run.
 
-    python -m benchmarks.bench_load [--shape tinyllama|small] [--samples 7]
+    python -m benchmarks.bench_load [--shape tinyllama|small] [--dtype q8_0|q4_k_m] [--samples 7]
 
-Writes benchmarks/results/load.json and load.png.
+Writes benchmarks/results/load.json and load.png (load-q4_k_m.json and .png for --dtype q4_k_m).
 """
 
 import argparse
@@ -83,14 +83,14 @@ def read_through(paths: list[Path]) -> None:
                 pass
 
 
-def exported_gguf(ckpt: Path) -> Path:
+def exported_gguf(ckpt: Path, dtype: str) -> Path:
     from benchmarks.checkpoints import CACHE
 
-    gguf = CACHE / f"{ckpt.name}-q8_0.gguf"  # the name bench_moe gives its exports
+    gguf = CACHE / f"{ckpt.name}-{dtype}.gguf"  # the name bench_moe and bench_decode give their exports
     if not gguf.exists():
         code = ("import sys; from models.gguf_writer import convert_to_gguf; "
-                "convert_to_gguf(sys.argv[1], sys.argv[2], 'q8_0')")
-        subprocess.run([sys.executable, "-c", code, str(ckpt), str(gguf)], cwd=ROOT, check=True)
+                "convert_to_gguf(sys.argv[1], sys.argv[2], sys.argv[3])")
+        subprocess.run([sys.executable, "-c", code, str(ckpt), str(gguf), dtype], cwd=ROOT, check=True)
     return gguf
 
 
@@ -118,8 +118,8 @@ def plot(results: dict, path: Path) -> None:
     ax.set_ylim(0, 1.25 * max(a + b for a, b in zip(load, first)))
     ax.legend(fontsize=8, loc="upper right")
     meta = results["meta"]
-    fig.suptitle(f"{meta['checkpoint']} q8_0 GGUF ({meta['gguf_bytes'] / 1e9:.2f} GB), {meta['cpu']}, "
-                 f"{meta['samples']} samples", fontsize=8)
+    fig.suptitle(f"{meta['checkpoint']} {meta['dtype']} GGUF ({meta['gguf_bytes'] / 1e9:.2f} GB), "
+                 f"{meta['cpu']}, {meta['samples']} samples", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -130,7 +130,10 @@ def main() -> None:
     parser.add_argument("--shape", default="tinyllama", choices=list(CHECKPOINTS),
                         help="tinyllama: TinyLlama-1.1B's shape; small: llama-56m (a smoke test)")
     parser.add_argument("--samples", type=int, default=7, help="timed samples per run")
-    parser.add_argument("--out", type=Path, default=RESULTS / "load.json")
+    parser.add_argument("--dtype", default="q8_0", choices=["q8_0", "q4_k_m"],
+                        help="the GGUF's weights (q4_k_m: llama.cpp's mix, as llama-quantize writes it)")
+    parser.add_argument("--out", type=Path, help="default benchmarks/results/load.json (q8_0), "
+                                                 "load-q4_k_m.json")
     parser.add_argument("--sample", nargs="+", help=argparse.SUPPRESS)  # inside a sample process
     args = parser.parse_args()
     if args.sample:
@@ -140,11 +143,13 @@ def main() -> None:
         print(json.dumps(result), flush=True)
         return
     from benchmarks.bench_decode import CLEAN_ENV, alternate
-    from benchmarks.bench_revisions import _cpu_name, revision
+    from benchmarks.bench_revisions import revision
     from benchmarks.checkpoints import CACHE, checkpoint_config, random_checkpoint
+    from benchmarks.machine import cpu_name
 
     ckpt = random_checkpoint(CHECKPOINTS[args.shape])
-    gguf = exported_gguf(ckpt)
+    gguf = exported_gguf(ckpt, args.dtype)
+    out = args.out or RESULTS / ("load.json" if args.dtype == "q8_0" else f"load-{args.dtype}.json")
     cache_dir = CACHE / "packed-bench"  # the benchmark's own: emptied before every cold run
     threads = len(os.sched_getaffinity(0))
 
@@ -181,8 +186,8 @@ def main() -> None:
             to_first[f"{name} / {ref}"] = ((mine["load_s"] + mine["first_token_s"])
                                            / (theirs["load_s"] + theirs["first_token_s"]))
     meta = {"command": "python -m benchmarks.bench_load " + " ".join(sys.argv[1:]),
-            "revision": revision(ROOT), "date": time.strftime("%Y-%m-%d %H:%M"), "cpu": _cpu_name(),
-            "checkpoint": ckpt.name,
+            "revision": revision(ROOT), "date": time.strftime("%Y-%m-%d %H:%M"), "cpu": cpu_name(),
+            "checkpoint": ckpt.name, "dtype": args.dtype,
             "config": checkpoint_config(ckpt.name), "gguf": str(gguf), "gguf_bytes": gguf.stat().st_size,
             "entry_bytes": samples["numaserve warm"][0]["entry_bytes"], "samples": args.samples,
             "threads": threads, "n_ctx": N_CTX, "page_cache": "warm: files read through before every sample",
@@ -191,9 +196,9 @@ def main() -> None:
     results = {"meta": meta, "medians": medians, "ratios": ratios, "load_and_first_token_ratios": to_first,
                "warm_within_2x_llamacpp": ratios["numaserve warm / llama.cpp"] <= 2.0, "samples": samples}
     print(json.dumps({k: v for k, v in results.items() if k not in ("samples", "meta")}, indent=1))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=1))
-    plot(results, args.out.with_suffix(".png"))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=1))
+    plot(results, out.with_suffix(".png"))
 
 
 if __name__ == "__main__":

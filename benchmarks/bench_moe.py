@@ -42,8 +42,9 @@ from benchmarks.bench_decode import (
     start_numaserve,
     workloads,
 )
-from benchmarks.bench_revisions import _cpu_name, revision
+from benchmarks.bench_revisions import revision
 from benchmarks.checkpoints import CACHE, checkpoint_config, random_checkpoint
+from benchmarks.machine import cpu_name
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -137,7 +138,7 @@ def main() -> None:
     rng = np.random.default_rng(0)
     threading, trial = pick_threading(ckpt, WEIGHT_DTYPE, ACTIVATION_DTYPE, args, workloads(args, rng))
     meta = {"command": "python -m benchmarks.bench_moe " + " ".join(sys.argv[1:]), "revision": revision(ROOT),
-            "date": time.strftime("%Y-%m-%d %H:%M"), "cpu": _cpu_name(), "checkpoint": ckpt.name,
+            "date": time.strftime("%Y-%m-%d %H:%M"), "cpu": cpu_name(), "checkpoint": ckpt.name,
             "config": checkpoint_config(ckpt.name),
             "threads": args.threads, "samples": args.samples, "decode_tokens": args.decode_tokens,
             "batched_steps": args.batched_steps, "llamacpp": skipped or str(gguf),
