@@ -42,6 +42,7 @@ from models.calibration import Calibration, MatrixCalibration, check_fits
 
 # vpmaddwd on 256-bit vectors, fp16 scale conversion (and VNNI where present)
 INT8_FEATURES = ("avx2", "f16c")
+INT8_DTYPES = ("q8_0", "q4_0", *BLOCK_DTYPES)  # the weight formats with an int8-activation kernel
 
 
 def linear_matrices(weights: ModelWeights) -> Iterator[tuple[str, str, Matrix]]:
@@ -97,15 +98,25 @@ def record_kernels(weights: ModelWeights, decisions: DecisionLog) -> None:
         decisions.record("kernel", choice, reason, subject=key)
 
 
+def int8_kernel_lacks(w: Matrix) -> tuple[str, ...] | None:
+    """None where w's format has no int8-activation kernel; else the CPU features that kernel needs and this
+    host lacks (empty: it runs here)."""
+    if not isinstance(w, WeightMatrix) or w.dtype not in INT8_DTYPES:
+        return None
+    return missing_features(BlockInt8Matrix.features(w.dtype) if w.dtype in BLOCK_DTYPES else INT8_FEATURES)
+
+
+def pack_int8(w: WeightMatrix, activation_scale: float = 0.0) -> Int8Matrix | BlockInt8Matrix:
+    """w repacked for its int8-activation kernel."""
+    pack = BlockInt8Matrix.pack if w.dtype in BLOCK_DTYPES else Int8Matrix.pack
+    return pack(w, activation_scale)
+
+
 def for_activations(w: WeightMatrix, activation_dtype: str) -> Matrix:
     """One matrix outside a model's layers (a draft head's): repacked for int8 activations where
     plan_activations would repack it without a calibration file, else unchanged."""
-    if activation_dtype not in ("int8", "auto"):
-        return w
-    if w.dtype in ("q8_0", "q4_0") and not missing_features(INT8_FEATURES):
-        return Int8Matrix.pack(w)
-    if w.dtype in BLOCK_DTYPES and not missing_features(BlockInt8Matrix.features(w.dtype)):
-        return BlockInt8Matrix.pack(w)
+    if activation_dtype in ("int8", "auto") and int8_kernel_lacks(w) == ():
+        return pack_int8(w)
     return w
 
 
@@ -146,10 +157,8 @@ def _plan(weights: ModelWeights, activation_dtype: str, decisions: DecisionLog,
         return map_parts(w, lambda part: choose_part(name, part, cal))
 
     def choose_part(name: str, w: Matrix, cal: MatrixCalibration | None) -> Matrix:
-        chosen = w
-        blocks = isinstance(w, WeightMatrix) and w.dtype in BLOCK_DTYPES
-        lacking = missing_features(BlockInt8Matrix.features(w.dtype)) if blocks else ()
-        if not isinstance(w, WeightMatrix) or w.dtype not in ("q8_0", "q4_0", *BLOCK_DTYPES):
+        chosen, lacking = w, int8_kernel_lacks(w)
+        if lacking is None:
             choice, why = "float32", (f"{w.dtype} weights: int8 activations are used with quantized weights "
                                       "only")
         elif lacking:
@@ -164,7 +173,7 @@ def _plan(weights: ModelWeights, activation_dtype: str, decisions: DecisionLog,
             fallbacks.append(name)
         else:
             scale = cal.scale if static_scales and cal is not None else 0.0
-            chosen = BlockInt8Matrix.pack(w, scale) if blocks else Int8Matrix.pack(w, scale)
+            chosen = pack_int8(w, scale)
             choice, why = "int8", (f"{w.dtype} weights, " + (
                 f"static activation scale {scale:.4g} ({calibration.method}-calibrated)" if scale
                 else "dynamic per-block activation scales"))
