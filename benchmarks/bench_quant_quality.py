@@ -2,7 +2,8 @@
 256 tokens, benchmarks/heldout_eval.py) for each weight format against bfloat16 weights (the checkpoint's own
 values), with float32 activations so that only the weights' rounding moves it; and with each format's fast
 activations (int8) beside it. llama.cpp's own Q4_K_M of the same model (llama_cpp.llama_model_quantize of
-our BF16 export, the bench extra) is scored by numaserve too: the two quantizers side by side.
+our BF16 export, the bench extra, run in its own process) is scored by numaserve too: the two quantizers
+side by side.
 
     python -m benchmarks.bench_quant_quality [--windows 128]
 
@@ -12,6 +13,8 @@ Writes benchmarks/results/quant_quality.json and .png.
 import argparse
 import json
 import platform
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -21,9 +24,9 @@ from benchmarks.machine import cpu_name
 from models.gguf_writer import convert_to_gguf
 from models.tokenizer import Tokenizer
 from numaserve.demo import DEMO_DIR
-from tests.fixtures.make_kquant_gguf import quantize
 
-RESULTS = Path(__file__).parent / "results"
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
 BASE = DEMO_DIR / "base"
 FORMATS = ("q8_0", "q6_k", "q5_k_m", "q4_k_m", "q4_k", "q4_0")
 # the issue's bounds on |perplexity / bf16's - 1| with float32 activations
@@ -52,8 +55,10 @@ def main(argv=None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         bf16 = convert_to_gguf(BASE, Path(tmp) / "bf16.gguf", "bfloat16")
         theirs = Path(tmp) / "llama-cpp-q4_k_m.gguf"
-        import llama_cpp
-        quantize(bf16, theirs, llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M)
+        # llama.cpp in its own process: this one has numaserve's libraries loaded
+        code = ("import sys, llama_cpp; from tests.fixtures.make_kquant_gguf import quantize; "
+                "quantize(sys.argv[1], sys.argv[2], llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M)")
+        subprocess.run([sys.executable, "-c", code, str(bf16), str(theirs)], cwd=ROOT, check=True)
         exact, fast = ppl(theirs, "auto", "float32"), ppl(theirs, "auto", "int8")
     rows["llama.cpp Q4_K_M"] = {"perplexity": exact, "vs_bf16": exact / base - 1, "perplexity_int8": fast,
                                 "int8_vs_bf16": fast / base - 1}
