@@ -21,8 +21,8 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from kernels.int8_layout import interleaved_position
-from kernels.simd_int8 import I8, I32, V8F, V8I, const64, load_vec, operands_fit, store_block
-from kernels.simd_vnni import PREFETCH_BYTES, PREFETCH_LOCALITY
+from kernels.simd_int8 import V8F, V8I, const64, load_vec, operands_fit, store_block
+from kernels.simd_vnni import prefetch_ahead
 
 BF16_FEATURES = ("avx512bf16", "avx512vl")
 ROWS = 4  # weight rows per block
@@ -56,25 +56,16 @@ def bf16_block(typingctx, xb, w, out, t0, n0, tokens):
         # the bf16 operands typed <8 x i32>, the form every LLVM since AVX512-BF16's introduction accepts
         dpbf16 = cgutils.get_or_insert_function(module, ir.FunctionType(V8F, [V8F, V8I, V8I]),
                                                 "llvm.x86.avx512bf16.dpbf16ps.256")
-        i8_ptr = I8.as_pointer()
-        prefetch = cgutils.get_or_insert_function(module,
-                                                  ir.FunctionType(ir.VoidType(), [i8_ptr, I32, I32, I32]),
-                                                  "llvm.prefetch.p0")
         token_rows = [builder.add(t0_, const64(t)) for t in range(TB)]
         weight_rows = [builder.add(n0_, const64(r)) for r in range(ROWS)]
         block_base = builder.mul(builder.udiv(n0_, const64(ROWS)), num_groups)  # the block's first group
         accs = [[cgutils.alloca_once_value(builder, ir.Constant(V8F, None)) for _ in range(TB)]
                 for _ in range(ROWS)]
-        w_bytes = builder.bitcast(wa.data, i8_ptr)
 
         with cgutils.for_range(builder, num_groups) as loop:
             g = loop.index
             stream = builder.mul(builder.add(block_base, g), const64(ROWS * GROUP))  # in values (uint16)
-            for line in range(0, ROWS * group_bytes, 64):  # a hint: never faults, even past the array
-                ptr = builder.gep(w_bytes, [builder.add(builder.mul(stream, const64(2)),
-                                                        const64(PREFETCH_BYTES + line))])
-                builder.call(prefetch, [ptr, ir.Constant(I32, 0), ir.Constant(I32, PREFETCH_LOCALITY),
-                                        ir.Constant(I32, 1)])
+            prefetch_ahead(builder, wa.data, builder.mul(stream, const64(2)), ROWS * group_bytes, TB)
             x_base = [builder.add(builder.mul(row, Kp), builder.mul(g, const64(GROUP))) for row in token_rows]
             sums = [[builder.load(accs[r][t]) for t in range(TB)] for r in range(ROWS)]
             for j in range(VECTORS):

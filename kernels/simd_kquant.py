@@ -117,7 +117,7 @@ def kquant_block(typingctx, xq, xd, xsum, data, out, t0, n0, qtype, tokens):
             blk0 = builder.mul(g, const64(8))
             x_base = [builder.add(builder.mul(row, Kp), builder.mul(g, const64(GROUP))) for row in token_rows]
             tile = builder.mul(builder.add(block_base, g), const64(tile_bytes))
-            prefetch_ahead(builder, wa.data, tile, tile_bytes)
+            prefetch_ahead(builder, wa.data, tile, tile_bytes, TB)
             xsum_ = [load_vec(builder, sa.data, builder.add(builder.mul(row, num_blocks), blk0), V8I)
                      for row in token_rows]
             if f.has_min:

@@ -42,7 +42,7 @@ from numba.extending import intrinsic
 
 from kernels.q6k_layout import BLOCK_BYTES, ROWS, SCALES, VALUES
 from kernels.simd_int8 import GROUP, I8, I32, block_operands, const64, hsum8, load_vec, operands_fit
-from kernels.simd_vnni import PREFETCH_BYTES, PREFETCH_LOCALITY
+from kernels.simd_vnni import prefetch_ahead
 
 I16 = ir.IntType(16)
 V32I8, V64I8, V32I16 = ir.VectorType(I8, 32), ir.VectorType(I8, 64), ir.VectorType(I16, 32)
@@ -133,10 +133,6 @@ def q6k_block(typingctx, xq, xd, offsets, data, d, out, t0, n0, tokens):
         dpbusd = cgutils.get_or_insert_function(module, ir.FunctionType(V16I, [V16I] * 3),
                                                 "llvm.x86.avx512.vpdpbusd.512")
         fma = cgutils.get_or_insert_function(module, ir.FunctionType(V16F, [V16F] * 3), "llvm.fma.v16f32")
-        i8_ptr = I8.as_pointer()
-        prefetch = cgutils.get_or_insert_function(module,
-                                                  ir.FunctionType(ir.VoidType(), [i8_ptr, I32, I32, I32]),
-                                                  "llvm.prefetch.p0")
 
 
         token_rows = [builder.add(t0_, const64(t)) for t in range(TB)]
@@ -149,10 +145,7 @@ def q6k_block(typingctx, xq, xd, offsets, data, d, out, t0, n0, tokens):
         with cgutils.for_range(builder, num_groups) as loop:
             g = loop.index
             stream = builder.mul(builder.add(block_base, g), const64(BLOCK_BYTES))  # this group of the 4 rows
-            for line in range(0, BLOCK_BYTES, 64):  # a hint: never faults, even past the array
-                ptr = builder.gep(wa.data, [builder.add(stream, const64(PREFETCH_BYTES + line))])
-                builder.call(prefetch, [builder.bitcast(ptr, i8_ptr), ir.Constant(I32, 0),
-                                        ir.Constant(I32, PREFETCH_LOCALITY), ir.Constant(I32, 1)])
+            prefetch_ahead(builder, wa.data, stream, BLOCK_BYTES, TB)
             d_at = builder.mul(builder.add(block_base, g), const64(ROWS))
             d4 = builder.fpext(load_vec(builder, ca.data, d_at, V4H), V4F)
             dw = [builder.shuffle_vector(d4, d4, _lanes([2 * p] * 8 + [2 * p + 1] * 8))
