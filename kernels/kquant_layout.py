@@ -32,6 +32,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 
 from kernels.ggml_blocks import Q4_1, Q4_K, Q5_0, Q5_1, Q5_K
 from kernels.int8_layout import GROUP, QK, QUADS, _packed_index, padded_k
+from kernels.placement import stream_empty
 from kernels.simd_vnni import ROWS
 
 QT = GGMLQuantizationType
@@ -99,7 +100,7 @@ def pack_kquant(raw: np.ndarray, qtype: int, k: int) -> np.ndarray:
         raise ValueError(f"{QT(qtype).name} rows of {k} values need K % {values} == 0 and "
                          f"{k // values * size} bytes each, got {raw.shape[1]}")
     n, kp = raw.shape[0], padded_k(k)
-    data = np.empty((-(-n // ROWS) * ROWS, kp // GROUP * f.tile_offsets["end"] // ROWS), np.uint8)
+    data = stream_empty((-(-n // ROWS) * ROWS, kp // GROUP * f.tile_offsets["end"] // ROWS), np.uint8)
     for r0 in range(0, n, PACK_ROWS):
         rows = raw[r0:r0 + PACK_ROWS]
         n4 = -(-rows.shape[0] // ROWS) * ROWS

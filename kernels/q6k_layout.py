@@ -31,6 +31,7 @@ import numpy as np
 from numba import njit, prange
 
 from kernels.int8_layout import GROUP
+from kernels.placement import stream_zeros
 
 ROWS = 4  # rows per interleaved block
 RAW_BYTES = 210  # one raw Q6_K block
@@ -177,7 +178,7 @@ class Q6KPacked:
             raise ValueError(f"Q6_K [{n}, {k}] needs uint8 [{n}, {k // GROUP * RAW_BYTES}], got {raw.dtype} "
                              f"{list(raw.shape)}")
         n4 = -(-n // ROWS) * ROWS
-        data = np.zeros((n4, k // GROUP * ROW_BYTES), np.uint8)
+        data = stream_zeros((n4, k // GROUP * ROW_BYTES), np.uint8)
         d = np.zeros((n4, k // GROUP), np.uint16)
         pack_q6k(np.ascontiguousarray(raw), data, d)
         return cls(data, d, (n, k))

@@ -26,6 +26,7 @@ from kernels.int8_layout import (
     unpack_int8_weights,
 )
 from kernels.kquant_layout import KQuantMatrix
+from kernels.placement import stream_zeros
 from kernels.q6k_layout import Q6KPacked
 from kernels.quant import QK, quantize_q4_0, quantize_q8_0
 from kernels.quant_k import quantize_k
@@ -130,13 +131,13 @@ class Int8Matrix:
         rows = VNNI_ROWS if vnni else 1
         n4 = -(-n // rows) * rows
         if w.dtype == "q8_0" and vnni:
-            data = np.zeros((n4, kp), np.uint8)
+            data = stream_zeros((n4, kp), np.uint8)
             pack_q8_0_quads(w.data, data, rows)
         elif w.dtype == "q8_0":
-            data = np.zeros((n, kp), np.int8)
+            data = stream_zeros((n, kp), np.int8)
             pack_q8_0(w.data, data)
         else:
-            data = np.zeros((n4, kp // 2), np.uint8)
+            data = stream_zeros((n4, kp // 2), np.uint8)
             pack_q4_0(w.data, data, rows)
         return cls(w.dtype, data, pad_scales(w.scales, kp, n4), (n, k), float(activation_scale), vnni)
 
@@ -183,7 +184,7 @@ class Bf16Matrix:
         if w.dtype != "bfloat16":
             raise ValueError(f"bf16 activations need bfloat16 weights, got {w.dtype}")
         n, k = w.shape
-        data = np.zeros((-(-n // BF16_ROWS) * BF16_ROWS, -(-k // BF16_GROUP) * BF16_GROUP), np.uint16)
+        data = stream_zeros((-(-n // BF16_ROWS) * BF16_ROWS, -(-k // BF16_GROUP) * BF16_GROUP), np.uint16)
         pack_bf16(w.data, data)
         return cls(data, (n, k))
 

@@ -25,19 +25,13 @@ from pathlib import Path
 import numpy as np
 
 from kernels.checksum import weighted_sum
+from kernels.placement import stream_empty
 
 MAGIC = b"NSPACK\x00\x01"
 _HEADER = struct.Struct("<8sQQ")
 _BLOB_ALIGN = 4096  # the blob starts on a page
-_ARRAY_ALIGN = 64  # each array at a whole number of cache lines from the blob's start
-# ... and the blob 16 bytes past a cache line in memory, where the repacking path's arrays land too (numpy's
-# large arrays come from glibc's mmap'd chunks, 16 bytes past a page). The batch-1 int8 kernels stream their
-# 4-row blocks faster from there: 1.1 GB of TinyLlama-shaped q8_0 at 1 token, 2 Zen 4 cores, alternating
-# placements in one process, GB/s at offsets 0 / 8 / 16 / 24 / 32 / 48 past a line: 34.4 / 44.2 / 44.6 /
-# 44.3 / 39.3 / 36.0; the served weights (kernel calls alone) 26.6 from a cache-line-aligned blob against
-# 32.5 from 16-byte-shifted copies, and 34.8 / 43.4 in another run; 1 thread 19.5 / 25.1. In the VM's slower
-# memory phases every placement reads at the same (memory's) pace.
-_BLOB_SHIFT = 16
+_ARRAY_ALIGN = 64  # each array at a whole number of cache lines from the blob's start, the blob in memory
+# where kernels/placement.py puts weight streams: every array lands there
 _READ_BYTES = 1 << 30  # per read call (Linux caps one below 2 GiB); short reads are retried
 
 
@@ -139,7 +133,5 @@ def _aligned(n: int, align: int) -> int:
 
 
 def _aligned_buffer(nbytes: int) -> np.ndarray:
-    """uint8 [nbytes] starting _BLOB_SHIFT bytes past an _ARRAY_ALIGN boundary."""
-    raw = np.empty(nbytes + 2 * _ARRAY_ALIGN, np.uint8)
-    start = (_BLOB_SHIFT - raw.ctypes.data) % _ARRAY_ALIGN
-    return raw[start:start + nbytes]
+    """uint8 [nbytes] starting where kernels/placement.py places weight streams (a cache line + 16 bytes)."""
+    return stream_empty((nbytes,), np.uint8)
