@@ -35,6 +35,9 @@ class EngineConfig(BaseModel):
                                                               "model's max_position_embeddings")
     enable_prefix_caching: bool = Field(True, description="reuse the KV blocks of earlier requests' equal "
                                                           "prompt prefixes")
+    scheduling_policy: Literal["fcfs", "priority"] = Field(
+        "fcfs", description='the order of admission, scheduling and preemption: "fcfs" by arrival, '
+                            '"priority" by (SamplingParams.priority, arrival), lower first')
     num_threads: int | None = Field(None, ge=1, description="kernel threads; None = every core this process "
                                                             "may run on")
     # "float32" is exact (within 1e-4 of transformers); "bfloat16" (vdpbf16ps) and "int8" (VNNI, 32-value

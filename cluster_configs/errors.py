@@ -28,3 +28,7 @@ class Overloaded(NumaserveError):
 
 class Unavailable(Overloaded):
     """No worker is alive to serve (all are down or restarting); retry in a few seconds."""
+
+
+class EngineClosed(NumaserveError, RuntimeError):
+    """The LLM was closed: its engine serves no more requests."""

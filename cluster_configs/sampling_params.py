@@ -24,6 +24,9 @@ class SamplingParams(BaseModel):
     # seconds the request may take from its arrival; past it the engine aborts it (finish_reason "abort") and
     # frees its KV blocks. The router hands a worker what is left of it. None: no deadline
     deadline_s: float | None = Field(None, gt=0.0, le=86_400.0)
+    # lower runs first (vLLM's); honoured in admission, scheduling and preemption when the engine's
+    # scheduling_policy is "priority", ignored under "fcfs"
+    priority: int = 0
 
     @field_validator("stop", mode="before")
     @classmethod

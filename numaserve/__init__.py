@@ -6,6 +6,7 @@ from cluster_configs.engine_config import EngineConfig
 from cluster_configs.errors import (
     AdapterError,
     CheckpointError,
+    EngineClosed,
     InvalidRequest,
     NumaserveError,
     Overloaded,
@@ -23,6 +24,7 @@ __all__ = [
     "Client",
     "ClusterConfig",
     "Completion",
+    "EngineClosed",
     "EngineConfig",
     "InvalidRequest",
     "NumaserveError",

@@ -1,8 +1,10 @@
-"""LLM: one engine in this process, no Ray."""
+"""LLM: one engine in this process, no Ray, safe to call from many threads."""
 
 import itertools
+import weakref
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Self
 
 import numpy as np
 
@@ -10,6 +12,7 @@ from cluster_configs.engine_config import EngineConfig
 from cluster_configs.errors import InvalidRequest
 from cluster_configs.sampling_params import SamplingParams
 from scheduling.engine import Engine
+from scheduling.engine_loop import EngineLoop, Pending
 from scheduling.outputs import Completion
 from scheduling.request import Request
 
@@ -30,74 +33,93 @@ def _as_prompt_list(prompts) -> list:
 
 
 class LLM:
+    """One engine in this process, shared by every thread that calls it: their requests batch together in
+    the steps of one loop thread (scheduling/engine_loop.py). close(), or leaving a `with` block, stops that
+    thread; later calls raise EngineClosed."""
+
     def __init__(self, model: str | Path, **engine_config_fields):
         self.config = EngineConfig(**engine_config_fields)
         self.engine = Engine(model, self.config)
+        self._loop = EngineLoop(self.engine)
+        weakref.finalize(self, self._loop.close)  # an LLM dropped unclosed ends its thread too
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop the engine's thread; requests still pending fail with EngineClosed. Idempotent."""
+        self._loop.close()
 
     @property
     def tokenizer(self):
         return self.engine.tokenizer
 
     def generate(self, prompts, params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 adapter: str | Sequence[str | None] | None = None) -> list[Completion]:
+                 adapter: str | Sequence[str | None] | None = None,
+                 cache_salt: str | None = None) -> list[Completion]:
         """params and adapter: one for every prompt, or a list with one per prompt (adapter None: the base
-        model)."""
+        model). cache_salt: share cached prefix blocks only with requests of the same salt."""
         prompts = _as_prompt_list(prompts)
         params_list = _per_prompt(params, len(prompts), "params", "a numaserve.SamplingParams",
                                   (SamplingParams, type(None)))
         adapters = _per_prompt(adapter, len(prompts), "adapter", "an adapter name (str) or None",
                                (str, type(None)))
         # every prompt validated before any work
-        requests = [self.engine.make_request(f"llm-{next(_ids)}", p, sp, adapter=a)
+        requests = [self.engine.make_request(f"llm-{next(_ids)}", p, sp, adapter=a, cache_salt=cache_salt)
                     for p, sp, a in zip(prompts, params_list, adapters)]
-        for req in requests:
-            self.engine.submit(req)
-        self._run_until_done(requests)
-        return [self._completion(req) for req in requests]
+        return [self._completion(req) for req in self._wait(self._loop.submit(requests))]
 
-    def stream(self, prompt, params: SamplingParams | None = None,
-               adapter: str | None = None) -> Iterator[str]:
-        """Text deltas of one completion as they are decoded; closing the iterator aborts the request."""
-        req = self.engine.add_request(f"llm-{next(_ids)}", prompt, params, adapter=adapter)
+    def stream(self, prompt, params: SamplingParams | None = None, adapter: str | None = None,
+               cache_salt: str | None = None) -> Iterator[str]:
+        """Text deltas of one completion as they are decoded; closing the iterator (or dropping it) aborts the
+        request."""
+        req = self.engine.make_request(f"llm-{next(_ids)}", prompt, params, adapter=adapter,
+                                       cache_salt=cache_salt)
+        [pending] = self._loop.submit([req])
+        finished = False
         try:
-            while not req.finished:
-                for out in self.engine.step().outputs:
-                    if out.request_id == req.request_id and out.text:
-                        yield out.text
+            for out in pending.outputs():
+                finished = out.finished
+                if out.text:
+                    yield out.text
         finally:
-            if not req.finished:
-                self.engine.abort(req.request_id)
+            if not finished:
+                self._loop.abort(req.request_id)
 
     def score(self, token_ids, adapter: str | None = None) -> np.ndarray:
         """Next-token logits at every position: float32 [len(token_ids), vocab]."""
-        req = self.engine.add_request(f"llm-score-{next(_ids)}", token_ids, SamplingParams(max_tokens=1),
-                                      adapter=adapter, prompt_logits=True)
-        self._run_until_done([req])
+        req = self.engine.make_request(f"llm-score-{next(_ids)}", token_ids, SamplingParams(max_tokens=1),
+                                       adapter=adapter, prompt_logits=True)
+        [req] = self._wait(self._loop.submit([req]))
         return np.concatenate(req.collected_logits)
 
     def register_adapter(self, name: str, path: str | Path) -> None:
         """Serve a PEFT LoRA adapter directory as `adapter=name`."""
-        self.engine.register_adapter(name, path)
+        self._loop.call(lambda engine: engine.register_adapter(name, path))
 
     def compose_adapter(self, name: str, weights: dict[str, float], combination: str = "svd") -> None:
         """Serve as `adapter=name` the weighted combination of registered adapters, as PEFT's
         add_weighted_adapter builds it: combination "cat", "linear" or "svd"."""
-        self.engine.compose_adapter(name, weights, combination)
+        self._loop.call(lambda engine: engine.compose_adapter(name, weights, combination))
 
     def stats(self) -> dict:
-        return self.engine.stats()
+        return self._loop.call(Engine.stats)
 
     def diagnostics(self) -> list[dict]:
         """The engine's recent decisions and why: kernel paths and fallbacks, threading, speculation, ..."""
-        return self.engine.decisions.recent()
+        return self._loop.call(lambda engine: engine.decisions.recent())
 
-    def _run_until_done(self, requests: list[Request]) -> None:
+    def _wait(self, pending: list[Pending]) -> list[Request]:
+        """The requests once all finished; if one fails (or the caller is interrupted) the rest are
+        aborted."""
         try:
-            while not all(r.finished for r in requests):
-                self.engine.step()
+            return [p.wait() for p in pending]
         except BaseException:
-            for r in requests:
-                self.engine.abort(r.request_id)
+            for p in pending:
+                self._loop.abort(p.request.request_id)
             raise
 
     @staticmethod

@@ -1,9 +1,12 @@
 """The continuous batcher: plans each step under the token budget and the free KV blocks.
 
-Running requests come first (decode tokens and the next chunk of unfinished prefills), then waiting
-ones in (priority, arrival) order. When blocks run out, the running request with the lowest priority
-and latest arrival is preempted: its blocks are freed and it is recomputed later. Draft tokens come
-last (`add_drafts`), into what budget and free blocks are left: drafts never preempt anyone.
+Requests are ordered by arrival under the "fcfs" scheduling policy, by (priority, arrival) under
+"priority" (lower first). Running requests come first (decode tokens and the next chunk of unfinished
+prefills), then waiting ones in that order. When blocks run out, the last running request in that order
+is preempted: its blocks are freed and it is recomputed later. Under "priority" a waiting request that
+finds no room (no free blocks, or max_num_seqs running) also preempts running requests of a lower
+priority (a higher number), last first, as vLLM's priority preemption does. Draft tokens come last
+(`add_drafts`), into what budget and free blocks are left: drafts never preempt anyone.
 """
 
 import bisect
@@ -23,6 +26,7 @@ class Batcher:
         self.max_num_seqs = config.max_num_seqs
         self.max_loras = config.max_loras
         self.kv = kv
+        self.by_priority = config.scheduling_policy == "priority"
         self.waiting: list[Request] = []  # sorted by sort_key
         self.running: list[Request] = []
         self.decisions = decisions or DecisionLog()
@@ -31,8 +35,12 @@ class Batcher:
         return {"num_running": len(self.running), "num_waiting": len(self.waiting),
                 "token_budget": self.token_budget, "max_num_seqs": self.max_num_seqs}
 
+    def sort_key(self, req: Request) -> tuple[int, int]:
+        """The scheduling order: lower first."""
+        return (req.priority if self.by_priority else 0), req.arrival
+
     def add(self, req: Request) -> None:
-        bisect.insort(self.waiting, req, key=lambda r: r.sort_key)
+        bisect.insort(self.waiting, req, key=self.sort_key)
 
     def remove(self, req: Request) -> None:
         if req in self.running:
@@ -45,14 +53,15 @@ class Batcher:
         scheduled: list[ScheduledRequest] = []
         preempted: list[Request] = []
         budget = self.token_budget
-        self.running.sort(key=lambda r: r.sort_key)
+        self.running.sort(key=self.sort_key)
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             while not self.kv.allocate_slots(req, num_new):
-                victim = self.running.pop()  # lowest priority, latest arrival: never already scheduled
-                self._preempt(victim, preempted, req, num_new)
+                victim = self.running.pop()  # last in order: never already scheduled
+                self._preempt(victim, preempted, f"no free KV block for {num_new} more tokens of "
+                              + ("its own" if victim is req else req.request_id))
                 if victim is req:
                     break
             else:
@@ -61,7 +70,8 @@ class Batcher:
                 i += 1
         adapters = {r.adapter_id for r in self.running} - {None}
         num_lookup = num_hit = 0
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
+        short_of_blocks = bool(preempted)  # then admitting more would only preempt again
+        while self.waiting and budget > 0 and not short_of_blocks:
             req = self.waiting[0]
             if (req.adapter_id is not None and req.adapter_id not in adapters
                     and len(adapters) >= self.max_loras):
@@ -69,8 +79,12 @@ class Batcher:
                 break
             cached = self.kv.find_cached_prefix(req)
             num_new = min(req.num_tokens - len(cached) * self.kv.block_size, budget)
-            if not self.kv.allocate_slots(req, num_new, cached):
-                break
+            if len(self.running) >= self.max_num_seqs or not self.kv.allocate_slots(req, num_new, cached):
+                if not self._preempt_for(req, scheduled, preempted):
+                    break
+                budget = self.token_budget - sum(s.num_new_tokens for s in scheduled)
+                adapters = {r.adapter_id for r in self.running} - {None}
+                continue
             if self.kv.looks_up(req):
                 num_lookup, num_hit = num_lookup + req.num_tokens, num_hit + req.num_cached_tokens
             self.waiting.pop(0)
@@ -95,10 +109,22 @@ class Batcher:
             budget -= k
         return replace(plan, scheduled=tuple(scheduled), token_budget_left=budget)
 
-    def _preempt(self, req: Request, preempted: list[Request], needing: Request, num_new: int) -> None:
-        why = (f"no free KV block for {num_new} more tokens of {needing.request_id}; " if needing is not req
-               else f"no free KV block for its own {num_new} more tokens; ")
-        self.decisions.record("preemption", "recompute", why + f"lowest priority, latest arrival of "
+    def _preempt_for(self, waiting: Request, scheduled: list[ScheduledRequest],
+                     preempted: list[Request]) -> bool:
+        """Under "priority", when waiting finds no room: preempt the running request last in order if its
+        priority is lower (a higher number), and drop it from this step's scheduled requests. -> whether one
+        was. (Requests admitted this step sit unsorted at the end of running.)"""
+        victim = max(self.running, key=self.sort_key, default=None)
+        if not (self.by_priority and victim is not None and victim.priority > waiting.priority):
+            return False
+        self.running.remove(victim)
+        scheduled[:] = [s for s in scheduled if s.request is not victim]
+        self._preempt(victim, preempted, f"waiting {waiting.request_id} of priority {waiting.priority} found "
+                      "no room")
+        return True
+
+    def _preempt(self, req: Request, preempted: list[Request], why: str) -> None:
+        self.decisions.record("preemption", "recompute", why + "; last in scheduling order of "
                               f"{len(self.running) + 1} running: its {len(req.block_ids)} blocks freed, its "
                               f"{req.num_computed_tokens} computed tokens recomputed when it is scheduled "
                               "again",

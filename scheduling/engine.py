@@ -49,7 +49,8 @@ class Engine:
         other workers of a deployment."""
         self.config = config = config or EngineConfig()
         self.decisions = DecisionLog()
-        numba.set_num_threads(resolve_num_threads(config.num_threads, os.sched_getaffinity(0)))
+        self.num_threads = resolve_num_threads(config.num_threads, os.sched_getaffinity(0))
+        numba.set_num_threads(self.num_threads)  # thread-local: a thread that steps the engine sets it too
         self.decisions.record("threading", **threading_decision())  # once set_num_threads started them
         loaded = load_planned(model_path, config, self.decisions)  # through the packed cache
         self.spec, weights, self.tokenizer, self.load_stats = (loaded.spec, loaded.weights, loaded.tokenizer,
@@ -99,15 +100,15 @@ class Engine:
         return req
 
     def make_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None, *,
-                     priority: int = 0, adapter: str | None = None, cache_salt: str | None = None,
+                     adapter: str | None = None, cache_salt: str | None = None,
                      prompt_logits: bool = False) -> Request:
         """A validated request, not yet queued: every InvalidRequest is raised here, before any work."""
         if request_id in self.requests:
             raise InvalidRequest(f"request id {request_id!r} is already running; use a unique id")
         prompt_ids, params = validate_request(prompt, params, self.limits, tokenizer=self.tokenizer,
                                               adapter=adapter, adapters=self.adapters,
-                                              prompt_logits=prompt_logits)
-        req = Request(request_id, prompt_ids, params, priority=priority, adapter_id=adapter,
+                                              cache_salt=cache_salt, prompt_logits=prompt_logits)
+        req = Request(request_id, prompt_ids, params, adapter_id=adapter,
                       cache_salt=cache_salt, prompt_logits=prompt_logits, max_model_len=self.max_model_len)
         if self.tokenizer is not None and not prompt_logits:
             req.detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids)
@@ -172,7 +173,9 @@ class Engine:
     def stats(self) -> dict:
         totals = self.totals
         return self.batcher.stats() | self.kv.stats(self.batcher.running) | {
-            "prefix_hit_rate": totals.prefix_hit_rate, "num_preemptions": totals.num_preemptions,
+            "num_steps": totals.num_steps, "num_scheduled_requests": totals.num_scheduled_requests,
+            "prefix_hit_rate": totals.prefix_hit_rate, "num_prefix_hit_tokens": totals.num_prefix_hit_tokens,
+            "num_preemptions": totals.num_preemptions,
             "num_generated_tokens": totals.num_generated_tokens,
         } | self.adapters.stats() | self.runner.lora.stats() | self.speculation.stats()
 

@@ -22,11 +22,10 @@ class RequestStatus(enum.Enum):
 
 class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
-                 priority: int = 0, adapter_id: str | None = None, cache_salt: str | None = None,
+                 adapter_id: str | None = None, cache_salt: str | None = None,
                  prompt_logits: bool = False, max_model_len: int):
         self.request_id = request_id
         self.params = params
-        self.priority = priority  # lower is served first
         self.arrival = next(_arrival)
         # monotonic time past which the engine aborts the request (params.deadline_s from its arrival here)
         self.deadline = time.monotonic() + params.deadline_s if params.deadline_s is not None else None
@@ -52,8 +51,8 @@ class Request:
         self.detokenizer = None  # IncrementalDetokenizer when the model has a tokenizer
 
     @property
-    def sort_key(self) -> tuple[int, int]:
-        return self.priority, self.arrival
+    def priority(self) -> int:
+        return self.params.priority  # lower is served first, under the "priority" scheduling policy
 
     @property
     def num_tokens(self) -> int:

@@ -106,6 +106,7 @@ class EngineTotals:
     """Sums of an engine's StepStats counters since it started."""
 
     num_steps: int = 0
+    num_scheduled_requests: int = 0  # summed over steps: / num_steps is the mean batch in requests
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
     num_computed_tokens: int = 0
@@ -117,6 +118,7 @@ class EngineTotals:
     def plus(self, step: StepStats) -> "EngineTotals":
         return EngineTotals(
             self.num_steps + 1,
+            self.num_scheduled_requests + len(step.scheduled_ids),
             self.num_prefill_tokens + step.num_prefill_tokens,
             self.num_decode_tokens + step.num_decode_tokens,
             self.num_computed_tokens + step.num_computed_tokens,

@@ -33,12 +33,17 @@ class RequestLimits:
 
 def validate_request(prompt, params: SamplingParams | None, limits: RequestLimits, *, tokenizer=None,
                      adapter: str | None = None, adapters: Collection[str] | None = None,
+                     cache_salt: str | None = None,
                      prompt_logits: bool = False) -> tuple[list[int], SamplingParams]:
     """-> (prompt token ids, params) of a servable request, else InvalidRequest.
 
     prompt: a str (needs tokenizer, with .encode) or a list / tuple / array of int token ids; params None:
-    the defaults; adapters: the registered adapter names (None: not checked here)."""
+    the defaults; adapters: the registered adapter names (None: not checked here); cache_salt: None or a
+    non-empty str."""
     params = check_params(params)
+    if cache_salt is not None and not (isinstance(cache_salt, str) and cache_salt):
+        raise InvalidRequest(f"cache_salt must be a non-empty str or None, got {cache_salt!r:.60}",
+                             param="cache_salt")
     if adapter is not None and adapters is not None:
         check_adapter(adapter, adapters)
     prompt_ids = encode_prompt(prompt, tokenizer, limits.vocab_size)

@@ -130,10 +130,12 @@ def test_the_adapter_path_is_recorded_once_and_counted_per_step(llama_dir, adapt
 
 def test_each_preemption_is_recorded_against_its_request_with_the_reason(llama_dir):
     bytes_per_block = 4 * 2 * 2 * 2 * 24 * 4  # block_size * (k, v) * layers * kv_heads * head_dim * fp32
-    engine = ns.LLM(llama_dir, **FP32, block_size=4, kv_cache_bytes=40 * bytes_per_block).engine
+    engine = ns.LLM(llama_dir, **FP32, block_size=4, kv_cache_bytes=40 * bytes_per_block,
+                    scheduling_policy="priority").engine
     params = ns.SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
     for req_id, seed, priority in (("background", 2, 5), ("urgent", 1, 0)):
-        engine.submit(engine.make_request(req_id, random_prompt(40, seed=seed), params, priority=priority))
+        engine.submit(engine.make_request(req_id, random_prompt(40, seed=seed),
+                                          params.model_copy(update={"priority": priority})))
     while engine.has_unfinished():
         engine.step()
     preemptions = engine.decisions.recent("preemption")
