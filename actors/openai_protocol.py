@@ -49,6 +49,7 @@ class _Sampling(BaseModel):
     repetition_penalty: float | None = Field(None, gt=0.0)
     ignore_eos: bool = False
     stop_token_ids: list[StrictInt] | None = None
+    priority: int = Field(0, description='lower runs first under scheduling_policy "priority"')
     # numaserve's: seconds the request may take; past it a request is aborted
     # (default: http.default_deadline_s)
     deadline_s: float | None = Field(None, gt=0.0, le=86_400.0)
@@ -61,7 +62,7 @@ class _Sampling(BaseModel):
                         deadline_s: float | None = None) -> list[SamplingParams]:
         """One SamplingParams per choice (n): a seeded request's choice i is seeded with seed + i."""
         fields = {"max_tokens": max_tokens, "logprobs": logprobs, "ignore_eos": self.ignore_eos,
-                  "deadline_s": deadline_s}
+                  "deadline_s": deadline_s, "priority": self.priority}
         for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "min_p",
                      "repetition_penalty"):
             if getattr(self, name) is not None:

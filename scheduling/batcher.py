@@ -70,9 +70,11 @@ class Batcher:
                 i += 1
         adapters = {r.adapter_id for r in self.running} - {None}
         num_lookup = num_hit = 0
-        short_of_blocks = bool(preempted)  # then admitting more would only preempt again
-        while self.waiting and budget > 0 and not short_of_blocks:
+        short_of_blocks = bool(preempted)
+        while self.waiting and budget > 0:
             req = self.waiting[0]
+            if short_of_blocks and not self._outranks_running(req):
+                break  # admitting it would only preempt again
             if (req.adapter_id is not None and req.adapter_id not in adapters
                     and len(adapters) >= self.max_loras):
                 # its adapter waits for a LoRA slot: one frees when the last request of another finishes
@@ -112,16 +114,20 @@ class Batcher:
     def _preempt_for(self, waiting: Request, scheduled: list[ScheduledRequest],
                      preempted: list[Request]) -> bool:
         """Under "priority", when waiting finds no room: preempt the running request last in order if its
-        priority is lower (a higher number), and drop it from this step's scheduled requests. -> whether one
-        was. (Requests admitted this step sit unsorted at the end of running.)"""
-        victim = max(self.running, key=self.sort_key, default=None)
-        if not (self.by_priority and victim is not None and victim.priority > waiting.priority):
+        priority is lower, and drop it from this step's scheduled requests. -> whether one was. (Requests
+        admitted this step sit unsorted at the end of running.)"""
+        if not self._outranks_running(waiting):
             return False
+        victim = max(self.running, key=self.sort_key)
         self.running.remove(victim)
         scheduled[:] = [s for s in scheduled if s.request is not victim]
         self._preempt(victim, preempted, f"waiting {waiting.request_id} of priority {waiting.priority} found "
                       "no room")
         return True
+
+    def _outranks_running(self, waiting: Request) -> bool:
+        """Under "priority": whether a running request has a lower priority (a higher number) than waiting."""
+        return self.by_priority and any(r.priority > waiting.priority for r in self.running)
 
     def _preempt(self, req: Request, preempted: list[Request], why: str) -> None:
         self.decisions.record("preemption", "recompute", why + "; last in scheduling order of "
