@@ -38,6 +38,9 @@ class EngineConfig(BaseModel):
     scheduling_policy: Literal["fcfs", "priority"] = Field(
         "fcfs", description='the order of admission, scheduling and preemption: "fcfs" by arrival, '
                             '"priority" by (SamplingParams.priority, arrival), lower first')
+    session_kv_bytes: int = Field(256 << 20, ge=0, description="KV that idle session sequences keep pinned "
+                                                              "between turns at most (least recently used "
+                                                              "evicted to the prefix cache past it)")
     num_threads: int | None = Field(None, ge=1, description="kernel threads; None = every core this process "
                                                             "may run on")
     # "float32" is exact (within 1e-4 of transformers); "bfloat16" (vdpbf16ps) and "int8" (VNNI, 32-value

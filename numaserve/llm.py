@@ -11,6 +11,7 @@ import numpy as np
 from cluster_configs.engine_config import EngineConfig
 from cluster_configs.errors import InvalidRequest
 from cluster_configs.sampling_params import SamplingParams
+from numaserve.session import Session
 from scheduling.engine import Engine
 from scheduling.engine_loop import EngineLoop, Pending
 from scheduling.outputs import Completion
@@ -78,16 +79,11 @@ class LLM:
         request."""
         req = self.engine.make_request(f"llm-{next(_ids)}", prompt, params, adapter=adapter,
                                        cache_salt=cache_salt)
-        [pending] = self._loop.submit([req])
-        finished = False
-        try:
-            for out in pending.outputs():
-                finished = out.finished
-                if out.text:
-                    yield out.text
-        finally:
-            if not finished:
-                self._loop.abort(req.request_id)
+        yield from self._deltas(req)
+
+    def session(self, adapter: str | None = None, cache_salt: str | None = None) -> Session:
+        """A session: sequences that keep their KV between turns (numaserve/session.py)."""
+        return Session(self, adapter, cache_salt)
 
     def score(self, token_ids, adapter: str | None = None) -> np.ndarray:
         """Next-token logits at every position: float32 [len(token_ids), vocab]."""
@@ -111,6 +107,19 @@ class LLM:
     def diagnostics(self) -> list[dict]:
         """The engine's recent decisions and why: kernel paths and fallbacks, threading, speculation, ..."""
         return self._loop.call(lambda engine: engine.decisions.recent())
+
+    def _deltas(self, req: Request) -> Iterator[str]:
+        """Submit req; its text deltas. Closing the iterator (or dropping it) aborts it."""
+        [pending] = self._loop.submit([req])
+        finished = False
+        try:
+            for out in pending.outputs():
+                finished = out.finished
+                if out.text:
+                    yield out.text
+        finally:
+            if not finished:
+                self._loop.abort(req.request_id)
 
     def _wait(self, pending: list[Pending]) -> list[Request]:
         """The requests once all finished; if one fails (or the caller is interrupted) the rest are

@@ -80,7 +80,7 @@ class Batcher:
                 # its adapter waits for a LoRA slot: one frees when the last request of another finishes
                 break
             cached = self.kv.find_cached_prefix(req)
-            num_new = min(req.num_tokens - len(cached) * self.kv.block_size, budget)
+            num_new = min(req.num_tokens - req.num_computed_tokens - len(cached) * self.kv.block_size, budget)
             if len(self.running) >= self.max_num_seqs or not self.kv.allocate_slots(req, num_new, cached):
                 if not self._preempt_for(req, scheduled, preempted):
                     break

@@ -32,6 +32,7 @@ from scheduling.outputs import RequestOutput, SamplerOutput, StepOutput
 from scheduling.plan import StepPlan
 from scheduling.policy import Policy
 from scheduling.request import Request
+from scheduling.sessions import SequenceStore
 from scheduling.speculation import make_speculation
 from scheduling.step_sampler import sample_step
 from scheduling.step_stats import EngineTotals, StageClock, StepStats, step_stats
@@ -66,7 +67,11 @@ class Engine:
         self.kv_cache = KVCache(s.num_layers, num_blocks, bs, s.num_kv_heads, s.head_dim,
                                 config.resolved_kv_dtype)
         window = min(s.layer_windows)  # blocks can be released only if every layer looks back a window
-        self.kv = KVCacheManager(BlockPool(num_blocks), self.kv_cache, config.enable_prefix_caching, window)
+        pool = BlockPool(num_blocks)
+        block_bytes = self.kv_cache.bytes_per_token * bs
+        self.sessions = SequenceStore(pool, bs, max_pinned_blocks=config.session_kv_bytes // block_bytes)
+        self.kv = KVCacheManager(pool, self.kv_cache, config.enable_prefix_caching, window,
+                                 reclaim=self.sessions.reclaim)
         self.batcher = Batcher(config, self.kv, self.decisions)
         self.requests: dict[str, Request] = {}
         self.adapters = AdapterStore(s, config.max_lora_rank, config.adapter_roots, fetch=fetch_adapter,
@@ -115,6 +120,8 @@ class Engine:
         return req
 
     def submit(self, req: Request) -> None:
+        if req.sequence is not None:
+            self.sessions.resume(req)
         self.requests[req.request_id] = req
         self.batcher.add(req)
 
@@ -152,7 +159,10 @@ class Engine:
         return [out for r in expired if (out := self.abort(r.request_id)) is not None]
 
     def _release(self, req: Request) -> None:
-        """A finished request's blocks and draft state go back; the engine forgets it."""
+        """A finished request's blocks (a session turn's: to its sequence) and draft state go back; the engine
+        forgets it."""
+        if req.sequence is not None:
+            self.sessions.hold(req)
         self.batcher.remove(req)
         self.speculation.free(req.request_id)
         del self.requests[req.request_id]
@@ -174,8 +184,10 @@ class Engine:
         totals = self.totals
         return self.batcher.stats() | self.kv.stats(self.batcher.running) | {
             "num_steps": totals.num_steps, "num_scheduled_requests": totals.num_scheduled_requests,
+            "num_prefill_tokens": totals.num_prefill_tokens,
             "prefix_hit_rate": totals.prefix_hit_rate, "num_prefix_hit_tokens": totals.num_prefix_hit_tokens,
             "num_preemptions": totals.num_preemptions,
             "num_generated_tokens": totals.num_generated_tokens,
-        } | self.adapters.stats() | self.runner.lora.stats() | self.speculation.stats()
+        } | self.sessions.stats() | self.adapters.stats() | self.runner.lora.stats() | (
+            self.speculation.stats())
 

@@ -2,6 +2,7 @@
 verification's drafts, commits, frees."""
 
 import math
+from collections.abc import Callable
 
 from cluster_configs.engine_config import EngineConfig
 from memory.block_pool import NULL_BLOCK, BlockPool, hash_block
@@ -12,8 +13,10 @@ from scheduling.request import Request
 
 
 class KVCacheManager:
-    def __init__(self, pool: BlockPool, kv_cache: KVCache, enable_prefix_caching: bool, sliding_window: int):
+    def __init__(self, pool: BlockPool, kv_cache: KVCache, enable_prefix_caching: bool, sliding_window: int,
+                 reclaim: Callable[[Callable[[], bool]], bool] = lambda enough: enough()):
         self.pool = pool
+        self.reclaim = reclaim  # frees blocks held elsewhere (idle session sequences) until enough()
         self.kv_cache = kv_cache  # the arrays: only a verified tree's kept path moves in them
         self.block_size = kv_cache.block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -40,7 +43,7 @@ class KVCacheManager:
     def find_cached_prefix(self, req: Request) -> list[int]:
         """Cached blocks holding a prefix of req (without taking them); at least one token stays to
         compute."""
-        if not self.looks_up(req):
+        if not self.looks_up(req) or req.block_ids:  # (a session's turn starts from its sequence's blocks)
             return []
         block_ids: list[int] = []
         parent = None
@@ -62,8 +65,12 @@ class KVCacheManager:
         self._release_out_of_window(req, num_computed)
         num_needed = -(-(num_computed + num_new_tokens) // self.block_size)
         num_new_blocks = num_needed - len(req.block_ids) - len(cached_block_ids)
-        num_reclaimed = sum(1 for b in cached_block_ids if self.pool.ref_cnt[b] == 0)  # leave the free queue
-        if not self.pool.can_allocate(num_new_blocks + num_reclaimed):
+
+        def enough() -> bool:  # cached blocks no one references leave the free queue too
+            return self.pool.can_allocate(num_new_blocks + sum(1 for b in cached_block_ids
+                                                               if self.pool.ref_cnt[b] == 0))
+
+        if not (enough() or self.reclaim(enough)):
             return False
         if cached_block_ids:
             self.pool.touch(cached_block_ids)

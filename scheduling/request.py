@@ -49,6 +49,7 @@ class Request:
         self.num_emitted_chars = 0
         self.num_emitted_tokens = 0
         self.detokenizer = None  # IncrementalDetokenizer when the model has a tokenizer
+        self.sequence = None  # a session's SequenceKV: the turn starts from its blocks and leaves them there
 
     @property
     def priority(self) -> int:
