@@ -133,3 +133,32 @@ def test_session_close_frees_every_block(llama_dir):
         with pytest.raises(ns.EngineClosed, match="session is closed"):
             seq.generate(TURNS[2], GREEDY)
         session.close()  # again: nothing to do
+
+
+def test_a_streamed_turn_is_history_like_a_generated_one(llama_dir, fresh):
+    with ns.LLM(llama_dir, **FP32) as llm:
+        seq = llm.session().sequence()
+        seq.generate(TURNS[0], GREEDY)
+        history = seq.token_ids + TURNS[1]
+        text = "".join(seq.stream(TURNS[1], GREEDY))
+        assert seq.token_ids[len(history):] == fresh(history)
+        assert text == llm.generate(history, GREEDY, cache_salt="unshared")[0].text
+        stream = seq.stream(TURNS[2], GREEDY)
+        next(stream)
+        stream.close()  # the turn is aborted; what it generated stays in the history
+        assert llm.stats()["num_running"] == 0
+        assert seq.token_ids[:len(history) + GREEDY.max_tokens + len(TURNS[2])] == (
+            history + fresh(history) + TURNS[2])
+
+
+def test_sliding_window_sequences_continue_from_their_window(model_dirs):
+    mistral = model_dirs["mistral"]  # window 8: blocks out of the window are released as it goes
+    with ns.LLM(mistral, **FP32, block_size=4, enable_prefix_caching=False) as reference, \
+            ns.LLM(mistral, **FP32, block_size=4) as llm:
+        seq = llm.session().sequence()
+        history = []
+        for turn in TURNS[:3]:
+            history += turn
+            tokens = seq.generate(turn, GREEDY).token_ids
+            assert tokens == reference.generate(history, GREEDY)[0].token_ids
+            history += tokens
