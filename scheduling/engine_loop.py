@@ -16,7 +16,7 @@ callers' threads cost the loop nothing while it computes.
 
 A failing step fails the requests it held (the running ones; every pending one if none was running) with its
 exception and the loop goes on. close() fails what is still pending with EngineClosed and ends the thread;
-later submissions and calls raise EngineClosed.
+later submissions and calls raise EngineClosed. Should the loop's own code fail, it closes the same way.
 """
 
 import queue
@@ -141,6 +141,12 @@ class EngineLoop:
 
     def _run(self) -> None:
         numba.set_num_threads(self.engine.num_threads)  # thread-local: this thread runs the kernels
+        try:
+            self._serve()
+        except Exception as e:  # noqa: BLE001  (a bug in the loop itself: answer everyone, then stop)
+            self._crash(e)
+
+    def _serve(self) -> None:
         running = True
         while running:
             running = self._handle(self._inbox.get())  # idle: sleeps until a message comes
@@ -196,3 +202,22 @@ class EngineLoop:
         for request_id in request_ids:
             self.engine.abort(request_id)
             self._outboxes.pop(request_id).put(RequestFailed(error))
+
+    def _crash(self, error: Exception) -> None:
+        """Close, and fail every pending request and queued message with EngineClosed."""
+        with self._lock:
+            self._closed = True  # nothing but aborts is queued from here on
+        failure = EngineClosed(f"the engine's loop failed ({error!r}); create a new numaserve.LLM to go on")
+        outboxes = list(self._outboxes.values())
+        self._outboxes.clear()
+        try:
+            while True:
+                match self._inbox.get_nowait():
+                    case Submit(_, queued):
+                        outboxes += queued
+                    case Call(_, result):
+                        result.set_exception(failure)
+        except queue.Empty:
+            pass
+        for outbox in outboxes:
+            outbox.put(RequestFailed(failure))

@@ -119,6 +119,23 @@ def test_a_failing_step_fails_its_requests_and_the_llm_serves_on(llama_dir, alon
     assert stats["num_free_blocks"] == stats["num_blocks"]
 
 
+def test_a_failure_of_the_loop_itself_closes_the_llm_and_answers_every_caller(llama_dir, monkeypatch):
+    num_before = loop_threads()
+    llm = ns.LLM(llama_dir, **FP32)
+
+    def broken(*args):
+        raise RuntimeError("injected bug")
+
+    monkeypatch.setattr(llm.engine, "step", broken)
+    monkeypatch.setattr(llm.engine, "abort", broken)  # failing the step's requests fails too
+    with pytest.raises(ns.EngineClosed, match="injected bug"):
+        llm.generate(PROMPTS[:2], PARAMS[:2])
+    with pytest.raises(ns.EngineClosed):
+        llm.stats()
+    llm.close()
+    assert loop_threads() == num_before
+
+
 def test_close_stops_the_loop_thread_and_later_calls_raise(llama_dir, alone):
     num_before = loop_threads()
     with ns.LLM(llama_dir, **FP32) as llm:
