@@ -18,14 +18,17 @@ from models.token_tree import TokenTree
 from scheduling.kv_cache_manager import KVCacheManager
 from scheduling.plan import ScheduledRequest, StepPlan
 from scheduling.request import Request, RequestStatus
+from scheduling.sessions import SequenceStore
 
 
 class Batcher:
-    def __init__(self, config: EngineConfig, kv: KVCacheManager, decisions: DecisionLog | None = None):
+    def __init__(self, config: EngineConfig, kv: KVCacheManager, sessions: SequenceStore,
+                 decisions: DecisionLog | None = None):
         self.token_budget = config.max_num_batched_tokens
         self.max_num_seqs = config.max_num_seqs
         self.max_loras = config.max_loras
         self.kv = kv
+        self.sessions = sessions  # a session turn takes its sequence's blocks when admitted
         self.by_priority = config.scheduling_policy == "priority"
         self.waiting: list[Request] = []  # sorted by sort_key
         self.running: list[Request] = []
@@ -79,9 +82,11 @@ class Batcher:
                     and len(adapters) >= self.max_loras):
                 # its adapter waits for a LoRA slot: one frees when the last request of another finishes
                 break
+            self.sessions.resume(req)
             cached = self.kv.find_cached_prefix(req)
             num_new = min(req.num_tokens - req.num_computed_tokens - len(cached) * self.kv.block_size, budget)
             if len(self.running) >= self.max_num_seqs or not self.kv.allocate_slots(req, num_new, cached):
+                self.sessions.suspend(req)
                 if not self._preempt_for(req, scheduled, preempted):
                     break
                 budget = self.token_budget - sum(s.num_new_tokens for s in scheduled)

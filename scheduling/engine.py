@@ -72,7 +72,7 @@ class Engine:
         self.sessions = SequenceStore(pool, bs, max_pinned_blocks=config.session_kv_bytes // block_bytes)
         self.kv = KVCacheManager(pool, self.kv_cache, config.enable_prefix_caching, window,
                                  reclaim=self.sessions.reclaim)
-        self.batcher = Batcher(config, self.kv, self.decisions)
+        self.batcher = Batcher(config, self.kv, self.sessions, self.decisions)
         self.requests: dict[str, Request] = {}
         self.adapters = AdapterStore(s, config.max_lora_rank, config.adapter_roots, fetch=fetch_adapter,
                                      max_loaded=config.max_loras if fetch_adapter else None)
@@ -120,8 +120,6 @@ class Engine:
         return req
 
     def submit(self, req: Request) -> None:
-        if req.sequence is not None:
-            self.sessions.resume(req)
         self.requests[req.request_id] = req
         self.batcher.add(req)
 

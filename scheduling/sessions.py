@@ -1,7 +1,8 @@
 """Session sequences whose KV stays in the pool between turns.
 
 A turn is a Request over the sequence's history + its new input. While the sequence holds its blocks
-(pinned: it holds a reference on each) the request starts from them, so a turn prefills only its new input
+(pinned: it holds a reference on each) the request starts from them when it is admitted (until then they
+stay evictable, so a queued turn never holds blocks others wait for), and a turn prefills only its new input
 and the previous turn's last token (whose KV was never computed). When the turn finishes its blocks pass to
 the sequence instead of back to the pool. Idle sequences pin at most max_pinned_blocks (from
 EngineConfig.session_kv_bytes); past it, and when the pool is short of blocks for a step, the least
@@ -45,24 +46,33 @@ class SequenceStore:
         return {"num_pinned_blocks": self.num_pinned_blocks, "num_session_evictions": self.num_evictions}
 
     def resume(self, req: Request) -> None:
-        """A turn of req.sequence starts from the blocks the sequence holds (if it still does)."""
+        """On admission: a turn of req.sequence starts from the blocks the sequence holds (if it still does).
+        Until then they stay evictable."""
         seq = req.sequence
-        if seq in self.idle:
+        if seq is not None and seq in self.idle:
             del self.idle[seq]
             req.block_ids, req.block_hashes = seq.block_ids, seq.block_hashes
             req.num_computed_tokens = seq.num_computed_tokens
             seq.block_ids, seq.block_hashes, seq.num_computed_tokens = [], [], 0
 
+    def suspend(self, req: Request) -> None:
+        """A resumed turn that found no room: its blocks go back to its sequence (idle) until admitted."""
+        if req.sequence is not None and req.block_ids:
+            self._park(req)
+
     def hold(self, req: Request) -> None:
         """A finished turn: its tokens become the history, its blocks pass to the sequence."""
+        req.sequence.token_ids = list(req.token_ids)
+        self._park(req)
+        while self.num_pinned_blocks > self.max_pinned_blocks:
+            self.evict(next(iter(self.idle)))
+
+    def _park(self, req: Request) -> None:
         seq = req.sequence
-        seq.token_ids = list(req.token_ids)
         seq.block_ids, seq.block_hashes = req.block_ids, req.block_hashes
         seq.num_computed_tokens = req.num_computed_tokens
         req.block_ids, req.block_hashes, req.num_computed_tokens = [], [], 0
         self.idle[seq] = None
-        while self.num_pinned_blocks > self.max_pinned_blocks:
-            self.evict(next(iter(self.idle)))
 
     def reclaim(self, enough) -> bool:
         """Evict idle sequences, least recently used first, until enough(); -> enough()."""

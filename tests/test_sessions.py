@@ -162,3 +162,25 @@ def test_sliding_window_sequences_continue_from_their_window(model_dirs):
             tokens = seq.generate(turn, GREEDY).token_ids
             assert tokens == reference.generate(history, GREEDY)[0].token_ids
             history += tokens
+
+
+def test_a_queued_turn_leaves_its_blocks_evictable_for_whoever_is_admitted_first(llama_dir, fresh):
+    # 16 blocks of 16: the sequence pins 10, the long request arriving before its next turn needs 13 at once
+    with ns.LLM(llama_dir, **FP32, kv_cache_bytes=16 * BLOCK_BYTES) as llm:
+        seq = llm.session().sequence()
+        seq.generate(random_prompt(140, seed=700), GREEDY)
+        history, engine = seq.token_ids, llm.engine
+        params = ns.SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+        long = engine.make_request("long", random_prompt(200, seed=701), params)
+        turn = engine.make_request("turn", history + TURNS[1], GREEDY)
+        turn.sequence = seq._kv
+        engine.submit(long)
+        engine.submit(turn)
+        for _ in range(500):  # (a bound for a deadlock only)
+            if not engine.has_unfinished():
+                break
+            engine.step()
+        assert long.finished and turn.finished
+        assert long.output_token_ids == fresh(random_prompt(200, seed=701), params)
+        assert turn.output_token_ids == fresh(history + TURNS[1])
+        assert engine.stats()["num_session_evictions"] == 1
