@@ -110,7 +110,7 @@ class LLM:
 
     def _deltas(self, req: Request) -> Iterator[str]:
         """Submit req; its text deltas. Closing the iterator (or dropping it) aborts it."""
-        [pending] = self._loop.submit([req])
+        [pending] = self._loop.submit([req], deltas=True)
         finished = False
         try:
             for out in pending.outputs():

@@ -39,6 +39,9 @@ from scheduling.request import Request
 class Submit:
     requests: tuple[Request, ...]
     outboxes: tuple[queue.SimpleQueue, ...]  # one per request: its RequestOutputs, or a RequestFailed
+    # whether each step's delta goes to the outbox (a stream), or only the last (a caller that only waits
+    # is not woken at every step)
+    deltas: bool
 
 
 @dataclass(frozen=True)
@@ -77,7 +80,8 @@ class Pending:
         self.outbox: queue.SimpleQueue = queue.SimpleQueue()
 
     def outputs(self) -> Iterator[RequestOutput]:
-        """Each step's delta of the request until it finishes; raises the error that failed it."""
+        """Its outputs (each step's delta if submitted with deltas, else the last) until it finishes; raises
+        the error that failed it."""
         while True:
             item = self.outbox.get()
             if isinstance(item, RequestFailed):
@@ -102,13 +106,15 @@ class EngineLoop:
         self._lock = threading.Lock()  # orders close() against submissions: nothing is queued after Stop
         self._closed = False
         self._outboxes: dict[str, queue.SimpleQueue] = {}  # the loop thread's: its pending requests
+        self._streamed: set[str] = set()  # of those, the ones whose every delta is delivered
         self._thread = threading.Thread(target=self._run, name="numaserve-engine-loop", daemon=True)
         self._thread.start()
 
-    def submit(self, requests: list[Request]) -> list[Pending]:
-        """Queue validated requests (made by engine.make_request) for the next step."""
+    def submit(self, requests: list[Request], deltas: bool = False) -> list[Pending]:
+        """Queue validated requests (made by engine.make_request) for the next step. deltas: their outputs are
+        each step's delta (else only the last, with finish_reason)."""
         pending = [Pending(r) for r in requests]
-        self._send(Submit(tuple(requests), tuple(p.outbox for p in pending)))
+        self._send(Submit(tuple(requests), tuple(p.outbox for p in pending), deltas))
         return pending
 
     def call(self, fn: Callable[[Engine], object]):
@@ -165,9 +171,11 @@ class EngineLoop:
 
     def _handle(self, message: Message) -> bool:
         match message:
-            case Submit(requests, outboxes):
+            case Submit(requests, outboxes, deltas):
                 for req, outbox in zip(requests, outboxes):
                     self._outboxes[req.request_id] = outbox
+                    if deltas:
+                        self._streamed.add(req.request_id)
                     self.engine.submit(req)
             case Abort(request_id):
                 if request_id in self._outboxes and (out := self.engine.abort(request_id)) is not None:
@@ -194,13 +202,18 @@ class EngineLoop:
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
-            outbox = (self._outboxes.pop if out.finished else self._outboxes.get)(out.request_id, None)
+            if out.finished:
+                self._streamed.discard(out.request_id)
+                outbox = self._outboxes.pop(out.request_id, None)
+            else:
+                outbox = self._outboxes.get(out.request_id) if out.request_id in self._streamed else None
             if outbox is not None:
                 outbox.put(out)
 
     def _fail(self, request_ids: list[str], error: Exception) -> None:
         for request_id in request_ids:
             self.engine.abort(request_id)
+            self._streamed.discard(request_id)
             self._outboxes.pop(request_id).put(RequestFailed(error))
 
     def _crash(self, error: Exception) -> None:
@@ -210,10 +223,11 @@ class EngineLoop:
         failure = EngineClosed(f"the engine's loop failed ({error!r}); create a new numaserve.LLM to go on")
         outboxes = list(self._outboxes.values())
         self._outboxes.clear()
+        self._streamed.clear()
         try:
             while True:
                 match self._inbox.get_nowait():
-                    case Submit(_, queued):
+                    case Submit(_, queued, _):
                         outboxes += queued
                     case Call(_, result):
                         result.set_exception(failure)
