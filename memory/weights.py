@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import gguf
 import numpy as np
 
+from cluster_configs.errors import CheckpointError
 from kernels.bf16 import to_bf16
 from kernels.cpu import missing_features
 from kernels.ggml_blocks import BLOCK_DTYPES, CODE, GGML_TYPE, K_QUANT_DTYPES, QK_K, row_bytes, row_values
@@ -65,9 +66,20 @@ class WeightMatrix:
     def from_float(cls, w: np.ndarray, dtype: str) -> "WeightMatrix":
         """w: [N, K] in dtype, quantized as llama.cpp quantizes without an importance matrix. Rows that are
         not whole super-blocks take K_QUANT_FALLBACK's format, rows that are not whole blocks of 32 bf16.
-        float16 rounds to nearest even (float16 values keep their bits)."""
-        if dtype in ("float32", "float16"):
-            return cls(dtype, np.ascontiguousarray(w, dtype=np.dtype(dtype)))
+        float16 rounds to nearest even (float16 values keep their bits); a finite value beyond its range
+        raises CheckpointError rather than becoming infinite."""
+        if dtype == "float32":
+            return cls(dtype, np.ascontiguousarray(w, dtype=np.float32))
+        if dtype == "float16":
+            with np.errstate(over="ignore"):
+                data = np.ascontiguousarray(w, dtype=np.float16)
+            overflow = w[np.isinf(data)]
+            overflow = overflow[np.isfinite(overflow)]
+            if len(overflow):
+                raise CheckpointError(f"a weight of magnitude {np.abs(overflow).max():g} exceeds float16's "
+                                      "largest value (65504); serve this model with weight_dtype='bfloat16' "
+                                      "or 'float32'")
+            return cls(dtype, data)
         if dtype in K_QUANT_FALLBACK and w.shape[1] % QK_K:
             dtype = K_QUANT_FALLBACK[dtype]
         if dtype == "bfloat16" or w.shape[1] % QK:
