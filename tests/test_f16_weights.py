@@ -12,6 +12,7 @@ from safetensors.numpy import load_file, save_file
 import numaserve as ns
 from cluster_configs.errors import CheckpointError
 from memory.weights import WeightMatrix, row_block, select_rows
+from models.activation_plan import linear_matrices
 from models.linear import dequantize, embed, linear
 from tests.conftest import random_prompt
 from tests.test_lora import make_adapter
@@ -74,21 +75,31 @@ def test_a_finite_weight_beyond_float16s_range_is_refused():
 
 
 @pytest.fixture(scope="module")
-def f16_dir(llama_dir, tmp_path_factory):
-    """The test model as a float16 checkpoint (F16 safetensors, as a torch_dtype float16 model is saved)."""
-    out = tmp_path_factory.mktemp("f16") / "llama"
-    shutil.copytree(llama_dir, out)
-    for f in out.glob("*.safetensors"):
-        save_file({k: v.astype(np.float16) for k, v in load_file(f).items()}, f)
-    return out
+def f16_dirs(model_dirs, tmp_path_factory) -> dict:
+    """variant -> the test model as a float16 checkpoint (F16 safetensors, as a torch_dtype float16 model is
+    saved)."""
+    root = tmp_path_factory.mktemp("f16")
+    for variant in ("llama", "qwen3_moe"):
+        shutil.copytree(model_dirs[variant], root / variant)
+        for f in (root / variant).glob("*.safetensors"):
+            save_file({k: v.astype(np.float16) for k, v in load_file(f).items()}, f)
+    return {variant: root / variant for variant in ("llama", "qwen3_moe")}
 
 
-def test_a_float16_checkpoint_keeps_its_bits_and_gives_the_float32_engines_logits(f16_dir):
+@pytest.fixture(scope="module")
+def f16_dir(f16_dirs):
+    return f16_dirs["llama"]
+
+
+@pytest.mark.parametrize("variant", ["llama", "qwen3_moe"])  # a MoE's experts too (row blocks of one matrix)
+def test_a_float16_checkpoint_keeps_its_bits_and_gives_the_float32_engines_logits(f16_dirs, variant):
+    f16_dir = f16_dirs[variant]
     llm16 = ns.LLM(f16_dir, weight_dtype="float16", **F32_KV)
     llm32 = ns.LLM(f16_dir, weight_dtype="float32", **F32_KV)
     tensors = {k: v for f in f16_dir.glob("*.safetensors") for k, v in load_file(f).items()}
     qkv = llm16.engine.model.weights.layers[0].qkv
-    assert isinstance(qkv, WeightMatrix) and qkv.dtype == "float16"  # auto: float32 activations, unpacked
+    assert isinstance(qkv, WeightMatrix)  # auto: float32 activations, unpacked
+    assert {w.dtype for _, _, w in linear_matrices(llm16.engine.model.weights)} == {"float16"}
     file_qkv = np.concatenate([tensors[f"model.layers.0.self_attn.{m}_proj.weight"] for m in "qkv"])
     assert np.array_equal(qkv.data.view(np.uint16), file_qkv.view(np.uint16))
     embedding = llm16.engine.model.weights.embed
