@@ -7,8 +7,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from cluster_configs.speculation_config import SpeculationConfig
 
-WeightDtype = Literal["auto", "float32", "bfloat16", "q8_0", "q4_0", "q4_k", "q5_k", "q6_k", "q4_k_m",
-                      "q5_k_m"]
+WeightDtype = Literal["auto", "float32", "float16", "bfloat16", "q8_0", "q4_0", "q4_k", "q5_k", "q6_k",
+                      "q4_k_m", "q5_k_m"]
 KVDtype = Literal["auto", "float32", "bfloat16", "int8"]
 ActivationDtype = Literal["auto", "float32", "bfloat16", "int8"]
 
