@@ -130,9 +130,8 @@ class Speculator:
         if not decoding:
             return None
         reqs = [plan.scheduled[i].request for i in decoding]
-        # a run may append all its drafts and one more token; drafts past max_tokens would be cut unread. A
-        # constrained request does not draft: its rows are masked for its verified tokens only
-        max_depths = [0 if r.matcher is not None else r.max_num_tokens - r.num_tokens for r in reqs]
+        # a run may append all its drafts and one more token; drafts past max_tokens would be cut unread
+        max_depths = [r.max_num_tokens - r.num_tokens for r in reqs]
         self.refresh_policy()
         policy = self.policy
         depths = choose_depths(policy, plan.num_tokens, max_depths, token_budget=plan.token_budget_left)
@@ -164,6 +163,8 @@ class Speculator:
                 tree = draft.truncated(depths[j] if draft.is_chain else min(depths[j], self.max_tree_depth))
             else:
                 tree = TokenTree.chain(draft[:depths[j]])
+            if reqs[j].matcher is not None:  # structured outputs: only drafts its grammar admits
+                tree = reqs[j].matcher.admitted(tree)
             if tree.tokens:
                 trees[decoding[j]] = tree
         return batcher.with_drafts(plan, trees, self.config.method)

@@ -9,12 +9,18 @@ before sampling (llguidance drops the GIL while it computes a mask); the output 
 matcher token by token (`GrammarMatcher.advance`) and finishes the request with "stop" once the grammar is
 complete and admits nothing but EOS. EOS is in a mask only where the grammar accepts.
 
+Speculation: a constrained request keeps, of its chain of drafts, the prefix its grammar admits
+(`GrammarMatcher.admitted`; a tree of drafts it drops), and the mask of its row after draft j is computed
+with drafts 0..j consumed, then rolled back (`fill_masks`), so each row is sampled exactly as plain masked
+decoding would sample it there.
+
 JSON is compact (no whitespace between tokens, llguidance's whitespace_flexible off): a small model given
 flexible whitespace can spend its whole max_tokens on spaces and newlines.
 """
 
 import functools
 import json
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
@@ -23,6 +29,7 @@ from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
 
 from cluster_configs.errors import InvalidRequest
 from cluster_configs.structured_outputs import StructuredOutputs
+from models.token_tree import TokenTree
 
 _JSON_OPTIONS = {"whitespace_flexible": False}
 
@@ -69,14 +76,29 @@ class GrammarMatcher:
     """One request's constraint state: an llguidance matcher over the tokens the request has output."""
 
     def __init__(self, tokenizer: LLTokenizer, grammar: str):
+        self.eos_token_ids = frozenset(tokenizer.eos_tokens)
         self.matcher = LLMatcher(tokenizer, grammar, log_level=0)
         if self.matcher.is_error():  # what only the tokenizer reveals (e.g. a token the vocabulary lacks)
             raise InvalidRequest(f"structured_outputs is invalid: {self.matcher.get_error()}",
                                  param="structured_outputs")
 
-    def fill_mask(self, bitmask: np.ndarray, row: int) -> None:
-        """bitmask[row] ([W] int32, bit t: token t allowed) := the tokens that may come next."""
-        fill_next_token_bitmask(self.matcher, bitmask, row)
+    def admitted(self, drafts: TokenTree) -> TokenTree:
+        """Of a chain of drafts, the prefix the grammar admits after the output so far, cut before an EOS (the
+        request would end there). A tree's nodes would each need their own path's mask: none of it."""
+        if not drafts.is_chain:
+            return TokenTree.chain(())
+        tokens = drafts.tokens[:self.matcher.validate_tokens(list(drafts.tokens))]
+        return TokenTree.chain(tokens[:next((j for j, t in enumerate(tokens) if t in self.eos_token_ids),
+                                            len(tokens))])
+
+    def fill_masks(self, bitmask: np.ndarray, first_row: int, drafts: Sequence[int]) -> None:
+        """bitmask[first_row + j] ([W] int32, bit t: token t allowed) := the tokens that may follow the output
+        and drafts[:j], for j = 0..len(drafts) (admitted drafts: consumed in turn, then rolled back)."""
+        for j, token in enumerate(drafts):
+            fill_next_token_bitmask(self.matcher, bitmask, first_row + j)
+            self.matcher.consume_token(token)
+        fill_next_token_bitmask(self.matcher, bitmask, first_row + len(drafts))
+        self.matcher.rollback(len(drafts))
 
     def advance(self, token_id: int) -> bool:
         """Consume an output token; -> whether the output is complete (the grammar admits only EOS now).
@@ -106,7 +128,7 @@ class Grammars:
 
 class MaskWorker:
     """Computes a step's token masks in one thread while the model runs: `start` before the forward, the
-    future's result (index in plan.scheduled -> [V] bool) before sampling."""
+    future's result (index in plan.scheduled -> [1 + num drafts, V] bool) before sampling."""
 
     def __init__(self, vocab_size: int):
         self.vocab_size = vocab_size
@@ -114,16 +136,19 @@ class MaskWorker:
 
     def start(self, plan) -> Future | None:
         """Masks for the plan's constrained requests that sample this step (None: no such request)."""
-        constrained = [(i, s.request.matcher) for i, s in enumerate(plan.scheduled)
+        constrained = [(i, s.request.matcher, s.draft_token_ids) for i, s in enumerate(plan.scheduled)
                        if s.request.matcher is not None
                        and s.request.num_computed_tokens + s.num_base_tokens == s.request.num_tokens]
         return self.pool.submit(token_masks, constrained, self.vocab_size) if constrained else None
 
 
-def token_masks(constrained: list[tuple[int, GrammarMatcher]], vocab_size: int) -> dict[int, np.ndarray]:
-    """key -> [vocab_size] bool: the tokens each matcher allows next."""
-    bitmask = allocate_token_bitmask(len(constrained), vocab_size)  # [C, ceil(V / 32)] int32
-    for row, (_, matcher) in enumerate(constrained):
-        matcher.fill_mask(bitmask, row)
+def token_masks(constrained: list[tuple[int, GrammarMatcher, Sequence[int]]], vocab_size: int
+                ) -> dict[int, np.ndarray]:
+    """(key, matcher, its drafts) -> key: [1 + len(drafts), vocab_size] bool, the tokens the matcher allows
+    next and after each draft."""
+    firsts = np.cumsum([0] + [1 + len(drafts) for _, _, drafts in constrained])
+    bitmask = allocate_token_bitmask(int(firsts[-1]), vocab_size)  # [rows, ceil(V / 32)] int32
+    for first, (_, matcher, drafts) in zip(firsts, constrained):
+        matcher.fill_masks(bitmask, int(first), drafts)
     bits = np.unpackbits(bitmask.view(np.uint8), axis=1, count=vocab_size, bitorder="little").view(bool)
-    return {key: bits[row] for row, (key, _) in enumerate(constrained)}
+    return {key: bits[first:end] for first, end, (key, *_) in zip(firsts, firsts[1:], constrained)}

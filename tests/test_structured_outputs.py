@@ -176,13 +176,13 @@ def test_masks_allow_eos_only_where_the_grammar_accepts(llm):
     matcher = grammars.matcher(ns.StructuredOutputs(regex="ab+"))
     [eos] = engine.spec.eos_token_ids
     tokenizer = engine.tokenizer
-    allowed = token_masks([(0, matcher)], engine.spec.vocab_size)[0]
+    [allowed] = token_masks([(0, matcher, ())], engine.spec.vocab_size)[0]
     assert not allowed[eos] and all(tokenizer.decode([t]) in ("a", "ab", "abb") or not tokenizer.decode([t])
                                     for t in np.flatnonzero(allowed))
     for text, accepting in (("a", False), ("b", True), ("b", True)):
         [token] = tokenizer.hf_tokenizer.encode(text, add_special_tokens=False).ids
         assert not matcher.advance(token)  # "ab+" may always grow
-        assert token_masks([(0, matcher)], engine.spec.vocab_size)[0][eos] == accepting
+        assert token_masks([(0, matcher, ())], engine.spec.vocab_size)[0][0, eos] == accepting
 
 
 def test_a_complete_grammar_stops_without_sampling_eos(llm):
@@ -193,13 +193,18 @@ def test_a_complete_grammar_stops_without_sampling_eos(llm):
 
 
 def test_constrained_requests_under_ngram_speculation_decode_as_without(llm, model_dir):
-    """They do not draft (masks cover verified rows only); the unconstrained request in the batch does."""
+    """Their drafts are cut to what the grammar admits, each row masked after the drafts before it."""
     spec = ns.LLM(model_dir, num_threads=1, speculation={"method": "ngram", "mode": "on"})
-    repetitive = "a b c a b c a b c a b c a b c a b c"
-    params = [ns.SamplingParams(max_tokens=40, temperature=0)] + [
-        ns.SamplingParams(max_tokens=60, temperature=t, seed=s, structured_outputs=constraint)
-        for s, (t, constraint) in enumerate(zip((0, 1, 0, 1), CONSTRAINTS))]
-    prompts = [repetitive] + [PROMPT] * (len(params) - 1)
-    expected = [c.token_ids for c in llm.generate(prompts, params)]
-    assert [c.token_ids for c in spec.generate(prompts, params)] == expected
-    assert spec.stats()["spec_num_draft_tokens"] > 0
+    example = '{"color":"red","size":1} {"color":"blue","size":3} {"a":true,"b":4} '
+    schemas = [SCHEMAS[name] for name in ("enums", "required_and_optional", "nested_objects")]
+    params = [ns.SamplingParams(max_tokens=60, temperature=t, seed=s,
+                                structured_outputs=ns.StructuredOutputs(json=schemas[s % 3]))
+              for s, t in enumerate([0.0, 1.0] * 4)]
+    expected = llm.generate([example * 3] * len(params), params)
+    got = spec.generate([example * 3] * len(params), params)
+    assert [c.token_ids for c in got] == [c.token_ids for c in expected]
+    for c, p in zip(got, params):
+        assert c.finish_reason == "stop"
+        jsonschema.validate(json.loads(c.text), p.structured_outputs.json)
+    stats = spec.stats()
+    assert 0 < stats["spec_num_accepted_tokens"] < stats["spec_num_draft_tokens"], stats
