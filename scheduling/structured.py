@@ -37,33 +37,39 @@ _JSON_OPTIONS = {"whitespace_flexible": False}
 def grammar_of(so: StructuredOutputs) -> str:
     """The llguidance grammar of so; InvalidRequest naming the problem when it does not compile."""
     kind = so.kind
-    if kind == "json" and isinstance(so.json, str):
-        try:
-            schema = json.loads(so.json)
-        except json.JSONDecodeError as e:
-            raise InvalidRequest(f"structured_outputs.json is not valid JSON ({e}); pass a JSON Schema",
-                                 param="structured_outputs") from None
-    else:
-        schema = {"type": "object"} if kind == "json_object" else so.json
-    if kind in ("json", "json_object"):
-        if not isinstance(schema, dict):
-            raise InvalidRequest(f"structured_outputs.json must be a JSON Schema object, got "
-                                 f"{type(schema).__name__}", param="structured_outputs")
-        grammar = LLMatcher.grammar_from_json_schema(schema, overrides=_JSON_OPTIONS)
-    elif kind == "regex":
+    if kind == "regex":
         grammar = LLMatcher.grammar_from_regex(so.regex)
     elif kind == "grammar":
         grammar = LLMatcher.grammar_from_lark(so.grammar)
-    else:
+    elif kind == "choice":
         if not so.choice or not all(so.choice):
             raise InvalidRequest("structured_outputs.choice must list at least one non-empty string",
                                  param="structured_outputs")
         grammar = LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in so.choice))
+    else:
+        grammar = LLMatcher.grammar_from_json_schema(_schema(so), overrides=_JSON_OPTIONS)
     error = _grammar_error(grammar)
     if error:
         raise InvalidRequest(f"structured_outputs.{kind} is invalid: {error.strip()}",
                              param="structured_outputs")
     return grammar
+
+
+def _schema(so: StructuredOutputs) -> dict:
+    """The JSON Schema of a json or json_object constraint."""
+    if so.json_object:
+        return {"type": "object"}
+    schema = so.json
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as e:
+            raise InvalidRequest(f"structured_outputs.json is not valid JSON ({e}); pass a JSON Schema",
+                                 param="structured_outputs") from None
+    if not isinstance(schema, dict):
+        raise InvalidRequest(f"structured_outputs.json must be a JSON Schema object, got "
+                             f"{type(schema).__name__}", param="structured_outputs")
+    return schema
 
 
 @functools.lru_cache(maxsize=256)

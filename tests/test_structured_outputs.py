@@ -93,7 +93,7 @@ def test_regex_outputs_fullmatch(llm):
 
 
 def test_choice_outputs_are_one_of_the_choices(llm):
-    choices = ["yes", "no", "maybe later", "ünïcode ✓"]
+    choices = ["yes", "no", "maybe later", "ünïcode ✓", "a \"quoted\" \\ word"]
     outputs = [c.text for c in generate(llm, ns.StructuredOutputs(choice=choices))]
     assert set(outputs) <= set(choices)
     assert len(set(outputs)) > 1  # sampled, not stuck on one
