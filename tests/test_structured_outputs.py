@@ -208,3 +208,16 @@ def test_constrained_requests_under_ngram_speculation_decode_as_without(llm, mod
         jsonschema.validate(json.loads(c.text), p.structured_outputs.json)
     stats = spec.stats()
     assert 0 < stats["spec_num_accepted_tokens"] < stats["spec_num_draft_tokens"], stats
+
+
+def test_constrained_requests_preempted_in_a_small_kv_pool_decode_as_without(model_dir):
+    """A preempted request keeps its matcher: recomputed, it goes on from its output so far."""
+    roomy = ns.LLM(model_dir, num_threads=1, block_size=4)
+    block_bytes = 4 * roomy.engine.kv_cache.bytes_per_token
+    small = ns.LLM(model_dir, num_threads=1, block_size=4, kv_cache_bytes=24 * block_bytes,
+                   max_num_batched_tokens=64)
+    params = [ns.SamplingParams(max_tokens=60, seed=s, structured_outputs=constraint)
+              for s, constraint in enumerate(CONSTRAINTS)]
+    expected = [c.token_ids for c in roomy.generate([PROMPT] * len(params), params)]
+    assert [c.token_ids for c in small.generate([PROMPT] * len(params), params)] == expected
+    assert small.stats()["num_preemptions"] > 0
