@@ -153,6 +153,7 @@ def test_logprobs_of_a_constrained_request_are_the_models(llm):
     (ns.StructuredOutputs(json="{not json"), "not valid JSON"),
     (ns.StructuredOutputs(json="[1, 2]"), "JSON Schema object"),
     (ns.StructuredOutputs(choice=[]), "at least one"),
+    (ns.StructuredOutputs(grammar="start: <|nosuch|>"), "unknown special token"),  # known to the tokenizer
 ])
 def test_an_invalid_constraint_is_an_invalid_request_naming_the_problem(llm, constraint, problem):
     with pytest.raises(ns.InvalidRequest, match=re.escape(problem)) as e:
@@ -160,7 +161,7 @@ def test_an_invalid_constraint_is_an_invalid_request_naming_the_problem(llm, con
                                         ns.SamplingParams(max_tokens=4, structured_outputs=constraint)])
     assert e.value.param == "structured_outputs"
     assert not llm.engine.has_unfinished()  # nothing was queued
-    assert len(llm.generate(PROMPT, ns.SamplingParams(max_tokens=4))[0].token_ids) == 4
+    assert len(llm.generate(PROMPT, ns.SamplingParams(max_tokens=4, ignore_eos=True))[0].token_ids) == 4
 
 
 def test_structured_outputs_sets_exactly_one_constraint():
