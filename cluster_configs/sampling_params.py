@@ -2,6 +2,8 @@
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from cluster_configs.structured_outputs import StructuredOutputs
+
 
 class SamplingParams(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)  # inf temperature: NaN logits
@@ -24,6 +26,8 @@ class SamplingParams(BaseModel):
     # seconds the request may take from its arrival; past it the engine aborts it (finish_reason "abort") and
     # frees its KV blocks. The router hands a worker what is left of it. None: no deadline
     deadline_s: float | None = Field(None, gt=0.0, le=86_400.0)
+    # the output must match this JSON Schema / regex / choice / grammar (scheduling/structured.py)
+    structured_outputs: StructuredOutputs | None = None
 
     @field_validator("stop", mode="before")
     @classmethod

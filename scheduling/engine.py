@@ -35,6 +35,7 @@ from scheduling.request import Request
 from scheduling.speculation import make_speculation
 from scheduling.step_sampler import sample_step
 from scheduling.step_stats import EngineTotals, StageClock, StepStats, step_stats
+from scheduling.structured import Grammars, MaskWorker
 from scheduling.validation import RequestLimits, validate_request
 
 Prompt = str | list[int]
@@ -82,6 +83,8 @@ class Engine:
         self.limits = RequestLimits(s.vocab_size, self.max_model_len, block_size=bs,
                                     num_kv_blocks=num_blocks if window <= 0 else None)
         self.totals = EngineTotals()
+        self.grammars = Grammars(self.tokenizer, s.vocab_size, s.eos_token_ids)
+        self.mask_worker = MaskWorker(s.vocab_size)
 
     def register_adapter(self, name: str, path: str | Path) -> None:
         """Load a PEFT LoRA adapter; requests name it with adapter=name. Raises AdapterError."""
@@ -111,6 +114,8 @@ class Engine:
                       cache_salt=cache_salt, prompt_logits=prompt_logits, max_model_len=self.max_model_len)
         if self.tokenizer is not None and not prompt_logits:
             req.detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids)
+        if params.structured_outputs is not None:
+            req.matcher = self.grammars.matcher(params.structured_outputs)
         return req
 
     def submit(self, req: Request) -> None:
@@ -135,8 +140,9 @@ class Engine:
         plan = clock.lap("propose", self.speculation.propose(plan, self.batcher))
         if not plan.scheduled:
             return StepOutput(expired, self._record(plan, None, None, clock))
+        masks = self.mask_worker.start(plan)  # grammar masks computed while the model runs
         run = clock.lap("run", self.runner.run(plan))
-        out = clock.lap("sample", sample_step(plan, run))
+        out = clock.lap("sample", sample_step(plan, run, masks.result() if masks is not None else None))
         processed = clock.lap("process", self.processor.process(plan, out))
         for req in processed.finished:
             self._release(req)

@@ -50,6 +50,7 @@ class Request:
         self.num_emitted_chars = 0
         self.num_emitted_tokens = 0
         self.detokenizer = None  # IncrementalDetokenizer when the model has a tokenizer
+        self.matcher = None  # GrammarMatcher when params.structured_outputs (scheduling/structured.py)
 
     @property
     def sort_key(self) -> tuple[int, int]:
