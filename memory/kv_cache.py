@@ -31,8 +31,8 @@ class KVCache:
                  kv_dtype: str, overrides: Mapping[int, str] | None = None):
         self.layer_dtypes = layer_kv_dtypes(num_layers, kv_dtype, overrides)
         self.formats: list[KVFormat] = [KV_FORMATS[d] for d in self.layer_dtypes]
-        for fmt in set(self.formats):
-            fmt.check_head_dim(head_dim)
+        for name in set(self.layer_dtypes):
+            KV_FORMATS[name].check_head_dim(head_dim)
         self.block_size = block_size
         self.num_blocks = num_blocks
         shape = (num_blocks, block_size, n_kv_heads)
