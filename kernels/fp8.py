@@ -1,4 +1,4 @@
-"""FP8 (OCP e4m3fn and e5m2) codes as uint8: round-to-nearest-even encoding and a decoding table.
+"""FP8 (OCP e4m3fn and e5m2) codes as uint8: round-to-nearest-even encoding and exact decoding.
 
 e4m3fn: 4 exponent bits (bias 7), 3 mantissa bits, no infinities, 0x7F / 0xFF are NaN, largest 448.
 e5m2: 5 exponent bits (bias 15), 2 mantissa bits, IEEE-like (infinities, NaNs), largest 57344.
@@ -11,29 +11,32 @@ import math
 import numpy as np
 from numba import njit
 
+from kernels.bf16 import bf16_to_f32
+
 # (mantissa bits, exponent bias, largest finite code) of each format
 E4M3 = (3, 7, 0x7E)
-E5M2 = (2, 15, 0x7B)
+E5M2 = (2, 15, 0x7B)  # the bias is 2^(exponent bits - 1) - 1: fp8_decode derives it from the mantissa bits
 
 
-def decode_table(man_bits: int, bias: int, max_code: int) -> np.ndarray:
-    """float32 [256]: the value of every code (NaN and inf where the format has them)."""
-    exp_bits = 7 - man_bits
-    table = np.empty(256, np.float32)
-    for code in range(256):
-        sign = -1.0 if code & 0x80 else 1.0
-        e, m = (code >> man_bits) & ((1 << exp_bits) - 1), code & ((1 << man_bits) - 1)
-        if (code & 0x7F) > max_code:  # past the largest finite value: e5m2's inf, then NaNs; e4m3fn's NaN
-            table[code] = sign * math.inf if (man_bits == 2 and m == 0) else math.nan
-        elif e == 0:  # subnormal
-            table[code] = sign * math.ldexp(m, 1 - bias - man_bits)
-        else:
-            table[code] = sign * math.ldexp((1 << man_bits) + m, e - bias - man_bits)
-    return table
+@njit(inline="always", nogil=True)
+def fp8_decode(code, man_bits):
+    # uint8 code -> float32 value, exact for every finite code (the codes past the largest finite one, never
+    # written, decode to finite values)
+    return fp8_as_bf16(code, man_bits) * fp8_unbias(man_bits)
 
 
-E4M3_TABLE = decode_table(*E4M3)
-E5M2_TABLE = decode_table(*E5M2)
+@njit(inline="always", nogil=True)
+def fp8_as_bf16(code, man_bits):
+    # the code's exponent and mantissa bits placed in a bfloat16's (8 exponent bits): the code's value times
+    # 2^(bias - 127), subnormals included. Shifts that vectorize: decode attention over 4096 positions (32 / 4
+    # heads, head_dim 64) took 2x bf16's time reading a 256-entry table, about bf16's time this way (noisy)
+    return bf16_to_f32(((np.int32(code) & 0x80) << 8) | ((np.int32(code) & 0x7F) << (7 - man_bits)))
+
+
+@njit(inline="always", nogil=True)
+def fp8_unbias(man_bits):
+    # 2^(127 - bias), bias = 2^(exponent bits - 1) - 1 (7 for e4m3fn, 15 for e5m2); once a row, not a value
+    return np.float32(2.0 ** (127 - ((1 << (6 - man_bits)) - 1)))
 
 
 @njit(inline="always", nogil=True)

@@ -15,11 +15,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from kernels.attention import paged_attention, write_kv, write_kv_int8
-from kernels.fp8 import E4M3, E4M3_TABLE, E5M2, E5M2_TABLE
+from kernels.fp8 import E4M3, E5M2
 from kernels.hadamard import hadamard_inplace, is_power_of_two
 from kernels.kv_quant import write_kv_fp8, write_kv_int4
-
-_INT4_TABLE = np.arange(-8, 8, dtype=np.float32)  # nibble n holds n - 8
 
 
 @dataclass(frozen=True)
@@ -29,7 +27,6 @@ class KVFormat:
     values_per_element: int  # 2: two int4 codes a byte
     has_scale: bool
     rotated: bool
-    table: np.ndarray | None  # float32 value of each uint8 code (fp8) or nibble (int4)
     fp8: tuple[int, int, int] | None = None  # (mantissa bits, bias, largest finite code)
 
     def row_elements(self, head_dim: int) -> int:
@@ -50,14 +47,14 @@ class KVFormat:
 
 
 KV_FORMATS = {f.name: f for f in (
-    KVFormat("float32", np.float32, 1, False, False, None),
-    KVFormat("bfloat16", np.uint16, 1, False, False, None),
-    KVFormat("int8", np.int8, 1, True, False, None),
-    KVFormat("int8_hadamard", np.int8, 1, True, True, None),
-    KVFormat("fp8_e4m3", np.uint8, 1, True, False, E4M3_TABLE, E4M3),
-    KVFormat("fp8_e5m2", np.uint8, 1, True, False, E5M2_TABLE, E5M2),
-    KVFormat("int4", np.uint8, 2, True, False, _INT4_TABLE),
-    KVFormat("int4_hadamard", np.uint8, 2, True, True, _INT4_TABLE),
+    KVFormat("float32", np.float32, 1, False, False),
+    KVFormat("bfloat16", np.uint16, 1, False, False),
+    KVFormat("int8", np.int8, 1, True, False),
+    KVFormat("int8_hadamard", np.int8, 1, True, True),
+    KVFormat("fp8_e4m3", np.uint8, 1, True, False, E4M3),
+    KVFormat("fp8_e5m2", np.uint8, 1, True, False, E5M2),
+    KVFormat("int4", np.uint8, 2, True, False),
+    KVFormat("int4_hadamard", np.uint8, 2, True, True),
 )}
 
 
@@ -83,6 +80,6 @@ def attend_as(fmt: KVFormat, q, k_cache, v_cache, k_scale, v_scale, block_tables
     if fmt.rotated:
         hadamard_inplace(q)
     paged_attention(q, k_cache, v_cache, k_scale, v_scale, fmt.has_scale, block_tables, token_seq, positions,
-                    window, softmax_scale, out, tree_starts, tree_mask, softcap, fmt.table)
+                    window, softmax_scale, out, tree_starts, tree_mask, softcap, fmt.fp8[0] if fmt.fp8 else 0)
     if fmt.rotated:
         hadamard_inplace(out)
