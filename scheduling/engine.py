@@ -64,7 +64,7 @@ class Engine:
                                   lambda i=i: self.model.expert_log.describe(i), subject=f"layers.{i}")
         num_blocks = num_kv_blocks(s, config, self.max_model_len)
         self.kv_cache = KVCache(s.num_layers, num_blocks, bs, s.num_kv_heads, s.head_dim,
-                                config.resolved_kv_dtype)
+                                config.resolved_kv_dtype, config.kv_dtype_overrides)
         window = min(s.layer_windows)  # blocks can be released only if every layer looks back a window
         self.kv = KVCacheManager(BlockPool(num_blocks), self.kv_cache, config.enable_prefix_caching, window)
         self.batcher = Batcher(config, self.kv, self.decisions)
