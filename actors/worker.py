@@ -56,8 +56,7 @@ class NumaWorker:
         self._scheduler, self._adapter_cache = scheduler, adapter_cache
         self.engine = Engine(Path(model_path), engine_config, fetch_adapter=self._fetch_adapter,
                              shared_merged=CachedMerged(adapter_cache) if adapter_cache is not None else None)
-        kv = self.engine.kv_cache
-        numa.first_touch(kv.k, kv.v, kv.k_scale, kv.v_scale)
+        numa.first_touch(*self.engine.kv_cache.arrays)
         self._num_pinned, self._memory_policy = num_pinned, memory_policy
         self._telemetry_interval_s, self._stream_interval_s = telemetry_interval_s, stream_interval_s
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()

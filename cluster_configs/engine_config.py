@@ -7,9 +7,11 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from cluster_configs.speculation_config import SpeculationConfig
 
-WeightDtype = Literal["auto", "float32", "bfloat16", "q8_0", "q4_0", "q4_k", "q5_k", "q6_k", "q4_k_m",
-                      "q5_k_m"]
-KVDtype = Literal["auto", "float32", "bfloat16", "int8"]
+WeightDtype = Literal["auto", "float32", "float16", "bfloat16", "q8_0", "q4_0", "q4_k", "q5_k", "q6_k",
+                      "q4_k_m", "q5_k_m"]
+KVStorage = Literal["float32", "bfloat16", "int8", "int8_hadamard", "fp8_e4m3", "fp8_e5m2", "int4",
+                    "int4_hadamard"]  # kernels/kv_formats.py
+KVDtype = Literal["auto", KVStorage]
 ActivationDtype = Literal["auto", "float32", "bfloat16", "int8"]
 
 
@@ -25,7 +27,15 @@ class EngineConfig(BaseModel):
     weight_dtype: WeightDtype = Field("auto", description='weight storage; "auto" = bfloat16 (a GGUF file '
                                                           'keeps the types it stores); "q4_k_m" / "q5_k_m" = '
                                                           "llama.cpp's mixes (models/quant_mix.py)")
-    kv_dtype: KVDtype = Field("auto", description='KV cache storage; "auto" = bfloat16')
+    kv_dtype: KVDtype = Field("auto", description='KV cache storage; "auto" = bfloat16; "fp8_e4m3" / '
+                                                  '"fp8_e5m2" / "int8" / "int4": one float32 scale per '
+                                                  '(token, kv head); "*_hadamard": heads rotated by a '
+                                                  "Hadamard transform before rounding (head_dim a power "
+                                                  "of two)")
+    kv_dtype_overrides: dict[int, KVStorage] = Field(
+        default_factory=dict, description="{layer index: KV dtype} for the layers stored otherwise than "
+                                          "kv_dtype (e.g. {0: 'bfloat16'} keeps the first layer wide); "
+                                          "indices are checked against the model's layers when it loads")
     block_size: int = Field(16, ge=1, le=1024, description="tokens per KV block (a power of two)")
     kv_cache_bytes: int = Field(1 << 30, gt=0, description="KV cache size, an upper bound: never more than "
                                                           "max_num_seqs full contexts")
@@ -84,6 +94,13 @@ class EngineConfig(BaseModel):
     def _power_of_two(cls, v: int) -> int:
         if v & (v - 1):
             raise ValueError(f"block_size must be a power of two (got {v}); use e.g. 16")
+        return v
+
+    @field_validator("kv_dtype_overrides")
+    @classmethod
+    def _layer_indices(cls, v: dict[int, str]) -> dict[int, str]:
+        if any(i < 0 for i in v):
+            raise ValueError(f"kv_dtype_overrides: layer indices count from 0 (got {sorted(v)})")
         return v
 
     @field_validator("packed_cache_dir")

@@ -2,6 +2,8 @@
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from cluster_configs.structured_outputs import StructuredOutputs
+
 
 class SamplingParams(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)  # inf temperature: NaN logits
@@ -27,6 +29,8 @@ class SamplingParams(BaseModel):
     # lower runs first (vLLM's); honoured in admission, scheduling and preemption when the engine's
     # scheduling_policy is "priority", ignored under "fcfs"
     priority: int = 0
+    # the output must match this JSON Schema / regex / choice / grammar (scheduling/structured.py)
+    structured_outputs: StructuredOutputs | None = None
 
     @field_validator("stop", mode="before")
     @classmethod

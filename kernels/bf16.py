@@ -5,6 +5,8 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic, overload
 
+from kernels.fp16 import f16_to_f32
+
 
 @intrinsic
 def _bf16_bits_to_f32(typingctx, bits):
@@ -38,7 +40,7 @@ def bf16_to_f32(bits):
 
 
 def as_f32(x):
-    """A stored value (bf16 bits, int8, float) widened to float32."""
+    """A stored value (bf16 bits uint16, fp16 bits int16, int8, float) widened to float32."""
     raise NotImplementedError("numba-only")
 
 
@@ -46,6 +48,8 @@ def as_f32(x):
 def _as_f32(x):
     if x == types.uint16:
         return lambda x: bf16_to_f32(x)
+    if x == types.int16:
+        return lambda x: f16_to_f32(x)
     if isinstance(x, (types.Float, types.Integer)):
         return lambda x: np.float32(x)
     return None

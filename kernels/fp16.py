@@ -1,5 +1,7 @@
-"""IEEE half precision kept as uint16 bit patterns (GGML block scales): LLVM's exact conversions."""
+"""IEEE half precision kept as 16-bit patterns (GGML block scales: uint16; float16 weights: int16 in the
+kernels): LLVM's exact conversions."""
 
+import numpy as np
 from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
@@ -37,3 +39,9 @@ def f16_to_f32(bits):
 def f32_to_f16(value):
     """Round to nearest even, subnormals and overflow as IEEE (numpy's astype(float16))."""
     return _f32_to_f16_bits(value)
+
+
+def f16_kernel_bits(a: np.ndarray) -> np.ndarray:
+    """A float16 array's bytes as int16, how the kernels take float16 weights (kernels/simd_block.py): numba
+    has no float16 arrays on the CPU, and uint16 already means bf16 bits there. A view, no copy."""
+    return a.view(np.int16)

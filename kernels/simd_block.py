@@ -1,22 +1,21 @@
 """An AVX-512 register block for y = x @ W.T, written as LLVM IR: R weight rows x TB tokens.
 
-The block keeps R * TB accumulators of 16 float32 lanes in vector registers. Each 16-wide slice of a
-weight row is loaded once, dequantized in registers (bf16: shift; q8_0: sign-extend, convert, times the
-block scale; q4_0: nibbles index a permuted table of scaled values) and multiplied into TB tokens with
-fused multiply-adds. Every block shape sums in one order: an accumulator takes block 0's two slices,
-then block 1's, ... with one chain of FMAs, and ends in one pairwise horizontal sum. So a token's
-outputs are bit-for-bit the same whatever its batch, the rows and tokens of its block or its place in
-it (batch invariance: a request's tokens do not depend on the requests it runs with). Independent
-chains for the small shapes (split half-blocks, two blocks in flight) would buy nothing measurable
-here (the matvec is memory-bound: 23-27 GFLOP/s either way, 5632 x 2048 bf16) and break it.
-Writing the vectors out explicitly is what keeps the accumulators in registers:
-numba's auto-vectorized loops stored them back to memory every block and ran 1.8-3.4x slower on
-quantized rows (measured on one core).
+The block keeps R * TB accumulators of 16 float32 lanes in vector registers. Each 16-wide slice of a weight
+row is loaded once, dequantized in registers (bf16: shift; fp16: vcvtph2ps, exact; q8_0: sign-extend,
+convert, times the block scale; q4_0: nibbles index a permuted table of scaled values) and multiplied into
+TB tokens with fused multiply-adds. Every block shape sums in one order: an accumulator takes block 0's two
+slices, then block 1's, ... with one chain of FMAs, and ends in one pairwise horizontal sum. So a token's
+outputs are bit-for-bit the same whatever its batch, the rows and tokens of its block or its place in it
+(batch invariance: a request's tokens do not depend on the requests it runs with). Independent chains for
+the small shapes (split half-blocks, two blocks in flight) would buy nothing measurable here (the matvec is
+memory-bound: 23-27 GFLOP/s either way, 5632 x 2048 bf16) and break it. Writing the vectors out explicitly
+is what keeps the accumulators in registers: numba's auto-vectorized loops stored them back to memory every
+block and ran 1.8-3.4x slower on quantized rows (measured on one core).
 
-Weight layouts (kernels/dequant.py): float32 [N, K]; bf16 bits uint16 [N, K]; q8_0 int8 [N, K] with
-fp16 scales uint16 [N, K // 32]; q4_0 uint8 [N, K // 2] (GGML nibble order) with the same scales.
-Only the first K - K % 32 columns are done here; the caller adds the tail (float formats only: quantized
-rows are whole blocks).
+Weight layouts (kernels/dequant.py): float32 [N, K]; bf16 bits uint16 [N, K]; fp16 bits int16 [N, K]
+(kernels/fp16.py); q8_0 int8 [N, K] with fp16 scales uint16 [N, K // 32]; q4_0 uint8 [N, K // 2] (GGML
+nibble order) with the same scales. Only the first K - K % 32 columns are done here; the caller adds the
+tail (float formats only: quantized rows are whole blocks).
 
 numba's on-disk cache of kernels/linear.py does not notice edits to this file: after changing the
 code generation here, delete kernels/__pycache__ (a fresh install starts without a cache).
@@ -45,6 +44,11 @@ def widen_bf16(builder, bits):
     wide = builder.zext(bits, ir.VectorType(ir.IntType(32), LANES))
     return builder.bitcast(builder.shl(wide, ir.Constant(ir.VectorType(ir.IntType(32), LANES),
                                                          [16] * LANES)), _VF32)
+
+
+def widen_f16(builder, bits):
+    # <LANES x i16> fp16 bits -> <LANES x float>: LLVM's fpext from half, one vcvtph2ps (exact)
+    return builder.fpext(builder.bitcast(bits, ir.VectorType(ir.HalfType(), LANES)), _VF32)
 
 
 def _splat(builder, scalar):
@@ -110,6 +114,14 @@ class _BFloat16(_Format):
         return halves
 
 
+class _Float16(_Format):
+    def block(self, row, b):
+        builder = self.builder
+        start = self.offset(row, b)
+        offsets = [builder.add(start, ir.Constant(_I64, h * LANES)) for h in range(2)]
+        return [widen_f16(builder, _vector_load(builder, self.data, o, ir.IntType(16))) for o in offsets]
+
+
 class _Quantized(_Format):
     def scale(self, row, b):
         builder = self.builder
@@ -152,7 +164,8 @@ class _Q4_0(_Quantized):
         return [builder.fmul(builder.sitofp(builder.sub(nib, eight), _VF32), d) for nib in nibbles]
 
 
-_FORMATS = {types.float32: _Float32, types.uint16: _BFloat16, types.int8: _Q8_0, types.uint8: _Q4_0}
+_FORMATS = {types.float32: _Float32, types.uint16: _BFloat16, types.int16: _Float16, types.int8: _Q8_0,
+            types.uint8: _Q4_0}
 
 
 @intrinsic(prefer_literal=True)

@@ -27,7 +27,7 @@ Measured choices (2 Zen 4 cores shared with other work, 5632 x 2048, medians of 
       a draft;
   the prefetch distance (16, 32 or 64 KB) and prefetching d's small stream made no difference at 1 token.
 Weights stream as in kernels/simd_vnni.py: one sequential stream per task (a block's 4 rows interleaved by
-group), prefetched PREFETCH_BYTES ahead into L2; d's stream (1/104 of the bytes) is left to the hardware.
+group), prefetched as there (from 4 tokens up); d's stream (1/104 of the bytes) is left to the hardware.
 Rows past the matrix's last (padding of the last block) are computed, not stored.
 
 Needs AVX512-VNNI, AVX512-BW (512-bit byte vectors) and F16C. numba's on-disk cache of

@@ -1,40 +1,57 @@
-"""KV storage of one engine: per layer [num_blocks, block_size, n_kv_heads, head_dim] arrays."""
+"""KV storage of one engine: per layer [num_blocks, block_size, n_kv_heads, head_dim] arrays, each layer in
+its own dtype (kernels/kv_formats.py)."""
+
+from collections.abc import Mapping
 
 import numpy as np
 
+from kernels.kv_formats import KV_FORMATS, KVFormat
 from memory.heap import untouched_zeros
 
-KV_STORAGE = {"float32": np.float32, "bfloat16": np.uint16, "int8": np.int8}
+
+def layer_kv_dtypes(num_layers: int, kv_dtype: str, overrides: Mapping[int, str] | None = None) -> list[str]:
+    """Each layer's KV dtype: kv_dtype, except the layers overrides names."""
+    overrides = overrides or {}
+    outside = sorted(i for i in overrides if not 0 <= i < num_layers)
+    if outside:
+        raise ValueError(f"kv_dtype_overrides names layers {outside}, but the model has {num_layers} layers "
+                         f"(0 to {num_layers - 1})")
+    return [overrides.get(i, kv_dtype) for i in range(num_layers)]
 
 
-def kv_bytes_per_token(num_layers: int, n_kv_heads: int, head_dim: int, kv_dtype: str) -> int:
-    elem = np.dtype(KV_STORAGE[kv_dtype]).itemsize
-    scales = 4 if kv_dtype == "int8" else 0  # one float32 scale per (token, kv head)
-    return 2 * num_layers * n_kv_heads * (head_dim * elem + scales)
+def kv_bytes_per_token(num_layers: int, n_kv_heads: int, head_dim: int, kv_dtype: str,
+                       overrides: Mapping[int, str] | None = None) -> int:
+    """Bytes of one token's keys and values over every layer, scales included."""
+    return 2 * n_kv_heads * sum(KV_FORMATS[d].row_bytes(head_dim)
+                                for d in layer_kv_dtypes(num_layers, kv_dtype, overrides))
 
 
 class KVCache:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, n_kv_heads: int, head_dim: int,
-                 kv_dtype: str):
-        self.kv_dtype = kv_dtype
+                 kv_dtype: str, overrides: Mapping[int, str] | None = None):
+        self.layer_dtypes = layer_kv_dtypes(num_layers, kv_dtype, overrides)
+        self.formats: list[KVFormat] = [KV_FORMATS[d] for d in self.layer_dtypes]
+        for name in set(self.layer_dtypes):
+            KV_FORMATS[name].check_head_dim(head_dim)
         self.block_size = block_size
         self.num_blocks = num_blocks
-        shape = (num_layers, num_blocks, block_size, n_kv_heads, head_dim)
+        shape = (num_blocks, block_size, n_kv_heads)
         # pages taken as blocks are first written, by the pinned worker's threads (NUMA-local, first touch)
-        self.k = untouched_zeros(shape, KV_STORAGE[kv_dtype])  # [L, num_blocks, block_size, n_kv, D]
-        self.v = untouched_zeros(shape, KV_STORAGE[kv_dtype])
-        scale_shape = shape[:-1] if kv_dtype == "int8" else (num_layers, 1, 1, 1)
-        self.k_scale = untouched_zeros(scale_shape, np.float32)  # [L, num_blocks, block_size, n_kv]
-        self.v_scale = untouched_zeros(scale_shape, np.float32)
-        self.bytes_per_token = kv_bytes_per_token(num_layers, n_kv_heads, head_dim, kv_dtype)
+        self.k = [untouched_zeros((*shape, f.row_elements(head_dim)), f.storage) for f in self.formats]
+        self.v = [untouched_zeros((*shape, f.row_elements(head_dim)), f.storage) for f in self.formats]
+        # [num_blocks, block_size, n_kv] float32 per layer ([1, 1, 1] unread where a format has no scale)
+        scale_shapes = [shape if f.has_scale else (1, 1, 1) for f in self.formats]
+        self.k_scale = [untouched_zeros(s, np.float32) for s in scale_shapes]
+        self.v_scale = [untouched_zeros(s, np.float32) for s in scale_shapes]
+        self.bytes_per_token = kv_bytes_per_token(num_layers, n_kv_heads, head_dim, kv_dtype, overrides)
 
     @property
-    def has_scale(self) -> bool:
-        return self.kv_dtype == "int8"
+    def arrays(self) -> list[np.ndarray]:
+        return [*self.k, *self.v, *self.k_scale, *self.v_scale]
 
     @property
     def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes + self.k_scale.nbytes + self.v_scale.nbytes
+        return sum(a.nbytes for a in self.arrays)
 
     def move_slots(self, block_ids: list[int], src: list[int], dst: list[int]) -> None:
         """For every layer, the KV (and scales) of a sequence's slot src[i] copied to its slot dst[i], in
@@ -44,8 +61,9 @@ class KVCache:
         for a, b in zip(src, dst):
             if a != b:
                 ab, ao, bb, bo = block_ids[a // bs], a % bs, block_ids[b // bs], b % bs
-                self.k[:, bb, bo] = self.k[:, ab, ao]
-                self.v[:, bb, bo] = self.v[:, ab, ao]
-                if self.has_scale:
-                    self.k_scale[:, bb, bo] = self.k_scale[:, ab, ao]
-                    self.v_scale[:, bb, bo] = self.v_scale[:, ab, ao]
+                for i, fmt in enumerate(self.formats):
+                    self.k[i][bb, bo] = self.k[i][ab, ao]
+                    self.v[i][bb, bo] = self.v[i][ab, ao]
+                    if fmt.has_scale:
+                        self.k_scale[i][bb, bo] = self.k_scale[i][ab, ao]
+                        self.v_scale[i][bb, bo] = self.v_scale[i][ab, ao]

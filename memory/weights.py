@@ -1,6 +1,6 @@
-"""Weight containers: a matrix in one of the served formats (float32, bfloat16, q8_0, q4_0, and GGML's block
-formats q4_k, q5_k, q6_k, q4_1, q5_0, q5_1), and a model's weights (ModelWeights, its LayerWeights) as the
-loaders build them and the forward pass reads them.
+"""Weight containers: a matrix in one of the served formats (float32, float16, bfloat16, q8_0, q4_0, and
+GGML's block formats q4_k, q5_k, q6_k, q4_1, q5_0, q5_1), and a model's weights (ModelWeights, its
+LayerWeights) as the loaders build them and the forward pass reads them.
 
 The packed cache stores these containers as they are (models/packed_tree.py): a change to the bytes a
 packer writes must bump models/packed_cache.LAYOUT_VERSION, or starts would read entries of the old layout."""
@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import gguf
 import numpy as np
 
+from cluster_configs.errors import CheckpointError
 from kernels.bf16 import to_bf16
 from kernels.cpu import missing_features
 from kernels.ggml_blocks import BLOCK_DTYPES, CODE, GGML_TYPE, K_QUANT_DTYPES, QK_K, row_bytes, row_values
@@ -40,17 +41,20 @@ from kernels.simd_vnni import VNNI_FEATURES
 if TYPE_CHECKING:
     from memory.experts import ExpertWeights
 
-WEIGHT_DTYPES = ("float32", "bfloat16", "q8_0", "q4_0") + BLOCK_DTYPES
+WEIGHT_DTYPES = ("float32", "float16", "bfloat16", "q8_0", "q4_0") + BLOCK_DTYPES
 # the format llama.cpp's llama-quant gives a matrix whose rows are not whole K-quant super-blocks of 256
 K_QUANT_FALLBACK = {"q4_k": "q5_0", "q5_k": "q5_1", "q6_k": "q8_0"}
 
 
 @dataclass(frozen=True)
 class WeightMatrix:
-    """[out_features, in_features]; bf16 as uint16 bits; q8_0 / q4_0 as GGML-valued blocks of 32; the GGML
-    block formats (kernels/ggml_blocks.py) as their GGUF bytes.
+    """[out_features, in_features]; float16 as numpy float16 (a GGUF F16 tensor's or a float16 checkpoint's
+    bits; numpy widens them exactly, and the kernels read the same bytes as int16: kernels/fp16.py); bf16 as
+    uint16 bits; q8_0 / q4_0 as GGML-valued blocks of 32; the GGML block formats (kernels/ggml_blocks.py) as
+    their GGUF bytes.
 
-    data: f32 [N, K] | uint16 [N, K] | int8 [N, K] | uint8 [N, K // 2] | uint8 [N, row_bytes(dtype, K)];
+    data: f32 [N, K] | f16 [N, K] | uint16 [N, K] | int8 [N, K] | uint8 [N, K // 2] |
+    uint8 [N, row_bytes(dtype, K)];
     scales: uint16 fp16 [N, K // 32] (q8_0, q4_0), else None.
     """
 
@@ -61,9 +65,21 @@ class WeightMatrix:
     @classmethod
     def from_float(cls, w: np.ndarray, dtype: str) -> "WeightMatrix":
         """w: [N, K] in dtype, quantized as llama.cpp quantizes without an importance matrix. Rows that are
-        not whole super-blocks take K_QUANT_FALLBACK's format, rows that are not whole blocks of 32 bf16."""
+        not whole super-blocks take K_QUANT_FALLBACK's format, rows that are not whole blocks of 32 bf16.
+        float16 rounds to nearest even (float16 values keep their bits); a finite value beyond its range
+        raises CheckpointError rather than becoming infinite."""
         if dtype == "float32":
             return cls(dtype, np.ascontiguousarray(w, dtype=np.float32))
+        if dtype == "float16":
+            with np.errstate(over="ignore"):
+                data = np.ascontiguousarray(w, dtype=np.float16)
+            overflow = w[np.isinf(data)]
+            overflow = overflow[np.isfinite(overflow)]
+            if len(overflow):
+                raise CheckpointError(f"a weight of magnitude {np.abs(overflow).max():g} exceeds float16's "
+                                      "largest value (65504); serve this model with weight_dtype='bfloat16' "
+                                      "or 'float32'")
+            return cls(dtype, data)
         if dtype in K_QUANT_FALLBACK and w.shape[1] % QK_K:
             dtype = K_QUANT_FALLBACK[dtype]
         if dtype == "bfloat16" or w.shape[1] % QK:

@@ -7,8 +7,8 @@ import time
 
 import numpy as np
 
-from kernels.attention import paged_attention, write_kv, write_kv_int8
 from kernels.exp32 import softcap_inplace
+from kernels.kv_formats import attend_as, write_kv_as
 from kernels.norms import GATED_ACTIVATIONS, rms_norm, rms_norm_heads, rope_inplace
 from memory.experts import ExpertWeights
 from memory.kv_cache import KVCache
@@ -85,13 +85,11 @@ class DecoderModel:
             rope = self.ropes[i]
             rope_inplace(q, batch.positions, rope.inv_freq, rope.attention_scaling)
             rope_inplace(k, batch.positions, rope.inv_freq, rope.attention_scaling)
-            if kv.has_scale:
-                write_kv_int8(k, v, batch.slot_mapping, kv.k[i], kv.v[i], kv.k_scale[i], kv.v_scale[i])
-            else:
-                write_kv(k, v, batch.slot_mapping, kv.k[i], kv.v[i])
-            paged_attention(q, kv.k[i], kv.v[i], kv.k_scale[i], kv.v_scale[i], kv.has_scale,
-                            batch.block_tables, batch.token_seq, batch.positions, s.layer_windows[i],
-                            s.softmax_scale, attn, batch.tree_starts, batch.tree_mask, s.attn_softcap)
+            fmt = kv.formats[i]  # a rotated format rotates q, k and v in place (they are not read again)
+            write_kv_as(fmt, k, v, batch.slot_mapping, kv.k[i], kv.v[i], kv.k_scale[i], kv.v_scale[i])
+            attend_as(fmt, q, kv.k[i], kv.v[i], kv.k_scale[i], kv.v_scale[i], batch.block_tables,
+                      batch.token_seq, batch.positions, s.layer_windows[i], s.softmax_scale, attn,
+                      batch.tree_starts, batch.tree_mask, s.attn_softcap)
             attn_flat = attn.reshape(T, s.q_size)
             o = self._project(i, "o", layer.o, attn_flat, batch)
             add_lora(o, attn_flat, batch.lora, i, (("o_proj", slice(None)),))

@@ -27,16 +27,16 @@ ROPE_SCALING_KEY = "numaserve.rope_scaling"
 SPEC_KEY = "numaserve.spec"
 # rope tensors: llama3 frequency divisors; LongRoPE's long and short factors
 ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
-# GGML types numaserve serves as they are stored (F16 as bfloat16), by the WeightMatrix dtype that holds them:
+# GGML types numaserve serves as they are stored, by the WeightMatrix dtype that holds them:
 # Q8_0 and Q4_0 split into values and scales, the K-quants and the legacy types llama.cpp's quantizer falls
 # back to as their raw blocks (memory/weights.py)
 RAW_BLOCKS = {GT.Q4_K: "q4_k", GT.Q5_K: "q5_k", GT.Q6_K: "q6_k", GT.Q4_1: "q4_1", GT.Q5_0: "q5_0",
               GT.Q5_1: "q5_1"}
-AUTO = {GT.F32: "float32", GT.F16: "bfloat16", GT.BF16: "bfloat16", GT.Q8_0: "q8_0",
+AUTO = {GT.F32: "float32", GT.F16: "float16", GT.BF16: "bfloat16", GT.Q8_0: "q8_0",
         GT.Q4_0: "q4_0"} | RAW_BLOCKS
-GGML_TYPE = {"float32": GT.F32, "bfloat16": GT.BF16, "q8_0": GT.Q8_0, "q4_0": GT.Q4_0} | {
-    dtype: kind for kind, dtype in RAW_BLOCKS.items()}
-FILE_TYPE = {"float32": LlamaFileType.ALL_F32, "bfloat16": LlamaFileType.MOSTLY_BF16,
+GGML_TYPE = {dtype: kind for kind, dtype in AUTO.items()}
+FILE_TYPE = {"float32": LlamaFileType.ALL_F32, "float16": LlamaFileType.MOSTLY_F16,
+             "bfloat16": LlamaFileType.MOSTLY_BF16,
              "q8_0": LlamaFileType.MOSTLY_Q8_0, "q4_0": LlamaFileType.MOSTLY_Q4_0,
              "q4_1": LlamaFileType.MOSTLY_Q4_1, "q5_0": LlamaFileType.MOSTLY_Q5_0,
              "q5_1": LlamaFileType.MOSTLY_Q5_1, "q4_k": LlamaFileType.MOSTLY_Q4_K_S,

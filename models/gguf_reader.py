@@ -27,12 +27,12 @@ from models.tokenizer import Tokenizer
 
 @dataclass(frozen=True)
 class StoredTensor:
-    """A tensor copied out of the file, in the file's format: a WeightMatrix (F32, BF16, Q8_0, Q4_0) or a
-    float16 array (F16); 1-D tensors as one row."""
+    """A tensor copied out of the file, in the file's format: a WeightMatrix of the dtype AUTO names, its
+    bytes unchanged; 1-D tensors as one row."""
 
     ggml_type: GGMLQuantizationType
     shape: tuple[int, ...]  # numpy order: [N, K] or [N]
-    value: WeightMatrix | np.ndarray | None  # None: not copied (read_gguf's copied)
+    value: WeightMatrix | None  # None: not copied (read_gguf's copied)
 
 
 def read_gguf(path: Path, copied: set[str] | None = None) -> tuple[dict, dict[str, StoredTensor]]:
@@ -71,14 +71,12 @@ def _copy_tensor(path: Path, t) -> StoredTensor:
             "requantize the F16 / BF16 GGUF with `llama-quantize model-f16.gguf out.gguf Q4_K_M` (or Q8_0, "
             "Q6_K, Q5_K_M, Q4_0), or load the Hugging Face directory with weight_dtype='q4_k_m'")
     shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-    # F32, F16: [N, K]; the others: uint8 [N, bytes per row]
+    # F32, F16: [N, K] of their numpy dtypes; the others: uint8 [N, bytes per row]
     data = t.data.reshape(-1, t.data.shape[-1])
     if kind in RAW_BLOCKS:
         return StoredTensor(kind, shape, WeightMatrix(RAW_BLOCKS[kind], np.array(data, np.uint8)))
-    if kind == GT.F16:
-        return StoredTensor(kind, shape, np.array(data, np.float16))
-    if kind == GT.F32:
-        return StoredTensor(kind, shape, WeightMatrix("float32", np.array(data, np.float32)))
+    if kind in (GT.F16, GT.F32):
+        return StoredTensor(kind, shape, WeightMatrix(AUTO[kind], np.array(data)))
     if kind == GT.BF16:
         return StoredTensor(kind, shape, WeightMatrix("bfloat16", np.array(data).view(np.uint16)))
     n = data.shape[0]
@@ -110,7 +108,7 @@ def _pop(path: Path, tensors: dict, name: str, shape: tuple[int, ...]) -> Stored
 
 
 def _to_float(t: StoredTensor) -> np.ndarray:
-    return t.value.astype(np.float32) if isinstance(t.value, np.ndarray) else dequantize(t.value)
+    return dequantize(t.value)
 
 
 def _vector(t: StoredTensor) -> np.ndarray:
@@ -120,17 +118,13 @@ def _vector(t: StoredTensor) -> np.ndarray:
 def _served(parts: list[StoredTensor], weight_dtype: str, wanted: list[str],
             rows: np.ndarray | None = None) -> Matrix:
     """Parts stacked by rows (parts in different formats make a StackedMatrix). weight_dtype "auto" keeps
-    each part's stored format (F16 as bfloat16); otherwise a part keeps the file's bytes where they are in
-    weight_dtype or in its wanted format, and is requantized to the wanted one where not."""
+    each part's stored format; otherwise a part keeps the file's bytes where they are in weight_dtype or in
+    its wanted format, and is requantized to the wanted one where not."""
     mats = []
     for p, want in zip(parts, wanted):
-        stored = AUTO[p.ggml_type] if p.ggml_type != GT.F16 else "float16"
-        if weight_dtype == "auto":
-            dtype = AUTO[p.ggml_type]
-        else:
-            dtype = stored if stored in (weight_dtype, want) else want
-        keep = isinstance(p.value, WeightMatrix) and p.value.dtype == dtype
-        mats.append(p.value if keep else WeightMatrix.from_float(_to_float(p), dtype))
+        stored = AUTO[p.ggml_type]
+        keep = weight_dtype == "auto" or stored in (weight_dtype, want)
+        mats.append(p.value if keep else WeightMatrix.from_float(_to_float(p), want))
     matrix = stacked(mats)
     return matrix if rows is None else take_rows(matrix, rows)
 
@@ -211,8 +205,8 @@ def read_gguf_spec(path: str | Path) -> ModelSpec:
 
 def load_gguf(path: str | Path, weight_dtype: str) -> tuple[ModelSpec, ModelWeights, Tokenizer | None]:
     """-> (spec, weights, tokenizer) like the Hugging Face loader. weight_dtype "auto" keeps the file's
-    types (F16 and BF16 serve as bfloat16); quantized tensors already in the wanted format keep their
-    bytes."""
+    types (F16 as float16, BF16 as bfloat16, bit for bit); quantized tensors already in the wanted format keep
+    their bytes."""
     path = Path(path)
     metadata, tensors = read_gguf(path)
     spec = _spec(path, metadata, tensors)

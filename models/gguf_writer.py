@@ -60,15 +60,15 @@ def _part(t: Matrix, rows: np.ndarray | None) -> tuple[Matrix, np.ndarray | None
 
 
 def _tensor_data(t: Matrix | np.ndarray, rows) -> np.ndarray:
-    """GGML's layout: F32 as is; BF16, Q8_0, Q4_0 as uint8 [N, bytes per row] of (fp16 d, qs) blocks; the
-    K-quants and legacy types as their raw blocks."""
+    """GGML's layout: F32 as is; F16 and BF16 as their bits; Q8_0, Q4_0 as uint8 [N, bytes per row] of
+    (fp16 d, qs) blocks; the K-quants and legacy types as their raw blocks."""
     if isinstance(t, np.ndarray):
         return np.ascontiguousarray(t if rows is None else t[rows], np.float32)
     t, rows = _part(t, rows)
     if not isinstance(t, WeightMatrix):  # packed for its activations
         t = t.unpack()
     w = t if rows is None else take_rows(t, rows)
-    if w.scales is None and w.dtype != "float32":  # bfloat16 bits or raw blocks
+    if w.scales is None and w.dtype != "float32":  # float16 / bfloat16 bits or raw blocks
         return np.ascontiguousarray(w.data).view(np.uint8)
     if w.dtype == "float32":
         return np.ascontiguousarray(w.data)
@@ -118,8 +118,9 @@ def _add_vocab(writer: GGUFWriter, vocab: GGUFVocab) -> None:
 def export_gguf(spec: ModelSpec, weights: ModelWeights, tokenizer: Tokenizer | None, out_path: str | Path,
                 name: str = "numaserve export") -> Path:
     """Write a loaded model as a GGUF file llama.cpp runs, under its family's architecture: every tensor in
-    its served format (q8_0 -> Q8_0, q4_0 -> Q4_0, bfloat16 -> BF16, float32 -> F32, norms and biases F32),
-    byte for byte. A model without a tokenizer gets a synthetic byte-level vocabulary of vocab_size tokens."""
+    its served format (q8_0 -> Q8_0, q4_0 -> Q4_0, float16 -> F16, bfloat16 -> BF16, float32 -> F32, norms
+    and biases F32), byte for byte. A model without a tokenizer gets a synthetic byte-level vocabulary of
+    vocab_size tokens."""
     family = FAMILIES.get(spec.arch.gguf)
     if family is None:
         raise CheckpointError(f"{spec.architecture} has no GGUF architecture numaserve writes (it writes "

@@ -13,6 +13,7 @@ import numpy as np
 
 from kernels.dequant import dequantize_rows
 from kernels.dequant_blocks import dequantize_block_rows
+from kernels.fp16 import f16_kernel_bits
 from kernels.ggml_blocks import BLOCK_DTYPES, CODE
 from kernels.int8_layout import QK, padded_k, quantize_activations
 from kernels.linear import gather_rows_bf16, matmul
@@ -52,7 +53,8 @@ def linear(x: np.ndarray, w: Matrix) -> np.ndarray:
     elif w.dtype in BLOCK_DTYPES:  # dequantized by groups of rows into the float32 kernel: the same bits
         matmul_blocks(np.ascontiguousarray(x), w.data, CODE[w.dtype], out)
     else:  # one kernel at every batch size: see the module docstring
-        matmul(np.ascontiguousarray(x), w.data, _scales(w), out)
+        data = f16_kernel_bits(w.data) if w.dtype == "float16" else w.data
+        matmul(np.ascontiguousarray(x), data, _scales(w), out)
     return out
 
 
@@ -69,8 +71,8 @@ def quantized_activations(x: np.ndarray,
 
 def embed(w: WeightMatrix, token_ids: np.ndarray) -> np.ndarray:
     # token_ids: [T] -> [T, H] f32
-    if w.dtype == "float32":
-        return w.data[token_ids]
+    if w.dtype in ("float32", "float16"):  # float16 -> float32 is exact
+        return w.data[token_ids].astype(np.float32, copy=False)
     out = np.empty((token_ids.shape[0], w.shape[1]), np.float32)
     if w.dtype == "bfloat16":
         gather_rows_bf16(w.data, token_ids, out)
@@ -86,8 +88,8 @@ def dequantize(w: Matrix) -> np.ndarray:
         return np.concatenate([dequantize(p) for p in w.parts])
     if isinstance(w, (Int8Matrix, Bf16Matrix, BlockInt8Matrix)):
         w = w.unpack()
-    if w.dtype == "float32":
-        return w.data
+    if w.dtype in ("float32", "float16"):
+        return w.data.astype(np.float32, copy=False)
     out = np.empty(w.shape, np.float32)
     _dequantize_rows(w, 0, out)
     return out

@@ -3,12 +3,12 @@
 Per layer and module one stacked buffer of max_loras slots (kernels/lora.py's layout): A [S, R, in] and B^T
 [S, R, out] and the module's scaling, R = max_lora_rank, zero-filled (pages are committed only where a
 slot's rank writes them). Reading A and B is most of what an adapter costs at decode, so they are stored
-like the base weights they adapt (slot_dtype): float32 for a float32 engine (exact against PEFT), bf16 for
-a bf16 one (each value's relative error 2^-9, half the bytes), q8_0 for a quantized one (34 bytes per
-32 values, GGML's rounding, the base linear's dequantization) when every dimension is a multiple of 32. A
-step's adapters are all given slots before it runs (the batcher admits at most max_loras distinct adapters
-into the running set), loading any that are not held and evicting the least recently used adapter the step
-does not use.
+like the base weights they adapt (slot_dtype): float32 for a float32 or float16 engine (exact against PEFT;
+float16 weights are served exactly, so are their adapters), bf16 for a bf16 one (each value's relative error
+2^-9, half the bytes), q8_0 for a quantized one (34 bytes per 32 values, GGML's rounding, the base linear's
+dequantization) when every dimension is a multiple of 32. A step's adapters are all given slots before it
+runs (the batcher admits at most max_loras distinct adapters into the running set), loading any that are not
+held and evicting the least recently used adapter the step does not use.
 """
 
 import time
@@ -31,7 +31,7 @@ STORED = {"float32": np.float32, "bfloat16": np.uint16, "q8_0": np.int8}  # slot
 
 def slot_dtype(weight_dtype: str, spec: ModelSpec) -> str:
     """How an engine with these base weights stores its adapters' A and B (see the module's docstring)."""
-    if weight_dtype == "float32":
+    if weight_dtype in ("float32", "float16"):
         return "float32"
     whole_blocks = all(n % QK == 0 and k % QK == 0 for n, k in module_shapes(spec).values())
     return "q8_0" if weight_dtype not in ("float32", "bfloat16") and whole_blocks else "bfloat16"

@@ -1,5 +1,5 @@
-"""numaserve: CPU-native LLM serving. The public face: LLM, SamplingParams, EngineConfig, SpeculationConfig,
-errors; serve, connect, Client, ClusterConfig for the Ray deployment."""
+"""numaserve: CPU-native LLM serving. The public face: LLM, SamplingParams, StructuredOutputs, EngineConfig,
+SpeculationConfig, errors; serve, connect, Client, ClusterConfig for the Ray deployment."""
 
 from cluster_configs.cluster_config import ClusterConfig
 from cluster_configs.engine_config import EngineConfig
@@ -14,6 +14,7 @@ from cluster_configs.errors import (
 )
 from cluster_configs.sampling_params import SamplingParams
 from cluster_configs.speculation_config import SpeculationConfig
+from cluster_configs.structured_outputs import StructuredOutputs
 from numaserve.llm import LLM
 from scheduling.outputs import Completion
 
@@ -31,6 +32,7 @@ __all__ = [
     "Overloaded",
     "SamplingParams",
     "SpeculationConfig",
+    "StructuredOutputs",
     "Unavailable",
     "connect",
     "serve",

@@ -36,6 +36,7 @@ from scheduling.sessions import SequenceStore
 from scheduling.speculation import make_speculation
 from scheduling.step_sampler import sample_step
 from scheduling.step_stats import EngineTotals, StageClock, StepStats, step_stats
+from scheduling.structured import Grammars, MaskWorker
 from scheduling.validation import RequestLimits, validate_request
 
 Prompt = str | list[int]
@@ -65,7 +66,7 @@ class Engine:
                                   lambda i=i: self.model.expert_log.describe(i), subject=f"layers.{i}")
         num_blocks = num_kv_blocks(s, config, self.max_model_len)
         self.kv_cache = KVCache(s.num_layers, num_blocks, bs, s.num_kv_heads, s.head_dim,
-                                config.resolved_kv_dtype)
+                                config.resolved_kv_dtype, config.kv_dtype_overrides)
         window = min(s.layer_windows)  # blocks can be released only if every layer looks back a window
         pool = BlockPool(num_blocks)
         block_bytes = self.kv_cache.bytes_per_token * bs
@@ -88,6 +89,8 @@ class Engine:
         self.limits = RequestLimits(s.vocab_size, self.max_model_len, block_size=bs,
                                     num_kv_blocks=num_blocks if window <= 0 else None)
         self.totals = EngineTotals()
+        self.grammars = Grammars(self.tokenizer, s.vocab_size, s.eos_token_ids)
+        self.mask_worker = MaskWorker(s.vocab_size)
 
     def register_adapter(self, name: str, path: str | Path) -> None:
         """Load a PEFT LoRA adapter; requests name it with adapter=name. Raises AdapterError."""
@@ -117,6 +120,8 @@ class Engine:
                       cache_salt=cache_salt, prompt_logits=prompt_logits, max_model_len=self.max_model_len)
         if self.tokenizer is not None and not prompt_logits:
             req.detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids)
+        if params.structured_outputs is not None:
+            req.matcher = self.grammars.matcher(params.structured_outputs)
         return req
 
     def submit(self, req: Request) -> None:
@@ -141,8 +146,9 @@ class Engine:
         plan = clock.lap("propose", self.speculation.propose(plan, self.batcher))
         if not plan.scheduled:
             return StepOutput(expired, self._record(plan, None, None, clock))
+        masks = self.mask_worker.start(plan)  # grammar masks computed while the model runs
         run = clock.lap("run", self.runner.run(plan))
-        out = clock.lap("sample", sample_step(plan, run))
+        out = clock.lap("sample", sample_step(plan, run, masks.result() if masks is not None else None))
         processed = clock.lap("process", self.processor.process(plan, out))
         for req in processed.finished:
             self._release(req)

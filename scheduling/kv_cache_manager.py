@@ -145,7 +145,7 @@ def num_kv_blocks(spec: ModelSpec, config: EngineConfig, max_model_len: int) -> 
     max_model_len."""
     bs = config.block_size
     block_bytes = kv_bytes_per_token(spec.num_layers, spec.num_kv_heads, spec.head_dim,
-                                     config.resolved_kv_dtype) * bs
+                                     config.resolved_kv_dtype, config.kv_dtype_overrides) * bs
     num_blocks = min(config.kv_cache_bytes // block_bytes, config.max_num_seqs * -(-max_model_len // bs))
     if num_blocks < 1:
         raise ValueError(f"kv_cache_bytes={config.kv_cache_bytes} cannot hold one KV block of {block_bytes} "

@@ -67,6 +67,8 @@ class OutputProcessor:
                 if cut >= 0:
                     req.text = req.text[:cut]
                     reason = "stop"
+            if reason is None and req.matcher is not None and req.matcher.advance(token):
+                reason = "stop"  # the constrained output is complete
             if reason is not None:
                 return j + 1, reason
         return len(token_ids), None

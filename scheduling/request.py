@@ -50,6 +50,7 @@ class Request:
         self.num_emitted_tokens = 0
         self.detokenizer = None  # IncrementalDetokenizer when the model has a tokenizer
         self.sequence = None  # a session's SequenceKV: the turn starts from its blocks and leaves them there
+        self.matcher = None  # GrammarMatcher when params.structured_outputs (scheduling/structured.py)
 
     @property
     def priority(self) -> int:

@@ -163,6 +163,8 @@ class Speculator:
                 tree = draft.truncated(depths[j] if draft.is_chain else min(depths[j], self.max_tree_depth))
             else:
                 tree = TokenTree.chain(draft[:depths[j]])
+            if reqs[j].matcher is not None:  # structured outputs: only drafts its grammar admits
+                tree = reqs[j].matcher.admitted(tree)
             if tree.tokens:
                 trees[decoding[j]] = tree
         return batcher.with_drafts(plan, trees, self.config.method)

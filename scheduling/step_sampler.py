@@ -16,6 +16,9 @@ decides from the batch (benchmarks/spec_coupling.py, the demo family's held-out 
 A request whose drafts form a tree (models/token_tree.py) has one row per node after its root row;
 node i's row sees its path's tokens at position num_tokens + depth, and the run is the tree's walk.
 Logprobs of every appended token of the step come from one top_logprobs_batch call.
+A constrained request (structured outputs) samples each row under its grammar's token mask after the
+drafts before the row (its drafts are the ones its grammar admits: scheduling/speculator.py); its logprobs
+are the model's, before the mask, as everyone's are before penalties (vLLM's default, raw_logprobs).
 """
 
 from collections.abc import Sequence
@@ -32,7 +35,9 @@ from scheduling.request import Request
 from scheduling.sampler import sample_batch, top_logprobs_batch
 
 
-def sample_step(plan: StepPlan, run: RunOutput) -> SamplerOutput:
+def sample_step(plan: StepPlan, run: RunOutput, masks: dict[int, np.ndarray] | None = None) -> SamplerOutput:
+    """masks: index in plan.scheduled -> [1 + num drafts, V] bool, the tokens a constrained request's rows
+    may take."""
     logits = run.logits  # [R, V] f32
     rows_to_sample = _Rows()
     # (index in plan.scheduled, request, its drafts' tree, its logits rows, its first row in rows_to_sample)
@@ -47,7 +52,9 @@ def sample_step(plan: StepPlan, run: RunOutput) -> SamplerOutput:
             continue
         tree = scheduled.draft_tree
         todo.append((i, req, tree, rows, rows_to_sample.add(req, tree, rows)))
-    sampled = sample_batch(_gather(logits, rows_to_sample.ids), rows_to_sample.batch())
+        if masks and i in masks:
+            rows_to_sample.masks[todo[-1][-1]] = masks[i]
+    sampled = sample_batch(_gather(logits, rows_to_sample.ids), rows_to_sample.batch(logits.shape[1]))
     runs = [tree.walk(sampled[first:first + len(tree.tokens) + 1]) for *_, tree, _, first in todo]
     logprobs = _logprobs(logits, todo, runs)
     out: list[SampledTokens | None] = [None] * len(plan.scheduled)
@@ -88,6 +95,7 @@ class _Rows:
         self.positions: list[int] = []
         self.histories: list[Sequence[int]] = []
         self.num_prompt_tokens: list[int] = []
+        self.masks: dict[int, np.ndarray] = {}  # first row here -> [n, V] bool, the mask of n rows from it
 
     def add(self, req: Request, tree: TokenTree, rows: slice) -> int:
         """-> the request's first row here."""
@@ -99,9 +107,14 @@ class _Rows:
             self._add(req, rows.start + 1 + i, req.num_tokens + depth, history)
         return first
 
-    def batch(self) -> SamplingBatch:
+    def batch(self, vocab_size: int) -> SamplingBatch:
+        token_masks = None
+        if self.masks:  # [N, V] bool: unconstrained rows allow every token
+            token_masks = np.ones((len(self.ids), vocab_size), bool)
+            for first, mask in self.masks.items():
+                token_masks[first:first + len(mask)] = mask
         return SamplingBatch.build(self.params, self.seeds, self.positions, self.histories,
-                                   self.num_prompt_tokens)
+                                   self.num_prompt_tokens, token_masks)
 
     def _add(self, req: Request, row: int, position: int, history: Sequence[int]) -> None:
         self.ids.append(row)

@@ -17,6 +17,7 @@ import numpy as np
 
 from cluster_configs.errors import InvalidRequest
 from cluster_configs.sampling_params import SamplingParams
+from scheduling.structured import grammar_of
 
 MAX_LOGPROBS = 20  # SamplingParams refuses more at construction too
 
@@ -56,6 +57,8 @@ def validate_request(prompt, params: SamplingParams | None, limits: RequestLimit
         raise InvalidRequest(f"logprobs={params.logprobs} exceeds this engine's limit of "
                              f"{limits.max_logprobs}; "
                              f"ask for at most {limits.max_logprobs}", param="logprobs")
+    if params.structured_outputs is not None:
+        grammar_of(params.structured_outputs)
     return prompt_ids, params
 
 

@@ -27,7 +27,7 @@ def llm(llama_dir):
     ({"block_size": 12}, "block_size"),
     ({"block_size": 0}, "block_size"),
     ({"weight_dtype": "fp8"}, "weight_dtype"),
-    ({"kv_dtype": "int4"}, "kv_dtype"),
+    ({"kv_dtype": "int3"}, "kv_dtype"),
     ({"max_num_seqs": 0}, "max_num_seqs"),
     ({"max_num_batched_tokens": -5}, "max_num_batched_tokens"),
     ({"kv_cache_bytes": 0}, "kv_cache_bytes"),

@@ -26,8 +26,8 @@ def weight(fmt: str, n: int, k: int, seed: int = 0) -> WeightMatrix:
 
 
 @pytest.mark.parametrize("fmt, k, activations", [
-    ("float32", 2087, "float32"), ("bfloat16", 2087, "float32"), ("q8_0", 2048, "float32"),
-    ("q4_0", 2048, "float32"), ("q8_0", 2048, "int8"), ("q4_0", 2048, "int8")])
+    ("float32", 2087, "float32"), ("float16", 2087, "float32"), ("bfloat16", 2087, "float32"),
+    ("q8_0", 2048, "float32"), ("q4_0", 2048, "float32"), ("q8_0", 2048, "int8"), ("q4_0", 2048, "int8")])
 def test_a_tokens_linear_outputs_are_the_same_in_any_batch(fmt, k, activations):
     w = weight(fmt, 203, k)  # 203 rows: a tail of row groups too
     if activations == "int8":

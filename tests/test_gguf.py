@@ -35,7 +35,7 @@ from tests.conftest import random_prompt
 from tests.model_factory import CORPUS
 from tests.test_hf_parity import hf_logits
 
-DTYPES = ("float32", "bfloat16", "q8_0", "q4_0")
+DTYPES = ("float32", "float16", "bfloat16", "q8_0", "q4_0")
 VARIANTS = ("llama", "llama_tied")
 TEXTS = ["The quick brown fox jumps over the lazy dog.", "def add(a, b):\n    return a + b\n",
          "Grüße aus Köln! Ünïcödé tëxt, emoji 🙂 and ∑ symbols.", "  two  spaces\n\n\tand tabs  ",
@@ -216,8 +216,8 @@ def test_export_then_load_gives_identical_logits(variant, dtype, model_dirs, exp
     assert np.array_equal(loaded.score(tokens), original.score(tokens))
 
 
-@pytest.mark.parametrize("dtype, stored", [("float32", GT.F32), ("bfloat16", GT.BF16), ("q8_0", GT.Q8_0),
-                                           ("q4_0", GT.Q4_0)])
+@pytest.mark.parametrize("dtype, stored", [("float32", GT.F32), ("float16", GT.F16), ("bfloat16", GT.BF16),
+                                           ("q8_0", GT.Q8_0), ("q4_0", GT.Q4_0)])
 def test_export_writes_served_types_and_llama_metadata(dtype, stored, exported):
     metadata, tensors = read_gguf(exported["llama", dtype])
     assert tensors["blk.0.attn_q.weight"].ggml_type == stored
@@ -226,7 +226,8 @@ def test_export_writes_served_types_and_llama_metadata(dtype, stored, exported):
     assert tensors["output_norm.weight"].ggml_type == GT.F32
     assert tensors["rope_freqs.weight"].shape == (12,)  # llama3 scaling, for llama.cpp
     assert metadata["general.architecture"] == "llama"
-    assert metadata["general.file_type"] == {"float32": 0, "bfloat16": 32, "q8_0": 7, "q4_0": 2}[dtype]
+    assert metadata["general.file_type"] == {"float32": 0, "float16": 1, "bfloat16": 32, "q8_0": 7,
+                                             "q4_0": 2}[dtype]
     assert metadata["llama.attention.key_length"] == 24 and metadata["llama.block_count"] == 2
     assert metadata["tokenizer.ggml.model"] == "gpt2" and metadata["tokenizer.ggml.pre"] == "gpt-2"
     assert len(metadata["tokenizer.ggml.tokens"]) == 384
@@ -274,10 +275,53 @@ def test_reference_f16_gguf_serves_the_hf_checkpoint_weights(variant, weight_dty
     # checkpoint from safetensors must give bit-identical logits (same values, q/k un-permuted, rope scaling
     # recovered).
     tokens = random_prompt(70, seed=4)
-    hf_dtype = "bfloat16" if weight_dtype == "auto" else weight_dtype
+    hf_dtype = "float16" if weight_dtype == "auto" else weight_dtype
     ours = make_llm(reference_f16[variant], weight_dtype)
     assert ours.engine.model.weight_dtype == hf_dtype
     assert np.array_equal(ours.score(tokens), make_llm(f16_dirs[variant], hf_dtype).score(tokens))
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_reference_f16_gguf_serves_every_f16_tensor_bit_for_bit(variant, reference_f16):
+    # each served matrix holds the file's F16 bits: q / k rows back in Hugging Face's order, fused as served
+    spec, weights, _ = load_model(reference_f16[variant], "auto")
+    file_bits = {t.name: np.asarray(t.data).view(np.uint16)
+                 for t in gguf.GGUFReader(reference_f16[variant]).tensors if t.tensor_type == GT.F16}
+
+    def bits(name: str, rows: np.ndarray | None = None) -> np.ndarray:
+        return file_bits[name] if rows is None else file_bits[name][rows]
+
+    def served(w) -> np.ndarray:
+        assert w.dtype == "float16"
+        return w.data.view(np.uint16)
+
+    q_rows = np.argsort(permute(np.arange(spec.q_size), spec.num_heads, spec.num_heads))
+    k_rows = np.argsort(permute(np.arange(spec.kv_size), spec.num_heads, spec.num_kv_heads))
+    checked = {"token_embd.weight"} | (set() if spec.tie_word_embeddings else {"output.weight"})
+    assert np.array_equal(served(weights.embed), bits("token_embd.weight"))
+    assert spec.tie_word_embeddings or np.array_equal(served(weights.lm_head), bits("output.weight"))
+    for i, layer in enumerate(weights.layers):
+        b = f"blk.{i}."
+        expected = {"qkv": [bits(b + "attn_q.weight", q_rows), bits(b + "attn_k.weight", k_rows),
+                            bits(b + "attn_v.weight")],
+                    "o": [bits(b + "attn_output.weight")],
+                    "gate_up": [bits(b + "ffn_gate.weight"), bits(b + "ffn_up.weight")],
+                    "down": [bits(b + "ffn_down.weight")]}
+        for key, parts in expected.items():
+            assert np.array_equal(served(layer.projection(key)), np.concatenate(parts)), (i, key)
+        checked |= {f"{b}{name}.weight" for name in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate",
+                                                     "ffn_up", "ffn_down")}
+    assert checked == file_bits.keys()  # every F16 tensor of the file
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_reference_f16_gguf_logits_equal_transformers_over_the_f16_values(variant, reference_f16, f16_dirs):
+    # "auto" serves the F16 matrices with float32 activations: transformers (float32) over the same float16
+    # values gives the same logits within test_hf_parity's 1e-4
+    tokens = random_prompt(70, seed=5)
+    rounded = AutoModelForCausalLM.from_pretrained(f16_dirs[variant], dtype=torch.float32).eval()
+    np.testing.assert_allclose(make_llm(reference_f16[variant]).score(tokens), hf_logits(rounded, tokens),
+                               atol=1e-4, rtol=0)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -490,10 +534,11 @@ def test_export_refuses_an_architecture_without_a_gguf_family(model_dirs, tmp_pa
 
 needs_llama_cpp = pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None,
                                      reason="llama-cpp-python (the bench extra) is not installed")
-# llama.cpp quantizes the activations of its Q8_0 / Q4_0 dot products to q8_0 and those of BF16 ones to bf16,
-# so only F32 agrees to float32 rounding. Measured max |diff| on these models (logit std 1.2): F32 6e-6,
-# BF16 0.05, Q8_0 0.13, Q4_0 0.15; the bounds leave 2x margin, a wrong rope or permutation gives > 5.
-LLAMA_CPP_TOLERANCE = {"float32": 1e-4, "bfloat16": 0.1, "q8_0": 0.3, "q4_0": 0.3}
+# llama.cpp quantizes the activations of its Q8_0 / Q4_0 dot products to q8_0 and rounds those of F16 / BF16
+# ones to fp16 / bf16, so only F32 agrees to float32 rounding. Measured max |diff| on these models (logit std
+# 1.2): F32 6e-6, F16 0.010, BF16 0.05, Q8_0 0.13, Q4_0 0.15; the bounds leave 2x margin, a wrong rope or
+# permutation gives > 5.
+LLAMA_CPP_TOLERANCE = {"float32": 1e-4, "float16": 0.02, "bfloat16": 0.1, "q8_0": 0.3, "q4_0": 0.3}
 
 
 def llama_cpp(path: Path, **kwargs):

@@ -83,6 +83,7 @@ CASES = {  # name -> (model, engine fields)
     "q4_0": ("llama", {"weight_dtype": "q4_0"}),
     "tied float32": ("llama_tied", {"weight_dtype": "float32", "activation_dtype": "float32"}),
     "bfloat16 activations": ("llama", {"weight_dtype": "bfloat16", "activation_dtype": "bfloat16"}),
+    "float16": ("llama", {"weight_dtype": "float16"}),  # numpy float16 arrays, unpacked (float32 activations)
     "experts": ("qwen3_moe", {}),
     "gguf": ("gguf", {"weight_dtype": "auto"}),
     # llama.cpp's Q4_K_M file: K-quant packed matrices, StackedMatrix of Q4_K and Q6_K parts
@@ -109,10 +110,11 @@ def test_a_second_load_hits_without_loading_or_repacking_and_serves_identical_lo
     w1, w2 = first.engine.model.weights, second.engine.model.weights
     assert (w2.lm_head is w2.embed) == (w1.lm_head is w1.embed)
     assert type(w2.layers[-1].qkv) is type(w1.layers[-1].qkv)
+    assert w2.layers[-1].qkv.dtype == w1.layers[-1].qkv.dtype
     assert second.tokenizer.encode("the quick brown fox") == first.tokenizer.encode("the quick brown fox")
     # built or read, the streams sit 16 bytes past a cache line (kernels/placement.py)
     offsets = [{a.ctypes.data % 64 for a in stream_arrays(w)} for w in (w1, w2)]
-    assert offsets == [set(), set()] if case == "tied float32" else offsets == [{16}, {16}]
+    assert offsets == [set(), set()] if case in ("tied float32", "float16") else offsets == [{16}, {16}]
 
 
 def test_a_hit_warns_again_of_a_fallback_planning_warned_of(llama_dir, tmp_path, monkeypatch, caplog):

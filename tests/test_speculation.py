@@ -300,7 +300,7 @@ def with_tree_proposer(llm, width: int) -> list[int]:
 
 
 @pytest.mark.parametrize("width", [2, 3])
-@pytest.mark.parametrize("kv_dtype", ["float32", "int8"])
+@pytest.mark.parametrize("kv_dtype", ["float32", "int8", "fp8_e4m3", "int4"])
 @pytest.mark.parametrize("method", ["medusa", "eagle"])
 def test_greedy_tree_speculation_gives_the_same_tokens_as_none(llama_dir, heads_dirs, mixed, method, width,
                                                                kv_dtype):

@@ -5,10 +5,10 @@ import numpy as np
 import pytest
 
 from kernels import attention
-from kernels.attention import paged_attention, write_kv, write_kv_int8
-from kernels.bf16 import from_bf16
+from kernels.kv_formats import KV_FORMATS, attend_as, write_kv_as
+from tests.kv_reference import KV_DTYPES, empty_cache, head_dim_for, stored
 
-H, N_KV, D, BLOCK, NUM_BLOCKS = 6, 2, 24, 4, 64
+H, N_KV, BLOCK, NUM_BLOCKS = 6, 2, 4, 64
 
 
 def random_tree(rng, num_nodes: int) -> np.ndarray:
@@ -39,17 +39,13 @@ class Batch:
         for s, n in enumerate(seq_len):
             for b in range(-(-n // BLOCK)):
                 self.tables[s, b] = free.pop()
-        dtype = {"float32": np.float32, "bfloat16": np.uint16, "int8": np.int8}[kv_dtype]
-        shape = (NUM_BLOCKS, BLOCK, N_KV, D)
-        self.k_cache, self.v_cache = np.zeros(shape, dtype), np.zeros(shape, dtype)
-        self.k_scale, self.v_scale = np.ones(shape[:3], np.float32), np.ones(shape[:3], np.float32)
-        self.has_scale = kv_dtype == "int8"
+        self.kv_dtype, self.fmt, self.D = kv_dtype, KV_FORMATS[kv_dtype], head_dim_for(kv_dtype)
+        D = self.D
+        caches = empty_cache(kv_dtype, NUM_BLOCKS, BLOCK, N_KV, D)
+        self.k_cache, self.v_cache, self.k_scale, self.v_scale = caches
         slots = np.array([self.slot(s, j) for s, n in enumerate(seq_len) for j in range(n)], np.int32)
         k, v = (rng.standard_normal((len(slots), N_KV, D)).astype(np.float32) for _ in range(2))
-        if self.has_scale:
-            write_kv_int8(k, v, slots, self.k_cache, self.v_cache, self.k_scale, self.v_scale)
-        else:
-            write_kv(k, v, slots, self.k_cache, self.v_cache)
+        write_kv_as(self.fmt, k, v, slots, self.k_cache, self.v_cache, self.k_scale, self.v_scale)
         # queries: every tree node, or the decode token
         width = max((len(p) for p in trees if p is not None), default=0)
         token_seq, positions, starts, masks, self.visible = [], [], [], [], []
@@ -83,16 +79,13 @@ class Batch:
     def run(self, tree: bool = True) -> np.ndarray:
         out = np.empty_like(self.q)
         extra = (self.starts, self.mask) if tree else ()
-        paged_attention(self.q, self.k_cache, self.v_cache, self.k_scale, self.v_scale, self.has_scale,
-                        self.tables, self.token_seq, self.positions, self.window, 0.2, out, *extra)
+        attend_as(self.fmt, self.q.copy(), self.k_cache, self.v_cache, self.k_scale, self.v_scale,
+                  self.tables, self.token_seq, self.positions, self.window, 0.2, out, *extra)
         return out
 
-    def reference(self, kv_dtype: str) -> np.ndarray:
-        def stored(cache, scales):  # [num_blocks * block_size, n_kv, D] float64, as the cache holds it
-            values = from_bf16(cache) if kv_dtype == "bfloat16" else cache.astype(np.float64)
-            return (values * scales[..., None]).reshape(-1, N_KV, D)
-
-        keys, values = stored(self.k_cache, self.k_scale), stored(self.v_cache, self.v_scale)
+    def reference(self) -> np.ndarray:
+        keys = stored(self.kv_dtype, self.k_cache, self.k_scale, self.D)
+        values = stored(self.kv_dtype, self.v_cache, self.v_scale, self.D)
         out = np.empty(self.q.shape)
         group = H // N_KV
         for t, seen in enumerate(self.visible):
@@ -104,7 +97,7 @@ class Batch:
         return out
 
 
-@pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16", "int8"])
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
 @pytest.mark.parametrize("window", [0, 6])
 @pytest.mark.parametrize("parallel", [True, False])
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -114,7 +107,7 @@ def test_tree_attention_matches_float64_over_each_nodes_visible_slots(kv_dtype, 
     rng = np.random.default_rng(seed)
     trees = [random_tree(rng, 9), None, random_tree(rng, 14), random_tree(rng, 1), None]
     batch = Batch(rng, kv_dtype, trees, contexts=[11, 7, 0, 23, 18], window=window)
-    out, ref = batch.run(), batch.reference(kv_dtype)
+    out, ref = batch.run(), batch.reference()
     assert np.abs(out - ref).max() < 1e-5 * np.abs(ref).max() + 1e-6
 
 
@@ -131,7 +124,7 @@ def test_a_node_sees_its_ancestors_and_not_its_siblings():
         assert moved == descendants
 
 
-@pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16", "int8"])
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
 def test_a_chain_as_a_tree_gives_the_bits_of_plain_positions(kv_dtype):
     rng = np.random.default_rng(3)
     chain = np.arange(-1, 6)  # node i's parent is i - 1

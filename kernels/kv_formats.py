@@ -1,0 +1,85 @@
+"""The KV dtypes: how each stores a row of head_dim values, and the one write / attend pair per layer.
+
+bytes a value (D = head_dim; a scale is one float32 per (slot, kv head) row):
+  float32 4, bfloat16 2, int8 and int8_hadamard 1 + 4 / D, fp8_e4m3 and fp8_e5m2 1 + 4 / D,
+  int4 and int4_hadamard 1/2 + 4 / D.
+The *_hadamard forms rotate keys and values (kernels/hadamard.py) before quantizing, the queries the same
+way, and the attention output back; the kernel itself reads every form as codes x per-row scale. Values are
+rotated too: on the demo model (held-out perplexity over 16 x 1024 tokens against bfloat16 KV) rotating only
+the keys measured int4 +0.30% against +0.28% for both (int4 unrotated +0.40%); at 8 bits neither rotation
+helps (int8 +0.003%, keys only +0.008%, both +0.012%), so int8_hadamard is kept only as the issue's form.
+"""
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from kernels.attention import paged_attention, write_kv, write_kv_int8
+from kernels.fp8 import E4M3, E5M2
+from kernels.hadamard import hadamard_inplace, is_power_of_two
+from kernels.kv_quant import write_kv_fp8, write_kv_int4
+
+
+@dataclass(frozen=True)
+class KVFormat:
+    name: str
+    storage: type  # numpy dtype of the cache arrays
+    values_per_element: int  # 2: two int4 codes a byte
+    has_scale: bool
+    rotated: bool
+    fp8: tuple[int, int, int] | None = None  # (mantissa bits, bias, largest finite code)
+
+    def row_elements(self, head_dim: int) -> int:
+        return head_dim // self.values_per_element
+
+    def row_bytes(self, head_dim: int) -> int:
+        """Bytes of one (slot, kv head) row of keys (or values), its scale included."""
+        return self.row_elements(head_dim) * np.dtype(self.storage).itemsize + 4 * self.has_scale
+
+    def check_head_dim(self, head_dim: int) -> None:
+        if self.rotated and not is_power_of_two(head_dim):
+            raise ValueError(f'kv_dtype "{self.name}" rotates each head by a Hadamard transform of order '
+                             f"head_dim, which needs a power of two (this model's head_dim is {head_dim}); "
+                             f'use "{self.name.removesuffix("_hadamard")}"')
+        if self.values_per_element == 2 and head_dim % 2:
+            raise ValueError(f'kv_dtype "{self.name}" packs two values a byte: head_dim must be even '
+                             f"(got {head_dim})")
+
+
+KV_FORMATS = {f.name: f for f in (
+    KVFormat("float32", np.float32, 1, False, False),
+    KVFormat("bfloat16", np.uint16, 1, False, False),
+    KVFormat("int8", np.int8, 1, True, False),
+    KVFormat("int8_hadamard", np.int8, 1, True, True),
+    KVFormat("fp8_e4m3", np.uint8, 1, True, False, E4M3),
+    KVFormat("fp8_e5m2", np.uint8, 1, True, False, E5M2),
+    KVFormat("int4", np.uint8, 2, True, False),
+    KVFormat("int4_hadamard", np.uint8, 2, True, True),
+)}
+
+
+def write_kv_as(fmt: KVFormat, k, v, slot_mapping, k_cache, v_cache, k_scale, v_scale) -> None:
+    """k, v: [T, n_kv, D] f32 into one layer's cache; a rotated format rotates k and v in place first."""
+    if fmt.rotated:
+        hadamard_inplace(k)
+        hadamard_inplace(v)
+    if fmt.fp8 is not None:
+        write_kv_fp8(k, v, slot_mapping, k_cache, v_cache, k_scale, v_scale, *fmt.fp8)
+    elif fmt.values_per_element == 2:
+        write_kv_int4(k, v, slot_mapping, k_cache, v_cache, k_scale, v_scale)
+    elif fmt.has_scale:
+        write_kv_int8(k, v, slot_mapping, k_cache, v_cache, k_scale, v_scale)
+    else:
+        write_kv(k, v, slot_mapping, k_cache, v_cache)
+
+
+def attend_as(fmt: KVFormat, q, k_cache, v_cache, k_scale, v_scale, block_tables, token_seq, positions,
+              window, softmax_scale, out, tree_starts=None, tree_mask=None, softcap=0.0) -> None:
+    """kernels/attention.paged_attention over one layer's cache in its format; a rotated format rotates q
+    in place and rotates out back."""
+    if fmt.rotated:
+        hadamard_inplace(q)
+    paged_attention(q, k_cache, v_cache, k_scale, v_scale, fmt.has_scale, block_tables, token_seq, positions,
+                    window, softmax_scale, out, tree_starts, tree_mask, softcap, fmt.fp8[0] if fmt.fp8 else 0)
+    if fmt.rotated:
+        hadamard_inplace(out)

@@ -1,0 +1,65 @@
+"""KV-cache writes in 8-bit float and 4-bit integer codes, one float32 scale per (slot, kv head).
+
+FP8 rows are scaled so their largest magnitude lands on the format's largest finite value: the rows' ranges
+differ by orders of magnitude across heads and layers (keys after RoPE with outliers, small values), and a
+per-row scale keeps every row clear of saturation and of the subnormal range for 4 bytes per row (1/16 byte
+a value at head_dim 64). A fixed per-tensor scale (vLLM's, default 1.0) would need calibrating per model.
+int4: symmetric codes -7..7 (scale = max|x| / 7) stored with an offset of 8, two a byte, the even
+coordinate in the low nibble.
+"""
+
+import numpy as np
+from numba import njit
+
+from kernels.fp8 import fp8_encode, fp8_max
+
+
+@njit(cache=True, nogil=True)
+def write_kv_fp8(k, v, slot_mapping, k_cache, v_cache, k_scale, v_scale, man_bits, bias, max_code):
+    # k, v: [T, n_kv, D] f32 -> caches [num_blocks, block_size, n_kv, D] uint8 codes; scales [.., n_kv]
+    block_size = k_cache.shape[1]
+    top = np.float32(fp8_max(man_bits, bias, max_code))
+    for t in range(k.shape[0]):
+        b = slot_mapping[t] // block_size
+        o = slot_mapping[t] % block_size
+        for h in range(k.shape[1]):
+            k_scale[b, o, h] = _fp8_row(k[t, h], k_cache[b, o, h], top, man_bits, bias, max_code)
+            v_scale[b, o, h] = _fp8_row(v[t, h], v_cache[b, o, h], top, man_bits, bias, max_code)
+
+
+@njit(inline="always", nogil=True)
+def _fp8_row(x, dst, top, man_bits, bias, max_code):
+    amax = np.float32(0.0)
+    for d in range(x.shape[0]):
+        amax = max(amax, abs(x[d]))
+    scale = amax / top
+    inv = np.float32(1.0) / scale if scale > 0 else np.float32(0.0)
+    for d in range(x.shape[0]):
+        dst[d] = fp8_encode(x[d] * inv, man_bits, bias, max_code)
+    return scale
+
+
+@njit(cache=True, nogil=True)
+def write_kv_int4(k, v, slot_mapping, k_cache, v_cache, k_scale, v_scale):
+    # k, v: [T, n_kv, D] f32 -> caches [num_blocks, block_size, n_kv, D // 2] uint8; scales [.., n_kv]
+    block_size = k_cache.shape[1]
+    for t in range(k.shape[0]):
+        b = slot_mapping[t] // block_size
+        o = slot_mapping[t] % block_size
+        for h in range(k.shape[1]):
+            k_scale[b, o, h] = _int4_row(k[t, h], k_cache[b, o, h])
+            v_scale[b, o, h] = _int4_row(v[t, h], v_cache[b, o, h])
+
+
+@njit(inline="always", nogil=True)
+def _int4_row(x, dst):
+    amax = np.float32(0.0)
+    for d in range(x.shape[0]):
+        amax = max(amax, abs(x[d]))
+    scale = amax / np.float32(7.0)
+    inv = np.float32(1.0) / scale if scale > 0 else np.float32(0.0)
+    for i in range(dst.shape[0]):
+        lo = min(max(np.rint(x[2 * i] * inv), -7.0), 7.0) + 8.0
+        hi = min(max(np.rint(x[2 * i + 1] * inv), -7.0), 7.0) + 8.0
+        dst[i] = np.uint8(int(lo) | (int(hi) << 4))
+    return scale
