@@ -3,7 +3,7 @@
 KV cache of one layer: [num_blocks, block_size, n_kv_heads, head_dim] as float32, bfloat16 bits
 (uint16) or int8, or uint8 codes (fp8: one code a value; int4: [.., head_dim // 2], two a byte, low nibble
 first, n - 8), the integer and code forms with one float32 scale per (slot, kv head); each row is widened to
-float32 as it is read (kernels/kv_formats.py names the dtypes). A token reads its sequence's
+float32 as it is read (memory/kv_formats.py names the dtypes). A token reads its sequence's
 KV through block_tables[token_seq[t]]; prefill, chunked prefill and decode are the same call.
 
 A token sees its sequence's slots 0 .. positions[t] (within the window), unless it is a node of a token

@@ -1,12 +1,12 @@
 """KV storage of one engine: per layer [num_blocks, block_size, n_kv_heads, head_dim] arrays, each layer in
-its own dtype (kernels/kv_formats.py)."""
+its own dtype (memory/kv_formats.py)."""
 
 from collections.abc import Mapping
 
 import numpy as np
 
-from kernels.kv_formats import KV_FORMATS, KVFormat
 from memory.heap import untouched_zeros
+from memory.kv_formats import KV_FORMATS, KVFormat
 
 
 def layer_kv_dtypes(num_layers: int, kv_dtype: str, overrides: Mapping[int, str] | None = None) -> list[str]:

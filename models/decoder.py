@@ -8,10 +8,10 @@ import time
 import numpy as np
 
 from kernels.exp32 import softcap_inplace
-from kernels.kv_formats import attend_as, write_kv_as
 from kernels.norms import GATED_ACTIVATIONS, rms_norm, rms_norm_heads, rope_inplace
 from memory.experts import ExpertWeights
 from memory.kv_cache import KVCache
+from memory.kv_formats import attend_as, write_kv_as
 from memory.weights import LayerWeights, Matrix, ModelWeights, parts
 from models.batch import ForwardBatch
 from models.linear import embed, linear

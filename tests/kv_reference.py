@@ -5,7 +5,7 @@ import numpy as np
 import torch
 
 from kernels.bf16 import from_bf16
-from kernels.kv_formats import KV_FORMATS
+from memory.kv_formats import KV_FORMATS
 
 KV_DTYPES = list(KV_FORMATS)
 TORCH_FP8 = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}

@@ -1,11 +1,11 @@
 """Paged attention against a float64 softmax reference over the same (dequantized, rotated back) cache
-contents, for every KV dtype through the layer's write / attend pair (kernels/kv_formats.py)."""
+contents, for every KV dtype through the layer's write / attend pair (memory/kv_formats.py)."""
 
 import numpy as np
 import pytest
 
 from kernels import attention
-from kernels.kv_formats import KV_FORMATS, attend_as, write_kv_as
+from memory.kv_formats import KV_FORMATS, attend_as, write_kv_as
 from tests.kv_reference import KV_DTYPES, empty_cache, head_dim_for, stored
 
 # stored against written keys, relative RMS over standard normal rows; measured 0.0016 (bfloat16), 0.0049 and

@@ -10,8 +10,8 @@ from numba import njit
 from cluster_configs.engine_config import EngineConfig
 from kernels.fp8 import E4M3, E5M2, fp8_decode, fp8_encode
 from kernels.hadamard import hadamard_inplace
-from kernels.kv_formats import KV_FORMATS
 from memory.kv_cache import KVCache, kv_bytes_per_token
+from memory.kv_formats import KV_FORMATS
 from tests.kv_reference import TORCH_FP8, sylvester
 
 FORMATS = {"fp8_e4m3": E4M3, "fp8_e5m2": E5M2}

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from kernels import attention
-from kernels.kv_formats import KV_FORMATS, attend_as, write_kv_as
+from memory.kv_formats import KV_FORMATS, attend_as, write_kv_as
 from tests.kv_reference import KV_DTYPES, empty_cache, head_dim_for, stored
 
 H, N_KV, BLOCK, NUM_BLOCKS = 6, 2, 4, 64
