@@ -20,6 +20,7 @@ from numba.extending import overload
 from kernels.bf16 import as_f32, f32_to_bf16
 from kernels.exp32 import exp32, tanh32
 from kernels.fp8 import fp8_as_bf16, fp8_unbias
+from kernels.kv_quant import row_scale
 from kernels.simd_dot import dots
 
 _NEG_BIG = np.float32(-3.0e38)  # stands in for -inf (fastmath assumes no infinities)
@@ -237,11 +238,7 @@ def write_kv_int8(k, v, slot_mapping, k_cache, v_cache, k_scale, v_scale):
 
 @njit(inline="always", nogil=True)
 def _quantize_row(x, dst):
-    amax = np.float32(0.0)
-    for d in range(x.shape[0]):
-        amax = max(amax, abs(x[d]))
-    scale = amax / np.float32(127.0)
-    inv = np.float32(1.0) / scale if scale > 0 else np.float32(0.0)
+    scale, inv = row_scale(x, 127.0)
     for d in range(x.shape[0]):
         dst[d] = np.int8(round(x[d] * inv))
     return scale

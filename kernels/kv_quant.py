@@ -14,6 +14,17 @@ from numba import njit
 from kernels.fp8 import fp8_encode, fp8_max
 
 
+@njit(inline="always", nogil=True)
+def row_scale(x, top):
+    # x: [D] f32 -> (scale = max|x| / top, its reciprocal or 0 for an all-zero row): every KV row quantizer's
+    amax = np.float32(0.0)
+    for d in range(x.shape[0]):
+        amax = max(amax, abs(x[d]))
+    scale = amax / np.float32(top)
+    inv = np.float32(1.0) / scale if scale > 0 else np.float32(0.0)
+    return scale, inv
+
+
 @njit(cache=True, nogil=True)
 def write_kv_fp8(k, v, slot_mapping, k_cache, v_cache, k_scale, v_scale, man_bits, bias, max_code):
     # k, v: [T, n_kv, D] f32 -> caches [num_blocks, block_size, n_kv, D] uint8 codes; scales [.., n_kv]
@@ -29,11 +40,7 @@ def write_kv_fp8(k, v, slot_mapping, k_cache, v_cache, k_scale, v_scale, man_bit
 
 @njit(inline="always", nogil=True)
 def _fp8_row(x, dst, top, man_bits, bias, max_code):
-    amax = np.float32(0.0)
-    for d in range(x.shape[0]):
-        amax = max(amax, abs(x[d]))
-    scale = amax / top
-    inv = np.float32(1.0) / scale if scale > 0 else np.float32(0.0)
+    scale, inv = row_scale(x, top)
     for d in range(x.shape[0]):
         dst[d] = fp8_encode(x[d] * inv, man_bits, bias, max_code)
     return scale
@@ -53,11 +60,7 @@ def write_kv_int4(k, v, slot_mapping, k_cache, v_cache, k_scale, v_scale):
 
 @njit(inline="always", nogil=True)
 def _int4_row(x, dst):
-    amax = np.float32(0.0)
-    for d in range(x.shape[0]):
-        amax = max(amax, abs(x[d]))
-    scale = amax / np.float32(7.0)
-    inv = np.float32(1.0) / scale if scale > 0 else np.float32(0.0)
+    scale, inv = row_scale(x, 7.0)
     for i in range(dst.shape[0]):
         lo = min(max(np.rint(x[2 * i] * inv), -7.0), 7.0) + 8.0
         hi = min(max(np.rint(x[2 * i + 1] * inv), -7.0), 7.0) + 8.0
