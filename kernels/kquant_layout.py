@@ -201,26 +201,3 @@ def _raw(parts, f, k):
         for name in ("d", "m") if f.has_min else ("d",):
             fields[name] = parts[name].reshape(n, -1, 2)[:, :nb]
     return np.concatenate([fields[name] for name, _ in f.block_fields], axis=-1).reshape(n, -1)
-
-
-@dataclass(frozen=True)
-class KQuantMatrix:
-    """A Q4_K / Q5_K / Q4_1 / Q5_0 / Q5_1 matrix [N, K] packed for kernels/linear_kquant.py: data uint8
-    [N4, Kp // 256 * tile_bytes // 4] (see above); qtype the GGML type id (ggml_blocks.CODE[dtype])."""
-
-    qtype: int
-    data: np.ndarray
-    shape: tuple[int, int]
-
-    @classmethod
-    def pack(cls, raw: np.ndarray, qtype: int, k: int) -> "KQuantMatrix":
-        """raw: the GGML blocks as in a GGUF file, uint8 [N, K // block_values * block_bytes]."""
-        return cls(int(qtype), pack_kquant(raw, int(qtype), k), (raw.shape[0], k))
-
-    def unpack(self) -> np.ndarray:
-        """The raw GGML blocks, uint8 [N, K // block_values * block_bytes], bit for bit those packed."""
-        return unpack_kquant(self.data, self.qtype, *self.shape)
-
-    @property
-    def nbytes(self) -> int:
-        return self.data.nbytes

@@ -25,13 +25,10 @@ first sub-blocks (lanes 0-7), then the second ones (lanes 8-15), so that the hal
 q - 32 (subblock_offsets).
 """
 
-from dataclasses import dataclass
-
 import numpy as np
 from numba import njit, prange
 
 from kernels.int8_layout import GROUP
-from kernels.placement import stream_zeros
 
 ROWS = 4  # rows per interleaved block
 RAW_BYTES = 210  # one raw Q6_K block
@@ -159,37 +156,3 @@ def subblock_offsets(xq, xsum, offsets):
                         first += xq[t, g * GROUP + 32 * j + 4 * b + e]
                 offsets[t, 16 * g + b] = -32 * first
                 offsets[t, 16 * g + 8 + b] = -32 * (xsum[t, 8 * g + b] - first)
-
-
-@dataclass(frozen=True)
-class Q6KPacked:
-    """A Q6_K matrix [N, K] in the kernel layout above: data uint8 [N4, K // 256 * 208], d uint16
-    [N4, K // 256]."""
-
-    data: np.ndarray
-    d: np.ndarray
-    shape: tuple[int, int]
-
-    @classmethod
-    def pack(cls, raw: np.ndarray, shape: tuple[int, int]) -> "Q6KPacked":
-        """raw: uint8 [N, K // 256 * 210], the GGUF tensor's bytes row by row."""
-        n, k = shape
-        if k % GROUP or raw.shape != (n, k // GROUP * RAW_BYTES) or raw.dtype != np.uint8:
-            raise ValueError(f"Q6_K [{n}, {k}] needs uint8 [{n}, {k // GROUP * RAW_BYTES}], got {raw.dtype} "
-                             f"{list(raw.shape)}")
-        n4 = -(-n // ROWS) * ROWS
-        data = stream_zeros((n4, k // GROUP * ROW_BYTES), np.uint8)
-        d = np.zeros((n4, k // GROUP), np.uint16)
-        pack_q6k(np.ascontiguousarray(raw), data, d)
-        return cls(data, d, (n, k))
-
-    def unpack(self) -> np.ndarray:
-        """The raw GGUF bytes: uint8 [N, K // 256 * 210]."""
-        n, k = self.shape
-        raw = np.empty((n, k // GROUP * RAW_BYTES), np.uint8)
-        unpack_q6k(self.data, self.d, raw)
-        return raw
-
-    @property
-    def nbytes(self) -> int:
-        return self.data.nbytes + self.d.nbytes

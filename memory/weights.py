@@ -26,9 +26,7 @@ from kernels.int8_layout import (
     padded_k,
     unpack_int8_weights,
 )
-from kernels.kquant_layout import KQuantMatrix
 from kernels.placement import stream_zeros
-from kernels.q6k_layout import Q6KPacked
 from kernels.quant import QK, quantize_q4_0, quantize_q8_0
 from kernels.quant_k import quantize_k
 from kernels.simd_bf16 import GROUP as BF16_GROUP
@@ -37,6 +35,7 @@ from kernels.simd_bf16 import pack_bf16
 from kernels.simd_q6k import Q6K_FEATURES
 from kernels.simd_vnni import ROWS as VNNI_ROWS
 from kernels.simd_vnni import VNNI_FEATURES
+from memory.block_matrices import KQuantMatrix, Q6KMatrix
 
 if TYPE_CHECKING:
     from memory.experts import ExpertWeights
@@ -229,14 +228,14 @@ class BlockInt8Matrix:
     activation_scale: a calibrated static scale for its inputs, 0 = per-block dynamic scales."""
 
     dtype: str
-    packed: "KQuantMatrix | Q6KPacked"
+    packed: "KQuantMatrix | Q6KMatrix"
     activation_scale: float = 0.0
 
     @classmethod
     def pack(cls, w: WeightMatrix, activation_scale: float = 0.0) -> "BlockInt8Matrix":
         if w.dtype not in BLOCK_DTYPES:
             raise ValueError(f"BlockInt8Matrix packs the GGML block formats {BLOCK_DTYPES}, got {w.dtype}")
-        packed = (Q6KPacked.pack(w.data, w.shape) if w.dtype == "q6_k"
+        packed = (Q6KMatrix.pack(w.data, w.shape) if w.dtype == "q6_k"
                   else KQuantMatrix.pack(w.data, CODE[w.dtype], w.shape[1]))
         return cls(w.dtype, packed, float(activation_scale))
 
@@ -436,6 +435,6 @@ def row_block(w: Matrix, start: int, stop: int) -> Matrix:
         return Bf16Matrix(w.data[start:end], (stop - start, k))
     if isinstance(w, BlockInt8Matrix):  # both layouts keep a block of 4 rows' stream in its 4 rows
         p = w.packed
-        extra = {"d": p.d[start:end]} if isinstance(p, Q6KPacked) else {}
+        extra = {"d": p.d[start:end]} if isinstance(p, Q6KMatrix) else {}
         return replace(w, packed=replace(p, data=p.data[start:end], shape=(stop - start, k), **extra))
     return replace(w, data=w.data[start:end], scales=w.scales[start:end], shape=(stop - start, k))

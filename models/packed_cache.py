@@ -27,8 +27,9 @@ from models.calibration import Calibration, calibration_path
 
 # The packed layouts' version. Every packer (Int8Matrix.pack, Bf16Matrix.pack, the K-quant packers, the
 # loaders' fusing and row orders) must bump it when the bytes it produces change: entries of another
-# version are then never used. 2: a GGUF's F16 tensors load as float16, no longer as bfloat16.
-LAYOUT_VERSION = 2
+# version are then never used. 2: a GGUF's F16 tensors load as float16, no longer as bfloat16. 3: the K-quant
+# containers moved to memory/block_matrices.py (an entry names its classes by module).
+LAYOUT_VERSION = 3
 ENTRY_SUFFIX = ".packed"
 _HASH_BYTES = 64 << 20
 _STALE_TEMP_SECONDS = 3600  # a temp file untouched this long belongs to a writer that died

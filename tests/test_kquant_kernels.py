@@ -12,9 +12,9 @@ from kernels import kquant_layout
 from kernels.cpu import missing_features
 from kernels.ggml_blocks import CODE
 from kernels.int8_layout import padded_k, quantize_activations
-from kernels.kquant_layout import KQuantMatrix
 from kernels.linear_kquant import matmul_kquant, matmul_kquant_experts
 from kernels.simd_vnni import VNNI_FEATURES
+from memory.block_matrices import KQuantMatrix
 from memory.weights import WeightMatrix
 
 FORMATS = (QT.Q4_K, QT.Q5_K, QT.Q4_1, QT.Q5_0, QT.Q5_1)

@@ -9,8 +9,9 @@ import pytest
 from kernels.cpu import missing_features
 from kernels.int8_layout import quantize_activations
 from kernels.linear_q6k import matmul_q6k, matmul_q6k_experts
-from kernels.q6k_layout import RAW_BYTES, Q6KPacked, subblock_offsets
+from kernels.q6k_layout import RAW_BYTES, subblock_offsets
 from kernels.simd_q6k import Q6K_FEATURES
+from memory.block_matrices import Q6KMatrix
 
 pytestmark = pytest.mark.skipif(bool(missing_features(Q6K_FEATURES)), reason="this CPU lacks AVX512-VNNI")
 
@@ -46,7 +47,7 @@ def reference(raw: np.ndarray, xq: np.ndarray, xd: np.ndarray) -> tuple[np.ndarr
 
 
 def run(raw: np.ndarray, x: np.ndarray) -> np.ndarray:
-    packed = Q6KPacked.pack(raw, (raw.shape[0], x.shape[1]))
+    packed = Q6KMatrix.pack(raw, (raw.shape[0], x.shape[1]))
     out = np.empty((x.shape[0], raw.shape[0]), np.float32)
     matmul_q6k(*quantized(x), packed.data, packed.d, out)
     return out
@@ -108,7 +109,7 @@ def test_integer_sums_are_exact():
 def test_a_tokens_outputs_do_not_depend_on_its_batch():
     rng = np.random.default_rng(11)
     n, k = 10, 1024
-    packed = Q6KPacked.pack(random_raw(rng, n, k), (n, k))
+    packed = Q6KMatrix.pack(random_raw(rng, n, k), (n, k))
     x = rng.standard_normal((33, k)).astype(np.float32)
 
     def outputs(rows):
@@ -125,14 +126,14 @@ def test_a_tokens_outputs_do_not_depend_on_its_batch():
 @pytest.mark.parametrize("n,k", [(1, 256), (6, 2048), (12, 768)])
 def test_packing_round_trips_any_bytes(n, k):
     raw = np.random.default_rng(n).integers(0, 256, (n, k // 256 * RAW_BYTES), dtype=np.uint8)  # any d bits
-    packed = Q6KPacked.pack(raw, (n, k))
+    packed = Q6KMatrix.pack(raw, (n, k))
     assert np.array_equal(packed.unpack(), raw)
     assert packed.nbytes * 8 == -(-n // 4) * 4 * k * 6.5625  # as the file, padded to whole blocks of 4 rows
 
 
 def test_packing_rejects_a_shape_that_is_not_q6k():
     with pytest.raises(ValueError, match="Q6_K"):
-        Q6KPacked.pack(np.zeros((4, 210), np.uint8), (4, 512))
+        Q6KMatrix.pack(np.zeros((4, 210), np.uint8), (4, 512))
 
 
 def test_subblock_offsets_are_minus_32_times_the_half_block_sums():
@@ -148,7 +149,7 @@ def test_experts_driver_equals_one_call_per_expert():
     rng = np.random.default_rng(9)
     num_experts, n, k = 4, 40, 512  # 40 rows: 10 blocks of 4, two tasks per expert
     raws = [random_raw(rng, n, k) for _ in range(num_experts)]
-    packs = [Q6KPacked.pack(r, (n, k)) for r in raws]
+    packs = [Q6KMatrix.pack(r, (n, k)) for r in raws]
     data = np.concatenate([p.data for p in packs])
     d = np.concatenate([p.d for p in packs])
     experts = np.array([2, 0, 3], np.int64)
