@@ -13,16 +13,13 @@ against 100-135 for 2 or 3 rows (their accumulators no longer fit the 16 vector 
 from numba import njit, prange, types
 from numba.extending import overload
 
+from kernels.expert_tasks import expert_num_tasks, expert_task
 from kernels.simd_int8 import int8_block
 from kernels.simd_u8s8 import u8s8_block
 from kernels.simd_vnni import ROWS as VNNI_ROWS
 from kernels.simd_vnni import vnni_block
 
 X_CHUNK_BYTES = 1 << 19  # tokens of x per pass over the weights: half of a core's L2
-# matmul_vnni_experts' blocks of 4 rows per task: one block a task cost 6-8% more at 1 token (Qwen3-MoE's
-# experts, 8 of 64 routed, 2 Zen 4 cores: gate_up 0.85 against 0.80 ms, down 0.49 against 0.45; 32 blocks
-# 0.91 / 0.43)
-EXPERT_TASK_BLOCKS = 8
 
 
 @njit(cache=True, nogil=True, parallel=True)
@@ -115,22 +112,14 @@ def _vnni_tokens_impl(xq, xd, xsum, data, scales, out, n, c0, c1, bits):
 
 @njit(cache=True, nogil=True, parallel=True)
 def matmul_vnni_experts(xq, xd, xsum, data, scales, out, bits, experts, starts):
-    # Several experts' matmul_vnni in one parallel region (a MoE layer's routed experts: waking the threads
-    # once, not once per expert). data/scales: E experts' packed matrices stacked, N = out.shape[1] rows each
-    # (N % 4 == 0: an expert's rows are whole blocks of 4); experts: [S] int64 the experts that run;
-    # xq/xd/xsum: [R, ...] their input rows grouped by expert, experts[s]'s rows starts[s]:starts[s + 1]
-    # ([S + 1] int64); out: [R, N] f32. A task owns EXPERT_TASK_BLOCKS consecutive blocks of 4 output rows of
-    # one expert, for all its tokens.
+    # Several experts' matmul_vnni in one parallel region (kernels/expert_tasks.py: the layout of data/scales,
+    # experts, starts; the tasks); out: [R, N] f32
     N = out.shape[1]
-    blocks = N // VNNI_ROWS
-    chunks = (blocks + EXPERT_TASK_BLOCKS - 1) // EXPERT_TASK_BLOCKS
-    for task in prange(experts.shape[0] * chunks):
-        s = task // chunks
-        e, r0, r1 = experts[s], starts[s], starts[s + 1]
+    for task in prange(expert_num_tasks(experts.shape[0], N, VNNI_ROWS)):
+        e, r0, r1, b0, b1 = expert_task(task, experts, starts, N, VNNI_ROWS)
         d, c = data[e * N:(e + 1) * N], scales[e * N:(e + 1) * N]
-        b0 = (task - s * chunks) * EXPERT_TASK_BLOCKS
         x, xs, xt, o = xq[r0:r1], xd[r0:r1], xsum[r0:r1], out[r0:r1]
-        for b in range(b0, min(blocks, b0 + EXPERT_TASK_BLOCKS)):
+        for b in range(b0, b1):
             if bits == 4:
                 _vnni_tokens(x, xs, xt, d, c, o, b * VNNI_ROWS, 0, r1 - r0, 4)
             else:

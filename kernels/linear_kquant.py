@@ -20,8 +20,9 @@ machine's load set the level).
 from numba import njit, prange, types
 from numba.extending import overload
 
+from kernels.expert_tasks import expert_num_tasks, expert_task
 from kernels.ggml_blocks import Q4_1, Q4_K, Q5_0, Q5_1, Q5_K
-from kernels.linear_int8 import EXPERT_TASK_BLOCKS, X_CHUNK_BYTES
+from kernels.linear_int8 import X_CHUNK_BYTES
 from kernels.simd_kquant import kquant_block
 from kernels.simd_vnni import ROWS
 
@@ -85,20 +86,13 @@ def _kquant_tokens_impl(xq, xd, xsum, data, out, n, c0, c1, qtype):
 
 @njit(cache=True, nogil=True, parallel=True)
 def matmul_kquant_experts(xq, xd, xsum, data, out, qtype, experts, starts):
-    # Several experts' matmul_kquant in one parallel region, as linear_int8.matmul_vnni_experts: data: E
-    # experts' packed matrices stacked, N = out.shape[1] rows each (N % 4 == 0); experts: [S] int64 the
-    # experts that run; xq/xd/xsum: [R, ...] their input rows grouped by expert, experts[s]'s rows
-    # starts[s]:starts[s + 1] ([S + 1] int64); out: [R, N] f32. A task owns EXPERT_TASK_BLOCKS consecutive
-    # blocks of 4 output rows of one expert, for all its tokens.
+    # Several experts' matmul_kquant in one parallel region (kernels/expert_tasks.py: the layout of data,
+    # experts, starts; the tasks); out: [R, N] f32
     _check_format(qtype)
     N = out.shape[1]
-    blocks = N // ROWS
-    chunks = (blocks + EXPERT_TASK_BLOCKS - 1) // EXPERT_TASK_BLOCKS
-    for task in prange(experts.shape[0] * chunks):
-        s = task // chunks
-        e, r0, r1 = experts[s], starts[s], starts[s + 1]
+    for task in prange(expert_num_tasks(experts.shape[0], N, ROWS)):
+        e, r0, r1, b0, b1 = expert_task(task, experts, starts, N, ROWS)
         d = data[e * N:(e + 1) * N]
-        b0 = (task - s * chunks) * EXPERT_TASK_BLOCKS
         x, xs, xt, o = xq[r0:r1], xd[r0:r1], xsum[r0:r1], out[r0:r1]
-        for b in range(b0, min(blocks, b0 + EXPERT_TASK_BLOCKS)):
+        for b in range(b0, b1):
             _by_format(x, xs, xt, d, o, b * ROWS, 0, r1 - r0, qtype)

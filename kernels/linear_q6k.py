@@ -9,12 +9,12 @@ time, then 2, then 1 (4 rows x 4 tokens measured best: kernels/simd_q6k.py).
 import numpy as np
 from numba import njit, prange
 
+from kernels.expert_tasks import expert_num_tasks, expert_task
 from kernels.int8_layout import GROUP
 from kernels.q6k_layout import ROWS, subblock_offsets
 from kernels.simd_q6k import q6k_block
 
 _X_CHUNK_BYTES = 1 << 19  # tokens of x per pass over the weights: half of a core's L2 (as matmul_vnni)
-EXPERT_TASK_BLOCKS = 8  # matmul_q6k_experts' blocks of 4 rows per task (as matmul_vnni_experts)
 
 
 @njit(inline="always", nogil=True)
@@ -52,20 +52,13 @@ def matmul_q6k(xq, xd, xsum, data, d, out):
 
 @njit(cache=True, nogil=True, parallel=True)
 def matmul_q6k_experts(xq, xd, xsum, data, d, out, experts, starts):
-    # Several experts' matmul_q6k in one parallel region, as matmul_vnni_experts: data/d: E experts' packed
-    # matrices stacked, N = out.shape[1] rows each (N % 4 == 0); experts: [S] int64 the experts that run;
-    # xq/xd/xsum: [R, ...] their input rows grouped by expert, experts[s]'s rows starts[s]:starts[s + 1]
-    # ([S + 1] int64); out: [R, N] f32. A task owns EXPERT_TASK_BLOCKS consecutive blocks of 4 output rows of
-    # one expert, for all its tokens.
+    # Several experts' matmul_q6k in one parallel region (kernels/expert_tasks.py: the layout of data/d,
+    # experts, starts; the tasks); out: [R, N] f32
     N = out.shape[1]
     offsets = _offsets(xq, xsum)
-    blocks = N // ROWS
-    chunks = (blocks + EXPERT_TASK_BLOCKS - 1) // EXPERT_TASK_BLOCKS
-    for task in prange(experts.shape[0] * chunks):
-        s = task // chunks
-        e, r0, r1 = experts[s], starts[s], starts[s + 1]
+    for task in prange(expert_num_tasks(experts.shape[0], N, ROWS)):
+        e, r0, r1, b0, b1 = expert_task(task, experts, starts, N, ROWS)
         w, wd = data[e * N:(e + 1) * N], d[e * N:(e + 1) * N]
-        b0 = (task - s * chunks) * EXPERT_TASK_BLOCKS
         x, xs, xo, o = xq[r0:r1], xd[r0:r1], offsets[r0:r1], out[r0:r1]
-        for b in range(b0, min(blocks, b0 + EXPERT_TASK_BLOCKS)):
+        for b in range(b0, b1):
             _tokens(x, xs, xo, w, wd, o, b * ROWS, 0, r1 - r0)
