@@ -9,6 +9,7 @@ which aborts it on its worker and frees its KV blocks at once.
 
 import asyncio
 import json
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Protocol
 
@@ -67,6 +68,7 @@ class OpenAIServing:
         self.fingerprint = fingerprint
         self._info: dict | None = None
         self._texts: TokenTexts | None = None
+        self.created = int(time.time())  # /v1/models' created: when this server began serving the model
 
     async def info(self) -> dict:
         if self._info is None:
@@ -234,8 +236,8 @@ class OpenAIServing:
         adapters = await self.deployment.adapters()
 
         def card(name: str, root: str, parent: str | None) -> dict:
-            return {"id": name, "object": "model", "created": 0, "owned_by": "numaserve", "root": root,
-                    "parent": parent, "max_model_len": info["max_model_len"]}
+            return {"id": name, "object": "model", "created": self.created, "owned_by": "numaserve",
+                    "root": root, "parent": parent, "max_model_len": info["max_model_len"]}
 
         return {"object": "list", "data": [card(self.model_name, self.model_path, None)] + [
             card(name, path, self.model_name) for name, path in sorted(adapters.items())]}

@@ -296,8 +296,10 @@ def test_nulls_and_fields_without_effect_are_accepted(url):
         "response_format": None, "stream_options": None, "user": "u1", "store": False, "metadata": {"k": "v"},
         "service_tier": "auto"})
     assert r.status_code == 200, r.text
-    before = time.time()
-    assert abs(r.json()["created"] - before) < 60
+    now = time.time()
+    assert abs(r.json()["created"] - now) < 60
+    models = requests.get(f"{url}/v1/models", timeout=10).json()["data"]
+    assert models and all(abs(m["created"] - now) < 600 for m in models)
 
 
 def test_cors_preflight_answers_an_allowed_origin_only(url):
