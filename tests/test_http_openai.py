@@ -323,3 +323,15 @@ def test_tokenize_and_detokenize_round_trip(url, llm):
     chat_ids = post(url, "/tokenize", {"messages": MESSAGES}).json()["tokens"]
     assert llm.tokenizer.decode(chat_ids) == "# user: What is the weather in Paris?\n# assistant:\n"
     assert requests.get(f"{url}/version", timeout=10).json()["version"]
+
+
+def test_a_dropped_stream_aborts_its_request_in_the_engine(api, llm):
+    stream = api.completions.create(model="tiny", prompt="x", max_tokens=2000, stream=True,
+                                    extra_body={"ignore_eos": True})
+    next(iter(stream))
+    assert llm.engine_loop.call(lambda engine: len(engine.requests)) == 1
+    stream.close()
+    deadline = time.monotonic() + 30
+    while llm.engine_loop.call(lambda engine: len(engine.requests)):
+        assert time.monotonic() < deadline, "the request still runs after its client went away"
+        time.sleep(0.05)
