@@ -27,27 +27,31 @@ class LocalRequestStream:
         self.args = (prompt, params, adapter, cache_salt)
         self.pending: Pending | None = None
         self.outputs = None
-        self.done = False
+        self.done = self.cancelled = False
 
     async def next(self):
         """The prompt's token ids first (InvalidRequest here if the request is invalid), then its outputs."""
-        if self.pending is None:
-            self.pending = await self.deployment.run(self._submit)
+        if self.outputs is None:
+            await self.deployment.run(self._submit)
             return self.pending.request.token_ids[:self.pending.request.num_prompt_tokens]
         out = await self.deployment.run(next, self.outputs)
         self.done = out.finished
         return out
 
-    def _submit(self) -> Pending:
+    def _submit(self) -> None:
         prompt, params, adapter, cache_salt = self.args
-        llm = self.deployment.llm
-        req = llm.engine.make_request(f"http-{next(_ids)}", prompt, params, adapter=adapter,
-                                      cache_salt=cache_salt)
-        [pending] = llm.engine_loop.submit([req], deltas=True)
-        self.outputs = pending.outputs()
-        return pending
+        loop = self.deployment.llm.engine_loop
+        req = self.deployment.llm.engine.make_request(f"http-{next(_ids)}", prompt, params, adapter=adapter,
+                                                      cache_salt=cache_salt)
+        [self.pending] = loop.submit([req], deltas=True)
+        self.outputs = self.pending.outputs()
+        if self.cancelled:  # cancelled while it was being submitted (cancel() saw no pending yet)
+            loop.abort(req.request_id)
 
     def cancel(self) -> None:
+        """Abort the request unless it has finished. Runs on the event loop, possibly while _submit runs in
+        a worker thread: each sets its own field before reading the other's, so one of them aborts."""
+        self.cancelled = True
         if self.pending is not None and not self.done:
             self.done = True
             self.deployment.llm.engine_loop.abort(self.pending.request.request_id)

@@ -23,8 +23,10 @@ import pydantic
 import pytest
 import requests
 import uvicorn
+from tokenizers import Tokenizer
 
 from actors.chat_template import ChatTemplate
+from actors.fill_in_middle import fim_prompt
 from actors.http_server import build_app
 from actors.local_deployment import LocalDeployment
 from actors.openai_errors import APIError
@@ -32,6 +34,7 @@ from actors.openai_protocol import ChatCompletionRequest
 from actors.openai_serving import OpenAIServing
 from cluster_configs.cluster_config import HttpConfig
 from cluster_configs.sampling_params import SamplingParams
+from models.tokenizer import Tokenizer as ModelTokenizer
 from numaserve.llm import LLM
 from tests.model_factory import build_model
 from tests.test_structured_outputs import SCHEMAS
@@ -270,6 +273,9 @@ def post(url: str, path: str, body: dict) -> requests.Response:
     ("/v1/chat/completions", {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "f"}}},
      "tool_choice", "'f'"),
     ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice", "no tools"),
+    ("/v1/chat/completions", {"tool_choice": "required", "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "nonsense"}}}}}]},
+     "tools", "nonsense"),
     ("/v1/chat/completions", {"tools": TOOLS, "tool_choice": "required", "guided_regex": "a"}, "guided_regex",
      "send one"),
 ])
@@ -281,6 +287,15 @@ def test_bad_inputs_are_400s_naming_the_field(url, path, body, param, words):
     error = r.json()["error"]
     assert error["type"] == "invalid_request_error" and error["param"] == param, error
     assert words in error["message"] and "Traceback" not in error["message"]
+
+
+def test_suffix_fills_in_the_middle_with_the_models_fim_tokens(llm):
+    hf = Tokenizer.from_str(llm.tokenizer.hf_tokenizer.to_str())
+    hf.add_special_tokens(["<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"])
+    assert fim_prompt(ModelTokenizer(hf), "def f(x):\n", "\n    return y") == (
+        "<|fim_prefix|>def f(x):\n<|fim_suffix|>\n    return y<|fim_middle|>")
+    with pytest.raises(APIError, match="no fill-in-the-middle tokens"):
+        fim_prompt(llm.tokenizer, "def f(x):\n", "\n    return y")
 
 
 def test_auto_tool_choice_needs_a_parser(llm):
