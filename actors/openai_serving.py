@@ -169,7 +169,8 @@ class OpenAIServing:
                                     self.fingerprint)
         choices, streams, firsts = await self._open([(prompt_ids, sp) for sp in params], adapter, "messages",
                                                     salt, deadline_s, constraint_param)
-        calls = [tool_calls.ToolCallStream(plan.parser) if plan.parser is not None else None for _ in choices]
+        calls = [tool_calls.ToolCallStream(plan.new_parser()) if plan.new_parser is not None else None
+                 for _ in choices]
 
         def delta(c: ChoiceState, out: RequestOutput) -> dict | None:
             logprobs = (chat_logprobs(self._texts, out.token_ids, out.logprobs, k)
@@ -193,10 +194,11 @@ class OpenAIServing:
         await _collect(choices, streams, firsts)
         if any(c.finish_reason == "abort" for c in choices):
             raise self.tenancy.deadline_error(deadline_s)
+
         def choice(c: ChoiceState) -> dict:
             message, reason = {"role": "assistant", "content": c.text}, c.finish_reason
-            if plan.parser is not None:
-                parsed = plan.parser.parse(c.text, final=True)
+            if plan.new_parser is not None:
+                parsed = plan.new_parser().parse(c.text, final=True)
                 message = tool_calls.message(parsed, [tool_calls.new_call_id() for _ in parsed.calls])
                 reason = tool_calls.finish_reason(parsed, reason)
             return {"index": c.index, "message": message,

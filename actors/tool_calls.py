@@ -11,12 +11,14 @@ Under "required" and a named function every call's arguments are valid against t
 A call's arguments are the raw JSON text the model wrote, in the response and, in pieces, in the stream.
 """
 
+import functools
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from actors.openai_errors import APIError
 from actors.tool_parsers import TOOL_PARSERS
-from actors.tool_parsers.base import CallPrefix, ParsedText, ToolParser, scan_call
+from actors.tool_parsers.base import CallPrefix, CallScanner, ParsedText, ToolParser
 from cluster_configs.structured_outputs import StructuredOutputs
 
 ANY_OBJECT = {"type": "object"}  # the arguments of a function that declares no parameters
@@ -28,7 +30,7 @@ class ToolPlan:
 
     tools: list[dict] | None  # what the chat template's `tools` sees
     constraint: StructuredOutputs | None  # on the output, when the tool choice forces calls
-    parser: ToolParser | None  # reads calls from the output; None: it is content only
+    new_parser: Callable[[], ToolParser] | None  # one per choice: reads its calls; None: content only
 
 
 def plan_tools(tools: list[dict] | None, tool_choice, parallel_tool_calls: bool,
@@ -48,7 +50,7 @@ def plan_tools(tools: list[dict] | None, tool_choice, parallel_tool_calls: bool,
             raise APIError(400, 'tool_choice "auto" needs the server started with --tool-call-parser '
                                 f"({' or '.join(TOOL_PARSERS)}) to find calls in the text; send "
                                 'tool_choice "required", a named function, or "none"', param="tool_choice")
-        return ToolPlan(tools, None, TOOL_PARSERS[parser_name]())
+        return ToolPlan(tools, None, TOOL_PARSERS[parser_name])
     if tool_choice == "required":
         call = [{"type": "object", "additionalProperties": False, "required": ["name", "parameters"],
                  "properties": {"name": {"const": name},
@@ -57,17 +59,20 @@ def plan_tools(tools: list[dict] | None, tool_choice, parallel_tool_calls: bool,
         schema = {"type": "array", "minItems": 1, "items": {"anyOf": call}}
         if not parallel_tool_calls:
             schema["maxItems"] = 1
-        return ToolPlan(tools, StructuredOutputs(json=schema), RequiredCallsParser())
+        return ToolPlan(tools, StructuredOutputs(json=schema), RequiredCallsParser)
     name = tool_choice["function"]["name"]
     if name not in functions:
         raise APIError(400, f"tool_choice names the function {name!r}, which is not among the tools "
                             f"({', '.join(map(repr, functions))})", param="tool_choice")
     return ToolPlan(tools, StructuredOutputs(json=functions[name].get("parameters") or ANY_OBJECT),
-                    NamedCallParser(name))
+                    functools.partial(NamedCallParser, name))
 
 
 class RequiredCallsParser:
     """The output of tool_choice "required": a JSON array of {"name", "parameters"} objects."""
+
+    def __init__(self):
+        self.scan = CallScanner()
 
     def parse(self, text: str, final: bool) -> ParsedText:
         calls, start = [], text.find("[") + 1
@@ -75,7 +80,7 @@ class RequiredCallsParser:
             start = text.find("{", start) + 1
             if not start:
                 break
-            call, end = scan_call(text, start - 1)
+            call, end = self.scan(text, start - 1)
             calls.append(call)
             start = end or 0
         return ParsedText("", [c for c in calls if c.name is not None])

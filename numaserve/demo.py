@@ -123,7 +123,7 @@ def tool_call_request(model_dir: Path):
     text = load_chat_template(model_dir).render(TOOL_MESSAGES, tools=plan.tools)
     prompt_ids = Tokenizer.from_dir(model_dir).hf_tokenizer.encode(text, add_special_tokens=False).ids
     params = SamplingParams(max_tokens=64, structured_outputs=plan.constraint, **SAMPLING)
-    return prompt_ids, params, plan.parser
+    return prompt_ids, params, plan.new_parser()
 
 
 def _structured_and_tool_call(client, model_dir: Path) -> dict:

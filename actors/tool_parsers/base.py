@@ -5,6 +5,9 @@ outside calls and each call found so far: its name once the name's string is com
 raw text of their JSON value so far. Each is a prefix of what the finished text gives, so a stream's deltas
 are differences (actors/tool_calls.py) and concatenate to the non-streamed response. Until `final`, a parser
 holds back an end of content that may begin a call marker.
+
+A parser instance reads one choice's text as it grows (CallScanner remembers the calls already closed, so a
+stream rescans only the call in progress); each choice gets its own.
 """
 
 import json
@@ -79,6 +82,21 @@ def scan_call(text: str, start: int) -> tuple[CallPrefix, int | None]:
                 expect = "scalar"
         i += 1
     return _prefix(text, name, args_start, args_end, n, False), None
+
+
+class CallScanner:
+    """scan_call over one text that only grows: a call once closed is not scanned again."""
+
+    def __init__(self):
+        self.closed: dict[int, tuple[CallPrefix, int]] = {}
+
+    def __call__(self, text: str, start: int) -> tuple[CallPrefix, int | None]:
+        if start in self.closed:
+            return self.closed[start]
+        call, end = scan_call(text, start)
+        if end is not None:
+            self.closed[start] = call, end
+        return call, end
 
 
 def _prefix(text: str, name, args_start, args_end, end: int, complete: bool) -> CallPrefix:

@@ -2,12 +2,15 @@
 <tool_call>{"name": ..., "arguments": {...}}</tool_call>, anywhere in the text; what is outside the tags is
 content. A block whose JSON has no name is dropped."""
 
-from actors.tool_parsers.base import ParsedText, partial_marker, scan_call
+from actors.tool_parsers.base import CallScanner, ParsedText, partial_marker
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
 
 class HermesToolParser:
+    def __init__(self):
+        self.scan = CallScanner()
+
     def parse(self, text: str, final: bool) -> ParsedText:
         content, calls, pos = [], [], 0
         while True:
@@ -24,7 +27,7 @@ class HermesToolParser:
                 break
             end = None
             if text[start] == "{":
-                call, end = scan_call(text, start)
+                call, end = self.scan(text, start)
                 calls.append(call)
             close = text.find(CLOSE, end if end is not None else start)
             if end is None and text[start] == "{" or close < 0:

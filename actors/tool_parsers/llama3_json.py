@@ -2,12 +2,15 @@
 several separated by ";", optionally after <|python_tag|>. An output that does not open with "{" is content;
 so is one in which no call has a name, once final (until then it is held back: it may still be a call)."""
 
-from actors.tool_parsers.base import ParsedText, scan_call
+from actors.tool_parsers.base import CallScanner, ParsedText
 
 PYTHON_TAG = "<|python_tag|>"
 
 
 class Llama3JsonToolParser:
+    def __init__(self):
+        self.scan = CallScanner()
+
     def parse(self, text: str, final: bool) -> ParsedText:
         start = _skip_space(text, 0)
         if text.startswith(PYTHON_TAG, start):
@@ -19,7 +22,7 @@ class Llama3JsonToolParser:
             return ParsedText(text)
         calls = []
         while True:
-            call, end = scan_call(text, start)
+            call, end = self.scan(text, start)
             calls.append(call)
             if end is None:
                 break
