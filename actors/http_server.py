@@ -12,12 +12,14 @@ router, in Prometheus text format.
 import asyncio
 import contextlib
 import hashlib
+import importlib.metadata
 import socket
 from pathlib import Path
 
 import ray
 import uvicorn
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from ray.exceptions import RayActorError, RayTaskError
@@ -29,7 +31,13 @@ from actors.client import cancel_stream
 from actors.metrics import render
 from actors.openai_errors import APIError, JSONBodies, install_error_handlers
 from actors.openai_limits import Caller
-from actors.openai_protocol import ChatCompletionRequest, CompletionRequest, LoadLoraAdapterRequest
+from actors.openai_protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    LoadLoraAdapterRequest,
+    TokenizeRequest,
+)
 from actors.openai_serving import OpenAIServing
 from cluster_configs.cluster_config import ClusterConfig, HttpConfig
 from cluster_configs.errors import NumaserveError, Unavailable
@@ -133,6 +141,10 @@ def build_app(serving: OpenAIServing) -> FastAPI:
     app = FastAPI(title="numaserve", summary="OpenAI-compatible API of a numaserve deployment")
     install_error_handlers(app)
     app.add_middleware(JSONBodies, max_bytes=MAX_BODY_BYTES)
+    origins = serving.tenancy.config.allowed_origins
+    if origins:  # outermost: a preflight is answered before the body checks (API keys go in a header)
+        app.add_middleware(CORSMiddleware, allow_origins=list(origins), allow_methods=["*"],
+                           allow_headers=["*"])
 
     def caller(request: Request) -> Caller:
         """The /v1 routes' API key check (401), as vLLM's --api-key does; /health and /metrics stay open."""
@@ -156,6 +168,20 @@ def build_app(serving: OpenAIServing) -> FastAPI:
     async def load_lora_adapter(body: LoadLoraAdapterRequest, request: Request) -> PlainTextResponse:
         caller(request)
         return PlainTextResponse(await serving.load_lora_adapter(body))
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest, request: Request) -> dict:
+        caller(request)
+        return await serving.tokenize(body)
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest, request: Request) -> dict:
+        caller(request)
+        return await serving.detokenize(body)
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": importlib.metadata.version("numaserve")}
 
     @app.get("/health")
     async def health() -> Response:

@@ -16,6 +16,8 @@ UNION_FIELDS = {
     "stop": "must be a string or a list of strings",
     "content": 'must be a string or a list of text parts ({"type": "text", "text": "..."}); the models here '
                "read text only",
+    "tool_choice": 'must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}',
+    "guided_json": "must be a JSON Schema: an object, or its JSON text",
 }
 
 

@@ -1,14 +1,18 @@
 """The OpenAI API's request bodies (pydantic, strict: a wrong type is a 400 naming the field) and how one
 becomes SamplingParams. OpenAI's fields and defaults, vLLM's extensions where OpenAI has none (top_k, min_p,
-repetition_penalty, ignore_eos, stop_token_ids). A null field means its default, as OpenAI treats it."""
+repetition_penalty, ignore_eos, stop_token_ids). A null field means its default, as OpenAI treats it: every
+body drops its null fields before validation (a required one is then missing)."""
 
+import json
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError, model_validator
 
 from actors.openai_errors import APIError
+from actors.openai_structured import StructuredFields
 from cluster_configs.errors import InvalidRequest
 from cluster_configs.sampling_params import SamplingParams
+from cluster_configs.structured_outputs import StructuredOutputs
 
 MAX_LOGPROBS = 20  # OpenAI's bound, and the engine's (scheduling/validation.py)
 MAX_CHOICES = 128  # prompts x n of one request: each is a request to the deployment
@@ -16,16 +20,23 @@ MAX_CHOICES = 128  # prompts x n of one request: each is a request to the deploy
 TokenIds = Annotated[list[StrictInt], Field(min_length=1)]
 
 
-class StreamOptions(BaseModel):
+class Body(BaseModel):
+    """A request body (or an object in one): strict types, no unknown fields, null = absent."""
+
     model_config = ConfigDict(extra="forbid", strict=True)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_nulls(cls, data):
+        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
+
+
+class StreamOptions(Body):
     include_usage: bool = False  # a last chunk with the usage of the whole request and no choices
 
 
-class _Sampling(BaseModel):
-    """Fields both endpoints share."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
+class _Sampling(StructuredFields, Body):
+    """Fields both endpoints share (and those constraining the output: actors/openai_structured.py)."""
 
     model: str | None = None  # the served model's name or a registered adapter's; None: the served model
     temperature: float | None = Field(None, ge=0.0, description="0 = greedy; default 1")
@@ -41,6 +52,10 @@ class _Sampling(BaseModel):
     stream_options: StreamOptions | None = None
     # the tenant when the server has no API keys: its cache salt and concurrency bound
     user: str | None = None
+    # OpenAI's, accepted and without effect here (no stored completions, one service tier)
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
     cache_salt: StrictStr | None = Field(None, min_length=1, description="share cached prefix blocks only "
                                          "with requests of the same salt (and tenant)")  # vLLM's
     # vLLM's extensions
@@ -58,11 +73,12 @@ class _Sampling(BaseModel):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None,
-                        deadline_s: float | None = None) -> list[SamplingParams]:
+    def sampling_params(self, max_tokens: int, logprobs: int | None, deadline_s: float | None = None,
+                        structured_outputs: StructuredOutputs | None = None) -> list[SamplingParams]:
         """One SamplingParams per choice (n): a seeded request's choice i is seeded with seed + i."""
         fields = {"max_tokens": max_tokens, "logprobs": logprobs, "ignore_eos": self.ignore_eos,
-                  "deadline_s": deadline_s, "priority": self.priority}
+                  "deadline_s": deadline_s, "priority": self.priority,
+                  "structured_outputs": structured_outputs}
         for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "min_p",
                      "repetition_penalty"):
             if getattr(self, name) is not None:
@@ -93,6 +109,8 @@ class CompletionRequest(_Sampling):
                                  description="log-probabilities of the sampled token and this many most "
                                              "likely")
     echo: bool = False  # the prompt's text before each completion
+    # fill in the middle: needs the model's FIM tokens (actors/fill_in_middle.py)
+    suffix: StrictStr | None = None
 
     def prompts(self) -> list[str | list[int]]:
         if isinstance(self.prompt, str) or (self.prompt and isinstance(self.prompt[0], int)):
@@ -103,25 +121,68 @@ class CompletionRequest(_Sampling):
         return list(self.prompt)
 
 
-class TextPart(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
+class TextPart(Body):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(BaseModel):
-    # other keys (name, tool_calls, ...) reach the template as they are, as with apply_chat_template
+class FunctionCall(Body):
+    name: StrictStr
+    arguments: StrictStr  # JSON text, as OpenAI sends it
+
+
+class ToolCall(Body):
+    id: StrictStr
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+class ChatMessage(Body):
+    # other keys (name, tool_call_id, ...) reach the template as they are, as with apply_chat_template
     model_config = ConfigDict(extra="allow", strict=True)
 
-    role: str
+    role: Literal[ROLES]
     content: str | list[TextPart] | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls, sent back
 
     def template_message(self) -> dict:
+        """The message as templates read it: text parts joined (as vLLM does for string-content templates),
+        a call's arguments as an object (templates write them with tojson, as transformers' docs show)."""
         message = self.model_dump(exclude_none=True)
-        if isinstance(self.content, list):  # text parts joined, as vLLM does for string-content templates
+        if isinstance(self.content, list):
             message["content"] = "\n".join(part.text for part in self.content)
+        for call in message.get("tool_calls", ()):
+            try:
+                call["function"]["arguments"] = json.loads(call["function"]["arguments"])
+            except ValueError:
+                arguments = call["function"]["arguments"]
+                raise InvalidRequest(f"a tool call's arguments are not JSON ({arguments!r:.60}); send them "
+                                     "back as the server returned them", param="messages") from None
         return message
+
+
+class FunctionDefinition(Body):
+    name: StrictStr = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: StrictStr | None = None
+    parameters: dict | None = None  # a JSON Schema; None: no parameters
+    strict: bool | None = None  # changes nothing: calls under "required" or a named function are enforced
+
+
+class Tool(Body):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(Body):
+    name: StrictStr
+
+
+class NamedToolChoice(Body):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_Sampling):
@@ -130,6 +191,10 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = Field(None, ge=1, description="default: the rest of the context")
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="needs logprobs: true")
+    # tool calling (actors/tool_calls.py)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # None: auto with tools
+    parallel_tool_calls: bool = True
 
     def num_logprobs(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:
@@ -140,8 +205,23 @@ class ChatCompletionRequest(_Sampling):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
-class LoadLoraAdapterRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
+class LoadLoraAdapterRequest(Body):
     lora_name: str
     lora_path: str
+
+
+class TokenizeRequest(Body):
+    """vLLM's /tokenize: a prompt, or messages rendered by the chat template (exactly one)."""
+
+    model: str | None = None
+    prompt: StrictStr | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    add_special_tokens: bool | None = None  # default: true for a prompt, false for messages (the template's)
+    add_generation_prompt: bool = True
+    tools: list[Tool] | None = None
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(Body):
+    model: str | None = None
+    tokens: list[StrictInt]

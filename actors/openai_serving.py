@@ -9,10 +9,13 @@ which aborts it on its worker and frees its KV blocks at once.
 
 import asyncio
 import json
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Protocol
 
+from actors import tool_calls
 from actors.chat_template import ChatTemplate
+from actors.fill_in_middle import fim_prompt
 from actors.openai_errors import APIError, as_api_error
 from actors.openai_format import (
     ChoiceState,
@@ -27,7 +30,9 @@ from actors.openai_protocol import (
     MAX_CHOICES,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     LoadLoraAdapterRequest,
+    TokenizeRequest,
 )
 from cluster_configs.cluster_config import HttpConfig
 from cluster_configs.errors import InvalidRequest
@@ -63,6 +68,7 @@ class OpenAIServing:
         self.fingerprint = fingerprint
         self._info: dict | None = None
         self._texts: TokenTexts | None = None
+        self.created = int(time.time())  # /v1/models' created: when this server began serving the model
 
     async def info(self) -> dict:
         if self._info is None:
@@ -97,6 +103,8 @@ class OpenAIServing:
         adapter = await self._adapter(req.model)
         await self.info()
         prompts = req.prompts()
+        if req.suffix:
+            prompts = [fim_prompt(self._info["tokenizer"], p, req.suffix) for p in prompts]
         _check_num_choices(len(prompts), req.n)
         if req.echo and req.logprobs is not None:
             raise APIError(400, "echo with logprobs asks for the prompt's logprobs, which numaserve does not "
@@ -104,10 +112,12 @@ class OpenAIServing:
         if req.max_tokens is not None:
             self.tenancy.check_max_tokens(req.max_tokens)
         deadline_s = self.tenancy.deadline_s(req.deadline_s)
-        params = req.sampling_params(req.max_tokens, req.logprobs, deadline_s)
+        constraint, constraint_param = req.constraint()
+        params = req.sampling_params(req.max_tokens, req.logprobs, deadline_s, constraint)
         header = ResponseHeader.new("cmpl", "text_completion", req.model or self.model_name, self.fingerprint)
         requests = [(p, sp) for p in prompts for sp in params]
-        choices, streams, firsts = await self._open(requests, adapter, "prompt", salt, deadline_s)
+        choices, streams, firsts = await self._open(requests, adapter, "prompt", salt, deadline_s,
+                                                    constraint_param)
         if req.echo:
             for c, (prompt, _) in zip(choices, requests):
                 c.prompt_text = prompt if isinstance(prompt, str) else self._decode(c.prompt_ids)
@@ -136,35 +146,44 @@ class OpenAIServing:
     async def _chat(self, req: ChatCompletionRequest, salt: str | None) -> dict | AsyncIterator[str]:
         adapter = await self._adapter(req.model)
         info = await self.info()
-        if self.chat_template is None or info["tokenizer"] is None:
-            raise APIError(400, f"model {self.model_name!r} has no chat template (no chat_template.jinja or "
-                                "chat_template in tokenizer_config.json, or no tokenizer); use "
-                                "/v1/completions with the model's own prompt format, or add a template to "
-                                "the model directory",
-                           param="messages", code="no_chat_template")
         _check_num_choices(1, req.n)
-        text = self.chat_template.render([m.template_message() for m in req.messages])
-        # the template's own
-        prompt_ids = info["tokenizer"].hf_tokenizer.encode(text, add_special_tokens=False).ids
+        plan = tool_calls.plan_tools([t.model_dump(exclude_none=True) for t in req.tools or ()],
+                                     req.tool_choice if isinstance(req.tool_choice, str | None)
+                                     else req.tool_choice.model_dump(), req.parallel_tool_calls,
+                                     self.tenancy.config.tool_call_parser)
+        constraint, constraint_param = req.constraint()
+        if plan.constraint is not None:
+            if constraint is not None:
+                raise APIError(400, f"tool_choice constrains the output to tool calls and {constraint_param} "
+                                    "to another format; send one", param=constraint_param)
+            constraint, constraint_param = plan.constraint, "tools"
+        prompt_ids = self._chat_prompt(req.messages, plan.tools)
         k = req.num_logprobs()
         if req.max_new_tokens() is not None:
             self.tenancy.check_max_tokens(req.max_new_tokens())
         max_tokens = req.max_new_tokens() or min(max((info["max_model_len"] or 0) - len(prompt_ids), 1),
                                                  self.tenancy.config.max_tokens_cap)
         deadline_s = self.tenancy.deadline_s(req.deadline_s)
-        params = req.sampling_params(max_tokens, k, deadline_s)
+        params = req.sampling_params(max_tokens, k, deadline_s, constraint)
         header = ResponseHeader.new("chatcmpl", "chat.completion", req.model or self.model_name,
                                     self.fingerprint)
         choices, streams, firsts = await self._open([(prompt_ids, sp) for sp in params], adapter, "messages",
-                                                    salt, deadline_s)
+                                                    salt, deadline_s, constraint_param)
+        calls = [tool_calls.ToolCallStream(plan.new_parser()) if plan.new_parser is not None else None
+                 for _ in choices]
 
         def delta(c: ChoiceState, out: RequestOutput) -> dict | None:
             logprobs = (chat_logprobs(self._texts, out.token_ids, out.logprobs, k)
                         if out.logprobs is not None else None)
-            if not (out.text or out.token_ids and logprobs or out.finished):
+            reason = out.finish_reason
+            if calls[c.index] is None:
+                message = {"content": out.text} if out.text else {}
+            else:
+                message, parsed = calls[c.index].delta(c.text + out.text, out.finished)
+                reason = tool_calls.finish_reason(parsed, reason)
+            if not (message or out.token_ids and logprobs or out.finished):
                 return None
-            return {"index": c.index, "delta": {"content": out.text} if out.text else {},
-                    "logprobs": logprobs, "finish_reason": out.finish_reason}
+            return {"index": c.index, "delta": message, "logprobs": logprobs, "finish_reason": reason}
 
         if req.stream:
             header = ResponseHeader(header.id, "chat.completion.chunk", header.model,
@@ -175,18 +194,52 @@ class OpenAIServing:
         await _collect(choices, streams, firsts)
         if any(c.finish_reason == "abort" for c in choices):
             raise self.tenancy.deadline_error(deadline_s)
-        return header.body([{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                             "logprobs": (chat_logprobs(self._texts, c.token_ids, c.logprobs, k)
-                                          if c.logprobs is not None else None),
-                             "finish_reason": c.finish_reason} for c in choices], usage=usage(choices, req.n))
+
+        def choice(c: ChoiceState) -> dict:
+            message, reason = {"role": "assistant", "content": c.text}, c.finish_reason
+            if plan.new_parser is not None:
+                parsed = plan.new_parser().parse(c.text, final=True)
+                message = tool_calls.message(parsed, [tool_calls.new_call_id() for _ in parsed.calls])
+                reason = tool_calls.finish_reason(parsed, reason)
+            return {"index": c.index, "message": message,
+                    "logprobs": (chat_logprobs(self._texts, c.token_ids, c.logprobs, k)
+                                 if c.logprobs is not None else None), "finish_reason": reason}
+
+        return header.body([choice(c) for c in choices], usage=usage(choices, req.n))
+
+    async def tokenize(self, req: TokenizeRequest) -> dict:
+        """vLLM's shape: count, max_model_len, tokens (and token_strs if asked)."""
+        info = await self.info()
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError(400, "send a prompt or messages (exactly one)", param="prompt")
+        if info["tokenizer"] is None:
+            raise APIError(400, f"model {self.model_name!r} has no tokenizer.json; it takes token ids only",
+                           param="prompt")
+        if req.messages is not None:
+            tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+            ids = self._chat_prompt(req.messages, tools, req.add_generation_prompt,
+                                    bool(req.add_special_tokens))
+        else:
+            special = req.add_special_tokens is not False
+            ids = info["tokenizer"].hf_tokenizer.encode(req.prompt, add_special_tokens=special).ids
+        return {"count": len(ids), "max_model_len": info["max_model_len"], "tokens": ids,
+                "token_strs": [self._texts.text(t) for t in ids] if req.return_token_strs else None}
+
+    async def detokenize(self, req: DetokenizeRequest) -> dict:
+        info = await self.info()
+        if info["tokenizer"] is None:
+            raise APIError(400, f"model {self.model_name!r} has no tokenizer.json", param="tokens")
+        if any(not 0 <= t < info["vocab_size"] for t in req.tokens):
+            raise APIError(400, f"tokens must be ids in [0, {info['vocab_size']})", param="tokens")
+        return {"prompt": info["tokenizer"].decode(req.tokens)}
 
     async def models(self) -> dict:
         info = await self.info()
         adapters = await self.deployment.adapters()
 
         def card(name: str, root: str, parent: str | None) -> dict:
-            return {"id": name, "object": "model", "created": 0, "owned_by": "numaserve", "root": root,
-                    "parent": parent, "max_model_len": info["max_model_len"]}
+            return {"id": name, "object": "model", "created": self.created, "owned_by": "numaserve",
+                    "root": root, "parent": parent, "max_model_len": info["max_model_len"]}
 
         return {"object": "list", "data": [card(self.model_name, self.model_path, None)] + [
             card(name, path, self.model_name) for name, path in sorted(adapters.items())]}
@@ -218,9 +271,11 @@ class OpenAIServing:
                        code="model_not_found")
 
     async def _open(self, requests: list[tuple], adapter: str | None, prompt_param: str,
-                    salt: str | None = None, deadline_s: float | None = None):
+                    salt: str | None = None, deadline_s: float | None = None,
+                    constraint_param: str | None = None):
         """Start every choice's request and wait until each is admitted and has its first output (a request
-        aborted by its deadline before then is an error: nothing has been sent)."""
+        aborted by its deadline before then is an error: nothing has been sent). An invalid constraint is a
+        400 naming the request field that set it (constraint_param)."""
         streams = [self.deployment.generate(prompt, sp, adapter, salt) for prompt, sp in requests]
         try:
             prompt_ids = await asyncio.gather(*(s.next() for s in streams))
@@ -236,6 +291,10 @@ class OpenAIServing:
             code = "context_length_exceeded" if "max_model_len" in message else "invalid_value"
             # chat: the prompt is the rendered messages
             param = prompt_param if e.param == "prompt" else e.param
+            if param == "structured_outputs" and constraint_param is not None:
+                param = constraint_param
+                if constraint_param != "structured_outputs":
+                    message = f"{constraint_param}: {message}"
             raise APIError(400, message, param=param, code=code) from None
         except BaseException:
             for s in streams:
@@ -279,6 +338,21 @@ class OpenAIServing:
             for s in streams:
                 s.cancel()
         yield "[DONE]"
+
+    def _chat_prompt(self, messages: list, tools: list[dict] | None, add_generation_prompt: bool = True,
+                     add_special_tokens: bool = False) -> list[int]:
+        """The token ids of messages rendered by the model's chat template (whose own special tokens count:
+        none are added unless asked)."""
+        tokenizer = self._info["tokenizer"]
+        if self.chat_template is None or tokenizer is None:
+            raise APIError(400, f"model {self.model_name!r} has no chat template (no chat_template.jinja or "
+                                "chat_template in tokenizer_config.json, or no tokenizer); use "
+                                "/v1/completions with the model's own prompt format, or add a template to "
+                                "the model directory",
+                           param="messages", code="no_chat_template")
+        text = self.chat_template.render([m.template_message() for m in messages],
+                                         add_generation_prompt=add_generation_prompt, tools=tools)
+        return tokenizer.hf_tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
     def _decode(self, token_ids: list[int]) -> str:
         tokenizer = self._info["tokenizer"]

@@ -79,6 +79,10 @@ class HttpConfig(BaseModel):
     max_concurrent_per_client: int = Field(64, ge=1)
     # when a request sets none; None: no deadline
     default_deadline_s: float | None = Field(600.0, gt=0.0, le=86_400.0)
+    # browser origins CORS lets call the API ("*": any); (): no CORS headers
+    allowed_origins: tuple[str, ...] = ()
+    # finds tool calls in the text under tool_choice "auto" (actors/tool_parsers); None: "auto" is a 400
+    tool_call_parser: Literal["hermes", "llama3_json"] | None = None
 
     @field_validator("api_keys", mode="before")
     @classmethod

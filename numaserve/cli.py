@@ -86,7 +86,8 @@ def cmd_serve(args) -> None:
         ("api_keys", tuple(args.api_key) or None), ("max_prompt_tokens", args.max_prompt_tokens),
         ("max_tokens_cap", args.max_tokens_cap),
         ("max_concurrent_per_client", args.max_concurrent_per_client),
-        ("default_deadline_s", args.default_deadline_s)) if value is not None}
+        ("default_deadline_s", args.default_deadline_s), ("allowed_origins", _origins(args.allowed_origins)),
+        ("tool_call_parser", args.tool_call_parser)) if value is not None}
     if limits:
         if config.http is None:
             flags = ", ".join("--api-key" if f == "api_keys" else "--" + f.replace("_", "-") for f in limits)
@@ -105,6 +106,13 @@ def cmd_serve(args) -> None:
     if client.http_url is not None:
         print(f"OpenAI-compatible API at {client.http_url}/v1 (metrics at {client.http_url}/metrics)")
     print(f"connect with numaserve.connect({args.name!r}); stop with `numaserve shutdown --name {args.name}`")
+
+
+def _origins(values: list[str] | None) -> tuple[str, ...] | None:
+    """--allowed-origins as given: origins, or one JSON list of them (vLLM's form)."""
+    if values and len(values) == 1 and values[0].startswith("["):
+        return tuple(json.loads(values[0]))
+    return tuple(values) if values else None
 
 
 def cmd_stats(args) -> None:
@@ -197,6 +205,8 @@ def _add_calibrate_parser(sub) -> None:
 
 
 def _add_cluster_parsers(sub) -> None:
+    from actors.tool_parsers import TOOL_PARSERS
+
     serve = sub.add_parser("serve", formatter_class=HelpFormatter,
                            help="start a deployment on the Ray cluster (starting a head if none runs), with "
                                 "an OpenAI-compatible HTTP API when given --http-port")
@@ -224,6 +234,14 @@ def _add_cluster_parsers(sub) -> None:
     serve.add_argument("--default-deadline-s", type=float,
                        help="seconds a request may take when it sets no deadline_s; then it is aborted "
                             "(default: the config's http.default_deadline_s, 600)")
+    serve.add_argument("--allowed-origins", nargs="+",
+                       help="browser origins (e.g. https://app.example, or *) that CORS lets call the API; "
+                            "vLLM's JSON list '[\"*\"]' works too (default: the config's "
+                            "http.allowed_origins, none: no CORS)")
+    serve.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS),
+                       help="how tool_choice \"auto\" finds tool calls in the model's text: hermes "
+                            "(<tool_call>{json}</tool_call>: Hermes, Qwen, the demo model) or llama3_json "
+                            "(default: the config's http.tool_call_parser, none: \"auto\" is a 400)")
     serve.add_argument("--served-model-name", help="the name requests give as `model` (default: the config's "
                                                    "http.served_model_name, else the model folder's name)")
     serve.set_defaults(func=cmd_serve)

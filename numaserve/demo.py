@@ -1,9 +1,11 @@
 """`numaserve demo`: the local deployment with the shipped demo model, its two LoRA adapters and its draft.
 
 Starts Ray and one worker per NUMA node (auto topology), streams a completion of the same prompts from
-the base model and from each adapter, then decodes a few prompts greedily without speculation, with n-gram
-prompt lookup and with the shipped draft model (one deployment each, started in turn), prints acceptance
-and tokens/s of each and whether the text matches, and shuts everything down.
+the base model and from each adapter, asks for one completion constrained to a JSON Schema and one tool call
+(the demo chat template shows the tool; its arguments are constrained by the tool's schema), then decodes a
+few prompts greedily without speculation, with n-gram prompt lookup and with the shipped draft model (one
+deployment each, started in turn), prints acceptance and tokens/s of each and whether the text matches, and
+shuts everything down.
 """
 
 import tempfile
@@ -12,6 +14,7 @@ from pathlib import Path
 
 from cluster_configs.errors import CheckpointError
 from cluster_configs.sampling_params import SamplingParams
+from cluster_configs.structured_outputs import StructuredOutputs
 
 DEMO_DIR = Path(__file__).parent / "assets" / "demo"
 ADAPTERS = ("tests", "library")  # trained on the standard library's test modules / its other modules
@@ -27,6 +30,18 @@ SPEC_PROMPTS = (
     "import os\n\n\ndef read_config(path):",
 )
 SPEC_DEPTH = 4
+# a structured output: the model writes Python, so the JSON it is held to describes a function
+FUNCTION_SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "args", "returns"],
+                   "properties": {"name": {"type": "string", "pattern": "^[a-z_]{1,16}$"},
+                                  "args": {"type": "array", "maxItems": 3,
+                                           "items": {"type": "string", "pattern": "^[a-z]{1,8}$"}},
+                                  "returns": {"enum": ["int", "str", "bool", "None"]}}}
+RUN_TESTS = {"type": "function", "function": {
+    "name": "run_tests", "description": "Run one test module of the standard library.",
+    "parameters": {"type": "object", "additionalProperties": False, "required": ["module", "verbose"],
+                   "properties": {"module": {"type": "string", "pattern": "^test_[a-z_]{1,16}$"},
+                                  "verbose": {"type": "boolean"}}}}}
+TOOL_MESSAGES = [{"role": "user", "content": "Run the tests of the os module."}]
 SPECULATION = {"n-gram": {"method": "ngram", "num_speculative_tokens": SPEC_DEPTH, "mode": "on"},
                "draft model": {"method": "draft", "num_speculative_tokens": SPEC_DEPTH, "mode": "on",
                                "draft_model": str(DEMO_DIR / "draft")}}
@@ -55,6 +70,7 @@ def run_demo(max_tokens: int = 48, speculation: bool = True) -> dict:
             f"{w} on cores {s['info']['cpu_ids']} ({s['info']['num_threads']} threads)"
             for w, s in workers.items()))
         summary = _adapters(client, max_tokens)
+        summary["structured"] = _structured_and_tool_call(client, model_dir)
         if speculation:
             baseline = _greedy(client, max_tokens)
             client.shutdown()
@@ -88,6 +104,36 @@ def _adapters(client, max_tokens: int) -> dict:
           f"(one stream at a time), routing decisions {summary['routed']}, prefix-cache hit rate "
           f"{summary['prefix_hit_rate']:.0%}, {summary['kv_bytes_per_token']} KV bytes per token")
     return summary
+
+
+def structured_request() -> tuple[str, SamplingParams]:
+    return "# the function as JSON:\n", SamplingParams(max_tokens=96, structured_outputs=StructuredOutputs(
+        json=FUNCTION_SCHEMA), **SAMPLING)
+
+
+def tool_call_request(model_dir: Path):
+    """The prompt ids of TOOL_MESSAGES with RUN_TESTS rendered by the model's chat template, the params that
+    constrain the output to run_tests' arguments, and the parser that reads the call back: what
+    /v1/chat/completions does for tool_choice {"type": "function", "function": {"name": "run_tests"}}."""
+    from actors.chat_template import load_chat_template
+    from actors.tool_calls import plan_tools
+    from models.tokenizer import Tokenizer
+
+    plan = plan_tools([RUN_TESTS], {"type": "function", "function": {"name": "run_tests"}}, True, None)
+    text = load_chat_template(model_dir).render(TOOL_MESSAGES, tools=plan.tools)
+    prompt_ids = Tokenizer.from_dir(model_dir).hf_tokenizer.encode(text, add_special_tokens=False).ids
+    params = SamplingParams(max_tokens=64, structured_outputs=plan.constraint, **SAMPLING)
+    return prompt_ids, params, plan.new_parser()
+
+
+def _structured_and_tool_call(client, model_dir: Path) -> dict:
+    prompt, params = structured_request()
+    record = client.generate(prompt, params).text
+    print(f"\n--- structured output (JSON Schema) ---\n{prompt}{record}")
+    prompt_ids, params, parser = tool_call_request(model_dir)
+    [call] = parser.parse(client.generate(prompt_ids, params).text, final=True).calls
+    print(f"--- tool call ---\n{TOOL_MESSAGES[0]['content']} -> {call.name}({call.arguments})")
+    return {"json": record, "tool_call": {"name": call.name, "arguments": call.arguments}}
 
 
 def _greedy(client, max_tokens: int) -> dict:

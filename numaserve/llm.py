@@ -58,6 +58,11 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    @property
+    def engine_loop(self) -> EngineLoop:
+        """The thread that runs the engine: other front ends (actors/local_deployment.py) submit to it."""
+        return self._loop
+
     def generate(self, prompts, params: SamplingParams | Sequence[SamplingParams] | None = None,
                  adapter: str | Sequence[str | None] | None = None,
                  cache_salt: str | None = None) -> list[Completion]:

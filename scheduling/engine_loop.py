@@ -137,6 +137,10 @@ class EngineLoop:
         if threading.current_thread() is not self._thread:
             self._thread.join()
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def _send(self, message: Message) -> None:
         with self._lock:
             if self._closed:

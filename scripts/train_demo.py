@@ -28,6 +28,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 ASSETS = Path(__file__).resolve().parents[1] / "numaserve" / "assets" / "demo"
 SPECIAL_TOKENS = ("<unk>", "<s>", "</s>")  # ids 0, 1, 2 as in Llama
+CHAT_TEMPLATE = Path(__file__).parent / "demo_chat_template.jinja"  # conversations as a Python file
 MAX_FILE_BYTES = 200_000
 HELDOUT_EVERY = 10
 GENERATED = re.compile(r"auto-?generated|generated (by|from)|do not edit", re.IGNORECASE)
@@ -183,7 +184,8 @@ def save_model(model: LlamaForCausalLM, tokenizer: Tokenizer, path: Path) -> Non
     # transformers 5 writes rope_theta under rope_parameters and names its own tokenizer class;
     # the classic keys keep the checkpoint readable by transformers 4 and other loaders.
     _update_json(path / "config.json", rope_theta=model.config.rope_parameters["rope_theta"])
-    _update_json(path / "tokenizer_config.json", tokenizer_class="PreTrainedTokenizerFast")
+    _update_json(path / "tokenizer_config.json", tokenizer_class="PreTrainedTokenizerFast",
+                 chat_template=CHAT_TEMPLATE.read_text())
 
 
 def _update_json(path: Path, **updates) -> None:
