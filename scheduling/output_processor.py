@@ -30,11 +30,14 @@ class OutputProcessor:
     def process(self, plan: StepPlan, out: SamplerOutput) -> ProcessedStep:
         outputs, finished = [], []
         num_generated = num_computed = 0
-        for scheduled, sampled, logits in zip(plan.scheduled, out.sampled, out.prompt_logits):
+        for scheduled, sampled, rows, scored in zip(plan.scheduled, out.sampled, out.collected,
+                                                    out.prompt_logprobs):
             req = scheduled.request
             start, reason = req.num_computed_tokens, None
-            if logits is not None:
-                req.collected_logits.append(logits)
+            if scored is not None:
+                req.prompt_logprobs += scored
+            if rows is not None:
+                req.collected_rows.append(rows)
                 reason = "length" if start + scheduled.num_new_tokens == req.num_tokens else None
             elif sampled is not None:
                 num_appended, reason = self._append_tokens(req, sampled.token_ids, sampled.logprobs)
@@ -63,7 +66,10 @@ class OutputProcessor:
             if req.detokenizer is not None and reason != "stop":
                 delta = req.detokenizer.add([token])
                 req.text += delta
-                cut = find_stop_string(req.text, len(delta), p.stop) if p.stop else -1
+                # before min_tokens, stop strings end nothing (as stop tokens cannot be sampled)
+                num_output = req.num_tokens - req.num_prompt_tokens
+                cut = (find_stop_string(req.text, len(delta), p.stop) if p.stop and num_output > p.min_tokens
+                       else -1)
                 if cut >= 0:
                     req.text = req.text[:cut]
                     reason = "stop"
@@ -86,6 +92,9 @@ def emit(req: Request) -> RequestOutput:
     text = req.text[req.num_emitted_chars:safe]
     req.num_emitted_chars = max(req.num_emitted_chars, safe)
     new_ids = req.output_token_ids[req.num_emitted_tokens:]
+    prompt_logprobs = None  # once, with the first tokens
+    if req.params.prompt_logprobs is not None and req.num_emitted_tokens == 0 and new_ids:
+        prompt_logprobs = [None, *req.prompt_logprobs]
     req.num_emitted_tokens += len(new_ids)
     logprobs = req.logprobs[len(req.logprobs) - len(new_ids):] if req.params.logprobs is not None else None
-    return RequestOutput(req.request_id, new_ids, text, req.finish_reason, logprobs)
+    return RequestOutput(req.request_id, new_ids, text, req.finish_reason, logprobs, prompt_logprobs)
