@@ -29,7 +29,12 @@ from actors.client import cancel_stream
 from actors.metrics import render
 from actors.openai_errors import APIError, JSONBodies, install_error_handlers
 from actors.openai_limits import Caller
-from actors.openai_protocol import ChatCompletionRequest, CompletionRequest, LoadLoraAdapterRequest
+from actors.openai_protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    EmbeddingRequest,
+    LoadLoraAdapterRequest,
+)
 from actors.openai_serving import OpenAIServing
 from cluster_configs.cluster_config import ClusterConfig, HttpConfig
 from cluster_configs.errors import NumaserveError, Unavailable
@@ -146,6 +151,10 @@ def build_app(serving: OpenAIServing) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await _respond(request, serving.chat(body, caller(request)))
+
+    @app.post("/v1/embeddings")
+    async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
+        return await _respond(request, serving.embeddings(body, caller(request)))
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict:

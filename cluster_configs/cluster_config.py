@@ -79,6 +79,8 @@ class HttpConfig(BaseModel):
     max_concurrent_per_client: int = Field(64, ge=1)
     # when a request sets none; None: no deadline
     default_deadline_s: float | None = Field(600.0, gt=0.0, le=86_400.0)
+    # /v1/embeddings: the final hidden states of an input pooled as its last token's or their mean
+    pooling: Literal["last", "mean"] = "last"
 
     @field_validator("api_keys", mode="before")
     @classmethod

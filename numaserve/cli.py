@@ -86,7 +86,7 @@ def cmd_serve(args) -> None:
         ("api_keys", tuple(args.api_key) or None), ("max_prompt_tokens", args.max_prompt_tokens),
         ("max_tokens_cap", args.max_tokens_cap),
         ("max_concurrent_per_client", args.max_concurrent_per_client),
-        ("default_deadline_s", args.default_deadline_s)) if value is not None}
+        ("default_deadline_s", args.default_deadline_s), ("pooling", args.pooling)) if value is not None}
     if limits:
         if config.http is None:
             flags = ", ".join("--api-key" if f == "api_keys" else "--" + f.replace("_", "-") for f in limits)
@@ -224,6 +224,9 @@ def _add_cluster_parsers(sub) -> None:
     serve.add_argument("--default-deadline-s", type=float,
                        help="seconds a request may take when it sets no deadline_s; then it is aborted "
                             "(default: the config's http.default_deadline_s, 600)")
+    serve.add_argument("--pooling", choices=("last", "mean"),
+                       help="/v1/embeddings: pool an input's final hidden states as its last token's or "
+                            "their mean (default: the config's http.pooling, last)")
     serve.add_argument("--served-model-name", help="the name requests give as `model` (default: the config's "
                                                    "http.served_model_name, else the model folder's name)")
     serve.set_defaults(func=cmd_serve)
