@@ -84,7 +84,7 @@ class Engine:
         self.speculation = make_speculation(config, s, self.tokenizer, model_path, self.model,
                                             kv_cache_tokens=num_blocks * bs, decisions=self.decisions)
         self.runner.wants_hidden = self.speculation.needs_hidden
-        self.processor = OutputProcessor(self.kv, self.spec.eos_token_ids)
+        self.processor = OutputProcessor(self.kv, self.spec.eos_token_ids, config.jump_forward)
         # what make_request validates against (the KV pool fit only when every layer keeps all its KV)
         self.limits = RequestLimits(s.vocab_size, self.max_model_len, block_size=bs,
                                     num_kv_blocks=num_blocks if window <= 0 else None)
@@ -193,6 +193,7 @@ class Engine:
             "prefix_hit_rate": totals.prefix_hit_rate, "num_prefix_hit_tokens": totals.num_prefix_hit_tokens,
             "num_preemptions": totals.num_preemptions,
             "num_generated_tokens": totals.num_generated_tokens,
+            "num_forced_tokens": totals.num_forced_tokens,
         } | self.sessions.stats() | self.adapters.stats() | self.runner.lora.stats() | (
             self.speculation.stats())
 

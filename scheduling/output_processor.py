@@ -20,16 +20,18 @@ class ProcessedStep:
     finished: list[Request]  # finished this step: their blocks and drafts are still to be released
     num_generated_tokens: int  # output tokens appended
     num_computed_tokens: int  # tokens whose KV the step kept
+    num_forced_tokens: int = 0  # of the appended, those a grammar forced (jump-forward: not sampled)
 
 
 class OutputProcessor:
-    def __init__(self, kv: KVCacheManager, eos_token_ids: tuple[int, ...]):
+    def __init__(self, kv: KVCacheManager, eos_token_ids: tuple[int, ...], jump_forward: bool = False):
         self.kv = kv
         self.eos_token_ids = eos_token_ids
+        self.jump_forward = jump_forward  # append what a grammar forces (scheduling/structured.py)
 
     def process(self, plan: StepPlan, out: SamplerOutput) -> ProcessedStep:
         outputs, finished = [], []
-        num_generated = num_computed = 0
+        num_generated = num_computed = num_forced = 0
         for scheduled, sampled, rows, scored in zip(plan.scheduled, out.sampled, out.collected,
                                                     out.prompt_logprobs):
             req = scheduled.request
@@ -41,6 +43,11 @@ class OutputProcessor:
                 reason = "length" if start + scheduled.num_new_tokens == req.num_tokens else None
             elif sampled is not None:
                 num_appended, reason = self._append_tokens(req, sampled.token_ids, sampled.logprobs)
+                if reason is None and self._jumps(req):
+                    forced = req.matcher.forced_tokens(req.max_num_tokens - req.num_tokens)
+                    num_jumped, reason = self._append_tokens(req, forced, None) if forced else (0, None)
+                    num_appended += num_jumped
+                    num_forced += num_jumped
                 num_generated += num_appended
             num_accepted, kept_rows = (sampled.num_accepted_tokens, sampled.rows) if sampled else (0, [])
             self.kv.accept(scheduled, num_accepted, kept_rows)
@@ -50,7 +57,11 @@ class OutputProcessor:
                 finished.append(req)
             if sampled is not None or reason is not None:
                 outputs.append(emit(req))
-        return ProcessedStep(outputs, finished, num_generated, num_computed)
+        return ProcessedStep(outputs, finished, num_generated, num_computed, num_forced)
+
+    def _jumps(self, req: Request) -> bool:
+        """Whether req's grammar-forced tokens are appended (a request with logprobs samples every token)."""
+        return self.jump_forward and req.matcher is not None and req.params.logprobs is None
 
     def _append_tokens(self, req: Request, token_ids: list[int],
                        logprobs: list[dict] | None) -> tuple[int, str | None]:
