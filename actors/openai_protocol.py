@@ -64,19 +64,22 @@ class _Sampling(BaseModel):
                                         description="the prompt tokens' logprobs and this many most likely")
 
     @property
+    def ranks_candidates(self) -> bool:
+        """Whether best_of candidates are generated and the n best returned (best_of = n: the n choices)."""
+        return self.best_of is not None and self.best_of > self.n
+
+    @property
     def num_candidates(self) -> int:
-        """Requests per prompt: best_of, else n."""
-        return self.n if self.best_of is None else self.best_of
+        """Requests per prompt."""
+        return self.best_of if self.ranks_candidates else self.n
 
     def check_best_of(self) -> None:
-        if self.best_of is None:
-            return
-        if self.best_of < self.n:
+        if self.best_of is not None and self.best_of < self.n:
             raise APIError(400, f"best_of={self.best_of} is less than n={self.n}; best_of must be >= n",
                            param="best_of")
-        if self.stream:
-            raise APIError(400, "best_of cannot be used with stream: the best candidates are known only at "
-                                "the end; drop one", param="best_of")
+        if self.ranks_candidates and self.stream:
+            raise APIError(400, f"best_of={self.best_of} > n={self.n} cannot be used with stream: the best "
+                                "candidates are known only at the end; drop one", param="best_of")
 
     def _bias(self) -> dict[int, float] | None:
         if self.logit_bias is None:
@@ -120,7 +123,7 @@ class _Sampling(BaseModel):
             prefix = f"{param}: " if param else ""
             raise APIError(400, prefix + err["msg"].removeprefix("Value error, "), param=param,
                            code="invalid_value") from None
-        if self.best_of is not None:
+        if self.ranks_candidates:
             return candidate_params(base, self.best_of)
         if self.seed is None:
             return [base] * self.n

@@ -157,7 +157,7 @@ class OpenAIServing:
         if any(c.finish_reason == "abort" for c in choices):  # nothing was sent: an error, not a cut answer
             raise self.tenancy.deadline_error(deadline_s)
         billed = usage(choices, req.num_candidates)  # every candidate's tokens, as OpenAI bills best_of
-        if req.best_of is not None:
+        if req.ranks_candidates:
             choices = _best_choices(choices, req.n, req.best_of)
         return header.body([{"index": c.index, "text": (c.prompt_text or "") + c.text,
                              "logprobs": logprobs_of(c, c.token_ids, c.logprobs, len(c.prompt_text or ""),
@@ -209,7 +209,7 @@ class OpenAIServing:
         if any(c.finish_reason == "abort" for c in choices):
             raise self.tenancy.deadline_error(deadline_s)
         billed = usage(choices, req.num_candidates)
-        if req.best_of is not None:
+        if req.ranks_candidates:
             choices = _best_choices(choices, req.n, req.best_of)
         # vLLM's: the prompt's logprobs once, beside the choices
         scored = ({"prompt_logprobs": vllm_prompt_logprobs(self._texts, choices[0].prompt_logprobs,

@@ -96,8 +96,6 @@ class LLM:
                cache_salt: str | None = None) -> Iterator[str]:
         """Text deltas of one completion as they are decoded; closing the iterator (or dropping it) aborts the
         request."""
-        if params is not None and params.best_of not in (None, 1):  # the best is known only at the end
-            raise InvalidRequest("stream does not take best_of; use generate", param="best_of")
         req = self.engine.make_request(f"llm-{next(_ids)}", prompt, params, adapter=adapter,
                                        cache_salt=cache_salt)
         yield from self._deltas(req)

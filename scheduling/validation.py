@@ -62,6 +62,10 @@ def validate_request(prompt, params: SamplingParams | None, limits: RequestLimit
                                  f"ask for at most {limits.max_logprobs}", param=name)
     if params.structured_outputs is not None:
         grammar_of(params.structured_outputs)
+    if params.best_of not in (None, 1):  # LLM.generate and the HTTP API submit its candidates instead
+        raise InvalidRequest(f"best_of={params.best_of} is served by LLM.generate and the HTTP API, which "
+                             "generate the candidates; a stream, a session turn or a client request is one "
+                             "sequence: drop best_of", param="best_of")
     return prompt_ids, params
 
 

@@ -142,8 +142,12 @@ def test_best_of_returns_the_n_best_candidates(llm, api):
     assert out.usage.completion_tokens == 32  # every candidate's tokens
     with pytest.raises(openai.BadRequestError, match="best_of must be >= n"):
         client.completions.create(model="tiny", prompt=PROMPT, n=3, best_of=2)
-    with pytest.raises(openai.BadRequestError, match="best_of cannot be used with stream"):
+    with pytest.raises(openai.BadRequestError, match="cannot be used with stream"):
         client.completions.create(model="tiny", prompt=PROMPT, best_of=2, stream=True)
+    # best_of = n (clients send best_of 1): the n choices, streamed or not
+    streamed = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, best_of=1, seed=60,
+                                         stream=True, extra_body={"ignore_eos": True})
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == candidates[0].text
 
 
 def check_scored(token_logprobs, top_logprobs, prompt: list[int], logits: np.ndarray, k: int, texts) -> None:

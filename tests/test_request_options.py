@@ -168,8 +168,10 @@ def test_best_of_returns_the_candidate_of_highest_cumulative_logprob(llm):
     assert out[0].logprobs is None  # asked only to rank
     with_logprobs = llm.generate(PROMPT, params.model_copy(update={"best_of": 5, "logprobs": 1}))[0]
     assert with_logprobs.token_ids == best.token_ids and len(with_logprobs.logprobs) == 10
-    with pytest.raises(ns.InvalidRequest, match="best_of"):
-        next(llm.stream(PROMPT, params.model_copy(update={"best_of": 2})))
+    for single in (lambda p: next(llm.stream(PROMPT, p)),
+                   lambda p: llm.session().sequence().generate(PROMPT, p)):
+        with pytest.raises(ns.InvalidRequest, match="best_of=2 is served by LLM.generate"):
+            single(params.model_copy(update={"best_of": 2}))
 
 
 # ---- embeddings -----------------------------------------------------------------------------------------
