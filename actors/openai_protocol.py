@@ -57,7 +57,8 @@ class _Sampling(BaseModel):
     # ---- issue #28's request options: OpenAI's logit_bias and best_of, vLLM's min_tokens and prompt_logprobs
     logit_bias: dict[str, float] | None = Field(None, description="token id (a string, as OpenAI's) -> bias "
                                                 "in [-100, 100] added to its logit")
-    min_tokens: int = Field(0, ge=0, description="EOS, stop_token_ids and stop strings end nothing before")
+    min_tokens: int | None = Field(None, ge=0, description="EOS, stop_token_ids and stop strings end nothing "
+                                   "before this many tokens; default 0")
     best_of: int | None = Field(None, ge=1, le=MAX_CHOICES, description="candidates per prompt, of which the "
                                 "n of highest cumulative logprob are returned; not with stream")
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS,
@@ -102,7 +103,7 @@ class _Sampling(BaseModel):
         request's choice i is seeded with seed + i."""
         fields = {"max_tokens": max_tokens, "logprobs": logprobs, "ignore_eos": self.ignore_eos,
                   "deadline_s": deadline_s, "priority": self.priority, "seed": self.seed,
-                  "min_tokens": self.min_tokens,
+                  "min_tokens": self.min_tokens or 0,
                   "logit_bias": self._bias(),
                   "prompt_logprobs": self.prompt_logprobs if prompt_logprobs is None else prompt_logprobs}
         for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "min_p",

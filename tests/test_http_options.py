@@ -121,6 +121,10 @@ def test_logit_bias_and_min_tokens_as_in_process(llm, api):
     out = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=20, temperature=0,
                                     logit_bias={str(EOS): 50}, extra_body={"min_tokens": 5})
     assert out.usage.completion_tokens == 6 and out.choices[0].finish_reason == "stop"
+    nulls = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=6, temperature=0,
+                                      extra_body={"ignore_eos": True, "min_tokens": None, "best_of": None,
+                                                  "logit_bias": None, "prompt_logprobs": None})
+    assert nulls.usage.completion_tokens == 6  # null is absent
     with pytest.raises(openai.BadRequestError, match=r"logit_bias \[999\] are outside the vocabulary"):
         client.completions.create(model="tiny", prompt=PROMPT, logit_bias={"999": 1})
     with pytest.raises(openai.BadRequestError, match="logit_bias keys must be token ids"):
