@@ -35,6 +35,7 @@ from actors.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    EmbeddingRequest,
     LoadLoraAdapterRequest,
     TokenizeRequest,
 )
@@ -158,6 +159,10 @@ def build_app(serving: OpenAIServing) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await _respond(request, serving.chat(body, caller(request)))
+
+    @app.post("/v1/embeddings")
+    async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
+        return await _respond(request, serving.embeddings(body, caller(request)))
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict:

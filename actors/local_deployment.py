@@ -11,9 +11,12 @@ import asyncio
 import itertools
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
+
 from cluster_configs.sampling_params import SamplingParams
 from numaserve.llm import LLM
 from scheduling.engine_loop import Pending
+from scheduling.validation import encode_prompt
 
 MAX_WAITING_READERS = 256  # threads blocked on outboxes at once: each open choice holds one while it waits
 
@@ -86,6 +89,12 @@ class LocalDeployment:
     async def register_adapter(self, name: str, path: str) -> str:
         await self.run(self.llm.register_adapter, name, path)
         return (await self.adapters())[name]
+
+    async def embed(self, prompts: list, pooling: str, adapter: str | None,
+                    cache_salt: str | None = None) -> tuple[list[list[int]], np.ndarray]:
+        """Each prompt's token ids and its final hidden states pooled, L2-normalized (LLM.embed)."""
+        ids = [encode_prompt(p, self.llm.tokenizer, self.llm.engine.spec.vocab_size) for p in prompts]
+        return ids, await self.run(self.llm.embed, ids, pooling, True, adapter)
 
     async def num_serving_workers(self) -> int:
         return 0 if self.llm.engine_loop.closed else 1

@@ -23,9 +23,13 @@ class ChoiceState:
     logprobs: list[dict[int, float]] | None = None
     finish_reason: str | None = None
     num_outputs: int = 0
+    # params.prompt_logprobs: None, then a row per prompt token
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     def add(self, out: RequestOutput) -> None:
         self.num_outputs += 1
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
         self.token_ids += out.token_ids
         self.text += out.text
         if out.logprobs is not None:
@@ -86,6 +90,30 @@ def completion_logprobs(texts: TokenTexts, token_ids: list[int], logprobs: list[
         text_offset += len(token)
     return {"tokens": tokens, "token_logprobs": [_logprob(lp[t]) for t, lp in zip(token_ids, logprobs)],
             "top_logprobs": [_top_by_text(texts, lp) for lp in logprobs], "text_offset": offsets}
+
+
+def echo_logprobs(texts: TokenTexts, prompt_ids: list[int], prompt_logprobs: list[dict[int, float] | None],
+                  generated: dict | None) -> dict:
+    """OpenAI's completions logprobs with echo: the prompt's tokens first (the first one's logprob and
+    top_logprobs null: nothing precedes it), then the generated ones' (generated: completion_logprobs of
+    them, with text offsets after the prompt's text)."""
+    scored = completion_logprobs(texts, prompt_ids[1:], prompt_logprobs[1:], len(texts.text(prompt_ids[0])))
+    out = {"tokens": [texts.text(prompt_ids[0]), *scored["tokens"]],
+           "token_logprobs": [None, *scored["token_logprobs"]],
+           "top_logprobs": [None, *scored["top_logprobs"]], "text_offset": [0, *scored["text_offset"]]}
+    if generated is not None:
+        for key in out:
+            out[key] += generated[key]
+    return out
+
+
+def vllm_prompt_logprobs(texts: TokenTexts, prompt_logprobs: list[dict[int, float] | None], k: int) -> list:
+    """vLLM's prompt_logprobs: per prompt token (None for the first), token id -> logprob, rank and decoded
+    token. A row lists the k most likely first (ranks 1..k), then the prompt's token when it is not among
+    them (its rank null: not computed)."""
+    return [None if r is None else {
+        str(t): {"logprob": _logprob(v), "rank": i + 1 if i < k else None, "decoded_token": texts.text(t)}
+        for i, (t, v) in enumerate(r.items())} for r in prompt_logprobs]
 
 
 def _top_by_text(texts: TokenTexts, row: dict[int, float]) -> dict[str, float]:

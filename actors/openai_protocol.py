@@ -13,6 +13,7 @@ from actors.openai_structured import StructuredFields
 from cluster_configs.errors import InvalidRequest
 from cluster_configs.sampling_params import SamplingParams
 from cluster_configs.structured_outputs import StructuredOutputs
+from scheduling.best_of import candidate_params
 
 MAX_LOGPROBS = 20  # OpenAI's bound, and the engine's (scheduling/validation.py)
 MAX_CHOICES = 128  # prompts x n of one request: each is a request to the deployment
@@ -68,17 +69,60 @@ class _Sampling(StructuredFields, Body):
     # numaserve's: seconds the request may take; past it a request is aborted
     # (default: http.default_deadline_s)
     deadline_s: float | None = Field(None, gt=0.0, le=86_400.0)
+    # ---- issue #28's request options: OpenAI's logit_bias and best_of, vLLM's min_tokens and prompt_logprobs
+    logit_bias: dict[str, float] | None = Field(None, description="token id (a string, as OpenAI's) -> bias "
+                                                "in [-100, 100] added to its logit")
+    min_tokens: int | None = Field(None, ge=0, description="EOS, stop_token_ids and stop strings end nothing "
+                                   "before this many tokens; default 0")
+    best_of: int | None = Field(None, ge=1, le=MAX_CHOICES, description="candidates per prompt, of which the "
+                                "n of highest cumulative logprob are returned; not with stream")
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS,
+                                        description="the prompt tokens' logprobs and this many most likely")
+
+    @property
+    def ranks_candidates(self) -> bool:
+        """Whether best_of candidates are generated and the n best returned (best_of = n: the n choices)."""
+        return self.best_of is not None and self.best_of > self.n
+
+    @property
+    def num_candidates(self) -> int:
+        """Requests per prompt."""
+        return self.best_of if self.ranks_candidates else self.n
+
+    def check_best_of(self) -> None:
+        if self.best_of is not None and self.best_of < self.n:
+            raise APIError(400, f"best_of={self.best_of} is less than n={self.n}; best_of must be >= n",
+                           param="best_of")
+        if self.ranks_candidates and self.stream:
+            raise APIError(400, f"best_of={self.best_of} > n={self.n} cannot be used with stream: the best "
+                                "candidates are known only at the end; drop one", param="best_of")
+
+    def _bias(self) -> dict[int, float] | None:
+        if self.logit_bias is None:
+            return None
+        try:
+            return {int(t): b for t, b in self.logit_bias.items()}
+        except ValueError:
+            bad = [t for t in self.logit_bias if not t.strip().lstrip("-").isdigit()]
+            raise APIError(400, f"logit_bias keys must be token ids (strings of integers), got {bad[:5]}",
+                           param="logit_bias") from None
+    # ---- end of issue #28's request options
 
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
     def sampling_params(self, max_tokens: int, logprobs: int | None, deadline_s: float | None = None,
-                        structured_outputs: StructuredOutputs | None = None) -> list[SamplingParams]:
-        """One SamplingParams per choice (n): a seeded request's choice i is seeded with seed + i."""
+                        structured_outputs: StructuredOutputs | None = None,
+                        prompt_logprobs: int | None = None) -> list[SamplingParams]:
+        """One SamplingParams per choice (n), or per candidate (best_of, scheduling/best_of.py): a seeded
+        request's choice i is seeded with seed + i."""
         fields = {"max_tokens": max_tokens, "logprobs": logprobs, "ignore_eos": self.ignore_eos,
-                  "deadline_s": deadline_s, "priority": self.priority,
-                  "structured_outputs": structured_outputs}
+                  "deadline_s": deadline_s, "priority": self.priority, "seed": self.seed,
+                  "structured_outputs": structured_outputs,
+                  "min_tokens": self.min_tokens or 0,
+                  "logit_bias": self._bias(),
+                  "prompt_logprobs": self.prompt_logprobs if prompt_logprobs is None else prompt_logprobs}
         for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "min_p",
                      "repetition_penalty"):
             if getattr(self, name) is not None:
@@ -94,8 +138,11 @@ class _Sampling(StructuredFields, Body):
         except ValidationError as e:  # what the fields' own bounds let through (e.g. an empty stop string)
             err = e.errors()[0]
             param = str(err["loc"][0]) if err["loc"] else None
-            raise APIError(400, f"{param}: {err['msg'].removeprefix('Value error, ')}", param=param,
+            prefix = f"{param}: " if param else ""
+            raise APIError(400, prefix + err["msg"].removeprefix("Value error, "), param=param,
                            code="invalid_value") from None
+        if self.ranks_candidates:
+            return candidate_params(base, self.best_of)
         if self.seed is None:
             return [base] * self.n
         return [base.model_copy(update={"seed": self.seed + i}) for i in range(self.n)]
@@ -225,3 +272,24 @@ class TokenizeRequest(Body):
 class DetokenizeRequest(Body):
     model: str | None = None
     tokens: list[StrictInt]
+
+
+class EmbeddingRequest(Body):
+    """/v1/embeddings (OpenAI's): each input's pooled final hidden states (the server's --pooling)."""
+
+    model: str | None = None
+    input: StrictStr | list[StrictStr] | TokenIds | list[TokenIds] = Field(
+        description="a string, a list of strings, a list of token ids, or a list of token-id lists")
+    encoding_format: Literal["float", "base64"] = "float"  # base64: the little-endian float32 bytes
+    user: str | None = None
+
+    def inputs(self) -> list[str | list[int]]:
+        if isinstance(self.input, str) or (self.input and isinstance(self.input[0], int)):
+            return [self.input]
+        if not self.input:
+            raise InvalidRequest("input: the list is empty; pass a string, token ids, or a non-empty list of "
+                                 "them")
+        if len(self.input) > MAX_CHOICES:
+            raise APIError(400, f"input: {len(self.input)} inputs; at most {MAX_CHOICES} per request",
+                           param="input")
+        return list(self.input)

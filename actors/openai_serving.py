@@ -8,10 +8,14 @@ which aborts it on its worker and frees its KV blocks at once.
 """
 
 import asyncio
+import base64
 import json
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
 from typing import Protocol
+
+import numpy as np
 
 from actors import tool_calls
 from actors.chat_template import ChatTemplate
@@ -23,7 +27,9 @@ from actors.openai_format import (
     TokenTexts,
     chat_logprobs,
     completion_logprobs,
+    echo_logprobs,
     usage,
+    vllm_prompt_logprobs,
 )
 from actors.openai_limits import ANONYMOUS, Caller, Tenancy, release_after
 from actors.openai_protocol import (
@@ -31,12 +37,14 @@ from actors.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    EmbeddingRequest,
     LoadLoraAdapterRequest,
     TokenizeRequest,
 )
 from cluster_configs.cluster_config import HttpConfig
 from cluster_configs.errors import InvalidRequest
 from cluster_configs.sampling_params import SamplingParams
+from scheduling.best_of import best
 from scheduling.outputs import RequestOutput
 
 
@@ -54,6 +62,9 @@ class Deployment(Protocol):
     async def register_adapter(self, name: str, path: str) -> str: ...
     async def num_serving_workers(self) -> int: ...
     async def metrics(self) -> list[dict]: ...  # each worker's snapshot (actors/metrics.py)
+    # each prompt's token ids and its final hidden states pooled (scheduling/embedding.py), L2-normalized
+    async def embed(self, prompts: list, pooling: str, adapter: str | None,
+                    cache_salt: str | None = None) -> tuple[list[list[int]], np.ndarray]: ...
 
 
 class OpenAIServing:
@@ -90,7 +101,8 @@ class OpenAIServing:
         done."""
         release = self.tenancy.admit(self.tenancy.client(caller, req.user))
         try:
-            result = await endpoint(req, self.tenancy.cache_salt(caller.api_key, req.user, req.cache_salt))
+            salt = self.tenancy.cache_salt(caller.api_key, req.user, getattr(req, "cache_salt", None))
+            result = await endpoint(req, salt)
         except BaseException:
             release()
             raise
@@ -105,15 +117,17 @@ class OpenAIServing:
         prompts = req.prompts()
         if req.suffix:
             prompts = [fim_prompt(self._info["tokenizer"], p, req.suffix) for p in prompts]
-        _check_num_choices(len(prompts), req.n)
-        if req.echo and req.logprobs is not None:
-            raise APIError(400, "echo with logprobs asks for the prompt's logprobs, which numaserve does not "
-                                "compute; drop echo or logprobs", param="echo")
+        req.check_best_of()
+        _check_num_choices(len(prompts), req.num_candidates)
         if req.max_tokens is not None:
             self.tenancy.check_max_tokens(req.max_tokens)
         deadline_s = self.tenancy.deadline_s(req.deadline_s)
+        # echo with logprobs scores the prompt's tokens too (OpenAI's shape: the first one's logprob null)
+        echo_k = req.logprobs if req.echo and req.logprobs is not None else None
+        asked = [k for k in (echo_k, req.prompt_logprobs) if k is not None]
+        prompt_k = max(asked) if asked else None
         constraint, constraint_param = req.constraint()
-        params = req.sampling_params(req.max_tokens, req.logprobs, deadline_s, constraint)
+        params = req.sampling_params(req.max_tokens, req.logprobs, deadline_s, constraint, prompt_k)
         header = ResponseHeader.new("cmpl", "text_completion", req.model or self.model_name, self.fingerprint)
         requests = [(p, sp) for p in prompts for sp in params]
         choices, streams, firsts = await self._open(requests, adapter, "prompt", salt, deadline_s,
@@ -122,31 +136,50 @@ class OpenAIServing:
             for c, (prompt, _) in zip(choices, requests):
                 c.prompt_text = prompt if isinstance(prompt, str) else self._decode(c.prompt_ids)
 
+        def logprobs_of(c: ChoiceState, token_ids: list[int], logprobs: list | None, offset: int,
+                        with_prompt: bool) -> dict | None:
+            generated = (completion_logprobs(self._texts, token_ids, logprobs, offset)
+                         if logprobs is not None and req.logprobs is not None else None)
+            if echo_k is not None and with_prompt:
+                return echo_logprobs(self._texts, c.prompt_ids, c.prompt_logprobs, generated)
+            return generated
+
+        def extra(c: ChoiceState, first: bool) -> dict:
+            if req.prompt_logprobs is None or not first:
+                return {}
+            return {"prompt_logprobs": vllm_prompt_logprobs(self._texts, c.prompt_logprobs, prompt_k)}
+
         def delta(c: ChoiceState, out: RequestOutput) -> dict | None:
-            echo = (c.prompt_text or "") if c.num_outputs == 0 else ""
-            logprobs = (completion_logprobs(self._texts, out.token_ids, out.logprobs,
-                                            len(c.prompt_text or "") + len(c.text))
-                        if out.logprobs is not None else None)
+            first = c.num_outputs == 0
+            if first and out.prompt_logprobs is not None:
+                c.prompt_logprobs = out.prompt_logprobs
+            echo = (c.prompt_text or "") if first else ""
+            logprobs = logprobs_of(c, out.token_ids, out.logprobs, len(c.prompt_text or "") + len(c.text),
+                                   first)
             if not (echo + out.text or out.token_ids and logprobs or out.finished):
                 return None
             return {"index": c.index, "text": echo + out.text, "logprobs": logprobs,
-                    "finish_reason": out.finish_reason}
+                    "finish_reason": out.finish_reason} | extra(c, first)
 
         if req.stream:
             return self._stream(header, choices, streams, firsts, delta, [], req)
         await _collect(choices, streams, firsts)
         if any(c.finish_reason == "abort" for c in choices):  # nothing was sent: an error, not a cut answer
             raise self.tenancy.deadline_error(deadline_s)
+        billed = usage(choices, req.num_candidates)  # every candidate's tokens, as OpenAI bills best_of
+        if req.ranks_candidates:
+            choices = _best_choices(choices, req.n, req.best_of)
         return header.body([{"index": c.index, "text": (c.prompt_text or "") + c.text,
-                             "logprobs": (completion_logprobs(self._texts, c.token_ids, c.logprobs,
-                                                              len(c.prompt_text or ""))
-                                          if c.logprobs is not None else None),
-                             "finish_reason": c.finish_reason} for c in choices], usage=usage(choices, req.n))
+                             "logprobs": logprobs_of(c, c.token_ids, c.logprobs, len(c.prompt_text or ""),
+                                                     True),
+                             "finish_reason": c.finish_reason} | extra(c, True) for c in choices],
+                           usage=billed)
 
     async def _chat(self, req: ChatCompletionRequest, salt: str | None) -> dict | AsyncIterator[str]:
         adapter = await self._adapter(req.model)
         info = await self.info()
-        _check_num_choices(1, req.n)
+        req.check_best_of()
+        _check_num_choices(1, req.num_candidates)
         plan = tool_calls.plan_tools([t.model_dump(exclude_none=True) for t in req.tools or ()],
                                      req.tool_choice if isinstance(req.tool_choice, str | None)
                                      else req.tool_choice.model_dump(), req.parallel_tool_calls,
@@ -203,9 +236,17 @@ class OpenAIServing:
                 reason = tool_calls.finish_reason(parsed, reason)
             return {"index": c.index, "message": message,
                     "logprobs": (chat_logprobs(self._texts, c.token_ids, c.logprobs, k)
-                                 if c.logprobs is not None else None), "finish_reason": reason}
+                                 if c.logprobs is not None and k is not None else None),
+                    "finish_reason": reason}
 
-        return header.body([choice(c) for c in choices], usage=usage(choices, req.n))
+        billed = usage(choices, req.num_candidates)
+        if req.ranks_candidates:
+            choices = _best_choices(choices, req.n, req.best_of)
+        # vLLM's: the prompt's logprobs once, beside the choices
+        scored = ({"prompt_logprobs": vllm_prompt_logprobs(self._texts, choices[0].prompt_logprobs,
+                                                           req.prompt_logprobs)}
+                  if req.prompt_logprobs is not None else {})
+        return header.body([choice(c) for c in choices], usage=billed, **scored)
 
     async def tokenize(self, req: TokenizeRequest) -> dict:
         """vLLM's shape: count, max_model_len, tokens (and token_strs if asked)."""
@@ -232,6 +273,33 @@ class OpenAIServing:
         if any(not 0 <= t < info["vocab_size"] for t in req.tokens):
             raise APIError(400, f"tokens must be ids in [0, {info['vocab_size']})", param="tokens")
         return {"prompt": info["tokenizer"].decode(req.tokens)}
+
+    async def embeddings(self, req: EmbeddingRequest, caller: Caller = ANONYMOUS) -> dict:
+        return await self._limited(req, caller, self._embeddings)
+
+    async def _embeddings(self, req: EmbeddingRequest, salt: str | None) -> dict:
+        adapter = await self._adapter(req.model)
+        await self.info()
+        inputs = req.inputs()
+        embed = getattr(self.deployment, "embed", None)
+        if embed is None:  # the Ray router has no embed call yet
+            raise APIError(501, "this deployment does not serve embeddings yet; use numaserve.LLM.embed in "
+                                "process", type="server_error", code="not_implemented")
+        try:
+            prompt_ids, vectors = await embed(inputs, self.tenancy.config.pooling, adapter, salt)
+        except InvalidRequest as e:
+            raise APIError(400, str(e), param="input" if e.param == "prompt" else e.param,
+                           code="context_length_exceeded" if "max_model_len" in str(e) else "invalid_value"
+                           ) from None
+        for ids in prompt_ids:
+            self.tenancy.check_prompt(len(ids), "input")
+        vectors = np.asarray(vectors, "<f4")
+        data = [{"object": "embedding", "index": i,
+                 "embedding": (base64.b64encode(v.tobytes()).decode() if req.encoding_format == "base64"
+                               else v.tolist())} for i, v in enumerate(vectors)]
+        num_tokens = sum(len(ids) for ids in prompt_ids)
+        return {"object": "list", "data": data, "model": req.model or self.model_name,
+                "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens}}
 
     async def models(self) -> dict:
         info = await self.info()
@@ -380,6 +448,16 @@ async def _collect(choices: list[ChoiceState], streams: list[RequestStream],
     finally:
         for s in streams:
             s.cancel()
+
+
+def _best_choices(choices: list[ChoiceState], n: int, best_of: int) -> list[ChoiceState]:
+    """Of each prompt's best_of candidates (consecutive), the n best (scheduling/best_of.py), indexed as
+    choices 0, 1, ... in that order."""
+    kept = []
+    for first in range(0, len(choices), best_of):
+        group = choices[first:first + best_of]
+        kept += [group[i] for i in best(n, [(c.token_ids, c.logprobs) for c in group])]
+    return [replace(c, index=i) for i, c in enumerate(kept)]
 
 
 def _check_num_choices(num_prompts: int, n: int) -> None:

@@ -83,6 +83,8 @@ class HttpConfig(BaseModel):
     allowed_origins: tuple[str, ...] = ()
     # finds tool calls in the text under tool_choice "auto" (actors/tool_parsers); None: "auto" is a 400
     tool_call_parser: Literal["hermes", "llama3_json"] | None = None
+    # /v1/embeddings: the final hidden states of an input pooled as its last token's or their mean
+    pooling: Literal["last", "mean"] = "last"
 
     @field_validator("api_keys", mode="before")
     @classmethod

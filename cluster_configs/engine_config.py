@@ -43,6 +43,8 @@ class EngineConfig(BaseModel):
     max_num_seqs: int = Field(64, ge=1, description="requests in one step's batch at most")
     max_model_len: int | None = Field(None, ge=1, description="prompt + output tokens at most; None = the "
                                                               "model's max_position_embeddings")
+    jump_forward: bool = Field(True, description="structured outputs: append the tokens a grammar forces "
+                               "(each the only one it allows) without sampling them")
     enable_prefix_caching: bool = Field(True, description="reuse the KV blocks of earlier requests' equal "
                                                           "prompt prefixes")
     scheduling_policy: Literal["fcfs", "priority"] = Field(

@@ -1,6 +1,6 @@
 """SamplingParams: how one request is decoded. Frozen and validated at construction."""
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from cluster_configs.structured_outputs import StructuredOutputs
 
@@ -31,6 +31,30 @@ class SamplingParams(BaseModel):
     priority: int = 0
     # the output must match this JSON Schema / regex / choice / grammar (scheduling/structured.py)
     structured_outputs: StructuredOutputs | None = None
+    # token id -> added to its logit before sampling (OpenAI's bounds); ids are checked against the vocabulary
+    # in scheduling/validation.py
+    logit_bias: dict[int, float] | None = None
+    # EOS and stop_token_ids cannot be sampled, and stop strings end nothing, before this many output tokens
+    min_tokens: int = Field(0, ge=0)
+    # candidates generated, of which the n with the highest cumulative logprob are returned
+    # (scheduling/best_of.py); None: n
+    best_of: int | None = Field(None, ge=1, le=128)
+    # the prompt's tokens scored: each one's logprob given the ones before, and this many most likely
+    prompt_logprobs: int | None = Field(None, ge=0, le=20)
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_bounds(cls, v: dict[int, float] | None) -> dict[int, float] | None:
+        bad = {t: b for t, b in (v or {}).items() if not -100.0 <= b <= 100.0}
+        if bad:
+            raise ValueError(f"logit_bias values must lie in [-100, 100]; got {bad}")
+        return v
+
+    @model_validator(mode="after")
+    def _min_tokens_within_max(self) -> "SamplingParams":
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens={self.min_tokens} exceeds max_tokens={self.max_tokens}")
+        return self
 
     @field_validator("stop", mode="before")
     @classmethod

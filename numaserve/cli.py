@@ -87,7 +87,7 @@ def cmd_serve(args) -> None:
         ("max_tokens_cap", args.max_tokens_cap),
         ("max_concurrent_per_client", args.max_concurrent_per_client),
         ("default_deadline_s", args.default_deadline_s), ("allowed_origins", _origins(args.allowed_origins)),
-        ("tool_call_parser", args.tool_call_parser)) if value is not None}
+        ("tool_call_parser", args.tool_call_parser), ("pooling", args.pooling)) if value is not None}
     if limits:
         if config.http is None:
             flags = ", ".join("--api-key" if f == "api_keys" else "--" + f.replace("_", "-") for f in limits)
@@ -242,6 +242,9 @@ def _add_cluster_parsers(sub) -> None:
                        help="how tool_choice \"auto\" finds tool calls in the model's text: hermes "
                             "(<tool_call>{json}</tool_call>: Hermes, Qwen, the demo model) or llama3_json "
                             "(default: the config's http.tool_call_parser, none: \"auto\" is a 400)")
+    serve.add_argument("--pooling", choices=("last", "mean"),
+                       help="/v1/embeddings: pool an input's final hidden states as its last token's or "
+                            "their mean (default: the config's http.pooling, last)")
     serve.add_argument("--served-model-name", help="the name requests give as `model` (default: the config's "
                                                    "http.served_model_name, else the model folder's name)")
     serve.set_defaults(func=cmd_serve)

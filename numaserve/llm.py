@@ -12,6 +12,8 @@ from cluster_configs.engine_config import EngineConfig
 from cluster_configs.errors import InvalidRequest
 from cluster_configs.sampling_params import SamplingParams
 from numaserve.session import Session
+from scheduling.best_of import best, candidate_params
+from scheduling.embedding import POOLINGS, pool
 from scheduling.engine import Engine
 from scheduling.engine_loop import EngineLoop, Pending
 from scheduling.outputs import Completion
@@ -67,16 +69,33 @@ class LLM:
                  adapter: str | Sequence[str | None] | None = None,
                  cache_salt: str | None = None) -> list[Completion]:
         """params and adapter: one for every prompt, or a list with one per prompt (adapter None: the base
-        model). cache_salt: share cached prefix blocks only with requests of the same salt."""
+        model). cache_salt: share cached prefix blocks only with requests of the same salt. A prompt whose
+        params set best_of gets the best of that many candidates (scheduling/best_of.py)."""
         prompts = _as_prompt_list(prompts)
         params_list = _per_prompt(params, len(prompts), "params", "a numaserve.SamplingParams",
                                   (SamplingParams, type(None)))
         adapters = _per_prompt(adapter, len(prompts), "adapter", "an adapter name (str) or None",
                                (str, type(None)))
-        # every prompt validated before any work
-        requests = [self.engine.make_request(f"llm-{next(_ids)}", p, sp, adapter=a, cache_salt=cache_salt)
-                    for p, sp, a in zip(prompts, params_list, adapters)]
-        return [self._completion(req) for req in self._wait(self._loop.submit(requests))]
+        # every prompt validated before any work; a best_of prompt's candidates are its consecutive requests
+        requests, num_candidates = [], []
+        for p, sp, a in zip(prompts, params_list, adapters):
+            candidates = [sp] if sp is None or sp.best_of is None else candidate_params(sp, sp.best_of)
+            requests += [self.engine.make_request(f"llm-{next(_ids)}", p, c, adapter=a, cache_salt=cache_salt)
+                         for c in candidates]
+            num_candidates.append(len(candidates))
+        done = iter(self._wait(self._loop.submit(requests)))
+        completions = []
+        for sp, k in zip(params_list, num_candidates):
+            candidates = [next(done) for _ in range(k)]
+            if k == 1 and (sp is None or sp.best_of is None):
+                completions.append(self._completion(candidates[0]))
+                continue
+            [i] = best(1, [(r.output_token_ids, r.logprobs) for r in candidates])
+            completion = self._completion(candidates[i])
+            if sp.logprobs is None:
+                completion.logprobs = None  # asked only to rank the candidates
+            completions.append(completion)
+        return completions
 
     def stream(self, prompt, params: SamplingParams | None = None, adapter: str | None = None,
                cache_salt: str | None = None) -> Iterator[str]:
@@ -95,7 +114,19 @@ class LLM:
         req = self.engine.make_request(f"llm-score-{next(_ids)}", token_ids, SamplingParams(max_tokens=1),
                                        adapter=adapter, prompt_logits=True)
         [req] = self._wait(self._loop.submit([req]))
-        return np.concatenate(req.collected_logits)
+        return np.concatenate(req.collected_rows)
+
+    def embed(self, prompts, pooling: str = "last", normalize: bool = True,
+              adapter: str | None = None) -> np.ndarray:
+        """float32 [num_prompts, hidden]: each prompt's final hidden states (after the final norm, what the LM
+        head reads) pooled over its tokens, "last" (the last token's) or "mean"; L2-normalized if normalize.
+        The prompts batch together in the engine's steps, like generate's."""
+        if pooling not in POOLINGS:
+            raise InvalidRequest(f"pooling must be one of {POOLINGS}, got {pooling!r}", param="pooling")
+        requests = [self.engine.make_request(f"llm-embed-{next(_ids)}", p, SamplingParams(max_tokens=1),
+                                             adapter=adapter, pooling=True) for p in _as_prompt_list(prompts)]
+        return pool([np.concatenate(r.collected_rows) for r in self._wait(self._loop.submit(requests))],
+                    pooling, normalize)
 
     def register_adapter(self, name: str, path: str | Path) -> None:
         """Serve a PEFT LoRA adapter directory as `adapter=name`."""
@@ -141,7 +172,9 @@ class LLM:
         return Completion(prompt_token_ids=req.token_ids[:req.num_prompt_tokens],
                           token_ids=req.output_token_ids,
                           text=req.text, finish_reason=req.finish_reason,
-                          logprobs=req.logprobs if req.params.logprobs is not None else None)
+                          logprobs=req.logprobs if req.params.logprobs is not None else None,
+                          prompt_logprobs=([None, *req.prompt_logprobs]
+                                           if req.params.prompt_logprobs is not None else None))
 
 
 def _per_prompt(value, num_prompts: int, name: str, expected: str, single: tuple[type, ...]) -> list:

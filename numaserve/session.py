@@ -14,7 +14,7 @@ import threading
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from cluster_configs.errors import EngineClosed
+from cluster_configs.errors import EngineClosed, InvalidRequest
 from cluster_configs.sampling_params import SamplingParams
 from scheduling.outputs import Completion
 from scheduling.sessions import SequenceKV
@@ -93,6 +93,10 @@ class Sequence:
         session, llm = self._session, self._session._llm
         if session._closed:
             raise EngineClosed("this session is closed; open a new one with llm.session()")
+        if params is not None and params.prompt_logprobs is not None:
+            # its earlier turns' KV is not recomputed, so their positions are not scored
+            raise InvalidRequest("a session turn does not take prompt_logprobs; use llm.generate",
+                                 param="prompt_logprobs")
         new_ids = encode_prompt(text_or_ids, llm.tokenizer, llm.engine.spec.vocab_size)
         req = llm.engine.make_request(f"seq-{next(_ids)}", self._kv.token_ids + new_ids, params,
                                       adapter=session.adapter, cache_salt=session.cache_salt)

@@ -141,7 +141,7 @@ class Batcher:
                               "again",
                               subject=req.request_id)
         self.kv.free(req)
-        req.collected_logits.clear()  # recomputed with the rest
+        req.collected_rows.clear()  # recomputed with the rest (prompt_logprobs already scored are kept)
         req.status = RequestStatus.WAITING
         preempted.append(req)
         self.add(req)

@@ -84,7 +84,7 @@ class Engine:
         self.speculation = make_speculation(config, s, self.tokenizer, model_path, self.model,
                                             kv_cache_tokens=num_blocks * bs, decisions=self.decisions)
         self.runner.wants_hidden = self.speculation.needs_hidden
-        self.processor = OutputProcessor(self.kv, self.spec.eos_token_ids)
+        self.processor = OutputProcessor(self.kv, self.spec.eos_token_ids, config.jump_forward)
         # what make_request validates against (the KV pool fit only when every layer keeps all its KV)
         self.limits = RequestLimits(s.vocab_size, self.max_model_len, block_size=bs,
                                     num_kv_blocks=num_blocks if window <= 0 else None)
@@ -109,16 +109,16 @@ class Engine:
 
     def make_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None, *,
                      adapter: str | None = None, cache_salt: str | None = None,
-                     prompt_logits: bool = False) -> Request:
+                     prompt_logits: bool = False, pooling: bool = False) -> Request:
         """A validated request, not yet queued: every InvalidRequest is raised here, before any work."""
         if request_id in self.requests:
             raise InvalidRequest(f"request id {request_id!r} is already running; use a unique id")
         prompt_ids, params = validate_request(prompt, params, self.limits, tokenizer=self.tokenizer,
                                               adapter=adapter, adapters=self.adapters,
-                                              cache_salt=cache_salt, prompt_logits=prompt_logits)
-        req = Request(request_id, prompt_ids, params, adapter_id=adapter,
-                      cache_salt=cache_salt, prompt_logits=prompt_logits, max_model_len=self.max_model_len)
-        if self.tokenizer is not None and not prompt_logits:
+                                              cache_salt=cache_salt, prompt_only=prompt_logits or pooling)
+        req = Request(request_id, prompt_ids, params, adapter_id=adapter, cache_salt=cache_salt,
+                      prompt_logits=prompt_logits, pooling=pooling, max_model_len=self.max_model_len)
+        if self.tokenizer is not None and not req.prompt_only:
             req.detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids)
         if params.structured_outputs is not None:
             req.matcher = self.grammars.matcher(params.structured_outputs)
@@ -148,7 +148,8 @@ class Engine:
             return StepOutput(expired, self._record(plan, None, None, clock))
         masks = self.mask_worker.start(plan)  # grammar masks computed while the model runs
         run = clock.lap("run", self.runner.run(plan))
-        out = clock.lap("sample", sample_step(plan, run, masks.result() if masks is not None else None))
+        out = clock.lap("sample", sample_step(plan, run, masks.result() if masks is not None else None,
+                                              self.spec.eos_token_ids))
         processed = clock.lap("process", self.processor.process(plan, out))
         for req in processed.finished:
             self._release(req)
@@ -192,6 +193,7 @@ class Engine:
             "prefix_hit_rate": totals.prefix_hit_rate, "num_prefix_hit_tokens": totals.num_prefix_hit_tokens,
             "num_preemptions": totals.num_preemptions,
             "num_generated_tokens": totals.num_generated_tokens,
+            "num_forced_tokens": totals.num_forced_tokens,
         } | self.sessions.stats() | self.adapters.stats() | self.runner.lora.stats() | (
             self.speculation.stats())
 

@@ -38,7 +38,7 @@ class KVCacheManager:
 
     def looks_up(self, req: Request) -> bool:
         """Whether req's prompt is looked up in (and its full blocks shared through) the prefix cache."""
-        return self.enable_prefix_caching and not req.prompt_logits
+        return self.enable_prefix_caching and not req.computes_every_prompt_row
 
     def find_cached_prefix(self, req: Request) -> list[int]:
         """Cached blocks holding a prefix of req (without taking them); at least one token stays to

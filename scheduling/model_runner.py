@@ -4,7 +4,9 @@ which logits rows belong to which request.
 Every scheduled token is one row: prefill chunks, decode tokens, and a speculating request's last
 token followed by its drafts. Logits are kept for the rows whose next token is wanted: the last row of
 a request that reaches the end of its tokens, every row of its drafts (k + 1 rows: after the last
-verified token and after each draft), every row of a score() request.
+verified token and after each draft), every row of a score() request, and the prompt rows a request with
+prompt_logprobs has not scored yet (those come first among its rows). Final-norm hidden states are kept for
+every row when a proposer reads them or an embed() request runs.
 """
 
 from dataclasses import dataclass
@@ -25,7 +27,10 @@ class RunOutput:
     scheduled[i]'s."""
 
     logits: np.ndarray  # [R, V] f32
-    logit_rows: list[slice | None]  # its logits rows (None: none)
+    logit_rows: list[slice | None]  # its logits rows to sample, or a score()'s every row (None: none)
+    # its prompt rows to score for prompt_logprobs, from position prompt_starts[i] (None: none)
+    prompt_rows: list[slice | None]
+    prompt_starts: list[int]
     hidden: np.ndarray | None  # [T, H] f32: every row's final-norm hidden state, when wants_hidden
     first_rows: list[int]  # its first row in the flat batch (its rows are contiguous)
     first_positions: list[int]  # that row's position (its num_computed_tokens then)
@@ -42,7 +47,7 @@ class ModelRunner:
         self.wants_hidden = False  # a proposer drafts from the target's hidden states (of every row)
 
     def run(self, plan: StepPlan) -> "RunOutput":
-        batch, logit_rows = self.build_batch(plan)
+        batch, logit_rows, prompt_rows, prompt_starts = self.build_batch(plan)
         self.model.projection_seconds = 0.0
         logits, hidden = self.model.forward_hidden(batch, self.kv_cache)
         self.lora.observe(self.model.projection_seconds)
@@ -50,13 +55,16 @@ class ModelRunner:
         # each request's rows are contiguous
         for row in np.flatnonzero(np.diff(batch.token_seq, prepend=-1) != 0):
             first_rows[batch.token_seq[row]] = int(row)
-        return RunOutput(logits, logit_rows, hidden, first_rows,
+        return RunOutput(logits, logit_rows, prompt_rows, prompt_starts, hidden, first_rows,
                          [int(batch.positions[r]) for r in first_rows])
 
-    def build_batch(self, plan: StepPlan) -> tuple[ForwardBatch, list[slice | None]]:
+    def build_batch(self, plan: StepPlan) -> tuple[ForwardBatch, list[slice | None], list[slice | None],
+                                                    list[int]]:
         bs = self.block_size
         token_ids, positions, slots, token_seq, logits_indices = [], [], [], [], []
         logit_rows: list[slice | None] = [None] * len(plan.scheduled)
+        prompt_rows: list[slice | None] = [None] * len(plan.scheduled)
+        prompt_starts = [0] * len(plan.scheduled)
         row_adapter: list[str | None] = []
         trees = []  # (first row of a tree's nodes, its first slot, the tree)
         max_blocks = max(len(s.request.block_ids) for s in plan.scheduled)
@@ -80,7 +88,18 @@ class ModelRunner:
             row_adapter += [req.adapter_id] * n
             # released (-1) blocks are never read
             block_tables[s, :len(req.block_ids)] = [max(b, 0) for b in req.block_ids]
-            if req.prompt_logits:
+            if req.params.prompt_logprobs is not None and not req.prompt_only:
+                # positions first..end-1 score prompt tokens first+1..end (those scored before a preemption
+                # are not again)
+                first = max(start, len(req.prompt_logprobs))
+                end = min(start + num_base, req.num_prompt_tokens - 1)
+                if first < end:
+                    prompt_rows[s] = slice(len(logits_indices), len(logits_indices) + end - first)
+                    prompt_starts[s] = first
+                    logits_indices += range(row + first - start, row + end - start)
+            if req.pooling:
+                wanted = ()
+            elif req.prompt_logits:
                 wanted = range(row, row + n)
             elif start + num_base == req.num_tokens:
                 wanted = range(row + num_base - 1, row + n)  # the last verified token, then each draft
@@ -95,10 +114,11 @@ class ModelRunner:
         lora, merged = self.lora.plan(row_adapter, self.adapters.__getitem__)
         logits_indices = np.asarray(logits_indices, np.int64)
         tree_starts, tree_mask = _tree_arrays(len(token_ids), trees)
-        every_row = np.arange(len(token_ids), dtype=np.int64) if self.wants_hidden else None
+        pooling = any(s.request.pooling for s in plan.scheduled)
+        every_row = np.arange(len(token_ids), dtype=np.int64) if self.wants_hidden or pooling else None
         batch = ForwardBatch(np.asarray(token_ids, np.int64), positions, token_seq, slot_mapping,
                              block_tables, logits_indices, lora, merged, every_row, tree_starts, tree_mask)
-        return batch, logit_rows
+        return batch, logit_rows, prompt_rows, prompt_starts
 
 
 def _tree_arrays(num_tokens: int, trees: list) -> tuple[np.ndarray | None, np.ndarray | None]:

@@ -26,7 +26,10 @@ class SamplerOutput:
     """Aligned with StepPlan.scheduled."""
 
     sampled: tuple[SampledTokens | None, ...]  # None: no token this step (a prefill chunk short of the end)
-    prompt_logits: tuple[np.ndarray | None, ...]  # a score() request's logits of this step's rows: [n, V]
+    # of this step's rows: a score() request's logits [n, V], an embed() request's hidden states [n, H]
+    collected: tuple[np.ndarray | None, ...]
+    # prompt_logprobs: the next prompt tokens' logprobs this step scored (None: none)
+    prompt_logprobs: tuple[list[dict[int, float]] | None, ...]
 
 
 @dataclass
@@ -38,6 +41,8 @@ class RequestOutput:
     text: str
     finish_reason: str | None = None  # "stop" | "length" | "abort" once finished
     logprobs: list[dict[int, float]] | None = None  # per token of token_ids, when the request asked for them
+    # in its first output with tokens, when asked: per prompt token, None for the first (vLLM's shape)
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -57,3 +62,5 @@ class Completion:
     text: str = ""
     finish_reason: str | None = None
     logprobs: list[dict[int, float]] | None = None  # per generated token: {token_id: logprob}
+    # per prompt token, None for the first (params.prompt_logprobs)
+    prompt_logprobs: list[dict[int, float] | None] | None = None

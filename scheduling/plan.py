@@ -21,7 +21,7 @@ class ScheduledRequest:
 
     def __post_init__(self):  # the request's state as scheduled (processing the step moves it on)
         req = self.request
-        object.__setattr__(self, "is_decoding", self.num_base_tokens == 1 and not req.prompt_logits
+        object.__setattr__(self, "is_decoding", self.num_base_tokens == 1 and not req.prompt_only
                            and req.num_computed_tokens + 1 == req.num_tokens)
 
     @property

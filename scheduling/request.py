@@ -23,7 +23,7 @@ class RequestStatus(enum.Enum):
 class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
                  adapter_id: str | None = None, cache_salt: str | None = None,
-                 prompt_logits: bool = False, max_model_len: int):
+                 prompt_logits: bool = False, pooling: bool = False, max_model_len: int):
         self.request_id = request_id
         self.params = params
         self.arrival = next(_arrival)
@@ -32,9 +32,10 @@ class Request:
         self.adapter_id = adapter_id
         self.cache_salt = cache_salt
         self.prompt_logits = prompt_logits  # score(): keep the logits of every prompt position
+        self.pooling = pooling  # embed(): keep the final-norm hidden state of every prompt position
         self.token_ids = list(prompt_token_ids)  # prompt + output
         self.num_prompt_tokens = len(prompt_token_ids)
-        self.max_num_tokens = max_num_tokens(self.num_prompt_tokens, params, max_model_len, prompt_logits)
+        self.max_num_tokens = max_num_tokens(self.num_prompt_tokens, params, max_model_len, self.prompt_only)
         self.num_computed_tokens = 0  # tokens whose KV is in the cache
         self.num_cached_tokens = 0  # of those, taken from the prefix cache on admission
         self.block_ids: list[int] = []
@@ -44,13 +45,26 @@ class Request:
         # every draw is keyed by (seed, position): an unseeded request gets its seed once, here
         self.seed = request_seed(params)
         self.logprobs: list[dict[int, float]] = []
-        self.collected_logits: list[np.ndarray] = []  # [n, V] per step, when prompt_logits
+        # params.prompt_logprobs: entry p scores prompt token p + 1 (the logits row after token p)
+        self.prompt_logprobs: list[dict[int, float]] = []
+        # per step: logits [n, V] when prompt_logits, hidden [n, H] when pooling
+        self.collected_rows: list[np.ndarray] = []
         self.text = ""  # decoded output, stop string cut
         self.num_emitted_chars = 0
         self.num_emitted_tokens = 0
         self.detokenizer = None  # IncrementalDetokenizer when the model has a tokenizer
         self.sequence = None  # a session's SequenceKV: the turn starts from its blocks and leaves them there
         self.matcher = None  # GrammarMatcher when params.structured_outputs (scheduling/structured.py)
+
+    @property
+    def prompt_only(self) -> bool:
+        """A score() or embed() request: it computes its prompt and generates nothing."""
+        return self.prompt_logits or self.pooling
+
+    @property
+    def computes_every_prompt_row(self) -> bool:
+        """Whether each prompt position's output is kept (so none may come from the prefix cache)."""
+        return self.prompt_only or self.params.prompt_logprobs is not None
 
     @property
     def priority(self) -> int:

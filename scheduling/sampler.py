@@ -1,11 +1,12 @@
 """Sampling: one step's logits rows -> tokens, all rows at once.
 
-`sample_batch` is what a step calls, over the step's SamplingBatch (models/sampling_batch.py): penalties
-only on the rows that set them, token masks where a row has one, one argmax over every greedy row, one numba
-call (kernels/sampling.py) for the sampled rows (temperature, top-k, top-p, min-p). Filters follow the
-usual serving semantics, written out one request at a time in tests/reference_sampler.py (the reference
-the batched code is tested against): top_k keeps the k most likely tokens, top_p the smallest set whose
-probability reaches top_p, min_p the tokens with probability >= min_p * the top probability.
+`sample_batch` is what a step calls, over the step's SamplingBatch (models/sampling_batch.py): the sparse
+additions (logit_bias, min_tokens' bans on stop tokens) and penalties only on the rows that set them, token
+masks where a row has one, one argmax over every greedy row, one numba call (kernels/sampling.py) for the
+sampled rows (temperature, top-k, top-p, min-p). Filters follow the usual serving semantics, written out one
+request at a time in tests/reference_sampler.py (the reference the batched code is tested against): top_k
+keeps the k most likely tokens, top_p the smallest set whose probability reaches top_p, min_p the tokens
+with probability >= min_p * the top probability.
 
 Randomness is keyed, never counted: a request's draw for the token at position p is kernels/race.py's
 exponential race with clocks keyed by (seed, p, token id), so a resumed request, a preempted one
@@ -44,7 +45,7 @@ def sample_batch(logits: np.ndarray, batch: SamplingBatch) -> np.ndarray:
     """[N] int64: one token per row. logits: [N, V] float32, row i sampled as batch's row i."""
     if not batch.num_rows:
         return np.empty(0, np.int64)
-    logits = apply_penalties_batch(np.asarray(logits, np.float32), batch)
+    logits = apply_penalties_batch(add_to_logits(np.asarray(logits, np.float32), batch), batch)
     if batch.token_masks is not None:
         logits = np.where(batch.token_masks, logits, np.float32(-np.inf))
     greedy = batch.greedy
@@ -60,6 +61,17 @@ def sample_batch(logits: np.ndarray, batch: SamplingBatch) -> np.ndarray:
                     batch.temperatures[rows], batch.top_k[rows], batch.top_p[rows], batch.min_p[rows],
                     keys, tokens)
     out[rows] = tokens
+    return out
+
+
+def add_to_logits(logits: np.ndarray, batch: SamplingBatch) -> np.ndarray:
+    """logits [N, V] float32 plus the batch's sparse additions (logit_bias, min_tokens' bans): a copy, or
+    logits itself when no row has one."""
+    if batch.logit_adds is None:
+        return logits
+    rows, ids, values = batch.logit_adds
+    out = logits.copy()
+    np.add.at(out, (rows, ids), values)  # a row's bias and ban may name one token
     return out
 
 

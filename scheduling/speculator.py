@@ -256,7 +256,7 @@ def hidden_features(plan: StepPlan, run: RunOutput,
     kept path, whose last row produced its last token)."""
     for s, (scheduled, sampled) in enumerate(zip(plan.scheduled, out.sampled)):
         req = scheduled.request
-        if req.finished or req.prompt_logits:
+        if req.finished or req.prompt_only:
             continue
         first = run.first_rows[s]
         rows = list(range(first, first + scheduled.num_base_tokens))  # positions first_positions[s] ...

@@ -62,6 +62,7 @@ class StepStats:
     num_decode_tokens: int = 0  # scheduled last tokens of decoding requests and their drafts
     num_computed_tokens: int = 0  # tokens whose KV the step kept (rejected drafts not counted)
     num_generated_tokens: int = 0  # output tokens appended
+    num_forced_tokens: int = 0  # of those, the ones a grammar forced (jump-forward)
     scheduled_ids: tuple[str, ...] = ()
     preempted_ids: tuple[str, ...] = ()
     num_prefix_lookup_tokens: int = 0  # prompt tokens of the requests admitted, looked up in the prefix cache
@@ -93,6 +94,7 @@ def step_stats(plan: "StepPlan", out: "SamplerOutput | None", processed: "Proces
         num_prefill_tokens=plan.num_tokens - num_decode, num_decode_tokens=num_decode,
         num_computed_tokens=processed.num_computed_tokens if processed else 0,
         num_generated_tokens=processed.num_generated_tokens if processed else 0,
+        num_forced_tokens=processed.num_forced_tokens if processed else 0,
         scheduled_ids=tuple(s.request.request_id for s in plan.scheduled),
         preempted_ids=tuple(r.request_id for r in plan.preempted),
         num_prefix_lookup_tokens=plan.num_prefix_lookup_tokens,
@@ -111,6 +113,7 @@ class EngineTotals:
     num_decode_tokens: int = 0
     num_computed_tokens: int = 0
     num_generated_tokens: int = 0
+    num_forced_tokens: int = 0
     num_preemptions: int = 0
     num_prefix_lookup_tokens: int = 0
     num_prefix_hit_tokens: int = 0
@@ -123,6 +126,7 @@ class EngineTotals:
             self.num_decode_tokens + step.num_decode_tokens,
             self.num_computed_tokens + step.num_computed_tokens,
             self.num_generated_tokens + step.num_generated_tokens,
+            self.num_forced_tokens + step.num_forced_tokens,
             self.num_preemptions + len(step.preempted_ids),
             self.num_prefix_lookup_tokens + step.num_prefix_lookup_tokens,
             self.num_prefix_hit_tokens + step.num_prefix_hit_tokens)

@@ -9,6 +9,13 @@ before sampling (llguidance drops the GIL while it computes a mask); the output 
 matcher token by token (`GrammarMatcher.advance`) and finishes the request with "stop" once the grammar is
 complete and admits nothing but EOS. EOS is in a mask only where the grammar accepts.
 
+Jump-forward: after a step's tokens, the output processor appends the tokens the grammar forces next
+(`GrammarMatcher.forced_tokens`: llguidance's fast-forward tokens, kept while each is the single token its
+mask allows) without sampling them; the next step computes them with the request's last token, as a
+verification computes accepted drafts. A masked row whose mask allows one token samples that token whatever
+the logits, seed or position, so the output equals masked decoding token for token; a fixed-key schema takes
+fewer steps. A request that asked for logprobs is not jumped (a forced token has no sampled row to report).
+
 Speculation: a constrained request keeps, of its chain of drafts, the prefix its grammar admits
 (`GrammarMatcher.admitted`; a tree of drafts it drops), and the mask of its row after draft j is computed
 with drafts 0..j consumed, then rolled back (`fill_masks`), so each row is sampled exactly as plain masked
@@ -84,6 +91,7 @@ class GrammarMatcher:
     def __init__(self, tokenizer: LLTokenizer, grammar: str):
         self.eos_token_ids = frozenset(tokenizer.eos_tokens)
         self.matcher = LLMatcher(tokenizer, grammar, log_level=0)
+        self._one_row = allocate_token_bitmask(1, tokenizer.vocab_size)  # [1, ceil(V / 32)] int32
         if self.matcher.is_error():  # what only the tokenizer reveals (e.g. a token the vocabulary lacks)
             raise InvalidRequest(f"structured_outputs is invalid: {self.matcher.get_error()}",
                                  param="structured_outputs")
@@ -105,6 +113,28 @@ class GrammarMatcher:
             self.matcher.consume_token(token)
         fill_next_token_bitmask(self.matcher, bitmask, first_row + len(drafts))
         self.matcher.rollback(len(drafts))
+
+    def forced_tokens(self, limit: int) -> list[int]:
+        """Up to limit tokens the grammar forces next, each the only token allowed after the ones before (EOS
+        excluded: the output processor ends the request there); the matcher is left where it was."""
+        forced: list[int] = []
+        for token in self.matcher.compute_ff_tokens()[:limit]:
+            if token in self.eos_token_ids or self._only_allowed() != token:
+                break
+            self.matcher.consume_token(token)
+            forced.append(token)
+        if forced:
+            self.matcher.rollback(len(forced))
+        return forced
+
+    def _only_allowed(self) -> int | None:
+        """The one token the grammar allows next, None if it allows several (or none)."""
+        fill_next_token_bitmask(self.matcher, self._one_row, 0)
+        words = np.flatnonzero(self._one_row[0])
+        if len(words) != 1:
+            return None
+        word = int(self._one_row[0, words[0]]) & 0xFFFFFFFF
+        return int(words[0]) * 32 + word.bit_length() - 1 if word & (word - 1) == 0 else None
 
     def advance(self, token_id: int) -> bool:
         """Consume an output token; -> whether the output is complete (the grammar admits only EOS now).

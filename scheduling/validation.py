@@ -5,9 +5,10 @@ adapters, max_model_len when configured), the engine calls it in make_request wi
 any work. Each failure is an InvalidRequest that names the problem and the fix.
 
 Lengths: a prompt may take up to max_model_len - 1 tokens, leaving room for one generated token; a prompt
-scored for its logits (prompt_logits, `LLM.score`) may fill max_model_len. prompt + max_tokens may exceed
-max_model_len: generation then stops at max_model_len with finish_reason "length". What the request may
-grow to must fit the KV pool when the engine's layers keep all their KV (no sliding window).
+computed for its outputs alone (prompt_only: `LLM.score`, `LLM.embed`) may fill max_model_len. prompt +
+max_tokens may exceed max_model_len: generation then stops at max_model_len with finish_reason "length".
+What the request may grow to must fit the KV pool when the engine's layers keep all their KV (no sliding
+window).
 """
 
 from collections.abc import Collection
@@ -35,7 +36,7 @@ class RequestLimits:
 def validate_request(prompt, params: SamplingParams | None, limits: RequestLimits, *, tokenizer=None,
                      adapter: str | None = None, adapters: Collection[str] | None = None,
                      cache_salt: str | None = None,
-                     prompt_logits: bool = False) -> tuple[list[int], SamplingParams]:
+                     prompt_only: bool = False) -> tuple[list[int], SamplingParams]:
     """-> (prompt token ids, params) of a servable request, else InvalidRequest.
 
     prompt: a str (needs tokenizer, with .encode) or a list / tuple / array of int token ids; params None:
@@ -48,17 +49,23 @@ def validate_request(prompt, params: SamplingParams | None, limits: RequestLimit
     if adapter is not None and adapters is not None:
         check_adapter(adapter, adapters)
     prompt_ids = encode_prompt(prompt, tokenizer, limits.vocab_size)
-    check_length(len(prompt_ids), params, limits, prompt_logits)
-    bad = [t for t in params.stop_token_ids if not 0 <= t < limits.vocab_size]
-    if bad:
-        raise InvalidRequest(f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {limits.vocab_size}); "
-                             "pass ids the model can generate", param="stop_token_ids")
-    if params.logprobs is not None and params.logprobs > limits.max_logprobs:
-        raise InvalidRequest(f"logprobs={params.logprobs} exceeds this engine's limit of "
-                             f"{limits.max_logprobs}; "
-                             f"ask for at most {limits.max_logprobs}", param="logprobs")
+    check_length(len(prompt_ids), params, limits, prompt_only)
+    for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or ())):
+        bad = [t for t in ids if not 0 <= t < limits.vocab_size]
+        if bad:
+            raise InvalidRequest(f"{name} {bad[:5]} are outside the vocabulary [0, {limits.vocab_size}); "
+                                 "pass ids the model can generate", param=name)
+    for name in ("logprobs", "prompt_logprobs"):
+        k = getattr(params, name)
+        if k is not None and k > limits.max_logprobs:
+            raise InvalidRequest(f"{name}={k} exceeds this engine's limit of {limits.max_logprobs}; "
+                                 f"ask for at most {limits.max_logprobs}", param=name)
     if params.structured_outputs is not None:
         grammar_of(params.structured_outputs)
+    if params.best_of not in (None, 1):  # LLM.generate and the HTTP API submit its candidates instead
+        raise InvalidRequest(f"best_of={params.best_of} is served by LLM.generate and the HTTP API, which "
+                             "generate the candidates; a stream, a session turn or a client request is one "
+                             "sequence: drop best_of", param="best_of")
     return prompt_ids, params
 
 
@@ -105,24 +112,24 @@ def encode_prompt(prompt, tokenizer, vocab_size: int) -> list[int]:
 
 
 def max_num_tokens(num_prompt_tokens: int, params: SamplingParams, max_model_len: int,
-                   prompt_logits: bool) -> int:
+                   prompt_only: bool) -> int:
     """The length a request may reach: prompt + max_tokens (the prompt alone when scored), at most
     max_model_len."""
-    return min(max_model_len, num_prompt_tokens + (0 if prompt_logits else params.max_tokens))
+    return min(max_model_len, num_prompt_tokens + (0 if prompt_only else params.max_tokens))
 
 
 def check_length(num_prompt_tokens: int, params: SamplingParams, limits: RequestLimits,
-                 prompt_logits: bool) -> None:
+                 prompt_only: bool) -> None:
     if limits.max_model_len is None:
         return
-    limit = limits.max_model_len if prompt_logits else limits.max_model_len - 1
+    limit = limits.max_model_len if prompt_only else limits.max_model_len - 1
     if num_prompt_tokens > limit:
         raise InvalidRequest(f"prompt has {num_prompt_tokens} tokens but "
                              f"max_model_len={limits.max_model_len} "
                              f"leaves room for at most {limit}; shorten the prompt", param="prompt")
     if limits.num_kv_blocks is None or limits.block_size is None:
         return
-    num_blocks = -(-max_num_tokens(num_prompt_tokens, params, limits.max_model_len, prompt_logits)
+    num_blocks = -(-max_num_tokens(num_prompt_tokens, params, limits.max_model_len, prompt_only)
                    // limits.block_size)
     if num_blocks > limits.num_kv_blocks:
         raise InvalidRequest(f"request needs up to {num_blocks} KV blocks "

@@ -151,9 +151,9 @@ def test_validation_of_lengths_kv_and_logprobs():
     # prompt + max_tokens past max_model_len is allowed: generation stops at max_model_len ("length")
     assert validate_request([5] * 63, ns.SamplingParams(max_tokens=100), limits)[0] == [5] * 63
     # a scored prompt may fill max_model_len, not more
-    assert len(validate_request([5] * 64, None, limits, prompt_logits=True)[0]) == 64
+    assert len(validate_request([5] * 64, None, limits, prompt_only=True)[0]) == 64
     with pytest.raises(ns.InvalidRequest, match="at most 64; shorten the prompt"):
-        validate_request([5] * 65, None, limits, prompt_logits=True)
+        validate_request([5] * 65, None, limits, prompt_only=True)
     # what the request may grow to must fit the KV pool: here min(64, 10 + 20) = 30 tokens, 8 blocks of 4
     small_pool = RequestLimits(VOCAB, MAX_MODEL_LEN, block_size=4, num_kv_blocks=7)
     with pytest.raises(ns.InvalidRequest, match="needs up to 8 KV blocks but the pool has 7; lower "
@@ -161,7 +161,7 @@ def test_validation_of_lengths_kv_and_logprobs():
         validate_request([5] * 10, ns.SamplingParams(max_tokens=20), small_pool)
     validate_request([5] * 10, ns.SamplingParams(max_tokens=18), small_pool)  # 28 tokens, 7 blocks
     # the prompt's KV only
-    validate_request([5] * 10, ns.SamplingParams(max_tokens=20), small_pool, prompt_logits=True)
+    validate_request([5] * 10, ns.SamplingParams(max_tokens=20), small_pool, prompt_only=True)
     with pytest.raises(ns.InvalidRequest,
                        match="logprobs=6 exceeds this engine's limit of 5; ask for at most 5"):
         validate_request([5], ns.SamplingParams(logprobs=6), RequestLimits(VOCAB, max_logprobs=5))

@@ -49,23 +49,48 @@ def run_threads(work, num_threads: int = NUM_THREADS) -> None:
         raise failures[0]
 
 
+def hold_loop_until_submitted(llm: ns.LLM, num_submissions: int, monkeypatch) -> threading.Thread:
+    """Hold llm's loop thread (in a call it runs) until num_submissions submissions are queued behind the
+    call: then the first is stepped alone and every other joins the second step, whatever the threads'
+    timing. -> the thread waiting on the call (join it)."""
+    submitted = threading.Semaphore(0)
+    submit = llm._loop.submit
+
+    def counted(requests, deltas=False):
+        pending = submit(requests, deltas)
+        submitted.release()
+        return pending
+
+    def hold(engine) -> None:
+        for _ in range(num_submissions):
+            submitted.acquire()
+
+    monkeypatch.setattr(llm._loop, "submit", counted)
+    holder = threading.Thread(target=llm._loop.call, args=(hold,))
+    holder.start()
+    return holder
+
+
 def loop_threads() -> int:
     return sum(t.name == "numaserve-engine-loop" for t in threading.enumerate())
 
 
-def test_eight_threads_share_steps_and_get_what_each_gets_alone(llama_dir, alone):
+def test_eight_threads_share_steps_and_get_what_each_gets_alone(llama_dir, alone, monkeypatch):
     together: dict[int, ns.Completion] = {}
     with ns.LLM(llama_dir, **FP32) as llm:
         def work(t: int) -> None:
             for i in range(t * NUM_PER_THREAD, (t + 1) * NUM_PER_THREAD):  # one request after another
                 [together[i]] = llm.generate(PROMPTS[i], PARAMS[i])
 
+        holder = hold_loop_until_submitted(llm, NUM_THREADS, monkeypatch)  # each thread's first request
         run_threads(work)
+        holder.join()
         stats = llm.stats()
     assert [together[i].token_ids for i in range(len(PROMPTS))] == [c.token_ids for c in alone]
     assert [together[i].text for i in range(len(PROMPTS))] == [c.text for c in alone]
-    # each thread's requests ran one after another: a step with several held requests of several threads
-    assert stats["num_scheduled_requests"] > stats["num_steps"]
+    # each thread's requests ran one after another; the second step held every thread's first request (their
+    # 376 prompt tokens fit one step's budget of 512)
+    assert stats["num_scheduled_requests"] >= stats["num_steps"] + NUM_THREADS - 1
     assert stats["num_generated_tokens"] == sum(len(c.token_ids) for c in alone)
 
 

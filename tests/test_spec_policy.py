@@ -431,7 +431,7 @@ def test_an_engine_keeps_a_pushed_policy_until_the_next_but_its_probe_lasts_one_
     for step in range(3 * POLICY_REFRESH_STEPS):
         spec.refresh_policy()  # as each step's choose does: reading the policy moves nothing on
         assert spec.policy == (pushed if step < POLICY_REFRESH_STEPS else replace(pushed, probe=False)), step
-        spec.record(StepPlan(), SamplerOutput((), ()), 0.01, 0.0, 0, 0.3)
+        spec.record(StepPlan(), SamplerOutput((), (), ()), 0.01, 0.0, 0, 0.3)
     assert spec.telemetry().num_requests == 0 and spec.telemetry().kv_usage == 0.3
 
 
@@ -468,7 +468,7 @@ def decode_steps(chooser: MethodChooser, num_steps: int, batch: int, tokens_per_
     for req in reqs:
         req.num_computed_tokens = 1  # decoding: its last token to compute
     plan = StepPlan(tuple(ScheduledRequest(req, 1) for req in reqs))
-    out = SamplerOutput((SampledTokens([1], None, 0, 0, [0]),) * batch, (None,) * batch)
+    out = SamplerOutput((SampledTokens([1], None, 0, 0, [0]),) * batch, (None,) * batch, (None,) * batch)
     ran = []
     for _ in range(num_steps):
         chooser.propose(plan, None)
