@@ -38,7 +38,10 @@ _FASTMATH = {"contract", "nnan", "ninf", "nsz", "afn", "arcp"}
 
 
 PARALLEL_MIN_WORK = 1 << 15  # query-head x key pairs below which waking the threads costs more than it saves
-CHUNK = 256  # visible slots a chunk: a token that sees more has its softmax in chunks merged by log-sum-exp
+# visible slots a chunk: a token that sees more has its softmax in chunks merged by log-sum-exp. Not tuned: on
+# the shared 2-core VM chunks of 128, 256 and 512 (and one chunk) were within its noise at 1k and 4k positions
+# (TinyLlama heads, batch 1 and 8); 256 makes 4 to 16 chunks a head there, enough for 8 threads at 1k
+CHUNK = 256
 TASKS_PER_THREAD = 2  # (token, kv head) tasks a thread below which long tokens' chunks become tasks
 
 
