@@ -6,7 +6,7 @@ other setting is llama.cpp's default. Run as a module it is llama.cpp's side of 
 process, started with a clean environment (no OMP_WAIT_POLICY of ours), that loads the model once and
 answers commands (benchmarks/engine_process.py). It imports no numaserve code.
 
-    python -m benchmarks.llamacpp_runner MODEL.gguf --threads 2 --n-ctx 4096 --n-seq-max 32
+    python -m benchmarks.llamacpp_runner MODEL.gguf --threads 2 --n-ctx 4096 --n-seq-max 32 [--kv-type q8_0]
 """
 
 import argparse
@@ -16,6 +16,8 @@ import time
 import llama_cpp as lc
 import numpy as np
 
+KV_TYPES = {"f16": lc.GGML_TYPE_F16, "q8_0": lc.GGML_TYPE_Q8_0, "q4_0": lc.GGML_TYPE_Q4_0}
+
 
 @lc.llama_log_callback
 def _silent(level, text, user_data):
@@ -23,7 +25,10 @@ def _silent(level, text, user_data):
 
 
 class LlamaCppRunner:
-    def __init__(self, gguf_path: str, threads: int, n_ctx: int, n_seq_max: int, n_batch: int = 512):
+    def __init__(self, gguf_path: str, threads: int, n_ctx: int, n_seq_max: int, n_batch: int = 512,
+                 kv_type: str | None = None):
+        """kv_type: "f16", "q8_0" or "q4_0" keys and values under flash attention (which quantized values
+        need); None: llama.cpp's defaults for both."""
         lc.llama_log_set(_silent, ctypes.c_void_p(0))
         lc.llama_backend_init()
         model_params = lc.llama_model_default_params()
@@ -37,6 +42,9 @@ class LlamaCppRunner:
         ctx_params.n_seq_max = n_seq_max
         ctx_params.n_threads = ctx_params.n_threads_batch = threads
         ctx_params.kv_unified = True  # one KV buffer for all sequences (else each gets n_ctx / n_seq_max)
+        if kv_type is not None:
+            ctx_params.type_k = ctx_params.type_v = KV_TYPES[kv_type]
+            ctx_params.flash_attn_type = lc.LLAMA_FLASH_ATTN_TYPE_ENABLED
         self.ctx = lc.llama_init_from_model(self.model, ctx_params)
         self.n_vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(self.model))
         self.n_batch = n_batch
@@ -69,15 +77,26 @@ class LlamaCppRunner:
 
     def prefill(self, prompt: list[int]) -> float:
         """Seconds to process the prompt (in n_batch chunks) up to its last logits."""
+        return self.prefill_batch([prompt])
+
+    def prefill_batch(self, prompts: list[list[int]]) -> float:
+        """Seconds to process every prompt (one sequence id each) up to their last logits."""
         self.clear()
         start = time.perf_counter()
-        for s in range(0, len(prompt), self.n_batch):
-            chunk = prompt[s:s + self.n_batch]
-            last = s + len(chunk) == len(prompt)
-            self._decode(chunk, list(range(s, s + len(chunk))), [0] * len(chunk),
-                         [last and i == len(chunk) - 1 for i in range(len(chunk))])
-        self._argmax(len(prompt) - 1 - (len(prompt) - 1) // self.n_batch * self.n_batch)
+        self._prefill(prompts)
         return time.perf_counter() - start
+
+    def _prefill(self, prompts: list[list[int]]) -> list[int]:
+        """Every prompt's tokens, sequence after sequence, in llama_batches of n_batch; -> each prompt's
+        greedy next token."""
+        flat = [(tok, pos, seq, pos == len(p) - 1)
+                for seq, p in enumerate(prompts) for pos, tok in enumerate(p)]
+        nxt = []
+        for s in range(0, len(flat), self.n_batch):
+            chunk = flat[s:s + self.n_batch]
+            self._decode(*(list(column) for column in zip(*chunk)))
+            nxt += [self._argmax(i) for i, row in enumerate(chunk) if row[3]]
+        return nxt
 
     def decode_seconds(self, prompts: list[list[int]], num_steps: int) -> float:
         return self.decode(prompts, num_steps)[0]
@@ -85,15 +104,7 @@ class LlamaCppRunner:
     def decode(self, prompts: list[list[int]], num_steps: int) -> tuple[float, list[list[int]]]:
         """Greedy decode of every prompt at once (one sequence id each); -> (decode seconds, tokens)."""
         self.clear()
-        tokens, positions, seqs, want = [], [], [], []
-        for seq, p in enumerate(prompts):
-            tokens += p
-            positions += range(len(p))
-            seqs += [seq] * len(p)
-            want += [i == len(p) - 1 for i in range(len(p))]
-        self._decode(tokens, positions, seqs, want)
-        rows = list(np.cumsum([len(p) for p in prompts]) - 1)
-        nxt = [self._argmax(r) for r in rows]
+        nxt = self._prefill(prompts)
         outs = [[t] for t in nxt]
         start = time.perf_counter()
         for step in range(num_steps):
@@ -113,10 +124,12 @@ def main() -> None:
     parser.add_argument("--threads", type=int, required=True)
     parser.add_argument("--n-ctx", type=int, required=True)
     parser.add_argument("--n-seq-max", type=int, required=True)
+    parser.add_argument("--kv-type", choices=list(KV_TYPES), help="KV type, flash attention on")
     args = parser.parse_args()
-    runner = LlamaCppRunner(args.gguf_path, args.threads, args.n_ctx, args.n_seq_max)
+    runner = LlamaCppRunner(args.gguf_path, args.threads, args.n_ctx, args.n_seq_max, kv_type=args.kv_type)
     runner.decode([[5] * 16] * 2, 2)  # warm-up, as numaserve's side gets
-    serve({"prefill": runner.prefill, "decode": runner.decode_seconds,
+    serve({"prefill": runner.prefill, "prefill_batch": runner.prefill_batch,
+           "decode": runner.decode_seconds,
            "info": lambda: {"system_info": lc.llama_print_system_info().decode(), "threads": args.threads}})
 
 

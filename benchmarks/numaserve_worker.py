@@ -3,6 +3,7 @@ command (benchmarks/engine_process.py). `--torch-first` imports torch before num
 using transformers would.
 
     python -m benchmarks.numaserve_worker MODEL_DIR --weight-dtype q8_0 --activation-dtype int8 --threads 2
+                                          [--kv-dtype int8 --max-model-len 4200 --kv-cache-bytes N]
 """
 
 import argparse
@@ -27,8 +28,9 @@ class NumaserveBench:
         self.args = args
         rss_before = psutil.Process().memory_info().rss
         self.llm = ns.LLM(args.model_dir, weight_dtype=args.weight_dtype,
-                          activation_dtype=args.activation_dtype, kv_dtype="bfloat16",
-                          max_num_seqs=args.max_num_seqs, max_num_batched_tokens=512,
+                          activation_dtype=args.activation_dtype, kv_dtype=args.kv_dtype,
+                          max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                          max_model_len=args.max_model_len, kv_cache_bytes=args.kv_cache_bytes,
                           num_threads=args.threads)
         self.rss_weights = psutil.Process().memory_info().rss - rss_before
         self.engine = self.llm.engine
@@ -40,7 +42,7 @@ class NumaserveBench:
         spec = self.engine.spec
         return {"weight_bytes": model.weight_bytes, "num_params": num_params,
                 "active_params": spec.num_params, "active_bytes": _active_bytes(model.weights),
-                "kv_bytes_per_position": 2 * spec.num_layers * spec.kv_size * 2,  # K and V, bf16
+                "kv_bytes_per_position": self.engine.kv_cache.bytes_per_token,  # K and V, scales included
                 # a decode step reads only T embedding rows
                 "read_bytes": model.weight_bytes - model.weights.embed.nbytes,
                 "rss_delta_bytes": self.rss_weights, "threading_layer": numba.threading_layer(),
@@ -57,10 +59,15 @@ class NumaserveBench:
         return path
 
     def prefill(self, prompt: list[int]) -> float:
-        salt = str(time.monotonic_ns())  # a fresh cache salt: every sample computes the whole prompt
+        return self.prefill_batch([prompt])
+
+    def prefill_batch(self, prompts: list[list[int]]) -> float:
+        """Seconds to prefill every prompt (together, as the scheduler batches them) to its first token."""
+        salt = str(time.monotonic_ns())  # a fresh cache salt: every sample computes the whole prompts
         start = time.perf_counter()
-        self.engine.add_request(f"prefill-{salt}", prompt, ns.SamplingParams(max_tokens=1, temperature=0),
-                                cache_salt=salt)
+        for i, prompt in enumerate(prompts):
+            self.engine.add_request(f"prefill-{salt}-{i}", prompt,
+                                    ns.SamplingParams(max_tokens=1, temperature=0), cache_salt=salt)
         while self.engine.has_unfinished():
             self.engine.step()
         return time.perf_counter() - start
@@ -113,11 +120,15 @@ def main() -> None:
     parser.add_argument("--activation-dtype", default="float32")
     parser.add_argument("--threads", type=int, required=True)
     parser.add_argument("--max-num-seqs", type=int, default=32)
+    parser.add_argument("--kv-dtype", default="bfloat16")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=512)
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--kv-cache-bytes", type=int, default=1 << 30)
     parser.add_argument("--torch-first", action="store_true")
     bench = NumaserveBench(parser.parse_args())
     bench.decode([[5] * 16] * 2, 2)  # warm-up: numba compiles (or loads) every kernel signature once
     serve({"info": bench.info, "export_gguf": bench.export_gguf, "prefill": bench.prefill,
-           "decode": bench.decode})
+           "prefill_batch": bench.prefill_batch, "decode": bench.decode})
 
 
 if __name__ == "__main__":

@@ -11,16 +11,21 @@ tree being verified (tree_starts[t] >= 0): then it sees the slots before the tre
 tree_starts[t] + i those its mask row marks (its ancestors and itself). Its position (RoPE's, and the
 window's) is then the tree's start plus its depth, not its slot. A chain of drafts is the special case of
 a lower-triangular mask, and gives the same bits as plain positions.
+
+A token's visible slots are taken in chunks of CHUNK: each chunk's partial softmax (its largest score, sum of
+exponentials and unnormalized value sum), then the chunks merged in order by the log-sum-exp rule. The chunks
+of one (token, kv head) run one after another in its task, or, when there are fewer such tasks than the
+threads can share (decode at batch 1 has n_kv of them), each as its own task (flash-decoding): a token's
+bits depend on its own visible slots only, not on the split, the batch or the thread count.
 """
 
 import numpy as np
-from numba import njit, prange, types
+from numba import get_num_threads, njit, prange, types
 from numba.extending import overload
 
-from kernels.bf16 import as_f32, f32_to_bf16
+from kernels.bf16 import as_f32
 from kernels.exp32 import exp32, tanh32
 from kernels.fp8 import fp8_as_bf16, fp8_unbias
-from kernels.kv_quant import row_scale
 from kernels.simd_dot import dots
 
 _NEG_BIG = np.float32(-3.0e38)  # stands in for -inf (fastmath assumes no infinities)
@@ -33,9 +38,21 @@ _FASTMATH = {"contract", "nnan", "ninf", "nsz", "afn", "arcp"}
 
 
 PARALLEL_MIN_WORK = 1 << 15  # query-head x key pairs below which waking the threads costs more than it saves
+# visible slots a chunk: a token that sees more has its softmax in chunks merged by log-sum-exp. Not tuned: on
+# the shared 2-core VM chunks of 128, 256 and 512 (and one chunk) were within its noise at 1k and 4k positions
+# (TinyLlama heads, batch 1 and 8); 256 makes 4 to 16 chunks a head there, enough for 8 threads at 1k
+CHUNK = 256
+TASKS_PER_THREAD = 2  # (token, kv head) tasks a thread below which long tokens' chunks become tasks
 
 
 _NO_TREE_MASK = np.zeros((1, 0), np.uint8)
+
+
+def split_chunks(num_rows: int, n_kv: int, context: int, threads: int, chunk: int) -> bool:
+    """Whether the chunks of long tokens run as tasks of their own (flash-decoding) rather than one after
+    another in their (token, kv head) task: when there are too few such tasks to keep the threads busy (batch
+    1 decode has n_kv of them) and some token sees more than one chunk. Either way gives the same bits."""
+    return context > chunk and num_rows * n_kv < TASKS_PER_THREAD * threads
 
 
 def paged_attention(q, k_cache, v_cache, k_scale, v_scale, has_scale, block_tables, token_seq, positions,
@@ -52,101 +69,189 @@ def paged_attention(q, k_cache, v_cache, k_scale, v_scale, has_scale, block_tabl
         return
     if tree_starts is None:
         tree_starts, tree_mask = np.full(q.shape[0], -1, np.int32), _NO_TREE_MASK
-    work = q.shape[0] * q.shape[1] * (int(positions.max()) + 1 + tree_mask.shape[1])
-    kernel = _attention_parallel if work >= PARALLEL_MIN_WORK else _attention_serial
-    kernel(q, k_cache, v_cache, k_scale, v_scale, has_scale, fp8_mbits, block_tables, token_seq, positions,
-           tree_starts, tree_mask, window, softmax_scale, np.float32(softcap), out)
+    context = int(positions.max()) + 1 + tree_mask.shape[1]
+    args = (q, k_cache, v_cache, k_scale, v_scale, has_scale, fp8_mbits, block_tables, token_seq, positions,
+            tree_starts, tree_mask, window, softmax_scale, np.float32(softcap), CHUNK, out)
+    if q.shape[0] * q.shape[1] * context < PARALLEL_MIN_WORK:
+        _attention_serial(*args)
+    elif split_chunks(q.shape[0], k_cache.shape[2], context, get_num_threads(), CHUNK):
+        _attention_split(*args)
+    else:
+        _attention_parallel(*args)
 
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=_FASTMATH, error_model="numpy")
 def _attention_parallel(q, k_cache, v_cache, k_scale, v_scale, has_scale, fp8_mbits, block_tables, token_seq,
-                        positions, tree_starts, tree_mask, window, softmax_scale, softcap, out):
+                        positions, tree_starts, tree_mask, window, softmax_scale, softcap, chunk, out):
     T, n_kv = q.shape[0], k_cache.shape[2]
     for task in prange(T * n_kv):
         tt = task // n_kv
         t = tt // 2 if tt % 2 == 0 else T - 1 - tt // 2  # 0, T-1, 1, T-2, ...: prefill rows grow with t,
         # and each thread takes a contiguous range of tasks, so pairing short with long rows balances them
         _attend(q, k_cache, v_cache, k_scale, v_scale, has_scale, fp8_mbits, block_tables, token_seq,
-                positions, tree_starts, tree_mask, window, softmax_scale, softcap, out, t, task - tt * n_kv)
+                positions, tree_starts, tree_mask, window, softmax_scale, softcap, chunk, out, t,
+                task - tt * n_kv)
 
 
 @njit(cache=True, nogil=True, fastmath=_FASTMATH, error_model="numpy")
 def _attention_serial(q, k_cache, v_cache, k_scale, v_scale, has_scale, fp8_mbits, block_tables, token_seq,
-                      positions, tree_starts, tree_mask, window, softmax_scale, softcap, out):
+                      positions, tree_starts, tree_mask, window, softmax_scale, softcap, chunk, out):
     for t in range(q.shape[0]):
         for kh in range(k_cache.shape[2]):
             _attend(q, k_cache, v_cache, k_scale, v_scale, has_scale, fp8_mbits, block_tables, token_seq,
-                    positions, tree_starts, tree_mask, window, softmax_scale, softcap, out, t, kh)
+                    positions, tree_starts, tree_mask, window, softmax_scale, softcap, chunk, out, t, kh)
+
+
+@njit(cache=True, nogil=True, parallel=True, fastmath=_FASTMATH, error_model="numpy")
+def _attention_split(q, k_cache, v_cache, k_scale, v_scale, has_scale, fp8_mbits, block_tables, token_seq,
+                     positions, tree_starts, tree_mask, window, softmax_scale, softcap, chunk, out):
+    # flash-decoding: every (token, kv head, chunk) a task writing its partial softmax into a scratch row,
+    # then every (token, kv head) merges its rows in chunk order, as _attend does in one task (same bits)
+    T, n_kv = q.shape[0], k_cache.shape[2]
+    group = q.shape[1] // n_kv
+    # scratch rows: token t's from first[t], n_kv runs of its chunk count, kv head by kv head
+    first = np.empty(T + 1, np.int64)
+    first[0] = 0
+    for t in range(T):
+        start, end, num_tree = _visible(positions, tree_starts, tree_mask, window, t)
+        first[t + 1] = first[t] + n_kv * _num_chunks(end - start + num_tree, chunk)
+    m, l = np.empty((first[T], group), np.float32), np.empty((first[T], group), np.float32)
+    acc = np.empty((first[T], group, q.shape[2]), np.float32)
+    for r in prange(first[T]):
+        t = np.searchsorted(first, r, side="right") - 1
+        k = (first[t + 1] - first[t]) // n_kv
+        kh, c = (r - first[t]) // k, (r - first[t]) % k
+        _partial(q, k_cache, v_cache, k_scale, v_scale, has_scale, fp8_mbits, block_tables, token_seq,
+                 positions, tree_starts, tree_mask, window, softmax_scale, softcap, t, kh, c * chunk,
+                 (c + 1) * chunk, m[r], l[r], acc[r])
+    for task in prange(T * n_kv):
+        t, kh = task // n_kv, task % n_kv
+        k = (first[t + 1] - first[t]) // n_kv
+        r = first[t] + kh * k
+        _merge(m[r:r + k], l[r:r + k], acc[r:r + k], out[t, kh * group:(kh + 1) * group])
+
+
+@njit(inline="always", nogil=True)
+def _visible(positions, tree_starts, tree_mask, window, t):
+    # token t's visible slots in this order: context [start, end), then the num_tree tree slots its mask marks
+    tree_start = tree_starts[t]
+    end = positions[t] + 1 if tree_start < 0 else tree_start
+    start = min(max(0, positions[t] + 1 - window) if window > 0 else 0, end)
+    num_tree = 0
+    if tree_start >= 0:
+        for i in range(tree_mask.shape[1]):
+            num_tree += tree_mask[t, i] != 0
+    return start, end, num_tree
+
+
+@njit(inline="always", nogil=True)
+def _num_chunks(num_visible, chunk):
+    return max(1, (num_visible + chunk - 1) // chunk)
 
 
 @njit(inline="always", nogil=True, fastmath=_FASTMATH, error_model="numpy")
 def _attend(q, k_cache, v_cache, k_scale, v_scale, has_scale, fp8_mbits, block_tables, token_seq, positions,
-            tree_starts, tree_mask, window, softmax_scale, softcap, out, t, kh):
-    # token t, kv head kh, for its whole group of query heads: each key and value row is read and widened
-    # once; softmax in two passes over a score buffer (no running rescale). Visible slots, in this order:
-    # context [start, end), then the tree slots its mask marks (none for a token outside a tree).
+            tree_starts, tree_mask, window, softmax_scale, softcap, chunk, out, t, kh):
+    # token t, kv head kh, its whole group of query heads: the chunks' partial softmaxes one after another,
+    # then merged (each key and value row read and widened once)
+    group = q.shape[1] // k_cache.shape[2]
+    start, end, num_tree = _visible(positions, tree_starts, tree_mask, window, t)
+    k = _num_chunks(end - start + num_tree, chunk)
+    m, l = np.empty((k, group), np.float32), np.empty((k, group), np.float32)
+    acc = np.empty((k, group, q.shape[2]), np.float32)
+    for c in range(k):
+        _partial(q, k_cache, v_cache, k_scale, v_scale, has_scale, fp8_mbits, block_tables, token_seq,
+                 positions, tree_starts, tree_mask, window, softmax_scale, softcap, t, kh, c * chunk,
+                 (c + 1) * chunk, m[c], l[c], acc[c])
+    _merge(m, l, acc, out[t, kh * group:(kh + 1) * group])
+
+
+@njit(inline="always", nogil=True, fastmath=_FASTMATH, error_model="numpy")
+def _partial(q, k_cache, v_cache, k_scale, v_scale, has_scale, fp8_mbits, block_tables, token_seq, positions,
+             tree_starts, tree_mask, window, softmax_scale, softcap, t, kh, a, b, m, l, acc):
+    # token t, kv head kh, over its visible slots a .. b (in _visible's order), each query head g of the
+    # group: m[g] = the largest score s_j, l[g] = sum_j exp(s_j - m[g]), acc[g] = sum_j exp(s_j - m[g]) v_j.
+    # Softmax in two passes over a score buffer (no running rescale)
     D = q.shape[2]
     group = q.shape[1] // k_cache.shape[2]
     seq = token_seq[t]
-    tree_start = tree_starts[t]
-    end = positions[t] + 1 if tree_start < 0 else tree_start
-    start = min(max(0, positions[t] + 1 - window) if window > 0 else 0, end)
-    width = tree_mask.shape[1] if tree_start >= 0 else 0  # the tree's slots
-    num_tree = 0
-    for i in range(width):
-        num_tree += tree_mask[t, i] != 0
-    scores = np.empty((group, end - start + num_tree), np.float32)
+    start, end, num_tree = _visible(positions, tree_starts, tree_mask, window, t)
+    num_context = end - start
+    b = min(b, num_context + num_tree)
+    scores = np.empty((group, b - a), np.float32)
     row = np.empty(D, np.float32)
     qg = np.empty((group, D), np.float32)  # q is a strided view of the fused qkv output: copy once
     qg[:, :] = q[t, kh * group:(kh + 1) * group, :]
-    acc = np.zeros((group, D), np.float32)
     # the context's loops written out here, not through _score/_add_value: through them the serial kernel ran
     # 3.3x slower on short decode contexts (demo model, batch 16: 0.34 against 0.10 ms a call)
     block_size = k_cache.shape[1]
-    for j in range(start, end):
-        b = block_tables[seq, j // block_size]
+    for j in range(start + a, start + min(b, num_context)):
+        blk = block_tables[seq, j // block_size]
         o = j % block_size
-        scale = np.float32(softmax_scale) * (k_scale[b, o, kh] if has_scale else np.float32(1.0))
-        load_row(k_cache, b, o, kh, fp8_mbits, np.float32(1.0), row)
-        dots(qg, row, scores, j - start, scale)
-    n = end - start
-    for i in range(width):
+        scale = np.float32(softmax_scale) * (k_scale[blk, o, kh] if has_scale else np.float32(1.0))
+        load_row(k_cache, blk, o, kh, fp8_mbits, np.float32(1.0), row)
+        dots(qg, row, scores, j - start - a, scale)
+    n = max(0, min(b, num_context) - a)
+    rank = num_context  # visible index of the next tree slot
+    for i in range(tree_mask.shape[1] if b > num_context else 0):
         if tree_mask[t, i] != 0:
-            _score(qg, k_cache, k_scale, has_scale, fp8_mbits, block_tables, seq, tree_start + i, kh,
-                   softmax_scale, row, scores, n)
-            n += 1
+            if a <= rank < b:
+                _score(qg, k_cache, k_scale, has_scale, fp8_mbits, block_tables, seq, tree_starts[t] + i, kh,
+                       softmax_scale, row, scores, n)
+                n += 1
+            rank += 1
     if softcap > 0:
         inv_cap = np.float32(1.0) / softcap
         for g in range(group):
             for j in range(n):
                 scores[g, j] = softcap * tanh32(scores[g, j] * inv_cap)
     for g in range(group):
-        m = _NEG_BIG
+        top = _NEG_BIG
         for j in range(n):
-            m = max(m, scores[g, j])
-        denom = np.float32(0.0)
+            top = max(top, scores[g, j])
+        total = np.float32(0.0)
         for j in range(n):  # vectorized, then summed in order
-            scores[g, j] = exp32(scores[g, j] - m)
+            scores[g, j] = exp32(scores[g, j] - top)
         for j in range(n):
-            denom += scores[g, j]
-        inv = np.float32(1.0) / denom
-        for j in range(n):
-            scores[g, j] *= inv
-    for j in range(start, end):
-        b = block_tables[seq, j // block_size]
+            total += scores[g, j]
+        m[g], l[g] = top, total
+    acc[:, :] = 0
+    for j in range(start + a, start + min(b, num_context)):
+        blk = block_tables[seq, j // block_size]
         o = j % block_size
-        load_row(v_cache, b, o, kh, fp8_mbits, v_scale[b, o, kh] if has_scale else np.float32(1.0), row)
+        load_row(v_cache, blk, o, kh, fp8_mbits, v_scale[blk, o, kh] if has_scale else np.float32(1.0), row)
         for g in range(group):
-            p = scores[g, j - start]
+            p = scores[g, j - start - a]
             for d in range(D):
                 acc[g, d] += p * row[d]
-    n = end - start
-    for i in range(width):
+    n = max(0, min(b, num_context) - a)
+    rank = num_context
+    for i in range(tree_mask.shape[1] if b > num_context else 0):
         if tree_mask[t, i] != 0:
-            _add_value(v_cache, v_scale, has_scale, fp8_mbits, block_tables, seq, tree_start + i, kh, row,
-                       scores, n, acc)
-            n += 1
-    out[t, kh * group:(kh + 1) * group, :] = acc
+            if a <= rank < b:
+                _add_value(v_cache, v_scale, has_scale, fp8_mbits, block_tables, seq, tree_starts[t] + i, kh,
+                           row, scores, n, acc)
+                n += 1
+            rank += 1
+
+
+@njit(inline="always", nogil=True, fastmath=_FASTMATH, error_model="numpy")
+def _merge(m, l, acc, out):
+    # m, l: [k, group]; acc: [k, group, D], partials of consecutive chunks -> out: [group, D], by the
+    # log-sum-exp rule: sum_c e^(m_c - M) acc_c / sum_c e^(m_c - M) l_c, M = max_c m_c, in chunk order
+    for g in range(out.shape[0]):
+        top = _NEG_BIG
+        for c in range(m.shape[0]):
+            top = max(top, m[c, g])
+        denom = np.float32(0.0)
+        for c in range(m.shape[0]):
+            denom += exp32(m[c, g] - top) * l[c, g]
+        inv = np.float32(1.0) / denom
+        out[g, :] = 0
+        for c in range(m.shape[0]):
+            w = exp32(m[c, g] - top) * inv
+            for d in range(out.shape[1]):
+                out[g, d] += w * acc[c, g, d]
 
 
 @njit(inline="always", nogil=True, fastmath=_FASTMATH, error_model="numpy")
@@ -198,47 +303,3 @@ def _load_row_impl(cache, b, o, kh, fp8_mbits, scale, row):
                 row[2 * i] = np.float32((code & 15) - 8) * scale
                 row[2 * i + 1] = np.float32((code >> 4) - 8) * scale
     return decode
-
-
-@njit(cache=True, nogil=True)
-def write_kv(k, v, slot_mapping, k_cache, v_cache):
-    # k, v: [T, n_kv, D] f32 -> caches [num_blocks, block_size, n_kv, D] (float32 or uint16 bf16 bits)
-    block_size = k_cache.shape[1]
-    for t in range(k.shape[0]):
-        b = slot_mapping[t] // block_size
-        o = slot_mapping[t] % block_size
-        for h in range(k.shape[1]):
-            for d in range(k.shape[2]):
-                k_cache[b, o, h, d] = _store(k[t, h, d], k_cache[b, o, h, d])
-                v_cache[b, o, h, d] = _store(v[t, h, d], v_cache[b, o, h, d])
-
-
-def _store(value, like):
-    raise NotImplementedError("numba-only")
-
-
-@overload(_store, inline="always")
-def _store_impl(value, like):
-    if like == types.uint16:
-        return lambda value, like: f32_to_bf16(value)
-    return lambda value, like: value
-
-
-@njit(cache=True, nogil=True)
-def write_kv_int8(k, v, slot_mapping, k_cache, v_cache, k_scale, v_scale):
-    # symmetric int8 per (token, kv head): x ~= q * scale, scale = max|x| / 127
-    block_size = k_cache.shape[1]
-    for t in range(k.shape[0]):
-        b = slot_mapping[t] // block_size
-        o = slot_mapping[t] % block_size
-        for h in range(k.shape[1]):
-            k_scale[b, o, h] = _quantize_row(k[t, h], k_cache[b, o, h])
-            v_scale[b, o, h] = _quantize_row(v[t, h], v_cache[b, o, h])
-
-
-@njit(inline="always", nogil=True)
-def _quantize_row(x, dst):
-    scale, inv = row_scale(x, 127.0)
-    for d in range(x.shape[0]):
-        dst[d] = np.int8(round(x[d] * inv))
-    return scale

@@ -1,4 +1,5 @@
-"""KV-cache writes in 8-bit float and 4-bit integer codes, one float32 scale per (slot, kv head).
+"""KV-cache writes: float32 and bfloat16 rows as they are; int8, 8-bit float and 4-bit integer codes with one
+float32 scale per (slot, kv head).
 
 FP8 rows are scaled so their largest magnitude lands on the format's largest finite value: the rows' ranges
 differ by orders of magnitude across heads and layers (keys after RoPE with outliers, small values), and a
@@ -9,8 +10,10 @@ coordinate in the low nibble.
 """
 
 import numpy as np
-from numba import njit
+from numba import njit, types
+from numba.extending import overload
 
+from kernels.bf16 import f32_to_bf16
 from kernels.fp8 import fp8_encode, fp8_max
 
 
@@ -65,4 +68,48 @@ def _int4_row(x, dst):
         lo = min(max(np.rint(x[2 * i] * inv), -7.0), 7.0) + 8.0
         hi = min(max(np.rint(x[2 * i + 1] * inv), -7.0), 7.0) + 8.0
         dst[i] = np.uint8(int(lo) | (int(hi) << 4))
+    return scale
+
+
+@njit(cache=True, nogil=True)
+def write_kv(k, v, slot_mapping, k_cache, v_cache):
+    # k, v: [T, n_kv, D] f32 -> caches [num_blocks, block_size, n_kv, D] (float32 or uint16 bf16 bits)
+    block_size = k_cache.shape[1]
+    for t in range(k.shape[0]):
+        b = slot_mapping[t] // block_size
+        o = slot_mapping[t] % block_size
+        for h in range(k.shape[1]):
+            for d in range(k.shape[2]):
+                k_cache[b, o, h, d] = _store(k[t, h, d], k_cache[b, o, h, d])
+                v_cache[b, o, h, d] = _store(v[t, h, d], v_cache[b, o, h, d])
+
+
+def _store(value, like):
+    raise NotImplementedError("numba-only")
+
+
+@overload(_store, inline="always")
+def _store_impl(value, like):
+    if like == types.uint16:
+        return lambda value, like: f32_to_bf16(value)
+    return lambda value, like: value
+
+
+@njit(cache=True, nogil=True)
+def write_kv_int8(k, v, slot_mapping, k_cache, v_cache, k_scale, v_scale):
+    # symmetric int8 per (token, kv head): x ~= q * scale, scale = max|x| / 127
+    block_size = k_cache.shape[1]
+    for t in range(k.shape[0]):
+        b = slot_mapping[t] // block_size
+        o = slot_mapping[t] % block_size
+        for h in range(k.shape[1]):
+            k_scale[b, o, h] = _quantize_row(k[t, h], k_cache[b, o, h])
+            v_scale[b, o, h] = _quantize_row(v[t, h], v_cache[b, o, h])
+
+
+@njit(inline="always", nogil=True)
+def _quantize_row(x, dst):
+    scale, inv = row_scale(x, 127.0)
+    for d in range(x.shape[0]):
+        dst[d] = np.int8(round(x[d] * inv))
     return scale

@@ -14,10 +14,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kernels.attention import paged_attention, write_kv, write_kv_int8
+from kernels.attention import paged_attention
 from kernels.fp8 import E4M3, E5M2
 from kernels.hadamard import hadamard_inplace, is_power_of_two
-from kernels.kv_quant import write_kv_fp8, write_kv_int4
+from kernels.kv_quant import write_kv, write_kv_fp8, write_kv_int4, write_kv_int8
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,9 @@ Three passes over the same token windows, each watching every linear layer's inp
 static scales (models/activation_ranges.py), (3) per matrix, the output with int8 activations (dynamic
 per-block scales, and the static scale) against float32 activations with the same weights:
 error = ||Y_int8 - Y_f32|| / ||Y_f32|| over every calibration token. A matrix whose dynamic error
-exceeds the bound falls back to float32 activations (models/activation_plan.py).
+exceeds the bound falls back to float32 activations (models/activation_plan.py). A fourth pass over the
+first windows measures each layer's attention output under each KV dtype (models/kv_calibration.py) and
+recommends the layers to keep wider than the target KV dtype.
 """
 
 import dataclasses
@@ -15,7 +17,9 @@ from pathlib import Path
 import numpy as np
 
 from cluster_configs.errors import CheckpointError
+from kernels.hadamard import is_power_of_two
 from memory.kv_cache import KVCache
+from memory.kv_formats import KV_FORMATS
 from memory.weights import Int8Matrix, ModelWeights, WeightMatrix
 from models.activation_plan import linear_matrices
 from models.activation_ranges import RangeStats, static_scale
@@ -24,15 +28,18 @@ from models.calibration import (
     Calibration,
     CalibrationError,
     CalibrationOptions,
+    KVCalibration,
     MatrixCalibration,
     matrix_names,
 )
 from models.decoder import DecoderModel
+from models.kv_calibration import REFERENCE, KVErrorMeter, wider_overrides
 from models.linear import linear
 from models.loader import load_model
 
 WINDOW_TOKENS = 256  # the demo family's training context
 NUM_WINDOWS = 32  # 8,192 tokens: the scales and errors move by < 1% from 16 to 64 windows (README)
+NUM_KV_WINDOWS = 8  # of those, for the KV errors: each layer's attention seven times a window
 _BLOCK = 16
 
 
@@ -92,6 +99,7 @@ def calibrate(model_path: str | Path, texts: list[str], text_label: str,
     scales = {name: static_scale(s, options.method, options.percentile) for name, s in stats.items()}
     errors = _ErrorMeter(runner.matrices, scales)
     runner.run(windows, errors.observe)
+    kv = _calibrate_kv(runner, windows[:NUM_KV_WINDOWS], options.kv_dtype)
     matrices = {}
     for name, s in stats.items():
         err_dynamic, err_static = errors.relative_errors(name)
@@ -101,7 +109,22 @@ def calibrate(model_path: str | Path, texts: list[str], text_label: str,
     return Calibration(method=options.method, percentile=options.percentile if options.method == "percentile"
                        else None, bound=options.bound, weight_dtype=runner.model.weight_dtype,
                        text=text_label, text_sha256=hashlib.sha256("\0".join(texts).encode()).hexdigest(),
-                       num_tokens=sum(len(w) for w in windows), num_layers=spec.num_layers, matrices=matrices)
+                       num_tokens=sum(len(w) for w in windows), num_layers=spec.num_layers, matrices=matrices,
+                       kv=kv)
+
+
+def _calibrate_kv(runner: "WindowRunner", windows: list[np.ndarray], target: str) -> KVCalibration:
+    head_dim = runner.model.spec.head_dim
+    kv_dtypes = [d for d, f in KV_FORMATS.items()
+                 if d not in ("float32", REFERENCE) and (not f.rotated or is_power_of_two(head_dim))]
+    if target not in kv_dtypes:
+        raise CalibrationError(f'--kv-dtype "{target}": not a reduced KV dtype this model can store '
+                               f"(head_dim {head_dim}); pick one of {', '.join(kv_dtypes)}")
+    meter = KVErrorMeter(runner.model, runner.matrices, kv_dtypes)
+    runner.run(windows, meter.observe)
+    errors = meter.relative_errors()
+    return KVCalibration(kv_dtype=target, num_tokens=sum(len(w) for w in windows), errors=errors,
+                         kv_dtype_overrides=wider_overrides(errors, target, head_dim))
 
 
 class WindowRunner:

@@ -6,8 +6,10 @@
 It holds, per linear matrix (`layers.{i}.qkv|o|gate_up|down`, `lm_head`; models/activation_plan.py), the
 static int8 scale of its inputs by the chosen method, the relative error of its output with int8 dynamic
 and with static activation scales against float32 activations, measured on the calibration text, and
-whether it falls back to float32 activations (dynamic error above the bound). A file that cannot be read
-or does not fit the model raises CheckpointError naming the file and the fix: re-run `numaserve calibrate`.
+whether it falls back to float32 activations (dynamic error above the bound); and each layer's attention
+output error under each KV dtype, with the layers to keep wider for a target KV dtype. A file that cannot be
+read or does not fit the model raises CheckpointError naming the file and the fix: re-run `numaserve
+calibrate`.
 """
 
 from pathlib import Path
@@ -15,7 +17,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from cluster_configs.engine_config import WeightDtype
+from cluster_configs.engine_config import KVStorage, WeightDtype
 from cluster_configs.errors import CheckpointError, NumaserveError
 from memory.weights import PROJECTIONS
 
@@ -38,6 +40,7 @@ class CalibrationOptions(BaseModel):
     # 0.05: +0.051%). 0.02 leaves room for models with many more matrices than the demo's 25.
     bound: float = Field(0.02, gt=0)
     weight_dtype: WeightDtype = "auto"  # "auto": a GGUF keeps its types, a directory is quantized to q8_0
+    kv_dtype: KVStorage = "int4_hadamard"  # the KV dtype whose outlier layers are recommended wider
 
 
 class MatrixCalibration(BaseModel):
@@ -49,6 +52,17 @@ class MatrixCalibration(BaseModel):
     error_dynamic: float | None = Field(default=None, ge=0)
     error_static: float | None = Field(default=None, ge=0)
     fallback: bool = False  # keep float32 activations: error_dynamic > the file's bound
+
+
+class KVCalibration(BaseModel):
+    """Per-layer KV precision (models/kv_calibration.py)."""
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    kv_dtype: str  # the target the recommendation is for
+    num_tokens: int = Field(ge=1)
+    # dtype -> per layer ||O_dtype - O_bf16|| / ||O_bf16||, O a layer's attention output
+    errors: dict[str, list[float]]
+    kv_dtype_overrides: dict[int, str]  # the layers to keep wider with kv_dtype, ready for the engine
 
 
 class Calibration(BaseModel):
@@ -64,6 +78,7 @@ class Calibration(BaseModel):
     num_tokens: int = Field(ge=1)
     num_layers: int = Field(ge=1)
     matrices: dict[str, MatrixCalibration]
+    kv: KVCalibration | None = None  # None in files written before per-layer KV precision
     path: str = Field(default="", exclude=True)  # where it was read from (not stored)
 
     @model_validator(mode="after")

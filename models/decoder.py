@@ -51,6 +51,25 @@ class DecoderModel:
     def weight_bytes(self) -> int:
         return self.weights.nbytes  # a tied LM head once, unless repacked for its activations
 
+    def attention_inputs(self, i: int, qkv: np.ndarray, positions: np.ndarray):
+        """Layer i's fused projection qkv [T, q_size + 2 * kv_size] -> views q [T, n_heads, D], k and v
+        [T, n_kv, D]; q and k normed (where the layer has norms) and rotated by RoPE at positions [T],
+        in place."""
+        s, layer, D = self.spec, self.weights.layers[i], self.spec.head_dim
+        T = qkv.shape[0]
+        q = qkv[:, :s.q_size].reshape(T, s.num_heads, D)
+        k = qkv[:, s.q_size:s.q_size + s.kv_size].reshape(T, s.num_kv_heads, D)
+        v = qkv[:, s.q_size + s.kv_size:].reshape(T, s.num_kv_heads, D)
+        if layer.q_norm is not None:  # over each head [D], or over all heads as one row
+            rms_norm_heads(q if layer.q_norm.shape[0] == D else q.reshape(T, 1, -1), layer.q_norm,
+                           s.rms_norm_eps)
+            rms_norm_heads(k if layer.k_norm.shape[0] == D else k.reshape(T, 1, -1), layer.k_norm,
+                           s.rms_norm_eps)
+        rope = self.ropes[i]
+        rope_inplace(q, positions, rope.inv_freq, rope.attention_scaling)
+        rope_inplace(k, positions, rope.inv_freq, rope.attention_scaling)
+        return q, k, v
+
     def forward(self, batch: ForwardBatch, kv: KVCache) -> np.ndarray:
         """-> logits [len(batch.logits_indices), vocab] float32."""
         return self.forward_hidden(batch, kv)[0]
@@ -74,17 +93,7 @@ class DecoderModel:
             add_lora(qkv, x, batch.lora, i, self.qkv_modules)
             if layer.qkv_bias is not None:
                 qkv += layer.qkv_bias
-            q = qkv[:, :s.q_size].reshape(T, s.num_heads, D)
-            k = qkv[:, s.q_size:s.q_size + s.kv_size].reshape(T, s.num_kv_heads, D)
-            v = qkv[:, s.q_size + s.kv_size:].reshape(T, s.num_kv_heads, D)
-            if layer.q_norm is not None:  # over each head [D], or over all heads as one row
-                rms_norm_heads(q if layer.q_norm.shape[0] == D else q.reshape(T, 1, -1), layer.q_norm,
-                               s.rms_norm_eps)
-                rms_norm_heads(k if layer.k_norm.shape[0] == D else k.reshape(T, 1, -1), layer.k_norm,
-                               s.rms_norm_eps)
-            rope = self.ropes[i]
-            rope_inplace(q, batch.positions, rope.inv_freq, rope.attention_scaling)
-            rope_inplace(k, batch.positions, rope.inv_freq, rope.attention_scaling)
+            q, k, v = self.attention_inputs(i, qkv, batch.positions)
             fmt = kv.formats[i]  # a rotated format rotates q, k and v in place (they are not read again)
             write_kv_as(fmt, k, v, batch.slot_mapping, kv.k[i], kv.v[i], kv.k_scale[i], kv.v_scale[i])
             attend_as(fmt, q, kv.k[i], kv.v[i], kv.k_scale[i], kv.v_scale[i], batch.block_tables,

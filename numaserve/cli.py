@@ -155,7 +155,7 @@ def cmd_calibrate(args) -> None:
     from models.calibration import CalibrationOptions, save_calibration
 
     options = CalibrationOptions(**{k: getattr(args, k)
-                                    for k in ("method", "percentile", "bound", "weight_dtype")
+                                    for k in ("method", "percentile", "bound", "weight_dtype", "kv_dtype")
                                     if getattr(args, k) is not None})  # validated before the model loads
     if args.text is None:
         from benchmarks.heldout_eval import heldout_texts
@@ -181,6 +181,11 @@ def cmd_calibrate(args) -> None:
     fallbacks = calibration.fallback_names
     print(f"  float32 activations for {len(fallbacks)} matrices"
           + (f": {', '.join(fallbacks)}" if fallbacks else ""))
+    kv = calibration.kv
+    print(f"  attention output error per layer, each KV dtype against bfloat16 KV, {kv.num_tokens} tokens:")
+    for kv_dtype, layer_errors in kv.errors.items():
+        print(f"    {kv_dtype:<14} " + " ".join(f"{e:.4f}" for e in layer_errors))
+    print(f"  layers to keep wider with kv_dtype={kv.kv_dtype!r}: kv_dtype_overrides={kv.kv_dtype_overrides}")
     print(f"wrote {path}; the engine reads it when it loads {args.model}")
 
 
@@ -201,6 +206,9 @@ def _add_calibrate_parser(sub) -> None:
                                                  f"float32 activations (default {defaults.bound:g})")
     cal.add_argument("--weight-dtype", help="q8_0 | q4_0 | ... (default: a GGUF file's own types, q8_0 for a "
                                             "directory)")
+    cal.add_argument("--kv-dtype", help="KV dtype to recommend per-layer overrides for: the layers whose "
+                                        "attention errs most with it are kept wider (default "
+                                        f"{defaults.kv_dtype})")
     cal.set_defaults(func=cmd_calibrate)
 
 
