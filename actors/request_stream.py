@@ -36,6 +36,7 @@ class Ingress:
     def __init__(self, router, adapter_cache):
         self.router, self.adapter_cache = router, adapter_cache
         self._model: dict | None = None  # Router.model_info
+        self._known_adapters: set[str] = set()  # registered ones (a name, once registered, stays so)
 
     async def model_info(self) -> dict:
         """The tokenizer (or None), vocab_size and max_model_len."""
@@ -50,9 +51,11 @@ class Ingress:
         arrival = asyncio.get_running_loop().time()
         model = await self.model_info()
         adapters = None  # the registered names, as far as validation needs them
-        if adapter is not None:
+        if adapter is not None and adapter not in self._known_adapters:
             found = await lookup_adapter(self.adapter_cache, adapter) if isinstance(adapter, str) else None
             adapters = {adapter} if found is not None else await self._adapter_names()
+            if found is not None:
+                self._known_adapters.add(adapter)
         limits = RequestLimits(model["vocab_size"], model["max_model_len"])
         prompt_ids, params = await asyncio.to_thread(
             validate_request, prompt, params, limits, tokenizer=model["tokenizer"], adapter=adapter,

@@ -119,6 +119,8 @@ class NumaWorker:
         finished, submitted = False, False
         try:
             weights, merged = await self._use_adapter(adapter) if adapter is not None else (None, None)
+            if adapter is not None and adapter not in self.engine.adapters:
+                self.engine.adapters.add_remote(adapter)  # served from now on; its weights come with requests
             params = request.params
             left = params
             if resume is not None:
@@ -292,10 +294,8 @@ class NumaWorker:
         match message:
             case Submit(req, weights, merged):
                 if weights is not None:
-                    held = self._held.get(req.adapter)
-                    self._held[req.adapter] = (weights, 1 + (held[1] if held else 0))
-                    if req.adapter not in self.engine.adapters:
-                        self.engine.adapters.add_remote(req.adapter)
+                    held = self._held.get(req.adapter_id)
+                    self._held[req.adapter_id] = (weights, 1 + (held[1] if held else 0))
                     if merged is not None and self._shared_merged is not None:
                         self._shared_merged.offer(merged)
                 self.engine.submit(req)

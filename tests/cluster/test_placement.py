@@ -1,0 +1,144 @@
+"""The router places requests and carries none of their tokens (actors/request_stream.py): it handles two
+calls per request; a 5 MB prompt costs its own request only; a cold adapter's fetch costs its own request
+only.
+
+Timing bounds here are about blocking, not speed: a stall of the kind these tests guard against lasts
+seconds (a 5 MB prompt tokenized in the router's event loop stalled everything for ~3 s; a worker's blocking
+fetch from a restarting adapter cache stalls its every stream for the cache's restart, 1-3 s here), while a
+decode step of this tiny model takes a few ms even on this loaded 2-core machine. 100 ms sits between the two
+with room on both sides. Chunks are sent as soon as they are ready (stream_interval_ms=0), so a gap between
+two chunks of a stream is a gap in its decoding."""
+
+import itertools
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import ray
+import requests
+
+import numaserve as ns
+from tests.cluster.conftest import free_port, reference_outputs, sim_config, wait_for
+from tests.conftest import random_prompt
+from tests.test_lora import make_adapter
+
+NAME = "placement"
+STALL_S = 0.1  # see the module's docstring
+GREEDY = ns.SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
+LONG = ns.SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def config(tmp_path_factory):
+    # max_loras=1: a worker that served "a" then "b" holds only "b"; "a" must be fetched again
+    return sim_config("two_numa_sim", stream_interval_ms=0, engine={"max_num_seqs": 16, "max_loras": 1},
+                      adapter_registry=str(tmp_path_factory.mktemp("registry") / "adapters.json"),
+                      http={"port": free_port(), "host": "127.0.0.1"})
+
+
+@pytest.fixture(scope="module")
+def client(ray_cluster, llama_dir, config):
+    client = ns.serve(config, model=llama_dir, name=NAME)
+    yield client
+    client.shutdown()
+
+
+class Timed:
+    """A client stream read in a thread: each chunk's arrival time."""
+
+    def __init__(self, client, prompt, params, **kwargs):
+        self.arrivals: list[float] = []
+        self.token_ids: list[int] = []
+        self.first = threading.Event()
+        self.thread = threading.Thread(target=self._read, args=(client, prompt, params), kwargs=kwargs)
+        self.thread.start()
+
+    def _read(self, client, prompt, params, **kwargs):
+        for chunk in client.stream(prompt, params, **kwargs):
+            self.arrivals.append(time.monotonic())
+            self.token_ids += chunk.token_ids
+            self.first.set()
+
+    def max_gap(self, start: float, end: float) -> float:
+        """The longest wait for a chunk during [start, end] (a wait that spans it counts whole)."""
+        times = self.arrivals
+        return max((b - a for a, b in itertools.pairwise(times) if b >= start and a <= end), default=0.0)
+
+
+def calls(client) -> dict:
+    return client.stats()["calls"]
+
+
+def test_the_router_handles_at_most_two_calls_per_request_whatever_its_length(client, llama_dir, config):
+    prompts = [random_prompt(8 + i, seed=300 + i) for i in range(16)]
+    before = calls(client)
+    with ThreadPoolExecutor(16) as pool:
+        got = list(pool.map(lambda p: client.generate(p, GREEDY).token_ids, prompts))
+    assert got == [e.token_ids for e in reference_outputs(llama_dir, config, prompts, GREEDY)]
+    assert all(len(ids) == 64 for ids in got)
+    # finish is sent without waiting for it: let the last ones land
+    after = wait_for(lambda: (c := calls(client))["finish"] - before["finish"] >= 16 and c, 30,
+                     "the streams' finish calls")
+    per_request = sum(after[k] - before[k] for k in after) / 16
+    assert per_request <= 2, (before, after)
+
+
+def test_a_5_mb_prompt_is_refused_without_stalling_other_streams_or_health(client):
+    url = client.http_url
+    streams = [Timed(client, random_prompt(8, seed=400 + i), LONG) for i in range(8)]
+    assert all(s.first.wait(120) for s in streams)
+    health: list[float] = []
+    posting = threading.Event()
+
+    def poll_health():
+        while posting.is_set():
+            start = time.monotonic()
+            assert requests.get(f"{url}/health", timeout=30).status_code == 200
+            health.append(time.monotonic() - start)
+            time.sleep(0.02)
+
+    posting.set()
+    poller = threading.Thread(target=poll_health)
+    poller.start()
+    start = time.monotonic()
+    r = requests.post(f"{url}/v1/completions", json={"prompt": "hello world " * (5_000_000 // 12)},
+                      timeout=120)
+    end = time.monotonic()
+    time.sleep(0.2)  # and just after it
+    posting.clear()
+    poller.join()
+    for s in streams:
+        s.thread.join(120)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text[:300]
+    assert "max_model_len" in r.json()["error"]["message"]
+    assert health and max(health) < STALL_S, health
+    gaps = [s.max_gap(start, end + 0.2) for s in streams]
+    assert max(gaps) < STALL_S, (gaps, end - start)
+    assert all(len(s.token_ids) == LONG.max_tokens for s in streams)
+
+
+def test_a_cold_adapter_fetch_does_not_stall_the_other_streams_of_its_worker(client, llama_dir, tmp_path):
+    """Session stickiness puts everything on one worker. It served "a" then "b" (max_loras=1: it holds "b"
+    only), so a request with "a" needs "a" fetched again, and the adapter cache is killed just before it:
+    the fetch waits for the cache's restart (seconds) while the worker's 8 other streams go on."""
+    for name, seed in (("a", 1), ("b", 2)):
+        client.register_adapter(name, make_adapter(llama_dir, tmp_path / name, seed=seed))
+    for name in ("a", "b"):
+        client.generate([5, 6, 7], GREEDY, adapter=name, session="one-worker")
+    streams = [Timed(client, random_prompt(8, seed=500 + i), LONG, session="one-worker") for i in range(8)]
+    assert all(s.first.wait(120) for s in streams)
+    ray.kill(ray.get_actor(f"{NAME}.adapters", namespace="numaserve"), no_restart=False)
+    start = time.monotonic()
+    cold = Timed(client, [5, 6, 7], GREEDY, adapter="a", session="one-worker")
+    assert cold.first.wait(120), "the cold adapter's request did not start"
+    end = time.monotonic()
+    cold.thread.join(120)
+    for s in streams:
+        s.thread.join(120)
+    gaps = [s.max_gap(start, end) for s in streams]
+    assert max(gaps) < STALL_S, (gaps, f"the cold request waited {end - start:.2f} s for its first token")
+    assert len(cold.token_ids) == GREEDY.max_tokens
+    assert all(len(s.token_ids) == LONG.max_tokens for s in streams)
+    worker_ids = {w for w, s in client.stats()["workers"].items() if s.get("num_requests", 0) >= 11}
+    assert len(worker_ids) == 1  # they did share a worker
