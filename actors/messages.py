@@ -50,6 +50,7 @@ class GenerateRequest:
     adapter: str | None = None
     cache_salt: str | None = None
     resume: Resume | None = None
+    admission_id: str | None = None  # Admission.request_id (None: not admitted by a router)
 
 
 # ---- a worker's event loop -> its step-loop thread ------------------------------------------------------

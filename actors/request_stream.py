@@ -153,7 +153,7 @@ class RequestStream:
         self.attempt_id = f"{a.request_id}-{self.num_attempts}"
         self.num_attempts += 1
         request = GenerateRequest(self.attempt_id, a.prompt_token_ids + self.generated, left or a.params,
-                                  a.adapter, a.cache_salt, self.resume)
+                                  a.adapter, a.cache_salt, self.resume, a.request_id)
         self.refs = self.placement.worker.generate.remote(request)
         return None
 

@@ -25,6 +25,10 @@ from scheduling.policy import admission_bound
 from scheduling.routing import RoutingPolicy
 
 PROBE_INTERVAL_S = 0.5
+# a request placed this long ago that its worker does not stream lost its caller before finish (a killed
+# client): released. Far above the hop from admission to the worker's stream.
+SWEEP_GRACE_S = 30.0
+SWEEP_INTERVAL_S = 5.0
 STATS_TIMEOUT_S = 5.0
 HEALTH_TIMEOUT_S = 2.0
 
@@ -168,7 +172,17 @@ class Router:
 
     def _start_background(self) -> None:
         if self._background is None:
-            self._background = asyncio.get_running_loop().create_task(self._poll_policies())
+            loop = asyncio.get_running_loop()
+            self._background = asyncio.gather(loop.create_task(self._poll_policies()),
+                                              loop.create_task(self._sweep()))
+
+    async def _sweep(self) -> None:
+        """Release what callers that went away without finish left placed (SWEEP_GRACE_S)."""
+        while True:
+            await asyncio.sleep(SWEEP_INTERVAL_S)
+            answers, _ = await self._ask_live_workers(lambda handle: handle.admission_ids.remote())
+            for worker_id, admission_ids in answers.items():
+                self.routing.sweep(worker_id, admission_ids, SWEEP_GRACE_S)
 
     async def _poll_policies(self) -> None:
         while True:
@@ -206,5 +220,6 @@ class Router:
         # each worker's decision log (scheduling/engine.py), kept out of its figures: it is the long part
         decisions = {worker_id: w.pop("decisions", []) for worker_id, w in workers.items()}
         return {"workers": workers, "routed": dict(self.routing.num_routed),
-                "calls": dict(self.routing.num_calls), "num_overloaded": self.num_overloaded,
+                "calls": dict(self.routing.num_calls), "num_swept": self.routing.num_swept,
+                "num_overloaded": self.num_overloaded,
                 "router_pid": os.getpid(), "policies": policies, "decisions": decisions}

@@ -78,6 +78,7 @@ class NumaWorker:
         self._telemetry_interval_s, self._stream_interval_s = telemetry_interval_s, stream_interval_s
         self._inbox: queue.SimpleQueue[InboxMessage] = queue.SimpleQueue()
         self._streams: dict[str, DeltaStream] = {}
+        self._admission_ids: dict[str, str] = {}  # request id -> its router's admission id, while it streams
         # event loop: the adapters its requests in flight use, fetched once -> (weights, number of requests)
         self._adapters_in_use: dict[str, tuple[LoraAdapter, int]] = {}
         # loop thread: the adapters of the engine's requests -> (weights, number of requests)
@@ -116,6 +117,8 @@ class NumaWorker:
                                  "use a unique id")
         stream = DeltaStream(self._loop)
         self._streams[request_id] = stream
+        if request.admission_id is not None:
+            self._admission_ids[request_id] = request.admission_id
         finished, submitted = False, False
         try:
             weights, merged = await self._use_adapter(adapter) if adapter is not None else (None, None)
@@ -144,6 +147,7 @@ class NumaWorker:
                 stream.hold(self._stream_interval_s)
         finally:
             del self._streams[request_id]
+            self._admission_ids.pop(request_id, None)
             if submitted and not finished:  # the caller went away or was cancelled
                 self._inbox.put(Abort(request_id))
             if adapter is not None:
@@ -182,6 +186,10 @@ class NumaWorker:
         if held is None:
             raise InvalidRequest(f"adapter {name!r} is used by no request on this worker")
         return held[0]
+
+    async def admission_ids(self) -> set[str]:
+        """The router's ids of the requests streaming from here now (the router releases the others)."""
+        return set(self._admission_ids.values())
 
     async def abort(self, request_id: str) -> None:
         self._inbox.put(Abort(request_id))

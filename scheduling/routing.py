@@ -17,8 +17,9 @@ none, Overloaded. Among those:
 4. load: otherwise the worker with the fewest outstanding tokens (then requests, then declaration order).
 """
 
+import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
 from cluster_configs.errors import Overloaded, Unavailable
@@ -52,6 +53,7 @@ class WorkerLoad:
 class _Route:
     worker_id: str
     num_tokens: int  # outstanding
+    assigned_at: float  # the policy's clock
 
 
 class _LRU(OrderedDict):
@@ -63,8 +65,10 @@ class _LRU(OrderedDict):
 
 
 class RoutingPolicy:
-    def __init__(self, worker_ids: Sequence[str], block_size: int, admission_bound: int):
+    def __init__(self, worker_ids: Sequence[str], block_size: int, admission_bound: int,
+                 clock: Callable[[], float] = time.monotonic):
         self.block_size = block_size
+        self.clock = clock
         self.workers = {w: WorkerLoad(w, admission_bound) for w in worker_ids}
         self.routes: dict[str, _Route] = {}
         self.sessions = _LRU()  # session -> worker id
@@ -73,6 +77,7 @@ class RoutingPolicy:
         self.num_routed = {"session": 0, "prefix": 0, "adapter": 0, "load": 0, "reroute": 0}
         # calls per request: what the router handles for each (a caller's admit, finish, reroute)
         self.num_calls = {"admit": 0, "finish": 0, "reroute": 0}
+        self.num_swept = 0  # requests released because their caller went away without finishing them
 
     # ---- decisions ---------------------------------------------------------------------------------
 
@@ -143,6 +148,18 @@ class RoutingPolicy:
         self.num_calls["finish"] += 1
         self._release(request_id)
 
+    def sweep(self, worker_id: str, running_ids: Collection[str], grace_s: float) -> list[str]:
+        """Release the requests placed on worker_id more than grace_s ago that it does not run (any more):
+        their caller went away without finish. -> their ids. running_ids: the worker's, asked after the
+        placements it is checked against (a request placed later is younger than grace_s)."""
+        oldest = self.clock() - grace_s
+        gone = [request_id for request_id, route in self.routes.items() if route.worker_id == worker_id
+                and route.assigned_at < oldest and request_id not in running_ids]
+        for request_id in gone:
+            self._release(request_id)
+        self.num_swept += len(gone)
+        return gone
+
     def mark_down(self, worker_id: str) -> None:
         self.workers[worker_id].alive = False
 
@@ -154,7 +171,7 @@ class RoutingPolicy:
             self.workers[worker_id].admission_bound = bound
 
     def _assign(self, request_id: str, worker: WorkerLoad, num_tokens: int) -> None:
-        self.routes[request_id] = _Route(worker.worker_id, num_tokens)
+        self.routes[request_id] = _Route(worker.worker_id, num_tokens, self.clock())
         worker.request_ids.add(request_id)
         worker.num_tokens += num_tokens
 

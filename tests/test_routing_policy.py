@@ -136,6 +136,20 @@ def test_dead_workers_get_nothing_and_their_requests_move_to_the_least_loaded_li
     assert r.route("r5", [1], 1) == "w1"
 
 
+def test_a_sweep_releases_only_old_requests_their_worker_no_longer_runs():
+    now = [0.0]
+    r = RoutingPolicy(["w0"], 16, 8, clock=lambda: now[0])
+    r.route("gone", [1] * 8, 8)
+    r.route("running", [1] * 8, 8)
+    now[0] = 5.0
+    r.route("young", [1] * 8, 8)  # placed, its stream not started yet
+    assert r.sweep("w0", {"running"}, grace_s=10.0) == []
+    now[0] = 12.0
+    assert r.sweep("w0", {"running"}, grace_s=10.0) == ["gone"]
+    assert set(r.routes) == {"running", "young"} and r.workers["w0"].num_tokens == 32
+    assert r.num_swept == 1
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.tuples(st.sampled_from(["route", "finish", "down", "up", "reroute"]),
                           st.integers(0, 9), st.integers(1, 50)), max_size=80))

@@ -23,6 +23,7 @@ import ray
 import requests
 
 import numaserve as ns
+from actors.router import SWEEP_GRACE_S
 from tests.cluster.conftest import free_port, reference_outputs, sim_config, wait_for
 from tests.conftest import random_prompt
 from tests.test_lora import make_adapter
@@ -156,3 +157,15 @@ def test_a_cold_adapter_fetch_does_not_stall_the_other_streams_of_its_worker(cli
     assert all(len(s.token_ids) == LONG.max_tokens for s in streams)
     served = {w: s.get("num_requests", 0) - before[w] for w, s in client.stats()["workers"].items()}
     assert sorted(served.values()) == [0, 11], served  # "a", "b", the 8 and the cold one shared a worker
+
+
+def test_an_admission_whose_caller_went_away_without_finish_is_released(client):
+    """A caller killed between admit and finish (here: an admission never streamed nor finished) is released
+    by the router's sweep once SWEEP_GRACE_S has passed without its worker streaming it."""
+    before = client.stats()["num_swept"]
+    admission = ray.get(client.router.admit.remote([5, 6, 7], GREEDY))
+    worker_id = admission.placement.worker_id
+    assert client.stats()["workers"][worker_id]["num_outstanding_requests"] >= 1
+    wait_for(lambda: client.stats()["num_swept"] > before, SWEEP_GRACE_S + 60, "the sweep")
+    wait_for(lambda: client.stats()["workers"][worker_id]["num_outstanding_requests"] == 0, 30,
+             "the admission to be released")
