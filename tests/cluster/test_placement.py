@@ -6,11 +6,13 @@ Timing bounds here are about blocking, not speed: a stall of the kind these test
 seconds (a 5 MB prompt tokenized in the router's event loop stalled everything for ~3 s, /health answering
 in 3.5 s; a worker's blocking fetch from a restarting adapter cache would stall its every stream for the
 cache's restart, seconds here), while a decode step of this tiny model takes a few ms. 100 ms sits between
-the two. On this 2-core machine shared with other jobs /health alone (router -> every worker) takes up to
-~100 ms under 8 streams with no big prompt anywhere, so the 5 MB test bounds /health and the gaps by what
-the same load gave just before the prompt plus 100 ms: a stall of seconds fails it either way. Chunks are
-sent as soon as they are ready (stream_interval_ms=0), so a gap between two chunks of a stream is a gap in
-its decoding."""
+the two, but this 2-core machine is shared with other jobs:
+- /health alone (router -> every worker) takes up to ~100 ms under 8 streams with no big prompt anywhere,
+  so the 5 MB test bounds /health and the gaps by what the same load gave just before the prompt + 100 ms;
+- the restarting cache's new process takes CPU from the worker (gaps of ~0.2 s seen in a full-suite run,
+  under 0.1 s alone), so the cold-adapter test allows half the fetch's wait when that is more than 100 ms.
+A stall of seconds fails either. Chunks are sent as soon as they are ready (stream_interval_ms=0), so a gap
+between two chunks of a stream is a gap in its decoding."""
 
 import itertools
 import json
@@ -150,9 +152,13 @@ def test_a_cold_adapter_fetch_does_not_stall_the_other_streams_of_its_worker(cli
     cold.thread.join(120)
     for s in streams:
         s.thread.join(120)
+    waited = end - start
+    assert waited > 3 * STALL_S  # it did wait for the cache's restart (a new process: seconds)
     gaps = [s.max_gap(start, end) for s in streams]
-    assert max(gaps) < STALL_S, (gaps, f"the cold request waited {end - start:.2f} s for its first token")
-    assert end - start > 3 * STALL_S  # it did wait for the cache's restart (a new process: seconds)
+    # a fetch that blocked the worker would hold its streams for about the whole wait; one that does not
+    # leaves them the gaps of a busy machine (the restarting cache's process competes for the 2 cores:
+    # up to ~0.27 s seen in a full-suite run, under 0.1 s alone)
+    assert max(gaps) < max(STALL_S, waited / 2), (gaps, f"the cold request waited {waited:.2f} s")
     assert len(cold.token_ids) == GREEDY.max_tokens
     assert all(len(s.token_ids) == LONG.max_tokens for s in streams)
     served = {w: s.get("num_requests", 0) - before[w] for w, s in client.stats()["workers"].items()}
