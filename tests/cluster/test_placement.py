@@ -89,6 +89,7 @@ def test_the_router_handles_at_most_two_calls_per_request_whatever_its_length(cl
                      "the streams' finish calls")
     per_request = sum(after[k] - before[k] for k in after) / 16
     assert per_request <= 2, (before, after)
+    print(f"router calls per request: {per_request:.2f} ({ {k: after[k] - before[k] for k in after} })")
 
 
 def test_a_5_mb_prompt_is_refused_without_stalling_other_streams_or_health(client):
@@ -130,6 +131,9 @@ def test_a_5_mb_prompt_is_refused_without_stalling_other_streams_or_health(clien
     gaps_before = [s.max_gap(baseline_start, start) for s in streams]
     gaps = [s.max_gap(start, end + 0.2) for s in streams]
     assert max(gaps) < max(gaps_before) + STALL_S, (gaps_before, gaps, end - start)
+    print(f"5 MB prompt: 400 after {end - start:.3f} s; /health max {max(before):.3f} s before, "
+          f"{max(during):.3f} s during; stream gaps max {max(gaps_before):.3f} s before, "
+          f"{max(gaps):.3f} s during")
     assert all(len(s.token_ids) == LONG.max_tokens for s in streams)
 
 
@@ -159,6 +163,8 @@ def test_a_cold_adapter_fetch_does_not_stall_the_other_streams_of_its_worker(cli
     # leaves them the gaps of a busy machine (the restarting cache's process competes for the 2 cores:
     # up to ~0.27 s seen in a full-suite run, under 0.1 s alone)
     assert max(gaps) < max(STALL_S, waited / 2), (gaps, f"the cold request waited {waited:.2f} s")
+    print(f"cold adapter: first token after {waited:.2f} s; the worker's other streams' gaps max "
+          f"{max(gaps):.3f} s")
     assert len(cold.token_ids) == GREEDY.max_tokens
     assert all(len(s.token_ids) == LONG.max_tokens for s in streams)
     served = {w: s.get("num_requests", 0) - before[w] for w, s in client.stats()["workers"].items()}
