@@ -119,11 +119,14 @@ class NumaWorker:
         self._streams[request_id] = stream
         if request.admission_id is not None:
             self._admission_ids[request_id] = request.admission_id
-        finished, submitted = False, False
+        finished, submitted, using_adapter = False, False, False
         try:
-            weights, merged = await self._use_adapter(adapter) if adapter is not None else (None, None)
-            if adapter is not None and adapter not in self.engine.adapters:
-                self.engine.adapters.add_remote(adapter)  # served from now on; its weights come with requests
+            weights = merged = None
+            if adapter is not None:
+                weights, merged = await self._use_adapter(adapter)
+                using_adapter = True
+                if adapter not in self.engine.adapters:
+                    self.engine.adapters.add_remote(adapter)  # served from now on; weights come with requests
             params = request.params
             left = params
             if resume is not None:
@@ -150,7 +153,7 @@ class NumaWorker:
             self._admission_ids.pop(request_id, None)
             if submitted and not finished:  # the caller went away or was cancelled
                 self._inbox.put(Abort(request_id))
-            if adapter is not None:
+            if using_adapter:
                 self._done_with_adapter(adapter, submitted)
 
     async def _use_adapter(self, name: str) -> tuple[LoraAdapter, MergedWeights | None]:
