@@ -131,6 +131,13 @@ async def fetch_adapter_ref(adapter_cache, name: str) -> ray.ObjectRef | None:
     return None if refs is None else refs[0]
 
 
+async def fetch_merged_ref(adapter_cache, name: str) -> ray.ObjectRef | None:
+    """A merged copy of the adapter a worker shared (None if there is none), waiting out a restart of the
+    cache."""
+    refs = await _retrying(lambda: adapter_cache.merged.remote(name))
+    return None if refs is None else refs[0]
+
+
 async def _retrying(call):
     loop = asyncio.get_running_loop()
     deadline = loop.time() + LOOKUP_TIMEOUT_S

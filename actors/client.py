@@ -1,12 +1,21 @@
-"""Client: a handle on a running deployment, from any driver or `ray job submit` entrypoint."""
+"""Client: a handle on a running deployment, from any driver or `ray job submit` entrypoint.
 
+Requests go as actors/request_stream.py lays out: tokenized and validated here (the tokenizer is fetched once
+per client), placed by the router, streamed straight from the worker. That module is async (the HTTP actor
+awaits it on its event loop); a client runs it on an event loop of its own, in a daemon thread, and waits for
+each delta, so any number of the driver's threads may stream at once.
+"""
+
+import asyncio
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import ray
 from ray.exceptions import RayActorError, RayTaskError
 
-from cluster_configs.errors import NumaserveError, Unavailable
+from actors.ray_errors import unwrap
+from actors.request_stream import Ingress, RequestStream
 from cluster_configs.sampling_params import SamplingParams
 from scheduling.outputs import Completion, RequestOutput
 
@@ -16,25 +25,17 @@ def _get(ref, actor: str = "router"):
     of the actor called (router, adapter cache) as Unavailable."""
     try:
         return ray.get(ref)
-    except RayTaskError as e:
-        if isinstance(e.cause, NumaserveError):
-            raise e.cause from None
-        raise
-    except RayActorError:
-        raise _unavailable(actor) from None
+    except (RayTaskError, RayActorError) as e:
+        raise unwrap(e, actor) from None
 
 
-def _unavailable(actor: str) -> Unavailable:
-    return Unavailable(f"the deployment's {actor} went down mid-call (Ray restarts it; a stream it carried "
-                       "is lost): retry in a few seconds")
+class _EventLoopThread:
+    def __init__(self):
+        self.loop = asyncio.new_event_loop()
+        threading.Thread(target=self.loop.run_forever, name="numaserve-client", daemon=True).start()
 
-
-def cancel_stream(stream) -> None:
-    """Cancel the router's stream (it then aborts the request on its worker), unless it has ended."""
-    try:
-        ray.cancel(stream)
-    except TypeError:
-        pass  # "No owner found for object": the task had already ended (an error, or the last item)
+    def run(self, coroutine):
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result()
 
 
 class Client:
@@ -44,20 +45,21 @@ class Client:
         self.adapter_cache = adapter_cache
         # the OpenAI-compatible API (e.g. "http://127.0.0.1:8000"), if the deployment has one
         self.http_url = http_url
+        self._ingress = Ingress(router, adapter_cache)
+        self._loop: _EventLoopThread | None = None  # started with the first request
+        self._loop_lock = threading.Lock()
 
     def stream(self, prompt, params: SamplingParams | None = None, adapter: str | None = None,
                session: str | None = None, cache_salt: str | None = None) -> Iterator[RequestOutput]:
         """Deltas of one completion (.text, .token_ids, .finish_reason, .logprobs when asked); closing the
         iterator aborts it. cache_salt: share cached prefix blocks only with requests of the same salt."""
-        chunks = self._chunks(prompt, params, adapter, session, cache_salt)
-        next(chunks)  # the prompt's token ids: admitted
-        yield from chunks
+        yield from self._deltas(self._open(prompt, params, adapter, session, cache_salt))
 
     def generate(self, prompt, params: SamplingParams | None = None, adapter: str | None = None,
                  session: str | None = None, cache_salt: str | None = None) -> Completion:
-        chunks = self._chunks(prompt, params, adapter, session, cache_salt)
-        done = Completion(prompt_token_ids=next(chunks))
-        for chunk in chunks:
+        stream = self._open(prompt, params, adapter, session, cache_salt)
+        done = Completion(prompt_token_ids=stream.admission.prompt_token_ids)
+        for chunk in self._deltas(stream):
             done.token_ids += chunk.token_ids
             done.text += chunk.text
             done.finish_reason = chunk.finish_reason
@@ -65,21 +67,23 @@ class Client:
                 done.logprobs = (done.logprobs or []) + chunk.logprobs
         return done
 
-    def _chunks(self, prompt, params, adapter, session, cache_salt=None):
-        stream = self.router.generate.remote(prompt, params, adapter, session, cache_salt)
-        finished = False
+    def _open(self, prompt, params, adapter, session, cache_salt) -> RequestStream:
+        return self._event_loop().run(self._ingress.open(prompt, params, adapter, session, cache_salt))
+
+    def _deltas(self, stream: RequestStream) -> Iterator[RequestOutput]:
+        loop = self._event_loop()
         try:
-            for ref in stream:
-                item = _get(ref)
-                yield item
-                if isinstance(item, RequestOutput) and item.finished:
-                    finished = True
-                    return
-        except RayActorError:  # the router died between items
-            raise _unavailable("router") from None
+            while not stream.done:
+                yield loop.run(stream.next())
         finally:
-            if not finished:
-                cancel_stream(stream)
+            if not stream.done:  # closed early: abort it
+                loop.loop.call_soon_threadsafe(stream.cancel)
+
+    def _event_loop(self) -> _EventLoopThread:
+        with self._loop_lock:
+            if self._loop is None:
+                self._loop = _EventLoopThread()
+            return self._loop
 
     def register_adapter(self, name: str, path: str | Path) -> str:
         """Register a PEFT adapter directory under name (kept across restarts); AdapterError if it is

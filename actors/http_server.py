@@ -1,12 +1,12 @@
 """HttpServer: the deployment's OpenAI-compatible HTTP API, a FastAPI app served by uvicorn inside a Ray
 actor.
 
-uvicorn runs as a task on the actor's own event loop (Ray Serve's proxy does the same), so requests to the
-router are awaited there: a stream's chunks arrive through the router's streaming generator with `await`,
-never a blocking ray.get. The actor is detached with unlimited restarts like the others; a restarted one
-binds its port again. The endpoints' logic is OpenAIServing (actors/openai_serving.py); this file wires it
-to HTTP and to the Ray actors. GET /metrics renders the workers' metrics (actors/metrics.py), gathered by the
-router, in Prometheus text format.
+uvicorn runs as a task on the actor's own event loop (Ray Serve's proxy does the same). A request is
+tokenized and validated in this actor's thread pool, placed by the router and streamed straight from its
+worker's streaming generator with `await` (actors/request_stream.py), never a blocking ray.get. The actor
+is detached with unlimited restarts like the others; a restarted one binds its port again. The endpoints'
+logic is OpenAIServing (actors/openai_serving.py); this file wires it to HTTP and to the Ray actors. GET
+/metrics renders the workers' metrics (actors/metrics.py), gathered by the router, in Prometheus text format.
 """
 
 import asyncio
@@ -27,7 +27,6 @@ from sse_starlette import EventSourceResponse
 
 from actors.adapter_cache import lookup_adapter
 from actors.chat_template import load_chat_template
-from actors.client import cancel_stream
 from actors.metrics import render
 from actors.openai_errors import APIError, JSONBodies, install_error_handlers
 from actors.openai_limits import Caller
@@ -40,9 +39,9 @@ from actors.openai_protocol import (
     TokenizeRequest,
 )
 from actors.openai_serving import OpenAIServing
+from actors.ray_errors import unwrap
+from actors.request_stream import Ingress, RequestStream
 from cluster_configs.cluster_config import ClusterConfig, HttpConfig
-from cluster_configs.errors import NumaserveError, Unavailable
-from scheduling.outputs import RequestOutput
 
 MAX_BODY_BYTES = 8 << 20  # a 32k-token prompt as token ids is ~200 kB; more is a mistake or an attack: 413
 HEALTH_TIMEOUT_S = 5.0
@@ -65,66 +64,72 @@ def fingerprint(config: ClusterConfig) -> str:
 
 # ---- the deployment as OpenAIServing sees it ------------------------------------------------------------
 
-def _unwrap(e: Exception) -> Exception:
-    if isinstance(e, RayTaskError) and isinstance(e.cause, NumaserveError):
-        return e.cause  # InvalidRequest, Overloaded, AdapterError, ...: the caller's own
-    if isinstance(e, RayActorError):
-        return Unavailable("the deployment's router is down or restarting; retry in a few seconds")
-    return e
-
-
-async def _call(ref):
+async def _call(ref, actor: str = "router"):
     try:
         return await ref
     except (RayTaskError, RayActorError) as e:
-        raise _unwrap(e) from None
+        raise unwrap(e, actor) from None
 
 
 class RayRequestStream:
-    """One request through the router's streaming generator: the prompt's ids, then RequestOutputs."""
+    """One request as OpenAIServing reads it: the prompt's ids once admitted, then RequestOutputs."""
 
-    def __init__(self, refs):
-        self.refs = refs
+    def __init__(self, opening):
+        self.opening = opening  # Ingress.open(...): the first next() awaits it
+        self.admitting: asyncio.Task | None = None
+        self.stream: RequestStream | None = None
         self.done = False
 
     async def next(self):
-        try:
-            item = await (await self.refs.__anext__())
-        except StopAsyncIteration:
-            self.done = True
-            raise RuntimeError("the router's stream ended before its request finished") from None
-        except (RayTaskError, RayActorError) as e:
-            self.done = True
-            raise _unwrap(e) from None
-        if isinstance(item, RequestOutput) and item.finished:
-            self.done = True
+        if self.stream is None:
+            self.admitting = asyncio.ensure_future(self.opening)
+            try:
+                self.stream = await asyncio.shield(self.admitting)  # an admission under way is not dropped
+            except BaseException:
+                self.cancel()
+                raise
+            return self.stream.admission.prompt_token_ids
+        item = await self.stream.next()
+        self.done = self.stream.done
         return item
 
     def cancel(self) -> None:
-        """The router then aborts the request on its worker, which frees its KV blocks."""
-        if not self.done:
-            self.done = True
-            cancel_stream(self.refs)
+        """Aborts the request on its worker, which frees its KV blocks (one being admitted: once it is)."""
+        if self.done:
+            return
+        self.done = True
+        if self.stream is not None:
+            self.stream.cancel()
+        elif self.admitting is None:
+            self.opening.close()  # never started: nothing to undo
+        else:
+            self.admitting.add_done_callback(_cancel_admitted)
+
+
+def _cancel_admitted(admitting: asyncio.Task) -> None:
+    if not admitting.cancelled() and admitting.exception() is None:
+        admitting.result().cancel()
 
 
 class RayDeployment:
     def __init__(self, router, adapter_cache):
         self.router, self.adapter_cache = router, adapter_cache
+        self.ingress = Ingress(router, adapter_cache)
 
     def generate(self, prompt, params, adapter, cache_salt=None):
-        return RayRequestStream(self.router.generate.remote(prompt, params, adapter, None, cache_salt))
+        return RayRequestStream(self.ingress.open(prompt, params, adapter, None, cache_salt))
 
     async def model_info(self) -> dict:
-        return await _call(self.router.model_info.remote())
+        return await self.ingress.model_info()
 
     async def adapter_path(self, name: str) -> str | None:
         return await lookup_adapter(self.adapter_cache, name)
 
     async def adapters(self) -> dict[str, str]:
-        return await _call(self.adapter_cache.adapters.remote())
+        return await _call(self.adapter_cache.adapters.remote(), "adapter cache")
 
     async def register_adapter(self, name: str, path: str) -> str:
-        return await _call(self.adapter_cache.register.remote(name, path))
+        return await _call(self.adapter_cache.register.remote(name, path), "adapter cache")
 
     async def num_serving_workers(self) -> int:
         try:

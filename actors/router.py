@@ -1,11 +1,10 @@
-"""Router: validates and tokenizes, routes with RoutingPolicy (scheduling/routing.py), streams results back.
-
-A request whose worker dies mid-stream is re-submitted to a live worker as prompt + the tokens generated
-so far, with a Resume record (replayed from those tokens) that lets the new worker go on exactly where
-the old one was: the client sees one uninterrupted stream, identical to an undisturbed one. A worker
-marked down is probed until it answers again (Ray restarts it), then rejoins.
-
-The stream this actor yields: first the prompt's token ids (once admitted), then RequestOutputs.
+"""Router: places requests, never relays them. A caller (ns.Client, an HTTP actor) tokenizes and validates in
+its own process, asks `admit` for an Admission (which worker, by RoutingPolicy: scheduling/routing.py),
+streams straight from that worker, and calls `finish` when the request ends; if the worker is lost it asks
+`reroute` for another and resumes there (actors/request_stream.py). So the router handles two calls per
+request (three if its worker was lost), whatever its length, and its death loses no stream in flight: Ray
+restarts it, and callers retry their admissions meanwhile. A worker reported lost is probed until it
+answers again (Ray restarts it), then rejoins.
 """
 
 import asyncio
@@ -15,48 +14,31 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import ray
-from ray.exceptions import NodeDiedError, ObjectLostError, RayActorError, RayTaskError
 
-from actors.adapter_cache import lookup_adapter
-from actors.resume import resume_state
+from actors.messages import Admission, Placement
+from actors.ray_errors import WORKER_LOST
 from cluster_configs.cluster_config import ClusterConfig
-from cluster_configs.errors import InvalidRequest, NumaserveError, Overloaded, Unavailable
+from cluster_configs.errors import InvalidRequest, Overloaded, Unavailable
 from cluster_configs.sampling_params import SamplingParams
 from memory.block_pool import prefix_cache_key
-from models.tokenizer import Tokenizer
-from scheduling.outputs import RequestOutput
 from scheduling.policy import admission_bound
 from scheduling.routing import RoutingPolicy
-from scheduling.validation import RequestLimits, validate_request
 
-WORKER_LOST = (RayActorError, ObjectLostError, NodeDiedError)  # the worker, not the request, failed
-REROUTE_WAIT_S = 120.0  # how long a request that lost its worker waits for any live worker
 PROBE_INTERVAL_S = 0.5
+# a request placed this long ago that its worker does not stream lost its caller before finish (a killed
+# client): released. Far above the hop from admission to the worker's stream.
+SWEEP_GRACE_S = 30.0
+SWEEP_INTERVAL_S = 5.0
 STATS_TIMEOUT_S = 5.0
 HEALTH_TIMEOUT_S = 2.0
-
-
-def _deadline_left(params: SamplingParams, arrival: float) -> SamplingParams | None:
-    """params with deadline_s cut to what is left since arrival at the router (None in it: nothing is left);
-    None when the request has no deadline."""
-    if params.deadline_s is None:
-        return None
-    left = params.deadline_s - (asyncio.get_running_loop().time() - arrival)
-    return params.model_copy(update={"deadline_s": left if left > 0 else None})
-
-
-class WorkerStreamEnded(Exception):
-    """A worker's stream stopped before its request finished: treated as the worker's loss."""
 
 
 @ray.remote(num_cpus=0)
 class Router:
     def __init__(self, config: ClusterConfig, workers: dict, scheduler, adapter_cache):
         # small arguments only: Ray restarts the actor from them, after the deploying driver may have exited
-        # a worker's, fetched on first use (see NumaWorker.model_info)
-        self.tokenizer: Tokenizer | None = None
-        # what requests are validated against here, with the tokenizer
-        self.limits: RequestLimits | None = None
+        # tokenizer, vocab_size, max_model_len: a worker's, fetched on first use
+        self.model: dict | None = None
         # None: the model's own, checked by the worker's engine
         self.max_model_len = config.engine.max_model_len
         self.workers = workers  # worker id -> NumaWorker handle
@@ -69,121 +51,58 @@ class Router:
         self._background: asyncio.Task | None = None
 
     async def ping(self) -> bool:
-        """Ready: the background tasks run and the tokenizer is here."""
+        """Ready: the background tasks run and the model's tokenizer is here for callers."""
         self._start_background()
-        await self._fetch_model_info()
+        await self.model_info()
         return True
 
-    async def _fetch_model_info(self) -> None:
-        if self.limits is not None:
-            return
-        for worker_id, handle in self.workers.items():
-            if self.routing.workers[worker_id].alive:
-                try:
-                    info = await handle.model_info.remote()
-                except WORKER_LOST:
-                    continue
-                self.tokenizer = info["tokenizer"]
-                self.max_model_len = self.max_model_len or info.get("max_model_len")
-                self.limits = RequestLimits(info["vocab_size"], self.max_model_len)
-                return
-        raise Unavailable(f"no worker is available (all {len(self.workers)} are down or restarting); retry "
-                          "in a few seconds")
-
-    @ray.method(num_returns="streaming")
-    async def generate(self, prompt, params: SamplingParams | None = None, adapter: str | None = None,
-                       session: str | None = None, cache_salt: str | None = None):
-        """cache_salt: requests share cached prefix blocks only with the same salt (the HTTP server gives each
-        tenant its own). params.deadline_s counts from now: each worker gets what is left of it."""
-        arrival = asyncio.get_running_loop().time()
+    async def admit(self, prompt_token_ids: list[int], params: SamplingParams, adapter: str | None = None,
+                    session: str | None = None, cache_salt: str | None = None) -> Admission:
+        """Place a request the caller validated (scheduling/validation.py) on a worker; Overloaded if none
+        admits it. cache_salt: requests share cached prefix blocks only with the same salt (the HTTP server
+        gives each tenant its own)."""
         self._start_background()
-        await self._fetch_model_info()
         if session is not None and not isinstance(session, str):
             raise InvalidRequest(f"session must be a str, got {type(session).__name__}")
-        if cache_salt is not None and not isinstance(cache_salt, str):
-            raise InvalidRequest(f"cache_salt must be a str, got {type(cache_salt).__name__}",
-                                 param="cache_salt")
-        adapters = None  # the registered names, as far as validation needs them
-        if adapter is not None:
-            found = await lookup_adapter(self.adapter_cache, adapter) if isinstance(adapter, str) else None
-            adapters = {adapter} if found is not None else await self.adapter_cache.adapters.remote()
-        prompt_ids, params = validate_request(prompt, params, self.limits, tokenizer=self.tokenizer,
-                                              adapter=adapter, adapters=adapters)
         request_id = uuid.uuid4().hex
         try:
-            worker_id = self.routing.route(request_id, prompt_ids, params.max_tokens, session=session,
+            worker_id = self.routing.route(request_id, prompt_token_ids, params.max_tokens, session=session,
                                            extra=prefix_cache_key(adapter, cache_salt), adapter=adapter)
         except Overloaded:
             self.num_overloaded += 1
             raise
-        outputs = self._stream(request_id, worker_id, prompt_ids, params, adapter, cache_salt, arrival)
-        try:
-            yield prompt_ids
-            async for out in outputs:
-                yield out
-        finally:
-            await outputs.aclose()  # now, not at garbage collection: it aborts the worker's request
-            self.routing.finish(request_id)
+        return Admission(request_id, Placement(worker_id, self.workers[worker_id]), prompt_token_ids, params,
+                         adapter, cache_salt)
 
-    async def _stream(self, request_id: str, worker_id: str, prompt_ids: list[int], params: SamplingParams,
-                      adapter: str | None, cache_salt: str | None, arrival: float):
-        generated: list[int] = []
-        emitted_text, resume = "", None
-        attempt_id, finished = None, False
-        try:
-            for attempt in range(len(self.workers) * 8 + 1):
-                attempt_id = f"{request_id}-{attempt}"
-                left = _deadline_left(params, arrival)
-                # spent in the router (e.g. waiting to reroute)
-                if left is not None and left.deadline_s is None:
-                    finished = True
-                    yield RequestOutput(request_id, [], "", "abort",
-                                        [] if params.logprobs is not None else None)
-                    return
-                stream = self.workers[worker_id].generate.remote(
-                    attempt_id, prompt_ids + generated, left or params, adapter, cache_salt, resume)
-                num_prefill = len(prompt_ids) + len(generated)
-                try:
-                    async for ref in stream:
-                        out: RequestOutput = await ref
-                        self.routing.progress(request_id, len(out.token_ids) + num_prefill)
-                        num_prefill = 0
-                        generated += out.token_ids
-                        emitted_text += out.text
-                        finished = out.finished
-                        yield RequestOutput(request_id, out.token_ids, out.text, out.finish_reason,
-                                            out.logprobs)
-                        if finished:
-                            return
-                    raise WorkerStreamEnded(worker_id)
-                except RayTaskError as e:
-                    if isinstance(e.cause, NumaserveError):
-                        raise e.cause from None  # the request's fault (e.g. InvalidRequest): no retry
-                    raise
-                except (*WORKER_LOST, WorkerStreamEnded):
-                    self._worker_lost(worker_id)
-                    worker_id = await self._reroute(request_id, len(prompt_ids) + params.max_tokens)
-                    resume = resume_state(self.tokenizer, prompt_ids, generated, emitted_text)
-            raise RuntimeError(f"request {request_id} lost its worker too many times; giving up")
-        finally:
-            if not finished and attempt_id is not None:
-                self.workers[worker_id].abort.remote(attempt_id)  # the client went away: free the worker
+    async def reroute(self, request_id: str, lost_worker_id: str, num_tokens_left: int) -> Placement | None:
+        """The request's worker was lost: another live one for it (bound or not), None while none is up."""
+        self._start_background()
+        self._worker_lost(lost_worker_id)
+        worker_id = self.routing.reroute(request_id, num_tokens_left)
+        return None if worker_id is None else Placement(worker_id, self.workers[worker_id])
 
-    async def _reroute(self, request_id: str, num_tokens_left: int) -> str:
-        deadline = asyncio.get_running_loop().time() + REROUTE_WAIT_S
-        while (worker_id := self.routing.reroute(request_id, num_tokens_left)) is None:
-            if asyncio.get_running_loop().time() > deadline:
-                raise Unavailable(f"request {request_id} lost its worker and none came back within "
-                                  f"{REROUTE_WAIT_S:.0f} s; retry later")
-            await asyncio.sleep(PROBE_INTERVAL_S)
-        return worker_id
+    async def finish(self, request_id: str) -> None:
+        """The request ended (finished, aborted or failed) on its caller's side."""
+        self.routing.finish(request_id)
 
     async def model_info(self) -> dict:
-        """What a front end needs to tokenize and size requests: the tokenizer (or None), the vocabulary size
-        and max_model_len."""
-        await self._fetch_model_info()
-        return {"tokenizer": self.tokenizer, "vocab_size": self.limits.vocab_size,
-                "max_model_len": self.max_model_len}
+        """What a caller needs to tokenize and validate requests: the tokenizer (or None), the vocabulary size
+        and max_model_len (a live worker's, asked once)."""
+        if self.model is None:
+            for worker_id, handle in self.workers.items():
+                if self.routing.workers[worker_id].alive:
+                    try:
+                        info = await handle.model_info.remote()
+                    except WORKER_LOST:
+                        continue
+                    self.max_model_len = self.max_model_len or info.get("max_model_len")
+                    self.model = {"tokenizer": info["tokenizer"], "vocab_size": info["vocab_size"],
+                                  "max_model_len": self.max_model_len}
+                    break
+            else:
+                raise Unavailable(f"no worker is available (all {len(self.workers)} are down or restarting); "
+                                  "retry in a few seconds")
+        return self.model
 
     async def num_serving_workers(self, timeout_s: float = HEALTH_TIMEOUT_S) -> int:
         """How many workers answer within timeout_s (a restarting one does not)."""
@@ -253,7 +172,17 @@ class Router:
 
     def _start_background(self) -> None:
         if self._background is None:
-            self._background = asyncio.get_running_loop().create_task(self._poll_policies())
+            loop = asyncio.get_running_loop()
+            self._background = asyncio.gather(loop.create_task(self._poll_policies()),
+                                              loop.create_task(self._sweep()))
+
+    async def _sweep(self) -> None:
+        """Release what callers that went away without finish left placed (SWEEP_GRACE_S)."""
+        while True:
+            await asyncio.sleep(SWEEP_INTERVAL_S)
+            answers, _ = await self._ask_live_workers(lambda handle: handle.admission_ids.remote())
+            for worker_id, admission_ids in answers.items():
+                self.routing.sweep(worker_id, admission_ids, SWEEP_GRACE_S)
 
     async def _poll_policies(self) -> None:
         while True:
@@ -266,7 +195,8 @@ class Router:
 
     async def stats(self) -> dict:
         """Per worker: the router's view (alive, outstanding), the engine's stats, and its placement info;
-        "decisions": per worker, its engine's recent decisions and why (cluster_configs/diagnostics.py)."""
+        "calls": the admit / finish / reroute calls this router handled; "decisions": per worker, its
+        engine's recent decisions and why (cluster_configs/diagnostics.py)."""
         self._start_background()
 
         answers, errors = await self._ask_live_workers(
@@ -290,5 +220,6 @@ class Router:
         # each worker's decision log (scheduling/engine.py), kept out of its figures: it is the long part
         decisions = {worker_id: w.pop("decisions", []) for worker_id, w in workers.items()}
         return {"workers": workers, "routed": dict(self.routing.num_routed),
-                "num_overloaded": self.num_overloaded, "router_pid": os.getpid(), "policies": policies,
-                "decisions": decisions}
+                "calls": dict(self.routing.num_calls), "num_swept": self.routing.num_swept,
+                "num_overloaded": self.num_overloaded,
+                "router_pid": os.getpid(), "policies": policies, "decisions": decisions}

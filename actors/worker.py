@@ -8,9 +8,13 @@ but goes on taking requests, aborts and stats queries, and ends requests whose d
 one to hold requests in flight. The loop thread also reports StepTelemetry to the scheduler (with the
 speculator's SpecTelemetry) and applies the Policy it answers: batch limits and the speculation policy. Until
 the first answer the engine's own controller decides speculation; while the scheduler is dead or restarting
-the last answer stays in force. Adapters come from the AdapterCache by name through the object store: a
-request's adapter is asked for (and so loaded there) before the request is queued, and the engine fetches it
-when a step needs it and it is not among the max_loras it holds.
+the last answer stays in force. Callers stream straight from `generate` (the router only placed the request).
+
+Adapters come from the AdapterCache by name through the object store, awaited on the event loop before the
+request is queued (with a merged copy another worker shared, if there is one): a cold adapter costs its own
+request only, the others on this worker keep their pace. The loop thread holds each adapter's weights while a
+request of it is queued or running, so the engine, which keeps at most max_loras of them loaded, takes them
+back from there when a step needs them: nothing in this process blocks on Ray.
 """
 
 import asyncio
@@ -25,16 +29,28 @@ import numba
 import psutil
 import ray
 
-from actors.adapter_cache import LOOKUP_TIMEOUT_S, fetch_adapter_ref
+from actors.adapter_cache import fetch_adapter_ref, fetch_merged_ref
 from actors.delta_stream import DeltaStream, merge
+from actors.messages import (
+    Abort,
+    Advance,
+    GenerateRequest,
+    InboxMessage,
+    PolicyAnswer,
+    Release,
+    SetPaused,
+    StatsQuery,
+    Submit,
+)
 from actors.metrics import WorkerMetrics
-from actors.resume import Resume, resume_request
+from actors.resume import resume_request
 from cluster_configs.cluster_config import WorkerPlacement
 from cluster_configs.engine_config import EngineConfig
 from cluster_configs.errors import InvalidRequest
 from cluster_configs.sampling_params import SamplingParams
 from kernels import resolve_num_threads
 from memory import numa
+from models.lora import LoraAdapter
 from models.lora_merge import MergedWeights
 from scheduling.engine import Engine
 from scheduling.outputs import RequestOutput
@@ -54,13 +70,19 @@ class NumaWorker:
         num_pinned = numa.pin_process(placement.cpu_ids)  # before the engine exists: numba has no pool yet
         memory_policy = numa.bind_memory(numa.physical_node_ids(placement.cpu_ids, numa.read_topology()))
         self._scheduler, self._adapter_cache = scheduler, adapter_cache
-        self.engine = Engine(Path(model_path), engine_config, fetch_adapter=self._fetch_adapter,
-                             shared_merged=CachedMerged(adapter_cache) if adapter_cache is not None else None)
+        self._shared_merged = CachedMerged(adapter_cache) if adapter_cache is not None else None
+        self.engine = Engine(Path(model_path), engine_config, fetch_adapter=self._held_adapter,
+                             shared_merged=self._shared_merged)
         numa.first_touch(*self.engine.kv_cache.arrays)
         self._num_pinned, self._memory_policy = num_pinned, memory_policy
         self._telemetry_interval_s, self._stream_interval_s = telemetry_interval_s, stream_interval_s
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[InboxMessage] = queue.SimpleQueue()
         self._streams: dict[str, DeltaStream] = {}
+        self._admission_ids: dict[str, str] = {}  # request id -> its router's admission id, while it streams
+        # event loop: the adapters its requests in flight use, fetched once -> (weights, number of requests)
+        self._adapters_in_use: dict[str, tuple[LoraAdapter, int]] = {}
+        # loop thread: the adapters of the engine's requests -> (weights, number of requests)
+        self._held: dict[str, tuple[LoraAdapter, int]] = {}
         # the actor's event loop, known from the first call
         self._loop: asyncio.AbstractEventLoop | None = None
         self._report_sent: float | None = None  # when the unanswered telemetry report went out
@@ -83,31 +105,40 @@ class NumaWorker:
     # ---- the actor's methods (event loop thread) -----------------------------------------------------
 
     @ray.method(num_returns="streaming")
-    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       adapter: str | None = None, cache_salt: str | None = None,
-                       resume: Resume | None = None):
+    async def generate(self, request: GenerateRequest):
         """Deltas of one request: one RequestOutput per yield, holding every token ready since the last. The
         first comes as soon as it is ready, the next ones at most every stream_interval_s (and the last at
-        once). With resume, prompt_token_ids end in the output a lost worker had streamed, and this one goes
-        on."""
+        once). With request.resume, the prompt ends in the output a lost worker had streamed, and this one
+        goes on."""
         self._loop = asyncio.get_running_loop()
+        request_id, adapter, resume = request.request_id, request.adapter, request.resume
         if request_id in self._streams:
             raise InvalidRequest(f"request id {request_id!r} is already running on this worker; "
                                  "use a unique id")
-        if adapter is not None and adapter not in self.engine.adapters:
-            await self._know_adapter(adapter)
-        num_output = len(prompt_token_ids) - resume.num_prompt_tokens if resume else 0
-        left = params.model_copy(update={"max_tokens": params.max_tokens - num_output}) if resume else params
-        req = self.engine.make_request(request_id, prompt_token_ids, left, adapter=adapter,
-                                       cache_salt=cache_salt)
-        if resume is not None:
-            resume_request(req, params, resume)
         stream = DeltaStream(self._loop)
         self._streams[request_id] = stream
-        self._inbox.put(("submit", req))
-        self._num_requests += 1
-        finished = False
+        if request.admission_id is not None:
+            self._admission_ids[request_id] = request.admission_id
+        finished, submitted, using_adapter = False, False, False
         try:
+            weights = merged = None
+            if adapter is not None:
+                weights, merged = await self._use_adapter(adapter)
+                using_adapter = True
+                if adapter not in self.engine.adapters:
+                    self.engine.adapters.add_remote(adapter)  # served from now on; weights come with requests
+            params = request.params
+            left = params
+            if resume is not None:
+                num_output = len(request.prompt_token_ids) - resume.num_prompt_tokens
+                left = params.model_copy(update={"max_tokens": params.max_tokens - num_output})
+            req = self.engine.make_request(request_id, request.prompt_token_ids, left, adapter=adapter,
+                                           cache_salt=request.cache_salt)
+            if resume is not None:
+                resume_request(req, params, resume)
+            self._inbox.put(Submit(req, weights, merged))
+            submitted = True
+            self._num_requests += 1
             while not finished:
                 items = await stream.take()
                 failure = next((i for i in items if isinstance(i, Exception)), None)
@@ -119,53 +150,78 @@ class NumaWorker:
                 stream.hold(self._stream_interval_s)
         finally:
             del self._streams[request_id]
-            if not finished:  # the caller went away or was cancelled
-                self._inbox.put(("abort", request_id))
+            self._admission_ids.pop(request_id, None)
+            if submitted and not finished:  # the caller went away or was cancelled
+                self._inbox.put(Abort(request_id))
+            if using_adapter:
+                self._done_with_adapter(adapter, submitted)
 
-    async def _know_adapter(self, name: str) -> None:
-        """Serve a registered adapter: the cache loads it into the object store now, the engine fetches it
-        from there when a step needs it."""
+    async def _use_adapter(self, name: str) -> tuple[LoraAdapter, MergedWeights | None]:
+        """The adapter's weights (and a merged copy another worker shared) for one more request, fetched
+        from the AdapterCache unless a request in flight here already uses them."""
+        in_use = self._adapters_in_use.get(name)
+        if in_use is not None:
+            self._adapters_in_use[name] = (in_use[0], in_use[1] + 1)
+            return in_use[0], None
         ref = await fetch_adapter_ref(self._adapter_cache, name) if self._adapter_cache is not None else None
         if ref is None:
             raise InvalidRequest(f"unknown adapter {name!r}: register it first with "
                                  "client.register_adapter(name, path)")
-        self.engine.adapters.add_remote(name)
+        weights = await ref
+        merged = None
+        if self.engine.config.lora_merge != "never" and self.engine.config.lora_merged_bytes > 0:
+            merged_ref = await fetch_merged_ref(self._adapter_cache, name)
+            merged = None if merged_ref is None else await merged_ref
+        in_use = self._adapters_in_use.get(name)  # another request may have fetched it meanwhile
+        self._adapters_in_use[name] = (weights, 1 + (in_use[1] if in_use else 0))
+        return weights, merged
 
-    def _fetch_adapter(self, name: str):
-        """The engine's adapter source (loop thread): the cache's copy, by name."""
-        refs = ray.get(self._adapter_cache.get.remote(name), timeout=LOOKUP_TIMEOUT_S)
-        if refs is None:
-            raise InvalidRequest(f"adapter {name!r} is no longer registered")
-        return ray.get(refs[0], timeout=LOOKUP_TIMEOUT_S)
+    def _done_with_adapter(self, name: str, submitted: bool) -> None:
+        weights, num_requests = self._adapters_in_use.pop(name, (None, 0))
+        if num_requests > 1:
+            self._adapters_in_use[name] = (weights, num_requests - 1)
+        if submitted:
+            self._inbox.put(Release(name))  # after its Abort, if any: the loop thread holds it until then
+
+    def _held_adapter(self, name: str) -> LoraAdapter:
+        """The engine's adapter source (loop thread): the weights a queued or running request brought."""
+        held = self._held.get(name)
+        if held is None:
+            raise InvalidRequest(f"adapter {name!r} is used by no request on this worker")
+        return held[0]
+
+    async def admission_ids(self) -> set[str]:
+        """The router's ids of the requests streaming from here now (the router releases the others)."""
+        return set(self._admission_ids.values())
 
     async def abort(self, request_id: str) -> None:
-        self._inbox.put(("abort", request_id))
+        self._inbox.put(Abort(request_id))
 
     async def stats(self) -> dict:
-        return await self._ask("stats")
+        return await self._ask(StatsQuery)
 
     async def pause(self) -> None:
         """Take no step until resume(): requests in flight stay where they are (none finishes, none is lost).
         Returns once the step loop has stopped: no step starts after it."""
-        await self._ask("pause", True)
+        await self._ask(SetPaused, True)
 
     async def resume(self) -> None:
-        await self._ask("pause", False)
+        await self._ask(SetPaused, False)
 
     async def advance(self, num_steps: int = 1) -> None:
         """Paused: take num_steps steps (fewer if the requests run out), then stay paused; returns after them.
         Tests move a paused worker by exact steps (a request's first token, and no more)."""
-        await self._ask("advance", num_steps)
+        await self._ask(Advance, num_steps)
 
-    async def _ask(self, kind: str, value=None):
-        """The loop thread's answer to one inbox message."""
+    async def _ask(self, message: type, *values):
+        """The loop thread's answer to one inbox message, message(*values, answer)."""
         self._loop = asyncio.get_running_loop()
         answer = self._loop.create_future()
-        self._inbox.put((kind, (value, answer)))
+        self._inbox.put(message(*values, answer))
         return await asyncio.wait_for(answer, STATS_TIMEOUT_S)
 
     async def model_info(self) -> dict:
-        """What the router needs to validate and tokenize: the tokenizer (or None), the vocabulary size and
+        """What callers need to validate and tokenize: the tokenizer (or None), the vocabulary size and
         max_model_len."""
         return {"tokenizer": self.engine.tokenizer, "vocab_size": self.engine.spec.vocab_size,
                 "block_size": self.engine.config.block_size, "max_model_len": self.engine.max_model_len}
@@ -240,46 +296,57 @@ class NumaWorker:
         try:
             message = self._inbox.get(timeout=IDLE_WAIT_S) if block else self._inbox.get_nowait()
             while True:
-                self._handle(*message)
+                self._handle(message)
                 message = self._inbox.get_nowait()
         except queue.Empty:
             pass
 
-    def _handle(self, kind: str, arg) -> None:
-        if kind == "submit":
-            self.engine.submit(arg)
-            self.metrics.submitted(arg)
-        elif kind == "abort":
-            out = self.engine.abort(arg)
-            if out is not None:
-                self.metrics.outputs([out])
-                self._deliver([(arg, out)])
-        elif kind == "pause":
-            self._paused, answer = arg
-            self._loop.call_soon_threadsafe(_set_result, answer, None)
-        elif kind == "advance":
-            if not self._paused:
-                error = InvalidRequest("advance() moves a paused worker; pause it first")
-                self._loop.call_soon_threadsafe(_set_exception, arg[1], error)
-            else:
-                self._advancing = arg
-                self._advanced(0)
-        elif kind == "stats":
-            _, answer = arg
-            stats = self.engine.stats() | {"worker_id": self.placement.worker_id,
-                                           "num_streams": len(self._streams),
-                                           "num_requests": self._num_requests,
-                                           "rss_bytes": psutil.Process().memory_info().rss,
-                                           "metrics": self.metrics.snapshot(self.engine),
-                                           "decisions": self.engine.decisions.recent(),
-                                           "paused": self._paused}
-            self._loop.call_soon_threadsafe(_set_result, answer, stats)
-        elif kind == "policy":
-            self._report_sent = None
-            try:
-                self.engine.apply(arg.result())
-            except ray.exceptions.RayError:
-                pass  # the scheduler died or is restarting: keep the policy in force
+    def _handle(self, message: InboxMessage) -> None:
+        match message:
+            case Submit(req, weights, merged):
+                if weights is not None:
+                    held = self._held.get(req.adapter_id)
+                    self._held[req.adapter_id] = (weights, 1 + (held[1] if held else 0))
+                    if merged is not None and self._shared_merged is not None:
+                        self._shared_merged.offer(merged)
+                self.engine.submit(req)
+                self.metrics.submitted(req)
+            case Release(name):
+                weights, num_requests = self._held.pop(name)
+                if num_requests > 1:
+                    self._held[name] = (weights, num_requests - 1)
+                elif self._shared_merged is not None:
+                    self._shared_merged.offered.pop(name, None)  # not taken: the engine did not merge it
+            case Abort(request_id):
+                out = self.engine.abort(request_id)
+                if out is not None:
+                    self.metrics.outputs([out])
+                    self._deliver([(request_id, out)])
+            case SetPaused(paused, answer):
+                self._paused = paused
+                self._loop.call_soon_threadsafe(_set_result, answer, None)
+            case Advance(num_steps, answer):
+                if not self._paused:
+                    error = InvalidRequest("advance() moves a paused worker; pause it first")
+                    self._loop.call_soon_threadsafe(_set_exception, answer, error)
+                else:
+                    self._advancing = (num_steps, answer)
+                    self._advanced(0)
+            case StatsQuery(answer):
+                stats = self.engine.stats() | {"worker_id": self.placement.worker_id,
+                                               "num_streams": len(self._streams),
+                                               "num_requests": self._num_requests,
+                                               "rss_bytes": psutil.Process().memory_info().rss,
+                                               "metrics": self.metrics.snapshot(self.engine),
+                                               "decisions": self.engine.decisions.recent(),
+                                               "paused": self._paused}
+                self._loop.call_soon_threadsafe(_set_result, answer, stats)
+            case PolicyAnswer(answer):
+                self._report_sent = None
+                try:
+                    self.engine.apply(answer.result())
+                except ray.exceptions.RayError:
+                    pass  # the scheduler died or is restarting: keep the policy in force
 
     def _step(self, meter: "_StepMeter") -> None:
         start = time.perf_counter()
@@ -315,7 +382,7 @@ class NumaWorker:
         meter.reset()
         self._report_sent = time.monotonic()
         answer = self._scheduler.report.remote(telemetry).future()
-        answer.add_done_callback(lambda f: self._inbox.put(("policy", f)))
+        answer.add_done_callback(lambda f: self._inbox.put(PolicyAnswer(f)))
 
 
 class _StepMeter:
@@ -346,15 +413,20 @@ def _set_exception(future: asyncio.Future, error: Exception) -> None:
 
 
 class CachedMerged:
-    """The engine's SharedMerged (scheduling/lora_planner.py) in a deployment: merged copies through the
-    AdapterCache and the object store (loop thread; blocking calls, made only when a copy is missing)."""
+    """The engine's SharedMerged (scheduling/lora_planner.py) in a deployment: a merged copy another worker
+    shared comes with the request that needs it (fetched on the event loop, offered here by the loop thread);
+    a copy built here goes to the AdapterCache for the others. Nothing waits on Ray."""
 
     def __init__(self, adapter_cache):
         self.adapter_cache = adapter_cache
+        self.offered: dict[str, MergedWeights] = {}  # adapter -> a shared copy not yet taken
+
+    def offer(self, merged: MergedWeights) -> None:
+        self.offered[merged.name] = merged
 
     def get(self, name: str) -> MergedWeights | None:
-        refs = ray.get(self.adapter_cache.merged.remote(name), timeout=LOOKUP_TIMEOUT_S)
-        return None if refs is None else ray.get(refs[0], timeout=LOOKUP_TIMEOUT_S).local_copy()
+        merged = self.offered.pop(name, None)
+        return None if merged is None else merged.local_copy()
 
     def put(self, merged: MergedWeights) -> None:
         self.adapter_cache.put_merged.remote(merged.name, [ray.put(merged)], merged.nbytes)  # not waited for

@@ -1,5 +1,6 @@
 """Tokenizer of a model directory (tokenizer.json via the tokenizers library) and incremental decoding."""
 
+from functools import cached_property
 from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
@@ -33,6 +34,11 @@ class Tokenizer:
     @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
+
+    @cached_property
+    def max_token_chars(self) -> int:
+        """The longest token's length in characters (as the vocabulary spells it)."""
+        return max(map(len, self._tok.get_vocab(with_added_tokens=True)), default=1)
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text).ids  # with the special tokens its post-processor declares (e.g. BOS)

@@ -1,9 +1,11 @@
 """Which worker serves a request: session stickiness, then prefix-cache affinity, then least outstanding
 tokens.
 
-The router keeps, per worker, the requests it has outstanding there and their outstanding tokens (prompt
-tokens not yet prefilled + tokens still to generate). A request is admitted only to a live worker below
-its admission bound; if there is none, Overloaded. Among those:
+The router keeps, per worker, the requests it admitted there and not yet finished, and what they may cost
+(prompt + max_tokens each): it learns of a request twice (its admission, its end; a third time if its worker
+is lost), never from its tokens, which go from the worker straight to the caller. A request is admitted only
+to a live worker below its admission bound (from the workers' telemetry, through the scheduler); if there is
+none, Overloaded. Among those:
 
 1. session: a session's turns go back to the worker that holds its earlier turns' KV blocks;
 2. prefix: the first blocks of the prompt are hashed as the block pool hashes them; the worker that last
@@ -15,8 +17,9 @@ its admission bound; if there is none, Overloaded. Among those:
 4. load: otherwise the worker with the fewest outstanding tokens (then requests, then declaration order).
 """
 
+import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
 from cluster_configs.errors import Overloaded, Unavailable
@@ -50,6 +53,7 @@ class WorkerLoad:
 class _Route:
     worker_id: str
     num_tokens: int  # outstanding
+    assigned_at: float  # the policy's clock
 
 
 class _LRU(OrderedDict):
@@ -61,14 +65,19 @@ class _LRU(OrderedDict):
 
 
 class RoutingPolicy:
-    def __init__(self, worker_ids: Sequence[str], block_size: int, admission_bound: int):
+    def __init__(self, worker_ids: Sequence[str], block_size: int, admission_bound: int,
+                 clock: Callable[[], float] = time.monotonic):
         self.block_size = block_size
+        self.clock = clock
         self.workers = {w: WorkerLoad(w, admission_bound) for w in worker_ids}
         self.routes: dict[str, _Route] = {}
         self.sessions = _LRU()  # session -> worker id
         self.prefixes = _LRU()  # block chain hash -> worker id
         self.adapters = _LRU()  # adapter -> the worker that last took a request with it
         self.num_routed = {"session": 0, "prefix": 0, "adapter": 0, "load": 0, "reroute": 0}
+        # calls per request: what the router handles for each (a caller's admit, finish, reroute)
+        self.num_calls = {"admit": 0, "finish": 0, "reroute": 0}
+        self.num_swept = 0  # requests released because their caller went away without finishing them
 
     # ---- decisions ---------------------------------------------------------------------------------
 
@@ -76,6 +85,7 @@ class RoutingPolicy:
               session: str | None = None, extra: tuple = (), adapter: str | None = None) -> str:
         """Admit a request to a worker and account for it there; Overloaded if no live worker admits it
         (Unavailable, a kind of Overloaded, if no worker is alive)."""
+        self.num_calls["admit"] += 1
         candidates = [w for w in self.workers.values() if w.admits]
         if not candidates:
             error = Overloaded if any(w.alive for w in self.workers.values()) else Unavailable
@@ -89,6 +99,7 @@ class RoutingPolicy:
 
     def reroute(self, request_id: str, num_tokens_left: int) -> str | None:
         """Move an admitted request off its (dead) worker to the least loaded live one, bound or not."""
+        self.num_calls["reroute"] += 1
         self._release(request_id)
         alive = [w for w in self.workers.values() if w.alive]
         if not alive:
@@ -132,15 +143,22 @@ class RoutingPolicy:
 
     # ---- accounting --------------------------------------------------------------------------------
 
-    def progress(self, request_id: str, num_tokens_done: int) -> None:
-        route = self.routes.get(request_id)
-        if route is not None:
-            done = min(num_tokens_done, route.num_tokens)
-            route.num_tokens -= done
-            self.workers[route.worker_id].num_tokens -= done
-
     def finish(self, request_id: str) -> None:
+        """The request ended (finished, aborted or failed); unknown ids (a restarted router's) are ignored."""
+        self.num_calls["finish"] += 1
         self._release(request_id)
+
+    def sweep(self, worker_id: str, running_ids: Collection[str], grace_s: float) -> list[str]:
+        """Release the requests placed on worker_id more than grace_s ago that it does not run (any more):
+        their caller went away without finish. -> their ids. running_ids: the worker's, asked after the
+        placements it is checked against (a request placed later is younger than grace_s)."""
+        oldest = self.clock() - grace_s
+        gone = [request_id for request_id, route in self.routes.items() if route.worker_id == worker_id
+                and route.assigned_at < oldest and request_id not in running_ids]
+        for request_id in gone:
+            self._release(request_id)
+        self.num_swept += len(gone)
+        return gone
 
     def mark_down(self, worker_id: str) -> None:
         self.workers[worker_id].alive = False
@@ -153,7 +171,7 @@ class RoutingPolicy:
             self.workers[worker_id].admission_bound = bound
 
     def _assign(self, request_id: str, worker: WorkerLoad, num_tokens: int) -> None:
-        self.routes[request_id] = _Route(worker.worker_id, num_tokens)
+        self.routes[request_id] = _Route(worker.worker_id, num_tokens, self.clock())
         worker.request_ids.add(request_id)
         worker.num_tokens += num_tokens
 

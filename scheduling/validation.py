@@ -1,8 +1,9 @@
 """Request validation: the one place a request is checked against a model and an engine.
 
-The router calls `validate_request` before it routes (with what it knows: the vocabulary, the registered
-adapters, max_model_len when configured), the engine calls it in make_request with every limit, before
-any work. Each failure is an InvalidRequest that names the problem and the fix.
+A deployment's callers (ns.Client, the HTTP actor) call `validate_request` before they ask the router to
+place a request (with what they know: the vocabulary, the registered adapters, max_model_len), the engine
+calls it in make_request with every limit, before any work. Each failure is an InvalidRequest that names
+the problem and the fix.
 
 Lengths: a prompt may take up to max_model_len - 1 tokens, leaving room for one generated token; a prompt
 computed for its outputs alone (prompt_only: `LLM.score`, `LLM.embed`) may fill max_model_len. prompt +
@@ -21,6 +22,9 @@ from cluster_configs.sampling_params import SamplingParams
 from scheduling.structured import grammar_of
 
 MAX_LOGPROBS = 20  # SamplingParams refuses more at construction too
+# A token spells at most the vocabulary's longest token's characters of the text it came from, but a
+# normalizer may compose characters first (NFC joins up to 3 Hangul jamo into one): 4x leaves room for that.
+TEXT_CHARS_PER_TOKEN_SLACK = 4
 
 
 @dataclass(frozen=True)
@@ -48,6 +52,8 @@ def validate_request(prompt, params: SamplingParams | None, limits: RequestLimit
                              param="cache_salt")
     if adapter is not None and adapters is not None:
         check_adapter(adapter, adapters)
+    if isinstance(prompt, str) and tokenizer is not None:
+        check_text_length(len(prompt), tokenizer.max_token_chars, limits, prompt_logits)
     prompt_ids = encode_prompt(prompt, tokenizer, limits.vocab_size)
     check_length(len(prompt_ids), params, limits, prompt_only)
     for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or ())):
@@ -116,6 +122,19 @@ def max_num_tokens(num_prompt_tokens: int, params: SamplingParams, max_model_len
     """The length a request may reach: prompt + max_tokens (the prompt alone when scored), at most
     max_model_len."""
     return min(max_model_len, num_prompt_tokens + (0 if prompt_only else params.max_tokens))
+
+
+def check_text_length(num_chars: int, max_token_chars: int, limits: RequestLimits,
+                      prompt_logits: bool) -> None:
+    """Refuse a text prompt too long for max_model_len whatever its tokens, before tokenizing it (a 5 MB
+    prompt takes seconds to tokenize, and would be refused after)."""
+    if limits.max_model_len is None:
+        return
+    limit = limits.max_model_len if prompt_logits else limits.max_model_len - 1
+    if num_chars > limit * max_token_chars * TEXT_CHARS_PER_TOKEN_SLACK:
+        raise InvalidRequest(f"prompt has {num_chars} characters, more than max_model_len="
+                             f"{limits.max_model_len} tokens can hold (at most {limit} tokens of at most "
+                             f"{max_token_chars} characters each); shorten the prompt", param="prompt")
 
 
 def check_length(num_prompt_tokens: int, params: SamplingParams, limits: RequestLimits,

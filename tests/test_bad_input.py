@@ -7,12 +7,16 @@ import shutil
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from pydantic import ValidationError
 
 import numaserve as ns
+from actors.request_stream import Ingress
 from actors.router import Router
 from models.safetensors_io import read_header
-from scheduling.validation import RequestLimits, validate_request
+from models.tokenizer import Tokenizer
+from scheduling.validation import TEXT_CHARS_PER_TOKEN_SLACK, RequestLimits, validate_request
 from tests.conftest import random_prompt
 
 GOOD = ns.SamplingParams(max_tokens=3, temperature=0)
@@ -21,6 +25,11 @@ GOOD = ns.SamplingParams(max_tokens=3, temperature=0)
 @pytest.fixture(scope="module")
 def llm(llama_dir):
     return ns.LLM(llama_dir, weight_dtype="float32", kv_dtype="float32", max_model_len=64)
+
+
+@pytest.fixture(scope="module")
+def llama_tokenizer(llama_dir):
+    return Tokenizer.from_dir(llama_dir)
 
 
 @pytest.mark.parametrize("fields, name", [
@@ -203,7 +212,8 @@ class _Remote:
 
     def remote(self, *args):
         async def call():
-            return self.fn(*args)
+            result = self.fn(*args)
+            return await result if asyncio.iscoroutine(result) else result
         return call()
 
 
@@ -213,33 +223,52 @@ class _Stub:
             setattr(self, name, _Remote(fn))
 
 
-def route_once(tokenizer, prompt, params=None, adapter=None):
-    """The Router actor's generate, run in this process with stub workers, scheduler and adapter cache:
-    -> the first item it streams (the prompt's token ids), or the error it raises."""
+def admit_once(tokenizer, prompt, params=None, adapter=None, session=None):
+    """A caller's admission (actors/request_stream.py) through the Router actor's code, both run in this
+    process with stub workers, scheduler and adapter cache: -> the admitted prompt's token ids, or the error
+    raised."""
     registered = {"a": "/adapters/a", "b": "/adapters/b"}
     worker = _Stub(model_info=lambda: {"tokenizer": tokenizer, "vocab_size": VOCAB, "block_size": 16})
+    cache = _Stub(path=registered.get, adapters=lambda: dict(registered))
     router = Router.__ray_actor_class__(
         ns.ClusterConfig(engine={"max_model_len": MAX_MODEL_LEN}), {"w0": worker}, _Stub(policies=dict),
-        _Stub(path=registered.get, adapters=lambda: dict(registered)))
+        cache)
+    router_handle = _Stub(model_info=router.model_info, admit=router.admit, finish=router.finish)
 
-    async def first():
-        stream = router.generate(prompt, params, adapter)
-        try:
-            return await stream.__anext__()
-        finally:
-            await stream.aclose()
-    return asyncio.run(first())
+    async def admit():
+        stream = await Ingress(router_handle, cache).open(prompt, params, adapter, session)
+        assert router.routing.num_calls == {"admit": 1, "finish": 0, "reroute": 0}
+        return stream.admission.prompt_token_ids
+    return asyncio.run(admit())
 
 
 @pytest.mark.parametrize("prompt, params, adapter, message", BAD_REQUESTS)
-def test_the_router_validates_with_the_same_rules(llm, prompt, params, adapter, message):
+def test_callers_validate_with_the_same_rules(llm, prompt, params, adapter, message):
     with pytest.raises(ns.InvalidRequest, match=message):
-        route_once(llm.tokenizer, prompt, params, adapter)
+        admit_once(llm.tokenizer, prompt, params, adapter)
 
 
-def test_the_router_admits_a_good_request(llm):
-    assert route_once(llm.tokenizer, [5, 6, 7], GOOD, adapter="b") == [5, 6, 7]
-    assert route_once(llm.tokenizer, "hello world") == llm.tokenizer.encode("hello world")
+def test_a_caller_admits_a_good_request(llm):
+    assert admit_once(llm.tokenizer, [5, 6, 7], GOOD, adapter="b") == [5, 6, 7]
+    assert admit_once(llm.tokenizer, "hello world") == llm.tokenizer.encode("hello world")
+    with pytest.raises(ns.InvalidRequest, match="session must be a str"):
+        admit_once(llm.tokenizer, [5, 6, 7], session=7)
+
+
+def test_a_text_too_long_for_any_tokenization_is_refused_before_it_is_tokenized(llm, monkeypatch):
+    limits = RequestLimits(VOCAB, MAX_MODEL_LEN)
+    monkeypatch.setattr(type(llm.tokenizer), "encode", lambda self, text: pytest.fail("tokenized"))
+    with pytest.raises(ns.InvalidRequest, match=r"prompt has 5000000 characters, more than max_model_len=64"):
+        validate_request("a" * 5_000_000, None, limits, tokenizer=llm.tokenizer)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(min_size=1, max_size=400))
+def test_the_text_bound_never_refuses_a_text_that_tokenizes_within_the_limit(llama_tokenizer, text):
+    """check_text_length's bound is a lower bound on the tokens: characters <= tokens x the longest token's
+    characters x the slack, whatever the text."""
+    num_tokens = len(llama_tokenizer.encode(text))
+    assert len(text) <= num_tokens * llama_tokenizer.max_token_chars * TEXT_CHARS_PER_TOKEN_SLACK
 
 
 # ---- checkpoints ----------------------------------------------------------------------------------

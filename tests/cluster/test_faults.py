@@ -223,18 +223,12 @@ def test_a_killed_http_server_fails_only_its_connections_then_serves_again(clien
 
 
 @pytest.mark.load_sensitive
-def test_a_killed_router_ends_its_streams_with_a_typed_error_and_new_requests_are_served(client, api,
-                                                                                         expected):
+def test_a_killed_router_loses_no_stream_and_new_requests_are_served_after_its_restart(client, api, expected):
+    """No stream passes through the router (it only places them): its death ends none, each ends exactly as
+    undisturbed, and the admissions asked while it restarts wait for it."""
+    old_pid = client.stats()["router_pid"]
     outcomes, num_running = run_killing(client, api, "router")
     assert num_running > 0
-    c = counts(outcomes, expected)
-    assert c["hung"] == 0 and c["completed"] + c["failed"] == 32, c  # every stream: exact, or a clear error
-    for o in outcomes:
-        if o.error is not None and o.via == "client":
-            assert isinstance(o.error, ns.Unavailable) and "router" in str(o.error), o.error
-        elif o.error is not None:
-            assert isinstance(o.error, openai.APIError) and "router" in str(o.error), o.error
-    start = time.monotonic()
-    wait_for(lambda: serves(client, api), BACK_WITHIN_S, "the restarted router to serve")
-    print(f"router kill: {c} (lost in flight: {c['failed']}), "
-          f"served again after {time.monotonic() - start:.1f} s")
+    assert counts(outcomes, expected) == {"completed": 32, "failed": 0, "hung": 0}
+    assert client.stats()["router_pid"] != old_pid  # it did restart
+    assert serves(client, api)

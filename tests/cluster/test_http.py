@@ -305,18 +305,17 @@ def test_curl_style_bodies_without_a_json_content_type_are_read_as_json(url):
 @pytest.mark.load_sensitive
 def test_a_full_deployment_answers_429_with_retry_after_and_serves_again(client, api, url):
     long = ns.SamplingParams(max_tokens=480, temperature=0, ignore_eos=True)
-    with paused(client):  # the 24 admitted stay outstanding however fast this machine would run them
-        streams = [client.router.generate.remote(random_prompt(8, seed=700 + i), long) for i in range(24)]
-        try:
-            assert all(isinstance(ray.get(next(s)), list) for s in streams)  # each was admitted
-            r = requests.post(f"{url}/v1/completions", json={"prompt": "hi"}, timeout=30)
-            assert r.status_code == 429 and r.headers["Retry-After"] == "1"
-            assert r.json()["error"]["type"] == "rate_limit_error"
-            with pytest.raises(openai.RateLimitError):
-                api.chat.completions.create(model=MODEL, **CHAT)
-        finally:
-            for s in streams:
-                ray.cancel(s)
+    # admitted and not streamed: the 24 stay outstanding until their callers (here) finish them
+    admissions = ray.get([client.router.admit.remote(random_prompt(8, seed=700 + i), long)
+                          for i in range(24)])
+    try:
+        r = requests.post(f"{url}/v1/completions", json={"prompt": "hi"}, timeout=30)
+        assert r.status_code == 429 and r.headers["Retry-After"] == "1"
+        assert r.json()["error"]["type"] == "rate_limit_error"
+        with pytest.raises(openai.RateLimitError):
+            api.chat.completions.create(model=MODEL, **CHAT)
+    finally:
+        ray.get([client.router.finish.remote(a.request_id) for a in admissions])
     wait_for(lambda: idle(client), 30, "the cancelled requests to drain")
     assert serves(api)
 

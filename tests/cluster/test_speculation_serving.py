@@ -11,6 +11,7 @@ import pytest
 import ray
 
 import numaserve as ns
+from actors.messages import GenerateRequest
 from actors.worker import NumaWorker
 from scheduling.policy import Policy
 from scheduling.spec_policy import SpeculationPolicy
@@ -198,7 +199,7 @@ def test_a_worker_drafts_at_the_depth_its_scheduler_pushes_not_its_configured_on
         wait_for(lambda: ray.get(scheduler.last_telemetry.remote()) is not None, 10, "the first report")
         prompt = random_prompt(12, seed=32) * 4
         params = ns.SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
-        token_ids = [t for ref in worker.generate.remote("r0", prompt, params)
+        token_ids = [t for ref in worker.generate.remote(GenerateRequest("r0", prompt, params))
                      for t in ray.get(ref).token_ids]
         assert token_ids == reference_outputs(llama_dir, plain_config, [prompt], params)[0].token_ids
         stats = ray.get(worker.stats.remote())

@@ -1,0 +1,102 @@
+"""The messages between a deployment's processes (STYLE 8, 16): the router's answers to a caller, a caller's
+request to a worker, and what the worker's event loop tells its step-loop thread (its inbox)."""
+
+import asyncio
+import concurrent.futures
+from dataclasses import dataclass
+from typing import Any
+
+from actors.resume import Resume
+from cluster_configs.sampling_params import SamplingParams
+from models.lora import LoraAdapter
+from models.lora_merge import MergedWeights
+from scheduling.request import Request
+
+# ---- router -> caller ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where an admitted request runs."""
+
+    worker_id: str
+    worker: Any  # its NumaWorker handle
+
+
+@dataclass(frozen=True)
+class Admission:
+    """A request the router admitted: the caller streams it from placement's worker, then calls
+    Router.finish(request_id)."""
+
+    request_id: str
+    placement: Placement
+    prompt_token_ids: list[int]
+    params: SamplingParams  # validated by the caller
+    adapter: str | None
+    cache_salt: str | None
+
+
+# ---- caller -> worker -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """One attempt at a request on one worker (NumaWorker.generate). With resume, prompt_token_ids end in the
+    output a lost worker had streamed."""
+
+    request_id: str  # the attempt's id, unique on its worker
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    adapter: str | None = None
+    cache_salt: str | None = None
+    resume: Resume | None = None
+    admission_id: str | None = None  # Admission.request_id (None: not admitted by a router)
+
+
+# ---- a worker's event loop -> its step-loop thread ------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Submit:
+    request: Request
+    adapter: LoraAdapter | None  # its weights, fetched before it was queued (held until Release)
+    merged: MergedWeights | None  # a merged copy of them another worker shared, if there was one
+
+
+@dataclass(frozen=True)
+class Abort:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class Release:
+    """A request with this adapter has ended: its weights need not be held for it any more."""
+
+    adapter: str
+
+
+@dataclass(frozen=True)
+class SetPaused:
+    paused: bool
+    answer: asyncio.Future
+
+
+@dataclass(frozen=True)
+class Advance:
+    num_steps: int
+    answer: asyncio.Future
+
+
+@dataclass(frozen=True)
+class StatsQuery:
+    answer: asyncio.Future
+
+
+@dataclass(frozen=True)
+class PolicyAnswer:
+    """The scheduler's answer to a telemetry report (a Policy, or the error of a dead scheduler)."""
+
+    answer: concurrent.futures.Future
+
+
+InboxMessage = Submit | Abort | Release | SetPaused | Advance | StatsQuery | PolicyAnswer

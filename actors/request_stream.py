@@ -1,0 +1,186 @@
+"""A request from its caller's side (ns.Client, the HTTP actor): validated and tokenized in the caller, placed
+by the router, streamed straight from its worker, resumed on another worker if that one is lost, and
+reported to the router when it ends. The router sees two calls per request (admit, finish; a reroute more if
+its worker is lost), never a token.
+
+Resuming: the caller holds what it has received; it re-submits prompt + those tokens to the worker the
+router gives it, with a Resume record (actors/resume.py) that lets the new worker go on exactly where the old
+one was, so the stream is identical to an undisturbed one. A router that dies loses no stream (none passes
+through it); calls to it wait for its restart (ROUTER_WAIT_S).
+"""
+
+import asyncio
+from collections.abc import Awaitable, Callable
+
+from ray.exceptions import RayActorError, RayTaskError
+
+from actors.adapter_cache import lookup_adapter
+from actors.messages import Admission, GenerateRequest, Placement
+from actors.ray_errors import WORKER_LOST, unwrap
+from actors.resume import resume_state
+from cluster_configs.errors import Unavailable
+from cluster_configs.sampling_params import SamplingParams
+from scheduling.outputs import RequestOutput
+from scheduling.validation import RequestLimits, validate_request
+
+ROUTER_WAIT_S = 60.0  # how long a call waits for a restarting router
+REROUTE_WAIT_S = 120.0  # how long a request that lost its worker waits for any live worker
+RETRY_INTERVAL_S = 0.2
+MAX_ATTEMPTS = 64  # workers lost by one request before it gives up
+
+
+class Ingress:
+    """A caller's handle on the deployment's router and adapter cache; the model's tokenizer and limits are
+    fetched once."""
+
+    def __init__(self, router, adapter_cache):
+        self.router, self.adapter_cache = router, adapter_cache
+        self._model: dict | None = None  # Router.model_info
+        self._known_adapters: set[str] = set()  # registered ones (a name, once registered, stays so)
+
+    async def model_info(self) -> dict:
+        """The tokenizer (or None), vocab_size and max_model_len."""
+        if self._model is None:
+            self._model = await self.call_router(lambda: self.router.model_info.remote())
+        return self._model
+
+    async def open(self, prompt, params: SamplingParams | None = None, adapter: str | None = None,
+                   session: str | None = None, cache_salt: str | None = None) -> "RequestStream":
+        """Validate (tokenizing in a thread of this process: a huge prompt delays its own request only),
+        admit, and return the request's stream; InvalidRequest, Overloaded, Unavailable as they come."""
+        arrival = asyncio.get_running_loop().time()
+        model = await self.model_info()
+        adapters = None  # the registered names, as far as validation needs them
+        if adapter is not None and adapter not in self._known_adapters:
+            found = await lookup_adapter(self.adapter_cache, adapter) if isinstance(adapter, str) else None
+            adapters = {adapter} if found is not None else await self._adapter_names()
+            if found is not None:
+                self._known_adapters.add(adapter)
+        limits = RequestLimits(model["vocab_size"], model["max_model_len"])
+        prompt_ids, params = await asyncio.to_thread(
+            validate_request, prompt, params, limits, tokenizer=model["tokenizer"], adapter=adapter,
+            adapters=adapters, cache_salt=cache_salt)
+        admission = await self.call_router(
+            lambda: self.router.admit.remote(prompt_ids, params, adapter, session, cache_salt))
+        return RequestStream(self, admission, arrival)
+
+    async def reroute(self, request_id: str, lost_worker_id: str, num_tokens_left: int) -> Placement:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + REROUTE_WAIT_S
+        while (placement := await self.call_router(
+                lambda: self.router.reroute.remote(request_id, lost_worker_id, num_tokens_left))) is None:
+            if loop.time() > deadline:
+                raise Unavailable(f"request {request_id} lost its worker and none came back within "
+                                  f"{REROUTE_WAIT_S:.0f} s; retry later")
+            await asyncio.sleep(RETRY_INTERVAL_S)
+        return placement
+
+    async def call_router(self, call: Callable[[], Awaitable]):
+        """await call() on the router, waiting out a restart of it (up to ROUTER_WAIT_S)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + ROUTER_WAIT_S
+        while True:
+            try:
+                return await call()
+            except RayActorError as e:
+                if loop.time() > deadline:
+                    raise unwrap(e, "router") from None
+                await asyncio.sleep(RETRY_INTERVAL_S)
+            except RayTaskError as e:
+                raise unwrap(e, "router") from None
+
+    async def _adapter_names(self) -> set[str]:
+        try:
+            return set(await self.adapter_cache.adapters.remote())
+        except (RayActorError, RayTaskError) as e:
+            raise unwrap(e, "adapter cache") from None
+
+
+class RequestStream:
+    """One admitted request's deltas (`await next()`, the last with finish_reason set), straight from its
+    worker. cancel() aborts it (safe at any time, repeated or after the end); a cancelled next() cancels."""
+
+    def __init__(self, ingress: Ingress, admission: Admission, arrival: float):
+        self.ingress, self.admission, self.arrival = ingress, admission, arrival
+        self.placement = admission.placement
+        self.generated: list[int] = []
+        self.emitted_text = ""
+        self.resume = None
+        self.num_attempts = 0
+        self.attempt_id: str | None = None
+        self.refs = None  # the running attempt's ObjectRefGenerator
+        self.done = False
+
+    async def next(self) -> RequestOutput:
+        try:
+            while True:
+                if self.refs is None:
+                    expired = self._start_attempt()
+                    if expired is not None:
+                        self._end(finished=True)
+                        return expired
+                try:
+                    out: RequestOutput = await (await self.refs.__anext__())
+                except (StopAsyncIteration, *WORKER_LOST):
+                    await self._move()  # the worker's stream stopped before the request finished: lost
+                    continue
+                except RayTaskError as e:
+                    self._end(finished=True)  # the request failed on its worker, which has let it go
+                    raise unwrap(e, "worker") from None
+                self.generated += out.token_ids
+                self.emitted_text += out.text
+                if out.finished:
+                    self._end(finished=True)
+                return RequestOutput(self.admission.request_id, out.token_ids, out.text, out.finish_reason,
+                                     out.logprobs)
+        except BaseException:
+            self.cancel()  # cancelled (the caller went away), or no worker to resume on
+            raise
+
+    def cancel(self) -> None:
+        if not self.done:
+            self._end(finished=False)
+
+    def _start_attempt(self) -> RequestOutput | None:
+        """Submit the request (resumed, after a loss) to its worker; an "abort" output if its deadline has
+        passed meanwhile."""
+        a = self.admission
+        if self.num_attempts >= MAX_ATTEMPTS:
+            raise RuntimeError(f"request {a.request_id} lost its worker too many times; giving up")
+        left = _deadline_left(a.params, self.arrival)
+        if left is not None and left.deadline_s is None:
+            return RequestOutput(a.request_id, [], "", "abort", [] if a.params.logprobs is not None else None)
+        self.attempt_id = f"{a.request_id}-{self.num_attempts}"
+        self.num_attempts += 1
+        request = GenerateRequest(self.attempt_id, a.prompt_token_ids + self.generated, left or a.params,
+                                  a.adapter, a.cache_salt, self.resume, a.request_id)
+        self.refs = self.placement.worker.generate.remote(request)
+        return None
+
+    async def _move(self) -> None:
+        """The worker was lost: go on on the one the router gives, from where the stream is."""
+        a = self.admission
+        self.refs = None
+        self.placement.worker.abort.remote(self.attempt_id)  # in case it lives on (its stream ended early)
+        self.placement = await self.ingress.reroute(a.request_id, self.placement.worker_id,
+                                                    len(a.prompt_token_ids) + a.params.max_tokens)
+        tokenizer = (await self.ingress.model_info())["tokenizer"]
+        self.resume = resume_state(tokenizer, a.prompt_token_ids, self.generated, self.emitted_text)
+
+    def _end(self, finished: bool) -> None:
+        """Let the worker (unless the request finished there) and the router go of it; neither is waited
+        for (a router restarting now has forgotten the request anyway)."""
+        self.done = True
+        if not finished and self.refs is not None:
+            self.placement.worker.abort.remote(self.attempt_id)
+        self.refs = None
+        self.ingress.router.finish.remote(self.admission.request_id)
+
+
+def _deadline_left(params: SamplingParams, arrival: float) -> SamplingParams | None:
+    """params with deadline_s cut to what is left since arrival (None in it: nothing is left); None when the
+    request has no deadline."""
+    if params.deadline_s is None:
+        return None
+    left = params.deadline_s - (asyncio.get_running_loop().time() - arrival)
+    return params.model_copy(update={"deadline_s": left if left > 0 else None})
