@@ -53,7 +53,7 @@ def validate_request(prompt, params: SamplingParams | None, limits: RequestLimit
     if adapter is not None and adapters is not None:
         check_adapter(adapter, adapters)
     if isinstance(prompt, str) and tokenizer is not None:
-        check_text_length(len(prompt), tokenizer.max_token_chars, limits, prompt_logits)
+        check_text_length(len(prompt), tokenizer.max_token_chars, limits, prompt_only)
     prompt_ids = encode_prompt(prompt, tokenizer, limits.vocab_size)
     check_length(len(prompt_ids), params, limits, prompt_only)
     for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or ())):
@@ -125,12 +125,12 @@ def max_num_tokens(num_prompt_tokens: int, params: SamplingParams, max_model_len
 
 
 def check_text_length(num_chars: int, max_token_chars: int, limits: RequestLimits,
-                      prompt_logits: bool) -> None:
+                      prompt_only: bool) -> None:
     """Refuse a text prompt too long for max_model_len whatever its tokens, before tokenizing it (a 5 MB
     prompt takes seconds to tokenize, and would be refused after)."""
     if limits.max_model_len is None:
         return
-    limit = limits.max_model_len if prompt_logits else limits.max_model_len - 1
+    limit = limits.max_model_len if prompt_only else limits.max_model_len - 1
     if num_chars > limit * max_token_chars * TEXT_CHARS_PER_TOKEN_SLACK:
         raise InvalidRequest(f"prompt has {num_chars} characters, more than max_model_len="
                              f"{limits.max_model_len} tokens can hold (at most {limit} tokens of at most "
