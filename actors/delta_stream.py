@@ -8,8 +8,9 @@ from scheduling.outputs import RequestOutput
 def merge(request_id: str, outputs: list[RequestOutput]) -> RequestOutput:
     """Several deltas of one request that are ready together, as one."""
     logprobs = None if outputs[0].logprobs is None else [lp for o in outputs for lp in o.logprobs]
-    return RequestOutput(request_id, [t for o in outputs for t in o.token_ids],
-                         "".join(o.text for o in outputs), outputs[-1].finish_reason, logprobs)
+    prompt_logprobs = next((o.prompt_logprobs for o in outputs if o.prompt_logprobs is not None), None)
+    token_ids, text = [t for o in outputs for t in o.token_ids], "".join(o.text for o in outputs)
+    return RequestOutput(request_id, token_ids, text, outputs[-1].finish_reason, logprobs, prompt_logprobs)
 
 
 class DeltaStream:

@@ -16,6 +16,7 @@ import importlib.metadata
 import socket
 from pathlib import Path
 
+import numpy as np
 import ray
 import uvicorn
 from fastapi import FastAPI, Request
@@ -121,6 +122,12 @@ class RayDeployment:
 
     async def model_info(self) -> dict:
         return await self.ingress.model_info()
+
+    async def embed(self, prompts: list, pooling: str, adapter: str | None,
+                    cache_salt: str | None = None) -> tuple[list[list[int]], np.ndarray]:
+        """Each prompt placed and embedded on its own (they spread over the workers like requests)."""
+        done = await asyncio.gather(*(self.ingress.embed(p, pooling, adapter, cache_salt) for p in prompts))
+        return [ids for ids, _ in done], np.stack([vector for _, vector in done])
 
     async def adapter_path(self, name: str) -> str | None:
         return await lookup_adapter(self.adapter_cache, name)

@@ -57,6 +57,17 @@ class GenerateRequest:
 
 
 @dataclass(frozen=True)
+class EmbedRequest:
+    """NumaWorker.embed's argument: one prompt's pooled final hidden states (/v1/embeddings)."""
+
+    request_id: str  # unique on its worker
+    prompt_token_ids: list[int]
+    pooling: str  # scheduling/embedding.POOLINGS
+    adapter: str | None = None
+    admission_id: str | None = None  # Admission.request_id
+
+
+@dataclass(frozen=True)
 class Submit:
     request: Request
     adapter: LoraAdapter | None  # its weights, fetched before it was queued (held until Release)

@@ -281,12 +281,9 @@ class OpenAIServing:
         adapter = await self._adapter(req.model)
         await self.info()
         inputs = req.inputs()
-        embed = getattr(self.deployment, "embed", None)
-        if embed is None:  # the Ray router has no embed call yet
-            raise APIError(501, "this deployment does not serve embeddings yet; use numaserve.LLM.embed in "
-                                "process", type="server_error", code="not_implemented")
         try:
-            prompt_ids, vectors = await embed(inputs, self.tenancy.config.pooling, adapter, salt)
+            pooling = self.tenancy.config.pooling
+            prompt_ids, vectors = await self.deployment.embed(inputs, pooling, adapter, salt)
         except InvalidRequest as e:
             raise APIError(400, str(e), param="input" if e.param == "prompt" else e.param,
                            code="context_length_exceeded" if "max_model_len" in str(e) else "invalid_value"

@@ -11,11 +11,13 @@ through it); calls to it wait for its restart (ROUTER_WAIT_S).
 
 import asyncio
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 
+import numpy as np
 from ray.exceptions import RayActorError, RayTaskError
 
 from actors.adapter_cache import lookup_adapter
-from actors.messages import Admission, GenerateRequest, Placement
+from actors.messages import Admission, EmbedRequest, GenerateRequest, Placement
 from actors.ray_errors import WORKER_LOST, unwrap
 from actors.resume import resume_state
 from cluster_configs.errors import Unavailable
@@ -49,6 +51,32 @@ class Ingress:
         """Validate (tokenizing in a thread of this process: a huge prompt delays its own request only),
         admit, and return the request's stream; InvalidRequest, Overloaded, Unavailable as they come."""
         arrival = asyncio.get_running_loop().time()
+        admission = await self._admit(prompt, params, adapter, session, cache_salt)
+        return RequestStream(self, admission, arrival)
+
+    async def embed(self, prompt, pooling: str, adapter: str | None = None,
+                    cache_salt: str | None = None) -> tuple[list[int], np.ndarray]:
+        """(the prompt's token ids, its final hidden states pooled: float32 [hidden]), computed on the worker
+        the router places it on (NumaWorker.embed); computed again on another if that one is lost."""
+        a = await self._admit(prompt, SamplingParams(max_tokens=1), adapter, None, cache_salt,
+                              prompt_only=True)
+        placement = a.placement
+        try:
+            for attempt in range(MAX_ATTEMPTS):
+                request = EmbedRequest(f"{a.request_id}-{attempt}", a.prompt_token_ids, pooling, adapter,
+                                       a.request_id)
+                try:
+                    return a.prompt_token_ids, await placement.worker.embed.remote(request)
+                except WORKER_LOST:
+                    placement = await self.reroute(a.request_id, placement.worker_id, len(a.prompt_token_ids))
+                except RayTaskError as e:
+                    raise unwrap(e, "worker") from None
+            raise RuntimeError(f"request {a.request_id} lost its worker too many times; giving up")
+        finally:
+            self.router.finish.remote(a.request_id)
+
+    async def _admit(self, prompt, params: SamplingParams | None, adapter: str | None, session: str | None,
+                     cache_salt: str | None, prompt_only: bool = False) -> Admission:
         model = await self.model_info()
         adapters = None  # the registered names, as far as validation needs them
         if adapter is not None and adapter not in self._known_adapters:
@@ -59,10 +87,9 @@ class Ingress:
         limits = RequestLimits(model["vocab_size"], model["max_model_len"])
         prompt_ids, params = await asyncio.to_thread(
             validate_request, prompt, params, limits, tokenizer=model["tokenizer"], adapter=adapter,
-            adapters=adapters, cache_salt=cache_salt)
-        admission = await self.call_router(
+            adapters=adapters, cache_salt=cache_salt, prompt_only=prompt_only)
+        return await self.call_router(
             lambda: self.router.admit.remote(prompt_ids, params, adapter, session, cache_salt))
-        return RequestStream(self, admission, arrival)
 
     async def reroute(self, request_id: str, lost_worker_id: str, num_tokens_left: int) -> Placement:
         loop = asyncio.get_running_loop()
@@ -131,8 +158,9 @@ class RequestStream:
                 self.emitted_text += out.text
                 if out.finished:
                     self._end(finished=True)
-                return RequestOutput(self.admission.request_id, out.token_ids, out.text, out.finish_reason,
-                                     out.logprobs)
+                # a resumed attempt's prompt holds tokens already streamed: its prompt logprobs were sent
+                return replace(out, request_id=self.admission.request_id,
+                               prompt_logprobs=out.prompt_logprobs if self.resume is None else None)
         except BaseException:
             self.cancel()  # cancelled (the caller went away), or no worker to resume on
             raise

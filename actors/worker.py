@@ -23,9 +23,11 @@ import queue
 import socket
 import threading
 import time
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import numba
+import numpy as np
 import psutil
 import ray
 
@@ -34,6 +36,7 @@ from actors.delta_stream import DeltaStream, merge
 from actors.messages import (
     Abort,
     Advance,
+    EmbedRequest,
     GenerateRequest,
     InboxMessage,
     PolicyAnswer,
@@ -52,9 +55,11 @@ from kernels import resolve_num_threads
 from memory import numa
 from models.lora import LoraAdapter
 from models.lora_merge import MergedWeights
+from scheduling.embedding import pool
 from scheduling.engine import Engine
 from scheduling.outputs import RequestOutput
 from scheduling.policy import StepTelemetry
+from scheduling.request import Request
 
 IDLE_WAIT_S = 0.02  # how long an idle loop thread blocks on its inbox
 POLICY_TIMEOUT_S = 5.0  # a scheduler answer older than this is dropped (the scheduler may be restarting)
@@ -110,15 +115,46 @@ class NumaWorker:
         first comes as soon as it is ready, the next ones at most every stream_interval_s (and the last at
         once). With request.resume, the prompt ends in the output a lost worker had streamed, and this one
         goes on."""
+        resume = request.resume
+
+        def make(adapter: str | None) -> Request:
+            params = left = request.params
+            if resume is not None:
+                num_output = len(request.prompt_token_ids) - resume.num_prompt_tokens
+                left = params.model_copy(update={"max_tokens": params.max_tokens - num_output})
+            req = self.engine.make_request(request.request_id, request.prompt_token_ids, left,
+                                           adapter=adapter, cache_salt=request.cache_salt)
+            if resume is not None:
+                resume_request(req, params, resume)
+            return req
+
+        async for chunk, _ in self._serve(request.request_id, request.admission_id, request.adapter, make):
+            yield chunk
+
+    async def embed(self, request: EmbedRequest) -> np.ndarray:
+        """float32 [hidden]: the prompt's final hidden states pooled and L2-normalized
+        (scheduling/embedding.py), computed in the engine's steps beside the streams."""
+
+        def make(adapter: str | None) -> Request:
+            return self.engine.make_request(request.request_id, request.prompt_token_ids,
+                                            SamplingParams(max_tokens=1), adapter=adapter, pooling=True)
+
+        async for _, req in self._serve(request.request_id, request.admission_id, request.adapter, make):
+            pass
+        return pool([np.concatenate(req.collected_rows)], request.pooling, normalize=True)[0]
+
+    async def _serve(self, request_id: str, admission_id: str | None, adapter: str | None,
+                   make: Callable[[str | None], Request]) -> AsyncIterator[tuple[RequestOutput, Request]]:
+        """Submit make(adapter)'s request once its adapter is here, and yield its merged deltas (with it)
+        until it finishes; a caller that goes away (or is cancelled) aborts it."""
         self._loop = asyncio.get_running_loop()
-        request_id, adapter, resume = request.request_id, request.adapter, request.resume
         if request_id in self._streams:
             raise InvalidRequest(f"request id {request_id!r} is already running on this worker; "
                                  "use a unique id")
         stream = DeltaStream(self._loop)
         self._streams[request_id] = stream
-        if request.admission_id is not None:
-            self._admission_ids[request_id] = request.admission_id
+        if admission_id is not None:
+            self._admission_ids[request_id] = admission_id
         finished, submitted, using_adapter = False, False, False
         try:
             weights = merged = None
@@ -127,15 +163,7 @@ class NumaWorker:
                 using_adapter = True
                 if adapter not in self.engine.adapters:
                     self.engine.adapters.add_remote(adapter)  # served from now on; weights come with requests
-            params = request.params
-            left = params
-            if resume is not None:
-                num_output = len(request.prompt_token_ids) - resume.num_prompt_tokens
-                left = params.model_copy(update={"max_tokens": params.max_tokens - num_output})
-            req = self.engine.make_request(request_id, request.prompt_token_ids, left, adapter=adapter,
-                                           cache_salt=request.cache_salt)
-            if resume is not None:
-                resume_request(req, params, resume)
+            req = make(adapter)
             self._inbox.put(Submit(req, weights, merged))
             submitted = True
             self._num_requests += 1
@@ -146,7 +174,7 @@ class NumaWorker:
                     raise failure
                 chunk = merge(request_id, items)
                 finished = chunk.finished
-                yield chunk
+                yield chunk, req
                 stream.hold(self._stream_interval_s)
         finally:
             del self._streams[request_id]

@@ -7,6 +7,7 @@ import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import openai
 import pytest
 import ray
@@ -66,6 +67,28 @@ def serves(api) -> bool:
     """A good request succeeds (with its tokens: sampled, it must not meet EOS)."""
     return api.completions.create(model=MODEL, prompt="hi", max_tokens=2, extra_body=IGNORE_EOS).usage \
         .completion_tokens == 2
+
+
+def test_embeddings_and_echoed_prompt_logprobs_through_the_workers_equal_the_engine_in_process(
+        client, api, llama_dir, config):
+    # /v1/embeddings: each input placed on a worker like a request (NumaWorker.embed); echo with logprobs:
+    # the prompt's tokens scored in the prefill on the worker, carried through the caller's stream
+    texts = ["the cat sat", "a much longer input than the first one"]
+    llm = ns.LLM(llama_dir, **config.engine.model_dump(exclude={"num_threads"}))
+    expected = llm.embed(texts)
+    got = api.embeddings.create(model=MODEL, input=texts)
+    assert [d.index for d in got.data] == [0, 1]
+    np.testing.assert_allclose(np.array([d.embedding for d in got.data], np.float32), expected, atol=1e-5)
+    ids = llm.tokenizer.encode(texts[1])
+    logits = llm.score(ids)[:-1].astype(np.float64)  # [len(ids) - 1, V]: the next token's after each
+    logprobs = logits - logits.max(-1, keepdims=True)
+    logprobs -= np.log(np.exp(logprobs).sum(-1, keepdims=True))
+    scores = logprobs[np.arange(len(ids) - 1), ids[1:]]
+    out = api.completions.create(model=MODEL, prompt=ids, max_tokens=1, echo=True, logprobs=0, temperature=0)
+    echoed = out.choices[0].logprobs.token_logprobs[:len(ids)]
+    assert echoed[0] is None
+    np.testing.assert_allclose(echoed[1:], scores, atol=1e-4)
+    llm.close()
 
 
 def test_the_server_binds_loopback_and_is_healthy(client, url, config):
@@ -255,7 +278,7 @@ CHAT = {"messages": [{"role": "user", "content": "hi"}]}
     ("/v1/completions", {"prompt": "hi", "stop": [""]}, 400, "stop", "stop strings must be non-empty"),
     ("/v1/completions", {"prompt": "hi", "repetition_penalty": 5e-324}, 400, "repetition_penalty",
      "greater than or equal to 0.000001"),
-    ("/v1/completions", {"prompt": "hi", "logit_bias": {}}, 400, "logit_bias", "remove it"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"x": 1.0}}, 400, "logit_bias", "token ids"),
     ("/v1/completions", {"prompt": "hi", "temperature": float("nan")}, 400, "temperature", "got nan"),
     ("/v1/completions", {"prompt": "hi", "top_p": float("inf")}, 400, "top_p", None),
     ("/v1/chat/completions", CHAT | {"presence_penalty": float("-inf")}, 400, "presence_penalty", None),
