@@ -38,7 +38,7 @@ class SimProposer(Proposer):
         drafts = []
         for req, depth in zip(requests, depths):
             true, right = self.outputs[req.request_id], self.right[req.request_id]
-            n = len(req.output_token_ids)
+            n = req.num_tokens - req.num_prompt_tokens
             draft = []
             for p in range(n, min(n + depth, len(true))):
                 draft.append(true[p] if right[p] else -1)  # -1: no token id, never the true one
@@ -48,9 +48,6 @@ class SimProposer(Proposer):
         self.last_passes = [(len(requests), self.draft_pass_s * len(requests))]
         return drafts
 
-    def true_tokens(self, req: Request, num: int) -> list[int]:
-        n = len(req.output_token_ids)
-        return list(self.outputs[req.request_id][n:n + num])
 
     def free(self, request_id: str) -> None:
         pass  # the outputs stay: a later session turn never shares a request id
@@ -63,10 +60,11 @@ class SimProposer(Proposer):
             if req.num_computed_tokens + s.num_base_tokens < req.num_tokens:
                 sampled.append(None)
                 continue
-            drafts = s.draft_token_ids
-            true = self.true_tokens(req, len(drafts) + 1)
-            num_accepted = next((i for i, (d, t) in enumerate(zip(drafts, true)) if d != t), len(drafts))
-            tokens = true[:num_accepted + 1]
-            rows = list(range(len(tokens)))
-            sampled.append(SampledTokens(tokens, None, len(drafts), len(tokens) - 1, rows))
+            drafts, n = s.draft_token_ids, req.num_tokens - req.num_prompt_tokens
+            true = self.outputs[req.request_id][n:n + len(drafts) + 1]
+            num_accepted = 0
+            while num_accepted < len(drafts) and drafts[num_accepted] == true[num_accepted]:
+                num_accepted += 1
+            sampled.append(SampledTokens(list(true[:num_accepted + 1]), None, len(drafts), num_accepted,
+                                         list(range(num_accepted + 1))))
         return SamplerOutput(tuple(sampled), (None,) * len(plan.scheduled))
