@@ -17,6 +17,7 @@ def parse_config(argv: list[str] | None = None) -> tuple[SimConfig, Path | None]
     p.add_argument("--machines", type=int, default=1)
     p.add_argument("--rate", type=float, default=2.0, help="requests/s offered")
     p.add_argument("--duration-s", type=float, default=10.0)
+    p.add_argument("--warmup-s", type=float, default=2.0, help="throughput counts tokens after it")
     p.add_argument("--trace", choices=("poisson", "bursty", "sessions", "adapters"), default="poisson")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--routing", choices=("relay", "placement"), default="placement")
@@ -33,8 +34,8 @@ def parse_config(argv: list[str] | None = None) -> tuple[SimConfig, Path | None]
     p.add_argument("--json", type=Path, default=None)
     a = p.parse_args(argv)
     cfg = SimConfig(workers=a.workers, machines=a.machines, rate=a.rate, duration_s=a.duration_s,
-                    trace=a.trace, seed=a.seed, routing=a.routing, admission=not a.no_admission,
-                    stickiness=not a.no_stickiness,
+                    warmup_s=a.warmup_s, trace=a.trace, seed=a.seed, routing=a.routing,
+                    admission=not a.no_admission, stickiness=not a.no_stickiness,
                     prefix_affinity=not a.no_prefix_affinity, speculation=a.speculation,
                     accept_rate=a.accept_rate, prompt_len=a.prompt_len, max_tokens=a.max_tokens,
                     step_cost=PRESETS[a.machine](),

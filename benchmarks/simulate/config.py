@@ -18,7 +18,8 @@ class SimConfig(BaseModel):
     workers: int = Field(1, ge=1)
     machines: int = Field(1, ge=1)  # one caller (HTTP actor) per machine; workers spread evenly over them
     rate: float = Field(2.0, ge=0.0)  # requests/s offered (sessions: turns/s, about)
-    duration_s: float = Field(10.0, gt=0.0)  # arrivals in [0, duration_s); throughput over the same window
+    duration_s: float = Field(10.0, gt=0.0)  # arrivals in [0, duration_s)
+    warmup_s: float = Field(2.0, ge=0.0)  # throughput counts the tokens delivered in [warmup_s, duration_s)
     trace: Literal["poisson", "bursty", "sessions", "adapters"] = "poisson"
     seed: int = 0
     # relay: every chunk crosses the router (today); placement: the router is called twice per request (#27)
@@ -41,6 +42,8 @@ class SimConfig(BaseModel):
 
     @model_validator(mode="after")
     def _consistent(self) -> "SimConfig":
+        if self.warmup_s >= self.duration_s:
+            raise ValueError(f"warmup_s ({self.warmup_s}) must be < duration_s ({self.duration_s})")
         if self.machines > self.workers:
             raise ValueError(f"machines ({self.machines}) must be <= workers ({self.workers})")
         if self.engine.max_model_len is None:

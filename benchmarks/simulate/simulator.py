@@ -2,9 +2,10 @@
 modelled workers, wired as actors/ wires them.
 
 Per request (times are simulated seconds):
-  arrival -> its caller tokenizes and validates (caller CPU) -> Router admission (router CPU), where the real
-  RoutingPolicy.route picks the worker or raises Overloaded -> a cold adapter is fetched first
-  (adapter_load_s; the request waits, the worker's others do not) -> the worker's Batcher queue.
+  arrival -> its caller tokenizes and validates (caller CPU; "relay": the router does, as today) -> the
+  router's admission (router CPU), where the real RoutingPolicy.route picks the worker or raises Overloaded
+  -> a cold adapter is fetched first (adapter_load_s; the request waits, the worker's others do not, as
+  #27 asks) -> the worker's Batcher queue.
 A worker steps while it has requests: plan (real Batcher.schedule, Speculator.propose), its StepCostModel
 seconds, then the real OutputProcessor. Each step's deltas coalesce into chunks as actors/delta_stream.py
 coalesces them (the first at once, the next after stream_interval_s, the last at once). A chunk then
@@ -68,7 +69,7 @@ class _Totals:
     num_completed: int = 0
     num_rejected: int = 0
     num_delivered_tokens: int = 0
-    num_window_tokens: int = 0  # delivered within [0, duration_s)
+    num_window_tokens: int = 0  # delivered within [warmup_s, duration_s)
     ttft_s: list[float] = field(default_factory=list)
     itl_s: list[float] = field(default_factory=list)  # per token: its chunk's gap over the chunk's tokens
 
@@ -110,14 +111,18 @@ class Simulation:
     # ---- a request's way in ----------------------------------------------------------------------------
 
     def _arrive(self, index: int, a: Arrival) -> None:
+        """Placement: the caller tokenizes and validates; relay (today): the router does."""
         now, cost = self.events.now, self.cfg.deployment_cost
         self.totals.num_arrived += 1
         s = self.streams[a.request_id] = _Stream(a, index, now, index % self.cfg.machines)
-        self.events.at(self.callers[s.caller].serve(now, cost.caller_admission_s), self._to_router, s)
+        tokenize_s = 0.0 if self.cfg.routing == "relay" else cost.caller_admission_s
+        self.events.at(self.callers[s.caller].serve(now, tokenize_s), self._to_router, s)
 
     def _to_router(self, s: _Stream) -> None:
-        self.events.at(self.router.serve(self.events.now, self.cfg.deployment_cost.router_admission_s),
-                       self._admit, s)
+        cost = self.cfg.deployment_cost
+        tokenize_s = cost.caller_admission_s if self.cfg.routing == "relay" else 0.0
+        done = self.router.serve(self.events.now, cost.router_admission_s + tokenize_s)
+        self.events.at(done, self._admit, s)
 
     def _admit(self, s: _Stream) -> None:
         a, cfg = s.arrival, self.cfg
@@ -216,7 +221,7 @@ class Simulation:
             t.itl_s.extend([(now - s.last_at) / n] * n)
         s.last_at = now
         t.num_delivered_tokens += n
-        if now < self.cfg.duration_s:
+        if self.cfg.warmup_s <= now < self.cfg.duration_s:
             t.num_window_tokens += n
         if not finished:
             return
@@ -237,7 +242,7 @@ class Simulation:
         hits = sum(w.num_prefix_hit_tokens for w in self.workers.values())
         makespan = self.events.now
         return {
-            "throughput_tok_s": t.num_window_tokens / cfg.duration_s,
+            "throughput_tok_s": t.num_window_tokens / (cfg.duration_s - cfg.warmup_s),
             "ttft_p50_s": _percentile(t.ttft_s, 50), "ttft_p99_s": _percentile(t.ttft_s, 99),
             "itl_p50_s": _percentile(t.itl_s, 50), "itl_p99_s": _percentile(t.itl_s, 99),
             "imbalance": max(generated) / np.mean(generated) if sum(generated) else 1.0,

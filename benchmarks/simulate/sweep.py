@@ -1,0 +1,141 @@
+"""python -m benchmarks.simulate.sweep: workers 1, 2, 4 ... 256 per trace and policy variant, each offered
+RATE_PER_WORKER requests/s a worker; throughput against 0.9 x N x one worker's (same trace and variant), and
+where each variant falls below it. Writes benchmarks/results/simulate_sweep.json and .png.
+
+    python -m benchmarks.simulate.sweep [--max-workers 256] [--duration-s 10] [--jobs 2]
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+from multiprocessing import Pool
+from pathlib import Path
+
+from benchmarks.simulate.config import SimConfig
+from benchmarks.simulate.simulator import simulate
+from benchmarks.simulate.traces import TRACES
+
+RESULTS = Path(__file__).resolve().parents[1] / "results"
+VARIANTS = {  # name -> SimConfig fields changed from the default deployment
+    "default": {},  # placement routing, admission bound, session stickiness, prefix affinity, no speculation
+    "relay": {"routing": "relay"},  # every chunk through the router, as today
+    "no_admission": {"admission": False},
+    "no_stickiness": {"stickiness": False},
+    "no_prefix_affinity": {"prefix_affinity": False},
+    "speculation_auto": {"speculation": "auto"},
+}
+# about twice one worker's capacity for 128-token prompts and 64 tokens (built-in step cost: ~0.9/s): the
+# workers run saturated (throughput is capacity, not the arrivals' draw) and the admission bound is exercised
+RATE_PER_WORKER = 2.0
+WARMUP_S = 2.0
+# one worker's throughput, the reference of every N, is the mean over this many seeds: as many requests as 8
+# workers see, over the same (not yet steady) window
+NUM_REFERENCE_SEEDS = 8
+WORKERS_PER_MACHINE = 2  # one worker per socket of 2-socket machines: one caller (HTTP actor) per machine
+FIGURES = ("throughput_tok_s", "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s", "imbalance",
+           "session_hit_rate", "prefix_hit_rate", "completed", "rejected", "arrived", "preemptions",
+           "router_utilization", "caller_utilization_max", "routed")
+EFFICIENCY_TARGET = 0.9
+
+
+def run_one(job: tuple[str, str, int, float, float, int, bool]) -> dict:
+    """reference: a one-worker run of another seed, for the reference's mean only."""
+    trace, variant, workers, rate_per_worker, duration_s, seed, reference = job
+    cfg = SimConfig(workers=workers, machines=max(1, workers // WORKERS_PER_MACHINE),
+                    rate=rate_per_worker * workers, duration_s=duration_s, warmup_s=WARMUP_S, trace=trace,
+                    seed=seed, **VARIANTS[variant])
+    result = simulate(cfg)
+    return {"trace": trace, "variant": variant, "workers": workers, "rate_per_worker": rate_per_worker,
+            "duration_s": duration_s, "seed": seed, "reference": reference} | {k: result[k] for k in FIGURES}
+
+
+def summarize(rows: list[dict]) -> dict:
+    """Each row's efficiency (throughput / (N x one worker's)); per trace and variant, the first N below
+    EFFICIENCY_TARGET (None: none). The reference rows (one worker, other seeds) are dropped from rows."""
+    refs: dict[tuple[str, str], list[float]] = {}
+    for r in rows:
+        if r["workers"] == 1:
+            refs.setdefault((r["trace"], r["variant"]), []).append(r["throughput_tok_s"])
+    one = {key: sum(v) / len(v) for key, v in refs.items()}
+    rows[:] = [r for r in rows if not r.pop("reference")]
+    breakdown: dict[str, dict[str, int | None]] = {}
+    for r in sorted(rows, key=lambda r: r["workers"]):
+        base = one.get((r["trace"], r["variant"]))
+        r["efficiency"] = r["throughput_tok_s"] / (r["workers"] * base) if base else None
+        at = breakdown.setdefault(r["trace"], {}).setdefault(r["variant"], None)
+        if at is None and r["efficiency"] is not None and r["efficiency"] < EFFICIENCY_TARGET:
+            breakdown[r["trace"]][r["variant"]] = r["workers"]
+    return breakdown
+
+
+def plot(rows: list[dict], traces: list[str], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, len(traces), figsize=(4.5 * len(traces), 7), squeeze=False)
+    for col, trace in enumerate(traces):
+        for variant in VARIANTS:
+            series = sorted((r for r in rows if r["trace"] == trace and r["variant"] == variant),
+                            key=lambda r: r["workers"])
+            if not series:
+                continue
+            xs = [r["workers"] for r in series]
+            axes[0, col].plot(xs, [r["efficiency"] for r in series], "o-", ms=3, label=variant)
+            ttft = [r["ttft_p99_s"] or float("nan") for r in series]
+            axes[1, col].plot(xs, ttft, "o-", ms=3, label=variant)
+        axes[0, col].axhline(EFFICIENCY_TARGET, color="k", ls="--", lw=0.8)
+        axes[0, col].set_title(trace)
+        axes[0, col].set_ylabel("throughput / (N x one worker's)")
+        axes[1, col].set_ylabel("TTFT p99 (s)")
+        axes[1, col].set_yscale("log")
+        for ax in axes[:, col]:
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("workers")
+            ax.grid(alpha=0.3)
+    axes[0, 0].legend(fontsize=7)
+    fig.suptitle(f"simulated deployment, {rows[0]['rate_per_worker']:g} requests/s per worker offered")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--max-workers", type=int, default=256)
+    p.add_argument("--duration-s", type=float, default=10.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rate-per-worker", type=float, default=RATE_PER_WORKER)
+    p.add_argument("--traces", default=",".join(TRACES))
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--jobs", type=int, default=os.cpu_count())
+    p.add_argument("--out", type=Path, default=RESULTS / "simulate_sweep", help="writes OUT.json and OUT.png")
+    a = p.parse_args()
+    traces, variants = a.traces.split(","), a.variants.split(",")
+    sizes = [1 << i for i in range(a.max_workers.bit_length()) if 1 << i <= a.max_workers]
+    jobs = [(t, v, n, a.rate_per_worker, a.duration_s, a.seed, False)
+            for t in traces for v in variants for n in sizes]
+    jobs += [(t, v, 1, a.rate_per_worker, a.duration_s, a.seed + k, True)
+             for t in traces for v in variants for k in range(1, NUM_REFERENCE_SEEDS)]
+    jobs.sort(key=lambda job: -job[2])  # the largest first
+    start = time.perf_counter()
+    with Pool(a.jobs) as pool:
+        rows = list(pool.imap_unordered(run_one, jobs))
+    wall_s = time.perf_counter() - start
+    rows.sort(key=lambda r: (r["trace"], r["variant"], r["workers"]))
+    breakdown = summarize(rows)
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    meta = {"rate_per_worker": a.rate_per_worker, "warmup_s": WARMUP_S,
+            "num_reference_seeds": NUM_REFERENCE_SEEDS, "workers_per_machine": WORKERS_PER_MACHINE,
+            "duration_s": a.duration_s, "seed": a.seed, "step_cost": SimConfig().step_cost.source,
+            "wall_s": wall_s, "jobs": a.jobs}
+    a.out.with_suffix(".json").write_text(json.dumps({"meta": meta, "breakdown": breakdown, "rows": rows},
+                                                     indent=1) + "\n")
+    plot(rows, traces, a.out.with_suffix(".png"))
+    print(json.dumps(breakdown, indent=1))
+    print(f"{len(jobs)} runs in {wall_s:.0f} s on {a.jobs} processes", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
