@@ -1,8 +1,10 @@
-"""python -m benchmarks.simulate.sweep: workers 1, 2, 4 ... 256 per trace and policy variant, each offered
-RATE_PER_WORKER requests/s a worker; throughput against 0.9 x N x one worker's (same trace and variant), and
-where each variant falls below it. Writes benchmarks/results/simulate_sweep.json and .png.
+"""python -m benchmarks.simulate.sweep: workers 1, 2, 4 ... 256 per trace and policy variant, each worker
+offered LOAD x one worker's capacity (measured first, per trace, by a long saturated one-worker run of the
+default deployment, so the load follows the step cost model in use); throughput against 0.9 x N x one
+worker's (same trace, variant and load), and where each variant falls below it. Writes
+benchmarks/results/simulate_sweep.json and .png.
 
-    python -m benchmarks.simulate.sweep [--max-workers 256] [--duration-s 10] [--jobs 2]
+    python -m benchmarks.simulate.sweep [--max-workers 256] [--duration-s 12] [--load 0.8] [--jobs 2]
 """
 
 import argparse
@@ -26,13 +28,15 @@ VARIANTS = {  # name -> SimConfig fields changed from the default deployment
     "no_prefix_affinity": {"prefix_affinity": False},
     "speculation_auto": {"speculation": "auto"},
 }
-# about twice one worker's capacity for 128-token prompts and 64 tokens (built-in step cost: ~0.9/s): the
-# workers run saturated (throughput is capacity, not the arrivals' draw) and the admission bound is exercised
-RATE_PER_WORKER = 2.0
-WARMUP_S = 2.0
-# one worker's throughput, the reference of every N, is the mean over this many seeds: as many requests as 8
-# workers see, over the same (not yet steady) window
-NUM_REFERENCE_SEEDS = 8
+# offered load per worker, as a fraction of one worker's capacity: near it, where the policies matter (a
+# worker given more than its share queues), and below it, so the window reaches a steady state quickly
+# (saturated workers' queues grow through any window)
+LOAD = 0.8
+CAPACITY_DURATION_S, CAPACITY_WARMUP_S = 60.0, 20.0
+# every N runs as long (the window's warm-up transient biases a shorter run's throughput down): long enough
+# for a 64-token request's life to be a small part of the window
+WARMUP_S = 4.0
+NUM_REFERENCE_SEEDS = 4  # one worker's throughput, the reference of every N, is the mean over this many seeds
 WORKERS_PER_MACHINE = 2  # one worker per socket of 2-socket machines: one caller (HTTP actor) per machine
 FIGURES = ("throughput_tok_s", "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s", "imbalance",
            "session_hit_rate", "prefix_hit_rate", "completed", "rejected", "arrived", "preemptions",
@@ -51,6 +55,19 @@ def run_one(job: tuple[str, str, int, float, float, int, bool]) -> dict:
             "duration_s": duration_s, "seed": seed, "reference": reference} | {k: result[k] for k in FIGURES}
 
 
+def capacity(trace: str, seed: int) -> float:
+    """One worker's requests/s under the default deployment, saturated: the first offered rate (1, 4, 16 ...
+    requests/s) it cannot keep up with, its throughput in tokens / max_tokens."""
+    rate = 1.0
+    while True:
+        cfg = SimConfig(workers=1, rate=rate, duration_s=CAPACITY_DURATION_S, warmup_s=CAPACITY_WARMUP_S,
+                        trace=trace, seed=seed)
+        served = simulate(cfg)["throughput_tok_s"] / cfg.max_tokens
+        if served < 0.8 * rate:
+            return served
+        rate *= 4
+
+
 def summarize(rows: list[dict]) -> dict:
     """Each row's efficiency (throughput / (N x one worker's)); per trace and variant, the first N below
     EFFICIENCY_TARGET (None: none). The reference rows (one worker, other seeds) are dropped from rows."""
@@ -65,12 +82,13 @@ def summarize(rows: list[dict]) -> dict:
         base = one.get((r["trace"], r["variant"]))
         r["efficiency"] = r["throughput_tok_s"] / (r["workers"] * base) if base else None
         at = breakdown.setdefault(r["trace"], {}).setdefault(r["variant"], None)
-        if at is None and r["efficiency"] is not None and r["efficiency"] < EFFICIENCY_TARGET:
+        if at is None and r["workers"] > 1 and r["efficiency"] is not None \
+                and r["efficiency"] < EFFICIENCY_TARGET:
             breakdown[r["trace"]][r["variant"]] = r["workers"]
     return breakdown
 
 
-def plot(rows: list[dict], traces: list[str], path: Path) -> None:
+def plot(rows: list[dict], traces: list[str], load: float, path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -96,7 +114,7 @@ def plot(rows: list[dict], traces: list[str], path: Path) -> None:
             ax.set_xlabel("workers")
             ax.grid(alpha=0.3)
     axes[0, 0].legend(fontsize=7)
-    fig.suptitle(f"simulated deployment, {rows[0]['rate_per_worker']:g} requests/s per worker offered")
+    fig.suptitle(f"simulated deployment: each worker offered {load:g} x one worker's capacity")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -104,9 +122,9 @@ def plot(rows: list[dict], traces: list[str], path: Path) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--max-workers", type=int, default=256)
-    p.add_argument("--duration-s", type=float, default=10.0)
+    p.add_argument("--duration-s", type=float, default=12.0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--rate-per-worker", type=float, default=RATE_PER_WORKER)
+    p.add_argument("--load", type=float, default=LOAD, help="offered load per worker / its capacity")
     p.add_argument("--traces", default=",".join(TRACES))
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--jobs", type=int, default=os.cpu_count())
@@ -114,25 +132,28 @@ def main() -> None:
     a = p.parse_args()
     traces, variants = a.traces.split(","), a.variants.split(",")
     sizes = [1 << i for i in range(a.max_workers.bit_length()) if 1 << i <= a.max_workers]
-    jobs = [(t, v, n, a.rate_per_worker, a.duration_s, a.seed, False)
+    start = time.perf_counter()
+    with Pool(a.jobs) as pool:
+        capacities = dict(zip(traces, pool.starmap(capacity, [(t, a.seed) for t in traces])))
+    rates = {t: a.load * c for t, c in capacities.items()}
+    jobs = [(t, v, n, rates[t], a.duration_s, a.seed, False)
             for t in traces for v in variants for n in sizes]
-    jobs += [(t, v, 1, a.rate_per_worker, a.duration_s, a.seed + k, True)
+    jobs += [(t, v, 1, rates[t], a.duration_s, a.seed + k, True)
              for t in traces for v in variants for k in range(1, NUM_REFERENCE_SEEDS)]
     jobs.sort(key=lambda job: -job[2])  # the largest first
-    start = time.perf_counter()
     with Pool(a.jobs) as pool:
         rows = list(pool.imap_unordered(run_one, jobs))
     wall_s = time.perf_counter() - start
     rows.sort(key=lambda r: (r["trace"], r["variant"], r["workers"]))
     breakdown = summarize(rows)
     a.out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"rate_per_worker": a.rate_per_worker, "warmup_s": WARMUP_S,
+    meta = {"load": a.load, "capacity_per_worker": capacities, "rate_per_worker": rates, "warmup_s": WARMUP_S,
             "num_reference_seeds": NUM_REFERENCE_SEEDS, "workers_per_machine": WORKERS_PER_MACHINE,
             "duration_s": a.duration_s, "seed": a.seed, "step_cost": SimConfig().step_cost.source,
             "wall_s": wall_s, "jobs": a.jobs}
     a.out.with_suffix(".json").write_text(json.dumps({"meta": meta, "breakdown": breakdown, "rows": rows},
                                                      indent=1) + "\n")
-    plot(rows, traces, a.out.with_suffix(".png"))
+    plot(rows, traces, a.load, a.out.with_suffix(".png"))
     print(json.dumps(breakdown, indent=1))
     print(f"{len(jobs)} runs in {wall_s:.0f} s on {a.jobs} processes", file=sys.stderr)
 
