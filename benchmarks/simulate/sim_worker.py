@@ -118,9 +118,13 @@ class SimWorker:
         shape = step_shape(plan)
         seconds = self.cost.seconds(shape.num_decode_rows, shape.num_prefill_tokens, shape.num_draft_rows,
                                     shape.num_context_tokens)
-        if shape.num_draft_rows:
-            seconds += sum(s for _, s in self.speculation.draft_passes)
-        return plan, seconds
+        return plan, seconds + self._draft_seconds()
+
+    def _draft_seconds(self) -> float:
+        """The proposer's modelled seconds this step (its passes, whether their drafts fit or not)."""
+        if not isinstance(self.speculation, Speculator):
+            return 0.0
+        return sum(s for _, s in self.speculation.draft_passes)
 
     def finish_step(self, plan: StepPlan, seconds: float) -> list[RequestOutput]:
         """The step's outputs, its state moved on as Engine.step moves it."""
@@ -129,7 +133,7 @@ class SimWorker:
         for req in processed.finished:
             self._release(req)
         if isinstance(self.speculation, Speculator):
-            draft_seconds = sum(s for _, s in self.speculation.draft_passes)
+            draft_seconds = self._draft_seconds()
             self.speculation.record(plan, out, seconds - draft_seconds, draft_seconds,
                                     len(self.batcher.waiting), self.kv.usage)
         self.num_generated_tokens += processed.num_generated_tokens
