@@ -114,3 +114,22 @@ def test_a_dear_chunk_saturates_the_relaying_router_first():
     assert relay["router_utilization"] > 0.9 > placement["router_utilization"]
     assert relay["throughput_tok_s"] < 0.8 * placement["throughput_tok_s"]
     assert relay["itl_p50_s"] > placement["itl_p50_s"]
+
+
+def test_the_fit_recovers_a_step_cost_model_and_the_simulator_reads_it(tmp_path):
+    from benchmarks.fit_step_cost import fit
+    from benchmarks.simulate.step_cost import default_step_cost
+
+    truth = StepCostModel(fixed_s=0.02, decode_row_s=0.003, prefill_token_s=0.004, draft_row_s=0.003,
+                          context_token_s=5e-6)
+    samples = [{"decode_rows": b, "prefill_tokens": p, "context_tokens": b * c,
+                "seconds": truth.seconds(b, p, 0, b * c)}
+               for b in (1, 4, 16) for c in (64, 512) for p in (0, 128)]
+    model, residual = fit(samples)
+    assert residual < 1e-12
+    path = tmp_path / "step_cost.json"
+    path.write_text(json.dumps({"model": model}))
+    read = default_step_cost(path)
+    assert read.seconds(8, 32, 2, 1000) == pytest.approx(truth.seconds(8, 32, 2, 1000))
+    assert read.source == "step_cost.json"
+    assert default_step_cost(tmp_path / "absent.json").source == "built-in guess"
