@@ -36,7 +36,7 @@ CAPACITY_DURATION_S, CAPACITY_WARMUP_S = 60.0, 20.0
 # every N runs as long (the window's warm-up transient biases a shorter run's throughput down): long enough
 # for a 64-token request's life to be a small part of the window
 WARMUP_S = 4.0
-NUM_REFERENCE_SEEDS = 4  # one worker's throughput, the reference of every N, is the mean over this many seeds
+NUM_REFERENCE_SEEDS = 32  # one worker's throughput, the reference of every N: the mean over this many seeds
 WORKERS_PER_MACHINE = 2  # one worker per socket of 2-socket machines: one caller (HTTP actor) per machine
 FIGURES = ("throughput_tok_s", "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s", "imbalance",
            "session_hit_rate", "prefix_hit_rate", "completed", "rejected", "arrived", "preemptions",
