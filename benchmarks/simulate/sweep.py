@@ -69,8 +69,9 @@ def capacity(trace: str, seed: int) -> float:
 
 
 def summarize(rows: list[dict]) -> dict:
-    """Each row's efficiency (throughput / (N x one worker's)); per trace and variant, the first N below
-    EFFICIENCY_TARGET (None: none). The reference rows (one worker, other seeds) are dropped from rows."""
+    """Each row's efficiency (throughput / (N x one worker's)); per trace and variant, the N from which every
+    larger N stays below EFFICIENCY_TARGET (None: none; a single N below it among few workers is the draw of
+    a handful of arrivals, not a breakdown). The reference rows (one worker, other seeds) leave rows."""
     refs: dict[tuple[str, str], list[float]] = {}
     for r in rows:
         if r["workers"] == 1:
@@ -82,9 +83,9 @@ def summarize(rows: list[dict]) -> dict:
         base = one.get((r["trace"], r["variant"]))
         r["efficiency"] = r["throughput_tok_s"] / (r["workers"] * base) if base else None
         at = breakdown.setdefault(r["trace"], {}).setdefault(r["variant"], None)
-        if at is None and r["workers"] > 1 and r["efficiency"] is not None \
-                and r["efficiency"] < EFFICIENCY_TARGET:
-            breakdown[r["trace"]][r["variant"]] = r["workers"]
+        below = r["efficiency"] is not None and r["efficiency"] < EFFICIENCY_TARGET
+        if r["workers"] > 1:
+            breakdown[r["trace"]][r["variant"]] = (at or r["workers"]) if below else None
     return breakdown
 
 
