@@ -65,6 +65,7 @@ class Speculator:
         self.decisions = decisions or DecisionLog()
         self.draft_passes: list[tuple[int, float]] = []  # this step's proposer passes: (tokens, seconds)
         self.draft_seconds = 0.0  # this step's proposer seconds
+        self.clock = time.perf_counter  # times the proposer (benchmarks/simulate: modelled time instead)
         self.depth = 0  # the deepest draft of the last step with decoding requests
         self.num_drafts = 0  # verifications: request-steps with at least one draft
         self.num_draft_tokens = 0
@@ -147,9 +148,9 @@ class Speculator:
         if not active:
             return plan
         self._choose_width(plan.num_tokens, depths)
-        start = time.perf_counter()
+        start = self.clock()
         drafts = self.proposer.propose([reqs[j] for j in active], [depths[j] for j in active])
-        seconds = time.perf_counter() - start
+        seconds = self.clock() - start
         # a proposer without passes of its own (a lookup) counts as one pass over the requests it drafted for;
         # its passes are charged all of its time (the Python between them too: on a 1 ms step that decides
         # whether drafting pays), in proportion to their own

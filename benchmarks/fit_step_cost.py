@@ -1,0 +1,115 @@
+"""Fit the simulator's StepCostModel (benchmarks/simulate/step_cost.py) to the real engine's step times.
+
+    python -m benchmarks.fit_step_cost [--model tinyllama-1.1b] [--repeats 5] [--json OUT]
+
+On the random-weight TinyLlama-shaped checkpoint (benchmarks/checkpoints.py) in q8_0 with int8 activations,
+for each point of a grid of (decode rows B, their context length C, prefill tokens P): B requests of C-token
+prompts are prefilled, then `repeats` steps are timed that run the B decode rows and, when P > 0, a fresh
+P-token prompt in the same step (aborted after it, so the next step is the same shape again). Each point's
+median step time is one sample; StepCostModel's constants come from least squares over the samples
+(fixed + decode rows + prefill tokens + the decode rows' context tokens). Draft rows are not timed here:
+a verified draft is a flat-batch row with a short attention, priced as a decode row (draft_row_s =
+decode_row_s). Writes benchmarks/results/step_cost.json, which the simulator then reads as its default.
+Run it alone on the machine: every sample is a wall time.
+"""
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from datetime import datetime
+from pathlib import Path
+
+import numpy as np
+
+from benchmarks.checkpoints import random_checkpoint
+from benchmarks.machine import cpu_name
+from benchmarks.simulate.step_cost import STEP_COST_JSON
+from cluster_configs.engine_config import EngineConfig
+from cluster_configs.sampling_params import SamplingParams
+from scheduling.engine import Engine
+
+DECODE_ROWS = (1, 2, 4, 8, 16, 32)
+CONTEXTS = (64, 512)
+PREFILLS = (0, 32, 128, 512)
+
+
+def time_points(engine: Engine, num_rows: int, context: int, prefills: list[int], repeats: int,
+                rng: np.random.Generator) -> list[dict]:
+    """Per prefill size P: the median seconds of `repeats` steps of num_rows decode rows (prompts of
+    `context` tokens) plus a fresh P-token prompt."""
+    params = SamplingParams(max_tokens=1 << 20, temperature=0, ignore_eos=True)
+    ids = [f"d{num_rows}-{context}-{i}" for i in range(num_rows)]
+    for request_id in ids:
+        engine.add_request(request_id, rng.integers(3, 32000, context).tolist(), params)
+    while any(r.num_computed_tokens + 1 < r.num_tokens for r in engine.requests.values()):
+        engine.step()  # prefill them (and their first tokens)
+    points = []
+    for num_prefill in prefills:
+        seconds, contexts = [], []
+        for k in range(repeats):
+            contexts.append(sum(engine.requests[i].num_computed_tokens for i in ids))
+            if num_prefill:
+                engine.add_request(f"p{k}", rng.integers(3, 32000, num_prefill).tolist(), params)
+            start = time.perf_counter()
+            engine.step()
+            seconds.append(time.perf_counter() - start)
+            if num_prefill:
+                engine.abort(f"p{k}")
+        points.append({"decode_rows": num_rows, "prefill_tokens": num_prefill,
+                       "context_tokens": statistics.median(contexts), "seconds": statistics.median(seconds)})
+        print(points[-1], flush=True)
+    for request_id in ids:
+        engine.abort(request_id)
+    return points
+
+
+def fit(samples: list[dict]) -> tuple[dict, float]:
+    """Least squares over the samples -> (the model's constants, the fit's RMS residual in seconds)."""
+    x = np.array([[1.0, s["decode_rows"], s["prefill_tokens"], s["context_tokens"]] for s in samples])
+    y = np.array([s["seconds"] for s in samples])
+    coef, *_ = np.linalg.lstsq(x, y, rcond=None)
+    coef = np.maximum(coef, 0.0)  # a cost below zero is noise around zero
+    residual = float(np.sqrt(np.mean((x @ coef - y) ** 2)))
+    fixed, decode, prefill, context = map(float, coef)
+    return {"fixed_s": fixed, "decode_row_s": decode, "prefill_token_s": prefill, "draft_row_s": decode,
+            "context_token_s": context}, residual
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="tinyllama-1.1b", help="a benchmarks/checkpoints.py shape")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--decode-rows", default=",".join(map(str, DECODE_ROWS)))
+    p.add_argument("--contexts", default=",".join(map(str, CONTEXTS)))
+    p.add_argument("--prefills", default=",".join(map(str, PREFILLS)))
+    p.add_argument("--json", type=Path, default=STEP_COST_JSON)
+    a = p.parse_args()
+    rows, contexts, prefills = ([int(v) for v in arg.split(",")]
+                                for arg in (a.decode_rows, a.contexts, a.prefills))
+    config = EngineConfig(weight_dtype="q8_0", activation_dtype="int8", max_model_len=2048,
+                          max_num_batched_tokens=max(rows) + max(prefills), max_num_seqs=max(rows) + 1,
+                          enable_prefix_caching=False)
+    engine = Engine(random_checkpoint(a.model), config)
+    warm = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    engine.add_request("warm-up", [1, 2, 3], warm)
+    while engine.has_unfinished():
+        engine.step()  # kernels compiled (or loaded) outside the timed steps
+    rng = np.random.default_rng(0)
+    samples = []
+    for num_rows in rows:
+        for context in contexts:
+            samples += time_points(engine, num_rows, context, prefills, a.repeats, rng)
+    model, residual = fit(samples)
+    out = {"meta": {"model": a.model, "weight_dtype": "q8_0", "activation_dtype": "int8", "cpu": cpu_name(),
+                    "machine": platform.node(), "date": datetime.now().isoformat(timespec="minutes"),
+                    "repeats": a.repeats, "residual_rms_s": residual},
+           "model": model, "samples": samples}
+    a.json.parent.mkdir(parents=True, exist_ok=True)
+    a.json.write_text(json.dumps(out, indent=1) + "\n")
+    print(json.dumps(out["model"]), f"rms residual {residual * 1e3:.2f} ms", sep="\n")
+
+
+if __name__ == "__main__":
+    main()

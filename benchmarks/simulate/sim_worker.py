@@ -1,0 +1,153 @@
+"""A modelled worker: the real batcher, block pool, KV manager, output processor and speculator of one
+engine, stepped in simulated time; the model's forward is replaced by StepCostModel's seconds and the
+sampler by SimProposer.sample.
+
+Engine.step in two halves, `plan_step` (schedule, propose drafts, price the step) at the step's start and
+`finish_step` (sample, process, release the finished, feed speculation its figures) at its end. The parts
+of Engine that need no model (submit, _release, apply) are Engine's own functions, called on this object,
+which has the attributes they read (requests, batcher, sessions, speculation). The worker loop's telemetry
+(actors/worker.py's _StepMeter and _report) is mirrored by `telemetry`.
+"""
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+from benchmarks.simulate.sim_proposer import SimProposer
+from benchmarks.simulate.step_cost import StepCostModel
+from cluster_configs.engine_config import EngineConfig
+from memory.block_pool import BlockPool
+from memory.kv_cache import kv_bytes_per_token
+from scheduling.batcher import Batcher
+from scheduling.engine import Engine
+from scheduling.kv_cache_manager import KVCacheManager, num_kv_blocks
+from scheduling.output_processor import OutputProcessor
+from scheduling.outputs import RequestOutput
+from scheduling.plan import StepPlan
+from scheduling.policy import StepTelemetry
+from scheduling.request import Request
+from scheduling.sessions import SequenceStore
+from scheduling.speculation import NoSpeculation
+from scheduling.speculator import Speculator
+
+# the KV geometry of the TinyLlama shape (benchmarks/checkpoints.py): 22 layers, 4 KV heads of 64
+MODEL_SHAPE = SimpleNamespace(num_layers=22, num_kv_heads=4, head_dim=64)
+
+
+@dataclass(frozen=True)
+class KVGeometry:
+    """What KVCacheManager reads of a KVCache when no tree is verified: no arrays."""
+    block_size: int
+    bytes_per_token: int
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What a step costs is a function of (StepCostModel.seconds)."""
+    num_decode_rows: int
+    num_prefill_tokens: int
+    num_draft_rows: int
+    num_context_tokens: int  # the decoding rows' contexts
+
+
+def step_shape(plan: StepPlan) -> StepShape:
+    decode = prefill = drafts = context = 0
+    for s in plan.scheduled:
+        drafts += len(s.draft_token_ids)
+        if s.is_decoding:
+            decode += 1
+            context += s.request.num_computed_tokens
+        else:
+            prefill += s.num_base_tokens
+    return StepShape(decode, prefill, drafts, context)
+
+
+class SimWorker:
+    def __init__(self, worker_id: str, config: EngineConfig, cost: StepCostModel, sampler: SimProposer,
+                 max_model_len: int):
+        self.worker_id, self.config, self.cost, self.sampler = worker_id, config, cost, sampler
+        bs = config.block_size
+        num_blocks = num_kv_blocks(MODEL_SHAPE, config, max_model_len)
+        bytes_per_token = kv_bytes_per_token(MODEL_SHAPE.num_layers, MODEL_SHAPE.num_kv_heads,
+                                             MODEL_SHAPE.head_dim, config.resolved_kv_dtype)
+        pool = BlockPool(num_blocks)
+        self.sessions = SequenceStore(pool, bs, max_pinned_blocks=0)  # a deployment's turns share by prefix
+        self.kv = KVCacheManager(pool, KVGeometry(bs, bytes_per_token), config.enable_prefix_caching, 0,
+                                 reclaim=self.sessions.reclaim)
+        self.batcher = Batcher(config, self.kv, self.sessions)
+        self.processor = OutputProcessor(self.kv, eos_token_ids=())
+        self.requests: dict[str, Request] = {}
+        if config.speculation.enabled:
+            self.speculation = Speculator(config.speculation, sampler)
+            self.speculation.clock = lambda: 0.0  # the proposer's seconds are its modelled last_passes
+        else:
+            self.speculation = NoSpeculation()
+        self.adapters: OrderedDict[str, None] = OrderedDict()  # held (at most max_loras), least recent first
+        self.busy = False
+        self.num_preemptions = 0
+        self.num_generated_tokens = 0
+        self.num_prefix_lookup_tokens = self.num_prefix_hit_tokens = 0
+        self.cached_on_admission: dict[str, int] = {}  # request id -> its prefix-cache tokens when admitted
+        self._meter_steps = self._meter_tokens = 0
+        self._meter_seconds = 0.0
+
+    submit = Engine.submit
+    has_unfinished = Engine.has_unfinished
+    apply = Engine.apply  # a scheduler's Policy
+    _release = Engine._release
+
+    def holds_adapter(self, adapter: str) -> bool:
+        """Whether a request with this adapter enters at once (else it waits for the adapter's fetch first);
+        the adapter is held from now, least recently used dropped past max_loras."""
+        held = adapter in self.adapters
+        self.adapters[adapter] = None
+        self.adapters.move_to_end(adapter)
+        if len(self.adapters) > self.config.max_loras:
+            self.adapters.popitem(last=False)
+        return held
+
+    def plan_step(self) -> tuple[StepPlan, float]:
+        """Schedule and draft the next step -> (its plan, its modelled seconds)."""
+        plan = self.batcher.schedule()
+        plan = self.speculation.propose(plan, self.batcher)
+        self.num_preemptions += len(plan.preempted)
+        self.num_prefix_lookup_tokens += plan.num_prefix_lookup_tokens
+        self.num_prefix_hit_tokens += plan.num_prefix_hit_tokens
+        for s in plan.scheduled:
+            self.cached_on_admission.setdefault(s.request.request_id, s.request.num_cached_tokens)
+        shape = step_shape(plan)
+        seconds = self.cost.seconds(shape.num_decode_rows, shape.num_prefill_tokens, shape.num_draft_rows,
+                                    shape.num_context_tokens)
+        return plan, seconds + self._draft_seconds()
+
+    def _draft_seconds(self) -> float:
+        """The proposer's modelled seconds this step (its passes, whether their drafts fit or not)."""
+        if not isinstance(self.speculation, Speculator):
+            return 0.0
+        return sum(s for _, s in self.speculation.draft_passes)
+
+    def finish_step(self, plan: StepPlan, seconds: float) -> list[RequestOutput]:
+        """The step's outputs, its state moved on as Engine.step moves it."""
+        out = self.sampler.sample(plan)
+        processed = self.processor.process(plan, out)
+        for req in processed.finished:
+            self._release(req)
+        if isinstance(self.speculation, Speculator):
+            draft_seconds = self._draft_seconds()
+            self.speculation.record(plan, out, seconds - draft_seconds, draft_seconds,
+                                    len(self.batcher.waiting), self.kv.usage)
+        self.num_generated_tokens += processed.num_generated_tokens
+        self._meter_steps += 1
+        self._meter_tokens += plan.num_tokens
+        self._meter_seconds += seconds
+        return processed.outputs
+
+    def telemetry(self) -> StepTelemetry:
+        """This interval's report (actors/worker.py's _report), the meter reset."""
+        mean_step_s = self._meter_seconds / self._meter_steps if self._meter_steps else 0.0
+        t = StepTelemetry(self.worker_id, len(self.batcher.running), len(self.batcher.waiting),
+                          self._meter_steps, self._meter_tokens, mean_step_s, self.kv.usage,
+                          self.num_preemptions, self.speculation.telemetries())
+        self._meter_steps = self._meter_tokens = 0
+        self._meter_seconds = 0.0
+        return t
