@@ -36,7 +36,7 @@ from scheduling.sessions import SequenceStore
 from scheduling.speculation import make_speculation
 from scheduling.step_sampler import sample_step
 from scheduling.step_stats import EngineTotals, StageClock, StepStats, step_stats
-from scheduling.structured import Grammars, MaskWorker
+from scheduling.structured import Grammars, MaskWorker, StepMasks
 from scheduling.validation import RequestLimits, validate_request
 
 Prompt = str | list[int]
@@ -146,14 +146,15 @@ class Engine:
         plan = clock.lap("propose", self.speculation.propose(plan, self.batcher))
         if not plan.scheduled:
             return StepOutput(expired, self._record(plan, None, None, clock))
-        masks = self.mask_worker.start(plan)  # grammar masks computed while the model runs
+        started = self.mask_worker.start(plan)  # grammar masks computed while the model runs
         run = clock.lap("run", self.runner.run(plan))
-        out = clock.lap("sample", sample_step(plan, run, masks.result() if masks is not None else None,
+        masks = self.mask_worker.result(started)
+        out = clock.lap("sample", sample_step(plan, run, masks.masks if masks is not None else None,
                                               self.spec.eos_token_ids))
         processed = clock.lap("process", self.processor.process(plan, out))
         for req in processed.finished:
             self._release(req)
-        stats = self._record(plan, out, processed, clock)
+        stats = self._record(plan, out, processed, clock, masks)
         self.speculation.observe(plan, run, out, stats)
         return StepOutput(expired + processed.outputs, stats)
 
@@ -173,9 +174,9 @@ class Engine:
         del self.requests[req.request_id]
 
     def _record(self, plan: StepPlan, out: SamplerOutput | None, processed: ProcessedStep | None,
-                clock: StageClock) -> StepStats:
+                clock: StageClock, masks: StepMasks | None = None) -> StepStats:
         stats = step_stats(plan, out, processed, clock.seconds(), len(self.batcher.running),
-                           len(self.batcher.waiting), self.kv.usage)
+                           len(self.batcher.waiting), self.kv.usage, masks)
         self.totals = self.totals.plus(stats)
         return stats
 
@@ -194,6 +195,8 @@ class Engine:
             "num_preemptions": totals.num_preemptions,
             "num_generated_tokens": totals.num_generated_tokens,
             "num_forced_tokens": totals.num_forced_tokens,
+            "num_masked_rows": totals.num_masked_rows, "mask_seconds": totals.mask_seconds,
+            "mask_wait_seconds": totals.mask_wait_seconds,
         } | self.sessions.stats() | self.adapters.stats() | self.runner.lora.stats() | (
             self.speculation.stats())
 

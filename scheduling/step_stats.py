@@ -12,6 +12,7 @@ if TYPE_CHECKING:  # (they hold StepStats)
     from scheduling.output_processor import ProcessedStep
     from scheduling.outputs import SamplerOutput
     from scheduling.plan import StepPlan
+    from scheduling.structured import StepMasks
 
 STAGES = ("schedule", "propose", "run", "sample", "process")
 
@@ -69,6 +70,9 @@ class StepStats:
     num_prefix_hit_tokens: int = 0  # of those, found there
     drafts: tuple[DraftCounts, ...] = ()  # per method that drafted
     seconds: StageSeconds = StageSeconds()
+    num_masked_rows: int = 0  # rows sampled under a grammar's token mask (structured outputs)
+    mask_seconds: float = 0.0  # computing those masks, in the mask thread while the forward ran
+    mask_wait_seconds: float = 0.0  # of the step's sample stage, waiting for masks the forward did not hide
     # after the step
     num_running: int = 0
     num_waiting: int = 0
@@ -80,8 +84,10 @@ class StepStats:
 
 
 def step_stats(plan: "StepPlan", out: "SamplerOutput | None", processed: "ProcessedStep | None",
-               seconds: StageSeconds, num_running: int, num_waiting: int, kv_usage: float) -> StepStats:
-    """A step's record from its plan, sampler output and processing (None: nothing was scheduled)."""
+               seconds: StageSeconds, num_running: int, num_waiting: int, kv_usage: float,
+               masks: "StepMasks | None" = None) -> StepStats:
+    """A step's record from its plan, sampler output and processing (None: nothing was scheduled) and its
+    grammar masks (None: no constrained row)."""
     drafts: dict[str, list[int]] = {}  # method -> [requests, draft tokens, accepted]
     for scheduled, sampled in zip(plan.scheduled, out.sampled if out else ()):
         if scheduled.draft_method is not None and sampled is not None:
@@ -100,6 +106,8 @@ def step_stats(plan: "StepPlan", out: "SamplerOutput | None", processed: "Proces
         num_prefix_lookup_tokens=plan.num_prefix_lookup_tokens,
         num_prefix_hit_tokens=plan.num_prefix_hit_tokens,
         drafts=tuple(DraftCounts(m, *c) for m, c in drafts.items()), seconds=seconds,
+        num_masked_rows=masks.num_rows if masks else 0, mask_seconds=masks.seconds if masks else 0.0,
+        mask_wait_seconds=masks.wait_seconds if masks else 0.0,
         num_running=num_running, num_waiting=num_waiting, kv_usage=kv_usage)
 
 
@@ -117,6 +125,9 @@ class EngineTotals:
     num_preemptions: int = 0
     num_prefix_lookup_tokens: int = 0
     num_prefix_hit_tokens: int = 0
+    num_masked_rows: int = 0
+    mask_seconds: float = 0.0
+    mask_wait_seconds: float = 0.0
 
     def plus(self, step: StepStats) -> "EngineTotals":
         return EngineTotals(
@@ -129,7 +140,10 @@ class EngineTotals:
             self.num_forced_tokens + step.num_forced_tokens,
             self.num_preemptions + len(step.preempted_ids),
             self.num_prefix_lookup_tokens + step.num_prefix_lookup_tokens,
-            self.num_prefix_hit_tokens + step.num_prefix_hit_tokens)
+            self.num_prefix_hit_tokens + step.num_prefix_hit_tokens,
+            self.num_masked_rows + step.num_masked_rows,
+            self.mask_seconds + step.mask_seconds,
+            self.mask_wait_seconds + step.mask_wait_seconds)
 
     @property
     def prefix_hit_rate(self) -> float:

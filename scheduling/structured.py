@@ -16,10 +16,10 @@ verification computes accepted drafts. A masked row whose mask allows one token 
 the logits, seed or position, so the output equals masked decoding token for token; a fixed-key schema takes
 fewer steps. A request that asked for logprobs is not jumped (a forced token has no sampled row to report).
 
-Speculation: a constrained request keeps, of its chain of drafts, the prefix its grammar admits
-(`GrammarMatcher.admitted`; a tree of drafts it drops), and the mask of its row after draft j is computed
-with drafts 0..j consumed, then rolled back (`fill_masks`), so each row is sampled exactly as plain masked
-decoding would sample it there.
+Speculation: a constrained request keeps, of its chain of drafts (of a tree: its best guesses' chain),
+the prefix its grammar admits (`GrammarMatcher.admitted`), whichever method drafted it; the mask of its row
+after draft j is computed with drafts 0..j consumed, then rolled back (`fill_masks`), so each row is sampled
+exactly as plain masked decoding would sample it there.
 
 JSON is compact (no whitespace between tokens, llguidance's whitespace_flexible off): a small model given
 flexible whitespace can spend its whole max_tokens on spaces and newlines.
@@ -27,8 +27,10 @@ flexible whitespace can spend its whole max_tokens on spaces and newlines.
 
 import functools
 import json
+import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 
 import numpy as np
 from llguidance import LLMatcher, LLTokenizer
@@ -98,9 +100,12 @@ class GrammarMatcher:
 
     def admitted(self, drafts: TokenTree) -> TokenTree:
         """Of a chain of drafts, the prefix the grammar admits after the output so far, cut before an EOS (the
-        request would end there). A tree's nodes would each need their own path's mask: none of it."""
+        request would end there). A ranked tree (EAGLE's, Medusa's) gives its chain of best guesses (width 1):
+        its other nodes would each need their own path's mask; an unranked tree gives nothing."""
         if not drafts.is_chain:
-            return TokenTree.chain(())
+            if drafts.ranks is None:
+                return TokenTree.chain(())
+            drafts = TokenTree.chain(drafts.narrowed(1).tokens)
         tokens = drafts.tokens[:self.matcher.validate_tokens(list(drafts.tokens))]
         return TokenTree.chain(tokens[:next((j for j, t in enumerate(tokens) if t in self.eos_token_ids),
                                             len(tokens))])
@@ -162,9 +167,18 @@ class Grammars:
         return GrammarMatcher(self.ll_tokenizer, grammar_of(so))
 
 
+@dataclass(frozen=True)
+class StepMasks:
+    """A step's grammar masks and what they cost."""
+    masks: dict[int, np.ndarray]  # index in plan.scheduled -> [1 + num drafts, V] bool
+    num_rows: int  # masked rows (sampled under a grammar)
+    seconds: float  # computing them, in the mask thread
+    wait_seconds: float  # the sampler's wait for them after the forward: the part the forward did not hide
+
+
 class MaskWorker:
-    """Computes a step's token masks in one thread while the model runs: `start` before the forward, the
-    future's result (index in plan.scheduled -> [1 + num drafts, V] bool) before sampling."""
+    """Computes a step's token masks in one thread while the model runs: `start` before the forward,
+    `result` before sampling."""
 
     def __init__(self, vocab_size: int):
         self.vocab_size = vocab_size
@@ -175,7 +189,22 @@ class MaskWorker:
         constrained = [(i, s.request.matcher, s.draft_token_ids) for i, s in enumerate(plan.scheduled)
                        if s.request.matcher is not None
                        and s.request.num_computed_tokens + s.num_base_tokens == s.request.num_tokens]
-        return self.pool.submit(token_masks, constrained, self.vocab_size) if constrained else None
+        return self.pool.submit(_timed_token_masks, constrained, self.vocab_size) if constrained else None
+
+    @staticmethod
+    def result(future: Future | None) -> StepMasks | None:
+        """The started masks, waiting for them if they are not done."""
+        if future is None:
+            return None
+        start = time.perf_counter()
+        masks, seconds = future.result()
+        return StepMasks(masks, sum(len(m) for m in masks.values()), seconds, time.perf_counter() - start)
+
+
+def _timed_token_masks(constrained, vocab_size: int) -> tuple[dict[int, np.ndarray], float]:
+    start = time.perf_counter()
+    masks = token_masks(constrained, vocab_size)
+    return masks, time.perf_counter() - start
 
 
 def token_masks(constrained: list[tuple[int, GrammarMatcher, Sequence[int]]], vocab_size: int

@@ -1,8 +1,8 @@
 """The demo model's chat format and structured outputs on it, in process (no Ray): its template renders a
-conversation with tools; the two requests `numaserve demo` makes (a JSON Schema, a named tool call) give a
-valid record and a call with valid arguments; through the OpenAI endpoints' code (OpenAIServing over a
-LocalDeployment), every output of each JSON Schema at temperature 1 over 8 seeds validates, and calls under
-"required" carry valid arguments."""
+conversation with tools; the demo's structured step (a JSON Schema, a named tool call), run over an
+in-process stand-in for its client, gives a valid record and a call with valid arguments; through the
+OpenAI endpoints' code (OpenAIServing over a LocalDeployment), every output of each JSON Schema at
+temperature 1 over 8 seeds validates, and calls under "required" carry valid arguments."""
 
 import asyncio
 import json
@@ -14,7 +14,14 @@ from actors.chat_template import load_chat_template
 from actors.local_deployment import LocalDeployment
 from actors.openai_protocol import ChatCompletionRequest
 from actors.openai_serving import OpenAIServing
-from numaserve.demo import DEMO_DIR, FUNCTION_SCHEMA, RUN_TESTS, structured_request, tool_call_request
+from numaserve.demo import (
+    DEMO_DIR,
+    FUNCTION_SCHEMA,
+    RUN_TESTS,
+    _structured_and_tool_call,
+    structured_request,
+    tool_call_request,
+)
 from numaserve.llm import LLM
 from tests.test_structured_outputs import SCHEMAS
 
@@ -42,15 +49,28 @@ def test_both_demo_models_carry_the_chat_template():
         assert "# run_tests: Run one test module" in text and '"pattern": "^test_[a-z_]{1,16}$"' in text
 
 
-def test_the_demo_requests_give_a_valid_record_and_tool_call(llm):
-    prompt, params = structured_request()
-    [record] = llm.generate(prompt, params)
-    jsonschema.validate(json.loads(record.text), FUNCTION_SCHEMA)
-    prompt_ids, params, parser = tool_call_request(BASE)
+class InProcessClient:
+    """actors.client.Client's generate (one Completion of a prompt), over the in-process LLM: what the demo's
+    structured step calls."""
+
+    def __init__(self, llm: LLM):
+        self.llm = llm
+
+    def generate(self, prompt, params):
+        [completion] = self.llm.generate(prompt, params)
+        return completion
+
+
+def test_the_demo_step_gives_a_valid_record_and_tool_call(llm, capsys):
+    prompt_ids, _, _ = tool_call_request(BASE)
     assert prompt_ids[0] == llm.tokenizer.token_to_id("<s>") and prompt_ids[1] != prompt_ids[0]
-    [call] = parser.parse(llm.generate(prompt_ids, params)[0].text, final=True).calls
-    assert call.name == "run_tests"
-    jsonschema.validate(json.loads(call.arguments), RUN_TESTS["function"]["parameters"])
+    summary = _structured_and_tool_call(InProcessClient(llm), BASE)  # what numaserve demo runs over Ray
+    jsonschema.validate(json.loads(summary["json"]), FUNCTION_SCHEMA)
+    assert summary["tool_call"]["name"] == "run_tests"
+    jsonschema.validate(json.loads(summary["tool_call"]["arguments"]), RUN_TESTS["function"]["parameters"])
+    printed = capsys.readouterr().out
+    assert f"{structured_request()[0]}{summary['json']}" in printed
+    assert f"-> run_tests({summary['tool_call']['arguments']})" in printed
 
 
 def chat(serving, **body) -> dict:

@@ -1,7 +1,7 @@
 """Jump-forward for structured outputs: the tokens a grammar forces are appended without sampling and
 computed in the next step, so the output equals constrained decoding without it token for token (greedy and
 seeded, every schema of tests/test_structured_outputs.py), a fixed-key schema takes fewer steps, and the
-engine's stats count the forced tokens."""
+engine's stats count the forced tokens and the masked rows."""
 
 import json
 
@@ -43,6 +43,10 @@ def test_forced_tokens_equal_constrained_decoding_without_jump_forward(model_dir
     assert [c.finish_reason for c in got] == [c.finish_reason for c in expected]
     assert plain_stats["num_forced_tokens"] == 0 < stats["num_forced_tokens"]
     assert stats["num_generated_tokens"] == plain_stats["num_generated_tokens"]
+    # every sampled token was sampled under its mask, each forced one without: the mask stats count them
+    assert plain_stats["num_masked_rows"] == plain_stats["num_generated_tokens"]
+    assert stats["num_masked_rows"] == stats["num_generated_tokens"] - stats["num_forced_tokens"]
+    assert plain_stats["mask_seconds"] > 0 and plain_stats["mask_wait_seconds"] >= 0
     for c, p in zip(got, params):
         if c.finish_reason == "stop":
             jsonschema.validate(json.loads(c.text), p.structured_outputs.json)
