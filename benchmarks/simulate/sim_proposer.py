@@ -67,4 +67,4 @@ class SimProposer(Proposer):
                 num_accepted += 1
             sampled.append(SampledTokens(list(true[:num_accepted + 1]), None, len(drafts), num_accepted,
                                          list(range(num_accepted + 1))))
-        return SamplerOutput(tuple(sampled), (None,) * len(plan.scheduled))
+        return SamplerOutput(tuple(sampled), (None,) * len(plan.scheduled), (None,) * len(plan.scheduled))

@@ -9,7 +9,7 @@ Per request (times are simulated seconds):
 A worker steps while it has requests: plan (real Batcher.schedule, Speculator.propose), its StepCostModel
 seconds, then the real OutputProcessor. Each step's deltas coalesce into chunks as actors/delta_stream.py
 coalesces them (the first at once, the next after stream_interval_s, the last at once). A chunk then
-crosses the router ("relay": router CPU per chunk, RoutingPolicy.progress on each, finish after the last) or
+crosses the router ("relay", the deployment before #27: router CPU per chunk, finish after the last) or
 not ("placement": the caller calls the router once more at the end), then its caller (caller CPU), where
 the caller sees its tokens. Every telemetry_interval_s each worker's StepTelemetry goes to the real
 BatchingPolicy, whose Policy the worker applies (Engine.apply) and the router takes its admission bound from.
@@ -58,7 +58,6 @@ class _Stream:
     num_pending: int = 0  # tokens ready on the worker, not yet sent as a chunk
     finished: bool = False  # the worker's last delta was put
     release_pending: bool = False
-    num_prefill: int = 0  # relay: prompt tokens the router counts done with the first chunk
     first_at: float | None = None
     last_at: float = 0.0
 
@@ -137,7 +136,6 @@ class Simulation:
         req = Request(a.request_id, list(a.prompt_ids), self.params, adapter_id=a.adapter,
                       max_model_len=cfg.engine.max_model_len)
         self.sampler.register(a.request_id, a.output_ids, s.index)
-        s.num_prefill = len(a.prompt_ids)
         if a.adapter is not None and not worker.holds_adapter(a.adapter):
             self.events.at(self.events.now + cfg.adapter_load_s, self._enter, worker, req)
         else:
@@ -202,8 +200,6 @@ class Simulation:
 
     def _relayed(self, s: _Stream, n: int, finished: bool) -> None:
         request_id = s.arrival.request_id
-        self.routing.progress(request_id, n + s.num_prefill)
-        s.num_prefill = 0
         if finished:
             self.routing.finish(request_id)
         self._to_caller(s, n, finished)
