@@ -101,7 +101,12 @@ def _read(entry: Path, key: dict,
           decisions: DecisionLog) -> tuple[ModelSpec, ModelWeights, Tokenizer | None, int]:
     """-> (spec, weights, tokenizer, bytes read) from the entry; planning's decisions replayed into decisions.
     Raises FileNotFoundError (no entry) or one of _UNREADABLE."""
-    fields, arrays = read_entry(entry)
+    built = {}
+
+    def meanwhile(fields: dict) -> None:  # while the blob is read: the tokenizer from its tokenizer.json
+        built["tokenizer"] = _tokenizer(fields["tokenizer"])
+
+    fields, arrays = read_entry(entry, meanwhile)
     if fields["key"] != key:
         raise CorruptEntry(f"{entry}: its manifest's key is another model's")
     tree = unflatten(fields["tree"], arrays)
@@ -109,7 +114,7 @@ def _read(entry: Path, key: dict,
                 for topic, choice, why, subject, warn in fields["decisions"]]
     for topic, choice, why, subject, warn in replayed:
         decisions.record(topic, choice, why, subject, warn=warn)
-    return tree["spec"], tree["weights"], _tokenizer(fields["tokenizer"]), sum(a.nbytes for a in arrays)
+    return tree["spec"], tree["weights"], built["tokenizer"], sum(a.nbytes for a in arrays)
 
 
 def _keyed_cache(model_path: Path, config: EngineConfig, calibration: Calibration | None,
