@@ -17,33 +17,39 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_local_completions_loglikelihoods_equal_llm_score(llama_dir, monkeypatch):
+    with ns.LLM(llama_dir, **FP32) as llm:
+        url, server, thread = serve(llm, HttpConfig())
+        try:
+            check_local_completions(url, "tiny", llm, llama_dir, monkeypatch)
+        finally:
+            server.should_exit = True
+            thread.join(timeout=60)
+
+
+def check_local_completions(url: str, model: str, llm: ns.LLM, tokenizer_dir, monkeypatch) -> None:
+    """lm_eval's local-completions over the server at url: every choice's loglikelihood and is_greedy equal
+    llm.score's (llm: the served model in process, with the server's engine config)."""
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.chdir(ROOT)  # the task's data_files
     from lm_eval.api.registry import get_model
     from lm_eval.tasks import TaskManager
 
-    with ns.LLM(llama_dir, **FP32) as llm:
-        url, server, thread = serve(llm, HttpConfig())
-        try:
-            lm = get_model("local-completions")(model="tiny", base_url=f"{url}/v1/completions",
-                                                tokenizer=str(llama_dir), tokenizer_backend="huggingface",
-                                                batch_size=4, max_retries=1)
-            results = lm_eval.simple_evaluate(
-                model=lm, tasks=["numaserve_mc"], log_samples=True,
-                task_manager=TaskManager(include_path=str(ROOT / "tests/fixtures/lm_eval")))
-            samples = results["samples"]["numaserve_mc"]
-            assert len(samples) == 6 and sum(len(s["arguments"]) for s in samples) == 20
-            for sample in samples:
-                for (context, continuation), [(ll, greedy)] in zip(sample["arguments"], sample["resps"]):
-                    context_ids, continuation_ids = lm._encode_pair(context, continuation)
-                    ids = context_ids + continuation_ids
-                    reference = log_softmax(llm.score(ids))
-                    rows = [reference[p - 1] for p in range(len(context_ids), len(ids))]
-                    expected = sum(row[t] for row, t in zip(rows, continuation_ids))
-                    np.testing.assert_allclose(ll, expected, atol=1e-4, rtol=0)
-                    assert greedy == all(int(np.argmax(row)) == t for row, t in zip(rows, continuation_ids))
-            assert 0.0 <= results["results"]["numaserve_mc"]["acc,none"] <= 1.0
-        finally:
-            server.should_exit = True
-            thread.join(timeout=60)
+    lm = get_model("local-completions")(model=model, base_url=f"{url}/v1/completions",
+                                        tokenizer=str(tokenizer_dir), tokenizer_backend="huggingface",
+                                        batch_size=4, max_retries=1)
+    results = lm_eval.simple_evaluate(
+        model=lm, tasks=["numaserve_mc"], log_samples=True,
+        task_manager=TaskManager(include_path=str(ROOT / "tests/fixtures/lm_eval")))
+    samples = results["samples"]["numaserve_mc"]
+    assert len(samples) == 6 and sum(len(s["arguments"]) for s in samples) == 20
+    for sample in samples:
+        for (context, continuation), [(ll, greedy)] in zip(sample["arguments"], sample["resps"]):
+            context_ids, continuation_ids = lm._encode_pair(context, continuation)
+            ids = context_ids + continuation_ids
+            reference = log_softmax(llm.score(ids))
+            rows = [reference[p - 1] for p in range(len(context_ids), len(ids))]
+            expected = sum(row[t] for row, t in zip(rows, continuation_ids))
+            np.testing.assert_allclose(ll, expected, atol=1e-4, rtol=0)
+            assert greedy == all(int(np.argmax(row)) == t for row, t in zip(rows, continuation_ids))
+    assert 0.0 <= results["results"]["numaserve_mc"]["acc,none"] <= 1.0

@@ -22,6 +22,7 @@ from transformers import AutoTokenizer
 import numaserve as ns
 from tests.cluster.conftest import advance, free_port, paused, queued, reference_outputs, sim_config, wait_for
 from tests.conftest import random_prompt
+from tests.test_lm_eval import check_local_completions
 
 NAME = "http"
 MODEL = "llama"  # the served model's name: its folder's
@@ -89,6 +90,13 @@ def test_embeddings_and_echoed_prompt_logprobs_through_the_workers_equal_the_eng
     assert echoed[0] is None
     np.testing.assert_allclose(echoed[1:], scores, atol=1e-4)
     llm.close()
+
+
+def test_lm_eval_local_completions_against_the_served_deployment_equals_llm_score(url, llama_dir, config,
+                                                                                  monkeypatch):
+    # `numaserve serve`'s stack (the HTTP actor, router and workers) under lm-evaluation-harness
+    with ns.LLM(llama_dir, **config.engine.model_dump(exclude={"num_threads"})) as llm:
+        check_local_completions(url, MODEL, llm, llama_dir, monkeypatch)
 
 
 def test_the_server_binds_loopback_and_is_healthy(client, url, config):
