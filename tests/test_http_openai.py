@@ -12,8 +12,6 @@ bodies naming the field; CORS answers an allowed origin's preflight and not anot
 import asyncio
 import json
 import re
-import socket
-import threading
 import time
 from pathlib import Path
 
@@ -22,7 +20,6 @@ import openai
 import pydantic
 import pytest
 import requests
-import uvicorn
 from tokenizers import Tokenizer
 
 from actors.chat_template import ChatTemplate
@@ -36,6 +33,7 @@ from cluster_configs.cluster_config import HttpConfig
 from cluster_configs.sampling_params import SamplingParams
 from models.tokenizer import Tokenizer as ModelTokenizer
 from numaserve.llm import LLM
+from tests.http_app import served
 from tests.model_factory import build_model
 from tests.test_structured_outputs import SCHEMAS
 
@@ -74,17 +72,8 @@ def serving_of(llm, **http) -> OpenAIServing:
 @pytest.fixture(scope="module")
 def url(llm):
     app = build_app(serving_of(llm, tool_call_parser="hermes", allowed_origins=(ALLOWED_ORIGIN,)))
-    sock = socket.create_server(("127.0.0.1", 0))  # bound here and handed over: no other socket takes it
-    server = uvicorn.Server(uvicorn.Config(app, lifespan="off", log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.02)
-    yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    server.should_exit = True
-    thread.join(timeout=60)
+    with served(app) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

@@ -5,15 +5,11 @@ with stream), echo with logprobs in OpenAI's completions shape, vLLM's prompt_lo
 
 import base64
 import itertools
-import socket
-import threading
-import time
 
 import numpy as np
 import openai
 import pytest
 import requests
-import uvicorn
 
 import numaserve as ns
 from actors.http_server import build_app
@@ -22,6 +18,7 @@ from actors.openai_format import TokenTexts
 from actors.openai_serving import OpenAIServing
 from cluster_configs.cluster_config import HttpConfig
 from tests.conftest import random_prompt
+from tests.http_app import served
 
 FP32 = {"weight_dtype": "float32", "kv_dtype": "float32"}
 EOS = 2
@@ -35,24 +32,15 @@ def llm(llama_dir):
 
 
 def serve(llm: ns.LLM, config: HttpConfig):
-    app = build_app(OpenAIServing(LocalDeployment(llm), "tiny", "/tiny", None, False, "fp_t", config))
-    sock = socket.create_server(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, lifespan="off", log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.02)
-    return f"http://127.0.0.1:{sock.getsockname()[1]}", server, thread
+    """The real app over llm, served in this process (a context manager -> its URL)."""
+    serving = OpenAIServing(LocalDeployment(llm), "tiny", "/tiny", None, False, "fp_t", config)
+    return served(build_app(serving))
 
 
 @pytest.fixture(scope="module", params=["last", "mean"])
 def api(llm, request):
-    url, server, thread = serve(llm, HttpConfig(pooling=request.param))
-    yield openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0), url, request.param
-    server.should_exit = True
-    thread.join(timeout=60)
+    with serve(llm, HttpConfig(pooling=request.param)) as url:
+        yield openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0), url, request.param
 
 
 def log_softmax(x: np.ndarray) -> np.ndarray:

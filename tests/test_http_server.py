@@ -5,18 +5,17 @@ alive, /health and requests answer 503 with Retry-After and an OpenAI error body
 import asyncio
 import json
 import socket
-import threading
 import time
 
 import openai
 import pytest
 import requests
-import uvicorn
 
 from actors.http_server import build_app
 from actors.openai_serving import OpenAIServing
 from cluster_configs.errors import Overloaded, Unavailable
 from scheduling.outputs import RequestOutput
+from tests.http_app import served
 
 
 class EndlessStream:
@@ -76,17 +75,8 @@ class DownDeployment(EndlessDeployment):
 def server(request):
     deployment = getattr(request, "param", None) or EndlessDeployment()
     app = build_app(OpenAIServing(deployment, "stub", "/stub", None, False, "fp_stub"))
-    # bound here and handed over: no other socket can take the port
-    sock = socket.create_server(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, lifespan="off", log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    wait_for(lambda: server.started, "the server to start")
-    yield f"http://127.0.0.1:{port}", deployment
-    server.should_exit = True
-    thread.join(timeout=60)
-    assert not thread.is_alive(), "the server did not stop"
+    with served(app) as url:
+        yield url, deployment
 
 
 def wait_for(condition, what: str, timeout_s: float = 20.0) -> None:

@@ -17,13 +17,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_local_completions_loglikelihoods_equal_llm_score(llama_dir, monkeypatch):
-    with ns.LLM(llama_dir, **FP32) as llm:
-        url, server, thread = serve(llm, HttpConfig())
-        try:
-            check_local_completions(url, "tiny", llm, llama_dir, monkeypatch)
-        finally:
-            server.should_exit = True
-            thread.join(timeout=60)
+    with ns.LLM(llama_dir, **FP32) as llm, serve(llm, HttpConfig()) as url:
+        check_local_completions(url, "tiny", llm, llama_dir, monkeypatch)
 
 
 def check_local_completions(url: str, model: str, llm: ns.LLM, tokenizer_dir, monkeypatch) -> None:
