@@ -28,17 +28,32 @@ def row_scale(x, top):
     return scale, inv
 
 
+INT8, INT4, FP8 = 0, 1, 2  # write_kv_scaled's row codes
+
+
 @njit(cache=True, nogil=True)
-def write_kv_fp8(k, v, slot_mapping, k_cache, v_cache, k_scale, v_scale, man_bits, bias, max_code):
-    # k, v: [T, n_kv, D] f32 -> caches [num_blocks, block_size, n_kv, D] uint8 codes; scales [.., n_kv]
+def write_kv_scaled(k, v, slot_mapping, k_cache, v_cache, k_scale, v_scale, codes, man_bits=0, bias=0,
+                    max_code=0):
+    # k, v: [T, n_kv, D] f32 -> caches [num_blocks, block_size, n_kv, D] (INT8: int8; FP8: uint8 codes of
+    # fp8(man_bits, bias, max_code)) or [.., D // 2] (INT4: uint8 nibbles); scales [.., n_kv] f32
     block_size = k_cache.shape[1]
-    top = np.float32(fp8_max(man_bits, bias, max_code))
+    top = np.float32(fp8_max(man_bits, bias, max_code)) if codes == FP8 else np.float32(0.0)
     for t in range(k.shape[0]):
         b = slot_mapping[t] // block_size
         o = slot_mapping[t] % block_size
         for h in range(k.shape[1]):
-            k_scale[b, o, h] = _fp8_row(k[t, h], k_cache[b, o, h], top, man_bits, bias, max_code)
-            v_scale[b, o, h] = _fp8_row(v[t, h], v_cache[b, o, h], top, man_bits, bias, max_code)
+            k_scale[b, o, h] = _scaled_row(k[t, h], k_cache[b, o, h], codes, top, man_bits, bias, max_code)
+            v_scale[b, o, h] = _scaled_row(v[t, h], v_cache[b, o, h], codes, top, man_bits, bias, max_code)
+
+
+@njit(inline="always", nogil=True)
+def _scaled_row(x, dst, codes, top, man_bits, bias, max_code):
+    # one row's codes into dst -> its scale
+    if codes == INT8:
+        return _quantize_row(x, dst)
+    if codes == INT4:
+        return _int4_row(x, dst)
+    return _fp8_row(x, dst, top, man_bits, bias, max_code)
 
 
 @njit(inline="always", nogil=True)
@@ -47,18 +62,6 @@ def _fp8_row(x, dst, top, man_bits, bias, max_code):
     for d in range(x.shape[0]):
         dst[d] = fp8_encode(x[d] * inv, man_bits, bias, max_code)
     return scale
-
-
-@njit(cache=True, nogil=True)
-def write_kv_int4(k, v, slot_mapping, k_cache, v_cache, k_scale, v_scale):
-    # k, v: [T, n_kv, D] f32 -> caches [num_blocks, block_size, n_kv, D // 2] uint8; scales [.., n_kv]
-    block_size = k_cache.shape[1]
-    for t in range(k.shape[0]):
-        b = slot_mapping[t] // block_size
-        o = slot_mapping[t] % block_size
-        for h in range(k.shape[1]):
-            k_scale[b, o, h] = _int4_row(k[t, h], k_cache[b, o, h])
-            v_scale[b, o, h] = _int4_row(v[t, h], v_cache[b, o, h])
 
 
 @njit(inline="always", nogil=True)
@@ -95,18 +98,7 @@ def _store_impl(value, like):
     return lambda value, like: value
 
 
-@njit(cache=True, nogil=True)
-def write_kv_int8(k, v, slot_mapping, k_cache, v_cache, k_scale, v_scale):
-    # symmetric int8 per (token, kv head): x ~= q * scale, scale = max|x| / 127
-    block_size = k_cache.shape[1]
-    for t in range(k.shape[0]):
-        b = slot_mapping[t] // block_size
-        o = slot_mapping[t] % block_size
-        for h in range(k.shape[1]):
-            k_scale[b, o, h] = _quantize_row(k[t, h], k_cache[b, o, h])
-            v_scale[b, o, h] = _quantize_row(v[t, h], v_cache[b, o, h])
-
-
+# int8: symmetric per (token, kv head), x ~= q * scale, scale = max|x| / 127
 @njit(inline="always", nogil=True)
 def _quantize_row(x, dst):
     scale, inv = row_scale(x, 127.0)

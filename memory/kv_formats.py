@@ -17,7 +17,7 @@ import numpy as np
 from kernels.attention import paged_attention
 from kernels.fp8 import E4M3, E5M2
 from kernels.hadamard import hadamard_inplace, is_power_of_two
-from kernels.kv_quant import write_kv, write_kv_fp8, write_kv_int4, write_kv_int8
+from kernels.kv_quant import FP8, INT4, INT8, write_kv, write_kv_scaled
 
 
 @dataclass(frozen=True)
@@ -64,11 +64,11 @@ def write_kv_as(fmt: KVFormat, k, v, slot_mapping, k_cache, v_cache, k_scale, v_
         hadamard_inplace(k)
         hadamard_inplace(v)
     if fmt.fp8 is not None:
-        write_kv_fp8(k, v, slot_mapping, k_cache, v_cache, k_scale, v_scale, *fmt.fp8)
+        write_kv_scaled(k, v, slot_mapping, k_cache, v_cache, k_scale, v_scale, FP8, *fmt.fp8)
     elif fmt.values_per_element == 2:
-        write_kv_int4(k, v, slot_mapping, k_cache, v_cache, k_scale, v_scale)
+        write_kv_scaled(k, v, slot_mapping, k_cache, v_cache, k_scale, v_scale, INT4)
     elif fmt.has_scale:
-        write_kv_int8(k, v, slot_mapping, k_cache, v_cache, k_scale, v_scale)
+        write_kv_scaled(k, v, slot_mapping, k_cache, v_cache, k_scale, v_scale, INT8)
     else:
         write_kv(k, v, slot_mapping, k_cache, v_cache)
 
