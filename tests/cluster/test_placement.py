@@ -92,6 +92,7 @@ def test_the_router_handles_at_most_two_calls_per_request_whatever_its_length(cl
     print(f"router calls per request: {per_request:.2f} ({ {k: after[k] - before[k] for k in after} })")
 
 
+@pytest.mark.load_sensitive
 def test_a_5_mb_prompt_is_refused_without_stalling_other_streams_or_health(client):
     url = client.http_url
     streams = [Timed(client, random_prompt(8, seed=400 + i), LONG) for i in range(8)]
@@ -137,6 +138,7 @@ def test_a_5_mb_prompt_is_refused_without_stalling_other_streams_or_health(clien
     assert all(len(s.token_ids) == LONG.max_tokens for s in streams)
 
 
+@pytest.mark.load_sensitive
 def test_a_cold_adapter_fetch_does_not_stall_the_other_streams_of_its_worker(client, llama_dir, tmp_path):
     """Session stickiness puts everything on one worker. It served "a" then "b" (max_loras=1: it holds "b"
     only), so a request with "a" needs "a" fetched again, and the adapter cache is killed just before it:
