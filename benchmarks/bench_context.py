@@ -5,10 +5,11 @@ the same weights exported to GGUF).
 
 Engines run in processes of their own (benchmarks/numaserve_worker.py, benchmarks/llamacpp_runner.py), one
 group of equal KV bytes per value at a time (bf16 / f16: 2; int8, fp8_e4m3 / q8_0: 1 + 1/16; int4_hadamard /
-q4_0: 1/2 + 1/16, at head_dim 64), alternating sample by sample with the order flipping; every sample draws
-prompts of its own (no prefix cache serves one from another). Each numaserve row's ratio is against the
+q4_0: 1/2 + 1/16, at head_dim 64), alternating sample by sample with the order flipping; every prefill sample
+draws prompts of its own (no prefix cache serves one from another). Each numaserve row's ratio is against the
 llama.cpp KV type of its group. One untimed round first: numba compiles or loads each kernel, the processes
-touch their KV pages.
+touch their KV pages. A decode row's context is prefilled once per engine (untimed, prompts of its own) and
+each sample times the next `--decode-steps` steps of it, so the context grows by that much a sample.
 
     python -m benchmarks.bench_context [--contexts 1024,4096] [--samples 3] [--threads N]
     NUMASERVE_BENCH_SHORT=1 python -m benchmarks.bench_context     (a smoke run: small model, short contexts)
@@ -34,6 +35,7 @@ RESULTS = Path(__file__).parent / "results"
 # each group: numaserve KV dtypes and the llama.cpp KV type of the same bytes per value
 GROUPS = {"f16": ("bfloat16",), "q8_0": ("int8", "fp8_e4m3"), "q4_0": ("int4_hadamard",)}
 SHORT = os.environ.get("NUMASERVE_BENCH_SHORT") == "1"
+WARM_STEPS = 4  # untimed decode steps after a context's prefill (the first steps touch new KV pages)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -70,7 +72,9 @@ def workloads(args) -> dict[str, tuple[str, int, int]]:
 
 def start_engines(ckpt: Path, gguf: Path, llamacpp_type: str, args) -> dict[str, EngineProcess]:
     num_seqs = max(max(args.batches), int(args.prefill.split("x")[0]))
-    longest = max(max(args.contexts), int(args.prefill.split("x")[1])) + args.decode_steps + 8
+    # a decode context grows by decode_steps every sample (and WARM_STEPS before them)
+    longest = (max(max(args.contexts), int(args.prefill.split("x")[1]))
+               + args.decode_steps * args.samples + WARM_STEPS + 8)
     engines = {}
     for kv_dtype in GROUPS[llamacpp_type]:
         argv = [str(ckpt), "--weight-dtype", args.weight_dtype, "--kv-dtype", kv_dtype, "--threads",
@@ -86,17 +90,27 @@ def start_engines(ckpt: Path, gguf: Path, llamacpp_type: str, args) -> dict[str,
 
 
 def sampler(engine: EngineProcess, load: tuple[str, int, int], args, rng, vocab_size: int):
-    """One timed sample on prompts drawn for it alone -> (tokens/s, seconds)."""
+    """One timed sample -> (tokens/s, seconds). A prefill sample runs prompts drawn for it alone; a decode
+    sample times decode_steps more steps of the engine's open context (open_context)."""
     cmd, num_prompts, prompt_tokens = load
 
     def sample() -> tuple[float, float]:
-        prompts = rng.integers(3, vocab_size, (num_prompts, prompt_tokens)).tolist()
         if cmd == "prefill_batch":
+            prompts = rng.integers(3, vocab_size, (num_prompts, prompt_tokens)).tolist()
             seconds = engine.call(cmd, prompts=prompts)
             return num_prompts * prompt_tokens / seconds, seconds
-        seconds = engine.call(cmd, prompts=prompts, num_steps=args.decode_steps)
+        seconds = engine.call("decode_more", num_steps=args.decode_steps)
         return num_prompts * args.decode_steps / seconds, seconds
     return sample
+
+
+def open_context(engine: EngineProcess, load: tuple[str, int, int], rng, vocab_size: int) -> None:
+    """A decode load's context, prefilled once (untimed) on prompts drawn for this engine: every sample then
+    decodes on from it (prefilling 8 x 4k tokens per sample and engine would take most of the run; what a
+    decode step costs depends on the context's length, not its tokens)."""
+    _, num_prompts, prompt_tokens = load
+    engine.call("open_decode", prompts=rng.integers(3, vocab_size, (num_prompts, prompt_tokens)).tolist())
+    engine.call("decode_more", num_steps=WARM_STEPS)
 
 
 def bench_group(llamacpp_type: str, ckpt: Path, gguf: Path, args, loads: dict, vocab_size: int) -> list[dict]:
@@ -105,9 +119,15 @@ def bench_group(llamacpp_type: str, ckpt: Path, gguf: Path, args, loads: dict, v
     rows = []
     for metric, load in loads.items():
         runs = {name: sampler(e, load, args, rng, vocab_size) for name, e in engines.items()}
-        for run in runs.values():  # untimed
-            run()
+        for name, run in runs.items():  # untimed
+            if load[0] == "decode":
+                open_context(engines[name], load, rng, vocab_size)
+            else:
+                run()
         samples = alternate(args.samples, runs)
+        if load[0] == "decode":
+            for e in engines.values():
+                e.call("close_decode")
         theirs = statistics.median(s[0] for s in samples[f"llama.cpp {llamacpp_type}"])
         for name, values in samples.items():
             row = {"metric": metric, "engine": name, "tok_s": statistics.median(v[0] for v in values),

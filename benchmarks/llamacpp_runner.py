@@ -116,6 +116,29 @@ class LlamaCppRunner:
         return time.perf_counter() - start, outs
 
 
+    def open_decode(self, prompts: list[list[int]]) -> float:
+        """Prefill every prompt (one sequence id each; untimed by the caller) and keep them: later
+        `decode_more` calls time steps over this context. Clears the context before. -> seconds."""
+        self.clear()
+        start = time.perf_counter()
+        self._next = self._prefill(prompts)
+        self._positions = [len(p) for p in prompts]
+        return time.perf_counter() - start
+
+    def decode_more(self, num_steps: int) -> float:
+        """Seconds of num_steps greedy decode steps of the open context (one token a sequence a step)."""
+        num_seqs = len(self._next)
+        start = time.perf_counter()
+        for _ in range(num_steps):
+            self._decode(self._next, self._positions, list(range(num_seqs)), [True] * num_seqs)
+            self._next = [self._argmax(i) for i in range(num_seqs)]
+            self._positions = [p + 1 for p in self._positions]
+        return time.perf_counter() - start
+
+    def close_decode(self) -> None:
+        self.clear()
+
+
 def main() -> None:
     from benchmarks.engine_process import serve
 
@@ -129,7 +152,8 @@ def main() -> None:
     runner = LlamaCppRunner(args.gguf_path, args.threads, args.n_ctx, args.n_seq_max, kv_type=args.kv_type)
     runner.decode([[5] * 16] * 2, 2)  # warm-up, as numaserve's side gets
     serve({"prefill": runner.prefill, "prefill_batch": runner.prefill_batch,
-           "decode": runner.decode_seconds,
+           "decode": runner.decode_seconds, "open_decode": runner.open_decode,
+           "decode_more": runner.decode_more, "close_decode": runner.close_decode,
            "info": lambda: {"system_info": lc.llama_print_system_info().decode(), "threads": args.threads}})
 
 

@@ -80,6 +80,33 @@ class NumaserveBench:
         return decode_seconds(self.engine, reqs)
 
 
+    def open_decode(self, prompts: list[list[int]]) -> float:
+        """Prefill every prompt (untimed by the caller) and keep the requests decoding: later
+        `decode_more` calls time steps over this context. Ends the context opened before. -> seconds."""
+        self.close_decode()
+        params = ns.SamplingParams(max_tokens=1 << 30, temperature=0, ignore_eos=True)
+        start = time.perf_counter()
+        self._open = [self.engine.add_request(f"open-{i}-{time.monotonic_ns()}", p, params)
+                      for i, p in enumerate(prompts)]
+        while any(r.num_computed_tokens < r.num_prompt_tokens for r in self._open):
+            self.engine.step()
+        return time.perf_counter() - start
+
+    def decode_more(self, num_steps: int) -> float:
+        """Seconds of num_steps decode steps of the open context (one token a request a step)."""
+        start = time.perf_counter()
+        for _ in range(num_steps):
+            self.engine.step()
+        return time.perf_counter() - start
+
+    def close_decode(self) -> None:
+        for r in getattr(self, "_open", []):
+            self.engine.abort(r.request_id)
+        self._open = []
+        while self.engine.has_unfinished():
+            self.engine.step()
+
+
 def decode_seconds(engine, reqs) -> float:
     """Steps until every request's prompt is in, then times the steps to the end: seconds of decode alone."""
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in reqs):
@@ -128,7 +155,8 @@ def main() -> None:
     bench = NumaserveBench(parser.parse_args())
     bench.decode([[5] * 16] * 2, 2)  # warm-up: numba compiles (or loads) every kernel signature once
     serve({"info": bench.info, "export_gguf": bench.export_gguf, "prefill": bench.prefill,
-           "prefill_batch": bench.prefill_batch, "decode": bench.decode})
+           "prefill_batch": bench.prefill_batch, "decode": bench.decode, "open_decode": bench.open_decode,
+           "decode_more": bench.decode_more, "close_decode": bench.close_decode})
 
 
 if __name__ == "__main__":
