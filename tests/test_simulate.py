@@ -191,3 +191,25 @@ def test_scaled_divides_the_weights_stream_by_bandwidth_and_the_rest_but_the_fix
     assert fast.seconds(prefill) - fast.fixed_s == pytest.approx(
         (TRUTH.seconds(prefill) - TRUTH.fixed_s) / 16, rel=1e-3)
     assert two_socket_32c(TRUTH).seconds(prefill) == fast.seconds(prefill)
+
+
+def test_the_validation_counts_what_callers_receive_as_the_simulator_counts_it():
+    """benchmarks/validate_simulator.figures over the simulated callers' deliveries (recorded per stream)
+    gives the simulator's own throughput, TTFT p50 and ITL p50."""
+    from benchmarks.validate_simulator import Played, figures
+
+    sim = Simulation(small(workers=2, machines=1, rate=3.0, duration_s=8.0))
+    played: dict[str, Played] = {}
+    deliver = sim._deliver
+
+    def recording_deliver(s, n, finished):
+        p = played.setdefault(s.arrival.request_id, Played(s.arrived_at))
+        p.deliveries.append((sim.events.now, n))
+        deliver(s, n, finished)
+
+    sim._deliver = recording_deliver
+    result = sim.run()
+    counted = figures(list(played.values()), sim.cfg.duration_s, sim.cfg.warmup_s)
+    for name in ("throughput_tok_s", "ttft_p50_s", "itl_p50_s", "completed"):
+        assert counted[name] == pytest.approx(result[name], rel=1e-12), name
+    assert result["completed"] > 10
