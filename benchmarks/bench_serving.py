@@ -40,8 +40,9 @@ INTERVALS_MS = (0, 100, 200)  # stream_interval_ms: a chunk per step, the defaul
 ENGINE = {"max_num_seqs": 32, "max_num_batched_tokens": 512, "kv_cache_bytes": 64 << 20}
 
 
-def cluster_config(machine: str, nodes: list[list[int]], stream_interval_ms: float) -> ns.ClusterConfig:
-    return ns.ClusterConfig(engine=ENGINE, max_queued_per_worker=64, stream_interval_ms=stream_interval_ms,
+def cluster_config(machine: str, nodes: list[list[int]], stream_interval_ms: float,
+                   engine: dict = ENGINE) -> ns.ClusterConfig:
+    return ns.ClusterConfig(engine=engine, max_queued_per_worker=64, stream_interval_ms=stream_interval_ms,
                             machines=[{"name": machine,
                                        "numa_nodes": [{"id": i, "cpus": c} for i, c in enumerate(nodes)]}])
 

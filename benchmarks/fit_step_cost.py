@@ -1,16 +1,17 @@
 """Fit the simulator's StepCostModel (benchmarks/simulate/step_cost.py) to the real engine's step times.
 
     python -m benchmarks.fit_step_cost [--model tinyllama-1.1b] [--repeats 5] [--json OUT]
+    python -m benchmarks.fit_step_cost --refit SAMPLES.json [--json OUT]  # an earlier run's samples
 
 On the random-weight TinyLlama-shaped checkpoint (benchmarks/checkpoints.py) in q8_0 with int8 activations,
 for each point of a grid of (decode rows B, their context length C, prefill tokens P): B requests of C-token
 prompts are prefilled, then `repeats` steps are timed that run the B decode rows and, when P > 0, a fresh
 P-token prompt in the same step (aborted after it, so the next step is the same shape again). Each point's
-median step time is one sample; StepCostModel's constants come from least squares over the samples
-(fixed + decode rows + prefill tokens + the decode rows' context tokens). Draft rows are not timed here:
-a verified draft is a flat-batch row with a short attention, priced as a decode row (draft_row_s =
-decode_row_s). Writes benchmarks/results/step_cost.json, which the simulator then reads as its default.
-Run it alone on the machine: every sample is a wall time.
+median step time is one sample; StepCostModel's constants come from benchmarks/simulate/step_cost_fit.py
+(least squares on log time), with each group's relative errors (batch-1 decode, batched decode, prefill) in
+the JSON's meta. Draft rows are not timed here: a verified draft is a flat-batch row attending to its
+request's context, priced as a decode row. Writes benchmarks/results/step_cost.json, which the simulator then
+reads as its default. Run it alone on the machine: every sample is a wall time.
 """
 
 import argparse
@@ -25,7 +26,8 @@ import numpy as np
 
 from benchmarks.checkpoints import random_checkpoint
 from benchmarks.machine import cpu_name
-from benchmarks.simulate.step_cost import STEP_COST_JSON
+from benchmarks.simulate.step_cost import FITTED, STEP_COST_JSON
+from benchmarks.simulate.step_cost_fit import fit, relative_errors
 from cluster_configs.engine_config import EngineConfig
 from cluster_configs.sampling_params import SamplingParams
 from scheduling.engine import Engine
@@ -65,27 +67,10 @@ def time_points(engine: Engine, num_rows: int, context: int, prefills: list[int]
     return points
 
 
-def fit(samples: list[dict]) -> tuple[dict, float]:
-    """Least squares over the samples -> (the model's constants, the fit's RMS residual in seconds)."""
-    x = np.array([[1.0, s["decode_rows"], s["prefill_tokens"], s["context_tokens"]] for s in samples])
-    y = np.array([s["seconds"] for s in samples])
-    coef, *_ = np.linalg.lstsq(x, y, rcond=None)
-    coef = np.maximum(coef, 0.0)  # a cost below zero is noise around zero
-    residual = float(np.sqrt(np.mean((x @ coef - y) ** 2)))
-    fixed, decode, prefill, context = map(float, coef)
-    return {"fixed_s": fixed, "decode_row_s": decode, "prefill_token_s": prefill, "draft_row_s": decode,
-            "context_token_s": context}, residual
+def measure(a: argparse.Namespace) -> tuple[dict, list[dict]]:
+    """This machine's samples over the grid -> (meta, samples)."""
+    from benchmarks.bench_revisions import revision
 
-
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="tinyllama-1.1b", help="a benchmarks/checkpoints.py shape")
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--decode-rows", default=",".join(map(str, DECODE_ROWS)))
-    p.add_argument("--contexts", default=",".join(map(str, CONTEXTS)))
-    p.add_argument("--prefills", default=",".join(map(str, PREFILLS)))
-    p.add_argument("--json", type=Path, default=STEP_COST_JSON)
-    a = p.parse_args()
     rows, contexts, prefills = ([int(v) for v in arg.split(",")]
                                 for arg in (a.decode_rows, a.contexts, a.prefills))
     config = EngineConfig(weight_dtype="q8_0", activation_dtype="int8", max_model_len=2048,
@@ -101,14 +86,35 @@ def main() -> None:
     for num_rows in rows:
         for context in contexts:
             samples += time_points(engine, num_rows, context, prefills, a.repeats, rng)
-    model, residual = fit(samples)
-    out = {"meta": {"model": a.model, "weight_dtype": "q8_0", "activation_dtype": "int8", "cpu": cpu_name(),
-                    "machine": platform.node(), "date": datetime.now().isoformat(timespec="minutes"),
-                    "repeats": a.repeats, "residual_rms_s": residual},
-           "model": model, "samples": samples}
+    meta = {"model": a.model, "weight_dtype": "q8_0", "activation_dtype": "int8", "cpu": cpu_name(),
+            "machine": platform.node(), "date": datetime.now().isoformat(timespec="minutes"),
+            "commit": revision(Path(__file__).resolve().parents[1]), "repeats": a.repeats}
+    return meta, samples
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="tinyllama-1.1b", help="a benchmarks/checkpoints.py shape")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--decode-rows", default=",".join(map(str, DECODE_ROWS)))
+    p.add_argument("--contexts", default=",".join(map(str, CONTEXTS)))
+    p.add_argument("--prefills", default=",".join(map(str, PREFILLS)))
+    p.add_argument("--refit", type=Path, default=None, help="fit its samples again")
+    p.add_argument("--json", type=Path, default=STEP_COST_JSON)
+    a = p.parse_args()
+    if a.refit:
+        earlier = json.loads(a.refit.read_text())
+        meta = earlier["meta"] | {"fitted": {"from": a.refit.name,
+                                             "date": datetime.now().isoformat(timespec="minutes")}}
+        samples = earlier["samples"]
+    else:
+        meta, samples = measure(a)
+    model = fit(samples, source=a.json.name)
+    meta["fit"] = relative_errors(model, samples)  # per group: median and max |modelled / measured - 1|
+    out = {"meta": meta, "model": {k: getattr(model, k) for k in FITTED}, "samples": samples}
     a.json.parent.mkdir(parents=True, exist_ok=True)
     a.json.write_text(json.dumps(out, indent=1) + "\n")
-    print(json.dumps(out["model"]), f"rms residual {residual * 1e3:.2f} ms", sep="\n")
+    print(json.dumps(out["model"]), json.dumps(meta["fit"], indent=1), sep="\n")
 
 
 if __name__ == "__main__":

@@ -9,13 +9,23 @@ from benchmarks.simulate.config import SimConfig
 from benchmarks.simulate.sim_proposer import SimProposer
 from benchmarks.simulate.sim_worker import SimWorker
 from benchmarks.simulate.simulator import Simulation, simulate
-from benchmarks.simulate.step_cost import FREE_DEPLOYMENT, DeploymentCost, StepCostModel
+from benchmarks.simulate.step_cost import (
+    BUILT_IN,
+    FITTED,
+    FREE_DEPLOYMENT,
+    DeploymentCost,
+    StepCostModel,
+    StepShape,
+    default_step_cost,
+    prefill_pairs,
+    two_socket_32c,
+)
 from cluster_configs.engine_config import EngineConfig
 from cluster_configs.sampling_params import SamplingParams
 from scheduling.request import Request
 
-ONE_SECOND_STEPS = StepCostModel(fixed_s=1.0, decode_row_s=0.0, prefill_token_s=0.0, draft_row_s=0.0,
-                                 context_token_s=0.0, draft_pass_s=0.0)
+ONE_SECOND_STEPS = StepCostModel(fixed_s=1.0, weights_s=0.0, row_s=0.0, sharpness=1.0, context_token_s=0.0,
+                                 prefill_pair_s=0.0, draft_pass_s=0.0)
 
 
 def small(**fields) -> SimConfig:
@@ -116,20 +126,90 @@ def test_a_dear_chunk_saturates_the_relaying_router_first():
     assert relay["itl_p50_s"] > placement["itl_p50_s"]
 
 
-def test_the_fit_recovers_a_step_cost_model_and_the_simulator_reads_it(tmp_path):
-    from benchmarks.fit_step_cost import fit
-    from benchmarks.simulate.step_cost import default_step_cost
+TRUTH = StepCostModel(fixed_s=0.015, weights_s=0.03, row_s=0.004, sharpness=3.0, context_token_s=8e-6,
+                      prefill_pair_s=5e-6)
 
-    truth = StepCostModel(fixed_s=0.02, decode_row_s=0.003, prefill_token_s=0.004, draft_row_s=0.003,
-                          context_token_s=5e-6)
-    samples = [{"decode_rows": b, "prefill_tokens": p, "context_tokens": b * c,
-                "seconds": truth.seconds(b, p, 0, b * c)}
-               for b in (1, 4, 16) for c in (64, 512) for p in (0, 128)]
-    model, residual = fit(samples)
-    assert residual < 1e-12
+
+def test_the_fit_recovers_a_step_cost_model_and_the_simulator_reads_it(tmp_path):
+    """Samples on benchmarks/fit_step_cost.py's grid, their seconds the model's own: the fit finds its
+    constants (to 1e-6) and every group's relative error is zero; the simulator reads the JSON."""
+    from benchmarks.simulate.step_cost_fit import fit, relative_errors, sample_shape
+
+    samples = [{"decode_rows": b, "prefill_tokens": p, "context_tokens": b * c}
+               for b in (1, 2, 4, 8, 16, 32) for c in (64, 512) for p in (0, 32, 128, 512)]
+    for s in samples:
+        s["seconds"] = TRUTH.seconds(sample_shape(s))
+    model = fit(samples, source="synthetic")
+    for name in FITTED:
+        assert getattr(model, name) == pytest.approx(getattr(TRUTH, name), rel=1e-6), name
+    errors = relative_errors(model, samples)
+    assert set(errors) == {"decode_batch_1", "decode_batched", "prefill"}
+    assert all(e["max"] < 1e-9 for e in errors.values())
     path = tmp_path / "step_cost.json"
-    path.write_text(json.dumps({"model": model}))
+    path.write_text(json.dumps({"model": {k: getattr(model, k) for k in FITTED}}))
     read = default_step_cost(path)
-    assert read.seconds(8, 32, 2, 1000) == pytest.approx(truth.seconds(8, 32, 2, 1000))
+    shape = StepShape(8, 32, 2, 1000, prefill_pairs(32, 100))
+    assert read.seconds(shape) == pytest.approx(TRUTH.seconds(shape))
     assert read.source == "step_cost.json"
     assert default_step_cost(tmp_path / "absent.json").source == "built-in guess"
+
+
+def test_the_step_is_the_smooth_max_of_the_weights_stream_and_the_rows_compute():
+    one = StepShape(1, 0, 0, 0, 0)
+    many = StepShape(4096, 0, 0, 0, 0)
+    assert TRUTH.seconds(one) == pytest.approx(TRUTH.fixed_s + TRUTH.weights_s, rel=1e-3)  # memory-bound
+    assert TRUTH.seconds(many) == pytest.approx(TRUTH.fixed_s + 4096 * TRUTH.row_s, rel=1e-6)  # compute-bound
+    # a prefill token, a draft row and a decode row are rows alike
+    assert (TRUTH.seconds(StepShape(3, 5, 2, 0, 0)) == TRUTH.seconds(StepShape(10, 0, 0, 0, 0))
+            == TRUTH.seconds(StepShape(0, 10, 0, 0, 0)))
+    assert prefill_pairs(4, 0) == 10 and prefill_pairs(4, 6) == 34 and prefill_pairs(1, 6) == 7
+
+
+@pytest.mark.parametrize("field", range(5))
+def test_a_step_costs_more_with_more_of_anything(field):
+    base = [4, 64, 2, 600, prefill_pairs(64, 0)]
+    for model in (TRUTH, BUILT_IN):
+        costs = []
+        for more in (0, 1, 10, 1000):
+            fields = list(base)
+            fields[field] += more
+            costs.append(model.seconds(StepShape(*fields)))
+        assert costs == sorted(costs) and costs[0] < costs[-1]
+
+
+def test_scaled_divides_the_weights_stream_by_bandwidth_and_the_rest_but_the_fixed_cost_by_compute():
+    fast = TRUTH.scaled(compute=16.0, bandwidth=5.0, source="x")
+    assert (fast.fixed_s, fast.weights_s, fast.sharpness) == (TRUTH.fixed_s, TRUTH.weights_s / 5, 3.0)
+    for name in ("row_s", "context_token_s", "prefill_pair_s"):
+        assert getattr(fast, name) == getattr(TRUTH, name) / 16
+    assert fast.source == "x"
+    # batch 1 decode is memory-bound: x5 bandwidth, about 1/5 the kernels' time; a long prefill x16 compute
+    decode = StepShape(1, 0, 0, 0, 0)
+    assert fast.seconds(decode) - fast.fixed_s == pytest.approx((TRUTH.seconds(decode) - TRUTH.fixed_s) / 5,
+                                                                rel=1e-2)
+    prefill = StepShape(0, 4096, 0, 0, prefill_pairs(4096, 0))
+    assert fast.seconds(prefill) - fast.fixed_s == pytest.approx(
+        (TRUTH.seconds(prefill) - TRUTH.fixed_s) / 16, rel=1e-3)
+    assert two_socket_32c(TRUTH).seconds(prefill) == fast.seconds(prefill)
+
+
+def test_the_validation_counts_what_callers_receive_as_the_simulator_counts_it():
+    """benchmarks/validate_simulator.figures over the simulated callers' deliveries (recorded per stream)
+    gives the simulator's own throughput, TTFT p50 and ITL p50."""
+    from benchmarks.validate_simulator import Played, figures
+
+    sim = Simulation(small(workers=2, machines=1, rate=3.0, duration_s=8.0))
+    played: dict[str, Played] = {}
+    deliver = sim._deliver
+
+    def recording_deliver(s, n, finished):
+        p = played.setdefault(s.arrival.request_id, Played(s.arrived_at))
+        p.deliveries.append((sim.events.now, n))
+        deliver(s, n, finished)
+
+    sim._deliver = recording_deliver
+    result = sim.run()
+    counted = figures(list(played.values()), sim.cfg.duration_s, sim.cfg.warmup_s)
+    for name in ("throughput_tok_s", "ttft_p50_s", "itl_p50_s", "completed"):
+        assert counted[name] == pytest.approx(result[name], rel=1e-12), name
+    assert result["completed"] > 10

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 
 from benchmarks.simulate.sim_proposer import SimProposer
-from benchmarks.simulate.step_cost import StepCostModel
+from benchmarks.simulate.step_cost import StepCostModel, StepShape, prefill_pairs
 from cluster_configs.engine_config import EngineConfig
 from memory.block_pool import BlockPool
 from memory.kv_cache import kv_bytes_per_token
@@ -41,25 +41,20 @@ class KVGeometry:
     bytes_per_token: int
 
 
-@dataclass(frozen=True)
-class StepShape:
-    """What a step costs is a function of (StepCostModel.seconds)."""
-    num_decode_rows: int
-    num_prefill_tokens: int
-    num_draft_rows: int
-    num_context_tokens: int  # the decoding rows' contexts
-
-
 def step_shape(plan: StepPlan) -> StepShape:
-    decode = prefill = drafts = context = 0
+    """A decoding request's row and its draft rows each attend to its context; a prefill chunk's tokens to the
+    computed slots and to each other."""
+    decode = prefill = drafts = context = pairs = 0
     for s in plan.scheduled:
+        computed = s.request.num_computed_tokens
         drafts += len(s.draft_token_ids)
         if s.is_decoding:
             decode += 1
-            context += s.request.num_computed_tokens
+            context += computed * (1 + len(s.draft_token_ids))
         else:
             prefill += s.num_base_tokens
-    return StepShape(decode, prefill, drafts, context)
+            pairs += prefill_pairs(s.num_base_tokens, computed)
+    return StepShape(decode, prefill, drafts, context, pairs)
 
 
 class SimWorker:
@@ -115,10 +110,7 @@ class SimWorker:
         self.num_prefix_hit_tokens += plan.num_prefix_hit_tokens
         for s in plan.scheduled:
             self.cached_on_admission.setdefault(s.request.request_id, s.request.num_cached_tokens)
-        shape = step_shape(plan)
-        seconds = self.cost.seconds(shape.num_decode_rows, shape.num_prefill_tokens, shape.num_draft_rows,
-                                    shape.num_context_tokens)
-        return plan, seconds + self._draft_seconds()
+        return plan, self.cost.seconds(step_shape(plan)) + self._draft_seconds()
 
     def _draft_seconds(self) -> float:
         """The proposer's modelled seconds this step (its passes, whether their drafts fit or not)."""

@@ -15,8 +15,8 @@ the caller sees its tokens. Every telemetry_interval_s each worker's StepTelemet
 BatchingPolicy, whose Policy the worker applies (Engine.apply) and the router takes its admission bound from.
 
 Not modelled: the network and Ray's own overheads beyond the per-call CPU, worker failures and restarts,
-stop strings and EOS (every request generates max_tokens), prefill attention beyond prefill_token_s's
-average, the scheduler's reply delay (a policy applies at the tick that computed it).
+stop strings and EOS (every request generates max_tokens), the scheduler's reply delay (a policy applies at
+the tick that computed it).
 """
 
 from dataclasses import dataclass, field

@@ -1,16 +1,18 @@
 """What a modelled worker's engine step costs, and what the deployment around it costs per call.
 
-StepCostModel: seconds = fixed_s + decode_row_s * decode rows + prefill_token_s * prefill tokens
-+ draft_row_s * draft rows + context_token_s * context tokens read (the KV attention reads: each decoding
-row's context). benchmarks/fit_step_cost.py fits it by least squares to the real engine's steps and writes
-benchmarks/results/step_cost.json; `default_step_cost()` reads that file when present.
+StepCostModel follows how a step runs: its rows (decode, draft and prefill tokens alike: one flat batch) go
+through the matrix products, which stream every weight once whatever the rows (memory-bound: weights_s) and
+do work per row (compute-bound: row_s); the step takes about the larger of the two, a smooth max
+(weights_s^p + (row_s x rows)^p)^(1/p) with p = sharpness. Attention adds per (token, visible slot) pair: a
+decode or draft row's context tokens (context_token_s) and a prefill chunk's pairs (prefill_pair_s), then a
+fixed cost per step (Python around the forward, sampling). benchmarks/simulate/step_cost_fit.py fits it to
+the real engine's steps (benchmarks/fit_step_cost.py) and writes benchmarks/results/step_cost.json, which
+`default_step_cost()` reads when present.
 
-Without it the built-in guess comes from the README's q8_0 decode table (TinyLlama shape, int8
-activations, this 2-core VM, 2026-11-26): batch 1 37.4 tok/s (26.7 ms a step), batch 8 174.8 (45.8 ms),
-batch 32 217.6 (147 ms, ~6,000 context tokens), prefill of 512 tokens at 218.7 tok/s (4.6 ms a token). A
-line through the batch-1 and batch-8 steps gives 24 ms fixed and 2.7 ms a decode row; the batch-32 step's
-remainder, 30 ms over ~6,000 context tokens, 5 us a context token. A draft row is verified like a decode
-row (a flat-batch row with a short attention), so it is priced as one.
+Without it the built-in guess comes from the README's q8_0 decode table (TinyLlama shape, int8 activations,
+this 2-core VM, 2026-11-26): batch 1 at 26.7 ms a step is one stream of the weights; prefill of 512 tokens at
+218.7 tok/s gives 4.6 ms a row; with p = 2 these give batch 8 45.5 ms (measured 45.8) and batch 32 147 ms
+(measured 147). The attention costs are guesses (5 us a pair).
 """
 
 import json
@@ -21,12 +23,28 @@ STEP_COST_JSON = Path(__file__).resolve().parents[1] / "results" / "step_cost.js
 
 
 @dataclass(frozen=True)
+class StepShape:
+    """What a step costs is a function of."""
+    num_decode_rows: int
+    num_prefill_tokens: int
+    num_draft_rows: int
+    num_context_tokens: int  # the decode and draft rows' contexts (slots each attends to)
+    num_prefill_pairs: int  # (prefill token, visible slot) pairs of the prefill chunks: prefill_pairs()
+
+
+def prefill_pairs(num_new_tokens: int, num_computed_tokens: int) -> int:
+    """A prefill chunk's attention pairs: each new token sees the computed slots and the new ones up to it."""
+    return num_new_tokens * num_computed_tokens + num_new_tokens * (num_new_tokens + 1) // 2
+
+
+@dataclass(frozen=True)
 class StepCostModel:
-    fixed_s: float  # a step's cost besides its rows: streaming the weights once, Python around the forward
-    decode_row_s: float
-    prefill_token_s: float
-    draft_row_s: float
-    context_token_s: float  # per context token a decoding row's attention reads
+    fixed_s: float  # per step besides the forward's kernels: Python around it, sampling
+    weights_s: float  # streaming the weights once (memory-bound)
+    row_s: float  # one row's matrix products (compute-bound): a decode, draft or prefill token
+    sharpness: float  # p of the smooth max of the two; large p: the plain max
+    context_token_s: float  # per context token a decode or draft row attends to
+    prefill_pair_s: float  # per (prefill token, visible slot) pair
     draft_pass_s: float = 5e-6  # the modelled n-gram proposer's lookup, per drafting request
     source: str = "built-in guess"
 
@@ -34,22 +52,28 @@ class StepCostModel:
         bad = {k: v for k, v in asdict(self).items() if isinstance(v, float) and not v >= 0.0}
         if bad:
             raise ValueError(f"StepCostModel costs must be >= 0, got {bad}")
+        if not self.sharpness >= 1.0:
+            raise ValueError(f"sharpness must be >= 1 (1: the sum), got {self.sharpness}")
 
-    def seconds(self, num_decode_rows: int, num_prefill_tokens: int, num_draft_rows: int,
-                num_context_tokens: int) -> float:
-        return (self.fixed_s + self.decode_row_s * num_decode_rows + self.prefill_token_s * num_prefill_tokens
-                + self.draft_row_s * num_draft_rows + self.context_token_s * num_context_tokens)
+    def seconds(self, shape: StepShape) -> float:
+        rows = shape.num_decode_rows + shape.num_prefill_tokens + shape.num_draft_rows
+        p = self.sharpness
+        matmul = (self.weights_s ** p + (self.row_s * rows) ** p) ** (1.0 / p)
+        return (self.fixed_s + matmul + self.context_token_s * shape.num_context_tokens
+                + self.prefill_pair_s * shape.num_prefill_pairs)
 
     def scaled(self, compute: float, bandwidth: float, source: str) -> "StepCostModel":
-        """The same engine on another machine: row costs (matrix products) divide by the compute ratio, the
-        fixed cost (weights streamed once a step) and context reads (KV streamed) by the bandwidth ratio."""
-        return replace(self, fixed_s=self.fixed_s / bandwidth, decode_row_s=self.decode_row_s / compute,
-                       prefill_token_s=self.prefill_token_s / compute, draft_row_s=self.draft_row_s / compute,
-                       context_token_s=self.context_token_s / bandwidth, source=source)
+        """The same engine on another machine with the same cores: the weights' stream divides by the
+        bandwidth ratio; rows and attention by the compute ratio (attention reads its KV at ~1-3 GB/s here,
+        far below the memory's ~40: it is compute-bound); the fixed cost (one core's Python) stays."""
+        return replace(self, weights_s=self.weights_s / bandwidth, row_s=self.row_s / compute,
+                       context_token_s=self.context_token_s / compute,
+                       prefill_pair_s=self.prefill_pair_s / compute, source=source)
 
 
-BUILT_IN = StepCostModel(fixed_s=0.024, decode_row_s=0.0027, prefill_token_s=0.0046, draft_row_s=0.0027,
-                         context_token_s=5e-6)
+BUILT_IN = StepCostModel(fixed_s=0.0, weights_s=0.0267, row_s=0.0046, sharpness=2.0, context_token_s=5e-6,
+                         prefill_pair_s=5e-6)
+FITTED = ("fixed_s", "weights_s", "row_s", "sharpness", "context_token_s", "prefill_pair_s")
 
 
 def default_step_cost(path: Path = STEP_COST_JSON) -> StepCostModel:
@@ -57,8 +81,7 @@ def default_step_cost(path: Path = STEP_COST_JSON) -> StepCostModel:
     if not path.exists():
         return BUILT_IN
     fitted = json.loads(path.read_text())["model"]
-    names = ("fixed_s", "decode_row_s", "prefill_token_s", "draft_row_s", "context_token_s")
-    return StepCostModel(**{k: fitted[k] for k in names}, source=str(path.name))
+    return StepCostModel(**{k: fitted[k] for k in FITTED}, source=str(path.name))
 
 
 def two_socket_32c(base: StepCostModel) -> StepCostModel:
