@@ -1,7 +1,8 @@
 """StepLoop: the worker's thread that owns its Engine, the only thread that touches it after construction
 (numba kernels must never run from two threads).
 
-The actor's event loop talks to it through `inbox` (requests, aborts, stats queries, pause and resume, in) and
+The actor's event loop talks to it through `inbox` (requests, aborts, stats queries, pause and resume, session
+sequences' forks and frees, in) and
 `call_soon_threadsafe` (outputs and answers, out). A paused loop takes no step (its requests stay as they are,
 as vLLM's pause in "keep" mode) but goes on taking requests, aborts and stats queries, and ends requests whose
 deadline passes; tests pause a worker to hold requests in flight. It also reports StepTelemetry to the
@@ -24,15 +25,19 @@ import ray
 from actors.messages import (
     Abort,
     Advance,
+    ForkSequence,
+    FreeSequences,
     InboxMessage,
     PolicyAnswer,
     Release,
+    SequenceCall,
     SetPaused,
     StatsQuery,
     Submit,
 )
 from actors.metrics import WorkerMetrics
 from actors.worker_adapters import HeldAdapters
+from actors.worker_sequences import WorkerSequences
 from cluster_configs.cluster_config import WorkerPlacement
 from cluster_configs.errors import InvalidRequest
 from cluster_configs.sampling_params import SamplingParams
@@ -55,6 +60,7 @@ class StepLoop:
         self.scheduler, self.telemetry_interval_s = scheduler, telemetry_interval_s
         self.dispatch = dispatch  # runs on the event loop: hands outputs to their streams
         self.inbox: queue.SimpleQueue[InboxMessage] = queue.SimpleQueue()
+        self.sequences = WorkerSequences(engine.sessions)
         self.event_loop: asyncio.AbstractEventLoop | None = None  # the actor's, known from its first call
         self.num_threads = 0
         self._failure: BaseException | None = None
@@ -130,9 +136,11 @@ class StepLoop:
 
     def _handle(self, message: InboxMessage) -> None:
         match message:
-            case Submit(req, weights, merged):
+            case Submit(req, weights, merged, sequence_id):
                 if weights is not None:
                     self.adapters.hold(req.adapter_id, weights, merged)
+                if sequence_id is not None:
+                    self.sequences.attach(req, sequence_id)
                 self.engine.submit(req)
                 self.metrics.submitted(req)
             case Release(name):
@@ -155,7 +163,14 @@ class StepLoop:
                 self._answer(answer, self.engine.stats() | {
                     "worker_id": self.placement.worker_id, "rss_bytes": psutil.Process().memory_info().rss,
                     "metrics": self.metrics.snapshot(self.engine),
-                    "decisions": self.engine.decisions.recent(), "paused": self._paused})
+                    "decisions": self.engine.decisions.recent(), "paused": self._paused,
+                    "num_session_sequences": len(self.sequences.by_id)})
+            case SequenceCall(ForkSequence(sequence_id, fork_id), answer):
+                self.sequences.fork(sequence_id, fork_id)
+                self._answer(answer, None)
+            case SequenceCall(FreeSequences(sequence_ids), answer):
+                self.sequences.free(sequence_ids)
+                self._answer(answer, None)
             case PolicyAnswer(answer):
                 self._report_sent = None
                 try:

@@ -20,8 +20,11 @@ from actors.messages import (
     Abort,
     Advance,
     EmbedRequest,
+    ForkSequence,
+    FreeSequences,
     GenerateRequest,
     Release,
+    SequenceCall,
     SetPaused,
     StatsQuery,
     Submit,
@@ -73,7 +76,7 @@ class NumaWorker:
         """Deltas of one request: one RequestOutput per yield, holding every token ready since the last. The
         first comes as soon as it is ready, the next ones at most every stream_interval_s (and the last at
         once). With request.resume, the prompt ends in the output a lost worker had streamed, and this one
-        goes on."""
+        goes on. With request.sequence_id, a session sequence's turn (actors/worker_sequences.py)."""
         resume = request.resume
 
         def make(adapter: str | None) -> Request:
@@ -87,7 +90,8 @@ class NumaWorker:
                 resume_request(req, params, resume)
             return req
 
-        async for chunk, _ in self._serve(request.request_id, request.admission_id, request.adapter, make):
+        async for chunk, _ in self._serve(request.request_id, request.admission_id, request.adapter, make,
+                                          request.sequence_id):
             yield chunk
 
     async def embed(self, request: EmbedRequest) -> np.ndarray:
@@ -103,7 +107,8 @@ class NumaWorker:
         return pool([np.concatenate(req.collected_rows)], request.pooling, normalize=True)[0]
 
     async def _serve(self, request_id: str, admission_id: str | None, adapter: str | None,
-                   make: Callable[[str | None], Request]) -> AsyncIterator[tuple[RequestOutput, Request]]:
+                   make: Callable[[str | None], Request], sequence_id: str | None = None
+                   ) -> AsyncIterator[tuple[RequestOutput, Request]]:
         """Submit make(adapter)'s request once its adapter is here, and yield its merged deltas (with it)
         until it finishes; a caller that goes away (or is cancelled) aborts it."""
         loop = self._bind()
@@ -123,7 +128,7 @@ class NumaWorker:
                 if adapter not in self.engine.adapters:
                     self.engine.adapters.add_remote(adapter)  # served from now on; weights come with requests
             req = make(adapter)
-            self._inbox.put(Submit(req, weights, merged))
+            self._inbox.put(Submit(req, weights, merged, sequence_id))
             submitted = True
             self._num_requests += 1
             while not finished:
@@ -151,6 +156,12 @@ class NumaWorker:
 
     async def abort(self, request_id: str) -> None:
         self._inbox.put(Abort(request_id))
+
+    async def fork_sequence(self, call: ForkSequence) -> None:
+        await self._ask(SequenceCall, call)
+
+    async def free_sequences(self, call: FreeSequences) -> None:
+        await self._ask(SequenceCall, call)
 
     async def stats(self) -> dict:
         return await self._ask(StatsQuery) | {"num_streams": len(self._streams),
