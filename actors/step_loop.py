@@ -2,13 +2,12 @@
 (numba kernels must never run from two threads).
 
 The actor's event loop talks to it through `inbox` (requests, aborts, stats queries, pause and resume, session
-sequences' forks and frees, in) and
-`call_soon_threadsafe` (outputs and answers, out). A paused loop takes no step (its requests stay as they are,
-as vLLM's pause in "keep" mode) but goes on taking requests, aborts and stats queries, and ends requests whose
-deadline passes; tests pause a worker to hold requests in flight. It also reports StepTelemetry to the
-scheduler (with the speculator's SpecTelemetry) and applies the Policy it answers: batch limits and the
-speculation policy. Until the first answer the engine's own controller decides speculation; while the
-scheduler is dead or restarting the last answer stays in force.
+sequences' forks and frees, in) and `call_soon_threadsafe` (outputs and answers, out). A paused loop takes no
+step (its requests stay as they are, as vLLM's pause in "keep" mode) but goes on taking requests, aborts and
+stats queries, and ends requests whose deadline passes; tests pause a worker to hold requests in flight. It
+also reports StepTelemetry to the scheduler (with the speculator's SpecTelemetry) and applies the Policy it
+answers: batch limits and the speculation policy. Until the first answer the engine's own controller decides
+speculation; while the scheduler is dead or restarting the last answer stays in force.
 """
 
 import asyncio

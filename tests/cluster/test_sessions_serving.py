@@ -1,8 +1,7 @@
 """client.session() (actors/client_session.py): a conversation pinned to one worker prefills only each new
 turn there, and every turn's tokens equal ns.LLM's fresh generate over the whole history: after fork and
 reset, and when its worker is killed between turns or mid-turn (the turn moves to another worker, which
-builds the sequence from the history the client holds). Closing the session frees the
-worker's pinned blocks."""
+builds the sequence from the history the client holds). Closing the session frees the worker's blocks."""
 
 import threading
 
