@@ -123,8 +123,12 @@ def test_a_worker_killed_mid_turn_the_turn_resumes_on_another_with_equal_tokens(
             reader = threading.Thread(target=read)
             reader.start()
             wait_for(lambda: queued(client) == 1, 30, "the turn to reach its worker")
-            ray.get(ray.get_actor(f"{NAME}.worker.{pinned}", namespace="numaserve").advance.remote(1))
-            assert first.wait(30)
+            worker = ray.get_actor(f"{NAME}.worker.{pinned}", namespace="numaserve")
+            for _ in range(64):  # step by step (a chunked prefill takes several) to its first token
+                ray.get(worker.advance.remote(1))
+                if first.wait(1):
+                    break
+            assert first.is_set()
             old_pid = kill(client, pinned)  # its first token streamed, the rest not
         reader.join(120)
         tokens = [t for chunk in chunks for t in chunk.token_ids]
