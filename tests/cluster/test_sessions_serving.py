@@ -3,6 +3,7 @@ turn there, and every turn's tokens equal ns.LLM's fresh generate over the whole
 reset, and when its worker is killed between turns or mid-turn (the turn moves to another worker, which
 builds the sequence from the history the client holds). Closing the session frees the worker's blocks."""
 
+import gc
 import threading
 
 import pytest
@@ -90,6 +91,17 @@ def test_fork_and_reset_equal_their_fresh_equivalents_and_close_frees_the_worker
     with pytest.raises(ns.EngineClosed, match="session is closed"):
         branch.generate(TURNS[2], GREEDY)
     session.close()  # again: nothing to do
+
+
+def test_a_session_dropped_without_close_frees_its_sequences_when_collected(client):
+    dropped = client.session()
+    dropped.sequence().generate(TURNS[0], GREEDY)
+    worker_id = dropped.worker_id
+    assert worker_stats(client, worker_id)["num_session_sequences"] == 1
+    del dropped
+    gc.collect()  # (a session and its sequences refer to each other)
+    stats = worker_stats(client, worker_id)
+    assert stats["num_session_sequences"] == 0 and stats["num_pinned_blocks"] == 0
 
 
 def test_a_worker_killed_between_turns_the_conversation_goes_on_with_equal_tokens(client, fresh):
