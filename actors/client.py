@@ -14,6 +14,7 @@ from pathlib import Path
 import ray
 from ray.exceptions import RayActorError, RayTaskError
 
+from actors.client_session import ClientSession
 from actors.ray_errors import unwrap
 from actors.request_stream import Ingress, RequestStream
 from cluster_configs.sampling_params import SamplingParams
@@ -58,8 +59,17 @@ class Client:
     def generate(self, prompt, params: SamplingParams | None = None, adapter: str | None = None,
                  session: str | None = None, cache_salt: str | None = None) -> Completion:
         stream = self._open(prompt, params, adapter, session, cache_salt)
-        done = Completion(prompt_token_ids=stream.admission.prompt_token_ids)
-        for chunk in self._deltas(stream):
+        return self._complete(stream.admission.prompt_token_ids, self._deltas(stream))
+
+    def session(self, adapter: str | None = None, cache_salt: str | None = None) -> ClientSession:
+        """A session: sequences that keep their KV between turns on the worker the session is pinned to
+        (actors/client_session.py)."""
+        return ClientSession(self, adapter, cache_salt)
+
+    @staticmethod
+    def _complete(prompt_token_ids: list[int], chunks: Iterator[RequestOutput]) -> Completion:
+        done = Completion(prompt_token_ids=prompt_token_ids)
+        for chunk in chunks:
             done.token_ids += chunk.token_ids
             done.text += chunk.text
             done.finish_reason = chunk.finish_reason

@@ -51,6 +51,26 @@ class GenerateRequest:
     cache_salt: str | None = None
     resume: Resume | None = None
     admission_id: str | None = None  # Admission.request_id (None: not admitted by a router)
+    # a session sequence's turn: prompt_token_ids are its history + the new input, and the worker goes on from
+    # the live KV it keeps under this id (or builds it: the first turn, or after a worker's loss)
+    sequence_id: str | None = None
+
+
+@dataclass(frozen=True)
+class ForkSequence:
+    """NumaWorker.fork_sequence's argument: fork_id starts as sequence_id's copy, sharing its full KV blocks
+    (nothing, if this worker does not hold sequence_id: the fork's first turn builds its KV)."""
+
+    sequence_id: str
+    fork_id: str
+
+
+@dataclass(frozen=True)
+class FreeSequences:
+    """NumaWorker.free_sequences's argument: forget these sequences and free their KV (reset, a session's
+    close)."""
+
+    sequence_ids: tuple[str, ...]
 
 
 # ---- a worker's event loop -> its step-loop thread ------------------------------------------------------
@@ -72,6 +92,7 @@ class Submit:
     request: Request
     adapter: LoraAdapter | None  # its weights, fetched before it was queued (held until Release)
     merged: MergedWeights | None  # a merged copy of them another worker shared, if there was one
+    sequence_id: str | None = None  # GenerateRequest.sequence_id
 
 
 @dataclass(frozen=True)
@@ -104,10 +125,16 @@ class StatsQuery:
 
 
 @dataclass(frozen=True)
+class SequenceCall:
+    call: ForkSequence | FreeSequences
+    answer: asyncio.Future
+
+
+@dataclass(frozen=True)
 class PolicyAnswer:
     """The scheduler's answer to a telemetry report (a Policy, or the error of a dead scheduler)."""
 
     answer: concurrent.futures.Future
 
 
-InboxMessage = Submit | Abort | Release | SetPaused | Advance | StatsQuery | PolicyAnswer
+InboxMessage = Submit | Abort | Release | SetPaused | Advance | StatsQuery | SequenceCall | PolicyAnswer

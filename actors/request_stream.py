@@ -47,12 +47,15 @@ class Ingress:
         return self._model
 
     async def open(self, prompt, params: SamplingParams | None = None, adapter: str | None = None,
-                   session: str | None = None, cache_salt: str | None = None) -> "RequestStream":
+                   session: str | None = None, cache_salt: str | None = None, *, pinned: str | None = None,
+                   sequence_id: str | None = None) -> "RequestStream":
         """Validate (tokenizing in a thread of this process: a huge prompt delays its own request only),
-        admit, and return the request's stream; InvalidRequest, Overloaded, Unavailable as they come."""
+        admit, and return the request's stream; InvalidRequest, Overloaded, Unavailable as they come.
+        pinned, sequence_id: a client session's worker and the sequence this turn continues
+        (actors/client_session.py)."""
         arrival = asyncio.get_running_loop().time()
-        admission = await self._admit(prompt, params, adapter, session, cache_salt)
-        return RequestStream(self, admission, arrival)
+        admission = await self._admit(prompt, params, adapter, session, cache_salt, pinned=pinned)
+        return RequestStream(self, admission, arrival, sequence_id)
 
     async def embed(self, prompt, pooling: str, adapter: str | None = None,
                     cache_salt: str | None = None) -> tuple[list[int], np.ndarray]:
@@ -76,7 +79,8 @@ class Ingress:
             self.router.finish.remote(a.request_id)
 
     async def _admit(self, prompt, params: SamplingParams | None, adapter: str | None, session: str | None,
-                     cache_salt: str | None, prompt_only: bool = False) -> Admission:
+                     cache_salt: str | None, prompt_only: bool = False,
+                     pinned: str | None = None) -> Admission:
         model = await self.model_info()
         adapters = None  # the registered names, as far as validation needs them
         if adapter is not None and adapter not in self._known_adapters:
@@ -89,7 +93,7 @@ class Ingress:
             validate_request, prompt, params, limits, tokenizer=model["tokenizer"], adapter=adapter,
             adapters=adapters, cache_salt=cache_salt, prompt_only=prompt_only)
         return await self.call_router(
-            lambda: self.router.admit.remote(prompt_ids, params, adapter, session, cache_salt))
+            lambda: self.router.admit.remote(prompt_ids, params, adapter, session, cache_salt, pinned))
 
     async def reroute(self, request_id: str, lost_worker_id: str, num_tokens_left: int) -> Placement:
         loop = asyncio.get_running_loop()
@@ -127,8 +131,10 @@ class RequestStream:
     """One admitted request's deltas (`await next()`, the last with finish_reason set), straight from its
     worker. cancel() aborts it (safe at any time, repeated or after the end); a cancelled next() cancels."""
 
-    def __init__(self, ingress: Ingress, admission: Admission, arrival: float):
+    def __init__(self, ingress: Ingress, admission: Admission, arrival: float,
+                 sequence_id: str | None = None):
         self.ingress, self.admission, self.arrival = ingress, admission, arrival
+        self.sequence_id = sequence_id  # a client session sequence's turn
         self.placement = admission.placement
         self.generated: list[int] = []
         self.emitted_text = ""
@@ -181,7 +187,7 @@ class RequestStream:
         self.attempt_id = f"{a.request_id}-{self.num_attempts}"
         self.num_attempts += 1
         request = GenerateRequest(self.attempt_id, a.prompt_token_ids + self.generated, left or a.params,
-                                  a.adapter, a.cache_salt, self.resume, a.request_id)
+                                  a.adapter, a.cache_salt, self.resume, a.request_id, self.sequence_id)
         self.refs = self.placement.worker.generate.remote(request)
         return None
 

@@ -57,17 +57,19 @@ class Router:
         return True
 
     async def admit(self, prompt_token_ids: list[int], params: SamplingParams, adapter: str | None = None,
-                    session: str | None = None, cache_salt: str | None = None) -> Admission:
+                    session: str | None = None, cache_salt: str | None = None,
+                    pinned: str | None = None) -> Admission:
         """Place a request the caller validated (scheduling/validation.py) on a worker; Overloaded if none
         admits it. cache_salt: requests share cached prefix blocks only with the same salt (the HTTP server
-        gives each tenant its own)."""
+        gives each tenant its own). pinned: a client session's worker, taken while it is alive."""
         self._start_background()
         if session is not None and not isinstance(session, str):
             raise InvalidRequest(f"session must be a str, got {type(session).__name__}")
         request_id = uuid.uuid4().hex
         try:
             worker_id = self.routing.route(request_id, prompt_token_ids, params.max_tokens, session=session,
-                                           extra=prefix_cache_key(adapter, cache_salt), adapter=adapter)
+                                           extra=prefix_cache_key(adapter, cache_salt), adapter=adapter,
+                                           pinned=pinned)
         except Overloaded:
             self.num_overloaded += 1
             raise

@@ -7,7 +7,8 @@ is lost), never from its tokens, which go from the worker straight to the caller
 to a live worker below its admission bound (from the workers' telemetry, through the scheduler); if there is
 none, Overloaded. Among those:
 
-1. session: a session's turns go back to the worker that holds its earlier turns' KV blocks;
+1. session: a session's turns go back to the worker that holds its earlier turns' KV blocks; a client
+   session (actors/client_session.py) names its worker (pinned), and goes there while it is alive;
 2. prefix: the first blocks of the prompt are hashed as the block pool hashes them; the worker that last
    took the longest matching chain probably still caches it, and keeps it while the extra load it
    carries is no more than the prefill the hit saves plus half the lightest load;
@@ -82,16 +83,23 @@ class RoutingPolicy:
     # ---- decisions ---------------------------------------------------------------------------------
 
     def route(self, request_id: str, prompt_ids: Sequence[int], max_new_tokens: int, *,
-              session: str | None = None, extra: tuple = (), adapter: str | None = None) -> str:
+              session: str | None = None, extra: tuple = (), adapter: str | None = None,
+              pinned: str | None = None) -> str:
         """Admit a request to a worker and account for it there; Overloaded if no live worker admits it
-        (Unavailable, a kind of Overloaded, if no worker is alive)."""
+        (Unavailable, a kind of Overloaded, if no worker is alive), or if pinned is alive and does not."""
         self.num_calls["admit"] += 1
-        candidates = [w for w in self.workers.values() if w.admits]
-        if not candidates:
-            error = Overloaded if any(w.alive for w in self.workers.values()) else Unavailable
-            raise error(self._overloaded_message())
         hashes = self.prefix_hashes(prompt_ids, extra)
-        worker, reason = self._choose(candidates, hashes, session, adapter)
+        if pinned in self.workers and self.workers[pinned].alive:
+            worker, reason = self.workers[pinned], "session"
+            if not worker.admits:
+                raise Overloaded(f"the session's worker {pinned} has {worker.num_requests} requests "
+                                 f"outstanding, its bound; retry later")
+        else:
+            candidates = [w for w in self.workers.values() if w.admits]
+            if not candidates:
+                error = Overloaded if any(w.alive for w in self.workers.values()) else Unavailable
+                raise error(self._overloaded_message())
+            worker, reason = self._choose(candidates, hashes, session, adapter)
         self.num_routed[reason] += 1
         self._assign(request_id, worker, len(prompt_ids) + max_new_tokens)
         self._remember(worker.worker_id, hashes, session, adapter)

@@ -53,6 +53,17 @@ def test_a_session_sticks_to_its_worker_while_it_admits():
     assert r.route("s4", random_prompt(5, 5), 10, session="chat") != first  # re-bound to a worker that admits
 
 
+def test_a_pinned_session_goes_to_its_worker_while_it_lives_and_elsewhere_once_it_is_down():
+    r = routing(bound=2)
+    r.route("x", random_prompt(5, 1), 400)  # w0 is the heavier
+    assert r.route("t1", random_prompt(5, 2), 10, pinned="w0") == "w0"
+    assert r.num_routed["session"] == 1
+    with pytest.raises(ns.Overloaded, match="session's worker w0"):  # at its bound of 2: not moved away
+        r.route("t2", random_prompt(5, 3), 10, pinned="w0")
+    r.mark_down("w0")
+    assert r.route("t3", random_prompt(5, 4), 10, pinned="w0") == "w1"
+
+
 def test_a_shared_prefix_goes_where_its_blocks_are_cached():
     r = routing()
     system = random_prompt(3 * BS, 7)
