@@ -140,13 +140,19 @@ def _matrices(weights: ModelWeights):
         yield from (layer.projection(k) for k in layer.projections)
 
 
-def main() -> None:
+def engine_parser() -> argparse.ArgumentParser:
+    """The options every numaserve worker's engine takes (this one's and structured_worker's)."""
     parser = argparse.ArgumentParser()
     parser.add_argument("model_dir")
     parser.add_argument("--weight-dtype", required=True)
     parser.add_argument("--activation-dtype", default="float32")
     parser.add_argument("--threads", type=int, required=True)
     parser.add_argument("--max-num-seqs", type=int, default=32)
+    return parser
+
+
+def main() -> None:
+    parser = engine_parser()
     parser.add_argument("--kv-dtype", default="bfloat16")
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
     parser.add_argument("--max-model-len", type=int, default=None)
