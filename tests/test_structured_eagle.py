@@ -9,7 +9,7 @@ import jsonschema
 import pytest
 
 import numaserve as ns
-from tests.eagle_factory import model_with_eagle
+from tests.eagle_factory import model_with_eagle, record_drafts
 from tests.test_structured_outputs import PROMPT, SCHEMAS
 
 CONSTRAINTS = {"json": ns.StructuredOutputs(json=SCHEMAS["nested_objects"]),
@@ -43,20 +43,6 @@ def eagle_dir(llama_dir, expected, tmp_path_factory):
 def eagle_llm(eagle_dir, jump_forward: bool, tree_width: int | None = None) -> ns.LLM:
     return ns.LLM(eagle_dir, num_threads=1, jump_forward=jump_forward,
                   speculation={"method": "eagle", "mode": "on", "tree_width": tree_width})
-
-
-def record_drafts(llm: ns.LLM) -> list[int]:
-    """A list that collects every token the EAGLE head drafts (before the grammar's cut)."""
-    proposer, drafted = llm.engine.speculation.proposer, []
-    propose = proposer.propose
-
-    def recording(requests, depths):
-        drafts = propose(requests, depths)
-        drafted.extend(t for d in drafts for t in (d if isinstance(d, list) else d.tokens))
-        return drafts
-
-    proposer.propose = recording
-    return drafted
 
 
 @pytest.mark.parametrize("jump_forward, tree_width", [(False, None), (False, 2), (True, None)])
