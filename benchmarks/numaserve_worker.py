@@ -79,7 +79,6 @@ class NumaserveBench:
                 for i, p in enumerate(prompts)]
         return decode_seconds(self.engine, reqs)
 
-
     def open_decode(self, prompts: list[list[int]]) -> float:
         """Prefill every prompt (untimed by the caller) and keep the requests decoding: later
         `decode_more` calls time steps over this context. Ends the context opened before. -> seconds."""
@@ -88,8 +87,7 @@ class NumaserveBench:
         start = time.perf_counter()
         self._open = [self.engine.add_request(f"open-{i}-{time.monotonic_ns()}", p, params)
                       for i, p in enumerate(prompts)]
-        while any(r.num_computed_tokens < r.num_prompt_tokens for r in self._open):
-            self.engine.step()
+        prefill_all(self.engine, self._open)
         return time.perf_counter() - start
 
     def decode_more(self, num_steps: int) -> float:
@@ -107,10 +105,15 @@ class NumaserveBench:
             self.engine.step()
 
 
-def decode_seconds(engine, reqs) -> float:
-    """Steps until every request's prompt is in, then times the steps to the end: seconds of decode alone."""
+def prefill_all(engine, reqs) -> None:
+    """Steps until every request's prompt is in (the steps that follow decode alone)."""
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in reqs):
         engine.step()
+
+
+def decode_seconds(engine, reqs) -> float:
+    """prefill_all, then times the steps to the end: seconds of decode alone."""
+    prefill_all(engine, reqs)
     start = time.perf_counter()
     while engine.has_unfinished():
         engine.step()
@@ -140,13 +143,19 @@ def _matrices(weights: ModelWeights):
         yield from (layer.projection(k) for k in layer.projections)
 
 
-def main() -> None:
+def engine_parser() -> argparse.ArgumentParser:
+    """The options every numaserve worker's engine takes (this one's and structured_worker's)."""
     parser = argparse.ArgumentParser()
     parser.add_argument("model_dir")
     parser.add_argument("--weight-dtype", required=True)
     parser.add_argument("--activation-dtype", default="float32")
     parser.add_argument("--threads", type=int, required=True)
     parser.add_argument("--max-num-seqs", type=int, default=32)
+    return parser
+
+
+def main() -> None:
+    parser = engine_parser()
     parser.add_argument("--kv-dtype", default="bfloat16")
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
     parser.add_argument("--max-model-len", type=int, default=None)

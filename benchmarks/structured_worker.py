@@ -7,12 +7,11 @@ prompts unconstrained with each request's max_tokens set to the tokens its const
                                            [--no-jump-forward]
 """
 
-import argparse
 import time
 
 import numaserve as ns
 from benchmarks.engine_process import serve
-from benchmarks.numaserve_worker import decode_seconds
+from benchmarks.numaserve_worker import decode_seconds, engine_parser
 
 MASK_STATS = ("num_masked_rows", "mask_seconds", "mask_wait_seconds", "num_forced_tokens")
 
@@ -51,12 +50,7 @@ class StructuredBench:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("model_dir")
-    parser.add_argument("--weight-dtype", required=True)
-    parser.add_argument("--activation-dtype", default="float32")
-    parser.add_argument("--threads", type=int, required=True)
-    parser.add_argument("--max-num-seqs", type=int, default=32)
+    parser = engine_parser()
     parser.add_argument("--no-jump-forward", dest="jump_forward", action="store_false")
     bench = StructuredBench(parser.parse_args())
     bench.pair([[5] * 16] * 2, {"type": "object", "required": ["a"], "additionalProperties": False,

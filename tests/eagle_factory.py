@@ -1,6 +1,6 @@
 """An EAGLE head for the tiny test models, written beside a copy of a model: random, or fitted in a few
 seconds to the model's own greedy continuations of some prompts (so its drafts pass often on those
-prompts and fail sometimes)."""
+prompts and fail sometimes); and a recorder of the tokens an engine's proposer drafts."""
 
 import json
 import shutil
@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, GenerationConfig
 
+import numaserve as ns
 from models.eagle import CONFIG_FILE, HEAD_FILE
 from scripts.head_modules import EagleHead
 
@@ -44,3 +45,18 @@ def model_with_eagle(model_dir: Path, out_dir: Path, prompts: list[list[int]] | 
     save_file(head.eval().head_state_dict(), out_dir / HEAD_FILE)
     (out_dir / CONFIG_FILE).write_text(json.dumps({"eagle_num_layers": 1}))
     return out_dir
+
+
+def record_drafts(llm: ns.LLM) -> list[int]:
+    """A list that collects every token llm's proposer drafts from now on (before any cut: the grammar's,
+    the verification's)."""
+    proposer, drafted = llm.engine.speculation.proposer, []
+    propose = proposer.propose
+
+    def recording(requests, depths):
+        drafts = propose(requests, depths)
+        drafted.extend(t for d in drafts for t in (d if isinstance(d, list) else d.tokens))
+        return drafts
+
+    proposer.propose = recording
+    return drafted

@@ -6,23 +6,14 @@ engine's stats count the forced tokens and the masked rows."""
 import json
 
 import jsonschema
-import pytest
 
 import numaserve as ns
 from scheduling.structured import Grammars, token_masks
-from tests.model_factory import build_model
 from tests.test_structured_outputs import PROMPT, SCHEMAS
 
 FIXED_KEYS = {"type": "object", "additionalProperties": False, "required": ["first_name", "last_name", "age"],
               "properties": {"first_name": {"enum": ["Ada", "Alan"]}, "last_name": {"enum": ["Lovelace"]},
                              "age": {"type": "integer", "minimum": 0, "maximum": 99}}}
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("jump") / "llama"
-    build_model(directory, "llama")
-    return directory
 
 
 def params_for(schema: dict) -> list[ns.SamplingParams]:
@@ -31,12 +22,12 @@ def params_for(schema: dict) -> list[ns.SamplingParams]:
                               structured_outputs=ns.StructuredOutputs(json=schema)) for seed in range(4)]
 
 
-def test_forced_tokens_equal_constrained_decoding_without_jump_forward(model_dir):
+def test_forced_tokens_equal_constrained_decoding_without_jump_forward(llama_dir):
     params = [p for schema in [*SCHEMAS.values(), FIXED_KEYS] for p in params_for(schema)]
-    with ns.LLM(model_dir, num_threads=1, jump_forward=False) as plain:
+    with ns.LLM(llama_dir, num_threads=1, jump_forward=False) as plain:
         expected = plain.generate([PROMPT] * len(params), params)
         plain_stats = plain.stats()
-    with ns.LLM(model_dir, num_threads=1) as jumping:
+    with ns.LLM(llama_dir, num_threads=1) as jumping:
         got = jumping.generate([PROMPT] * len(params), params)
         stats = jumping.stats()
     assert [c.token_ids for c in got] == [c.token_ids for c in expected]
@@ -52,11 +43,11 @@ def test_forced_tokens_equal_constrained_decoding_without_jump_forward(model_dir
             jsonschema.validate(json.loads(c.text), p.structured_outputs.json)
 
 
-def test_a_fixed_key_schema_takes_fewer_steps(model_dir):
+def test_a_fixed_key_schema_takes_fewer_steps(llama_dir):
     params = params_for(FIXED_KEYS)[1]  # greedy
     runs = {}
     for jump in (False, True):
-        with ns.LLM(model_dir, num_threads=1, jump_forward=jump) as llm:
+        with ns.LLM(llama_dir, num_threads=1, jump_forward=jump) as llm:
             [c] = llm.generate(PROMPT, params)
             runs[jump] = c, llm.stats()
     (plain, plain_stats), (jumped, stats) = runs[False], runs[True]
@@ -68,8 +59,8 @@ def test_a_fixed_key_schema_takes_fewer_steps(model_dir):
     assert stats["num_forced_tokens"] >= 5
 
 
-def test_forced_tokens_are_the_single_allowed_ones(model_dir):
-    llm = ns.LLM(model_dir, num_threads=1)
+def test_forced_tokens_are_the_single_allowed_ones(llama_dir):
+    llm = ns.LLM(llama_dir, num_threads=1)
     grammars = Grammars(llm.tokenizer, llm.engine.spec.vocab_size, llm.engine.spec.eos_token_ids)
     matcher = grammars.matcher(ns.StructuredOutputs(json=FIXED_KEYS))
     forced = matcher.forced_tokens(100)

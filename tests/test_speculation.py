@@ -28,7 +28,7 @@ from scheduling.spec_controller import SpeculationController
 from scheduling.spec_policy import SpeculationPolicy
 from tests.chi_square import chi_square_p_value
 from tests.conftest import random_prompt
-from tests.eagle_factory import model_with_eagle
+from tests.eagle_factory import model_with_eagle, record_drafts
 from tests.medusa_factory import model_with_heads
 
 FP32 = {"weight_dtype": "float32", "kv_dtype": "float32"}
@@ -340,15 +340,7 @@ def test_eagle_with_a_draft_vocabulary_drafts_only_its_tokens_and_keeps_the_targ
     safetensors.torch.save_file(state, directory / HEAD_FILE)
     llm = ns.LLM(directory, **FP32, speculation={"method": "eagle", "num_speculative_tokens": K, "mode": "on",
                                                  "tree_width": width})
-    proposer, drafted = llm.engine.speculation.proposer, []
-    propose = proposer.propose
-
-    def recording(requests, depths):
-        drafts = propose(requests, depths)
-        drafted.extend(t for d in drafts for t in (d if isinstance(d, list) else d.tokens))
-        return drafts
-
-    proposer.propose = recording
+    drafted = record_drafts(llm)
     assert_same(outcome(run(llm.engine, *mixed)), reference)
     assert drafted and set(drafted) <= set(draft_ids.tolist())
     stats = llm.stats()

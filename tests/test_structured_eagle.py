@@ -9,8 +9,7 @@ import jsonschema
 import pytest
 
 import numaserve as ns
-from tests.eagle_factory import model_with_eagle
-from tests.model_factory import build_model
+from tests.eagle_factory import model_with_eagle, record_drafts
 from tests.test_structured_outputs import PROMPT, SCHEMAS
 
 CONSTRAINTS = {"json": ns.StructuredOutputs(json=SCHEMAS["nested_objects"]),
@@ -27,44 +26,23 @@ PARAMS = [p for constraint in CONSTRAINTS.values() for p in params_of(constraint
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("structured-eagle") / "llama"
-    build_model(directory, "llama")
-    return directory
-
-
-@pytest.fixture(scope="module")
-def expected(model_dir):
+def expected(llama_dir):
     """The constrained outputs without speculation."""
-    with ns.LLM(model_dir, num_threads=1, jump_forward=False) as llm:
+    with ns.LLM(llama_dir, num_threads=1, jump_forward=False) as llm:
         return llm.generate([PROMPT] * len(PARAMS), PARAMS)
 
 
 @pytest.fixture(scope="module")
-def eagle_dir(model_dir, expected, tmp_path_factory):
+def eagle_dir(llama_dir, expected, tmp_path_factory):
     """The model with an EAGLE head fitted to its constrained outputs (so its drafts pass often and fail
     sometimes: the model's own continuations past them differ)."""
-    return model_with_eagle(model_dir, tmp_path_factory.mktemp("eagle") / "model",
+    return model_with_eagle(llama_dir, tmp_path_factory.mktemp("eagle") / "model",
                             prompts=[c.prompt_token_ids + c.token_ids for c in expected])
 
 
 def eagle_llm(eagle_dir, jump_forward: bool, tree_width: int | None = None) -> ns.LLM:
     return ns.LLM(eagle_dir, num_threads=1, jump_forward=jump_forward,
                   speculation={"method": "eagle", "mode": "on", "tree_width": tree_width})
-
-
-def record_drafts(llm: ns.LLM) -> list[int]:
-    """A list that collects every token the EAGLE head drafts (before the grammar's cut)."""
-    proposer, drafted = llm.engine.speculation.proposer, []
-    propose = proposer.propose
-
-    def recording(requests, depths):
-        drafts = propose(requests, depths)
-        drafted.extend(t for d in drafts for t in (d if isinstance(d, list) else d.tokens))
-        return drafts
-
-    proposer.propose = recording
-    return drafted
 
 
 @pytest.mark.parametrize("jump_forward, tree_width", [(False, None), (False, 2), (True, None)])
@@ -86,12 +64,12 @@ def test_constrained_requests_under_eagle_decode_as_without(eagle_dir, expected,
 
 
 @pytest.mark.parametrize("jump_forward", [False, True])
-def test_a_grammar_admitting_none_of_the_drafts_decodes_as_without(model_dir, eagle_dir, jump_forward):
+def test_a_grammar_admitting_none_of_the_drafts_decodes_as_without(llama_dir, eagle_dir, jump_forward):
     """The head, fitted to the outputs above, never drafts a Q, X or Z token: every draft is cut."""
     constraint = ns.StructuredOutputs(regex="[QXZ]{12}")
     params = [ns.SamplingParams(max_tokens=30, temperature=t, seed=3, structured_outputs=constraint)
               for t in (0.0, 1.0)]
-    with ns.LLM(model_dir, num_threads=1, jump_forward=jump_forward) as plain:
+    with ns.LLM(llama_dir, num_threads=1, jump_forward=jump_forward) as plain:
         want = plain.generate([PROMPT] * 2, params)
     with eagle_llm(eagle_dir, jump_forward) as llm:
         drafted = record_drafts(llm)

@@ -13,7 +13,6 @@ import pytest
 
 import numaserve as ns
 from scheduling.structured import Grammars, token_masks
-from tests.model_factory import build_model
 
 PROMPT = "data: "
 SEEDS = range(8)
@@ -54,15 +53,8 @@ CONSTRAINTS = [ns.StructuredOutputs(json=schema) for schema in SCHEMAS.values()]
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("structured") / "llama"
-    build_model(directory, "llama")
-    return directory
-
-
-@pytest.fixture(scope="module")
-def llm(model_dir):
-    return ns.LLM(model_dir, num_threads=1)
+def llm(llama_dir):
+    return ns.LLM(llama_dir, num_threads=1)
 
 
 def generate(llm, constraint: ns.StructuredOutputs, max_tokens: int = 200, **params) -> list:
@@ -193,10 +185,10 @@ def test_a_complete_grammar_stops_without_sampling_eos(llm):
     assert llm.engine.spec.eos_token_ids[0] not in c.token_ids
 
 
-def test_constrained_requests_under_ngram_speculation_decode_as_without(llm, model_dir):
+def test_constrained_requests_under_ngram_speculation_decode_as_without(llm, llama_dir):
     """Their drafts are cut to what the grammar admits, each row masked after the drafts before it."""
     # no jump-forward: these schemas force tokens after every sampled one, which leaves no step for drafts
-    spec = ns.LLM(model_dir, num_threads=1, speculation={"method": "ngram", "mode": "on"}, jump_forward=False)
+    spec = ns.LLM(llama_dir, num_threads=1, speculation={"method": "ngram", "mode": "on"}, jump_forward=False)
     example = '{"color":"red","size":1} {"color":"blue","size":3} {"a":true,"b":4} '
     schemas = [SCHEMAS[name] for name in ("enums", "required_and_optional", "nested_objects")]
     params = [ns.SamplingParams(max_tokens=60, temperature=t, seed=s,
@@ -212,11 +204,11 @@ def test_constrained_requests_under_ngram_speculation_decode_as_without(llm, mod
     assert 0 < stats["spec_num_accepted_tokens"] < stats["spec_num_draft_tokens"], stats
 
 
-def test_constrained_requests_preempted_in_a_small_kv_pool_decode_as_without(model_dir):
+def test_constrained_requests_preempted_in_a_small_kv_pool_decode_as_without(llama_dir):
     """A preempted request keeps its matcher: recomputed, it goes on from its output so far."""
-    roomy = ns.LLM(model_dir, num_threads=1, block_size=4)
+    roomy = ns.LLM(llama_dir, num_threads=1, block_size=4)
     block_bytes = 4 * roomy.engine.kv_cache.bytes_per_token
-    small = ns.LLM(model_dir, num_threads=1, block_size=4, kv_cache_bytes=24 * block_bytes,
+    small = ns.LLM(llama_dir, num_threads=1, block_size=4, kv_cache_bytes=24 * block_bytes,
                    max_num_batched_tokens=64)
     params = [ns.SamplingParams(max_tokens=60, seed=s, structured_outputs=constraint)
               for s, constraint in enumerate(CONSTRAINTS)]
