@@ -1,4 +1,5 @@
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -12,6 +13,19 @@ torch.set_num_threads(1)
 # engines the tests build repack at every start and write nothing to ~/.cache (EngineConfig's default reads
 # this); tests/test_packed_cache.py turns the packed cache on in tmp_path
 os.environ["NUMASERVE_CACHE_DIR"] = "off"
+
+CLUSTER_TESTS = Path(__file__).parent / "cluster"
+
+
+def pytest_collection_modifyitems(config, items):
+    """The Ray tests (tests/cluster) run last, the others in their usual order. pytest collects tests/cluster
+    first (it sorts "cluster" before "test_*"), so in a fresh clone each deployment's workers compiled the
+    numba kernels (cache=True writes the cache at first use) beside the test process compiling the same ones
+    for its reference outputs, and the session's Ray cluster then idled beside every other test. After the
+    in-process tests the workers load their kernels from the cache (with none cached, a deployment's workers
+    under the stress mode's burner did not start within 600 s; with them cached they did in ~3 min), and Ray
+    runs only while needed."""
+    items.sort(key=lambda item: CLUSTER_TESTS in item.path.parents)
 
 
 @pytest.fixture(scope="session")

@@ -2,17 +2,18 @@
 calls per request; a 5 MB prompt costs its own request only; a cold adapter's fetch costs its own request
 only.
 
-Timing bounds here are about blocking, not speed: a stall of the kind these tests guard against lasts
-seconds (a 5 MB prompt tokenized in the router's event loop stalled everything for ~3 s, /health answering
-in 3.5 s; a worker's blocking fetch from a restarting adapter cache would stall its every stream for the
-cache's restart, seconds here), while a decode step of this tiny model takes a few ms. 100 ms sits between
-the two, but this 2-core machine is shared with other jobs:
-- /health alone (router -> every worker) takes up to ~100 ms under 8 streams with no big prompt anywhere,
-  so the 5 MB test bounds /health and the gaps by what the same load gave just before the prompt + 100 ms;
-- the restarting cache's new process takes CPU from the worker (gaps of ~0.2 s seen in a full-suite run,
-  under 0.1 s alone), so the cold-adapter test allows half the fetch's wait when that is more than 100 ms.
-A stall of seconds fails either. Chunks are sent as soon as they are ready (stream_interval_ms=0), so a gap
-between two chunks of a stream is a gap in its decoding."""
+Timing bounds here are about blocking, not speed. A stall of the kind these tests guard against lasts
+seconds, and stretches under load like everything else: a 5 MB prompt tokenized in the router's event loop
+stalled everything for ~3 s (/health answering in 3.5 s); a worker's blocking fetch from a restarting adapter
+cache stalls its every stream for the whole of the fetch's wait (the cache's new process: ~2 s alone, ~17 s
+under the stress mode's burner). A loaded machine without any stall stretches /health and the gaps too, but
+by less: under the burner (every core busy) /health took 0.5-1.6 s just before the 5 MB prompt, up to 1.26 s
+during it (0.22 -> 0.61 s in another run), while the prompt's own POST took up to 2 s. So each test bounds
+what it measures by the same load just before (/health, or a stream's longest gap):
+- the 5 MB test: under twice that + ALLOWANCE_S = 1 s (1.2 s alone, a third of the 3.5 s stall);
+- the cold-adapter test: under that + half the wait its own fetch provokes (a blocking fetch adds it whole).
+Chunks are sent as soon as they are ready (stream_interval_ms=0), so a gap between two chunks of a stream is
+a gap in its decoding."""
 
 import itertools
 import json
@@ -31,7 +32,8 @@ from tests.conftest import random_prompt
 from tests.test_lora import make_adapter
 
 NAME = "placement"
-STALL_S = 0.1  # see the module's docstring
+ALLOWANCE_S = 1.0  # see the module's docstring
+CACHE_RESTART_S = 0.5  # the adapter cache's restart takes at least this (a new process: ~2 s here)
 GREEDY = ns.SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
 LONG = ns.SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
 
@@ -73,6 +75,14 @@ class Timed:
         return max((b - a for a, b in itertools.pairwise(times) if b >= start and a <= end), default=0.0)
 
 
+@pytest.fixture(scope="module")
+def adapters(client, llama_dir, tmp_path_factory) -> None:
+    """Adapters "a" and "b" registered once (the stress mode repeats the test that uses them)."""
+    root = tmp_path_factory.mktemp("adapters")
+    for name, seed in (("a", 1), ("b", 2)):
+        client.register_adapter(name, make_adapter(llama_dir, root / name, seed=seed))
+
+
 def calls(client) -> dict:
     return client.stats()["calls"]
 
@@ -92,7 +102,6 @@ def test_the_router_handles_at_most_two_calls_per_request_whatever_its_length(cl
     print(f"router calls per request: {per_request:.2f} ({ {k: after[k] - before[k] for k in after} })")
 
 
-@pytest.mark.load_sensitive
 def test_a_5_mb_prompt_is_refused_without_stalling_other_streams_or_health(client):
     url = client.http_url
     streams = [Timed(client, random_prompt(8, seed=400 + i), LONG) for i in range(8)]
@@ -128,28 +137,29 @@ def test_a_5_mb_prompt_is_refused_without_stalling_other_streams_or_health(clien
     assert "characters, more than max_model_len" in r.json()["error"]["message"]  # refused untokenized
     before = [seconds for at, seconds in health if at < start]
     during = [seconds for at, seconds in health if at >= start]
-    assert during and max(during) < max(before) + STALL_S, (before, during)
+    assert during and max(during) < 2 * max(before) + ALLOWANCE_S, (before, during)
     gaps_before = [s.max_gap(baseline_start, start) for s in streams]
     gaps = [s.max_gap(start, end + 0.2) for s in streams]
-    assert max(gaps) < max(gaps_before) + STALL_S, (gaps_before, gaps, end - start)
+    assert max(gaps) < 2 * max(gaps_before) + ALLOWANCE_S, (gaps_before, gaps, end - start)
     print(f"5 MB prompt: 400 after {end - start:.3f} s; /health max {max(before):.3f} s before, "
           f"{max(during):.3f} s during; stream gaps max {max(gaps_before):.3f} s before, "
           f"{max(gaps):.3f} s during")
     assert all(len(s.token_ids) == LONG.max_tokens for s in streams)
 
 
-@pytest.mark.load_sensitive
-def test_a_cold_adapter_fetch_does_not_stall_the_other_streams_of_its_worker(client, llama_dir, tmp_path):
+def test_a_cold_adapter_fetch_does_not_stall_the_other_streams_of_its_worker(client, adapters):
     """Session stickiness puts everything on one worker. It served "a" then "b" (max_loras=1: it holds "b"
     only), so a request with "a" needs "a" fetched again, and the adapter cache is killed just before it:
     the fetch waits for the cache's restart (seconds) while the worker's 8 other streams go on."""
-    for name, seed in (("a", 1), ("b", 2)):
-        client.register_adapter(name, make_adapter(llama_dir, tmp_path / name, seed=seed))
     before = {w: s["num_requests"] for w, s in client.stats()["workers"].items()}
     for name in ("a", "b"):
         client.generate([5, 6, 7], GREEDY, adapter=name, session="one-worker")
     streams = [Timed(client, random_prompt(8, seed=500 + i), LONG, session="one-worker") for i in range(8)]
     assert all(s.first.wait(120) for s in streams)
+    baseline_start = time.monotonic()
+    # the same load without a cold fetch: a few steps of every stream
+    wait_for(lambda: all(len(s.arrivals) >= 16 for s in streams), 120, "the streams' baseline chunks")
+    baseline_end = time.monotonic()
     ray.kill(ray.get_actor(f"{NAME}.adapters", namespace="numaserve"), no_restart=False)
     start = time.monotonic()
     cold = Timed(client, [5, 6, 7], GREEDY, adapter="a", session="one-worker")
@@ -159,14 +169,15 @@ def test_a_cold_adapter_fetch_does_not_stall_the_other_streams_of_its_worker(cli
     for s in streams:
         s.thread.join(120)
     waited = end - start
-    assert waited > 3 * STALL_S  # it did wait for the cache's restart (a new process: seconds)
+    assert waited > CACHE_RESTART_S  # it did wait for the cache's restart
+    gaps_before = [s.max_gap(baseline_start, baseline_end) for s in streams]
     gaps = [s.max_gap(start, end) for s in streams]
     # a fetch that blocked the worker would hold its streams for about the whole wait; one that does not
-    # leaves them the gaps of a busy machine (the restarting cache's process competes for the 2 cores:
-    # up to ~0.27 s seen in a full-suite run, under 0.1 s alone)
-    assert max(gaps) < max(STALL_S, waited / 2), (gaps, f"the cold request waited {waited:.2f} s")
+    # leaves them the gaps of the load before, stretched by the restarting cache's process (it competes for
+    # the 2 cores: gaps of ~0.25 s seen in a full-suite run, under 0.1 s alone)
+    assert max(gaps) < max(gaps_before) + waited / 2, (gaps_before, gaps, f"cold: waited {waited:.2f} s")
     print(f"cold adapter: first token after {waited:.2f} s; the worker's other streams' gaps max "
-          f"{max(gaps):.3f} s")
+          f"{max(gaps_before):.3f} s before, {max(gaps):.3f} s during")
     assert len(cold.token_ids) == GREEDY.max_tokens
     assert all(len(s.token_ids) == LONG.max_tokens for s in streams)
     served = {w: s.get("num_requests", 0) - before[w] for w, s in client.stats()["workers"].items()}
