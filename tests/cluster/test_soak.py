@@ -1,8 +1,6 @@
-"""A 30 s soak of the two_numa_sim deployment (benchmarks/bench_soak.py's driver): Poisson arrivals, mixed
+"""A 60 s soak of the two_numa_sim deployment (benchmarks/bench_soak.py's driver): Poisson arrivals, mixed
 lengths, clients disconnecting, deadlines expiring, an adapter. Every request ends the way its kind should,
-none hangs, no KV block stays in use after the drain, and worker RSS grows by less than RSS_GROWTH_BOUND.
-30 s at 8/s is ~240 requests, ~24 of each rare kind (was 60 s: the same checks on twice the requests; the
-long run is the benchmark's, README "Soak")."""
+none hangs, no KV block stays in use after the drain, and worker RSS grows by less than RSS_GROWTH_BOUND."""
 
 import pytest
 
@@ -25,8 +23,8 @@ def client(ray_cluster, llama_dir, tmp_path_factory):
     client.shutdown()
 
 
-def test_a_30_s_soak_ends_every_request_as_expected_and_leaks_no_kv_block(client):
-    result = run_soak(client, duration_s=30, rate_per_s=8, adapter="a", seed=0)
+def test_a_60_s_soak_ends_every_request_as_expected_and_leaks_no_kv_block(client):
+    result = run_soak(client, duration_s=60, rate_per_s=8, adapter="a", seed=0)
     summary = {k: v for k, v in result.items() if k != "outcomes"}
     assert result["num_hung"] == 0 and result["num_errors"] == 0, summary
     by_kind = result["by_kind"]
