@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import hashlib
 import importlib.metadata
+import os
 import socket
 from pathlib import Path
 
@@ -113,11 +114,17 @@ def _cancel_admitted(admitting: asyncio.Task) -> None:
 
 
 class RayDeployment:
-    def __init__(self, router, adapter_cache):
-        self.router, self.adapter_cache = router, adapter_cache
-        self.ingress = Ingress(router, adapter_cache)
+    def __init__(self, routers: list, adapter_cache, first_router: int = 0):
+        self.adapter_cache = adapter_cache
+        self.ingress = Ingress(routers, adapter_cache, first_router)
+        self.num_requests = 0  # generate calls: each HTTP actor's own count
+
+    @property
+    def router(self):
+        return self.ingress.router
 
     def generate(self, prompt, params, adapter, cache_salt=None):
+        self.num_requests += 1
         return RayRequestStream(self.ingress.open(prompt, params, adapter, None, cache_salt))
 
     async def model_info(self) -> dict:
@@ -258,15 +265,18 @@ def _actor_loop() -> asyncio.AbstractEventLoop:
 
 @ray.remote(num_cpus=0)
 class HttpServer:
-    def __init__(self, config: HttpConfig, model_name: str, model_path: str, system_fingerprint: str, router,
-                 adapter_cache):
+    def __init__(self, config: HttpConfig, model_name: str, model_path: str, system_fingerprint: str,
+                 routers: list, adapter_cache, replica: int = 0, share_port: bool = False):
+        """replica: this actor's index (it admits through routers[replica % len(routers)] first);
+        share_port: bind with SO_REUSEPORT, beside the deployment's other HTTP actors (the kernel spreads
+        the connections over them)."""
         # small arguments only: Ray restarts the actor from them
-        serving = OpenAIServing(RayDeployment(router, adapter_cache), model_name, model_path,
-                                load_chat_template(model_path), config.enable_lora_loading,
-                                system_fingerprint, config)
+        self.deployment = RayDeployment(routers, adapter_cache, replica)
+        serving = OpenAIServing(self.deployment, model_name, model_path, load_chat_template(model_path),
+                                config.enable_lora_loading, system_fingerprint, config)
         family = socket.AF_INET6 if ":" in config.host else socket.AF_INET
         # OSError: the actor fails to start
-        sock = socket.create_server((config.host, config.port), family=family)
+        sock = socket.create_server((config.host, config.port), family=family, reuse_port=share_port)
         self.url = f"http://{f'[{config.host}]' if ':' in config.host else config.host}:{config.port}"
         self.server = _Server(uvicorn.Config(build_app(serving), lifespan="off", log_config=None,
                                              log_level="warning", access_log=False,
@@ -285,3 +295,7 @@ class HttpServer:
                 raise TimeoutError(f"the HTTP server did not start within {STARTUP_TIMEOUT_S:.0f} s")
             await asyncio.sleep(0.05)
         return self.url
+
+    async def stats(self) -> dict:
+        """This actor's own figures: completions and chat choices it opened, its process id."""
+        return {"num_requests": self.deployment.num_requests, "pid": os.getpid()}
