@@ -44,6 +44,7 @@ from actors.openai_serving import OpenAIServing
 from actors.ray_errors import unwrap
 from actors.request_stream import Ingress, RequestStream
 from cluster_configs.cluster_config import ClusterConfig, HttpConfig
+from cluster_configs.errors import Unavailable
 
 MAX_BODY_BYTES = 8 << 20  # a 32k-token prompt as token ids is ~200 kB; more is a mistake or an attack: 413
 HEALTH_TIMEOUT_S = 5.0
@@ -66,7 +67,7 @@ def fingerprint(config: ClusterConfig) -> str:
 
 # ---- the deployment as OpenAIServing sees it ------------------------------------------------------------
 
-async def _call(ref, actor: str = "router"):
+async def _call(ref, actor: str):
     try:
         return await ref
     except (RayTaskError, RayActorError) as e:
@@ -119,10 +120,6 @@ class RayDeployment:
         self.ingress = Ingress(routers, adapter_cache, first_router)
         self.num_requests = 0  # generate calls: each HTTP actor's own count
 
-    @property
-    def router(self):
-        return self.ingress.router
-
     def generate(self, prompt, params, adapter, cache_salt=None):
         self.num_requests += 1
         return RayRequestStream(self.ingress.open(prompt, params, adapter, None, cache_salt))
@@ -146,13 +143,17 @@ class RayDeployment:
         return await _call(self.adapter_cache.register.remote(name, path), "adapter cache")
 
     async def num_serving_workers(self) -> int:
+        """Through this actor's router, or the next one while it is lost."""
         try:
-            return await asyncio.wait_for(self.router.num_serving_workers.remote(), HEALTH_TIMEOUT_S)
-        except (TimeoutError, ray.exceptions.RayError):
-            return 0  # the router itself is down or restarting
+            asking = self.ingress.call_router(lambda router: router.num_serving_workers.remote())
+            _, num = await asyncio.wait_for(asking, HEALTH_TIMEOUT_S)
+            return num
+        except (TimeoutError, Unavailable, ray.exceptions.RayError):
+            return 0  # no router answers: down or restarting
 
     async def metrics(self) -> list[dict]:
-        return await _call(self.router.metrics.remote())
+        _, snapshots = await self.ingress.call_router(lambda router: router.metrics.remote())
+        return snapshots
 
 
 # ---- the HTTP app ------------------------------------------------------------------------------------------
