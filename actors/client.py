@@ -1,13 +1,16 @@
 """Client: a handle on a running deployment, from any driver or `ray job submit` entrypoint.
 
 Requests go as actors/request_stream.py lays out: tokenized and validated here (the tokenizer is fetched once
-per client), placed by the router, streamed straight from the worker. That module is async (the HTTP actor
-awaits it on its event loop); a client runs it on an event loop of its own, in a daemon thread, and waits for
-each delta, so any number of the driver's threads may stream at once.
+per client), placed by a router, streamed straight from the worker. A client admits through the router its
+own id hashes to among the deployment's (router.replicas), and through the next one while that one is lost.
+That module is async (the HTTP actor awaits it on its event loop); a client runs it on an event loop of its
+own, in a daemon thread, and waits for each delta, so any number of the driver's threads may stream at once.
 """
 
 import asyncio
+import hashlib
 import threading
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -40,13 +43,14 @@ class _EventLoopThread:
 
 
 class Client:
-    def __init__(self, name: str, router, adapter_cache, http_url: str | None = None):
+    def __init__(self, name: str, routers: list, adapter_cache, http_url: str | None = None):
         self.name = name
-        self.router = router
         self.adapter_cache = adapter_cache
         # the OpenAI-compatible API (e.g. "http://127.0.0.1:8000"), if the deployment has one
         self.http_url = http_url
-        self._ingress = Ingress(router, adapter_cache)
+        self.client_id = uuid.uuid4().hex
+        first = int.from_bytes(hashlib.blake2b(self.client_id.encode(), digest_size=4).digest(), "big")
+        self._ingress = Ingress(routers, adapter_cache, first)
         self._loop: _EventLoopThread | None = None  # started with the first request
         self._loop_lock = threading.Lock()
 
@@ -76,6 +80,11 @@ class Client:
             if chunk.logprobs is not None:
                 done.logprobs = (done.logprobs or []) + chunk.logprobs
         return done
+
+    @property
+    def router(self):
+        """The router this client admits through now (stats and pauses are asked of it too)."""
+        return self._ingress.router
 
     def _open(self, prompt, params, adapter, session, cache_salt) -> RequestStream:
         return self._event_loop().run(self._ingress.open(prompt, params, adapter, session, cache_salt))

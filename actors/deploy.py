@@ -1,9 +1,12 @@
 """serve() / connect() / shutdown().
 
 A deployment is a set of named detached actors in the "numaserve" namespace: `<name>.adapters`,
-`<name>.scheduler`, `<name>.router` (and `<name>.http`, the OpenAI-compatible HTTP server, when configured)
-on the head node, and `<name>.worker.<machine>-numa<node>-<replica>`, each placed on its NUMA node by the
-custom resource `numa_<machine>_<node>` its machine declares.
+`<name>.scheduler` and its routers `<name>.router`, `<name>.router.1`, ... (router.replicas) on the head node;
+its OpenAI-compatible HTTP servers when configured, `<name>.http` on the head node and `<name>.http.1`, ...
+(http.replicas, by default one per machine) spread over the cluster's nodes by Ray's SPREAD strategy (best
+effort: those that share a machine share the port through SO_REUSEPORT); and
+`<name>.worker.<machine>-numa<node>-<replica>`, each placed on its NUMA node by the custom resource
+`numa_<machine>_<node>` its machine declares.
 """
 
 import json
@@ -72,12 +75,13 @@ def connect(name: str = "numaserve", address: str = "auto") -> Client:
             raise DeploymentError(f"no Ray cluster at {address!r} ({e}); start one with "
                                   "`numaserve serve --config cluster_configs/local.yaml`") from None
     try:
-        router = ray.get_actor(f"{name}.router", namespace=NAMESPACE)
+        routers = [ray.get_actor(n, namespace=NAMESPACE) for n in router_names(name)] or [
+            ray.get_actor(f"{name}.router", namespace=NAMESPACE)]
         adapter_cache = ray.get_actor(f"{name}.adapters", namespace=NAMESPACE)
     except ValueError:
         raise DeploymentError(f"no numaserve deployment named {name!r} in this Ray cluster; start one with "
                               "numaserve.serve(...) or `numaserve serve --config ...`") from None
-    return Client(name, router, adapter_cache, _http_url(name))
+    return Client(name, routers, adapter_cache, _http_url(name))
 
 
 def shutdown(name: str = "numaserve", timeout_s: float = 30.0) -> None:
@@ -94,6 +98,18 @@ def shutdown(name: str = "numaserve", timeout_s: float = 30.0) -> None:
 def deployment_actor_names(name: str) -> list[str]:
     return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
             if a["namespace"] == NAMESPACE and a["name"].startswith(f"{name}.")]
+
+
+def replica_name(name: str, role: str, replica: int) -> str:
+    """`<name>.router`, `<name>.router.1`, ... (role "router" or "http")."""
+    return f"{name}.{role}" if replica == 0 else f"{name}.{role}.{replica}"
+
+
+def router_names(name: str) -> list[str]:
+    """The deployment's routers' actor names, in replica order."""
+    pattern = re.compile(rf"{re.escape(name)}\.router(?:\.(\d+))?")
+    found = [(int(m.group(1) or 0), n) for n in deployment_actor_names(name) if (m := pattern.fullmatch(n))]
+    return [n for _, n in sorted(found)]
 
 
 # ---- configuration and the Ray cluster ---------------------------------------------------------------
@@ -216,16 +232,22 @@ def _start(config: ClusterConfig, placements: list[WorkerPlacement], name: str) 
                                model_name=served_model_name(config))
     deadline = time.monotonic() + READY_TIMEOUT_S
     _wait_ready({f"worker {w}": h.info.remote() for w, h in workers.items()}, deadline)
-    router = Router.options(name=f"{name}.router", resources=HEAD, **detached).remote(
-        config, workers, scheduler, adapter_cache)
-    _wait_ready({"router": router.ping.remote()}, deadline)
+    routers = [Router.options(name=replica_name(name, "router", i), resources=HEAD, **detached).remote(
+        config, workers, scheduler, adapter_cache) for i in range(config.router.replicas)]
+    _wait_ready({f"router {i}": r.ping.remote() for i, r in enumerate(routers)}, deadline)
     http_url = None
-    if config.http is not None:
-        http = HttpServer.options(name=f"{name}.http", resources=HEAD, **detached).remote(
-            config.http, served_model_name(config), config.model, fingerprint(config), router, adapter_cache)
-        http_url = _wait_ready({f"HTTP server on {config.http.host}:{config.http.port}": http.ready.remote()},
+    share_port = config.num_http_actors > 1
+    https = []
+    for i in range(config.num_http_actors):
+        where = {"resources": HEAD} if i == 0 else {"scheduling_strategy": "SPREAD"}
+        https.append(HttpServer.options(name=replica_name(name, "http", i), **where, **detached).remote(
+            config.http, served_model_name(config), config.model, fingerprint(config), routers, adapter_cache,
+            i, share_port))
+    if https:
+        where = f"{config.http.host}:{config.http.port}"
+        http_url = _wait_ready({f"HTTP server {i} on {where}": h.ready.remote() for i, h in enumerate(https)},
                                deadline)
-    return Client(name, router, adapter_cache, http_url)
+    return Client(name, routers, adapter_cache, http_url)
 
 
 def _http_url(name: str) -> str | None:

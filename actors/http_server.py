@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import hashlib
 import importlib.metadata
+import os
 import socket
 from pathlib import Path
 
@@ -43,6 +44,7 @@ from actors.openai_serving import OpenAIServing
 from actors.ray_errors import unwrap
 from actors.request_stream import Ingress, RequestStream
 from cluster_configs.cluster_config import ClusterConfig, HttpConfig
+from cluster_configs.errors import Unavailable
 
 MAX_BODY_BYTES = 8 << 20  # a 32k-token prompt as token ids is ~200 kB; more is a mistake or an attack: 413
 HEALTH_TIMEOUT_S = 5.0
@@ -65,7 +67,7 @@ def fingerprint(config: ClusterConfig) -> str:
 
 # ---- the deployment as OpenAIServing sees it ------------------------------------------------------------
 
-async def _call(ref, actor: str = "router"):
+async def _call(ref, actor: str):
     try:
         return await ref
     except (RayTaskError, RayActorError) as e:
@@ -113,11 +115,13 @@ def _cancel_admitted(admitting: asyncio.Task) -> None:
 
 
 class RayDeployment:
-    def __init__(self, router, adapter_cache):
-        self.router, self.adapter_cache = router, adapter_cache
-        self.ingress = Ingress(router, adapter_cache)
+    def __init__(self, routers: list, adapter_cache, first_router: int = 0):
+        self.adapter_cache = adapter_cache
+        self.ingress = Ingress(routers, adapter_cache, first_router)
+        self.num_requests = 0  # generate calls: each HTTP actor's own count
 
     def generate(self, prompt, params, adapter, cache_salt=None):
+        self.num_requests += 1
         return RayRequestStream(self.ingress.open(prompt, params, adapter, None, cache_salt))
 
     async def model_info(self) -> dict:
@@ -139,13 +143,17 @@ class RayDeployment:
         return await _call(self.adapter_cache.register.remote(name, path), "adapter cache")
 
     async def num_serving_workers(self) -> int:
+        """Through this actor's router, or the next one while it is lost."""
         try:
-            return await asyncio.wait_for(self.router.num_serving_workers.remote(), HEALTH_TIMEOUT_S)
-        except (TimeoutError, ray.exceptions.RayError):
-            return 0  # the router itself is down or restarting
+            asking = self.ingress.call_router(lambda router: router.num_serving_workers.remote())
+            _, num = await asyncio.wait_for(asking, HEALTH_TIMEOUT_S)
+            return num
+        except (TimeoutError, Unavailable, ray.exceptions.RayError):
+            return 0  # no router answers: down or restarting
 
     async def metrics(self) -> list[dict]:
-        return await _call(self.router.metrics.remote())
+        _, snapshots = await self.ingress.call_router(lambda router: router.metrics.remote())
+        return snapshots
 
 
 # ---- the HTTP app ------------------------------------------------------------------------------------------
@@ -258,15 +266,18 @@ def _actor_loop() -> asyncio.AbstractEventLoop:
 
 @ray.remote(num_cpus=0)
 class HttpServer:
-    def __init__(self, config: HttpConfig, model_name: str, model_path: str, system_fingerprint: str, router,
-                 adapter_cache):
+    def __init__(self, config: HttpConfig, model_name: str, model_path: str, system_fingerprint: str,
+                 routers: list, adapter_cache, replica: int = 0, share_port: bool = False):
+        """replica: this actor's index (it admits through routers[replica % len(routers)] first);
+        share_port: bind with SO_REUSEPORT, beside the deployment's other HTTP actors (the kernel spreads
+        the connections over them)."""
         # small arguments only: Ray restarts the actor from them
-        serving = OpenAIServing(RayDeployment(router, adapter_cache), model_name, model_path,
-                                load_chat_template(model_path), config.enable_lora_loading,
-                                system_fingerprint, config)
+        self.deployment = RayDeployment(routers, adapter_cache, replica)
+        serving = OpenAIServing(self.deployment, model_name, model_path, load_chat_template(model_path),
+                                config.enable_lora_loading, system_fingerprint, config)
         family = socket.AF_INET6 if ":" in config.host else socket.AF_INET
         # OSError: the actor fails to start
-        sock = socket.create_server((config.host, config.port), family=family)
+        sock = socket.create_server((config.host, config.port), family=family, reuse_port=share_port)
         self.url = f"http://{f'[{config.host}]' if ':' in config.host else config.host}:{config.port}"
         self.server = _Server(uvicorn.Config(build_app(serving), lifespan="off", log_config=None,
                                              log_level="warning", access_log=False,
@@ -285,3 +296,7 @@ class HttpServer:
                 raise TimeoutError(f"the HTTP server did not start within {STARTUP_TIMEOUT_S:.0f} s")
             await asyncio.sleep(0.05)
         return self.url
+
+    async def stats(self) -> dict:
+        """This actor's own figures: completions and chat choices it opened, its process id."""
+        return {"num_requests": self.deployment.num_requests, "pid": os.getpid()}

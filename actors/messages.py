@@ -34,6 +34,8 @@ class Admission:
     params: SamplingParams  # validated by the caller
     adapter: str | None
     cache_salt: str | None
+    # where the caller goes, in turn, while workers refuse it at their own bound (other routers filled them)
+    fallbacks: tuple[Placement, ...] = ()
 
 
 # ---- caller -> worker -----------------------------------------------------------------------------------

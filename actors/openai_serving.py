@@ -1,18 +1,13 @@
 """OpenAIServing: the OpenAI endpoints over a deployment, without HTTP or Ray (actors/http_server.py wires it
 to both; tests drive it with a stub deployment).
 
-A request of n choices over several prompts is one deployment request per choice. Each is opened before any
-answer goes out: admitted by the router and its first output back, so a refusal (Overloaded, a prompt too
-long, ...) is an HTTP error rather than a broken stream. Every exit path cancels every stream still running,
-which aborts it on its worker and frees its KV blocks at once.
+A request of n choices over several prompts is one deployment request per choice, opened, streamed and
+collected together (actors/openai_choices.py).
 """
 
-import asyncio
 import base64
-import json
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import replace
 from typing import Protocol
 
 import numpy as np
@@ -20,7 +15,15 @@ import numpy as np
 from actors import tool_calls
 from actors.chat_template import ChatTemplate
 from actors.fill_in_middle import fim_prompt
-from actors.openai_errors import APIError, as_api_error
+from actors.openai_choices import (
+    RequestStream,
+    best_choices,
+    check_num_choices,
+    collect,
+    open_choices,
+    sse_stream,
+)
+from actors.openai_errors import APIError
 from actors.openai_format import (
     ChoiceState,
     ResponseHeader,
@@ -33,7 +36,6 @@ from actors.openai_format import (
 )
 from actors.openai_limits import ANONYMOUS, Caller, Tenancy, release_after
 from actors.openai_protocol import (
-    MAX_CHOICES,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
@@ -41,16 +43,11 @@ from actors.openai_protocol import (
     LoadLoraAdapterRequest,
     TokenizeRequest,
 )
+from actors.openai_tokens import chat_prompt_ids, detokenize_body, tokenize_body
 from cluster_configs.cluster_config import HttpConfig
 from cluster_configs.errors import InvalidRequest
 from cluster_configs.sampling_params import SamplingParams
-from scheduling.best_of import best
 from scheduling.outputs import RequestOutput
-
-
-class RequestStream(Protocol):
-    async def next(self) -> list[int] | RequestOutput: ...  # the prompt's token ids first, then outputs
-    def cancel(self) -> None: ...  # abort the request unless it has finished
 
 
 class Deployment(Protocol):
@@ -118,7 +115,7 @@ class OpenAIServing:
         if req.suffix:
             prompts = [fim_prompt(self._info["tokenizer"], p, req.suffix) for p in prompts]
         req.check_best_of()
-        _check_num_choices(len(prompts), req.num_candidates)
+        check_num_choices(len(prompts), req.num_candidates)
         if req.max_tokens is not None:
             self.tenancy.check_max_tokens(req.max_tokens)
         deadline_s = self.tenancy.deadline_s(req.deadline_s)
@@ -162,13 +159,13 @@ class OpenAIServing:
                     "finish_reason": out.finish_reason} | extra(c, first)
 
         if req.stream:
-            return self._stream(header, choices, streams, firsts, delta, [], req)
-        await _collect(choices, streams, firsts)
+            return sse_stream(header, choices, streams, firsts, delta, [], req)
+        await collect(choices, streams, firsts)
         if any(c.finish_reason == "abort" for c in choices):  # nothing was sent: an error, not a cut answer
             raise self.tenancy.deadline_error(deadline_s)
         billed = usage(choices, req.num_candidates)  # every candidate's tokens, as OpenAI bills best_of
         if req.ranks_candidates:
-            choices = _best_choices(choices, req.n, req.best_of)
+            choices = best_choices(choices, req.n, req.best_of)
         return header.body([{"index": c.index, "text": (c.prompt_text or "") + c.text,
                              "logprobs": logprobs_of(c, c.token_ids, c.logprobs, len(c.prompt_text or ""),
                                                      True),
@@ -179,7 +176,7 @@ class OpenAIServing:
         adapter = await self._adapter(req.model)
         info = await self.info()
         req.check_best_of()
-        _check_num_choices(1, req.num_candidates)
+        check_num_choices(1, req.num_candidates)
         plan = tool_calls.plan_tools([t.model_dump(exclude_none=True) for t in req.tools or ()],
                                      req.tool_choice if isinstance(req.tool_choice, str | None)
                                      else req.tool_choice.model_dump(), req.parallel_tool_calls,
@@ -190,7 +187,7 @@ class OpenAIServing:
                 raise APIError(400, f"tool_choice constrains the output to tool calls and {constraint_param} "
                                     "to another format; send one", param=constraint_param)
             constraint, constraint_param = plan.constraint, "tools"
-        prompt_ids = self._chat_prompt(req.messages, plan.tools)
+        prompt_ids = chat_prompt_ids(info, self.chat_template, self.model_name, req.messages, plan.tools)
         k = req.num_logprobs()
         if req.max_new_tokens() is not None:
             self.tenancy.check_max_tokens(req.max_new_tokens())
@@ -223,8 +220,8 @@ class OpenAIServing:
                                     header.system_fingerprint, header.created)
             roles = [{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                       "finish_reason": None} for c in choices]
-            return self._stream(header, choices, streams, firsts, delta, roles, req)
-        await _collect(choices, streams, firsts)
+            return sse_stream(header, choices, streams, firsts, delta, roles, req)
+        await collect(choices, streams, firsts)
         if any(c.finish_reason == "abort" for c in choices):
             raise self.tenancy.deadline_error(deadline_s)
 
@@ -241,7 +238,7 @@ class OpenAIServing:
 
         billed = usage(choices, req.num_candidates)
         if req.ranks_candidates:
-            choices = _best_choices(choices, req.n, req.best_of)
+            choices = best_choices(choices, req.n, req.best_of)
         # vLLM's: the prompt's logprobs once, beside the choices
         scored = ({"prompt_logprobs": vllm_prompt_logprobs(self._texts, choices[0].prompt_logprobs,
                                                            req.prompt_logprobs)}
@@ -249,30 +246,10 @@ class OpenAIServing:
         return header.body([choice(c) for c in choices], usage=billed, **scored)
 
     async def tokenize(self, req: TokenizeRequest) -> dict:
-        """vLLM's shape: count, max_model_len, tokens (and token_strs if asked)."""
-        info = await self.info()
-        if (req.prompt is None) == (req.messages is None):
-            raise APIError(400, "send a prompt or messages (exactly one)", param="prompt")
-        if info["tokenizer"] is None:
-            raise APIError(400, f"model {self.model_name!r} has no tokenizer.json; it takes token ids only",
-                           param="prompt")
-        if req.messages is not None:
-            tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
-            ids = self._chat_prompt(req.messages, tools, req.add_generation_prompt,
-                                    bool(req.add_special_tokens))
-        else:
-            special = req.add_special_tokens is not False
-            ids = info["tokenizer"].hf_tokenizer.encode(req.prompt, add_special_tokens=special).ids
-        return {"count": len(ids), "max_model_len": info["max_model_len"], "tokens": ids,
-                "token_strs": [self._texts.text(t) for t in ids] if req.return_token_strs else None}
+        return tokenize_body(await self.info(), self._texts, self.chat_template, self.model_name, req)
 
     async def detokenize(self, req: DetokenizeRequest) -> dict:
-        info = await self.info()
-        if info["tokenizer"] is None:
-            raise APIError(400, f"model {self.model_name!r} has no tokenizer.json", param="tokens")
-        if any(not 0 <= t < info["vocab_size"] for t in req.tokens):
-            raise APIError(400, f"tokens must be ids in [0, {info['vocab_size']})", param="tokens")
-        return {"prompt": info["tokenizer"].decode(req.tokens)}
+        return detokenize_body(await self.info(), self.model_name, req)
 
     async def embeddings(self, req: EmbeddingRequest, caller: Caller = ANONYMOUS) -> dict:
         return await self._limited(req, caller, self._embeddings)
@@ -338,130 +315,13 @@ class OpenAIServing:
     async def _open(self, requests: list[tuple], adapter: str | None, prompt_param: str,
                     salt: str | None = None, deadline_s: float | None = None,
                     constraint_param: str | None = None):
-        """Start every choice's request and wait until each is admitted and has its first output (a request
-        aborted by its deadline before then is an error: nothing has been sent). An invalid constraint is a
-        400 naming the request field that set it (constraint_param)."""
+        """Start every choice's request (prompt, params) and wait until each is admitted and has its first
+        output (actors/openai_choices.py) -> (choices, streams, first outputs)."""
         streams = [self.deployment.generate(prompt, sp, adapter, salt) for prompt, sp in requests]
-        try:
-            prompt_ids = await asyncio.gather(*(s.next() for s in streams))
-            for ids in prompt_ids:
-                self.tenancy.check_prompt(len(ids), prompt_param)
-            firsts = await asyncio.gather(*(s.next() for s in streams))
-            if any(f.finish_reason == "abort" for f in firsts):
-                raise self.tenancy.deadline_error(deadline_s)
-        except InvalidRequest as e:  # the router's or the engine's validation (scheduling/validation.py)
-            for s in streams:
-                s.cancel()
-            message = str(e)
-            code = "context_length_exceeded" if "max_model_len" in message else "invalid_value"
-            # chat: the prompt is the rendered messages
-            param = prompt_param if e.param == "prompt" else e.param
-            if param == "structured_outputs" and constraint_param is not None:
-                param = constraint_param
-                if constraint_param != "structured_outputs":
-                    message = f"{constraint_param}: {message}"
-            raise APIError(400, message, param=param, code=code) from None
-        except BaseException:
-            for s in streams:
-                s.cancel()
-            raise
-        return [ChoiceState(i, ids) for i, ids in enumerate(prompt_ids)], streams, firsts
-
-    async def _stream(self, header: ResponseHeader, choices: list[ChoiceState], streams: list[RequestStream],
-                      firsts: list[RequestOutput], delta: Callable, opening: list[dict],
-                      req) -> AsyncIterator[str]:
-        """The SSE data of a stream: each choice's deltas as they come, finish_reason on its last chunk, the
-        usage chunk if asked, [DONE]. A client that goes away cancels this generator: every request is
-        aborted."""
-        queue: asyncio.Queue = asyncio.Queue()
-        tasks: list[asyncio.Task] = []
-        extra = {"usage": None} if req.include_usage else {}
-        try:
-            for chunk in opening:
-                yield _dumps(header.body([chunk], **extra))
-            for i, first in enumerate(firsts):
-                queue.put_nowait((i, first))
-                if not first.finished:
-                    tasks.append(asyncio.create_task(_pump(i, streams[i], queue)))
-            num_running = len(choices)
-            while num_running:
-                i, out = await queue.get()
-                if isinstance(out, Exception):
-                    raise out
-                chunk = delta(choices[i], out)
-                choices[i].add(out)
-                if chunk is not None:
-                    yield _dumps(header.body([chunk], **extra))
-                num_running -= out.finished
-            if req.include_usage:
-                yield _dumps(header.body([], usage=usage(choices, req.n)))
-        except Exception as e:  # noqa: BLE001  (after the 200 an error can only go into the stream)
-            yield _dumps(as_api_error(e).sse_data())
-        finally:  # no await here: a cancelled generator cannot
-            for t in tasks:
-                t.cancel()
-            for s in streams:
-                s.cancel()
-        yield "[DONE]"
-
-    def _chat_prompt(self, messages: list, tools: list[dict] | None, add_generation_prompt: bool = True,
-                     add_special_tokens: bool = False) -> list[int]:
-        """The token ids of messages rendered by the model's chat template (whose own special tokens count:
-        none are added unless asked)."""
-        tokenizer = self._info["tokenizer"]
-        if self.chat_template is None or tokenizer is None:
-            raise APIError(400, f"model {self.model_name!r} has no chat template (no chat_template.jinja or "
-                                "chat_template in tokenizer_config.json, or no tokenizer); use "
-                                "/v1/completions with the model's own prompt format, or add a template to "
-                                "the model directory",
-                           param="messages", code="no_chat_template")
-        text = self.chat_template.render([m.template_message() for m in messages],
-                                         add_generation_prompt=add_generation_prompt, tools=tools)
-        return tokenizer.hf_tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        choices, firsts = await open_choices(streams, self.tenancy, prompt_param, deadline_s,
+                                             constraint_param)
+        return choices, streams, firsts
 
     def _decode(self, token_ids: list[int]) -> str:
         tokenizer = self._info["tokenizer"]
         return tokenizer.decode(token_ids) if tokenizer is not None else ""
-
-
-async def _pump(i: int, stream: RequestStream, queue: asyncio.Queue) -> None:
-    try:
-        while not (out := await stream.next()).finished:
-            queue.put_nowait((i, out))
-        queue.put_nowait((i, out))
-    except Exception as e:  # noqa: BLE001  (handed to the stream's consumer)
-        queue.put_nowait((i, e))
-
-
-async def _collect(choices: list[ChoiceState], streams: list[RequestStream],
-                   firsts: list[RequestOutput]) -> None:
-    async def drain(c: ChoiceState, stream: RequestStream, first: RequestOutput) -> None:
-        c.add(first)
-        while c.finish_reason is None:
-            c.add(await stream.next())
-
-    try:
-        await asyncio.gather(*(drain(c, s, f) for c, s, f in zip(choices, streams, firsts)))
-    finally:
-        for s in streams:
-            s.cancel()
-
-
-def _best_choices(choices: list[ChoiceState], n: int, best_of: int) -> list[ChoiceState]:
-    """Of each prompt's best_of candidates (consecutive), the n best (scheduling/best_of.py), indexed as
-    choices 0, 1, ... in that order."""
-    kept = []
-    for first in range(0, len(choices), best_of):
-        group = choices[first:first + best_of]
-        kept += [group[i] for i in best(n, [(c.token_ids, c.logprobs) for c in group])]
-    return [replace(c, index=i) for i, c in enumerate(kept)]
-
-
-def _check_num_choices(num_prompts: int, n: int) -> None:
-    if num_prompts * n > MAX_CHOICES:
-        raise APIError(400, f"{num_prompts} prompts x n={n} asks for {num_prompts * n} completions; at most "
-                            f"{MAX_CHOICES} per request: send fewer prompts or a smaller n", param="n")
-
-
-def _dumps(body: dict) -> str:
-    return json.dumps(body, ensure_ascii=False, separators=(",", ":"))

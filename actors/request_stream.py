@@ -6,12 +6,17 @@ its worker is lost), never a token.
 Resuming: the caller holds what it has received; it re-submits prompt + those tokens to the worker the
 router gives it, with a Resume record (actors/resume.py) that lets the new worker go on exactly where the old
 one was, so the stream is identical to an undisturbed one. A router that dies loses no stream (none passes
-through it); calls to it wait for its restart (ROUTER_WAIT_S).
+through it); calls to it go to the deployment's next router meanwhile, or with only one, wait for its
+restart (ROUTER_WAIT_S).
+
+A worker refuses a newly admitted request past its own admission bound (other routers may have filled it):
+the request goes to its admission's fallbacks in turn, and is Overloaded when none takes it.
 """
 
 import asyncio
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
+from typing import Any
 
 import numpy as np
 from ray.exceptions import RayActorError, RayTaskError
@@ -20,7 +25,7 @@ from actors.adapter_cache import lookup_adapter
 from actors.messages import Admission, EmbedRequest, GenerateRequest, Placement
 from actors.ray_errors import WORKER_LOST, unwrap
 from actors.resume import resume_state
-from cluster_configs.errors import Unavailable
+from cluster_configs.errors import Overloaded, Unavailable
 from cluster_configs.sampling_params import SamplingParams
 from scheduling.outputs import RequestOutput
 from scheduling.validation import RequestLimits, validate_request
@@ -32,18 +37,24 @@ MAX_ATTEMPTS = 64  # workers lost by one request before it gives up
 
 
 class Ingress:
-    """A caller's handle on the deployment's router and adapter cache; the model's tokenizer and limits are
-    fetched once."""
+    """A caller's handle on the deployment's routers and adapter cache; the model's tokenizer and limits are
+    fetched once. It calls routers[first % len(routers)] until that one is lost, then the next."""
 
-    def __init__(self, router, adapter_cache):
-        self.router, self.adapter_cache = router, adapter_cache
+    def __init__(self, routers: list, adapter_cache, first: int = 0):
+        self.routers, self.adapter_cache = list(routers), adapter_cache
+        self._current = first % len(self.routers)
         self._model: dict | None = None  # Router.model_info
         self._known_adapters: set[str] = set()  # registered ones (a name, once registered, stays so)
+
+    @property
+    def router(self):
+        """The router this caller admits through now."""
+        return self.routers[self._current]
 
     async def model_info(self) -> dict:
         """The tokenizer (or None), vocab_size and max_model_len."""
         if self._model is None:
-            self._model = await self.call_router(lambda: self.router.model_info.remote())
+            _, self._model = await self.call_router(lambda router: router.model_info.remote())
         return self._model
 
     async def open(self, prompt, params: SamplingParams | None = None, adapter: str | None = None,
@@ -54,16 +65,16 @@ class Ingress:
         pinned, sequence_id: a client session's worker and the sequence this turn continues
         (actors/client_session.py)."""
         arrival = asyncio.get_running_loop().time()
-        admission = await self._admit(prompt, params, adapter, session, cache_salt, pinned=pinned)
-        return RequestStream(self, admission, arrival, sequence_id)
+        router, admission = await self._admit(prompt, params, adapter, session, cache_salt, pinned=pinned)
+        return RequestStream(self, router, admission, arrival, sequence_id)
 
     async def embed(self, prompt, pooling: str, adapter: str | None = None,
                     cache_salt: str | None = None) -> tuple[list[int], np.ndarray]:
         """(the prompt's token ids, its final hidden states pooled: float32 [hidden]), computed on the worker
         the router places it on (NumaWorker.embed); computed again on another if that one is lost."""
-        a = await self._admit(prompt, SamplingParams(max_tokens=1), adapter, None, cache_salt,
-                              prompt_only=True)
-        placement = a.placement
+        router, a = await self._admit(prompt, SamplingParams(max_tokens=1), adapter, None, cache_salt,
+                                      prompt_only=True)
+        placement, fallbacks = a.placement, list(a.fallbacks)
         try:
             for attempt in range(MAX_ATTEMPTS):
                 request = EmbedRequest(f"{a.request_id}-{attempt}", a.prompt_token_ids, pooling, adapter,
@@ -71,16 +82,21 @@ class Ingress:
                 try:
                     return a.prompt_token_ids, await placement.worker.embed.remote(request)
                 except WORKER_LOST:
-                    placement = await self.reroute(a.request_id, placement.worker_id, len(a.prompt_token_ids))
+                    router, placement = await self.reroute(router, a.request_id, placement.worker_id,
+                                                           len(a.prompt_token_ids))
                 except RayTaskError as e:
-                    raise unwrap(e, "worker") from None
+                    error = unwrap(e, "worker")
+                    if not (isinstance(error, Overloaded) and fallbacks):
+                        raise error from None
+                    placement = fallbacks.pop(0)  # refused at the worker's own bound: the next candidate
             raise RuntimeError(f"request {a.request_id} lost its worker too many times; giving up")
         finally:
-            self.router.finish.remote(a.request_id)
+            router.finish.remote(a.request_id)
 
     async def _admit(self, prompt, params: SamplingParams | None, adapter: str | None, session: str | None,
                      cache_salt: str | None, prompt_only: bool = False,
-                     pinned: str | None = None) -> Admission:
+                     pinned: str | None = None) -> tuple[Any, Admission]:
+        """(the router that admitted it, the Admission)."""
         model = await self.model_info()
         adapters = None  # the registered names, as far as validation needs them
         if adapter is not None and adapter not in self._known_adapters:
@@ -93,29 +109,40 @@ class Ingress:
             validate_request, prompt, params, limits, tokenizer=model["tokenizer"], adapter=adapter,
             adapters=adapters, cache_salt=cache_salt, prompt_only=prompt_only)
         return await self.call_router(
-            lambda: self.router.admit.remote(prompt_ids, params, adapter, session, cache_salt, pinned))
+            lambda router: router.admit.remote(prompt_ids, params, adapter, session, cache_salt, pinned))
 
-    async def reroute(self, request_id: str, lost_worker_id: str, num_tokens_left: int) -> Placement:
+    async def reroute(self, router, request_id: str, lost_worker_id: str,
+                      num_tokens_left: int) -> tuple[Any, Placement]:
+        """(the router that placed it, a live worker for a request whose worker was lost), asked of router
+        (the one that admitted it) first."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + REROUTE_WAIT_S
-        while (placement := await self.call_router(
-                lambda: self.router.reroute.remote(request_id, lost_worker_id, num_tokens_left))) is None:
+        while True:
+            router, placement = await self.call_router(
+                lambda r: r.reroute.remote(request_id, lost_worker_id, num_tokens_left), router)
+            if placement is not None:
+                return router, placement
             if loop.time() > deadline:
                 raise Unavailable(f"request {request_id} lost its worker and none came back within "
                                   f"{REROUTE_WAIT_S:.0f} s; retry later")
             await asyncio.sleep(RETRY_INTERVAL_S)
-        return placement
 
-    async def call_router(self, call: Callable[[], Awaitable]):
-        """await call() on the router, waiting out a restart of it (up to ROUTER_WAIT_S)."""
+    async def call_router(self, call: Callable[[Any], Awaitable], router=None) -> tuple[Any, Any]:
+        """(the router that answered, await call(it)): router (default: this caller's) first; a router lost
+        meanwhile is left for the next one of the deployment (with one router: its restart is waited for),
+        for up to ROUTER_WAIT_S."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + ROUTER_WAIT_S
+        router = router if router is not None else self.router
         while True:
             try:
-                return await call()
+                return router, await call(router)
             except RayActorError as e:
                 if loop.time() > deadline:
                     raise unwrap(e, "router") from None
+                if router is self.router:
+                    self._current = (self._current + 1) % len(self.routers)
+                router = self.router
                 await asyncio.sleep(RETRY_INTERVAL_S)
             except RayTaskError as e:
                 raise unwrap(e, "router") from None
@@ -131,11 +158,13 @@ class RequestStream:
     """One admitted request's deltas (`await next()`, the last with finish_reason set), straight from its
     worker. cancel() aborts it (safe at any time, repeated or after the end); a cancelled next() cancels."""
 
-    def __init__(self, ingress: Ingress, admission: Admission, arrival: float,
+    def __init__(self, ingress: Ingress, router, admission: Admission, arrival: float,
                  sequence_id: str | None = None):
         self.ingress, self.admission, self.arrival = ingress, admission, arrival
+        self.router = router  # the one that placed it: told when it ends
         self.sequence_id = sequence_id  # a client session sequence's turn
         self.placement = admission.placement
+        self.fallbacks = list(admission.fallbacks)
         self.generated: list[int] = []
         self.emitted_text = ""
         self.resume = None
@@ -158,8 +187,12 @@ class RequestStream:
                     await self._move()  # the worker's stream stopped before the request finished: lost
                     continue
                 except RayTaskError as e:
+                    error = unwrap(e, "worker")
+                    if isinstance(error, Overloaded) and self.fallbacks and not self.generated:
+                        self.refs, self.placement = None, self.fallbacks.pop(0)  # refused at its bound
+                        continue
                     self._end(finished=True)  # the request failed on its worker, which has let it go
-                    raise unwrap(e, "worker") from None
+                    raise error from None
                 self.generated += out.token_ids
                 self.emitted_text += out.text
                 if out.finished:
@@ -196,8 +229,9 @@ class RequestStream:
         a = self.admission
         self.refs = None
         self.placement.worker.abort.remote(self.attempt_id)  # in case it lives on (its stream ended early)
-        self.placement = await self.ingress.reroute(a.request_id, self.placement.worker_id,
-                                                    len(a.prompt_token_ids) + a.params.max_tokens)
+        num_tokens_left = len(a.prompt_token_ids) + a.params.max_tokens
+        self.router, self.placement = await self.ingress.reroute(self.router, a.request_id,
+                                                                 self.placement.worker_id, num_tokens_left)
         tokenizer = (await self.ingress.model_info())["tokenizer"]
         self.resume = resume_state(tokenizer, a.prompt_token_ids, self.generated, self.emitted_text)
 
@@ -208,7 +242,7 @@ class RequestStream:
         if not finished and self.refs is not None:
             self.placement.worker.abort.remote(self.attempt_id)
         self.refs = None
-        self.ingress.router.finish.remote(self.admission.request_id)
+        self.router.finish.remote(self.admission.request_id)
 
 
 def _deadline_left(params: SamplingParams, arrival: float) -> SamplingParams | None:

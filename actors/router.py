@@ -73,8 +73,9 @@ class Router:
         except Overloaded:
             self.num_overloaded += 1
             raise
+        fallbacks = tuple(Placement(w, self.workers[w]) for w in self.routing.fallbacks(worker_id, session))
         return Admission(request_id, Placement(worker_id, self.workers[worker_id]), prompt_token_ids, params,
-                         adapter, cache_salt)
+                         adapter, cache_salt, fallbacks)
 
     async def reroute(self, request_id: str, lost_worker_id: str, num_tokens_left: int) -> Placement | None:
         """The request's worker was lost: another live one for it (bound or not), None while none is up."""

@@ -62,6 +62,9 @@ class StepLoop:
         self.sequences = WorkerSequences(engine.sessions)
         self.event_loop: asyncio.AbstractEventLoop | None = None  # the actor's, known from its first call
         self.num_threads = 0
+        # admitted requests streaming here past which a new one is refused (Overloaded), whichever router
+        # admitted it; from the scheduler's policy once it answers (the actor reads it). None: no bound
+        self.admission_bound: int | None = None
         self._failure: BaseException | None = None
         self._report_sent: float | None = None  # when the unanswered telemetry report went out
         self._paused = False
@@ -173,7 +176,9 @@ class StepLoop:
             case PolicyAnswer(answer):
                 self._report_sent = None
                 try:
-                    self.engine.apply(answer.result())
+                    policy = answer.result()
+                    self.engine.apply(policy)
+                    self.admission_bound = policy.admission_bound
                 except ray.exceptions.RayError:
                     pass  # the scheduler died or is restarting: keep the policy in force
 

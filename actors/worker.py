@@ -35,7 +35,7 @@ from actors.step_loop import Delivery, StepLoop
 from actors.worker_adapters import AdapterFetcher, CachedMerged, HeldAdapters
 from cluster_configs.cluster_config import WorkerPlacement
 from cluster_configs.engine_config import EngineConfig
-from cluster_configs.errors import InvalidRequest
+from cluster_configs.errors import InvalidRequest, Overloaded
 from cluster_configs.sampling_params import SamplingParams
 from memory import numa
 from scheduling.embedding import pool
@@ -50,7 +50,8 @@ STATS_TIMEOUT_S = 30.0
 class NumaWorker:
     def __init__(self, placement: WorkerPlacement, model_path: str, engine_config: EngineConfig,
                  scheduler=None, adapter_cache=None, telemetry_interval_s: float = 0.1,
-                 stream_interval_s: float = 0.0, model_name: str | None = None):
+                 stream_interval_s: float = 0.0, model_name: str | None = None,
+                 admission_bound: int | None = None):
         self.placement = placement
         num_pinned = numa.pin_process(placement.cpu_ids)  # before the engine exists: numba has no pool yet
         memory_policy = numa.bind_memory(numa.physical_node_ids(placement.cpu_ids, numa.read_topology()))
@@ -68,6 +69,7 @@ class NumaWorker:
                                      placement.node_id)
         self._step_loop = StepLoop(self.engine, placement, self.metrics, held, scheduler,
                                    telemetry_interval_s, self._dispatch)
+        self._step_loop.admission_bound = admission_bound
         self._inbox = self._step_loop.inbox
         self._step_loop.start()
 
@@ -90,9 +92,21 @@ class NumaWorker:
                 resume_request(req, params, resume)
             return req
 
+        if resume is None:
+            self._refuse_past_bound(request.admission_id)
         async for chunk, _ in self._serve(request.request_id, request.admission_id, request.adapter, make,
                                           request.sequence_id):
             yield chunk
+
+    def _refuse_past_bound(self, admission_id: str | None) -> None:
+        """Overloaded if a newly admitted request would take this worker past its admission bound (another
+        router may have filled it): its caller tries the router's next candidate. No await separates this
+        check from _serve counting the request, so the bound holds exactly. A resumed request, which lost its
+        worker, is never refused."""
+        bound = self._step_loop.admission_bound
+        if admission_id is not None and bound is not None and len(self._admission_ids) >= bound:
+            raise Overloaded(f"worker {self.placement.worker_id}'s queue is full ({bound} requests "
+                             "admitted); retry later, or raise max_queued_per_worker or add workers")
 
     async def embed(self, request: EmbedRequest) -> np.ndarray:
         """float32 [hidden]: the prompt's final hidden states pooled and L2-normalized
@@ -102,6 +116,7 @@ class NumaWorker:
             return self.engine.make_request(request.request_id, request.prompt_token_ids,
                                             SamplingParams(max_tokens=1), adapter=adapter, pooling=True)
 
+        self._refuse_past_bound(request.admission_id)
         async for _, req in self._serve(request.request_id, request.admission_id, request.adapter, make):
             pass
         return pool([np.concatenate(req.collected_rows)], request.pooling, normalize=True)[0]

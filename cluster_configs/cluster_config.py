@@ -1,16 +1,25 @@
 """ClusterConfig: what a deployment runs where. Machines, their NUMA nodes (or "auto"), workers per node,
-the engine config every worker gets, the limits the router and scheduler enforce, and the HTTP server.
+the engine config every worker gets, the limits the routers, workers and scheduler enforce, the routers and
+the HTTP servers.
+
+Several routers (`router.replicas`) and HTTP actors (`http.replicas`, by default one per machine) serve one
+deployment without a central counter: each caller (an HTTP actor, an ns.Client) admits through one router
+and moves to another if it is lost; a session's requests go to the worker its key hashes to
+(scheduling/session_hash.py), whichever router admits them; and each worker refuses a request past its own
+admission bound, so the bound holds however many routers admit to it. HTTP actors on one machine share the
+port through SO_REUSEPORT (the kernel spreads connections over them): an OS without it can run one.
 
 A worker is placed on its NUMA node by a Ray custom resource, `numa_<machine>_<node>`, that the machine
 declares when it joins (`ray start --resources`, see `ray_resources`); capacity 1, split between the
 node's workers.
 """
 
+import socket
 from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from cluster_configs.engine_config import EngineConfig
 
@@ -66,6 +75,8 @@ class HttpConfig(BaseModel):
 
     host: str = Field("127.0.0.1", min_length=1)  # loopback only unless a host (e.g. 0.0.0.0) is given
     port: int = Field(8000, ge=1, le=65535)
+    # HTTP actors serving this host:port (ClusterConfig.num_http_actors); None: one per machine
+    replicas: int | None = Field(None, ge=1, le=64)
     # what `model` names; None: the model's folder name
     served_model_name: str | None = Field(None, min_length=1)
     # POST /v1/load_lora_adapter registers adapters; refused (403) otherwise
@@ -102,6 +113,14 @@ class HttpConfig(BaseModel):
         return v
 
 
+class RouterConfig(BaseModel):
+    """The deployment's routers (actors/router.py): each places the requests of the callers that chose it."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    replicas: int = Field(1, ge=1, le=64)
+
+
 class WorkerPlacement(BaseModel):
     """One worker of a resolved config: where it runs and what it is called."""
 
@@ -128,8 +147,8 @@ class ClusterConfig(BaseModel):
     engine: EngineConfig = EngineConfig()
     machines: tuple[MachineConfig, ...] = Field((MachineConfig(),), min_length=1)
     workers_per_node: int = Field(1, ge=1, le=64)
-    # a worker holds at most max_num_seqs running + this many queued requests; past that on every
-    # worker the router refuses with Overloaded
+    # a worker holds at most max_num_seqs running + this many queued requests; past that it refuses a new
+    # one (its caller tries other workers), and past that on every worker the request is Overloaded
     max_queued_per_worker: int = Field(64, ge=0)
     telemetry_interval_s: float = Field(0.1, gt=0.0, le=10.0)  # worker -> scheduler -> policy period
     target_step_ms: float = Field(250.0, gt=0.0)  # the policy shrinks the token budget when steps run longer
@@ -139,6 +158,7 @@ class ClusterConfig(BaseModel):
     adapter_registry: str | None = None  # JSON file of registered adapters; None = under ~/.cache/numaserve
     adapter_cache_bytes: int = Field(1 << 30, gt=0)  # adapter tensors the cache actor keeps loaded (LRU)
     http: HttpConfig | None = None  # None: no HTTP server (Python clients only)
+    router: RouterConfig = RouterConfig()
 
     @field_validator("machines")
     @classmethod
@@ -147,6 +167,20 @@ class ClusterConfig(BaseModel):
         if len(set(names)) != len(names):
             raise ValueError(f"machine names must be distinct, got {names}")
         return v
+
+    @model_validator(mode="after")
+    def _port_can_be_shared(self) -> "ClusterConfig":
+        if self.num_http_actors > 1 and not hasattr(socket, "SO_REUSEPORT"):
+            raise ValueError(f"http.replicas: {self.num_http_actors} HTTP actors share one port, which needs "
+                             "SO_REUSEPORT, and this OS has none; set http: {replicas: 1}")
+        return self
+
+    @property
+    def num_http_actors(self) -> int:
+        """HTTP actors to start: http.replicas, else one per machine (0 without `http:`)."""
+        if self.http is None:
+            return 0
+        return self.http.replicas or len(self.machines)
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> "ClusterConfig":

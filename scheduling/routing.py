@@ -7,8 +7,9 @@ is lost), never from its tokens, which go from the worker straight to the caller
 to a live worker below its admission bound (from the workers' telemetry, through the scheduler); if there is
 none, Overloaded. Among those:
 
-1. session: a session's turns go back to the worker that holds its earlier turns' KV blocks; a client
-   session (actors/client_session.py) names its worker (pinned), and goes there while it is alive;
+1. session: a session's turns go to the first worker of its ranking (scheduling/session_hash.py) that admits
+   them, the one that holds its earlier turns' KV blocks; every router ranks alike, with no shared table. A
+   client session (actors/client_session.py) names its worker (pinned), and goes there while it is alive;
 2. prefix: the first blocks of the prompt are hashed as the block pool hashes them; the worker that last
    took the longest matching chain probably still caches it, and keeps it while the extra load it
    carries is no more than the prefill the hit saves plus half the lightest load;
@@ -16,6 +17,9 @@ none, Overloaded. Among those:
    probably holds it among its max_loras, no fetch needed), while the extra load it carries is no more
    than ADAPTER_LOAD_TOKENS plus half the lightest load;
 4. load: otherwise the worker with the fewest outstanding tokens (then requests, then declaration order).
+
+Several routers may admit to one worker, each counting only its own requests there; the worker enforces its
+bound itself (actors/worker.py) and a refused caller tries the `fallbacks` of its admission in order.
 """
 
 import time
@@ -25,9 +29,10 @@ from dataclasses import dataclass, field
 
 from cluster_configs.errors import Overloaded, Unavailable
 from memory.block_pool import hash_block
+from scheduling.session_hash import session_ranking
 
 NUM_AFFINITY_BLOCKS = 4  # prompt blocks hashed for affinity: enough to tell system prompts apart
-MAX_ENTRIES = 1 << 16  # sessions and prefix chains remembered (LRU)
+MAX_ENTRIES = 1 << 16  # prefix chains and adapters remembered (LRU)
 # what loading an adapter onto a worker costs, in tokens of load: fetching it through the object store and
 # copying it into a slot takes about as long as a short prefill (a rank-16 TinyLlama adapter: 50 MB)
 ADAPTER_LOAD_TOKENS = 128
@@ -72,7 +77,6 @@ class RoutingPolicy:
         self.clock = clock
         self.workers = {w: WorkerLoad(w, admission_bound) for w in worker_ids}
         self.routes: dict[str, _Route] = {}
-        self.sessions = _LRU()  # session -> worker id
         self.prefixes = _LRU()  # block chain hash -> worker id
         self.adapters = _LRU()  # adapter -> the worker that last took a request with it
         self.num_routed = {"session": 0, "prefix": 0, "adapter": 0, "load": 0, "reroute": 0}
@@ -102,8 +106,17 @@ class RoutingPolicy:
             worker, reason = self._choose(candidates, hashes, session, adapter)
         self.num_routed[reason] += 1
         self._assign(request_id, worker, len(prompt_ids) + max_new_tokens)
-        self._remember(worker.worker_id, hashes, session, adapter)
+        self._remember(worker.worker_id, hashes, adapter)
         return worker.worker_id
+
+    def fallbacks(self, worker_id: str, session: str | None = None) -> list[str]:
+        """The other workers this router would admit a request to, in the order its caller tries them when
+        worker_id refuses it at its own bound (other routers filled it): the session's ranking, else the least
+        loaded first. The router keeps counting the request on worker_id until it ends."""
+        others = [w for w in self.workers.values() if w.admits and w.worker_id != worker_id]
+        if session is not None:
+            return session_ranking(session, [w.worker_id for w in others])
+        return [w.worker_id for w in sorted(others, key=self._load_key)]
 
     def reroute(self, request_id: str, num_tokens_left: int) -> str | None:
         """Move an admitted request off its (dead) worker to the least loaded live one, bound or not."""
@@ -120,8 +133,8 @@ class RoutingPolicy:
     def _choose(self, candidates: list[WorkerLoad], hashes: list[int], session: str | None,
                 adapter: str | None) -> tuple[WorkerLoad, str]:
         by_id = {w.worker_id: w for w in candidates}
-        if session is not None and self.sessions.get(session) in by_id:
-            return by_id[self.sessions[session]], "session"
+        if session is not None:
+            return by_id[session_ranking(session, by_id)[0]], "session"
         least = min(candidates, key=self._load_key)
         for num_blocks in range(len(hashes), 0, -1):
             holder = by_id.get(self.prefixes.get(hashes[num_blocks - 1]))
@@ -190,9 +203,7 @@ class RoutingPolicy:
             worker.request_ids.discard(request_id)
             worker.num_tokens -= route.num_tokens
 
-    def _remember(self, worker_id: str, hashes: list[int], session: str | None, adapter: str | None) -> None:
-        if session is not None:
-            self.sessions.put(session, worker_id)
+    def _remember(self, worker_id: str, hashes: list[int], adapter: str | None) -> None:
         if adapter is not None:
             self.adapters.put(adapter, worker_id)
         for h in hashes:

@@ -236,7 +236,7 @@ def admit_once(tokenizer, prompt, params=None, adapter=None, session=None):
     router_handle = _Stub(model_info=router.model_info, admit=router.admit, finish=router.finish)
 
     async def admit():
-        stream = await Ingress(router_handle, cache).open(prompt, params, adapter, session)
+        stream = await Ingress([router_handle], cache).open(prompt, params, adapter, session)
         assert router.routing.num_calls == {"admit": 1, "finish": 0, "reroute": 0}
         return stream.admission.prompt_token_ids
     return asyncio.run(admit())

@@ -1,13 +1,14 @@
 """ClusterConfig: the shipped YAMLs load, placements and Ray resources follow the topology, bad values name
 their field."""
 
+import socket
 from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
 
 import numaserve as ns
-from cluster_configs.cluster_config import numa_resource
+from cluster_configs.cluster_config import HttpConfig, numa_resource
 
 CONFIGS = Path(__file__).parent.parent / "cluster_configs"
 
@@ -74,6 +75,9 @@ def test_relative_paths_in_yaml_are_taken_from_the_files_folder(tmp_path):
     ("http: {host: ''}", "http.host"),
     ("http: {prot: 8000}", "http.prot"),
     ("http: {served_model_name: ''}", "http.served_model_name"),
+    ("http: {replicas: 0}", "http.replicas"),
+    ("router: {replicas: 0}", "router.replicas"),
+    ("router: {replicas: 2, colour: red}", "router.colour"),
     ("- just\n- a list", "ClusterConfig"),
     # wrong types and unknown keys (the bad-input matrix)
     ("workers_per_node: two", "workers_per_node"),
@@ -117,3 +121,19 @@ def test_the_http_server_is_off_unless_configured_and_binds_loopback_by_default(
     http = ns.ClusterConfig.from_yaml(path).http
     assert (http.host, http.port, http.served_model_name, http.enable_lora_loading) == (
         "127.0.0.1", 8123, None, False)
+
+
+def test_one_router_and_one_http_actor_per_machine_unless_replicas_say_otherwise():
+    two_machines = ns.ClusterConfig.from_yaml(CONFIGS / "two_node_sim.yaml")
+    assert two_machines.router.replicas == 1 and two_machines.num_http_actors == 0  # no `http:`: none
+    assert two_machines.model_copy(update={"http": HttpConfig()}).num_http_actors == 2
+    config = ns.ClusterConfig.model_validate({"http": {"replicas": 3}, "router": {"replicas": 2}})
+    assert (config.num_http_actors, config.router.replicas) == (3, 2)
+    assert ns.ClusterConfig.model_validate({"http": {}}).num_http_actors == 1
+
+
+def test_http_actors_sharing_a_port_need_so_reuseport(monkeypatch):
+    monkeypatch.delattr(socket, "SO_REUSEPORT", raising=False)
+    with pytest.raises(ValidationError, match=r"SO_REUSEPORT.*set http: \{replicas: 1\}"):
+        ns.ClusterConfig.model_validate({"http": {"replicas": 2}})
+    assert ns.ClusterConfig.model_validate({"http": {"replicas": 1}}).num_http_actors == 1

@@ -48,7 +48,7 @@ def test_a_session_sticks_to_its_worker_while_it_admits():
     first = r.route("s1", random_prompt(5, 1), 400, session="chat")
     r.route("x", random_prompt(5, 2), 10)  # the other worker is now lighter
     assert r.route("s2", random_prompt(5, 3), 10, session="chat") == first
-    assert r.num_routed["session"] == 1
+    assert r.num_routed["session"] == 2  # its first turn too: the key, not a table, names its worker
     r.route("s3", random_prompt(5, 4), 10, session="chat")  # first is now at its bound of 3
     assert r.route("s4", random_prompt(5, 5), 10, session="chat") != first  # re-bound to a worker that admits
 
