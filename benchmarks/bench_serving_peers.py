@@ -29,6 +29,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from datetime import datetime
 from pathlib import Path
@@ -73,7 +74,8 @@ class Server:
     def __init__(self, name: str, argv: list[str], port: int, stop: tuple[list[str], ...] = ()):
         self.name, self.port, self.stop_argvs = name, port, stop
         self.url = f"http://127.0.0.1:{port}/v1"
-        self.log = open(RESULTS.parent / f".{name}.log", "w")  # noqa: SIM115 (closed in close())
+        # its output, for a failure's message (closed in close())
+        self.log = tempfile.NamedTemporaryFile("w", prefix=f"{name}-", suffix=".log", delete=False)  # noqa: SIM115
         self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, cwd=REPO)
 
     def wait_ready(self, model: str) -> None:
