@@ -1,16 +1,15 @@
 """Prefill attention in tiles: a tile is a run of consecutive rows of one sequence at consecutive positions
 (not tree nodes), taken with the query heads of one KV head (GQA) against its chunks of key positions.
 
-Each key and value row of a chunk is read and widened once for the whole tile (the per-token kernel widens it
-once per token that sees it): a key row's scores go to every query row of the tile at once
-(kernels/simd_dot.py's dots over [tile rows x group, D]); the chunk's value rows are widened into a small
-buffer that every row then sums from. A row's chunks are its own (kernels/attention.py's rule: CHUNK visible
-slots counted from its first visible slot, so a sliding window shifts them row by row): the tile computes the
-scores of the union of its rows' chunk c, at most CHUNK + rows - 1 keys, and each row keeps the slice that is
-its chunk. Scores, softmax and value sums are the per-token kernel's arithmetic in its order
-(kernels/attention_chunks.py), then the same merge, so a token's bits do not depend on its tile, batch or
-thread count, and prefill and decode of a position agree bit for bit. Rows of a tree, or alone in their tile,
-take the per-token path.
+Each key and value row of a chunk is read and widened once for the whole tile into small buffers (the
+per-token kernel widens it once for every token that sees it), which each row of the tile then reads; the
+value sums keep their accumulators in registers (kernels/simd_axpy.py). A row's chunks are its own
+(kernels/attention.py's rule: CHUNK visible slots counted from its first visible slot, so a sliding window
+shifts them row by row): the tile widens the union of its rows' chunk c, at most CHUNK + rows - 1 keys, and
+each row reads the slice that is its chunk. Scores, softmax and value sums are the per-token kernel's
+arithmetic in its order (kernels/attention_chunks.py), then the same merge, so a token's bits do not depend on
+its tile, batch or thread count, and prefill and decode of a position agree bit for bit. Rows of a tree, or
+alone in their tile, take the per-token path.
 """
 
 import numpy as np
@@ -18,6 +17,7 @@ from numba import njit, prange
 
 from kernels.attention_chunks import _FASTMATH, _NEG_BIG, _attend, _merge, _num_chunks, _visible, load_row
 from kernels.exp32 import exp32, tanh32
+from kernels.simd_axpy import weighted_sum
 from kernels.simd_dot import dots
 
 
@@ -70,13 +70,13 @@ def _attend_tile(q, k_cache, v_cache, k_scale, v_scale, has_scale, fp8_mbits, bl
         start, end, _ = _visible(positions, tree_starts, tree_mask, window, t0 + r)
         starts[r], ends[r], counts[r] = start, end, _num_chunks(end - start, chunk)
     k = counts.max()
-    qt = np.empty((R * group, D), np.float32)  # row r's query heads at r * group ..
+    qt = np.empty((R, group, D), np.float32)  # q is a strided view of the fused qkv output: copied once
     for r in range(R):
-        qt[r * group:(r + 1) * group, :] = q[t0 + r, kh * group:(kh + 1) * group, :]
+        qt[r] = q[t0 + r, kh * group:(kh + 1) * group, :]
     width = chunk + R - 1  # the rows' chunk c spans at most this many keys
-    scores = np.empty((R * group, width), np.float32)
-    values = np.empty((width, D), np.float32)
-    row = np.empty(D, np.float32)
+    keys, values = np.empty((width, D), np.float32), np.empty((width, D), np.float32)
+    key_scales = np.empty(width, np.float32)
+    scores = np.empty((R, group, width), np.float32)
     m, l = np.empty((k, R, group), np.float32), np.empty((k, R, group), np.float32)
     acc = np.empty((k, R, group, D), np.float32)
     for c in range(k):
@@ -85,39 +85,38 @@ def _attend_tile(q, k_cache, v_cache, k_scale, v_scale, has_scale, fp8_mbits, bl
             if c < counts[r]:
                 lo = min(lo, starts[r] + c * chunk)
                 hi = max(hi, min(ends[r], starts[r] + (c + 1) * chunk))
-        for j in range(lo, hi):  # every row's scores against key j (those outside a row's chunk unread)
+        for j in range(lo, hi):  # the chunk's key and value rows widened once: keys[j - lo], values[j - lo]
             blk = block_tables[seq, j // block_size]
             o = j % block_size
-            scale = np.float32(softmax_scale) * (k_scale[blk, o, kh] if has_scale else np.float32(1.0))
-            load_row(k_cache, blk, o, kh, fp8_mbits, np.float32(1.0), row)
-            dots(qt, row, scores, j - lo, scale)
+            key_scales[j - lo] = np.float32(softmax_scale) * (k_scale[blk, o, kh] if has_scale
+                                                              else np.float32(1.0))
+            load_row(k_cache, blk, o, kh, fp8_mbits, np.float32(1.0), keys[j - lo])
             load_row(v_cache, blk, o, kh, fp8_mbits, v_scale[blk, o, kh] if has_scale else np.float32(1.0),
                      values[j - lo])
+        # row by row (its [group, width] scores stay in L1; the [R x group, width] block of the tile did not)
         for r in range(R):
             if c >= counts[r]:
                 continue
-            a = starts[r] + c * chunk - lo  # row r's chunk c: scores[.., a:b]
+            a = starts[r] + c * chunk - lo  # row r's chunk c: keys a .. b of the buffers
             b = min(ends[r], starts[r] + (c + 1) * chunk) - lo
-            for g in range(r * group, (r + 1) * group):
+            for j in range(a, b):
+                dots(qt[r], keys[j], scores[r], j, key_scales[j])
+            for g in range(group):
                 if softcap > 0:
                     inv_cap = np.float32(1.0) / softcap
                     for j in range(a, b):
-                        scores[g, j] = softcap * tanh32(scores[g, j] * inv_cap)
+                        scores[r, g, j] = softcap * tanh32(scores[r, g, j] * inv_cap)
                 top = _NEG_BIG
                 for j in range(a, b):
-                    top = max(top, scores[g, j])
+                    top = max(top, scores[r, g, j])
                 total = np.float32(0.0)
                 for j in range(a, b):  # vectorized, then summed in order
-                    scores[g, j] = exp32(scores[g, j] - top)
+                    scores[r, g, j] = exp32(scores[r, g, j] - top)
                 for j in range(a, b):
-                    total += scores[g, j]
-                m[c, r, g - r * group], l[c, r, g - r * group] = top, total
-            acc[c, r] = 0
-            for j in range(a, b):
-                for g in range(group):
-                    p = scores[r * group + g, j]
-                    for d in range(D):
-                        acc[c, r, g, d] += p * values[j, d]
+                    total += scores[r, g, j]
+                m[c, r, g], l[c, r, g] = top, total
+                acc[c, r, g] = 0
+                weighted_sum(scores[r, g], values, a, b, acc[c, r, g])
     for r in range(R):
         n = counts[r]
         _merge(m[:n, r], l[:n, r], acc[:n, r], out[t0 + r, kh * group:(kh + 1) * group])
