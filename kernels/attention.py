@@ -20,28 +20,19 @@ bits depend on its own visible slots only, not on the split, the batch or the th
 """
 
 import numpy as np
-from numba import get_num_threads, njit, prange, types
-from numba.extending import overload
+from numba import get_num_threads, njit, prange
 
-from kernels.bf16 import as_f32
-from kernels.exp32 import exp32, tanh32
-from kernels.fp8 import fp8_as_bf16, fp8_unbias
-from kernels.simd_dot import dots
-
-_NEG_BIG = np.float32(-3.0e38)  # stands in for -inf (fastmath assumes no infinities)
-# fastmath without "reassoc": every sum in the order written (the scores' dot products in
-# kernels/simd_dot.py), so the serial and the parallel kernel give a token the same bits (with "reassoc" they
-# did not). "arcp" stays (the reciprocal once per row: no order to keep), and "afn" (per element; while exp
-# was libm's expf, without the two this ran at half speed: decode, 512 positions, TinyLlama heads, 0.54
-# against 0.30 ms per layer); the softmax's exp is now kernels/exp32.py's arithmetic, which vectorizes
-_FASTMATH = {"contract", "nnan", "ninf", "nsz", "afn", "arcp"}
-
+from kernels.attention_chunks import _FASTMATH, _attend, _merge, _num_chunks, _partial, _visible
+from kernels.attention_tiles import attention_tiled, row_tiles
 
 PARALLEL_MIN_WORK = 1 << 15  # query-head x key pairs below which waking the threads costs more than it saves
 # visible slots a chunk: a token that sees more has its softmax in chunks merged by log-sum-exp. Not tuned: on
 # the shared 2-core VM chunks of 128, 256 and 512 (and one chunk) were within its noise at 1k and 4k positions
 # (TinyLlama heads, batch 1 and 8); 256 makes 4 to 16 chunks a head there, enough for 8 threads at 1k
 CHUNK = 256
+# query rows a prefill tile (kernels/attention_tiles.py): x 8 query heads at TinyLlama's GQA, 128 score rows
+# against each key row
+TILE_ROWS = 16
 TASKS_PER_THREAD = 2  # (token, kv head) tasks a thread below which long tokens' chunks become tasks
 
 
@@ -76,6 +67,8 @@ def paged_attention(q, k_cache, v_cache, k_scale, v_scale, has_scale, block_tabl
         _attention_serial(*args)
     elif split_chunks(q.shape[0], k_cache.shape[2], context, get_num_threads(), CHUNK):
         _attention_split(*args)
+    elif (bounds := row_tiles(token_seq, positions, tree_starts, TILE_ROWS)).shape[0] <= q.shape[0]:
+        attention_tiled(*args[:-1], bounds, out)  # some tile of several rows: a prefill
     else:
         _attention_parallel(*args)
 
@@ -129,177 +122,3 @@ def _attention_split(q, k_cache, v_cache, k_scale, v_scale, has_scale, fp8_mbits
         k = (first[t + 1] - first[t]) // n_kv
         r = first[t] + kh * k
         _merge(m[r:r + k], l[r:r + k], acc[r:r + k], out[t, kh * group:(kh + 1) * group])
-
-
-@njit(inline="always", nogil=True)
-def _visible(positions, tree_starts, tree_mask, window, t):
-    # token t's visible slots in this order: context [start, end), then the num_tree tree slots its mask marks
-    tree_start = tree_starts[t]
-    end = positions[t] + 1 if tree_start < 0 else tree_start
-    start = min(max(0, positions[t] + 1 - window) if window > 0 else 0, end)
-    num_tree = 0
-    if tree_start >= 0:
-        for i in range(tree_mask.shape[1]):
-            num_tree += tree_mask[t, i] != 0
-    return start, end, num_tree
-
-
-@njit(inline="always", nogil=True)
-def _num_chunks(num_visible, chunk):
-    return max(1, (num_visible + chunk - 1) // chunk)
-
-
-@njit(inline="always", nogil=True, fastmath=_FASTMATH, error_model="numpy")
-def _attend(q, k_cache, v_cache, k_scale, v_scale, has_scale, fp8_mbits, block_tables, token_seq, positions,
-            tree_starts, tree_mask, window, softmax_scale, softcap, chunk, out, t, kh):
-    # token t, kv head kh, its whole group of query heads: the chunks' partial softmaxes one after another,
-    # then merged (each key and value row read and widened once)
-    group = q.shape[1] // k_cache.shape[2]
-    start, end, num_tree = _visible(positions, tree_starts, tree_mask, window, t)
-    k = _num_chunks(end - start + num_tree, chunk)
-    m, l = np.empty((k, group), np.float32), np.empty((k, group), np.float32)
-    acc = np.empty((k, group, q.shape[2]), np.float32)
-    for c in range(k):
-        _partial(q, k_cache, v_cache, k_scale, v_scale, has_scale, fp8_mbits, block_tables, token_seq,
-                 positions, tree_starts, tree_mask, window, softmax_scale, softcap, t, kh, c * chunk,
-                 (c + 1) * chunk, m[c], l[c], acc[c])
-    _merge(m, l, acc, out[t, kh * group:(kh + 1) * group])
-
-
-@njit(inline="always", nogil=True, fastmath=_FASTMATH, error_model="numpy")
-def _partial(q, k_cache, v_cache, k_scale, v_scale, has_scale, fp8_mbits, block_tables, token_seq, positions,
-             tree_starts, tree_mask, window, softmax_scale, softcap, t, kh, a, b, m, l, acc):
-    # token t, kv head kh, over its visible slots a .. b (in _visible's order), each query head g of the
-    # group: m[g] = the largest score s_j, l[g] = sum_j exp(s_j - m[g]), acc[g] = sum_j exp(s_j - m[g]) v_j.
-    # Softmax in two passes over a score buffer (no running rescale)
-    D = q.shape[2]
-    group = q.shape[1] // k_cache.shape[2]
-    seq = token_seq[t]
-    start, end, num_tree = _visible(positions, tree_starts, tree_mask, window, t)
-    num_context = end - start
-    b = min(b, num_context + num_tree)
-    scores = np.empty((group, b - a), np.float32)
-    row = np.empty(D, np.float32)
-    qg = np.empty((group, D), np.float32)  # q is a strided view of the fused qkv output: copy once
-    qg[:, :] = q[t, kh * group:(kh + 1) * group, :]
-    # the context's loops written out here, not through _score/_add_value: through them the serial kernel ran
-    # 3.3x slower on short decode contexts (demo model, batch 16: 0.34 against 0.10 ms a call)
-    block_size = k_cache.shape[1]
-    for j in range(start + a, start + min(b, num_context)):
-        blk = block_tables[seq, j // block_size]
-        o = j % block_size
-        scale = np.float32(softmax_scale) * (k_scale[blk, o, kh] if has_scale else np.float32(1.0))
-        load_row(k_cache, blk, o, kh, fp8_mbits, np.float32(1.0), row)
-        dots(qg, row, scores, j - start - a, scale)
-    n = max(0, min(b, num_context) - a)
-    rank = num_context  # visible index of the next tree slot
-    for i in range(tree_mask.shape[1] if b > num_context else 0):
-        if tree_mask[t, i] != 0:
-            if a <= rank < b:
-                _score(qg, k_cache, k_scale, has_scale, fp8_mbits, block_tables, seq, tree_starts[t] + i, kh,
-                       softmax_scale, row, scores, n)
-                n += 1
-            rank += 1
-    if softcap > 0:
-        inv_cap = np.float32(1.0) / softcap
-        for g in range(group):
-            for j in range(n):
-                scores[g, j] = softcap * tanh32(scores[g, j] * inv_cap)
-    for g in range(group):
-        top = _NEG_BIG
-        for j in range(n):
-            top = max(top, scores[g, j])
-        total = np.float32(0.0)
-        for j in range(n):  # vectorized, then summed in order
-            scores[g, j] = exp32(scores[g, j] - top)
-        for j in range(n):
-            total += scores[g, j]
-        m[g], l[g] = top, total
-    acc[:, :] = 0
-    for j in range(start + a, start + min(b, num_context)):
-        blk = block_tables[seq, j // block_size]
-        o = j % block_size
-        load_row(v_cache, blk, o, kh, fp8_mbits, v_scale[blk, o, kh] if has_scale else np.float32(1.0), row)
-        for g in range(group):
-            p = scores[g, j - start - a]
-            for d in range(D):
-                acc[g, d] += p * row[d]
-    n = max(0, min(b, num_context) - a)
-    rank = num_context
-    for i in range(tree_mask.shape[1] if b > num_context else 0):
-        if tree_mask[t, i] != 0:
-            if a <= rank < b:
-                _add_value(v_cache, v_scale, has_scale, fp8_mbits, block_tables, seq, tree_starts[t] + i, kh,
-                           row, scores, n, acc)
-                n += 1
-            rank += 1
-
-
-@njit(inline="always", nogil=True, fastmath=_FASTMATH, error_model="numpy")
-def _merge(m, l, acc, out):
-    # m, l: [k, group]; acc: [k, group, D], partials of consecutive chunks -> out: [group, D], by the
-    # log-sum-exp rule: sum_c e^(m_c - M) acc_c / sum_c e^(m_c - M) l_c, M = max_c m_c, in chunk order
-    for g in range(out.shape[0]):
-        top = _NEG_BIG
-        for c in range(m.shape[0]):
-            top = max(top, m[c, g])
-        denom = np.float32(0.0)
-        for c in range(m.shape[0]):
-            denom += exp32(m[c, g] - top) * l[c, g]
-        inv = np.float32(1.0) / denom
-        out[g, :] = 0
-        for c in range(m.shape[0]):
-            w = exp32(m[c, g] - top) * inv
-            for d in range(out.shape[1]):
-                out[g, d] += w * acc[c, g, d]
-
-
-@njit(inline="always", nogil=True, fastmath=_FASTMATH, error_model="numpy")
-def _score(qg, k_cache, k_scale, has_scale, fp8_mbits, block_tables, seq, j, kh, softmax_scale, row, scores,
-           column):
-    # scores[:, column] = q . k_j for slot j of the sequence, each query head of the group
-    block_size = k_cache.shape[1]
-    b = block_tables[seq, j // block_size]
-    o = j % block_size
-    scale = np.float32(softmax_scale) * (k_scale[b, o, kh] if has_scale else np.float32(1.0))
-    load_row(k_cache, b, o, kh, fp8_mbits, np.float32(1.0), row)
-    dots(qg, row, scores, column, scale)
-
-
-@njit(inline="always", nogil=True, fastmath=_FASTMATH, error_model="numpy")
-def _add_value(v_cache, v_scale, has_scale, fp8_mbits, block_tables, seq, j, kh, row, scores, column, acc):
-    # acc += p * v_j for slot j, p = scores[:, column]
-    block_size = v_cache.shape[1]
-    b = block_tables[seq, j // block_size]
-    o = j % block_size
-    load_row(v_cache, b, o, kh, fp8_mbits, v_scale[b, o, kh] if has_scale else np.float32(1.0), row)
-    for g in range(acc.shape[0]):
-        p = scores[g, column]
-        for d in range(row.shape[0]):
-            acc[g, d] += p * row[d]
-
-
-def load_row(cache, b, o, kh, fp8_mbits, scale, row):
-    """row[:] = the values of cache[b, o, kh] as float32, times scale (numba-only)."""
-    raise NotImplementedError("numba-only")
-
-
-@overload(load_row, inline="always")
-def _load_row_impl(cache, b, o, kh, fp8_mbits, scale, row):
-    if cache.dtype != types.uint8:
-        def widen(cache, b, o, kh, fp8_mbits, scale, row):
-            for d in range(row.shape[0]):
-                row[d] = as_f32(cache[b, o, kh, d]) * scale
-        return widen
-
-    def decode(cache, b, o, kh, fp8_mbits, scale, row):
-        if cache.shape[3] == row.shape[0]:  # fp8: one code a value
-            unbias = fp8_unbias(fp8_mbits)
-            for d in range(row.shape[0]):  # (value * 2^(bias - 127)) * 2^(127 - bias): exact, then scaled
-                row[d] = fp8_as_bf16(cache[b, o, kh, d], fp8_mbits) * unbias * scale
-        else:  # int4: two codes a byte
-            for i in range(cache.shape[3]):
-                code = np.int32(cache[b, o, kh, i])
-                row[2 * i] = np.float32((code & 15) - 8) * scale
-                row[2 * i + 1] = np.float32((code >> 4) - 8) * scale
-    return decode
