@@ -22,7 +22,7 @@ bits depend on its own visible slots only, not on the split, the batch or the th
 import numpy as np
 from numba import get_num_threads, njit, prange
 
-from kernels.attention_chunks import _FASTMATH, _attend, _merge, _num_chunks, _partial, _visible
+from kernels.attention_chunks import FASTMATH, attend, merge_chunks, num_chunks, partial, visible
 from kernels.attention_tiles import attention_tiled, row_tiles
 
 PARALLEL_MIN_WORK = 1 << 15  # query-head x key pairs below which waking the threads costs more than it saves
@@ -73,7 +73,7 @@ def paged_attention(q, k_cache, v_cache, k_scale, v_scale, has_scale, block_tabl
         _attention_parallel(*args)
 
 
-@njit(cache=True, nogil=True, parallel=True, fastmath=_FASTMATH, error_model="numpy")
+@njit(cache=True, nogil=True, parallel=True, fastmath=FASTMATH, error_model="numpy")
 def _attention_parallel(q, k_cache, v_cache, k_scale, v_scale, has_scale, fp8_mbits, block_tables, token_seq,
                         positions, tree_starts, tree_mask, window, softmax_scale, softcap, chunk, out):
     T, n_kv = q.shape[0], k_cache.shape[2]
@@ -81,44 +81,44 @@ def _attention_parallel(q, k_cache, v_cache, k_scale, v_scale, has_scale, fp8_mb
         tt = task // n_kv
         t = tt // 2 if tt % 2 == 0 else T - 1 - tt // 2  # 0, T-1, 1, T-2, ...: prefill rows grow with t,
         # and each thread takes a contiguous range of tasks, so pairing short with long rows balances them
-        _attend(q, k_cache, v_cache, k_scale, v_scale, has_scale, fp8_mbits, block_tables, token_seq,
+        attend(q, k_cache, v_cache, k_scale, v_scale, has_scale, fp8_mbits, block_tables, token_seq,
                 positions, tree_starts, tree_mask, window, softmax_scale, softcap, chunk, out, t,
                 task - tt * n_kv)
 
 
-@njit(cache=True, nogil=True, fastmath=_FASTMATH, error_model="numpy")
+@njit(cache=True, nogil=True, fastmath=FASTMATH, error_model="numpy")
 def _attention_serial(q, k_cache, v_cache, k_scale, v_scale, has_scale, fp8_mbits, block_tables, token_seq,
                       positions, tree_starts, tree_mask, window, softmax_scale, softcap, chunk, out):
     for t in range(q.shape[0]):
         for kh in range(k_cache.shape[2]):
-            _attend(q, k_cache, v_cache, k_scale, v_scale, has_scale, fp8_mbits, block_tables, token_seq,
+            attend(q, k_cache, v_cache, k_scale, v_scale, has_scale, fp8_mbits, block_tables, token_seq,
                     positions, tree_starts, tree_mask, window, softmax_scale, softcap, chunk, out, t, kh)
 
 
-@njit(cache=True, nogil=True, parallel=True, fastmath=_FASTMATH, error_model="numpy")
+@njit(cache=True, nogil=True, parallel=True, fastmath=FASTMATH, error_model="numpy")
 def _attention_split(q, k_cache, v_cache, k_scale, v_scale, has_scale, fp8_mbits, block_tables, token_seq,
                      positions, tree_starts, tree_mask, window, softmax_scale, softcap, chunk, out):
     # flash-decoding: every (token, kv head, chunk) a task writing its partial softmax into a scratch row,
-    # then every (token, kv head) merges its rows in chunk order, as _attend does in one task (same bits)
+    # then every (token, kv head) merges its rows in chunk order, as attend does in one task (same bits)
     T, n_kv = q.shape[0], k_cache.shape[2]
     group = q.shape[1] // n_kv
     # scratch rows: token t's from first[t], n_kv runs of its chunk count, kv head by kv head
     first = np.empty(T + 1, np.int64)
     first[0] = 0
     for t in range(T):
-        start, end, num_tree = _visible(positions, tree_starts, tree_mask, window, t)
-        first[t + 1] = first[t] + n_kv * _num_chunks(end - start + num_tree, chunk)
+        start, end, num_tree = visible(positions, tree_starts, tree_mask, window, t)
+        first[t + 1] = first[t] + n_kv * num_chunks(end - start + num_tree, chunk)
     m, l = np.empty((first[T], group), np.float32), np.empty((first[T], group), np.float32)
     acc = np.empty((first[T], group, q.shape[2]), np.float32)
     for r in prange(first[T]):
         t = np.searchsorted(first, r, side="right") - 1
         k = (first[t + 1] - first[t]) // n_kv
         kh, c = (r - first[t]) // k, (r - first[t]) % k
-        _partial(q, k_cache, v_cache, k_scale, v_scale, has_scale, fp8_mbits, block_tables, token_seq,
+        partial(q, k_cache, v_cache, k_scale, v_scale, has_scale, fp8_mbits, block_tables, token_seq,
                  positions, tree_starts, tree_mask, window, softmax_scale, softcap, t, kh, c * chunk,
                  (c + 1) * chunk, m[r], l[r], acc[r])
     for task in prange(T * n_kv):
         t, kh = task // n_kv, task % n_kv
         k = (first[t + 1] - first[t]) // n_kv
         r = first[t] + kh * k
-        _merge(m[r:r + k], l[r:r + k], acc[r:r + k], out[t, kh * group:(kh + 1) * group])
+        merge_chunks(m[r:r + k], l[r:r + k], acc[r:r + k], out[t, kh * group:(kh + 1) * group])

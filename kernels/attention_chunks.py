@@ -13,17 +13,17 @@ from kernels.exp32 import exp32, tanh32
 from kernels.fp8 import fp8_as_bf16, fp8_unbias
 from kernels.simd_dot import dots
 
-_NEG_BIG = np.float32(-3.0e38)  # stands in for -inf (fastmath assumes no infinities)
+NEG_BIG = np.float32(-3.0e38)  # stands in for -inf (fastmath assumes no infinities)
 # fastmath without "reassoc": every sum in the order written (the scores' dot products in
 # kernels/simd_dot.py), so the serial and the parallel kernel give a token the same bits (with "reassoc" they
 # did not). "arcp" stays (the reciprocal once per row: no order to keep), and "afn" (per element; while exp
 # was libm's expf, without the two this ran at half speed: decode, 512 positions, TinyLlama heads, 0.54
 # against 0.30 ms per layer); the softmax's exp is now kernels/exp32.py's arithmetic, which vectorizes
-_FASTMATH = {"contract", "nnan", "ninf", "nsz", "afn", "arcp"}
+FASTMATH = {"contract", "nnan", "ninf", "nsz", "afn", "arcp"}
 
 
 @njit(inline="always", nogil=True)
-def _visible(positions, tree_starts, tree_mask, window, t):
+def visible(positions, tree_starts, tree_mask, window, t):
     # token t's visible slots in this order: context [start, end), then the num_tree tree slots its mask marks
     tree_start = tree_starts[t]
     end = positions[t] + 1 if tree_start < 0 else tree_start
@@ -36,37 +36,37 @@ def _visible(positions, tree_starts, tree_mask, window, t):
 
 
 @njit(inline="always", nogil=True)
-def _num_chunks(num_visible, chunk):
+def num_chunks(num_visible, chunk):
     return max(1, (num_visible + chunk - 1) // chunk)
 
 
-@njit(inline="always", nogil=True, fastmath=_FASTMATH, error_model="numpy")
-def _attend(q, k_cache, v_cache, k_scale, v_scale, has_scale, fp8_mbits, block_tables, token_seq, positions,
+@njit(inline="always", nogil=True, fastmath=FASTMATH, error_model="numpy")
+def attend(q, k_cache, v_cache, k_scale, v_scale, has_scale, fp8_mbits, block_tables, token_seq, positions,
             tree_starts, tree_mask, window, softmax_scale, softcap, chunk, out, t, kh):
     # token t, kv head kh, its whole group of query heads: the chunks' partial softmaxes one after another,
     # then merged (each key and value row read and widened once)
     group = q.shape[1] // k_cache.shape[2]
-    start, end, num_tree = _visible(positions, tree_starts, tree_mask, window, t)
-    k = _num_chunks(end - start + num_tree, chunk)
+    start, end, num_tree = visible(positions, tree_starts, tree_mask, window, t)
+    k = num_chunks(end - start + num_tree, chunk)
     m, l = np.empty((k, group), np.float32), np.empty((k, group), np.float32)
     acc = np.empty((k, group, q.shape[2]), np.float32)
     for c in range(k):
-        _partial(q, k_cache, v_cache, k_scale, v_scale, has_scale, fp8_mbits, block_tables, token_seq,
+        partial(q, k_cache, v_cache, k_scale, v_scale, has_scale, fp8_mbits, block_tables, token_seq,
                  positions, tree_starts, tree_mask, window, softmax_scale, softcap, t, kh, c * chunk,
                  (c + 1) * chunk, m[c], l[c], acc[c])
-    _merge(m, l, acc, out[t, kh * group:(kh + 1) * group])
+    merge_chunks(m, l, acc, out[t, kh * group:(kh + 1) * group])
 
 
-@njit(inline="always", nogil=True, fastmath=_FASTMATH, error_model="numpy")
-def _partial(q, k_cache, v_cache, k_scale, v_scale, has_scale, fp8_mbits, block_tables, token_seq, positions,
+@njit(inline="always", nogil=True, fastmath=FASTMATH, error_model="numpy")
+def partial(q, k_cache, v_cache, k_scale, v_scale, has_scale, fp8_mbits, block_tables, token_seq, positions,
              tree_starts, tree_mask, window, softmax_scale, softcap, t, kh, a, b, m, l, acc):
-    # token t, kv head kh, over its visible slots a .. b (in _visible's order), each query head g of the
+    # token t, kv head kh, over its visible slots a .. b (in visible's order), each query head g of the
     # group: m[g] = the largest score s_j, l[g] = sum_j exp(s_j - m[g]), acc[g] = sum_j exp(s_j - m[g]) v_j.
     # Softmax in two passes over a score buffer (no running rescale)
     D = q.shape[2]
     group = q.shape[1] // k_cache.shape[2]
     seq = token_seq[t]
-    start, end, num_tree = _visible(positions, tree_starts, tree_mask, window, t)
+    start, end, num_tree = visible(positions, tree_starts, tree_mask, window, t)
     num_context = end - start
     b = min(b, num_context + num_tree)
     scores = np.empty((group, b - a), np.float32)
@@ -97,7 +97,7 @@ def _partial(q, k_cache, v_cache, k_scale, v_scale, has_scale, fp8_mbits, block_
             for j in range(n):
                 scores[g, j] = softcap * tanh32(scores[g, j] * inv_cap)
     for g in range(group):
-        top = _NEG_BIG
+        top = NEG_BIG
         for j in range(n):
             top = max(top, scores[g, j])
         total = np.float32(0.0)
@@ -126,12 +126,12 @@ def _partial(q, k_cache, v_cache, k_scale, v_scale, has_scale, fp8_mbits, block_
             rank += 1
 
 
-@njit(inline="always", nogil=True, fastmath=_FASTMATH, error_model="numpy")
-def _merge(m, l, acc, out):
+@njit(inline="always", nogil=True, fastmath=FASTMATH, error_model="numpy")
+def merge_chunks(m, l, acc, out):
     # m, l: [k, group]; acc: [k, group, D], partials of consecutive chunks -> out: [group, D], by the
     # log-sum-exp rule: sum_c e^(m_c - M) acc_c / sum_c e^(m_c - M) l_c, M = max_c m_c, in chunk order
     for g in range(out.shape[0]):
-        top = _NEG_BIG
+        top = NEG_BIG
         for c in range(m.shape[0]):
             top = max(top, m[c, g])
         denom = np.float32(0.0)
@@ -145,7 +145,7 @@ def _merge(m, l, acc, out):
                 out[g, d] += w * acc[c, g, d]
 
 
-@njit(inline="always", nogil=True, fastmath=_FASTMATH, error_model="numpy")
+@njit(inline="always", nogil=True, fastmath=FASTMATH, error_model="numpy")
 def _score(qg, k_cache, k_scale, has_scale, fp8_mbits, block_tables, seq, j, kh, softmax_scale, row, scores,
            column):
     # scores[:, column] = q . k_j for slot j of the sequence, each query head of the group
@@ -157,7 +157,7 @@ def _score(qg, k_cache, k_scale, has_scale, fp8_mbits, block_tables, seq, j, kh,
     dots(qg, row, scores, column, scale)
 
 
-@njit(inline="always", nogil=True, fastmath=_FASTMATH, error_model="numpy")
+@njit(inline="always", nogil=True, fastmath=FASTMATH, error_model="numpy")
 def _add_value(v_cache, v_scale, has_scale, fp8_mbits, block_tables, seq, j, kh, row, scores, column, acc):
     # acc += p * v_j for slot j, p = scores[:, column]
     block_size = v_cache.shape[1]

@@ -15,7 +15,7 @@ alone in their tile, take the per-token path.
 import numpy as np
 from numba import njit, prange
 
-from kernels.attention_chunks import _FASTMATH, _NEG_BIG, _attend, _merge, _num_chunks, _visible, load_row
+from kernels.attention_chunks import FASTMATH, NEG_BIG, attend, load_row, merge_chunks, num_chunks, visible
 from kernels.exp32 import exp32, tanh32
 from kernels.simd_axpy import weighted_sum
 from kernels.simd_dot import dots
@@ -38,7 +38,7 @@ def row_tiles(token_seq, positions, tree_starts, tile_rows):
     return bounds[:n + 1]
 
 
-@njit(cache=True, nogil=True, parallel=True, fastmath=_FASTMATH, error_model="numpy")
+@njit(cache=True, nogil=True, parallel=True, fastmath=FASTMATH, error_model="numpy")
 def attention_tiled(q, k_cache, v_cache, k_scale, v_scale, has_scale, fp8_mbits, block_tables, token_seq,
                     positions, tree_starts, tree_mask, window, softmax_scale, softcap, chunk, bounds, out):
     # kernels/attention.py's arguments, and bounds: row_tiles'; every (tile, kv head) a task
@@ -48,7 +48,7 @@ def attention_tiled(q, k_cache, v_cache, k_scale, v_scale, has_scale, fp8_mbits,
         i = tt // 2 if tt % 2 == 0 else num_tiles - 1 - tt // 2  # short tiles paired with long ones
         kh = task - tt * n_kv
         if bounds[i + 1] - bounds[i] == 1:
-            _attend(q, k_cache, v_cache, k_scale, v_scale, has_scale, fp8_mbits, block_tables, token_seq,
+            attend(q, k_cache, v_cache, k_scale, v_scale, has_scale, fp8_mbits, block_tables, token_seq,
                     positions, tree_starts, tree_mask, window, softmax_scale, softcap, chunk, out, bounds[i],
                     kh)
         else:
@@ -57,7 +57,7 @@ def attention_tiled(q, k_cache, v_cache, k_scale, v_scale, has_scale, fp8_mbits,
                          bounds[i], bounds[i + 1], kh)
 
 
-@njit(inline="always", nogil=True, fastmath=_FASTMATH, error_model="numpy")
+@njit(inline="always", nogil=True, fastmath=FASTMATH, error_model="numpy")
 def _attend_tile(q, k_cache, v_cache, k_scale, v_scale, has_scale, fp8_mbits, block_tables, token_seq,
                  positions, tree_starts, tree_mask, window, softmax_scale, softcap, chunk, out, t0, t1, kh):
     # rows t0 .. t1 (one sequence, consecutive positions, no tree), kv head kh
@@ -67,8 +67,8 @@ def _attend_tile(q, k_cache, v_cache, k_scale, v_scale, has_scale, fp8_mbits, bl
     seq = token_seq[t0]
     starts, ends, counts = np.empty(R, np.int64), np.empty(R, np.int64), np.empty(R, np.int64)
     for r in range(R):
-        start, end, _ = _visible(positions, tree_starts, tree_mask, window, t0 + r)
-        starts[r], ends[r], counts[r] = start, end, _num_chunks(end - start, chunk)
+        start, end, _ = visible(positions, tree_starts, tree_mask, window, t0 + r)
+        starts[r], ends[r], counts[r] = start, end, num_chunks(end - start, chunk)
     k = counts.max()
     qt = np.empty((R, group, D), np.float32)  # q is a strided view of the fused qkv output: copied once
     for r in range(R):
@@ -106,7 +106,7 @@ def _attend_tile(q, k_cache, v_cache, k_scale, v_scale, has_scale, fp8_mbits, bl
                     inv_cap = np.float32(1.0) / softcap
                     for j in range(a, b):
                         scores[r, g, j] = softcap * tanh32(scores[r, g, j] * inv_cap)
-                top = _NEG_BIG
+                top = NEG_BIG
                 for j in range(a, b):
                     top = max(top, scores[r, g, j])
                 total = np.float32(0.0)
@@ -119,4 +119,4 @@ def _attend_tile(q, k_cache, v_cache, k_scale, v_scale, has_scale, fp8_mbits, bl
                 weighted_sum(scores[r, g], values, a, b, acc[c, r, g])
     for r in range(R):
         n = counts[r]
-        _merge(m[:n, r], l[:n, r], acc[:n, r], out[t0 + r, kh * group:(kh + 1) * group])
+        merge_chunks(m[:n, r], l[:n, r], acc[:n, r], out[t0 + r, kh * group:(kh + 1) * group])
