@@ -25,7 +25,6 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -36,6 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks.bench_http import free_port
 from benchmarks.checkpoints import CACHE
 from benchmarks.llama_server import llama_server_binary
 from benchmarks.machine import cpu_name
@@ -60,12 +60,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     parser.add_argument("--out", default=str(RESULTS / "serving_peers.json"))
     return parser
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Server:
