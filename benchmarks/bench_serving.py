@@ -1,6 +1,9 @@
 """What the Ray layer costs, and what NUMA-pinned workers buy.
 
-    python -m benchmarks.bench_serving [--model llama-56m] [--prompt-len 64] [--max-tokens 64] [--repeats 5]
+    python -m benchmarks.bench_serving [--model llama-56m] [--weight-dtype auto] [--activation-dtype auto]
+                                       [--prompt-len 64] [--max-tokens 64] [--repeats 5]
+                                       [--parts overhead,scaling] [--intervals-ms 0,100,200]
+                                       [--kv-cache-mb 64] [--out benchmarks/results/serving.json]
 
 1. overhead: 16 concurrent greedy requests streamed through a Client vs the same requests in an in-process
    engine with the same EngineConfig, cores and threads; tokens/s from the first submit to the last token.
@@ -79,11 +82,11 @@ def measure(run, processes: list[psutil.Process]) -> dict:
             "cpu_ms_per_token": 1000 * cpu / num_tokens, "tokens_per_chunk": num_tokens / num_chunks}
 
 
-def engine_process(conn, model: str, cpu_ids: list[int]) -> None:
+def engine_process(conn, model: str, engine: dict, cpu_ids: list[int]) -> None:
     """A plain Python process (no Ray in it) running the in-process engine: the baseline as users run it,
     with the thread pool a worker on cpu_ids gets."""
     pin(os.getpid(), cpu_ids)
-    llm = ns.LLM(model, **ENGINE, num_threads=len(cpu_ids))
+    llm = ns.LLM(model, **engine, num_threads=len(cpu_ids))
     while (job := conn.recv()) is not None:
         conn.send(measure(functools.partial(generate, llm, *job), []))
 
@@ -93,13 +96,13 @@ def generate(llm: ns.LLM, prompts: list, params: ns.SamplingParams) -> tuple[int
 
 
 class InProcessEngine:
-    def __init__(self, model: str, cpu_ids: list[int]):
+    def __init__(self, model: str, engine: dict, cpu_ids: list[int]):
         spawn = multiprocessing.get_context("spawn")
         self.conn, child = spawn.Pipe()
         env = {"NUMBA_NUM_THREADS": str(len(cpu_ids)), "OMP_NUM_THREADS": str(len(cpu_ids))}  # as deploy sets
         saved = {k: os.environ.get(k) for k in env}
         os.environ.update(env)  # numba reads them when it loads, in the child
-        self.process = spawn.Process(target=engine_process, args=(child, model, cpu_ids))
+        self.process = spawn.Process(target=engine_process, args=(child, model, engine, cpu_ids))
         self.process.start()
         for k, v in saved.items():
             if v is None:
@@ -156,10 +159,12 @@ def plot(results: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    parts = (("16 requests: client vs in-process engine", results["overhead"]["runs"]),
-             ("32 requests: pinned workers", results["scaling"]["runs"]))
-    fig, axes = plt.subplots(1, 2, figsize=(15, 4.6), gridspec_kw={"width_ratios": [8, 6]})
-    for ax, (title, part) in zip(axes, parts):
+    parts = [(title, results[key]["runs"]) for key, title in
+             (("overhead", "16 requests: client vs in-process engine"),
+              ("scaling", "32 requests: pinned workers"))
+             if key in results]
+    fig, axes = plt.subplots(1, len(parts), figsize=(7.5 * len(parts), 4.6), squeeze=False)
+    for ax, (title, part) in zip(axes[0], parts):
         names = list(part)
         values = [part[n]["median_tokens_per_s"] for n in names]
         colors = ["#777" if n.startswith(("in-process", "1 worker")) else "#3a7" for n in names]
@@ -169,12 +174,24 @@ def plot(results: dict, path: Path) -> None:
         ax.set_title(title, fontsize=10)
         ax.set_ylabel("aggregate tokens/s (median)")
         ax.tick_params(axis="x", labelsize=7)
-    o, speedup = results["overhead"], results["scaling"]["speedup"]
-    fig.suptitle(f"at the default 100 ms stream interval: client overhead {o['dedicated_core'][100]:.1%} "
-                 f"with the worker on its own core, {o['shared_cores'][100]:.1%} sharing every core with "
-                 f"client and router; 2 pinned workers {speedup[100]:.2f}x one", fontsize=10)
+    meta = results["meta"]
+    title = f"{meta['model']} ({meta['engine']['weight_dtype']} weights): "
+    fig.suptitle(title + "; ".join(summary(results)), fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+
+
+def summary(results: dict) -> list[str]:
+    """One line per part and stream interval, with its target."""
+    lines = []
+    for part, name in (("dedicated_core", "dedicated core"), ("shared_cores", "shared cores")):
+        if "overhead" in results:
+            lines.append(f"client overhead, {name} (target <= 5%): " + ", ".join(
+                f"{v:.1%} at {ms} ms" for ms, v in results["overhead"][part].items()))
+    if "scaling" in results:
+        lines.append("2 pinned workers vs one (target >= 1.8x): " + ", ".join(
+            f"{v:.2f}x at {ms} ms" for ms, v in results["scaling"]["speedup"].items()))
+    return lines
 
 
 def main() -> None:
@@ -183,15 +200,29 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--weight-dtype", default="auto", help="as EngineConfig.weight_dtype, e.g. q8_0")
+    parser.add_argument("--activation-dtype", default="auto",
+                        help="as EngineConfig.activation_dtype, e.g. int8")
+    parser.add_argument("--kv-cache-mb", type=int, default=ENGINE["kv_cache_bytes"] >> 20,
+                        help="each engine's KV cache (TinyLlama's bf16 KV takes 22 KB a token)")
+    parser.add_argument("--parts", default="overhead,scaling", help="which parts to run, comma-separated")
+    parser.add_argument("--intervals-ms", default=",".join(map(str, INTERVALS_MS)),
+                        help="stream_interval_ms values, comma-separated")
+    parser.add_argument("--out", type=Path, default=RESULTS / "serving.json",
+                        help="JSON (and the PNG beside it)")
     args = parser.parse_args()
     model = str(random_checkpoint(args.model))
+    engine = ENGINE | {"weight_dtype": args.weight_dtype, "activation_dtype": args.activation_dtype,
+                       "kv_cache_bytes": args.kv_cache_mb << 20}
+    intervals = tuple(float(ms) if "." in ms else int(ms) for ms in args.intervals_ms.split(","))
+    parts = set(args.parts.split(","))
     params = ns.SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
     cores = sorted(os.sched_getaffinity(0))
     worker_core, control_cores = cores[-1:], cores[:-1]
     layouts = {"dedicated": [worker_core], "shared": [cores], "single": [cores[:1]],
                "pair": [[c] for c in cores[:2]]}
-    configs = {f"{name}{ms}": cluster_config(f"{name}{ms}", nodes, ms)  # one machine name (resource) each
-               for name, nodes in layouts.items() for ms in INTERVALS_MS}
+    configs = {f"{name}{ms}": cluster_config(f"{name}{ms}", nodes, ms, engine)  # one machine name each
+               for name, nodes in layouts.items() for ms in intervals}
     resources = {}
     for name, config in configs.items():
         resources |= config.ray_resources(name)
@@ -202,62 +233,63 @@ def main() -> None:
 
     def deploy(layouts_used: tuple[str, ...]) -> dict:
         clients = {f"{n}{ms}": ns.serve(configs[f"{n}{ms}"], model=model, name=f"bench-{n}{ms}")
-                   for n in layouts_used for ms in INTERVALS_MS}
+                   for n in layouts_used for ms in intervals}
         for c in clients.values():
             served(c, warm, params, cores)()
         return clients
 
     def in_process_engine(cpu_ids: list[int]) -> InProcessEngine:
-        engine = InProcessEngine(model, cpu_ids)
-        engine.run(warm, params)()
-        return engine
+        in_process = InProcessEngine(model, engine, cpu_ids)
+        in_process.run(warm, params)()
+        return in_process
 
-    overhead = {}
+    overhead, scaling = {}, {}
     for layout, cpu_ids, client_cpu_ids, label in (("dedicated", worker_core, control_cores, "1 core"),
                                                     ("shared", cores, cores, "all cores")):
-        clients, engine = deploy((layout,)), in_process_engine(cpu_ids)
-        runs = {f"in-process, {label}": engine.run(prompts16, params)}
+        if "overhead" not in parts:
+            break
+        clients, baseline = deploy((layout,)), in_process_engine(cpu_ids)
+        runs = {f"in-process, {label}": baseline.run(prompts16, params)}
         runs |= {f"client, {label}, {ms} ms": served(clients[f"{layout}{ms}"], prompts16, params,
                                                      client_cpu_ids)
-                 for ms in INTERVALS_MS}
+                 for ms in intervals}
         overhead |= alternate(runs, args.repeats)
-        engine.close()
+        baseline.close()
         for c in clients.values():
             c.shutdown()
-    clients = deploy(("single", "pair"))
-    scaling = alternate({f"{label}, {ms} ms": served(clients[f"{name}{ms}"], prompts32, params, cores)
-                         for ms in INTERVALS_MS
-                         for name, label in (("single", "1 worker, 1 core"),
-                                             ("pair", "2 workers, 1 core each"))},
-                        args.repeats)
-    for c in clients.values():
-        c.shutdown()
+    if "scaling" in parts:
+        clients = deploy(("single", "pair"))
+        scaling = alternate({f"{label}, {ms} ms": served(clients[f"{name}{ms}"], prompts32, params, cores)
+                             for ms in intervals
+                             for name, label in (("single", "1 worker, 1 core"),
+                                                 ("pair", "2 workers, 1 core each"))},
+                            args.repeats)
+        for c in clients.values():
+            c.shutdown()
 
     def ratio(name: str, baseline: str, part: dict) -> float:
         return part[name]["median_tokens_per_s"] / part[baseline]["median_tokens_per_s"]
 
     results = {"meta": {"model": args.model, "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
-                        "repeats": args.repeats, "engine": ENGINE, "cores": cores,
+                        "repeats": args.repeats, "engine": engine, "cores": cores,
                         "cpu": platform.processor() or platform.machine(),
                         "load_average_before": load_before, "load_average_after": os.getloadavg(),
-                        "date": time.strftime("%Y-%m-%d")},
-               "overhead": {"dedicated_core": {ms: 1 - ratio(f"client, 1 core, {ms} ms", "in-process, 1 core",
-                                                             overhead) for ms in INTERVALS_MS},
-                            "shared_cores": {ms: 1 - ratio(f"client, all cores, {ms} ms",
-                                                           "in-process, all cores",
-                                                           overhead) for ms in INTERVALS_MS},
-                            "runs": overhead},
-               "scaling": {"speedup": {ms: ratio(f"2 workers, 1 core each, {ms} ms",
-                                                 f"1 worker, 1 core, {ms} ms",
-                                                 scaling) for ms in INTERVALS_MS}, "runs": scaling}}
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "serving.json").write_text(json.dumps(results, indent=2))
-    plot(results, RESULTS / "serving.png")
-    for part, name in (("dedicated_core", "dedicated core"), ("shared_cores", "shared cores")):
-        print(f"client overhead, {name} (target <= 5%): " +
-              ", ".join(f"{v:.1%} at {ms} ms" for ms, v in results["overhead"][part].items()))
-    print("2 pinned workers vs one (target >= 1.8x): " +
-          ", ".join(f"{v:.2f}x at {ms} ms" for ms, v in results["scaling"]["speedup"].items()))
+                        "date": time.strftime("%Y-%m-%d %H:%M")}}
+    if overhead:
+        results["overhead"] = {
+            "dedicated_core": {ms: 1 - ratio(f"client, 1 core, {ms} ms", "in-process, 1 core", overhead)
+                               for ms in intervals},
+            "shared_cores": {ms: 1 - ratio(f"client, all cores, {ms} ms", "in-process, all cores", overhead)
+                             for ms in intervals},
+            "runs": overhead}
+    if scaling:
+        speedup = {ms: ratio(f"2 workers, 1 core each, {ms} ms", f"1 worker, 1 core, {ms} ms", scaling)
+                   for ms in intervals}
+        results["scaling"] = {"speedup": speedup, "runs": scaling}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=2))
+    plot(results, args.out.with_suffix(".png"))
+    print("\n".join(summary(results)))
 
 
 if __name__ == "__main__":
