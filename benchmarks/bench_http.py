@@ -1,6 +1,7 @@
 """Load through the OpenAI-compatible HTTP API against the same load through the in-process engine.
 
     python -m benchmarks.bench_http [--concurrency 1,4,16,64] [--prompt-len 8] [--max-tokens 32] [--repeats 2]
+                                    [--stream-interval-ms 0]
 
 The TinyLlama-1.1B-shaped random checkpoint (benchmarks/checkpoints.py, with a word tokenizer so every token
 streams text) with q8_0 weights. Closed loop at each concurrency c: c streams in flight, each request
@@ -8,7 +9,7 @@ streams text) with q8_0 weights. Closed loop at each concurrency c: c streams in
 are done.
 - HTTP: a deployment of one worker on every core (two threads on this 2-core machine), its router and HTTP
   server on the same cores, driven over loopback by asyncio `openai` clients in this process; streamed
-  with stream_interval_ms 0 (a chunk per engine step, so chunk gaps are inter-token latencies) and
+  with stream_interval_ms 0 by default (a chunk per engine step, so chunk gaps are inter-token latencies) and
   include_usage (token counts from usage).
 - in-process: numaserve.LLM in its own process (benchmarks/llm_load_worker.py) with the same EngineConfig
   and threads; a token's time is when the engine step that made it returns.
@@ -97,14 +98,19 @@ def summarize(run: dict) -> dict:
             "num_requests": len(requests), "cpu_ms_per_token": 1000 * run["cpu_seconds"] / num_tokens,
             "tokens_per_chunk": num_tokens / sum(len(r["times"]) for r in requests),
             "ttft_s": [r["times"][0] - r["start"] for r in requests],
+            # time per output token after the first (vLLM's TPOT): the same on both paths however tokens are
+            # chunked, where the gaps between chunks (itl_s) are per token only at a chunk per step
+            "tpot_s": [(r["times"][-1] - r["times"][0]) / (r["num_tokens"] - 1) for r in requests
+                       if r["num_tokens"] > 1],
             "itl_s": [b - a for r in requests for a, b in zip(r["times"], r["times"][1:])]}
 
 
 def pooled(runs: list[dict]) -> dict:
     ttft = [x for r in runs for x in r["ttft_s"]]
     itl = [x for r in runs for x in r["itl_s"]]
+    tpot = [x for r in runs for x in r["tpot_s"]]
     pct = {f"{name}_p{q}_ms": 1000 * float(np.percentile(xs, q))
-           for name, xs in (("ttft", ttft), ("itl", itl))
+           for name, xs in (("ttft", ttft), ("itl", itl), ("tpot", tpot))
            for q in (50, 99)}
     return {"median_tokens_per_s": statistics.median(r["tokens_per_s"] for r in runs),
             "median_cpu_ms_per_token": statistics.median(r["cpu_ms_per_token"] for r in runs),
@@ -184,7 +190,7 @@ def run_layout(layout: str, args, model: str, cores: list[int], levels: list[int
     config = ns.ClusterConfig(
         model=model, engine=ENGINE,
         machines=[{"name": layout, "numa_nodes": [{"id": 0, "cpus": engine_cores}]}],
-        stream_interval_ms=0, target_step_ms=1e6, max_queued_per_worker=64,
+        stream_interval_ms=args.stream_interval_ms, target_step_ms=1e6, max_queued_per_worker=64,
         adapter_registry=str(Path(registry.name) / "adapters.json"),
         http={"port": free_port(), "served_model_name": SERVED_NAME})
     ray.init(num_cpus=len(cores), resources=config.ray_resources(layout), include_dashboard=False,
@@ -248,6 +254,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompt-len", type=int, default=8, help="prompt tokens per request")
     parser.add_argument("--max-tokens", type=int, default=32, help="tokens generated per request")
     parser.add_argument("--repeats", type=int, default=2, help="runs of each path at each level")
+    parser.add_argument("--stream-interval-ms", type=float, default=0,
+                        help="the deployment's stream_interval_ms (0: a chunk per engine step, so the gaps "
+                             "between chunks are inter-token times; the deployment's default is 100)")
     parser.add_argument("--out", default=str(RESULTS / "http.json"),
                         help="JSON to write (and the PNG beside it)")
     args = parser.parse_args(argv)
@@ -263,7 +272,8 @@ def main(argv: list[str] | None = None) -> None:
     results = {"meta": {"command": "python -m benchmarks.bench_http " + " ".join(argv or []),
                         "model": f"{MODEL} (random weights, word tokenizer)", "engine": ENGINE,
                         "prompt_len": args.prompt_len, "max_tokens": args.max_tokens, "repeats": args.repeats,
-                        "min_requests": MIN_REQUESTS, "stream_interval_ms": 0, "target_step_ms": 1e6,
+                        "min_requests": MIN_REQUESTS, "stream_interval_ms": args.stream_interval_ms,
+                        "target_step_ms": 1e6,
                         "num_cores": len(cores), "cpu": cpu_name(), "date": time.strftime("%Y-%m-%d %H:%M"),
                         "load_average_before": load_before, "load_average_after": os.getloadavg(),
                         "layouts": {"shared": "worker (or in-process engine) on every core with one thread "
@@ -282,7 +292,8 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{layout}, {c:>2} streams: HTTP {h['median_tokens_per_s']:.1f} tok/s vs in-process "
                   f"{p['median_tokens_per_s']:.1f} ({level['http_over_in_process']:.3f}); TTFT p50 "
                   f"{h['ttft_p50_ms']:.0f} / {p['ttft_p50_ms']:.0f} ms, ITL p50 {h['itl_p50_ms']:.0f} / "
-                  f"{p['itl_p50_ms']:.0f} ms, p99 {h['itl_p99_ms']:.0f} / {p['itl_p99_ms']:.0f} ms")
+                  f"{p['itl_p50_ms']:.0f} ms, p99 {h['itl_p99_ms']:.0f} / {p['itl_p99_ms']:.0f} ms, TPOT p50 "
+                  f"{h['tpot_p50_ms']:.1f} / {p['tpot_p50_ms']:.1f} ms")
 
 
 if __name__ == "__main__":
