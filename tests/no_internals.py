@@ -15,8 +15,8 @@ INTERNALS = {
     "an IPv6 address": re.compile(r"(?i)(?<![\w:])(?:(?:[0-9a-f]{1,4}:){7}[0-9a-f]{1,4}"
                                   r"|(?:[0-9a-f]{1,4}(?::[0-9a-f]{1,4})*)?::(?:[0-9a-f]{1,4}(?::[0-9a-f]{1,4})*)?"
                                   r")(?![\w:])"),
-    # 16+ hex digits with a letter among them (a long decimal number is a client's value, not an id)
-    "a Ray id": re.compile(r"(?i)(?<![0-9a-z])(?=[0-9]*[a-f])[0-9a-f]{16,}(?![0-9a-z])"
+    # 16+ hex digits with a letter among them, not a number's (1.7976931348623157e+308)
+    "a Ray id": re.compile(r"(?i)(?<![0-9a-z.])(?=[0-9]*[a-f])[0-9a-f]{16,}(?![0-9a-z.+-])"
                            r"|ActorID|ObjectRef|NodeID|TaskID|WorkerID|\bray\."),
 }
 # our server's routes: errors of other servers a test talks to (Ray's dashboard, its metrics export) are
