@@ -1,9 +1,10 @@
 """schemathesis over /openapi.json against the real uvicorn server in process, over a LocalDeployment of a
-tiny random model with an API key (HttpConfig.api_keys, as `numaserve serve --api-key`): every operation,
-positive and negative cases, EXAMPLES each with the key and EXAMPLES without it. No answer is a 5xx or takes
-longer than TIMEOUT_S; every error body is OpenAI-shaped and shows no internals (tests/conftest.py's hook);
-after it the server is healthy and serves a completion. Deterministic: derandomized Hypothesis, generation
-phases only (no shrinking: a failure shows the case as generated)."""
+tiny random model with the demo chat template, tool calls parsed, and an API key (HttpConfig.api_keys, as
+`numaserve serve --api-key`): every operation, positive and negative cases, EXAMPLES each with the key and
+EXAMPLES without it. No answer is a 5xx or takes longer than TIMEOUT_S; every error body is OpenAI-shaped and
+shows no internals (tests/conftest.py's hook); after it the server is healthy and serves a completion.
+Deterministic: derandomized Hypothesis, generation phases only (no shrinking: a failure shows the case as
+generated)."""
 
 import time
 from collections import Counter
@@ -15,6 +16,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from schemathesis import GenerationMode
 
+from actors.chat_template import ChatTemplate
 from actors.http_server import build_app
 from actors.local_deployment import LocalDeployment
 from actors.openai_serving import OpenAIServing
@@ -23,6 +25,7 @@ from cluster_configs.sampling_params import SamplingParams
 from numaserve.llm import LLM
 from tests.http_app import served
 from tests.model_factory import build_model
+from tests.test_http_openai import DEMO_TEMPLATE
 
 EXAMPLES = 200  # generated requests per operation and key mode
 TIMEOUT_S = 30.0  # one request's: a hang fails the test
@@ -39,8 +42,10 @@ def url(tmp_path_factory):
     build_model(directory, "llama")
     with LLM(directory, num_threads=1) as llm:
         llm.generate("warm-up", SamplingParams(max_tokens=2))
-        config = HttpConfig(api_keys=(KEY,), max_tokens_cap=MAX_TOKENS_CAP, default_deadline_s=TIMEOUT_S)
-        serving = OpenAIServing(LocalDeployment(llm), "tiny", "/tiny", None, False, "fp", config)
+        config = HttpConfig(api_keys=(KEY,), max_tokens_cap=MAX_TOKENS_CAP, default_deadline_s=TIMEOUT_S,
+                            tool_call_parser="hermes")
+        template = ChatTemplate(DEMO_TEMPLATE, {"bos_token": "<s>", "eos_token": "</s>"})
+        serving = OpenAIServing(LocalDeployment(llm), "tiny", "/tiny", template, False, "fp", config)
         with served(build_app(serving)) as url:
             yield url
 
