@@ -6,6 +6,7 @@ sent is echoed at most SHOWN_CHARS long."""
 
 import json
 import logging
+import re
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -19,6 +20,8 @@ from cluster_configs.errors import AdapterError, InvalidRequest, Overloaded, Una
 logger = logging.getLogger(__name__)
 
 SHOWN_CHARS = 100  # the most of a client's value an error message echoes
+# an absolute path in an engine's message (an adapter's folder resolved, the server's adapter_roots)
+PATH = re.compile(r"(?<![\w.~-])/[^\s,;()'\"]+")
 RETRY_AFTER_S = 1  # what a refused client is told to wait (Retry-After)
 # fields whose union types give pydantic one error per member: one message for all of them
 UNION_FIELDS = {
@@ -53,11 +56,11 @@ def as_api_error(e: Exception) -> APIError:
         return e
     retry = {"Retry-After": str(RETRY_AFTER_S)}
     if isinstance(e, Unavailable):
-        return APIError(503, str(e), type="server_error", code="no_worker_available", headers=retry)
+        return APIError(503, masked(e), type="server_error", code="no_worker_available", headers=retry)
     if isinstance(e, Overloaded):
-        return APIError(429, str(e), type="rate_limit_error", code="overloaded", headers=retry)
+        return APIError(429, masked(e), type="rate_limit_error", code="overloaded", headers=retry)
     if isinstance(e, (InvalidRequest, AdapterError)):
-        return APIError(400, str(e), param=getattr(e, "param", None), code="invalid_value")
+        return APIError(400, masked(e), param=getattr(e, "param", None), code="invalid_value")
     if isinstance(e, RequestValidationError):
         return _validation_error(e)
     if isinstance(e, HTTPException):
@@ -72,6 +75,15 @@ def internal_error(e: BaseException) -> APIError:
     logger.error("internal error (request id %s)", rid, exc_info=e)
     return APIError(500, f"internal error (request id {rid}); the server goes on serving",
                     type="server_error", code="internal_error")
+
+
+def masked(e: Exception) -> str:
+    """numaserve's own message as a client sees it: each absolute path as <path> (the log has it whole)."""
+    text = str(e)
+    if PATH.search(text):
+        logger.info("request id %s: %s", request_id.get(), text)
+        text = PATH.sub("<path>", text)
+    return text
 
 
 def shown(value) -> str:

@@ -13,7 +13,7 @@ import requests
 from actors.http_server import build_app
 from actors.json_bodies import MAX_DEPTH
 from actors.local_deployment import LocalDeployment
-from actors.openai_errors import InternalErrors
+from actors.openai_errors import InternalErrors, as_api_error
 from actors.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -23,6 +23,7 @@ from actors.openai_protocol import (
 )
 from actors.openai_serving import OpenAIServing
 from actors.request_ids import RequestIds
+from cluster_configs.errors import AdapterError
 from cluster_configs.sampling_params import SamplingParams
 from numaserve.llm import LLM
 from scheduling.outputs import RequestOutput
@@ -156,6 +157,13 @@ def test_a_bug_past_the_endpoints_is_caught_by_the_middleware_streams_included()
     assert during.text.splitlines()[0] == "data: {}" and during.text.endswith("data: [DONE]\n\n")
     assert json.loads(during.text.splitlines()[2].removeprefix("data: "))["error"]["message"] == \
         f"internal error (request id {rid}); the server goes on serving"
+
+
+def test_a_path_in_an_engines_message_is_masked():
+    error = as_api_error(AdapterError("adapter path /srv/a/x (resolved: /srv/a/x) is outside adapter_roots "
+                                      "(/srv/roots, ~/b); move it"))
+    assert error.message == ("adapter path <path> (resolved: <path>) is outside adapter_roots (<path>, ~/b); "
+                             "move it")
 
 
 def test_a_plain_client_request_id_is_kept_and_an_odd_one_replaced(stub):
