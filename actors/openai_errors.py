@@ -20,8 +20,10 @@ from cluster_configs.errors import AdapterError, InvalidRequest, Overloaded, Una
 logger = logging.getLogger(__name__)
 
 SHOWN_CHARS = 100  # the most of a client's value an error message echoes
-# an absolute path in an engine's message (an adapter's folder resolved, the server's adapter_roots)
+# what numaserve's own messages may hold that a client must not see: an absolute path (an adapter's folder
+# resolved, the server's adapter_roots) and an engine request id (a uuid's 32 hex digits)
 PATH = re.compile(r"(?<![\w.~-])/[^\s,;()'\"]+")
+HEX_ID = re.compile(r"(?<![0-9a-zA-Z.])(?=[0-9]*[a-fA-F])[0-9a-fA-F]{16,}(?![0-9a-zA-Z.+-])")
 RETRY_AFTER_S = 1  # what a refused client is told to wait (Retry-After)
 # fields whose union types give pydantic one error per member: one message for all of them
 UNION_FIELDS = {
@@ -78,11 +80,12 @@ def internal_error(e: BaseException) -> APIError:
 
 
 def masked(e: Exception) -> str:
-    """numaserve's own message as a client sees it: each absolute path as <path> (the log has it whole)."""
+    """numaserve's own message as a client sees it: each absolute path as <path>, each hex id as <id> (the
+    log has it whole, under the request id)."""
     text = str(e)
-    if PATH.search(text):
+    if PATH.search(text) or HEX_ID.search(text):
         logger.info("request id %s: %s", request_id.get(), text)
-        text = PATH.sub("<path>", text)
+        text = HEX_ID.sub("<id>", PATH.sub("<path>", text))
     return text
 
 

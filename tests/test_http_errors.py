@@ -23,7 +23,7 @@ from actors.openai_protocol import (
 )
 from actors.openai_serving import OpenAIServing
 from actors.request_ids import RequestIds
-from cluster_configs.errors import AdapterError
+from cluster_configs.errors import AdapterError, Unavailable
 from cluster_configs.sampling_params import SamplingParams
 from numaserve.llm import LLM
 from scheduling.outputs import RequestOutput
@@ -159,11 +159,13 @@ def test_a_bug_past_the_endpoints_is_caught_by_the_middleware_streams_included()
         f"internal error (request id {rid}); the server goes on serving"
 
 
-def test_a_path_in_an_engines_message_is_masked():
+def test_paths_and_ids_in_an_engines_message_are_masked():
     error = as_api_error(AdapterError("adapter path /srv/a/x (resolved: /srv/a/x) is outside adapter_roots "
                                       "(/srv/roots, ~/b); move it"))
     assert error.message == ("adapter path <path> (resolved: <path>) is outside adapter_roots (<path>, ~/b); "
                              "move it")
+    error = as_api_error(Unavailable("request 8e6f0e0a2c4b4d3e9f7a9b0c01000000 lost its worker; top_p=1e-12"))
+    assert (error.status, error.message) == (503, "request <id> lost its worker; top_p=1e-12")
 
 
 def test_a_plain_client_request_id_is_kept_and_an_odd_one_replaced(stub):
