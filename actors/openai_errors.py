@@ -22,7 +22,7 @@ logger = logging.getLogger(__name__)
 SHOWN_CHARS = 100  # the most of a client's value an error message echoes
 # what numaserve's own messages may hold that a client must not see: an absolute path (an adapter's folder
 # resolved, the server's adapter_roots) and an engine request id (a uuid's 32 hex digits)
-PATH = re.compile(r"(?<![\w.~-])/[^\s,;()'\"]+")
+PATH = re.compile(r"(?<![\w.~-])/[^\s,;:()'\"]+")
 HEX_ID = re.compile(r"(?<![0-9a-zA-Z.])(?=[0-9]*[a-fA-F])[0-9a-fA-F]{16,}(?![0-9a-zA-Z.+-])")
 RETRY_AFTER_S = 1  # what a refused client is told to wait (Retry-After)
 # fields whose union types give pydantic one error per member: one message for all of them

@@ -256,7 +256,8 @@ class ChatCompletionRequest(_Sampling):
 
 class LoadLoraAdapterRequest(Body):
     lora_name: str
-    lora_path: str
+    # a NUL in a path makes the os calls raise ValueError (it was a 500)
+    lora_path: str = Field(pattern=r"^[^\x00]+$", description="the adapter's folder on the server")
 
 
 class TokenizeRequest(Body):

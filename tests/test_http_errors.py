@@ -200,6 +200,7 @@ ODD = {  # name: (path, body, content type, status)
     "surrogate key": (C, rb'{"prompt": "hi", "\ud800": 1}', None, 400),
     "surrogate tokenize": (T, rb'{"prompt": "\ud800"}', None, 400),
     "surrogate embeddings": (E, rb'{"input": "\ud800"}', None, 400),
+    "NUL in lora_path": ("/v1/load_lora_adapter", rb'{"lora_name": "x", "lora_path": "a\u0000b"}', None, 400),
     "surrogate tool name": (CHAT, b'{' + MSG.encode() + rb', "tools": [{"type": "function", "function": '
                                   rb'{"name": "f\ud800"}}]}', None, 400),
     "NaN temperature": (C, b'{"prompt": "hi", "temperature": NaN}', None, 400),
@@ -277,7 +278,7 @@ def tiny_url(tmp_path_factory):
     build_model(directory, "llama")
     with LLM(directory, num_threads=1) as llm:
         llm.generate("warm-up", SamplingParams(max_tokens=2))
-        serving = OpenAIServing(LocalDeployment(llm), "tiny", "/tiny", None, False, "fp")
+        serving = OpenAIServing(LocalDeployment(llm), "tiny", "/tiny", None, True, "fp")  # adapters loadable
         with served(build_app(serving)) as url:
             yield url
 

@@ -1,10 +1,10 @@
 """schemathesis over /openapi.json against the real uvicorn server in process, over a LocalDeployment of a
-tiny random model with the demo chat template, tool calls parsed, and an API key (HttpConfig.api_keys, as
-`numaserve serve --api-key`): every operation, positive and negative cases, EXAMPLES each with the key and
-EXAMPLES without it. No answer is a 5xx or takes longer than TIMEOUT_S; every error body is OpenAI-shaped and
-shows no internals (tests/conftest.py's hook); after it the server is healthy and serves a completion.
-Deterministic: derandomized Hypothesis, generation phases only (no shrinking: a failure shows the case as
-generated)."""
+tiny random model with the demo chat template, tool calls parsed, adapters loadable, and an API key
+(HttpConfig.api_keys, as `numaserve serve --api-key`): every operation, positive and negative cases, EXAMPLES
+each with the key and EXAMPLES without it. No answer is a 5xx or takes longer than TIMEOUT_S; every error body
+is OpenAI-shaped and shows no internals (tests/conftest.py's hook); after it the server is healthy and serves
+a completion. Deterministic: derandomized Hypothesis, generation phases only (no shrinking: a failure shows
+the case as generated)."""
 
 import time
 from collections import Counter
@@ -45,7 +45,7 @@ def url(tmp_path_factory):
         config = HttpConfig(api_keys=(KEY,), max_tokens_cap=MAX_TOKENS_CAP, default_deadline_s=TIMEOUT_S,
                             tool_call_parser="hermes")
         template = ChatTemplate(DEMO_TEMPLATE, {"bos_token": "<s>", "eos_token": "</s>"})
-        serving = OpenAIServing(LocalDeployment(llm), "tiny", "/tiny", template, False, "fp", config)
+        serving = OpenAIServing(LocalDeployment(llm), "tiny", "/tiny", template, True, "fp", config)
         with served(build_app(serving)) as url:
             yield url
 
