@@ -9,6 +9,8 @@ import logging
 import httpx2
 import pytest
 import requests
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
 
 from actors.http_server import build_app
 from actors.json_bodies import MAX_DEPTH
@@ -19,6 +21,7 @@ from actors.openai_protocol import (
     CompletionRequest,
     DetokenizeRequest,
     EmbeddingRequest,
+    LoadLoraAdapterRequest,
     TokenizeRequest,
 )
 from actors.openai_serving import OpenAIServing
@@ -304,6 +307,32 @@ def test_a_long_odd_value_is_echoed_at_most_100_characters(tiny_url):
     r = requests.post(f"{tiny_url}{C}", json={"prompt": "hi", "model": "m" * 10_000, "top_p": "x" * 10_000},
                       timeout=60)
     assert r.status_code in (400, 404) and len(r.json()["error"]["message"]) < 300, r.text[:300]
+
+
+# odd values at any field of a valid body: non-finite and huge numbers, surrogates and control characters,
+# nulls, nested containers (json.dumps writes NaN, Infinity and lone surrogates as Python's json reads them)
+ODD_LEAVES = st.one_of(st.none(), st.booleans(), st.floats(), st.integers(-2 ** 70, 2 ** 70),
+                       st.sampled_from([0, -1, 1, 2 ** 31, 2 ** 63 - 1, -2 ** 63, 1e308, -1e-308, 0.5]),
+                       st.text(st.characters(categories=["Cs", "Cc", "Ll", "So", "Zs"]), max_size=8))
+ODD_VALUES = st.recursive(ODD_LEAVES, lambda inner: st.lists(inner, max_size=3)
+                          | st.dictionaries(st.text(max_size=4), inner, max_size=3), max_leaves=6)
+VALID = {C: (CompletionRequest, {"prompt": "hi", "max_tokens": 2}),
+         CHAT: (ChatCompletionRequest, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}),
+         E: (EmbeddingRequest, {"input": "hi"}), T: (TokenizeRequest, {"prompt": "hi"}),
+         D: (DetokenizeRequest, {"tokens": [5, 6]}),
+         "/v1/load_lora_adapter": (LoadLoraAdapterRequest, {"lora_name": "x", "lora_path": "missing"})}
+
+
+@given(path=st.sampled_from(sorted(VALID)), data=st.data())
+@settings(max_examples=300, deadline=None, database=None, derandomize=True,
+          phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
+def test_an_odd_value_in_any_field_of_a_valid_body_is_answered_without_a_5xx(tiny_url, path, data):
+    model, valid = VALID[path]
+    field = data.draw(st.sampled_from(sorted(model.model_fields)), label="field")
+    body = json.dumps(valid | {field: data.draw(ODD_VALUES, label="value")})
+    r = requests.post(f"{tiny_url}{path}", data=body.encode(), timeout=60)
+    assert r.status_code < 500, (path, body[:300], r.text[:300])
+    assert r.status_code == 200 or set(r.json()["error"]) == ERROR_KEYS, r.text[:300]
 
 
 def test_concurrent_odd_bodies_do_not_disturb_each_other(tiny_url):
