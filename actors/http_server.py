@@ -29,8 +29,9 @@ from sse_starlette import EventSourceResponse
 
 from actors.adapter_cache import lookup_adapter
 from actors.chat_template import load_chat_template
+from actors.json_bodies import JSONBodies
 from actors.metrics import render
-from actors.openai_errors import APIError, JSONBodies, install_error_handlers
+from actors.openai_errors import APIError, InternalErrors, install_error_handlers
 from actors.openai_limits import Caller
 from actors.openai_protocol import (
     ChatCompletionRequest,
@@ -42,6 +43,7 @@ from actors.openai_protocol import (
 )
 from actors.openai_serving import OpenAIServing
 from actors.ray_errors import unwrap
+from actors.request_ids import RequestIds
 from actors.request_stream import Ingress, RequestStream
 from cluster_configs.cluster_config import ClusterConfig, HttpConfig
 from cluster_configs.errors import Unavailable
@@ -161,11 +163,14 @@ class RayDeployment:
 def build_app(serving: OpenAIServing) -> FastAPI:
     app = FastAPI(title="numaserve", summary="OpenAI-compatible API of a numaserve deployment")
     install_error_handlers(app)
+    # the last added is the outermost: ids first, then CORS, then a bug's 500, then the body checks
     app.add_middleware(JSONBodies, max_bytes=MAX_BODY_BYTES)
+    app.add_middleware(InternalErrors)
     origins = serving.tenancy.config.allowed_origins
-    if origins:  # outermost: a preflight is answered before the body checks (API keys go in a header)
+    if origins:  # a preflight is answered before the body checks (API keys go in a header)
         app.add_middleware(CORSMiddleware, allow_origins=list(origins), allow_methods=["*"],
-                           allow_headers=["*"])
+                           allow_headers=["*"], expose_headers=["X-Request-Id"])
+    app.add_middleware(RequestIds)
 
     def caller(request: Request) -> Caller:
         """The /v1 routes' API key check (401), as vLLM's --api-key does; /health and /metrics stay open."""

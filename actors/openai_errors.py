@@ -1,5 +1,12 @@
 """Errors as OpenAI answers them: {"error": {"message", "type", "param", "code"}} with the HTTP status a
-client expects. Every failure a request can cause maps here; the server goes on serving."""
+client expects. Every failure a request can cause maps here; the server goes on serving. A body never carries
+a traceback, a path, an address or a Ray id: an unexpected exception is a 500 saying "internal error" and the
+request id (actors/request_ids.py), under which the server log has the whole exception; a value the client
+sent is echoed at most SHOWN_CHARS long."""
+
+import json
+import logging
+import re
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -7,8 +14,16 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from actors.request_ids import request_id
 from cluster_configs.errors import AdapterError, InvalidRequest, Overloaded, Unavailable
 
+logger = logging.getLogger(__name__)
+
+SHOWN_CHARS = 100  # the most of a client's value an error message echoes
+# what numaserve's own messages may hold that a client must not see: an absolute path (an adapter's folder
+# resolved, the server's adapter_roots) and an engine request id (a uuid's 32 hex digits)
+PATH = re.compile(r"(?<![\w.~-])/[^\s,;:()'\"]+")
+HEX_ID = re.compile(r"(?<![0-9a-zA-Z.])(?=[0-9]*[a-fA-F])[0-9a-fA-F]{16,}(?![0-9a-zA-Z.+-])")
 RETRY_AFTER_S = 1  # what a refused client is told to wait (Retry-After)
 # fields whose union types give pydantic one error per member: one message for all of them
 UNION_FIELDS = {
@@ -43,18 +58,41 @@ def as_api_error(e: Exception) -> APIError:
         return e
     retry = {"Retry-After": str(RETRY_AFTER_S)}
     if isinstance(e, Unavailable):
-        return APIError(503, str(e), type="server_error", code="no_worker_available", headers=retry)
+        return APIError(503, masked(e), type="server_error", code="no_worker_available", headers=retry)
     if isinstance(e, Overloaded):
-        return APIError(429, str(e), type="rate_limit_error", code="overloaded", headers=retry)
+        return APIError(429, masked(e), type="rate_limit_error", code="overloaded", headers=retry)
     if isinstance(e, (InvalidRequest, AdapterError)):
-        return APIError(400, str(e), param=getattr(e, "param", None), code="invalid_value")
+        return APIError(400, masked(e), param=getattr(e, "param", None), code="invalid_value")
     if isinstance(e, RequestValidationError):
         return _validation_error(e)
     if isinstance(e, HTTPException):
         codes = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
         return APIError(e.status_code, str(e.detail), code=codes.get(e.status_code), headers=e.headers)
-    return APIError(500, f"internal error ({type(e).__name__}: {e}); the server goes on serving",
+    return internal_error(e)
+
+
+def internal_error(e: BaseException) -> APIError:
+    """A 500 naming only the request id; the log has the exception under that id."""
+    rid = request_id.get()
+    logger.error("internal error (request id %s)", rid, exc_info=e)
+    return APIError(500, f"internal error (request id {rid}); the server goes on serving",
                     type="server_error", code="internal_error")
+
+
+def masked(e: Exception) -> str:
+    """numaserve's own message as a client sees it: each absolute path as <path>, each hex id as <id> (the
+    log has it whole, under the request id)."""
+    text = str(e)
+    if PATH.search(text) or HEX_ID.search(text):
+        logger.info("request id %s: %s", request_id.get(), text)
+        text = HEX_ID.sub("<id>", PATH.sub("<path>", text))
+    return text
+
+
+def shown(value) -> str:
+    """A client's value as a message echoes it: its repr, at most SHOWN_CHARS characters."""
+    text = repr(value)
+    return text if len(text) <= SHOWN_CHARS else text[:SHOWN_CHARS - 3] + "..."
 
 
 def _validation_error(e: RequestValidationError) -> APIError:
@@ -66,24 +104,24 @@ def _validation_error(e: RequestValidationError) -> APIError:
                              "JSON object", code="invalid_json")
     loc = _loc(first)
     if not loc:
-        return APIError(400, f"the body must be a JSON object of this endpoint's fields ({first['msg']})",
+        return APIError(400, "the body must be a JSON object of this endpoint's fields "
+                             f"({first['msg'][:SHOWN_CHARS]})",
                         code="invalid_body")
     # a value that fits no member of a union type: one error per member, their locations past the field
     # name the member ("str", "list[int]", ...); the field is where they part
     field = _common_prefix([_loc(err) for err in errors if _loc(err)[:1] == loc[:1]])
     if len(field) < len(loc):
-        param = _param(field)
+        param = param_of(field)
         name = next((str(x) for x in reversed(field) if not isinstance(x, int)), "")
         message = UNION_FIELDS.get(name, "has none of the accepted types (see /openapi.json)")
         return APIError(400, f"{param} {message}", param=param, code="invalid_type")
-    param = _param(loc)
+    param = param_of(loc)
     if first["type"] == "missing":
         return APIError(400, f"{param} is required", param=param, code="missing_required_parameter")
     if first["type"] == "extra_forbidden":
         return APIError(400, f"{param} is not a field this endpoint accepts; remove it", param=param,
                         code="unknown_parameter")
-    got = repr(first.get("input"))
-    got = got if len(got) <= 60 else got[:57] + "..."
+    got = shown(first.get("input"))
     return APIError(400, f"{param}: {first['msg']} (got {got})", param=param,
                     code="invalid_type" if first["type"].endswith("_type") else "invalid_value")
 
@@ -100,12 +138,12 @@ def _common_prefix(locs: list[tuple]) -> tuple:
     return prefix
 
 
-def _param(loc: tuple) -> str:
+def param_of(loc: tuple) -> str:
     """The OpenAI param of a location: ("messages", 0, "content") -> messages[0].content."""
     param = str(loc[0])
     for part in loc[1:]:
         param += f"[{part}]" if isinstance(part, int) else f".{part}"
-    return param
+    return param if len(param) <= SHOWN_CHARS else param[:SHOWN_CHARS - 3] + "..."
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -113,40 +151,42 @@ def install_error_handlers(app: FastAPI) -> None:
         return as_api_error(e).response()
 
     for kind in (APIError, RequestValidationError, HTTPException, InvalidRequest, AdapterError, Overloaded,
-                 Exception):
+                 Unavailable):
         app.add_exception_handler(kind, handle)
 
 
-class JSONBodies:
-    """ASGI middleware for request bodies. Every one here is JSON: `curl -d` labels its body form-urlencoded,
-    and FastAPI would then not parse it, so it (and an unlabelled body) is relabelled application/json. None
-    may exceed max_bytes: 413 with an OpenAI error body (Starlette's own limit answers in plain text), at once
-    when Content-Length says so, else when the bytes read pass the limit."""
+class InternalErrors:
+    """ASGI middleware, inside RequestIds: any exception the app lets out (a bug) is logged with the request
+    id and answered as internal_error: a 500 before the response started, else, in an event stream, a last
+    `data: {"error": ...}` event (a body already under way is only closed)."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int):
-        self.app, self.max_bytes = app, max_bytes
+    def __init__(self, app: ASGIApp):
+        self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["method"] != "POST":
+        if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        headers = dict(scope["headers"])
-        content_type = headers.get(b"content-type", b"")
-        if not content_type or content_type.startswith(b"application/x-www-form-urlencoded"):
-            scope = dict(scope, headers=[*((k, v) for k, v in scope["headers"] if k != b"content-type"),
-                                         (b"content-type", b"application/json")])
-        too_large = HTTPException(413, f"the request body is larger than {self.max_bytes >> 20} MiB; send a "
-                                       "shorter prompt (as token ids it takes ~7 bytes a token)")
-        length = headers.get(b"content-length", b"")
-        if length.isdigit() and int(length) > self.max_bytes:
-            return await as_api_error(too_large).response()(scope, receive, send)
-        num_bytes = 0
+        started, ended, stream = False, False, False
 
-        async def receive_at_most() -> Message:
-            nonlocal num_bytes
-            message = await receive()
-            num_bytes += len(message.get("body", b""))
-            if num_bytes > self.max_bytes:
-                raise too_large  # an HTTPException: FastAPI's body reading lets it through to the handlers
-            return message
+        async def watched(message: Message) -> None:
+            nonlocal started, ended, stream
+            if message["type"] == "http.response.start":
+                started = True
+                stream = dict(message.get("headers", ())).get(b"content-type", b"").startswith(
+                    b"text/event-stream")
+            elif message["type"] == "http.response.body":
+                ended = not message.get("more_body", False)
+            await send(message)
 
-        await self.app(scope, receive_at_most, send)
+        try:
+            await self.app(scope, receive, watched)
+        except Exception as e:  # noqa: BLE001  (the one place a bug becomes an answer)
+            error = internal_error(e)
+            if not started:
+                return await error.response()(scope, receive, send)
+            if stream and not ended:
+                event = f"data: {json.dumps(error.sse_data())}\n\ndata: [DONE]\n\n".encode()
+                try:
+                    await send({"type": "http.response.body", "body": event, "more_body": False})
+                except OSError:
+                    pass  # the client is gone

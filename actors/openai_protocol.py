@@ -17,6 +17,8 @@ from scheduling.best_of import candidate_params
 
 MAX_LOGPROBS = 20  # OpenAI's bound, and the engine's (scheduling/validation.py)
 MAX_CHOICES = 128  # prompts x n of one request: each is a request to the deployment
+MAX_TEMPERATURE = 100.0  # past it a draw is uniform to float32 precision
+MAX_REPETITION_PENALTY = 100.0  # past it a repeated token's logit is 0 or -inf to float32 precision
 
 TokenIds = Annotated[list[StrictInt], Field(min_length=1)]
 
@@ -40,7 +42,7 @@ class _Sampling(StructuredFields, Body):
     """Fields both endpoints share (and those constraining the output: actors/openai_structured.py)."""
 
     model: str | None = None  # the served model's name or a registered adapter's; None: the served model
-    temperature: float | None = Field(None, ge=0.0, description="0 = greedy; default 1")
+    temperature: float | None = Field(None, ge=0.0, le=MAX_TEMPERATURE, description="0 = greedy; default 1")
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     n: int = Field(1, ge=1, le=MAX_CHOICES,
                    description="completions per prompt; with a seed, choice i uses seed + i")
@@ -62,7 +64,7 @@ class _Sampling(StructuredFields, Body):
     # vLLM's extensions
     top_k: int | None = Field(None, ge=-1, description="0 or -1 = off")
     min_p: float | None = Field(None, ge=0.0, le=1.0)
-    repetition_penalty: float | None = Field(None, gt=0.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=MAX_REPETITION_PENALTY)
     ignore_eos: bool = False
     stop_token_ids: list[StrictInt] | None = None
     priority: int = Field(0, description='lower runs first under scheduling_policy "priority"')
@@ -254,7 +256,8 @@ class ChatCompletionRequest(_Sampling):
 
 class LoadLoraAdapterRequest(Body):
     lora_name: str
-    lora_path: str
+    # a NUL in a path makes the os calls raise ValueError (it was a 500)
+    lora_path: str = Field(pattern=r"^[^\x00]+$", description="the adapter's folder on the server")
 
 
 class TokenizeRequest(Body):

@@ -23,7 +23,7 @@ from actors.openai_choices import (
     open_choices,
     sse_stream,
 )
-from actors.openai_errors import APIError
+from actors.openai_errors import APIError, shown
 from actors.openai_format import (
     ChoiceState,
     ResponseHeader,
@@ -293,7 +293,7 @@ class OpenAIServing:
                                 "Python with client.register_adapter(name, path)", type="permission_error",
                            code="lora_loading_disabled")
         if req.lora_name == self.model_name:
-            raise APIError(400, f"lora_name {req.lora_name!r} is the served model's name; pick another",
+            raise APIError(400, f"lora_name {shown(req.lora_name)} is the served model's name; pick another",
                            param="lora_name")
         await self.deployment.register_adapter(req.lora_name, req.lora_path)
         return f"Success: LoRA adapter '{req.lora_name}' added successfully."
@@ -308,7 +308,7 @@ class OpenAIServing:
             return None
         if await self.deployment.adapter_path(model) is not None:
             return model
-        raise APIError(404, f"model {model!r} does not exist; GET /v1/models lists the served model "
+        raise APIError(404, f"model {shown(model)} does not exist; GET /v1/models lists the served model "
                             f"({self.model_name!r}) and the registered adapters", param="model",
                        code="model_not_found")
 

@@ -7,6 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from tests.model_factory import VARIANTS, build_model
+from tests.no_internals import ErrorBodies
 from tests.stress import cpu_burner, pytest_addoption, pytest_configure, pytest_generate_tests  # noqa: F401
 
 torch.set_num_threads(1)
@@ -54,3 +55,13 @@ def llama_dir(model_dirs):
 
 def random_prompt(n: int, seed: int, vocab: int = 384) -> list[int]:
     return np.random.default_rng(seed).integers(3, vocab, n).tolist()
+
+
+@pytest.fixture(autouse=True)
+def error_bodies_show_no_internals(monkeypatch):
+    """Every 4xx/5xx body of our API that a test's HTTP client receives shows no traceback, path, address or
+    Ray id (tests/no_internals.py)."""
+    bodies = ErrorBodies()
+    bodies.install(monkeypatch)
+    yield bodies
+    assert not bodies.found, "error bodies show internals:\n" + "\n".join(bodies.found)
