@@ -2,8 +2,9 @@
 
 e4m3fn: 4 exponent bits (bias 7), 3 mantissa bits, no infinities, 0x7F / 0xFF are NaN, largest 448.
 e5m2: 5 exponent bits (bias 15), 2 mantissa bits, IEEE-like (infinities, NaNs), largest 57344.
-Encoding saturates at the largest finite value (torch's cast gives NaN or inf there); the KV writers scale
-each row so that its largest magnitude maps to that value, so saturation only absorbs the last rounding.
+Encoding saturates at the largest finite value (torch 2.13's e4m3fn cast does too; its e5m2 cast gives inf
+from 61440 on); the KV writers scale each row so that its largest magnitude maps to that value, so saturation
+only absorbs the last rounding.
 """
 
 import math
@@ -48,9 +49,13 @@ def fp8_max(man_bits, bias, max_code):
 @njit(inline="always", nogil=True)
 def fp8_encode(x, man_bits, bias, max_code):
     # x: float32 -> uint8 code, nearest value (ties to even mantissa), saturating; in float64 every step
-    # is exact: a / quantum scales by a power of two, rint rounds half to even
-    sign = 0x80 if x < 0 else 0
+    # is exact: a / quantum scales by a power of two, rint rounds half to even. -0.0 keeps its sign and NaN
+    # becomes the NaN code 0x7F (both formats) with x's sign, as torch's casts do: all 2^32 float32 bit
+    # patterns give torch's codes (past the largest finite value: torch's e4m3fn saturates as we do)
+    sign = 0x80 if math.copysign(1.0, x) < 0 else 0
     a = abs(float(x))
+    if math.isnan(a):
+        return np.uint8(sign | 0x7F)
     if a == 0.0:
         return np.uint8(sign)
     emin = 1 - bias

@@ -72,6 +72,22 @@ def test_fp8_encoding_rounds_to_nearest_even_as_torch_does(kv_dtype):
 
 
 @pytest.mark.parametrize("kv_dtype", list(FORMATS))
+def test_fp8_encoding_of_signed_zeros_and_nans_is_torchs(kv_dtype):
+    # a sweep of all 2^32 float32 bit patterns found these the only codes unlike torch's (-0.0 lost its sign,
+    # NaN became an arbitrary code); every other pattern within the largest finite value matched
+    nan_bits = np.array([0x7FC00000, 0x7F800001, 0x7FFFFFFF, 0xFFC00000, 0xFF800001], np.uint32)
+    x = np.concatenate([np.array([-0.0, 0.0], np.float32), nan_bits.view(np.float32)])
+    theirs = torch.from_numpy(x).to(TORCH_FP8[kv_dtype]).view(torch.uint8).numpy()
+    np.testing.assert_array_equal(_encode_all(x, *FORMATS[kv_dtype]), theirs)
+
+
+def test_fp8_e4m3_encoding_past_the_top_is_torchs_saturation():
+    x = np.array([449.0, 463.99, 464.0, 1e30, np.inf, -500.0, -np.inf], np.float32)
+    theirs = torch.from_numpy(x).to(torch.float8_e4m3fn).view(torch.uint8).numpy()
+    np.testing.assert_array_equal(_encode_all(x, *E4M3), theirs)
+
+
+@pytest.mark.parametrize("kv_dtype", list(FORMATS))
 def test_fp8_encoding_saturates_at_the_largest_finite_value(kv_dtype):
     params = FORMATS[kv_dtype]
     top = np.float32(_finite_values(kv_dtype).max())
