@@ -29,6 +29,7 @@ from sse_starlette import EventSourceResponse
 
 from actors.adapter_cache import lookup_adapter
 from actors.chat_template import load_chat_template
+from actors.http_lifecycle import Lifecycle, log_access_to_stderr
 from actors.metrics import render
 from actors.openai_errors import APIError, JSONBodies, install_error_handlers
 from actors.openai_limits import Caller
@@ -279,7 +280,9 @@ class HttpServer:
         # OSError: the actor fails to start
         sock = socket.create_server((config.host, config.port), family=family, reuse_port=share_port)
         self.url = f"http://{f'[{config.host}]' if ':' in config.host else config.host}:{config.port}"
-        self.server = _Server(uvicorn.Config(build_app(serving), lifespan="off", log_config=None,
+        self.lifecycle = Lifecycle(build_app(serving))
+        log_access_to_stderr()
+        self.server = _Server(uvicorn.Config(self.lifecycle, lifespan="off", log_config=None,
                                              log_level="warning", access_log=False,
                                              timeout_graceful_shutdown=1))
         self.serving = _actor_loop().create_task(self.server.serve(sockets=[sock]))
@@ -296,6 +299,10 @@ class HttpServer:
                 raise TimeoutError(f"the HTTP server did not start within {STARTUP_TIMEOUT_S:.0f} s")
             await asyncio.sleep(0.05)
         return self.url
+
+    async def drain(self, timeout_s: float) -> int:
+        """Answers new requests 503 from now on; -> how many in flight were cancelled after timeout_s."""
+        return await self.lifecycle.drain(timeout_s)
 
     async def stats(self) -> dict:
         """This actor's own figures: completions and chat choices it opened, its process id."""
