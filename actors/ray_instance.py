@@ -81,9 +81,9 @@ def start_local(resources: dict, persistent: bool, log_to_driver: bool = True) -
     if persistent:
         ray_cli = Path(sys.executable).with_name("ray")
         # the dashboard and its job server stay on for `ray job submit`: whoever reaches them can run code on
-        # the cluster (README, "What binds where")
+        # the cluster (README, "What binds where"); --port=0: a free GCS port, not 6379 beside another cluster
         subprocess.run([str(ray_cli), "start", "--head", f"--resources={json.dumps(resources)}",
-                        f"--node-ip-address={LOOPBACK}", f"--dashboard-host={LOOPBACK}"],
+                        f"--node-ip-address={LOOPBACK}", f"--dashboard-host={LOOPBACK}", "--port=0"],
                        check=True, stdout=subprocess.DEVNULL)
         join(Path(get_ray_address_file(None)).read_text().strip())
     else:

@@ -40,7 +40,7 @@ def serve_foreground(config: ClusterConfig, name: str, address: str | None, drai
         announce(client)
         print("numaserve: serving in the foreground; Ctrl-C or SIGTERM stops it (--detach to leave it "
               "running)", flush=True)
-        while not stop.wait(0.5):
+        while not stop.wait(0.1):
             pass
         log.info("numaserve: stopping: draining the HTTP servers (up to %g s)", drain_timeout_s)
         num_cancelled = deploy.drain(name, drain_timeout_s)
