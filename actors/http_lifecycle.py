@@ -76,7 +76,8 @@ class Lifecycle:
         self.cancelled.update(left)
         for task in left:
             task.cancel()
-        await asyncio.wait(left, timeout=CANCEL_WAIT_S)
+        if left:
+            await asyncio.wait(left, timeout=CANCEL_WAIT_S)
         return len(left)
 
 

@@ -20,12 +20,23 @@ import requests
 from openai import OpenAI
 
 from tests.cluster.conftest import CONFIGS, REPO, free_port, wait_for
+from tests.model_factory import build_model
 
 NAME = "life"
 NUM_STREAMS = 8
-MAX_TOKENS = 400  # long enough that the streams still run when the drain begins (~0.2 s after SIGTERM)
+# the streams must still run when the drain begins (it did ~10 ms after SIGTERM; 400 tokens of the tiny model
+# at 8 streams took 1.6 s on the shared 2-core VM, hence a model with a long context and 2000 tokens)
+MAX_TOKENS = 2000
 START_TIMEOUT_S = 600  # workers compiling the numba kernels when the worktree has no cache yet
 PROBE_BOUND_S = 10  # the issue's bound on noticing a dead Ray address
+
+
+@pytest.fixture(scope="module")
+def long_llama_dir(tmp_path_factory) -> Path:
+    """The tiny llama of the other tests with room for MAX_TOKENS."""
+    directory = tmp_path_factory.mktemp("long_llama")
+    build_model(directory, "llama", max_position_embeddings=4096)
+    return directory
 
 
 @pytest.fixture
@@ -85,7 +96,8 @@ def stream_to_end(api: OpenAI, prompt: str, started: threading.Event, results: l
     results[i] = (finish, usage.completion_tokens if usage else None, time.monotonic())
 
 
-def test_sigterm_drains_streams_refuses_new_requests_and_stops_every_process(llama_dir, ray_tmpdir, tmp_path):
+def test_sigterm_drains_streams_refuses_new_requests_and_stops_every_process(long_llama_dir, ray_tmpdir,
+                                                                             tmp_path):
     # a stale address file, as an unclean stop leaves it: serve notices it and starts a fresh instance
     (Path(ray_tmpdir) / "ray").mkdir()
     stale = dead_address()
@@ -95,7 +107,7 @@ def test_sigterm_drains_streams_refuses_new_requests_and_stops_every_process(lla
     with open(log_path, "w") as log:
         launched = time.monotonic()
         server = subprocess.Popen(numaserve(
-            "serve", "--config", str(CONFIGS / "local.yaml"), "--model", str(llama_dir), "--name", NAME,
+            "serve", "--config", str(CONFIGS / "local.yaml"), "--model", str(long_llama_dir), "--name", NAME,
             "--http-port", str(port), "--served-model-name", "tiny", "--drain-timeout-s", "120"),
             cwd=REPO, env=serve_env(ray_tmpdir), stdout=log, stderr=subprocess.STDOUT)
     try:
@@ -119,7 +131,6 @@ def test_sigterm_drains_streams_refuses_new_requests_and_stops_every_process(lla
             t.start()
         for event in started:
             assert event.wait(120), "a stream did not begin"
-        tree = [server.pid] + [p.pid for p in psutil.Process(server.pid).children(recursive=True)]
         server.send_signal(signal.SIGTERM)
 
         def refused():
