@@ -172,3 +172,24 @@ def test_a_dead_ray_address_asked_for_fails_within_10_s_naming_the_fix(ray_tmpdi
     assert done.returncode == 2
     assert f"no Ray cluster answers at {address} ({how})" in done.stderr
     assert f"leave {how} unset to start a local instance" in done.stderr
+
+
+def test_shutdown_of_a_detached_deployment_stops_the_ray_instance_it_started(llama_dir, ray_tmpdir):
+    env = serve_env(ray_tmpdir)
+    served = subprocess.run(numaserve("serve", "--config", str(CONFIGS / "local.yaml"), "--model",
+                                      str(llama_dir), "--name", NAME, "--detach"),
+                            cwd=REPO, env=env, capture_output=True, text=True, timeout=START_TIMEOUT_S,
+                            check=False)
+    assert served.returncode == 0, served.stderr[-3000:]
+    assert "(it stops the Ray instance started here too)" in served.stdout
+    # `ray start`'s processes are no children of serve's: they are found by the temp dir on their command line
+    ray_pids = [p.pid for p in psutil.process_iter(["cmdline"]) if any(ray_tmpdir in part
+                                                                        for part in p.info["cmdline"] or ())]
+    names = {psutil.Process(pid).name() for pid in ray_pids}
+    assert {"gcs_server", "raylet"} <= names
+    print("listening:", sorted(listening(ray_pids)))
+    stopped = subprocess.run(numaserve("shutdown", "--name", NAME), cwd=REPO, env=env, capture_output=True,
+                             text=True, timeout=120, check=False)
+    assert stopped.returncode == 0, stopped.stderr[-3000:]
+    assert f"'{NAME}' shut down, and the Ray instance it started" in stopped.stdout
+    assert wait_for(lambda: not alive(ray_pids), 30, "the Ray instance's processes to exit")
