@@ -183,6 +183,8 @@ def init_ray(config: ClusterConfig, persistent: bool = False, address: str | Non
     if len(config.machines) != 1:
         raise DeploymentError(f"no Ray cluster is running and the config spans {len(config.machines)} "
                               "machines; start Ray on each with its resources: " + _start_hints(config))
+    if not persistent:
+        log.warning("numaserve: started Ray in this process; the deployment ends when it exits")
     start_local(config.ray_resources(config.machines[0].name), persistent)
     return True
 
