@@ -46,7 +46,9 @@ def answers(address: str, timeout_s: float = PROBE_TIMEOUT_S) -> bool:
 def find_address(address: str | None) -> str | None:
     """The address of the live Ray cluster to join, or None: start a local instance. address (--address)
     or else RAY_ADDRESS must answer (RayAddressError naming the fix if not); without either, the cluster
-    `ray start` last recorded is joined if it answers, and a stale record is removed."""
+    `ray start` last recorded is joined if it answers ("auto": ray.init then takes the cluster's token from
+    ~/.ray/auth_token, as it does for a cluster it finds itself but not for one named), and a stale record
+    is removed."""
     source, explicit = ("--address", address) if address not in (None, "auto") else (
         "RAY_ADDRESS", os.environ.get("RAY_ADDRESS") or None)
     if explicit == "local":
@@ -63,7 +65,7 @@ def find_address(address: str | None) -> str | None:
     if not recorded:
         return None
     if answers(recorded):
-        return recorded
+        return "auto"
     log.warning("numaserve: %s names %s, where no Ray cluster answers (left by an unclean stop); removed it, "
                 "starting a local instance", record, recorded)
     Path(record).unlink(missing_ok=True)
@@ -85,7 +87,7 @@ def start_local(resources: dict, persistent: bool, log_to_driver: bool = True) -
         subprocess.run([str(ray_cli), "start", "--head", f"--resources={json.dumps(resources)}",
                         f"--node-ip-address={LOOPBACK}", f"--dashboard-host={LOOPBACK}", "--port=0"],
                        check=True, stdout=subprocess.DEVNULL)
-        join(Path(get_ray_address_file(None)).read_text().strip())
+        join("auto")  # the cluster it recorded
     else:
         ray.init(namespace=NAMESPACE, resources=resources, _node_ip_address=LOOPBACK, include_dashboard=False,
                  log_to_driver=log_to_driver)

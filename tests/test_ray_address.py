@@ -36,9 +36,9 @@ def test_no_record_and_no_address_start_a_local_instance(record):
     assert find_address(None) is None
 
 
-def test_a_live_record_is_joined(record, listener):
+def test_a_live_record_is_joined_as_ray_finds_it(record, listener):
     record.write_text(listener + "\n")
-    assert find_address(None) == listener
+    assert find_address(None) == "auto"
     assert record.exists()
 
 

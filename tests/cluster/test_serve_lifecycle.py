@@ -24,9 +24,9 @@ from tests.model_factory import build_model
 
 NAME = "life"
 NUM_STREAMS = 8
-# the streams must still run when the drain begins (it did ~10 ms after SIGTERM; 400 tokens of the tiny model
-# at 8 streams took 1.6 s on the shared 2-core VM, hence a model with a long context and 2000 tokens)
-MAX_TOKENS = 2000
+# the streams must still run when the drain begins (~10 ms after SIGTERM): 400 tokens of the tiny model at 8
+# streams took 1.6 s on the shared 2-core VM, 2000 tokens 43 s, hence a model with a long context and 1000
+MAX_TOKENS = 1000
 START_TIMEOUT_S = 600  # workers compiling the numba kernels when the worktree has no cache yet
 PROBE_BOUND_S = 10  # the bound on noticing a dead Ray address
 
