@@ -107,6 +107,12 @@ def drain(name: str, timeout_s: float) -> int:
         return 0
 
 
+def deployment_names() -> list[str]:
+    """The deployments running in this cluster (a deployment's name has no ".")."""
+    return sorted({a["name"].split(".")[0] for a in ray.util.list_named_actors(all_namespaces=True)
+                   if a["namespace"] == NAMESPACE})
+
+
 def deployment_actor_names(name: str) -> list[str]:
     return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
             if a["namespace"] == NAMESPACE and a["name"].startswith(f"{name}.")]

@@ -164,8 +164,10 @@ def cmd_shutdown(args) -> None:
 
     deploy.connect(args.name, args.address).shutdown()
     session = ray_instance.started_session(args.name)
-    if session is None:
-        print(f"numaserve: {args.name!r} shut down")
+    others = deploy.deployment_names()  # they use that instance too
+    if session is None or others:
+        print(f"numaserve: {args.name!r} shut down" + (
+            f"; the Ray instance it started runs on for {', '.join(others)}" if session and others else ""))
         return
     num_processes = ray_instance.stop_session(session)
     print(f"numaserve: {args.name!r} shut down, and the Ray instance it started ({num_processes} processes)")
