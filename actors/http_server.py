@@ -7,6 +7,7 @@ worker's streaming generator with `await` (actors/request_stream.py), never a bl
 is detached with unlimited restarts like the others; a restarted one binds its port again. The endpoints'
 logic is OpenAIServing (actors/openai_serving.py); this file wires it to HTTP and to the Ray actors. GET
 /metrics renders the workers' metrics (actors/metrics.py), gathered by the router, in Prometheus text format.
+The app runs inside Lifecycle (actors/http_lifecycle.py): the access log, and drain() when serving stops.
 """
 
 import asyncio
