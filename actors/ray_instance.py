@@ -112,13 +112,15 @@ def started_session(name: str) -> str | None:
 
 
 def stop_session(session: str) -> int:
-    """Disconnects, then terminates this machine's Ray processes of `session` (each names its session
-    directory on its command line), killing those left after STOP_TIMEOUT_S; -> how many there were. Other
-    Ray instances on the machine are left alone (`ray stop` would end them all)."""
+    """Disconnects, then terminates this machine's Ray processes of `session` (the GCS, raylet and agents
+    name its session directory on their command lines; the actors' workers, renamed `ray::<class>`, are the
+    raylet's children), killing those left after STOP_TIMEOUT_S; -> how many there were. Other Ray
+    instances on the machine are left alone (`ray stop` would end them all)."""
     address = ray._private.worker.global_worker.node.gcs_address
     ray.shutdown()
-    processes = [p for p in psutil.process_iter(["cmdline"])
-                 if p.pid != os.getpid() and any(session in part for part in p.info["cmdline"] or ())]
+    roots = [p for p in psutil.process_iter(["cmdline"])
+             if p.pid != os.getpid() and any(session in part for part in p.info["cmdline"] or ())]
+    processes = list({p.pid: p for root in roots for p in _with_children(root)}.values())
     for process in processes:
         with contextlib.suppress(psutil.NoSuchProcess):
             process.terminate()
@@ -131,3 +133,10 @@ def stop_session(session: str) -> int:
     if record.is_file() and record.read_text().strip() == address:
         record.unlink()
     return len(processes)
+
+
+def _with_children(process: psutil.Process) -> list[psutil.Process]:
+    try:
+        return [process, *process.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []

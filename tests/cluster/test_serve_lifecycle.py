@@ -182,11 +182,13 @@ def test_shutdown_of_a_detached_deployment_stops_the_ray_instance_it_started(lla
                             check=False)
     assert served.returncode == 0, served.stderr[-3000:]
     assert "(it stops the Ray instance started here too)" in served.stdout
-    # `ray start`'s processes are no children of serve's: they are found by the temp dir on their command line
-    ray_pids = [p.pid for p in psutil.process_iter(["cmdline"]) if any(ray_tmpdir in part
-                                                                        for part in p.info["cmdline"] or ())]
+    # `ray start`'s processes are no children of serve's: they are found by the temp dir on their command
+    # line, the actors' workers as the raylet's children
+    roots = [p for p in psutil.process_iter(["cmdline"])
+             if any(ray_tmpdir in part for part in p.info["cmdline"] or ())]
+    ray_pids = sorted({p.pid for root in roots for p in [root, *root.children(recursive=True)]})
     names = {psutil.Process(pid).name() for pid in ray_pids}
-    assert {"gcs_server", "raylet"} <= names
+    assert {"gcs_server", "raylet", "ray::NumaWorker", "ray::HttpServer"} <= names
     print("listening:", sorted(listening(ray_pids)))
     stopped = subprocess.run(numaserve("shutdown", "--name", NAME), cwd=REPO, env=env, capture_output=True,
                              text=True, timeout=120, check=False)
