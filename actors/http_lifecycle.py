@@ -31,7 +31,7 @@ class Lifecycle:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         start = time.perf_counter()
-        status, request_id = 0, ""  # 0: no response began (the request was cancelled first)
+        status, request_id = "-", ""  # "-": no response began
 
         async def send_logged(message: Message) -> None:
             nonlocal status, request_id
@@ -57,12 +57,12 @@ class Lifecycle:
         except asyncio.CancelledError:
             if task not in self.cancelled:
                 raise
-            # cancelled by drain(): uvicorn closes the connection of a response left unfinished
+            status = "aborted"  # by drain(): uvicorn closes the connection of a response left unfinished
         finally:
             self.in_flight.discard(task)
             self.cancelled.discard(task)
-            access_log.info("%s %s %s %s %.1f ms", request_id or "-", scope["method"], scope["path"],
-                            status or "aborted", (time.perf_counter() - start) * 1e3)
+            access_log.info("%s %s %s %s %.1f ms", request_id or "-", scope["method"], scope["path"], status,
+                            (time.perf_counter() - start) * 1e3)
 
     async def drain(self, timeout_s: float) -> int:
         """Refuses new requests from now on, waits up to timeout_s for those in flight, then cancels the
