@@ -188,7 +188,7 @@ def test_shutdown_of_a_detached_deployment_stops_the_ray_instance_it_started(lla
              if any(ray_tmpdir in part for part in p.info["cmdline"] or ())]
     ray_pids = sorted({p.pid for root in roots for p in [root, *root.children(recursive=True)]})
     names = {psutil.Process(pid).name() for pid in ray_pids}
-    assert {"gcs_server", "raylet", "ray::NumaWorker", "ray::HttpServer"} <= names
+    assert {"gcs_server", "raylet", "ray::NumaWorker", "ray::Router"} <= names
     print("listening:", sorted(listening(ray_pids)))
     stopped = subprocess.run(numaserve("shutdown", "--name", NAME), cwd=REPO, env=env, capture_output=True,
                              text=True, timeout=120, check=False)
