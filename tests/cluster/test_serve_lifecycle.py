@@ -4,6 +4,7 @@ get 503) and stops every process it started, Ray's included; a stale or dead Ray
 Each serve runs in a subprocess with its own RAY_TMPDIR, so its Ray instance (ray.init's own, free ports) and
 its address file are apart from the test session's cluster (conftest) and from any other on the machine."""
 
+import contextlib
 import os
 import re
 import signal
@@ -41,10 +42,28 @@ def long_llama_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture
 def ray_tmpdir():
-    """A short RAY_TMPDIR of the test's own (Ray's socket paths must stay under 107 characters)."""
+    """A short RAY_TMPDIR of the test's own (Ray's socket paths must stay under 107 characters); whatever Ray
+    process of it a failed test left is killed after."""
     path = tempfile.mkdtemp(prefix="nsray", dir="/tmp")
     yield path
+    left = ray_processes(path)
+    for process in left:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.kill()
+    psutil.wait_procs(left, timeout=30)
     subprocess.run(["rm", "-rf", path], check=False)
+
+
+def ray_processes(ray_tmpdir: str) -> list[psutil.Process]:
+    """The Ray processes of this temp dir (`ray start`'s are no children of serve's): those with it on their
+    command line, and their children (the actors' workers, renamed ray::<class>)."""
+    roots = [p for p in psutil.process_iter(["cmdline"])
+             if any(ray_tmpdir in part for part in p.info["cmdline"] or ())]
+    found = {}
+    for root in roots:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            found |= {p.pid: p for p in [root, *root.children(recursive=True)]}
+    return list(found.values())
 
 
 def serve_env(ray_tmpdir: str, **extra: str) -> dict:
@@ -182,11 +201,7 @@ def test_shutdown_of_a_detached_deployment_stops_the_ray_instance_it_started(lla
                             check=False)
     assert served.returncode == 0, served.stderr[-3000:]
     assert "(it stops the Ray instance started here too)" in served.stdout
-    # `ray start`'s processes are no children of serve's: they are found by the temp dir on their command
-    # line, the actors' workers as the raylet's children
-    roots = [p for p in psutil.process_iter(["cmdline"])
-             if any(ray_tmpdir in part for part in p.info["cmdline"] or ())]
-    ray_pids = sorted({p.pid for root in roots for p in [root, *root.children(recursive=True)]})
+    ray_pids = [p.pid for p in ray_processes(ray_tmpdir)]
     names = {psutil.Process(pid).name() for pid in ray_pids}
     assert {"gcs_server", "raylet", "ray::NumaWorker", "ray::Router"} <= names
     print("listening:", sorted(listening(ray_pids)))
