@@ -76,10 +76,10 @@ def join(address: str) -> None:
     ray.init(address=address, namespace=NAMESPACE)
 
 
-def start_local(resources: dict, persistent: bool, log_to_driver: bool = True) -> None:
+def start_local(resources: dict, persistent: bool) -> None:
     """A single-machine Ray instance declaring `resources`, its node address and dashboard on loopback: in
     this process (its processes end with it), or, when persistent, with `ray start --head` (they outlive
-    it; stop_started stops them)."""
+    it; stop_session stops them)."""
     if persistent:
         ray_cli = Path(sys.executable).with_name("ray")
         # the dashboard and its job server stay on for `ray job submit`: whoever reaches them can run code on
@@ -89,8 +89,7 @@ def start_local(resources: dict, persistent: bool, log_to_driver: bool = True) -
                        check=True, stdout=subprocess.DEVNULL)
         join("auto")  # the cluster it recorded
     else:
-        ray.init(namespace=NAMESPACE, resources=resources, _node_ip_address=LOOPBACK, include_dashboard=False,
-                 log_to_driver=log_to_driver)
+        ray.init(namespace=NAMESPACE, resources=resources, _node_ip_address=LOOPBACK, include_dashboard=False)
 
 
 # ---- a detached deployment's own Ray instance -----------------------------------------------------------
@@ -99,10 +98,14 @@ def _key(name: str) -> bytes:
     return f"{name}.started_ray".encode()
 
 
+def current_session() -> str:
+    """The session name of the Ray instance this process is connected to."""
+    return ray._private.worker.global_worker.node.session_name
+
+
 def record_started(name: str) -> None:
     """Notes in the cluster that deployment `name` started this Ray instance (`ray start`), by its session."""
-    session = ray._private.worker.global_worker.node.session_name
-    internal_kv._internal_kv_put(_key(name), session.encode(), namespace=NAMESPACE.encode())
+    internal_kv._internal_kv_put(_key(name), current_session().encode(), namespace=NAMESPACE.encode())
 
 
 def started_session(name: str) -> str | None:

@@ -104,7 +104,12 @@ def cmd_serve(args) -> None:
     from actors import ray_instance
 
     started = deploy.init_ray(config, persistent=True, address=args.address)  # `ray start --head` if none
-    client = deploy.serve(config, name=args.name)
+    try:
+        client = deploy.serve(config, name=args.name)
+    except BaseException:
+        if started:
+            ray_instance.stop_session(ray_instance.current_session())
+        raise
     if started:
         ray_instance.record_started(args.name)  # `numaserve shutdown` stops it too
     _announce(args.name, config, client)
