@@ -13,8 +13,6 @@ import json
 import logging
 import math
 import re
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -23,6 +21,7 @@ import ray
 from actors.adapter_cache import AdapterCache
 from actors.client import Client
 from actors.http_server import HttpServer, fingerprint, served_model_name
+from actors.ray_instance import NAMESPACE, find_address, join, start_local
 from actors.router import Router
 from actors.scheduler import Scheduler
 from actors.worker import NumaWorker
@@ -32,12 +31,11 @@ from memory import numa
 from models.spec import load_spec
 from scheduling.policy import PolicyLimits
 
-NAMESPACE = "numaserve"
 # control actors live on the head node, which outlives worker machines
 HEAD = {"node:__internal_head__": 0.001}
 READY_TIMEOUT_S = 600.0
 RELEASE_WAIT_S = 5.0
-LOOPBACK = "127.0.0.1"
+DRAIN_GRACE_S = 10.0  # past the drain timeout: the cancelled requests' unwinding (5 s) and the calls
 log = logging.getLogger("numaserve")
 
 
@@ -66,16 +64,18 @@ def serve(config: ClusterConfig | str | Path | None = None, model: str | Path | 
         raise
 
 
-def connect(name: str = "numaserve", address: str = "auto") -> Client:
-    """A Client of the running deployment `name`, from any driver (or a `ray job submit` entrypoint)."""
+def connect(name: str = "numaserve", address: str | None = None) -> Client:
+    """A Client of the running deployment `name`, from any driver (or a `ray job submit` entrypoint);
+    address: the Ray cluster's (default: RAY_ADDRESS, else the one `ray start` recorded)."""
     if not ray.is_initialized():
-        try:
-            ray.init(address=address, namespace=NAMESPACE)
-        except ConnectionError as e:
-            raise DeploymentError(f"no Ray cluster at {address!r} ({e}); start one with "
-                                  "`numaserve serve --config cluster_configs/local.yaml`") from None
+        found = find_address(address)
+        if found is None:
+            raise DeploymentError("no Ray cluster is running here (RAY_ADDRESS is unset and `ray start` "
+                                  "recorded none); start a deployment with `numaserve serve --detach`, or "
+                                  "pass --address")
+        join(found)
     try:
-        routers = [ray.get_actor(n, namespace=NAMESPACE) for n in router_names(name)] or [
+        routers = [ray.get_actor(n, namespace=NAMESPACE) for n in replica_names(name, "router")] or [
             ray.get_actor(f"{name}.router", namespace=NAMESPACE)]
         adapter_cache = ray.get_actor(f"{name}.adapters", namespace=NAMESPACE)
     except ValueError:
@@ -95,6 +95,24 @@ def shutdown(name: str = "numaserve", timeout_s: float = 30.0) -> None:
         time.sleep(0.1)  # names are released once the actors are dead
 
 
+def drain(name: str, timeout_s: float) -> int:
+    """Drains the deployment's HTTP actors together (actors/http_lifecycle.py): new requests get 503, those
+    in flight finish up to timeout_s, then are cancelled; -> how many were."""
+    https = [ray.get_actor(n, namespace=NAMESPACE) for n in replica_names(name, "http")]
+    refs = [h.drain.remote(timeout_s) for h in https]
+    try:
+        return sum(ray.get(refs, timeout=timeout_s + DRAIN_GRACE_S))
+    except ray.exceptions.RayError as e:  # an HTTP actor lost meanwhile: its requests went with it
+        log.warning("numaserve: draining %s: %s", name, type(e).__name__)
+        return 0
+
+
+def deployment_names() -> list[str]:
+    """The deployments running in this cluster (a deployment's name has no ".")."""
+    return sorted({a["name"].split(".")[0] for a in ray.util.list_named_actors(all_namespaces=True)
+                   if a["namespace"] == NAMESPACE})
+
+
 def deployment_actor_names(name: str) -> list[str]:
     return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
             if a["namespace"] == NAMESPACE and a["name"].startswith(f"{name}.")]
@@ -105,9 +123,9 @@ def replica_name(name: str, role: str, replica: int) -> str:
     return f"{name}.{role}" if replica == 0 else f"{name}.{role}.{replica}"
 
 
-def router_names(name: str) -> list[str]:
-    """The deployment's routers' actor names, in replica order."""
-    pattern = re.compile(rf"{re.escape(name)}\.router(?:\.(\d+))?")
+def replica_names(name: str, role: str) -> list[str]:
+    """The deployment's routers' (role "router") or HTTP actors' ("http") names, in replica order."""
+    pattern = re.compile(rf"{re.escape(name)}\.{role}(?:\.(\d+))?")
     found = [(int(m.group(1) or 0), n) for n in deployment_actor_names(name) if (m := pattern.fullmatch(n))]
     return [n for _, n in sorted(found)]
 
@@ -157,30 +175,24 @@ def _check_model(path: Path) -> None:
         load_spec(path)
 
 
-def init_ray(config: ClusterConfig, persistent: bool = False) -> None:
-    """Connect to the running Ray cluster; without one, start a single-machine one declaring its NUMA nodes:
-    in this process (it ends with it), or with `ray start --head` when persistent (the CLI's way)."""
+def init_ray(config: ClusterConfig, persistent: bool = False, address: str | None = None) -> bool:
+    """Join the live Ray cluster (address, else RAY_ADDRESS, else the one `ray start` recorded: never a hang
+    on a dead one, actors/ray_instance.py); without one, start a single-machine one declaring its NUMA
+    nodes, bound to loopback: in this process (it ends with it), or with `ray start --head` when persistent.
+    -> whether it started one."""
     if ray.is_initialized():
-        return
-    try:
-        ray.init(address="auto", namespace=NAMESPACE)
-        return
-    except ConnectionError:
-        pass
+        return False
+    found = find_address(address)
+    if found is not None:
+        join(found)
+        return False
     if len(config.machines) != 1:
         raise DeploymentError(f"no Ray cluster is running and the config spans {len(config.machines)} "
                               "machines; start Ray on each with its resources: " + _start_hints(config))
-    resources = config.ray_resources(config.machines[0].name)
-    if persistent:
-        ray_cli = Path(sys.executable).with_name("ray")
-        # the dashboard and its job server on loopback (Ray's default, said here so it stays so): whoever
-        # reaches them can run code on the cluster (README, "Limits, tenants and the threat model")
-        subprocess.run([str(ray_cli), "start", "--head", f"--resources={json.dumps(resources)}",
-                        f"--dashboard-host={LOOPBACK}"], check=True, stdout=subprocess.DEVNULL)
-        ray.init(address="auto", namespace=NAMESPACE)
-    else:
+    if not persistent:
         log.warning("numaserve: started Ray in this process; the deployment ends when it exits")
-        ray.init(namespace=NAMESPACE, resources=resources, dashboard_host=LOOPBACK)
+    start_local(config.ray_resources(config.machines[0].name), persistent)
+    return True
 
 
 def check_resources(config: ClusterConfig, placements: list[WorkerPlacement]) -> None:

@@ -7,6 +7,7 @@ worker's streaming generator with `await` (actors/request_stream.py), never a bl
 is detached with unlimited restarts like the others; a restarted one binds its port again. The endpoints'
 logic is OpenAIServing (actors/openai_serving.py); this file wires it to HTTP and to the Ray actors. GET
 /metrics renders the workers' metrics (actors/metrics.py), gathered by the router, in Prometheus text format.
+The app runs inside Lifecycle (actors/http_lifecycle.py): the access log, and drain() when serving stops.
 """
 
 import asyncio
@@ -29,6 +30,7 @@ from sse_starlette import EventSourceResponse
 
 from actors.adapter_cache import lookup_adapter
 from actors.chat_template import load_chat_template
+from actors.http_lifecycle import Lifecycle, log_access_to_stderr
 from actors.json_bodies import JSONBodies
 from actors.metrics import render
 from actors.openai_errors import APIError, InternalErrors, install_error_handlers
@@ -284,7 +286,9 @@ class HttpServer:
         # OSError: the actor fails to start
         sock = socket.create_server((config.host, config.port), family=family, reuse_port=share_port)
         self.url = f"http://{f'[{config.host}]' if ':' in config.host else config.host}:{config.port}"
-        self.server = _Server(uvicorn.Config(build_app(serving), lifespan="off", log_config=None,
+        self.lifecycle = Lifecycle(build_app(serving))
+        log_access_to_stderr()
+        self.server = _Server(uvicorn.Config(self.lifecycle, lifespan="off", log_config=None,
                                              log_level="warning", access_log=False,
                                              timeout_graceful_shutdown=1))
         self.serving = _actor_loop().create_task(self.server.serve(sockets=[sock]))
@@ -301,6 +305,10 @@ class HttpServer:
                 raise TimeoutError(f"the HTTP server did not start within {STARTUP_TIMEOUT_S:.0f} s")
             await asyncio.sleep(0.05)
         return self.url
+
+    async def drain(self, timeout_s: float) -> int:
+        """Answers new requests 503 from now on; -> how many in flight were cancelled after timeout_s."""
+        return await self.lifecycle.drain(timeout_s)
 
     async def stats(self) -> dict:
         """This actor's own figures: completions and chat choices it opened, its process id."""

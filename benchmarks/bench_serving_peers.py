@@ -63,10 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 class Server:
-    """One server under test: its process (or, for numaserve, the CLI that deploys it), its base URL."""
+    """One server under test: its process, its base URL."""
 
-    def __init__(self, name: str, argv: list[str], port: int, stop: tuple[list[str], ...] = ()):
-        self.name, self.port, self.stop_argvs = name, port, stop
+    def __init__(self, name: str, argv: list[str], port: int):
+        self.name, self.port = name, port
         self.url = f"http://127.0.0.1:{port}/v1"
         # its output, for a failure's message (closed in close())
         self.log = tempfile.NamedTemporaryFile("w", prefix=f"{name}-", suffix=".log", delete=False)  # noqa: SIM115
@@ -86,8 +86,6 @@ class Server:
         raise RuntimeError(f"{self.name} did not answer within {START_TIMEOUT_S} s (log: {self.log.name})")
 
     def close(self) -> None:
-        for stop in self.stop_argvs:
-            subprocess.run(stop, cwd=REPO, check=False, capture_output=True)
         if self.proc.poll() is None:
             self.proc.terminate()
             try:
@@ -102,11 +100,8 @@ def start_servers(args, num_slots: int) -> dict[str, Server]:
     port = free_port()
     ours = Server("numaserve", [str(bin_dir / "numaserve"), "serve", "--config", "cluster_configs/local.yaml",
                                 "--model", args.gguf, "--http-port", str(port), "--name", "bench-peers",
-                                "--served-model-name", "model"], port,
-                  # `numaserve shutdown` leaves the Ray instance `serve` started: stop that too
-                  stop=([str(bin_dir / "numaserve"), "shutdown", "--name", "bench-peers"],
-                        [str(bin_dir / "ray"), "stop", "--force"]))
-    ours.proc.wait()  # the CLI deploys, then returns (the deployment stays up in Ray)
+                                "--served-model-name", "model", "--drain-timeout-s", "5"], port)
+    # in the foreground: close()'s SIGTERM drains it and stops the Ray instance it started
     port = free_port()
     context = num_slots * (args.prompt_len + args.max_tokens + 16)
     theirs = Server("llama-server", [str(llama_server_binary()), "-m", args.gguf, "--host", "127.0.0.1",

@@ -95,17 +95,38 @@ def cmd_serve(args) -> None:
         from cluster_configs.cluster_config import ClusterConfig
         config = ClusterConfig.model_validate(config.model_dump()
                                               | {"http": config.http.model_dump() | limits})
-    deploy.init_ray(config, persistent=True)  # starts `ray start --head` if no cluster is running
-    client = deploy.serve(config, name=args.name)
+    if not args.detach:
+        from numaserve.foreground import serve_foreground
+
+        serve_foreground(config, args.name, args.address, args.drain_timeout_s,
+                         lambda client: _announce(args.name, config, client))
+        return
+    from actors import ray_instance
+
+    started = deploy.init_ray(config, persistent=True, address=args.address)  # `ray start --head` if none
+    try:
+        client = deploy.serve(config, name=args.name)
+    except BaseException:
+        if started:
+            ray_instance.stop_session(ray_instance.current_session())
+        raise
+    if started:
+        ray_instance.record_started(args.name)  # `numaserve shutdown` stops it too
+    _announce(args.name, config, client)
+    print(f"detached; stop with `numaserve shutdown --name {args.name}`"
+          + (" (it stops the Ray instance started here too)" if started else ""))
+
+
+def _announce(name: str, config, client) -> None:
     stats = client.stats()
-    print(f"numaserve: {args.name!r} serves {config.model} with {len(stats['workers'])} workers")
+    print(f"numaserve: {name!r} serves {config.model} with {len(stats['workers'])} workers")
     for worker_id, w in stats["workers"].items():
         info = w.get("info", {})
         print(f"  {worker_id}: cores {info.get('cpu_ids')}, {info.get('num_threads')} threads, "
               f"memory {info.get('memory_policy')}")
     if client.http_url is not None:
         print(f"OpenAI-compatible API at {client.http_url}/v1 (metrics at {client.http_url}/metrics)")
-    print(f"connect with numaserve.connect({args.name!r}); stop with `numaserve shutdown --name {args.name}`")
+    print(f"connect with numaserve.connect({name!r})", flush=True)
 
 
 def _origins(values: list[str] | None) -> tuple[str, ...] | None:
@@ -144,10 +165,17 @@ def _positive(kind: type, fix: str):
 
 
 def cmd_shutdown(args) -> None:
-    from actors import deploy
+    from actors import deploy, ray_instance
 
     deploy.connect(args.name, args.address).shutdown()
-    print(f"numaserve: {args.name!r} shut down")
+    session = ray_instance.started_session(args.name)
+    others = deploy.deployment_names()  # they use that instance too
+    if session is None or others:
+        print(f"numaserve: {args.name!r} shut down" + (
+            f"; the Ray instance it started runs on for {', '.join(others)}" if session and others else ""))
+        return
+    num_processes = ray_instance.stop_session(session)
+    print(f"numaserve: {args.name!r} shut down, and the Ray instance it started ({num_processes} processes)")
 
 
 def cmd_calibrate(args) -> None:
@@ -216,8 +244,9 @@ def _add_cluster_parsers(sub) -> None:
     from actors.tool_parsers import TOOL_PARSERS
 
     serve = sub.add_parser("serve", formatter_class=HelpFormatter,
-                           help="start a deployment on the Ray cluster (starting a head if none runs), with "
-                                "an OpenAI-compatible HTTP API when given --http-port")
+                           help="run a deployment on the Ray cluster (starting a local instance if none "
+                                "runs), with an OpenAI-compatible HTTP API when given --http-port, in the "
+                                "foreground until Ctrl-C / SIGTERM (or --detach)")
     serve.add_argument("--config",
                        default=str(Path(__file__).parent.parent / "cluster_configs" / "local.yaml"),
                        help="ClusterConfig YAML (default: cluster_configs/local.yaml)")
@@ -255,6 +284,13 @@ def _add_cluster_parsers(sub) -> None:
                             "their mean (default: the config's http.pooling, last)")
     serve.add_argument("--served-model-name", help="the name requests give as `model` (default: the config's "
                                                    "http.served_model_name, else the model folder's name)")
+    serve.add_argument("--detach", action="store_true",
+                       help="start the deployment and return; it runs on (in a Ray instance started with "
+                            "`ray start` if none runs) until `numaserve shutdown`")
+    serve.add_argument("--drain-timeout-s", type=_positive(float, "give seconds above 0, e.g. 30"),
+                       default=30.0,
+                       help="on Ctrl-C / SIGTERM (not --detach): seconds the requests in flight may take to "
+                            "finish, while new ones get 503; then they are aborted")
     serve.set_defaults(func=cmd_serve)
     stats = sub.add_parser("stats", formatter_class=HelpFormatter,
                            help="print a deployment's workers, routing, policy and decisions as JSON, or "
@@ -270,12 +306,15 @@ def _add_cluster_parsers(sub) -> None:
                        help="with --watch: stop after this many refreshes (default: until Ctrl-C)")
     stats.set_defaults(func=cmd_stats)
     shutdown = sub.add_parser("shutdown", formatter_class=HelpFormatter,
-                              help="stop every actor of a deployment")
+                              help="stop every actor of a detached deployment, and the Ray instance if it "
+                                   "started one")
     shutdown.set_defaults(func=cmd_shutdown)
     for p in (serve, stats, shutdown):
         p.add_argument("--name", default="numaserve", help="deployment name")
-    for p in (stats, shutdown):
-        p.add_argument("--address", default="auto", help="Ray cluster address")
+    for p in (serve, stats, shutdown):
+        p.add_argument("--address", help="the Ray cluster's host:port, checked within 2 s (default: "
+                                         "RAY_ADDRESS, else the cluster `ray start` recorded if it answers, "
+                                         "else for serve a new local instance); `local` always starts one")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,4 +1,4 @@
-"""`numaserve serve --config`, `numaserve stats`, `numaserve shutdown`, and their bad input."""
+"""`numaserve serve --config --detach`, `numaserve stats`, `numaserve shutdown`, and their bad input."""
 
 import json
 
@@ -16,11 +16,13 @@ NAME = "cli"
 def test_serve_stats_shutdown(ray_cluster, llama_dir, capsys):
     port = free_port()
     assert main(["serve", "--config", str(CONFIGS / "two_numa_sim.yaml"), "--model", str(llama_dir),
-                 "--name", NAME, "--http-port", str(port), "--served-model-name", "tiny"]) == 0
+                 "--name", NAME, "--http-port", str(port), "--served-model-name", "tiny", "--detach"]) == 0
     out = capsys.readouterr().out
     assert f"'{NAME}' serves {llama_dir} with 2 workers" in out
     assert "local-numa0-0: cores [0], 1 threads" in out and "local-numa1-0: cores [1], 1 threads" in out
     assert f"OpenAI-compatible API at http://127.0.0.1:{port}/v1" in out
+    assert f"detached; stop with `numaserve shutdown --name {NAME}`" in out  # the session's Ray: not its own
+    assert "Ray instance" not in out
     try:
         models = requests.get(f"http://127.0.0.1:{port}/v1/models", timeout=30).json()
         assert [m["id"] for m in models["data"]] == ["tiny"]
