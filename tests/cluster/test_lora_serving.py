@@ -10,9 +10,9 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import httpx
 import pytest
 import ray
+import requests
 from ray.util.state import list_actors
 
 import numaserve as ns
@@ -120,7 +120,7 @@ def test_an_adapter_registered_over_one_model_is_neither_offered_nor_loaded_over
     def offered(client) -> tuple[set[str], set[str]]:
         """(the adapter cache's adapters, the adapters /v1/models lists)"""
         cache = ray.get_actor(f"{name}.adapters", namespace="numaserve")
-        models = httpx.get(f"{client.http_url}/v1/models", timeout=30).json()["data"]
+        models = requests.get(f"{client.http_url}/v1/models", timeout=30).json()["data"]
         return set(ray.get(cache.adapters.remote())), {m["id"] for m in models if m.get("parent")}
 
     client = ns.serve(config, model=llama_dir, name=name)
