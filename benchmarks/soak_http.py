@@ -23,8 +23,10 @@ from benchmarks.bench_soak import MAX_CONCURRENT, drained
 
 REQUEST_TIMEOUT_S = 20.0  # a request silent this long counts as hung (the longest takes a few seconds)
 KINDS = {"plain": 0.6, "adapter": 0.2, "disconnect": 0.1, "deadline": 0.1}
-DEADLINE_S = 0.05  # far too short for DEADLINE_MAX_TOKENS: the engine aborts the request
-DEADLINE_MAX_TOKENS = 300
+DEADLINE_S = 0.05  # far too short for LONG_MAX_TOKENS: the engine aborts the request
+# disconnects and deadlines ask this many, so that the close or the abort lands mid-stream (a 30 s run with
+# the plain lengths for disconnects: 7 of 9 had finished before their third chunk)
+LONG_MAX_TOKENS = 300
 WORDS = ["def", "add", "(", "a", ",", "b", ")", ":", "return", "the", "quick", "brown", "fox", "jumps",
          "over", "lazy", "dog", "numaserve", "serves", "language", "models", "on", "CPUs", "one", "worker",
          "per", "NUMA", "node", "in", "beginning", "was", "word"]
@@ -53,8 +55,10 @@ def one_request(api: openai.OpenAI, model: str, adapter: str | None, seed: int, 
     text = " ".join(rng.choice(WORDS, int(rng.integers(2, 24))))
     extra = {"ignore_eos": True, "seed": seed}
     max_tokens = int(rng.choice([4, 16, 32, 64]))
+    if kind in ("disconnect", "deadline"):
+        max_tokens = LONG_MAX_TOKENS
     if kind == "deadline":
-        extra["deadline_s"], max_tokens = DEADLINE_S, DEADLINE_MAX_TOKENS
+        extra["deadline_s"] = DEADLINE_S
     kwargs = {"model": adapter if kind == "adapter" else model, "max_tokens": max_tokens,
               "temperature": 0.0 if rng.random() < 0.5 else 0.8, "stream": stream, "extra_body": extra}
     start = time.monotonic()
