@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import openai
 
-from benchmarks.bench_soak import MAX_CONCURRENT, drained
+from benchmarks.bench_soak import MAX_CONCURRENT, drained, warm
 
 REQUEST_TIMEOUT_S = 20.0  # a request silent this long counts as hung (the longest takes a few seconds)
 KINDS = {"plain": 0.6, "adapter": 0.2, "disconnect": 0.1, "deadline": 0.1}
@@ -126,7 +126,7 @@ def run_http_soak(client, duration_s: float, rate_per_s: float, adapter: str | N
     api = openai.OpenAI(base_url=f"{client.http_url}/v1", api_key="unused", max_retries=0,
                         timeout=REQUEST_TIMEOUT_S)
     model = api.models.list().data[0].id
-    api.completions.create(model=model, prompt="warm", max_tokens=2)  # the stats below: a serving deployment
+    warm(client, adapter)
     rss_before = {w: f[3] for w, f in drained(client, 30).items()}
     slots = threading.BoundedSemaphore(MAX_CONCURRENT)
     futures, t0 = [], time.monotonic()
