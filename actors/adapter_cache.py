@@ -1,57 +1,33 @@
 """AdapterCache: the deployment's LoRA adapters. It alone reads adapter directories: it validates an adapter
 against the served model at registration (scheduling/adapter_store.py), keeps the registry in a JSON file
-so a restarted cache (or deployment) still serves it, and holds the loaded tensors, least recently used
-out past max_bytes. A worker asks for an adapter by name and gets it through the object store, put there
-once per load and shared by every worker that asks: workers on other machines need no shared filesystem.
+so a restarted cache, or a later deployment of the same name over the same model, still serves it
+(scheduling/adapter_registry.py), and holds the loaded tensors, least recently used out past max_bytes. A
+worker asks for an adapter by name and gets it through the object store, put there once per load and shared
+by every worker that asks: workers on other machines need no shared filesystem.
 It also keeps the merged copies workers build (scheduling/lora_planner.py), so each is built once.
 """
 
 import asyncio
-import json
-import os
 from collections import OrderedDict
-from pathlib import Path
 
 import ray
 from ray.exceptions import RayActorError
 
-from cluster_configs.errors import AdapterError
 from models.loader import read_spec
-from scheduling.adapter_store import AdapterSource, AdapterStore
+from scheduling.adapter_registry import AdapterRegistry, model_identity
+from scheduling.adapter_store import AdapterStore
 
 LOOKUP_TIMEOUT_S = 60.0  # a restarting cache is waited for this long
 
 
-class AdapterRegistry:
-    """The registry's file: {name: directory | {"weights": {...}, "combination": ...}}."""
-
-    def __init__(self, path: str | Path):
-        self.path = Path(path).expanduser()
-
-    def read(self) -> dict[str, AdapterSource]:
-        if not self.path.exists():
-            return {}
-        try:
-            return {name: AdapterSource.from_json(v)
-                    for name, v in dict(json.loads(self.path.read_text())).items()}
-        except (ValueError, TypeError) as e:
-            raise AdapterError(f"{self.path}: the adapter registry is not a JSON object of adapter sources "
-                               f"({e}); fix or delete the file") from None
-
-    def write(self, sources: dict[str, AdapterSource]) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({n: s.to_json() for n, s in sources.items()}, indent=2, sort_keys=True))
-        os.replace(tmp, self.path)  # atomic: a crash leaves the old registry or the new one
-
-
 @ray.remote(num_cpus=0)
 class AdapterCache:
-    def __init__(self, registry_path: str, model_path: str, max_lora_rank: int,
+    def __init__(self, registry_path: str, deployment: str, model_path: str, max_lora_rank: int,
                  adapter_roots: tuple[str, ...] | None = None, max_bytes: int | None = None,
                  max_merged_bytes: int = 0):
-        self.registry = AdapterRegistry(registry_path)
-        self.store = AdapterStore(read_spec(model_path), max_lora_rank, adapter_roots, max_bytes=max_bytes)
+        spec = read_spec(model_path)
+        self.registry = AdapterRegistry(registry_path, deployment, model_identity(model_path, spec))
+        self.store = AdapterStore(spec, max_lora_rank, adapter_roots, max_bytes=max_bytes)
         for name, source in self.registry.read().items():
             self.store.restore(name, source)  # loaded when first asked for
         self._refs: dict[str, ray.ObjectRef] = {}  # the loaded adapters, in the object store

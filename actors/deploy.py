@@ -227,7 +227,7 @@ def _start(config: ClusterConfig, placements: list[WorkerPlacement], name: str) 
     detached = {"namespace": NAMESPACE, "lifetime": "detached", "max_restarts": -1}
     registry = config.adapter_registry or str(Path.home() / ".cache" / "numaserve" / f"adapters-{name}.json")
     adapter_cache = AdapterCache.options(name=f"{name}.adapters", resources=HEAD, **detached).remote(
-        registry, config.model, config.engine.max_lora_rank, config.engine.adapter_roots,
+        registry, name, config.model, config.engine.max_lora_rank, config.engine.adapter_roots,
         config.adapter_cache_bytes, config.engine.lora_merged_bytes)
     limits = PolicyLimits(config.engine.max_num_batched_tokens, config.engine.max_num_seqs,
                           config.max_queued_per_worker, config.target_step_ms / 1000)

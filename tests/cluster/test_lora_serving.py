@@ -1,6 +1,8 @@
 """Multi-LoRA through the deployment of two_numa_sim.yaml: adapters registered from a directory only the
 adapter-cache actor reads (it is gone before any worker could), composed through the client, mixed in one
-concurrent batch with base requests; each request gets the greedy tokens it gets alone in-process."""
+concurrent batch with base requests; each request gets the greedy tokens it gets alone in-process.
+Registrations are kept per deployment name and base model: another model deployed under the name neither
+offers nor loads them, the first model deployed again does."""
 
 import json
 import shutil
@@ -10,11 +12,13 @@ from pathlib import Path
 
 import pytest
 import ray
+import requests
 from ray.util.state import list_actors
 
 import numaserve as ns
-from tests.cluster.conftest import collect, paused, sim_config, wait_for
+from tests.cluster.conftest import collect, free_port, paused, sim_config, wait_for
 from tests.conftest import random_prompt
+from tests.model_factory import build_model
 from tests.test_lora import make_adapter
 
 NAME = "lora-serving"
@@ -101,6 +105,43 @@ def test_mixed_adapters_through_the_client_equal_each_alone(ray_cluster, llama_d
         fresh = random_prompt(9, seed=99)
         assert client.generate(fresh, GREEDY, adapter="mix").token_ids == \
             reference.generate(fresh, GREEDY, adapter="mix")[0].token_ids
+    finally:
+        client.shutdown()
+
+
+def test_an_adapter_registered_over_one_model_is_neither_offered_nor_loaded_over_another(
+        ray_cluster, llama_dir, adapter_dirs, tmp_path):
+    other = tmp_path / "other-llama"  # the same shapes (an adapter of the first would load), another model
+    build_model(other, "llama", seed=5)
+    config = sim_config("two_numa_sim", adapter_registry=str(tmp_path / "adapters.json"),
+                        http={"port": free_port()})
+    name = f"{NAME}-models"
+
+    def offered(client) -> tuple[set[str], set[str]]:
+        """(the adapter cache's adapters, the adapters /v1/models lists)"""
+        cache = ray.get_actor(f"{name}.adapters", namespace="numaserve")
+        models = requests.get(f"{client.http_url}/v1/models", timeout=30).json()["data"]
+        return set(ray.get(cache.adapters.remote())), {m["id"] for m in models if m.get("parent")}
+
+    client = ns.serve(config, model=llama_dir, name=name)
+    try:
+        client.register_adapter("a", adapter_dirs["a"])
+        assert offered(client) == ({"a"}, {"a"})
+        expected = client.generate([5, 6, 7], GREEDY, adapter="a").token_ids
+    finally:
+        client.shutdown()
+    client = ns.serve(config, model=other, name=name)
+    try:
+        assert offered(client) == (set(), set())
+        with pytest.raises(ns.InvalidRequest, match="unknown adapter 'a'"):
+            client.generate([5, 6, 7], GREEDY, adapter="a")
+        assert client.stats()["adapter_cache"]["adapter_misses"] == 0  # never loaded
+    finally:
+        client.shutdown()
+    client = ns.serve(config, model=llama_dir, name=name)
+    try:
+        assert offered(client) == ({"a"}, {"a"})
+        assert client.generate([5, 6, 7], GREEDY, adapter="a").token_ids == expected
     finally:
         client.shutdown()
 

@@ -243,7 +243,9 @@ def test_adapters_are_validated_persisted_across_a_restart_and_served(client, ll
     client.register_adapter("a", adapter)  # the same again: a no-op
     with pytest.raises(ns.AdapterError, match="is taken by"):
         client.register_adapter("a", make_adapter(llama_dir, tmp_path / "a2", seed=2))
-    assert json.loads(Path(config.adapter_registry).read_text()) == {"a": str(adapter)}
+    [registration] = json.loads(Path(config.adapter_registry).read_text())["registrations"]
+    assert registration["deployment"] == NAME and registration["adapters"] == {"a": str(adapter)}
+    assert registration["model"]["path"] == str(Path(llama_dir).resolve())
 
     def cache_process():
         [state] = list_actors(filters=[("name", "=", f"{NAME}.adapters")])
