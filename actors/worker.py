@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import ray
 
-from actors.caller_lease import CHECK_INTERVAL_S, CallerLeases
+from actors.caller_lease import CHECK_INTERVAL_S, CallerGone, CallerLeases
 from actors.delta_stream import DeltaStream, merge
 from actors.messages import (
     Abort,
@@ -122,7 +122,9 @@ class NumaWorker:
     async def _expire_leases(self) -> None:
         while self._leases.request_ids:
             for request_id in self._leases.expire(time.monotonic()):
-                self._inbox.put(Abort(request_id))  # its stream ends with the abort's output
+                stream = self._streams.get(request_id)
+                if stream is not None:
+                    stream.put(CallerGone(request_id))
             await asyncio.sleep(CHECK_INTERVAL_S)
 
     def _refuse_past_bound(self, admission_id: str | None) -> None:
@@ -152,7 +154,7 @@ class NumaWorker:
                    make: Callable[[str | None], Request], sequence_id: str | None = None
                    ) -> AsyncIterator[tuple[RequestOutput, Request]]:
         """Submit make(adapter)'s request once its adapter is here, and yield its merged deltas (with it)
-        until it finishes; a caller that goes away (or is cancelled) aborts it."""
+        until it finishes; a caller that goes away (cancelled, or its lease lapsed) aborts it."""
         loop = self._bind()
         if request_id in self._streams:
             raise InvalidRequest(f"request id {request_id!r} is already running on this worker; "
@@ -176,6 +178,8 @@ class NumaWorker:
             while not finished:
                 items = await stream.take()
                 failure = next((i for i in items if isinstance(i, Exception)), None)
+                if isinstance(failure, CallerGone):
+                    return  # aborted below, nothing sent: nobody reads it
                 if failure is not None:
                     raise failure
                 chunk = merge(request_id, items)

@@ -32,13 +32,14 @@ def test_a_silent_callers_requests_expire_once_after_the_lease_and_a_renewing_ca
     assert set(leases.request_ids) == {"alive"}
 
 
-def test_a_late_check_extends_every_lease_instead_of_expiring():
+def test_a_late_check_expires_nothing_and_the_next_one_sees_the_renewals_queued_behind_the_stall():
     leases = CallerLeases(LEASE_S, LATE_S)
-    leases.add("c", "r", 0.0)
+    for caller in ("alive", "dead"):
+        leases.add(caller, caller, 0.0)
     assert leases.expire(0.0) == []
-    assert leases.expire(5.0) == []  # the worker's loop stalled 5 s: the caller's renewals queued behind it
-    assert ticking(leases, 5.0 + CHECK_INTERVAL_S, 5.0 + LEASE_S - 0.01) == []  # a full lease from the stall
-    assert ticking(leases, 5.0 + LEASE_S, 5.0 + LEASE_S + 0.2) == ["r"]
+    assert leases.expire(5.0) == []  # the worker's loop stalled 5 s: the callers' renewals queued behind it
+    leases.renew("alive", 5.01)  # run just after the late check
+    assert ticking(leases, 5.0 + CHECK_INTERVAL_S, 5.0 + LEASE_S) == ["dead"]  # at the first check on time
 
 
 def test_a_caller_with_no_requests_left_is_forgotten_and_its_late_renewal_leaves_nothing():

@@ -126,10 +126,17 @@ def test_a_killed_driver_has_its_requests_aborted_within_a_second(client, ray_cl
         wait_freed(handles, idle_blocks, start, GONE_WITHIN_S + round_trip, "driver killed (SIGKILL)")
 
 
+def healthy(url: str) -> bool:
+    try:
+        return requests.get(f"{url}/health", timeout=5).ok
+    except requests.ConnectionError:
+        return False
+
+
 @pytest.mark.parametrize("how", ["http actor killed", "connection dropped"])
 def test_http_callers_gone_have_their_requests_aborted_within_a_second(client, how):
     api = openai.OpenAI(base_url=f"{client.http_url}/v1", api_key="unused", max_retries=0)
-    wait_for(lambda: requests.get(f"{client.http_url}/health", timeout=5).ok, 120, "the HTTP server")
+    wait_for(lambda: healthy(client.http_url), 120, "the HTTP server (restarted, after its kill)")
     handles, idle_blocks, round_trip = idle_state(client)
     with ThreadPoolExecutor(NUM_STREAMS) as pool, paused(client):
         # each returns once its first token is out (the server's headers wait for it)
