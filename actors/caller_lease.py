@@ -27,7 +27,8 @@ LATE_CHECK_S = 0.25  # a check this long after the previous one follows a stall 
 
 class CallerGone(Exception):
     """Put in the stream of a request whose caller's lease lapsed: the worker aborts it and ends its stream
-    without a last chunk (sending one to a dead caller stalled the worker's event loop ~1 s: measured)."""
+    without a last chunk. (Yielding the abort's chunk to the dead caller instead, a stats call to the worker
+    just after waited 1.0 s, in both runs that met it; without that chunk, none did.)"""
 
 
 class CallerLeases:
