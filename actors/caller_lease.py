@@ -5,7 +5,7 @@ Ray gives nothing fast enough for free (measured on Ray 2.60, this machine, 5 tr
 async streaming generator is not cancelled when its caller dies, neither a driver killed with SIGKILL nor an
 actor killed with ray.kill (no CancelledError within 15 s; it yields on into a stream nobody owns); a worker
 awaiting an ObjectRef the caller owns gets OwnerDiedError 2.02-2.04 s after the kill, every time (a fixed
-delay in Ray's owner-death detection). So each caller holds a lease on the workers it streams from: it renews
+delay, whatever its cause in Ray). So each caller holds a lease on the workers it streams from: it renews
 it every RENEW_INTERVAL_S with one call per worker (not per request or per chunk), and a worker whose lease
 from a caller is older than LEASE_S aborts that caller's requests. A kill lands at most RENEW_INTERVAL_S after
 a renewal, so its requests end LEASE_S - RENEW_INTERVAL_S .. LEASE_S after it, plus one check interval and
