@@ -40,6 +40,7 @@ class CallerLeases:
         self.renewed: dict[str, float] = {}  # caller id -> its last renewal (or its first request here)
         self.request_ids: dict[str, set[str]] = {}  # caller id -> its requests streaming here
         self._last_check: float | None = None
+        self.num_expired = 0  # callers whose lease lapsed (a live one among them lost its requests)
 
     def add(self, caller_id: str, request_id: str, now: float) -> None:
         if caller_id not in self.request_ids:
@@ -68,6 +69,7 @@ class CallerLeases:
             return []
         lapsed = [c for c, at in self.renewed.items() if now - at > self.lease_s]
         expired: list[str] = []
+        self.num_expired += len(lapsed)
         for caller_id in lapsed:
             del self.renewed[caller_id]
             expired += sorted(self.request_ids.pop(caller_id))

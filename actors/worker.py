@@ -211,7 +211,8 @@ class NumaWorker:
 
     async def stats(self) -> dict:
         return await self._ask(StatsQuery) | {"num_streams": len(self._streams),
-                                              "num_requests": self._num_requests}
+                                              "num_requests": self._num_requests,
+                                              "num_callers_expired": self._leases.num_expired}
 
     async def pause(self) -> None:
         """Take no step until resume(): requests in flight stay where they are (none finishes, none is lost).

@@ -29,7 +29,7 @@ def test_a_silent_callers_requests_expire_once_after_the_lease_and_a_renewing_ca
     assert ticking(leases, 0.0, LEASE_S - 0.01, renew={"alive": 0.2}) == []
     assert ticking(leases, LEASE_S, LEASE_S + 2 * CHECK_INTERVAL_S, renew={"alive": 0.2}) == ["d1", "d2"]
     assert ticking(leases, LEASE_S + 0.2, 30.0, renew={"alive": 0.2}) == []
-    assert set(leases.request_ids) == {"alive"}
+    assert set(leases.request_ids) == {"alive"} and leases.num_expired == 1
 
 
 def test_a_late_check_expires_nothing_and_the_next_one_sees_the_renewals_queued_behind_the_stall():

@@ -126,6 +126,7 @@ def test_a_killed_driver_has_its_requests_aborted_within_a_second(client, ray_cl
             driver.kill()
             driver.wait()
         wait_freed(handles, idle_blocks, start, GONE_WITHIN_S + round_trip, "driver killed (SIGKILL)")
+    assert sum(s["num_callers_expired"] for s in ray.get([w.stats.remote() for w in handles])) >= 1
 
 
 def healthy(url: str) -> bool:
