@@ -6,7 +6,8 @@ tokenized and validated in this actor's thread pool, placed by the router and st
 worker's streaming generator with `await` (actors/request_stream.py), never a blocking ray.get. The actor
 is detached with unlimited restarts like the others; a restarted one binds its port again. The endpoints'
 logic is OpenAIServing (actors/openai_serving.py); this file wires it to HTTP and to the Ray actors. GET
-/metrics renders the workers' metrics (actors/metrics.py), gathered by the router, in Prometheus text format.
+/metrics renders the workers' metrics (actors/metrics.py), gathered by the router, and this actor's request
+counts (actors/http_metrics.py) in Prometheus text format.
 The app runs inside Lifecycle (actors/http_lifecycle.py): the access log, and drain() when serving stops.
 """
 
@@ -16,6 +17,7 @@ import hashlib
 import importlib.metadata
 import os
 import socket
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -31,6 +33,7 @@ from sse_starlette import EventSourceResponse
 from actors.adapter_cache import lookup_adapter
 from actors.chat_template import load_chat_template
 from actors.http_lifecycle import Lifecycle, log_access_to_stderr
+from actors.http_metrics import CountRequests
 from actors.json_bodies import JSONBodies
 from actors.metrics import render
 from actors.openai_errors import APIError, InternalErrors, install_error_handlers
@@ -165,9 +168,11 @@ class RayDeployment:
 def build_app(serving: OpenAIServing) -> FastAPI:
     app = FastAPI(title="numaserve", summary="OpenAI-compatible API of a numaserve deployment")
     install_error_handlers(app)
-    # the last added is the outermost: ids first, then CORS, then a bug's 500, then the body checks
+    # the last added is the outermost: ids, CORS, the request counts, a bug's 500, then the body checks
     app.add_middleware(JSONBodies, max_bytes=MAX_BODY_BYTES)
     app.add_middleware(InternalErrors)
+    http_requests: Counter = Counter()  # (handler, method, status) -> n, for /metrics
+    app.add_middleware(CountRequests, counts=http_requests)
     origins = serving.tenancy.config.allowed_origins
     if origins:  # a preflight is answered before the body checks (API keys go in a header)
         app.add_middleware(CORSMiddleware, allow_origins=list(origins), allow_methods=["*"],
@@ -224,7 +229,8 @@ def build_app(serving: OpenAIServing) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(render(await serving.deployment.metrics()), media_type=CONTENT_TYPE_LATEST)
+        return Response(render(await serving.deployment.metrics(), http_requests),
+                        media_type=CONTENT_TYPE_LATEST)
 
     return app
 

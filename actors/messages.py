@@ -56,6 +56,8 @@ class GenerateRequest:
     # a session sequence's turn: prompt_token_ids are its history + the new input, and the worker goes on from
     # the live KV it keeps under this id (or builds it: the first turn, or after a worker's loss)
     sequence_id: str | None = None
+    # the caller's lease (actors/caller_lease.py): the request is aborted once the caller stops renewing it
+    caller_id: str | None = None
 
 
 @dataclass(frozen=True)

@@ -3,12 +3,14 @@ NUMA node.
 
 Each worker's loop thread keeps a WorkerMetrics: it times each request from its submission (queue time,
 time to first token, inter-token latency, end-to-end latency) and counts prompt and generation tokens and
-finished requests by reason, from the engine's outputs; prefix-cache queries and hits and preemptions from
-each step's StepStats; running / waiting requests and KV usage are gauges of the engine's stats. It records
+finished requests by reason, from the engine's outputs; prefix-cache queries and hits, preemptions and each
+speculation method's drafts and accepted tokens from each step's StepStats; running / waiting requests, KV
+usage and KV blocks in use are gauges of the engine's stats. It records
 all of them with
 ray.util.metrics, for Ray's per-node Prometheus export and dashboard (where Ray's rules make the names
 `ray_numaserve_...`), and keeps exact copies that its stats carry: the router gathers those
-(Router.metrics) and `render` turns them into the Prometheus text the HTTP server answers at GET /metrics.
+(Router.metrics) and `render` turns them, with the HTTP actor's request counts (actors/http_metrics.py), into
+the Prometheus text the HTTP server answers at GET /metrics.
 """
 
 import bisect
@@ -50,6 +52,7 @@ GAUGES = (
     Metric("num_requests_running", "gauge", "Requests in the worker's running batch"),
     Metric("num_requests_waiting", "gauge", "Requests queued on the worker, not yet running"),
     Metric("kv_cache_usage_perc", "gauge", "Fraction of the worker's KV blocks in use (1 = full)"),
+    Metric("kv_cache_used_blocks", "gauge", "KV blocks in use on the worker (a request's, or a session's)"),
 )
 # counted from the engine's StepStats
 ENGINE_COUNTERS = (
@@ -63,6 +66,18 @@ COUNTERS = (
 )
 REQUEST_SUCCESS = Metric("request_success", "counter", "Finished requests by finish reason (abort: cancelled "
                                                        "or its client went away)")
+METHOD = "method"
+# counted from the engine's StepStats.drafts, per speculation method (vLLM's names, labelled by method)
+SPEC_DECODE = (
+    Metric("spec_decode_num_drafts", "counter", "Requests' drafts verified (one per request per step)"),
+    Metric("spec_decode_num_draft_tokens", "counter", "Draft tokens verified"),
+    Metric("spec_decode_num_accepted_tokens", "counter", "Draft tokens accepted"),
+)
+# the HTTP actor's, by route template, method and status code: prometheus-fastapi-instrumentator's name and
+# labels, as vLLM's API server exports it (unprefixed), with the exact status code rather than "2xx"
+HTTP_REQUESTS = Metric("http_requests_total", "counter", "HTTP requests answered, by handler, method and "
+                                                         "status code")
+HTTP_LABELS = ("handler", "method", "status")
 HISTOGRAMS = (
     Metric("time_to_first_token_seconds", "histogram", "From submission to the worker to the first token",
            _LATENCY_BUCKETS),
@@ -73,7 +88,7 @@ HISTOGRAMS = (
     Metric("request_queue_time_seconds", "histogram",
            "From submission to the worker to its first scheduled step", _REQUEST_BUCKETS),
 )
-ALL = (*GAUGES, *ENGINE_COUNTERS, *COUNTERS, REQUEST_SUCCESS, *HISTOGRAMS)
+ALL = (*GAUGES, *ENGINE_COUNTERS, *COUNTERS, REQUEST_SUCCESS, *SPEC_DECODE, *HISTOGRAMS)
 
 
 def full_name(metric: Metric) -> str:
@@ -95,6 +110,7 @@ class WorkerMetrics:
         self.labels = {"model_name": model_name, "worker": worker_id, "numa_node": str(numa_node)}
         self.counters = dict.fromkeys((m.name for m in (*ENGINE_COUNTERS, *COUNTERS)), 0)
         self.finished = dict.fromkeys(FINISH_REASONS, 0)
+        self.spec_decode: dict[str, dict[str, int]] = {}  # method -> SPEC_DECODE name -> count
         self.histograms = {m.name: _Histogram(m.buckets) for m in HISTOGRAMS}
         self.timings: dict[str, _Timing] = {}  # the requests submitted through the worker and not finished
         self.unscheduled: set[str] = set()  # of those, the ones no step has run yet
@@ -115,13 +131,20 @@ class WorkerMetrics:
         self._count("prefix_cache_queries", stats.num_prefix_lookup_tokens)
         self._count("prefix_cache_hits", stats.num_prefix_hit_tokens)
         self._count("num_preemptions", len(stats.preempted_ids))
+        for d in stats.drafts:
+            counts = self.spec_decode.setdefault(d.method, dict.fromkeys((m.name for m in SPEC_DECODE), 0))
+            for m, n in zip(SPEC_DECODE, (d.num_drafts, d.num_draft_tokens, d.num_accepted_tokens)):
+                counts[m.name] += n
+                if n:  # (Ray's counters refuse 0)
+                    self._ray[m.name].inc(n, self.labels | {METHOD: d.method})
         self.outputs(step.outputs)
         now = time.perf_counter()
         if now - self._ray_gauges_at >= RAY_GAUGE_INTERVAL_S:
             self._ray_gauges_at = now
             self._record_gauges({"num_requests_running": stats.num_running,
                                  "num_requests_waiting": stats.num_waiting,
-                                 "kv_cache_usage_perc": stats.kv_usage})
+                                 "kv_cache_usage_perc": stats.kv_usage,
+                                 "kv_cache_used_blocks": stats.num_used_blocks})
 
     def outputs(self, outputs: list[RequestOutput]) -> None:
         """The RequestOutputs of a step, an abort or passed deadlines."""
@@ -158,6 +181,7 @@ class WorkerMetrics:
         self._record_gauges(gauges)
         values = gauges | self.counters
         return {"labels": dict(self.labels), "values": values, REQUEST_SUCCESS.name: dict(self.finished),
+                "spec_decode": {method: dict(c) for method, c in self.spec_decode.items()},
                 "histograms": {name: h.as_dict() for name, h in self.histograms.items()}}
 
     def _observe(self, name: str, seconds: float) -> None:
@@ -190,7 +214,7 @@ class _Histogram:
 
 def _gauges(stats: dict) -> dict[str, float]:
     return {"num_requests_running": stats["num_running"], "num_requests_waiting": stats["num_waiting"],
-            "kv_cache_usage_perc": stats["kv_usage"]}
+            "kv_cache_usage_perc": stats["kv_usage"], "kv_cache_used_blocks": stats["num_used_blocks"]}
 
 
 _ray_cache: dict | None = None
@@ -206,7 +230,8 @@ def _ray_metrics() -> dict:
             if m.kind == "gauge":
                 _ray_cache[m.name] = ray_metrics.Gauge(name, m.help, tag_keys=LABELS)
             elif m.kind == "counter":
-                keys = (*LABELS, REASON) if m is REQUEST_SUCCESS else LABELS
+                keys = (*LABELS, REASON) if m is REQUEST_SUCCESS else (*LABELS, METHOD) if m in SPEC_DECODE \
+                    else LABELS
                 _ray_cache[m.name] = ray_metrics.Counter(name, m.help, tag_keys=keys)
             else:
                 _ray_cache[m.name] = ray_metrics.Histogram(name, m.help, boundaries=list(m.buckets),
@@ -216,18 +241,24 @@ def _ray_metrics() -> dict:
 
 # ---- the deployment's /metrics ----------------------------------------------------------------------------
 
-def render(snapshots: list[dict]) -> bytes:
-    """Prometheus text format of the workers' snapshots (WorkerMetrics.snapshot), one series per worker."""
+def render(snapshots: list[dict], http_requests: dict[tuple[str, str, str], int] | None = None) -> bytes:
+    """Prometheus text format of the workers' snapshots (WorkerMetrics.snapshot), one series per worker, and
+    of the HTTP actor's request counts ((handler, method, status) -> n: actors/http_metrics.py)."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Collector(snapshots))
+    registry.register(_Collector(snapshots, http_requests or {}))
     return generate_latest(registry)
 
 
 class _Collector:
-    def __init__(self, snapshots: list[dict]):
-        self.snapshots = snapshots
+    def __init__(self, snapshots: list[dict], http_requests: dict[tuple[str, str, str], int]):
+        self.snapshots, self.http_requests = snapshots, http_requests
 
     def collect(self):
+        http = CounterMetricFamily(HTTP_REQUESTS.name.removesuffix("_total"), HTTP_REQUESTS.help,
+                                   labels=HTTP_LABELS)
+        for labels, n in sorted(self.http_requests.items()):
+            http.add_metric(list(labels), n)
+        yield http
         for m in ALL:
             name = full_name(m)
             if m is REQUEST_SUCCESS:
@@ -235,6 +266,11 @@ class _Collector:
                 for s in self.snapshots:
                     for reason, n in s[m.name].items():
                         family.add_metric([*_label_values(s), reason], n)
+            elif m in SPEC_DECODE:
+                family = CounterMetricFamily(name, m.help, labels=(*LABELS, METHOD))
+                for s in self.snapshots:
+                    for method, counts in s["spec_decode"].items():
+                        family.add_metric([*_label_values(s), method], counts[m.name])
             elif m.kind == "histogram":
                 family = HistogramMetricFamily(name, m.help, labels=LABELS)
                 for s in self.snapshots:

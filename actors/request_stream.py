@@ -1,7 +1,8 @@
 """A request from its caller's side (ns.Client, the HTTP actor): validated and tokenized in the caller, placed
 by the router, streamed straight from its worker, resumed on another worker if that one is lost, and
 reported to the router when it ends. The router sees two calls per request (admit, finish; a reroute more if
-its worker is lost), never a token.
+its worker is lost), never a token. The caller keeps a lease on the workers it streams from
+(actors/caller_lease.py): if it dies, they abort its requests within a second.
 
 Resuming: the caller holds what it has received; it re-submits prompt + those tokens to the worker the
 router gives it, with a Resume record (actors/resume.py) that lets the new worker go on exactly where the old
@@ -22,6 +23,7 @@ import numpy as np
 from ray.exceptions import RayActorError, RayTaskError
 
 from actors.adapter_cache import lookup_adapter
+from actors.caller_lease import LeaseKeeper
 from actors.messages import Admission, EmbedRequest, GenerateRequest, Placement
 from actors.ray_errors import WORKER_LOST, unwrap
 from actors.resume import resume_state
@@ -45,6 +47,7 @@ class Ingress:
         self._current = first % len(self.routers)
         self._model: dict | None = None  # Router.model_info
         self._known_adapters: set[str] = set()  # registered ones (a name, once registered, stays so)
+        self.leases = LeaseKeeper()  # keeps this caller's requests alive on their workers
 
     @property
     def router(self):
@@ -220,8 +223,10 @@ class RequestStream:
         self.attempt_id = f"{a.request_id}-{self.num_attempts}"
         self.num_attempts += 1
         request = GenerateRequest(self.attempt_id, a.prompt_token_ids + self.generated, left or a.params,
-                                  a.adapter, a.cache_salt, self.resume, a.request_id, self.sequence_id)
+                                  a.adapter, a.cache_salt, self.resume, a.request_id, self.sequence_id,
+                                  self.ingress.leases.caller_id)
         self.refs = self.placement.worker.generate.remote(request)
+        self.ingress.leases.opened(self)
         return None
 
     async def _move(self) -> None:
@@ -239,6 +244,7 @@ class RequestStream:
         """Let the worker (unless the request finished there) and the router go of it; neither is waited
         for (a router restarting now has forgotten the request anyway)."""
         self.done = True
+        self.ingress.leases.closed(self)
         if not finished and self.refs is not None:
             self.placement.worker.abort.remote(self.attempt_id)
         self.refs = None

@@ -2,19 +2,22 @@
 
 The actor's event loop serves generate/embed/abort/stats/info; the Engine lives on its StepLoop thread
 (actors/step_loop.py), reached through the loop's inbox. Callers stream straight from `generate` (the router
-only placed the request). A request's adapter is fetched on the event loop before the request is queued and
-held by the loop thread while it runs (actors/worker_adapters.py).
+only placed the request), and renew a lease on the worker while they do: a caller that stops (killed) has
+its requests aborted (actors/caller_lease.py). A request's adapter is fetched on the event loop before the
+request is queued and held by the loop thread while it runs (actors/worker_adapters.py).
 """
 
 import asyncio
 import os
 import socket
+import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import numpy as np
 import ray
 
+from actors.caller_lease import CHECK_INTERVAL_S, CallerGone, CallerLeases
 from actors.delta_stream import DeltaStream, merge
 from actors.messages import (
     Abort,
@@ -64,6 +67,8 @@ class NumaWorker:
         self._stream_interval_s = stream_interval_s
         self._streams: dict[str, DeltaStream] = {}
         self._admission_ids: dict[str, str] = {}  # request id -> its router's admission id, while it streams
+        self._leases = CallerLeases()
+        self._lease_check: asyncio.Task | None = None
         self._num_requests = 0  # served through generate (the warm-up is not one)
         self.metrics = WorkerMetrics(model_name or Path(model_path).name, placement.worker_id,
                                      placement.node_id)
@@ -94,9 +99,33 @@ class NumaWorker:
 
         if resume is None:
             self._refuse_past_bound(request.admission_id)
-        async for chunk, _ in self._serve(request.request_id, request.admission_id, request.adapter, make,
-                                          request.sequence_id):
-            yield chunk
+        if request.caller_id is not None:
+            self._leases.add(request.caller_id, request.request_id, time.monotonic())
+            self._check_leases()
+        try:
+            async for chunk, _ in self._serve(request.request_id, request.admission_id, request.adapter, make,
+                                              request.sequence_id):
+                yield chunk
+        finally:
+            if request.caller_id is not None:
+                self._leases.remove(request.caller_id, request.request_id)
+
+    async def renew_lease(self, caller_id: str) -> None:
+        """The caller is alive: its requests here go on (actors/caller_lease.py)."""
+        self._leases.renew(caller_id, time.monotonic())
+
+    def _check_leases(self) -> None:
+        """Start the task that aborts the requests of callers whose lease lapsed, unless it runs."""
+        if self._lease_check is None or self._lease_check.done():
+            self._lease_check = asyncio.get_running_loop().create_task(self._expire_leases())
+
+    async def _expire_leases(self) -> None:
+        while self._leases.request_ids:
+            for request_id in self._leases.expire(time.monotonic()):
+                stream = self._streams.get(request_id)
+                if stream is not None:
+                    stream.put(CallerGone(request_id))
+            await asyncio.sleep(CHECK_INTERVAL_S)
 
     def _refuse_past_bound(self, admission_id: str | None) -> None:
         """Overloaded if a newly admitted request would take this worker past its admission bound (another
@@ -125,7 +154,7 @@ class NumaWorker:
                    make: Callable[[str | None], Request], sequence_id: str | None = None
                    ) -> AsyncIterator[tuple[RequestOutput, Request]]:
         """Submit make(adapter)'s request once its adapter is here, and yield its merged deltas (with it)
-        until it finishes; a caller that goes away (or is cancelled) aborts it."""
+        until it finishes; a caller that goes away (cancelled, or its lease lapsed) aborts it."""
         loop = self._bind()
         if request_id in self._streams:
             raise InvalidRequest(f"request id {request_id!r} is already running on this worker; "
@@ -149,6 +178,8 @@ class NumaWorker:
             while not finished:
                 items = await stream.take()
                 failure = next((i for i in items if isinstance(i, Exception)), None)
+                if isinstance(failure, CallerGone):
+                    return  # aborted below, nothing sent: nobody reads it
                 if failure is not None:
                     raise failure
                 chunk = merge(request_id, items)
@@ -180,7 +211,8 @@ class NumaWorker:
 
     async def stats(self) -> dict:
         return await self._ask(StatsQuery) | {"num_streams": len(self._streams),
-                                              "num_requests": self._num_requests}
+                                              "num_requests": self._num_requests,
+                                              "num_callers_expired": self._leases.num_expired}
 
     async def pause(self) -> None:
         """Take no step until resume(): requests in flight stay where they are (none finishes, none is lost).

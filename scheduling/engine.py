@@ -176,7 +176,7 @@ class Engine:
     def _record(self, plan: StepPlan, out: SamplerOutput | None, processed: ProcessedStep | None,
                 clock: StageClock, masks: StepMasks | None = None) -> StepStats:
         stats = step_stats(plan, out, processed, clock.seconds(), len(self.batcher.running),
-                           len(self.batcher.waiting), self.kv.usage, masks)
+                           len(self.batcher.waiting), self.kv.usage, masks, self.kv.pool.num_used_blocks)
         self.totals = self.totals.plus(stats)
         return stats
 

@@ -31,6 +31,7 @@ class KVCacheManager:
         used_slots = self.pool.num_used_blocks * self.block_size
         stored = sum(r.num_computed_tokens for r in running)
         return {"num_blocks": self.pool.num_blocks, "num_free_blocks": self.pool.num_free_blocks,
+                "num_used_blocks": self.pool.num_used_blocks,
                 "kv_usage": self.usage,
                 # slots holding KV, of those taken
                 "kv_utilization": stored / used_slots if used_slots else math.nan,

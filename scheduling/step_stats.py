@@ -77,6 +77,7 @@ class StepStats:
     num_running: int = 0
     num_waiting: int = 0
     kv_usage: float = 0.0  # fraction of KV blocks in use
+    num_used_blocks: int = 0  # KV blocks in use
 
     @property
     def num_tokens(self) -> int:
@@ -85,7 +86,7 @@ class StepStats:
 
 def step_stats(plan: "StepPlan", out: "SamplerOutput | None", processed: "ProcessedStep | None",
                seconds: StageSeconds, num_running: int, num_waiting: int, kv_usage: float,
-               masks: "StepMasks | None" = None) -> StepStats:
+               masks: "StepMasks | None" = None, num_used_blocks: int = 0) -> StepStats:
     """A step's record from its plan, sampler output and processing (None: nothing was scheduled) and its
     grammar masks (None: no constrained row)."""
     drafts: dict[str, list[int]] = {}  # method -> [requests, draft tokens, accepted]
@@ -108,7 +109,7 @@ def step_stats(plan: "StepPlan", out: "SamplerOutput | None", processed: "Proces
         drafts=tuple(DraftCounts(m, *c) for m, c in drafts.items()), seconds=seconds,
         num_masked_rows=masks.num_rows if masks else 0, mask_seconds=masks.seconds if masks else 0.0,
         mask_wait_seconds=masks.wait_seconds if masks else 0.0,
-        num_running=num_running, num_waiting=num_waiting, kv_usage=kv_usage)
+        num_running=num_running, num_waiting=num_waiting, kv_usage=kv_usage, num_used_blocks=num_used_blocks)
 
 
 @dataclass(frozen=True)

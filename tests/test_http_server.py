@@ -10,6 +10,7 @@ import time
 import openai
 import pytest
 import requests
+from prometheus_client.parser import text_string_to_metric_families
 
 from actors.http_server import build_app
 from actors.openai_serving import OpenAIServing
@@ -44,6 +45,9 @@ class EndlessDeployment:
 
     async def model_info(self) -> dict:
         return {"tokenizer": None, "vocab_size": 100, "max_model_len": 64}
+
+    async def metrics(self) -> list[dict]:
+        return []  # no worker's snapshot: /metrics shows the HTTP counts alone
 
 
 class RefusingStream:
@@ -131,3 +135,19 @@ def test_an_overloaded_deployment_answers_429_with_retry_after(server):
     r = requests.post(f"{url}/v1/completions", json={"prompt": [1, 2], "stream": True}, timeout=10)
     assert r.status_code == 429 and r.headers["Retry-After"] == "1"
     assert r.json()["error"]["type"] == "rate_limit_error"
+
+
+def test_metrics_count_each_answer_by_route_method_and_status(server):
+    url, _ = server
+    bad = {"model": "stub", "prompt": "x", "max_tokens": -5}
+    for _ in range(3):
+        assert requests.get(f"{url}/version", timeout=20).status_code == 200
+    for _ in range(2):
+        assert requests.post(f"{url}/v1/completions", json=bad, timeout=20).status_code == 400
+    assert requests.get(f"{url}/no/such/route", timeout=20).status_code == 404
+    text = requests.get(f"{url}/metrics", timeout=20).text
+    counts = {(s.labels["handler"], s.labels["method"], s.labels["status"]): s.value
+              for family in text_string_to_metric_families(text) for s in family.samples
+              if s.name == "http_requests_total"}
+    assert counts == {("/version", "GET", "200"): 3, ("/v1/completions", "POST", "400"): 2,
+                      ("none", "GET", "404"): 1}  # this scrape is counted once it has answered

@@ -7,7 +7,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 import numaserve as ns
-from actors.metrics import ALL, HISTOGRAMS, WorkerMetrics, full_name, render
+from actors.metrics import ALL, HISTOGRAMS, SPEC_DECODE, WorkerMetrics, full_name, render
 from scheduling.engine import Engine
 from tests.conftest import random_prompt
 
@@ -70,6 +70,7 @@ def test_counts_are_exact_and_the_warm_up_is_not_counted(engine):
     assert v["prefix_cache_queries"] == num_prompt
     assert 0 < v["prefix_cache_hits"] < 40
     assert (v["num_requests_running"], v["num_requests_waiting"], v["kv_cache_usage_perc"]) == (0, 0, 0)
+    assert v["kv_cache_used_blocks"] == 0
     hist = snapshot["histograms"]
     assert sum(hist["time_to_first_token_seconds"]["counts"]) == 5
     assert sum(hist["e2e_request_latency_seconds"]["counts"]) == 5
@@ -84,7 +85,7 @@ def test_render_names_every_metric_in_vllms_style_with_cumulative_buckets(engine
     run(engine, metrics[0])
     found = samples([m.snapshot(engine) for m in metrics])
     names = {s.name for s in found}
-    for m in ALL:
+    for m in (m for m in ALL if m not in SPEC_DECODE):  # (no drafts here: test_speculation_counts_...)
         suffixes = {"gauge": [""], "counter": ["_total"], "histogram": ["_bucket", "_count", "_sum"]}[m.kind]
         assert {full_name(m) + suffix for suffix in suffixes} <= names, m.name
     assert value(found, "numaserve:generation_tokens_total", worker="w0") == 18
@@ -96,3 +97,42 @@ def test_render_names_every_metric_in_vllms_style_with_cumulative_buckets(engine
         assert [le for le, _ in buckets] == [*m.buckets, float("inf")]
         counts = [c for _, c in buckets]
         assert counts == sorted(counts) and counts[-1] == value(found, f"{full_name(m)}_count", worker="w0")
+
+
+def test_kv_blocks_in_use_are_the_pools_while_requests_hold_them(engine):
+    metrics = WorkerMetrics("llama", "w0", 0)
+    submit(engine, metrics, "long", random_prompt(40, seed=3),
+           ns.SamplingParams(max_tokens=50, ignore_eos=True))
+    step(engine, metrics)
+    used = metrics.snapshot(engine)["values"]["kv_cache_used_blocks"]
+    assert used == engine.kv.pool.num_used_blocks >= 40 // engine.config.block_size
+    assert value(samples([metrics.snapshot(engine)]), "numaserve:kv_cache_used_blocks") == used
+    metrics.outputs([engine.abort("long")])
+    assert metrics.snapshot(engine)["values"]["kv_cache_used_blocks"] == 0
+
+
+def test_speculation_counts_per_method_equal_the_engines_totals(llama_dir):
+    engine = Engine(llama_dir, ns.EngineConfig(max_num_seqs=4, speculation={"method": "ngram", "mode": "on"}))
+    metrics = WorkerMetrics("llama", "w0", 0)
+    for i in range(3):  # repetitive prompts: the n-gram proposer finds drafts in them
+        submit(engine, metrics, f"r{i}", random_prompt(6, seed=i) * 4, ns.SamplingParams(max_tokens=24,
+                                                                                        temperature=0))
+    run(engine, metrics)
+    stats = engine.stats()
+    assert stats["spec_num_draft_tokens"] > 0
+    counts = metrics.snapshot(engine)["spec_decode"]
+    assert counts == {"ngram": {"spec_decode_num_drafts": stats["spec_num_drafts"],
+                                "spec_decode_num_draft_tokens": stats["spec_num_draft_tokens"],
+                                "spec_decode_num_accepted_tokens": stats["spec_num_accepted_tokens"]}}
+    found = samples([metrics.snapshot(engine)])
+    for m in SPEC_DECODE:
+        assert value(found, f"{full_name(m)}_total", method="ngram") == counts["ngram"][m.name]
+
+
+def test_http_request_counts_render_as_vllms_http_requests_total():
+    found = [s for family in text_string_to_metric_families(
+        render([], {("/v1/completions", "POST", "200"): 3, ("/v1/completions", "POST", "400"): 1}).decode())
+        for s in family.samples]
+    assert {(s.name, s.labels["status"], s.value) for s in found} == {
+        ("http_requests_total", "200", 3), ("http_requests_total", "400", 1)}
+    assert all(s.labels["handler"] == "/v1/completions" and s.labels["method"] == "POST" for s in found)
