@@ -8,6 +8,7 @@ before the answer, a 500 of an error nothing handled (counted when the call rais
 
 from collections import Counter
 
+from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 UNMATCHED = "none"  # the handler label of a path no route matched
@@ -33,6 +34,15 @@ class CountRequests:
         try:
             await self.app(scope, receive, sending)
         finally:
-            route = scope.get("route")
-            handler = getattr(route, "path", UNMATCHED)
-            self.counts[(handler, scope["method"], str(status))] += 1
+            self.counts[(handler_of(scope), scope["method"], str(status))] += 1
+
+
+def handler_of(scope: Scope) -> str:
+    """The path template of the route that served the request, or that would have: a body check answers
+    before routing, and its 400 still counts under the route its path names."""
+    route = scope.get("route")
+    for candidate in () if route is not None else getattr(scope.get("app"), "routes", ()):
+        if candidate.matches(scope)[0] != Match.NONE:
+            route = candidate
+            break
+    return getattr(route, "path", UNMATCHED)

@@ -6,6 +6,7 @@ import asyncio
 import logging
 import socket
 import threading
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -67,14 +68,19 @@ def served():
 
 def test_each_request_is_logged_once_with_the_id_the_client_saw(served, caplog):
     base = served.base
+
+    def access_lines() -> list[str]:
+        return [r.getMessage() for r in caplog.records if r.name == "numaserve.access"]
     with caplog.at_level(logging.INFO, logger="numaserve.access"):
         made = requests.get(f"{base}/quick", timeout=10)
         given = requests.get(f"{base}/quick?id=abc123", timeout=10)
         missing = requests.get(f"{base}/nowhere", timeout=10)
+        deadline = time.monotonic() + 10  # a line is written once its answer has gone: the client may be first
+        while len(access_lines()) < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
     made_id = made.headers["X-Request-Id"]
     assert len(made_id) == 32 and given.headers["X-Request-Id"] == "abc123"
-    lines = [r.getMessage() for r in caplog.records if r.name == "numaserve.access"]
-    assert [line.rsplit(" ", 2)[0] for line in lines] == [
+    assert [line.rsplit(" ", 2)[0] for line in access_lines()] == [
         f"{made_id} GET /quick 200", "abc123 GET /quick 200",
         f"{missing.headers['X-Request-Id']} GET /nowhere 404"]
 
