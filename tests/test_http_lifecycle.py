@@ -75,7 +75,7 @@ def test_each_request_is_logged_once_with_the_id_the_client_saw(served, caplog):
         made = requests.get(f"{base}/quick", timeout=10)
         given = requests.get(f"{base}/quick?id=abc123", timeout=10)
         missing = requests.get(f"{base}/nowhere", timeout=10)
-        deadline = time.monotonic() + 10  # a line is written once its answer has gone: the client may be first
+        deadline = time.monotonic() + 10  # a line is written after its answer: the client may be first
         while len(access_lines()) < 3 and time.monotonic() < deadline:
             time.sleep(0.01)
     made_id = made.headers["X-Request-Id"]
