@@ -109,6 +109,29 @@ def warm(client, adapter: str | None) -> None:
                                                 adapter=adapter if i % 2 else None), range(8)))
 
 
+def arrivals(rng, duration_s: float, rate_per_s: float, kinds: list[str], weights, wait_s: float,
+             one) -> tuple[list, list, set]:
+    """Poisson arrivals at rate_per_s for duration_s, each one(seed, kind, arrival_s) in a thread of its own
+    (at most MAX_CONCURRENT in flight: later arrivals wait, the client's own bound), then up to wait_s for
+    them to end -> (futures, outcomes of those done, futures still pending: hung, cancelled)."""
+    slots = threading.BoundedSemaphore(MAX_CONCURRENT)
+    futures, t0 = [], time.monotonic()
+    with ThreadPoolExecutor(MAX_CONCURRENT) as pool:
+        next_at = t0
+        while (next_at := next_at + rng.exponential(1 / rate_per_s)) < t0 + duration_s:
+            time.sleep(max(0.0, next_at - time.monotonic()))
+            slots.acquire()
+            kind = str(rng.choice(kinds, p=weights))
+            fut = pool.submit(one, int(rng.integers(1 << 31)), kind, next_at - t0)
+            fut.add_done_callback(lambda _: slots.release())
+            futures.append(fut)
+        _, pending = wait(futures, timeout=wait_s)
+        outcomes = [f.result() for f in futures if f.done()]
+        for f in pending:
+            f.cancel()
+    return futures, outcomes, pending
+
+
 def run_soak(client, duration_s: float, rate_per_s: float, adapter: str | None, seed: int = 0) -> dict:
     """Poisson arrivals at rate_per_s for duration_s (at most MAX_CONCURRENT in flight), then a drain."""
     rng = np.random.default_rng(seed)
@@ -117,22 +140,10 @@ def run_soak(client, duration_s: float, rate_per_s: float, adapter: str | None, 
     weights = np.array(weights) / sum(weights)
     warm(client, adapter)
     rss_before = {w: f[3] for w, f in drained(client, 30).items()}
-    slots = threading.BoundedSemaphore(MAX_CONCURRENT)
-    futures, t0 = [], time.monotonic()
-    with ThreadPoolExecutor(MAX_CONCURRENT) as pool:
-        next_at = t0
-        while (next_at := next_at + rng.exponential(1 / rate_per_s)) < t0 + duration_s:
-            time.sleep(max(0.0, next_at - time.monotonic()))
-            slots.acquire()  # arrivals beyond MAX_CONCURRENT in flight wait (the client's own bound)
-            kind = str(rng.choice(kinds, p=weights))
-            fut = pool.submit(_one, client, int(rng.integers(1 << 31)), kind, adapter, next_at - t0)
-            fut.add_done_callback(lambda _: slots.release())
-            futures.append(fut)
-        _, pending = wait(futures, timeout=STREAM_BOUND_S)
-        outcomes = [f.result() for f in futures if f.done()]
-        num_hung = len(pending)
-        for f in pending:
-            f.cancel()
+    t0 = time.monotonic()
+    futures, outcomes, pending = arrivals(rng, duration_s, rate_per_s, kinds, weights, STREAM_BOUND_S,
+                                          lambda seed, kind, at_s: _one(client, seed, kind, adapter, at_s))
+    num_hung = len(pending)
     elapsed = time.monotonic() - t0
     after = drained(client, 60)
     ttft = [o.ttft_s for o in outcomes if o.ttft_s is not None]

@@ -11,15 +11,13 @@ rest, the gaps between stream chunks). benchmarks/bench_soak.py --http runs it; 
 runs it for 60 s.
 """
 
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
 import openai
 
-from benchmarks.bench_soak import MAX_CONCURRENT, drained, warm
+from benchmarks.bench_soak import arrivals, drained, warm
 
 REQUEST_TIMEOUT_S = 20.0  # a request silent this long counts as hung (the longest takes a few seconds)
 KINDS = {"plain": 0.6, "adapter": 0.2, "disconnect": 0.1, "deadline": 0.1}
@@ -128,22 +126,10 @@ def run_http_soak(client, duration_s: float, rate_per_s: float, adapter: str | N
     model = api.models.list().data[0].id
     warm(client, adapter)
     rss_before = {w: f[3] for w, f in drained(client, 30).items()}
-    slots = threading.BoundedSemaphore(MAX_CONCURRENT)
-    futures, t0 = [], time.monotonic()
-    with ThreadPoolExecutor(MAX_CONCURRENT) as pool:
-        next_at = t0
-        while (next_at := next_at + rng.exponential(1 / rate_per_s)) < t0 + duration_s:
-            time.sleep(max(0.0, next_at - time.monotonic()))
-            slots.acquire()  # arrivals beyond MAX_CONCURRENT in flight wait (the client's own bound)
-            kind = str(rng.choice(kinds, p=weights))
-            fut = pool.submit(one_request, api, model, adapter, int(rng.integers(1 << 31)), kind,
-                              next_at - t0)
-            fut.add_done_callback(lambda _: slots.release())
-            futures.append(fut)
-        _, pending = wait(futures, timeout=REQUEST_TIMEOUT_S + 10)
-        outcomes = [f.result() for f in futures if f.done()]
-        for f in pending:
-            f.cancel()
+    t0 = time.monotonic()
+    futures, outcomes, pending = arrivals(
+        rng, duration_s, rate_per_s, kinds, weights, REQUEST_TIMEOUT_S + 10,
+        lambda seed, kind, at_s: one_request(api, model, adapter, seed, kind, at_s))
     elapsed = time.monotonic() - t0
     after = drained(client, 60)
     api.close()
