@@ -44,6 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", default="llama-56m" if SHORT else "tinyllama-1.1b",
                         help="random checkpoint shape (benchmarks/checkpoints.py)")
     parser.add_argument("--weight-dtype", default="q8_0", help="both engines' weights")
+    parser.add_argument("--activation-dtype", default="int8",
+                        help="numaserve activations (int8: fastest with q8_0 weights, `numaserve bench`)")
     parser.add_argument("--contexts", default="64,128" if SHORT else "1024,4096",
                         type=lambda s: [int(c) for c in s.split(",")], help="context lengths of the decodes")
     parser.add_argument("--batches", default="1,8", type=lambda s: [int(b) for b in s.split(",")],
@@ -77,7 +79,8 @@ def start_engines(ckpt: Path, gguf: Path, llamacpp_type: str, args) -> dict[str,
                + args.decode_steps * args.samples + WARM_STEPS + 8)
     engines = {}
     for kv_dtype in GROUPS[llamacpp_type]:
-        argv = [str(ckpt), "--weight-dtype", args.weight_dtype, "--kv-dtype", kv_dtype, "--threads",
+        argv = [str(ckpt), "--weight-dtype", args.weight_dtype, "--activation-dtype", args.activation_dtype,
+                "--kv-dtype", kv_dtype, "--threads",
                 str(args.threads), "--max-num-seqs", str(num_seqs), "--max-num-batched-tokens", "1024",
                 "--max-model-len", str(longest), "--kv-cache-bytes", str(4 << 30)]
         name = f"numaserve {kv_dtype}"
@@ -177,7 +180,8 @@ def main() -> None:
         exporter.call("export_gguf", path=str(gguf))
         exporter.close()
     loads = workloads(args)
-    meta = {"model": args.model, "weight_dtype": args.weight_dtype, "threads": args.threads,
+    meta = {"model": args.model, "weight_dtype": args.weight_dtype,
+            "activation_dtype": args.activation_dtype, "threads": args.threads,
             "samples": args.samples, "decode_steps": args.decode_steps, "cpu": cpu_name(),
             "date": time.strftime("%Y-%m-%d %H:%M"), "short_run": SHORT,
             "processes": "one per engine, a group of equal KV bytes per value at a time, alternating",
