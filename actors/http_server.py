@@ -34,7 +34,7 @@ from actors.adapter_cache import lookup_adapter
 from actors.chat_template import load_chat_template
 from actors.http_lifecycle import Lifecycle, log_access_to_stderr
 from actors.http_metrics import CountRequests
-from actors.json_bodies import JSONBodies
+from actors.json_bodies import JSONBodies, ParsedJSONRoute
 from actors.metrics import render
 from actors.openai_errors import APIError, InternalErrors, install_error_handlers
 from actors.openai_limits import Caller
@@ -167,6 +167,7 @@ class RayDeployment:
 
 def build_app(serving: OpenAIServing) -> FastAPI:
     app = FastAPI(title="numaserve", summary="OpenAI-compatible API of a numaserve deployment")
+    app.router.route_class = ParsedJSONRoute
     install_error_handlers(app)
     # the last added is the outermost: ids, CORS, the request counts, a bug's 500, then the body checks
     app.add_middleware(JSONBodies, max_bytes=MAX_BODY_BYTES)
