@@ -1,8 +1,8 @@
 """CPU time per streamed chunk of the serving path around the engine, in CPU seconds (not wall time), so the
 figures hold however loaded the machine is.
 
-    python -m benchmarks.bench_chunk_cpu [--streams 1,16] [--max-tokens 32] [--chunks 1024] [--rate 200]
-                                         [--repeats 5] [--source DIR ...] [--ray] [--json PATH]
+    python -m benchmarks.bench_chunk_cpu [--streams 1,16] [--max-tokens 32] [--chunks 2048] [--rate 400]
+                                         [--repeats 3] [--source DIR ...] [--ray] [--json PATH]
 
 HTTP: benchmarks/chunk_server.py (the real app, with its middleware and sse-starlette, over a stub
 deployment whose streams replay one-token outputs; every stream waits (streams open)/rate seconds before
@@ -10,9 +10,9 @@ each, so all of them together send `rate` chunks a second) in a process of its o
 asyncio `openai` clients in this one: chat and completions, streamed with include_usage, c streams in a
 closed loop until about --chunks token chunks are in. Per token chunk (the role chunk, the usage chunk,
 [DONE] and each request's own costs spread over them): the server process's CPU seconds and this process's
-(the client's), psutil cpu_times user + system of every thread, the median over the repeats. With several
---source trees (numaserve source trees, e.g. another revision's `git archive`) the servers alternate, the
-order flipping every repeat: an A/B of revisions.
+(the client's), psutil cpu_times user + system of every thread (counted in 10 ms ticks: over 2048 chunks,
+5 us a chunk), the median over the repeats. With several --source trees (numaserve source trees, e.g. another
+revision's `git archive`) the servers alternate, the order flipping every repeat: an A/B of revisions.
 
 Ray (--ray; starts a local Ray, so run it alone): the hop from a worker-like actor's streaming generator (a
 RequestOutput per yield, paced as above) to an async caller actor that reads each item as
@@ -206,9 +206,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--streams", default="1,16")
     parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--chunks", type=int, default=1024, help="token chunks per measurement, about")
-    parser.add_argument("--rate", type=float, default=200.0, help="chunks a second over all streams")
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--chunks", type=int, default=2048, help="token chunks per measurement, about")
+    parser.add_argument("--rate", type=float, default=400.0, help="chunks a second over all streams")
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--source", type=Path, action="append",
                         help="a numaserve source tree to serve from (repeatable; default: this one)")
     parser.add_argument("--ray", action="store_true", help="the Ray hop instead of HTTP")

@@ -3,7 +3,7 @@ the HTTP actor serves it) over a stub deployment whose streams replay made-up ou
 chunks a second over all streams: the server side of benchmarks/bench_chunk_cpu.py, in a process of its
 own so its CPU time is its own.
 
-    python benchmarks/chunk_server.py [--rate 200]     (with PYTHONPATH=<a numaserve source tree>)
+    python benchmarks/chunk_server.py [--rate 400]     (with PYTHONPATH=<a numaserve source tree>)
 
 Run by path, not with -m: the numaserve modules come from PYTHONPATH, so the same server runs against
 another revision's tree (an A/B). It prints its port on the first line of stdout and serves until stdin
@@ -101,5 +101,5 @@ async def serve(rate: float) -> None:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rate", type=float, default=200.0, help="chunks a second over all streams")
+    parser.add_argument("--rate", type=float, default=400.0, help="chunks a second over all streams")
     asyncio.run(serve(parser.parse_args().rate))
