@@ -253,7 +253,8 @@ async def _respond(request: Request, work) -> Response:
         return JSONResponse(result)
     # sse-starlette rather than a bare StreamingResponse: it watches for the client's disconnect while the
     # generator waits for the next token (Starlette's, under ASGI 2.4, notices only when a send fails), then
-    # cancels it, and closes it on a failed send, so the requests are aborted at once either way
+    # cancels it, and closes it on a failed send, so the requests are aborted at once either way. The events
+    # come framed (openai_format.sse_event) and pass through as they are; sep frames its keep-alive pings
     return EventSourceResponse(result, sep="\n")
 
 

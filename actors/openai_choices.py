@@ -13,7 +13,7 @@ from dataclasses import replace
 from typing import Protocol
 
 from actors.openai_errors import APIError, as_api_error
-from actors.openai_format import ChoiceState, ResponseHeader, usage
+from actors.openai_format import ChoiceState, ResponseHeader, sse_event, usage
 from actors.openai_limits import Tenancy
 from actors.openai_protocol import MAX_CHOICES
 from cluster_configs.errors import InvalidRequest
@@ -60,8 +60,8 @@ async def open_choices(streams: list[RequestStream], tenancy: Tenancy, prompt_pa
 
 async def sse_stream(header: ResponseHeader, choices: list[ChoiceState], streams: list[RequestStream],
                      firsts: list[RequestOutput], delta: Callable, opening: list[dict],
-                     req) -> AsyncIterator[str]:
-    """The SSE data of a stream: each choice's deltas as they come, finish_reason on its last chunk, the
+                     req) -> AsyncIterator[bytes]:
+    """The SSE events of a stream: each choice's deltas as they come, finish_reason on its last chunk, the
     usage chunk if asked, [DONE]. A client that goes away cancels this generator: every request is
     aborted."""
     queue: asyncio.Queue = asyncio.Queue()
@@ -69,7 +69,7 @@ async def sse_stream(header: ResponseHeader, choices: list[ChoiceState], streams
     extra = {"usage": None} if req.include_usage else {}
     try:
         for chunk in opening:
-            yield _dumps(header.body([chunk], **extra))
+            yield _event(header.body([chunk], **extra))
         for i, first in enumerate(firsts):
             queue.put_nowait((i, first))
             if not first.finished:
@@ -82,18 +82,18 @@ async def sse_stream(header: ResponseHeader, choices: list[ChoiceState], streams
             chunk = delta(choices[i], out)
             choices[i].add(out)
             if chunk is not None:
-                yield _dumps(header.body([chunk], **extra))
+                yield _event(header.body([chunk], **extra))
             num_running -= out.finished
         if req.include_usage:
-            yield _dumps(header.body([], usage=usage(choices, req.n)))
+            yield _event(header.body([], usage=usage(choices, req.n)))
     except Exception as e:  # noqa: BLE001  (after the 200 an error can only go into the stream)
-        yield _dumps(as_api_error(e).sse_data())
+        yield _event(as_api_error(e).sse_data())
     finally:  # no await here: a cancelled generator cannot
         for t in tasks:
             t.cancel()
         for s in streams:
             s.cancel()
-    yield "[DONE]"
+    yield sse_event("[DONE]")
 
 
 async def _pump(i: int, stream: RequestStream, queue: asyncio.Queue) -> None:
@@ -136,5 +136,5 @@ def check_num_choices(num_prompts: int, n: int) -> None:
                             f"{MAX_CHOICES} per request: send fewer prompts or a smaller n", param="n")
 
 
-def _dumps(body: dict) -> str:
-    return json.dumps(body, ensure_ascii=False, separators=(",", ":"))
+def _event(body: dict) -> bytes:
+    return sse_event(json.dumps(body, ensure_ascii=False, separators=(",", ":")))

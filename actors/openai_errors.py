@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from actors.openai_format import sse_event
 from actors.request_ids import request_id
 from cluster_configs.errors import AdapterError, InvalidRequest, Overloaded, Unavailable
 
@@ -185,7 +186,7 @@ class InternalErrors:
             if not started:
                 return await error.response()(scope, receive, send)
             if stream and not ended:
-                event = f"data: {json.dumps(error.sse_data())}\n\ndata: [DONE]\n\n".encode()
+                event = sse_event(json.dumps(error.sse_data())) + sse_event("[DONE]")
                 try:
                     await send({"type": "http.response.body", "body": event, "more_body": False})
                 except OSError:

@@ -161,3 +161,10 @@ class ResponseHeader:
     def body(self, choices: list[dict], **extra) -> dict:
         return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
                 "system_fingerprint": self.system_fingerprint, "choices": choices} | extra
+
+
+def sse_event(data: str) -> bytes:
+    """One server-sent event of a stream: `data: <data>` and a blank line. data is one line (JSON text, whose
+    line breaks are escaped, or [DONE]). Framed here, not by sse-starlette (which would split the data on line
+    breaks and join it again through a StringIO for every chunk), with the same bytes."""
+    return f"data: {data}\n\n".encode()

@@ -111,7 +111,7 @@ class Tenancy:
                         type="timeout_error", param="deadline_s", code="deadline_exceeded")
 
 
-async def release_after(stream: AsyncIterator[str], release: Callable[[], None]) -> AsyncIterator[str]:
+async def release_after(stream: AsyncIterator[bytes], release: Callable[[], None]) -> AsyncIterator[bytes]:
     """The stream, then release (also when the client goes away and the stream is closed)."""
     try:
         async for item in stream:

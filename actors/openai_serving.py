@@ -87,13 +87,14 @@ class OpenAIServing:
     # ---- endpoints ---------------------------------------------------------------------------------------
 
     async def completions(self, req: CompletionRequest,
-                          caller: Caller = ANONYMOUS) -> dict | AsyncIterator[str]:
+                          caller: Caller = ANONYMOUS) -> dict | AsyncIterator[bytes]:
         return await self._limited(req, caller, self._completions)
 
-    async def chat(self, req: ChatCompletionRequest, caller: Caller = ANONYMOUS) -> dict | AsyncIterator[str]:
+    async def chat(self, req: ChatCompletionRequest,
+                   caller: Caller = ANONYMOUS) -> dict | AsyncIterator[bytes]:
         return await self._limited(req, caller, self._chat)
 
-    async def _limited(self, req, caller: Caller, endpoint: Callable) -> dict | AsyncIterator[str]:
+    async def _limited(self, req, caller: Caller, endpoint: Callable) -> dict | AsyncIterator[bytes]:
         """endpoint(req, cache_salt) counted against its client's concurrency bound until its answer is
         done."""
         release = self.tenancy.admit(self.tenancy.client(caller, req.user))
@@ -108,7 +109,7 @@ class OpenAIServing:
             return result
         return release_after(result, release)
 
-    async def _completions(self, req: CompletionRequest, salt: str | None) -> dict | AsyncIterator[str]:
+    async def _completions(self, req: CompletionRequest, salt: str | None) -> dict | AsyncIterator[bytes]:
         adapter = await self._adapter(req.model)
         await self.info()
         prompts = req.prompts()
@@ -172,7 +173,7 @@ class OpenAIServing:
                              "finish_reason": c.finish_reason} | extra(c, True) for c in choices],
                            usage=billed)
 
-    async def _chat(self, req: ChatCompletionRequest, salt: str | None) -> dict | AsyncIterator[str]:
+    async def _chat(self, req: ChatCompletionRequest, salt: str | None) -> dict | AsyncIterator[bytes]:
         adapter = await self._adapter(req.model)
         info = await self.info()
         req.check_best_of()
