@@ -4,7 +4,8 @@ Ray's ObjectRefGenerator.__anext__ waits for an item that has not arrived by awa
 dropping the value, then hands out the ref, which the caller awaits again: two trips through the core
 worker's callback thread, each waking the event loop, and two deserializations per item. next_item awaits
 the pending ref once and keeps its value; an item already there, an error, the stream's end or a lost worker
-take Ray's own path, unchanged.
+take Ray's own path, unchanged. peek_object_ref_stream and _generator_ref are Ray's internals (2.60): without
+them, Ray's path.
 """
 
 from ray import ObjectRefGenerator
@@ -13,7 +14,10 @@ from ray import ObjectRefGenerator
 async def next_item(refs: ObjectRefGenerator):
     """`await (await refs.__anext__())`: the next item's value (an error item raises; StopAsyncIteration at
     the end)."""
-    ref, ready = refs.worker.core_worker.peek_object_ref_stream(refs._generator_ref)
+    peek = getattr(refs.worker.core_worker, "peek_object_ref_stream", None)
+    if peek is None or not hasattr(refs, "_generator_ref"):  # Ray's internals moved: its own path
+        return await (await refs.__anext__())
+    ref, ready = peek(refs._generator_ref)
     if not ready:
         try:
             value = await ref
