@@ -109,12 +109,13 @@ def _attend_tile(q, k_cache, v_cache, k_scale, v_scale, has_scale, fp8_mbits, bl
                 top = NEG_BIG
                 for j in range(a, b):
                     top = max(top, scores[r, g, j])
-                total = np.float32(0.0)
-                for j in range(a, b):  # vectorized, then summed in order
+                for j in range(a, b):  # vectorized
                     scores[r, g, j] = exp32(scores[r, g, j] - top)
-                for j in range(a, b):
-                    total += scores[r, g, j]
-                m[c, r, g], l[c, r, g] = top, total
+                m[c, r, g], l[c, r, g] = top, np.float32(0.0)
+            for j in range(a, b):  # each head's sum in order, the heads' chains interleaved (as attend does)
+                for g in range(group):
+                    l[c, r, g] += scores[r, g, j]
+            for g in range(group):
                 acc[c, r, g] = 0
                 weighted_sum(scores[r, g], values, a, b, acc[c, r, g])
     for r in range(R):

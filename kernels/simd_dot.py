@@ -41,8 +41,10 @@ def _emit_dots(builder, a_rows: list, b_data, D):
         bv = load8(b_data, i)
         for a, acc in zip(a_rows, accs):
             builder.store(builder.call(fma, [load8(a, i), bv, builder.load(acc)]), acc)
-    # 8 -> 4 -> 2 -> 1
-    totals = [cgutils.alloca_once_value(builder, hsum8(builder, builder.load(acc))) for acc in accs]
+    # 8 -> 4 -> 2 -> 1, eight rows' sums together when there are eight
+    sums = (_hsum8x8(builder, [builder.load(acc) for acc in accs]) if len(accs) == 8
+            else [hsum8(builder, builder.load(acc)) for acc in accs])
+    totals = [cgutils.alloca_once_value(builder, total) for total in sums]
     with cgutils.for_range_slice(builder, builder.mul(builder.udiv(D, eight), eight), D,
                                  ir.Constant(_I64, 1)) as (i, _):
         y = builder.load(builder.gep(b_data, [i]))
@@ -50,6 +52,25 @@ def _emit_dots(builder, a_rows: list, b_data, D):
             builder.store(builder.call(fma1, [builder.load(builder.gep(a, [i])), y, builder.load(total)]),
                           total)
     return [builder.load(total) for total in totals]
+
+
+def _hsum8x8(builder, vecs: list) -> list:
+    """hsum8 of eight vectors, each with hsum8's pairings (lane i + lane i + 4, then + 2, then + 1), as a
+    tree of two-vector shuffles: 7 vector adds and 14 shuffles where eight hsum8 take 24 and 48 (decode
+    attention's scores: eight query heads against one key row)."""
+    def lanes(x, y, which: list):  # x's lanes which, then y's
+        mask = ir.Constant(ir.VectorType(_I32, 8), which + [8 + i for i in which])
+        return builder.shuffle_vector(x, y, mask)
+
+    def pair(x, y, lo: list, hi: list):
+        return builder.fadd(lanes(x, y, lo), lanes(x, y, hi))
+
+    # [a0 + a4, a1 + a5, a2 + a6, a3 + a7] of each vector, two vectors a result
+    fours = [pair(vecs[i], vecs[i + 1], [0, 1, 2, 3], [4, 5, 6, 7]) for i in range(0, 8, 2)]
+    # [c0 + c2, c1 + c3] of each vector, four a result
+    twos = [pair(fours[i], fours[i + 1], [0, 1, 4, 5], [2, 3, 6, 7]) for i in range(0, 4, 2)]
+    ones = pair(twos[0], twos[1], [0, 2, 4, 6], [1, 3, 5, 7])  # vector r's sum in lane r
+    return [builder.extract_element(ones, ir.Constant(_I32, r)) for r in range(8)]
 
 
 @intrinsic
