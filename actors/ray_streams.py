@@ -5,7 +5,9 @@ dropping the value, then hands out the ref, which the caller awaits again: two t
 worker's callback thread, each waking the event loop, and two deserializations per item. next_item awaits
 the pending ref once and keeps its value; an item already there, an error, the stream's end or a lost worker
 take Ray's own path, unchanged. peek_object_ref_stream and _generator_ref are Ray's internals (2.60): without
-them, Ray's path.
+them, Ray's path. Not in the serving path: while RequestStream read items through it, a CI run (2026-11-26,
+tests/cluster/test_lora_serving.py, 12 client streams with adapters) left one stream waiting forever; measured
+by benchmarks/bench_chunk_cpu.py --ray only, until that is understood.
 """
 
 from ray import ObjectRefGenerator

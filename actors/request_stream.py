@@ -26,7 +26,6 @@ from actors.adapter_cache import lookup_adapter
 from actors.caller_lease import LeaseKeeper
 from actors.messages import Admission, EmbedRequest, GenerateRequest, Placement
 from actors.ray_errors import WORKER_LOST, unwrap
-from actors.ray_streams import next_item
 from actors.resume import resume_state
 from cluster_configs.errors import Overloaded, Unavailable
 from cluster_configs.sampling_params import SamplingParams
@@ -186,7 +185,7 @@ class RequestStream:
                         self._end(finished=True)
                         return expired
                 try:
-                    out: RequestOutput = await next_item(self.refs)
+                    out: RequestOutput = await (await self.refs.__anext__())
                 except (StopAsyncIteration, *WORKER_LOST):
                     await self._move()  # the worker's stream stopped before the request finished: lost
                     continue
