@@ -32,6 +32,7 @@ from sse_starlette import EventSourceResponse
 
 from actors.adapter_cache import lookup_adapter
 from actors.chat_template import load_chat_template
+from actors.fresh_value import FreshValue
 from actors.http_lifecycle import Lifecycle, log_access_to_stderr
 from actors.http_metrics import CountRequests
 from actors.json_bodies import JSONBodies, ParsedJSONRoute
@@ -55,6 +56,8 @@ from cluster_configs.errors import Unavailable
 
 MAX_BODY_BYTES = 8 << 20  # a 32k-token prompt as token ids is ~200 kB; more is a mistake or an attack: 413
 HEALTH_TIMEOUT_S = 5.0
+HEALTH_REFRESH_S = 0.25  # /health answers a serving-worker count asked at most this long ago (while polled),
+HEALTH_MAX_AGE_S = 2.0  # and never one older than this: it waits for a fresh one (actors/fresh_value.py)
 STARTUP_TIMEOUT_S = 30.0
 
 
@@ -126,6 +129,7 @@ class RayDeployment:
         self.adapter_cache = adapter_cache
         self.ingress = Ingress(routers, adapter_cache, first_router)
         self.num_requests = 0  # generate calls: each HTTP actor's own count
+        self.serving_workers = FreshValue(self._ask_serving_workers, HEALTH_REFRESH_S, HEALTH_MAX_AGE_S)
 
     def generate(self, prompt, params, adapter, cache_salt=None):
         self.num_requests += 1
@@ -150,6 +154,10 @@ class RayDeployment:
         return await _call(self.adapter_cache.register.remote(name, path), "adapter cache")
 
     async def num_serving_workers(self) -> int:
+        """As of at most HEALTH_MAX_AGE_S ago, without a Ray call of its own while one is under way."""
+        return await self.serving_workers.get()
+
+    async def _ask_serving_workers(self) -> int:
         """Through this actor's router, or the next one while it is lost."""
         try:
             asking = self.ingress.call_router(lambda router: router.num_serving_workers.remote())
