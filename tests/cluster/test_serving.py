@@ -2,6 +2,7 @@
 results under concurrency, placement, worker loss and rejoin, admission, adapters, bad input, job submit."""
 
 import json
+import os
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -102,6 +103,7 @@ def test_each_worker_reports_its_simulated_nodes_core_and_one_thread(client):
         assert info["cpu_ids"] == [core] and info["thread_cpu_ids"] == [core]  # every thread of the process
         assert info["num_threads"] == 1 and info["engine_config"]["num_threads"] == 1
         assert info["num_pinned_threads"] > 1
+        assert os.getpriority(os.PRIO_PROCESS, info["pid"]) == 0  # its main thread: not Ray's nice 15
         assert info["memory_policy"] == "bind:0" or info["memory_policy"].startswith("first-touch (")
     assert infos["local-numa0-0"]["pid"] != infos["local-numa1-0"]["pid"]
 
