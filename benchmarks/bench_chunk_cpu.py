@@ -16,8 +16,8 @@ revision's `git archive`) the servers alternate, the order flipping every repeat
 
 Ray (--ray; starts a local Ray, so run it alone): the hop from a worker-like actor's streaming generator (a
 RequestOutput per yield, paced as above) to an async caller actor that reads each item as
-actors/request_stream.py does (actors/ray_streams.next_item) or by Ray's ObjectRefGenerator alone, the two
-alternating; CPU seconds per item of each actor's process (its Ray core worker threads included).
+actors/request_stream.py does (`await (await refs.__anext__())`); CPU seconds per item of each actor's
+process (its Ray core worker threads included).
 """
 
 import argparse
@@ -34,7 +34,6 @@ import psutil
 ROOT = Path(__file__).resolve().parent.parent
 SERVER = Path(__file__).with_name("chunk_server.py")
 ENDPOINTS = ("chat", "completions")
-RAY_WAYS = ("ray", "next_item")
 
 
 def _cpu_s(process: psutil.Process) -> float:
@@ -148,21 +147,13 @@ def run_ray(streams: list[int], max_tokens: int, chunks: int, rate: float, repea
 
     @ray.remote(num_cpus=0)
     class Caller:
-        """An HTTP actor's RequestStream.next(): each item read off the stream's ObjectRefGenerator, by
-        actors/ray_streams.next_item ("next_item") or by Ray's own `await (await refs.__anext__())`
-        ("ray")."""
+        """An HTTP actor's RequestStream.next(): each item read off the stream's ObjectRefGenerator."""
 
         def pid(self) -> int:
             return os.getpid()
 
-        async def read(self, producer, way: str, num_streams: int, num_requests: int, num_items: int,
+        async def read(self, producer, num_streams: int, num_requests: int, num_items: int,
                        interval_s: float) -> int:
-            from actors.ray_streams import next_item
-
-            async def ray_next(refs):
-                return await (await refs.__anext__())
-
-            read_next = next_item if way == "next_item" else ray_next
             left = num_requests
 
             async def closed_loop() -> int:
@@ -171,7 +162,7 @@ def run_ray(streams: list[int], max_tokens: int, chunks: int, rate: float, repea
                 while left > 0:
                     left -= 1
                     refs = producer.generate.remote(num_items, interval_s)
-                    while not (await read_next(refs)).finished:
+                    while not (await (await refs.__anext__())).finished:
                         num_read += 1
                     num_read += 1
                 return num_read
@@ -182,22 +173,19 @@ def run_ray(streams: list[int], max_tokens: int, chunks: int, rate: float, repea
     try:
         producer, caller = Producer.remote(), Caller.remote()
         producer_ps, caller_ps = (psutil.Process(ray.get(a.pid.remote())) for a in (producer, caller))
-        for way in RAY_WAYS:  # warm-up
-            ray.get(caller.read.remote(producer, way, 1, 4, max_tokens, 0.0))
-        samples: dict[tuple, list[dict]] = {}
-        for repeat in range(repeats):
+        ray.get(caller.read.remote(producer, 1, 4, max_tokens, 0.0))  # warm-up
+        samples: dict[int, list[dict]] = {}
+        for _ in range(repeats):
             for c in streams:
                 num_requests = max(c, -(-chunks // max_tokens) // c * c)
-                for way in RAY_WAYS if repeat % 2 == 0 else RAY_WAYS[::-1]:
-                    before = _cpu_s(producer_ps), _cpu_s(caller_ps)
-                    reading = caller.read.remote(producer, way, c, num_requests, max_tokens, c / rate)
-                    num_read = ray.get(reading)
-                    samples.setdefault((way, c), []).append(
-                        {"producer_ms": (_cpu_s(producer_ps) - before[0]) / num_read * 1e3,
-                         "caller_ms": (_cpu_s(caller_ps) - before[1]) / num_read * 1e3})
-        return [{"way": way, "streams": c, **{key: statistics.median(r[key] for r in runs)
-                                              for key in ("producer_ms", "caller_ms")}, "samples": runs}
-                for (way, c), runs in samples.items()]
+                before = _cpu_s(producer_ps), _cpu_s(caller_ps)
+                num_read = ray.get(caller.read.remote(producer, c, num_requests, max_tokens, c / rate))
+                samples.setdefault(c, []).append(
+                    {"producer_ms": (_cpu_s(producer_ps) - before[0]) / num_read * 1e3,
+                     "caller_ms": (_cpu_s(caller_ps) - before[1]) / num_read * 1e3})
+        return [{"streams": c, **{key: statistics.median(r[key] for r in runs)
+                                  for key in ("producer_ms", "caller_ms")}, "samples": runs}
+                for c, runs in samples.items()]
     finally:
         ray.shutdown()
 
@@ -217,9 +205,9 @@ def main() -> None:
     streams = [int(c) for c in args.streams.split(",")]
     if args.ray:
         results = run_ray(streams, args.max_tokens, args.chunks, args.rate, args.repeats)
-        print("caller reads by  streams  producer ms/item  caller ms/item")
+        print("streams  producer ms/item  caller ms/item")
         for r in results:
-            print(f"{r['way']:<15}  {r['streams']:>7}  {r['producer_ms']:>16.3f}  {r['caller_ms']:>14.3f}")
+            print(f"{r['streams']:>7}  {r['producer_ms']:>16.3f}  {r['caller_ms']:>14.3f}")
     else:
         sources = [s.resolve() for s in args.source or [ROOT]]
         results = asyncio.run(run_http(sources, streams, args.max_tokens, args.chunks, args.rate,
