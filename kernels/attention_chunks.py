@@ -2,7 +2,13 @@
 softmax (largest score, sum of exponentials, unnormalized value sum), then the chunks merged in order by the
 log-sum-exp rule; and the widening of a cached KV row to float32. Shared by the per-token kernels
 (kernels/attention.py) and the tiled prefill kernel (kernels/attention_tiles.py), so both give a token the
-same bits."""
+same bits.
+
+The recent window, wide = (k_wide, v_wide, shadow_of, wide_from, group) with group > 0: a token at position p
+reads its sequence's context slots from wide_start on, that is from recent_start(p, group) = (p // group - 1)
+* group (its group of positions and the one before) but not before wide_from[seq] (the first slot its sequence
+computed since it got its blocks: a prefix hit's slots have no wide copy), and every tree slot, from the
+bfloat16 shadow of their block (k_wide[shadow_of[block]]) instead of the block's codes. group 0: no window."""
 
 import numpy as np
 from numba import njit, types
@@ -10,7 +16,7 @@ from numba.extending import overload
 
 from kernels.bf16 import as_f32
 from kernels.exp32 import exp32, tanh32
-from kernels.fp8 import fp8_as_bf16, fp8_unbias
+from kernels.fp8 import fp8_as_f32, fp8_placement, fp8_row_factor, fp8_unbias
 from kernels.simd_axpy import weighted_sum
 from kernels.simd_dot import dots
 
@@ -38,13 +44,28 @@ def visible(positions, tree_starts, tree_mask, window, t):
 
 
 @njit(inline="always", nogil=True)
+def recent_start(position, group):
+    # the first position a token at position read from the recent window (group > 0)
+    return max(0, (position // group - 1) * group)
+
+
+@njit(inline="always", nogil=True)
+def wide_start(wide, position, seq):
+    # the first context slot a token at position of sequence row seq reads wide (past every slot: no window)
+    group = wide[4]
+    if group <= 0:
+        return np.int64(1 << 62)
+    return np.int64(max(recent_start(position, group), wide[3][seq]))
+
+
+@njit(inline="always", nogil=True)
 def num_chunks(num_visible, chunk):
     return max(1, (num_visible + chunk - 1) // chunk)
 
 
 @njit(inline="always", nogil=True, fastmath=FASTMATH, error_model="numpy")
-def attend(q, k_cache, v_cache, k_scale, v_scale, has_scale, fp8_mbits, block_tables, token_seq, positions,
-            tree_starts, tree_mask, window, softmax_scale, softcap, chunk, out, t, kh):
+def attend(q, k_cache, v_cache, k_scale, v_scale, has_scale, fp8_mbits, wide, block_tables, token_seq,
+           positions, tree_starts, tree_mask, window, softmax_scale, softcap, chunk, out, t, kh):
     # token t, kv head kh, its whole group of query heads: the chunks' partial softmaxes one after another,
     # then merged (each key and value row read and widened once)
     group = q.shape[1] // k_cache.shape[2]
@@ -53,15 +74,15 @@ def attend(q, k_cache, v_cache, k_scale, v_scale, has_scale, fp8_mbits, block_ta
     m, l = np.empty((k, group), np.float32), np.empty((k, group), np.float32)
     acc = np.empty((k, group, q.shape[2]), np.float32)
     for c in range(k):
-        partial(q, k_cache, v_cache, k_scale, v_scale, has_scale, fp8_mbits, block_tables, token_seq,
-                 positions, tree_starts, tree_mask, window, softmax_scale, softcap, t, kh, c * chunk,
-                 (c + 1) * chunk, m[c], l[c], acc[c])
+        partial(q, k_cache, v_cache, k_scale, v_scale, has_scale, fp8_mbits, wide, block_tables, token_seq,
+                positions, tree_starts, tree_mask, window, softmax_scale, softcap, t, kh, c * chunk,
+                (c + 1) * chunk, m[c], l[c], acc[c])
     merge_chunks(m, l, acc, out[t, kh * group:(kh + 1) * group])
 
 
 @njit(inline="always", nogil=True, fastmath=FASTMATH, error_model="numpy")
-def partial(q, k_cache, v_cache, k_scale, v_scale, has_scale, fp8_mbits, block_tables, token_seq, positions,
-             tree_starts, tree_mask, window, softmax_scale, softcap, t, kh, a, b, m, l, acc):
+def partial(q, k_cache, v_cache, k_scale, v_scale, has_scale, fp8_mbits, wide, block_tables, token_seq,
+            positions, tree_starts, tree_mask, window, softmax_scale, softcap, t, kh, a, b, m, l, acc):
     # token t, kv head kh, over its visible slots a .. b (in visible's order), each query head g of the
     # group: m[g] = the largest score s_j, l[g] = sum_j exp(s_j - m[g]), acc[g] = sum_j exp(s_j - m[g]) v_j.
     # Softmax in two passes over a score buffer (no running rescale)
@@ -78,19 +99,25 @@ def partial(q, k_cache, v_cache, k_scale, v_scale, has_scale, fp8_mbits, block_t
     # the context's loops written out here, not through _score/_add_value: through them the serial kernel ran
     # 3.3x slower on short decode contexts (demo model, batch 16: 0.34 against 0.10 ms a call)
     block_size = k_cache.shape[1]
+    k_wide, v_wide, shadow_of = wide[0], wide[1], wide[2]
+    first_wide = wide_start(wide, positions[t], seq)
     for j in range(start + a, start + min(b, num_context)):
         blk = block_tables[seq, j // block_size]
         o = j % block_size
-        scale = np.float32(softmax_scale) * (k_scale[blk, o, kh] if has_scale else np.float32(1.0))
-        load_row(k_cache, blk, o, kh, fp8_mbits, np.float32(1.0), row)
-        dots(qg, row, scores, j - start - a, scale)
+        if j >= first_wide:
+            load_row(k_wide, shadow_of[blk], o, kh, 0, np.float32(1.0), row)
+            dots(qg, row, scores, j - start - a, np.float32(softmax_scale))
+        else:
+            scale = np.float32(softmax_scale) * (k_scale[blk, o, kh] if has_scale else np.float32(1.0))
+            load_row(k_cache, blk, o, kh, fp8_mbits, np.float32(1.0), row)
+            dots(qg, row, scores, j - start - a, scale)
     n = max(0, min(b, num_context) - a)
     rank = num_context  # visible index of the next tree slot
     for i in range(tree_mask.shape[1] if b > num_context else 0):
         if tree_mask[t, i] != 0:
             if a <= rank < b:
-                _score(qg, k_cache, k_scale, has_scale, fp8_mbits, block_tables, seq, tree_starts[t] + i, kh,
-                       softmax_scale, row, scores, n)
+                _score(qg, k_cache, k_scale, has_scale, fp8_mbits, wide, block_tables, seq,
+                       tree_starts[t] + i, kh, softmax_scale, row, scores, n)
                 n += 1
             rank += 1
     if softcap > 0:
@@ -121,8 +148,11 @@ def partial(q, k_cache, v_cache, k_scale, v_scale, has_scale, fp8_mbits, block_t
         for i in range(rows):
             blk = block_tables[seq, (first + i) // block_size]
             o = (first + i) % block_size
-            load_row(v_cache, blk, o, kh, fp8_mbits, v_scale[blk, o, kh] if has_scale else np.float32(1.0),
-                     values[i])
+            if first + i >= first_wide:
+                load_row(v_wide, shadow_of[blk], o, kh, 0, np.float32(1.0), values[i])
+            else:
+                scale = v_scale[blk, o, kh] if has_scale else np.float32(1.0)
+                load_row(v_cache, blk, o, kh, fp8_mbits, scale, values[i])
         for g in range(group):
             weights[:rows] = scores[g, first - start - a:first - start - a + rows]
             weighted_sum(weights, values, 0, rows, acc[g])
@@ -131,8 +161,8 @@ def partial(q, k_cache, v_cache, k_scale, v_scale, has_scale, fp8_mbits, block_t
     for i in range(tree_mask.shape[1] if b > num_context else 0):
         if tree_mask[t, i] != 0:
             if a <= rank < b:
-                _add_value(v_cache, v_scale, has_scale, fp8_mbits, block_tables, seq, tree_starts[t] + i, kh,
-                           row, scores, n, acc)
+                _add_value(v_cache, v_scale, has_scale, fp8_mbits, wide, block_tables, seq,
+                           tree_starts[t] + i, kh, row, scores, n, acc)
                 n += 1
             rank += 1
 
@@ -157,24 +187,32 @@ def merge_chunks(m, l, acc, out):
 
 
 @njit(inline="always", nogil=True, fastmath=FASTMATH, error_model="numpy")
-def _score(qg, k_cache, k_scale, has_scale, fp8_mbits, block_tables, seq, j, kh, softmax_scale, row, scores,
-           column):
-    # scores[:, column] = q . k_j for slot j of the sequence, each query head of the group
+def _score(qg, k_cache, k_scale, has_scale, fp8_mbits, wide, block_tables, seq, j, kh, softmax_scale, row,
+           scores, column):
+    # scores[:, column] = q . k_j for tree slot j of the sequence, each query head of the group
     block_size = k_cache.shape[1]
     b = block_tables[seq, j // block_size]
     o = j % block_size
+    if wide[4] > 0:  # a tree slot is read wide under a window (its drafts are within a group of the query)
+        load_row(wide[0], wide[2][b], o, kh, 0, np.float32(1.0), row)
+        dots(qg, row, scores, column, np.float32(softmax_scale))
+        return
     scale = np.float32(softmax_scale) * (k_scale[b, o, kh] if has_scale else np.float32(1.0))
     load_row(k_cache, b, o, kh, fp8_mbits, np.float32(1.0), row)
     dots(qg, row, scores, column, scale)
 
 
 @njit(inline="always", nogil=True, fastmath=FASTMATH, error_model="numpy")
-def _add_value(v_cache, v_scale, has_scale, fp8_mbits, block_tables, seq, j, kh, row, scores, column, acc):
-    # acc += p * v_j for slot j, p = scores[:, column]
+def _add_value(v_cache, v_scale, has_scale, fp8_mbits, wide, block_tables, seq, j, kh, row, scores, column,
+               acc):
+    # acc += p * v_j for tree slot j, p = scores[:, column]
     block_size = v_cache.shape[1]
     b = block_tables[seq, j // block_size]
     o = j % block_size
-    load_row(v_cache, b, o, kh, fp8_mbits, v_scale[b, o, kh] if has_scale else np.float32(1.0), row)
+    if wide[4] > 0:
+        load_row(wide[1], wide[2][b], o, kh, 0, np.float32(1.0), row)
+    else:
+        load_row(v_cache, b, o, kh, fp8_mbits, v_scale[b, o, kh] if has_scale else np.float32(1.0), row)
     for g in range(acc.shape[0]):
         p = scores[g, column]
         for d in range(row.shape[0]):
@@ -196,9 +234,15 @@ def _load_row_impl(cache, b, o, kh, fp8_mbits, scale, row):
 
     def decode(cache, b, o, kh, fp8_mbits, scale, row):
         if cache.shape[3] == row.shape[0]:  # fp8: one code a value
-            unbias = fp8_unbias(fp8_mbits)
-            for d in range(row.shape[0]):  # (value * 2^(bias - 127)) * 2^(127 - bias): exact, then scaled
-                row[d] = fp8_as_bf16(cache[b, o, kh, d], fp8_mbits) * unbias * scale
+            shift, mask = fp8_placement(fp8_mbits)
+            factor = fp8_row_factor(fp8_mbits, scale)
+            if factor > 0:  # (value * 2^(bias - 127)) * (2^(127 - bias) * scale): one rounding, as below
+                for d in range(row.shape[0]):
+                    row[d] = fp8_as_f32(cache[b, o, kh, d], shift, mask) * factor
+            else:
+                unbias = fp8_unbias(fp8_mbits)
+                for d in range(row.shape[0]):  # (value * 2^(bias - 127)) * 2^(127 - bias): exact, then scaled
+                    row[d] = fp8_as_f32(cache[b, o, kh, d], shift, mask) * unbias * scale
         else:  # int4: two codes a byte
             for i in range(cache.shape[3]):
                 code = np.int32(cache[b, o, kh, i])

@@ -15,23 +15,34 @@ alone in their tile, take the per-token path.
 import numpy as np
 from numba import njit, prange
 
-from kernels.attention_chunks import FASTMATH, NEG_BIG, attend, load_row, merge_chunks, num_chunks, visible
+from kernels.attention_chunks import (
+    FASTMATH,
+    NEG_BIG,
+    attend,
+    load_row,
+    merge_chunks,
+    num_chunks,
+    visible,
+    wide_start,
+)
 from kernels.exp32 import exp32, tanh32
 from kernels.simd_axpy import weighted_sum
 from kernels.simd_dot import dots
 
 
 @njit(cache=True, nogil=True)
-def row_tiles(token_seq, positions, tree_starts, tile_rows):
+def row_tiles(token_seq, positions, tree_starts, tile_rows, group):
     # -> bounds [num_tiles + 1] int64: tile i is rows bounds[i] .. bounds[i + 1]; a row starts a new tile
-    # when the tile is full, its sequence differs, its position does not follow, or either row is a tree node
+    # when the tile is full, its sequence differs, its position does not follow, either row is a tree node,
+    # or (group > 0) its position starts a group of the recent window (a tile's rows read the same slots wide)
     T = token_seq.shape[0]
     bounds = np.empty(T + 1, np.int64)
     bounds[0] = 0
     n = 1
     for t in range(1, T):
         if (t - bounds[n - 1] >= tile_rows or token_seq[t] != token_seq[t - 1]
-                or positions[t] != positions[t - 1] + 1 or tree_starts[t] >= 0 or tree_starts[t - 1] >= 0):
+                or positions[t] != positions[t - 1] + 1 or tree_starts[t] >= 0 or tree_starts[t - 1] >= 0
+                or (group > 0 and positions[t] % group == 0)):
             bounds[n] = t
             n += 1
     bounds[n] = T
@@ -39,8 +50,9 @@ def row_tiles(token_seq, positions, tree_starts, tile_rows):
 
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=FASTMATH, error_model="numpy")
-def attention_tiled(q, k_cache, v_cache, k_scale, v_scale, has_scale, fp8_mbits, block_tables, token_seq,
-                    positions, tree_starts, tree_mask, window, softmax_scale, softcap, chunk, bounds, out):
+def attention_tiled(q, k_cache, v_cache, k_scale, v_scale, has_scale, fp8_mbits, wide, block_tables,
+                    token_seq, positions, tree_starts, tree_mask, window, softmax_scale, softcap, chunk,
+                    bounds, out):
     # kernels/attention.py's arguments, and bounds: row_tiles'; every (tile, kv head) a task
     num_tiles, n_kv = bounds.shape[0] - 1, k_cache.shape[2]
     for task in prange(num_tiles * n_kv):
@@ -48,23 +60,24 @@ def attention_tiled(q, k_cache, v_cache, k_scale, v_scale, has_scale, fp8_mbits,
         i = tt // 2 if tt % 2 == 0 else num_tiles - 1 - tt // 2  # short tiles paired with long ones
         kh = task - tt * n_kv
         if bounds[i + 1] - bounds[i] == 1:
-            attend(q, k_cache, v_cache, k_scale, v_scale, has_scale, fp8_mbits, block_tables, token_seq,
+            attend(q, k_cache, v_cache, k_scale, v_scale, has_scale, fp8_mbits, wide, block_tables, token_seq,
                     positions, tree_starts, tree_mask, window, softmax_scale, softcap, chunk, out, bounds[i],
                     kh)
         else:
-            _attend_tile(q, k_cache, v_cache, k_scale, v_scale, has_scale, fp8_mbits, block_tables, token_seq,
-                         positions, tree_starts, tree_mask, window, softmax_scale, softcap, chunk, out,
-                         bounds[i], bounds[i + 1], kh)
+            _attend_tile(q, k_cache, v_cache, k_scale, v_scale, has_scale, fp8_mbits, wide, block_tables,
+                         token_seq, positions, tree_starts, tree_mask, window, softmax_scale, softcap, chunk,
+                         out, bounds[i], bounds[i + 1], kh)
 
 
 @njit(inline="always", nogil=True, fastmath=FASTMATH, error_model="numpy")
-def _attend_tile(q, k_cache, v_cache, k_scale, v_scale, has_scale, fp8_mbits, block_tables, token_seq,
+def _attend_tile(q, k_cache, v_cache, k_scale, v_scale, has_scale, fp8_mbits, wide, block_tables, token_seq,
                  positions, tree_starts, tree_mask, window, softmax_scale, softcap, chunk, out, t0, t1, kh):
     # rows t0 .. t1 (one sequence, consecutive positions, no tree), kv head kh
     R, D = t1 - t0, q.shape[2]
     group = q.shape[1] // k_cache.shape[2]
     block_size = k_cache.shape[1]
     seq = token_seq[t0]
+    first_wide = wide_start(wide, positions[t0], seq)  # the same for every row (row_tiles)
     starts, ends, counts = np.empty(R, np.int64), np.empty(R, np.int64), np.empty(R, np.int64)
     for r in range(R):
         start, end, _ = visible(positions, tree_starts, tree_mask, window, t0 + r)
@@ -88,6 +101,11 @@ def _attend_tile(q, k_cache, v_cache, k_scale, v_scale, has_scale, fp8_mbits, bl
         for j in range(lo, hi):  # the chunk's key and value rows widened once: keys[j - lo], values[j - lo]
             blk = block_tables[seq, j // block_size]
             o = j % block_size
+            if j >= first_wide:
+                key_scales[j - lo] = np.float32(softmax_scale)
+                load_row(wide[0], wide[2][blk], o, kh, 0, np.float32(1.0), keys[j - lo])
+                load_row(wide[1], wide[2][blk], o, kh, 0, np.float32(1.0), values[j - lo])
+                continue
             key_scales[j - lo] = np.float32(softmax_scale) * (k_scale[blk, o, kh] if has_scale
                                                               else np.float32(1.0))
             load_row(k_cache, blk, o, kh, fp8_mbits, np.float32(1.0), keys[j - lo])

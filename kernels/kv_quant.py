@@ -105,3 +105,19 @@ def _quantize_row(x, dst):
     for d in range(x.shape[0]):
         dst[d] = np.int8(round(x[d] * inv))
     return scale
+
+
+@njit(cache=True, nogil=True)
+def write_kv_shadows(k, v, slot_mapping, block_size, shadow_of, k_wide, v_wide):
+    # k, v: [T, n_kv, D] f32 -> bfloat16 bits into the shadow of each slot's block, k_wide, v_wide
+    # [num_shadows, block_size, n_kv, D] uint16 (kernels/attention_chunks.py's recent window); blocks without
+    # one (shadow_of -1) skipped
+    for t in range(k.shape[0]):
+        s = shadow_of[slot_mapping[t] // block_size]
+        if s < 0:
+            continue
+        o = slot_mapping[t] % block_size
+        for h in range(k.shape[1]):
+            for d in range(k.shape[2]):
+                k_wide[s, o, h, d] = f32_to_bf16(k[t, h, d])
+                v_wide[s, o, h, d] = f32_to_bf16(v[t, h, d])

@@ -1,12 +1,14 @@
 """KV storage of one engine: per layer [num_blocks, block_size, n_kv_heads, head_dim] arrays, each layer in
-its own dtype (memory/kv_formats.py)."""
+its own dtype (memory/kv_formats.py), and the recent window's bfloat16 shadows of the blocks that carry one
+(layers of a format with a window; shadow_of maps a block to its shadow, -1: none)."""
 
 from collections.abc import Mapping
 
 import numpy as np
 
+from kernels.attention import NO_WINDOW
 from memory.heap import untouched_zeros
-from memory.kv_formats import KV_FORMATS, KVFormat
+from memory.kv_formats import KV_FORMATS, RECENT_GROUP, KVFormat
 
 
 def layer_kv_dtypes(num_layers: int, kv_dtype: str, overrides: Mapping[int, str] | None = None) -> list[str]:
@@ -28,7 +30,9 @@ def kv_bytes_per_token(num_layers: int, n_kv_heads: int, head_dim: int, kv_dtype
 
 class KVCache:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, n_kv_heads: int, head_dim: int,
-                 kv_dtype: str, overrides: Mapping[int, str] | None = None):
+                 kv_dtype: str, overrides: Mapping[int, str] | None = None, num_shadows: int = 0):
+        """num_shadows: blocks that can carry a recent-window shadow at once (0: no window, every layer read
+        from its codes alone)."""
         self.layer_dtypes = layer_kv_dtypes(num_layers, kv_dtype, overrides)
         self.formats: list[KVFormat] = [KV_FORMATS[d] for d in self.layer_dtypes]
         for name in set(self.layer_dtypes):
@@ -44,6 +48,33 @@ class KVCache:
         self.k_scale = [untouched_zeros(s, np.float32) for s in scale_shapes]
         self.v_scale = [untouched_zeros(s, np.float32) for s in scale_shapes]
         self.bytes_per_token = kv_bytes_per_token(num_layers, n_kv_heads, head_dim, kv_dtype, overrides)
+        self.windowed = num_shadows > 0 and any(f.recent for f in self.formats)
+        wide_shape = (num_shadows, block_size, n_kv_heads, head_dim) if self.windowed else (1, 1, 1, 1)
+        self.k_wide = [untouched_zeros(wide_shape, np.uint16) if f.recent else None for f in self.formats]
+        self.v_wide = [untouched_zeros(wide_shape, np.uint16) if f.recent else None for f in self.formats]
+        self.shadow_of = np.full(num_blocks, -1, np.int32)  # [num_blocks]
+        self.free_shadows = list(range(num_shadows - 1, -1, -1)) if self.windowed else []
+
+    def window(self, i: int, wide_from: np.ndarray) -> tuple:
+        """Layer i's recent window for kernels/attention.paged_attention; wide_from [S] int32."""
+        if not self.windowed or self.k_wide[i] is None:
+            return NO_WINDOW
+        return self.k_wide[i], self.v_wide[i], self.shadow_of, wide_from, RECENT_GROUP
+
+    @property
+    def window_bytes(self) -> int:
+        return sum(a.nbytes for a in self.k_wide + self.v_wide if a is not None) if self.windowed else 0
+
+    def attach_shadow(self, block: int) -> None:
+        if self.shadow_of[block] >= 0 or not self.free_shadows:
+            raise RuntimeError(f"block {block} has a recent-window shadow already, or none is left (the "
+                               "engine sizes them for max_num_seqs requests and max_num_batched_tokens new "
+                               "tokens a step): a bug")
+        self.shadow_of[block] = self.free_shadows.pop()
+
+    def release_shadow(self, block: int) -> None:
+        self.free_shadows.append(int(self.shadow_of[block]))
+        self.shadow_of[block] = -1
 
     @property
     def arrays(self) -> list[np.ndarray]:
@@ -67,3 +98,7 @@ class KVCache:
                     if fmt.has_scale:
                         self.k_scale[i][bb, bo] = self.k_scale[i][ab, ao]
                         self.v_scale[i][bb, bo] = self.v_scale[i][ab, ao]
+                    if self.k_wide[i] is not None and min(self.shadow_of[ab], self.shadow_of[bb]) >= 0:
+                        sa, sb = self.shadow_of[ab], self.shadow_of[bb]
+                        self.k_wide[i][sb, bo] = self.k_wide[i][sa, ao]
+                        self.v_wide[i][sb, bo] = self.v_wide[i][sa, ao]

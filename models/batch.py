@@ -22,6 +22,9 @@ class ForwardBatch:
     # [T] int32, a tree node's first tree slot (-1: not a node); None: no tree
     tree_starts: np.ndarray | None = None
     tree_mask: np.ndarray | None = None  # [T, W] uint8, the tree slots each node sees (kernels/attention.py)
+    # [S] int32, each sequence's first slot its recent window may read (kernels/attention_chunks.py); None: no
+    # window
+    wide_from: np.ndarray | None = None
 
     @property
     def num_tokens(self) -> int:

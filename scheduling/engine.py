@@ -24,7 +24,7 @@ from models.planned_load import load_planned
 from models.tokenizer import IncrementalDetokenizer
 from scheduling.adapter_store import AdapterStore
 from scheduling.batcher import Batcher
-from scheduling.kv_cache_manager import KVCacheManager, num_kv_blocks
+from scheduling.kv_cache_manager import KVCacheManager, num_kv_blocks, window_shadows
 from scheduling.lora_planner import LoraPlanner, SharedMerged
 from scheduling.model_runner import ModelRunner
 from scheduling.output_processor import OutputProcessor, ProcessedStep, emit, finish
@@ -66,7 +66,8 @@ class Engine:
                                   lambda i=i: self.model.expert_log.describe(i), subject=f"layers.{i}")
         num_blocks = num_kv_blocks(s, config, self.max_model_len)
         self.kv_cache = KVCache(s.num_layers, num_blocks, bs, s.num_kv_heads, s.head_dim,
-                                config.resolved_kv_dtype, config.kv_dtype_overrides)
+                                config.resolved_kv_dtype, config.kv_dtype_overrides,
+                                num_shadows=window_shadows(config))
         window = min(s.layer_windows)  # blocks can be released only if every layer looks back a window
         pool = BlockPool(num_blocks)
         block_bytes = self.kv_cache.bytes_per_token * bs

@@ -5,8 +5,10 @@ import math
 from collections.abc import Callable
 
 from cluster_configs.engine_config import EngineConfig
+from kernels.attention_chunks import recent_start
 from memory.block_pool import NULL_BLOCK, BlockPool, hash_block
 from memory.kv_cache import KVCache, kv_bytes_per_token
+from memory.kv_formats import RECENT_GROUP
 from models.spec import ModelSpec
 from scheduling.plan import ScheduledRequest
 from scheduling.request import Request
@@ -35,7 +37,9 @@ class KVCacheManager:
                 "kv_usage": self.usage,
                 # slots holding KV, of those taken
                 "kv_utilization": stored / used_slots if used_slots else math.nan,
-                "kv_bytes_per_token": self.kv_cache.bytes_per_token}
+                "kv_bytes_per_token": self.kv_cache.bytes_per_token,
+                # the recent window's bfloat16 shadows (memory/kv_formats.py), outside kv_cache_bytes
+                "kv_window_bytes": self.kv_cache.window_bytes}
 
     def looks_up(self, req: Request) -> bool:
         """Whether req's prompt is looked up in (and its full blocks shared through) the prefix cache."""
@@ -81,6 +85,9 @@ class KVCacheManager:
             self._hash_full_blocks(req)
         if num_new_blocks > 0:
             req.block_ids.extend(self.pool.allocate(num_new_blocks))
+        if req.wide_from is None:
+            req.wide_from = num_computed
+        self.sync_shadows(req, num_computed + num_new_tokens)
         return True
 
     def accept(self, scheduled: ScheduledRequest, num_accepted: int, kept_rows: list[int]) -> None:
@@ -94,9 +101,26 @@ class KVCacheManager:
             self.kv_cache.move_slots(req.block_ids, [first + v for v in nodes],
                                      list(range(first, first + len(nodes))))
         req.num_computed_tokens = min(first + num_accepted, req.num_tokens)
+        self.sync_shadows(req, req.num_computed_tokens)
         if num_drafts:
             self.rollback(req)
         self.commit_full_blocks(req)
+
+    def sync_shadows(self, req: Request, end: int) -> None:
+        """The recent window's shadows on exactly req's blocks a token of it reads wide up to slot end: from
+        the window of its next position (req.num_computed_tokens) on, none before req.wide_from (before
+        the blocks go back to the pool, or a step writes slots below end)."""
+        if not self.kv_cache.windowed:
+            return
+        bs = self.block_size
+        first = max(req.wide_from or 0, recent_start(req.num_computed_tokens, RECENT_GROUP))
+        wanted = {req.block_ids[i] for i in range(first // bs, min(-(-end // bs), len(req.block_ids)))
+                  if req.block_ids[i] != NULL_BLOCK} if end > first else set()
+        for block in req.shadowed - wanted:
+            self.kv_cache.release_shadow(block)
+        for block in wanted - req.shadowed:
+            self.kv_cache.attach_shadow(block)
+        req.shadowed = wanted
 
     def commit_full_blocks(self, req: Request) -> None:
         """After a step: make req's newly filled blocks findable by later requests."""
@@ -119,6 +143,8 @@ class KVCacheManager:
             del req.block_ids[num_kept:]
 
     def free(self, req: Request) -> None:
+        self.sync_shadows(req, 0)
+        req.wide_from = None
         self.pool.free(reversed(req.block_ids))  # tail first: the tail is the least likely to be shared
         req.block_ids = []
         req.block_hashes = []
@@ -152,3 +178,12 @@ def num_kv_blocks(spec: ModelSpec, config: EngineConfig, max_model_len: int) -> 
         raise ValueError(f"kv_cache_bytes={config.kv_cache_bytes} cannot hold one KV block of {block_bytes} "
                          "bytes; raise kv_cache_bytes or lower block_size")
     return num_blocks
+
+
+def window_shadows(config: EngineConfig) -> int:
+    """Blocks that can carry a recent-window shadow at once: a request's from the window of its next
+    position (RECENT_GROUP to 2 RECENT_GROUP - 1 slots back) to the end of its step's slots, max_num_seqs of
+    them, their new slots no more than max_num_batched_tokens (drafts included). Allocated only when a layer's
+    format keeps a window; its pages are taken as shadows are first written."""
+    bs = config.block_size
+    return -(-config.max_num_batched_tokens // bs) + config.max_num_seqs * (-(-2 * RECENT_GROUP // bs) + 2)

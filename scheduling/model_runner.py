@@ -116,8 +116,10 @@ class ModelRunner:
         tree_starts, tree_mask = _tree_arrays(len(token_ids), trees)
         pooling = any(s.request.pooling for s in plan.scheduled)
         every_row = np.arange(len(token_ids), dtype=np.int64) if self.wants_hidden or pooling else None
+        wide_from = np.array([s.request.wide_from or 0 for s in plan.scheduled], np.int32)  # [S]
         batch = ForwardBatch(np.asarray(token_ids, np.int64), positions, token_seq, slot_mapping,
-                             block_tables, logits_indices, lora, merged, every_row, tree_starts, tree_mask)
+                             block_tables, logits_indices, lora, merged, every_row, tree_starts, tree_mask,
+                             wide_from)
         return batch, logit_rows, prompt_rows, prompt_starts
 
 

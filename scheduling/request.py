@@ -40,6 +40,10 @@ class Request:
         self.num_cached_tokens = 0  # of those, taken from the prefix cache on admission
         self.block_ids: list[int] = []
         self.block_hashes: list[int] = []  # chain over this request's full blocks
+        # the recent window (memory/kv_formats.py): the first slot computed since it got its blocks (None: has
+        # none), and its blocks that carry a bfloat16 shadow
+        self.wide_from: int | None = None
+        self.shadowed: set[int] = set()
         self.status = RequestStatus.WAITING
         self.finish_reason: str | None = None
         # every draw is keyed by (seed, position): an unseeded request gets its seed once, here

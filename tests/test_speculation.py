@@ -313,6 +313,7 @@ def test_greedy_tree_speculation_gives_the_same_tokens_as_none(llama_dir, heads_
     assert 0 < stats["spec_num_accepted_tokens"] < stats["spec_num_draft_tokens"], stats
     assert any(moved), "no accepted path left the first branch: the KV move went untested"
     assert stats["num_free_blocks"] == stats["num_blocks"]
+    assert (llm.engine.kv_cache.shadow_of < 0).all()  # fp8's recent-window shadows went back too
 
 
 @pytest.mark.parametrize("method", ["medusa", "eagle"])
