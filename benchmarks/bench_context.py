@@ -73,7 +73,8 @@ def workloads(args) -> dict[str, tuple[str, int, int]]:
 
 
 def start_engines(ckpt: Path, gguf: Path, llamacpp_type: str, args) -> dict[str, EngineProcess]:
-    num_seqs = max(max(args.batches), int(args.prefill.split("x")[0]))
+    # the workers' warm-ups decode 2 prompts at once (llama.cpp fails a sequence past n_seq_max)
+    num_seqs = max(2, max(args.batches), int(args.prefill.split("x")[0]))
     # a decode context grows by decode_steps every sample (and WARM_STEPS before them)
     longest = (max(max(args.contexts), int(args.prefill.split("x")[1]))
                + args.decode_steps * args.samples + WARM_STEPS + 8)

@@ -106,8 +106,10 @@ class NumaserveBench:
 
 
 def prefill_all(engine, reqs) -> None:
-    """Steps until every request's prompt is in (the steps that follow decode alone)."""
-    while any(r.num_computed_tokens < r.num_prompt_tokens for r in reqs):
+    """Steps until every request's prompt is in (the steps that follow decode alone). A finished request
+    counts as in (its blocks went back, and its computed count with them): with fewer sequences than
+    requests, the first finish before the last are admitted."""
+    while any(not r.finished and r.num_computed_tokens < r.num_prompt_tokens for r in reqs):
         engine.step()
 
 
