@@ -100,7 +100,8 @@ def test_tiles_are_runs_of_consecutive_positions_of_one_sequence_outside_trees()
     token_seq = np.array([0, 0, 0, 0, 0, 1, 1, 2, 2, 2, 2], np.int32)
     positions = np.array([0, 1, 2, 3, 4, 7, 8, 3, 5, 6, 7], np.int32)
     tree_starts = np.array([-1] * 9 + [5, 5], np.int32)
-    np.testing.assert_array_equal(row_tiles(token_seq, positions, tree_starts, 3, 0), [0, 3, 5, 7, 8, 9, 10, 11])
+    np.testing.assert_array_equal(row_tiles(token_seq, positions, tree_starts, 3, 0),
+                                  [0, 3, 5, 7, 8, 9, 10, 11])
     # a recent window's groups of 4 positions: positions 4 and 8 start tiles too
     np.testing.assert_array_equal(row_tiles(token_seq, positions, tree_starts, 3, 4),
                                   [0, 3, 4, 5, 6, 7, 8, 9, 10, 11])

@@ -61,13 +61,14 @@ class Layer:
     def run(self, rows, tree_starts=None, tree_mask=None, positions=None) -> np.ndarray:
         out = np.empty((len(rows), H, self.D), np.float32)
         positions = self.positions[rows] if positions is None else positions
-        attend_as(self.fmt, self.q[rows].copy(), *self.caches, self.tables, self.token_seq[rows], positions, 0,
-                  0.2, out, tree_starts, tree_mask, 0.0, self.wide)
+        attend_as(self.fmt, self.q[rows].copy(), *self.caches, self.tables, self.token_seq[rows], positions,
+                  0, 0.2, out, tree_starts, tree_mask, 0.0, self.wide)
         return out
 
     def reference(self, rows) -> np.ndarray:
         k_cache, v_cache, k_scale, v_scale = self.caches
-        narrow = stored(self.kv_dtype, k_cache, k_scale, self.D), stored(self.kv_dtype, v_cache, v_scale, self.D)
+        narrow = (stored(self.kv_dtype, k_cache, k_scale, self.D),
+                  stored(self.kv_dtype, v_cache, v_scale, self.D))
         wide = [from_bf16(a).astype(np.float64).reshape(-1, N_KV, self.D) for a in self.wide[:2]]
         shadow_of = self.wide[2]
         out = np.empty((len(rows), H, self.D))
@@ -100,8 +101,8 @@ def test_the_shadows_hold_what_was_written_in_bfloat16(layer):
     for t, slot in enumerate(layer.slots):
         shadow = shadow_of[slot // BLOCK]
         if shadow >= 0:
-            np.testing.assert_allclose(from_bf16(layer.wide[0][shadow, slot % BLOCK]), layer.k[t], rtol=2 ** -8)
-            np.testing.assert_allclose(from_bf16(layer.wide[1][shadow, slot % BLOCK]), layer.v[t], rtol=2 ** -8)
+            for wide, written in ((layer.wide[0], layer.k[t]), (layer.wide[1], layer.v[t])):
+                np.testing.assert_allclose(from_bf16(wide[shadow, slot % BLOCK]), written, rtol=2 ** -8)
 
 
 @pytest.mark.parametrize("path", ["serial", "parallel", "split"])
