@@ -36,9 +36,11 @@ MODEL_SHAPE = SimpleNamespace(num_layers=22, num_kv_heads=4, head_dim=64)
 
 @dataclass(frozen=True)
 class KVGeometry:
-    """What KVCacheManager reads of a KVCache when no tree is verified: no arrays."""
+    """What KVCacheManager reads of a KVCache when no tree is verified: no arrays (and no recent window)."""
     block_size: int
     bytes_per_token: int
+    windowed: bool = False
+    window_bytes: int = 0
 
 
 def step_shape(plan: StepPlan) -> StepShape:
