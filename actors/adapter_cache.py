@@ -1,10 +1,10 @@
 """AdapterCache: the deployment's LoRA adapters. It alone reads adapter directories: it validates an adapter
-against the served model at registration (scheduling/adapter_store.py), keeps the registry in a JSON file
+against the served model at registration (scheduling/lora/adapter_store.py), keeps the registry in a JSON file
 so a restarted cache, or a later deployment of the same name over the same model, still serves it
-(scheduling/adapter_registry.py), and holds the loaded tensors, least recently used out past max_bytes. A
+(scheduling/lora/adapter_registry.py), and holds the loaded tensors, least recently used out past max_bytes. A
 worker asks for an adapter by name and gets it through the object store, put there once per load and shared
 by every worker that asks: workers on other machines need no shared filesystem.
-It also keeps the merged copies workers build (scheduling/lora_planner.py), so each is built once.
+It also keeps the merged copies workers build (scheduling/lora/planner.py), so each is built once.
 """
 
 import asyncio
@@ -14,8 +14,8 @@ import ray
 from ray.exceptions import RayActorError
 
 from models.loader import read_spec
-from scheduling.adapter_registry import AdapterRegistry, model_identity
-from scheduling.adapter_store import AdapterStore
+from scheduling.lora.adapter_registry import AdapterRegistry, model_identity
+from scheduling.lora.adapter_store import AdapterStore
 
 LOOKUP_TIMEOUT_S = 60.0  # a restarting cache is waited for this long
 
@@ -44,7 +44,7 @@ class AdapterCache:
         return path
 
     def compose(self, name: str, weights: dict[str, float], combination: str = "svd") -> None:
-        """Serve `name` as a weighted combination of registered adapters (models/lora_compose.py)."""
+        """Serve `name` as a weighted combination of registered adapters (models/lora/compose.py)."""
         self.store.compose(name, weights, combination)
         self._save()
 

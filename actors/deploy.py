@@ -28,7 +28,7 @@ from actors.worker import NumaWorker
 from cluster_configs.cluster_config import NAME_PATTERN, ClusterConfig, HttpConfig, WorkerPlacement
 from cluster_configs.errors import CheckpointError, NumaserveError
 from memory import numa
-from models.spec import load_spec
+from models.model_spec import load_spec
 from scheduling.policy import PolicyLimits
 
 # control actors live on the head node, which outlives worker machines
@@ -96,7 +96,7 @@ def shutdown(name: str = "numaserve", timeout_s: float = 30.0) -> None:
 
 
 def drain(name: str, timeout_s: float) -> int:
-    """Drains the deployment's HTTP actors together (actors/http_lifecycle.py): new requests get 503, those
+    """Drains the deployment's HTTP actors together (http_api/lifecycle.py): new requests get 503, those
     in flight finish up to timeout_s, then are cancelled; -> how many were."""
     https = [ray.get_actor(n, namespace=NAMESPACE) for n in replica_names(name, "http")]
     refs = [h.drain.remote(timeout_s) for h in https]

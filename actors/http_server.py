@@ -5,10 +5,10 @@ uvicorn runs as a task on the actor's own event loop (Ray Serve's proxy does the
 tokenized and validated in this actor's thread pool, placed by the router and streamed straight from its
 worker's streaming generator with `await` (actors/request_stream.py), never a blocking ray.get. The actor
 is detached with unlimited restarts like the others; a restarted one binds its port again. The endpoints'
-logic is OpenAIServing (actors/openai_serving.py); this file wires it to HTTP and to the Ray actors. GET
+logic is OpenAIServing (http_api/serving.py); this file wires it to HTTP and to the Ray actors. GET
 /metrics renders the workers' metrics (actors/metrics.py), gathered by the router, and this actor's request
-counts (actors/http_metrics.py) in Prometheus text format.
-The app runs inside Lifecycle (actors/http_lifecycle.py): the access log, and drain() when serving stops.
+counts (http_api/metrics.py) in Prometheus text format.
+The app runs inside Lifecycle (http_api/lifecycle.py): the access log, and drain() when serving stops.
 """
 
 import asyncio
@@ -31,15 +31,19 @@ from ray.exceptions import RayActorError, RayTaskError
 from sse_starlette import EventSourceResponse
 
 from actors.adapter_cache import lookup_adapter
-from actors.chat_template import load_chat_template
 from actors.fresh_value import FreshValue
-from actors.http_lifecycle import Lifecycle, log_access_to_stderr
-from actors.http_metrics import CountRequests
-from actors.json_bodies import JSONBodies, ParsedJSONRoute
 from actors.metrics import render
-from actors.openai_errors import APIError, InternalErrors, install_error_handlers
-from actors.openai_limits import Caller
-from actors.openai_protocol import (
+from actors.ray_errors import unwrap
+from actors.request_stream import Ingress, RequestStream
+from cluster_configs.cluster_config import ClusterConfig, HttpConfig
+from cluster_configs.errors import Unavailable
+from http_api.chat_template import load_chat_template
+from http_api.errors import APIError, InternalErrors, install_error_handlers
+from http_api.json_bodies import JSONBodies, ParsedJSONRoute
+from http_api.lifecycle import Lifecycle, log_access_to_stderr
+from http_api.limits import Caller
+from http_api.metrics import CountRequests
+from http_api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
@@ -47,12 +51,8 @@ from actors.openai_protocol import (
     LoadLoraAdapterRequest,
     TokenizeRequest,
 )
-from actors.openai_serving import OpenAIServing
-from actors.ray_errors import unwrap
-from actors.request_ids import RequestIds
-from actors.request_stream import Ingress, RequestStream
-from cluster_configs.cluster_config import ClusterConfig, HttpConfig
-from cluster_configs.errors import Unavailable
+from http_api.request_ids import RequestIds
+from http_api.serving import OpenAIServing
 
 MAX_BODY_BYTES = 8 << 20  # a 32k-token prompt as token ids is ~200 kB; more is a mistake or an attack: 413
 HEALTH_TIMEOUT_S = 5.0

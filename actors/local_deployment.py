@@ -1,4 +1,4 @@
-"""LocalDeployment: the Deployment OpenAIServing serves (actors/openai_serving.py) over one in-process
+"""LocalDeployment: the Deployment OpenAIServing serves (http_api/serving.py) over one in-process
 numaserve.LLM, without Ray: the real HTTP server and the `openai` client run against a real model in one
 process (tests, and serving on one machine without a cluster).
 

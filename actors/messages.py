@@ -8,8 +8,8 @@ from typing import Any
 
 from actors.resume import Resume
 from cluster_configs.sampling_params import SamplingParams
-from models.lora import LoraAdapter
-from models.lora_merge import MergedWeights
+from models.lora.adapter import LoraAdapter
+from models.lora.merge import MergedWeights
 from scheduling.request import Request
 
 # ---- router -> caller ---------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ usage and KV blocks in use are gauges of the engine's stats. It records
 all of them with
 ray.util.metrics, for Ray's per-node Prometheus export and dashboard (where Ray's rules make the names
 `ray_numaserve_...`), and keeps exact copies that its stats carry: the router gathers those
-(Router.metrics) and `render` turns them, with the HTTP actor's request counts (actors/http_metrics.py), into
+(Router.metrics) and `render` turns them, with the HTTP actor's request counts (http_api/metrics.py), into
 the Prometheus text the HTTP server answers at GET /metrics.
 """
 
@@ -243,7 +243,7 @@ def _ray_metrics() -> dict:
 
 def render(snapshots: list[dict], http_requests: dict[tuple[str, str, str], int] | None = None) -> bytes:
     """Prometheus text format of the workers' snapshots (WorkerMetrics.snapshot), one series per worker, and
-    of the HTTP actor's request counts ((handler, method, status) -> n: actors/http_metrics.py)."""
+    of the HTTP actor's request counts ((handler, method, status) -> n: http_api/metrics.py)."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_Collector(snapshots, http_requests or {}))
     return generate_latest(registry)

@@ -10,8 +10,8 @@ import ray
 from actors.adapter_cache import fetch_adapter_ref, fetch_merged_ref
 from cluster_configs.engine_config import EngineConfig
 from cluster_configs.errors import InvalidRequest
-from models.lora import LoraAdapter
-from models.lora_merge import MergedWeights
+from models.lora.adapter import LoraAdapter
+from models.lora.merge import MergedWeights
 
 
 class AdapterFetcher:
@@ -77,7 +77,7 @@ class HeldAdapters:
 
 
 class CachedMerged:
-    """The engine's SharedMerged (scheduling/lora_planner.py) in a deployment: a merged copy another worker
+    """The engine's SharedMerged (scheduling/lora/planner.py) in a deployment: a merged copy another worker
     shared comes with the request that needs it (fetched on the event loop, offered here by the loop thread);
     a copy built here goes to the AdapterCache for the others. Nothing waits on Ray."""
 

@@ -31,11 +31,11 @@ from benchmarks.checkpoints import random_checkpoint
 from benchmarks.heldout_eval import card_windows, heldout_texts, perplexity
 from cluster_configs.diagnostics import DecisionLog
 from memory.weights import Int8Matrix, ModelWeights
-from models.activation_plan import plan_activations, with_linear_matrices
-from models.activation_ranges import METHODS
-from models.calibrate import WindowRunner, calibrate
-from models.calibration import CalibrationOptions
 from models.loader import load_model
+from models.quantization.activation_plan import plan_activations, with_linear_matrices
+from models.quantization.activation_ranges import METHODS
+from models.quantization.calibrate import WindowRunner, calibrate
+from models.quantization.calibration import CalibrationOptions
 from numaserve.demo import DEMO_DIR
 
 RESULTS = Path(__file__).parent / "results"

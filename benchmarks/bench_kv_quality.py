@@ -15,7 +15,7 @@ from pathlib import Path
 import numaserve as ns
 from benchmarks.heldout_eval import card_windows, greedy_agreement, heldout_stream, perplexity
 from memory.kv_formats import KV_FORMATS
-from models.calibrate import token_windows
+from models.quantization.calibrate import token_windows
 from models.tokenizer import Tokenizer
 from numaserve.demo import DEMO_DIR
 

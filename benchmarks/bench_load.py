@@ -3,7 +3,7 @@ repacks and writes an entry) and its second (warm: it reads the entry back) agai
 same file (by default, and without mmap).
 
 A TinyLlama-shaped random checkpoint (benchmarks/checkpoints.py: 1.1B parameters), exported once to a q8_0
-GGUF by numaserve (models.gguf_writer.convert_to_gguf, in a short-lived process): 1.17 GB. Every sample
+GGUF by numaserve (models.gguf.writer.convert_to_gguf, in a short-lived process): 1.17 GB. Every sample
 is a fresh process that times its constructor alone (its imports timed apart): numaserve.LLM(gguf,
 packed_cache_dir=a benchmark's own directory) with its defaults otherwise, and llama_cpp.Llama(gguf,
 n_ctx=256, verbose=False) with llama.cpp's defaults otherwise (mmap on: its load maps the file and reads
@@ -88,7 +88,7 @@ def exported_gguf(ckpt: Path, dtype: str) -> Path:
 
     gguf = CACHE / f"{ckpt.name}-{dtype}.gguf"  # the name bench_moe and bench_decode give their exports
     if not gguf.exists():
-        code = ("import sys; from models.gguf_writer import convert_to_gguf; "
+        code = ("import sys; from models.gguf.writer import convert_to_gguf; "
                 "convert_to_gguf(sys.argv[1], sys.argv[2], sys.argv[3])")
         subprocess.run([sys.executable, "-c", code, str(ckpt), str(gguf), dtype], cwd=ROOT, check=True)
     return gguf

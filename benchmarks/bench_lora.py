@@ -28,8 +28,8 @@ from safetensors.numpy import save_file
 from benchmarks.bench_decode import CLEAN_ENV
 from benchmarks.checkpoints import CACHE, random_checkpoint
 from benchmarks.engine_process import EngineProcess
-from models.lora_config import MODULES, module_key, module_shapes  # plain Python: this parent loads no engine
-from models.spec import load_spec
+from models.lora.config import MODULES, module_key, module_shapes  # plain Python: this parent loads no engine
+from models.model_spec import load_spec
 
 RESULTS = Path(__file__).parent / "results"
 BATCH, PROMPT_LEN, RANK = 16, 16, 16

@@ -4,7 +4,7 @@ bandwidth roofline of the weights a token uses.
 A Qwen3-MoE-shaped random checkpoint (benchmarks/checkpoints.py: Qwen3-30B-A3B's layers, hidden 2048, 64
 experts of 768 with top 8 renormalised, its 151936-token vocabulary untied; 10 layers: 3.83B parameters,
 0.88B active per token, 4.1 GB in q8_0) in Hugging Face's per-expert layout, exported once to a q8_0 GGUF by
-numaserve (models.gguf_writer.export_gguf, in a short-lived worker before the timed ones start): both engines
+numaserve (models.gguf.writer.export_gguf, in a short-lived worker before the timed ones start): both engines
 load that file, numaserve with int8 activations (its fast path).
 
 As in bench_decode: each engine in its own long-lived process with its own best settings (numaserve's
@@ -64,7 +64,7 @@ def llamacpp_gguf(ckpt: Path, args) -> tuple[Path | None, str]:
         except RuntimeError as e:
             if "CheckpointError" not in str(e):
                 raise
-            return None, ("numaserve's GGUF exporter (models.gguf_writer.export_gguf) refuses "
+            return None, ("numaserve's GGUF exporter (models.gguf.writer.export_gguf) refuses "
                           f"{ckpt.name}: {str(e).strip().splitlines()[-1]}")
         finally:
             exporter.close()

@@ -21,7 +21,7 @@ from pathlib import Path
 import numaserve as ns
 from benchmarks.heldout_eval import card_windows, perplexity
 from benchmarks.machine import cpu_name
-from models.gguf_writer import convert_to_gguf
+from models.gguf.writer import convert_to_gguf
 from models.tokenizer import Tokenizer
 from numaserve.demo import DEMO_DIR
 

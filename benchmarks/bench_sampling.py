@@ -1,6 +1,7 @@
 """Sampling cost of one engine step: 32 requests at temperature 0.7, top_p 0.9 on a 32k vocabulary, the
 per-request sampler the engine had before speculation ("before": tests/reference_sampler.py, the sampler
-as of commit 972df84) against the batched sampler of scheduling/sampler.py ("after"), alternating sample by
+as of commit 972df84) against the batched sampler of scheduling/sampling/sampler.py ("after"), alternating
+sample by
 sample, next to the
 TinyLlama-shaped batch-32 decode step time (greedy, so the step is the forward pass plus bookkeeping).
 Goal: sampling under 5% of that step.
@@ -63,7 +64,7 @@ def step_before(logits: np.ndarray, requests: list[BenchRequest]) -> list[int]:
 
 def batched_sampler():
     """The new batched sampler as `fn(logits [N, V], requests) -> list[int]`, or None before it lands."""
-    from scheduling import sampler
+    from scheduling.sampling import sampler
 
     fn = getattr(sampler, "sample_batch", None)
     if fn is None:
@@ -148,7 +149,7 @@ def main() -> None:
     if after is not None:
         samplers["after"] = after
     else:
-        print("# scheduling.sampler has no batched sampler yet: timing the per-request one only")
+        print("# scheduling.sampling.sampler has no batched sampler yet: timing the per-request one only")
     logits = synthetic_logits(0)
     for fn in samplers.values():
         fn(logits, requests)  # warm-up (numba compiles)
@@ -179,7 +180,7 @@ def main() -> None:
     result = {
         "meta": {"model": args.model, "weight_dtype": args.weight_dtype, "num_requests": NUM_REQUESTS,
                  "vocab": VOCAB, "params": PARAMS, "samples": args.samples, "steps": args.steps,
-                 "after_sampler": "scheduling.sampler.sample_batch" if "after" in samplers else None,
+                 "after_sampler": "scheduling.sampling.sampler.sample_batch" if "after" in samplers else None,
                  "threads": llm.engine.config.num_threads, "cpu": platform.processor() or platform.machine(),
                  "date": time.strftime("%Y-%m-%d %H:%M")},
         "sampling_ms": sampling_ms,

@@ -1,6 +1,6 @@
 """The 1-token weight stream of the int8 kernels: how fast matmul_vnni reads TinyLlama-shaped q8_0 and q4_0
 matrices at 1 token, against a read probe of the same bytes, by where the weights start past a cache line
-(kernels/placement.py) and with or without the software prefetch below 4 tokens (kernels/simd_vnni.py).
+(kernels/placement.py) and with or without the software prefetch below 4 tokens (kernels/simd/vnni.py).
 
 Kernel-level, in one process (no engine, no llama.cpp): every variant alternates with the others and with
 the probe, the order flipping each repeat, so a variant's figure and its ratio to the probe come from the same
@@ -25,9 +25,10 @@ from numba import njit, prange, set_num_threads
 
 import kernels  # noqa: F401  (pins numba's threading layer first)
 from benchmarks.machine import cpu_name
-from kernels import linear_int8, simd_vnni
-from kernels.int8_layout import padded_k, quantize_activations
+from kernels.formats.int8_layout import padded_k, quantize_activations
+from kernels.linear import int8 as linear_int8
 from kernels.placement import LINE, STREAM_OFFSET
+from kernels.simd import vnni as simd_vnni
 
 RESULTS = Path(__file__).parent / "results"
 # TinyLlama-1.1B: per layer qkv, o, gate_up, down; then the LM head

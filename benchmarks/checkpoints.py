@@ -178,11 +178,11 @@ def with_random_heads(name: str, num_medusa_heads: int = 3, seed: int = 1) -> Pa
     beside it, of the model's width: what drafting costs at that shape (their acceptance is meaningless).
     The EAGLE head's draft vocabulary is a quarter of the vocabulary (every 4th id), as the demo model's
     head drafts from the quarter of its vocabulary most frequent in its training data."""
-    from models.eagle import CONFIG_FILE as EAGLE_CONFIG
-    from models.eagle import D2T
-    from models.eagle import HEAD_FILE as EAGLE_FILE
-    from models.medusa import CONFIG_FILE as MEDUSA_CONFIG
-    from models.medusa import HEADS_FILE as MEDUSA_FILE
+    from models.proposers.eagle_head import CONFIG_FILE as EAGLE_CONFIG
+    from models.proposers.eagle_head import D2T
+    from models.proposers.eagle_head import HEAD_FILE as EAGLE_FILE
+    from models.proposers.medusa_head import CONFIG_FILE as MEDUSA_CONFIG
+    from models.proposers.medusa_head import HEADS_FILE as MEDUSA_FILE
     from models.safetensors_io import read_header
 
     source = random_checkpoint(name)

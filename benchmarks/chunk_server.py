@@ -19,11 +19,11 @@ import uvicorn
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import models, pre_tokenizers
 
-from actors.chat_template import ChatTemplate
-from actors.http_lifecycle import Lifecycle, log_access_to_stderr
 from actors.http_server import build_app
-from actors.openai_serving import OpenAIServing
 from cluster_configs.cluster_config import HttpConfig
+from http_api.chat_template import ChatTemplate
+from http_api.lifecycle import Lifecycle, log_access_to_stderr
+from http_api.serving import OpenAIServing
 from models.tokenizer import Tokenizer
 from scheduling.outputs import RequestOutput
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.heldout_prompts import heldout_files
-from models.calibrate import token_windows
+from models.quantization.calibrate import token_windows
 
 TEST_DIRS = {"test", "tests", "idle_test"}  # scripts/train_demo.py's "tests" subset
 CARD_WINDOWS, CARD_WINDOW_TOKENS = 128, 256

@@ -20,7 +20,7 @@ import psutil
 import numaserve as ns
 from benchmarks.engine_process import serve
 from memory.weights import ModelWeights
-from models.gguf_writer import convert_to_gguf, export_gguf
+from models.gguf.writer import convert_to_gguf, export_gguf
 
 
 class NumaserveBench:

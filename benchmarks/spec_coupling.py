@@ -1,9 +1,10 @@
 """How often a sampled draft is accepted: the keyed race against the standard rejection rule (issue 11).
 
 A draft model guesses a sampled request's next token by sampling its own logits with the target's keyed
-randomness (kernels/race.py); the target accepts the guess when it equals the target's own draw. The
+randomness (kernels/sampling/race.py); the target accepts the guess when it equals the target's own draw. The
 standard rejection rule would accept a draft drawn from q with probability sum(min(p, q)) = 1 - TV(p, q),
-but its tokens depend on whether a request drafted (scheduling/step_sampler.py says why numaserve does
+but its tokens depend on whether a request drafted (scheduling/sampling/step_sampler.py says why numaserve
+does
 not use it). This measures both on the demo family: at every position of held-out windows (the model card's
 held-out set, benchmarks/heldout_eval.py) the base's p and the draft's q under the request's sampling
 (temperature, top-p), then 1 - TV, and the race's agreement averaged over `--draws` keys per position by
@@ -20,7 +21,7 @@ import numpy as np
 import numaserve as ns
 from benchmarks.heldout_eval import card_windows
 from models.sampling_batch import SamplingBatch
-from scheduling.sampler import sample_batch
+from scheduling.sampling.sampler import sample_batch
 from tests.reference_sampler import sampling_probs
 
 SETTINGS = ({"temperature": 1.0}, {"temperature": 0.7}, {"temperature": 0.7, "top_p": 0.9})

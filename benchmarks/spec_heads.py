@@ -36,7 +36,7 @@ from benchmarks.checkpoints import SHAPES, with_random_heads
 from benchmarks.heldout_prompts import build_prompts
 from benchmarks.spec_common import find_proposer, run_decode, share_weights
 from models.proposers.base import Proposer, SpecRequest
-from models.token_tree import TokenTree
+from models.proposers.token_tree import TokenTree
 
 RESULTS = Path(__file__).parent / "results"
 OUT = RESULTS / "speculation_heads.json"

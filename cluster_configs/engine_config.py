@@ -26,7 +26,8 @@ class EngineConfig(BaseModel):
 
     weight_dtype: WeightDtype = Field("auto", description='weight storage; "auto" = bfloat16 (a GGUF file '
                                                           'keeps the types it stores); "q4_k_m" / "q5_k_m" = '
-                                                          "llama.cpp's mixes (models/quant_mix.py)")
+                                                          "llama.cpp's mixes (models/quantization/"
+                                                          "quant_mix.py)")
     kv_dtype: KVDtype = Field("auto", description='KV cache storage; "auto" = bfloat16; "fp8_e4m3" / '
                                                   '"fp8_e5m2" / "int8" / "int4": one float32 scale per '
                                                   '(token, kv head); "*_hadamard": heads rotated by a '
@@ -56,7 +57,7 @@ class EngineConfig(BaseModel):
     num_threads: int | None = Field(None, ge=1, description="kernel threads; None = every core this process "
                                                             "may run on")
     # "float32" is exact (within 1e-4 of transformers); "bfloat16" (vdpbf16ps) and "int8" (VNNI, 32-value
-    # blocks) trade a stated perplexity bound for speed; see models/activation_plan.py
+    # blocks) trade a stated perplexity bound for speed; see models/quantization/activation_plan.py
     activation_dtype: ActivationDtype = Field(
         "auto", description="what activations are rounded to before the "
                             'linear layers\' dot products; "auto" picks per '
@@ -71,7 +72,7 @@ class EngineConfig(BaseModel):
                                                      "module); a higher one is refused at registration")
     lora_merge: Literal["auto", "never", "always"] = Field(
         "never", description='run an adapter\'s rows on a merged copy of the weights: "auto" when the '
-                             'measured cost model says it pays (scheduling/lora_merge_policy.py), "always" '
+                             'measured cost model says it pays (scheduling/lora/merge_policy.py), "always" '
                              '(every adapter whose copy fits), "never"; merged rows round differently, so '
                              'under "auto" a request\'s tokens may depend on what it is batched with')
     lora_merged_bytes: int = Field(2 << 30, ge=0, description="merged weight copies an engine keeps (least "
@@ -82,7 +83,8 @@ class EngineConfig(BaseModel):
     packed_cache_dir: str | None = Field(
         default_factory=default_packed_cache_dir, validate_default=True,
         description="where weights packed for this host are kept, so that a second start of the same model "
-                    "skips loading and repacking them (models/planned_load.py); None or 'off' = repack at "
+                    "skips loading and repacking them (models/packed/planned_load.py); None or 'off' = "
+                    "repack at "
                     "every start; $NUMASERVE_CACHE_DIR sets the default")
     packed_cache_bytes: int = Field(
         32 << 30, ge=0, description="the packed cache's size at most, in bytes: the least recently used "

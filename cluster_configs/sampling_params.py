@@ -29,7 +29,7 @@ class SamplingParams(BaseModel):
     # lower runs first (vLLM's); honoured in admission, scheduling and preemption when the engine's
     # scheduling_policy is "priority", ignored under "fcfs"
     priority: int = 0
-    # the output must match this JSON Schema / regex / choice / grammar (scheduling/structured.py)
+    # the output must match this JSON Schema / regex / choice / grammar (scheduling/sampling/structured.py)
     structured_outputs: StructuredOutputs | None = None
     # token id -> added to its logit before sampling (OpenAI's bounds); ids are checked against the vocabulary
     # in scheduling/validation.py
@@ -37,7 +37,7 @@ class SamplingParams(BaseModel):
     # EOS and stop_token_ids cannot be sampled, and stop strings end nothing, before this many output tokens
     min_tokens: int = Field(0, ge=0)
     # candidates generated, of which the n with the highest cumulative logprob are returned
-    # (scheduling/best_of.py); None: n
+    # (scheduling/sampling/best_of.py); None: n
     best_of: int | None = Field(None, ge=1, le=128)
     # the prompt's tokens scored: each one's logprob given the ones before, and this many most likely
     prompt_logprobs: int | None = Field(None, ge=0, le=20)

@@ -2,7 +2,7 @@
 
 Exactly one of json (a JSON Schema, as a dict or its JSON text), regex, choice (the output is one of these
 strings), grammar (llguidance's Lark syntax) or json_object (any JSON object). Whether the schema, regex or
-grammar compiles is checked when the request is validated (scheduling/structured.py), not here.
+grammar compiles is checked when the request is validated (scheduling/sampling/structured.py), not here.
 """
 
 import warnings

@@ -12,7 +12,7 @@ reduction); the kernels here use contract, nnan, ninf, nsz, afn, arcp.
 import numpy as np
 from numba import njit
 
-from kernels.bits import as_float, as_int
+from kernels.formats.bits import as_float, as_int
 
 _LOG2E = np.float32(1.44269504088896341)
 _LN2_HI = np.float32(0.693359375)  # exact in 10 bits: n * _LN2_HI is exact for |n| <= 128

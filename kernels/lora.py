@@ -1,27 +1,27 @@
 """The low-rank LoRA path over a flat batch: out[t] += scaling_s * (x[t] @ A_s.T) @ B_s.T for row t's slot s.
 
-Every adapter of a step sits in a slot (models/lora_slots.py) of one stacked buffer per layer and module,
+Every adapter of a step sits in a slot (models/lora/slots.py) of one stacked buffer per layer and module,
 and the batch's rows come grouped by adapter (scheduling/model_runner.py), so rows of any mix of
 adapters run in one call (the SGMV shape), for all the modules that share an input at once (q, k, v;
-gate, up): a shrink to each row's rank, register-blocked like the base linear (kernels/simd_block.py: an
+gate, up): a shrink to each row's rank, register-blocked like the base linear (kernels/simd/block.py: an
 A row is read once per 4 rows of its group), then an expand that adds each row's rank-r vector times B
 into the base linear's output, parallel over blocks of output columns and register-blocked the same way
-(kernels/simd_expand.py: a B^T slice is read once per 4 rows). A and B are float32, bf16 bits (half the
+(kernels/simd/expand.py: a B^T slice is read once per 4 rows). A and B are float32, bf16 bits (half the
 bytes to read) or q8_0 (34 bytes per 32 values: each row of A and of B^T in 32-column blocks with an fp16
 scale, the base linear's q8_0 semantics; dimensions multiples of 32).
 
 Every output sums in one order whatever the batch: the shrink's blocks sum alike for every block shape
-(kernels/simd_block.py), the expand goes rank by rank, and the scaling comes last, as in PEFT's
+(kernels/simd/block.py), the expand goes rank by rank, and the scaling comes last, as in PEFT's
 lora_B(lora_A(x)) * scaling. So a row's delta does not depend on the rows it runs with.
 """
 
 import numpy as np
 from numba import njit, prange
 
-from kernels.bf16 import as_f32
-from kernels.linear import column_tail
-from kernels.simd_block import LANES, matmul_block
-from kernels.simd_expand import expand_block
+from kernels.formats.bf16 import as_f32
+from kernels.linear.dispatch import column_tail
+from kernels.simd.block import LANES, matmul_block
+from kernels.simd.expand import expand_block
 
 _COLUMNS = 64  # output columns per expand task
 _ROWS, _TOKENS = 4, 4  # shrink register block: A rows x rows of a group

@@ -38,7 +38,7 @@ def rope_inplace(x, positions, inv_freq, attention_scaling):
     kernel(x, positions, inv_freq, attention_scaling)
 
 
-# the gated activations are compiled too, so that compiled callers (kernels/moe_fused.py) run the same rule
+# the gated activations are compiled too, so that compiled callers (kernels/moe/fused.py) run the same rule
 @njit(cache=True, nogil=True)
 def silu_mul(gate_up, out):
     # gate_up: [T, 2*I] f32 (gate | up), out: [T, I] f32 = silu(gate) * up

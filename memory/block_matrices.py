@@ -1,21 +1,22 @@
 """The GGML block formats' matrices as their int8-activation kernels read them: KQuantMatrix (Q4_K, Q5_K,
-Q4_1, Q5_0, Q5_1; kernels/kquant_layout.py's tiles) and Q6KMatrix (kernels/q6k_layout.py's blocks). Each
+Q4_1, Q5_0, Q5_1; kernels/formats/kquant_layout.py's tiles) and Q6KMatrix (kernels/formats/q6k_layout.py's
+blocks). Each
 packs a GGUF tensor's raw blocks and unpacks them bit for bit; the layouts and their packers are kernels'."""
 
 from dataclasses import dataclass
 
 import numpy as np
 
-from kernels.int8_layout import GROUP
-from kernels.kquant_layout import pack_kquant, unpack_kquant
+from kernels.formats.int8_layout import GROUP
+from kernels.formats.kquant_layout import pack_kquant, unpack_kquant
+from kernels.formats.q6k_layout import RAW_BYTES, ROW_BYTES, ROWS, pack_q6k, unpack_q6k
 from kernels.placement import stream_zeros
-from kernels.q6k_layout import RAW_BYTES, ROW_BYTES, ROWS, pack_q6k, unpack_q6k
 
 
 @dataclass(frozen=True)
 class KQuantMatrix:
-    """A Q4_K / Q5_K / Q4_1 / Q5_0 / Q5_1 matrix [N, K] packed for kernels/linear_kquant.py: data uint8
-    [N4, Kp // 256 * tile_bytes // 4] (kernels/kquant_layout.py); qtype the GGML type id
+    """A Q4_K / Q5_K / Q4_1 / Q5_0 / Q5_1 matrix [N, K] packed for kernels/linear/kquant.py: data uint8
+    [N4, Kp // 256 * tile_bytes // 4] (kernels/formats/kquant_layout.py); qtype the GGML type id
     (ggml_blocks.CODE[dtype])."""
 
     qtype: int
@@ -38,7 +39,8 @@ class KQuantMatrix:
 
 @dataclass(frozen=True)
 class Q6KMatrix:
-    """A Q6_K matrix [N, K] in kernels/q6k_layout.py's layout: data uint8 [N4, K // 256 * 208], d uint16
+    """A Q6_K matrix [N, K] in kernels/formats/q6k_layout.py's layout: data uint8 [N4, K // 256 * 208], d
+    uint16
     [N4, K // 256]."""
 
     data: np.ndarray

@@ -1,4 +1,5 @@
-"""A mixture-of-experts layer's weights: the router and the experts' matrices stacked (models/moe.py runs
+"""A mixture-of-experts layer's weights: the router and the experts' matrices stacked (models/moe/layer.py
+runs
 them)."""
 
 from dataclasses import dataclass, field, replace

@@ -6,7 +6,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from kernels.attention import NO_WINDOW
+from kernels.attention.paged import NO_WINDOW
 from memory.heap import untouched_zeros
 from memory.kv_formats import KV_FORMATS, RECENT_GROUP, KVFormat
 

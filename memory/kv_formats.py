@@ -3,14 +3,15 @@
 bytes a value (D = head_dim; a scale is one float32 per (slot, kv head) row):
   float32 4, bfloat16 2, int8 and int8_hadamard 1 + 4 / D, fp8_e4m3 and fp8_e5m2 1 + 4 / D,
   int4 and int4_hadamard 1/2 + 4 / D.
-The *_hadamard forms rotate keys and values (kernels/hadamard.py) before quantizing, the queries the same
+The *_hadamard forms rotate keys and values (kernels/attention/hadamard.py) before quantizing, the queries
+the same
 way, and the attention output back; the kernel itself reads every form as codes x per-row scale. Values are
 rotated too: on the demo model (held-out perplexity over 16 x 1024 tokens against bfloat16 KV) rotating only
 the keys measured int4 +0.30% against +0.28% for both (int4 unrotated +0.40%); at 8 bits neither rotation
 helps (int8 +0.003%, keys only +0.008%, both +0.012%), so int8_hadamard is kept only as the issue's form.
 
 The fp8 forms keep a recent window: each token reads its own group of RECENT_GROUP positions and the one
-before (its 16 to 31 newest slots) from a bfloat16 shadow of their blocks (kernels/attention_chunks.py; the
+before (its 16 to 31 newest slots) from a bfloat16 shadow of their blocks (kernels/attention/chunks.py; the
 engine gives shadows to those blocks only, scheduling/kv_cache_manager.py). On the demo model's held-out
 prompts e4m3 alone kept bfloat16 KV's 32 greedy tokens on 10 of 16 prompts: a near tie at a step is decided by
 the newest keys' scores, which 3 mantissa bits (2.4% RMS) tip; with the window, 16 of 16 (README).
@@ -20,10 +21,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kernels.attention import NO_WINDOW, paged_attention
-from kernels.fp8 import E4M3, E5M2
-from kernels.hadamard import hadamard_inplace, is_power_of_two
-from kernels.kv_quant import FP8, INT4, INT8, write_kv, write_kv_scaled, write_kv_shadows
+from kernels.attention.hadamard import hadamard_inplace, is_power_of_two
+from kernels.attention.kv_quant import FP8, INT4, INT8, write_kv, write_kv_scaled, write_kv_shadows
+from kernels.attention.paged import NO_WINDOW, paged_attention
+from kernels.formats.fp8 import E4M3, E5M2
 
 RECENT_GROUP = 16  # positions a group of the recent window (kernels/attention_chunks.recent_start)
 

@@ -2,7 +2,7 @@
 GGML's block formats q4_k, q5_k, q6_k, q4_1, q5_0, q5_1), and a model's weights (ModelWeights, its
 LayerWeights) as the loaders build them and the forward pass reads them.
 
-The packed cache stores these containers as they are (models/packed_tree.py): a change to the bytes a
+The packed cache stores these containers as they are (models/packed/tree.py): a change to the bytes a
 packer writes must bump models/packed_cache.LAYOUT_VERSION, or starts would read entries of the old layout."""
 
 from dataclasses import dataclass, replace
@@ -13,10 +13,17 @@ import gguf
 import numpy as np
 
 from cluster_configs.errors import CheckpointError
-from kernels.bf16 import to_bf16
-from kernels.cpu import missing_features
-from kernels.ggml_blocks import BLOCK_DTYPES, CODE, GGML_TYPE, K_QUANT_DTYPES, QK_K, row_bytes, row_values
-from kernels.int8_layout import (
+from kernels.formats.bf16 import to_bf16
+from kernels.formats.ggml_blocks import (
+    BLOCK_DTYPES,
+    CODE,
+    GGML_TYPE,
+    K_QUANT_DTYPES,
+    QK_K,
+    row_bytes,
+    row_values,
+)
+from kernels.formats.int8_layout import (
     GROUP,
     deinterleave_rows,
     pack_q4_0,
@@ -26,15 +33,16 @@ from kernels.int8_layout import (
     padded_k,
     unpack_int8_weights,
 )
+from kernels.formats.quant import QK, quantize_q4_0, quantize_q8_0
+from kernels.formats.quant_k import quantize_k
 from kernels.placement import stream_zeros
-from kernels.quant import QK, quantize_q4_0, quantize_q8_0
-from kernels.quant_k import quantize_k
-from kernels.simd_bf16 import GROUP as BF16_GROUP
-from kernels.simd_bf16 import ROWS as BF16_ROWS
-from kernels.simd_bf16 import pack_bf16
-from kernels.simd_q6k import Q6K_FEATURES
-from kernels.simd_vnni import ROWS as VNNI_ROWS
-from kernels.simd_vnni import VNNI_FEATURES
+from kernels.simd.bf16 import GROUP as BF16_GROUP
+from kernels.simd.bf16 import ROWS as BF16_ROWS
+from kernels.simd.bf16 import pack_bf16
+from kernels.simd.cpu import missing_features
+from kernels.simd.q6k import Q6K_FEATURES
+from kernels.simd.vnni import ROWS as VNNI_ROWS
+from kernels.simd.vnni import VNNI_FEATURES
 from memory.block_matrices import KQuantMatrix, Q6KMatrix
 
 if TYPE_CHECKING:
@@ -48,8 +56,10 @@ K_QUANT_FALLBACK = {"q4_k": "q5_0", "q5_k": "q5_1", "q6_k": "q8_0"}
 @dataclass(frozen=True)
 class WeightMatrix:
     """[out_features, in_features]; float16 as numpy float16 (a GGUF F16 tensor's or a float16 checkpoint's
-    bits; numpy widens them exactly, and the kernels read the same bytes as int16: kernels/fp16.py); bf16 as
-    uint16 bits; q8_0 / q4_0 as GGML-valued blocks of 32; the GGML block formats (kernels/ggml_blocks.py) as
+    bits; numpy widens them exactly, and the kernels read the same bytes as int16: kernels/formats/fp16.py);
+    bf16 as
+    uint16 bits; q8_0 / q4_0 as GGML-valued blocks of 32; the GGML block formats
+    (kernels/formats/ggml_blocks.py) as
     their GGUF bytes.
 
     data: f32 [N, K] | f16 [N, K] | uint16 [N, K] | int8 [N, K] | uint8 [N, K // 2] |
@@ -117,13 +127,14 @@ class WeightMatrix:
 
 @dataclass(frozen=True)
 class Int8Matrix:
-    """A q8_0 / q4_0 matrix repacked for int8 activations (kernels/int8_layout.py),
+    """A q8_0 / q4_0 matrix repacked for int8 activations (kernels/formats/int8_layout.py),
     [out_features, in_features].
 
     For the AVX2 kernels: data q8_0 int8 [N, Kp] in pair order | q4_0 uint8 [N, Kp // 2] in quad order;
-    scales uint16 fp16 [N, Kp // 32]. For the VNNI kernel (vnni, kernels/simd_vnni.py): q8_0 as uint8
+    scales uint16 fp16 [N, Kp // 32]. For the VNNI kernel (vnni, kernels/simd/vnni.py): q8_0 as uint8
     value + 128 [N4, Kp] | q4_0 [N4, Kp // 2], both in quad order and in blocks of 4 interleaved rows
-    (kernels/int8_layout.py), scales [N4, Kp // 32]; N4 = N rounded up to 4, the padding rows zero. Kp = K
+    (kernels/formats/int8_layout.py), scales [N4, Kp // 32]; N4 = N rounded up to 4, the padding rows zero.
+    Kp = K
     padded to 256. vnni is chosen at packing when the host has it; both kernels give the same bits.
     activation_scale: a calibrated static scale for this matrix's inputs, 0 = per-block dynamic scales.
     """
@@ -187,7 +198,7 @@ class Int8Matrix:
 
 @dataclass(frozen=True)
 class Bf16Matrix:
-    """A bf16 matrix packed for bf16 activations (kernels/simd_bf16.py), [out_features, in_features]: data
+    """A bf16 matrix packed for bf16 activations (kernels/simd/bf16.py), [out_features, in_features]: data
     uint16 [N4, Kp] in blocks of 4 rows interleaved by group of 128 values, N4 = N rounded up to 4 and Kp =
     K rounded up to 128, the padding zero."""
 
@@ -222,8 +233,8 @@ class Bf16Matrix:
 @dataclass(frozen=True)
 class BlockInt8Matrix:
     """A matrix in a GGML block format (q4_k, q5_k, q6_k, q4_1, q5_0, q5_1) repacked for int8 activations
-    through AVX512-VNNI, [out_features, in_features]: Q6_K for its own kernel (kernels/q6k_layout.py,
-    kernels/linear_q6k.py), the others for kernels/linear_kquant.py. The activations are Int8Matrix's
+    through AVX512-VNNI, [out_features, in_features]: Q6_K for its own kernel (kernels/formats/q6k_layout.py,
+    kernels/linear/q6k.py), the others for kernels/linear/kquant.py. The activations are Int8Matrix's
     VNNI ones (quad order, K padded to 256), so one quantized input serves every format of a layer.
     activation_scale: a calibrated static scale for its inputs, 0 = per-block dynamic scales."""
 

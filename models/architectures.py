@@ -1,5 +1,6 @@
 """One description per architecture: what differs between the families numaserve serves, as data the loaders
-(models/spec.py, models/checkpoint.py, the GGUF reader and writer) and the forward (models/decoder.py) read.
+(models/model_spec.py, models/checkpoint.py, the GGUF reader and writer) and the forward (models/decoder.py)
+read.
 
 Numeric quirks (embedding, attention, residual and logit multipliers, soft-capping, windows, rope bases) come
 from each checkpoint's config into ModelSpec; what is fixed per family (which norms a layer has, how its

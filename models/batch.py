@@ -4,8 +4,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from models.lora_merge import MergedRows
-from models.lora_slots import LoraRows
+from models.lora.merge import MergedRows
+from models.lora.slots import LoraRows
 
 
 @dataclass(frozen=True)
@@ -21,8 +21,9 @@ class ForwardBatch:
     hidden_indices: np.ndarray | None = None  # [H] int64, token rows whose last hidden state is wanted
     # [T] int32, a tree node's first tree slot (-1: not a node); None: no tree
     tree_starts: np.ndarray | None = None
-    tree_mask: np.ndarray | None = None  # [T, W] uint8, the tree slots each node sees (kernels/attention.py)
-    # [S] int32, each sequence's first slot its recent window may read (kernels/attention_chunks.py); None: no
+    # [T, W] uint8, the tree slots each node sees (kernels/attention/paged.py)
+    tree_mask: np.ndarray | None = None
+    # [S] int32, each sequence's first slot its recent window may read (kernels/attention/chunks.py); None: no
     # window
     wide_from: np.ndarray | None = None
 

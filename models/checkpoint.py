@@ -10,9 +10,9 @@ from tqdm import tqdm
 from cluster_configs.errors import CheckpointError
 from memory.experts import ExpertWeights
 from memory.weights import LayerWeights, Matrix, ModelWeights, WeightMatrix, stacked
-from models.quant_mix import embedding_dtype, lm_head_dtype, matrix_dtype
+from models.model_spec import ModelSpec, load_spec
+from models.quantization.quant_mix import embedding_dtype, lm_head_dtype, matrix_dtype
 from models.safetensors_io import TensorEntry, read_header, read_tensor
-from models.spec import ModelSpec, load_spec
 
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
@@ -145,7 +145,8 @@ def load_weights(model_dir: str | Path, weight_dtype: str) -> tuple[ModelSpec, M
 def load_layer(read, prefix: str, spec: ModelSpec, weight_dtype: str, moe: bool = False,
                index: int = 0) -> LayerWeights:
     """Layer `index`'s weights from read(name) -> float32 tensor: q|k|v and gate|up fused, matrices in
-    weight_dtype (a mix's choice per matrix: models/quant_mix.py), norms (as the forward applies them:
+    weight_dtype (a mix's choice per matrix: models/quantization/quant_mix.py), norms (as the forward applies
+    them:
     Gemma's offset added) and biases float32; moe: its MLP is experts (stacked, the router float32)."""
     p, arch = prefix, spec.arch
 

@@ -1,13 +1,14 @@
 """The decoder forward pass of every family (models/architectures.py), dense or mixture-of-experts, over a
 flat token batch and a paged KV cache. What differs between families is data the pass reads, not branches: a
-layer's norms are applied where its weights have them, its experts where it has them (models/moe.py), the
+layer's norms are applied where its weights have them, its experts where it has them (models/moe/layer.py),
+the
 spec's multipliers and soft-caps where they are not neutral."""
 
 import time
 
 import numpy as np
 
-from kernels.attention import NO_WINDOW
+from kernels.attention.paged import NO_WINDOW
 from kernels.exp32 import softcap_inplace
 from kernels.norms import GATED_ACTIVATIONS, rms_norm, rms_norm_heads, rope_inplace
 from memory.experts import ExpertWeights
@@ -16,11 +17,11 @@ from memory.kv_formats import attend_as, write_kv_as
 from memory.weights import LayerWeights, Matrix, ModelWeights, parts
 from models.batch import ForwardBatch
 from models.linear import embed, linear
-from models.lora_slots import add_lora
-from models.moe import ExpertLog, moe_forward
-from models.moe_buffers import MoeBuffers
+from models.lora.slots import add_lora
+from models.model_spec import ModelSpec
+from models.moe.buffers import MoeBuffers
+from models.moe.layer import ExpertLog, moe_forward
 from models.rope import rope_table
-from models.spec import ModelSpec
 
 
 class DecoderModel:
@@ -38,7 +39,8 @@ class DecoderModel:
         self.qkv_modules = (("q_proj", slice(0, q)), ("k_proj", slice(q, q + kv)),
                             ("v_proj", slice(q + kv, None)))
         self.gate_up_modules = (("gate_proj", slice(0, inter)), ("up_proj", slice(inter, None)))
-        # calibration (models/calibration.py) sets this to see every linear layer's input: (name, x [T, K])
+        # calibration (models/quantization/calibration.py) sets this to see every linear layer's input:
+        # (name, x [T, K])
         self.observer = None
         # time in the layers' projections, summed (the runner reads and resets it)
         self.projection_seconds = 0.0

@@ -1,7 +1,7 @@
 """y = x @ W.T for every served weight format, over a flat token batch.
 
-Batch invariant: a token's outputs do not depend on the other tokens of the batch (kernels/simd_block.py,
-kernels/simd_int8.py sum each output in one order for every block shape), so a request's tokens are the
+Batch invariant: a token's outputs do not depend on the other tokens of the batch (kernels/simd/block.py,
+kernels/simd/int8.py sum each output in one order for every block shape), so a request's tokens are the
 same alone, batched, verified with drafts or recomputed after a failover. That is why float32 weights do
 not go through BLAS for prefill, though OpenBLAS's sgemm runs about 3x our kernel there (512 tokens,
 5632 x 2048: 166 against 58 GFLOP/s): its sums change with the number of rows (measured here against 300 rows
@@ -11,17 +11,17 @@ size anyway."""
 
 import numpy as np
 
-from kernels.dequant import dequantize_rows
-from kernels.dequant_blocks import dequantize_block_rows
-from kernels.fp16 import f16_kernel_bits
-from kernels.ggml_blocks import BLOCK_DTYPES, CODE
-from kernels.int8_layout import QK, padded_k, quantize_activations
-from kernels.linear import gather_rows_bf16, matmul
-from kernels.linear_bf16 import matmul_bf16, round_activations
-from kernels.linear_blocks import matmul_blocks
-from kernels.linear_int8 import matmul_int8, matmul_vnni
-from kernels.linear_kquant import matmul_kquant
-from kernels.linear_q6k import matmul_q6k
+from kernels.formats.dequant import dequantize_rows
+from kernels.formats.dequant_blocks import dequantize_block_rows
+from kernels.formats.fp16 import f16_kernel_bits
+from kernels.formats.ggml_blocks import BLOCK_DTYPES, CODE
+from kernels.formats.int8_layout import QK, padded_k, quantize_activations
+from kernels.linear.bf16 import matmul_bf16, round_activations
+from kernels.linear.blocks import matmul_blocks
+from kernels.linear.dispatch import gather_rows_bf16, matmul
+from kernels.linear.int8 import matmul_int8, matmul_vnni
+from kernels.linear.kquant import matmul_kquant
+from kernels.linear.q6k import matmul_q6k
 from memory.weights import Bf16Matrix, BlockInt8Matrix, Int8Matrix, Matrix, StackedMatrix, WeightMatrix
 
 _NO_SCALES = np.zeros((1, 1), np.uint16)

@@ -4,7 +4,7 @@ from pathlib import Path
 
 from memory.weights import ModelWeights
 from models.checkpoint import load_weights
-from models.spec import ModelSpec, load_spec
+from models.model_spec import ModelSpec, load_spec
 from models.tokenizer import Tokenizer
 
 
@@ -12,7 +12,7 @@ def load_model(path: str | Path, weight_dtype: str) -> tuple[ModelSpec, ModelWei
     """weight_dtype: a served dtype, or "auto" (bfloat16 for float checkpoints; a GGUF keeps its own)."""
     path = Path(path)
     if path.suffix == ".gguf":
-        from models.gguf_reader import load_gguf
+        from models.gguf.reader import load_gguf
 
         return load_gguf(path, weight_dtype)
     spec, weights = load_weights(path, "bfloat16" if weight_dtype == "auto" else weight_dtype)
@@ -23,7 +23,7 @@ def read_spec(path: str | Path) -> ModelSpec:
     """The model's spec without its weights (what adapters are validated against)."""
     path = Path(path)
     if path.suffix == ".gguf":
-        from models.gguf_reader import read_gguf_spec
+        from models.gguf.reader import read_gguf_spec
 
         return read_gguf_spec(path)
     return load_spec(path)

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from cluster_configs.errors import CheckpointError
-from kernels.bf16 import from_bf16
+from kernels.formats.bf16 import from_bf16
 
 _DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "F64": np.float64}
 _INT_DTYPES = {"I64": np.int64, "I32": np.int32}  # index tensors (an EAGLE head's draft vocabulary)

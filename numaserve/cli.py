@@ -179,8 +179,8 @@ def cmd_shutdown(args) -> None:
 
 
 def cmd_calibrate(args) -> None:
-    from models.calibrate import calibrate, read_text_file
-    from models.calibration import CalibrationOptions, save_calibration
+    from models.quantization.calibrate import calibrate, read_text_file
+    from models.quantization.calibration import CalibrationOptions, save_calibration
 
     options = CalibrationOptions(**{k: getattr(args, k)
                                     for k in ("method", "percentile", "bound", "weight_dtype", "kv_dtype")
@@ -218,7 +218,7 @@ def cmd_calibrate(args) -> None:
 
 
 def _add_calibrate_parser(sub) -> None:
-    from models.calibration import CalibrationOptions
+    from models.quantization.calibration import CalibrationOptions
 
     defaults = CalibrationOptions()
     cal = sub.add_parser("calibrate", formatter_class=HelpFormatter,
@@ -241,7 +241,7 @@ def _add_calibrate_parser(sub) -> None:
 
 
 def _add_cluster_parsers(sub) -> None:
-    from actors.tool_parsers import TOOL_PARSERS
+    from http_api.tool_parsers import TOOL_PARSERS
 
     serve = sub.add_parser("serve", formatter_class=HelpFormatter,
                            help="run a deployment on the Ray cluster (starting a local instance if none "

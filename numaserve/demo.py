@@ -122,8 +122,8 @@ def tool_call_request(model_dir: Path):
     """The prompt ids of TOOL_MESSAGES with RUN_TESTS rendered by the model's chat template, the params that
     constrain the output to run_tests' arguments, and the parser that reads the call back: what
     /v1/chat/completions does for tool_choice {"type": "function", "function": {"name": "run_tests"}}."""
-    from actors.chat_template import load_chat_template
-    from actors.tool_calls import plan_tools
+    from http_api.chat_template import load_chat_template
+    from http_api.tool_calls import plan_tools
     from models.tokenizer import Tokenizer
 
     plan = plan_tools([RUN_TESTS], {"type": "function", "function": {"name": "run_tests"}}, True, None)

@@ -12,12 +12,12 @@ from cluster_configs.engine_config import EngineConfig
 from cluster_configs.errors import InvalidRequest
 from cluster_configs.sampling_params import SamplingParams
 from numaserve.session import Session
-from scheduling.best_of import best, candidate_params
 from scheduling.embedding import POOLINGS, pool
 from scheduling.engine import Engine
 from scheduling.engine_loop import EngineLoop, Pending
 from scheduling.outputs import Completion
 from scheduling.request import Request
+from scheduling.sampling.best_of import best, candidate_params
 
 _ids = itertools.count()
 
@@ -70,7 +70,7 @@ class LLM:
                  cache_salt: str | None = None) -> list[Completion]:
         """params and adapter: one for every prompt, or a list with one per prompt (adapter None: the base
         model). cache_salt: share cached prefix blocks only with requests of the same salt. A prompt whose
-        params set best_of gets the best of that many candidates (scheduling/best_of.py)."""
+        params set best_of gets the best of that many candidates (scheduling/sampling/best_of.py)."""
         prompts = _as_prompt_list(prompts)
         params_list = _per_prompt(params, len(prompts), "params", "a numaserve.SamplingParams",
                                   (SamplingParams, type(None)))

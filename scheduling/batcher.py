@@ -14,7 +14,7 @@ from dataclasses import replace
 
 from cluster_configs.diagnostics import DecisionLog
 from cluster_configs.engine_config import EngineConfig
-from models.token_tree import TokenTree
+from models.proposers.token_tree import TokenTree
 from scheduling.kv_cache_manager import KVCacheManager
 from scheduling.plan import ScheduledRequest, StepPlan
 from scheduling.request import Request, RequestStatus

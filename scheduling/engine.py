@@ -18,25 +18,25 @@ from memory.block_pool import BlockPool
 from memory.heap import release_free_heap
 from memory.kv_cache import KVCache
 from models.decoder import DecoderModel
-from models.lora import LoraAdapter
-from models.lora_slots import LoraSlots, slot_dtype
-from models.planned_load import load_planned
+from models.lora.adapter import LoraAdapter
+from models.lora.slots import LoraSlots, slot_dtype
+from models.packed.planned_load import load_planned
 from models.tokenizer import IncrementalDetokenizer
-from scheduling.adapter_store import AdapterStore
 from scheduling.batcher import Batcher
 from scheduling.kv_cache_manager import KVCacheManager, num_kv_blocks, window_shadows
-from scheduling.lora_planner import LoraPlanner, SharedMerged
+from scheduling.lora.adapter_store import AdapterStore
+from scheduling.lora.planner import LoraPlanner, SharedMerged
 from scheduling.model_runner import ModelRunner
 from scheduling.output_processor import OutputProcessor, ProcessedStep, emit, finish
 from scheduling.outputs import RequestOutput, SamplerOutput, StepOutput
 from scheduling.plan import StepPlan
 from scheduling.policy import Policy
 from scheduling.request import Request
+from scheduling.sampling.step_sampler import sample_step
+from scheduling.sampling.structured import Grammars, MaskWorker, StepMasks
 from scheduling.sessions import SequenceStore
-from scheduling.speculation import make_speculation
-from scheduling.step_sampler import sample_step
+from scheduling.speculation.drafting import make_speculation
 from scheduling.step_stats import EngineTotals, StageClock, StepStats, step_stats
-from scheduling.structured import Grammars, MaskWorker, StepMasks
 from scheduling.validation import RequestLimits, validate_request
 
 Prompt = str | list[int]

@@ -5,11 +5,11 @@ import math
 from collections.abc import Callable
 
 from cluster_configs.engine_config import EngineConfig
-from kernels.attention_chunks import recent_start
+from kernels.attention.chunks import recent_start
 from memory.block_pool import NULL_BLOCK, BlockPool, hash_block
 from memory.kv_cache import KVCache, kv_bytes_per_token
 from memory.kv_formats import RECENT_GROUP
-from models.spec import ModelSpec
+from models.model_spec import ModelSpec
 from scheduling.plan import ScheduledRequest
 from scheduling.request import Request
 

@@ -16,8 +16,8 @@ import numpy as np
 from memory.kv_cache import KVCache
 from models.batch import ForwardBatch
 from models.decoder import DecoderModel
-from scheduling.adapter_store import AdapterStore
-from scheduling.lora_planner import LoraPlanner
+from scheduling.lora.adapter_store import AdapterStore
+from scheduling.lora.planner import LoraPlanner
 from scheduling.plan import StepPlan
 
 

@@ -11,7 +11,7 @@ from scheduling.kv_cache_manager import KVCacheManager
 from scheduling.outputs import RequestOutput, SamplerOutput
 from scheduling.plan import StepPlan
 from scheduling.request import Request, RequestStatus
-from scheduling.stop_checker import find_stop_string, finish_reason_after_token, num_safe_chars
+from scheduling.sampling.stop_checker import find_stop_string, finish_reason_after_token, num_safe_chars
 
 
 @dataclass(frozen=True)
@@ -27,7 +27,7 @@ class OutputProcessor:
     def __init__(self, kv: KVCacheManager, eos_token_ids: tuple[int, ...], jump_forward: bool = False):
         self.kv = kv
         self.eos_token_ids = eos_token_ids
-        self.jump_forward = jump_forward  # append what a grammar forces (scheduling/structured.py)
+        self.jump_forward = jump_forward  # append what a grammar forces (scheduling/sampling/structured.py)
 
     def process(self, plan: StepPlan, out: SamplerOutput) -> ProcessedStep:
         outputs, finished = [], []

@@ -3,7 +3,7 @@
 from dataclasses import dataclass, field
 from functools import cached_property
 
-from models.token_tree import TokenTree
+from models.proposers.token_tree import TokenTree
 from scheduling.request import Request
 
 _NO_DRAFTS = TokenTree((), ())  # a plain decode row

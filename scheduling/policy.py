@@ -19,7 +19,7 @@ arrives.
 
 from dataclasses import dataclass
 
-from scheduling.spec_policy import SpecTelemetry, SpeculationPolicy, speculation_policy
+from scheduling.speculation.depth_policy import SpecTelemetry, SpeculationPolicy, speculation_policy
 
 KV_HIGH = 0.95  # kv_usage at or above this counts as pressure
 KV_LOW = 0.80  # below this the cap may grow again

@@ -8,7 +8,7 @@ import numpy as np
 
 from cluster_configs.sampling_params import SamplingParams
 from memory.block_pool import prefix_cache_key
-from scheduling.sampler import request_seed
+from scheduling.sampling.sampler import request_seed
 from scheduling.validation import max_num_tokens
 
 _arrival = itertools.count()
@@ -58,7 +58,8 @@ class Request:
         self.num_emitted_tokens = 0
         self.detokenizer = None  # IncrementalDetokenizer when the model has a tokenizer
         self.sequence = None  # a session's SequenceKV: the turn starts from its blocks and leaves them there
-        self.matcher = None  # GrammarMatcher when params.structured_outputs (scheduling/structured.py)
+        # GrammarMatcher when params.structured_outputs (scheduling/sampling/structured.py)
+        self.matcher = None
 
     @property
     def prompt_only(self) -> bool:

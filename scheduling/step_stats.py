@@ -12,7 +12,7 @@ if TYPE_CHECKING:  # (they hold StepStats)
     from scheduling.output_processor import ProcessedStep
     from scheduling.outputs import SamplerOutput
     from scheduling.plan import StepPlan
-    from scheduling.structured import StepMasks
+    from scheduling.sampling.structured import StepMasks
 
 STAGES = ("schedule", "propose", "run", "sample", "process")
 

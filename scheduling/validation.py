@@ -19,7 +19,7 @@ import numpy as np
 
 from cluster_configs.errors import InvalidRequest
 from cluster_configs.sampling_params import SamplingParams
-from scheduling.structured import grammar_of
+from scheduling.sampling.structured import grammar_of
 
 MAX_LOGPROBS = 20  # SamplingParams refuses more at construction too
 # A token spells at most the vocabulary's longest token's characters of the text it came from, but a

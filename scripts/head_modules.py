@@ -1,4 +1,5 @@
-"""The torch modules of the draft heads numaserve serves (models/medusa.py, models/eagle.py), as their papers
+"""The torch modules of the draft heads numaserve serves (models/proposers/medusa_head.py,
+models/proposers/eagle_head.py), as their papers
 build them: used to train the demo model's heads (train_heads.py) and as the tests' references."""
 
 import torch

@@ -12,7 +12,7 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, GenerationConfig
 
 import numaserve as ns
-from models.eagle import CONFIG_FILE, HEAD_FILE
+from models.proposers.eagle_head import CONFIG_FILE, HEAD_FILE
 from scripts.head_modules import EagleHead
 
 

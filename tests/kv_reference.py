@@ -4,7 +4,7 @@ model's basis (rotated forms rotated back by Sylvester's Hadamard matrix)."""
 import numpy as np
 import torch
 
-from kernels.bf16 import from_bf16
+from kernels.formats.bf16 import from_bf16
 from memory.kv_formats import KV_FORMATS
 
 KV_DTYPES = list(KV_FORMATS)

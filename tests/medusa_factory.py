@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, GenerationConfig
 
-from models.medusa import CONFIG_FILE, HEADS_FILE
+from models.proposers.medusa_head import CONFIG_FILE, HEADS_FILE
 from scripts.head_modules import medusa_heads
 
 

@@ -1,4 +1,4 @@
-"""The reference sampler: one request at a time, as the engine sampled before scheduling/sampler.py's
+"""The reference sampler: one request at a time, as the engine sampled before scheduling/sampling/sampler.py's
 batched sample_batch. The tests (and benchmarks/spec_coupling.py) check the batched code against it: the same
 greedy tokens, the same penalties, the same distributions. The engine does not call it."""
 

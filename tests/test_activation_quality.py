@@ -10,8 +10,8 @@ import pytest
 
 import numaserve as ns
 from benchmarks.heldout_eval import card_windows, greedy_agreement, perplexity
-from kernels.cpu import missing_features
-from kernels.simd_bf16 import BF16_FEATURES
+from kernels.simd.bf16 import BF16_FEATURES
+from kernels.simd.cpu import missing_features
 from models.tokenizer import Tokenizer
 from numaserve.demo import DEMO_DIR
 

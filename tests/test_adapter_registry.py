@@ -8,9 +8,9 @@ import shutil
 
 import pytest
 
-from models.spec import load_spec
-from scheduling.adapter_registry import AdapterRegistry, model_identity
-from scheduling.adapter_store import AdapterSource
+from models.model_spec import load_spec
+from scheduling.lora.adapter_registry import AdapterRegistry, model_identity
+from scheduling.lora.adapter_store import AdapterSource
 
 
 @pytest.fixture

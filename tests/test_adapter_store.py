@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 import numaserve as ns
-from models.spec import load_spec
-from scheduling.adapter_store import AdapterSource, AdapterStore
+from models.model_spec import load_spec
+from scheduling.lora.adapter_store import AdapterSource, AdapterStore
 from tests.test_lora import make_adapter
 
 

@@ -15,13 +15,13 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 import numaserve as ns
-from kernels.cpu import missing_features
-from kernels.simd_bf16 import BF16_FEATURES
+from kernels.simd.bf16 import BF16_FEATURES
+from kernels.simd.cpu import missing_features
 from memory.weights import WeightMatrix
-from models.activation_plan import INT8_FEATURES
 from models.linear import dequantize
-from models.quant_mix import lm_head_dtype
-from models.spec import load_spec
+from models.model_spec import load_spec
+from models.quantization.activation_plan import INT8_FEATURES
+from models.quantization.quant_mix import lm_head_dtype
 from scripts.head_modules import EagleHead
 from tests.conftest import random_prompt
 from tests.test_eagle import head_against_torch, random_head, save_head
@@ -381,7 +381,8 @@ EAGLE = {"method": "eagle", "num_speculative_tokens": 4, "mode": "on"}
 
 
 def llama_layer_head(hf_config) -> EagleHead:
-    """A random EAGLE head as numaserve runs one (models/eagle.py): a Llama decoder layer of the target's
+    """A random EAGLE head as numaserve runs one (models/proposers/eagle_head.py): a Llama decoder layer of
+    the target's
     shape and first layer's rope, whatever the target's family."""
     c = hf_config
     config = LlamaConfig(vocab_size=c.vocab_size, hidden_size=c.hidden_size, num_hidden_layers=1,

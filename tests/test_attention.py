@@ -4,7 +4,7 @@ contents, for every KV dtype through the layer's write / attend pair (memory/kv_
 import numpy as np
 import pytest
 
-from kernels import attention
+from kernels.attention import paged as attention
 from memory.kv_formats import KV_FORMATS, attend_as, write_kv_as
 from tests.kv_reference import KV_DTYPES, empty_cache, head_dim_for, stored
 

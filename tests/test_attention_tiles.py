@@ -1,4 +1,4 @@
-"""Prefill attention in tiles (kernels/attention_tiles.py): equals a float64 softmax over the same dequantized
+"""Prefill attention in tiles (kernels/attention/tiles.py): equals a float64 softmax over the same dequantized
 (and rotated back) cache contents for every KV dtype, and gives each row the per-token kernel's bits, over
 scattered blocks, windows, GQA, sequences of lengths around the tile size in one call and chunks; a row's bits
 do not depend on its batch, on where a chunked prefill splits its prompt, or on the thread count."""
@@ -7,8 +7,8 @@ import numba
 import numpy as np
 import pytest
 
-from kernels import attention
-from kernels.attention_tiles import row_tiles
+from kernels.attention import paged as attention
+from kernels.attention.tiles import row_tiles
 from memory.kv_formats import KV_FORMATS, attend_as, write_kv_as
 from tests.kv_reference import KV_DTYPES, empty_cache, head_dim_for, stored
 from tests.test_attention import reference

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 import numaserve as ns
-from models.gguf_writer import convert_to_gguf
+from models.gguf.writer import convert_to_gguf
 from models.loader import load_model
 from numaserve.cli import main as cli_main
 from tests.test_lora import make_adapter

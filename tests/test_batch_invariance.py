@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import numaserve as ns
-from kernels.attention import PARALLEL_MIN_WORK, paged_attention
+from kernels.attention.paged import PARALLEL_MIN_WORK, paged_attention
 from memory.weights import Int8Matrix, WeightMatrix
 from models.linear import linear
 from tests.conftest import random_prompt

@@ -1,13 +1,13 @@
-"""bf16-activation kernel (kernels/simd_bf16.py, kernels/linear_bf16.py) against a float64 reference of the
+"""bf16-activation kernel (kernels/simd/bf16.py, kernels/linear/bf16.py) against a float64 reference of the
 same bf16-rounded operands, its batch invariance, its packing, and the engine running it."""
 
 import numpy as np
 import pytest
 
 import numaserve as ns
-from kernels.bf16 import from_bf16, to_bf16
-from kernels.cpu import missing_features
-from kernels.simd_bf16 import BF16_FEATURES
+from kernels.formats.bf16 import from_bf16, to_bf16
+from kernels.simd.bf16 import BF16_FEATURES
+from kernels.simd.cpu import missing_features
 from memory.weights import Bf16Matrix, WeightMatrix
 from models.linear import linear
 from tests.model_factory import build_model

@@ -15,10 +15,13 @@ import numaserve as ns
 from cluster_configs.diagnostics import DecisionLog
 from cluster_configs.errors import CheckpointError
 from memory.weights import Int8Matrix
-from models.activation_plan import plan_activations
-from models.activation_ranges import RangeStats, kl_threshold, static_scale
-from models.calibrate import WindowRunner, calibrate, token_windows
-from models.calibration import (
+from models.gguf.writer import convert_to_gguf
+from models.linear import linear
+from models.loader import load_model
+from models.quantization.activation_plan import plan_activations
+from models.quantization.activation_ranges import RangeStats, kl_threshold, static_scale
+from models.quantization.calibrate import WindowRunner, calibrate, token_windows
+from models.quantization.calibration import (
     CalibrationError,
     CalibrationOptions,
     calibration_path,
@@ -26,9 +29,6 @@ from models.calibration import (
     matrix_names,
     save_calibration,
 )
-from models.gguf_writer import convert_to_gguf
-from models.linear import linear
-from models.loader import load_model
 from numaserve.cli import main as cli_main
 from numaserve.demo import DEMO_DIR
 from tests.model_factory import CORPUS, build_model

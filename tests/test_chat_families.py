@@ -13,9 +13,9 @@ import pytest
 from transformers import AutoTokenizer
 from transformers.utils import chat_template_utils
 
-import actors.chat_template
-from actors.chat_template import load_chat_template
+import http_api.chat_template
 from cluster_configs.errors import InvalidRequest
+from http_api.chat_template import load_chat_template
 from tests.model_factory import build_tokenizer
 
 TEMPLATES = Path(__file__).parent / "chat_templates"
@@ -62,7 +62,7 @@ class _FrozenDatetime(datetime):
 def frozen_today(monkeypatch):
     """strftime_now (Granite 3, SmolLM3 print today's date) reads the same fixed clock in both renderers."""
     monkeypatch.setattr(chat_template_utils, "datetime", _FrozenDatetime)
-    monkeypatch.setattr(actors.chat_template, "datetime", _FrozenDatetime)
+    monkeypatch.setattr(http_api.chat_template, "datetime", _FrozenDatetime)
 
 
 @pytest.fixture(scope="module")

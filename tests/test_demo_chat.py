@@ -10,10 +10,10 @@ import json
 import jsonschema
 import pytest
 
-from actors.chat_template import load_chat_template
 from actors.local_deployment import LocalDeployment
-from actors.openai_protocol import ChatCompletionRequest
-from actors.openai_serving import OpenAIServing
+from http_api.chat_template import load_chat_template
+from http_api.protocol import ChatCompletionRequest
+from http_api.serving import OpenAIServing
 from numaserve.demo import (
     DEMO_DIR,
     FUNCTION_SCHEMA,

@@ -77,7 +77,7 @@ def test_kernel_and_dtypes_per_layer_type_follow_the_weight_format(llama_dir):
 
 def test_int8_activations_run_the_int8_kernel_on_q8_0_weights(llama_dir, monkeypatch):
     monkeypatch.delenv("NUMASERVE_DISABLE_CPU_FEATURES", raising=False)
-    from kernels.cpu import missing_features
+    from kernels.simd.cpu import missing_features
     if missing_features(("avx2", "f16c")):
         pytest.skip("this CPU lacks avx2/f16c: int8 activations always fall back here")
     llm = ns.LLM(llama_dir, weight_dtype="q8_0", activation_dtype="int8")
@@ -90,7 +90,7 @@ def test_int8_activations_run_the_int8_kernel_on_q8_0_weights(llama_dir, monkeyp
 
 def test_hiding_vnni_runs_the_avx2_int8_kernel(llama_dir, monkeypatch):
     monkeypatch.setenv("NUMASERVE_DISABLE_CPU_FEATURES", "avx512vnni")
-    from kernels.cpu import missing_features
+    from kernels.simd.cpu import missing_features
     if missing_features(("avx2", "f16c")):
         pytest.skip("this CPU lacks avx2/f16c: int8 activations always fall back here")
     llm = ns.LLM(llama_dir, weight_dtype="q8_0", activation_dtype="int8")

@@ -1,4 +1,5 @@
-"""The EAGLE head (models/eagle.py) against the torch module it is trained as (scripts/head_modules.py),
+"""The EAGLE head (models/proposers/eagle_head.py) against the torch module it is trained as
+(scripts/head_modules.py),
 over scattered KV blocks, and its files refused by name when they do not fit."""
 
 import json
@@ -13,8 +14,8 @@ from transformers import AutoModelForCausalLM
 from cluster_configs.errors import CheckpointError
 from memory.kv_cache import KVCache
 from models.batch import ForwardBatch
-from models.eagle import CONFIG_FILE, HEAD_FILE, eagle_spec, load_eagle_head
 from models.loader import load_model
+from models.proposers.eagle_head import CONFIG_FILE, HEAD_FILE, eagle_spec, load_eagle_head
 from scripts.head_modules import EagleHead
 
 

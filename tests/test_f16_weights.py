@@ -12,8 +12,8 @@ from safetensors.numpy import load_file, save_file
 import numaserve as ns
 from cluster_configs.errors import CheckpointError
 from memory.weights import WeightMatrix, row_block, select_rows
-from models.activation_plan import linear_matrices
 from models.linear import dequantize, embed, linear
+from models.quantization.activation_plan import linear_matrices
 from tests.conftest import random_prompt
 from tests.test_lora import make_adapter
 
@@ -114,7 +114,7 @@ def test_a_float16_checkpoint_keeps_its_bits_and_gives_the_float32_engines_logit
 
 @pytest.mark.parametrize("merge", ["never", "always"])
 def test_lora_on_float16_weights(f16_dir, tmp_path, merge):
-    # low-rank: the adapter's slots are float32 (models/lora_slots.py), so it equals the float32 engine's bit
+    # low-rank: the adapter's slots are float32 (models/lora/slots.py), so it equals the float32 engine's bit
     # for bit; merged: each adapted matrix is rounded back to float16 (about 2^-11 of each value)
     adapter = make_adapter(f16_dir, tmp_path / "a", seed=1)
     tokens = random_prompt(30, seed=9)

@@ -1,11 +1,11 @@
-"""Chunked attention (kernels/attention.py): a token's chunks run in its own task or spread over tasks
+"""Chunked attention (kernels/attention/paged.py): a token's chunks run in its own task or spread over tasks
 (flash-decoding) give the same bits, equal the one-chunk kernel within float32 rounding and a float64
 reference, for every KV dtype over scattered blocks, windows and trees, at forced chunk sizes."""
 
 import numpy as np
 import pytest
 
-from kernels import attention
+from kernels.attention import paged as attention
 from tests.kv_reference import KV_DTYPES
 from tests.test_tree_attention import Batch, random_tree
 

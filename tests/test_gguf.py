@@ -21,13 +21,13 @@ from gguf import GGUFValueType
 from safetensors.numpy import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-import models.gguf_writer
+import models.gguf.writer
 import numaserve as ns
 from cluster_configs.errors import CheckpointError
-from models.gguf_families import FAMILIES
-from models.gguf_format import llama3_scaling_from_factors
-from models.gguf_reader import read_gguf
-from models.gguf_writer import convert_to_gguf
+from models.gguf.families import FAMILIES
+from models.gguf.format import llama3_scaling_from_factors
+from models.gguf.reader import read_gguf
+from models.gguf.writer import convert_to_gguf
 from models.linear import dequantize
 from models.loader import load_model
 from models.rope import Rope, inv_freq
@@ -525,7 +525,7 @@ def test_files_that_are_not_gguf_raise_checkpoint_error(exported, tmp_path):
 
 def test_export_refuses_an_architecture_without_a_gguf_family(model_dirs, tmp_path, monkeypatch):
     # as if qwen2 were a family numaserve serves but has no llama.cpp names for
-    monkeypatch.setattr(models.gguf_writer, "FAMILIES", {k: f for k, f in FAMILIES.items() if k != "qwen2"})
+    monkeypatch.setattr(models.gguf.writer, "FAMILIES", {k: f for k, f in FAMILIES.items() if k != "qwen2"})
     with pytest.raises(CheckpointError, match="Qwen2ForCausalLM has no GGUF architecture numaserve writes"):
         convert_to_gguf(model_dirs["qwen2"], tmp_path / "qwen2.gguf", "q8_0")
 

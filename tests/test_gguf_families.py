@@ -14,10 +14,10 @@ from gguf import GGMLQuantizationType as GT
 from gguf import GGUFValueType
 from transformers import AutoModelForCausalLM
 
-import models.gguf_spec
+import models.gguf.model_spec
 from cluster_configs.errors import CheckpointError
-from models.gguf_reader import read_gguf
-from models.gguf_writer import convert_to_gguf, export_gguf
+from models.gguf.reader import read_gguf
+from models.gguf.writer import convert_to_gguf, export_gguf
 from models.loader import load_model
 from tests.conftest import random_prompt
 from tests.model_factory import build_model
@@ -211,7 +211,7 @@ def test_llama_cpp_keys_alone_load_every_family_but_smollm3s_rope_layout(variant
     # rope-less layers llama.cpp fixes at every 4th (this checkpoint's second layer has none)
     tokens = random_prompt(70, seed=8)
     exact = make_llm(model_dirs[variant], "float32").score(tokens)
-    monkeypatch.setattr(models.gguf_spec, "SPEC_KEY", "numaserve.not-read")
+    monkeypatch.setattr(models.gguf.model_spec, "SPEC_KEY", "numaserve.not-read")
     llama_cpp_view = make_llm(exported[variant, "float32"]).score(tokens)
     if variant == "smollm3":
         assert np.abs(llama_cpp_view - exact).max() > 0.1

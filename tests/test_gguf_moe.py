@@ -12,8 +12,8 @@ import pytest
 from gguf import GGMLQuantizationType as GT
 
 from cluster_configs.errors import CheckpointError
-from models.gguf_reader import read_gguf
-from models.gguf_writer import convert_to_gguf, export_gguf
+from models.gguf.reader import read_gguf
+from models.gguf.writer import convert_to_gguf, export_gguf
 from models.loader import load_model
 from tests.conftest import random_prompt
 from tests.model_factory import build_model

@@ -13,10 +13,12 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from actors.http_server import build_app
-from actors.json_bodies import MAX_DEPTH
 from actors.local_deployment import LocalDeployment
-from actors.openai_errors import InternalErrors, as_api_error
-from actors.openai_protocol import (
+from cluster_configs.errors import AdapterError, Unavailable
+from cluster_configs.sampling_params import SamplingParams
+from http_api.errors import InternalErrors, as_api_error
+from http_api.json_bodies import MAX_DEPTH
+from http_api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
@@ -24,10 +26,8 @@ from actors.openai_protocol import (
     LoadLoraAdapterRequest,
     TokenizeRequest,
 )
-from actors.openai_serving import OpenAIServing
-from actors.request_ids import RequestIds
-from cluster_configs.errors import AdapterError, Unavailable
-from cluster_configs.sampling_params import SamplingParams
+from http_api.request_ids import RequestIds
+from http_api.serving import OpenAIServing
 from numaserve.llm import LLM
 from scheduling.outputs import RequestOutput
 from tests.http_app import served
@@ -120,7 +120,7 @@ def stub():
 def test_an_unexpected_exception_is_a_500_naming_only_the_request_id_the_log_ties_to_it(stub, caplog):
     url, deployment = stub
     deployment.broken = True
-    with caplog.at_level(logging.ERROR, logger="actors.openai_errors"):
+    with caplog.at_level(logging.ERROR, logger="http_api.errors"):
         r = requests.post(f"{url}/v1/completions", json={"prompt": [1, 2]}, timeout=10)
     rid = r.headers["X-Request-Id"]
     assert r.status_code == 500 and r.json() == {"error": {
@@ -132,7 +132,7 @@ def test_an_unexpected_exception_is_a_500_naming_only_the_request_id_the_log_tie
 
 def test_an_error_inside_a_stream_after_200_is_an_openai_error_event_with_the_request_id(stub, caplog):
     url, _ = stub
-    with caplog.at_level(logging.ERROR, logger="actors.openai_errors"):
+    with caplog.at_level(logging.ERROR, logger="http_api.errors"):
         r = requests.post(f"{url}/v1/completions", json={"prompt": [1, 2], "stream": True}, timeout=10)
     rid = r.headers["X-Request-Id"]
     events = [line.removeprefix("data: ") for line in r.text.splitlines() if line.startswith("data: ")]

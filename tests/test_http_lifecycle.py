@@ -16,7 +16,7 @@ from starlette.applications import Starlette
 from starlette.responses import PlainTextResponse, StreamingResponse
 from starlette.routing import Route
 
-from actors.http_lifecycle import Lifecycle
+from http_api.lifecycle import Lifecycle
 
 
 def build_app(release: asyncio.Event) -> Starlette:

@@ -14,9 +14,9 @@ import requests
 import numaserve as ns
 from actors.http_server import build_app
 from actors.local_deployment import LocalDeployment
-from actors.openai_format import TokenTexts
-from actors.openai_serving import OpenAIServing
 from cluster_configs.cluster_config import HttpConfig
+from http_api.responses import TokenTexts
+from http_api.serving import OpenAIServing
 from tests.conftest import random_prompt
 from tests.http_app import served
 

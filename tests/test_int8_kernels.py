@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 
 import numaserve as ns
-from kernels.cpu import missing_features
-from kernels.fp16 import f32_to_f16
-from kernels.int8_layout import pack_q4_0, pack_q8_0, pad_scales, padded_k, quantize_activations
-from kernels.linear_int8 import matmul_int8
-from kernels.simd_vnni import VNNI_FEATURES
+from kernels.formats.fp16 import f32_to_f16
+from kernels.formats.int8_layout import pack_q4_0, pack_q8_0, pad_scales, padded_k, quantize_activations
+from kernels.linear.int8 import matmul_int8
+from kernels.simd.cpu import missing_features
+from kernels.simd.vnni import VNNI_FEATURES
 from memory.weights import Int8Matrix, WeightMatrix
 from models.linear import dequantize, linear
 from tests.model_factory import build_model

@@ -8,7 +8,7 @@ import json
 import jsonschema
 
 import numaserve as ns
-from scheduling.structured import Grammars, token_masks
+from scheduling.sampling.structured import Grammars, token_masks
 from tests.test_structured_outputs import PROMPT, SCHEMAS
 
 FIXED_KEYS = {"type": "object", "additionalProperties": False, "required": ["first_name", "last_name", "age"],

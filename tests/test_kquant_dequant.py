@@ -5,7 +5,7 @@ import gguf
 import numpy as np
 import pytest
 
-from kernels.ggml_blocks import BLOCK_DTYPES, GGML_TYPE, row_bytes
+from kernels.formats.ggml_blocks import BLOCK_DTYPES, GGML_TYPE, row_bytes
 from memory.weights import WeightMatrix, row_block, select_rows
 from models.linear import dequantize, embed
 

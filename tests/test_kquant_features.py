@@ -16,7 +16,7 @@ from transformers import LlamaForCausalLM
 
 import numaserve as ns
 from memory.weights import BlockInt8Matrix, WeightMatrix, parts
-from models.gguf_writer import convert_to_gguf
+from models.gguf.writer import convert_to_gguf
 from models.linear import dequantize
 from models.loader import load_model
 from tests.conftest import random_prompt
@@ -113,7 +113,7 @@ def test_a_prefix_cache_hit_and_speculation_give_the_tokens_of_neither(kq_dir, a
 
 def q8_0_rounded_adapter(adapter, out):
     """A copy of a PEFT adapter holding what numaserve's slots serve for a quantized base: A's rows and B^T's
-    rows in q8_0 (models/lora_slots.py)."""
+    rows in q8_0 (models/lora/slots.py)."""
     shutil.copytree(adapter, out)
     tensors = load_file(out / "adapter_model.safetensors")
     for name, w in tensors.items():

@@ -14,11 +14,11 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import numaserve as ns
 from cluster_configs.diagnostics import DecisionLog
 from memory.weights import StackedMatrix, parts
-from models.activation_plan import linear_matrices, plan_activations
-from models.gguf_format import rope_row_order
-from models.gguf_writer import convert_to_gguf
+from models.gguf.format import rope_row_order
+from models.gguf.writer import convert_to_gguf
 from models.linear import dequantize, linear
 from models.loader import load_model
+from models.quantization.activation_plan import linear_matrices, plan_activations
 from tests.conftest import random_prompt
 from tests.fixtures.make_kquant_gguf import FIXTURE, OVERRIDES, SEED
 from tests.model_factory import COMMON, VARIANTS, build_model
@@ -127,7 +127,7 @@ def test_every_packed_matrix_of_the_file_equals_float64_over_the_same_quantized_
     rng = np.random.default_rng(0)
     for (name, _, stored), (_, _, served) in zip(linear_matrices(weights), linear_matrices(packed)):
         x = rng.standard_normal((3, stored.shape[1])).astype(np.float32)
-        blocks = x.reshape(3, -1, 32)  # quantized per 32 values as kernels/int8_layout.py does
+        blocks = x.reshape(3, -1, 32)  # quantized per 32 values as kernels/formats/int8_layout.py does
         d = np.abs(blocks).max(-1, keepdims=True) / np.float32(127)
         rounded = (np.rint(blocks * (1 / d)) * d).reshape(x.shape).astype(np.float64)
         reference = rounded @ dequantize(stored).astype(np.float64).T

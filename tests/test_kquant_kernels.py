@@ -1,4 +1,4 @@
-"""The Q4_K / Q5_K / Q4_1 / Q5_0 / Q5_1 int8-activation kernels (kernels/linear_kquant.py) against a float64
+"""The Q4_K / Q5_K / Q4_1 / Q5_0 / Q5_1 int8-activation kernels (kernels/linear/kquant.py) against a float64
 numpy reference over gguf's dequantization of the same raw blocks and the same quantized activations;
 batch invariance, the experts driver, and the packing's exact round trip and size."""
 
@@ -8,12 +8,12 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as QT
 from gguf.quants import dequantize
 
-from kernels import kquant_layout
-from kernels.cpu import missing_features
-from kernels.ggml_blocks import CODE
-from kernels.int8_layout import padded_k, quantize_activations
-from kernels.linear_kquant import matmul_kquant, matmul_kquant_experts
-from kernels.simd_vnni import VNNI_FEATURES
+from kernels.formats import kquant_layout
+from kernels.formats.ggml_blocks import CODE
+from kernels.formats.int8_layout import padded_k, quantize_activations
+from kernels.linear.kquant import matmul_kquant, matmul_kquant_experts
+from kernels.simd.cpu import missing_features
+from kernels.simd.vnni import VNNI_FEATURES
 from memory.block_matrices import KQuantMatrix
 from memory.weights import WeightMatrix
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as GT
 
-from kernels.ggml_blocks import row_bytes
+from kernels.formats.ggml_blocks import row_bytes
 from memory.weights import WeightMatrix
 from tests.fixtures.make_kquant_fixture import FIXTURE, TARGETS, make_fixture
 

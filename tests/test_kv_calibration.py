@@ -8,9 +8,9 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from memory.kv_formats import KV_FORMATS
-from models.calibrate import calibrate
-from models.calibration import CalibrationOptions, calibration_path
-from models.kv_calibration import wider_overrides
+from models.quantization.calibrate import calibrate
+from models.quantization.calibration import CalibrationOptions, calibration_path
+from models.quantization.kv_calibration import wider_overrides
 from numaserve.cli import main as cli_main
 from tests.model_factory import CORPUS, build_model
 

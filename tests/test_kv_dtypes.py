@@ -8,7 +8,7 @@ import numaserve as ns
 from benchmarks.bench_kv_quality import GREEDY, NEW_TOKENS, NUM_PROMPTS, greedy_prompts
 from benchmarks.heldout_eval import heldout_stream, perplexity
 from memory.kv_cache import kv_bytes_per_token
-from models.calibrate import token_windows
+from models.quantization.calibrate import token_windows
 from models.tokenizer import Tokenizer
 from numaserve.demo import DEMO_DIR
 

@@ -8,8 +8,8 @@ import torch
 from numba import njit
 
 from cluster_configs.engine_config import EngineConfig
-from kernels.fp8 import E4M3, E5M2, fp8_decode, fp8_encode
-from kernels.hadamard import hadamard_inplace
+from kernels.attention.hadamard import hadamard_inplace
+from kernels.formats.fp8 import E4M3, E5M2, fp8_decode, fp8_encode
 from memory.kv_cache import KVCache, kv_bytes_per_token
 from memory.kv_formats import KV_FORMATS
 from tests.kv_reference import TORCH_FP8, sylvester

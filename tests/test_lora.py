@@ -11,8 +11,8 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 
 import numaserve as ns
-from models.lora_slots import LoraSlots
-from scheduling.lora_merge_policy import MergeMeter
+from models.lora.slots import LoraSlots
+from scheduling.lora.merge_policy import MergeMeter
 from tests.conftest import random_prompt
 from tests.test_hf_parity import hf_logits
 
@@ -164,7 +164,7 @@ def test_bad_compositions_raise_adapter_error(llama_dir, adapters, weights, comb
 ])
 def test_rounded_adapter_slots_change_the_adapters_effect_by_little(model_dirs, tmp_path, variant,
                                                                     weight_dtype, stored):
-    """Off float32 an engine stores A and B like its base weights (models/lora_slots.py). Against the same
+    """Off float32 an engine stores A and B like its base weights (models/lora/slots.py). Against the same
     engine with float32 slots, the adapter's effect on the logits moves by 1.0% (bf16 slots) and 1.6-2.0%
     (q8_0 slots) of its largest value here: the rounding, carried through two random layers."""
     adapter_dir = make_adapter(model_dirs[variant], tmp_path / "adapter", seed=11, r=8, alpha=16)

@@ -4,11 +4,11 @@ dtype, and a row's delta bit for bit the same alone and in any batch."""
 import numpy as np
 import pytest
 
-from kernels.bf16 import from_bf16
+from kernels.formats.bf16 import from_bf16
+from kernels.formats.quant import QK
 from kernels.lora import lora_shrink_expand
-from kernels.quant import QK
-from models.lora import LoraModule
-from models.lora_slots import STORED, store
+from models.lora.adapter import LoraModule
+from models.lora.slots import STORED, store
 
 K, WIDTHS, S, R = 96, (64, 32), 3, 8  # input width, two modules' output widths, slots, max rank
 RANKS = np.array([[8, 3, 0], [5, 8, 2]], np.int32)  # [module, slot]: 0 = the slot's adapter skips the module

@@ -1,6 +1,6 @@
-"""The merge-or-not decision (scheduling/lora_merge_policy.py): pure cases of its cost model."""
+"""The merge-or-not decision (scheduling/lora/merge_policy.py): pure cases of its cost model."""
 
-from scheduling.lora_merge_policy import BURST_STEPS, MergeChoice, MergeCosts, MergeMeter, choose_merge
+from scheduling.lora.merge_policy import BURST_STEPS, MergeChoice, MergeCosts, MergeMeter, choose_merge
 
 COSTS = MergeCosts(lowrank_s_per_row=0.001, weight_pass_s=0.050, build_s=0.5)
 

@@ -1,4 +1,5 @@
-"""Medusa heads (models/medusa.py) against a torch module built as the Medusa repository builds them, and
+"""Medusa heads (models/proposers/medusa_head.py) against a torch module built as the Medusa repository
+builds them, and
 the files they load from refused by name when they do not fit."""
 
 import json
@@ -10,8 +11,8 @@ import torch
 
 import numaserve as ns
 from cluster_configs.errors import CheckpointError
-from models.medusa import CONFIG_FILE, load_medusa_heads
-from models.spec import load_spec
+from models.model_spec import load_spec
+from models.proposers.medusa_head import CONFIG_FILE, load_medusa_heads
 from tests.medusa_factory import make_heads, save_heads
 
 

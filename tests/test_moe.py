@@ -1,6 +1,7 @@
-"""The mixture-of-experts layer (models/moe.py, kernels/moe.py): transformers' own MoE blocks, a plain float64
+"""The mixture-of-experts layer (models/moe/layer.py, kernels/moe/route.py): transformers' own MoE blocks, a
+plain float64
 reference over every weight format, reading only the routed experts, batch invariance, and the fused path of
-VNNI-packed experts (kernels/moe_fused.py) bit for bit against one linear call per (token, slot)."""
+VNNI-packed experts (kernels/moe/fused.py) bit for bit against one linear call per (token, slot)."""
 
 import numpy as np
 import pytest
@@ -11,17 +12,17 @@ from transformers import MixtralConfig, Qwen3MoeConfig
 from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
-from kernels.bf16 import from_bf16, to_bf16
-from kernels.cpu import missing_features
-from kernels.moe import group_by_expert
+from kernels.formats.bf16 import from_bf16, to_bf16
+from kernels.moe.route import group_by_expert
 from kernels.norms import silu_mul
-from kernels.simd_bf16 import BF16_FEATURES
-from kernels.simd_vnni import VNNI_FEATURES
+from kernels.simd.bf16 import BF16_FEATURES
+from kernels.simd.cpu import missing_features
+from kernels.simd.vnni import VNNI_FEATURES
 from memory.experts import ExpertWeights
 from memory.weights import Bf16Matrix, Int8Matrix, WeightMatrix, row_block
 from models.linear import dequantize, linear
-from models.moe import ExpertLog, moe_forward, route
-from models.moe_buffers import MoeBuffers
+from models.moe.buffers import MoeBuffers
+from models.moe.layer import ExpertLog, moe_forward, route
 
 HIDDEN, INTER = 64, 32  # whole q8_0 / q4_0 blocks, and whole 4-row packed blocks per expert
 # (weight dtype, packing): None = WeightMatrix with float32 activations, "int8" / "vnni" = Int8Matrix for
@@ -86,7 +87,8 @@ def reference(x, router, gate_up, down, top_k, normalize, rounded=lambda v: v):
 
 
 def int8_rounded(v):
-    # v: [K] -> its values after int8 quantization per block of 32 (kernels/int8_layout.py), as float64
+    # v: [K] -> its values after int8 quantization per block of 32 (kernels/formats/int8_layout.py), as
+    # float64
     blocks = v.astype(np.float32).reshape(-1, 32)
     d = (np.abs(blocks).max(-1, keepdims=True) / np.float32(127)).astype(np.float32)
     inv = np.where(d != 0, np.float32(1) / np.where(d != 0, d, 1), 0).astype(np.float32)
@@ -291,7 +293,7 @@ def test_a_tokens_output_does_not_depend_on_its_batch(dtype, how):
     assert np.array_equal(part, batch[3:20])
 
 
-# ---- (e) the fused path of VNNI-packed experts (kernels/moe_fused.py)
+# ---- (e) the fused path of VNNI-packed experts (kernels/moe/fused.py)
 
 
 def one_linear_per_pair(x, experts):

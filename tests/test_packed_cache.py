@@ -20,12 +20,13 @@ import pytest
 import numaserve as ns
 from cluster_configs.engine_config import EngineConfig
 from cluster_configs.errors import CheckpointError
-from kernels.cpu import cpu_features
+from kernels.simd.cpu import cpu_features
 from memory.weights import Bf16Matrix, BlockInt8Matrix, Int8Matrix, parts
-from models import packed_cache, planned_load
-from models.calibration import Calibration, MatrixCalibration, matrix_names, save_calibration
-from models.gguf_writer import convert_to_gguf
-from models.packed_tree import Unstorable, flatten, unflatten
+from models.gguf.writer import convert_to_gguf
+from models.packed import cache as packed_cache
+from models.packed import planned_load
+from models.packed.tree import Unstorable, flatten, unflatten
+from models.quantization.calibration import Calibration, MatrixCalibration, matrix_names, save_calibration
 from tests.fixtures.make_kquant_gguf import FIXTURE
 
 PROMPT = [1, 17, 5, 99, 250, 3, 42, 7]
@@ -195,7 +196,7 @@ def _calibration(num_layers: int, fallback: str) -> Calibration:
 # ---- damage ----------------------------------------------------------------------------------------------
 
 def _manifest(entry: Path) -> tuple[int, int, dict]:
-    """-> (the manifest's offset, the blob's offset, the manifest), read as models/packed_file.py lays out."""
+    """-> (the manifest's offset, the blob's offset, the manifest), read as models/packed/file.py lays out."""
     data = entry.read_bytes()
     magic, size, _ = struct.unpack("<8sQQ", data[:24])
     assert magic == b"NSPACK\x00\x01"

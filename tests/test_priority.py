@@ -7,7 +7,7 @@ import threading
 import pytest
 
 import numaserve as ns
-from actors.openai_protocol import CompletionRequest
+from http_api.protocol import CompletionRequest
 from tests.conftest import random_prompt
 
 FP32 = {"weight_dtype": "float32", "kv_dtype": "float32", "enable_prefix_caching": False}

@@ -14,10 +14,10 @@ from hypothesis import strategies as st
 import numaserve as ns
 from cluster_configs.errors import CheckpointError
 from kernels.ngram import ngram_lookup
+from models.model_spec import load_spec
 from models.proposers import DraftModelProposer, NgramProposer
-from models.spec import load_spec
 from models.tokenizer import Tokenizer
-from scheduling.sampler import request_seed, sample_batch
+from scheduling.sampling.sampler import request_seed, sample_batch
 from tests.conftest import random_prompt
 from tests.model_factory import build_model
 
@@ -195,7 +195,7 @@ def test_make_proposer_builds_the_configured_method(llama_dir):
 
 
 def test_a_gguf_draft_of_the_targets_family_is_accepted(tmp_path, llama_dir, target_llm):
-    from models.gguf_writer import convert_to_gguf
+    from models.gguf.writer import convert_to_gguf
 
     gguf_path = convert_to_gguf(llama_dir, tmp_path / "draft.gguf", weight_dtype="float32")
     proposer = DraftModelProposer(gguf_path, load_spec(llama_dir), Tokenizer.from_dir(llama_dir),

@@ -1,4 +1,4 @@
-"""The Q6_K x int8-activation kernel (kernels/linear_q6k.py) against a float64 numpy product of the gguf
+"""The Q6_K x int8-activation kernel (kernels/linear/q6k.py) against a float64 numpy product of the gguf
 package's dequantization of the same raw blocks with the same quantized activations; its batch invariance,
 the packing's round trip and the experts driver."""
 
@@ -6,11 +6,11 @@ import gguf
 import numpy as np
 import pytest
 
-from kernels.cpu import missing_features
-from kernels.int8_layout import quantize_activations
-from kernels.linear_q6k import matmul_q6k, matmul_q6k_experts
-from kernels.q6k_layout import RAW_BYTES, subblock_offsets
-from kernels.simd_q6k import Q6K_FEATURES
+from kernels.formats.int8_layout import quantize_activations
+from kernels.formats.q6k_layout import RAW_BYTES, subblock_offsets
+from kernels.linear.q6k import matmul_q6k, matmul_q6k_experts
+from kernels.simd.cpu import missing_features
+from kernels.simd.q6k import Q6K_FEATURES
 from memory.block_matrices import Q6KMatrix
 
 pytestmark = pytest.mark.skipif(bool(missing_features(Q6K_FEATURES)), reason="this CPU lacks AVX512-VNNI")
@@ -33,7 +33,8 @@ def quantized(x: np.ndarray):
 
 
 def natural_order(xq: np.ndarray) -> np.ndarray:
-    # the quad order (kernels/int8_layout.py: value e of run j of block b at 32 j + 4 b + e) back to columns
+    # the quad order (kernels/formats/int8_layout.py: value e of run j of block b at 32 j + 4 b + e) back to
+    # columns
     t, k = xq.shape
     return xq.reshape(t, k // 256, 8, 8, 4).transpose(0, 1, 3, 2, 4).reshape(t, k)
 

@@ -1,4 +1,4 @@
-"""The fp8 forms' recent window (kernels/attention_chunks.py): paged attention against a float64 softmax whose
+"""The fp8 forms' recent window (kernels/attention/chunks.py): paged attention against a float64 softmax whose
 keys and values are bfloat16 (as written) from max(recent_start(position), wide_from[seq]) on and the stored
 codes before, on every kernel path; a token's bits independent of its tile, batch and chunk split; a chain of
 drafts as a tree gives the bits of plain positions. Then the engine: the shadows it keeps are exactly those
@@ -9,9 +9,9 @@ import pytest
 
 import numaserve as ns
 from benchmarks.bench_kv_quality import GREEDY, greedy_prompts
-from kernels import attention
-from kernels.attention_chunks import recent_start
-from kernels.bf16 import from_bf16
+from kernels.attention import paged as attention
+from kernels.attention.chunks import recent_start
+from kernels.formats.bf16 import from_bf16
 from memory.kv_cache import kv_bytes_per_token
 from memory.kv_formats import KV_FORMATS, RECENT_GROUP, attend_as, write_kv_as
 from models.tokenizer import Tokenizer

@@ -10,8 +10,8 @@ from pydantic import ValidationError
 
 import numaserve as ns
 from models.sampling_batch import SamplingBatch
-from scheduling.best_of import cumulative_logprob
-from scheduling.sampler import sample_batch
+from scheduling.sampling.best_of import cumulative_logprob
+from scheduling.sampling.sampler import sample_batch
 from tests.conftest import random_prompt
 
 FP32 = {"weight_dtype": "float32", "kv_dtype": "float32"}

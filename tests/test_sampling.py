@@ -12,10 +12,16 @@ from numba import njit
 from transformers import RepetitionPenaltyLogitsProcessor
 
 import numaserve as ns
-from kernels.race import _uniform, race_all, race_kept
-from kernels.sampling import _filter_row
+from kernels.sampling.filters import _filter_row
+from kernels.sampling.race import _uniform, race_all, race_kept
 from models.sampling_batch import SamplingBatch
-from scheduling.sampler import apply_penalties_batch, request_seed, row_keys, sample_batch, top_logprobs_batch
+from scheduling.sampling.sampler import (
+    apply_penalties_batch,
+    request_seed,
+    row_keys,
+    sample_batch,
+    top_logprobs_batch,
+)
 from tests.chi_square import chi_square_p_value
 from tests.conftest import random_prompt
 from tests.reference_sampler import apply_penalties, sample, sampling_probs
@@ -222,7 +228,7 @@ def requests_for(logits: np.ndarray, params: dict, seed: int = 0) -> list[Req]:
 
 
 def batch_of(reqs: list[Req], positions: list[int] | None = None) -> SamplingBatch:
-    """The requests' rows as the engine's step builds them (scheduling/step_sampler.py): position
+    """The requests' rows as the engine's step builds them (scheduling/sampling/step_sampler.py): position
     len(token_ids) unless given."""
     seeds = [request_seed(r.params) if getattr(r, "seed", None) is None else r.seed for r in reqs]
     where = [len(r.token_ids) for r in reqs] if positions is None else positions
@@ -265,7 +271,7 @@ def filtered_probs(logits, temperature, top_k, top_p, min_p, out):
 
 def sampling_probs_batch(logits: np.ndarray, reqs: list[Req]) -> np.ndarray:
     """[N, V] float64: the distribution each row's request samples from, batched as the sampler does (its
-    penalties, then kernels/sampling.py's filters; one-hot at the argmax for a greedy request)."""
+    penalties, then kernels/sampling/filters.py's filters; one-hot at the argmax for a greedy request)."""
     logits = penalize_requests(np.asarray(logits, np.float32), reqs)
     out = np.zeros(logits.shape)
     greedy = np.array([r.params.greedy for r in reqs], bool)

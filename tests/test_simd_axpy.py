@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from numba import njit
 
-from kernels.simd_axpy import weighted_sum
+from kernels.simd.axpy import weighted_sum
 
 
 @njit(cache=True)

@@ -1,11 +1,11 @@
-"""kernels/simd_dot.py: dots() gives every row dot()'s bits (attention's scores, whichever way they are
+"""kernels/simd/dot.py: dots() gives every row dot()'s bits (attention's scores, whichever way they are
 computed)."""
 
 import numpy as np
 import pytest
 from numba import njit
 
-from kernels.simd_dot import dot, dots
+from kernels.simd.dot import dot, dots
 
 
 @njit

@@ -9,7 +9,7 @@ import pytest
 from transformers import AutoConfig
 
 from cluster_configs.errors import CheckpointError
-from models.spec import load_spec
+from models.model_spec import load_spec
 
 BASE = {"vocab_size": 384, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 7,
         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 4096,

@@ -14,13 +14,19 @@ import numaserve as ns
 from actors.scheduler import Scheduler
 from cluster_configs.diagnostics import DecisionLog
 from models.proposers.base import Proposer
-from scheduling.method_chooser import MEASURE_STEPS, REMEASURE_STEPS, MethodChooser
 from scheduling.outputs import SampledTokens, SamplerOutput
 from scheduling.plan import ScheduledRequest, StepPlan
 from scheduling.policy import BatchingPolicy, PolicyLimits, StepTelemetry
 from scheduling.request import Request
-from scheduling.spec_controller import SpeculationController
-from scheduling.spec_estimators import (
+from scheduling.speculation.controller import SpeculationController
+from scheduling.speculation.depth_policy import (
+    PROBE_INTERVAL,
+    SpecTelemetry,
+    SpeculationPolicy,
+    choose_depths,
+    speculation_policy,
+)
+from scheduling.speculation.estimators import (
     ACCEPT_ALPHA,
     PRIOR_ACCEPT,
     PRIOR_WEIGHT,
@@ -28,14 +34,8 @@ from scheduling.spec_estimators import (
     SpecStepStats,
     count_positions,
 )
-from scheduling.spec_policy import (
-    PROBE_INTERVAL,
-    SpecTelemetry,
-    SpeculationPolicy,
-    choose_depths,
-    speculation_policy,
-)
-from scheduling.speculator import POLICY_REFRESH_STEPS, DraftChoice, Speculator
+from scheduling.speculation.method_chooser import MEASURE_STEPS, REMEASURE_STEPS, MethodChooser
+from scheduling.speculation.speculator import POLICY_REFRESH_STEPS, DraftChoice, Speculator
 
 K = 4
 FIXED_S, PER_TOKEN_S = 0.010, 0.0005  # the simulated machine: a step costs 10 ms + 0.5 ms per token

@@ -15,17 +15,17 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 import numaserve as ns
-from models.eagle import HEAD_FILE
-from models.medusa import CONFIG_FILE as MEDUSA_CONFIG
-from models.medusa import HEADS_FILE as MEDUSA_HEADS
 from models.proposers import eagle as eagle_proposer
 from models.proposers.base import Proposer
 from models.proposers.eagle import EagleProposer
+from models.proposers.eagle_head import HEAD_FILE
 from models.proposers.medusa import MedusaProposer
+from models.proposers.medusa_head import CONFIG_FILE as MEDUSA_CONFIG
+from models.proposers.medusa_head import HEADS_FILE as MEDUSA_HEADS
 from scheduling.engine import Engine
-from scheduling.method_chooser import MethodChooser
-from scheduling.spec_controller import SpeculationController
-from scheduling.spec_policy import SpeculationPolicy
+from scheduling.speculation.controller import SpeculationController
+from scheduling.speculation.depth_policy import SpeculationPolicy
+from scheduling.speculation.method_chooser import MethodChooser
 from tests.chi_square import chi_square_p_value
 from tests.conftest import random_prompt
 from tests.eagle_factory import model_with_eagle, record_drafts
@@ -331,7 +331,8 @@ def test_greedy_tree_speculation_under_preemption_in_a_small_kv_pool(heads_dirs,
 def test_eagle_with_a_draft_vocabulary_drafts_only_its_tokens_and_keeps_the_targets(eagle_dir, mixed,
                                                                                     reference, tmp_path,
                                                                                     width):
-    """A head with a draft vocabulary (models/eagle.py d2t) of the tokens most frequent in the reference
+    """A head with a draft vocabulary (models/proposers/eagle_head.py d2t) of the tokens most frequent in the
+    reference
     outputs guesses among them only; the tokens stay the target's."""
     counts = np.bincount([t for ids, *_ in reference for t in ids], minlength=384)
     draft_ids = np.sort(np.argsort(-counts, kind="stable")[:96])
@@ -596,7 +597,7 @@ def test_seeded_sampling_with_drafts_gives_the_tokens_of_no_speculation(vocab16,
                                                                         vocab16_eagle, method, mode,
                                                                         memory_bound_costs):
     """Drafts only decide how many of the target's own keyed draws a step makes
-    (scheduling/step_sampler.py)."""
+    (scheduling/sampling/step_sampler.py)."""
     target, _ = vocab16
     model, extra = vocab16_setup(method, vocab16, vocab16_medusa, vocab16_eagle)
     prompts = [random_prompt(n, seed=n, vocab=16) for n in range(4, 36)]

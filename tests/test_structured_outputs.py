@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import numaserve as ns
-from scheduling.structured import Grammars, token_masks
+from scheduling.sampling.structured import Grammars, token_masks
 
 PROMPT = "data: "
 SEEDS = range(8)

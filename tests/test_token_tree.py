@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from models.token_tree import TokenTree
+from models.proposers.token_tree import TokenTree
 
 
 @st.composite

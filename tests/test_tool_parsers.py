@@ -1,17 +1,17 @@
 """Tool-call parsers over text: each finds the calls in its format (as chat templates write them) with their
 names and raw arguments, and the content around them; fed every prefix of the text, as a stream is, the
-deltas (actors/tool_calls.py) concatenate to what the whole text gives, and a call's first delta carries
+deltas (http_api/tool_calls.py) concatenate to what the whole text gives, and a call's first delta carries
 its id and name."""
 
 import json
 
 import pytest
 
-from actors import tool_calls
-from actors.chat_template import ChatTemplate
-from actors.tool_parsers import TOOL_PARSERS
-from actors.tool_parsers.base import scan_call
 from cluster_configs.cluster_config import HttpConfig
+from http_api import tool_calls
+from http_api.chat_template import ChatTemplate
+from http_api.tool_parsers import TOOL_PARSERS
+from http_api.tool_parsers.base import scan_call
 from tests.test_http_openai import DEMO_TEMPLATE, TOOLS
 
 WEATHER = '{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}'

@@ -1,10 +1,10 @@
-"""Tree attention (kernels/attention.py with a tree mask) against a float64 softmax over the slots each
+"""Tree attention (kernels/attention/paged.py with a tree mask) against a float64 softmax over the slots each
 node may see, over scattered blocks with random trees; a chain as a mask gives the bits of plain positions."""
 
 import numpy as np
 import pytest
 
-from kernels import attention
+from kernels.attention import paged as attention
 from memory.kv_formats import KV_FORMATS, attend_as, write_kv_as
 from tests.kv_reference import KV_DTYPES, empty_cache, head_dim_for, stored
 

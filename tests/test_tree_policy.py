@@ -1,4 +1,4 @@
-"""The tree-width policy (scheduling/tree_policy.py) on measured counts, and the Medusa proposer's
+"""The tree-width policy (scheduling/speculation/tree_policy.py) on measured counts, and the Medusa proposer's
 measurement of what each width would have kept (exact against hand-computed walks)."""
 
 import numpy as np
@@ -7,8 +7,8 @@ import pytest
 import numaserve as ns
 from models.proposers.medusa import MedusaProposer
 from models.proposers.tree_shape import MAX_WIDTH, tree_size, tree_sizes
-from scheduling.spec_policy import SpecTelemetry, SpeculationPolicy, speculation_policy
-from scheduling.tree_policy import MIN_MEASURED, choose_tree_width
+from scheduling.speculation.depth_policy import SpecTelemetry, SpeculationPolicy, speculation_policy
+from scheduling.speculation.tree_policy import MIN_MEASURED, choose_tree_width
 
 K = 3
 

@@ -4,7 +4,7 @@ Each request's output is fixed by its trace (Arrival.output_ids). The proposer's
 is right with probability accept_rate, decided once per (seed, request, p): a draft is the true tokens up to
 the first wrong guess, which is replaced by a token that cannot match. `sample` is the verification: each
 request appends its drafts' longest prefix equal to the true output, then one true token (as
-scheduling/step_sampler.py appends the target's own draws), so a request's output does not depend on
+scheduling/sampling/step_sampler.py appends the target's own draws), so a request's output does not depend on
 drafting, as in the engine.
 """
 

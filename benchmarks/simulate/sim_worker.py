@@ -27,8 +27,8 @@ from scheduling.plan import StepPlan
 from scheduling.policy import StepTelemetry
 from scheduling.request import Request
 from scheduling.sessions import SequenceStore
-from scheduling.speculation import NoSpeculation
-from scheduling.speculator import Speculator
+from scheduling.speculation.drafting import NoSpeculation
+from scheduling.speculation.speculator import Speculator
 
 # the KV geometry of the TinyLlama shape (benchmarks/checkpoints.py): 22 layers, 4 KV heads of 64
 MODEL_SHAPE = SimpleNamespace(num_layers=22, num_kv_heads=4, head_dim=64)

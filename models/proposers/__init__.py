@@ -5,14 +5,14 @@ from pathlib import Path
 from cluster_configs.diagnostics import DecisionLog
 from cluster_configs.speculation_config import SpeculationConfig
 from memory.weights import ModelWeights
-from models.eagle import CONFIG_FILE as EAGLE_CONFIG
-from models.medusa import CONFIG_FILE as MEDUSA_CONFIG
+from models.model_spec import ModelSpec
 from models.proposers.base import Proposer, SpecRequest
 from models.proposers.draft import DraftModelProposer, DraftSampler, argmax_sampler, check_same_vocabulary
 from models.proposers.eagle import EagleProposer
+from models.proposers.eagle_head import CONFIG_FILE as EAGLE_CONFIG
 from models.proposers.medusa import MedusaProposer
+from models.proposers.medusa_head import CONFIG_FILE as MEDUSA_CONFIG
 from models.proposers.ngram import NgramProposer
-from models.spec import ModelSpec
 from models.tokenizer import Tokenizer
 
 

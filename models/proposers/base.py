@@ -8,7 +8,7 @@ a proposer never needs to be told what was accepted: it compares and rolls back 
 A draft is a guess of the target's own next token (greedy: its argmax; sampled: its keyed draw), checked
 against the target's sample of the same row; a proposer's randomness, if any, never reaches the output.
 
-What the speculation policy needs to price a proposer (scheduling/spec_policy.py):
+What the speculation policy needs to price a proposer (scheduling/speculation/depth_policy.py):
 - `last_passes`: (tokens, seconds) of each pass over the model the last call ran (a draft model: one
   forward per draft position); empty for a proposer that is one lookup, which the caller times itself.
 - `cost_prior`: a pass's cost before any was timed, as fractions of the target step's fixed cost and of
@@ -20,7 +20,8 @@ step the engine hands it, per request, the final-norm hidden states of the posit
 (`observe_hidden`), from the step's own forward; the last of them produced the request's last token.
 
 A proposer that can draft token trees measures what each width would have kept (`accepted_counts`,
-`tree_sizes`: scheduling/tree_policy.py) and drafts at the `width` the speculator sets each step (or at
+`tree_sizes`: scheduling/speculation/tree_policy.py) and drafts at the `width` the speculator sets each step
+(or at
 its `fixed_width`).
 """
 

@@ -22,18 +22,19 @@ from cluster_configs.errors import CheckpointError
 from cluster_configs.sampling_params import SamplingParams
 from memory.block_pool import BlockPool
 from memory.kv_cache import KVCache
-from models.activation_plan import plan_activations
 from models.batch import ForwardBatch
 from models.decoder import DecoderModel
 from models.loader import load_model
+from models.model_spec import ModelSpec
 from models.proposers.base import Proposer, SpecRequest
+from models.quantization.activation_plan import plan_activations
 from models.sampling_batch import SamplingBatch
-from models.spec import ModelSpec
 from models.tokenizer import Tokenizer
 
 GREEDY = SamplingParams(temperature=0.0)  # a request without params drafts greedily
 # (logits [M, V] f32, the rows' SamplingBatch) -> [M] int tokens: the engine passes its own batched sampler
-# (scheduling/sampler.py's sample_batch), so that a sampled request's draft races with the target's clocks
+# (scheduling/sampling/sampler.py's sample_batch), so that a sampled request's draft races with the target's
+# clocks
 DraftSampler = Callable[[np.ndarray, SamplingBatch], np.ndarray]
 
 
@@ -150,7 +151,7 @@ class DraftModelProposer(Proposer):
         a greedy request and, for a sampled one, samples the draft model's logits as the request samples
         (penalties, temperature, filters) in the race keyed like the target's draw at this position, so the
         draft is the target's own draw whenever the two distributions agree enough
-        (scheduling/step_sampler.py)."""
+        (scheduling/sampling/step_sampler.py)."""
         logits = np.ascontiguousarray(logits[:, :self.vocab_size], np.float32)  # [M, V]
         return self.sampler(logits, _sampling_batch(reqs, [self.seqs[r.request_id].token_ids
                                                            for r in reqs])).tolist()

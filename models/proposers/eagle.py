@@ -1,4 +1,4 @@
-"""EagleProposer: drafts with an EAGLE head (models/eagle.py) over the target's own features.
+"""EagleProposer: drafts with an EAGLE head (models/proposers/eagle_head.py) over the target's own features.
 
 The engine hands over, after each step, the target's final-norm features of every row it computed for a
 request's verified tokens (Proposer.observe_hidden: f_p for positions first .. first + n - 1). Per request
@@ -32,11 +32,11 @@ from memory.block_pool import BlockPool
 from memory.kv_cache import KVCache
 from memory.weights import ModelWeights
 from models.batch import ForwardBatch
-from models.eagle import EagleHead, eagle_spec, load_eagle_head
+from models.model_spec import ModelSpec
 from models.proposers.base import Proposer, SpecRequest
+from models.proposers.eagle_head import EagleHead, eagle_spec, load_eagle_head
+from models.proposers.token_tree import TokenTree
 from models.proposers.tree_shape import MAX_WIDTH, MIN_MEASURED, branching, top_ids, tree_sizes
-from models.spec import ModelSpec
-from models.token_tree import TokenTree
 
 SPARE_BLOCKS = 64  # beyond the target's KV capacity: draft positions past a request's verified tokens
 EXPLORE_EVERY = 16  # after the first MIN_MEASURED proposals, one in this many drafts the widest tree

@@ -1,4 +1,5 @@
-"""MedusaProposer: drafts from trained Medusa heads (models/medusa.py) over the target's hidden states.
+"""MedusaProposer: drafts from trained Medusa heads (models/proposers/medusa_head.py) over the target's
+hidden states.
 
 The engine hands over, after each step, the hidden states of the positions it verified; the last is the
 row that produced the request's last token (Proposer.observe_hidden), and head k's argmax at that row is
@@ -7,7 +8,8 @@ last token itself). A request whose last token came from elsewhere (a resumed or
 its next forward) has no hidden state for it and drafts nothing that step. With width > 1 it drafts a
 token tree (models/proposers/tree_shape.py: head k's top guesses are the tree's level k + 1), verified in
 one forward with tree attention. The width is the speculator's choice each step
-(scheduling/tree_policy.py) from what this proposer measures: every proposal's widest tree, checked once
+(scheduling/speculation/tree_policy.py) from what this proposer measures: every proposal's widest tree,
+checked once
 the tokens that followed it are known (`accepted_counts`); `fixed_width` pins it instead.
 """
 
@@ -17,11 +19,11 @@ from pathlib import Path
 import numpy as np
 
 from cluster_configs.errors import CheckpointError
-from models.medusa import MedusaHeads, load_medusa_heads
+from models.model_spec import ModelSpec
 from models.proposers.base import Proposer, SpecRequest
+from models.proposers.medusa_head import MedusaHeads, load_medusa_heads
+from models.proposers.token_tree import TokenTree
 from models.proposers.tree_shape import MAX_WIDTH, branching, top_ids, tree_sizes
-from models.spec import ModelSpec
-from models.token_tree import TokenTree
 
 
 class MedusaProposer(Proposer):

@@ -5,14 +5,15 @@ the first BRANCHING_DEPTHS levels), then each of those followed by the best gues
 w + w * w * (d - 1) nodes. Each node carries its rank among its siblings (TokenTree.ranks), so trees of
 growing width nest (TokenTree.narrowed) and one drafted tree tells, once the tokens that followed are
 known, what every narrower tree would have kept (TokenTree.kept_by_width): the proposer's
-`accepted_counts`, which scheduling/tree_policy.py turns into a width.
+`accepted_counts`, which scheduling/speculation/tree_policy.py turns into a width.
 """
 
 import numpy as np
 
 from cluster_configs.speculation_config import MAX_TREE_WIDTH as MAX_WIDTH  # widths measured and offered
 
-MIN_MEASURED = 16  # proposals measured before the policy leaves the chain (scheduling/tree_policy.py)
+# proposals measured before the policy leaves the chain (scheduling/speculation/tree_policy.py)
+MIN_MEASURED = 16
 BRANCHING_DEPTHS = 2  # levels whose nodes each get the top-w guesses; one guess per node after
 
 

@@ -7,7 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 import numaserve as ns
-from models.gguf_writer import convert_to_gguf
+from models.gguf.writer import convert_to_gguf
 from tests.cluster.conftest import collect, reference_outputs, sim_config
 from tests.conftest import random_prompt
 

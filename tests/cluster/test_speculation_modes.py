@@ -8,8 +8,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 import numaserve as ns
-from models.medusa import CONFIG_FILE as MEDUSA_CONFIG
-from models.medusa import HEADS_FILE as MEDUSA_HEADS
+from models.proposers.medusa_head import CONFIG_FILE as MEDUSA_CONFIG
+from models.proposers.medusa_head import HEADS_FILE as MEDUSA_HEADS
 from tests.cluster.conftest import collect, reference_outputs, sim_config, wait_for
 from tests.cluster.test_speculation_serving import SPEC, TEXTS
 from tests.conftest import random_prompt

@@ -14,7 +14,7 @@ import numaserve as ns
 from actors.messages import GenerateRequest
 from actors.worker import NumaWorker
 from scheduling.policy import Policy
-from scheduling.spec_policy import SpeculationPolicy
+from scheduling.speculation.depth_policy import SpeculationPolicy
 from tests.cluster.conftest import (
     collect,
     paused,
@@ -111,7 +111,8 @@ def test_greedy_results_through_the_client_equal_no_speculation(client, llama_di
 
 @pytest.mark.load_sensitive
 def test_killing_a_speculating_worker_mid_stream_changes_no_token(client, llama_dir, plain_config):
-    # seeded sampling gives the tokens of no speculation whatever drafted them (scheduling/step_sampler.py)
+    # seeded sampling gives the tokens of no speculation whatever drafted them
+    # (scheduling/sampling/step_sampler.py)
     params = [ns.SamplingParams(max_tokens=200, temperature=0, ignore_eos=True) if i % 2
               else
               ns.SamplingParams(max_tokens=200, temperature=0.9, top_p=0.95, seed=i, frequency_penalty=0.5,

@@ -1,0 +1,95 @@
+"""A register block for bf16 activations x bf16 weights through AVX512-BF16, written as LLVM IR: 4 weight rows
+x TB tokens.
+
+`vdpbf16ps` multiplies 16 bf16 pairs and adds each pair's two products into a float32 lane (8 lanes, 16
+multiply-adds per 256-bit instruction, twice float32 FMA's, and no widening of the weights first). Lane l
+of an accumulator gathers values 2l and 2l + 1 of every 16; one horizontal sum at the end gives a
+(row, token) its dot product, in the same order whatever the other rows and tokens are (batch invariance).
+
+Weights come in blocks of 4 rows interleaved by group of GROUP values (pack_bf16 below): a task reads one
+sequential stream, prefetched as the VNNI kernel's (kernels/simd_vnni.prefetch_ahead: from 4 tokens up).
+Rows past the matrix's last (padding of the last block) are computed, not stored. K is zero-padded to
+whole groups (weights and activations).
+
+Needs AVX512-BF16 and AVX512-VL (the 256-bit vdpbf16ps). numba's on-disk cache of kernels/linear/bf16.py
+does not notice edits to this file: after changing the code generation here, delete kernels/__pycache__.
+"""
+
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from kernels.formats.int8_layout import interleaved_position
+from kernels.simd.int8 import V8F, V8I, const64, load_vec, operands_fit, store_block
+from kernels.simd.vnni import prefetch_ahead
+
+BF16_FEATURES = ("avx512bf16", "avx512vl")
+ROWS = 4  # weight rows per block
+GROUP = 128  # values of a row per group (256 bytes), the unit of the row interleave
+VECTORS = GROUP // 16  # 16 bf16 values per 256-bit vector
+
+
+@intrinsic(prefer_literal=True)
+def bf16_block(typingctx, xb, w, out, t0, n0, tokens):
+    """out[t0:t0+tokens, n0:n0+4] = dot products of bf16 activations with 4 packed bf16 weight rows
+    (those < N).
+
+    xb: [T, Kp] uint16 (bf16 bits), w: [N4, Kp] uint16 in 4-row blocks (pack_bf16), out: [T, N] f32;
+    n0 % 4 == 0; tokens: a literal.
+    """
+    if not operands_fit((xb, w, out), (types.uint16, types.uint16, types.float32)):
+        return None
+    if not isinstance(tokens, types.IntegerLiteral):
+        return None
+    TB = tokens.literal_value
+    group_bytes = 2 * GROUP
+
+    def codegen(context, builder, signature, args):
+        xa, wa, oa = (context.make_array(ty)(context, builder, value)
+                      for ty, value in zip(signature.args[:3], args[:3]))
+        t0_, n0_ = (context.cast(builder, args[i], signature.args[i], types.int64) for i in (3, 4))
+        Kp = cgutils.unpack_tuple(builder, xa.shape, 2)[1]
+        N = cgutils.unpack_tuple(builder, oa.shape, 2)[1]
+        num_groups = builder.udiv(Kp, const64(GROUP))
+        module = builder.module
+        # the bf16 operands typed <8 x i32>, the form every LLVM since AVX512-BF16's introduction accepts
+        dpbf16 = cgutils.get_or_insert_function(module, ir.FunctionType(V8F, [V8F, V8I, V8I]),
+                                                "llvm.x86.avx512bf16.dpbf16ps.256")
+        token_rows = [builder.add(t0_, const64(t)) for t in range(TB)]
+        weight_rows = [builder.add(n0_, const64(r)) for r in range(ROWS)]
+        block_base = builder.mul(builder.udiv(n0_, const64(ROWS)), num_groups)  # the block's first group
+        accs = [[cgutils.alloca_once_value(builder, ir.Constant(V8F, None)) for _ in range(TB)]
+                for _ in range(ROWS)]
+
+        with cgutils.for_range(builder, num_groups) as loop:
+            g = loop.index
+            stream = builder.mul(builder.add(block_base, g), const64(ROWS * GROUP))  # in values (uint16)
+            prefetch_ahead(builder, wa.data, builder.mul(stream, const64(2)), ROWS * group_bytes, TB)
+            x_base = [builder.add(builder.mul(row, Kp), builder.mul(g, const64(GROUP))) for row in token_rows]
+            sums = [[builder.load(accs[r][t]) for t in range(TB)] for r in range(ROWS)]
+            for j in range(VECTORS):
+                weights = [load_vec(builder, wa.data, builder.add(stream, const64(r * GROUP + 16 * j)), V8I)
+                           for r in range(ROWS)]
+                for t in range(TB):
+                    xv = load_vec(builder, xa.data, builder.add(x_base[t], const64(16 * j)), V8I)
+                    for r in range(ROWS):
+                        sums[r][t] = builder.call(dpbf16, [sums[r][t], weights[r], xv])
+            for r in range(ROWS):
+                for t in range(TB):
+                    builder.store(sums[r][t], accs[r][t])
+        store_block(builder, oa.data, accs, token_rows, weight_rows, N)
+        return context.get_dummy_value()
+
+    return types.none(xb, w, out, t0, n0, tokens), codegen
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def pack_bf16(src, out):
+    # src: [N, K] uint16 bf16 -> out: [N4, Kp] uint16 (zeroed) in blocks of ROWS rows interleaved by GROUP
+    # values, K zero-padded to Kp
+    K, Kp = src.shape[1], out.shape[1]
+    for n in prange(src.shape[0]):
+        for k in range(K):
+            i, j = interleaved_position(n, k, Kp, ROWS, GROUP)
+            out[i, j] = src[n, k]

@@ -1,0 +1,166 @@
+"""A register block for int8 activations x Q4_K / Q5_K / Q4_1 / Q5_0 / Q5_1 weights through AVX-512 VNNI,
+written as LLVM IR: 4 weight rows x TB tokens.
+
+As kernels/simd/vnni.py: per group of 256 values each (row, token) pair keeps 8 int32 lanes, lane b = block
+b's dot product of the unsigned quants q (kernels/formats/kquant_layout.py) with the int8 activations,
+through 8
+vpdpbusd (exact: |lane| <= 32 x 31 x 127). A quant vector is chunk j // 2's low or high nibbles (q4_0's
+mask and shift), and for the 5-bit formats bit j of the group's 32 bytes of fifth bits, shifted to bit 4
+and or-ed in: one load per row and group, then per vector a byte shift and one vpternlog as LLVM emits
+them. (Fifth bits stored as one 32-bit lane mask per vector instead, a kmov and a masked blend, had fewer
+spills but was no faster: Q5_K 5632 x 2048, 1 and 8 tokens, A/B.) The 4 rows' stream of tiles (quants,
+fifth bits, scales) is prefetched as q4_0's (32 KB ahead from 4 tokens up; 16 and 64 KB measured the
+same).
+
+Then per block, with value = S_b q - M_b (kquant_layout.py's table) and xd_b, xsum_b the activations'
+scale and sum, in this order for every token of any batch (so its outputs do not depend on the batch):
+    inner = fma(-M_b, float(xsum_b), S_b x float(dot_b)); acc_b = fma(xd_b, inner, acc_b)
+where K-quants' S_b = d x sc_b, M_b = dmin x mn_b are float32 products, formed once per row and group,
+as gguf's dequantization forms them. Q5_0's offset of 16 is an integer, taken off the int32 lanes (they
+start at -16 x xsum_b, q4_0's way), and its blocks fold as q4_0's: acc_b = fma(float(dot_b), d_b x xd_b,
+acc_b). The 8 lanes are summed at the end (store_block).
+
+Needs AVX512-VNNI, AVX512-VL and F16C (simd_vnni.VNNI_FEATURES). numba's on-disk cache of
+kernels/linear/kquant.py does not notice edits to this file: after changing the code generation here,
+delete kernels/__pycache__.
+"""
+
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from kernels.formats.kquant_layout import FORMATS
+from kernels.simd.int8 import (
+    GROUP,
+    I8,
+    V8F,
+    V8I,
+    block_operands,
+    const64,
+    fold_group,
+    load_vec,
+    operands_fit,
+    store_block,
+)
+from kernels.simd.vnni import ROWS, V32I8, dpbusd_function, nibble_vector, prefetch_ahead
+
+V8H = ir.VectorType(ir.HalfType(), 8)
+V8I8 = ir.VectorType(I8, 8)
+
+
+def _splat_f16(builder, data, offset):
+    # the fp16 at byte offset of data in all 8 float32 lanes: splat as halves, then convert (a broadcast load
+    # and one vcvtph2ps; converting first took a word insert, the convert and a broadcast)
+    half = builder.load(builder.bitcast(builder.gep(data, [offset]), ir.HalfType().as_pointer()), align=1)
+    vec = builder.insert_element(ir.Constant(V8H, None), half, ir.Constant(ir.IntType(32), 0))
+    zeros = ir.Constant(ir.VectorType(ir.IntType(32), 8), [0] * 8)
+    return builder.fpext(builder.shuffle_vector(vec, vec, zeros), V8F)
+
+
+def _fifth_bits(builder, high, j):
+    # vector j's fifth bits (bit j of each byte of the group's 32 bytes) at bit 4, the rest 0
+    if j < 4:
+        high = builder.shl(high, ir.Constant(V32I8, [4 - j] * 32))
+    elif j > 4:
+        high = builder.lshr(high, ir.Constant(V32I8, [j - 4] * 32))
+    return builder.and_(high, ir.Constant(V32I8, [16] * 32))
+
+
+def _block_scales(builder, data, tile, f, r):
+    # row r's (S, M) per block of this group (value = S q - M) from its tile at byte `tile` (M None for Q5_0)
+    at = f.tile_offsets
+
+    def part(name, width):
+        return builder.add(tile, const64(at[name] + width * r))
+
+    if f.super_block:
+        sc, mn = (builder.uitofp(load_vec(builder, data, part(name, 8), V8I8), V8F)
+                  for name in ("scales", "mins"))
+        return (builder.fmul(_splat_f16(builder, data, part("d", 2)), sc),
+                builder.fmul(_splat_f16(builder, data, part("dmin", 2)), mn))
+    s, m = (builder.fpext(load_vec(builder, data, part(name, 16), V8H), V8F) if name in at else None
+            for name in ("d", "m"))
+    return s, builder.fneg(m) if m else None  # Q4_1, Q5_1: value = d q + m
+
+
+@intrinsic(prefer_literal=True)
+def kquant_block(typingctx, xq, xd, xsum, data, out, t0, n0, qtype, tokens):
+    """out[t0:t0+tokens, n0:n0+4] = the int8 dot products of quantized x with 4 packed W rows (those < N).
+
+    xq: [T, Kp] int8 (quad order), xd/xsum: [T, Kp // 32] f32/int32, data: uint8 [N4, ...] packed by
+    kquant_layout.pack_kquant, out: [T, N] f32; n0 % 4 == 0; qtype (a GGML type id in kquant_layout.FORMATS),
+    tokens: literals.
+    """
+    if not operands_fit((xq, xd, xsum, data, out),
+                        (types.int8, types.float32, types.int32, types.uint8, types.float32)):
+        return None
+    if not all(isinstance(a, types.IntegerLiteral) for a in (qtype, tokens)):
+        return None
+    if qtype.literal_value not in FORMATS:
+        return None
+    f, TB = FORMATS[qtype.literal_value], tokens.literal_value
+    tile_bytes = f.tile_offsets["end"]
+
+    def codegen(context, builder, signature, args):
+        (xa, da, sa, wa, oa), t0_, n0_, Kp, N = block_operands(context, builder, signature, args, 5)
+        num_blocks = builder.udiv(Kp, const64(32))
+        num_groups = builder.udiv(Kp, const64(GROUP))
+        module = builder.module
+        dpbusd = dpbusd_function(module)
+        fma = cgutils.get_or_insert_function(module, ir.FunctionType(V8F, [V8F] * 3), "llvm.fma.v8f32")
+        token_rows = [builder.add(t0_, const64(t)) for t in range(TB)]
+        weight_rows = [builder.add(n0_, const64(r)) for r in range(ROWS)]
+        block_base = builder.mul(builder.udiv(n0_, const64(ROWS)), num_groups)  # the block's first tile
+        accs = [[cgutils.alloca_once_value(builder, ir.Constant(V8F, None)) for _ in range(TB)]
+                for _ in range(ROWS)]
+        with cgutils.for_range(builder, num_groups) as loop:
+            g = loop.index
+            blk0 = builder.mul(g, const64(8))
+            x_base = [builder.add(builder.mul(row, Kp), builder.mul(g, const64(GROUP))) for row in token_rows]
+            tile = builder.mul(builder.add(block_base, g), const64(tile_bytes))
+            prefetch_ahead(builder, wa.data, tile, tile_bytes, TB)
+            xsum_ = [load_vec(builder, sa.data, builder.add(builder.mul(row, num_blocks), blk0), V8I)
+                     for row in token_rows]
+            if f.has_min:
+                init = [ir.Constant(V8I, None)] * TB
+            else:  # Q5_0: q - 16
+                init = [builder.mul(s, ir.Constant(V8I, [-16] * 8)) for s in xsum_]
+            iacc = [list(init) for _ in range(ROWS)]
+            chunks = [None] * ROWS
+            highs = [load_vec(builder, wa.data, builder.add(tile, const64(f.tile_offsets["high"] + 32 * r)),
+                              V32I8) for r in range(ROWS)] if f.bits == 5 else None
+            for j in range(8):
+                weights = []
+                for r in range(ROWS):
+                    if j % 2 == 0:
+                        at = builder.add(tile, const64(GROUP // 2 * r + 16 * j))  # row r's chunk j // 2
+                        chunks[r] = load_vec(builder, wa.data, at, V32I8)
+                    v = nibble_vector(builder, chunks[r], j)
+                    if highs:
+                        v = builder.or_(v, _fifth_bits(builder, highs[r], j))
+                    weights.append(builder.bitcast(v, V8I))
+                for t in range(TB):
+                    xv = builder.bitcast(load_vec(builder, xa.data, builder.add(x_base[t], const64(32 * j)),
+                                                  V32I8), V8I)
+                    for r in range(ROWS):
+                        iacc[r][t] = builder.call(dpbusd, [iacc[r][t], weights[r], xv])
+            # the scales after the products: formed before, they stayed live through them and spilled (Q5_K,
+            # 4 tokens: 232 stack accesses in the block's code, 185 after)
+            dx = [load_vec(builder, da.data, builder.add(builder.mul(row, num_blocks), blk0), V8F)
+                  for row in token_rows]
+            scales = [_block_scales(builder, wa.data, tile, f, r) for r in range(ROWS)]
+            if not f.has_min:
+                fold_group(builder, fma, iacc, [s for s, _ in scales], dx, accs)
+            else:
+                xsum_f = [builder.sitofp(s, V8F) for s in xsum_]
+                for r, (s, m) in enumerate(scales):
+                    minus_m = builder.fneg(m)  # folded into the fma (vfnmadd; Q4_1's -(-m) cancels)
+                    for t in range(TB):
+                        scaled = builder.fmul(s, builder.sitofp(iacc[r][t], V8F))
+                        inner = builder.call(fma, [minus_m, xsum_f[t], scaled])
+                        builder.store(builder.call(fma, [dx[t], inner, builder.load(accs[r][t])]), accs[r][t])
+        store_block(builder, oa.data, accs, token_rows, weight_rows, N)
+        return context.get_dummy_value()
+
+    return types.none(xq, xd, xsum, data, out, t0, n0, qtype, tokens), codegen

@@ -1,0 +1,170 @@
+"""A register block for int8 activations x q8_0 / q4_0 weights through AVX-512 VNNI, written as LLVM IR:
+4 weight rows x TB tokens.
+
+Both formats use the quad order (kernels/formats/int8_layout.py): per group of 8 blocks, vector j (32 bytes)
+holds
+4 consecutive values of each block, so one unsigned x signed byte dot product (vpdpbusd: 32 products
+summed by fours into 8 int32 lanes, accumulated) adds block b's partial dot product to lane b. The
+weights are the unsigned side: q4_0's nibbles are value + 8, and q8_0's bytes are stored as value + 128;
+the offset is taken off once per group as -offset x (block sum of x), the accumulator's start. Sums stay
+exact in int32 (|lane| <= 32 x 255 x 127). Then, as in kernels/simd/int8.py, one convert and one fused
+multiply-add by (weight scale x activation scale) per lane move a group into a float32 accumulator, in
+the same order: the outputs are bit for bit those of the AVX2 kernels, with one instruction per 32
+products instead of two to three per 16.
+
+Weights come in blocks of 4 rows interleaved by group (kernels/formats/int8_layout.py pack_q8_0_quads,
+pack_q4_0): a
+task reads one sequential stream, and from 4 tokens up prefetches PREFETCH_BYTES ahead in it into L2, so the
+next blocks' bytes arrive while this one is multiplied (below 4 tokens the hardware's prefetch is faster).
+4 rows x 4 tokens keep 16 int32 and 16 float32 accumulators in AVX-512's 32 vector registers. Rows past
+the matrix's last (padding of the last block) are computed, not stored.
+(Measured against this: one pass per block over all of a task's tokens, their float32 accumulators in a
+stack array, was 10-40% slower from 2 tokens up.)
+
+Needs AVX512-VNNI and AVX512-VL (the 256-bit vpdpbusd) and F16C. numba's on-disk cache of
+kernels/linear/int8.py does not notice edits to this file: after changing the code generation here,
+delete kernels/__pycache__ (a fresh install starts without a cache).
+"""
+
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from kernels.simd.int8 import (
+    GROUP,
+    I8,
+    I32,
+    V8F,
+    V8I,
+    block_operands,
+    const64,
+    fold_group,
+    load_vec,
+    operands_fit,
+    store_block,
+)
+
+V32I8 = ir.VectorType(I8, 32)
+VNNI_FEATURES = ("avx512vnni", "avx512vl", "f16c")
+ROWS = 4  # weight rows per block
+# The prefetch: how far ahead in its stream a task asks for its weights, and into L2 (LLVM locality 2,
+# prefetcht1), not L1. Measured on 2 Zen 4 cores over 44 matrices of 11264 x 2048 (1 GB of q8_0 weights),
+# ms for 1 / 4 / 8 / 16 tokens: into L2 32 KB ahead 35 / 32 / 32 / 56; into L1 37 / 48 / 56 / 70; no
+# prefetch 42 / 49 / 67 / 97. Into L1 the requests compete with the multiply's own loads; into L2 the
+# stream keeps arriving at the memory's pace while the cores compute, so up to 8 tokens cost what 1 does.
+PREFETCH_BYTES = 32768
+PREFETCH_LOCALITY = 2
+# Blocks of fewer tokens leave the stream to the hardware prefetcher: at 1 and 2 tokens the software
+# prefetch slowed the stream (TinyLlama-shaped matrices, 1.1 GB of q8_0 from memory, 2 Zen 4 cores,
+# alternating in one process, GB/s as a fraction of a read probe of the same bytes sampled between:
+# 1 token 0.77 with it against 0.92 without at a 49 GB/s probe, 0.87 / 0.92 at 31 GB/s; 2 tokens 0.87 /
+# 0.93; q4_0, 1 token 0.92 / 1.00), and at 4 tokens and up it is what keeps the stream going (4 tokens
+# 0.91 / 0.72, 8 tokens 0.87 / 0.47; q4_0 4 tokens 0.71 / 0.53).
+PREFETCH_MIN_TOKENS = 4
+
+
+def dpbusd_function(module):
+    """vpdpbusd on 256-bit vectors: acc + per int32 lane the sum of 4 products of unsigned bytes (the first
+    operand) with signed bytes (the second), the byte operands typed <8 x i32>, the form every LLVM since
+    VNNI's introduction accepts."""
+    return cgutils.get_or_insert_function(module, ir.FunctionType(V8I, [V8I] * 3),
+                                          "llvm.x86.avx512.vpdpbusd.256")
+
+
+def prefetch_ahead(builder, data, position, num_bytes, tokens):
+    """Ask for num_bytes of the array `data` (any element type) from byte position + PREFETCH_BYTES, into L2
+    (a hint: it never faults, even past the array), in a register block of `tokens` tokens; nothing in
+    blocks of fewer than PREFETCH_MIN_TOKENS."""
+    if tokens < PREFETCH_MIN_TOKENS:
+        return
+    i8_ptr = I8.as_pointer()
+    data = builder.bitcast(data, i8_ptr)
+    prefetch = cgutils.get_or_insert_function(builder.module,
+                                              ir.FunctionType(ir.VoidType(), [i8_ptr, I32, I32, I32]),
+                                              "llvm.prefetch.p0")
+    for line in range(0, num_bytes, 64):
+        ptr = builder.gep(data, [builder.add(position, const64(PREFETCH_BYTES + line))])
+        builder.call(prefetch, [builder.bitcast(ptr, i8_ptr), ir.Constant(I32, 0),
+                                ir.Constant(I32, PREFETCH_LOCALITY), ir.Constant(I32, 1)])
+
+
+def nibble_vector(builder, chunk, j):
+    """Vector j of a group from its 32-byte chunk j // 2 (q4_0's nibble layout): the low nibbles for even j,
+    the high ones for odd j."""
+    low = ir.Constant(V32I8, [15] * 32)
+    if j % 2 == 0:
+        return builder.and_(chunk, low)
+    return builder.and_(builder.lshr(chunk, ir.Constant(V32I8, [4] * 32)), low)
+
+
+@intrinsic(prefer_literal=True)
+def vnni_block(typingctx, xq, xd, xsum, data, scales, out, t0, n0, bits, tokens):
+    """out[t0:t0+tokens, n0:n0+4] = the int8 dot products of quantized x with 4 packed W rows (those < N).
+
+    xq: [T, Kp] int8 (quad order), xd/xsum: [T, Kp // 32] f32/int32, data: uint8 [N4, Kp] (q8_0, value +
+    128) or [N4, Kp // 2] (q4_0 nibbles) in 4-row blocks, scales: [N4, Kp // 32] uint16 fp16 (N4: N
+    rounded up to 4), out: [T, N] f32; n0 % 4 == 0; bits (8 | 4), tokens: literals.
+    """
+    if not operands_fit((xq, xd, xsum, data, scales, out),
+                        (types.int8, types.float32, types.int32, types.uint8, types.uint16, types.float32)):
+        return None
+    if not all(isinstance(a, types.IntegerLiteral) for a in (bits, tokens)):
+        return None
+    if bits.literal_value not in (4, 8):
+        return None
+    is_q4, TB = bits.literal_value == 4, tokens.literal_value
+    offset = 8 if is_q4 else 128
+    group_bytes = GROUP // 2 if is_q4 else GROUP  # one row's bytes of one group
+
+    def codegen(context, builder, signature, args):
+        (xa, da, sa, wa, ca, oa), t0_, n0_, Kp, N = block_operands(context, builder, signature, args)
+        num_blocks = builder.udiv(Kp, const64(32))
+        num_groups = builder.udiv(Kp, const64(GROUP))
+        module = builder.module
+        dpbusd = dpbusd_function(module)
+        fma = cgutils.get_or_insert_function(module, ir.FunctionType(V8F, [V8F] * 3), "llvm.fma.v8f32")
+        minus_offset = ir.Constant(V8I, [-offset] * 8)
+        token_rows = [builder.add(t0_, const64(t)) for t in range(TB)]
+        weight_rows = [builder.add(n0_, const64(r)) for r in range(ROWS)]
+        block_base = builder.mul(builder.udiv(n0_, const64(ROWS)), num_groups)  # the block's first group
+        accs = [[cgutils.alloca_once_value(builder, ir.Constant(V8F, None)) for _ in range(TB)]
+                for _ in range(ROWS)]
+        with cgutils.for_range(builder, num_groups) as loop:
+            g = loop.index
+            blk0 = builder.mul(g, const64(8))
+            x_base = [builder.add(builder.mul(row, Kp), builder.mul(g, const64(GROUP))) for row in token_rows]
+            # this group's 4 rows
+            stream = builder.mul(builder.add(block_base, g), const64(ROWS * group_bytes))
+            prefetch_ahead(builder, wa.data, stream, ROWS * group_bytes, TB)
+            w_base = [builder.add(stream, const64(r * group_bytes)) for r in range(ROWS)]
+            dx = [load_vec(builder, da.data, builder.add(builder.mul(row, num_blocks), blk0), V8F)
+                  for row in token_rows]
+            dw = [builder.fpext(load_vec(builder, ca.data, builder.add(builder.mul(row, num_blocks), blk0),
+                                      ir.VectorType(ir.HalfType(), 8)), V8F) for row in weight_rows]
+            init = [builder.mul(load_vec(builder, sa.data,
+                                         builder.add(builder.mul(row, num_blocks), blk0), V8I),
+                                minus_offset) for row in token_rows]
+            iacc = [list(init) for _ in range(ROWS)]
+            packed = [None] * ROWS
+            for j in range(8):
+                weights = []
+                for r in range(ROWS):
+                    if is_q4:  # chunk j // 2: vector j // 2 * 2 in its low nibbles, the next in its high ones
+                        if j % 2 == 0:
+                            packed[r] = load_vec(builder, wa.data, builder.add(w_base[r], const64(16 * j)),
+                                                 V32I8)
+                        v = nibble_vector(builder, packed[r], j)
+                    else:
+                        v = load_vec(builder, wa.data, builder.add(w_base[r], const64(32 * j)), V32I8)
+                    weights.append(builder.bitcast(v, V8I))
+                for t in range(TB):
+                    xv = builder.bitcast(load_vec(builder, xa.data, builder.add(x_base[t], const64(32 * j)),
+                                                  V32I8), V8I)
+                    for r in range(ROWS):
+                        iacc[r][t] = builder.call(dpbusd, [iacc[r][t], weights[r], xv])
+            fold_group(builder, fma, iacc, dw, dx, accs)
+        store_block(builder, oa.data, accs, token_rows, weight_rows, N)
+        return context.get_dummy_value()
+
+    return types.none(xq, xd, xsum, data, scales, out, t0, n0, bits, tokens), codegen

@@ -1,0 +1,221 @@
+"""Read a GGUF file of a supported family (models/gguf/families.py) into numaserve's (spec, weights,
+tokenizer): tensors copied out of the file and stacked into our fused projections, q/k rows un-permuted to
+Hugging Face's rope order where the family's converter permuted them, each matrix served in its stored format
+where it can be."""
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
+from tqdm import tqdm
+
+from cluster_configs.errors import CheckpointError
+from memory.experts import ExpertWeights
+from memory.weights import LayerWeights, Matrix, ModelWeights, StackedMatrix, WeightMatrix, stacked
+from models.gguf.families import FAMILIES, GGUFFamily, Layout, layer_layouts
+from models.gguf.format import AUTO, GT, RAW_BLOCKS, ROPE_TENSORS
+from models.gguf.model_spec import spec_from_gguf
+from models.gguf.vocab import tokenizer_from_metadata
+from models.linear import dequantize
+from models.model_spec import ModelSpec
+from models.quantization.quant_mix import embedding_dtype, lm_head_dtype, matrix_dtype
+from models.tokenizer import Tokenizer
+
+# ---- reading ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class StoredTensor:
+    """A tensor copied out of the file, in the file's format: a WeightMatrix of the dtype AUTO names, its
+    bytes unchanged; 1-D tensors as one row."""
+
+    ggml_type: GGMLQuantizationType
+    shape: tuple[int, ...]  # numpy order: [N, K] or [N]
+    value: WeightMatrix | None  # None: not copied (read_gguf's copied)
+
+
+def read_gguf(path: Path, copied: set[str] | None = None) -> tuple[dict, dict[str, StoredTensor]]:
+    """-> (metadata, tensors), all copied into process memory: the file mapping is gone on return (the VM
+    reclaims idle file pages, so a long-lived mmap would re-read the disk in the middle of serving).
+    copied: the names of the tensors whose values are wanted (None: all); the others hold value None."""
+    if not path.is_file():
+        raise CheckpointError(f"{path}: no such file; pass the path of a .gguf file")
+    try:
+        reader = GGUFReader(path)
+    except (ValueError, IndexError, OverflowError, EOFError) as e:
+        raise CheckpointError(f"{path}: not a readable GGUF file ({e}); if it was copied or downloaded, "
+                              "check that it is complete; write one with numaserve's export_gguf or "
+                              "convert_hf_to_gguf.py") from None
+    if reader.byte_order != "I":
+        raise CheckpointError(f"{path}: a big-endian GGUF file; convert it for little-endian hosts")
+    try:
+        metadata = {name: field.contents() for name, field in reader.fields.items()
+                    if not name.startswith("GGUF.")}
+    except (ValueError, IndexError) as e:  # UnicodeDecodeError is a ValueError
+        raise CheckpointError(f"{path}: a metadata value is unreadable ({e}); the file is corrupt: "
+                              "re-download or re-export it") from None
+    tensors = {t.name: _copy_tensor(path, t) if copied is None or t.name in copied else
+               StoredTensor(t.tensor_type, tuple(int(d) for d in reversed(t.shape.tolist())), None)
+               for t in reader.tensors}
+    return metadata, tensors
+
+
+def _copy_tensor(path: Path, t) -> StoredTensor:
+    kind = t.tensor_type
+    if kind not in AUTO:
+        loaded = ", ".join(k.name for k in AUTO)
+        what = "an I-quant (IQ*)" if kind.name.startswith("IQ") else "a type"
+        raise CheckpointError(
+            f"{path}: tensor {t.name!r} is {kind.name}, {what} numaserve does not load (it loads {loaded}); "
+            "requantize the F16 / BF16 GGUF with `llama-quantize model-f16.gguf out.gguf Q4_K_M` (or Q8_0, "
+            "Q6_K, Q5_K_M, Q4_0), or load the Hugging Face directory with weight_dtype='q4_k_m'")
+    shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+    # F32, F16: [N, K] of their numpy dtypes; the others: uint8 [N, bytes per row]
+    data = t.data.reshape(-1, t.data.shape[-1])
+    if kind in RAW_BLOCKS:
+        return StoredTensor(kind, shape, WeightMatrix(RAW_BLOCKS[kind], np.array(data, np.uint8)))
+    if kind in (GT.F16, GT.F32):
+        return StoredTensor(kind, shape, WeightMatrix(AUTO[kind], np.array(data)))
+    if kind == GT.BF16:
+        return StoredTensor(kind, shape, WeightMatrix("bfloat16", np.array(data).view(np.uint16)))
+    n = data.shape[0]
+    blocks = data.reshape(n, -1, GGML_QUANT_SIZES[kind][1])  # [N, K // 32, 2 + 32 | 2 + 16]
+    scales = np.ascontiguousarray(blocks[:, :, :2]).view(np.uint16).reshape(n, -1)  # fp16 bits [N, K // 32]
+    qs = np.ascontiguousarray(blocks[:, :, 2:]).reshape(n, -1)  # Q8_0: [N, K]; Q4_0: [N, K // 2]
+    return StoredTensor(kind, shape, WeightMatrix(AUTO[kind], qs.view(np.int8) if kind == GT.Q8_0 else qs,
+                                                  scales))
+
+
+# ---- weights ---------------------------------------------------------------------------------------------
+
+def _spec(path: Path, metadata: dict, tensors: dict[str, StoredTensor]) -> ModelSpec:
+    """The spec from the metadata and the tensors' shapes; the rope tensors are consumed."""
+    rope = {name: tensors.pop(name) for name in ROPE_TENSORS if name in tensors}
+    shapes = {name: t.shape for name, t in tensors.items()}
+    return spec_from_gguf(path, metadata, shapes, lambda name: _vector(rope[name]) if name in rope else None)
+
+
+def _pop(path: Path, tensors: dict, name: str, shape: tuple[int, ...]) -> StoredTensor:
+    t = tensors.pop(name, None)
+    if t is None:
+        raise CheckpointError(f"{path}: tensor {name!r} is missing (expected shape {shape}); the file is "
+                              "incomplete or its metadata do not describe its tensors")
+    if t.shape != shape:
+        raise CheckpointError(f"{path}: tensor {name!r} has shape {t.shape}, expected {shape} from the "
+                              "metadata; the weights and the metadata do not match")
+    return t
+
+
+def _to_float(t: StoredTensor) -> np.ndarray:
+    return dequantize(t.value)
+
+
+def _vector(t: StoredTensor) -> np.ndarray:
+    return np.ascontiguousarray(_to_float(t).reshape(-1))  # [N] f32
+
+
+def _served(parts: list[StoredTensor], weight_dtype: str, wanted: list[str],
+            rows: np.ndarray | None = None) -> Matrix:
+    """Parts stacked by rows (parts in different formats make a StackedMatrix). weight_dtype "auto" keeps
+    each part's stored format; otherwise a part keeps the file's bytes where they are in weight_dtype or in
+    its wanted format, and is requantized to the wanted one where not."""
+    mats = []
+    for p, want in zip(parts, wanted):
+        stored = AUTO[p.ggml_type]
+        keep = weight_dtype == "auto" or stored in (weight_dtype, want)
+        mats.append(p.value if keep else WeightMatrix.from_float(_to_float(p), want))
+    matrix = stacked(mats)
+    return matrix if rows is None else take_rows(matrix, rows)
+
+
+def take_rows(w: Matrix, rows: np.ndarray) -> Matrix:
+    """w's rows in the order `rows` (a StackedMatrix's may only be reordered within each part)."""
+    if isinstance(w, StackedMatrix):
+        for a, b in w.row_ranges():
+            if not np.array_equal(np.sort(rows[a:b]), np.arange(a, b)):
+                raise ValueError("rows of a StackedMatrix can only be reordered within its parts")
+        return StackedMatrix(tuple(take_rows(p, rows[a:b] - a) for p, (a, b) in zip(w.parts, w.row_ranges())))
+    return WeightMatrix(w.dtype, w.data[rows], None if w.scales is None else w.scales[rows])
+
+
+def _field(path: Path, tensors: dict, prefix: str, layouts: tuple[Layout, ...], weight_dtype: str,
+           spec: ModelSpec, index: int):
+    """A LayerWeights field of layer `index` from the first layout whose tensors the file has: matrices in a
+    served format (a mix's choice per tensor category: models/quantization/quant_mix.py), vectors float32,
+    rows back in
+    our order."""
+    layout = next((lay for lay in layouts if all(prefix + s.name in tensors for s in lay)), layouts[0])
+    parts = [_pop(path, tensors, prefix + s.name, s.shape) for s in layout]
+    order = None
+    if any(s.rows is not None for s in layout):
+        order = np.argsort(np.concatenate([s.rows for s in layout]))
+        order = None if np.array_equal(order, np.arange(len(order))) else order
+    if len(layout[0].shape) == 1:
+        vector = np.concatenate([_vector(p) for p in parts])
+        return vector if order is None else vector[order]
+    wanted = [matrix_dtype(weight_dtype, s.name.split(".")[0].removesuffix("_exps"), index, spec.num_layers,
+                           spec.num_experts) for s in layout]
+    return _served(parts, weight_dtype, wanted, order)
+
+
+def _weights(path: Path, spec: ModelSpec, family: str, tensors: dict, weight_dtype: str) -> ModelWeights:
+    h = spec.hidden_size
+
+    def pop(name, shape):
+        return _pop(path, tensors, name, shape)
+
+    embed = _served([pop("token_embd.weight", (spec.vocab_size, h))], weight_dtype,
+                    [embedding_dtype(weight_dtype, spec.tie_word_embeddings)])
+    norm = _vector(pop("output_norm.weight", (h,)))
+    lm_head = embed if spec.tie_word_embeddings else _served(
+        [pop("output.weight", (spec.vocab_size, h))], weight_dtype, [lm_head_dtype(weight_dtype)])
+    layers = tuple(_layer(path, spec, FAMILIES[family], tensors, i, weight_dtype)
+                   for i in tqdm(range(spec.num_layers), desc=f"loading {path.name}",
+                                 disable=not sys.stderr.isatty(), leave=False))
+    if tensors:
+        raise CheckpointError(f"{path}: tensors {sorted(tensors)[:4]} are not part of a {family} model "
+                              "as numaserve runs it; serve the Hugging Face directory instead")
+    return ModelWeights(embed=embed, norm=norm, lm_head=lm_head, layers=layers)
+
+
+def _layer(path: Path, spec: ModelSpec, family: GGUFFamily, tensors: dict, i: int,
+           weight_dtype: str) -> LayerWeights:
+    fields = {}
+    for field, options in layer_layouts(spec, family, i).items():
+        if field == "experts.router":  # float32 whatever the weights' dtype (memory/experts.py)
+            slot = options[0][0]
+            fields[field] = np.ascontiguousarray(_to_float(_pop(path, tensors, f"blk.{i}.{slot.name}",
+                                                                slot.shape)))
+        else:
+            fields[field] = _field(path, tensors, f"blk.{i}.", options, weight_dtype, spec, i)
+    if spec.is_moe(i):
+        fields["experts"] = ExpertWeights(
+            fields.pop("experts.router"), fields.pop("experts.gate_up"), fields.pop("experts.down"),
+            spec.num_experts, spec.num_experts_per_tok, spec.normalize_routing, spec.moe_intermediate_size)
+        fields |= {"gate_up": None, "down": None}
+    return LayerWeights(**({} if spec.qkv_bias else {"qkv_bias": None}) | fields)
+
+
+def read_gguf_spec(path: str | Path) -> ModelSpec:
+    """The spec alone, from the metadata and the tensors' shapes: no weight is copied."""
+    path = Path(path)
+    metadata, tensors = read_gguf(path, set(ROPE_TENSORS))
+    return _spec(path, metadata, tensors)
+
+
+def load_gguf(path: str | Path, weight_dtype: str) -> tuple[ModelSpec, ModelWeights, Tokenizer | None]:
+    """-> (spec, weights, tokenizer) like the Hugging Face loader. weight_dtype "auto" keeps the file's
+    types (F16 as float16, BF16 as bfloat16, bit for bit); quantized tensors already in the wanted format keep
+    their bytes."""
+    path = Path(path)
+    metadata, tensors = read_gguf(path)
+    spec = _spec(path, metadata, tensors)
+    try:
+        tokenizer = tokenizer_from_metadata(path, metadata)
+    except CheckpointError:
+        raise
+    except Exception as e:  # noqa: BLE001 -- the tokenizers library raises a bare Exception for a bad vocabulary
+        raise CheckpointError(f"{path}: the tokenizer.ggml.* vocabulary is inconsistent ({e}); the file is "
+                              "corrupt: re-download or re-export it") from None
+    return spec, _weights(path, spec, metadata["general.architecture"], tensors, weight_dtype), tokenizer

@@ -1,0 +1,169 @@
+"""An engine's model: loaded (models/loader.py) and its matrices planned for their activations
+(models/quantization/activation_plan.py), through the packed cache (models/packed/cache.py) when it is on.
+
+A hit reads the planned weights, the spec and the tokenizer back from one entry and replays the decisions
+planning recorded; nothing is loaded or repacked. A miss loads, plans, and writes an entry. Whatever goes
+wrong with the cache (an unwritable or full directory, a stale or corrupt entry, something it cannot store)
+costs the cache, never the load: the outcome and its reason go to the decision log (topic "packed_cache";
+a rebuild or a failure also as a warning) and to the LoadStats an engine keeps.
+"""
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from tokenizers import Tokenizer as HFTokenizer
+
+from cluster_configs.diagnostics import DecisionLog
+from cluster_configs.engine_config import EngineConfig
+from memory.weights import ModelWeights
+from models.loader import load_model
+from models.model_spec import ModelSpec
+from models.packed.cache import PackedCache
+from models.packed.file import CorruptEntry, read_entry, write_entry
+from models.packed.tree import Unstorable, flatten, unflatten
+from models.quantization.activation_plan import plan_activations
+from models.quantization.calibration import Calibration, load_calibration
+from models.tokenizer import Tokenizer
+
+Outcome = Literal["hit", "built", "rebuilt", "not cached", "off"]
+# what reading an entry may raise when its bytes or its description do not fit the code: rebuilt, not used
+# (a bad tokenizer.json would make the tokenizers library raise a bare Exception: the manifest holding it is
+# checksummed before it is parsed)
+_UNREADABLE = (CorruptEntry, OSError, ValueError, KeyError, TypeError, AttributeError, IndexError)
+
+
+@dataclass(frozen=True)
+class LoadStats:
+    """How an engine's weights were loaded."""
+
+    outcome: Outcome  # "rebuilt": a stale or corrupt entry was replaced; "not cached": the cache failed
+    reason: str
+    seconds: float  # the whole load: hashing, then reading the entry or loading, planning and writing one
+    hash_seconds: float  # hashing sources whose recorded hash could not be trusted
+    entry: str | None  # the entry's path
+    entry_bytes: int  # its size (0 when none was read or written)
+
+    @property
+    def hit(self) -> bool:
+        return self.outcome == "hit"
+
+
+@dataclass(frozen=True)
+class PlannedModel:
+    spec: ModelSpec
+    weights: ModelWeights  # planned: matrices packed for their activations
+    tokenizer: Tokenizer | None
+    stats: LoadStats
+
+
+def load_planned(model_path: str | Path, config: EngineConfig, decisions: DecisionLog) -> PlannedModel:
+    """Raises CheckpointError as load_model and plan_activations do; never for the cache's sake."""
+    started = time.perf_counter()
+    model_path = Path(model_path)
+    calibration = load_calibration(model_path)
+    cache, key, hash_seconds, why_not = _keyed_cache(model_path, config, calibration)
+    if key is None:
+        spec, weights, tokenizer, _ = _load(model_path, config, decisions, calibration)
+        outcome: Outcome = "off" if config.packed_cache_dir is None else "not cached"
+        return _done(spec, weights, tokenizer, decisions, outcome, why_not, started, hash_seconds, None, 0)
+    entry = cache.entry_path(key)
+    try:
+        spec, weights, tokenizer, size = _read(entry, key, decisions)
+    except FileNotFoundError:
+        outcome, problem = "built", "no entry yet"
+    except _UNREADABLE as e:
+        outcome, problem = "rebuilt", f"{type(e).__name__}: {e}"
+    else:
+        cache.touch(entry)
+        return _done(spec, weights, tokenizer, decisions, "hit", f"read {entry}", started, hash_seconds,
+                     entry, size)
+    spec, weights, tokenizer, recorded = _load(model_path, config, decisions, calibration)
+    try:
+        tree, arrays = flatten({"spec": spec, "weights": weights})
+        text = None if tokenizer is None else tokenizer.hf_tokenizer.to_str()  # its tokenizer.json
+        fields = {"key": key, "tree": tree, "tokenizer": text, "decisions": recorded}
+        size = write_entry(entry, fields, arrays)
+    except Unstorable as e:
+        outcome, reason, size = "not cached", f"{problem}; nothing written: cannot store {e}", 0
+    except OSError as e:
+        outcome, reason, size = "not cached", f"{problem}; cannot write {entry} ({e})", 0
+    else:
+        removed = cache.prune(keep=entry)
+        reason = f"{problem}; wrote {entry}" + (f", removed {len(removed)} least recently used" if removed
+                                               else "")
+    return _done(spec, weights, tokenizer, decisions, outcome, reason, started, hash_seconds,
+                 entry if size else None, size)
+
+
+def _read(entry: Path, key: dict,
+          decisions: DecisionLog) -> tuple[ModelSpec, ModelWeights, Tokenizer | None, int]:
+    """-> (spec, weights, tokenizer, bytes read) from the entry; planning's decisions replayed into decisions.
+    Raises FileNotFoundError (no entry) or one of _UNREADABLE."""
+    built = {}
+
+    def meanwhile(fields: dict) -> None:  # while the blob is read: the tokenizer from its tokenizer.json
+        built["tokenizer"] = _tokenizer(fields["tokenizer"])
+
+    fields, arrays = read_entry(entry, meanwhile)
+    if fields["key"] != key:
+        raise CorruptEntry(f"{entry}: its manifest's key is another model's")
+    tree = unflatten(fields["tree"], arrays)
+    replayed = [(topic, choice, why, subject, warn)  # all well-formed before any is recorded
+                for topic, choice, why, subject, warn in fields["decisions"]]
+    for topic, choice, why, subject, warn in replayed:
+        decisions.record(topic, choice, why, subject, warn=warn)
+    return tree["spec"], tree["weights"], built["tokenizer"], sum(a.nbytes for a in arrays)
+
+
+def _keyed_cache(model_path: Path, config: EngineConfig, calibration: Calibration | None,
+                 ) -> tuple[PackedCache | None, dict | None, float, str]:
+    """-> (the cache, the model's key in it, seconds spent hashing its files; or None, None, 0, why not)."""
+    if config.packed_cache_dir is None:
+        return None, None, 0.0, "packed_cache_dir=None: the weights are repacked at every start"
+    directory = Path(config.packed_cache_dir).expanduser()
+    try:
+        cache = PackedCache(directory, config.packed_cache_bytes)
+    except OSError as e:
+        return None, None, 0.0, f"cannot use {directory} ({e}); the weights are repacked at every start"
+    try:
+        key, seconds = cache.key(model_path, config.weight_dtype, config.activation_dtype,
+                                 config.activation_scales, calibration)
+    except OSError as e:
+        return None, None, 0.0, f"cannot hash the model's files ({e})"
+    return cache, key, seconds, ""
+
+
+class _Recording:
+    """Stands in for the DecisionLog while planning: passes each decision on and keeps it (an entry stores
+    them; a hit replays them)."""
+
+    def __init__(self, log: DecisionLog):
+        self.log, self.records = log, []
+
+    def record(self, topic: str, choice: str, reason, subject: str = "", *, warn: bool = False) -> None:
+        self.log.record(topic, choice, reason, subject, warn=warn)
+        self.records.append([topic, choice, reason if isinstance(reason, str) else reason(), subject, warn])
+
+
+def _tokenizer(text: str | None) -> Tokenizer | None:
+    """From its tokenizer.json text (0.1-0.2 s for a 32000-token vocabulary)."""
+    return None if text is None else Tokenizer(HFTokenizer.from_str(text))
+
+
+def _load(model_path: Path, config: EngineConfig, decisions: DecisionLog,
+          calibration: Calibration | None) -> tuple[ModelSpec, ModelWeights, Tokenizer | None, list]:
+    spec, weights, tokenizer = load_model(model_path, config.weight_dtype)
+    recording = _Recording(decisions)
+    weights = plan_activations(weights, config.activation_dtype, recording, calibration,
+                               config.activation_scales == "static")
+    return spec, weights, tokenizer, recording.records
+
+
+def _done(spec, weights, tokenizer, decisions: DecisionLog, outcome: Outcome, reason: str, started: float,
+          hash_seconds: float, entry: Path | None, entry_bytes: int) -> PlannedModel:
+    decisions.record("packed_cache", outcome, reason, warn=outcome in ("rebuilt", "not cached"))
+    stats = LoadStats(outcome, reason, time.perf_counter() - started, hash_seconds,
+                      None if entry is None else str(entry), entry_bytes)
+    return PlannedModel(spec, weights, tokenizer, stats)

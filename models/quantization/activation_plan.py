@@ -1,0 +1,237 @@
+"""Which dtype each linear layer's activations are rounded to, decided once at load time, and why.
+
+`EngineConfig.activation_dtype`:
+- "float32": every matrix multiplies float32 activations (exact: within 1e-4 of transformers).
+- "int8": quantized matrices (q8_0, q4_0 and the GGML block formats; the LM head included) get activations
+  quantized per 32-value block and integer dot products (kernels/linear/int8.py; the block formats through
+  VNNI: kernels/linear/kquant.py, kernels/linear/q6k.py); other weight formats keep float32 activations.
+- "bfloat16": bf16 matrices (the LM head included) get activations rounded to bf16 and AVX512-BF16's
+  vdpbf16ps (kernels/linear/bf16.py); other weight formats keep float32 activations. A CPU without the
+  instruction falls back to float32: rounding activations to bf16 and then multiplying in float32 would
+  lose precision and gain nothing.
+- "auto": "int8" where the matrix is quantized and the CPU can run it, float32 elsewhere (measured:
+  perplexity within 0.3% of float32 activations on the demo model, 1.6-2.5x the matmul speed; README).
+A calibration file beside the model (models/quantization/calibration.py, written by `numaserve calibrate`)
+keeps the
+matrices it marks (int8 error above its bound) in float32, and holds static per-tensor activation scales.
+Dynamic per-block scales stay the default even with a file: they measured both more accurate and as fast
+(README, benchmarks/bench_calibration.py); `static_scales=True` (EngineConfig.activation_scales="static")
+uses the file's scales and falls back where their error exceeds the bound.
+Every choice and every fallback is recorded in the engine's decision log (a fallback also as a warning).
+"""
+
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import replace
+
+from cluster_configs.diagnostics import DecisionLog
+from cluster_configs.errors import CheckpointError
+from kernels.formats.ggml_blocks import BLOCK_DTYPES
+from kernels.simd.bf16 import BF16_FEATURES
+from kernels.simd.cpu import missing_features
+from memory.weights import (
+    Bf16Matrix,
+    BlockInt8Matrix,
+    Int8Matrix,
+    Matrix,
+    ModelWeights,
+    WeightMatrix,
+    map_parts,
+    parts,
+)
+from models.quantization.calibration import Calibration, MatrixCalibration, check_fits
+
+# vpmaddwd on 256-bit vectors, fp16 scale conversion (and VNNI where present)
+INT8_FEATURES = ("avx2", "f16c")
+INT8_DTYPES = ("q8_0", "q4_0", *BLOCK_DTYPES)  # the weight formats with an int8-activation kernel
+
+
+def linear_matrices(weights: ModelWeights) -> Iterator[tuple[str, str, Matrix]]:
+    """(name, layer type, matrix) of every matrix whose input the forward pass observes (models/decoder.py):
+    "layers.{i}.{key}", key | "lm_head", "lm_head" (key: a layer's projections, a MoE layer's experts')."""
+    for i, layer in enumerate(weights.layers):
+        for key in layer.projections:
+            yield f"layers.{i}.{key}", key, layer.projection(key)
+    yield "lm_head", "lm_head", weights.lm_head
+
+
+def with_linear_matrices(weights: ModelWeights, choose: Callable[[str, Matrix], Matrix]) -> ModelWeights:
+    """A copy with each matrix of linear_matrices (name, w) replaced by choose(name, w), called in that
+    order."""
+    layers = []
+    for i, layer in enumerate(weights.layers):
+        for key in layer.projections:
+            layer = layer.with_projection(key, choose(f"layers.{i}.{key}", layer.projection(key)))
+        layers.append(layer)
+    return replace(weights, layers=tuple(layers), lm_head=choose("lm_head", weights.lm_head))
+
+
+def plan_activations(weights: ModelWeights, activation_dtype: str, decisions: DecisionLog,
+                     calibration: Calibration | None = None, static_scales: bool = False) -> ModelWeights:
+    """-> weights with int8-activation matrices repacked (Int8Matrix); the rest unchanged. Records each
+    matrix's activation dtype and, per layer type, the kernel and dtypes it runs with (record_kernels).
+
+    Raises CheckpointError if the calibration file was made for another model shape, or static scales are
+    asked for without one."""
+    if static_scales and calibration is None:
+        raise CheckpointError("activation_scales='static' takes its scales from the model's calibration "
+                              "file, and there is none: run `numaserve calibrate MODEL` first, or use "
+                              "activation_scales='dynamic'")
+    planned = _plan(weights, activation_dtype, decisions, calibration, static_scales)
+    record_kernels(planned, decisions)
+    return planned
+
+
+def record_kernels(weights: ModelWeights, decisions: DecisionLog) -> None:
+    """One "kernel" decision per layer type (qkv, o, gate_up, down, lm_head): the linear kernel, weight and
+    activation dtypes its matrices run with, and in how many of the layers (models/linear.py)."""
+    by_type: dict[str, Counter] = {}
+    for _, key, matrix in linear_matrices(weights):
+        by_type.setdefault(key, Counter())[" | ".join(_kernel(w) for w in parts(matrix))] += 1
+    for key, paths in by_type.items():
+        total = sum(paths.values())
+        (choice, num), *others = paths.most_common()
+        where = "the LM head" if key == "lm_head" else f"{num} of {total} layers"
+        reason = where + "".join(f"; {n} of {total} layers: {p}" for p, n in others)
+        exact = "float32 activations" in choice
+        if any(("float32 activations" in p) != exact for p, _ in others):  # some fell back, or all but some
+            reason += " (per-matrix fallbacks: see activation_dtype)"
+        decisions.record("kernel", choice, reason, subject=key)
+
+
+def int8_kernel_lacks(w: Matrix) -> tuple[str, ...] | None:
+    """None where w's format has no int8-activation kernel; else the CPU features that kernel needs and this
+    host lacks (empty: it runs here)."""
+    if not isinstance(w, WeightMatrix) or w.dtype not in INT8_DTYPES:
+        return None
+    return missing_features(BlockInt8Matrix.features(w.dtype) if w.dtype in BLOCK_DTYPES else INT8_FEATURES)
+
+
+def pack_int8(w: WeightMatrix, activation_scale: float = 0.0) -> Int8Matrix | BlockInt8Matrix:
+    """w repacked for its int8-activation kernel."""
+    pack = BlockInt8Matrix.pack if w.dtype in BLOCK_DTYPES else Int8Matrix.pack
+    return pack(w, activation_scale)
+
+
+def for_activations(w: WeightMatrix, activation_dtype: str) -> Matrix:
+    """One matrix outside a model's layers (a draft head's): repacked for int8 activations where
+    plan_activations would repack it without a calibration file, else unchanged."""
+    if activation_dtype in ("int8", "auto") and int8_kernel_lacks(w) == ():
+        return pack_int8(w)
+    return w
+
+
+def _plan(weights: ModelWeights, activation_dtype: str, decisions: DecisionLog,
+          calibration: Calibration | None, static_scales: bool) -> ModelWeights:
+    if calibration is not None and any(layer.experts is not None for layer in weights.layers):
+        _calibration_unused(calibration, decisions, "calibration files describe dense models only")
+        calibration = None
+    if calibration is not None:
+        check_fits(calibration, len(weights.layers))
+    if activation_dtype == "float32":
+        decisions.record("activation_dtype", "float32", "requested: exact float32 activations")
+        _calibration_unused(calibration, decisions, "activation_dtype=float32")
+        return weights
+    if activation_dtype == "bfloat16":
+        missing = missing_features(BF16_FEATURES)
+        if missing:
+            decisions.record("activation_dtype", "float32",
+                             f"bfloat16 activations requested but this CPU lacks "
+                             f"{', '.join(missing)} (vdpbf16ps); computing with float32 activations (exact)",
+                             warn=True)
+            _calibration_unused(calibration, decisions, "bfloat16 activations fall back to float32")
+            return weights
+        _calibration_unused(calibration, decisions, "its scales are for int8 activations")
+        return _planned(weights, decisions, _bf16_choice)
+    missing = missing_features(INT8_FEATURES)
+    if missing:
+        decisions.record("activation_dtype", "float32",
+                         f"activation_dtype={activation_dtype} but this CPU lacks "
+                         f"{', '.join(missing)}; computing with float32 activations (exact)",
+                         warn=activation_dtype != "auto")
+        _calibration_unused(calibration, decisions, f"this CPU lacks {', '.join(missing)}")
+        return weights
+    fallbacks = []
+
+    def choose(name: str, w: Matrix) -> Matrix:  # a StackedMatrix part by part
+        cal = calibration.matrices[name] if calibration is not None else None
+        return map_parts(w, lambda part: choose_part(name, part, cal))
+
+    def choose_part(name: str, w: Matrix, cal: MatrixCalibration | None) -> Matrix:
+        chosen, lacking = w, int8_kernel_lacks(w)
+        if lacking is None:
+            choice, why = "float32", (f"{w.dtype} weights: int8 activations are used with quantized weights "
+                                      "only")
+        elif lacking:
+            choice, why = "float32", (f"{w.dtype} weights: their int8 kernel needs {', '.join(lacking)}, "
+                                      "which this CPU lacks; float32 activations (exact)")
+        elif cal is not None and _falls_back(cal, calibration.bound, static_scales):
+            error = cal.error_static if static_scales else cal.error_dynamic
+            choice, why = "float32", (f"calibration ({calibration.path or 'not from a file'}): relative int8 "
+                                      f"error {error:.3g} with "
+                                      f"{'static' if static_scales else 'dynamic'} scales exceeds the bound "
+                                      f"{calibration.bound:g}")
+            fallbacks.append(name)
+        else:
+            scale = cal.scale if static_scales and cal is not None else 0.0
+            chosen = pack_int8(w, scale)
+            choice, why = "int8", (f"{w.dtype} weights, " + (
+                f"static activation scale {scale:.4g} ({calibration.method}-calibrated)" if scale
+                else "dynamic per-block activation scales"))
+        decisions.record("activation_dtype", choice, why, subject=name)
+        return chosen
+
+    planned = with_linear_matrices(weights, choose)
+    if calibration is not None:
+        c = calibration
+        note = "" if c.weight_dtype == planned.layers[0].qkv.dtype else (
+            f"; its errors were measured with {c.weight_dtype} weights")
+        decisions.record("calibration", "used", f"{c.path or 'not from a file'}: {c.method} scales "
+                         f"({'static, used' if static_scales else 'dynamic scales used; static ones unused'})"
+                         f", bound {c.bound:g}, {c.num_tokens} tokens of {c.text}{note}; "
+                         f"float32 activations for {len(fallbacks)} matrices"
+                         + (f": {', '.join(fallbacks)}" if fallbacks else ""),
+                         warn=bool(fallbacks))
+    return planned
+
+
+def _kernel(w: Matrix) -> str:
+    """The linear kernel a (part of a) matrix runs with, and its weight and activation dtypes."""
+    if isinstance(w, BlockInt8Matrix):
+        kernel = "matmul_q6k" if w.dtype == "q6_k" else "matmul_kquant"
+        return f"{kernel}: {w.dtype} weights x int8 activations"
+    if isinstance(w, Int8Matrix):
+        return f"{'matmul_vnni' if w.vnni else 'matmul_int8'}: {w.dtype} weights x int8 activations"
+    if isinstance(w, Bf16Matrix):
+        return "matmul_bf16: bfloat16 weights x bfloat16 activations"
+    return f"matmul: {w.dtype} weights x float32 activations"
+
+
+def _falls_back(cal: MatrixCalibration, bound: float, static_scales: bool) -> bool:
+    if not static_scales:
+        return cal.fallback
+    return cal.error_static is not None and cal.error_static > bound
+
+
+def _calibration_unused(calibration: Calibration | None, decisions: DecisionLog, why: str) -> None:
+    if calibration is not None:
+        decisions.record("calibration", "unused", f"{calibration.path}: not needed ({why})")
+
+
+def _planned(weights: ModelWeights, decisions: DecisionLog, choose) -> ModelWeights:
+    """weights with each matrix replaced by choose(w) -> (matrix, choice, why), every choice recorded."""
+    def chosen(name: str, w: Matrix) -> Matrix:
+        return map_parts(w, lambda part: chosen_part(name, part))
+
+    def chosen_part(name: str, w: Matrix) -> Matrix:
+        w, choice, why = choose(w)
+        decisions.record("activation_dtype", choice, why, subject=name)
+        return w
+
+    return with_linear_matrices(weights, chosen)
+
+
+def _bf16_choice(w):
+    if isinstance(w, WeightMatrix) and w.dtype == "bfloat16":
+        return Bf16Matrix.pack(w), "bfloat16", "bfloat16 weights: vdpbf16ps on activations rounded to bf16"
+    return w, "float32", f"{w.dtype} weights: bfloat16 activations are used with bfloat16 weights only"
