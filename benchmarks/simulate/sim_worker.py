@@ -6,7 +6,7 @@ Engine.step in two halves, `plan_step` (schedule, propose drafts, price the step
 `finish_step` (sample, process, release the finished, feed speculation its figures) at its end. The parts
 of Engine that need no model (submit, _release, apply) are Engine's own functions, called on this object,
 which has the attributes they read (requests, batcher, sessions, speculation). The worker loop's telemetry
-(actors/step_loop.py's _StepMeter and _report) is mirrored by `telemetry`.
+(actors/worker_hooks.py's _StepMeter and _report) is mirrored by `telemetry`.
 """
 
 from collections import OrderedDict
