@@ -30,7 +30,8 @@ import numpy as np
 from benchmarks.checkpoints import random_checkpoint
 from benchmarks.heldout_eval import card_windows, heldout_texts, perplexity
 from cluster_configs.diagnostics import DecisionLog
-from memory.weights import Int8Matrix, ModelWeights
+from memory.matrices import Int8Matrix
+from memory.weights import ModelWeights
 from models.loader import load_model
 from models.quantization.activation_plan import plan_activations, with_linear_matrices
 from models.quantization.activation_ranges import METHODS

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from memory.weights import Matrix, WeightMatrix, row_block
+from memory.matrices import Matrix, WeightMatrix, row_block
 
 
 @dataclass(frozen=True, eq=False)  # eq=False: arrays have no truth value, so equality is identity

@@ -9,7 +9,8 @@ from tqdm import tqdm
 
 from cluster_configs.errors import CheckpointError
 from memory.experts import ExpertWeights
-from memory.weights import LayerWeights, Matrix, ModelWeights, WeightMatrix, stacked
+from memory.matrices import Matrix, WeightMatrix, stacked
+from memory.weights import LayerWeights, ModelWeights
 from models.model_spec import ModelSpec, load_spec
 from models.quantization.quant_mix import embedding_dtype, lm_head_dtype, matrix_dtype
 from models.safetensors_io import TensorEntry, read_header, read_tensor

@@ -14,7 +14,8 @@ from kernels.norms import GATED_ACTIVATIONS, rms_norm, rms_norm_heads, rope_inpl
 from memory.experts import ExpertWeights
 from memory.kv_cache import KVCache
 from memory.kv_formats import attend_as, write_kv_as
-from memory.weights import LayerWeights, Matrix, ModelWeights, parts
+from memory.matrices import Matrix, parts
+from memory.weights import LayerWeights, ModelWeights
 from models.batch import ForwardBatch
 from models.linear import embed, linear
 from models.lora.slots import add_lora

@@ -22,7 +22,7 @@ from kernels.linear.dispatch import gather_rows_bf16, matmul
 from kernels.linear.int8 import matmul_int8, matmul_vnni
 from kernels.linear.kquant import matmul_kquant
 from kernels.linear.q6k import matmul_q6k
-from memory.weights import Bf16Matrix, BlockInt8Matrix, Int8Matrix, Matrix, StackedMatrix, WeightMatrix
+from memory.matrices import Bf16Matrix, BlockInt8Matrix, Int8Matrix, Matrix, StackedMatrix, WeightMatrix
 
 _NO_SCALES = np.zeros((1, 1), np.uint16)
 

@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 import numaserve as ns
 from kernels.simd.bf16 import BF16_FEATURES
 from kernels.simd.cpu import missing_features
-from memory.weights import WeightMatrix
+from memory.matrices import WeightMatrix
 from models.linear import dequantize
 from models.model_spec import load_spec
 from models.quantization.activation_plan import INT8_FEATURES

@@ -19,7 +19,7 @@ from kernels.simd.bf16 import BF16_FEATURES
 from kernels.simd.cpu import missing_features
 from kernels.simd.vnni import VNNI_FEATURES
 from memory.experts import ExpertWeights
-from memory.weights import Bf16Matrix, Int8Matrix, WeightMatrix, row_block
+from memory.matrices import Bf16Matrix, Int8Matrix, WeightMatrix, row_block
 from models.linear import dequantize, linear
 from models.moe.buffers import MoeBuffers
 from models.moe.layer import ExpertLog, moe_forward, route

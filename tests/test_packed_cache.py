@@ -21,7 +21,7 @@ import numaserve as ns
 from cluster_configs.engine_config import EngineConfig
 from cluster_configs.errors import CheckpointError
 from kernels.simd.cpu import cpu_features
-from memory.weights import Bf16Matrix, BlockInt8Matrix, Int8Matrix, parts
+from memory.matrices import Bf16Matrix, BlockInt8Matrix, Int8Matrix, parts
 from models.gguf.writer import convert_to_gguf
 from models.packed import cache as packed_cache
 from models.packed import planned_load

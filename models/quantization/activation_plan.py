@@ -29,16 +29,8 @@ from cluster_configs.errors import CheckpointError
 from kernels.formats.ggml_blocks import BLOCK_DTYPES
 from kernels.simd.bf16 import BF16_FEATURES
 from kernels.simd.cpu import missing_features
-from memory.weights import (
-    Bf16Matrix,
-    BlockInt8Matrix,
-    Int8Matrix,
-    Matrix,
-    ModelWeights,
-    WeightMatrix,
-    map_parts,
-    parts,
-)
+from memory.matrices import Bf16Matrix, BlockInt8Matrix, Int8Matrix, Matrix, WeightMatrix, map_parts, parts
+from memory.weights import ModelWeights
 from models.quantization.calibration import Calibration, MatrixCalibration, check_fits
 
 # vpmaddwd on 256-bit vectors, fp16 scale conversion (and VNNI where present)

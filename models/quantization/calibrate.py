@@ -23,7 +23,8 @@ from cluster_configs.errors import CheckpointError
 from kernels.attention.hadamard import is_power_of_two
 from memory.kv_cache import KVCache
 from memory.kv_formats import KV_FORMATS
-from memory.weights import Int8Matrix, ModelWeights, WeightMatrix
+from memory.matrices import Int8Matrix, WeightMatrix
+from memory.weights import ModelWeights
 from models.batch import ForwardBatch
 from models.decoder import DecoderModel
 from models.linear import linear
