@@ -165,11 +165,11 @@ def _positive(kind: type, fix: str):
 
 
 def cmd_shutdown(args) -> None:
-    from actors import deploy, ray_instance
+    from actors import deploy, deployment_actors, ray_instance
 
     deploy.connect(args.name, args.address).shutdown()
     session = ray_instance.started_session(args.name)
-    others = deploy.deployment_names()  # they use that instance too
+    others = deployment_actors.deployment_names()  # they use that instance too
     if session is None or others:
         print(f"numaserve: {args.name!r} shut down" + (
             f"; the Ray instance it started runs on for {', '.join(others)}" if session and others else ""))

@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import ray
 
-from actors import deploy
+from actors import deploy, deployment_actors
 from actors.client import Client
 from cluster_configs.cluster_config import ClusterConfig
 
@@ -47,12 +47,12 @@ def serve_foreground(config: ClusterConfig, name: str, address: str | None, drai
         while not stop.wait(0.1):
             pass
         log.info("numaserve: stopping: draining the HTTP servers (up to %g s)", drain_timeout_s)
-        num_cancelled = deploy.drain(name, drain_timeout_s)
+        num_cancelled = deployment_actors.drain(name, drain_timeout_s)
         log.info("numaserve: drained (%d requests cancelled at the timeout)", num_cancelled)
         time.sleep(LOG_SETTLE_S)
     except KeyboardInterrupt:
         log.info("numaserve: interrupted during the drain")
     finally:
-        deploy.shutdown(name)
+        deployment_actors.shutdown(name)
         ray.shutdown()  # the Ray instance itself when this process started it
         log.info("numaserve: %r stopped%s", name, ", and the Ray instance it started" if started else "")
