@@ -186,7 +186,7 @@ def cmd_calibrate(args) -> None:
                                     for k in ("method", "percentile", "bound", "weight_dtype", "kv_dtype")
                                     if getattr(args, k) is not None})  # validated before the model loads
     if args.text is None:
-        from benchmarks.heldout_eval import heldout_texts
+        from numaserve.demo_corpus import heldout_texts
 
         texts = heldout_texts()
         label = f"the demo model card's held-out set ({len(texts)} standard-library files)"
