@@ -6,7 +6,9 @@ from result_tables import labelled, num, table, times
 
 def goals_table(goals: dict) -> str:
     def value(v) -> str:
-        return ", ".join(f"{k}: {x}" for k, x in v.items()) if isinstance(v, dict) else str(v)
+        if isinstance(v, dict):
+            return ", ".join(f"{k}: {value(x)}" for k, x in v.items())
+        return f"{v:.3f}" if isinstance(v, float) else str(v)
 
     return labelled("Goals as the run recorded them", table(["goal", "value"],
                                                             [[k, value(v)] for k, v in goals.items()]))

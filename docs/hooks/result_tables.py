@@ -2,7 +2,7 @@
 
 Pure functions of the parsed JSON, no MkDocs (the tests import this module alone). `render_file` reads a
 file, names where it came from (the command, the CPU, the date, the commit) and hands the data to the
-renderer registered for its name (result_renderers.py). A file no renderer is registered for, or whose shape
+renderer registered for its name (renderers_*.py). A file no renderer is registered for, or whose shape
 its renderer does not expect, gets `generic()`, a short table of its scalar fields; a file that is not JSON
 is listed with the parser's message. Nothing here raises on odd input.
 """
