@@ -136,7 +136,7 @@ def render_data(name: str, data, renderers: list, sources: dict[str, Source]) ->
         if re.fullmatch(pattern, name):
             try:
                 return f"{head}\n\n{renderer(data)}", True
-            except (KeyError, TypeError, ValueError, AttributeError, IndexError, ZeroDivisionError):
+            except (LookupError, TypeError, ValueError, AttributeError, ArithmeticError):  # an odd shape
                 break
     note = "The page's builder does not know this file's shape; its scalar fields:"
     return f"{head} {note}\n\n{generic(data)}", False
