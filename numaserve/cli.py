@@ -2,6 +2,7 @@
 
 import argparse
 import json
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -340,13 +341,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def run_bench(argv: list[str]) -> int:
+    """`numaserve bench`: the decode benchmark of a source checkout (benchmarks/ is a dev tree, not
+    installed), run as `python -m benchmarks.bench_decode` from the checkout this package runs from."""
+    checkout = Path(__file__).resolve().parents[1]
+    if not (checkout / "benchmarks" / "bench_decode.py").is_file():
+        print("numaserve: error: `numaserve bench` runs the benchmarks of a source checkout; install "
+              "numaserve from a clone (pip install -e .) and run it there, or run python -m "
+              "benchmarks.bench_decode in the clone", file=sys.stderr)
+        return 2
+    bench = [sys.executable, "-m", "benchmarks.bench_decode", *argv]
+    return subprocess.run(bench, cwd=checkout, check=False).returncode
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["bench"]:  # its own parser: every option passes through
-        from benchmarks.bench_decode import main as bench_main
-
-        bench_main(argv[1:])
-        return 0
+        return run_bench(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "stats" and not args.watch and (
