@@ -143,6 +143,13 @@ def _plan(weights: ModelWeights, activation_dtype: str, decisions: DecisionLog,
                          warn=activation_dtype != "auto")
         _calibration_unused(calibration, decisions, f"this CPU lacks {', '.join(missing)}")
         return weights
+    return _plan_int8(weights, decisions, calibration, static_scales)
+
+
+def _plan_int8(weights: ModelWeights, decisions: DecisionLog, calibration: Calibration | None,
+               static_scales: bool) -> ModelWeights:
+    """int8 activations for every matrix whose kernel this CPU runs, but where calibration says the error
+    exceeds its bound; each matrix's choice recorded."""
     fallbacks = []
 
     def choose(name: str, w: Matrix) -> Matrix:  # a StackedMatrix part by part
