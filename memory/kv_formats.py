@@ -21,9 +21,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kernels.attention.chunks import NO_WINDOW
 from kernels.attention.hadamard import hadamard_inplace, is_power_of_two
 from kernels.attention.kv_quant import FP8, INT4, INT8, write_kv, write_kv_scaled, write_kv_shadows
-from kernels.attention.paged import NO_WINDOW, paged_attention
+from kernels.attention.paged import paged_attention
 from kernels.formats.fp8 import E4M3, E5M2
 
 RECENT_GROUP = 16  # positions a group of the recent window (kernels/attention_chunks.recent_start)
@@ -69,14 +70,14 @@ KV_FORMATS = {f.name: f for f in (
 
 
 def write_kv_as(fmt: KVFormat, k, v, slot_mapping, k_cache, v_cache, k_scale, v_scale,
-                wide=NO_WINDOW) -> None:
+                recent=NO_WINDOW) -> None:
     """k, v: [T, n_kv, D] f32 into one layer's cache, and as bfloat16 into the shadows of paged_attention's
-    recent window wide; a rotated format rotates k and v in place first."""
+    recent window; a rotated format rotates k and v in place first."""
     if fmt.rotated:
         hadamard_inplace(k)
         hadamard_inplace(v)
-    if wide[4] > 0:
-        write_kv_shadows(k, v, slot_mapping, k_cache.shape[1], wide[2], wide[0], wide[1])
+    if recent.group > 0:
+        write_kv_shadows(k, v, slot_mapping, k_cache.shape[1], recent.shadow_of, recent.k_wide, recent.v_wide)
     if fmt.fp8 is not None:
         write_kv_scaled(k, v, slot_mapping, k_cache, v_cache, k_scale, v_scale, FP8, *fmt.fp8)
     elif fmt.values_per_element == 2:
@@ -89,13 +90,13 @@ def write_kv_as(fmt: KVFormat, k, v, slot_mapping, k_cache, v_cache, k_scale, v_
 
 def attend_as(fmt: KVFormat, q, k_cache, v_cache, k_scale, v_scale, block_tables, token_seq, positions,
               window, softmax_scale, out, tree_starts=None, tree_mask=None, softcap=0.0,
-              wide=NO_WINDOW) -> None:
-    """kernels/attention.paged_attention over one layer's cache in its format (and its recent window, wide);
+              recent=NO_WINDOW) -> None:
+    """kernels/attention.paged_attention over one layer's cache in its format (and its recent window, recent);
     a rotated format rotates q in place and rotates out back."""
     if fmt.rotated:
         hadamard_inplace(q)
     paged_attention(q, k_cache, v_cache, k_scale, v_scale, fmt.has_scale, block_tables, token_seq, positions,
                     window, softmax_scale, out, tree_starts, tree_mask, softcap, fmt.fp8[0] if fmt.fp8 else 0,
-                    wide)
+                    recent)
     if fmt.rotated:
         hadamard_inplace(out)

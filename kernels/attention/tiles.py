@@ -51,7 +51,7 @@ def row_tiles(token_seq, positions, tree_starts, tile_rows, group):
 
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=FASTMATH, error_model="numpy")
-def attention_tiled(q, k_cache, v_cache, k_scale, v_scale, has_scale, fp8_mbits, wide, block_tables,
+def attention_tiled(q, k_cache, v_cache, k_scale, v_scale, has_scale, fp8_mbits, recent, block_tables,
                     token_seq, positions, tree_starts, tree_mask, window, softmax_scale, softcap, chunk,
                     bounds, out):
     # kernels/attention/paged.py's arguments, and bounds: row_tiles'; every (tile, kv head) a task
@@ -61,24 +61,24 @@ def attention_tiled(q, k_cache, v_cache, k_scale, v_scale, has_scale, fp8_mbits,
         i = tt // 2 if tt % 2 == 0 else num_tiles - 1 - tt // 2  # short tiles paired with long ones
         kh = task - tt * n_kv
         if bounds[i + 1] - bounds[i] == 1:
-            attend(q, k_cache, v_cache, k_scale, v_scale, has_scale, fp8_mbits, wide, block_tables, token_seq,
-                    positions, tree_starts, tree_mask, window, softmax_scale, softcap, chunk, out, bounds[i],
-                    kh)
+            attend(q, k_cache, v_cache, k_scale, v_scale, has_scale, fp8_mbits, recent, block_tables,
+                   token_seq, positions, tree_starts, tree_mask, window, softmax_scale, softcap, chunk, out,
+                   bounds[i], kh)
         else:
-            _attend_tile(q, k_cache, v_cache, k_scale, v_scale, has_scale, fp8_mbits, wide, block_tables,
+            _attend_tile(q, k_cache, v_cache, k_scale, v_scale, has_scale, fp8_mbits, recent, block_tables,
                          token_seq, positions, tree_starts, tree_mask, window, softmax_scale, softcap, chunk,
                          out, bounds[i], bounds[i + 1], kh)
 
 
 @njit(inline="always", nogil=True, fastmath=FASTMATH, error_model="numpy")
-def _attend_tile(q, k_cache, v_cache, k_scale, v_scale, has_scale, fp8_mbits, wide, block_tables, token_seq,
+def _attend_tile(q, k_cache, v_cache, k_scale, v_scale, has_scale, fp8_mbits, recent, block_tables, token_seq,
                  positions, tree_starts, tree_mask, window, softmax_scale, softcap, chunk, out, t0, t1, kh):
     # rows t0 .. t1 (one sequence, consecutive positions, no tree), kv head kh
     R, D = t1 - t0, q.shape[2]
     group = q.shape[1] // k_cache.shape[2]
     block_size = k_cache.shape[1]
     seq = token_seq[t0]
-    first_wide = wide_start(wide, positions[t0], seq)  # the same for every row (row_tiles)
+    first_wide = wide_start(recent, positions[t0], seq)  # the same for every row (row_tiles)
     starts, ends, counts = np.empty(R, np.int64), np.empty(R, np.int64), np.empty(R, np.int64)
     for r in range(R):
         start, end, _ = visible(positions, tree_starts, tree_mask, window, t0 + r)
@@ -104,8 +104,8 @@ def _attend_tile(q, k_cache, v_cache, k_scale, v_scale, has_scale, fp8_mbits, wi
             o = j % block_size
             if j >= first_wide:
                 key_scales[j - lo] = np.float32(softmax_scale)
-                load_row(wide[0], wide[2][blk], o, kh, 0, np.float32(1.0), keys[j - lo])
-                load_row(wide[1], wide[2][blk], o, kh, 0, np.float32(1.0), values[j - lo])
+                load_row(recent.k_wide, recent.shadow_of[blk], o, kh, 0, np.float32(1.0), keys[j - lo])
+                load_row(recent.v_wide, recent.shadow_of[blk], o, kh, 0, np.float32(1.0), values[j - lo])
                 continue
             key_scales[j - lo] = np.float32(softmax_scale) * (k_scale[blk, o, kh] if has_scale
                                                               else np.float32(1.0))
