@@ -1,6 +1,5 @@
 """A mixture-of-experts layer's weights: the router and the experts' matrices stacked (models/moe/layer.py
-runs
-them)."""
+runs them)."""
 
 from dataclasses import dataclass, field, replace
 

@@ -1,8 +1,7 @@
 """Give freed heap memory back to the OS.
 
-Repacking weights at load time (models/quantization/activation_plan.py) frees the original matrices, but
-glibc keeps
-freed chunks in its heap: measured on the TinyLlama-shaped q8_0 checkpoint, the process stayed ~1 GB
+Repacking weights at load time (models/quantization/activation_plan.py) frees the original matrices, but glibc
+keeps freed chunks in its heap: measured on the TinyLlama-shaped q8_0 checkpoint, the process stayed ~1 GB
 above its weights (RSS 2.25 GB for 1.17 GB of weights) until `malloc_trim` returned them.
 
 Buffers that start as zeros and may stay unused (LoRA slots, the KV pool) come from their own anonymous

@@ -3,11 +3,10 @@
 bytes a value (D = head_dim; a scale is one float32 per (slot, kv head) row):
   float32 4, bfloat16 2, int8 and int8_hadamard 1 + 4 / D, fp8_e4m3 and fp8_e5m2 1 + 4 / D,
   int4 and int4_hadamard 1/2 + 4 / D.
-The *_hadamard forms rotate keys and values (kernels/attention/hadamard.py) before quantizing, the queries
-the same
-way, and the attention output back; the kernel itself reads every form as codes x per-row scale. Values are
-rotated too: on the demo model (held-out perplexity over 16 x 1024 tokens against bfloat16 KV) rotating only
-the keys measured int4 +0.30% against +0.28% for both (int4 unrotated +0.40%); at 8 bits neither rotation
+The *_hadamard forms rotate keys and values (kernels/attention/hadamard.py) before quantizing, the queries the
+same way, and the attention output back; the kernel itself reads every form as codes x per-row scale. Values
+are rotated too: on the demo model (held-out perplexity over 16 x 1024 tokens against bfloat16 KV) rotating
+only the keys measured int4 +0.30% against +0.28% for both (int4 unrotated +0.40%); at 8 bits neither rotation
 helps (int8 +0.003%, keys only +0.008%, both +0.012%), so int8_hadamard is kept only as the issue's form.
 
 The fp8 forms keep a recent window: each token reads its own group of RECENT_GROUP positions and the one

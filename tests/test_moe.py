@@ -1,7 +1,7 @@
 """The mixture-of-experts layer (models/moe/layer.py, kernels/moe/route.py): transformers' own MoE blocks, a
-plain float64
-reference over every weight format, reading only the routed experts, batch invariance, and the fused path of
-VNNI-packed experts (kernels/moe/fused.py) bit for bit against one linear call per (token, slot)."""
+plain float64 reference over every weight format, reading only the routed experts, batch invariance, and the
+fused path of VNNI-packed experts (kernels/moe/fused.py) bit for bit against one linear call per (token,
+slot)."""
 
 import numpy as np
 import pytest

@@ -1,10 +1,8 @@
 """One token's attention in chunks of its visible slots (kernels/attention/paged.py's rule): each chunk's
-partial
-softmax (largest score, sum of exponentials, unnormalized value sum), then the chunks merged in order by the
-log-sum-exp rule; and the widening of a cached KV row to float32. Shared by the per-token kernels
+partial softmax (largest score, sum of exponentials, unnormalized value sum), then the chunks merged in order
+by the log-sum-exp rule; and the widening of a cached KV row to float32. Shared by the per-token kernels
 (kernels/attention/paged.py) and the tiled prefill kernel (kernels/attention/tiles.py), so both give a token
-the
-same bits.
+the same bits.
 
 The recent window (RecentWindow), with group > 0: a token at position p reads its sequence's context slots
 from wide_start on, that is from recent_start(p, group) = (p // group - 1) * group (its group of positions and

@@ -5,9 +5,8 @@ Each key and value row of a chunk is read and widened once for the whole tile in
 per-token kernel widens it once for every token that sees it), which each row of the tile then reads; the
 value sums keep their accumulators in registers (kernels/simd/axpy.py). A row's chunks are its own
 (kernels/attention/paged.py's rule: CHUNK visible slots counted from its first visible slot, so a sliding
-window
-shifts them row by row): the tile widens the union of its rows' chunk c, at most CHUNK + rows - 1 keys, and
-each row reads the slice that is its chunk. Scores, softmax and value sums are the per-token kernel's
+window shifts them row by row): the tile widens the union of its rows' chunk c, at most CHUNK + rows - 1 keys,
+and each row reads the slice that is its chunk. Scores, softmax and value sums are the per-token kernel's
 arithmetic in its order (kernels/attention/chunks.py), then the same merge, so a token's bits do not depend on
 its tile, batch or thread count, and prefill and decode of a position agree bit for bit. Rows of a tree, or
 alone in their tile, take the per-token path.

@@ -1,5 +1,5 @@
-"""y = x @ W.T with x quantized to int8 (kernels/formats/int8_layout.py) and q8_0 / q4_0 weights in the
-packed layout.
+"""y = x @ W.T with x quantized to int8 (kernels/formats/int8_layout.py) and q8_0 / q4_0 weights in the packed
+layout.
 
 Parallel tasks own output rows; each row's register block walks a chunk of tokens, 4 at a time,
 while the chunk of x stays in L2. matmul_int8 (AVX2): q8_0 through vpmaddwd on int16 activations
@@ -114,8 +114,7 @@ def _vnni_tokens_impl(xq, xd, xsum, data, scales, out, n, c0, c1, bits):
 @njit(cache=True, nogil=True, parallel=True)
 def matmul_vnni_experts(xq, xd, xsum, data, scales, out, bits, experts, starts):
     # Several experts' matmul_vnni in one parallel region (kernels/moe/expert_tasks.py: the layout of
-    # data/scales,
-    # experts, starts; the tasks); out: [R, N] f32
+    # data/scales, experts, starts; the tasks); out: [R, N] f32
     N = out.shape[1]
     for task in prange(expert_num_tasks(experts.shape[0], N, VNNI_ROWS)):
         e, r0, r1, b0, b1 = expert_task(task, experts, starts, N, VNNI_ROWS)

@@ -1,13 +1,11 @@
 """y = x @ W.T with x quantized to int8 (kernels/formats/int8_layout.py) and Q4_K / Q5_K / Q4_1 / Q5_0 / Q5_1
-weights
-packed by kernels/formats/kquant_layout.py, through the VNNI register block of kernels/simd/kquant.py.
+weights packed by kernels/formats/kquant_layout.py, through the VNNI register block of kernels/simd/kquant.py.
 
 The drivers are matmul_vnni's and matmul_vnni_experts' (kernels/linear/int8.py): a task owns a block of 4
 output rows and walks a chunk of tokens 4 at a time (then 2, then 1) while the chunk of x stays in L2.
 qtype (the GGML type id, kernels/formats/ggml_blocks.py's CODE) picks the format's code per task, as
-matmul_vnni's
-bits: one compiled function serves all five. (numba.literally(qtype), one compilation per format, cost
-8 ms a call: numba retypes the call through an exception every time.)
+matmul_vnni's bits: one compiled function serves all five. (numba.literally(qtype), one compilation per
+format, cost 8 ms a call: numba retypes the call through an exception every time.)
 
 Measured on 2 Zen 4 cores shared with other jobs (A/B alternating in one process, medians; the spread is
 between runs), 5632 x 2048, ms: in cache, 1 token q4_0 (matmul_vnni) 0.15-0.21 (25th percentiles

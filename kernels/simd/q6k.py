@@ -2,15 +2,14 @@
 4 weight rows x TB tokens.
 
 Per group of 256 values (kernels/formats/q6k_layout.py), each (row, token) keeps one 512-bit int32
-accumulator: 4
-vpdpbusd of the 6-bit values (0..63, the unsigned side) by pairs of activation vectors [vector f | vector
-f + 4] (the signed side) leave block b's first 16-value sub-block's sum in lane b and its second one's in
-lane 8 + b. The accumulator starts at the token's offsets (-32 x the sub-block sums of x), so it ends at
-the sums of x (q - 32), exact. Those half sums, converted, times the row's 16 scales (laid out in those lanes)
-and the two halves added give block b's exact dot product as a float32 (_fold_rows: no step rounds). Then, as
-in every int8 kernel (kernels/simd/int8.py fold_group), one fused multiply-add by (d x activation scale) per
-lane moves a group into a float32 accumulator, in group order, and the 8 lanes are summed at the end in one
-order: a token's outputs are the same bits whatever its batch and its place in it.
+accumulator: 4 vpdpbusd of the 6-bit values (0..63, the unsigned side) by pairs of activation vectors [vector
+f | vector f + 4] (the signed side) leave block b's first 16-value sub-block's sum in lane b and its second
+one's in lane 8 + b. The accumulator starts at the token's offsets (-32 x the sub-block sums of x), so it ends
+at the sums of x (q - 32), exact. Those half sums, converted, times the row's 16 scales (laid out in those
+lanes) and the two halves added give block b's exact dot product as a float32 (_fold_rows: no step rounds).
+Then, as in every int8 kernel (kernels/simd/int8.py fold_group), one fused multiply-add by (d x activation
+scale) per lane moves a group into a float32 accumulator, in group order, and the 8 lanes are summed at the
+end in one order: a token's outputs are the same bits whatever its batch and its place in it.
 
 Measured choices (2 Zen 4 cores shared with other work, 5632 x 2048, medians of alternated runs):
   the offsets come from memory (kernels/formats/q6k_layout.py subblock_offsets, once per call): 4 vpdpbusd
@@ -119,8 +118,7 @@ def q6k_block(typingctx, xq, xd, offsets, data, d, out, t0, n0, tokens):
 
     xq: [T, Kp] int8 (quad order), xd: [T, Kp // 32] f32, offsets: [T, Kp // 16] int32 (subblock_offsets),
     data: uint8 [N4, G * 208], d: uint16 [N4, G] (kernels/formats/q6k_layout.py), out: [T, N] f32; n0 % 4 ==
-    0;
-    tokens: a literal.
+    0; tokens: a literal.
     """
     if not operands_fit((xq, xd, offsets, data, d, out),
                         (types.int8, types.float32, types.int32, types.uint8, types.uint16, types.float32)):

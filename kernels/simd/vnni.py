@@ -2,15 +2,14 @@
 4 weight rows x TB tokens.
 
 Both formats use the quad order (kernels/formats/int8_layout.py): per group of 8 blocks, vector j (32 bytes)
-holds
-4 consecutive values of each block, so one unsigned x signed byte dot product (vpdpbusd: 32 products
-summed by fours into 8 int32 lanes, accumulated) adds block b's partial dot product to lane b. The
-weights are the unsigned side: q4_0's nibbles are value + 8, and q8_0's bytes are stored as value + 128;
-the offset is taken off once per group as -offset x (block sum of x), the accumulator's start. Sums stay
-exact in int32 (|lane| <= 32 x 255 x 127). Then, as in kernels/simd/int8.py, one convert and one fused
-multiply-add by (weight scale x activation scale) per lane move a group into a float32 accumulator, in
-the same order: the outputs are bit for bit those of the AVX2 kernels, with one instruction per 32
-products instead of two to three per 16.
+holds 4 consecutive values of each block, so one unsigned x signed byte dot product (vpdpbusd: 32 products
+summed by fours into 8 int32 lanes, accumulated) adds block b's partial dot product to lane b. The weights are
+the unsigned side: q4_0's nibbles are value + 8, and q8_0's bytes are stored as value + 128; the offset is
+taken off once per group as -offset x (block sum of x), the accumulator's start. Sums stay exact in int32
+(|lane| <= 32 x 255 x 127). Then, as in kernels/simd/int8.py, one convert and one fused multiply-add by
+(weight scale x activation scale) per lane move a group into a float32 accumulator, in the same order: the
+outputs are bit for bit those of the AVX2 kernels, with one instruction per 32 products instead of two to
+three per 16.
 
 Weights come in blocks of 4 rows interleaved by group (kernels/formats/int8_layout.py pack_q8_0_quads,
 pack_q4_0): a

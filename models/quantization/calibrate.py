@@ -3,13 +3,10 @@
 Three passes over the same token windows, each watching every linear layer's input through
 `DecoderModel.observer`: (1) the largest |x|, (2) the histogram of |x| (percentile and kl only), then the
 static scales (models/quantization/activation_ranges.py), (3) per matrix, the output with int8 activations
-(dynamic
-per-block scales, and the static scale) against float32 activations with the same weights:
-error = ||Y_int8 - Y_f32|| / ||Y_f32|| over every calibration token. A matrix whose dynamic error
-exceeds the bound falls back to float32 activations (models/quantization/activation_plan.py). A fourth pass
-over the
-first windows measures each layer's attention output under each KV dtype
-(models/quantization/kv_calibration.py) and
+(dynamic per-block scales, and the static scale) against float32 activations with the same weights: error =
+||Y_int8 - Y_f32|| / ||Y_f32|| over every calibration token. A matrix whose dynamic error exceeds the bound
+falls back to float32 activations (models/quantization/activation_plan.py). A fourth pass over the first
+windows measures each layer's attention output under each KV dtype (models/quantization/kv_calibration.py) and
 recommends the layers to keep wider than the target KV dtype.
 """
 

@@ -4,13 +4,12 @@
     <model>.gguf.calibration.json                  (GGUF file)
 
 It holds, per linear matrix (`layers.{i}.qkv|o|gate_up|down`, `lm_head`;
-models/quantization/activation_plan.py), the
-static int8 scale of its inputs by the chosen method, the relative error of its output with int8 dynamic
-and with static activation scales against float32 activations, measured on the calibration text, and
-whether it falls back to float32 activations (dynamic error above the bound); and each layer's attention
-output error under each KV dtype, with the layers to keep wider for a target KV dtype. A file that cannot be
-read or does not fit the model raises CheckpointError naming the file and the fix: re-run `numaserve
-calibrate`.
+models/quantization/activation_plan.py), the static int8 scale of its inputs by the chosen method, the
+relative error of its output with int8 dynamic and with static activation scales against float32 activations,
+measured on the calibration text, and whether it falls back to float32 activations (dynamic error above the
+bound); and each layer's attention output error under each KV dtype, with the layers to keep wider for a
+target KV dtype. A file that cannot be read or does not fit the model raises CheckpointError naming the file
+and the fix: re-run `numaserve calibrate`.
 """
 
 from pathlib import Path
