@@ -179,9 +179,8 @@ def _worker_share(config: ClusterConfig) -> float:
 
 # Ray runs a worker process's Python threads at nice 15 (RAY_worker_niceness), below its own threads, raylet,
 # drivers and any process it is starting: with every core decoding, a restarting adapter cache's new process
-# then took a core from a worker's streams (gaps to 129 ms), and a 5 MB body's POST took 0.19-0.21 s. These
-# actors are the service, so they run at 0, as Ray's own job supervisor does (quiet test_placement runs,
-# 0 vs 15: POST 39-93 vs 189-212 ms, /health during it 10-25 vs 33-44 ms, cold-adapter gaps 14-28 vs 32-54)
+# then took a core from a worker's streams, and a large body's POST was slowed. These actors are the service,
+# so they run at 0, as Ray's own job supervisor does (benchmarks/results/HISTORY.md)
 SERVING_ENV = {"RAY_worker_niceness": "0"}
 
 def _start(config: ClusterConfig, placements: list[WorkerPlacement], name: str) -> Client:

@@ -5,15 +5,15 @@ bytes a value (D = head_dim; a scale is one float32 per (slot, kv head) row):
   int4 and int4_hadamard 1/2 + 4 / D.
 The *_hadamard forms rotate keys and values (kernels/attention/hadamard.py) before quantizing, the queries the
 same way, and the attention output back; the kernel itself reads every form as codes x per-row scale. Values
-are rotated too: on the demo model (held-out perplexity over 16 x 1024 tokens against bfloat16 KV) rotating
-only the keys measured int4 +0.30% against +0.28% for both (int4 unrotated +0.40%); at 8 bits neither rotation
-helps (int8 +0.003%, keys only +0.008%, both +0.012%), so int8_hadamard is kept only as the issue's form.
+are rotated too: on the demo model rotating only the keys measured no better than rotating both; at 8 bits
+neither rotation helps, so int8_hadamard is kept only as the issue's form (benchmarks/results/HISTORY.md).
 
 The fp8 forms keep a recent window: each token reads its own group of RECENT_GROUP positions and the one
 before (its 16 to 31 newest slots) from a bfloat16 shadow of their blocks (kernels/attention/chunks.py; the
-engine gives shadows to those blocks only, scheduling/kv_cache_manager.py). On the demo model's held-out
-prompts e4m3 alone kept bfloat16 KV's 32 greedy tokens on 10 of 16 prompts: a near tie at a step is decided by
-the newest keys' scores, which 3 mantissa bits (2.4% RMS) tip; with the window, 16 of 16 (README).
+engine gives shadows to those blocks only, scheduling/kv_cache_manager.py). Without it e4m3 changed some of
+bfloat16 KV's greedy continuations on the demo model's held-out prompts (benchmarks/results/HISTORY.md): a
+near tie at a step is decided by the newest keys' scores, which 3 mantissa bits (2.4% RMS) tip; with the
+window none did.
 """
 
 from dataclasses import dataclass

@@ -97,8 +97,7 @@ class WeightMatrix:
             return cls(dtype, data)
         if dtype in BLOCK_DTYPES:
             # q4_1, q5_0, q5_1: the gguf package's, ggml's reference rounding (tests/test_kquant_quantize.py).
-            # Fast enough in numpy: 0.07-0.11 s per 5632 x 2048 matrix on one core, ~10 s for a 1B model,
-            # where its K-quants take ~80 s on two (their search is the cost)
+            # Fast enough in numpy: the K-quants, whose scale search is the cost, take far longer
             return cls(dtype, gguf.quants.quantize(w, GGML_TYPE[dtype]))
         scales = np.empty((n, k // QK), np.uint16)
         if dtype == "q8_0":

@@ -17,7 +17,7 @@ from cluster_configs.cluster_config import ClusterConfig
 
 log = logging.getLogger("numaserve")
 # Ray's log monitor reads the actors' log files every 0.1 s and ships new lines through the GCS: with the
-# actors killed at once after the drain, a test run lost 6 of its 8 last access lines
+# actors killed at once after the drain, their last access lines were lost
 LOG_SETTLE_S = 1.0
 
 

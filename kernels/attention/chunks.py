@@ -25,9 +25,8 @@ from kernels.simd.dot import dots
 NEG_BIG = np.float32(-3.0e38)  # stands in for -inf (fastmath assumes no infinities)
 # fastmath without "reassoc": every sum in the order written (the scores' dot products in
 # kernels/simd/dot.py), so the serial and the parallel kernel give a token the same bits (with "reassoc" they
-# did not). "arcp" stays (the reciprocal once per row: no order to keep), and "afn" (per element; while exp
-# was libm's expf, without the two this ran at half speed: decode, 512 positions, TinyLlama heads, 0.54
-# against 0.30 ms per layer); the softmax's exp is now kernels/exp32.py's arithmetic, which vectorizes
+# did not). "arcp" stays (the reciprocal once per row: no order to keep), and "afn" (per element); the
+# softmax's exp is kernels/exp32.py's arithmetic, which vectorizes
 FASTMATH = {"contract", "nnan", "ninf", "nsz", "afn", "arcp"}
 VALUE_ROWS = 32  # value rows widened at a time by the per-token kernel: 8 KB of float32 at head_dim 64
 
@@ -105,7 +104,7 @@ def partial(q, k_cache, v_cache, k_scale, v_scale, has_scale, fp8_mbits, recent,
     qg = np.empty((group, D), np.float32)  # q is a strided view of the fused qkv output: copy once
     qg[:, :] = q[t, kh * group:(kh + 1) * group, :]
     # the context's loops written out here, not through _score/_add_value: through them the serial kernel ran
-    # 3.3x slower on short decode contexts (demo model, batch 16: 0.34 against 0.10 ms a call)
+    # slower on short decode contexts
     block_size = k_cache.shape[1]
     k_wide, v_wide, shadow_of = recent.k_wide, recent.v_wide, recent.shadow_of
     first_wide = wide_start(recent, positions[t], seq)
@@ -145,9 +144,7 @@ def partial(q, k_cache, v_cache, k_scale, v_scale, has_scale, fp8_mbits, recent,
             l[g] += scores[g, j]
     # the values a run of VALUE_ROWS slots at a time: widened once into a buffer that stays in L1, then each
     # head's weighted sum over it with its accumulators in registers (kernels/simd/axpy.py: the bits of the
-    # loop over slots that loaded and stored acc[g, :] for every slot). With the scores' shuffle tree
-    # (kernels/simd/dot.py) one layer's decode (benchmarks/bench_attention.py --hot, TinyLlama heads, 2 shared
-    # cores, noisy) went from 0.62 / 1.60 to 0.28 / 0.92 ms (bfloat16, batch 1, 1k / 4k positions)
+    # loop over slots that loaded and stored acc[g, :] for every slot)
     acc[:, :] = 0
     values = np.empty((VALUE_ROWS, D), np.float32)
     weights = np.empty(VALUE_ROWS, np.float32)

@@ -26,9 +26,9 @@ from kernels.attention.chunks import FASTMATH, NO_WINDOW, attend, merge_chunks, 
 from kernels.attention.tiles import attention_tiled, row_tiles
 
 PARALLEL_MIN_WORK = 1 << 15  # query-head x key pairs below which waking the threads costs more than it saves
-# visible slots a chunk: a token that sees more has its softmax in chunks merged by log-sum-exp. Not tuned: on
-# the shared 2-core VM chunks of 128, 256 and 512 (and one chunk) were within its noise at 1k and 4k positions
-# (TinyLlama heads, batch 1 and 8); 256 makes 4 to 16 chunks a head there, enough for 8 threads at 1k
+# visible slots a chunk: a token that sees more has its softmax in chunks merged by log-sum-exp. Not tuned:
+# chunks of 128 to 512 slots, and one chunk, measured alike (benchmarks/results/HISTORY.md); 256 makes 4 to 16
+# chunks a head at 1k to 4k positions, enough for 8 threads at 1k
 CHUNK = 256
 # query rows a prefill tile (kernels/attention/tiles.py): x 8 query heads at TinyLlama's GQA, 128 score rows
 # against each key row

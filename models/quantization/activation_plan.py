@@ -9,14 +9,15 @@
   vdpbf16ps (kernels/linear/bf16.py); other weight formats keep float32 activations. A CPU without the
   instruction falls back to float32: rounding activations to bf16 and then multiplying in float32 would
   lose precision and gain nothing.
-- "auto": "int8" where the matrix is quantized and the CPU can run it, float32 elsewhere (measured:
-  perplexity within 0.3% of float32 activations on the demo model, 1.6-2.5x the matmul speed; README).
+- "auto": "int8" where the matrix is quantized and the CPU can run it, float32 elsewhere: faster matmuls,
+  perplexity within 0.3% of float32 activations (tests/test_activation_quality.py; the figures:
+  benchmarks/results/HISTORY.md).
 A calibration file beside the model (models/quantization/calibration.py, written by `numaserve calibrate`)
 keeps the matrices it marks (int8 error above its bound) in float32, and holds static per-tensor activation
 scales. Dynamic per-block scales stay the default even with a file: they measured both more accurate and as
-fast (README, benchmarks/bench_calibration.py); `static_scales=True` (EngineConfig.activation_scales="static")
-uses the file's scales and falls back where their error exceeds the bound. Every choice and every fallback is
-recorded in the engine's decision log (a fallback also as a warning).
+fast (benchmarks/bench_calibration.py, benchmarks/results/HISTORY.md); `static_scales=True`
+(EngineConfig.activation_scales="static") uses the file's scales and falls back where their error exceeds the
+bound. Every choice and every fallback goes to the engine's decision log (a fallback also as a warning).
 """
 
 from collections import Counter

@@ -39,7 +39,7 @@ from models.quantization.calibration import (
 from models.quantization.kv_calibration import REFERENCE, KVErrorMeter, wider_overrides
 
 WINDOW_TOKENS = 256  # the demo family's training context
-NUM_WINDOWS = 32  # 8,192 tokens: the scales and errors move by < 1% from 16 to 64 windows (README)
+NUM_WINDOWS = 32  # 8,192 tokens: more move the scales and errors little (benchmarks/results/HISTORY.md)
 NUM_KV_WINDOWS = 8  # of those, for the KV errors: each layer's attention seven times a window
 _BLOCK = 16
 

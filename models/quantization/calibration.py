@@ -34,10 +34,9 @@ class CalibrationOptions(BaseModel):
     method: Literal["minmax", "percentile", "kl"] = "percentile"
     percentile: float = Field(99.99, gt=0, le=100)  # of |x|, for method="percentile"
     # largest relative output error ||Y_int8 - Y_f32|| / ||Y_f32|| a matrix keeps int8 activations with.
-    # Measured on the demo model (benchmarks/bench_calibration.py): dynamic scales err 0.15-0.53% per
-    # matrix (+0.016% perplexity in all); static scales everywhere err up to 9-20% on the down projections
-    # (+0.06% to +0.34%); static with fallback above 0.02 stays within +0.033% for every method (above
-    # 0.05: +0.051%). 0.02 leaves room for models with many more matrices than the demo's 25.
+    # Dynamic scales err well below it on the demo model, static ones far above it on the down projections
+    # (benchmarks/bench_calibration.py, benchmarks/results/HISTORY.md); 0.02 leaves room for models with many
+    # more matrices than the demo's 25.
     bound: float = Field(0.02, gt=0)
     weight_dtype: WeightDtype = "auto"  # "auto": a GGUF keeps its types, a directory is quantized to q8_0
     kv_dtype: KVStorage = "int4_hadamard"  # the KV dtype whose outlier layers are recommended wider
