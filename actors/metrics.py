@@ -1,16 +1,15 @@
 """Prometheus metrics of a deployment: vLLM's names with a `numaserve:` prefix, labelled by model, worker and
 NUMA node.
 
-Each worker's loop thread keeps a WorkerMetrics: it times each request from its submission (queue time,
-time to first token, inter-token latency, end-to-end latency) and counts prompt and generation tokens and
-finished requests by reason, from the engine's outputs; prefix-cache queries and hits, preemptions and each
-speculation method's drafts and accepted tokens from each step's StepStats; running / waiting requests, KV
-usage and KV blocks in use are gauges of the engine's stats. It records
-all of them with
-ray.util.metrics, for Ray's per-node Prometheus export and dashboard (where Ray's rules make the names
-`ray_numaserve_...`), and keeps exact copies that its stats carry: the router gathers those
-(Router.metrics) and http_api/prometheus.py's `render` turns them, with the HTTP actor's request counts, into
-the Prometheus text the HTTP server answers at GET /metrics.
+Each worker's loop thread keeps a WorkerMetrics: it times each request from its submission (queue time, time
+to first token, inter-token latency, end-to-end latency) and counts prompt and generation tokens and finished
+requests by reason, from the engine's outputs; prefix-cache queries and hits, preemptions and each speculation
+method's drafts and accepted tokens from each step's StepStats; running / waiting requests, KV usage and KV
+blocks in use are gauges of the engine's stats. It records all of them with ray.util.metrics, for Ray's
+per-node Prometheus export and dashboard (where Ray's rules make the names `ray_numaserve_...`), and keeps
+exact copies that its stats carry: the router gathers those (Router.metrics) and http_api/prometheus.py's
+`render` turns them, with the HTTP actor's request counts, into the Prometheus text the HTTP server answers at
+GET /metrics.
 """
 
 import bisect

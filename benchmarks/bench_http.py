@@ -5,8 +5,8 @@
 
 The TinyLlama-1.1B-shaped random checkpoint (benchmarks/checkpoints.py, with a word tokenizer so every token
 streams text) with q8_0 weights. Closed loop at each concurrency c: c streams in flight, each request
-(prompt-len random token ids, max-tokens greedy tokens, ignore_eos) followed by the next until max(c, 4)
-are done.
+(prompt-len random token ids, max-tokens greedy tokens, ignore_eos) followed by the next until max(c, 4) are
+done.
 - HTTP: a deployment of one worker on every core (two threads on this 2-core machine), its router and HTTP
   server on the same cores, driven over loopback by asyncio `openai` clients in this process; streamed
   with stream_interval_ms 0 by default (a chunk per engine step, so chunk gaps are inter-token latencies) and

@@ -1,10 +1,10 @@
 """SpeculationConfig: how an engine drafts tokens and verifies them in one target forward.
 
-Nested in EngineConfig as `speculation` (a SpeculationConfig or a dict). Off by default. "medusa" and
-"eagle" draft with trained heads beside the model (models/proposers/medusa_head.py,
-models/proposers/eagle_head.py). "auto" weighs
-every method the model has (n-gram; Medusa and EAGLE when their heads are beside it; the draft model when
-draft_model is set) and lets the best one draft each step (scheduling/speculation/method_chooser.py).
+Nested in EngineConfig as `speculation` (a SpeculationConfig or a dict). Off by default. "medusa" and "eagle"
+draft with trained heads beside the model (models/proposers/medusa_head.py, models/proposers/eagle_head.py).
+"auto" weighs every method the model has (n-gram; Medusa and EAGLE when their heads are beside it; the draft
+model when draft_model is set) and lets the best one draft each step
+(scheduling/speculation/method_chooser.py).
 """
 
 from typing import Literal

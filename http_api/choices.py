@@ -121,9 +121,8 @@ async def collect(choices: list[ChoiceState], streams: list[RequestStream],
 
 
 def best_choices(choices: list[ChoiceState], n: int, best_of: int) -> list[ChoiceState]:
-    """Of each prompt's best_of candidates (consecutive), the n best (scheduling/sampling/best_of.py),
-    indexed as
-    choices 0, 1, ... in that order."""
+    """Of each prompt's best_of candidates (consecutive), the n best (scheduling/sampling/best_of.py), indexed
+    as choices 0, 1, ... in that order."""
     kept = []
     for first in range(0, len(choices), best_of):
         group = choices[first:first + best_of]

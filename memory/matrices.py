@@ -53,10 +53,8 @@ K_QUANT_FALLBACK = {"q4_k": "q5_0", "q5_k": "q5_1", "q6_k": "q8_0"}
 class WeightMatrix:
     """[out_features, in_features]; float16 as numpy float16 (a GGUF F16 tensor's or a float16 checkpoint's
     bits; numpy widens them exactly, and the kernels read the same bytes as int16: kernels/formats/fp16.py);
-    bf16 as
-    uint16 bits; q8_0 / q4_0 as GGML-valued blocks of 32; the GGML block formats
-    (kernels/formats/ggml_blocks.py) as
-    their GGUF bytes.
+    bf16 as uint16 bits; q8_0 / q4_0 as GGML-valued blocks of 32; the GGML block formats
+    (kernels/formats/ggml_blocks.py) as their GGUF bytes.
 
     data: f32 [N, K] | f16 [N, K] | uint16 [N, K] | int8 [N, K] | uint8 [N, K // 2] |
     uint8 [N, row_bytes(dtype, K)];
@@ -125,12 +123,11 @@ class Int8Matrix:
     """A q8_0 / q4_0 matrix repacked for int8 activations (kernels/formats/int8_layout.py),
     [out_features, in_features].
 
-    For the AVX2 kernels: data q8_0 int8 [N, Kp] in pair order | q4_0 uint8 [N, Kp // 2] in quad order;
-    scales uint16 fp16 [N, Kp // 32]. For the VNNI kernel (vnni, kernels/simd/vnni.py): q8_0 as uint8
-    value + 128 [N4, Kp] | q4_0 [N4, Kp // 2], both in quad order and in blocks of 4 interleaved rows
-    (kernels/formats/int8_layout.py), scales [N4, Kp // 32]; N4 = N rounded up to 4, the padding rows zero.
-    Kp = K
-    padded to 256. vnni is chosen at packing when the host has it; both kernels give the same bits.
+    For the AVX2 kernels: data q8_0 int8 [N, Kp] in pair order | q4_0 uint8 [N, Kp // 2] in quad order; scales
+    uint16 fp16 [N, Kp // 32]. For the VNNI kernel (vnni, kernels/simd/vnni.py): q8_0 as uint8 value + 128
+    [N4, Kp] | q4_0 [N4, Kp // 2], both in quad order and in blocks of 4 interleaved rows
+    (kernels/formats/int8_layout.py), scales [N4, Kp // 32]; N4 = N rounded up to 4, the padding rows zero. Kp
+    = K padded to 256. vnni is chosen at packing when the host has it; both kernels give the same bits.
     activation_scale: a calibrated static scale for this matrix's inputs, 0 = per-block dynamic scales.
     """
 

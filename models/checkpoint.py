@@ -125,9 +125,8 @@ class TensorReader:
 
 
 def load_weights(model_dir: str | Path, weight_dtype: str) -> tuple[ModelSpec, ModelWeights]:
-    """-> (spec, weights): matrices as WeightMatrix in `weight_dtype`, quantized as they are read
-    (q|k|v and gate|up fused),
-    norms and biases as float32."""
+    """-> (spec, weights): matrices as WeightMatrix in `weight_dtype`, quantized as they are read (q|k|v and
+    gate|up fused), norms and biases as float32."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise CheckpointError(f"{model_dir}: not a directory; pass a Hugging Face model directory")

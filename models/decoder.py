@@ -1,8 +1,7 @@
 """The decoder forward pass of every family (models/architectures.py), dense or mixture-of-experts, over a
 flat token batch and a paged KV cache. What differs between families is data the pass reads, not branches: a
 layer's norms are applied where its weights have them, its experts where it has them (models/moe/layer.py),
-the
-spec's multipliers and soft-caps where they are not neutral."""
+the spec's multipliers and soft-caps where they are not neutral."""
 
 import time
 

@@ -144,8 +144,7 @@ def _field(path: Path, tensors: dict, prefix: str, layouts: tuple[Layout, ...], 
            spec: ModelSpec, index: int):
     """A LayerWeights field of layer `index` from the first layout whose tensors the file has: matrices in a
     served format (a mix's choice per tensor category: models/quantization/quant_mix.py), vectors float32,
-    rows back in
-    our order."""
+    rows back in our order."""
     layout = next((lay for lay in layouts if all(prefix + s.name in tensors for s in lay)), layouts[0])
     parts = [_pop(path, tensors, prefix + s.name, s.shape) for s in layout]
     order = None

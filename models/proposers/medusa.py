@@ -1,16 +1,15 @@
 """MedusaProposer: drafts from trained Medusa heads (models/proposers/medusa_head.py) over the target's hidden
 states.
 
-The engine hands over, after each step, the hidden states of the positions it verified; the last is the
-row that produced the request's last token (Proposer.observe_hidden), and head k's argmax at that row is
-the draft k + 1 places after that token (head 0 guesses the next one: the target's own LM head gave the
-last token itself). A request whose last token came from elsewhere (a resumed or preempted request before
-its next forward) has no hidden state for it and drafts nothing that step. With width > 1 it drafts a
-token tree (models/proposers/tree_shape.py: head k's top guesses are the tree's level k + 1), verified in
-one forward with tree attention. The width is the speculator's choice each step
-(scheduling/speculation/tree_policy.py) from what this proposer measures: every proposal's widest tree,
-checked once
-the tokens that followed it are known (`accepted_counts`); `fixed_width` pins it instead.
+The engine hands over, after each step, the hidden states of the positions it verified; the last is the row
+that produced the request's last token (Proposer.observe_hidden), and head k's argmax at that row is the draft
+k + 1 places after that token (head 0 guesses the next one: the target's own LM head gave the last token
+itself). A request whose last token came from elsewhere (a resumed or preempted request before its next
+forward) has no hidden state for it and drafts nothing that step. With width > 1 it drafts a token tree
+(models/proposers/tree_shape.py: head k's top guesses are the tree's level k + 1), verified in one forward
+with tree attention. The width is the speculator's choice each step (scheduling/speculation/tree_policy.py)
+from what this proposer measures: every proposal's widest tree, checked once the tokens that followed it are
+known (`accepted_counts`); `fixed_width` pins it instead.
 """
 
 from collections.abc import Sequence
