@@ -15,6 +15,9 @@ from safetensors.torch import load_file, save_file
 from transformers import LlamaForCausalLM
 
 import numaserve as ns
+from kernels.simd.cpu import missing_features
+from kernels.simd.q6k import Q6K_FEATURES
+from kernels.simd.vnni import VNNI_FEATURES
 from memory.matrices import BlockInt8Matrix, WeightMatrix, parts
 from models.gguf.writer import convert_to_gguf
 from models.linear import dequantize
@@ -75,6 +78,12 @@ def test_q4_k_m_gives_the_sensitive_matrices_more_bits(kq_dir):
         v = "q6_k" if i in MORE_BITS else "q4_k"
         assert [p.dtype for p in parts(layer.qkv)] == (["q4_k", v] if i in MORE_BITS else ["q4_k"])
         assert (layer.o.dtype, layer.gate_up.dtype, layer.down.dtype) == ("q4_k", "q4_k", v)
+
+
+@pytest.mark.skipif(bool(missing_features(VNNI_FEATURES) or missing_features(Q6K_FEATURES)),
+                    reason="this CPU lacks AVX512-VNNI")
+def test_q4_k_m_matrices_are_packed_for_their_int8_kernels(kq_dir):
+    for layer in ns.LLM(kq_dir, **INT8).engine.model.weights.layers:
         assert all(isinstance(p, BlockInt8Matrix) for p in parts(layer.qkv))
 
 

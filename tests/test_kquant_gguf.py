@@ -13,6 +13,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import numaserve as ns
 from cluster_configs.diagnostics import DecisionLog
+from kernels.simd.cpu import missing_features
+from kernels.simd.q6k import Q6K_FEATURES
+from kernels.simd.vnni import VNNI_FEATURES
 from memory.matrices import StackedMatrix, parts
 from models.gguf.format import rope_row_order
 from models.gguf.writer import convert_to_gguf
@@ -113,6 +116,13 @@ def test_our_q4_k_m_of_the_f16_file_is_llama_cpps_byte_for_byte(tmp_path):
             assert np.array_equal(mine[name].data, t.data), name
 
 
+# the K-quant, Q6_K and q8_0 int8 kernels are AVX-512 VNNI code: elsewhere the matrices keep float32
+# activations
+LACKS_VNNI = bool(missing_features(VNNI_FEATURES) or missing_features(Q6K_FEATURES))
+needs_vnni_kernels = pytest.mark.skipif(LACKS_VNNI, reason="this CPU lacks AVX512-VNNI")
+
+
+@needs_vnni_kernels
 def test_int8_activations_run_every_format_through_its_vnni_kernel():
     llm = ns.LLM(FIXTURE, activation_dtype="int8", kv_dtype="float32", max_model_len=128)
     kernels = " ".join(d["choice"] + d["reason"] for d in llm.diagnostics() if d["topic"] == "kernel")
@@ -121,6 +131,7 @@ def test_int8_activations_run_every_format_through_its_vnni_kernel():
     assert "float32 activations" not in kernels
 
 
+@needs_vnni_kernels
 def test_every_packed_matrix_of_the_file_equals_float64_over_the_same_quantized_activations():
     _, weights, _ = load_model(FIXTURE, "auto")
     packed = plan_activations(weights, "int8", DecisionLog())
