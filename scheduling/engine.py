@@ -72,8 +72,8 @@ class Engine:
         pool = BlockPool(num_blocks)
         block_bytes = self.kv_cache.bytes_per_token * bs
         self.sessions = SequenceStore(pool, bs, max_pinned_blocks=config.session_kv_bytes // block_bytes)
-        self.kv = KVCacheManager(pool, self.kv_cache, config.enable_prefix_caching, window,
-                                 reclaim=self.sessions.reclaim)
+        self.kv = KVCacheManager(pool, self.kv_cache.layout, config.enable_prefix_caching, window,
+                                 reclaim=self.sessions.reclaim, kv_cache=self.kv_cache)
         self.batcher = Batcher(config, self.kv, self.sessions, self.decisions)
         self.requests: dict[str, Request] = {}
         self.adapters = AdapterStore(s, config.max_lora_rank, config.adapter_roots, fetch=fetch_adapter,

@@ -10,14 +10,13 @@ which has the attributes they read (requests, batcher, sessions, speculation). T
 """
 
 from collections import OrderedDict
-from dataclasses import dataclass
 from types import SimpleNamespace
 
 from benchmarks.simulate.sim_proposer import SimProposer
 from benchmarks.simulate.step_cost import StepCostModel, StepShape, prefill_pairs
 from cluster_configs.engine_config import EngineConfig
 from memory.block_pool import BlockPool
-from memory.kv_cache import kv_bytes_per_token
+from memory.kv_cache import kv_layout
 from scheduling.batcher import Batcher
 from scheduling.engine import Engine
 from scheduling.kv_cache_manager import KVCacheManager, num_kv_blocks
@@ -32,15 +31,6 @@ from scheduling.speculation.speculator import Speculator
 
 # the KV geometry of the TinyLlama shape (benchmarks/checkpoints.py): 22 layers, 4 KV heads of 64
 MODEL_SHAPE = SimpleNamespace(num_layers=22, num_kv_heads=4, head_dim=64)
-
-
-@dataclass(frozen=True)
-class KVGeometry:
-    """What KVCacheManager reads of a KVCache when no tree is verified: no arrays (and no recent window)."""
-    block_size: int
-    bytes_per_token: int
-    windowed: bool = False
-    window_bytes: int = 0
 
 
 def step_shape(plan: StepPlan) -> StepShape:
@@ -64,13 +54,12 @@ class SimWorker:
                  max_model_len: int):
         self.worker_id, self.config, self.cost, self.sampler = worker_id, config, cost, sampler
         bs = config.block_size
-        num_blocks = num_kv_blocks(MODEL_SHAPE, config, max_model_len)
-        bytes_per_token = kv_bytes_per_token(MODEL_SHAPE.num_layers, MODEL_SHAPE.num_kv_heads,
-                                             MODEL_SHAPE.head_dim, config.resolved_kv_dtype)
-        pool = BlockPool(num_blocks)
+        m = MODEL_SHAPE  # no arrays, so no recent window
+        layout = kv_layout(m.num_layers, num_kv_blocks(m, config, max_model_len), bs, m.num_kv_heads,
+                           m.head_dim, config.resolved_kv_dtype, config.kv_dtype_overrides)
+        pool = BlockPool(layout.num_blocks)
         self.sessions = SequenceStore(pool, bs, max_pinned_blocks=0)  # a deployment's turns share by prefix
-        self.kv = KVCacheManager(pool, KVGeometry(bs, bytes_per_token), config.enable_prefix_caching, 0,
-                                 reclaim=self.sessions.reclaim)
+        self.kv = KVCacheManager(pool, layout, config.enable_prefix_caching, 0, reclaim=self.sessions.reclaim)
         self.batcher = Batcher(config, self.kv, self.sessions)
         self.processor = OutputProcessor(self.kv, eos_token_ids=())
         self.requests: dict[str, Request] = {}
