@@ -203,7 +203,7 @@ class StepLoop:
         self.event_loop.call_soon_threadsafe(_resolve, answer, value)
 
     def _fail_all(self, error: Exception) -> None:
-        request_ids = list(self.engine.requests)
+        request_ids = list(self.engine.scheduler.requests)
         for request_id in request_ids:
             self.engine.abort(request_id)
         failure = RuntimeError(f"worker {self.placement.worker_id}: engine step failed: {error!r}")
