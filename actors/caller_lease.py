@@ -1,15 +1,14 @@
 """Caller leases: a worker aborts the requests of a caller that went away (its process killed, its HTTP actor
 killed) within a second, where Ray would let them run on to max_tokens.
 
-Ray gives nothing fast enough for free (measured on Ray 2.60, this machine, 5 trials each): the worker's
-async streaming generator is not cancelled when its caller dies, neither a driver killed with SIGKILL nor an
-actor killed with ray.kill (no CancelledError within 15 s; it yields on into a stream nobody owns); a worker
-awaiting an ObjectRef the caller owns gets OwnerDiedError 2.02-2.04 s after the kill, every time (a fixed
-delay, whatever its cause in Ray). So each caller holds a lease on the workers it streams from: it renews
-it every RENEW_INTERVAL_S with one call per worker (not per request or per chunk), and a worker whose lease
-from a caller is older than LEASE_S aborts that caller's requests. A kill lands at most RENEW_INTERVAL_S after
-a renewal, so its requests end LEASE_S - RENEW_INTERVAL_S .. LEASE_S after it, plus one check interval and
-one engine step.
+Ray gives nothing fast enough for free: the worker's async streaming generator is not cancelled when its
+caller dies, neither a driver killed with SIGKILL nor an actor killed with ray.kill (it yields on into a
+stream nobody owns); a worker awaiting an ObjectRef the caller owns gets OwnerDiedError only after a fixed
+delay, longer than a lease (whatever its cause in Ray). So each caller holds a lease on the workers it streams
+from: it renews it every RENEW_INTERVAL_S with one call per worker (not per request or per chunk), and a
+worker whose lease from a caller is older than LEASE_S aborts that caller's requests. A kill lands at most
+RENEW_INTERVAL_S after a renewal, so its requests end LEASE_S - RENEW_INTERVAL_S .. LEASE_S after it, plus one
+check interval and one engine step.
 
 A stalled event loop must not look like a dead caller: renewals queued behind a worker's stall may land
 just after the check that wakes from it, so a check that comes late expires nothing (the next one, on time,
@@ -27,8 +26,7 @@ LATE_CHECK_S = 0.25  # a check this long after the previous one follows a stall 
 
 class CallerGone(Exception):
     """Put in the stream of a request whose caller's lease lapsed: the worker aborts it and ends its stream
-    without a last chunk. (Yielding the abort's chunk to the dead caller instead, a stats call to the worker
-    just after waited 1.0 s, in both runs that met it; without that chunk, none did.)"""
+    without a last chunk (the abort's chunk yielded to the dead caller held up the worker's next call)."""
 
 
 class CallerLeases:

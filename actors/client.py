@@ -4,12 +4,10 @@ Requests go as actors/request_stream.py lays out: tokenized and validated here (
 per client), placed by a router, streamed straight from the worker. A client admits through the router its
 own id hashes to among the deployment's (router.replicas), and through the next one while that one is lost.
 That module is async (the HTTP actor awaits it on its event loop); a client runs it on an event loop of its
-own, in a daemon thread, and waits for each delta, so any number of the driver's threads may stream at once.
+own (actors/client_streams.py), so any number of the driver's threads may stream at once.
 """
 
-import asyncio
 import hashlib
-import threading
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,8 +16,10 @@ import ray
 from ray.exceptions import RayActorError, RayTaskError
 
 from actors.client_session import ClientSession
+from actors.client_streams import ClientStreams, complete
+from actors.deployment_actors import shutdown
 from actors.ray_errors import unwrap
-from actors.request_stream import Ingress, RequestStream
+from actors.request_stream import Ingress
 from cluster_configs.sampling_params import SamplingParams
 from scheduling.outputs import Completion, RequestOutput
 
@@ -33,15 +33,6 @@ def _get(ref, actor: str = "router"):
         raise unwrap(e, actor) from None
 
 
-class _EventLoopThread:
-    def __init__(self):
-        self.loop = asyncio.new_event_loop()
-        threading.Thread(target=self.loop.run_forever, name="numaserve-client", daemon=True).start()
-
-    def run(self, coroutine):
-        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result()
-
-
 class Client:
     def __init__(self, name: str, routers: list, adapter_cache, http_url: str | None = None):
         self.name = name
@@ -50,59 +41,28 @@ class Client:
         self.http_url = http_url
         self.client_id = uuid.uuid4().hex
         first = int.from_bytes(hashlib.blake2b(self.client_id.encode(), digest_size=4).digest(), "big")
-        self._ingress = Ingress(routers, adapter_cache, first)
-        self._loop: _EventLoopThread | None = None  # started with the first request
-        self._loop_lock = threading.Lock()
+        self._streams = ClientStreams(Ingress(routers, adapter_cache, first))
 
     def stream(self, prompt, params: SamplingParams | None = None, adapter: str | None = None,
                session: str | None = None, cache_salt: str | None = None) -> Iterator[RequestOutput]:
         """Deltas of one completion (.text, .token_ids, .finish_reason, .logprobs when asked); closing the
         iterator aborts it. cache_salt: share cached prefix blocks only with requests of the same salt."""
-        yield from self._deltas(self._open(prompt, params, adapter, session, cache_salt))
+        yield from self._streams.deltas(self._streams.open(prompt, params, adapter, session, cache_salt))
 
     def generate(self, prompt, params: SamplingParams | None = None, adapter: str | None = None,
                  session: str | None = None, cache_salt: str | None = None) -> Completion:
-        stream = self._open(prompt, params, adapter, session, cache_salt)
-        return self._complete(stream.admission.prompt_token_ids, self._deltas(stream))
+        stream = self._streams.open(prompt, params, adapter, session, cache_salt)
+        return complete(stream.admission.prompt_token_ids, self._streams.deltas(stream))
 
     def session(self, adapter: str | None = None, cache_salt: str | None = None) -> ClientSession:
         """A session: sequences that keep their KV between turns on the worker the session is pinned to
         (actors/client_session.py)."""
-        return ClientSession(self, adapter, cache_salt)
-
-    @staticmethod
-    def _complete(prompt_token_ids: list[int], chunks: Iterator[RequestOutput]) -> Completion:
-        done = Completion(prompt_token_ids=prompt_token_ids)
-        for chunk in chunks:
-            done.token_ids += chunk.token_ids
-            done.text += chunk.text
-            done.finish_reason = chunk.finish_reason
-            if chunk.logprobs is not None:
-                done.logprobs = (done.logprobs or []) + chunk.logprobs
-        return done
+        return ClientSession(self._streams, adapter, cache_salt)
 
     @property
     def router(self):
         """The router this client admits through now (stats and pauses are asked of it too)."""
-        return self._ingress.router
-
-    def _open(self, prompt, params, adapter, session, cache_salt) -> RequestStream:
-        return self._event_loop().run(self._ingress.open(prompt, params, adapter, session, cache_salt))
-
-    def _deltas(self, stream: RequestStream) -> Iterator[RequestOutput]:
-        loop = self._event_loop()
-        try:
-            while not stream.done:
-                yield loop.run(stream.next())
-        finally:
-            if not stream.done:  # closed early: abort it
-                loop.loop.call_soon_threadsafe(stream.cancel)
-
-    def _event_loop(self) -> _EventLoopThread:
-        with self._loop_lock:
-            if self._loop is None:
-                self._loop = _EventLoopThread()
-            return self._loop
+        return self._streams.ingress.router
 
     def register_adapter(self, name: str, path: str | Path) -> str:
         """Register a PEFT adapter directory under name (kept across restarts); AdapterError if it is
@@ -133,6 +93,4 @@ class Client:
 
     def shutdown(self) -> None:
         """Stop every actor of this deployment."""
-        from actors.deploy import shutdown
-
         shutdown(self.name)

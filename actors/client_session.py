@@ -21,10 +21,11 @@ import threading
 import uuid
 import weakref
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Self
+from typing import Self
 
 import ray
 
+from actors.client_streams import ClientStreams, complete
 from actors.messages import ForkSequence, FreeSequences, Placement
 from actors.ray_errors import WORKER_LOST, unwrap
 from cluster_configs.errors import EngineClosed, InvalidRequest
@@ -32,15 +33,12 @@ from cluster_configs.sampling_params import SamplingParams
 from scheduling.outputs import Completion, RequestOutput
 from scheduling.validation import encode_prompt
 
-if TYPE_CHECKING:
-    from actors.client import Client
-
 CALL_TIMEOUT_S = 10.0  # a fork or free waits this long for its worker (a lost worker's sequences are gone)
 
 
 class ClientSession:
-    def __init__(self, client: "Client", adapter: str | None, cache_salt: str | None):
-        self._client, self.adapter, self.cache_salt = client, adapter, cache_salt
+    def __init__(self, streams: ClientStreams, adapter: str | None, cache_salt: str | None):
+        self._streams, self.adapter, self.cache_salt = streams, adapter, cache_salt
         self._lock = threading.Lock()
         self._placement: Placement | None = None  # the worker it is pinned to (None: no turn yet)
         self._placements: dict[str, Placement] = {}  # every worker its turns went to, by id
@@ -108,7 +106,7 @@ class ClientSequence:
         the whole history before its output)."""
         with self._lock:
             prompt_ids, chunks = self._turn(text_or_ids, params)
-            return self._session._client._complete(prompt_ids, chunks)
+            return complete(prompt_ids, chunks)
 
     def stream(self, text_or_ids, params: SamplingParams | None = None) -> Iterator[RequestOutput]:
         """generate's deltas, the records client.stream yields; closing the iterator aborts the turn (what
@@ -137,24 +135,21 @@ class ClientSequence:
     def _turn(self, text_or_ids, params: SamplingParams | None) -> tuple[list[int], Iterator[RequestOutput]]:
         """Open the turn's stream -> (its prompt: history + new input, its chunks, each appended to the
         history as it comes)."""
-        session, client = self._session, self._session._client
+        session, streams = self._session, self._session._streams
         session._check_open()
         if params is not None and params.prompt_logprobs is not None:
             # its earlier turns' KV is not recomputed, so their positions are not scored
             raise InvalidRequest("a session turn does not take prompt_logprobs; use client.generate",
                                  param="prompt_logprobs")
-        ingress = client._ingress
-        loop = client._event_loop()
-        model = loop.run(ingress.model_info())
+        model = streams.run(streams.ingress.model_info())
         new_ids = encode_prompt(text_or_ids, model["tokenizer"], model["vocab_size"])
-        stream = loop.run(ingress.open(self._token_ids + new_ids, params, session.adapter, None,
-                                       session.cache_salt, pinned=session.worker_id,
-                                       sequence_id=self.sequence_id))
+        stream = streams.open(self._token_ids + new_ids, params, session.adapter, None, session.cache_salt,
+                              pinned=session.worker_id, sequence_id=self.sequence_id)
         self._token_ids = list(stream.admission.prompt_token_ids)
         session._pin(stream.placement)
 
         def chunks() -> Iterator[RequestOutput]:
-            for chunk in client._deltas(stream):
+            for chunk in streams.deltas(stream):
                 self._token_ids += chunk.token_ids
                 session._pin(stream.placement)  # moved, if its worker was lost
                 yield chunk

@@ -20,6 +20,7 @@ import ray
 
 from actors.adapter_cache import AdapterCache
 from actors.client import Client
+from actors.deployment_actors import deployment_actor_names, replica_name, replica_names, shutdown
 from actors.http_server import HttpServer, fingerprint, served_model_name
 from actors.ray_instance import NAMESPACE, find_address, join, start_local
 from actors.router import Router
@@ -35,7 +36,6 @@ from scheduling.policy import PolicyLimits
 HEAD = {"node:__internal_head__": 0.001}
 READY_TIMEOUT_S = 600.0
 RELEASE_WAIT_S = 5.0
-DRAIN_GRACE_S = 10.0  # past the drain timeout: the cancelled requests' unwinding (5 s) and the calls
 log = logging.getLogger("numaserve")
 
 
@@ -82,52 +82,6 @@ def connect(name: str = "numaserve", address: str | None = None) -> Client:
         raise DeploymentError(f"no numaserve deployment named {name!r} in this Ray cluster; start one with "
                               "numaserve.serve(...) or `numaserve serve --config ...`") from None
     return Client(name, routers, adapter_cache, _http_url(name))
-
-
-def shutdown(name: str = "numaserve", timeout_s: float = 30.0) -> None:
-    for actor_name in deployment_actor_names(name):
-        try:
-            ray.kill(ray.get_actor(actor_name, namespace=NAMESPACE))
-        except ValueError:
-            pass  # already gone
-    deadline = time.monotonic() + timeout_s
-    while deployment_actor_names(name) and time.monotonic() < deadline:
-        time.sleep(0.1)  # names are released once the actors are dead
-
-
-def drain(name: str, timeout_s: float) -> int:
-    """Drains the deployment's HTTP actors together (http_api/lifecycle.py): new requests get 503, those
-    in flight finish up to timeout_s, then are cancelled; -> how many were."""
-    https = [ray.get_actor(n, namespace=NAMESPACE) for n in replica_names(name, "http")]
-    refs = [h.drain.remote(timeout_s) for h in https]
-    try:
-        return sum(ray.get(refs, timeout=timeout_s + DRAIN_GRACE_S))
-    except ray.exceptions.RayError as e:  # an HTTP actor lost meanwhile: its requests went with it
-        log.warning("numaserve: draining %s: %s", name, type(e).__name__)
-        return 0
-
-
-def deployment_names() -> list[str]:
-    """The deployments running in this cluster (a deployment's name has no ".")."""
-    return sorted({a["name"].split(".")[0] for a in ray.util.list_named_actors(all_namespaces=True)
-                   if a["namespace"] == NAMESPACE})
-
-
-def deployment_actor_names(name: str) -> list[str]:
-    return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-            if a["namespace"] == NAMESPACE and a["name"].startswith(f"{name}.")]
-
-
-def replica_name(name: str, role: str, replica: int) -> str:
-    """`<name>.router`, `<name>.router.1`, ... (role "router" or "http")."""
-    return f"{name}.{role}" if replica == 0 else f"{name}.{role}.{replica}"
-
-
-def replica_names(name: str, role: str) -> list[str]:
-    """The deployment's routers' (role "router") or HTTP actors' ("http") names, in replica order."""
-    pattern = re.compile(rf"{re.escape(name)}\.{role}(?:\.(\d+))?")
-    found = [(int(m.group(1) or 0), n) for n in deployment_actor_names(name) if (m := pattern.fullmatch(n))]
-    return [n for _, n in sorted(found)]
 
 
 # ---- configuration and the Ray cluster ---------------------------------------------------------------
@@ -225,9 +179,8 @@ def _worker_share(config: ClusterConfig) -> float:
 
 # Ray runs a worker process's Python threads at nice 15 (RAY_worker_niceness), below its own threads, raylet,
 # drivers and any process it is starting: with every core decoding, a restarting adapter cache's new process
-# then took a core from a worker's streams (gaps to 129 ms), and a 5 MB body's POST took 0.19-0.21 s. These
-# actors are the service, so they run at 0, as Ray's own job supervisor does (quiet test_placement runs,
-# 0 vs 15: POST 39-93 vs 189-212 ms, /health during it 10-25 vs 33-44 ms, cold-adapter gaps 14-28 vs 32-54)
+# then took a core from a worker's streams, and a large body's POST was slowed. These actors are the service,
+# so they run at 0, as Ray's own job supervisor does (benchmarks/results/HISTORY.md)
 SERVING_ENV = {"RAY_worker_niceness": "0"}
 
 def _start(config: ClusterConfig, placements: list[WorkerPlacement], name: str) -> Client:

@@ -1,12 +1,11 @@
 """FreshValue: a value that an endpoint answers from memory while a single background ask keeps it fresh.
 
-/health asked the router, which asked every worker, on every call: under 8 streams that round trip took
-46-59 ms and stretched with whatever slowed any actor on the way (a 5 MB body in the HTTP actor: 103 ms).
-vLLM's /health reads the engine's state in the server's own process; here a call answers the last count at
-once and, when it is older than refresh_s, starts one ask in the background (never two at a time). A count
-older than max_age_s is not answered: the call waits for the ask. So an answer is at most max_age_s old, and
-a /health poll costs no Ray call while another is under way. ask answers and never raises (for /health a
-failure is an answer: no worker serves).
+/health asked the router, which asked every worker, on every call: a round trip that stretched with whatever
+slowed any actor on the way. vLLM's /health reads the engine's state in the server's own process; here a call
+answers the last count at once and, when it is older than refresh_s, starts one ask in the background (never
+two at a time). A count older than max_age_s is not answered: the call waits for the ask. So an answer is at
+most max_age_s old, and a /health poll costs no Ray call while another is under way. ask answers and never
+raises (for /health a failure is an answer: no worker serves).
 """
 
 import asyncio

@@ -1,60 +1,37 @@
-"""HttpServer: the deployment's OpenAI-compatible HTTP API, a FastAPI app served by uvicorn inside a Ray
-actor.
+"""HttpServer: the deployment's OpenAI-compatible HTTP API (the app: http_api/app.py) served by uvicorn inside
+a Ray actor, over the deployment's routers and workers (RayDeployment).
 
 uvicorn runs as a task on the actor's own event loop (Ray Serve's proxy does the same). A request is
 tokenized and validated in this actor's thread pool, placed by the router and streamed straight from its
 worker's streaming generator with `await` (actors/request_stream.py), never a blocking ray.get. The actor
-is detached with unlimited restarts like the others; a restarted one binds its port again. The endpoints'
-logic is OpenAIServing (http_api/serving.py); this file wires it to HTTP and to the Ray actors. GET
-/metrics renders the workers' metrics (actors/metrics.py), gathered by the router, and this actor's request
-counts (http_api/metrics.py) in Prometheus text format.
+is detached with unlimited restarts like the others; a restarted one binds its port again. GET /metrics
+renders the workers' metrics (actors/metrics.py), gathered by the router, and this actor's request counts.
 The app runs inside Lifecycle (http_api/lifecycle.py): the access log, and drain() when serving stops.
 """
 
 import asyncio
 import contextlib
 import hashlib
-import importlib.metadata
 import os
 import socket
-from collections import Counter
 from pathlib import Path
 
 import numpy as np
 import ray
 import uvicorn
-from fastapi import FastAPI, Request
-from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
-from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from ray.exceptions import RayActorError, RayTaskError
-from sse_starlette import EventSourceResponse
 
 from actors.adapter_cache import lookup_adapter
 from actors.fresh_value import FreshValue
-from actors.metrics import render
 from actors.ray_errors import unwrap
 from actors.request_stream import Ingress, RequestStream
 from cluster_configs.cluster_config import ClusterConfig, HttpConfig
 from cluster_configs.errors import Unavailable
+from http_api.app import build_app
 from http_api.chat_template import load_chat_template
-from http_api.errors import APIError, InternalErrors, install_error_handlers
-from http_api.json_bodies import JSONBodies, ParsedJSONRoute
 from http_api.lifecycle import Lifecycle, log_access_to_stderr
-from http_api.limits import Caller
-from http_api.metrics import CountRequests
-from http_api.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    DetokenizeRequest,
-    EmbeddingRequest,
-    LoadLoraAdapterRequest,
-    TokenizeRequest,
-)
-from http_api.request_ids import RequestIds
 from http_api.serving import OpenAIServing
 
-MAX_BODY_BYTES = 8 << 20  # a 32k-token prompt as token ids is ~200 kB; more is a mistake or an attack: 413
 HEALTH_TIMEOUT_S = 5.0
 HEALTH_REFRESH_S = 0.25  # /health answers a serving-worker count asked at most this long ago (while polled),
 HEALTH_MAX_AGE_S = 2.0  # and never one older than this: it waits for a fresh one (actors/fresh_value.py)
@@ -169,106 +146,6 @@ class RayDeployment:
     async def metrics(self) -> list[dict]:
         _, snapshots = await self.ingress.call_router(lambda router: router.metrics.remote())
         return snapshots
-
-
-# ---- the HTTP app ------------------------------------------------------------------------------------------
-
-def build_app(serving: OpenAIServing) -> FastAPI:
-    app = FastAPI(title="numaserve", summary="OpenAI-compatible API of a numaserve deployment")
-    app.router.route_class = ParsedJSONRoute
-    install_error_handlers(app)
-    # the last added is the outermost: ids, CORS, the request counts, a bug's 500, then the body checks
-    app.add_middleware(JSONBodies, max_bytes=MAX_BODY_BYTES)
-    app.add_middleware(InternalErrors)
-    http_requests: Counter = Counter()  # (handler, method, status) -> n, for /metrics
-    app.add_middleware(CountRequests, counts=http_requests)
-    origins = serving.tenancy.config.allowed_origins
-    if origins:  # a preflight is answered before the body checks (API keys go in a header)
-        app.add_middleware(CORSMiddleware, allow_origins=list(origins), allow_methods=["*"],
-                           allow_headers=["*"], expose_headers=["X-Request-Id"])
-    app.add_middleware(RequestIds)
-
-    def caller(request: Request) -> Caller:
-        """The /v1 routes' API key check (401), as vLLM's --api-key does; /health and /metrics stay open."""
-        key = serving.tenancy.authenticate(request.headers.get("authorization"))
-        return Caller(key, request.client.host if request.client else None)
-
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request) -> Response:
-        return await _respond(request, serving.completions(body, caller(request)))
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        return await _respond(request, serving.chat(body, caller(request)))
-
-    @app.post("/v1/embeddings")
-    async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
-        return await _respond(request, serving.embeddings(body, caller(request)))
-
-    @app.get("/v1/models")
-    async def models(request: Request) -> dict:
-        caller(request)
-        return await serving.models()
-
-    @app.post("/v1/load_lora_adapter")
-    async def load_lora_adapter(body: LoadLoraAdapterRequest, request: Request) -> PlainTextResponse:
-        caller(request)
-        return PlainTextResponse(await serving.load_lora_adapter(body))
-
-    @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest, request: Request) -> dict:
-        caller(request)
-        return await serving.tokenize(body)
-
-    @app.post("/detokenize")
-    async def detokenize(body: DetokenizeRequest, request: Request) -> dict:
-        caller(request)
-        return await serving.detokenize(body)
-
-    @app.get("/version")
-    async def version() -> dict:
-        return {"version": importlib.metadata.version("numaserve")}
-
-    @app.get("/health")
-    async def health() -> Response:
-        if await serving.health():
-            return Response(status_code=200)
-        raise APIError(503, "no worker can serve (all are down or restarting); retry in a few seconds",
-                       type="server_error", code="no_worker_available", headers={"Retry-After": "1"})
-
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        return Response(render(await serving.deployment.metrics(), http_requests),
-                        media_type=CONTENT_TYPE_LATEST)
-
-    return app
-
-
-async def _respond(request: Request, work) -> Response:
-    """The endpoint's answer, or its cancellation when the client goes away first (the requests it opened
-    are aborted). A stream is watched by sse-starlette from then on."""
-    task = asyncio.ensure_future(work)
-    gone = asyncio.ensure_future(_disconnected(request))
-    try:
-        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        gone.cancel()
-    if not task.done():
-        task.cancel()
-        return Response(status_code=499)  # nobody reads it: nginx's "client closed request"
-    result = task.result()
-    if isinstance(result, dict):
-        return JSONResponse(result)
-    # sse-starlette rather than a bare StreamingResponse: it watches for the client's disconnect while the
-    # generator waits for the next token (Starlette's, under ASGI 2.4, notices only when a send fails), then
-    # cancels it, and closes it on a failed send, so the requests are aborted at once either way. The events
-    # come framed (openai_format.sse_event) and pass through as they are; sep frames its keep-alive pings
-    return EventSourceResponse(result, sep="\n")
-
-
-async def _disconnected(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
 
 
 # ---- the actor ---------------------------------------------------------------------------------------------

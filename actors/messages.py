@@ -1,16 +1,11 @@
-"""The messages between a deployment's processes (STYLE 8, 16): the router's answers to a caller, a caller's
-request to a worker, and what the worker's event loop tells its step-loop thread (its inbox)."""
+"""The messages between a deployment's processes (STYLE 8, 16): the router's answers to a caller and a
+caller's requests to a worker. (A worker's event loop and its engine loop: scheduling/loop_messages.py.)"""
 
-import asyncio
-import concurrent.futures
 from dataclasses import dataclass
 from typing import Any
 
 from actors.resume import Resume
 from cluster_configs.sampling_params import SamplingParams
-from models.lora.adapter import LoraAdapter
-from models.lora.merge import MergedWeights
-from scheduling.request import Request
 
 # ---- router -> caller ---------------------------------------------------------------------------------
 
@@ -77,9 +72,6 @@ class FreeSequences:
     sequence_ids: tuple[str, ...]
 
 
-# ---- a worker's event loop -> its step-loop thread ------------------------------------------------------
-
-
 @dataclass(frozen=True)
 class EmbedRequest:
     """NumaWorker.embed's argument: one prompt's pooled final hidden states (/v1/embeddings)."""
@@ -89,56 +81,3 @@ class EmbedRequest:
     pooling: str  # scheduling/embedding.POOLINGS
     adapter: str | None = None
     admission_id: str | None = None  # Admission.request_id
-
-
-@dataclass(frozen=True)
-class Submit:
-    request: Request
-    adapter: LoraAdapter | None  # its weights, fetched before it was queued (held until Release)
-    merged: MergedWeights | None  # a merged copy of them another worker shared, if there was one
-    sequence_id: str | None = None  # GenerateRequest.sequence_id
-
-
-@dataclass(frozen=True)
-class Abort:
-    request_id: str
-
-
-@dataclass(frozen=True)
-class Release:
-    """A request with this adapter has ended: its weights need not be held for it any more."""
-
-    adapter: str
-
-
-@dataclass(frozen=True)
-class SetPaused:
-    paused: bool
-    answer: asyncio.Future
-
-
-@dataclass(frozen=True)
-class Advance:
-    num_steps: int
-    answer: asyncio.Future
-
-
-@dataclass(frozen=True)
-class StatsQuery:
-    answer: asyncio.Future
-
-
-@dataclass(frozen=True)
-class SequenceCall:
-    call: ForkSequence | FreeSequences
-    answer: asyncio.Future
-
-
-@dataclass(frozen=True)
-class PolicyAnswer:
-    """The scheduler's answer to a telemetry report (a Policy, or the error of a dead scheduler)."""
-
-    answer: concurrent.futures.Future
-
-
-InboxMessage = Submit | Abort | Release | SetPaused | Advance | StatsQuery | SequenceCall | PolicyAnswer

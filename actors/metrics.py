@@ -9,7 +9,7 @@ usage and KV blocks in use are gauges of the engine's stats. It records
 all of them with
 ray.util.metrics, for Ray's per-node Prometheus export and dashboard (where Ray's rules make the names
 `ray_numaserve_...`), and keeps exact copies that its stats carry: the router gathers those
-(Router.metrics) and `render` turns them, with the HTTP actor's request counts (http_api/metrics.py), into
+(Router.metrics) and http_api/prometheus.py's `render` turns them, with the HTTP actor's request counts, into
 the Prometheus text the HTTP server answers at GET /metrics.
 """
 
@@ -18,81 +18,24 @@ import math
 import time
 from dataclasses import dataclass
 
-from prometheus_client.core import (
-    CollectorRegistry,
-    CounterMetricFamily,
-    GaugeMetricFamily,
-    HistogramMetricFamily,
-)
-from prometheus_client.exposition import generate_latest
 from ray.util import metrics as ray_metrics
 
+from http_api.prometheus import (
+    ALL,
+    COUNTERS,
+    ENGINE_COUNTERS,
+    FINISH_REASONS,
+    HISTOGRAMS,
+    LABELS,
+    METHOD,
+    REASON,
+    REQUEST_SUCCESS,
+    SPEC_DECODE,
+    full_name,
+)
 from scheduling.outputs import RequestOutput, StepOutput
 
-LABELS = ("model_name", "worker", "numa_node")
-REASON = "finished_reason"
-FINISH_REASONS = ("stop", "length", "abort")
 RAY_GAUGE_INTERVAL_S = 0.1  # Ray exports every few seconds: fresher gauges buy nothing
-
-_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
-                    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
-_REQUEST_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
-                    50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
-
-
-@dataclass(frozen=True)
-class Metric:
-    name: str  # without the prefix; a counter's is rendered with _total
-    kind: str  # "gauge" | "counter" | "histogram"
-    help: str
-    buckets: tuple[float, ...] = ()
-
-
-GAUGES = (
-    Metric("num_requests_running", "gauge", "Requests in the worker's running batch"),
-    Metric("num_requests_waiting", "gauge", "Requests queued on the worker, not yet running"),
-    Metric("kv_cache_usage_perc", "gauge", "Fraction of the worker's KV blocks in use (1 = full)"),
-    Metric("kv_cache_used_blocks", "gauge", "KV blocks in use on the worker (a request's, or a session's)"),
-)
-# counted from the engine's StepStats
-ENGINE_COUNTERS = (
-    Metric("prefix_cache_queries", "counter", "Prompt tokens looked up in the prefix cache"),
-    Metric("prefix_cache_hits", "counter", "Prompt tokens found in the prefix cache"),
-    Metric("num_preemptions", "counter", "Requests preempted (their KV freed, recomputed later)"),
-)
-COUNTERS = (
-    Metric("prompt_tokens", "counter", "Prompt tokens of requests that reached their first token"),
-    Metric("generation_tokens", "counter", "Tokens generated"),
-)
-REQUEST_SUCCESS = Metric("request_success", "counter", "Finished requests by finish reason (abort: cancelled "
-                                                       "or its client went away)")
-METHOD = "method"
-# counted from the engine's StepStats.drafts, per speculation method (vLLM's names, labelled by method)
-SPEC_DECODE = (
-    Metric("spec_decode_num_drafts", "counter", "Requests' drafts verified (one per request per step)"),
-    Metric("spec_decode_num_draft_tokens", "counter", "Draft tokens verified"),
-    Metric("spec_decode_num_accepted_tokens", "counter", "Draft tokens accepted"),
-)
-# the HTTP actor's, by route template, method and status code: prometheus-fastapi-instrumentator's name and
-# labels, as vLLM's API server exports it (unprefixed), with the exact status code rather than "2xx"
-HTTP_REQUESTS = Metric("http_requests_total", "counter", "HTTP requests answered, by handler, method and "
-                                                         "status code")
-HTTP_LABELS = ("handler", "method", "status")
-HISTOGRAMS = (
-    Metric("time_to_first_token_seconds", "histogram", "From submission to the worker to the first token",
-           _LATENCY_BUCKETS),
-    Metric("inter_token_latency_seconds", "histogram",
-           "Between a request's successive engine steps with tokens", _LATENCY_BUCKETS),
-    Metric("e2e_request_latency_seconds", "histogram", "From submission to the worker to the finish",
-           _REQUEST_BUCKETS),
-    Metric("request_queue_time_seconds", "histogram",
-           "From submission to the worker to its first scheduled step", _REQUEST_BUCKETS),
-)
-ALL = (*GAUGES, *ENGINE_COUNTERS, *COUNTERS, REQUEST_SUCCESS, *SPEC_DECODE, *HISTOGRAMS)
-
-
-def full_name(metric: Metric) -> str:
-    return f"numaserve:{metric.name}"
 
 
 @dataclass
@@ -237,54 +180,3 @@ def _ray_metrics() -> dict:
                 _ray_cache[m.name] = ray_metrics.Histogram(name, m.help, boundaries=list(m.buckets),
                                                            tag_keys=LABELS)
     return _ray_cache
-
-
-# ---- the deployment's /metrics ----------------------------------------------------------------------------
-
-def render(snapshots: list[dict], http_requests: dict[tuple[str, str, str], int] | None = None) -> bytes:
-    """Prometheus text format of the workers' snapshots (WorkerMetrics.snapshot), one series per worker, and
-    of the HTTP actor's request counts ((handler, method, status) -> n: http_api/metrics.py)."""
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Collector(snapshots, http_requests or {}))
-    return generate_latest(registry)
-
-
-class _Collector:
-    def __init__(self, snapshots: list[dict], http_requests: dict[tuple[str, str, str], int]):
-        self.snapshots, self.http_requests = snapshots, http_requests
-
-    def collect(self):
-        http = CounterMetricFamily(HTTP_REQUESTS.name.removesuffix("_total"), HTTP_REQUESTS.help,
-                                   labels=HTTP_LABELS)
-        for labels, n in sorted(self.http_requests.items()):
-            http.add_metric(list(labels), n)
-        yield http
-        for m in ALL:
-            name = full_name(m)
-            if m is REQUEST_SUCCESS:
-                family = CounterMetricFamily(name, m.help, labels=(*LABELS, REASON))
-                for s in self.snapshots:
-                    for reason, n in s[m.name].items():
-                        family.add_metric([*_label_values(s), reason], n)
-            elif m in SPEC_DECODE:
-                family = CounterMetricFamily(name, m.help, labels=(*LABELS, METHOD))
-                for s in self.snapshots:
-                    for method, counts in s["spec_decode"].items():
-                        family.add_metric([*_label_values(s), method], counts[m.name])
-            elif m.kind == "histogram":
-                family = HistogramMetricFamily(name, m.help, labels=LABELS)
-                for s in self.snapshots:
-                    h = s["histograms"][m.name]
-                    cumulative = [sum(h["counts"][:i + 1]) for i in range(len(h["counts"]))]
-                    bounds = [*(repr(float(b)) for b in h["buckets"]), "+Inf"]
-                    family.add_metric(_label_values(s), list(zip(bounds, cumulative)), h["sum"])
-            else:
-                kind = GaugeMetricFamily if m.kind == "gauge" else CounterMetricFamily
-                family = kind(name, m.help, labels=LABELS)
-                for s in self.snapshots:
-                    family.add_metric(_label_values(s), s["values"][m.name])
-            yield family
-
-
-def _label_values(snapshot: dict) -> list[str]:
-    return [snapshot["labels"][k] for k in LABELS]

@@ -2,8 +2,8 @@
 loopback, and stopping one a detached deployment started itself.
 
 ray.init on an address whose GCS is gone retries for a long time (a stale /tmp/ray/ray_current_cluster after
-an unclean stop made `serve` hang past 40 s, `ray.init("auto")` past 90 s), so an address is first probed
-with a TCP connect to its GCS port, answered or refused within PROBE_TIMEOUT_S.
+an unclean stop made `serve` and `ray.init("auto")` hang), so an address is first probed with a TCP connect to
+its GCS port, answered or refused within PROBE_TIMEOUT_S.
 """
 
 import contextlib

@@ -1,10 +1,11 @@
 """NumaWorker: one Engine pinned to one NUMA node's cores; the actor's async surface.
 
-The actor's event loop serves generate/embed/abort/stats/info; the Engine lives on its StepLoop thread
-(actors/step_loop.py), reached through the loop's inbox. Callers stream straight from `generate` (the router
-only placed the request), and renew a lease on the worker while they do: a caller that stops (killed) has
-its requests aborted (actors/caller_lease.py). A request's adapter is fetched on the event loop before the
-request is queued and held by the loop thread while it runs (actors/worker_adapters.py).
+The actor's event loop serves generate/embed/abort/stats/info; the Engine lives on its engine loop's thread
+(scheduling/engine_loop.py, with the worker's hooks: actors/worker_hooks.py), reached through its messages.
+Callers stream straight from `generate` (the router only placed the request), and renew a lease on the worker
+while they do: a caller that stops (killed) has its requests aborted (actors/caller_lease.py). A request's
+adapter is fetched on the event loop before the request is queued and held by the loop thread while it runs
+(actors/worker_adapters.py).
 """
 
 import asyncio
@@ -12,30 +13,21 @@ import os
 import socket
 import time
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
 from pathlib import Path
 
 import numpy as np
+import psutil
 import ray
 
 from actors.caller_lease import CHECK_INTERVAL_S, CallerGone, CallerLeases
 from actors.delta_stream import DeltaStream, merge
-from actors.messages import (
-    Abort,
-    Advance,
-    EmbedRequest,
-    ForkSequence,
-    FreeSequences,
-    GenerateRequest,
-    Release,
-    SequenceCall,
-    SetPaused,
-    StatsQuery,
-    Submit,
-)
+from actors.messages import EmbedRequest, ForkSequence, FreeSequences, GenerateRequest
 from actors.metrics import WorkerMetrics
 from actors.resume import resume_request
-from actors.step_loop import Delivery, StepLoop
 from actors.worker_adapters import AdapterFetcher, CachedMerged, HeldAdapters
+from actors.worker_hooks import WorkerHooks
+from actors.worker_sequences import WorkerSequences
 from cluster_configs.cluster_config import WorkerPlacement
 from cluster_configs.engine_config import EngineConfig
 from cluster_configs.errors import InvalidRequest, Overloaded
@@ -43,6 +35,8 @@ from cluster_configs.sampling_params import SamplingParams
 from memory import numa
 from scheduling.embedding import pool
 from scheduling.engine import Engine
+from scheduling.engine_loop import EngineLoop
+from scheduling.loop_messages import Submit
 from scheduling.outputs import RequestOutput
 from scheduling.request import Request
 
@@ -72,11 +66,11 @@ class NumaWorker:
         self._num_requests = 0  # served through generate (the warm-up is not one)
         self.metrics = WorkerMetrics(model_name or Path(model_path).name, placement.worker_id,
                                      placement.node_id)
-        self._step_loop = StepLoop(self.engine, placement, self.metrics, held, scheduler,
-                                   telemetry_interval_s, self._dispatch)
-        self._step_loop.admission_bound = admission_bound
-        self._inbox = self._step_loop.inbox
-        self._step_loop.start()
+        self._held = held  # the loop thread's
+        self._sequences = WorkerSequences(self.engine.sessions)  # the loop thread's
+        self._hooks = WorkerHooks(placement, self.metrics, scheduler, telemetry_interval_s, admission_bound)
+        self._loop = EngineLoop(self.engine, self._hooks, name=f"step-loop-{placement.worker_id}")
+        self._hooks.post = self._loop.post
 
     @ray.method(num_returns="streaming")
     async def generate(self, request: GenerateRequest):
@@ -92,7 +86,8 @@ class NumaWorker:
                 num_output = len(request.prompt_token_ids) - resume.num_prompt_tokens
                 left = params.model_copy(update={"max_tokens": params.max_tokens - num_output})
             req = self.engine.make_request(request.request_id, request.prompt_token_ids, left,
-                                           adapter=adapter, cache_salt=request.cache_salt)
+                                           adapter=adapter, cache_salt=request.cache_salt,
+                                           remote_adapter=True)
             if resume is not None:
                 resume_request(req, params, resume)
             return req
@@ -132,7 +127,7 @@ class NumaWorker:
         router may have filled it): its caller tries the router's next candidate. No await separates this
         check from _serve counting the request, so the bound holds exactly. A resumed request, which lost its
         worker, is never refused."""
-        bound = self._step_loop.admission_bound
+        bound = self._hooks.admission_bound
         if admission_id is not None and bound is not None and len(self._admission_ids) >= bound:
             raise Overloaded(f"worker {self.placement.worker_id}'s queue is full ({bound} requests "
                              "admitted); retry later, or raise max_queued_per_worker or add workers")
@@ -143,7 +138,8 @@ class NumaWorker:
 
         def make(adapter: str | None) -> Request:
             return self.engine.make_request(request.request_id, request.prompt_token_ids,
-                                            SamplingParams(max_tokens=1), adapter=adapter, pooling=True)
+                                            SamplingParams(max_tokens=1), adapter=adapter, pooling=True,
+                                            remote_adapter=True)
 
         self._refuse_past_bound(request.admission_id)
         async for _, req in self._serve(request.request_id, request.admission_id, request.adapter, make):
@@ -169,10 +165,9 @@ class NumaWorker:
             if adapter is not None:
                 weights, merged = await self._adapters.use(adapter)
                 using_adapter = True
-                if adapter not in self.engine.adapters:
-                    self.engine.adapters.add_remote(adapter)  # served from now on; weights come with requests
             req = make(adapter)
-            self._inbox.put(Submit(req, weights, merged, sequence_id))
+            prepare = self._preparation(req, weights, merged, sequence_id)
+            self._loop.send(Submit((req,), (stream,), True, prepare))
             submitted = True
             self._num_requests += 1
             while not finished:
@@ -190,48 +185,69 @@ class NumaWorker:
             del self._streams[request_id]
             self._admission_ids.pop(request_id, None)
             if submitted and not finished:  # the caller went away or was cancelled
-                self._inbox.put(Abort(request_id))
+                self._loop.abort(request_id)
             if using_adapter:
                 self._adapters.done(adapter)
-                if submitted:
-                    self._inbox.put(Release(adapter))  # after its Abort, if any: the loop holds it until then
+                if submitted:  # after its abort, if any: the loop holds the weights until then
+                    self._loop.post(lambda engine: self._held.release(adapter))
+
+    def _preparation(self, req: Request, weights, merged, sequence_id: str | None):
+        """What the loop thread does just before it queues req: hold its adapter's weights (the adapter is
+        served from now on; its weights come with requests), attach its session sequence."""
+
+        def prepare(engine: Engine) -> None:
+            if weights is not None:
+                self._held.hold(req.adapter_id, weights, merged)  # released when the request ends
+                if req.adapter_id not in engine.adapters:
+                    engine.adapters.add_remote(req.adapter_id)
+            if sequence_id is not None:
+                self._sequences.attach(req, sequence_id)
+
+        return prepare
 
     async def admission_ids(self) -> set[str]:
         """The router's ids of the requests streaming from here now (the router releases the others)."""
         return set(self._admission_ids.values())
 
     async def abort(self, request_id: str) -> None:
-        self._inbox.put(Abort(request_id))
+        self._loop.abort(request_id)
 
     async def fork_sequence(self, call: ForkSequence) -> None:
-        await self._ask(SequenceCall, call)
+        await self._ask(self._loop.call_future(
+            lambda engine: self._sequences.fork(call.sequence_id, call.fork_id)))
 
     async def free_sequences(self, call: FreeSequences) -> None:
-        await self._ask(SequenceCall, call)
+        await self._ask(self._loop.call_future(lambda engine: self._sequences.free(call.sequence_ids)))
 
     async def stats(self) -> dict:
-        return await self._ask(StatsQuery) | {"num_streams": len(self._streams),
-                                              "num_requests": self._num_requests,
-                                              "num_callers_expired": self._leases.num_expired}
+        return await self._ask(self._loop.call_future(self._engine_stats)) | {
+            "num_streams": len(self._streams), "num_requests": self._num_requests,
+            "num_callers_expired": self._leases.num_expired}
+
+    def _engine_stats(self, engine: Engine) -> dict:
+        """On the loop thread."""
+        return engine.stats() | {
+            "worker_id": self.placement.worker_id, "rss_bytes": psutil.Process().memory_info().rss,
+            "metrics": self.metrics.snapshot(engine), "decisions": engine.decisions.recent(),
+            "paused": self._loop.paused, "num_session_sequences": len(self._sequences.by_id)}
 
     async def pause(self) -> None:
         """Take no step until resume(): requests in flight stay where they are (none finishes, none is lost).
         Returns once the step loop has stopped: no step starts after it."""
-        await self._ask(SetPaused, True)
+        await self._ask(self._loop.set_paused(True))
 
     async def resume(self) -> None:
-        await self._ask(SetPaused, False)
+        await self._ask(self._loop.set_paused(False))
 
     async def advance(self, num_steps: int = 1) -> None:
         """Paused: take num_steps steps (fewer if the requests run out), then stay paused; returns after them.
         Tests move a paused worker by exact steps (a request's first token, and no more)."""
-        await self._ask(Advance, num_steps)
+        await self._ask(self._loop.advance(num_steps))
 
-    async def _ask(self, message: type, *values):
-        """The loop thread's answer to one inbox message, message(*values, answer)."""
-        answer = self._bind().create_future()
-        self._inbox.put(message(*values, answer))
-        return await asyncio.wait_for(answer, STATS_TIMEOUT_S)
+    async def _ask(self, answer: Future):
+        """The loop thread's answer to one message."""
+        self._bind()
+        return await asyncio.wait_for(asyncio.wrap_future(answer), STATS_TIMEOUT_S)
 
     async def model_info(self) -> dict:
         """What callers need to validate and tokenize: the tokenizer (or None), the vocabulary size and
@@ -244,19 +260,13 @@ class NumaWorker:
         p = self.placement
         return {"worker_id": p.worker_id, "machine": p.machine, "numa_node": p.node_id,
                 "cpu_ids": list(p.cpu_ids),
-                "thread_cpu_ids": list(numa.thread_cpu_ids()), "num_threads": self._step_loop.num_threads,
+                "thread_cpu_ids": list(numa.thread_cpu_ids()), "num_threads": self._loop.num_threads,
                 "num_pinned_threads": self._num_pinned, "memory_policy": self._memory_policy,
                 "hostname": socket.gethostname(), "pid": os.getpid(),
                 "ray_node_id": ray.get_runtime_context().get_node_id(),
                 "engine_config": self.engine.config.model_dump()}
 
     def _bind(self) -> asyncio.AbstractEventLoop:
-        """The actor's event loop, where the step loop sends outputs and answers."""
-        self._step_loop.event_loop = asyncio.get_running_loop()
-        return self._step_loop.event_loop
-
-    def _dispatch(self, items: Delivery) -> None:
-        for request_id, item in items:
-            stream = self._streams.get(request_id)
-            if stream is not None:  # None: the caller has gone
-                stream.put(item)
+        """The actor's event loop, where the engine loop sends outputs."""
+        self._hooks.event_loop = asyncio.get_running_loop()
+        return self._hooks.event_loop

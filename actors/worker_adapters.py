@@ -1,6 +1,6 @@
 """A worker's LoRA adapters: fetched from the AdapterCache by name through the object store on the actor's
 event loop before a request is queued (with a merged copy another worker shared, if there is one), then held
-by the step-loop thread while a request of the adapter is queued or running. The engine, which keeps at most
+by the engine-loop thread while a request of the adapter is queued or running. The engine, which keeps at most
 max_loras of them loaded, takes them back from there when a step needs them: nothing in the step loop blocks
 on Ray, and a cold adapter costs its own request only.
 """
@@ -49,7 +49,7 @@ class AdapterFetcher:
 
 
 class HeldAdapters:
-    """The step-loop thread's side: the adapters of the engine's requests, the engine's adapter source."""
+    """The engine-loop thread's side: the adapters of the engine's requests, the engine's adapter source."""
 
     def __init__(self, shared_merged: "CachedMerged | None"):
         self.shared_merged = shared_merged

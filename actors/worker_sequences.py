@@ -1,4 +1,4 @@
-"""The live sequences of the client sessions pinned to one worker, by the ids their callers hold (step-loop
+"""The live sequences of the client sessions pinned to one worker, by the ids their callers hold (engine-loop
 thread). The caller holds each sequence's history and sends it whole with every turn (history + new input);
 the worker goes on from the KV it keeps (scheduling/sessions.py) while that history extends what it holds,
 and otherwise builds it again: a sequence it never saw (the first turn, a turn moved here after a worker's

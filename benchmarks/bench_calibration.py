@@ -28,15 +28,17 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.checkpoints import random_checkpoint
-from benchmarks.heldout_eval import card_windows, heldout_texts, perplexity
+from benchmarks.heldout_eval import card_windows, perplexity
 from cluster_configs.diagnostics import DecisionLog
-from memory.weights import Int8Matrix, ModelWeights
+from memory.matrices import Int8Matrix
+from memory.weights import ModelWeights
 from models.loader import load_model
 from models.quantization.activation_plan import plan_activations, with_linear_matrices
 from models.quantization.activation_ranges import METHODS
 from models.quantization.calibrate import WindowRunner, calibrate
 from models.quantization.calibration import CalibrationOptions
 from numaserve.demo import DEMO_DIR
+from numaserve.demo_corpus import heldout_texts
 
 RESULTS = Path(__file__).parent / "results"
 WEIGHT_DTYPES = ("q8_0", "q4_0")

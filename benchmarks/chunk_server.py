@@ -1,4 +1,4 @@
-"""The real OpenAI HTTP app (actors/http_server.build_app inside the actor's Lifecycle, served by uvicorn as
+"""The real OpenAI HTTP app (http_api/app.build_app inside the actor's Lifecycle, served by uvicorn as
 the HTTP actor serves it) over a stub deployment whose streams replay made-up outputs, one token each, --rate
 chunks a second over all streams: the server side of benchmarks/bench_chunk_cpu.py, in a process of its
 own so its CPU time is its own.
@@ -19,8 +19,8 @@ import uvicorn
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import models, pre_tokenizers
 
-from actors.http_server import build_app
 from cluster_configs.cluster_config import HttpConfig
+from http_api.app import build_app
 from http_api.chat_template import ChatTemplate
 from http_api.lifecycle import Lifecycle, log_access_to_stderr
 from http_api.serving import OpenAIServing

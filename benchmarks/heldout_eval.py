@@ -1,35 +1,20 @@
 """The demo model card's held-out evaluation without torch: the same token stream, windows and perplexity.
 
-scripts/train_demo.py (which needs torch) holds out every 10th kept stdlib file, tokenizes the held-out
-files of the "tests" subset, then those of the "library" subset, each as <s> ids </s>, into one stream,
-and scores 128 evenly spaced non-overlapping windows of 256 tokens (scripts/demo_eval.py). Restated here;
-the float32-activation perplexity of the shipped base model matches the card's 62.46.
+scripts/train_demo.py (which needs torch) tokenizes the held-out files of the demo corpus
+(numaserve/demo_corpus.py), the "tests" subset, then the "library" subset, each as <s> ids </s>, into one
+stream, and scores 128 evenly spaced non-overlapping windows of 256 tokens (scripts/demo_eval.py); the same
+here, without torch.
 """
 
 import math
-import sysconfig
 from collections.abc import Callable
-from pathlib import Path
 
 import numpy as np
 
-from benchmarks.heldout_prompts import heldout_files
 from models.quantization.calibrate import token_windows
+from numaserve.demo_corpus import heldout_texts
 
-TEST_DIRS = {"test", "tests", "idle_test"}  # scripts/train_demo.py's "tests" subset
 CARD_WINDOWS, CARD_WINDOW_TOKENS = 128, 256
-
-
-def heldout_texts() -> list[str]:
-    """The held-out files' texts in the model card's order: the tests subset, then the library subset."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    files = heldout_files()
-
-    def is_test(path: Path) -> bool:
-        rel = path.relative_to(root)
-        return bool(TEST_DIRS & set(rel.parts[:-1])) or rel.name.startswith("test_")
-
-    return [t for p, t in files if is_test(p)] + [t for p, t in files if not is_test(p)]
 
 
 def heldout_stream(tokenizer, eos_id: int = 2) -> np.ndarray:

@@ -4,41 +4,15 @@
 - edit:  a function, an instruction-like comment, then the function's first lines again;
 - plain: the lines of a file from its middle, a continuation with no planted repetition.
 
-Held-out files follow scripts/train_demo.py's rule (which imports torch, so it is restated here): the
-stdlib .py files in sorted path order, without site-packages, files over 200,000 bytes, non-UTF-8 files
-and generated ones; every 10th kept file is held out.
+Held-out files: the demo corpus's (numaserve/demo_corpus.py), the rule training used.
 """
 
 import ast
-import re
-import sysconfig
-from pathlib import Path
 
-MAX_FILE_BYTES = 200_000
-HELDOUT_EVERY = 10
-GENERATED = re.compile(r"auto-?generated|generated (by|from)|do not edit", re.IGNORECASE)
+from numaserve.demo_corpus import heldout_files
+
 EDIT_COMMENT = "\n\n# Same function again, with clearer variable names:\n"
 KINDS = ("copy", "edit", "plain")
-
-
-def heldout_files() -> list[tuple[Path, str]]:
-    root = Path(sysconfig.get_paths()["stdlib"])
-    paths = sorted(p for p in root.rglob("*.py") if "site-packages" not in p.relative_to(root).parts)
-    out, kept = [], 0
-    for path in paths:
-        raw = path.read_bytes()
-        if len(raw) > MAX_FILE_BYTES:
-            continue
-        try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError:
-            continue
-        if GENERATED.search(text[:1024]):
-            continue
-        if kept % HELDOUT_EVERY == 0:
-            out.append((path, text))
-        kept += 1
-    return out
 
 
 def _fit(tokenizer, lines: list[str], max_tokens: int, from_end: bool) -> str:

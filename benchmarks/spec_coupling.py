@@ -4,11 +4,10 @@ A draft model guesses a sampled request's next token by sampling its own logits 
 randomness (kernels/sampling/race.py); the target accepts the guess when it equals the target's own draw. The
 standard rejection rule would accept a draft drawn from q with probability sum(min(p, q)) = 1 - TV(p, q),
 but its tokens depend on whether a request drafted (scheduling/sampling/step_sampler.py says why numaserve
-does
-not use it). This measures both on the demo family: at every position of held-out windows (the model card's
-held-out set, benchmarks/heldout_eval.py) the base's p and the draft's q under the request's sampling
-(temperature, top-p), then 1 - TV, and the race's agreement averaged over `--draws` keys per position by
-the engine's own sampler (sample_batch). No timing.
+does not use it). This measures both on the demo family: at every position of held-out windows (the model
+card's held-out set, benchmarks/heldout_eval.py) the base's p and the draft's q under the request's sampling
+(temperature, top-p), then 1 - TV, and the race's agreement averaged over `--draws` keys per position by the
+engine's own sampler (sample_batch). No timing.
 
     python -m benchmarks.bench_speculation coupling      # about a minute
 """

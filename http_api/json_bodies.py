@@ -17,7 +17,7 @@ from http_api.errors import APIError, as_api_error, param_of
 MAX_DEPTH = 64  # objects in objects: a JSON Schema of a tool or response_format nests a few levels a field
 INT64 = 2 ** 63  # every integer field fits in 64 bits (token ids, seeds, counts)
 JSON_TYPES = (b"application/json", b"")  # no content type: curl -d and friends, read as JSON
-THREAD_MIN_BYTES = 1 << 16  # parsed off the event loop from here: ~1 ms of parsing (a thread's hop: ~0.1 ms)
+THREAD_MIN_BYTES = 1 << 16  # parsed off the event loop from here: parsing then outlasts a thread's hop
 PARSED = "numaserve.json"  # the scope key under which JSONBodies leaves the body's value for ParsedJSONRoute
 
 
@@ -97,7 +97,7 @@ class JSONBodies:
     (Starlette's own limit answers in plain text), at once when Content-Length says so, else when the bytes
     read pass the limit. The body is read whole, then parsed and checked by read_json (a large one in a worker
     thread), and handed on with its value in the scope for ParsedJSONRoute (FastAPI's route would parse it
-    again). In the event loop, a 5 MB body's parse (~10 ms, twice) held up the actor's other requests."""
+    again). In the event loop, a large body's parse held up the actor's other requests."""
 
     def __init__(self, app: ASGIApp, max_bytes: int):
         self.app, self.max_bytes = app, max_bytes

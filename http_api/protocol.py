@@ -118,8 +118,7 @@ class _Sampling(StructuredFields, Body):
                         structured_outputs: StructuredOutputs | None = None,
                         prompt_logprobs: int | None = None) -> list[SamplingParams]:
         """One SamplingParams per choice (n), or per candidate (best_of, scheduling/sampling/best_of.py): a
-        seeded
-        request's choice i is seeded with seed + i."""
+        seeded request's choice i is seeded with seed + i."""
         fields = {"max_tokens": max_tokens, "logprobs": logprobs, "ignore_eos": self.ignore_eos,
                   "deadline_s": deadline_s, "priority": self.priority, "seed": self.seed,
                   "structured_outputs": structured_outputs,

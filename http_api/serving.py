@@ -109,8 +109,9 @@ class OpenAIServing:
             return result
         return release_after(result, release)
 
-    async def _completions(self, req: CompletionRequest, salt: str | None) -> dict | AsyncIterator[bytes]:
-        adapter = await self._adapter(req.model)
+    async def _completion_inputs(self, req: CompletionRequest) -> tuple:
+        """A completion request checked -> (prompts, params per choice, deadline_s, the constraint's param,
+        echo_k: the prompt logprobs echo asks for, prompt_k: the prompt logprobs to compute)."""
         await self.info()
         prompts = req.prompts()
         if req.suffix:
@@ -126,6 +127,11 @@ class OpenAIServing:
         prompt_k = max(asked) if asked else None
         constraint, constraint_param = req.constraint()
         params = req.sampling_params(req.max_tokens, req.logprobs, deadline_s, constraint, prompt_k)
+        return prompts, params, deadline_s, constraint_param, echo_k, prompt_k
+
+    async def _completions(self, req: CompletionRequest, salt: str | None) -> dict | AsyncIterator[bytes]:
+        adapter = await self._adapter(req.model)
+        prompts, params, deadline_s, constraint_param, echo_k, prompt_k = await self._completion_inputs(req)
         header = ResponseHeader.new("cmpl", "text_completion", req.model or self.model_name, self.fingerprint)
         requests = [(p, sp) for p in prompts for sp in params]
         choices, streams, firsts = await self._open(requests, adapter, "prompt", salt, deadline_s,
@@ -173,8 +179,9 @@ class OpenAIServing:
                              "finish_reason": c.finish_reason} | extra(c, True) for c in choices],
                            usage=billed)
 
-    async def _chat(self, req: ChatCompletionRequest, salt: str | None) -> dict | AsyncIterator[bytes]:
-        adapter = await self._adapter(req.model)
+    async def _chat_inputs(self, req: ChatCompletionRequest) -> tuple:
+        """A chat request checked -> (its tool plan, prompt ids, logprobs k, params per choice, deadline_s,
+        the constraint's param)."""
         info = await self.info()
         req.check_best_of()
         check_num_choices(1, req.num_candidates)
@@ -196,6 +203,11 @@ class OpenAIServing:
                                                  self.tenancy.config.max_tokens_cap)
         deadline_s = self.tenancy.deadline_s(req.deadline_s)
         params = req.sampling_params(max_tokens, k, deadline_s, constraint)
+        return plan, prompt_ids, k, params, deadline_s, constraint_param
+
+    async def _chat(self, req: ChatCompletionRequest, salt: str | None) -> dict | AsyncIterator[bytes]:
+        adapter = await self._adapter(req.model)
+        plan, prompt_ids, k, params, deadline_s, constraint_param = await self._chat_inputs(req)
         header = ResponseHeader.new("chatcmpl", "chat.completion", req.model or self.model_name,
                                     self.fingerprint)
         choices, streams, firsts = await self._open([(prompt_ids, sp) for sp in params], adapter, "messages",

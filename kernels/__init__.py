@@ -1,30 +1,17 @@
 """numba kernels: pure functions over preallocated arrays. No state, no classes.
 
-Importing this package pins numba's threading layer, before any kernel module runs a parallel region.
-numba's default, the OpenMP layer, runs on whichever libgomp the process loaded first: with `import torch`
-before numaserve that is torch's copy, initialized before we could choose its wait policy, and its spinning
-threads made an 8 x 64-token generate on the demo model 10-13 s instead of 0.55 s on a loaded 2-core
-machine. Neither the OpenMP runtime nor its wait policy can be chosen after another library loaded it, so
-we take a layer no other library initializes: TBB, from the `tbb` wheel, else numba's own `workqueue`.
+Importing this package pins numba's threading layer, before any kernel module runs a parallel region. numba's
+default, the OpenMP layer, runs on whichever libgomp the process loaded first: with `import torch` before
+numaserve that is torch's copy, initialized before we could choose its wait policy, and its spinning threads
+made a generate on a loaded machine many times slower. Neither the OpenMP runtime nor its wait policy can be
+chosen after another library loaded it, so we take a layer no other library initializes: TBB, from the `tbb`
+wheel, else numba's own `workqueue`.
 
-Measured (2 cores, ms per decode step at batch 1 unless noted; demo model / llama-56m bf16; an idle
-machine, then with two busy processes on the cores; two alternating repeats, 17:20 UTC 2026-11-22):
-
-    layer, waits                     region     demo b1    demo b8   56m b1   | loaded: demo b1  b8    56m b1
-    omp, OMP_WAIT_POLICY=ACTIVE      1.7-3.2 us 0.77-0.84  2.9-3.2   3.8-4.1  |     1.8-3.3  11.4  11.3-12.6
-    omp, PASSIVE (the old default)   8-14 us    1.10-1.15  3.1-3.4   4.2-4.3  |     1.5      5.2   12.3
-    omp, torch imported first        1.8 us     0.82-2.8   3.3-15    3.8-3.9  |     run timed out (> 60 s)
-    workqueue (sleeping waits)       17-30 us   1.86-1.93  4.5-4.7   5.3-5.5  |     2.2-4.5  11.4  12.3-12.8
-    tbb (spins briefly, then sleeps) 4.2 us     0.93-0.98  3.0-3.1   4.0-4.3  |     1.3      4.4   6.3
-    tbb, torch imported first        4.2 us     0.91-0.94  3.0       4.0-4.1  |     2.5      8.8   6.2-6.4
-
-and the issue's generate (8 x 64 tokens, demo model), torch imported first vs not: tbb 0.20 vs 0.20 s idle,
-0.35 vs 0.66 s loaded (noise: the cores were shared); the OpenMP layer 10-13 s vs 0.55 s loaded.
-
-TBB is within 5-15% of spinning OpenMP on idle cores, the fastest when the cores are shared, and the
-same whatever was imported first; workqueue is 1.3-2x slower per small step (each region wakes its
-threads through a condition variable). A NUMBA_THREADING_LAYER set by the user is respected (and
-recorded), e.g. `omp` with OMP_WAIT_POLICY=ACTIVE on dedicated cores, which `numaserve bench` measures.
+TBB spins briefly, then sleeps: it is close to spinning OpenMP on idle cores, the fastest when the cores are
+shared, and the same whatever was imported first; workqueue is slower per small step (each region wakes its
+threads through a condition variable). The measurements are in benchmarks/results/HISTORY.md. A
+NUMBA_THREADING_LAYER set by the user is respected (and recorded), e.g. `omp` with OMP_WAIT_POLICY=ACTIVE on
+dedicated cores, which `numaserve bench` measures.
 """
 
 import ctypes

@@ -1,5 +1,5 @@
-"""exp32(x): float32 exp that LLVM vectorizes (numba's math.exp / np.exp call the scalar libm expf, ~3 ns a
-value: the softmax of attention and SiLU waited on it one value at a time).
+"""exp32(x): float32 exp that LLVM vectorizes (numba's math.exp / np.exp call the scalar libm expf: the
+softmax of attention and SiLU waited on it one value at a time).
 
 exp(x) = 2**n exp(r), x = n ln2 + r, |r| <= ln2/2 (ln2 in two parts, Cody and Waite); exp(r) by Cephes' expf
 polynomial (relative error ~1 ulp: tests/test_exp32.py bounds it against float64); 2**n written into the

@@ -1,7 +1,7 @@
 """RMSNorm, rotary position embedding, the gated MLP activations (SiLU, tanh-GELU). In place or into `out`.
 
-Each kernel is a per-token body run by a serial and a parallel loop: waking the worker threads costs
-~65 us per call, more than the whole kernel takes for a decode step's handful of tokens.
+Each kernel is a per-token body run by a serial and a parallel loop: waking the worker threads costs more than
+the whole kernel takes for a decode step's handful of tokens.
 """
 
 import math

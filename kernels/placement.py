@@ -1,13 +1,9 @@
 """Where packed weight streams start in memory: 16 bytes past a cache line.
 
-The 1-token int8 kernels (kernels/simd/vnni.py: 32-byte loads walking a 4-row block) read their stream
-faster from there. Measured on 2 Zen 4 cores, 1.1 GB of TinyLlama-shaped q8_0 matrices from memory at 1
-token, the same bytes placed at each offset past a cache line, alternating in one process, GB/s: offsets
-0 / 8 / 16 / 24 / 32 / 48 -> 34.4 / 44.2 / 44.6 / 44.3 / 39.3 / 36.0; the served weights (kernel calls alone)
-26.6 from cache-line-aligned arrays against 32.5 from 16-byte-shifted copies (34.8 / 43.4 in another run);
-1 thread 19.5 / 25.1. In the VM's slower memory phases every placement reads at the same (the memory's)
-pace. Arrays that numpy takes from glibc's heap land anywhere mod 64 (0, 16, 32 or 48), so the packers and
-the packed cache's reader (models/packed/file.py) place them here on purpose.
+The 1-token int8 kernels (kernels/simd/vnni.py: 32-byte loads walking a 4-row block) read their stream faster
+from there than from a cache line's start or its second half (benchmarks/results/HISTORY.md). Arrays that
+numpy takes from glibc's heap land anywhere mod 64 (0, 16, 32 or 48), so the packers and the packed cache's
+reader (models/packed/file.py) place them here on purpose.
 """
 
 import numpy as np

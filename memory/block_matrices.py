@@ -1,7 +1,7 @@
 """The GGML block formats' matrices as their int8-activation kernels read them: KQuantMatrix (Q4_K, Q5_K,
 Q4_1, Q5_0, Q5_1; kernels/formats/kquant_layout.py's tiles) and Q6KMatrix (kernels/formats/q6k_layout.py's
-blocks). Each
-packs a GGUF tensor's raw blocks and unpacks them bit for bit; the layouts and their packers are kernels'."""
+blocks). Each packs a GGUF tensor's raw blocks and unpacks them bit for bit; the layouts and their packers are
+kernels'."""
 
 from dataclasses import dataclass
 
@@ -40,8 +40,7 @@ class KQuantMatrix:
 @dataclass(frozen=True)
 class Q6KMatrix:
     """A Q6_K matrix [N, K] in kernels/formats/q6k_layout.py's layout: data uint8 [N4, K // 256 * 208], d
-    uint16
-    [N4, K // 256]."""
+    uint16 [N4, K // 256]."""
 
     data: np.ndarray
     d: np.ndarray

@@ -1,12 +1,11 @@
 """A mixture-of-experts layer's weights: the router and the experts' matrices stacked (models/moe/layer.py
-runs
-them)."""
+runs them)."""
 
 from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from memory.weights import Matrix, WeightMatrix, row_block
+from memory.matrices import Matrix, WeightMatrix, row_block
 
 
 @dataclass(frozen=True, eq=False)  # eq=False: arrays have no truth value, so equality is identity

@@ -1,14 +1,13 @@
 """Give freed heap memory back to the OS.
 
-Repacking weights at load time (models/quantization/activation_plan.py) frees the original matrices, but
-glibc keeps
-freed chunks in its heap: measured on the TinyLlama-shaped q8_0 checkpoint, the process stayed ~1 GB
-above its weights (RSS 2.25 GB for 1.17 GB of weights) until `malloc_trim` returned them.
+Repacking weights at load time (models/quantization/activation_plan.py) frees the original matrices, but glibc
+keeps freed chunks in its heap: the process stays about their size above its weights until `malloc_trim`
+returns them.
 
 Buffers that start as zeros and may stay unused (LoRA slots, the KV pool) come from their own anonymous
-mapping: `np.zeros` of a size glibc serves from its heap (below its mmap threshold, which freeing the
-load's temporaries raises to 32 MB) reuses the freed chunks and writes their zeros, so the whole buffer
-is resident at once (measured: TinyLlama bf16 with bf16 activations, 0.8 GB of untouched LoRA slots).
+mapping: `np.zeros` of a size glibc serves from its heap (below its mmap threshold, which freeing the load's
+temporaries raises to 32 MB) reuses the freed chunks and writes their zeros, so the whole buffer is resident
+at once.
 """
 
 import ctypes

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kernels.attention.paged import NO_WINDOW
+from kernels.attention.chunks import NO_WINDOW, RecentWindow
 from memory.heap import untouched_zeros
 from memory.kv_formats import KV_FORMATS, RECENT_GROUP, KVFormat
 
@@ -101,11 +101,11 @@ class KVCache:
         self.shadow_of = np.full(num_blocks, -1, np.int32)  # [num_blocks]
         self.free_shadows = list(range(num_shadows - 1, -1, -1))
 
-    def window(self, i: int, wide_from: np.ndarray) -> tuple:
+    def window(self, i: int, wide_from: np.ndarray) -> RecentWindow:
         """Layer i's recent window for kernels/attention.paged_attention; wide_from [S] int32."""
         if not self.windowed or self.k_wide[i] is None:
             return NO_WINDOW
-        return self.k_wide[i], self.v_wide[i], self.shadow_of, wide_from, RECENT_GROUP
+        return RecentWindow(self.k_wide[i], self.v_wide[i], self.shadow_of, wide_from, RECENT_GROUP)
 
     @property
     def window_bytes(self) -> int:

@@ -3,27 +3,27 @@
 bytes a value (D = head_dim; a scale is one float32 per (slot, kv head) row):
   float32 4, bfloat16 2, int8 and int8_hadamard 1 + 4 / D, fp8_e4m3 and fp8_e5m2 1 + 4 / D,
   int4 and int4_hadamard 1/2 + 4 / D.
-The *_hadamard forms rotate keys and values (kernels/attention/hadamard.py) before quantizing, the queries
-the same
-way, and the attention output back; the kernel itself reads every form as codes x per-row scale. Values are
-rotated too: on the demo model (held-out perplexity over 16 x 1024 tokens against bfloat16 KV) rotating only
-the keys measured int4 +0.30% against +0.28% for both (int4 unrotated +0.40%); at 8 bits neither rotation
-helps (int8 +0.003%, keys only +0.008%, both +0.012%), so int8_hadamard is kept only as the issue's form.
+The *_hadamard forms rotate keys and values (kernels/attention/hadamard.py) before quantizing, the queries the
+same way, and the attention output back; the kernel itself reads every form as codes x per-row scale. Values
+are rotated too: on the demo model rotating only the keys measured no better than rotating both; at 8 bits
+neither rotation helps, so int8_hadamard is kept only as the issue's form (benchmarks/results/HISTORY.md).
 
 The fp8 forms keep a recent window: each token reads its own group of RECENT_GROUP positions and the one
 before (its 16 to 31 newest slots) from a bfloat16 shadow of their blocks (kernels/attention/chunks.py; the
-engine gives shadows to those blocks only, scheduling/kv_cache_manager.py). On the demo model's held-out
-prompts e4m3 alone kept bfloat16 KV's 32 greedy tokens on 10 of 16 prompts: a near tie at a step is decided by
-the newest keys' scores, which 3 mantissa bits (2.4% RMS) tip; with the window, 16 of 16 (README).
+engine gives shadows to those blocks only, scheduling/kv_cache_manager.py). Without it e4m3 changed some of
+bfloat16 KV's greedy continuations on the demo model's held-out prompts (benchmarks/results/HISTORY.md): a
+near tie at a step is decided by the newest keys' scores, which 3 mantissa bits (2.4% RMS) tip; with the
+window none did.
 """
 
 from dataclasses import dataclass
 
 import numpy as np
 
+from kernels.attention.chunks import NO_WINDOW
 from kernels.attention.hadamard import hadamard_inplace, is_power_of_two
 from kernels.attention.kv_quant import FP8, INT4, INT8, write_kv, write_kv_scaled, write_kv_shadows
-from kernels.attention.paged import NO_WINDOW, paged_attention
+from kernels.attention.paged import paged_attention
 from kernels.formats.fp8 import E4M3, E5M2
 
 RECENT_GROUP = 16  # positions a group of the recent window (kernels/attention_chunks.recent_start)
@@ -69,14 +69,14 @@ KV_FORMATS = {f.name: f for f in (
 
 
 def write_kv_as(fmt: KVFormat, k, v, slot_mapping, k_cache, v_cache, k_scale, v_scale,
-                wide=NO_WINDOW) -> None:
+                recent=NO_WINDOW) -> None:
     """k, v: [T, n_kv, D] f32 into one layer's cache, and as bfloat16 into the shadows of paged_attention's
-    recent window wide; a rotated format rotates k and v in place first."""
+    recent window; a rotated format rotates k and v in place first."""
     if fmt.rotated:
         hadamard_inplace(k)
         hadamard_inplace(v)
-    if wide[4] > 0:
-        write_kv_shadows(k, v, slot_mapping, k_cache.shape[1], wide[2], wide[0], wide[1])
+    if recent.group > 0:
+        write_kv_shadows(k, v, slot_mapping, k_cache.shape[1], recent.shadow_of, recent.k_wide, recent.v_wide)
     if fmt.fp8 is not None:
         write_kv_scaled(k, v, slot_mapping, k_cache, v_cache, k_scale, v_scale, FP8, *fmt.fp8)
     elif fmt.values_per_element == 2:
@@ -89,13 +89,13 @@ def write_kv_as(fmt: KVFormat, k, v, slot_mapping, k_cache, v_cache, k_scale, v_
 
 def attend_as(fmt: KVFormat, q, k_cache, v_cache, k_scale, v_scale, block_tables, token_seq, positions,
               window, softmax_scale, out, tree_starts=None, tree_mask=None, softcap=0.0,
-              wide=NO_WINDOW) -> None:
-    """kernels/attention.paged_attention over one layer's cache in its format (and its recent window, wide);
+              recent=NO_WINDOW) -> None:
+    """kernels/attention.paged_attention over one layer's cache in its format (and its recent window, recent);
     a rotated format rotates q in place and rotates out back."""
     if fmt.rotated:
         hadamard_inplace(q)
     paged_attention(q, k_cache, v_cache, k_scale, v_scale, fmt.has_scale, block_tables, token_seq, positions,
                     window, softmax_scale, out, tree_starts, tree_mask, softcap, fmt.fp8[0] if fmt.fp8 else 0,
-                    wide)
+                    recent)
     if fmt.rotated:
         hadamard_inplace(out)

@@ -9,7 +9,8 @@ from tqdm import tqdm
 
 from cluster_configs.errors import CheckpointError
 from memory.experts import ExpertWeights
-from memory.weights import LayerWeights, Matrix, ModelWeights, WeightMatrix, stacked
+from memory.matrices import Matrix, WeightMatrix, stacked
+from memory.weights import LayerWeights, ModelWeights
 from models.model_spec import ModelSpec, load_spec
 from models.quantization.quant_mix import embedding_dtype, lm_head_dtype, matrix_dtype
 from models.safetensors_io import TensorEntry, read_header, read_tensor
@@ -146,8 +147,7 @@ def load_layer(read, prefix: str, spec: ModelSpec, weight_dtype: str, moe: bool 
                index: int = 0) -> LayerWeights:
     """Layer `index`'s weights from read(name) -> float32 tensor: q|k|v and gate|up fused, matrices in
     weight_dtype (a mix's choice per matrix: models/quantization/quant_mix.py), norms (as the forward applies
-    them:
-    Gemma's offset added) and biases float32; moe: its MLP is experts (stacked, the router float32)."""
+    them: Gemma's offset added) and biases float32; moe: its MLP is experts (stacked, the router float32)."""
     p, arch = prefix, spec.arch
 
     def norm(name: str) -> np.ndarray:

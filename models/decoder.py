@@ -8,13 +8,14 @@ import time
 
 import numpy as np
 
-from kernels.attention.paged import NO_WINDOW
+from kernels.attention.chunks import NO_WINDOW
 from kernels.exp32 import softcap_inplace
 from kernels.norms import GATED_ACTIVATIONS, rms_norm, rms_norm_heads, rope_inplace
 from memory.experts import ExpertWeights
 from memory.kv_cache import KVCache
 from memory.kv_formats import attend_as, write_kv_as
-from memory.weights import LayerWeights, Matrix, ModelWeights, parts
+from memory.matrices import Matrix, parts
+from memory.weights import LayerWeights, ModelWeights
 from models.batch import ForwardBatch
 from models.linear import embed, linear
 from models.lora.slots import add_lora
@@ -98,11 +99,11 @@ class DecoderModel:
                 qkv += layer.qkv_bias
             q, k, v = self.attention_inputs(i, qkv, batch.positions)
             fmt = kv.formats[i]  # a rotated format rotates q, k and v in place (they are not read again)
-            wide = NO_WINDOW if batch.wide_from is None else kv.window(i, batch.wide_from)
-            write_kv_as(fmt, k, v, batch.slot_mapping, kv.k[i], kv.v[i], kv.k_scale[i], kv.v_scale[i], wide)
+            recent = NO_WINDOW if batch.wide_from is None else kv.window(i, batch.wide_from)
+            write_kv_as(fmt, k, v, batch.slot_mapping, kv.k[i], kv.v[i], kv.k_scale[i], kv.v_scale[i], recent)
             attend_as(fmt, q, kv.k[i], kv.v[i], kv.k_scale[i], kv.v_scale[i], batch.block_tables,
                       batch.token_seq, batch.positions, s.layer_windows[i], s.softmax_scale, attn,
-                      batch.tree_starts, batch.tree_mask, s.attn_softcap, wide)
+                      batch.tree_starts, batch.tree_mask, s.attn_softcap, recent)
             attn_flat = attn.reshape(T, s.q_size)
             o = self._project(i, "o", layer.o, attn_flat, batch)
             add_lora(o, attn_flat, batch.lora, i, (("o_proj", slice(None)),))

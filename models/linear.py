@@ -1,12 +1,11 @@
 """y = x @ W.T for every served weight format, over a flat token batch.
 
 Batch invariant: a token's outputs do not depend on the other tokens of the batch (kernels/simd/block.py,
-kernels/simd/int8.py sum each output in one order for every block shape), so a request's tokens are the
-same alone, batched, verified with drafts or recomputed after a failover. That is why float32 weights do
-not go through BLAS for prefill, though OpenBLAS's sgemm runs about 3x our kernel there (512 tokens,
-5632 x 2048: 166 against 58 GFLOP/s): its sums change with the number of rows (measured here against 300 rows
-at once, 8-94% of the outputs of the same rows differ in the last bits when 1, 2, 8, 37, 128 or 195 of them go
-alone). Dequantizing in registers beats dequantized tiles through BLAS for the other formats at every batch
+kernels/simd/int8.py sum each output in one order for every block shape), so a request's tokens are the same
+alone, batched, verified with drafts or recomputed after a failover. That is why float32 weights do not go
+through BLAS for prefill, though OpenBLAS's sgemm runs several times faster than our kernel there: its sums
+change with the number of rows (the same rows' outputs differ in their last bits when fewer of them go at
+once). Dequantizing in registers beats dequantized tiles through BLAS for the other formats at every batch
 size anyway."""
 
 import numpy as np
@@ -22,7 +21,7 @@ from kernels.linear.dispatch import gather_rows_bf16, matmul
 from kernels.linear.int8 import matmul_int8, matmul_vnni
 from kernels.linear.kquant import matmul_kquant
 from kernels.linear.q6k import matmul_q6k
-from memory.weights import Bf16Matrix, BlockInt8Matrix, Int8Matrix, Matrix, StackedMatrix, WeightMatrix
+from memory.matrices import Bf16Matrix, BlockInt8Matrix, Int8Matrix, Matrix, StackedMatrix, WeightMatrix
 
 _NO_SCALES = np.zeros((1, 1), np.uint16)
 

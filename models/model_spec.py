@@ -181,51 +181,19 @@ def load_spec(model_dir: Path) -> ModelSpec:
     arch = architecture(name)
     cfg = arch.defaults | cfg
     try:
-        num_heads = int(cfg["num_attention_heads"])
-        hidden = int(cfg["hidden_size"])
-        num_layers = int(cfg["num_hidden_layers"])
-        head_dim = int(cfg.get("head_dim") or hidden // num_heads)
-        types = _layer_types(cfg, arch, num_layers)
-        no_rope = _rope_layers(cfg, num_layers)
-        window = int(cfg.get("sliding_window") or 0)
-        gen_path = model_dir / "generation_config.json"
-        gen = _read_json(gen_path) if gen_path.exists() else {}
-        eos = _eos_ids(gen.get("eos_token_id", cfg.get("eos_token_id")))
-        logits_scaling = _multiplier(cfg, "logits_scaling")
-        moe = _moe_fields(cfg, arch, num_layers)
-        spec = ModelSpec(
-            architecture=name,
-            vocab_size=int(cfg["vocab_size"]),
-            hidden_size=hidden,
-            intermediate_size=int(cfg["intermediate_size"]),
-            num_layers=num_layers,
-            num_heads=num_heads,
-            num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
-            head_dim=head_dim,
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            layer_ropes=tuple(_rope(cfg, t, head_dim, bool(no_rope[i])) for i, t in enumerate(types)),
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=arch.qkv_bias or bool(cfg.get("attention_bias", False)),
-            layer_windows=tuple(window if t == "sliding_attention" else 0 for t in types),
-            bos_token_id=cfg.get("bos_token_id"),
-            eos_token_ids=eos,
-            # Gemma: HF multiplies by sqrt(hidden) rounded to the activations' dtype (float32 here)
-            embedding_multiplier=(float(math.sqrt(hidden)) if arch.scale_embeddings
-                                  else _multiplier(cfg, "embedding_multiplier")),
-            attention_multiplier=(float(cfg["query_pre_attn_scalar"]) ** -0.5
-                                  if cfg.get("query_pre_attn_scalar") else cfg.get("attention_multiplier")),
-            attn_softcap=_multiplier(cfg, "attn_logit_softcapping", 0.0),
-            residual_multiplier=_multiplier(cfg, "residual_multiplier"),
-            logit_multiplier=1.0 / logits_scaling,
-            final_softcap=_multiplier(cfg, "final_logit_softcapping", 0.0),
-            **moe,
-        )
+        spec = _build_spec(name, arch, cfg, model_dir)
     except KeyError as e:
         raise _fail(path, f"field {e.args[0]!r} is missing; it is required for {name}") from None
     except (TypeError, ValueError) as e:
         raise _fail(path, f"a field has the wrong type or value ({e}); "
                           "compare with the transformers config class") from None
+    _check(spec, arch, cfg, path)
+    return spec
+
+
+def _check(spec: ModelSpec, arch, cfg: dict, path: Path) -> None:
+    """What numaserve does not serve, refused by name."""
+    name = spec.architecture
     if spec.num_heads % spec.num_kv_heads:
         raise _fail(path, f"num_attention_heads={spec.num_heads} is not a multiple of "
                           f"num_key_value_heads={spec.num_kv_heads}")
@@ -235,4 +203,48 @@ def load_spec(model_dir: Path) -> ModelSpec:
         raise _fail(path, f"hidden_act={act!r} is not supported for {name}; expected {expected[0]!r}")
     if cfg.get("mlp_bias"):
         raise _fail(path, "mlp_bias=true is not supported; expected false")
-    return spec
+
+
+def _build_spec(name: str, arch, cfg: dict, model_dir: Path) -> ModelSpec:
+    """The spec of config.json's fields (cfg, with the architecture's defaults under them); KeyError,
+    TypeError or ValueError where a field is missing or wrong."""
+    num_heads = int(cfg["num_attention_heads"])
+    hidden = int(cfg["hidden_size"])
+    num_layers = int(cfg["num_hidden_layers"])
+    head_dim = int(cfg.get("head_dim") or hidden // num_heads)
+    types = _layer_types(cfg, arch, num_layers)
+    no_rope = _rope_layers(cfg, num_layers)
+    window = int(cfg.get("sliding_window") or 0)
+    gen_path = model_dir / "generation_config.json"
+    gen = _read_json(gen_path) if gen_path.exists() else {}
+    eos = _eos_ids(gen.get("eos_token_id", cfg.get("eos_token_id")))
+    logits_scaling = _multiplier(cfg, "logits_scaling")
+    moe = _moe_fields(cfg, arch, num_layers)
+    return ModelSpec(
+        architecture=name,
+        vocab_size=int(cfg["vocab_size"]),
+        hidden_size=hidden,
+        intermediate_size=int(cfg["intermediate_size"]),
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
+        head_dim=head_dim,
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        layer_ropes=tuple(_rope(cfg, t, head_dim, bool(no_rope[i])) for i, t in enumerate(types)),
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        qkv_bias=arch.qkv_bias or bool(cfg.get("attention_bias", False)),
+        layer_windows=tuple(window if t == "sliding_attention" else 0 for t in types),
+        bos_token_id=cfg.get("bos_token_id"),
+        eos_token_ids=eos,
+        # Gemma: HF multiplies by sqrt(hidden) rounded to the activations' dtype (float32 here)
+        embedding_multiplier=(float(math.sqrt(hidden)) if arch.scale_embeddings
+                              else _multiplier(cfg, "embedding_multiplier")),
+        attention_multiplier=(float(cfg["query_pre_attn_scalar"]) ** -0.5
+                              if cfg.get("query_pre_attn_scalar") else cfg.get("attention_multiplier")),
+        attn_softcap=_multiplier(cfg, "attn_logit_softcapping", 0.0),
+        residual_multiplier=_multiplier(cfg, "residual_multiplier"),
+        logit_multiplier=1.0 / logits_scaling,
+        final_softcap=_multiplier(cfg, "final_logit_softcapping", 0.0),
+        **moe,
+    )

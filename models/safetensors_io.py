@@ -81,8 +81,8 @@ def _entry(path: Path, name: str, info, data_start: int, data_size: int) -> Tens
 
 def read_tensor(entry: TensorEntry) -> np.ndarray:
     """The tensor as float32 (copied into process memory); a NaN or inf value is refused by name (a flipped
-    bit in an exponent would otherwise surface as NaN logits far from its cause; min and max cost ~7% of the
-    read)."""
+    bit in an exponent would otherwise surface as NaN logits far from its cause; min and max cost little
+    beside the read)."""
     np_dtype = _DTYPES.get(entry.dtype)
     if np_dtype is None:
         raise CheckpointError(f"{entry.path}: tensor dtype {entry.dtype} is not supported; "

@@ -4,8 +4,7 @@ Row i is one logits row to sample: its request's parameters, the seed and positi
 (kernels/sampling/race.py), for penalties the token ids before that position, and the sparse additions to its
 logits: its logit_bias, and -inf on EOS and its stop_token_ids while its output is shorter than min_tokens.
 The engine builds one per step (scheduling/sampling/step_sampler.py: a verification's row after draft j sees
-drafts
-0..j as output); a draft model builds its own for its rows (models/proposers/draft.py).
+drafts 0..j as output); a draft model builds its own for its rows (models/proposers/draft.py).
 """
 
 from collections.abc import Sequence

@@ -1,5 +1,6 @@
 """numaserve: CPU-native LLM serving. The public face: LLM, SamplingParams, StructuredOutputs, EngineConfig,
-SpeculationConfig, errors; serve, connect, Client, ClusterConfig for the Ray deployment."""
+SpeculationConfig, errors, convert_to_gguf / export_gguf; serve, connect, Client, ClusterConfig for the Ray
+deployment."""
 
 from cluster_configs.cluster_config import ClusterConfig
 from cluster_configs.engine_config import EngineConfig
@@ -15,6 +16,7 @@ from cluster_configs.errors import (
 from cluster_configs.sampling_params import SamplingParams
 from cluster_configs.speculation_config import SpeculationConfig
 from cluster_configs.structured_outputs import StructuredOutputs
+from models.gguf.writer import convert_to_gguf, export_gguf
 from numaserve.llm import LLM
 from scheduling.outputs import Completion
 
@@ -35,6 +37,8 @@ __all__ = [
     "StructuredOutputs",
     "Unavailable",
     "connect",
+    "convert_to_gguf",
+    "export_gguf",
     "serve",
 ]
 

@@ -89,7 +89,7 @@ def run_demo(max_tokens: int = 48, speculation: bool = True) -> dict:
 
 def _adapters(client, max_tokens: int) -> dict:
     # untimed: on a fresh install the first request of each adapter compiles its kernels (the sampled path,
-    # LoRA: ~22 s in all, which made a first run's summary line read 12.7 tokens/s against 562 on the next)
+    # LoRA), which the timed summary line would otherwise count
     for adapter in (None, *ADAPTERS):
         client.generate(WARM_UP_PROMPT, SamplingParams(max_tokens=2, **SAMPLING), adapter=adapter)
     num_tokens, seconds = 0, 0.0

@@ -11,13 +11,13 @@ from collections.abc import Callable
 
 import ray
 
-from actors import deploy
+from actors import deploy, deployment_actors
 from actors.client import Client
 from cluster_configs.cluster_config import ClusterConfig
 
 log = logging.getLogger("numaserve")
 # Ray's log monitor reads the actors' log files every 0.1 s and ships new lines through the GCS: with the
-# actors killed at once after the drain, a test run lost 6 of its 8 last access lines
+# actors killed at once after the drain, their last access lines were lost
 LOG_SETTLE_S = 1.0
 
 
@@ -47,12 +47,12 @@ def serve_foreground(config: ClusterConfig, name: str, address: str | None, drai
         while not stop.wait(0.1):
             pass
         log.info("numaserve: stopping: draining the HTTP servers (up to %g s)", drain_timeout_s)
-        num_cancelled = deploy.drain(name, drain_timeout_s)
+        num_cancelled = deployment_actors.drain(name, drain_timeout_s)
         log.info("numaserve: drained (%d requests cancelled at the timeout)", num_cancelled)
         time.sleep(LOG_SETTLE_S)
     except KeyboardInterrupt:
         log.info("numaserve: interrupted during the drain")
     finally:
-        deploy.shutdown(name)
+        deployment_actors.shutdown(name)
         ray.shutdown()  # the Ray instance itself when this process started it
         log.info("numaserve: %r stopped%s", name, ", and the Ray instance it started" if started else "")

@@ -12,11 +12,10 @@ from cluster_configs.engine_config import EngineConfig
 from cluster_configs.errors import InvalidRequest
 from cluster_configs.sampling_params import SamplingParams
 from numaserve.session import Session
-from scheduling.embedding import POOLINGS, pool
+from scheduling.embedding import POOLINGS, embed
 from scheduling.engine import Engine
-from scheduling.engine_loop import EngineLoop, Pending
+from scheduling.engine_loop import EngineLoop, texts
 from scheduling.outputs import Completion
-from scheduling.request import Request
 from scheduling.sampling.best_of import best, candidate_params
 
 _ids = itertools.count()
@@ -62,7 +61,7 @@ class LLM:
 
     @property
     def engine_loop(self) -> EngineLoop:
-        """The thread that runs the engine: other front ends (actors/local_deployment.py) submit to it."""
+        """The thread that runs the engine: other front ends (http_api/local_deployment.py) submit to it."""
         return self._loop
 
     def generate(self, prompts, params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -83,15 +82,15 @@ class LLM:
             requests += [self.engine.make_request(f"llm-{next(_ids)}", p, c, adapter=a, cache_salt=cache_salt)
                          for c in candidates]
             num_candidates.append(len(candidates))
-        done = iter(self._wait(self._loop.submit(requests)))
+        done = iter(self._loop.run(requests))
         completions = []
         for sp, k in zip(params_list, num_candidates):
             candidates = [next(done) for _ in range(k)]
             if k == 1 and (sp is None or sp.best_of is None):
-                completions.append(self._completion(candidates[0]))
+                completions.append(Completion.from_request(candidates[0]))
                 continue
             [i] = best(1, [(r.output_token_ids, r.logprobs) for r in candidates])
-            completion = self._completion(candidates[i])
+            completion = Completion.from_request(candidates[i])
             if sp.logprobs is None:
                 completion.logprobs = None  # asked only to rank the candidates
             completions.append(completion)
@@ -103,17 +102,17 @@ class LLM:
         request."""
         req = self.engine.make_request(f"llm-{next(_ids)}", prompt, params, adapter=adapter,
                                        cache_salt=cache_salt)
-        yield from self._deltas(req)
+        yield from texts(self._loop.stream(req))
 
     def session(self, adapter: str | None = None, cache_salt: str | None = None) -> Session:
         """A session: sequences that keep their KV between turns (numaserve/session.py)."""
-        return Session(self, adapter, cache_salt)
+        return Session(self._loop, self.engine, adapter, cache_salt)
 
     def score(self, token_ids, adapter: str | None = None) -> np.ndarray:
         """Next-token logits at every position: float32 [len(token_ids), vocab]."""
         req = self.engine.make_request(f"llm-score-{next(_ids)}", token_ids, SamplingParams(max_tokens=1),
                                        adapter=adapter, prompt_logits=True)
-        [req] = self._wait(self._loop.submit([req]))
+        [req] = self._loop.run([req])
         return np.concatenate(req.collected_rows)
 
     def embed(self, prompts, pooling: str = "last", normalize: bool = True,
@@ -123,10 +122,7 @@ class LLM:
         The prompts batch together in the engine's steps, like generate's."""
         if pooling not in POOLINGS:
             raise InvalidRequest(f"pooling must be one of {POOLINGS}, got {pooling!r}", param="pooling")
-        requests = [self.engine.make_request(f"llm-embed-{next(_ids)}", p, SamplingParams(max_tokens=1),
-                                             adapter=adapter, pooling=True) for p in _as_prompt_list(prompts)]
-        return pool([np.concatenate(r.collected_rows) for r in self._wait(self._loop.submit(requests))],
-                    pooling, normalize)
+        return embed(self._loop, self.engine, _as_prompt_list(prompts), pooling, normalize, adapter)
 
     def register_adapter(self, name: str, path: str | Path) -> None:
         """Serve a PEFT LoRA adapter directory as `adapter=name`."""
@@ -143,38 +139,6 @@ class LLM:
     def diagnostics(self) -> list[dict]:
         """The engine's recent decisions and why: kernel paths and fallbacks, threading, speculation, ..."""
         return self._loop.call(lambda engine: engine.decisions.recent())
-
-    def _deltas(self, req: Request) -> Iterator[str]:
-        """Submit req; its text deltas. Closing the iterator (or dropping it) aborts it."""
-        [pending] = self._loop.submit([req], deltas=True)
-        finished = False
-        try:
-            for out in pending.outputs():
-                finished = out.finished
-                if out.text:
-                    yield out.text
-        finally:
-            if not finished:
-                self._loop.abort(req.request_id)
-
-    def _wait(self, pending: list[Pending]) -> list[Request]:
-        """The requests once all finished; if one fails (or the caller is interrupted) the rest are
-        aborted."""
-        try:
-            return [p.wait() for p in pending]
-        except BaseException:
-            for p in pending:
-                self._loop.abort(p.request.request_id)
-            raise
-
-    @staticmethod
-    def _completion(req: Request) -> Completion:
-        return Completion(prompt_token_ids=req.token_ids[:req.num_prompt_tokens],
-                          token_ids=req.output_token_ids,
-                          text=req.text, finish_reason=req.finish_reason,
-                          logprobs=req.logprobs if req.params.logprobs is not None else None,
-                          prompt_logprobs=([None, *req.prompt_logprobs]
-                                           if req.params.prompt_logprobs is not None else None))
 
 
 def _per_prompt(value, num_prompts: int, name: str, expected: str, single: tuple[type, ...]) -> list:

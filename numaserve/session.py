@@ -12,23 +12,20 @@ of one session or several, run from any threads at once and batch together.
 import itertools
 import threading
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
 
 from cluster_configs.errors import EngineClosed, InvalidRequest
 from cluster_configs.sampling_params import SamplingParams
+from scheduling.engine_loop import EngineLoop, texts
 from scheduling.outputs import Completion
 from scheduling.sessions import SequenceKV
 from scheduling.validation import encode_prompt
-
-if TYPE_CHECKING:
-    from numaserve.llm import LLM
 
 _ids = itertools.count()
 
 
 class Session:
-    def __init__(self, llm: "LLM", adapter: str | None, cache_salt: str | None):
-        self._llm, self.adapter, self.cache_salt = llm, adapter, cache_salt
+    def __init__(self, loop: EngineLoop, engine, adapter: str | None, cache_salt: str | None):
+        self._loop, self._engine, self.adapter, self.cache_salt = loop, engine, adapter, cache_salt
         self._sequences: list[Sequence] = []
         self._closed = False
 
@@ -43,7 +40,7 @@ class Session:
         self._closed = True
         for seq in self._sequences:
             with seq._lock:
-                self._llm._loop.call(lambda engine, kv=seq._kv: engine.sessions.reset(kv))
+                self._loop.call(lambda engine, kv=seq._kv: engine.sessions.reset(kv))
 
     def _add(self, kv: SequenceKV) -> "Sequence":
         if self._closed:
@@ -66,18 +63,16 @@ class Sequence:
     def generate(self, text_or_ids, params: SamplingParams | None = None) -> Completion:
         """Append text_or_ids to the history and generate from it. -> the turn's Completion (prompt_token_ids:
         the whole history before its output)."""
-        llm = self._session._llm
         with self._lock:
-            [req] = llm._wait(llm._loop.submit([self._turn(text_or_ids, params)]))
-            return llm._completion(req)
+            [req] = self._session._loop.run([self._turn(text_or_ids, params)])
+            return Completion.from_request(req)
 
     def stream(self, text_or_ids, params: SamplingParams | None = None) -> Iterator[str]:
         """generate's text deltas; closing the iterator aborts the turn (what it generated stays in the
         history)."""
-        llm = self._session._llm
         with self._lock:
             req = self._turn(text_or_ids, params)
-            yield from llm._deltas(req)
+            yield from texts(self._session._loop.stream(req))
 
     def reset(self) -> None:
         """Drop the history and its KV."""
@@ -90,15 +85,15 @@ class Sequence:
             return self._session._add(self._call(lambda engine: engine.sessions.fork(self._kv)))
 
     def _turn(self, text_or_ids, params):
-        session, llm = self._session, self._session._llm
+        session, engine = self._session, self._session._engine
         if session._closed:
             raise EngineClosed("this session is closed; open a new one with llm.session()")
         if params is not None and params.prompt_logprobs is not None:
             # its earlier turns' KV is not recomputed, so their positions are not scored
             raise InvalidRequest("a session turn does not take prompt_logprobs; use llm.generate",
                                  param="prompt_logprobs")
-        new_ids = encode_prompt(text_or_ids, llm.tokenizer, llm.engine.spec.vocab_size)
-        req = llm.engine.make_request(f"seq-{next(_ids)}", self._kv.token_ids + new_ids, params,
+        new_ids = encode_prompt(text_or_ids, engine.tokenizer, engine.spec.vocab_size)
+        req = engine.make_request(f"seq-{next(_ids)}", self._kv.token_ids + new_ids, params,
                                       adapter=session.adapter, cache_salt=session.cache_salt)
         req.sequence = self._kv
         return req
@@ -106,4 +101,4 @@ class Sequence:
     def _call(self, fn):
         if self._session._closed:
             raise EngineClosed("this session is closed; open a new one with llm.session()")
-        return self._session._llm._loop.call(fn)
+        return self._session._loop.call(fn)

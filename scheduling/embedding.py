@@ -1,9 +1,23 @@
 """Embeddings: a prompt's final hidden states (after the final norm) pooled into one vector, the one rule
 LLM.embed and /v1/embeddings share."""
 
+import itertools
+
 import numpy as np
 
+from cluster_configs.sampling_params import SamplingParams
+
 POOLINGS = ("last", "mean")
+
+_ids = itertools.count()
+
+
+def embed(loop, engine, prompts: list, pooling: str, normalize: bool, adapter: str | None) -> np.ndarray:
+    """float32 [len(prompts), hidden]: each prompt pooled, its requests batched in the engine loop's steps
+    (loop: scheduling/engine_loop.EngineLoop over engine)."""
+    requests = [engine.make_request(f"embed-{next(_ids)}", p, SamplingParams(max_tokens=1), adapter=adapter,
+                                    pooling=True) for p in prompts]
+    return pool([np.concatenate(r.collected_rows) for r in loop.run(requests)], pooling, normalize)
 
 
 def pool(hidden: list[np.ndarray], pooling: str, normalize: bool) -> np.ndarray:

@@ -107,7 +107,7 @@ class Engine:
     def make_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
                      **options) -> Request:
         """A validated request, not yet queued (options: InputProcessor.make_request's adapter, cache_salt,
-        prompt_logits, pooling): every InvalidRequest is raised here, before any work."""
+        prompt_logits, pooling, remote_adapter): every InvalidRequest is raised here, before any work."""
         if request_id in self.scheduler.requests:
             raise InvalidRequest(f"request id {request_id!r} is already running; use a unique id")
         return self.inputs.make_request(request_id, prompt, params, **options)

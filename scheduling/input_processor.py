@@ -24,10 +24,14 @@ class InputProcessor:
 
     def make_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None, *,
                      adapter: str | None = None, cache_salt: str | None = None,
-                     prompt_logits: bool = False, pooling: bool = False) -> Request:
-        """A validated request, not yet queued: every InvalidRequest of its content is raised here."""
+                     prompt_logits: bool = False, pooling: bool = False,
+                     remote_adapter: bool = False) -> Request:
+        """A validated request, not yet queued: every InvalidRequest of its content is raised here.
+        remote_adapter: the adapter was registered and checked elsewhere and its weights come with the request
+        (a worker's), so this engine's registry is not asked."""
+        registry = None if remote_adapter else self.adapters
         prompt_ids, params = validate_request(prompt, params, self.limits, tokenizer=self.tokenizer,
-                                              adapter=adapter, adapters=self.adapters,
+                                              adapter=adapter, adapters=registry,
                                               cache_salt=cache_salt, prompt_only=prompt_logits or pooling)
         req = Request(request_id, prompt_ids, params, adapter_id=adapter, cache_salt=cache_salt,
                       prompt_logits=prompt_logits, pooling=pooling, max_model_len=self.limits.max_model_len)

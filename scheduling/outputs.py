@@ -64,3 +64,12 @@ class Completion:
     logprobs: list[dict[int, float]] | None = None  # per generated token: {token_id: logprob}
     # per prompt token, None for the first (params.prompt_logprobs)
     prompt_logprobs: list[dict[int, float] | None] | None = None
+
+    @classmethod
+    def from_request(cls, req) -> "Completion":
+        """A finished request's completion (req: scheduling.request.Request)."""
+        return cls(prompt_token_ids=req.token_ids[:req.num_prompt_tokens], token_ids=req.output_token_ids,
+                   text=req.text, finish_reason=req.finish_reason,
+                   logprobs=req.logprobs if req.params.logprobs is not None else None,
+                   prompt_logprobs=([None, *req.prompt_logprobs]
+                                    if req.params.prompt_logprobs is not None else None))

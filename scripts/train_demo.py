@@ -12,9 +12,7 @@ import dataclasses
 import json
 import math
 import os
-import re
 import sys
-import sysconfig
 import time
 from pathlib import Path
 
@@ -26,13 +24,11 @@ import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+from numaserve import demo_corpus
+
 ASSETS = Path(__file__).resolve().parents[1] / "numaserve" / "assets" / "demo"
 SPECIAL_TOKENS = ("<unk>", "<s>", "</s>")  # ids 0, 1, 2 as in Llama
 CHAT_TEMPLATE = Path(__file__).parent / "demo_chat_template.jinja"  # conversations as a Python file
-MAX_FILE_BYTES = 200_000
-HELDOUT_EVERY = 10
-GENERATED = re.compile(r"auto-?generated|generated (by|from)|do not edit", re.IGNORECASE)
-TEST_DIRS = {"test", "tests", "idle_test"}
 SHAPES = {  # LlamaConfig fields
     "base": {"hidden_size": 256, "num_hidden_layers": 6, "num_attention_heads": 8, "num_key_value_heads": 4,
              "intermediate_size": 768},
@@ -76,35 +72,13 @@ class Corpus:
 
 
 def collect_corpus(quick: bool) -> Corpus:
-    """The stdlib .py files in sorted path order; every HELDOUT_EVERY-th kept file is held out."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    paths = sorted(p for p in root.rglob("*.py") if "site-packages" not in p.relative_to(root).parts)
+    """The demo corpus (numaserve/demo_corpus.py) by split and subset."""
     texts = {(split, subset): [] for split in ("train", "heldout") for subset in ("tests", "library")}
-    kept = 0
-    for path in paths:
-        text = _read_source(path)
-        if text is None:
-            continue
+    for kept, (path, text) in enumerate(demo_corpus.kept_files()):
         if not quick or kept % 16 == 0:  # --quick: every 16th file
-            split = "heldout" if kept % HELDOUT_EVERY == 0 else "train"
-            texts[split, "tests" if _is_test(path.relative_to(root)) else "library"].append(text)
-        kept += 1
-    return Corpus(root, texts)
-
-
-def _read_source(path: Path) -> str | None:
-    raw = path.read_bytes()
-    if len(raw) > MAX_FILE_BYTES:
-        return None
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError:
-        return None
-    return None if GENERATED.search(text[:1024]) else text
-
-
-def _is_test(rel_path: Path) -> bool:
-    return bool(TEST_DIRS & set(rel_path.parts[:-1])) or rel_path.name.startswith("test_")
+            split = "heldout" if demo_corpus.is_heldout(kept) else "train"
+            texts[split, demo_corpus.subset(path)].append(text)
+    return Corpus(demo_corpus.stdlib_root(), texts)
 
 
 def train_tokenizer(texts: list[str], vocab_size: int) -> Tokenizer:
@@ -285,7 +259,7 @@ def run_info(args: argparse.Namespace, plan: Plan, corpus: Corpus, streams: dict
         "data": {
             "source": "Python standard library .py files", "license": "Python Software Foundation License",
             "python_version": sys.version.split()[0], "stdlib_root": str(corpus.root),
-            "max_file_bytes": MAX_FILE_BYTES, "heldout_every": HELDOUT_EVERY,
+            "max_file_bytes": demo_corpus.MAX_FILE_BYTES, "heldout_every": demo_corpus.HELDOUT_EVERY,
             "files": sum(map(len, corpus.texts.values())), "heldout_files": len(corpus.all("heldout")),
             "train_tokens": len(streams["train", "all"]), "heldout_tokens": len(streams["heldout", "all"]),
         },

@@ -11,9 +11,8 @@ greedy acceptance into metrics.json under "eagle" (the model card renders it). D
 standard library's .py files; held-out files never trained on). At position i the head reads the base's
 final-norm feature f_i and the embedding of token i + 1 and learns f_{i+1} (smooth L1) and token i + 2
 through the base's LM head (cross-entropy, weight 0.1), as in the EAGLE paper; its layer starts as a copy
-of the base's last layer. Its draft vocabulary (FR-Spec; `d2t` in the file, models/proposers/eagle_head.py)
-is the
-DRAFT_VOCAB tokens most frequent in the training data, a quarter of the vocabulary: it guesses among those
+of the base's last layer. Its draft vocabulary (FR-Spec; `d2t` in the file, models/proposers/eagle_head.py) is
+the DRAFT_VOCAB tokens most frequent in the training data, a quarter of the vocabulary: it guesses among those
 only, so a pass reads a quarter of the LM head; the acceptance below is measured with it.
 """
 

@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 import numaserve as ns
 from kernels.simd.bf16 import BF16_FEATURES
 from kernels.simd.cpu import missing_features
-from memory.weights import WeightMatrix
+from memory.matrices import WeightMatrix
 from models.linear import dequantize
 from models.model_spec import load_spec
 from models.quantization.activation_plan import INT8_FEATURES
@@ -382,8 +382,7 @@ EAGLE = {"method": "eagle", "num_speculative_tokens": 4, "mode": "on"}
 
 def llama_layer_head(hf_config) -> EagleHead:
     """A random EAGLE head as numaserve runs one (models/proposers/eagle_head.py): a Llama decoder layer of
-    the target's
-    shape and first layer's rope, whatever the target's family."""
+    the target's shape and first layer's rope, whatever the target's family."""
     c = hf_config
     config = LlamaConfig(vocab_size=c.vocab_size, hidden_size=c.hidden_size, num_hidden_layers=1,
                          intermediate_size=c.intermediate_size, num_attention_heads=c.num_attention_heads,

@@ -13,7 +13,7 @@ import pytest
 
 import numaserve as ns
 from kernels.attention.paged import PARALLEL_MIN_WORK, paged_attention
-from memory.weights import Int8Matrix, WeightMatrix
+from memory.matrices import Int8Matrix, WeightMatrix
 from models.linear import linear
 from tests.conftest import random_prompt
 

@@ -8,7 +8,7 @@ import numaserve as ns
 from kernels.formats.bf16 import from_bf16, to_bf16
 from kernels.simd.bf16 import BF16_FEATURES
 from kernels.simd.cpu import missing_features
-from memory.weights import Bf16Matrix, WeightMatrix
+from memory.matrices import Bf16Matrix, WeightMatrix
 from models.linear import linear
 from tests.model_factory import build_model
 

@@ -14,7 +14,7 @@ from pydantic import ValidationError
 import numaserve as ns
 from cluster_configs.diagnostics import DecisionLog
 from cluster_configs.errors import CheckpointError
-from memory.weights import Int8Matrix
+from memory.matrices import Int8Matrix
 from models.gguf.writer import convert_to_gguf
 from models.linear import linear
 from models.loader import load_model

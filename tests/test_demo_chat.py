@@ -10,8 +10,8 @@ import json
 import jsonschema
 import pytest
 
-from actors.local_deployment import LocalDeployment
 from http_api.chat_template import load_chat_template
+from http_api.local_deployment import LocalDeployment
 from http_api.protocol import ChatCompletionRequest
 from http_api.serving import OpenAIServing
 from numaserve.demo import (

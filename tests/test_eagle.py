@@ -1,6 +1,5 @@
 """The EAGLE head (models/proposers/eagle_head.py) against the torch module it is trained as
-(scripts/head_modules.py),
-over scattered KV blocks, and its files refused by name when they do not fit."""
+(scripts/head_modules.py), over scattered KV blocks, and its files refused by name when they do not fit."""
 
 import json
 import shutil

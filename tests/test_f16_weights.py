@@ -11,7 +11,7 @@ from safetensors.numpy import load_file, save_file
 
 import numaserve as ns
 from cluster_configs.errors import CheckpointError
-from memory.weights import WeightMatrix, row_block, select_rows
+from memory.matrices import WeightMatrix, row_block, select_rows
 from models.linear import dequantize, embed, linear
 from models.quantization.activation_plan import linear_matrices
 from tests.conftest import random_prompt

@@ -12,12 +12,12 @@ import requests
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from actors.http_server import build_app
-from actors.local_deployment import LocalDeployment
 from cluster_configs.errors import AdapterError, Unavailable
 from cluster_configs.sampling_params import SamplingParams
+from http_api.app import build_app
 from http_api.errors import InternalErrors, as_api_error
 from http_api.json_bodies import MAX_DEPTH
+from http_api.local_deployment import LocalDeployment
 from http_api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,

@@ -16,11 +16,11 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from schemathesis import GenerationMode
 
-from actors.http_server import build_app
-from actors.local_deployment import LocalDeployment
 from cluster_configs.cluster_config import HttpConfig
 from cluster_configs.sampling_params import SamplingParams
+from http_api.app import build_app
 from http_api.chat_template import ChatTemplate
+from http_api.local_deployment import LocalDeployment
 from http_api.serving import OpenAIServing
 from numaserve.llm import LLM
 from tests.http_app import served

@@ -22,13 +22,13 @@ import pytest
 import requests
 from tokenizers import Tokenizer
 
-from actors.http_server import build_app
-from actors.local_deployment import LocalDeployment
 from cluster_configs.cluster_config import HttpConfig
 from cluster_configs.sampling_params import SamplingParams
+from http_api.app import build_app
 from http_api.chat_template import ChatTemplate
 from http_api.errors import APIError
 from http_api.fill_in_middle import fim_prompt
+from http_api.local_deployment import LocalDeployment
 from http_api.protocol import ChatCompletionRequest
 from http_api.serving import OpenAIServing
 from models.tokenizer import Tokenizer as ModelTokenizer

@@ -12,9 +12,9 @@ import pytest
 import requests
 
 import numaserve as ns
-from actors.http_server import build_app
-from actors.local_deployment import LocalDeployment
 from cluster_configs.cluster_config import HttpConfig
+from http_api.app import build_app
+from http_api.local_deployment import LocalDeployment
 from http_api.responses import TokenTexts
 from http_api.serving import OpenAIServing
 from tests.conftest import random_prompt

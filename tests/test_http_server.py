@@ -12,8 +12,8 @@ import pytest
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
-from actors.http_server import build_app
 from cluster_configs.errors import Overloaded, Unavailable
+from http_api.app import build_app
 from http_api.serving import OpenAIServing
 from scheduling.outputs import RequestOutput
 from tests.http_app import served

@@ -15,7 +15,7 @@ from kernels.formats.int8_layout import pack_q4_0, pack_q8_0, pad_scales, padded
 from kernels.linear.int8 import matmul_int8
 from kernels.simd.cpu import missing_features
 from kernels.simd.vnni import VNNI_FEATURES
-from memory.weights import Int8Matrix, WeightMatrix
+from memory.matrices import Int8Matrix, WeightMatrix
 from models.linear import dequantize, linear
 from tests.model_factory import build_model
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from kernels.formats.ggml_blocks import BLOCK_DTYPES, GGML_TYPE, row_bytes
-from memory.weights import WeightMatrix, row_block, select_rows
+from memory.matrices import WeightMatrix, row_block, select_rows
 from models.linear import dequantize, embed
 
 

@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 from transformers import LlamaForCausalLM
 
 import numaserve as ns
-from memory.weights import BlockInt8Matrix, WeightMatrix, parts
+from memory.matrices import BlockInt8Matrix, WeightMatrix, parts
 from models.gguf.writer import convert_to_gguf
 from models.linear import dequantize
 from models.loader import load_model

@@ -13,7 +13,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import numaserve as ns
 from cluster_configs.diagnostics import DecisionLog
-from memory.weights import StackedMatrix, parts
+from memory.matrices import StackedMatrix, parts
 from models.gguf.format import rope_row_order
 from models.gguf.writer import convert_to_gguf
 from models.linear import dequantize, linear

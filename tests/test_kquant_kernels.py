@@ -15,7 +15,7 @@ from kernels.linear.kquant import matmul_kquant, matmul_kquant_experts
 from kernels.simd.cpu import missing_features
 from kernels.simd.vnni import VNNI_FEATURES
 from memory.block_matrices import KQuantMatrix
-from memory.weights import WeightMatrix
+from memory.matrices import WeightMatrix
 
 FORMATS = (QT.Q4_K, QT.Q5_K, QT.Q4_1, QT.Q5_0, QT.Q5_1)
 requires_vnni = pytest.mark.skipif(bool(missing_features(VNNI_FEATURES)), reason="this CPU lacks AVX512-VNNI")

@@ -4,7 +4,7 @@ matrix at every batch size, so a token's outputs do not depend on its batch."""
 import numpy as np
 import pytest
 
-from memory.weights import WeightMatrix, row_block
+from memory.matrices import WeightMatrix, row_block
 from models.linear import dequantize, linear
 
 FORMATS = [("q4_k", 512), ("q5_k", 512), ("q6_k", 512), ("q4_1", 96), ("q5_0", 96), ("q5_1", 96)]

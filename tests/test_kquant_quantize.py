@@ -14,7 +14,7 @@ import pytest
 from gguf import GGMLQuantizationType as GT
 
 from kernels.formats.ggml_blocks import row_bytes
-from memory.weights import WeightMatrix
+from memory.matrices import WeightMatrix
 from tests.fixtures.make_kquant_fixture import FIXTURE, TARGETS, make_fixture
 
 needs_llama_cpp = pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None,

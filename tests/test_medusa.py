@@ -1,6 +1,5 @@
-"""Medusa heads (models/proposers/medusa_head.py) against a torch module built as the Medusa repository
-builds them, and
-the files they load from refused by name when they do not fit."""
+"""Medusa heads (models/proposers/medusa_head.py) against a torch module built as the Medusa repository builds
+them, and the files they load from refused by name when they do not fit."""
 
 import json
 

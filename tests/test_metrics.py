@@ -7,7 +7,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 import numaserve as ns
-from actors.metrics import ALL, HISTOGRAMS, SPEC_DECODE, WorkerMetrics, full_name, render
+from actors.metrics import WorkerMetrics
+from http_api.prometheus import ALL, HISTOGRAMS, SPEC_DECODE, full_name, render
 from scheduling.engine import Engine
 from tests.conftest import random_prompt
 

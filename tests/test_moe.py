@@ -1,7 +1,7 @@
 """The mixture-of-experts layer (models/moe/layer.py, kernels/moe/route.py): transformers' own MoE blocks, a
-plain float64
-reference over every weight format, reading only the routed experts, batch invariance, and the fused path of
-VNNI-packed experts (kernels/moe/fused.py) bit for bit against one linear call per (token, slot)."""
+plain float64 reference over every weight format, reading only the routed experts, batch invariance, and the
+fused path of VNNI-packed experts (kernels/moe/fused.py) bit for bit against one linear call per (token,
+slot)."""
 
 import numpy as np
 import pytest
@@ -19,7 +19,7 @@ from kernels.simd.bf16 import BF16_FEATURES
 from kernels.simd.cpu import missing_features
 from kernels.simd.vnni import VNNI_FEATURES
 from memory.experts import ExpertWeights
-from memory.weights import Bf16Matrix, Int8Matrix, WeightMatrix, row_block
+from memory.matrices import Bf16Matrix, Int8Matrix, WeightMatrix, row_block
 from models.linear import dequantize, linear
 from models.moe.buffers import MoeBuffers
 from models.moe.layer import ExpertLog, moe_forward, route

@@ -8,7 +8,7 @@ import pytest
 from gguf import GGMLQuantizationType
 
 import numaserve as ns
-from memory.weights import WeightMatrix
+from memory.matrices import WeightMatrix
 from models.linear import dequantize, embed, linear
 from tests.conftest import random_prompt
 

@@ -10,7 +10,7 @@ import pytest
 import numaserve as ns
 from benchmarks.bench_kv_quality import GREEDY, greedy_prompts
 from kernels.attention import paged as attention
-from kernels.attention.chunks import recent_start
+from kernels.attention.chunks import RecentWindow, recent_start
 from kernels.formats.bf16 import from_bf16
 from memory.kv_cache import kv_bytes_per_token
 from memory.kv_formats import KV_FORMATS, RECENT_GROUP, attend_as, write_kv_as
@@ -51,8 +51,8 @@ class Layer:
         self.k = rng.standard_normal((T, N_KV, self.D)).astype(np.float32)
         self.v = rng.standard_normal((T, N_KV, self.D)).astype(np.float32)
         wide_shape = (num_shadows, BLOCK, N_KV, self.D)
-        self.wide = (np.zeros(wide_shape, np.uint16), np.zeros(wide_shape, np.uint16), shadow_of,
-                     np.array(WIDE_FROM, np.int32), GROUP)
+        self.wide = RecentWindow(np.zeros(wide_shape, np.uint16), np.zeros(wide_shape, np.uint16), shadow_of,
+                                 np.array(WIDE_FROM, np.int32), GROUP)
         write_kv_as(self.fmt, self.k.copy(), self.v.copy(), self.slots, *self.caches, self.wide)
 
     def slot(self, s: int, j: int) -> int:
@@ -121,7 +121,7 @@ def test_the_window_is_read_where_the_rule_says(layer):
     # the same layer with no window reads codes alone: the two differ on every token that reads a wide slot
     rows = np.arange(len(layer.positions))
     windowed = layer.run(rows)
-    layer.wide = (*layer.wide[:4], 0)
+    layer.wide = layer.wide._replace(group=0)
     plain = layer.run(rows)
     differs = np.abs(windowed - plain).max(axis=(1, 2)) > 1e-4
     # a token reads its own slot wide unless it is before its sequence's wide_from

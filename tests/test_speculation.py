@@ -332,8 +332,7 @@ def test_eagle_with_a_draft_vocabulary_drafts_only_its_tokens_and_keeps_the_targ
                                                                                     reference, tmp_path,
                                                                                     width):
     """A head with a draft vocabulary (models/proposers/eagle_head.py d2t) of the tokens most frequent in the
-    reference
-    outputs guesses among them only; the tokens stay the target's."""
+    reference outputs guesses among them only; the tokens stay the target's."""
     counts = np.bincount([t for ids, *_ in reference for t in ids], minlength=384)
     draft_ids = np.sort(np.argsort(-counts, kind="stable")[:96])
     directory = shutil.copytree(eagle_dir, tmp_path / "model")

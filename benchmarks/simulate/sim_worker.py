@@ -5,7 +5,7 @@ StepCostModel's seconds and the sampler by SimProposer.sample.
 Engine.step in two halves, `plan_step` (schedule, propose drafts, price the step) at the step's start and
 `finish_step` (sample, update the scheduler, feed speculation its figures) at its end. The Scheduler is
 built over a KVLayout of the modelled model's shape, without KV arrays. The worker loop's telemetry
-(actors/step_loop.py's _StepMeter and _report) is mirrored by `telemetry`.
+(actors/worker_hooks.py's _StepMeter and _report) is mirrored by `telemetry`.
 """
 
 from collections import OrderedDict

@@ -1,16 +1,16 @@
 """One token's attention in chunks of its visible slots (kernels/attention/paged.py's rule): each chunk's
-partial
-softmax (largest score, sum of exponentials, unnormalized value sum), then the chunks merged in order by the
-log-sum-exp rule; and the widening of a cached KV row to float32. Shared by the per-token kernels
+partial softmax (largest score, sum of exponentials, unnormalized value sum), then the chunks merged in order
+by the log-sum-exp rule; and the widening of a cached KV row to float32. Shared by the per-token kernels
 (kernels/attention/paged.py) and the tiled prefill kernel (kernels/attention/tiles.py), so both give a token
-the
-same bits.
+the same bits.
 
-The recent window, wide = (k_wide, v_wide, shadow_of, wide_from, group) with group > 0: a token at position p
-reads its sequence's context slots from wide_start on, that is from recent_start(p, group) = (p // group - 1)
-* group (its group of positions and the one before) but not before wide_from[seq] (the first slot its sequence
-computed since it got its blocks: a prefix hit's slots have no wide copy), and every tree slot, from the
-bfloat16 shadow of their block (k_wide[shadow_of[block]]) instead of the block's codes. group 0: no window."""
+The recent window (RecentWindow), with group > 0: a token at position p reads its sequence's context slots
+from wide_start on, that is from recent_start(p, group) = (p // group - 1) * group (its group of positions and
+the one before) but not before wide_from[seq] (the first slot its sequence computed since it got its blocks: a
+prefix hit's slots have no wide copy), and every tree slot, from the bfloat16 shadow of their block
+(k_wide[shadow_of[block]]) instead of the block's codes. group 0: no window."""
+
+from collections import namedtuple
 
 import numpy as np
 from numba import njit, types
@@ -25,11 +25,16 @@ from kernels.simd.dot import dots
 NEG_BIG = np.float32(-3.0e38)  # stands in for -inf (fastmath assumes no infinities)
 # fastmath without "reassoc": every sum in the order written (the scores' dot products in
 # kernels/simd/dot.py), so the serial and the parallel kernel give a token the same bits (with "reassoc" they
-# did not). "arcp" stays (the reciprocal once per row: no order to keep), and "afn" (per element; while exp
-# was libm's expf, without the two this ran at half speed: decode, 512 positions, TinyLlama heads, 0.54
-# against 0.30 ms per layer); the softmax's exp is now kernels/exp32.py's arithmetic, which vectorizes
+# did not). "arcp" stays (the reciprocal once per row: no order to keep), and "afn" (per element); the
+# softmax's exp is kernels/exp32.py's arithmetic, which vectorizes
 FASTMATH = {"contract", "nnan", "ninf", "nsz", "afn", "arcp"}
 VALUE_ROWS = 32  # value rows widened at a time by the per-token kernel: 8 KB of float32 at head_dim 64
+
+# k_wide, v_wide: [num_shadows, block_size, n_kv, D] uint16 bfloat16 bits; shadow_of: [num_blocks] int32, a
+# block's shadow (-1: none); wide_from: [S] int32; group: positions per group (0: no window)
+RecentWindow = namedtuple("RecentWindow", ("k_wide", "v_wide", "shadow_of", "wide_from", "group"))
+_NO_SHADOW = np.zeros((1, 1, 1, 1), np.uint16)
+NO_WINDOW = RecentWindow(_NO_SHADOW, _NO_SHADOW, np.zeros(1, np.int32), np.zeros(1, np.int32), 0)
 
 
 @njit(inline="always", nogil=True)
@@ -52,12 +57,12 @@ def recent_start(position, group):
 
 
 @njit(inline="always", nogil=True)
-def wide_start(wide, position, seq):
+def wide_start(recent, position, seq):
     # the first context slot a token at position of sequence row seq reads wide (past every slot: no window)
-    group = wide[4]
+    group = recent.group
     if group <= 0:
         return np.int64(1 << 62)
-    return np.int64(max(recent_start(position, group), wide[3][seq]))
+    return np.int64(max(recent_start(position, group), recent.wide_from[seq]))
 
 
 @njit(inline="always", nogil=True)
@@ -66,7 +71,7 @@ def num_chunks(num_visible, chunk):
 
 
 @njit(inline="always", nogil=True, fastmath=FASTMATH, error_model="numpy")
-def attend(q, k_cache, v_cache, k_scale, v_scale, has_scale, fp8_mbits, wide, block_tables, token_seq,
+def attend(q, k_cache, v_cache, k_scale, v_scale, has_scale, fp8_mbits, recent, block_tables, token_seq,
            positions, tree_starts, tree_mask, window, softmax_scale, softcap, chunk, out, t, kh):
     # token t, kv head kh, its whole group of query heads: the chunks' partial softmaxes one after another,
     # then merged (each key and value row read and widened once)
@@ -76,14 +81,14 @@ def attend(q, k_cache, v_cache, k_scale, v_scale, has_scale, fp8_mbits, wide, bl
     m, l = np.empty((k, group), np.float32), np.empty((k, group), np.float32)
     acc = np.empty((k, group, q.shape[2]), np.float32)
     for c in range(k):
-        partial(q, k_cache, v_cache, k_scale, v_scale, has_scale, fp8_mbits, wide, block_tables, token_seq,
+        partial(q, k_cache, v_cache, k_scale, v_scale, has_scale, fp8_mbits, recent, block_tables, token_seq,
                 positions, tree_starts, tree_mask, window, softmax_scale, softcap, t, kh, c * chunk,
                 (c + 1) * chunk, m[c], l[c], acc[c])
     merge_chunks(m, l, acc, out[t, kh * group:(kh + 1) * group])
 
 
 @njit(inline="always", nogil=True, fastmath=FASTMATH, error_model="numpy")
-def partial(q, k_cache, v_cache, k_scale, v_scale, has_scale, fp8_mbits, wide, block_tables, token_seq,
+def partial(q, k_cache, v_cache, k_scale, v_scale, has_scale, fp8_mbits, recent, block_tables, token_seq,
             positions, tree_starts, tree_mask, window, softmax_scale, softcap, t, kh, a, b, m, l, acc):
     # token t, kv head kh, over its visible slots a .. b (in visible's order), each query head g of the
     # group: m[g] = the largest score s_j, l[g] = sum_j exp(s_j - m[g]), acc[g] = sum_j exp(s_j - m[g]) v_j.
@@ -99,10 +104,10 @@ def partial(q, k_cache, v_cache, k_scale, v_scale, has_scale, fp8_mbits, wide, b
     qg = np.empty((group, D), np.float32)  # q is a strided view of the fused qkv output: copy once
     qg[:, :] = q[t, kh * group:(kh + 1) * group, :]
     # the context's loops written out here, not through _score/_add_value: through them the serial kernel ran
-    # 3.3x slower on short decode contexts (demo model, batch 16: 0.34 against 0.10 ms a call)
+    # slower on short decode contexts
     block_size = k_cache.shape[1]
-    k_wide, v_wide, shadow_of = wide[0], wide[1], wide[2]
-    first_wide = wide_start(wide, positions[t], seq)
+    k_wide, v_wide, shadow_of = recent.k_wide, recent.v_wide, recent.shadow_of
+    first_wide = wide_start(recent, positions[t], seq)
     for j in range(start + a, start + min(b, num_context)):
         blk = block_tables[seq, j // block_size]
         o = j % block_size
@@ -118,7 +123,7 @@ def partial(q, k_cache, v_cache, k_scale, v_scale, has_scale, fp8_mbits, wide, b
     for i in range(tree_mask.shape[1] if b > num_context else 0):
         if tree_mask[t, i] != 0:
             if a <= rank < b:
-                _score(qg, k_cache, k_scale, has_scale, fp8_mbits, wide, block_tables, seq,
+                _score(qg, k_cache, k_scale, has_scale, fp8_mbits, recent, block_tables, seq,
                        tree_starts[t] + i, kh, softmax_scale, row, scores, n)
                 n += 1
             rank += 1
@@ -139,9 +144,7 @@ def partial(q, k_cache, v_cache, k_scale, v_scale, has_scale, fp8_mbits, wide, b
             l[g] += scores[g, j]
     # the values a run of VALUE_ROWS slots at a time: widened once into a buffer that stays in L1, then each
     # head's weighted sum over it with its accumulators in registers (kernels/simd/axpy.py: the bits of the
-    # loop over slots that loaded and stored acc[g, :] for every slot). With the scores' shuffle tree
-    # (kernels/simd/dot.py) one layer's decode (benchmarks/bench_attention.py --hot, TinyLlama heads, 2 shared
-    # cores, noisy) went from 0.62 / 1.60 to 0.28 / 0.92 ms (bfloat16, batch 1, 1k / 4k positions)
+    # loop over slots that loaded and stored acc[g, :] for every slot)
     acc[:, :] = 0
     values = np.empty((VALUE_ROWS, D), np.float32)
     weights = np.empty(VALUE_ROWS, np.float32)
@@ -163,7 +166,7 @@ def partial(q, k_cache, v_cache, k_scale, v_scale, has_scale, fp8_mbits, wide, b
     for i in range(tree_mask.shape[1] if b > num_context else 0):
         if tree_mask[t, i] != 0:
             if a <= rank < b:
-                _add_value(v_cache, v_scale, has_scale, fp8_mbits, wide, block_tables, seq,
+                _add_value(v_cache, v_scale, has_scale, fp8_mbits, recent, block_tables, seq,
                            tree_starts[t] + i, kh, row, scores, n, acc)
                 n += 1
             rank += 1
@@ -189,14 +192,15 @@ def merge_chunks(m, l, acc, out):
 
 
 @njit(inline="always", nogil=True, fastmath=FASTMATH, error_model="numpy")
-def _score(qg, k_cache, k_scale, has_scale, fp8_mbits, wide, block_tables, seq, j, kh, softmax_scale, row,
+def _score(qg, k_cache, k_scale, has_scale, fp8_mbits, recent, block_tables, seq, j, kh, softmax_scale, row,
            scores, column):
     # scores[:, column] = q . k_j for tree slot j of the sequence, each query head of the group
     block_size = k_cache.shape[1]
     b = block_tables[seq, j // block_size]
     o = j % block_size
-    if wide[4] > 0:  # a tree slot is read wide under a window (its drafts are within a group of the query)
-        load_row(wide[0], wide[2][b], o, kh, 0, np.float32(1.0), row)
+    # a tree slot is read wide under a window (its drafts are within a group of the query)
+    if recent.group > 0:
+        load_row(recent.k_wide, recent.shadow_of[b], o, kh, 0, np.float32(1.0), row)
         dots(qg, row, scores, column, np.float32(softmax_scale))
         return
     scale = np.float32(softmax_scale) * (k_scale[b, o, kh] if has_scale else np.float32(1.0))
@@ -205,14 +209,14 @@ def _score(qg, k_cache, k_scale, has_scale, fp8_mbits, wide, block_tables, seq, 
 
 
 @njit(inline="always", nogil=True, fastmath=FASTMATH, error_model="numpy")
-def _add_value(v_cache, v_scale, has_scale, fp8_mbits, wide, block_tables, seq, j, kh, row, scores, column,
+def _add_value(v_cache, v_scale, has_scale, fp8_mbits, recent, block_tables, seq, j, kh, row, scores, column,
                acc):
     # acc += p * v_j for tree slot j, p = scores[:, column]
     block_size = v_cache.shape[1]
     b = block_tables[seq, j // block_size]
     o = j % block_size
-    if wide[4] > 0:
-        load_row(wide[1], wide[2][b], o, kh, 0, np.float32(1.0), row)
+    if recent.group > 0:
+        load_row(recent.v_wide, recent.shadow_of[b], o, kh, 0, np.float32(1.0), row)
     else:
         load_row(v_cache, b, o, kh, fp8_mbits, v_scale[b, o, kh] if has_scale else np.float32(1.0), row)
     for g in range(acc.shape[0]):

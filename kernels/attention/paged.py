@@ -22,13 +22,13 @@ bits depend on its own visible slots only, not on the split, the batch or the th
 import numpy as np
 from numba import get_num_threads, njit, prange
 
-from kernels.attention.chunks import FASTMATH, attend, merge_chunks, num_chunks, partial, visible
+from kernels.attention.chunks import FASTMATH, NO_WINDOW, attend, merge_chunks, num_chunks, partial, visible
 from kernels.attention.tiles import attention_tiled, row_tiles
 
 PARALLEL_MIN_WORK = 1 << 15  # query-head x key pairs below which waking the threads costs more than it saves
-# visible slots a chunk: a token that sees more has its softmax in chunks merged by log-sum-exp. Not tuned: on
-# the shared 2-core VM chunks of 128, 256 and 512 (and one chunk) were within its noise at 1k and 4k positions
-# (TinyLlama heads, batch 1 and 8); 256 makes 4 to 16 chunks a head there, enough for 8 threads at 1k
+# visible slots a chunk: a token that sees more has its softmax in chunks merged by log-sum-exp. Not tuned:
+# chunks of 128 to 512 slots, and one chunk, measured alike (benchmarks/results/HISTORY.md); 256 makes 4 to 16
+# chunks a head at 1k to 4k positions, enough for 8 threads at 1k
 CHUNK = 256
 # query rows a prefill tile (kernels/attention/tiles.py): x 8 query heads at TinyLlama's GQA, 128 score rows
 # against each key row
@@ -37,9 +37,6 @@ TASKS_PER_THREAD = 2  # (token, kv head) tasks a thread below which long tokens'
 
 
 _NO_TREE_MASK = np.zeros((1, 0), np.uint8)
-_NO_SHADOW = np.zeros((1, 1, 1, 1), np.uint16)
-# kernels/attention/chunks.py's recent window switched off: no shadow is read
-NO_WINDOW = (_NO_SHADOW, _NO_SHADOW, np.zeros(1, np.int32), np.zeros(1, np.int32), 0)
 
 
 def split_chunks(num_rows: int, n_kv: int, context: int, threads: int, chunk: int) -> bool:
@@ -51,7 +48,7 @@ def split_chunks(num_rows: int, n_kv: int, context: int, threads: int, chunk: in
 
 def paged_attention(q, k_cache, v_cache, k_scale, v_scale, has_scale, block_tables, token_seq, positions,
                     window, softmax_scale, out, tree_starts=None, tree_mask=None, softcap=0.0, fp8_mbits=0,
-                    wide=NO_WINDOW):
+                    recent=NO_WINDOW):
     # q: [T, n_heads, D] f32; k_cache, v_cache: [num_blocks, block_size, n_kv, D]
     # k_scale, v_scale: [num_blocks, block_size, n_kv] f32 (read only when has_scale)
     # block_tables: [S, max_blocks] int32; token_seq: [T] int32; positions: [T] int32
@@ -61,27 +58,27 @@ def paged_attention(q, k_cache, v_cache, k_scale, v_scale, has_scale, block_tabl
     # uint8, 1 where tree slot tree_starts[t] + i is visible to t (the caller leaves out what the window does)
     # fp8_mbits: mantissa bits, 3 (e4m3fn) or 2 (e5m2), of a uint8 cache of one code a value
     # (kernels/formats/fp8.py)
-    # wide: the recent window (kernels/attention/chunks.py): k_wide, v_wide [num_shadows, block_size, n_kv, D]
-    # uint16 bfloat16 bits, shadow_of [num_blocks] int32, wide_from [S] int32, group (positions, 0 = off)
+    # recent: the recent window (kernels/attention/chunks.py's RecentWindow; NO_WINDOW: off)
     if q.shape[0] == 0:
         return
     if tree_starts is None:
         tree_starts, tree_mask = np.full(q.shape[0], -1, np.int32), _NO_TREE_MASK
     context = int(positions.max()) + 1 + tree_mask.shape[1]
-    args = (q, k_cache, v_cache, k_scale, v_scale, has_scale, fp8_mbits, wide, block_tables, token_seq,
+    args = (q, k_cache, v_cache, k_scale, v_scale, has_scale, fp8_mbits, recent, block_tables, token_seq,
             positions, tree_starts, tree_mask, window, softmax_scale, np.float32(softcap), CHUNK, out)
     if q.shape[0] * q.shape[1] * context < PARALLEL_MIN_WORK:
         _attention_serial(*args)
     elif split_chunks(q.shape[0], k_cache.shape[2], context, get_num_threads(), CHUNK):
         _attention_split(*args)
-    elif (bounds := row_tiles(token_seq, positions, tree_starts, TILE_ROWS, wide[4])).shape[0] <= q.shape[0]:
+    elif (bounds := row_tiles(token_seq, positions, tree_starts, TILE_ROWS,
+                              recent.group)).shape[0] <= q.shape[0]:
         attention_tiled(*args[:-1], bounds, out)  # some tile of several rows: a prefill
     else:
         _attention_parallel(*args)
 
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=FASTMATH, error_model="numpy")
-def _attention_parallel(q, k_cache, v_cache, k_scale, v_scale, has_scale, fp8_mbits, wide, block_tables,
+def _attention_parallel(q, k_cache, v_cache, k_scale, v_scale, has_scale, fp8_mbits, recent, block_tables,
                         token_seq, positions, tree_starts, tree_mask, window, softmax_scale, softcap, chunk,
                         out):
     T, n_kv = q.shape[0], k_cache.shape[2]
@@ -89,23 +86,24 @@ def _attention_parallel(q, k_cache, v_cache, k_scale, v_scale, has_scale, fp8_mb
         tt = task // n_kv
         t = tt // 2 if tt % 2 == 0 else T - 1 - tt // 2  # 0, T-1, 1, T-2, ...: prefill rows grow with t,
         # and each thread takes a contiguous range of tasks, so pairing short with long rows balances them
-        attend(q, k_cache, v_cache, k_scale, v_scale, has_scale, fp8_mbits, wide, block_tables, token_seq,
+        attend(q, k_cache, v_cache, k_scale, v_scale, has_scale, fp8_mbits, recent, block_tables, token_seq,
                 positions, tree_starts, tree_mask, window, softmax_scale, softcap, chunk, out, t,
                 task - tt * n_kv)
 
 
 @njit(cache=True, nogil=True, fastmath=FASTMATH, error_model="numpy")
-def _attention_serial(q, k_cache, v_cache, k_scale, v_scale, has_scale, fp8_mbits, wide, block_tables,
+def _attention_serial(q, k_cache, v_cache, k_scale, v_scale, has_scale, fp8_mbits, recent, block_tables,
                       token_seq, positions, tree_starts, tree_mask, window, softmax_scale, softcap, chunk,
                       out):
     for t in range(q.shape[0]):
         for kh in range(k_cache.shape[2]):
-            attend(q, k_cache, v_cache, k_scale, v_scale, has_scale, fp8_mbits, wide, block_tables, token_seq,
-                    positions, tree_starts, tree_mask, window, softmax_scale, softcap, chunk, out, t, kh)
+            attend(q, k_cache, v_cache, k_scale, v_scale, has_scale, fp8_mbits, recent, block_tables,
+                   token_seq, positions, tree_starts, tree_mask, window, softmax_scale, softcap, chunk, out,
+                   t, kh)
 
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=FASTMATH, error_model="numpy")
-def _attention_split(q, k_cache, v_cache, k_scale, v_scale, has_scale, fp8_mbits, wide, block_tables,
+def _attention_split(q, k_cache, v_cache, k_scale, v_scale, has_scale, fp8_mbits, recent, block_tables,
                      token_seq, positions, tree_starts, tree_mask, window, softmax_scale, softcap, chunk,
                      out):
     # flash-decoding: every (token, kv head, chunk) a task writing its partial softmax into a scratch row,
@@ -124,7 +122,7 @@ def _attention_split(q, k_cache, v_cache, k_scale, v_scale, has_scale, fp8_mbits
         t = np.searchsorted(first, r, side="right") - 1
         k = (first[t + 1] - first[t]) // n_kv
         kh, c = (r - first[t]) // k, (r - first[t]) % k
-        partial(q, k_cache, v_cache, k_scale, v_scale, has_scale, fp8_mbits, wide, block_tables, token_seq,
+        partial(q, k_cache, v_cache, k_scale, v_scale, has_scale, fp8_mbits, recent, block_tables, token_seq,
                 positions, tree_starts, tree_mask, window, softmax_scale, softcap, t, kh, c * chunk,
                  (c + 1) * chunk, m[r], l[r], acc[r])
     for task in prange(T * n_kv):

@@ -5,9 +5,8 @@ Each key and value row of a chunk is read and widened once for the whole tile in
 per-token kernel widens it once for every token that sees it), which each row of the tile then reads; the
 value sums keep their accumulators in registers (kernels/simd/axpy.py). A row's chunks are its own
 (kernels/attention/paged.py's rule: CHUNK visible slots counted from its first visible slot, so a sliding
-window
-shifts them row by row): the tile widens the union of its rows' chunk c, at most CHUNK + rows - 1 keys, and
-each row reads the slice that is its chunk. Scores, softmax and value sums are the per-token kernel's
+window shifts them row by row): the tile widens the union of its rows' chunk c, at most CHUNK + rows - 1 keys,
+and each row reads the slice that is its chunk. Scores, softmax and value sums are the per-token kernel's
 arithmetic in its order (kernels/attention/chunks.py), then the same merge, so a token's bits do not depend on
 its tile, batch or thread count, and prefill and decode of a position agree bit for bit. Rows of a tree, or
 alone in their tile, take the per-token path.
@@ -51,7 +50,7 @@ def row_tiles(token_seq, positions, tree_starts, tile_rows, group):
 
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=FASTMATH, error_model="numpy")
-def attention_tiled(q, k_cache, v_cache, k_scale, v_scale, has_scale, fp8_mbits, wide, block_tables,
+def attention_tiled(q, k_cache, v_cache, k_scale, v_scale, has_scale, fp8_mbits, recent, block_tables,
                     token_seq, positions, tree_starts, tree_mask, window, softmax_scale, softcap, chunk,
                     bounds, out):
     # kernels/attention/paged.py's arguments, and bounds: row_tiles'; every (tile, kv head) a task
@@ -61,24 +60,24 @@ def attention_tiled(q, k_cache, v_cache, k_scale, v_scale, has_scale, fp8_mbits,
         i = tt // 2 if tt % 2 == 0 else num_tiles - 1 - tt // 2  # short tiles paired with long ones
         kh = task - tt * n_kv
         if bounds[i + 1] - bounds[i] == 1:
-            attend(q, k_cache, v_cache, k_scale, v_scale, has_scale, fp8_mbits, wide, block_tables, token_seq,
-                    positions, tree_starts, tree_mask, window, softmax_scale, softcap, chunk, out, bounds[i],
-                    kh)
+            attend(q, k_cache, v_cache, k_scale, v_scale, has_scale, fp8_mbits, recent, block_tables,
+                   token_seq, positions, tree_starts, tree_mask, window, softmax_scale, softcap, chunk, out,
+                   bounds[i], kh)
         else:
-            _attend_tile(q, k_cache, v_cache, k_scale, v_scale, has_scale, fp8_mbits, wide, block_tables,
+            _attend_tile(q, k_cache, v_cache, k_scale, v_scale, has_scale, fp8_mbits, recent, block_tables,
                          token_seq, positions, tree_starts, tree_mask, window, softmax_scale, softcap, chunk,
                          out, bounds[i], bounds[i + 1], kh)
 
 
 @njit(inline="always", nogil=True, fastmath=FASTMATH, error_model="numpy")
-def _attend_tile(q, k_cache, v_cache, k_scale, v_scale, has_scale, fp8_mbits, wide, block_tables, token_seq,
+def _attend_tile(q, k_cache, v_cache, k_scale, v_scale, has_scale, fp8_mbits, recent, block_tables, token_seq,
                  positions, tree_starts, tree_mask, window, softmax_scale, softcap, chunk, out, t0, t1, kh):
     # rows t0 .. t1 (one sequence, consecutive positions, no tree), kv head kh
     R, D = t1 - t0, q.shape[2]
     group = q.shape[1] // k_cache.shape[2]
     block_size = k_cache.shape[1]
     seq = token_seq[t0]
-    first_wide = wide_start(wide, positions[t0], seq)  # the same for every row (row_tiles)
+    first_wide = wide_start(recent, positions[t0], seq)  # the same for every row (row_tiles)
     starts, ends, counts = np.empty(R, np.int64), np.empty(R, np.int64), np.empty(R, np.int64)
     for r in range(R):
         start, end, _ = visible(positions, tree_starts, tree_mask, window, t0 + r)
@@ -104,8 +103,8 @@ def _attend_tile(q, k_cache, v_cache, k_scale, v_scale, has_scale, fp8_mbits, wi
             o = j % block_size
             if j >= first_wide:
                 key_scales[j - lo] = np.float32(softmax_scale)
-                load_row(wide[0], wide[2][blk], o, kh, 0, np.float32(1.0), keys[j - lo])
-                load_row(wide[1], wide[2][blk], o, kh, 0, np.float32(1.0), values[j - lo])
+                load_row(recent.k_wide, recent.shadow_of[blk], o, kh, 0, np.float32(1.0), keys[j - lo])
+                load_row(recent.v_wide, recent.shadow_of[blk], o, kh, 0, np.float32(1.0), values[j - lo])
                 continue
             key_scales[j - lo] = np.float32(softmax_scale) * (k_scale[blk, o, kh] if has_scale
                                                               else np.float32(1.0))

@@ -1,7 +1,6 @@
 """A float's bits as the integer of its width and back (LLVM bitcasts, so loops using them still vectorize):
 float32 <-> int32, float64 <-> int64. The exps of kernels/exp32.py and kernels/sampling/filters.py write 2**n
-into
-the exponent bits with them."""
+into the exponent bits with them."""
 
 from llvmlite import ir
 from numba import types

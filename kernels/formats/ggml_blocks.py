@@ -16,7 +16,7 @@ K_QUANT_DTYPES = ("q4_k", "q5_k", "q6_k")
 CODE = {dtype: int(t) for dtype, t in GGML_TYPE.items()}
 Q4_K, Q5_K, Q6_K, Q4_1, Q5_0, Q5_1 = (CODE[d] for d in BLOCK_DTYPES)  # the codes, for the numba kernels
 # bytes per block, as constants for the numba kernels (constant strides vectorize: a stride read from the
-# row's length made dequantization 2.5-4.5x slower, measured on one core)
+# row's length made dequantization several times slower)
 Q4_K_BYTES, Q5_K_BYTES, Q6_K_BYTES, Q4_1_BYTES, Q5_0_BYTES, Q5_1_BYTES = (GGML_QUANT_SIZES[t][1]
                                                                           for t in GGML_TYPE.values())
 QK_K = GGML_QUANT_SIZES[GT.Q4_K][0]  # values per K-quant super-block (256)

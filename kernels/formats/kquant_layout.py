@@ -2,8 +2,7 @@
 VNNI kernel (kernels/simd/kquant.py).
 
 The values go in the quad order of kernels/formats/int8_layout.py, so the activations quantized for q8_0 /
-q4_0
-(int8 xq, f32 xd, int32 xsum per 32-value block) serve these formats unchanged. Every format's quants are
+q4_0 (int8 xq, f32 xd, int32 xsum per 32-value block) serve these formats unchanged. Every format's quants are
 unsigned (0..15, or 0..31 with a fifth bit), the weights' side of vpdpbusd; what turns them into values is
 kept per 32-value block b as the format gives it: value = S_b q - M_b with
     Q4_K, Q5_K  S_b = d sc_b, M_b = dmin mn_b  (fp16 d, dmin per 256 values, 6-bit sc, mn per 32)

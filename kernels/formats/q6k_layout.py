@@ -10,9 +10,8 @@ byte 32 + i the second's, so one vpdpbusd leaves block b's two half sums in int3
 Per row and group, 192 bytes of values and 16 of scales (6.5 bits per value, with d 6.5625, as in the file):
   values: three 64-byte vectors A, B, C; pairs 0, 1, 2 in bits 0-5 of A, B, C, and pair 3's 2-bit parts in
       their bits 6-7 (bits 0-1 in A's, 2-3 in B's, 4-5 in C's): pair f < 3 is one mask, pair 3 three 16-bit
-      shifts, two bit selects and a mask (measured against nibbles and high bits as in the file's two
-      arrays, 2 + 3 x 3 operations per row and group, where byte shifts become vgf2p8affineqb: 5-10% faster
-      at 32 tokens);
+      shifts, two bit selects and a mask (faster than nibbles and high bits as in the file's two arrays,
+      2 + 3 x 3 operations per row and group, where byte shifts become vgf2p8affineqb);
   scales: 16 int8, the first sub-blocks' (scale 2b at b), then the second ones' (scale 2b + 1 at 8 + b), in
       the lanes of the half sums they multiply.
 Blocks of 4 rows are interleaved by group (one sequential stream per task): a block's group is 832 bytes,

@@ -2,17 +2,14 @@
 
 Each parallel part owns a range of 4-row groups. For a group it dequantizes the 4 rows into its own float32
 scratch (kernels/formats/dequant_blocks.py) and runs the float32 register block (kernels/simd/block.py) over
-them
-for every token of the chunk. The register block sums every output in one order whatever its shape, so the
-outputs are bit-equal to the float32 kernel's over the dequantized matrix (kernels/linear/dispatch.py) at
-every batch
-size, and a token's outputs do not depend on its batch. Memory holds only the quantized bytes; each group is
-dequantized once per chunk of tokens (one chunk for any decode batch).
+them for every token of the chunk. The register block sums every output in one order whatever its shape, so
+the outputs are bit-equal to the float32 kernel's over the dequantized matrix (kernels/linear/dispatch.py) at
+every batch size, and a token's outputs do not depend on its batch. Memory holds only the quantized bytes;
+each group is dequantized once per chunk of tokens (one chunk for any decode batch).
 
-The scratch is allocated once per call, one slice per part (PARTS_PER_THREAD per thread), not in the
-parallel loop. Groups of 4 rows, not 1: one-row groups (1 x 4 register blocks) measured slower on one core,
-5632 x 2048 q4_k: 2.49 against 2.19 ms at 1 token, 25.8 against 8.6 ms at 32. At 1 token the time is mostly
-the dequantization (q4_k 0.14 ns per value on one core, q5_k / q6_k 0.20).
+The scratch is allocated once per call, one slice per part (PARTS_PER_THREAD per thread), not in the parallel
+loop. Groups of 4 rows, not 1: one-row groups (1 x 4 register blocks) ran slower, most of all at many tokens
+(at 1 token the time is mostly the dequantization).
 """
 
 import numpy as np

@@ -21,8 +21,7 @@ _X_CHUNK_BYTES = 1 << 19  # tokens of x per pass over the weights: half of a cor
 @njit(cache=True, nogil=True, parallel=True)
 def matmul(x, data, scales, out):
     # x: [T, K] f32; data/scales: one weight in any served format (kernels/formats/dequant.py; float16 as
-    # int16 bits,
-    # kernels/formats/fp16.py); out: [T, N] f32
+    # int16 bits, kernels/formats/fp16.py); out: [T, N] f32
     T, K = x.shape
     chunk = max(8, _X_CHUNK_BYTES // (4 * K) // 8 * 8)
     for c0 in range(0, T, chunk):  # a chunk of x stays in L2 while every row group passes over it

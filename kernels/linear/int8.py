@@ -1,14 +1,11 @@
-"""y = x @ W.T with x quantized to int8 (kernels/formats/int8_layout.py) and q8_0 / q4_0 weights in the
-packed layout.
+"""y = x @ W.T with x quantized to int8 (kernels/formats/int8_layout.py) and q8_0 / q4_0 weights in the packed
+layout.
 
-Parallel tasks own output rows; each row's register block walks a chunk of tokens, 4 at a time,
-while the chunk of x stays in L2. matmul_int8 (AVX2): q8_0 through vpmaddwd on int16 activations
-(kernels/simd/int8.py), q4_0 through vpmaddubsw on int8 activations (kernels/simd/u8s8.py).
-matmul_vnni (AVX512-VNNI): both formats through vpdpbusd on int8 activations (kernels/simd/vnni.py),
-the same bits as matmul_int8.
-Measured on 2 Zen 2 cores (AVX2), 5760 x 2048 weights, 48 tokens: 1 row x 4 tokens 174 GFLOP/s for q8_0,
-against 100-135 for 2 or 3 rows (their accumulators no longer fit the 16 vector registers) and
-~80 for the float32-activation kernel. VNNI on 2 Zen 4 cores, 5632 x 2048: see matmul_vnni.
+Parallel tasks own output rows; each row's register block walks a chunk of tokens, 4 at a time, while the
+chunk of x stays in L2 (2 or 3 rows a block ran slower under AVX2: their accumulators no longer fit the 16
+vector registers). matmul_int8 (AVX2): q8_0 through vpmaddwd on int16 activations (kernels/simd/int8.py), q4_0
+through vpmaddubsw on int8 activations (kernels/simd/u8s8.py). matmul_vnni (AVX512-VNNI): both formats through
+vpdpbusd on int8 activations (kernels/simd/vnni.py), the same bits as matmul_int8.
 """
 
 from numba import njit, prange, types
@@ -74,9 +71,7 @@ def matmul_vnni(xq, xd, xsum, data, scales, out, bits):
     # xq: [T, Kp] int8 (quad order), xd/xsum: [T, Kp // 32], data: uint8 q8_0 [N4, Kp] (bits 8) | q4_0
     # [N4, Kp // 2] (bits 4) in 4-row blocks (int8_layout.pack_q8_0_quads, pack_q4_0), scales: [N4, Kp // 32],
     # out: [T, N] f32, N4 = N rounded up to 4. A task owns a block of 4 output rows (kernels/simd/vnni.py).
-    # 2 Zen 4 cores: 5632 x 2048 with the weights in cache, 550-650 GFLOP/s from 4 tokens up against
-    # 190-300 for the AVX2 kernel; 44 matrices of 11264 x 2048 (1 GB) from memory, 1 / 4 / 8 / 16 tokens
-    # in 35 / 32 / 32 / 56 ms (memory-bound up to 8 tokens).
+    # With the weights from memory it is memory-bound up to 8 tokens (benchmarks/results/HISTORY.md).
     T, Kp = xq.shape
     chunk = max(4, X_CHUNK_BYTES // Kp // 4 * 4)
     for c0 in range(0, T, chunk):
@@ -114,8 +109,7 @@ def _vnni_tokens_impl(xq, xd, xsum, data, scales, out, n, c0, c1, bits):
 @njit(cache=True, nogil=True, parallel=True)
 def matmul_vnni_experts(xq, xd, xsum, data, scales, out, bits, experts, starts):
     # Several experts' matmul_vnni in one parallel region (kernels/moe/expert_tasks.py: the layout of
-    # data/scales,
-    # experts, starts; the tasks); out: [R, N] f32
+    # data/scales, experts, starts; the tasks); out: [R, N] f32
     N = out.shape[1]
     for task in prange(expert_num_tasks(experts.shape[0], N, VNNI_ROWS)):
         e, r0, r1, b0, b1 = expert_task(task, experts, starts, N, VNNI_ROWS)

@@ -1,22 +1,14 @@
 """y = x @ W.T with x quantized to int8 (kernels/formats/int8_layout.py) and Q4_K / Q5_K / Q4_1 / Q5_0 / Q5_1
-weights
-packed by kernels/formats/kquant_layout.py, through the VNNI register block of kernels/simd/kquant.py.
+weights packed by kernels/formats/kquant_layout.py, through the VNNI register block of kernels/simd/kquant.py.
 
 The drivers are matmul_vnni's and matmul_vnni_experts' (kernels/linear/int8.py): a task owns a block of 4
 output rows and walks a chunk of tokens 4 at a time (then 2, then 1) while the chunk of x stays in L2.
 qtype (the GGML type id, kernels/formats/ggml_blocks.py's CODE) picks the format's code per task, as
-matmul_vnni's
-bits: one compiled function serves all five. (numba.literally(qtype), one compilation per format, cost
-8 ms a call: numba retypes the call through an exception every time.)
+matmul_vnni's bits: one compiled function serves all five. (numba.literally(qtype), one compilation per
+format, was slow at every call: numba retypes the call through an exception every time.)
 
-Measured on 2 Zen 4 cores shared with other jobs (A/B alternating in one process, medians; the spread is
-between runs), 5632 x 2048, ms: in cache, 1 token q4_0 (matmul_vnni) 0.15-0.21 (25th percentiles
-0.13-0.18), Q4_K 0.17-0.18, Q5_K 0.22-0.25 (3 runs of 1000); 8 tokens q4_0 0.69-0.72, Q4_K 0.75-0.80,
-Q5_K 0.88-0.95 (per byte within 7%); 32 tokens (25th percentiles, the medians were noise) q4_0 2.6, Q4_K
-3.0-3.1, Q5_K 3.7-4.0: the K-quants' scales and Q5_K's fifth bits cost instructions once the weights are
-in cache. From memory, 20 such matrices per pass at 1 token: in each run the K-quant and legacy formats
-stream at least q4_0's bytes per second (q4_0 8.8-13.9 GB/s, Q4_K 9.5-15.9, Q5_K 10.6-15.5; the
-machine's load set the level).
+With the weights in cache, the K-quants' scales and Q5_K's fifth bits cost instructions beside q4_0; from
+memory every format streams at least q4_0's bytes per second (benchmarks/results/HISTORY.md).
 """
 
 from numba import njit, prange, types

@@ -9,8 +9,7 @@ rows of one expert, for all its tokens: the threads wake once for the layer, not
 
 from numba import njit
 
-# one block a task cost 6-8% more at 1 token (Qwen3-MoE's experts, 8 of 64 routed, 2 Zen 4 cores: gate_up 0.85
-# against 0.80 ms, down 0.49 against 0.45; 32 blocks 0.91 / 0.43)
+# blocks of 4 rows a task (one ran slower at 1 token, 32 no faster: benchmarks/results/HISTORY.md)
 EXPERT_TASK_BLOCKS = 8
 
 

@@ -4,21 +4,17 @@ tokens, both projections of every routed expert, SiLU-gate and the weighted sum.
 
 It runs the same kernels as the step by step path (models/linear.py's float32 matmul for the router,
 kernels/moe/route.py, kernels/int8_layout.quantize_activations, kernels/norms.silu_mul, matmul_vnni_experts),
-so
-a token gets the same bits, and the same bits in any batch. Two things differ, neither in the values: a
+so a token gets the same bits, and the same bits in any batch. Two things differ, neither in the values: a
 token's row is quantized once and its int8 row copied to each of its k pairs (the same row quantizes to the
 same bytes), and each pair's expert output stays in the grouped order (the weighted sum reads it through
 `position`).
 
-Why one call (2 Zen 4 cores shared with other work, Qwen3-MoE's layer: hidden 2048, top 8 of 64 experts of
-768, q8_0; the same process alternating with the step by step path it replaced): everything but the two
-projections took 95 / 137 / 348 us at 1 / 2 / 8 tokens as ~15 kernel calls and ~20 allocations from Python
-(quantizing a token once per slot among them), 50 / 74 / 214 us here; the whole layer 2.31 -> 2.16 ms at one
-token (median of 1000 pairs, 154 us saved in the median pair), 4.27 -> 4.10 ms at 2, 11.5 -> 11.1 ms at 8; it
-was faster at 16 to 512 tokens too, so every step takes it. Each projection stays one parallel region
+Why one call: the step by step path ran everything but the two projections as ~15 kernel calls and ~20
+allocations from Python (quantizing a token once per slot among them), and the whole layer measured faster
+here at every batch size, so every step takes it. Each projection stays one parallel region
 (matmul_vnni_experts' tasks of 32 rows of one expert): a region per expert doing gate_up, SiLU and the
-quantizing, or the whole expert with down too (no region in between), measured within the noise of this, and
-tasks of whole experts would leave threads idle where the threads outnumber the routed experts.
+quantizing, or the whole expert with down too (no region in between), measured no faster, and tasks of whole
+experts would leave threads idle where the threads outnumber the routed experts.
 """
 
 import numpy as np

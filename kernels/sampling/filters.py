@@ -8,9 +8,7 @@ tokens with probability >= min_p * the top probability. The draw is kernels/samp
 Per row: one vectorized pass computes w = exp(x / T - max) (our own exp, so LLVM vectorizes it without
 SVML); top-k bisects a logit threshold with vectorized counts, then quickselects among the tokens above
 it; top-p bisects a weight threshold whose mass above reaches top_p with vectorized masked sums, then
-sorts only the tokens above it (a few hundred, not V). Measured (2-core Zen 2, 32 rows of 32k, T 0.7,
-top_p 0.9): 6.0 ms per step, against 116 ms for the per-request numpy sampler (exp ~2 us per 1k tokens,
-the top-p search, gather and sort ~2.5 us per 1k).
+sorts only the tokens above it (a few hundred, not V).
 """
 
 import numpy as np

@@ -10,9 +10,8 @@ exponentials). The row key is splitmix64's finalizer (a bijection of 64-bit word
 Why a race and not one uniform through an inverse CDF: two models that share the clocks pick the same token
 with probability at least (1 - TV) / (1 + TV) of their two distributions, whatever the token order, so a
 draft model racing with the target's clocks guesses the target's own draw
-(scheduling/sampling/step_sampler.py). One
-uniform through an inverse CDF in token-id order couples them badly: small differences anywhere before a
-token shift its interval.
+(scheduling/sampling/step_sampler.py). One uniform through an inverse CDF in token-id order couples them
+badly: small differences anywhere before a token shift its interval.
 
 Cost: a row with a filtered vocabulary (top-k / top-p) races its few kept tokens; a full row is screened
 without logarithms: token j can beat a clock b only if v_j * b < w_j (as E_j >= v_j), so one pass of

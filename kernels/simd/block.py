@@ -2,15 +2,15 @@
 
 The block keeps R * TB accumulators of 16 float32 lanes in vector registers. Each 16-wide slice of a weight
 row is loaded once, dequantized in registers (bf16: shift; fp16: vcvtph2ps, exact; q8_0: sign-extend,
-convert, times the block scale; q4_0: nibbles index a permuted table of scaled values) and multiplied into
-TB tokens with fused multiply-adds. Every block shape sums in one order: an accumulator takes block 0's two
+convert, times the block scale; q4_0: nibbles index a permuted table of scaled values) and multiplied into TB
+tokens with fused multiply-adds. Every block shape sums in one order: an accumulator takes block 0's two
 slices, then block 1's, ... with one chain of FMAs, and ends in one pairwise horizontal sum. So a token's
 outputs are bit-for-bit the same whatever its batch, the rows and tokens of its block or its place in it
-(batch invariance: a request's tokens do not depend on the requests it runs with). Independent chains for
-the small shapes (split half-blocks, two blocks in flight) would buy nothing measurable here (the matvec is
-memory-bound: 23-27 GFLOP/s either way, 5632 x 2048 bf16) and break it. Writing the vectors out explicitly
-is what keeps the accumulators in registers: numba's auto-vectorized loops stored them back to memory every
-block and ran 1.8-3.4x slower on quantized rows (measured on one core).
+(batch invariance: a request's tokens do not depend on the requests it runs with). Independent chains for the
+small shapes (split half-blocks, two blocks in flight) would buy nothing measurable here (the matvec is
+memory-bound) and break it. Writing the vectors out explicitly is what keeps the accumulators in registers:
+numba's auto-vectorized loops stored them back to memory every block and ran several times slower on
+quantized rows.
 
 Weight layouts (kernels/formats/dequant.py): float32 [N, K]; bf16 bits uint16 [N, K]; fp16 bits int16 [N, K]
 (kernels/formats/fp16.py); q8_0 int8 [N, K] with fp16 scales uint16 [N, K // 32]; q4_0 uint8 [N, K // 2] (GGML

@@ -2,14 +2,14 @@
 matrix against one vector.
 
 Eight lanes (lane l takes elements l, l + 8, l + 16, ...) accumulated with fused multiply-adds, then a
-pairwise horizontal sum, then the D % 8 tail in order. The same bits wherever it is inlined: numba's
-fastmath sums (`reassoc`) let LLVM pick a vectorization per call site, so the serial and the parallel
-attention kernel summed the same scores differently (batch invariance, models/linear.py); without
-`reassoc` LLVM left the scalar loop unvectorized and attention ran at half speed.
+pairwise horizontal sum, then the D % 8 tail in order. The same bits wherever it is inlined: numba's fastmath
+sums (`reassoc`) let LLVM pick a vectorization per call site, so the serial and the parallel attention kernel
+summed the same scores differently (batch invariance, models/linear.py); without `reassoc` LLVM left the
+scalar loop unvectorized.
 
-dots() gives each row the bits dot() gives it, with up to BLOCK rows' accumulators advanced together: one
-dot is a chain of D / 8 dependent fused multiply-adds (4 cycles each), so a query-head group's scores one
-row at a time waited on latency (TinyLlama's 8 heads per KV head, D = 64: ~3x slower).
+dots() gives each row the bits dot() gives it, with up to BLOCK rows' accumulators advanced together: one dot
+is a chain of D / 8 dependent fused multiply-adds (4 cycles each), so a query-head group's scores one row at a
+time waited on latency.
 """
 
 from llvmlite import ir

@@ -2,15 +2,13 @@
 written as LLVM IR: 4 weight rows x TB tokens.
 
 As kernels/simd/vnni.py: per group of 256 values each (row, token) pair keeps 8 int32 lanes, lane b = block
-b's dot product of the unsigned quants q (kernels/formats/kquant_layout.py) with the int8 activations,
-through 8
-vpdpbusd (exact: |lane| <= 32 x 31 x 127). A quant vector is chunk j // 2's low or high nibbles (q4_0's
-mask and shift), and for the 5-bit formats bit j of the group's 32 bytes of fifth bits, shifted to bit 4
-and or-ed in: one load per row and group, then per vector a byte shift and one vpternlog as LLVM emits
-them. (Fifth bits stored as one 32-bit lane mask per vector instead, a kmov and a masked blend, had fewer
-spills but was no faster: Q5_K 5632 x 2048, 1 and 8 tokens, A/B.) The 4 rows' stream of tiles (quants,
-fifth bits, scales) is prefetched as q4_0's (32 KB ahead from 4 tokens up; 16 and 64 KB measured the
-same).
+b's dot product of the unsigned quants q (kernels/formats/kquant_layout.py) with the int8 activations, through
+8 vpdpbusd (exact: |lane| <= 32 x 31 x 127). A quant vector is chunk j // 2's low or high nibbles (q4_0's mask
+and shift), and for the 5-bit formats bit j of the group's 32 bytes of fifth bits, shifted to bit 4 and or-ed
+in: one load per row and group, then per vector a byte shift and one vpternlog as LLVM emits them. (Fifth bits
+stored as one 32-bit lane mask per vector instead, a kmov and a masked blend, had fewer spills but was no
+faster.) The 4 rows' stream of tiles (quants, fifth bits, scales) is prefetched as q4_0's (32 KB ahead from 4
+tokens up; nearby distances measured the same).
 
 Then per block, with value = S_b q - M_b (kquant_layout.py's table) and xd_b, xsum_b the activations'
 scale and sum, in this order for every token of any batch (so its outputs do not depend on the batch):
@@ -145,8 +143,7 @@ def kquant_block(typingctx, xq, xd, xsum, data, out, t0, n0, qtype, tokens):
                                                   V32I8), V8I)
                     for r in range(ROWS):
                         iacc[r][t] = builder.call(dpbusd, [iacc[r][t], weights[r], xv])
-            # the scales after the products: formed before, they stayed live through them and spilled (Q5_K,
-            # 4 tokens: 232 stack accesses in the block's code, 185 after)
+            # the scales after the products: formed before, they stayed live through them and spilled
             dx = [load_vec(builder, da.data, builder.add(builder.mul(row, num_blocks), blk0), V8F)
                   for row in token_rows]
             scales = [_block_scales(builder, wa.data, tile, f, r) for r in range(ROWS)]

@@ -2,33 +2,28 @@
 4 weight rows x TB tokens.
 
 Per group of 256 values (kernels/formats/q6k_layout.py), each (row, token) keeps one 512-bit int32
-accumulator: 4
-vpdpbusd of the 6-bit values (0..63, the unsigned side) by pairs of activation vectors [vector f | vector
-f + 4] (the signed side) leave block b's first 16-value sub-block's sum in lane b and its second one's in
-lane 8 + b. The accumulator starts at the token's offsets (-32 x the sub-block sums of x), so it ends at
-the sums of x (q - 32), exact. Those half sums, converted, times the row's 16 scales (laid out in those lanes)
-and the two halves added give block b's exact dot product as a float32 (_fold_rows: no step rounds). Then, as
-in every int8 kernel (kernels/simd/int8.py fold_group), one fused multiply-add by (d x activation scale) per
-lane moves a group into a float32 accumulator, in group order, and the 8 lanes are summed at the end in one
-order: a token's outputs are the same bits whatever its batch and its place in it.
+accumulator: 4 vpdpbusd of the 6-bit values (0..63, the unsigned side) by pairs of activation vectors [vector
+f | vector f + 4] (the signed side) leave block b's first 16-value sub-block's sum in lane b and its second
+one's in lane 8 + b. The accumulator starts at the token's offsets (-32 x the sub-block sums of x), so it ends
+at the sums of x (q - 32), exact. Those half sums, converted, times the row's 16 scales (laid out in those
+lanes) and the two halves added give block b's exact dot product as a float32 (_fold_rows: no step rounds).
+Then, as in every int8 kernel (kernels/simd/int8.py fold_group), one fused multiply-add by (d x activation
+scale) per lane moves a group into a float32 accumulator, in group order, and the 8 lanes are summed at the
+end in one order: a token's outputs are the same bits whatever its batch and its place in it.
 
-Measured choices (2 Zen 4 cores shared with other work, 5632 x 2048, medians of alternated runs):
+Choices, each measured against the alternative named (benchmarks/results/HISTORY.md):
   the offsets come from memory (kernels/formats/q6k_layout.py subblock_offsets, once per call): 4 vpdpbusd
-  against
-      a constant per token and group instead cost a fifth of the block's time at 32 tokens;
-  two rows' block sums share one 512-bit float32 accumulator (the halves' add is then a two-source
-      shuffle), 16 -> 8 float registers at 4 tokens: 11-13% faster at 8 tokens than one 256-bit
-      accumulator per (row, token);
-  the scales multiply in float32, exactly: vpmulld by the int32 scales (the same sums) took 6-8% longer at 8
-      and 32 tokens;
+      against a constant per token and group instead cost more at 32 tokens;
+  two rows' block sums share one 512-bit float32 accumulator (the halves' add is then a two-source shuffle),
+      16 -> 8 float registers at 4 tokens: faster at 8 tokens than one 256-bit accumulator per (row, token);
+  the scales multiply in float32, exactly: vpmulld by the int32 scales (the same sums) was slower at 8 and
+      32 tokens;
   the values' decode is shifts and masks (kernels/formats/q6k_layout.py); the 2-bit moves as vgf2p8affineqb
-  were
-      no faster;
-  4 rows x 4 tokens beats 4 x 3 and 4 x 2 (1 thread, 8 tokens: 0.90 / 0.98 / 1.05 ms; 32 tokens, best runs:
-      3.5 / 3.7 / 3.9 ms) though its 16 + 8 accumulators still spill a few registers (4 x 2's do not, but it
-      decodes each row's values for 2 tokens only); splitting the 4-row block into 2 x 4 was 4-15% slower in
-      a draft;
-  the prefetch distance (16, 32 or 64 KB) and prefetching d's small stream made no difference at 1 token.
+      were no faster;
+  4 rows x 4 tokens beats 4 x 3 and 4 x 2 though its 16 + 8 accumulators still spill a few registers (4 x 2's
+      do not, but it decodes each row's values for 2 tokens only); splitting the 4-row block into 2 x 4 was
+      slower in a draft;
+  the prefetch distance and prefetching d's small stream made no difference at 1 token.
 Weights stream as in kernels/simd/vnni.py: one sequential stream per task (a block's 4 rows interleaved by
 group), prefetched as there (from 4 tokens up); d's stream (1/104 of the bytes) is left to the hardware.
 Rows past the matrix's last (padding of the last block) are computed, not stored.
@@ -119,8 +114,7 @@ def q6k_block(typingctx, xq, xd, offsets, data, d, out, t0, n0, tokens):
 
     xq: [T, Kp] int8 (quad order), xd: [T, Kp // 32] f32, offsets: [T, Kp // 16] int32 (subblock_offsets),
     data: uint8 [N4, G * 208], d: uint16 [N4, G] (kernels/formats/q6k_layout.py), out: [T, N] f32; n0 % 4 ==
-    0;
-    tokens: a literal.
+    0; tokens: a literal.
     """
     if not operands_fit((xq, xd, offsets, data, d, out),
                         (types.int8, types.float32, types.int32, types.uint8, types.uint16, types.float32)):

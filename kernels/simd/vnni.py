@@ -2,24 +2,21 @@
 4 weight rows x TB tokens.
 
 Both formats use the quad order (kernels/formats/int8_layout.py): per group of 8 blocks, vector j (32 bytes)
-holds
-4 consecutive values of each block, so one unsigned x signed byte dot product (vpdpbusd: 32 products
-summed by fours into 8 int32 lanes, accumulated) adds block b's partial dot product to lane b. The
-weights are the unsigned side: q4_0's nibbles are value + 8, and q8_0's bytes are stored as value + 128;
-the offset is taken off once per group as -offset x (block sum of x), the accumulator's start. Sums stay
-exact in int32 (|lane| <= 32 x 255 x 127). Then, as in kernels/simd/int8.py, one convert and one fused
-multiply-add by (weight scale x activation scale) per lane move a group into a float32 accumulator, in
-the same order: the outputs are bit for bit those of the AVX2 kernels, with one instruction per 32
-products instead of two to three per 16.
+holds 4 consecutive values of each block, so one unsigned x signed byte dot product (vpdpbusd: 32 products
+summed by fours into 8 int32 lanes, accumulated) adds block b's partial dot product to lane b. The weights are
+the unsigned side: q4_0's nibbles are value + 8, and q8_0's bytes are stored as value + 128; the offset is
+taken off once per group as -offset x (block sum of x), the accumulator's start. Sums stay exact in int32
+(|lane| <= 32 x 255 x 127). Then, as in kernels/simd/int8.py, one convert and one fused multiply-add by
+(weight scale x activation scale) per lane move a group into a float32 accumulator, in the same order: the
+outputs are bit for bit those of the AVX2 kernels, with one instruction per 32 products instead of two to
+three per 16.
 
 Weights come in blocks of 4 rows interleaved by group (kernels/formats/int8_layout.py pack_q8_0_quads,
-pack_q4_0): a
-task reads one sequential stream, and from 4 tokens up prefetches PREFETCH_BYTES ahead in it into L2, so the
-next blocks' bytes arrive while this one is multiplied (below 4 tokens the hardware's prefetch is faster).
-4 rows x 4 tokens keep 16 int32 and 16 float32 accumulators in AVX-512's 32 vector registers. Rows past
-the matrix's last (padding of the last block) are computed, not stored.
-(Measured against this: one pass per block over all of a task's tokens, their float32 accumulators in a
-stack array, was 10-40% slower from 2 tokens up.)
+pack_q4_0): a task reads one sequential stream, and from 4 tokens up prefetches PREFETCH_BYTES ahead in it
+into L2, so the next blocks' bytes arrive while this one is multiplied (below 4 tokens the hardware's prefetch
+is faster). 4 rows x 4 tokens keep 16 int32 and 16 float32 accumulators in AVX-512's 32 vector registers. Rows
+past the matrix's last (padding of the last block) are computed, not stored. (One pass per block over all of a
+task's tokens, their float32 accumulators in a stack array, was slower from 2 tokens up.)
 
 Needs AVX512-VNNI and AVX512-VL (the 256-bit vpdpbusd) and F16C. numba's on-disk cache of
 kernels/linear/int8.py does not notice edits to this file: after changing the code generation here,
@@ -48,19 +45,14 @@ from kernels.simd.int8 import (
 V32I8 = ir.VectorType(I8, 32)
 VNNI_FEATURES = ("avx512vnni", "avx512vl", "f16c")
 ROWS = 4  # weight rows per block
-# The prefetch: how far ahead in its stream a task asks for its weights, and into L2 (LLVM locality 2,
-# prefetcht1), not L1. Measured on 2 Zen 4 cores over 44 matrices of 11264 x 2048 (1 GB of q8_0 weights),
-# ms for 1 / 4 / 8 / 16 tokens: into L2 32 KB ahead 35 / 32 / 32 / 56; into L1 37 / 48 / 56 / 70; no
-# prefetch 42 / 49 / 67 / 97. Into L1 the requests compete with the multiply's own loads; into L2 the
-# stream keeps arriving at the memory's pace while the cores compute, so up to 8 tokens cost what 1 does.
+# The prefetch: how far ahead in its stream a task asks for its weights, and into L2 (LLVM
+# locality 2, prefetcht1), not L1. Into L1 the requests compete with the multiply's own loads; into
+# L2 the stream keeps arriving at the memory's pace while the cores compute, so up to 8 tokens cost
+# what 1 does: benchmarks/results/HISTORY.md
 PREFETCH_BYTES = 32768
 PREFETCH_LOCALITY = 2
-# Blocks of fewer tokens leave the stream to the hardware prefetcher: at 1 and 2 tokens the software
-# prefetch slowed the stream (TinyLlama-shaped matrices, 1.1 GB of q8_0 from memory, 2 Zen 4 cores,
-# alternating in one process, GB/s as a fraction of a read probe of the same bytes sampled between:
-# 1 token 0.77 with it against 0.92 without at a 49 GB/s probe, 0.87 / 0.92 at 31 GB/s; 2 tokens 0.87 /
-# 0.93; q4_0, 1 token 0.92 / 1.00), and at 4 tokens and up it is what keeps the stream going (4 tokens
-# 0.91 / 0.72, 8 tokens 0.87 / 0.47; q4_0 4 tokens 0.71 / 0.53).
+# Blocks of fewer tokens leave the stream to the hardware prefetcher: at 1 and 2 tokens the software prefetch
+# slowed the stream, and at 4 tokens and up it is what keeps the stream going
 PREFETCH_MIN_TOKENS = 4
 
 

@@ -29,7 +29,7 @@ SPEC_KEY = "numaserve.spec"
 ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 # GGML types numaserve serves as they are stored, by the WeightMatrix dtype that holds them:
 # Q8_0 and Q4_0 split into values and scales, the K-quants and the legacy types llama.cpp's quantizer falls
-# back to as their raw blocks (memory/weights.py)
+# back to as their raw blocks (memory/matrices.py)
 RAW_BLOCKS = {GT.Q4_K: "q4_k", GT.Q5_K: "q5_k", GT.Q6_K: "q6_k", GT.Q4_1: "q4_1", GT.Q5_0: "q5_0",
               GT.Q5_1: "q5_1"}
 AUTO = {GT.F32: "float32", GT.F16: "float16", GT.BF16: "bfloat16", GT.Q8_0: "q8_0",

@@ -13,7 +13,8 @@ from tqdm import tqdm
 
 from cluster_configs.errors import CheckpointError
 from memory.experts import ExpertWeights
-from memory.weights import LayerWeights, Matrix, ModelWeights, StackedMatrix, WeightMatrix, stacked
+from memory.matrices import Matrix, StackedMatrix, WeightMatrix, stacked
+from memory.weights import LayerWeights, ModelWeights
 from models.gguf.families import FAMILIES, GGUFFamily, Layout, layer_layouts
 from models.gguf.format import AUTO, GT, RAW_BLOCKS, ROPE_TENSORS
 from models.gguf.model_spec import spec_from_gguf

@@ -9,7 +9,8 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGML_QUANT_VERSION, GGMLQuantizationType, GGUFWriter
 
 from cluster_configs.errors import CheckpointError
-from memory.weights import Matrix, ModelWeights, StackedMatrix, WeightMatrix, parts
+from memory.matrices import Matrix, StackedMatrix, WeightMatrix, parts
+from memory.weights import ModelWeights
 from models.gguf.families import FAMILIES, GGUFFamily, layer_field, layer_layouts
 from models.gguf.format import FILE_TYPE, GGML_TYPE, GT
 from models.gguf.model_spec import rope_tensors, spec_metadata

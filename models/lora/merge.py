@@ -13,16 +13,8 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from memory.weights import (
-    PROJECTIONS,
-    Bf16Matrix,
-    BlockInt8Matrix,
-    Int8Matrix,
-    LayerWeights,
-    Matrix,
-    StackedMatrix,
-    WeightMatrix,
-)
+from memory.matrices import Bf16Matrix, BlockInt8Matrix, Int8Matrix, Matrix, StackedMatrix, WeightMatrix
+from memory.weights import PROJECTIONS, LayerWeights
 from models.linear import dequantize
 from models.lora.adapter import LoraAdapter
 from models.lora.config import module_shapes

@@ -15,7 +15,7 @@ from kernels.moe.fused import moe_vnni
 from kernels.moe.route import gather_rows, group_by_expert, route_tokens, weighted_sum
 from kernels.norms import silu_mul
 from memory.experts import ExpertWeights
-from memory.weights import Int8Matrix, Matrix, WeightMatrix
+from memory.matrices import Int8Matrix, Matrix, WeightMatrix
 from models.linear import linear as linear_f32
 from models.moe.buffers import MoeBuffers
 

@@ -6,12 +6,11 @@ Face directory), the weight and activation dtypes, the calibration file (path an
 (they pick layouts: VNNI interleaves rows), LAYOUT_VERSION and numaserve's version. An entry whose key
 differs is never read: it has another name (and its manifest's key is compared too).
 
-Hashing the source at every start would cost about what a warm start costs (sha256 at 1.8 GB/s here: 0.65 s
-for a 1.1 GB GGUF file, whose entry is read in 0.3-0.5 s). So a source's sha256 is computed when no trusted
-record of it exists and recorded under sources/ with the file's (size, mtime_ns, ctime_ns, inode, device);
-a later start trusts it while all five still match. A write to the file changes its ctime, which no tool
-can set back, so a changed source is hashed again (and an unchanged copy or touch re-hashes to the same
-key).
+Hashing the source at every start would cost about what a warm start costs. So a source's sha256 is computed
+when no trusted record of it exists and recorded under sources/ with the file's (size, mtime_ns, ctime_ns,
+inode, device); a later start trusts it while all five still match. A write to the file changes its ctime,
+which no tool can set back, so a changed source is hashed again (and an unchanged copy or touch re-hashes to
+the same key).
 """
 
 import hashlib

@@ -4,16 +4,15 @@
     blob: each array at a 64-byte aligned offset, zeros between
 
 The manifest says, for each array, its dtype, shape, offset in the blob, bytes and checksum
-(kernels/checksum.py, 7x zlib.crc32's speed), and carries the caller's fields (the key, the object tree).
-Manifest and blob share one file so that one rename publishes both: a reader sees a whole entry or none,
-and a manifest can never describe another build's blob. JSON rather than msgpack: a TinyLlama-shaped
-model's manifest (1.2 MB, most of it its tokenizer.json as a string) parses in 4 ms, against the ~0.3 s
-read of its 1.17 GB blob, and stays readable with `head -c`; msgpack would not earn its dependency.
+(kernels/checksum.py), and carries the caller's fields (the key, the object tree). Manifest and blob share
+one file so that one rename publishes both: a reader sees a whole entry or none, and a manifest can never
+describe another build's blob. JSON rather than msgpack: a model's manifest (most of it its tokenizer.json as
+a string) parses in a small fraction of its blob's read, and stays readable with `head -c`; msgpack would not
+earn its dependency.
 
-Reading is one sequential pass into one buffer of process memory, then zero-copy views of it (no
-long-lived mmap: the VM reclaims idle file pages; see models/gguf_reader.read_gguf). Every array's checksum
-is verified (measured: 0.04 s for a 1.17 GB entry against a 0.27 s read); a bad magic, manifest, size or
-checksum raises CorruptEntry saying which.
+Reading is one sequential pass into one buffer of process memory, then zero-copy views of it (no long-lived
+mmap: the VM reclaims idle file pages; see models/gguf_reader.read_gguf). Every array's checksum is verified
+(a small fraction of the read); a bad magic, manifest, size or checksum raises CorruptEntry saying which.
 """
 
 import json
@@ -87,11 +86,9 @@ def read_entry(path: Path, meanwhile: Callable[[dict], None] | None = None) -> t
 
     The blob's read starts as soon as the header gives its place, in a thread of its own (the read releases
     the GIL; it touches the buffer's pages from this process, so a pinned worker's land on its node); this
-    thread meanwhile verifies and parses the manifest, which is where numba first starts in a process
-    (its checksum kernel: ~0.3 s of numba's own set-up), and runs meanwhile. Measured (a TinyLlama-shaped
-    q8_0 entry, 1.17 GB in the page cache, fresh processes alternating with the read on this thread, 15
-    each, 2 idle Zen 4 cores): LLM() 0.75 s median (0.59-2.16) against 1.31 s (0.74-2.68); the spread is
-    the VM's (its huge pages faulted in again or not)."""
+    thread meanwhile verifies and parses the manifest, which is where numba first starts in a process (its
+    checksum kernel, and numba's own set-up with it), and runs meanwhile: a start waits for the longer of the
+    two, not their sum."""
     with open(path, "rb", buffering=0) as f, ThreadPoolExecutor(1) as reader:
         size = os.fstat(f.fileno()).st_size
         magic, manifest_bytes, manifest_sum = _HEADER.unpack(_read_exactly(f, _HEADER.size, path))

@@ -148,7 +148,7 @@ class _Recording:
 
 
 def _tokenizer(text: str | None) -> Tokenizer | None:
-    """From its tokenizer.json text (0.1-0.2 s for a 32000-token vocabulary)."""
+    """From its tokenizer.json text."""
     return None if text is None else Tokenizer(HFTokenizer.from_str(text))
 
 

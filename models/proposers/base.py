@@ -21,8 +21,7 @@ step the engine hands it, per request, the final-norm hidden states of the posit
 
 A proposer that can draft token trees measures what each width would have kept (`accepted_counts`,
 `tree_sizes`: scheduling/speculation/tree_policy.py) and drafts at the `width` the speculator sets each step
-(or at
-its `fixed_width`).
+(or at its `fixed_width`).
 """
 
 from abc import ABC, abstractmethod

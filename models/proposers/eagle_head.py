@@ -23,7 +23,8 @@ import numpy as np
 from cluster_configs.diagnostics import DecisionLog
 from cluster_configs.errors import CheckpointError
 from memory.kv_cache import KVCache
-from memory.weights import Int8Matrix, ModelWeights, WeightMatrix, select_rows
+from memory.matrices import Int8Matrix, WeightMatrix, select_rows
+from memory.weights import ModelWeights
 from models.batch import ForwardBatch
 from models.checkpoint import expected_shapes, load_layer
 from models.decoder import DecoderModel

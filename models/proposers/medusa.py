@@ -1,5 +1,5 @@
-"""MedusaProposer: drafts from trained Medusa heads (models/proposers/medusa_head.py) over the target's
-hidden states.
+"""MedusaProposer: drafts from trained Medusa heads (models/proposers/medusa_head.py) over the target's hidden
+states.
 
 The engine hands over, after each step, the hidden states of the positions it verified; the last is the
 row that produced the request's last token (Proposer.observe_hidden), and head k's argmax at that row is

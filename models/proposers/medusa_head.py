@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from cluster_configs.errors import CheckpointError
-from memory.weights import WeightMatrix
+from memory.matrices import WeightMatrix
 from models.linear import linear
 from models.model_spec import ModelSpec
 from models.proposers.head_config import read_head_config

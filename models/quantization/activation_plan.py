@@ -9,15 +9,15 @@
   vdpbf16ps (kernels/linear/bf16.py); other weight formats keep float32 activations. A CPU without the
   instruction falls back to float32: rounding activations to bf16 and then multiplying in float32 would
   lose precision and gain nothing.
-- "auto": "int8" where the matrix is quantized and the CPU can run it, float32 elsewhere (measured:
-  perplexity within 0.3% of float32 activations on the demo model, 1.6-2.5x the matmul speed; README).
+- "auto": "int8" where the matrix is quantized and the CPU can run it, float32 elsewhere: faster matmuls,
+  perplexity within 0.3% of float32 activations (tests/test_activation_quality.py; the figures:
+  benchmarks/results/HISTORY.md).
 A calibration file beside the model (models/quantization/calibration.py, written by `numaserve calibrate`)
-keeps the
-matrices it marks (int8 error above its bound) in float32, and holds static per-tensor activation scales.
-Dynamic per-block scales stay the default even with a file: they measured both more accurate and as fast
-(README, benchmarks/bench_calibration.py); `static_scales=True` (EngineConfig.activation_scales="static")
-uses the file's scales and falls back where their error exceeds the bound.
-Every choice and every fallback is recorded in the engine's decision log (a fallback also as a warning).
+keeps the matrices it marks (int8 error above its bound) in float32, and holds static per-tensor activation
+scales. Dynamic per-block scales stay the default even with a file: they measured both more accurate and as
+fast (benchmarks/bench_calibration.py, benchmarks/results/HISTORY.md); `static_scales=True`
+(EngineConfig.activation_scales="static") uses the file's scales and falls back where their error exceeds the
+bound. Every choice and every fallback goes to the engine's decision log (a fallback also as a warning).
 """
 
 from collections import Counter
@@ -29,16 +29,8 @@ from cluster_configs.errors import CheckpointError
 from kernels.formats.ggml_blocks import BLOCK_DTYPES
 from kernels.simd.bf16 import BF16_FEATURES
 from kernels.simd.cpu import missing_features
-from memory.weights import (
-    Bf16Matrix,
-    BlockInt8Matrix,
-    Int8Matrix,
-    Matrix,
-    ModelWeights,
-    WeightMatrix,
-    map_parts,
-    parts,
-)
+from memory.matrices import Bf16Matrix, BlockInt8Matrix, Int8Matrix, Matrix, WeightMatrix, map_parts, parts
+from memory.weights import ModelWeights
 from models.quantization.calibration import Calibration, MatrixCalibration, check_fits
 
 # vpmaddwd on 256-bit vectors, fp16 scale conversion (and VNNI where present)
@@ -151,6 +143,13 @@ def _plan(weights: ModelWeights, activation_dtype: str, decisions: DecisionLog,
                          warn=activation_dtype != "auto")
         _calibration_unused(calibration, decisions, f"this CPU lacks {', '.join(missing)}")
         return weights
+    return _plan_int8(weights, decisions, calibration, static_scales)
+
+
+def _plan_int8(weights: ModelWeights, decisions: DecisionLog, calibration: Calibration | None,
+               static_scales: bool) -> ModelWeights:
+    """int8 activations for every matrix whose kernel this CPU runs, but where calibration says the error
+    exceeds its bound; each matrix's choice recorded."""
     fallbacks = []
 
     def choose(name: str, w: Matrix) -> Matrix:  # a StackedMatrix part by part

@@ -3,13 +3,10 @@
 Three passes over the same token windows, each watching every linear layer's input through
 `DecoderModel.observer`: (1) the largest |x|, (2) the histogram of |x| (percentile and kl only), then the
 static scales (models/quantization/activation_ranges.py), (3) per matrix, the output with int8 activations
-(dynamic
-per-block scales, and the static scale) against float32 activations with the same weights:
-error = ||Y_int8 - Y_f32|| / ||Y_f32|| over every calibration token. A matrix whose dynamic error
-exceeds the bound falls back to float32 activations (models/quantization/activation_plan.py). A fourth pass
-over the
-first windows measures each layer's attention output under each KV dtype
-(models/quantization/kv_calibration.py) and
+(dynamic per-block scales, and the static scale) against float32 activations with the same weights: error =
+||Y_int8 - Y_f32|| / ||Y_f32|| over every calibration token. A matrix whose dynamic error exceeds the bound
+falls back to float32 activations (models/quantization/activation_plan.py). A fourth pass over the first
+windows measures each layer's attention output under each KV dtype (models/quantization/kv_calibration.py) and
 recommends the layers to keep wider than the target KV dtype.
 """
 
@@ -23,7 +20,8 @@ from cluster_configs.errors import CheckpointError
 from kernels.attention.hadamard import is_power_of_two
 from memory.kv_cache import KVCache
 from memory.kv_formats import KV_FORMATS
-from memory.weights import Int8Matrix, ModelWeights, WeightMatrix
+from memory.matrices import Int8Matrix, WeightMatrix
+from memory.weights import ModelWeights
 from models.batch import ForwardBatch
 from models.decoder import DecoderModel
 from models.linear import linear
@@ -41,7 +39,7 @@ from models.quantization.calibration import (
 from models.quantization.kv_calibration import REFERENCE, KVErrorMeter, wider_overrides
 
 WINDOW_TOKENS = 256  # the demo family's training context
-NUM_WINDOWS = 32  # 8,192 tokens: the scales and errors move by < 1% from 16 to 64 windows (README)
+NUM_WINDOWS = 32  # 8,192 tokens: more move the scales and errors little (benchmarks/results/HISTORY.md)
 NUM_KV_WINDOWS = 8  # of those, for the KV errors: each layer's attention seven times a window
 _BLOCK = 16
 

@@ -4,13 +4,12 @@
     <model>.gguf.calibration.json                  (GGUF file)
 
 It holds, per linear matrix (`layers.{i}.qkv|o|gate_up|down`, `lm_head`;
-models/quantization/activation_plan.py), the
-static int8 scale of its inputs by the chosen method, the relative error of its output with int8 dynamic
-and with static activation scales against float32 activations, measured on the calibration text, and
-whether it falls back to float32 activations (dynamic error above the bound); and each layer's attention
-output error under each KV dtype, with the layers to keep wider for a target KV dtype. A file that cannot be
-read or does not fit the model raises CheckpointError naming the file and the fix: re-run `numaserve
-calibrate`.
+models/quantization/activation_plan.py), the static int8 scale of its inputs by the chosen method, the
+relative error of its output with int8 dynamic and with static activation scales against float32 activations,
+measured on the calibration text, and whether it falls back to float32 activations (dynamic error above the
+bound); and each layer's attention output error under each KV dtype, with the layers to keep wider for a
+target KV dtype. A file that cannot be read or does not fit the model raises CheckpointError naming the file
+and the fix: re-run `numaserve calibrate`.
 """
 
 from pathlib import Path
@@ -35,10 +34,9 @@ class CalibrationOptions(BaseModel):
     method: Literal["minmax", "percentile", "kl"] = "percentile"
     percentile: float = Field(99.99, gt=0, le=100)  # of |x|, for method="percentile"
     # largest relative output error ||Y_int8 - Y_f32|| / ||Y_f32|| a matrix keeps int8 activations with.
-    # Measured on the demo model (benchmarks/bench_calibration.py): dynamic scales err 0.15-0.53% per
-    # matrix (+0.016% perplexity in all); static scales everywhere err up to 9-20% on the down projections
-    # (+0.06% to +0.34%); static with fallback above 0.02 stays within +0.033% for every method (above
-    # 0.05: +0.051%). 0.02 leaves room for models with many more matrices than the demo's 25.
+    # Dynamic scales err well below it on the demo model, static ones far above it on the down projections
+    # (benchmarks/bench_calibration.py, benchmarks/results/HISTORY.md); 0.02 leaves room for models with many
+    # more matrices than the demo's 25.
     bound: float = Field(0.02, gt=0)
     weight_dtype: WeightDtype = "auto"  # "auto": a GGUF keeps its types, a directory is quantized to q8_0
     kv_dtype: KVStorage = "int4_hadamard"  # the KV dtype whose outlier layers are recommended wider

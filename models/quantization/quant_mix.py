@@ -11,7 +11,7 @@ WeightMatrix.from_float as llama.cpp's do (Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q
 """
 
 MIXES = {"q4_k_m": "q4_k", "q5_k_m": "q5_k"}  # a mix -> its default format
-# the LM head's format per weight_dtype where it differs (measured for q4_0: README)
+# the LM head's format per weight_dtype where it differs (measured for q4_0: benchmarks/results/HISTORY.md)
 LM_HEAD = {"q4_0": "q8_0", "q4_k": "q6_k", "q5_k": "q6_k", "q4_k_m": "q6_k", "q5_k_m": "q6_k"}
 
 

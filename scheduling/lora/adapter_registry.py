@@ -4,9 +4,8 @@ base model: an adapter registered over one model is never offered by (or loaded 
 later under that name, and comes back when the first model is deployed again.
 
 The base model's identity (model_identity) is what an adapter was checked against at registration
-(models/lora/adapter.py): the model's resolved path, its architecture, its layer count and the shapes of
-every module
-an adapter may target. Two checkpoints with the same shapes at different paths (a base model and its
+(models/lora/adapter.py): the model's resolved path, its architecture, its layer count and the shapes of every
+module an adapter may target. Two checkpoints with the same shapes at different paths (a base model and its
 fine-tune) are different models: an adapter trained on one is not silently served on the other.
 
 The file: {"registrations": [{"deployment": name, "model": identity, "adapters": {adapter: source}}, ...]}.

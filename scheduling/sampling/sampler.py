@@ -3,11 +3,10 @@
 `sample_batch` is what a step calls, over the step's SamplingBatch (models/sampling_batch.py): the sparse
 additions (logit_bias, min_tokens' bans on stop tokens) and penalties only on the rows that set them, token
 masks where a row has one, one argmax over every greedy row, one numba call (kernels/sampling/filters.py) for
-the
-sampled rows (temperature, top-k, top-p, min-p). Filters follow the usual serving semantics, written out one
-request at a time in tests/reference_sampler.py (the reference the batched code is tested against): top_k
-keeps the k most likely tokens, top_p the smallest set whose probability reaches top_p, min_p the tokens
-with probability >= min_p * the top probability.
+the sampled rows (temperature, top-k, top-p, min-p). Filters follow the usual serving semantics, written out
+one request at a time in tests/reference_sampler.py (the reference the batched code is tested against): top_k
+keeps the k most likely tokens, top_p the smallest set whose probability reaches top_p, min_p the tokens with
+probability >= min_p * the top probability.
 
 Randomness is keyed, never counted: a request's draw for the token at position p is kernels/sampling/race.py's
 exponential race with clocks keyed by (seed, p, token id), so a resumed request, a preempted one

@@ -19,8 +19,7 @@ Logprobs of every appended token of the step, and of the prompt tokens scored fo
 one top_logprobs_batch call.
 A constrained request (structured outputs) samples each row under its grammar's token mask after the
 drafts before the row (its drafts are the ones its grammar admits: scheduling/speculation/speculator.py); its
-logprobs
-are the model's, before the mask, as everyone's are before penalties (vLLM's default, raw_logprobs).
+logprobs are the model's, before the mask, as everyone's are before penalties (vLLM's default, raw_logprobs).
 """
 
 from collections.abc import Sequence

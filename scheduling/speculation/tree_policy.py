@@ -5,8 +5,7 @@ how many drafts a tree of each width would have had accepted (`accepted_counts[w
 width-w tree keeps l drafts) and says how many nodes such a tree has (`tree_sizes[w - 1, d]` at depth d).
 Those counts are exact, not modelled: the tokens a verification keeps are the target's own draws, the
 same whatever was drafted (scheduling/sampling/step_sampler.py). A request drafting to depth d under width w
-then
-appends 1 + E[min(l, d)] tokens and costs the step wide_per_token_s * (nodes - d) more than its chain,
+then appends 1 + E[min(l, d)] tokens and costs the step wide_per_token_s * (nodes - d) more than its chain,
 charged draft_cost_factor times as a chain's drafts are: the slope over all recent steps, not the local one
 the depths are priced with (flat where a few rows ride on the weights' memory stream, so 30 more rows would
 look free: on the TinyLlama shape the policy tried width-3 trees that cost 3.5x a row-step). Width 1 (the

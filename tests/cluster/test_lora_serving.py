@@ -148,8 +148,7 @@ def test_an_adapter_registered_over_one_model_is_neither_offered_nor_loaded_over
 
 def assert_bad_adapters_are_refused_at_registration(client, good, tmp_path):
     """The cache actor runs every check at registration (scheduling/lora/adapter_store.py): each bad adapter
-    gets
-    an AdapterError naming it, and the deployment serves on."""
+    gets an AdapterError naming it, and the deployment serves on."""
     config = json.loads((good / "adapter_config.json").read_text())
     for breakage, change, match in [("dora", {"use_dora": True}, "use_dora"),
                                     ("too-big", {"r": 128, "lora_alpha": 128}, "above max_lora_rank"),

@@ -1,6 +1,6 @@
-"""LocalDeployment: the Deployment OpenAIServing serves (http_api/serving.py) over one in-process
-numaserve.LLM, without Ray: the real HTTP server and the `openai` client run against a real model in one
-process (tests, and serving on one machine without a cluster).
+"""LocalDeployment: the Deployment OpenAIServing serves (http_api/serving.py) over one engine in this
+process (an Engine and its EngineLoop, as numaserve.LLM holds them), without Ray: the real HTTP server and the
+`openai` client run against a real model in one process.
 
 Each request is validated and tokenized in a worker thread (never on the event loop: compiling a grammar takes
 milliseconds), submitted to the LLM's engine loop with deltas, and its outputs are read from its outbox in a
@@ -10,17 +10,26 @@ worker thread too. cancel() aborts it on the engine loop, which frees its KV blo
 import asyncio
 import itertools
 from concurrent.futures import ThreadPoolExecutor
+from typing import Protocol
 
 import numpy as np
 
 from cluster_configs.sampling_params import SamplingParams
-from numaserve.llm import LLM
-from scheduling.engine_loop import Pending
+from scheduling.embedding import embed
+from scheduling.engine import Engine
+from scheduling.engine_loop import EngineLoop, Pending
 from scheduling.validation import encode_prompt
 
 MAX_WAITING_READERS = 256  # threads blocked on outboxes at once: each open choice holds one while it waits
 
 _ids = itertools.count()
+
+
+class InProcessEngine(Protocol):
+    """What a LocalDeployment serves: numaserve.LLM is one."""
+
+    engine: Engine
+    engine_loop: EngineLoop
 
 
 class LocalRequestStream:
@@ -61,7 +70,7 @@ class LocalRequestStream:
 
 
 class LocalDeployment:
-    def __init__(self, llm: LLM):
+    def __init__(self, llm: InProcessEngine):
         self.llm = llm
         self.readers = ThreadPoolExecutor(MAX_WAITING_READERS, thread_name_prefix="numaserve-http-reader")
 
@@ -87,14 +96,15 @@ class LocalDeployment:
         return await self.run(self.llm.engine_loop.call, sources)
 
     async def register_adapter(self, name: str, path: str) -> str:
-        await self.run(self.llm.register_adapter, name, path)
+        await self.run(self.llm.engine_loop.call, lambda engine: engine.register_adapter(name, path))
         return (await self.adapters())[name]
 
     async def embed(self, prompts: list, pooling: str, adapter: str | None,
                     cache_salt: str | None = None) -> tuple[list[list[int]], np.ndarray]:
         """Each prompt's token ids and its final hidden states pooled, L2-normalized (LLM.embed)."""
-        ids = [encode_prompt(p, self.llm.tokenizer, self.llm.engine.spec.vocab_size) for p in prompts]
-        return ids, await self.run(self.llm.embed, ids, pooling, True, adapter)
+        engine = self.llm.engine
+        ids = [encode_prompt(p, engine.tokenizer, engine.spec.vocab_size) for p in prompts]
+        return ids, await self.run(embed, self.llm.engine_loop, engine, ids, pooling, True, adapter)
 
     async def num_serving_workers(self) -> int:
         return 0 if self.llm.engine_loop.closed else 1

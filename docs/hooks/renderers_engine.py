@@ -1,0 +1,290 @@
+"""Tables for the single-engine benchmarks: decode and prefill against llama.cpp, long context, MoE, load
+time, architectures, the weight stream, LoRA, structured outputs, batching, calibration, quality, revisions.
+
+Each renderer takes a file's parsed JSON and returns Markdown; a KeyError or TypeError on a shape it does
+not expect sends the file to the generic table (result_tables.render_data)."""
+
+import re
+
+from result_tables import gb, labelled, num, pct, table, times
+
+METRICS = {"prefill": "prefill", "decode_b1": "decode, batch 1", "decode_b8": "decode, batch 8 (aggregate)",
+           "decode_b32": "decode, batch 32 (aggregate)"}
+
+
+def metric_label(metric: str) -> str:
+    if metric in METRICS:
+        return METRICS[metric]
+    m = re.fullmatch(r"decode_b(\d+)_ctx(\d+)", metric)
+    if m:
+        return f"decode b{m[1]}, {int(m[2]) // 1024}k positions"
+    m = re.fullmatch(r"prefill_(\d+)x(\d+)", metric)
+    return f"prefill {m[1]} x {m[2]}" if m else metric.replace("_", " ")
+
+
+def roofline(row: dict) -> str:
+    if "bandwidth_roofline" in row:
+        return f"{pct(row['bandwidth_roofline'], 0)} bandwidth"
+    if "compute_roofline" in row:
+        return f"{pct(row['compute_roofline'], 0)} compute"
+    return ""
+
+
+def decode(data: dict) -> str:
+    rows = data["rows"]
+    speed = [r for r in rows if r["metric"] in METRICS]
+    blocks = [table(["weights", "activations", "metric", "numaserve tok/s", "llama.cpp tok/s", "ratio",
+                     "roofline"],
+                    [[r["dtype"], r.get("activation_dtype", ""), metric_label(r["metric"]),
+                      num(r["numaserve_tok_s"]), num(r["llamacpp_tok_s"]), times(r["ratio"]), roofline(r)]
+                     for r in speed])]
+    machine = data.get("machine") or {}
+    probes = []
+    if "read_bytes_per_s" in machine:
+        probes.append(f"read probe {machine['read_bytes_per_s'] / 1e9:.0f} GB/s")
+    if "matmul_flop_per_s" in machine:
+        probes.append(f"numpy float32 sgemm {machine['matmul_flop_per_s'] / 1e9:.0f} GFLOP/s")
+    threading = (data.get("meta", {}).get("numaserve_settings") or {}).get("threading")
+    if probes or threading:
+        blocks.append("At the start of the run: " + ", ".join(probes)
+                      + (f"; numaserve's threading trial chose `{threading}`." if threading else "."))
+    first = [r for r in rows if r["metric"].startswith("torch_first_")]
+    if first:
+        blocks.append(labelled("torch imported first, against a plain process", table(
+            ["weights", "metric", "torch first tok/s", "plain tok/s", "ratio"],
+            [[r["dtype"], metric_label(r["metric"].removeprefix("torch_first_")), num(r["numaserve_tok_s"]),
+              num(r["plain_tok_s"]), times(r["ratio_to_plain"])] for r in first])))
+    memory = [r for r in rows if r["metric"] == "memory"]
+    if memory:
+        blocks.append(labelled("Memory", table(
+            ["weights", "engine", "peak RSS", "RSS growth while loading", "resident bytes per parameter"],
+            [[r["dtype"], r.get("engine", ""), gb(r.get("peak_rss_bytes")), gb(r.get("rss_delta_bytes")),
+              num(r.get("bytes_per_param"), 2)] for r in memory])))
+    return "\n\n".join(blocks)
+
+
+def engines_by_metric(rows: list[dict], value) -> str:
+    """One row per engine, one column per metric, in the order the file has them."""
+    metrics = list(dict.fromkeys(r["metric"] for r in rows))
+    engines = list(dict.fromkeys(r["engine"] for r in rows))
+    cells = {(r["engine"], r["metric"]): value(r) for r in rows}
+    return table(["engine"] + [metric_label(m) for m in metrics],
+                 [[e] + [cells.get((e, m), "") for m in metrics] for e in engines])
+
+
+def with_ratio(r: dict, key: str = "tok_s", ratio: str = "ratio_to_llamacpp") -> str:
+    return num(r[key]) + (f" ({times(r[ratio])})" if ratio in r else "")
+
+
+def context(data: dict) -> str:
+    speed = [r for r in data["rows"] if r["metric"] != "memory"]
+    memory = [r for r in data["rows"] if r["metric"] == "memory"]
+    blocks = ["Tokens/s (ratio to llama.cpp's KV type of the same bytes per value):",
+              engines_by_metric(speed, with_ratio)]
+    if memory:
+        blocks.append(labelled("Peak RSS", table(["engine", "peak RSS"],
+                                                 [[r["engine"], gb(r["peak_rss_bytes"])] for r in memory])))
+    return "\n\n".join(blocks)
+
+
+def moe(data: dict) -> str:
+    rows = data["rows"]
+    speed = [r for r in rows if r["metric"] != "memory"]
+    blocks = [table(["metric", "numaserve tok/s", "llama.cpp tok/s", "ratio",
+                     "of the roofline (numaserve / llama.cpp)"],
+                    [[metric_label(r["metric"]), num(r["numaserve_tok_s"]), num(r["llamacpp_tok_s"]),
+                      times(r["ratio"]),
+                      (f"{pct(r['numaserve_of_roofline'], 0)} / {pct(r['llamacpp_of_roofline'], 0)} "
+                       f"({gb(r['bytes_per_token'])} a token at {r['read_bytes_per_s'] / 1e9:.1f} GB/s)")
+                      if "roofline_tok_s" in r else ""] for r in speed])]
+    meta = data.get("meta", {})
+    if "total_params" in meta:
+        blocks.append(f"{meta['total_params'] / 1e9:.2f}B parameters, {meta['active_params'] / 1e9:.2f}B "
+                      "active per token.")
+    memory = [r for r in rows if r["metric"] == "memory"]
+    if memory:
+        blocks.append(labelled("Memory", table(["engine", "peak RSS", "RSS growth while loading"],
+                                               [[r["engine"], gb(r.get("peak_rss_bytes")),
+                                                 gb(r.get("rss_delta_bytes"))] for r in memory])))
+    return "\n\n".join(blocks)
+
+
+def load(data: dict) -> str:
+    medians = data["medians"]
+    blocks = [table(["run", "import (s)", "constructor (s)", "first token (s)"],
+                    [[run, num(m["import_s"], 2), num(m["load_s"], 2), num(m["first_token_s"], 3)]
+                     for run, m in medians.items()])]
+    ratios = data.get("ratios") or {}
+    both = data.get("load_and_first_token_ratios") or {}
+    if ratios or both:
+        blocks.append(table(["ratio", "constructor", "constructor and first token"],
+                            [[k, times(ratios.get(k), 1), times(both.get(k), 1)]
+                             for k in dict.fromkeys(list(ratios) + list(both))]))
+    meta = data.get("meta", {})
+    if "gguf_bytes" in meta:
+        blocks.append(f"GGUF of {gb(meta['gguf_bytes'])} ({meta.get('dtype', '')}), medians of "
+                      f"{meta.get('samples', '?')} samples; warm start within 2x llama.cpp's load: "
+                      f"{'yes' if data.get('warm_within_2x_llamacpp') else 'no'}.")
+    return "\n\n".join(blocks)
+
+
+def architectures(data: dict) -> str:
+    rows = data["rows"]
+    families = list(dict.fromkeys(r["family"] for r in rows))
+    keys = list(dict.fromkeys((r["weight_dtype"], r["activation_dtype"], r["metric"]) for r in rows))
+    cells = {(r["weight_dtype"], r["activation_dtype"], r["metric"], r["family"]):
+             num(r["tok_s"]) + ("" if r["family"] == "llama" else f" ({r['ratio_to_llama']:.2f})")
+             for r in rows}
+    return "Tokens/s (ratio to Llama's):\n\n" + table(
+        ["weights / activations", "metric"] + families,
+        [[f"{w} / {a}", metric_label(m)] + [cells.get((w, a, m, f), "") for f in families]
+         for w, a, m in keys])
+
+
+def stream(data: dict) -> str:
+    formats = data["formats"]
+    variants = list(dict.fromkeys(v for f in formats for v in f["variants"]))
+    rows = []
+    for f in formats:
+        probe = f.get("probe_gb_s") or []
+        rows.append([f["format"], f"{min(probe):.1f}-{max(probe):.1f}" if probe else ""]
+                    + [f"{f['variants'][v]['median_gb_s']:.1f} ({f['variants'][v]['median_of_probe']:.2f})"
+                       if v in f["variants"] else "" for v in variants])
+    return "GB/s (fraction of the read probe in the same repeat):\n\n" + table(
+        ["format", "probe GB/s"] + variants, rows)
+
+
+def lora(data: dict) -> str:
+    rows = data["rows"]
+    counts = list(dict.fromkeys(r["num_adapters"] for r in rows))
+    dtypes = list(dict.fromkeys(r["weight_dtype"] for r in rows))
+    cell = {(r["weight_dtype"], r["num_adapters"]): num(r["tok_s"]) + (
+        f" ({times(r['ratio_to_base'])})" if r["num_adapters"] else "") for r in rows}
+    head = (f"Decode tokens/s at batch {data.get('batch', '?')} with rank-{data.get('rank', '?')} adapters "
+            "(ratio to the base model alone):")
+    blocks = [head,
+              table(["weights"] + ["base" if n == 0 else f"{n} adapter{'s' * (n > 1)}" for n in counts],
+                    [[d] + [cell.get((d, n), "") for n in counts] for d in dtypes])]
+    cross = data.get("crossover") or []
+    if cross:
+        sizes = list(dict.fromkeys(r["adapter_rows"] for r in cross))
+        cc = {(r["weight_dtype"], r["adapter_rows"]):
+              f"{r['lowrank_s'] * 1e3:.0f} / {r['merged_s'] * 1e3:.0f} ({times(r['merged_over_lowrank'])})"
+              for r in cross}
+        blocks.append(labelled("Merged against low-rank: step ms, low-rank / merged, by adapter rows beside "
+                               f"{cross[0]['base_rows']} base decode rows", table(
+                                   ["weights"] + [str(n) for n in sizes],
+                                   [[d] + [cc.get((d, n), "") for n in sizes]
+                                    for d in dict.fromkeys(r["weight_dtype"] for r in cross)])))
+    return "\n\n".join(blocks)
+
+
+def structured(data: dict) -> str:
+    return table(["batch", "schema", "jump-forward", "constrained tok/s", "unconstrained tok/s", "ratio",
+                  "forced share", "mask ms / row (wait)", "cut by max_tokens"],
+                 [[r["batch"], r["schema"], "on" if r["jump_forward"] else "off", num(r["constrained_tok_s"]),
+                   num(r["unconstrained_tok_s"]), times(r["ratio"]), pct(r["forced_share"], 0),
+                   f"{r['mask_ms_per_row']:.3f} ({r['mask_wait_ms_per_row']:.3f})", r["num_length_finishes"]]
+                  for r in sorted(data["rows"], key=lambda r: (r["batch"], r["schema"],
+                                                              not r["jump_forward"]))])
+
+
+def batching(data: dict) -> str:
+    return table(["concurrent requests", "aggregate decode tok/s", "mean batch",
+                  "KV utilization (mean / min)"],
+                 [[r["concurrency"], num(r["decode_tokens_per_s"], 0), num(r["mean_batch"]),
+                   f"{pct(r['kv_utilization_mean'], 0)} / {pct(r['kv_utilization_min'], 0)}"]
+                  for r in data["rows"]])
+
+
+def calibration(data: dict) -> str:
+    quality = data["quality"]
+    modes = list(next(iter(quality.values()))["vs_float32"])
+    blocks = [labelled("Perplexity against float32 activations", table(
+        ["weights"] + modes, [[w, *(pct(q["vs_float32"][m], 3, sign=True) for m in modes)]
+                              for w, q in quality.items()]))]
+    first = next(iter(quality.values()))
+    errors = first.get("errors") or {}
+    if errors:
+        blocks.append(labelled("Worst matrix's relative int8 output error", table(
+            ["scales", "dynamic", "static"],
+            [[m, pct(e["max_error_dynamic"], 2), pct(e["max_error_static"], 1)] for m, e in errors.items()])))
+    fallback = [(w, r) for w, q in quality.items() for r in q.get("static_with_fallback") or []]
+    if fallback:
+        blocks.append(labelled("Static scales with the per-matrix float32 fallback", table(
+            ["weights", "method", "bound", "matrices in float32", "perplexity vs float32"],
+            [[w, r["method"], r["bound"], r["num_fallbacks"], pct(r["vs_float32"], 3, sign=True)]
+             for w, r in fallback])))
+    speed = data.get("speed") or {}
+    if speed:
+        blocks.append(labelled("Speed, static over dynamic scales", table(
+            ["weights", "metric", "dynamic tok/s", "static tok/s", "static / dynamic"],
+            [[w, m.replace("_", " "), num(v["dynamic_tok_s"]), num(v["static_tok_s"]),
+              times(v["static_over_dynamic"])] for w, s in speed.items() for m, v in s.items()])))
+    return "\n\n".join(blocks)
+
+
+def kv_quality(data: dict) -> str:
+    head = (f"Demo model, {data['windows']} windows of {data['window_tokens']} tokens and "
+            f"{data['new_tokens']} greedy tokens after each of {data['prompts']} held-out prompts, against "
+            "bfloat16 KV:")
+    return head + "\n\n" + table(
+        ["kv_dtype", "perplexity vs bfloat16 KV", f"continuations identical (of {data['prompts']})",
+         "tokens before the first difference"],
+        [[k, pct(v["vs_bf16"], 3, sign=True), v["identical_continuations"],
+          pct(v["tokens_before_first_difference"] / v["num_tokens"], 0)]
+         for k, v in data["kv_dtypes"].items()])
+
+
+def quant_quality(data: dict) -> str:
+    head = (f"Demo model, {data['windows']} held-out windows of {data['window_tokens']} tokens; bfloat16 "
+            f"weights' perplexity {data['bf16_perplexity']:.3f}.")
+    blocks = [head,
+              table(["weights", "perplexity vs bfloat16 weights, float32 activations",
+                     "with int8 activations"],
+                    [[f, pct(v["vs_bf16"], 3, sign=True), pct(v["int8_vs_bf16"], 3, sign=True)]
+                     for f, v in data["formats"].items()])]
+    goals = data.get("goals") or {}
+    if goals:
+        blocks.append(labelled("Goals", table(["goal", "bound", "value", "met"],
+                                              [[g, pct(v["bound"], 2), pct(v["value"], 3),
+                                                "yes" if v["met"] else "no"] for g, v in goals.items()])))
+    return "\n\n".join(blocks)
+
+
+def sampling(data: dict) -> str:
+    meta = data.get("meta", {})
+    frac = data["fraction_of_decode_step"]
+    return (f"{meta.get('num_requests', '?')} requests, vocabulary {meta.get('vocab', '?')}, "
+            f"sampling parameters {meta.get('params', {})}:\n\n") + table(
+        ["sampler", "ms a step", "share of the decode step"],
+        [["per request (before)", num(data["sampling_ms"]["before"]), pct(frac["before"])],
+         ["batched (after)", num(data["sampling_ms"]["after"]), pct(frac["after"])]]) + (
+        f"\n\nSpeedup {times(data['speedup'], 1)}; decode step {num(data['decode_step_ms'], 0)} ms; "
+        f"under 5% of it: {'yes' if data.get('goal_under_5_percent') else 'no'}.")
+
+
+def revisions(data: dict) -> str:
+    rev = data.get("revisions", {})
+    return table(["model", "weights", "batch", f"old ({rev.get('old', '?')}) tok/s",
+                  f"new ({rev.get('new', '?')}) tok/s", "new / old"],
+                 [[r["model"], r["weight_dtype"], r["batch"], num(r["median_tokens_per_s"]["old"]),
+                   num(r["median_tokens_per_s"]["new"]), f"{r['new_over_old']:.3f}"] for r in data["rows"]])
+
+
+RENDERERS = [
+    (r"decode.*\.json", decode),
+    (r"context.*\.json", context),
+    (r"moe.*\.json", moe),
+    (r"load.*\.json", load),
+    (r"architectures.*\.json", architectures),
+    (r"stream.*\.json", stream),
+    (r"lora.*\.json", lora),
+    (r"structured.*\.json", structured),
+    (r"batching.*\.json", batching),
+    (r"calibration.*\.json", calibration),
+    (r"kv_quality.*\.json", kv_quality),
+    (r"quant_quality.*\.json", quant_quality),
+    (r"sampling.*\.json", sampling),
+    (r"revisions.*\.json", revisions),
+]

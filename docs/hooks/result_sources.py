@@ -1,0 +1,84 @@
+"""What each results file's run was, where the file does not say it: the command that wrote it, the machine
+and the commit, as the measurement notes recorded them (benchmarks/results/HISTORY.md). A file the JSON
+describes fully needs no entry; a file without one is captioned from its own fields."""
+
+from result_tables import Source
+
+ZEN2 = "AMD EPYC Zen 2 VM, 2 cores (AVX2, FMA, F16C; no AVX-512)"
+ZEN4 = "AMD EPYC Zen 4 VM, 2 cores (AVX-512 VNNI and BF16)"
+DECODE = "python -m benchmarks.bench_decode"
+CONTEXT = "python -m benchmarks.bench_context"
+HTTP = ("python -m benchmarks.bench_http --concurrency 1,16 --dedicated-concurrency \"\" "
+        "--stream-interval-ms {ms} --repeats 3 --out benchmarks/results/{name}")
+
+SOURCES = {
+    "architectures.json": Source("python -m benchmarks.bench_architectures"),
+    "batching.json": Source("python -m benchmarks.bench_batching", machine=ZEN2),
+    "calibration.json": Source("python -m benchmarks.bench_calibration"),
+    "context.json": Source(CONTEXT, commit="2e1df79"),
+    "context-b1.json": Source(f"{CONTEXT} --groups f16,q4_0 --batches 1 "
+                              "--out benchmarks/results/context-b1.json", commit="d51917c"),
+    "context-f16.json": Source(CONTEXT, commit="7a353c1",
+                               note="The f16 group alone; its exact options were not recorded."),
+    "context-q8_0.json": Source(f"{CONTEXT} --groups q8_0 --out benchmarks/results/context-q8_0.json",
+                                commit="d51917c"),
+    "decode.json": Source(f"{DECODE} --dtypes q8_0,q4_0,q4_k_m --activation-dtypes int8", commit="cb07a1e"),
+    "decode-bf16.json": Source(f"{DECODE} --dtypes bfloat16 --activation-dtypes bfloat16 --no-torch-first "
+                               "--out benchmarks/results/decode-bf16.json", commit="58c99ef"),
+    "decode-2026-11-26-1533-q8_0.json": Source(
+        f"{DECODE} --dtypes q8_0 --activation-dtypes int8 "
+        "--out benchmarks/results/decode-2026-11-26-1533-q8_0.json", commit="297e724"),
+    "decode-2026-11-26-1315.json": Source(f"{DECODE} --dtypes q8_0,q4_0,q4_k_m --activation-dtypes int8",
+                                          commit="aa5f69a", note="Written as decode.json, then renamed."),
+    "decode-2026-11-25.json": Source(DECODE, machine=ZEN4, commit="52578e6",
+                                     note="Every weight dtype with float32 and with its fast activations."),
+    "decode-2026-11-24.json": Source(DECODE, machine=ZEN2 + ", the AVX2 kernels"),
+    "decode-2026-11-22.json": Source(DECODE),
+    "http.json": Source("python -m benchmarks.bench_http", commit="c2013d7"),
+    "http-100ms.json": Source(HTTP.format(ms=100, name="http-100ms.json"), commit="b2363f2"),
+    "http-step.json": Source(HTTP.format(ms=0, name="http-step.json"), commit="b2363f2"),
+    "kv_quality.json": Source("python -m benchmarks.bench_kv_quality",
+                              note="Deterministic: quality, not speed, so the machine does not matter."),
+    "load.json": Source("python -m benchmarks.bench_load"),
+    "load-q4_k_m.json": Source("python -m benchmarks.bench_load --dtype q4_k_m"),
+    "lora.json": Source("python -m benchmarks.bench_lora", machine="Intel Xeon VM, 2 cores"),
+    "moe.json": Source("python -m benchmarks.bench_moe",
+                       note="The measurement notes named commit 58c99ef for this run; the file records its "
+                            "own."),
+    "quant_quality.json": Source("python -m benchmarks.bench_quant_quality"),
+    "revisions.json": Source("python -m benchmarks.bench_revisions --old <worktree of 07b6f45> --samples 15"),
+    "revisions-2026-11-26-b1.json": Source(
+        "python -m benchmarks.bench_revisions --old <worktree of cb07a1e> --rows tinyllama-1.1b:q8_0:1 "
+        "--activation-dtype int8 --samples 9 --out benchmarks/results/revisions-2026-11-26-b1.json"),
+    "sampling.json": Source("python -m benchmarks.bench_sampling"),
+    "serving.json": Source("python -m benchmarks.bench_serving --repeats 5"),
+    "serving-tinyllama-q8_0.json": Source(
+        "python -m benchmarks.bench_serving --model tinyllama-1.1b --weight-dtype q8_0 "
+        "--activation-dtype int8 --kv-cache-mb 512 --parts scaling --intervals-ms 100 --repeats 5 "
+        "--out benchmarks/results/serving-tinyllama-q8_0.json",
+        machine="AMD EPYC (family 26, model 2), 2 cores", commit="b2363f2"),
+    "serving_peers.json": Source("python -m benchmarks.bench_serving_peers", commit="b2363f2"),
+    "simulate_sweep.json": Source("python -m benchmarks.simulate.sweep --jobs 1", commit="c3719d8",
+                                  machine="simulated, with the step-cost model of step_cost.json"),
+    "simulate_validation.json": Source("python -m benchmarks.validate_simulator", machine=ZEN4,
+                                       commit="9ffa93b"),
+    "simulate_validation_saturated.json": Source(
+        "python -m benchmarks.validate_simulator --rates 1.5,2.5 "
+        "--out benchmarks/results/simulate_validation_saturated", machine=ZEN4, commit="1541b49"),
+    "soak.json": Source("python -m benchmarks.bench_soak --duration-s 600 --rate 8"),
+    "soak_http.json": Source("python -m benchmarks.bench_soak --http --duration-s 600", machine=ZEN4,
+                             commit="1541b49"),
+    "speculation_acceptance.json": Source("python -m benchmarks.bench_speculation acceptance"),
+    "speculation_coupling.json": Source("python -m benchmarks.bench_speculation coupling",
+                                        note="Acceptance rates, not speed: the machine does not matter."),
+    "speculation_heads.json": Source(
+        "python -m benchmarks.bench_speculation heads demo", machine=ZEN4, commit="af796f2",
+        note="Then `heads tinyllama` and `heads rows` of the same command, which add their parts to the "
+             "file."),
+    "speculation_sweep.json": Source("python -m benchmarks.bench_speculation sweep", machine=ZEN2),
+    "step_cost.json": Source(
+        "python -m benchmarks.fit_step_cost",
+        note="The model was fitted again (`--refit SAMPLES.json`) to the samples of that run."),
+    "stream.json": Source("python -m benchmarks.bench_stream", commit="58c99ef"),
+    "structured.json": Source("python -m benchmarks.bench_structured", commit="da74cf7"),
+}
