@@ -116,7 +116,7 @@ class WorkerMetrics:
     def snapshot(self, engine) -> dict:
         """Exact values now, as plain data (it crosses to the router): the labels, then each metric's value;
         a histogram's is {"buckets": upper bounds, "counts": per bucket and +Inf, "sum": ...}."""
-        for req_id in [r for r in self.timings if r not in engine.requests]:
+        for req_id in [r for r in self.timings if r not in engine.scheduler.requests]:
             del self.timings[req_id]  # failed with the engine's step: they have no output
             self.unscheduled.discard(req_id)
         gauges = _gauges(engine.stats())

@@ -45,13 +45,13 @@ def time_points(engine: Engine, num_rows: int, context: int, prefills: list[int]
     ids = [f"d{num_rows}-{context}-{i}" for i in range(num_rows)]
     for request_id in ids:
         engine.add_request(request_id, rng.integers(3, 32000, context).tolist(), params)
-    while any(r.num_computed_tokens + 1 < r.num_tokens for r in engine.requests.values()):
+    while any(r.num_computed_tokens + 1 < r.num_tokens for r in engine.scheduler.requests.values()):
         engine.step()  # prefill them (and their first tokens)
     points = []
     for num_prefill in prefills:
         seconds, contexts = [], []
         for k in range(repeats):
-            contexts.append(sum(engine.requests[i].num_computed_tokens for i in ids))
+            contexts.append(sum(engine.scheduler.requests[i].num_computed_tokens for i in ids))
             if num_prefill:
                 engine.add_request(f"p{k}", rng.integers(3, 32000, num_prefill).tolist(), params)
             start = time.perf_counter()

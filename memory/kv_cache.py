@@ -1,8 +1,10 @@
 """KV storage of one engine: per layer [num_blocks, block_size, n_kv_heads, head_dim] arrays, each layer in
 its own dtype (memory/kv_formats.py), and the recent window's bfloat16 shadows of the blocks that carry one
-(layers of a format with a window; shadow_of maps a block to its shadow, -1: none)."""
+(layers of a format with a window; shadow_of maps a block to its shadow, -1: none). Its KVLayout (geometry,
+formats, sizes) is known without the arrays: the block bookkeeping reads that alone."""
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -28,15 +30,57 @@ def kv_bytes_per_token(num_layers: int, n_kv_heads: int, head_dim: int, kv_dtype
                                 for d in layer_kv_dtypes(num_layers, kv_dtype, overrides))
 
 
+@dataclass(frozen=True)
+class KVLayout:
+    """A KV cache's geometry and per-layer formats: what KVCache allocates, and all the scheduler's block
+    bookkeeping reads of it (so a simulated engine builds one without arrays)."""
+
+    num_layers: int
+    num_blocks: int
+    block_size: int
+    n_kv_heads: int
+    head_dim: int
+    layer_dtypes: tuple[str, ...]
+    num_shadows: int  # blocks that can carry a recent-window shadow at once (0: no layer keeps a window)
+    bytes_per_token: int  # one token's keys and values over every layer, scales included
+
+    @property
+    def formats(self) -> tuple[KVFormat, ...]:
+        return tuple(KV_FORMATS[d] for d in self.layer_dtypes)
+
+    @property
+    def windowed(self) -> bool:
+        return self.num_shadows > 0
+
+    @property
+    def window_bytes(self) -> int:
+        """The recent window's bfloat16 shadows (keys and values of each windowed layer), outside the pool."""
+        num_recent = sum(f.recent for f in self.formats)
+        return 2 * num_recent * self.num_shadows * self.block_size * self.n_kv_heads * self.head_dim * 2
+
+
+def kv_layout(num_layers: int, num_blocks: int, block_size: int, n_kv_heads: int, head_dim: int,
+              kv_dtype: str, overrides: Mapping[int, str] | None = None, num_shadows: int = 0) -> KVLayout:
+    """The layout of a KV cache, checked (layer overrides, head_dim against each format); num_shadows counts
+    only when a layer's format keeps a recent window."""
+    layer_dtypes = tuple(layer_kv_dtypes(num_layers, kv_dtype, overrides))
+    for name in set(layer_dtypes):
+        KV_FORMATS[name].check_head_dim(head_dim)
+    windowed = num_shadows > 0 and any(KV_FORMATS[d].recent for d in layer_dtypes)
+    return KVLayout(num_layers, num_blocks, block_size, n_kv_heads, head_dim, layer_dtypes,
+                    num_shadows if windowed else 0,
+                    kv_bytes_per_token(num_layers, n_kv_heads, head_dim, kv_dtype, overrides))
+
+
 class KVCache:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, n_kv_heads: int, head_dim: int,
                  kv_dtype: str, overrides: Mapping[int, str] | None = None, num_shadows: int = 0):
         """num_shadows: blocks that can carry a recent-window shadow at once (0: no window, every layer read
         from its codes alone)."""
-        self.layer_dtypes = layer_kv_dtypes(num_layers, kv_dtype, overrides)
-        self.formats: list[KVFormat] = [KV_FORMATS[d] for d in self.layer_dtypes]
-        for name in set(self.layer_dtypes):
-            KV_FORMATS[name].check_head_dim(head_dim)
+        self.layout = layout = kv_layout(num_layers, num_blocks, block_size, n_kv_heads, head_dim, kv_dtype,
+                                         overrides, num_shadows)
+        self.layer_dtypes = list(layout.layer_dtypes)
+        self.formats: list[KVFormat] = list(layout.formats)
         self.block_size = block_size
         self.num_blocks = num_blocks
         shape = (num_blocks, block_size, n_kv_heads)
@@ -47,13 +91,15 @@ class KVCache:
         scale_shapes = [shape if f.has_scale else (1, 1, 1) for f in self.formats]
         self.k_scale = [untouched_zeros(s, np.float32) for s in scale_shapes]
         self.v_scale = [untouched_zeros(s, np.float32) for s in scale_shapes]
-        self.bytes_per_token = kv_bytes_per_token(num_layers, n_kv_heads, head_dim, kv_dtype, overrides)
-        self.windowed = num_shadows > 0 and any(f.recent for f in self.formats)
+        self.bytes_per_token = layout.bytes_per_token
+        self.windowed = layout.windowed
+        num_shadows = layout.num_shadows
+        # [num_shadows, block_size, n_kv, head_dim] bfloat16 bits per windowed layer
         wide_shape = (num_shadows, block_size, n_kv_heads, head_dim) if self.windowed else (1, 1, 1, 1)
         self.k_wide = [untouched_zeros(wide_shape, np.uint16) if f.recent else None for f in self.formats]
         self.v_wide = [untouched_zeros(wide_shape, np.uint16) if f.recent else None for f in self.formats]
         self.shadow_of = np.full(num_blocks, -1, np.int32)  # [num_blocks]
-        self.free_shadows = list(range(num_shadows - 1, -1, -1)) if self.windowed else []
+        self.free_shadows = list(range(num_shadows - 1, -1, -1))
 
     def window(self, i: int, wide_from: np.ndarray) -> RecentWindow:
         """Layer i's recent window for kernels/attention.paged_attention; wide_from [S] int32."""
@@ -63,7 +109,7 @@ class KVCache:
 
     @property
     def window_bytes(self) -> int:
-        return sum(a.nbytes for a in self.k_wide + self.v_wide if a is not None) if self.windowed else 0
+        return self.layout.window_bytes
 
     def attach_shadow(self, block: int) -> None:
         if self.shadow_of[block] >= 0 or not self.free_shadows:

@@ -1,8 +1,8 @@
-"""The engine: one model, one KV cache, one batcher. Each step schedules, drafts, runs the model, samples,
-processes the outputs, and hands on a StepOutput with the step's StepStats."""
+"""The engine: a Scheduler, a model runner, the sampler and speculation, wired into one step: schedule,
+propose drafts, run the model, sample, update the scheduler from the sampled tokens, record the step's
+StepStats. Input processing (InputProcessor) runs on the callers' threads, before the step's."""
 
 import os
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -14,41 +14,38 @@ from cluster_configs.engine_config import EngineConfig
 from cluster_configs.errors import InvalidRequest
 from cluster_configs.sampling_params import SamplingParams
 from kernels import resolve_num_threads, threading_decision
-from memory.block_pool import BlockPool
 from memory.heap import release_free_heap
 from memory.kv_cache import KVCache
 from models.decoder import DecoderModel
 from models.lora.adapter import LoraAdapter
 from models.lora.slots import LoraSlots, slot_dtype
 from models.packed.planned_load import load_planned
-from models.tokenizer import IncrementalDetokenizer
-from scheduling.batcher import Batcher
-from scheduling.kv_cache_manager import KVCacheManager, num_kv_blocks, window_shadows
+from scheduling.input_processor import InputProcessor, Prompt
+from scheduling.kv_cache_manager import num_kv_blocks, window_shadows
 from scheduling.lora.adapter_store import AdapterStore
 from scheduling.lora.planner import LoraPlanner, SharedMerged
 from scheduling.model_runner import ModelRunner
-from scheduling.output_processor import OutputProcessor, ProcessedStep, emit, finish
+from scheduling.output_processor import ProcessedStep
 from scheduling.outputs import RequestOutput, SamplerOutput, StepOutput
 from scheduling.plan import StepPlan
 from scheduling.policy import Policy
 from scheduling.request import Request
 from scheduling.sampling.step_sampler import sample_step
-from scheduling.sampling.structured import Grammars, MaskWorker, StepMasks
+from scheduling.sampling.structured import MaskWorker, StepMasks
+from scheduling.scheduler import Scheduler
 from scheduling.sessions import SequenceStore
 from scheduling.speculation.drafting import make_speculation
 from scheduling.step_stats import EngineTotals, StageClock, StepStats, step_stats
-from scheduling.validation import RequestLimits, validate_request
-
-Prompt = str | list[int]
+from scheduling.validation import RequestLimits
 
 
 class Engine:
     def __init__(self, model_path: str | Path, config: EngineConfig | None = None,
                  fetch_adapter: Callable[[str], LoraAdapter] | None = None,
                  shared_merged: SharedMerged | None = None):
-        """fetch_adapter: where a worker gets the adapters registered elsewhere (AdapterStore.add_remote); it
-        then holds at most max_loras of them. shared_merged: where merged LoRA copies are shared with the
-        other workers of a deployment."""
+        """The one factory of an engine's parts. fetch_adapter: where a worker gets the adapters registered
+        elsewhere (AdapterStore.add_remote); it then holds at most max_loras of them. shared_merged: where
+        merged LoRA copies are shared with the other workers of a deployment."""
         self.config = config = config or EngineConfig()
         self.decisions = DecisionLog()
         self.num_threads = resolve_num_threads(config.num_threads, os.sched_getaffinity(0))
@@ -69,13 +66,6 @@ class Engine:
                                 config.resolved_kv_dtype, config.kv_dtype_overrides,
                                 num_shadows=window_shadows(config))
         window = min(s.layer_windows)  # blocks can be released only if every layer looks back a window
-        pool = BlockPool(num_blocks)
-        block_bytes = self.kv_cache.bytes_per_token * bs
-        self.sessions = SequenceStore(pool, bs, max_pinned_blocks=config.session_kv_bytes // block_bytes)
-        self.kv = KVCacheManager(pool, self.kv_cache, config.enable_prefix_caching, window,
-                                 reclaim=self.sessions.reclaim)
-        self.batcher = Batcher(config, self.kv, self.sessions, self.decisions)
-        self.requests: dict[str, Request] = {}
         self.adapters = AdapterStore(s, config.max_lora_rank, config.adapter_roots, fetch=fetch_adapter,
                                      max_loaded=config.max_loras if fetch_adapter else None)
         slots = LoraSlots(s, config.max_loras, config.max_lora_rank, slot_dtype(self.model.weight_dtype, s))
@@ -85,13 +75,19 @@ class Engine:
         self.speculation = make_speculation(config, s, self.tokenizer, model_path, self.model,
                                             kv_cache_tokens=num_blocks * bs, decisions=self.decisions)
         self.runner.wants_hidden = self.speculation.needs_hidden
-        self.processor = OutputProcessor(self.kv, self.spec.eos_token_ids, config.jump_forward)
+        self.scheduler = Scheduler(config, self.kv_cache.layout, s.eos_token_ids, sliding_window=window,
+                                   kv_cache=self.kv_cache, on_release=self.speculation.free,
+                                   decisions=self.decisions)
         # what make_request validates against (the KV pool fit only when every layer keeps all its KV)
-        self.limits = RequestLimits(s.vocab_size, self.max_model_len, block_size=bs,
-                                    num_kv_blocks=num_blocks if window <= 0 else None)
+        self.inputs = InputProcessor(RequestLimits(s.vocab_size, self.max_model_len, block_size=bs,
+                                                   num_kv_blocks=num_blocks if window <= 0 else None),
+                                     self.tokenizer, self.adapters, s.eos_token_ids)
         self.totals = EngineTotals()
-        self.grammars = Grammars(self.tokenizer, s.vocab_size, s.eos_token_ids)
         self.mask_worker = MaskWorker(s.vocab_size)
+
+    @property
+    def sessions(self) -> SequenceStore:
+        return self.scheduler.sessions
 
     def register_adapter(self, name: str, path: str | Path) -> None:
         """Load a PEFT LoRA adapter; requests name it with adapter=name. Raises AdapterError."""
@@ -108,47 +104,31 @@ class Engine:
         self.submit(req)
         return req
 
-    def make_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None, *,
-                     adapter: str | None = None, cache_salt: str | None = None,
-                     prompt_logits: bool = False, pooling: bool = False,
-                     remote_adapter: bool = False) -> Request:
-        """A validated request, not yet queued: every InvalidRequest is raised here, before any work.
-        remote_adapter: the adapter was registered and checked elsewhere and its weights come with the request
-        (a worker's), so this engine's registry is not asked."""
-        if request_id in self.requests:
+    def make_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
+                     **options) -> Request:
+        """A validated request, not yet queued (options: InputProcessor.make_request's adapter, cache_salt,
+        prompt_logits, pooling, remote_adapter): every InvalidRequest is raised here, before any work."""
+        if request_id in self.scheduler.requests:
             raise InvalidRequest(f"request id {request_id!r} is already running; use a unique id")
-        registry = None if remote_adapter else self.adapters
-        prompt_ids, params = validate_request(prompt, params, self.limits, tokenizer=self.tokenizer,
-                                              adapter=adapter, adapters=registry,
-                                              cache_salt=cache_salt, prompt_only=prompt_logits or pooling)
-        req = Request(request_id, prompt_ids, params, adapter_id=adapter, cache_salt=cache_salt,
-                      prompt_logits=prompt_logits, pooling=pooling, max_model_len=self.max_model_len)
-        if self.tokenizer is not None and not req.prompt_only:
-            req.detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids)
-        if params.structured_outputs is not None:
-            req.matcher = self.grammars.matcher(params.structured_outputs)
-        return req
+        return self.inputs.make_request(request_id, prompt, params, **options)
 
     def submit(self, req: Request) -> None:
-        self.requests[req.request_id] = req
-        self.batcher.add(req)
+        self.scheduler.add(req)
 
     def abort(self, request_id: str) -> RequestOutput | None:
-        req = self.requests.get(request_id)
-        if req is None:
-            return None
-        finish(req, "abort")
-        self._release(req)
-        return emit(req)
+        return self.scheduler.abort(request_id)
+
+    def abort_expired(self) -> list[RequestOutput]:
+        return self.scheduler.abort_expired()
 
     def has_unfinished(self) -> bool:
-        return bool(self.requests)
+        return self.scheduler.has_unfinished()
 
     def step(self) -> StepOutput:
         clock = StageClock()
-        expired = self.abort_expired()
-        plan = clock.lap("schedule", self.batcher.schedule())
-        plan = clock.lap("propose", self.speculation.propose(plan, self.batcher))
+        expired = self.scheduler.abort_expired()
+        plan = clock.lap("schedule", self.scheduler.schedule())
+        plan = clock.lap("propose", self.speculation.propose(plan, self.scheduler.batcher))
         if not plan.scheduled:
             return StepOutput(expired, self._record(plan, None, None, clock))
         started = self.mask_worker.start(plan)  # grammar masks computed while the model runs
@@ -156,44 +136,28 @@ class Engine:
         masks = self.mask_worker.result(started)
         out = clock.lap("sample", sample_step(plan, run, masks.masks if masks is not None else None,
                                               self.spec.eos_token_ids))
-        processed = clock.lap("process", self.processor.process(plan, out))
-        for req in processed.finished:
-            self._release(req)
+        processed = clock.lap("process", self.scheduler.update_from_output(plan, out))
         stats = self._record(plan, out, processed, clock, masks)
         self.speculation.observe(plan, run, out, stats)
         return StepOutput(expired + processed.outputs, stats)
 
-    def abort_expired(self) -> list[RequestOutput]:
-        """Requests past their deadline (waiting or running) finish with "abort"; their blocks go back."""
-        now = time.monotonic()
-        expired = [r for r in self.requests.values() if r.deadline is not None and now >= r.deadline]
-        return [out for r in expired if (out := self.abort(r.request_id)) is not None]
-
-    def _release(self, req: Request) -> None:
-        """A finished request's blocks (a session turn's: to its sequence) and draft state go back; the engine
-        forgets it."""
-        if req.sequence is not None:
-            self.sessions.hold(req)
-        self.batcher.remove(req)
-        self.speculation.free(req.request_id)
-        del self.requests[req.request_id]
-
     def _record(self, plan: StepPlan, out: SamplerOutput | None, processed: ProcessedStep | None,
                 clock: StageClock, masks: StepMasks | None = None) -> StepStats:
-        stats = step_stats(plan, out, processed, clock.seconds(), len(self.batcher.running),
-                           len(self.batcher.waiting), self.kv.usage, masks, self.kv.pool.num_used_blocks)
+        sched = self.scheduler
+        stats = step_stats(plan, out, processed, clock.seconds(), len(sched.running), len(sched.waiting),
+                           sched.kv.usage, masks, sched.kv.pool.num_used_blocks)
         self.totals = self.totals.plus(stats)
         return stats
 
     def apply(self, policy: Policy) -> None:
         """A scheduler's Policy: batch limits from the next step, speculation's policies."""
-        self.batcher.token_budget, self.batcher.max_num_seqs = policy.token_budget, policy.max_num_seqs
+        self.scheduler.apply(policy)
         if policy.speculation is not None:
             self.speculation.push_policies(policy.speculation)
 
     def stats(self) -> dict:
         totals = self.totals
-        return self.batcher.stats() | self.kv.stats(self.batcher.running) | {
+        return self.scheduler.stats() | {
             "num_steps": totals.num_steps, "num_scheduled_requests": totals.num_scheduled_requests,
             "num_prefill_tokens": totals.num_prefill_tokens,
             "prefix_hit_rate": totals.prefix_hit_rate, "num_prefix_hit_tokens": totals.num_prefix_hit_tokens,
@@ -202,6 +166,4 @@ class Engine:
             "num_forced_tokens": totals.num_forced_tokens,
             "num_masked_rows": totals.num_masked_rows, "mask_seconds": totals.mask_seconds,
             "mask_wait_seconds": totals.mask_wait_seconds,
-        } | self.sessions.stats() | self.adapters.stats() | self.runner.lora.stats() | (
-            self.speculation.stats())
-
+        } | self.adapters.stats() | self.runner.lora.stats() | self.speculation.stats()

@@ -295,7 +295,7 @@ class EngineLoop:
         try:
             step = self.engine.step()
         except Exception as e:  # noqa: BLE001  (a bug fails the requests it hit, not the loop)
-            held = [r.request_id for r in self.engine.batcher.running if r.request_id in self._outboxes]
+            held = [r.request_id for r in self.engine.scheduler.running if r.request_id in self._outboxes]
             self._fail(held or list(self._outboxes), self.hooks.failure(e))
             self._advanced()
             return

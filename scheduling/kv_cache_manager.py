@@ -1,5 +1,6 @@
 """Per-request KV block bookkeeping over the block pool: prefix hits, slot allocation, accepting a
-verification's drafts, commits, frees."""
+verification's drafts, commits, frees. It reads the KV cache's KVLayout; the arrays themselves (recent-window
+shadows, a verified tree's kept path) are an optional collaborator, left out where nothing is computed."""
 
 import math
 from collections.abc import Callable
@@ -7,7 +8,7 @@ from collections.abc import Callable
 from cluster_configs.engine_config import EngineConfig
 from kernels.attention.chunks import recent_start
 from memory.block_pool import NULL_BLOCK, BlockPool, hash_block
-from memory.kv_cache import KVCache, kv_bytes_per_token
+from memory.kv_cache import KVCache, KVLayout, kv_bytes_per_token
 from memory.kv_formats import RECENT_GROUP
 from models.model_spec import ModelSpec
 from scheduling.plan import ScheduledRequest
@@ -15,12 +16,15 @@ from scheduling.request import Request
 
 
 class KVCacheManager:
-    def __init__(self, pool: BlockPool, kv_cache: KVCache, enable_prefix_caching: bool, sliding_window: int,
-                 reclaim: Callable[[Callable[[], bool]], bool] = lambda enough: enough()):
+    def __init__(self, pool: BlockPool, layout: KVLayout, enable_prefix_caching: bool, sliding_window: int,
+                 reclaim: Callable[[Callable[[], bool]], bool] = lambda enough: enough(),
+                 kv_cache: KVCache | None = None):
         self.pool = pool
         self.reclaim = reclaim  # frees blocks held elsewhere (idle session sequences) until enough()
-        self.kv_cache = kv_cache  # the arrays: only a verified tree's kept path moves in them
-        self.block_size = kv_cache.block_size
+        self.layout = layout
+        # the arrays (None: bookkeeping alone): their recent-window shadows, a verified tree's kept path
+        self.kv_cache = kv_cache
+        self.block_size = layout.block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.sliding_window = sliding_window  # > 0 only when every layer is windowed
 
@@ -37,9 +41,9 @@ class KVCacheManager:
                 "kv_usage": self.usage,
                 # slots holding KV, of those taken
                 "kv_utilization": stored / used_slots if used_slots else math.nan,
-                "kv_bytes_per_token": self.kv_cache.bytes_per_token,
+                "kv_bytes_per_token": self.layout.bytes_per_token,
                 # the recent window's bfloat16 shadows (memory/kv_formats.py), outside kv_cache_bytes
-                "kv_window_bytes": self.kv_cache.window_bytes}
+                "kv_window_bytes": self.layout.window_bytes}
 
     def looks_up(self, req: Request) -> bool:
         """Whether req's prompt is looked up in (and its full blocks shared through) the prefix cache."""
@@ -96,7 +100,7 @@ class KVCacheManager:
         kept_rows: the rows its tokens were sampled at (0: the root, 1 + i: node i)."""
         req, num_drafts = scheduled.request, len(scheduled.draft_token_ids)
         first = req.num_computed_tokens + scheduled.num_base_tokens  # the first draft's slot
-        if num_accepted and scheduled.tree is not None:
+        if num_accepted and scheduled.tree is not None and self.kv_cache is not None:
             nodes = [r - 1 for r in kept_rows[1:]]
             self.kv_cache.move_slots(req.block_ids, [first + v for v in nodes],
                                      list(range(first, first + len(nodes))))
@@ -110,7 +114,7 @@ class KVCacheManager:
         """The recent window's shadows on exactly req's blocks a token of it reads wide up to slot end: from
         the window of its next position (req.num_computed_tokens) on, none before req.wide_from (before
         the blocks go back to the pool, or a step writes slots below end)."""
-        if not self.kv_cache.windowed:
+        if self.kv_cache is None or not self.kv_cache.windowed:
             return
         bs = self.block_size
         first = max(req.wide_from or 0, recent_start(req.num_computed_tokens, RECENT_GROUP))

@@ -17,7 +17,7 @@ from scheduling.sampling.stop_checker import find_stop_string, finish_reason_aft
 @dataclass(frozen=True)
 class ProcessedStep:
     outputs: list[RequestOutput]
-    finished: list[Request]  # finished this step: their blocks and drafts are still to be released
+    finished: list[Request]  # finished this step (Scheduler.update_from_output releases them)
     num_generated_tokens: int  # output tokens appended
     num_computed_tokens: int  # tokens whose KV the step kept
     num_forced_tokens: int = 0  # of the appended, those a grammar forced (jump-forward: not sampled)

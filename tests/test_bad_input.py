@@ -184,14 +184,14 @@ def test_the_engine_validates_through_the_same_function(llm, prompt, params, ada
     with pytest.raises(ns.InvalidRequest, match=message) as raised:
         llm.engine.make_request("bad", prompt, params, adapter=adapter)
     with pytest.raises(ns.InvalidRequest) as expected:
-        validate_request(prompt, params, llm.engine.limits, tokenizer=llm.tokenizer, adapter=adapter,
+        validate_request(prompt, params, llm.engine.inputs.limits, tokenizer=llm.tokenizer, adapter=adapter,
                          adapters=llm.engine.adapters)
     assert (str(raised.value), raised.value.param) == (str(expected.value), expected.value.param)
     assert llm.stats()["num_free_blocks"] == free_before and not llm.engine.has_unfinished()
 
 
 def test_the_engines_limits_are_its_vocabulary_length_and_kv_pool(llm):
-    assert llm.engine.limits == RequestLimits(VOCAB, MAX_MODEL_LEN, block_size=16,
+    assert llm.engine.inputs.limits == RequestLimits(VOCAB, MAX_MODEL_LEN, block_size=16,
                                               num_kv_blocks=llm.stats()["num_blocks"])
     with pytest.raises(ns.InvalidRequest, match="unknown adapter 'nope' \\(registered: none\\)"):
         llm.engine.make_request("bad", [5, 6], GOOD, adapter="nope")

@@ -10,7 +10,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from cluster_configs.sampling_params import SamplingParams
 from memory.block_pool import BlockPool
-from memory.kv_cache import KVCache
+from memory.kv_cache import kv_layout
 from scheduling.kv_cache_manager import KVCacheManager
 from scheduling.request import Request
 
@@ -22,8 +22,8 @@ class BlockPoolMachine(RuleBasedStateMachine):
     def __init__(self):
         super().__init__()
         self.pool = BlockPool(NUM_BLOCKS)
-        kv_cache = KVCache(1, NUM_BLOCKS, BLOCK_SIZE, 1, 1, "float32")  # bookkeeping only: no slot is moved
-        self.kv = KVCacheManager(self.pool, kv_cache, enable_prefix_caching=True, sliding_window=0)
+        layout = kv_layout(1, NUM_BLOCKS, BLOCK_SIZE, 1, 1, "float32")  # bookkeeping only: no arrays
+        self.kv = KVCacheManager(self.pool, layout, enable_prefix_caching=True, sliding_window=0)
         self.live: list[Request] = []
         self.content: dict[int, list] = {}  # block id -> the token whose KV was written in each slot
         self.count = 0

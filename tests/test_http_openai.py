@@ -333,9 +333,9 @@ def test_a_dropped_stream_aborts_its_request_in_the_engine(api, llm):
     stream = api.completions.create(model="tiny", prompt="x", max_tokens=2000, stream=True,
                                     extra_body={"ignore_eos": True})
     next(iter(stream))
-    assert llm.engine_loop.call(lambda engine: len(engine.requests)) == 1
+    assert llm.engine_loop.call(lambda engine: len(engine.scheduler.requests)) == 1
     stream.close()
     deadline = time.monotonic() + 30
-    while llm.engine_loop.call(lambda engine: len(engine.requests)):
+    while llm.engine_loop.call(lambda engine: len(engine.scheduler.requests)):
         assert time.monotonic() < deadline, "the request still runs after its client went away"
         time.sleep(0.05)

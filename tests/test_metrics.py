@@ -106,7 +106,7 @@ def test_kv_blocks_in_use_are_the_pools_while_requests_hold_them(engine):
            ns.SamplingParams(max_tokens=50, ignore_eos=True))
     step(engine, metrics)
     used = metrics.snapshot(engine)["values"]["kv_cache_used_blocks"]
-    assert used == engine.kv.pool.num_used_blocks >= 40 // engine.config.block_size
+    assert used == engine.scheduler.kv.pool.num_used_blocks >= 40 // engine.config.block_size
     assert value(samples([metrics.snapshot(engine)]), "numaserve:kv_cache_used_blocks") == used
     metrics.outputs([engine.abort("long")])
     assert metrics.snapshot(engine)["values"]["kv_cache_used_blocks"] == 0

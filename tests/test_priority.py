@@ -91,7 +91,7 @@ def test_fcfs_ignores_priority_and_priority_orders_by_it(llama_dir):
             late = engine.make_request("late", URGENT, URGENT_PARAMS)
             engine.submit(early)
             engine.submit(late)
-            plan = engine.batcher.schedule()
+            plan = engine.scheduler.schedule()
             assert [s.request.priority for s in plan.scheduled] == [admitted_first]
 
 

@@ -164,7 +164,7 @@ def check_shadows(engine) -> None:
     """Every running request's blocks its next step reads wide carry a shadow, and no other block does."""
     kv, bs = engine.kv_cache, engine.kv_cache.block_size
     wanted = set()
-    for req in engine.batcher.running:
+    for req in engine.scheduler.running:
         first = max(req.wide_from, recent_start(req.num_computed_tokens, RECENT_GROUP))
         wanted |= {req.block_ids[i] for i in range(first // bs, -(-req.num_computed_tokens // bs))}
     assert set(np.flatnonzero(kv.shadow_of >= 0)) == wanted

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 import numaserve as ns
 from memory.block_pool import BlockPool, prefix_cache_key
-from memory.kv_cache import KVCache
+from memory.kv_cache import kv_layout
 from scheduling.kv_cache_manager import KVCacheManager
 from scheduling.policy import BatchingPolicy, Policy, PolicyLimits, StepTelemetry
 from scheduling.request import Request
@@ -108,8 +108,8 @@ def test_prefix_hashes_are_the_hashes_the_engine_commits_its_blocks_under(adapte
     prompt = random_prompt(5 * BS + 3, 2)
     req = Request("r", prompt, ns.SamplingParams(max_tokens=1), adapter_id=adapter, cache_salt=cache_salt,
                   max_model_len=1024)
-    kv_cache = KVCache(1, 16, BS, 1, 1, "float32")  # bookkeeping only: no slot is moved
-    kv = KVCacheManager(BlockPool(16), kv_cache, enable_prefix_caching=True, sliding_window=0)
+    layout = kv_layout(1, 16, BS, 1, 1, "float32")  # bookkeeping only: no arrays
+    kv = KVCacheManager(BlockPool(16), layout, enable_prefix_caching=True, sliding_window=0)
     assert kv.allocate_slots(req, len(prompt))
     req.num_computed_tokens = len(prompt)
     kv.commit_full_blocks(req)

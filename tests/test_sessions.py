@@ -60,7 +60,7 @@ def test_fork_shares_blocks_and_both_branches_equal_their_fresh_equivalents(llam
         seq.generate(TURNS[0] + TURNS[2], GREEDY)  # 33 + 6 tokens: 2 full blocks of 16 and a partial one
         history = seq.token_ids
         branch = seq.fork()
-        pool, shared = llm.engine.kv.pool, seq._kv.block_ids[:2]
+        pool, shared = llm.engine.scheduler.kv.pool, seq._kv.block_ids[:2]
         assert branch._kv.block_ids == shared and [pool.ref_cnt[b] for b in shared] == [2, 2]
         assert pool.ref_cnt[seq._kv.block_ids[2]] == 1  # the partial block is not shared
         a, num_a = prefilled(llm, lambda: seq.generate(TURNS[1], GREEDY))

@@ -72,7 +72,7 @@ def perturbed_copy(src, dst, scale: float, seed: int = 0):
 def record_runs(engine: Engine) -> dict[str, list[tuple[int, list[int], int]]]:
     """Request id -> per step (outputs it had before, the run the step sampled for it, drafts verified)."""
     runs: dict[str, list] = {}
-    process = engine.processor.process
+    process = engine.scheduler.processor.process
 
     def recording(plan, out):
         for scheduled, sampled in zip(plan.scheduled, out.sampled):
@@ -82,7 +82,7 @@ def record_runs(engine: Engine) -> dict[str, list[tuple[int, list[int], int]]]:
                     (len(req.output_token_ids), list(sampled.token_ids), sampled.num_draft_tokens))
         return process(plan, out)
 
-    engine.processor.process = recording
+    engine.scheduler.processor.process = recording
     return runs
 
 

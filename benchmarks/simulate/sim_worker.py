@@ -1,46 +1,32 @@
-"""A modelled worker: the real batcher, block pool, KV manager, output processor and speculator of one
-engine, stepped in simulated time; the model's forward is replaced by StepCostModel's seconds and the
-sampler by SimProposer.sample.
+"""A modelled worker: one engine's real Scheduler (block pool, KV cache manager, batcher, session store,
+output processor) and speculator, stepped in simulated time; the model's forward is replaced by
+StepCostModel's seconds and the sampler by SimProposer.sample.
 
 Engine.step in two halves, `plan_step` (schedule, propose drafts, price the step) at the step's start and
-`finish_step` (sample, process, release the finished, feed speculation its figures) at its end. The parts
-of Engine that need no model (submit, _release, apply) are Engine's own functions, called on this object,
-which has the attributes they read (requests, batcher, sessions, speculation). The worker loop's telemetry
+`finish_step` (sample, update the scheduler, feed speculation its figures) at its end. The Scheduler is
+built over a KVLayout of the modelled model's shape, without KV arrays. The worker loop's telemetry
 (actors/worker_hooks.py's _StepMeter and _report) is mirrored by `telemetry`.
 """
 
 from collections import OrderedDict
-from dataclasses import dataclass
 from types import SimpleNamespace
 
 from benchmarks.simulate.sim_proposer import SimProposer
 from benchmarks.simulate.step_cost import StepCostModel, StepShape, prefill_pairs
 from cluster_configs.engine_config import EngineConfig
-from memory.block_pool import BlockPool
-from memory.kv_cache import kv_bytes_per_token
+from memory.kv_cache import kv_layout
 from scheduling.batcher import Batcher
-from scheduling.engine import Engine
-from scheduling.kv_cache_manager import KVCacheManager, num_kv_blocks
-from scheduling.output_processor import OutputProcessor
+from scheduling.kv_cache_manager import num_kv_blocks
 from scheduling.outputs import RequestOutput
 from scheduling.plan import StepPlan
-from scheduling.policy import StepTelemetry
+from scheduling.policy import Policy, StepTelemetry
 from scheduling.request import Request
-from scheduling.sessions import SequenceStore
+from scheduling.scheduler import Scheduler
 from scheduling.speculation.drafting import NoSpeculation
 from scheduling.speculation.speculator import Speculator
 
 # the KV geometry of the TinyLlama shape (benchmarks/checkpoints.py): 22 layers, 4 KV heads of 64
 MODEL_SHAPE = SimpleNamespace(num_layers=22, num_kv_heads=4, head_dim=64)
-
-
-@dataclass(frozen=True)
-class KVGeometry:
-    """What KVCacheManager reads of a KVCache when no tree is verified: no arrays (and no recent window)."""
-    block_size: int
-    bytes_per_token: int
-    windowed: bool = False
-    window_bytes: int = 0
 
 
 def step_shape(plan: StepPlan) -> StepShape:
@@ -63,22 +49,16 @@ class SimWorker:
     def __init__(self, worker_id: str, config: EngineConfig, cost: StepCostModel, sampler: SimProposer,
                  max_model_len: int):
         self.worker_id, self.config, self.cost, self.sampler = worker_id, config, cost, sampler
-        bs = config.block_size
-        num_blocks = num_kv_blocks(MODEL_SHAPE, config, max_model_len)
-        bytes_per_token = kv_bytes_per_token(MODEL_SHAPE.num_layers, MODEL_SHAPE.num_kv_heads,
-                                             MODEL_SHAPE.head_dim, config.resolved_kv_dtype)
-        pool = BlockPool(num_blocks)
-        self.sessions = SequenceStore(pool, bs, max_pinned_blocks=0)  # a deployment's turns share by prefix
-        self.kv = KVCacheManager(pool, KVGeometry(bs, bytes_per_token), config.enable_prefix_caching, 0,
-                                 reclaim=self.sessions.reclaim)
-        self.batcher = Batcher(config, self.kv, self.sessions)
-        self.processor = OutputProcessor(self.kv, eos_token_ids=())
-        self.requests: dict[str, Request] = {}
         if config.speculation.enabled:
             self.speculation = Speculator(config.speculation, sampler)
             self.speculation.clock = lambda: 0.0  # the proposer's seconds are its modelled last_passes
         else:
             self.speculation = NoSpeculation()
+        m = MODEL_SHAPE  # (no arrays, so no recent window)
+        layout = kv_layout(m.num_layers, num_kv_blocks(m, config, max_model_len), config.block_size,
+                           m.num_kv_heads, m.head_dim, config.resolved_kv_dtype, config.kv_dtype_overrides)
+        # trace tokens are never eos (max_tokens ends a request); a session's turns share KV by prefix
+        self.scheduler = Scheduler(config, layout, eos_token_ids=(), on_release=self.speculation.free)
         self.adapters: OrderedDict[str, None] = OrderedDict()  # held (at most max_loras), least recent first
         self.busy = False
         self.num_preemptions = 0
@@ -88,10 +68,22 @@ class SimWorker:
         self._meter_steps = self._meter_tokens = 0
         self._meter_seconds = 0.0
 
-    submit = Engine.submit
-    has_unfinished = Engine.has_unfinished
-    apply = Engine.apply  # a scheduler's Policy
-    _release = Engine._release
+    @property
+    def batcher(self) -> Batcher:
+        """The scheduler's batcher (speculation schedules its drafts through it)."""
+        return self.scheduler.batcher
+
+    def submit(self, req: Request) -> None:
+        self.scheduler.add(req)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def apply(self, policy: Policy) -> None:
+        """A scheduler's Policy, as Engine.apply applies it."""
+        self.scheduler.apply(policy)
+        if policy.speculation is not None:
+            self.speculation.push_policies(policy.speculation)
 
     def holds_adapter(self, adapter: str) -> bool:
         """Whether a request with this adapter enters at once (else it waits for the adapter's fetch first);
@@ -105,7 +97,7 @@ class SimWorker:
 
     def plan_step(self) -> tuple[StepPlan, float]:
         """Schedule and draft the next step -> (its plan, its modelled seconds)."""
-        plan = self.batcher.schedule()
+        plan = self.scheduler.schedule()
         plan = self.speculation.propose(plan, self.batcher)
         self.num_preemptions += len(plan.preempted)
         self.num_prefix_lookup_tokens += plan.num_prefix_lookup_tokens
@@ -123,13 +115,11 @@ class SimWorker:
     def finish_step(self, plan: StepPlan, seconds: float) -> list[RequestOutput]:
         """The step's outputs, its state moved on as Engine.step moves it."""
         out = self.sampler.sample(plan)
-        processed = self.processor.process(plan, out)
-        for req in processed.finished:
-            self._release(req)
+        processed = self.scheduler.update_from_output(plan, out)
         if isinstance(self.speculation, Speculator):
             draft_seconds = self._draft_seconds()
             self.speculation.record(plan, out, seconds - draft_seconds, draft_seconds,
-                                    len(self.batcher.waiting), self.kv.usage)
+                                    len(self.scheduler.waiting), self.scheduler.kv.usage)
         self.num_generated_tokens += processed.num_generated_tokens
         self._meter_steps += 1
         self._meter_tokens += plan.num_tokens
@@ -139,8 +129,8 @@ class SimWorker:
     def telemetry(self) -> StepTelemetry:
         """This interval's report (actors/worker.py's _report), the meter reset."""
         mean_step_s = self._meter_seconds / self._meter_steps if self._meter_steps else 0.0
-        t = StepTelemetry(self.worker_id, len(self.batcher.running), len(self.batcher.waiting),
-                          self._meter_steps, self._meter_tokens, mean_step_s, self.kv.usage,
+        t = StepTelemetry(self.worker_id, len(self.scheduler.running), len(self.scheduler.waiting),
+                          self._meter_steps, self._meter_tokens, mean_step_s, self.scheduler.kv.usage,
                           self.num_preemptions, self.speculation.telemetries())
         self._meter_steps = self._meter_tokens = 0
         self._meter_seconds = 0.0

@@ -5,8 +5,8 @@ Per request (times are simulated seconds):
   arrival -> its caller tokenizes and validates (caller CPU; "relay": the router does, as today) -> the
   router's admission (router CPU), where the real RoutingPolicy.route picks the worker or raises Overloaded
   -> a cold adapter is fetched first (adapter_load_s; the request waits, the worker's others do not, as
-  #27 asks) -> the worker's Batcher queue.
-A worker steps while it has requests: plan (real Batcher.schedule, Speculator.propose), its StepCostModel
+  #27 asks) -> the worker's Scheduler queue.
+A worker steps while it has requests: plan (real Scheduler.schedule, Speculator.propose), its StepCostModel
 seconds, then the real OutputProcessor. Each step's deltas coalesce into chunks as actors/delta_stream.py
 coalesces them (the first at once, the next after stream_interval_s, the last at once). A chunk then
 crosses the router ("relay", the deployment before #27: router CPU per chunk, finish after the last) or
