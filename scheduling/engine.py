@@ -35,7 +35,8 @@ from scheduling.sampling.structured import MaskWorker, StepMasks
 from scheduling.scheduler import Scheduler
 from scheduling.sessions import SequenceStore
 from scheduling.speculation.drafting import make_speculation
-from scheduling.step_stats import EngineTotals, StageClock, StepStats, step_stats
+from scheduling.step_record import step_stats
+from scheduling.step_stats import EngineTotals, StageClock, StepStats
 from scheduling.validation import RequestLimits
 
 

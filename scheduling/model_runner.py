@@ -97,14 +97,7 @@ class ModelRunner:
                     prompt_rows[s] = slice(len(logits_indices), len(logits_indices) + end - first)
                     prompt_starts[s] = first
                     logits_indices += range(row + first - start, row + end - start)
-            if req.pooling:
-                wanted = ()
-            elif req.prompt_logits:
-                wanted = range(row, row + n)
-            elif start + num_base == req.num_tokens:
-                wanted = range(row + num_base - 1, row + n)  # the last verified token, then each draft
-            else:
-                wanted = ()  # a prefill chunk short of the prompt's end
+            wanted = _sampled_rows(req, start, num_base, row, n)
             logit_rows[s] = slice(len(logits_indices), len(logits_indices) + len(wanted)) if wanted else None
             logits_indices += wanted
         positions = np.asarray(positions, np.int32)
@@ -121,6 +114,17 @@ class ModelRunner:
                              block_tables, logits_indices, lora, merged, every_row, tree_starts, tree_mask,
                              wide_from)
         return batch, logit_rows, prompt_rows, prompt_starts
+
+
+def _sampled_rows(req, start: int, num_base: int, row: int, n: int) -> range:
+    """Which of a request's n rows (from row) the step samples or returns logits of."""
+    if req.pooling:
+        return range(0)
+    if req.prompt_logits:
+        return range(row, row + n)
+    if start + num_base == req.num_tokens:
+        return range(row + num_base - 1, row + n)  # the last verified token, then each draft
+    return range(0)  # a prefill chunk short of the prompt's end
 
 
 def _tree_arrays(num_tokens: int, trees: list) -> tuple[np.ndarray | None, np.ndarray | None]:
