@@ -1,8 +1,8 @@
 """Sampling cost of one engine step: 32 requests at temperature 0.7, top_p 0.9 on a 32k vocabulary, the
-per-request sampler the engine had before speculation ("before": tests/reference_sampler.py, the sampler
-as of commit 972df84) against the batched sampler of scheduling/sampling/sampler.py ("after"), alternating
-sample by sample, next to the TinyLlama-shaped batch-32 decode step time (greedy, so the step is the forward
-pass plus bookkeeping). Goal: sampling under 5% of that step.
+per-request sampler the engine had before speculation ("before": tests/support/reference_sampler.py, the
+sampler as of commit 972df84) against the batched sampler of scheduling/sampling/sampler.py ("after"),
+alternating sample by sample, next to the TinyLlama-shaped batch-32 decode step time (greedy, so the step is
+the forward pass plus bookkeeping). Goal: sampling under 5% of that step.
 
     python -m benchmarks.bench_sampling                  # about 2 minutes on 2 cores (TinyLlama load + steps)
     python -m benchmarks.bench_sampling --model llama-56m --samples 5   # smoke run, seconds
@@ -23,7 +23,7 @@ import numpy as np
 import numaserve as ns
 from benchmarks.checkpoints import random_checkpoint
 from cluster_configs.sampling_params import SamplingParams
-from tests.reference_sampler import apply_penalties, sample
+from tests.support.reference_sampler import apply_penalties, sample
 
 RESULTS = Path(__file__).parent / "results"
 NUM_REQUESTS, VOCAB, PROMPT_LEN = 32, 32000, 16

@@ -202,8 +202,8 @@ def main() -> None:
     from benchmarks.bench_http import free_port
     from benchmarks.soak_http import run_http_soak
     from tests.cluster.conftest import sim_config
-    from tests.model_factory import build_model
-    from tests.test_lora import make_adapter
+    from tests.models.test_lora import make_adapter
+    from tests.support.model_factory import build_model
 
     root = Path(tempfile.mkdtemp(prefix="soak-"))
     build_model(root / "llama", "llama")

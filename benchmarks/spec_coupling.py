@@ -21,7 +21,7 @@ import numaserve as ns
 from benchmarks.heldout_eval import card_windows
 from models.sampling_batch import SamplingBatch
 from scheduling.sampling.sampler import sample_batch
-from tests.reference_sampler import sampling_probs
+from tests.support.reference_sampler import sampling_probs
 
 SETTINGS = ({"temperature": 1.0}, {"temperature": 0.7}, {"temperature": 0.7, "top_p": 0.9})
 

@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP app: FastAPI routes over OpenAIServing (http_api/serving.py), whatever the
 deployment behind it (the Ray one: actors/http_server.py; one engine in this process:
-http_api/local_deployment.py). Importing it imports no Ray."""
+tests/support/local_deployment.py). Importing it imports no Ray."""
 
 import asyncio
 import importlib.metadata

@@ -2,8 +2,8 @@
 softmax of attention and SiLU waited on it one value at a time).
 
 exp(x) = 2**n exp(r), x = n ln2 + r, |r| <= ln2/2 (ln2 in two parts, Cody and Waite); exp(r) by Cephes' expf
-polynomial (relative error ~1 ulp: tests/test_exp32.py bounds it against float64); 2**n written into the
-exponent bits. Branch-free. x is clamped to [-87, 88], where 2**n stays a normal float: exp(x) for x below
+polynomial (relative error ~1 ulp: tests/kernels/test_exp32.py bounds it against float64); 2**n written into
+the exponent bits. Branch-free. x is clamped to [-87, 88], where 2**n stays a normal float: exp(x) for x below
 -87 is 0, above 88 exp(88) (the callers' arguments are <= 0 (softmax) or make the result vanish (SiLU)).
 Inlined with its caller's fastmath flags, which must leave out "reassoc" (it could undo the two-part
 reduction); the kernels here use contract, nnan, ninf, nsz, afn, arcp.

@@ -94,8 +94,9 @@ class WeightMatrix:
             quantize_k(CODE[dtype], w, data)
             return cls(dtype, data)
         if dtype in BLOCK_DTYPES:
-            # q4_1, q5_0, q5_1: the gguf package's, ggml's reference rounding (tests/test_kquant_quantize.py).
-            # Fast enough in numpy: the K-quants, whose scale search is the cost, take far longer
+            # q4_1, q5_0, q5_1: the gguf package's, ggml's reference rounding
+            # (tests/kernels/test_kquant_quantize.py). Fast enough in numpy: the K-quants, whose scale search
+            # is the cost, take far longer
             return cls(dtype, gguf.quants.quantize(w, GGML_TYPE[dtype]))
         scales = np.empty((n, k // QK), np.uint16)
         if dtype == "q8_0":

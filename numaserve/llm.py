@@ -61,7 +61,7 @@ class LLM:
 
     @property
     def engine_loop(self) -> EngineLoop:
-        """The thread that runs the engine: other front ends (http_api/local_deployment.py) submit to it."""
+        """The thread that runs the engine: other front ends (the tests' HTTP deployment) submit to it."""
         return self._loop
 
     def generate(self, prompts, params: SamplingParams | Sequence[SamplingParams] | None = None,

@@ -6,13 +6,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from tests.model_factory import VARIANTS, build_model
-from tests.no_internals import ErrorBodies
-from tests.stress import cpu_burner, pytest_addoption, pytest_configure, pytest_generate_tests  # noqa: F401
+from tests.support.model_factory import VARIANTS, build_model
+from tests.support.no_internals import ErrorBodies
+from tests.support.stress import cpu_burner, pytest_addoption, pytest_configure, pytest_generate_tests  # noqa: F401
 
 torch.set_num_threads(1)
 # engines the tests build repack at every start and write nothing to ~/.cache (EngineConfig's default reads
-# this); tests/test_packed_cache.py turns the packed cache on in tmp_path
+# this); tests/models/test_packed_cache.py turns the packed cache on in tmp_path
 os.environ["NUMASERVE_CACHE_DIR"] = "off"
 
 CLUSTER_TESTS = Path(__file__).parent / "cluster"
@@ -60,7 +60,7 @@ def random_prompt(n: int, seed: int, vocab: int = 384) -> list[int]:
 @pytest.fixture(autouse=True)
 def error_bodies_show_no_internals(monkeypatch):
     """Every 4xx/5xx body of our API that a test's HTTP client receives shows no traceback, path, address or
-    Ray id (tests/no_internals.py)."""
+    Ray id (tests/support/no_internals.py)."""
     bodies = ErrorBodies()
     bodies.install(monkeypatch)
     yield bodies

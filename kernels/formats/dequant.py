@@ -1,6 +1,6 @@
 """Dequantize weight rows of any served format into float32 (embeddings, export, tests).
 
-The matmul kernel unpacks the same layouts in registers (kernels/simd/block.py); tests/test_quant.py
+The matmul kernel unpacks the same layouts in registers (kernels/simd/block.py); tests/kernels/test_quant.py
 holds it to this definition and this one to the gguf package's.
 
 data/scales per format: float32 [N, K] / unused; bf16 bits uint16 [N, K] / unused; q8_0 int8 [N, K] /

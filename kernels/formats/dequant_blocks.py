@@ -1,5 +1,5 @@
 """Dequantize rows of GGML block bytes (kernels/formats/ggml_blocks.py) into float32: the K-quants and q4_1 /
-q5_0 / q5_1, bit-equal to the gguf package's dequantize (tests/test_kquant_dequant.py).
+q5_0 / q5_1, bit-equal to the gguf package's dequantize (tests/kernels/test_kquant_dequant.py).
 
 Each value is computed in gguf's (and ggml's reference dequantizer's) order in float32: a sub-block's scale
 d * sc and min dmin * m first, then scale * q - min (K-quants), d * q + m (q4_1, q5_1), d * (q - 16) (q5_0).

@@ -1,8 +1,8 @@
 """GGML's K-quants from float32, bit-equal to llama.cpp's reference quantizers without an importance matrix
 (quantize_row_q4_K_ref / _q5_K_ref / _q6_K_ref, what llama-quantize runs with no --imatrix): the same scale
 searches (kernels/formats/quant_search.py), then the same rounding of the block's scales and requantization
-against them. Block layouts: kernels/formats/dequant_blocks.py. tests/test_kquant_quantize.py holds the bytes
-to llama.cpp's.
+against them. Block layouts: kernels/formats/dequant_blocks.py. tests/kernels/test_kquant_quantize.py holds
+the bytes to llama.cpp's.
 
 q4_k / q5_k: each 32-value sub-block gets a scale and a min (fit_scale_min, weights |x| + rms(x)); the
 block's d and dmin put the largest of each on 63 and every sub-block's on a 6-bit integer; the values are

@@ -10,7 +10,7 @@
   instruction falls back to float32: rounding activations to bf16 and then multiplying in float32 would
   lose precision and gain nothing.
 - "auto": "int8" where the matrix is quantized and the CPU can run it, float32 elsewhere: faster matmuls,
-  perplexity within 0.3% of float32 activations (tests/test_activation_quality.py; the figures:
+  perplexity within 0.3% of float32 activations (tests/models/test_activation_quality.py; the figures:
   benchmarks/results/HISTORY.md).
 A calibration file beside the model (models/quantization/calibration.py, written by `numaserve calibrate`)
 keeps the matrices it marks (int8 error above its bound) in float32, and holds static per-tensor activation

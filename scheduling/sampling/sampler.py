@@ -4,9 +4,9 @@
 additions (logit_bias, min_tokens' bans on stop tokens) and penalties only on the rows that set them, token
 masks where a row has one, one argmax over every greedy row, one numba call (kernels/sampling/filters.py) for
 the sampled rows (temperature, top-k, top-p, min-p). Filters follow the usual serving semantics, written out
-one request at a time in tests/reference_sampler.py (the reference the batched code is tested against): top_k
-keeps the k most likely tokens, top_p the smallest set whose probability reaches top_p, min_p the tokens with
-probability >= min_p * the top probability.
+one request at a time in tests/support/reference_sampler.py (the reference the batched code is tested
+against): top_k keeps the k most likely tokens, top_p the smallest set whose probability reaches top_p, min_p
+the tokens with probability >= min_p * the top probability.
 
 Randomness is keyed, never counted: a request's draw for the token at position p is kernels/sampling/race.py's
 exponential race with clocks keyed by (seed, p, token id), so a resumed request, a preempted one
@@ -76,8 +76,8 @@ def add_to_logits(logits: np.ndarray, batch: SamplingBatch) -> np.ndarray:
 
 
 def apply_penalties_batch(logits: np.ndarray, batch: SamplingBatch) -> np.ndarray:
-    """logits [N, V] float32 with each row's penalties applied (tests/reference_sampler.py's apply_penalties,
-    row by row): a copy, or logits itself when no row sets a penalty."""
+    """logits [N, V] float32 with each row's penalties applied (tests/support/reference_sampler.py's
+    apply_penalties, row by row): a copy, or logits itself when no row sets a penalty."""
     repeat = np.flatnonzero(batch.repetition_penalties != 1.0)
     counted = [i for i in np.flatnonzero((batch.presence_penalties != 0) | (batch.frequency_penalties != 0))
                if len(batch.histories[i]) > batch.num_prompt_tokens[i]]

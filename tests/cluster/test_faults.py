@@ -27,7 +27,7 @@ from tests.cluster.conftest import (
     worker_pid,
 )
 from tests.conftest import random_prompt
-from tests.test_lora import make_adapter
+from tests.models.test_lora import make_adapter
 
 NAME = "faults"
 MODEL = "llama"

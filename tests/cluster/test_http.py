@@ -22,7 +22,7 @@ from transformers import AutoTokenizer
 import numaserve as ns
 from tests.cluster.conftest import advance, free_port, paused, queued, reference_outputs, sim_config, wait_for
 from tests.conftest import random_prompt
-from tests.test_lm_eval import check_local_completions
+from tests.numaserve.test_lm_eval import check_local_completions
 
 NAME = "http"
 MODEL = "llama"  # the served model's name: its folder's
@@ -246,7 +246,7 @@ def test_logprobs_equal_the_in_process_llms(api, llama_dir, config):
 
 
 def test_an_adapter_loaded_over_http_is_listed_and_selected_by_model(api, url, llama_dir, config, tmp_path):
-    from tests.test_lora import make_adapter
+    from tests.models.test_lora import make_adapter
 
     path = make_adapter(llama_dir, tmp_path / "tests", seed=1)
     r = requests.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "tests", "lora_path": str(path)},
@@ -381,7 +381,7 @@ def test_requests_dropped_by_the_client_are_aborted_and_free_their_kv_blocks(cli
         samples = wait_for(freed, 30, "/metrics to show the dropped streams' requests and KV blocks gone")
     assert metric(samples, "numaserve:request_success_total", finished_reason="abort") - aborted == 3
     assert idle(client)
-    # a dropped non-streaming request: tests/test_http_server.py
+    # a dropped non-streaming request: tests/http_api/test_http_server.py
 
 
 def scrape(url: str) -> list:

@@ -18,8 +18,8 @@ from ray.util.state import list_actors
 import numaserve as ns
 from tests.cluster.conftest import collect, free_port, paused, sim_config, wait_for
 from tests.conftest import random_prompt
-from tests.model_factory import build_model
-from tests.test_lora import make_adapter
+from tests.models.test_lora import make_adapter
+from tests.support.model_factory import build_model
 
 NAME = "lora-serving"
 GREEDY = ns.SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)

@@ -30,7 +30,7 @@ import numaserve as ns
 from actors.router import SWEEP_GRACE_S
 from tests.cluster.conftest import free_port, reference_outputs, sim_config, wait_for
 from tests.conftest import random_prompt
-from tests.test_lora import make_adapter
+from tests.models.test_lora import make_adapter
 
 NAME = "placement"
 ALLOWANCE_S = 1.0  # see the module's docstring

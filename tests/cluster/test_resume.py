@@ -10,7 +10,7 @@ from actors.delta_stream import DeltaStream, merge
 from actors.resume import resume_request, resume_state
 from scheduling.outputs import RequestOutput
 from tests.conftest import random_prompt
-from tests.test_speculation import perturbed_copy, tiny_checkpoint
+from tests.scheduling.test_speculation import perturbed_copy, tiny_checkpoint
 
 FP32 = {"weight_dtype": "float32", "kv_dtype": "float32"}
 

@@ -21,7 +21,7 @@ import requests
 from openai import OpenAI
 
 from tests.cluster.conftest import CONFIGS, REPO, free_port, wait_for
-from tests.model_factory import build_model
+from tests.support.model_factory import build_model
 
 NAME = "life"
 NUM_STREAMS = 8

@@ -164,8 +164,8 @@ def test_closing_a_stream_aborts_its_request_on_the_worker(client):
 def test_killing_a_worker_mid_stream_loses_no_request_and_the_restarted_worker_rejoins(client, llama_dir,
                                                                                        config):
     # every request goes on exactly: greedy ones and seeded sampled ones (the recomputed prompt and the new
-    # worker's batches give the same logits bit for bit, tests/test_batch_invariance.py, and the draws resume
-    # where they were, tests/cluster/test_resume.py)
+    # worker's batches give the same logits bit for bit, tests/scheduling/test_batch_invariance.py, and the
+    # draws resume where they were, tests/cluster/test_resume.py)
     params = [ns.SamplingParams(max_tokens=300, temperature=0, ignore_eos=True) if i % 2 else
               ns.SamplingParams(max_tokens=300, temperature=0.9, top_p=0.95, seed=i, frequency_penalty=0.5,
                                 ignore_eos=True) for i in range(12)]
@@ -230,7 +230,7 @@ def test_bad_requests_raise_invalid_request_through_the_client_and_service_goes_
 
 
 def test_adapters_are_validated_persisted_across_a_restart_and_served(client, llama_dir, config, tmp_path):
-    from tests.test_lora import make_adapter
+    from tests.models.test_lora import make_adapter
 
     (tmp_path / "half").mkdir()
     (tmp_path / "half" / "adapter_config.json").write_text("{}")

@@ -10,7 +10,7 @@ import numaserve as ns
 from benchmarks.bench_soak import run_soak
 from benchmarks.soak_http import run_http_soak
 from tests.cluster.conftest import free_port, sim_config
-from tests.test_lora import make_adapter
+from tests.models.test_lora import make_adapter
 
 RSS_GROWTH_BOUND = 64 << 20  # bytes per worker over the soak (the 10-minute run: see README "Soak")
 

@@ -13,8 +13,8 @@ from models.proposers.medusa_head import HEADS_FILE as MEDUSA_HEADS
 from tests.cluster.conftest import collect, reference_outputs, sim_config, wait_for
 from tests.cluster.test_speculation_serving import SPEC, TEXTS
 from tests.conftest import random_prompt
-from tests.eagle_factory import model_with_eagle
-from tests.medusa_factory import model_with_heads
+from tests.support.eagle_factory import model_with_eagle
+from tests.support.medusa_factory import model_with_heads
 
 
 @pytest.mark.parametrize("mode", ["auto", "latency_first", "throughput_first"])
@@ -32,7 +32,7 @@ def test_load_aware_modes_through_the_client_equal_no_speculation(ray_cluster, l
         # the mode ran: each worker speculates under the scheduler actor's policy for it. Whether that policy
         # drafts depends on this machine's measured step costs (a CI run once priced n-gram drafts out under
         # throughput_first, correctly for its costs); that the modes draft where drafts pay is
-        # tests/test_speculation.py's, under a fixed cost model
+        # tests/scheduling/test_speculation.py's, under a fixed cost model
         workers = client.stats()["workers"].values()
         assert all(w["spec_policy_source"] == "scheduler" and w["spec_mode"] == mode
                    for w in workers), workers

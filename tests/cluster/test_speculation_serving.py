@@ -25,7 +25,7 @@ from tests.cluster.conftest import (
     worker_pid,
 )
 from tests.conftest import random_prompt
-from tests.test_speculation import perturbed_copy
+from tests.scheduling.test_speculation import perturbed_copy
 
 NAME = "speculation"
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "mode": "on", "prompt_lookup_min": 1}
@@ -44,7 +44,8 @@ def client(request, ray_cluster, llama_dir, tmp_path_factory):
     """One deployment at a time: n-gram drafts, then a draft model, both in mode "on". The draft model is a
     perturbed copy of the target, as dear per pass as a target step: `auto` rightly never drafts with it (it
     cannot pay even at full acceptance), so these tests, which need drafting, force it. A worker configured
-    `auto` is tested below with a stub scheduler, and `auto` in-process in tests/test_speculation.py."""
+    `auto` is tested below with a stub scheduler, and `auto` in-process in
+    tests/scheduling/test_speculation.py."""
     spec = SPEC
     if request.param == "draft":
         draft = perturbed_copy(llama_dir, tmp_path_factory.mktemp("draft"), scale=0.3)
