@@ -208,13 +208,15 @@ class EngineLoop:
             self._crash(e)
 
     def _serve(self) -> None:
-        while self._drain(self._wait_s()):
+        while True:
+            self._tick_s = self.hooks.tick(self.engine)  # before the first wait too: a report is due at once
+            if not self._drain(self._wait_s()):
+                return
             if self._steps():
                 self._step()
             elif self._paused and (expired := self.engine.abort_expired()):  # a pause holds no one past it
                 self.hooks.ended(expired)
                 self._deliver(expired)
-            self._tick_s = self.hooks.tick(self.engine)
 
     def _steps(self) -> bool:
         return self.engine.has_unfinished() and (not self._paused or self._advancing is not None)

@@ -31,12 +31,26 @@ NUM_STREAMS = 3
 MAX_TOKENS = 480
 REPO = Path(__file__).resolve().parents[2]
 
-DRIVER = """ import sys import threading import numaserve as ns from tests.conftest import random_prompt
-client = ns.connect(sys.argv[1], address=sys.argv[2]) params = ns.SamplingParams(max_tokens=int(sys.argv[3]),
-temperature=0, ignore_eos=True) num_streams = int(sys.argv[4]) started = threading.Barrier(num_streams,
-action=lambda: print("streaming", flush=True)) def read(i): stream = client.stream(random_prompt(8, seed=i),
-params) next(stream) started.wait() for _ in stream: pass threads = [threading.Thread(target=read, args=(i,))
-for i in range(num_streams)] for t in threads: t.start() for t in threads: t.join()
+DRIVER = """
+import sys
+import threading
+import numaserve as ns
+from tests.conftest import random_prompt
+client = ns.connect(sys.argv[1], address=sys.argv[2])
+params = ns.SamplingParams(max_tokens=int(sys.argv[3]), temperature=0, ignore_eos=True)
+num_streams = int(sys.argv[4])
+started = threading.Barrier(num_streams, action=lambda: print("streaming", flush=True))
+def read(i):
+    stream = client.stream(random_prompt(8, seed=i), params)
+    next(stream)
+    started.wait()
+    for _ in stream:
+        pass
+threads = [threading.Thread(target=read, args=(i,)) for i in range(num_streams)]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
 """
 
 
