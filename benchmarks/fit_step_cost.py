@@ -1,4 +1,4 @@
-"""Fit the simulator's StepCostModel (benchmarks/simulate/step_cost.py) to the real engine's step times.
+"""Fit the simulator's StepCostModel (numaserve/simulate/step_cost.py) to the real engine's step times.
 
     python -m benchmarks.fit_step_cost [--model tinyllama-1.1b] [--repeats 5] [--json OUT]
     python -m benchmarks.fit_step_cost --refit SAMPLES.json [--json OUT]  # an earlier run's samples
@@ -26,10 +26,10 @@ import numpy as np
 
 from benchmarks.checkpoints import random_checkpoint
 from benchmarks.machine import cpu_name
-from benchmarks.simulate.step_cost import FITTED, STEP_COST_JSON
 from benchmarks.simulate.step_cost_fit import fit, relative_errors
 from cluster_configs.engine_config import EngineConfig
 from cluster_configs.sampling_params import SamplingParams
+from numaserve.simulate.step_cost import FITTED, STEP_COST_JSON
 from scheduling.engine import Engine
 
 DECODE_ROWS = (1, 2, 4, 8, 16, 32)

@@ -30,11 +30,11 @@ import numaserve as ns
 from benchmarks.bench_serving import ENGINE as SERVING_ENGINE
 from benchmarks.bench_serving import cluster_config
 from benchmarks.checkpoints import random_checkpoint
-from benchmarks.simulate.config import SimConfig
-from benchmarks.simulate.simulator import simulate
-from benchmarks.simulate.step_cost import StepCostModel, default_step_cost
-from benchmarks.simulate.traces import Arrival, make_trace
 from cluster_configs.engine_config import EngineConfig
+from numaserve.simulate.config import SimConfig
+from numaserve.simulate.simulator import simulate
+from numaserve.simulate.step_cost import StepCostModel, default_step_cost
+from numaserve.simulate.traces import Arrival, make_trace
 
 RESULTS = Path(__file__).parent / "results"
 SHORT = os.environ.get("NUMASERVE_BENCH_SHORT") == "1"

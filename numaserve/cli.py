@@ -10,6 +10,8 @@ from cluster_configs.engine_config import EngineConfig
 from cluster_configs.errors import NumaserveError
 from cluster_configs.sampling_params import SamplingParams
 from numaserve.cli_parsers import build_parser
+from numaserve.simulate.command import config_from
+from numaserve.simulate.command import run as run_simulation
 
 
 def _engine_fields(args) -> dict:
@@ -180,8 +182,12 @@ def run_bench(argv: list[str]) -> int:
     return subprocess.run(bench, cwd=checkout, check=False).returncode
 
 
+def cmd_simulate(args) -> None:
+    run_simulation(config_from(args), args.json)
+
+
 COMMANDS = {"generate": cmd_generate, "demo": cmd_demo, "calibrate": cmd_calibrate, "serve": cmd_serve,
-            "stats": cmd_stats, "shutdown": cmd_shutdown}
+            "stats": cmd_stats, "shutdown": cmd_shutdown, "simulate": cmd_simulate}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from cluster_configs.engine_config import EngineConfig
+from numaserve.simulate.command import add_arguments as add_simulate_arguments
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -180,6 +181,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--max-tokens", type=int, default=48, help="tokens to generate per prompt")
     add_calibrate_parser(sub)
     add_cluster_parsers(sub)
+    simulate = sub.add_parser("simulate", formatter_class=HelpFormatter,
+                              help="simulate a deployment at scale for capacity planning (the real routing, "
+                                   "batching and admission code against modelled workers): figures as JSON")
+    add_simulate_arguments(simulate)
     sub.add_parser("bench", formatter_class=HelpFormatter,
                    help="decode/prefill benchmark against llama.cpp; `numaserve bench --help` for its "
                         "options")

@@ -1,7 +1,2 @@
-"""A discrete-event simulator of a numaserve deployment at scale: the real routing, batching, admission and
-speculation-policy code (scheduling/) against modelled workers (step_cost.py), no Ray and no numba kernels.
-
-    python -m benchmarks.simulate --workers N --machines M --rate R --duration-s S \\
-        --trace poisson|bursty|sessions|adapters --seed K --json OUT
-    python -m benchmarks.simulate.sweep          # workers 1..256 per trace and policy variant: JSON + PNG
-"""
+"""The simulator's development tools: `python -m benchmarks.simulate` (numaserve simulate from a checkout),
+the sweep (sweep.py) and the step-cost fit (step_cost_fit.py). The simulator itself is numaserve/simulate/."""

@@ -8,7 +8,7 @@ prefill_tokens P of one fresh prompt (its pairs P(P+1)/2), and its median second
 import numpy as np
 from scipy.optimize import least_squares
 
-from benchmarks.simulate.step_cost import FITTED, StepCostModel, StepShape, prefill_pairs
+from numaserve.simulate.step_cost import FITTED, StepCostModel, StepShape, prefill_pairs
 
 # the starting point: BUILT_IN's magnitudes (x_scale too, so every constant moves in its own units)
 _START = np.array([0.01, 0.03, 0.004, 2.0, 5e-6, 5e-6])

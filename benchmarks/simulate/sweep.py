@@ -15,9 +15,9 @@ import time
 from multiprocessing import Pool
 from pathlib import Path
 
-from benchmarks.simulate.config import SimConfig
-from benchmarks.simulate.simulator import simulate
-from benchmarks.simulate.traces import TRACES
+from numaserve.simulate.config import SimConfig
+from numaserve.simulate.simulator import simulate
+from numaserve.simulate.traces import TRACES
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 VARIANTS = {  # name -> SimConfig fields changed from the default deployment

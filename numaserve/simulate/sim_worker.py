@@ -11,10 +11,10 @@ built over a KVLayout of the modelled model's shape, without KV arrays. The work
 from collections import OrderedDict
 from types import SimpleNamespace
 
-from benchmarks.simulate.sim_proposer import SimProposer
-from benchmarks.simulate.step_cost import StepCostModel, StepShape, prefill_pairs
 from cluster_configs.engine_config import EngineConfig
 from memory.kv_cache import kv_layout
+from numaserve.simulate.sim_proposer import SimProposer
+from numaserve.simulate.step_cost import StepCostModel, StepShape, prefill_pairs
 from scheduling.batcher import Batcher
 from scheduling.kv_cache_manager import num_kv_blocks
 from scheduling.outputs import RequestOutput

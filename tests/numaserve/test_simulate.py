@@ -1,27 +1,25 @@
-"""The simulator (benchmarks/simulate): deterministic, conserving, and stepping the real batcher as a plain
+"""The simulator (numaserve/simulate): deterministic, conserving, and stepping the real batcher as a plain
 loop over it would."""
 
 import json
 
 import pytest
 
-from benchmarks.simulate.config import SimConfig
-from benchmarks.simulate.sim_proposer import SimProposer
-from benchmarks.simulate.sim_worker import SimWorker
-from benchmarks.simulate.simulator import Simulation, simulate
-from benchmarks.simulate.step_cost import (
+from cluster_configs.engine_config import EngineConfig
+from cluster_configs.sampling_params import SamplingParams
+from numaserve.simulate.config import SimConfig
+from numaserve.simulate.sim_proposer import SimProposer
+from numaserve.simulate.sim_worker import SimWorker
+from numaserve.simulate.simulator import Simulation, simulate
+from numaserve.simulate.step_cost import (
     BUILT_IN,
-    FITTED,
     FREE_DEPLOYMENT,
     DeploymentCost,
     StepCostModel,
     StepShape,
-    default_step_cost,
     prefill_pairs,
     two_socket_32c,
 )
-from cluster_configs.engine_config import EngineConfig
-from cluster_configs.sampling_params import SamplingParams
 from scheduling.request import Request
 
 ONE_SECOND_STEPS = StepCostModel(fixed_s=1.0, weights_s=0.0, row_s=0.0, sharpness=1.0, context_token_s=0.0,
@@ -130,30 +128,6 @@ TRUTH = StepCostModel(fixed_s=0.015, weights_s=0.03, row_s=0.004, sharpness=3.0,
                       prefill_pair_s=5e-6)
 
 
-def test_the_fit_recovers_a_step_cost_model_and_the_simulator_reads_it(tmp_path):
-    """Samples on benchmarks/fit_step_cost.py's grid, their seconds the model's own: the fit finds its
-    constants (to 1e-6) and every group's relative error is zero; the simulator reads the JSON."""
-    from benchmarks.simulate.step_cost_fit import fit, relative_errors, sample_shape
-
-    samples = [{"decode_rows": b, "prefill_tokens": p, "context_tokens": b * c}
-               for b in (1, 2, 4, 8, 16, 32) for c in (64, 512) for p in (0, 32, 128, 512)]
-    for s in samples:
-        s["seconds"] = TRUTH.seconds(sample_shape(s))
-    model = fit(samples, source="synthetic")
-    for name in FITTED:
-        assert getattr(model, name) == pytest.approx(getattr(TRUTH, name), rel=1e-6), name
-    errors = relative_errors(model, samples)
-    assert set(errors) == {"decode_batch_1", "decode_batched", "prefill"}
-    assert all(e["max"] < 1e-9 for e in errors.values())
-    path = tmp_path / "step_cost.json"
-    path.write_text(json.dumps({"model": {k: getattr(model, k) for k in FITTED}}))
-    read = default_step_cost(path)
-    shape = StepShape(8, 32, 2, 1000, prefill_pairs(32, 100))
-    assert read.seconds(shape) == pytest.approx(TRUTH.seconds(shape))
-    assert read.source == "step_cost.json"
-    assert default_step_cost(tmp_path / "absent.json").source == "built-in guess"
-
-
 def test_the_step_is_the_smooth_max_of_the_weights_stream_and_the_rows_compute():
     one = StepShape(1, 0, 0, 0, 0)
     many = StepShape(4096, 0, 0, 0, 0)
@@ -213,3 +187,22 @@ def test_the_validation_counts_what_callers_receive_as_the_simulator_counts_it()
     for name in ("throughput_tok_s", "ttft_p50_s", "itl_p50_s", "completed"):
         assert counted[name] == pytest.approx(result[name], rel=1e-12), name
     assert result["completed"] > 10
+
+
+def test_numaserve_simulate_prints_the_run_of_the_same_flags_and_names_a_bad_step_cost_file(tmp_path, capsys):
+    """`numaserve simulate` and `python -m benchmarks.simulate` take the same flags and give the same JSON
+    (the run is deterministic); a step-cost file that is not a fitted model is an error naming the fix."""
+    from benchmarks.simulate.__main__ import main as checkout_main
+    from numaserve.cli import main
+
+    flags = ["--workers", "2", "--rate", "4", "--duration-s", "6", "--max-tokens", "16", "--seed", "4"]
+    assert main(["simulate", *flags, "--json", str(tmp_path / "cli.json")]) == 0
+    checkout_main([*flags, "--json", str(tmp_path / "checkout.json")])
+    cli, checkout = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("cli", "checkout"))
+    assert cli == checkout and cli["completed"] > 0
+    bad = tmp_path / "step_cost.json"
+    bad.write_text('{"model": {"fixed_s": 1.0}}')
+    capsys.readouterr()
+    assert main(["simulate", "--step-cost", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert "step_cost.json is not a fitted step-cost model" in err and "benchmarks.fit_step_cost" in err

@@ -23,14 +23,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from benchmarks.simulate.config import SimConfig
-from benchmarks.simulate.events import EventQueue, FifoServer
-from benchmarks.simulate.sim_proposer import SimProposer
-from benchmarks.simulate.sim_worker import SimWorker
-from benchmarks.simulate.traces import Arrival, make_trace
 from cluster_configs.errors import Overloaded
 from cluster_configs.sampling_params import SamplingParams
 from memory.block_pool import prefix_cache_key
+from numaserve.simulate.config import SimConfig
+from numaserve.simulate.events import EventQueue, FifoServer
+from numaserve.simulate.sim_proposer import SimProposer
+from numaserve.simulate.sim_worker import SimWorker
+from numaserve.simulate.traces import Arrival, make_trace
 from scheduling.outputs import RequestOutput
 from scheduling.policy import BatchingPolicy, PolicyLimits, admission_bound
 from scheduling.request import Request

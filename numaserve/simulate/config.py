@@ -4,10 +4,10 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from benchmarks.simulate.step_cost import DeploymentCost, StepCostModel, default_step_cost
-from benchmarks.simulate.traces import TRACES
 from cluster_configs.cluster_config import ClusterConfig
 from cluster_configs.engine_config import EngineConfig
+from numaserve.simulate.step_cost import DeploymentCost, StepCostModel, default_step_cost
+from numaserve.simulate.traces import TRACES
 
 _CLUSTER = ClusterConfig()  # the deployment's defaults: queue bound, telemetry period, target step, chunking
 

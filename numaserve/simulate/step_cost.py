@@ -7,7 +7,8 @@ do work per row (compute-bound: row_s); the step takes about the larger of the t
 decode or draft row's context tokens (context_token_s) and a prefill chunk's pairs (prefill_pair_s), then a
 fixed cost per step (Python around the forward, sampling). benchmarks/simulate/step_cost_fit.py fits it to
 the real engine's steps (benchmarks/fit_step_cost.py) and writes benchmarks/results/step_cost.json, which
-`default_step_cost()` reads when present.
+`default_step_cost()` reads when run from a source checkout that has it (`numaserve simulate --step-cost`
+names another).
 
 Without it the built-in guess comes from the README's q8_0 decode table (TinyLlama shape, int8 activations,
 this 2-core VM, 2026-11-26): batch 1 at 26.7 ms a step is one stream of the weights; prefill of 512 tokens at
@@ -19,7 +20,8 @@ import json
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-STEP_COST_JSON = Path(__file__).resolve().parents[1] / "results" / "step_cost.json"
+# a source checkout's fitted model (benchmarks/ is not installed)
+STEP_COST_JSON = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "step_cost.json"
 
 
 @dataclass(frozen=True)
@@ -80,8 +82,12 @@ def default_step_cost(path: Path = STEP_COST_JSON) -> StepCostModel:
     """This machine's fitted model (benchmarks/fit_step_cost.py's output) when present, else BUILT_IN."""
     if not path.exists():
         return BUILT_IN
-    fitted = json.loads(path.read_text())["model"]
-    return StepCostModel(**{k: fitted[k] for k in FITTED}, source=str(path.name))
+    try:
+        fitted = json.loads(path.read_text())["model"]
+        return StepCostModel(**{k: fitted[k] for k in FITTED}, source=str(path.name))
+    except (ValueError, KeyError, TypeError) as e:  # JSONDecodeError is a ValueError
+        raise ValueError(f"{path.name} is not a fitted step-cost model ({type(e).__name__}: {e}); write one "
+                         "with `python -m benchmarks.fit_step_cost`") from None
 
 
 def two_socket_32c(base: StepCostModel) -> StepCostModel:
@@ -91,7 +97,9 @@ def two_socket_32c(base: StepCostModel) -> StepCostModel:
     return base.scaled(compute=16.0, bandwidth=5.0, source=f"two_socket_32c of {base.source}")
 
 
-PRESETS = {"this_machine": default_step_cost, "two_socket_32c": lambda: two_socket_32c(default_step_cost())}
+# name -> the model from a fitted file (when it exists)
+PRESETS = {"this_machine": default_step_cost,
+           "two_socket_32c": lambda path=STEP_COST_JSON: two_socket_32c(default_step_cost(path))}
 
 
 @dataclass(frozen=True)
