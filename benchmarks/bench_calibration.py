@@ -1,7 +1,7 @@
 """Static (calibrated, per-tensor) against dynamic (per 32-value block) int8 activation scales.
 
 Quality: perplexity of the shipped demo model on its model card's held-out set (128 windows of 256 tokens,
-benchmarks/heldout_eval.py) with q8_0 and q4_0 weights: float32 activations, int8 with dynamic scales, and
+numaserve/demo_eval.py) with q8_0 and q4_0 weights: float32 activations, int8 with dynamic scales, and
 int8 with static scales by `minmax`, `percentile` (99.99) and `kl` calibrated on the default calibration
 text (32 windows of the same held-out stream: an optimistic setting for static scales); static scales both
 everywhere and (q8_0) with the calibration's fallback (float32 where the static error exceeds the bound)
@@ -28,7 +28,6 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.checkpoints import random_checkpoint
-from benchmarks.heldout_eval import card_windows, perplexity
 from cluster_configs.diagnostics import DecisionLog
 from memory.matrices import Int8Matrix
 from memory.weights import ModelWeights
@@ -39,6 +38,7 @@ from models.quantization.calibrate import WindowRunner, calibrate
 from models.quantization.calibration import CalibrationOptions
 from numaserve.demo import DEMO_DIR
 from numaserve.demo_corpus import heldout_texts
+from numaserve.demo_eval import card_windows, perplexity
 
 RESULTS = Path(__file__).parent / "results"
 WEIGHT_DTYPES = ("q8_0", "q4_0")

@@ -1,5 +1,5 @@
 """KV dtypes' quality on the shipped demo model against bfloat16 KV: held-out perplexity over its full
-1024-token context (evenly spaced windows of the model card's held-out stream, benchmarks/heldout_eval.py)
+1024-token context (evenly spaced windows of the model card's held-out stream, numaserve/demo_eval.py)
 and greedy agreement, 32 tokens after each of 16 held-out prompts of 128 tokens. Deterministic: the same
 figures on any machine with the same kernels.
 
@@ -13,24 +13,25 @@ import json
 from pathlib import Path
 
 import numaserve as ns
-from benchmarks.heldout_eval import card_windows, greedy_agreement, heldout_stream, perplexity
 from memory.kv_formats import KV_FORMATS
 from models.quantization.calibrate import token_windows
 from models.tokenizer import Tokenizer
 from numaserve.demo import DEMO_DIR
+from numaserve.demo_eval import (
+    GREEDY,
+    NEW_TOKENS,
+    NUM_PROMPTS,
+    PROMPT_TOKENS,
+    greedy_agreement,
+    greedy_prompts,
+    heldout_stream,
+    perplexity,
+)
 
 RESULTS = Path(__file__).parent / "results"
 BASE = DEMO_DIR / "base"
 REFERENCE = "bfloat16"
 CONTEXT = 1024  # the demo model's max_position_embeddings
-NUM_PROMPTS, PROMPT_TOKENS, NEW_TOKENS = 16, 128, 32
-GREEDY = ns.SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
-
-
-def greedy_prompts(tokenizer) -> list[list[int]]:
-    """The first 128 tokens of every 4th of 64 evenly spaced model-card windows: 16 held-out prompts."""
-    windows = card_windows(tokenizer, 4 * NUM_PROMPTS)
-    return [[int(t) for t in w[:PROMPT_TOKENS]] for w in windows[::4]]
 
 
 def measure(kv_dtype: str, windows: list, prompts: list[list[int]]) -> tuple[float, list[list[int]]]:

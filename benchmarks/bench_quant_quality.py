@@ -1,5 +1,5 @@
 """Weight formats' quality on the shipped demo model: held-out perplexity (the model card's 128 windows of
-256 tokens, benchmarks/heldout_eval.py) for each weight format against bfloat16 weights (the checkpoint's own
+256 tokens, numaserve/demo_eval.py) for each weight format against bfloat16 weights (the checkpoint's own
 values), with float32 activations so that only the weights' rounding moves it; and with each format's fast
 activations (int8) beside it. llama.cpp's own Q4_K_M of the same model (llama_cpp.llama_model_quantize of
 our BF16 export, the bench extra, run in its own process) is scored by numaserve too: the two quantizers
@@ -19,11 +19,11 @@ import tempfile
 from pathlib import Path
 
 import numaserve as ns
-from benchmarks.heldout_eval import card_windows, perplexity
 from benchmarks.machine import cpu_name
 from models.gguf.writer import convert_to_gguf
 from models.tokenizer import Tokenizer
 from numaserve.demo import DEMO_DIR
+from numaserve.demo_eval import card_windows, perplexity
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"

@@ -5,7 +5,7 @@ randomness (kernels/sampling/race.py); the target accepts the guess when it equa
 standard rejection rule would accept a draft drawn from q with probability sum(min(p, q)) = 1 - TV(p, q),
 but its tokens depend on whether a request drafted (scheduling/sampling/step_sampler.py says why numaserve
 does not use it). This measures both on the demo family: at every position of held-out windows (the model
-card's held-out set, benchmarks/heldout_eval.py) the base's p and the draft's q under the request's sampling
+card's held-out set, numaserve/demo_eval.py) the base's p and the draft's q under the request's sampling
 (temperature, top-p), then 1 - TV, and the race's agreement averaged over `--draws` keys per position by the
 engine's own sampler (sample_batch). No timing.
 
@@ -18,8 +18,8 @@ from pathlib import Path
 import numpy as np
 
 import numaserve as ns
-from benchmarks.heldout_eval import card_windows
 from models.sampling_batch import SamplingBatch
+from numaserve.demo_eval import card_windows
 from scheduling.sampling.sampler import sample_batch
 from tests.support.reference_sampler import sampling_probs
 

@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 
 import numaserve as ns
-from benchmarks.bench_kv_quality import GREEDY, greedy_prompts
 from kernels.attention import paged as attention
 from kernels.attention.chunks import RecentWindow, recent_start
 from kernels.formats.bf16 import from_bf16
@@ -16,6 +15,7 @@ from memory.kv_cache import kv_bytes_per_token
 from memory.kv_formats import KV_FORMATS, RECENT_GROUP, attend_as, write_kv_as
 from models.tokenizer import Tokenizer
 from numaserve.demo import DEMO_DIR
+from numaserve.demo_eval import GREEDY, greedy_prompts
 from tests.support.kv_reference import empty_cache, head_dim_for, stored
 
 H, N_KV, BLOCK, NUM_BLOCKS, GROUP = 6, 2, 4, 40, 4  # groups of 4 positions: windows of 4 to 7 slots

@@ -9,11 +9,11 @@ tokens. Run with -s to see the figures.
 import pytest
 
 import numaserve as ns
-from benchmarks.heldout_eval import card_windows, greedy_agreement, perplexity
 from kernels.simd.bf16 import BF16_FEATURES
 from kernels.simd.cpu import missing_features
 from models.tokenizer import Tokenizer
 from numaserve.demo import DEMO_DIR
+from numaserve.demo_eval import card_windows, greedy_agreement, perplexity
 
 BASE = DEMO_DIR / "base"
 PPL_BOUND = 0.003  # the target: within 0.3% of float32 activations

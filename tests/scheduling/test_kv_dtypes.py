@@ -5,12 +5,11 @@ see the counts."""
 import pytest
 
 import numaserve as ns
-from benchmarks.bench_kv_quality import GREEDY, NEW_TOKENS, NUM_PROMPTS, greedy_prompts
-from benchmarks.heldout_eval import heldout_stream, perplexity
 from memory.kv_cache import kv_bytes_per_token
 from models.quantization.calibrate import token_windows
 from models.tokenizer import Tokenizer
 from numaserve.demo import DEMO_DIR
+from numaserve.demo_eval import GREEDY, NEW_TOKENS, NUM_PROMPTS, greedy_prompts, heldout_stream, perplexity
 
 BASE = DEMO_DIR / "base"
 # prompts (of 16) whose 32 greedy tokens equal bfloat16 KV's, issue 29's bound. Measured here: int8 15,

@@ -1,4 +1,5 @@
-"""The demo model card's held-out evaluation without torch: the same token stream, windows and perplexity.
+"""The demo model card's held-out evaluation without torch: the same token stream, windows and perplexity, and
+the greedy prompts the KV and activation quality checks continue (benchmarks and tests alike).
 
 scripts/train_demo.py (which needs torch) tokenizes the held-out files of the demo corpus
 (numaserve/demo_corpus.py), the "tests" subset, then the "library" subset, each as <s> ids </s>, into one
@@ -11,10 +12,13 @@ from collections.abc import Callable
 
 import numpy as np
 
+from cluster_configs.sampling_params import SamplingParams
 from models.quantization.calibrate import token_windows
 from numaserve.demo_corpus import heldout_texts
 
 CARD_WINDOWS, CARD_WINDOW_TOKENS = 128, 256
+NUM_PROMPTS, PROMPT_TOKENS, NEW_TOKENS = 16, 128, 32
+GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
 
 
 def heldout_stream(tokenizer, eos_id: int = 2) -> np.ndarray:
@@ -25,6 +29,12 @@ def heldout_stream(tokenizer, eos_id: int = 2) -> np.ndarray:
 def card_windows(tokenizer, num_windows: int = CARD_WINDOWS) -> list[np.ndarray]:
     """The model card's evaluation windows (num_windows < 128: evenly spaced ones of the same grid)."""
     return token_windows(heldout_stream(tokenizer), CARD_WINDOW_TOKENS, num_windows)
+
+
+def greedy_prompts(tokenizer) -> list[list[int]]:
+    """The first 128 tokens of every 4th of 64 evenly spaced model-card windows: 16 held-out prompts."""
+    windows = card_windows(tokenizer, 4 * NUM_PROMPTS)
+    return [[int(t) for t in w[:PROMPT_TOKENS]] for w in windows[::4]]
 
 
 def perplexity(logits_of: Callable[[list[int]], np.ndarray], windows: list[np.ndarray]) -> float:
