@@ -70,7 +70,6 @@ class NumaWorker:
         self._sequences = WorkerSequences(self.engine.sessions)  # the loop thread's
         self._hooks = WorkerHooks(placement, self.metrics, scheduler, telemetry_interval_s, admission_bound)
         self._loop = EngineLoop(self.engine, self._hooks, name=f"step-loop-{placement.worker_id}")
-        self._hooks.post = self._loop.post
 
     @ray.method(num_returns="streaming")
     async def generate(self, request: GenerateRequest):

@@ -32,7 +32,8 @@ class WorkerHooks(LoopHooks):
         self.placement, self.metrics = placement, metrics
         self.scheduler, self.telemetry_interval_s = scheduler, telemetry_interval_s
         self.event_loop: asyncio.AbstractEventLoop | None = None  # the actor's, known from its first call
-        # runs fn(engine) on the loop thread later (EngineLoop.post): where the scheduler's answers go
+        # runs fn(engine) on the loop thread later (EngineLoop.post, from started): where the scheduler's
+        # answers go
         self.post: Callable[[Callable], None] | None = None
         # admitted requests streaming here past which a new one is refused (Overloaded), whichever router
         # admitted it; from the scheduler's policy once it answers (the actor reads it). None: no bound
@@ -41,8 +42,9 @@ class WorkerHooks(LoopHooks):
         self._next_report = time.monotonic()
         self._report_sent: float | None = None  # when the unanswered telemetry report went out
 
-    def started(self, engine) -> None:
+    def started(self, engine, post: Callable[[Callable], None]) -> None:
         """Compile (or load from numba's cache) every kernel before the first request."""
+        self.post = post
         params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
         engine.add_request(f"warm-up-{os.getpid()}", [engine.spec.bos_token_id or 0] * 3, params)
         while engine.has_unfinished():

@@ -8,6 +8,7 @@ collected together (http_api/choices.py).
 import base64
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
@@ -48,6 +49,28 @@ from http_api.responses import (
 )
 from http_api.tokens import chat_prompt_ids, detokenize_body, tokenize_body
 from scheduling.outputs import RequestOutput
+
+
+@dataclass(frozen=True)
+class CompletionInputs:
+    """A completion request, checked."""
+    prompts: list  # texts or token id lists (with a suffix: their fill-in-the-middle prompts)
+    params: list[SamplingParams]  # one per choice of each prompt
+    deadline_s: float | None
+    constraint_param: str | None  # the request field a structured-output constraint came from
+    echo_k: int | None  # the prompt logprobs echo asks for
+    prompt_k: int | None  # the prompt logprobs to compute
+
+
+@dataclass(frozen=True)
+class ChatInputs:
+    """A chat request, checked."""
+    plan: tool_calls.ToolPlan
+    prompt_ids: list[int]  # the rendered chat template's tokens
+    k: int | None  # the logprobs asked for
+    params: list[SamplingParams]  # one per choice
+    deadline_s: float | None
+    constraint_param: str | None  # the request field (or "tools") the constraint came from
 
 
 class Deployment(Protocol):
@@ -109,9 +132,8 @@ class OpenAIServing:
             return result
         return release_after(result, release)
 
-    async def _completion_inputs(self, req: CompletionRequest) -> tuple:
-        """A completion request checked -> (prompts, params per choice, deadline_s, the constraint's param,
-        echo_k: the prompt logprobs echo asks for, prompt_k: the prompt logprobs to compute)."""
+    async def _completion_inputs(self, req: CompletionRequest) -> CompletionInputs:
+        """A completion request checked."""
         await self.info()
         prompts = req.prompts()
         if req.suffix:
@@ -127,15 +149,15 @@ class OpenAIServing:
         prompt_k = max(asked) if asked else None
         constraint, constraint_param = req.constraint()
         params = req.sampling_params(req.max_tokens, req.logprobs, deadline_s, constraint, prompt_k)
-        return prompts, params, deadline_s, constraint_param, echo_k, prompt_k
+        return CompletionInputs(prompts, params, deadline_s, constraint_param, echo_k, prompt_k)
 
     async def _completions(self, req: CompletionRequest, salt: str | None) -> dict | AsyncIterator[bytes]:
         adapter = await self._adapter(req.model)
-        prompts, params, deadline_s, constraint_param, echo_k, prompt_k = await self._completion_inputs(req)
+        inputs = await self._completion_inputs(req)
         header = ResponseHeader.new("cmpl", "text_completion", req.model or self.model_name, self.fingerprint)
-        requests = [(p, sp) for p in prompts for sp in params]
-        choices, streams, firsts = await self._open(requests, adapter, "prompt", salt, deadline_s,
-                                                    constraint_param)
+        requests = [(p, sp) for p in inputs.prompts for sp in inputs.params]
+        choices, streams, firsts = await self._open(requests, adapter, "prompt", salt, inputs.deadline_s,
+                                                    inputs.constraint_param)
         if req.echo:
             for c, (prompt, _) in zip(choices, requests):
                 c.prompt_text = prompt if isinstance(prompt, str) else self._decode(c.prompt_ids)
@@ -144,14 +166,15 @@ class OpenAIServing:
                         with_prompt: bool) -> dict | None:
             generated = (completion_logprobs(self._texts, token_ids, logprobs, offset)
                          if logprobs is not None and req.logprobs is not None else None)
-            if echo_k is not None and with_prompt:
+            if inputs.echo_k is not None and with_prompt:
                 return echo_logprobs(self._texts, c.prompt_ids, c.prompt_logprobs, generated)
             return generated
 
         def extra(c: ChoiceState, first: bool) -> dict:
             if req.prompt_logprobs is None or not first:
                 return {}
-            return {"prompt_logprobs": vllm_prompt_logprobs(self._texts, c.prompt_logprobs, prompt_k)}
+            return {"prompt_logprobs": vllm_prompt_logprobs(self._texts, c.prompt_logprobs,
+                                                            inputs.prompt_k)}
 
         def delta(c: ChoiceState, out: RequestOutput) -> dict | None:
             first = c.num_outputs == 0
@@ -169,7 +192,7 @@ class OpenAIServing:
             return sse_stream(header, choices, streams, firsts, delta, [], req)
         await collect(choices, streams, firsts)
         if any(c.finish_reason == "abort" for c in choices):  # nothing was sent: an error, not a cut answer
-            raise self.tenancy.deadline_error(deadline_s)
+            raise self.tenancy.deadline_error(inputs.deadline_s)
         billed = usage(choices, req.num_candidates)  # every candidate's tokens, as OpenAI bills best_of
         if req.ranks_candidates:
             choices = best_choices(choices, req.n, req.best_of)
@@ -179,9 +202,8 @@ class OpenAIServing:
                              "finish_reason": c.finish_reason} | extra(c, True) for c in choices],
                            usage=billed)
 
-    async def _chat_inputs(self, req: ChatCompletionRequest) -> tuple:
-        """A chat request checked -> (its tool plan, prompt ids, logprobs k, params per choice, deadline_s,
-        the constraint's param)."""
+    async def _chat_inputs(self, req: ChatCompletionRequest) -> ChatInputs:
+        """A chat request checked."""
         info = await self.info()
         req.check_best_of()
         check_num_choices(1, req.num_candidates)
@@ -203,20 +225,22 @@ class OpenAIServing:
                                                  self.tenancy.config.max_tokens_cap)
         deadline_s = self.tenancy.deadline_s(req.deadline_s)
         params = req.sampling_params(max_tokens, k, deadline_s, constraint)
-        return plan, prompt_ids, k, params, deadline_s, constraint_param
+        return ChatInputs(plan, prompt_ids, k, params, deadline_s, constraint_param)
 
     async def _chat(self, req: ChatCompletionRequest, salt: str | None) -> dict | AsyncIterator[bytes]:
         adapter = await self._adapter(req.model)
-        plan, prompt_ids, k, params, deadline_s, constraint_param = await self._chat_inputs(req)
+        inputs = await self._chat_inputs(req)
         header = ResponseHeader.new("chatcmpl", "chat.completion", req.model or self.model_name,
                                     self.fingerprint)
-        choices, streams, firsts = await self._open([(prompt_ids, sp) for sp in params], adapter, "messages",
-                                                    salt, deadline_s, constraint_param)
-        calls = [tool_calls.ToolCallStream(plan.new_parser()) if plan.new_parser is not None else None
+        requests = [(inputs.prompt_ids, sp) for sp in inputs.params]
+        choices, streams, firsts = await self._open(requests, adapter, "messages", salt, inputs.deadline_s,
+                                                    inputs.constraint_param)
+        new_parser = inputs.plan.new_parser
+        calls = [tool_calls.ToolCallStream(new_parser()) if new_parser is not None else None
                  for _ in choices]
 
         def delta(c: ChoiceState, out: RequestOutput) -> dict | None:
-            logprobs = (chat_logprobs(self._texts, out.token_ids, out.logprobs, k)
+            logprobs = (chat_logprobs(self._texts, out.token_ids, out.logprobs, inputs.k)
                         if out.logprobs is not None else None)
             reason = out.finish_reason
             if calls[c.index] is None:
@@ -236,17 +260,17 @@ class OpenAIServing:
             return sse_stream(header, choices, streams, firsts, delta, roles, req)
         await collect(choices, streams, firsts)
         if any(c.finish_reason == "abort" for c in choices):
-            raise self.tenancy.deadline_error(deadline_s)
+            raise self.tenancy.deadline_error(inputs.deadline_s)
 
         def choice(c: ChoiceState) -> dict:
             message, reason = {"role": "assistant", "content": c.text}, c.finish_reason
-            if plan.new_parser is not None:
-                parsed = plan.new_parser().parse(c.text, final=True)
+            if inputs.plan.new_parser is not None:
+                parsed = inputs.plan.new_parser().parse(c.text, final=True)
                 message = tool_calls.message(parsed, [tool_calls.new_call_id() for _ in parsed.calls])
                 reason = tool_calls.finish_reason(parsed, reason)
             return {"index": c.index, "message": message,
-                    "logprobs": (chat_logprobs(self._texts, c.token_ids, c.logprobs, k)
-                                 if c.logprobs is not None and k is not None else None),
+                    "logprobs": (chat_logprobs(self._texts, c.token_ids, c.logprobs, inputs.k)
+                                 if c.logprobs is not None and inputs.k is not None else None),
                     "finish_reason": reason}
 
         billed = usage(choices, req.num_candidates)

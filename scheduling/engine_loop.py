@@ -196,7 +196,7 @@ class EngineLoop:
         try:
             numba.set_num_threads(self.engine.num_threads)  # thread-local: this thread runs the kernels
             self.num_threads = numba.get_num_threads()
-            self.hooks.started(self.engine)
+            self.hooks.started(self.engine, self.post)
         except BaseException as e:  # noqa: BLE001  (raised by the constructor)
             self._failure, self._closed = e, True
             return

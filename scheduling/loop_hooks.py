@@ -3,15 +3,16 @@ loop thread; the defaults add nothing, which is what numaserve.LLM uses. The wor
 (actors/worker_hooks.py) warm up its kernels, keep its metrics, report telemetry and hand outputs to its
 event loop."""
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from scheduling.outputs import RequestOutput, StepOutput
 from scheduling.request import Request
 
 
 class LoopHooks:
-    def started(self, engine) -> None:
-        """Once, on the loop thread, before it takes any message."""
+    def started(self, engine, post: Callable[[Callable], None]) -> None:
+        """Once, on the loop thread, before it takes any message. post(fn), from any thread, runs fn(engine)
+        on the loop thread later (EngineLoop.post)."""
 
     def submitted(self, requests: Sequence[Request]) -> None:
         """Requests were queued in the engine."""
