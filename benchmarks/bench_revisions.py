@@ -11,6 +11,10 @@ serves one sample from another's.
     python -m benchmarks.bench_revisions --old /tmp/numaserve-old
                                          [--rows demo:bfloat16:16,tinyllama-1.1b:q8_0:1,...]
 
+A row is model:weight_dtype:B, decode at batch B (tokens a second over --steps steps after the prompts'
+prefill), or model:weight_dtype:prefillN, one prompt of N tokens prefilled to its first token (its tokens a
+second).
+
 Writes benchmarks/results/revisions.json and revisions.png.
 """
 
@@ -33,7 +37,7 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 DEMO = ROOT / "numaserve" / "assets" / "demo" / "base"
 PROMPT_LEN = 16
-DEFAULT_ROWS = "demo:bfloat16:16,tinyllama-1.1b:q8_0:1,tinyllama-1.1b:q8_0:32"
+DEFAULT_ROWS = "demo:bfloat16:16,tinyllama-1.1b:q8_0:1,tinyllama-1.1b:q8_0:32,tinyllama-1.1b:q8_0:prefill512"
 
 
 def model_dir(name: str) -> Path:
@@ -56,9 +60,20 @@ def start(tree: Path, label: str, model: Path, weight_dtype: str, args) -> Engin
                          cwd=tree)
 
 
-def run_model(name: str, weight_dtype: str, batches: list[int], trees: dict[str, Path], args,
+def sample(engine: EngineProcess, kind: str, rng: np.random.Generator, args) -> float:
+    """One timed sample of a row, tokens a second; prompts unique to this sample and engine (no prefix cache
+    serves one from another)."""
+    if kind.startswith("prefill"):
+        tokens = int(kind.removeprefix("prefill"))
+        return tokens / engine.call("prefill", prompt=rng.integers(3, 250, tokens).tolist())
+    batch = int(kind)
+    prompts = rng.integers(3, 250, (batch, PROMPT_LEN)).tolist()
+    return batch * args.steps / engine.call("decode", prompts=prompts, num_steps=args.steps)
+
+
+def run_model(name: str, weight_dtype: str, batches: list[str], trees: dict[str, Path], args,
               seed: int) -> list[dict]:
-    """One row per batch size, on one engine per revision (loaded once for all of them)."""
+    """One row per batch size (or prefill length), on one engine per revision (loaded once for all)."""
     model = model_dir(name)
     engines = {label: start(tree, label, model, weight_dtype, args) for label, tree in trees.items()}
     rng = np.random.default_rng(seed)
@@ -66,18 +81,16 @@ def run_model(name: str, weight_dtype: str, batches: list[int], trees: dict[str,
     try:
         for batch in batches:
             tokens_per_s: dict[str, list[float]] = {label: [] for label in engines}
-            for sample in range(args.samples):
-                order = list(engines) if sample % 2 == 0 else list(engines)[::-1]
+            for i in range(args.samples):
+                order = list(engines) if i % 2 == 0 else list(engines)[::-1]
                 for label in order:
-                    # prompts unique to this sample and engine: no prefix cache serves one from another
-                    prompts = rng.integers(3, 250, (batch, PROMPT_LEN)).tolist()
-                    seconds = engines[label].call("decode", prompts=prompts, num_steps=args.steps)
-                    tokens_per_s[label].append(batch * args.steps / seconds)
+                    tokens_per_s[label].append(sample(engines[label], batch, rng, args))
             medians = {label: statistics.median(v) for label, v in tokens_per_s.items()}
-            rows.append({"model": name, "weight_dtype": weight_dtype, "batch": batch,
+            rows.append({"model": name, "weight_dtype": weight_dtype,  # batch: a decode batch, or "prefillN"
+                         "batch": batch if batch.startswith("prefill") else int(batch),
                          "tokens_per_s": tokens_per_s, "median_tokens_per_s": medians,
                          "new_over_old": medians["new"] / medians["old"]})
-            print(f"{name} {weight_dtype} batch {batch}: old {medians['old']:.1f}, new {medians['new']:.1f} "
+            print(f"{name} {weight_dtype} {batch}: old {medians['old']:.1f}, new {medians['new']:.1f} "
                   f"tokens/s, new/old {rows[-1]['new_over_old']:.3f}", flush=True)
     finally:
         for engine in engines.values():
@@ -91,7 +104,8 @@ def plot(results: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     rows = results["rows"]
-    labels = [f"{r['model']} {r['weight_dtype']}\nbatch {r['batch']}" for r in rows]
+    labels = [f"{r['model']} {r['weight_dtype']}\n"
+              + (f"batch {r['batch']}" if isinstance(r["batch"], int) else r["batch"]) for r in rows]
     x = np.arange(len(rows))
     fig, ax = plt.subplots(figsize=(2.4 * len(rows) + 2, 4))
     for offset, label in ((-0.2, "old"), (0.2, "new")):
@@ -101,7 +115,7 @@ def plot(results: dict, path: Path) -> None:
         ax.annotate(f"{r['new_over_old']:.3f}x", (i, max(r["median_tokens_per_s"].values())), ha="center",
                     va="bottom")
     ax.set_xticks(x, labels)
-    ax.set_ylabel("decode tokens/s (median)")
+    ax.set_ylabel("tokens/s (median): decode, or prefill")
     ax.set_title(f"numaserve revisions, {results['machine']['cpu']}, {results['threads']} threads")
     ax.legend(loc="upper left", fontsize=8)
     fig.tight_layout()
@@ -112,15 +126,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--old", required=True, type=Path, help="the other revision's tree (a git worktree)")
-    parser.add_argument("--rows", default=DEFAULT_ROWS, help="model:weight_dtype:batch, comma-separated")
+    parser.add_argument("--rows", default=DEFAULT_ROWS,
+                        help="model:weight_dtype:B or model:weight_dtype:prefillN, comma-separated")
     parser.add_argument("--activation-dtype", default="auto", help="as EngineConfig.activation_dtype")
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     parser.add_argument("--samples", type=int, default=7, help="timed samples per engine and row")
     parser.add_argument("--steps", type=int, default=32, help="decode steps per sample")
     parser.add_argument("--out", type=Path, default=RESULTS / "revisions.json")
     args = parser.parse_args()
-    rows = [(m, d, int(b)) for m, d, b in (row.split(":") for row in args.rows.split(","))]
-    args.max_batch = max(b for *_, b in rows)
+    rows = [tuple(row.split(":")) for row in args.rows.split(",")]
+    args.max_batch = max((int(b) for *_, b in rows if not b.startswith("prefill")), default=1)
     trees = {"old": args.old.resolve(), "new": ROOT}
     results = {"command": "python -m benchmarks.bench_revisions " + " ".join(sys.argv[1:]),
                "revisions": {label: revision(tree) for label, tree in trees.items()},

@@ -266,7 +266,7 @@ def sampling(data: dict) -> str:
 
 def revisions(data: dict) -> str:
     rev = data.get("revisions", {})
-    return table(["model", "weights", "batch", f"old ({rev.get('old', '?')}) tok/s",
+    return table(["model", "weights", "batch (or prefill)", f"old ({rev.get('old', '?')}) tok/s",
                   f"new ({rev.get('new', '?')}) tok/s", "new / old"],
                  [[r["model"], r["weight_dtype"], r["batch"], num(r["median_tokens_per_s"]["old"]),
                    num(r["median_tokens_per_s"]["new"]), f"{r['new_over_old']:.3f}"] for r in data["rows"]])
