@@ -6,6 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from tests.support.llm_factory import LLMFactory
 from tests.support.model_factory import VARIANTS, build_model
 from tests.support.no_internals import ErrorBodies
 from tests.support.stress import cpu_burner, pytest_addoption, pytest_configure, pytest_generate_tests  # noqa: F401
@@ -60,6 +61,23 @@ def hf_models(model_dirs) -> dict:
 @pytest.fixture(scope="session")
 def llama_dir(model_dirs):
     return model_dirs["llama"]
+
+
+@pytest.fixture
+def make_llm():
+    """make_llm(model, **engine) -> an ns.LLM closed when the test ends."""
+    factory = LLMFactory()
+    yield factory
+    factory.close()
+
+
+@pytest.fixture(scope="module")
+def module_llm():
+    """module_llm(model, **engine) -> an ns.LLM closed when the module's tests end (a module's shared
+    engine fixture builds it here)."""
+    factory = LLMFactory()
+    yield factory
+    factory.close()
 
 
 def random_prompt(n: int, seed: int, vocab: int = 384) -> list[int]:

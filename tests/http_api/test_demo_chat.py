@@ -29,9 +29,8 @@ BASE = DEMO_DIR / "base"
 
 
 @pytest.fixture(scope="module")
-def llm():
-    with LLM(BASE, num_threads=1) as llm:
-        yield llm
+def llm(module_llm):
+    return module_llm(BASE, num_threads=1)
 
 
 @pytest.fixture(scope="module")

@@ -31,7 +31,6 @@ from http_api.fill_in_middle import fim_prompt
 from http_api.protocol import ChatCompletionRequest
 from http_api.serving import OpenAIServing
 from models.tokenizer import Tokenizer as ModelTokenizer
-from numaserve.llm import LLM
 from tests.scheduling.test_structured_outputs import SCHEMAS
 from tests.support.http_app import served
 from tests.support.local_deployment import LocalDeployment
@@ -55,12 +54,12 @@ MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
 @pytest.fixture(scope="module")
-def llm(tmp_path_factory):
+def llm(module_llm, tmp_path_factory):
     directory = tmp_path_factory.mktemp("http") / "llama"
     build_model(directory, "llama", max_position_embeddings=2048)  # room for the tools in the prompt
-    with LLM(directory, num_threads=1) as llm:
-        llm.generate("warm-up", SamplingParams(max_tokens=2))  # the kernels loaded before any timeout runs
-        yield llm
+    llm = module_llm(directory, num_threads=1)
+    llm.generate("warm-up", SamplingParams(max_tokens=2))  # the kernels loaded before any timeout runs
+    return llm
 
 
 def serving_of(llm, **http) -> OpenAIServing:

@@ -26,9 +26,8 @@ _ids = itertools.count()
 
 
 @pytest.fixture(scope="module")
-def llm(llama_dir):
-    with ns.LLM(llama_dir, **FP32, max_num_seqs=64) as llm:
-        yield llm
+def llm(module_llm, llama_dir):
+    return module_llm(llama_dir, **FP32, max_num_seqs=64)
 
 
 def serve(llm: ns.LLM, config: HttpConfig):

@@ -50,17 +50,17 @@ def peft_reference(llama_dir, adapter_dir):
 
 
 @pytest.fixture(scope="module")
-def llm(llama_dir, adapters):
-    llm = ns.LLM(llama_dir, **FP32)
+def llm(module_llm, llama_dir, adapters):
+    llm = module_llm(llama_dir, **FP32)
     for name, path in adapters.items():
         llm.register_adapter(name, path)
     return llm
 
 
 @pytest.fixture(scope="module")
-def merged_llm(llama_dir, adapters):
+def merged_llm(module_llm, llama_dir, adapters):
     """The same adapters on the merged path: every step runs its adapter's rows on a merged copy."""
-    llm = ns.LLM(llama_dir, **FP32, lora_merge="always")
+    llm = module_llm(llama_dir, **FP32, lora_merge="always")
     for name, path in adapters.items():
         llm.register_adapter(name, path)
     return llm

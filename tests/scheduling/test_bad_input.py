@@ -23,8 +23,8 @@ GOOD = ns.SamplingParams(max_tokens=3, temperature=0)
 
 
 @pytest.fixture(scope="module")
-def llm(llama_dir):
-    return ns.LLM(llama_dir, weight_dtype="float32", kv_dtype="float32", max_model_len=64)
+def llm(module_llm, llama_dir):
+    return module_llm(llama_dir, weight_dtype="float32", kv_dtype="float32", max_model_len=64)
 
 
 @pytest.fixture(scope="module")

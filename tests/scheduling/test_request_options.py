@@ -20,9 +20,8 @@ EOS = 2  # tests/support/model_factory.py's
 
 
 @pytest.fixture(scope="module")
-def llm(llama_dir):
-    with ns.LLM(llama_dir, **FP32, max_num_seqs=64) as llm:
-        yield llm
+def llm(module_llm, llama_dir):
+    return module_llm(llama_dir, **FP32, max_num_seqs=64)
 
 
 def log_softmax(x: np.ndarray) -> np.ndarray:

@@ -31,9 +31,9 @@ NUM_SAMPLES = 400
 
 
 @pytest.fixture(scope="module")
-def llm(llama_dir):
-    return ns.LLM(llama_dir, weight_dtype="float32", kv_dtype="float32", max_num_seqs=256,
-                  max_num_batched_tokens=1024)
+def llm(module_llm, llama_dir):
+    return module_llm(llama_dir, weight_dtype="float32", kv_dtype="float32", max_num_seqs=256,
+                      max_num_batched_tokens=1024)
 
 
 @pytest.fixture(scope="module")

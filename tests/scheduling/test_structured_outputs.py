@@ -53,8 +53,8 @@ CONSTRAINTS = [ns.StructuredOutputs(json=schema) for schema in SCHEMAS.values()]
 
 
 @pytest.fixture(scope="module")
-def llm(llama_dir):
-    return ns.LLM(llama_dir, num_threads=1)
+def llm(module_llm, llama_dir):
+    return module_llm(llama_dir, num_threads=1)
 
 
 def generate(llm, constraint: ns.StructuredOutputs, max_tokens: int = 200, **params) -> list:
