@@ -70,7 +70,7 @@ def num_chunks(num_visible, chunk):
     return max(1, (num_visible + chunk - 1) // chunk)
 
 
-@njit(inline="always", nogil=True, fastmath=FASTMATH, error_model="numpy")
+@njit(cache=True, nogil=True, fastmath=FASTMATH, error_model="numpy")
 def attend(q, k_cache, v_cache, k_scale, v_scale, has_scale, fp8_mbits, recent, block_tables, token_seq,
            positions, tree_starts, tree_mask, window, softmax_scale, softcap, chunk, out, t, kh):
     # token t, kv head kh, its whole group of query heads: the chunks' partial softmaxes one after another,
@@ -87,7 +87,7 @@ def attend(q, k_cache, v_cache, k_scale, v_scale, has_scale, fp8_mbits, recent, 
     merge_chunks(m, l, acc, out[t, kh * group:(kh + 1) * group])
 
 
-@njit(inline="always", nogil=True, fastmath=FASTMATH, error_model="numpy")
+@njit(cache=True, nogil=True, fastmath=FASTMATH, error_model="numpy")
 def partial(q, k_cache, v_cache, k_scale, v_scale, has_scale, fp8_mbits, recent, block_tables, token_seq,
             positions, tree_starts, tree_mask, window, softmax_scale, softcap, t, kh, a, b, m, l, acc):
     # token t, kv head kh, over its visible slots a .. b (in visible's order), each query head g of the
@@ -172,7 +172,7 @@ def partial(q, k_cache, v_cache, k_scale, v_scale, has_scale, fp8_mbits, recent,
             rank += 1
 
 
-@njit(inline="always", nogil=True, fastmath=FASTMATH, error_model="numpy")
+@njit(cache=True, nogil=True, fastmath=FASTMATH, error_model="numpy")
 def merge_chunks(m, l, acc, out):
     # m, l: [k, group]; acc: [k, group, D], partials of consecutive chunks -> out: [group, D], by the
     # log-sum-exp rule: sum_c e^(m_c - M) acc_c / sum_c e^(m_c - M) l_c, M = max_c m_c, in chunk order

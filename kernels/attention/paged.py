@@ -70,25 +70,9 @@ def paged_attention(q, k_cache, v_cache, k_scale, v_scale, has_scale, block_tabl
         _attention_serial(*args)
     elif split_chunks(q.shape[0], k_cache.shape[2], context, get_num_threads(), CHUNK):
         _attention_split(*args)
-    elif (bounds := row_tiles(token_seq, positions, tree_starts, TILE_ROWS,
-                              recent.group)).shape[0] <= q.shape[0]:
-        attention_tiled(*args[:-1], bounds, out)  # some tile of several rows: a prefill
-    else:
-        _attention_parallel(*args)
-
-
-@njit(cache=True, nogil=True, parallel=True, fastmath=FASTMATH, error_model="numpy")
-def _attention_parallel(q, k_cache, v_cache, k_scale, v_scale, has_scale, fp8_mbits, recent, block_tables,
-                        token_seq, positions, tree_starts, tree_mask, window, softmax_scale, softcap, chunk,
-                        out):
-    T, n_kv = q.shape[0], k_cache.shape[2]
-    for task in prange(T * n_kv):
-        tt = task // n_kv
-        t = tt // 2 if tt % 2 == 0 else T - 1 - tt // 2  # 0, T-1, 1, T-2, ...: prefill rows grow with t,
-        # and each thread takes a contiguous range of tasks, so pairing short with long rows balances them
-        attend(q, k_cache, v_cache, k_scale, v_scale, has_scale, fp8_mbits, recent, block_tables, token_seq,
-                positions, tree_starts, tree_mask, window, softmax_scale, softcap, chunk, out, t,
-                task - tt * n_kv)
+    else:  # every (tile, kv head) a task: a prefill's tiles, each decode row a tile of its own (attend)
+        bounds = row_tiles(token_seq, positions, tree_starts, TILE_ROWS, recent.group)
+        attention_tiled(*args[:-1], bounds, out)
 
 
 @njit(cache=True, nogil=True, fastmath=FASTMATH, error_model="numpy")
