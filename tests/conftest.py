@@ -16,11 +16,9 @@ torch.set_num_threads(1)
 # this); tests/models/test_packed_cache.py turns the packed cache on in tmp_path
 os.environ["NUMASERVE_CACHE_DIR"] = "off"
 
-ROOT = Path(__file__).parents[1]
 CLUSTER_TESTS = Path(__file__).parent / "cluster"
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(config, items):
     """The Ray tests (tests/cluster) run last, the others in their usual order. pytest collects tests/cluster
     first (it sorts "cluster" before "test_*"), so in a fresh clone each deployment's workers compiled the
@@ -28,15 +26,8 @@ def pytest_collection_modifyitems(config, items):
     for its reference outputs, and the session's Ray cluster then idled beside every other test. After the
     in-process tests the workers load their kernels from the cache (with none cached, a deployment's workers
     under the stress mode's burner did not start within 600 s; with them cached they did in ~3 min), and Ray
-    runs only while needed.
-
-    Under pytest-xdist (CI: `-n 2 --dist loadgroup`) a test file is one unit of work, so the kernels a file
-    compiles are compiled by one worker; the Ray tests are one unit, run one after another by one worker (one
-    Ray instance a session)."""
+    runs only while needed."""
     items.sort(key=lambda item: CLUSTER_TESTS in item.path.parents)
-    for item in items:
-        group = "ray" if CLUSTER_TESTS in item.path.parents else item.path.relative_to(ROOT).as_posix()
-        item.add_marker(pytest.mark.xdist_group(group))
 
 
 @pytest.fixture(scope="session")
