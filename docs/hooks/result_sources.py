@@ -47,6 +47,14 @@ SOURCES = {
                             "own."),
     "quant_quality.json": Source("python -m benchmarks.bench_quant_quality"),
     "revisions.json": Source("python -m benchmarks.bench_revisions --old <worktree of 07b6f45> --samples 15"),
+    "revisions-2026-11-29-house.json": Source(
+        "python -m benchmarks.bench_revisions --old <worktree of 6b8172e> --rows tinyllama-1.1b:q8_0:1,"
+        "tinyllama-1.1b:q8_0:32,tinyllama-1.1b:q8_0:prefill512 --samples 7 "
+        "--out benchmarks/results/revisions-2026-11-29-house.json",
+        machine="AMD EPYC Zen 3 VM, 2 cores (AVX2, FMA, F16C; no AVX-512)",
+        note="The house's tree (c32fd50) against the tree before it (6b8172e). Before the untimed first "
+             "call per row: each engine's first timed sample of a row compiled kernels (old batch 1: 0.9, "
+             "batch 32: 14.0 tok/s), so the medians lean new; the samples' ranges overlap on every row."),
     "revisions-2026-11-26-b1.json": Source(
         "python -m benchmarks.bench_revisions --old <worktree of cb07a1e> --rows tinyllama-1.1b:q8_0:1 "
         "--activation-dtype int8 --samples 9 --out benchmarks/results/revisions-2026-11-26-b1.json"),
