@@ -55,6 +55,13 @@ SOURCES = {
         note="The house's tree (c32fd50) against the tree before it (6b8172e). Before the untimed first "
              "call per row: each engine's first timed sample of a row compiled kernels (old batch 1: 0.9, "
              "batch 32: 14.0 tok/s), so the medians lean new; the samples' ranges overlap on every row."),
+    "revisions-2026-11-29-house-2.json": Source(
+        "python -m benchmarks.bench_revisions --old <worktree of 6b8172e> --rows tinyllama-1.1b:q8_0:1,"
+        "tinyllama-1.1b:q8_0:32,tinyllama-1.1b:q8_0:prefill512 --samples 5 "
+        "--out benchmarks/results/revisions-2026-11-29-house-2.json",
+        machine="AMD EPYC Zen 3 VM, 2 cores (AVX2, FMA, F16C; no AVX-512)",
+        note="The house's tree (0791320) against the tree before it (6b8172e), with an untimed first call "
+             "per row (the file's command line names the path it was first written to)."),
     "revisions-2026-11-26-b1.json": Source(
         "python -m benchmarks.bench_revisions --old <worktree of cb07a1e> --rows tinyllama-1.1b:q8_0:1 "
         "--activation-dtype int8 --samples 9 --out benchmarks/results/revisions-2026-11-26-b1.json"),
