@@ -264,8 +264,8 @@ class OpenAIServing:
 
         def choice(c: ChoiceState) -> dict:
             message, reason = {"role": "assistant", "content": c.text}, c.finish_reason
-            if inputs.plan.new_parser is not None:
-                parsed = inputs.plan.new_parser().parse(c.text, final=True)
+            if new_parser is not None:
+                parsed = new_parser().parse(c.text, final=True)
                 message = tool_calls.message(parsed, [tool_calls.new_call_id() for _ in parsed.calls])
                 reason = tool_calls.finish_reason(parsed, reason)
             return {"index": c.index, "message": message,

@@ -10,8 +10,7 @@ from cluster_configs.engine_config import EngineConfig
 from cluster_configs.errors import NumaserveError
 from cluster_configs.sampling_params import SamplingParams
 from numaserve.cli_parsers import build_parser
-from numaserve.simulate.command import config_from
-from numaserve.simulate.command import run as run_simulation
+from numaserve.simulate.command import main as cmd_simulate
 
 
 def _engine_fields(args) -> dict:
@@ -180,10 +179,6 @@ def run_bench(argv: list[str]) -> int:
         return 2
     bench = [sys.executable, "-m", "benchmarks.bench_decode", *argv]
     return subprocess.run(bench, cwd=checkout, check=False).returncode
-
-
-def cmd_simulate(args) -> None:
-    run_simulation(config_from(args), args.json)
 
 
 COMMANDS = {"generate": cmd_generate, "demo": cmd_demo, "calibrate": cmd_calibrate, "serve": cmd_serve,

@@ -3,18 +3,14 @@ one simulated run, its figures as JSON (stdout, and --json OUT)."""
 
 import argparse
 
-from numaserve.simulate.command import add_arguments, config_from, run
-
-
-def parse_config(argv: list[str] | None = None):
-    p = argparse.ArgumentParser(prog="python -m benchmarks.simulate", description=__doc__)
-    add_arguments(p)
-    a = p.parse_args(argv)
-    return config_from(a), a.json
+from numaserve.simulate.command import add_arguments
+from numaserve.simulate.command import main as simulate
 
 
 def main(argv: list[str] | None = None) -> None:
-    run(*parse_config(argv))
+    p = argparse.ArgumentParser(prog="python -m benchmarks.simulate", description=__doc__)
+    add_arguments(p)
+    simulate(p.parse_args(argv))
 
 
 if __name__ == "__main__":

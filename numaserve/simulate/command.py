@@ -66,3 +66,8 @@ def run(cfg: SimConfig, out: Path | None) -> None:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(text + "\n")
     print(text)
+
+
+def main(a: argparse.Namespace) -> None:
+    """Simulate the run add_arguments' options describe (the CLI's and the checkout's entry point)."""
+    run(config_from(a), a.json)
