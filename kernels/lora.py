@@ -35,8 +35,9 @@ def lora_shrink_expand(x, starts, ends, group_slots, a, a_scales, bt, bt_scales,
     # bt[m]: [S, R, N_m] (B transposed), the same dtype; q8_0's fp16 scales a_scales[m]: [S, R, K // 32],
     # bt_scales[m]: [S, R, N_m // 32] uint16 (float formats: [S, 1, 1], unread); ranks[m]: [S] int32
     # (0: not adapted), scalings[m]: [S] f32; col_offsets: [M + 1] int64, module m's columns in out;
-    # out: [T, N] f32 (+=)
-    M, G = len(a), group_slots.shape[0]
+    # out: [T, N] f32 (+=). The tuples may run past M (models/lora/slots.py pads them to one length, so one
+    # compile serves every fused projection): entries from M on are not read
+    M, G = col_offsets.shape[0] - 1, group_slots.shape[0]
     R = a[0].shape[1]
     tmp = np.zeros((M, x.shape[0], R), np.float32)  # [M, T, R]: x @ A_s.T, up to each row's rank
     num_row_blocks = (R + _ROWS - 1) // _ROWS

@@ -71,7 +71,8 @@ KV_FORMATS = {f.name: f for f in (
 def write_kv_as(fmt: KVFormat, k, v, slot_mapping, k_cache, v_cache, k_scale, v_scale,
                 recent=NO_WINDOW) -> None:
     """k, v: [T, n_kv, D] f32 into one layer's cache, and as bfloat16 into the shadows of paged_attention's
-    recent window; a rotated format rotates k and v in place first."""
+    recent window; a rotated format rotates k and v in place first (copies, when they are strided views)."""
+    k, v, slot_mapping = _one_layout(k), _one_layout(v), np.asarray(slot_mapping, np.int64)
     if fmt.rotated:
         hadamard_inplace(k)
         hadamard_inplace(v)
@@ -80,9 +81,9 @@ def write_kv_as(fmt: KVFormat, k, v, slot_mapping, k_cache, v_cache, k_scale, v_
     if fmt.fp8 is not None:
         write_kv_scaled(k, v, slot_mapping, k_cache, v_cache, k_scale, v_scale, FP8, *fmt.fp8)
     elif fmt.values_per_element == 2:
-        write_kv_scaled(k, v, slot_mapping, k_cache, v_cache, k_scale, v_scale, INT4)
+        write_kv_scaled(k, v, slot_mapping, k_cache, v_cache, k_scale, v_scale, INT4, 0, 0, 0)
     elif fmt.has_scale:
-        write_kv_scaled(k, v, slot_mapping, k_cache, v_cache, k_scale, v_scale, INT8)
+        write_kv_scaled(k, v, slot_mapping, k_cache, v_cache, k_scale, v_scale, INT8, 0, 0, 0)
     else:
         write_kv(k, v, slot_mapping, k_cache, v_cache)
 
@@ -91,7 +92,8 @@ def attend_as(fmt: KVFormat, q, k_cache, v_cache, k_scale, v_scale, block_tables
               window, softmax_scale, out, tree_starts=None, tree_mask=None, softcap=0.0,
               recent=NO_WINDOW) -> None:
     """kernels/attention.paged_attention over one layer's cache in its format (and its recent window, recent);
-    a rotated format rotates q in place and rotates out back."""
+    a rotated format rotates q in place (a copy, when it is a strided view) and rotates out back."""
+    q = _one_layout(q)
     if fmt.rotated:
         hadamard_inplace(q)
     paged_attention(q, k_cache, v_cache, k_scale, v_scale, fmt.has_scale, block_tables, token_seq, positions,
@@ -99,3 +101,10 @@ def attend_as(fmt: KVFormat, q, k_cache, v_cache, k_scale, v_scale, block_tables
                     recent)
     if fmt.rotated:
         hadamard_inplace(out)
+
+
+def _one_layout(x: np.ndarray) -> np.ndarray:
+    # x, or a C-contiguous copy of a strided view (the model's q, k and v are column slices of the fused qkv
+    # output): the kernels are compiled once per KV dtype, not again per layout (numba specializes on it),
+    # and the copy is small beside the attention that reads it
+    return np.ascontiguousarray(x)

@@ -13,7 +13,7 @@ held and evicting the least recently used adapter the step does not use.
 
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -26,6 +26,7 @@ from models.lora.adapter import LoraAdapter
 from models.lora.config import MODULES, module_shapes
 from models.model_spec import ModelSpec
 
+FUSED_MODULES = 3  # modules of the widest fused projection (q, k, v): add_lora pads its tuples to this
 STORED = {"float32": np.float32, "bfloat16": np.uint16, "q8_0": np.int8}  # slot dtype -> its arrays' dtype
 
 
@@ -132,6 +133,12 @@ class LoraRows:
     holder: LoraSlots
 
 
+def padded(per_module: Sequence) -> tuple:
+    """per_module as a tuple of FUSED_MODULES entries, its last repeated (kernels/lora.py reads the first
+    len(per_module)): numba compiles the kernel once for every fused projection, not once per length."""
+    return tuple(per_module) + (per_module[-1],) * (FUSED_MODULES - len(per_module))
+
+
 def add_lora(out: np.ndarray, x: np.ndarray, lora: LoraRows | None, layer: int,
              modules: tuple[tuple[str, slice], ...]) -> None:
     """out[t, cols] += row t's adapter delta for each module's columns (kernels/lora.py), in one call.
@@ -145,8 +152,7 @@ def add_lora(out: np.ndarray, x: np.ndarray, lora: LoraRows | None, layer: int,
     h = lora.holder
     names = [m for m, _ in modules]
     offsets = np.array([0] + [cols.indices(out.shape[1])[1] for _, cols in modules], np.int64)
-    lora_shrink_expand(x, lora.starts, lora.ends, lora.slots, tuple(h.a[m][layer] for m in names),
-                       tuple(h.a_scales[m][layer] for m in names), tuple(h.bt[m][layer] for m in names),
-                       tuple(h.bt_scales[m][layer] for m in names), tuple(h.ranks[m][layer] for m in names),
-                       tuple(h.scalings[m][layer] for m in names), offsets, out)
+    parts = (h.a, h.a_scales, h.bt, h.bt_scales, h.ranks, h.scalings)
+    lora_shrink_expand(x, lora.starts, lora.ends, lora.slots,
+                       *(padded([part[m][layer] for m in names]) for part in parts), offsets, out)
     h.kernel_seconds += time.perf_counter() - start

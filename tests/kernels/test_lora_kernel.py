@@ -8,7 +8,7 @@ from kernels.formats.bf16 import from_bf16
 from kernels.formats.quant import QK
 from kernels.lora import lora_shrink_expand
 from models.lora.adapter import LoraModule
-from models.lora.slots import STORED, store
+from models.lora.slots import STORED, padded, store
 
 K, WIDTHS, S, R = 96, (64, 32), 3, 8  # input width, two modules' output widths, slots, max rank
 RANKS = np.array([[8, 3, 0], [5, 8, 2]], np.int32)  # [module, slot]: 0 = the slot's adapter skips the module
@@ -49,8 +49,8 @@ def run(x, row_slots, stored) -> np.ndarray:
     out = np.zeros((len(x), sum(WIDTHS)), np.float32)
     offsets = np.cumsum([0, *WIDTHS]).astype(np.int64)
     lora_shrink_expand(x, starts[keep].astype(np.int64), ends[keep].astype(np.int64),
-                       row_slots[starts[keep]].astype(np.int32), *stored, tuple(RANKS),
-                       tuple(np.full(S, 0.5, np.float32) for _ in WIDTHS), offsets, out)
+                       row_slots[starts[keep]].astype(np.int32), *map(padded, stored), padded(list(RANKS)),
+                       padded([np.full(S, 0.5, np.float32) for _ in WIDTHS]), offsets, out)
     return out
 
 
