@@ -10,7 +10,7 @@ flight when it lands, however fast this machine runs them."""
 
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import Future, wait
 from dataclasses import dataclass
 
 import openai
@@ -21,6 +21,7 @@ import numaserve as ns
 from tests.cluster.conftest import (
     free_port,
     reference_outputs,
+    resume,
     sim_config,
     wait_for,
     wait_for_restart,
@@ -32,9 +33,10 @@ from tests.models.test_lora import make_adapter
 NAME = "faults"
 MODEL = "llama"
 NUM_HTTP, NUM_CLIENT, NUM_ADAPTER = 16, 16, 4  # the last NUM_ADAPTER client streams use adapter "a"
+NUM_WORKERS = 2  # two_numa_sim's
 GREEDY = ns.SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
 STREAM_BOUND_S = 90.0  # a stream not ended by then is hung
-BACK_WITHIN_S = 30.0
+BACK_WITHIN_S = 120.0  # a restarted actor serves again within this (a bound on liveness, not speed)
 PROMPTS = [random_prompt(6 + i % 11, seed=100 + i) for i in range(NUM_HTTP + NUM_CLIENT)]
 
 
@@ -120,25 +122,44 @@ def _client_stream(client, prompt, adapter, started) -> Outcome:
 
 def run_killing(client, api, actor: str, reaches: str = "all") -> tuple[list[Outcome | None], int]:
     """The 32 streams, `actor` killed once every stream it reaches ("all" | "http") has its first tokens:
-    (outcome per stream, None if hung; how many of the streams it reaches had not finished when it came)."""
+    (outcome per stream, None if hung; how many of the streams it reaches had not finished when it came).
+
+    Each stream runs in a daemon thread: a hung one is counted, never waited for (a pool's shutdown would
+    wait for it forever). Whatever fails, every worker is resumed before this returns or raises."""
     wait_for(lambda: serves(client, api), BACK_WITHIN_S, "the deployment to serve before the kill")
     http_started, client_started = threading.Semaphore(0), threading.Semaphore(0)
     num_base = NUM_HTTP + NUM_CLIENT - NUM_ADAPTER
-    with ThreadPoolExecutor(NUM_HTTP + NUM_CLIENT) as pool:
-        futures = [pool.submit(_http_stream, api, p, http_started) for p in PROMPTS[:NUM_HTTP]]
-        futures += [pool.submit(_client_stream, client, p, "a" if i >= num_base else None, client_started)
-                    for i, p in enumerate(PROMPTS) if i >= NUM_HTTP]
-        gates = [http_started] * NUM_HTTP + ([client_started] * NUM_CLIENT if reaches == "all" else [])
-        for gate in gates:  # every stream the kill reaches has its first tokens
-            assert gate.acquire(timeout=60), "the streams did not start"
+    futures = [in_daemon_thread(_http_stream, api, p, http_started) for p in PROMPTS[:NUM_HTTP]]
+    futures += [in_daemon_thread(_client_stream, client, p, "a" if i >= num_base else None, client_started)
+                for i, p in enumerate(PROMPTS) if i >= NUM_HTTP]
+    gates = [http_started] * NUM_HTTP + ([client_started] * NUM_CLIENT if reaches == "all" else [])
+    for gate in gates:  # every stream the kill reaches has its first tokens
+        assert gate.acquire(timeout=60), "the streams did not start"
+    paused_ids = []
+    try:
         # paused, the workers hold every stream in flight while the kill lands, whatever this machine's speed
-        assert len(client.pause_generation()) == 2
+        paused_ids = client.pause_generation()
+        assert len(paused_ids) == NUM_WORKERS
         num_running = sum(not f.done() for f in futures[:len(gates)])
         ray.kill(ray.get_actor(f"{NAME}.{actor}", namespace="numaserve"), no_restart=False)
-        # through the router (restarted, if it was the one killed); a restarted worker comes back unpaused
-        wait_for(lambda: answer(client.resume_generation) is not None, BACK_WITHIN_S, "the workers to resume")
-        wait(futures, timeout=STREAM_BOUND_S)
-        return [f.result() if f.done() else None for f in futures], num_running
+    finally:
+        resume(client, paused_ids, BACK_WITHIN_S)  # through the router (restarted, if it was the one killed)
+    wait(futures, timeout=STREAM_BOUND_S)
+    return [f.result() if f.done() else None for f in futures], num_running
+
+
+def in_daemon_thread(fn, *args) -> Future:
+    """fn(*args) run in a daemon thread; its Future."""
+    future = Future()
+
+    def run():
+        try:
+            future.set_result(fn(*args))
+        except BaseException as e:  # noqa: BLE001 (the Future carries it to the test)
+            future.set_exception(e)
+
+    threading.Thread(target=run, daemon=True).start()
+    return future
 
 
 def exact(outcome: Outcome, reference: ns.Completion) -> bool:
