@@ -74,20 +74,7 @@ def paused(client, worker_ids: list[str] | None = None):
             "a worker to pause did not answer")
         yield
     finally:
-        resume(client, every)
-
-
-def resume(client, worker_ids: list[str], timeout_s: float = 120) -> None:
-    """Resume the workers until each has answered: the router leaves out a worker it has marked down or that
-    did not answer within its timeout, and that one would stay paused (a restarted worker comes back
-    unpaused, and answers once it is up)."""
-    def resumed() -> bool:
-        try:
-            return sorted(client.resume_generation(worker_ids)) == sorted(worker_ids)
-        except ns.Unavailable:  # its router is restarting
-            return False
-
-    wait_for(resumed, timeout_s, f"workers {worker_ids} to resume")
+        client.resume_generation(worker_ids)
 
 
 def queued(client) -> int:

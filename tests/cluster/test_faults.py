@@ -21,7 +21,6 @@ import numaserve as ns
 from tests.cluster.conftest import (
     free_port,
     reference_outputs,
-    resume,
     sim_config,
     wait_for,
     wait_for_restart,
@@ -33,7 +32,6 @@ from tests.models.test_lora import make_adapter
 NAME = "faults"
 MODEL = "llama"
 NUM_HTTP, NUM_CLIENT, NUM_ADAPTER = 16, 16, 4  # the last NUM_ADAPTER client streams use adapter "a"
-NUM_WORKERS = 2  # two_numa_sim's
 GREEDY = ns.SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
 STREAM_BOUND_S = 90.0  # a stream not ended by then is hung
 BACK_WITHIN_S = 120.0  # a restarted actor serves again within this (a bound on liveness, not speed)
@@ -135,17 +133,29 @@ def run_killing(client, api, actor: str, reaches: str = "all") -> tuple[list[Out
     gates = [http_started] * NUM_HTTP + ([client_started] * NUM_CLIENT if reaches == "all" else [])
     for gate in gates:  # every stream the kill reaches has its first tokens
         assert gate.acquire(timeout=60), "the streams did not start"
-    paused_ids = []
+    workers = set(client.stats()["workers"])
     try:
         # paused, the workers hold every stream in flight while the kill lands, whatever this machine's speed
-        paused_ids = client.pause_generation()
-        assert len(paused_ids) == NUM_WORKERS
+        until_each_answers(client.pause_generation, workers, "every worker to pause")
         num_running = sum(not f.done() for f in futures[:len(gates)])
         ray.kill(ray.get_actor(f"{NAME}.{actor}", namespace="numaserve"), no_restart=False)
-    finally:
-        resume(client, paused_ids, BACK_WITHIN_S)  # through the router (restarted, if it was the one killed)
+    finally:  # through the router (restarted, if it was the one killed); a killed worker comes back unpaused
+        until_each_answers(client.resume_generation, workers, "every worker to resume")
     wait(futures, timeout=STREAM_BOUND_S)
     return [f.result() if f.done() else None for f in futures], num_running
+
+
+def until_each_answers(call, workers: set[str], what: str) -> None:
+    """call() (pause or resume, through the router) repeated until each of workers has answered one: the
+    router answers for the workers that reply within its timeout, and one left out would not be paused, or
+    would stay paused."""
+    answered = set()
+
+    def done() -> bool:
+        answered.update(answer(call) or ())
+        return workers <= answered
+
+    wait_for(done, BACK_WITHIN_S, what)
 
 
 def in_daemon_thread(fn, *args) -> Future:
