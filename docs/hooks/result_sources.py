@@ -62,6 +62,14 @@ SOURCES = {
         machine="AMD EPYC Zen 3 VM, 2 cores (AVX2, FMA, F16C; no AVX-512)",
         note="The house's tree (0791320) against the tree before it (6b8172e), with an untimed first call "
              "per row (the file's command line names the path it was first written to)."),
+    "revisions-2026-11-29-house-3.json": Source(
+        "python -m benchmarks.bench_revisions --old <worktree of 6b8172e> --rows tinyllama-1.1b:q8_0:1,"
+        "tinyllama-1.1b:q8_0:32,tinyllama-1.1b:q8_0:prefill512 --samples 5 "
+        "--out benchmarks/results/revisions-2026-11-29-house-3.json",
+        machine="AMD EPYC Zen 3 VM, 2 cores (AVX2, FMA, F16C; no AVX-512)",
+        note="The house's tree at 1d63f2c (attention compiled once per KV dtype, C-contiguous q/k/v) "
+             "against the tree before it (6b8172e) (the file's command line names the path it was first "
+             "written to)."),
     "revisions-2026-11-26-b1.json": Source(
         "python -m benchmarks.bench_revisions --old <worktree of cb07a1e> --rows tinyllama-1.1b:q8_0:1 "
         "--activation-dtype int8 --samples 9 --out benchmarks/results/revisions-2026-11-26-b1.json"),
