@@ -83,8 +83,9 @@ class Client:
 
     def pause_generation(self, worker_ids: list[str] | None = None) -> list[str]:
         """Stop the workers (all, or worker_ids) taking steps: requests in flight stay where they are, new
-        ones are admitted and wait, aborts and stats go on (vLLM's pause in "keep" mode). Returns the workers
-        paused (a worker restarting now comes back unpaused)."""
+        ones are admitted and wait, aborts and stats go on (vLLM's pause in "keep" mode). Returns once each
+        live worker's step in flight has ended: the workers paused (a worker restarting now comes back
+        unpaused)."""
         return _get(self.router.pause.remote(True, worker_ids))
 
     def resume_generation(self, worker_ids: list[str] | None = None) -> list[str]:

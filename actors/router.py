@@ -31,6 +31,9 @@ SWEEP_GRACE_S = 30.0
 SWEEP_INTERVAL_S = 5.0
 STATS_TIMEOUT_S = 5.0
 HEALTH_TIMEOUT_S = 2.0
+# a worker pauses (or resumes) when its step in flight ends, and answers within its own bound for that
+# (actors/worker.py's STATS_TIMEOUT_S): waited for past it, so pause means every live worker
+PAUSE_TIMEOUT_S = 60.0
 
 
 @ray.remote(num_cpus=0)
@@ -119,8 +122,9 @@ class Router:
         return [stats["metrics"] for stats in answers.values()]
 
     async def pause(self, paused: bool, worker_ids: list[str] | None = None) -> list[str]:
-        """Pause (or resume) the live workers among worker_ids (None: all); the ids that answered. A worker
-        restarting now comes back unpaused."""
+        """Pause (or resume) the live workers among worker_ids (None: all), each waited for until its step in
+        flight has ended (at most PAUSE_TIMEOUT_S); the ids that answered. A worker marked down is not waited
+        for: it comes back from its restart unpaused."""
         ids = list(self.workers) if worker_ids is None else worker_ids
         unknown = set(ids) - set(self.workers)
         if unknown:
@@ -128,7 +132,7 @@ class Router:
                                  f"{sorted(self.workers)}")
 
         answers, _ = await self._ask_live_workers(
-            lambda handle: handle.pause.remote() if paused else handle.resume.remote(), worker_ids=ids)
+            lambda handle: handle.pause.remote() if paused else handle.resume.remote(), PAUSE_TIMEOUT_S, ids)
         return list(answers)
 
     # ---- worker health and policy ------------------------------------------------------------------

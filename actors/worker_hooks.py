@@ -32,9 +32,6 @@ class WorkerHooks(LoopHooks):
         self.placement, self.metrics = placement, metrics
         self.scheduler, self.telemetry_interval_s = scheduler, telemetry_interval_s
         self.event_loop: asyncio.AbstractEventLoop | None = None  # the actor's, known from its first call
-        # runs fn(engine) on the loop thread later (EngineLoop.post, from started): where the scheduler's
-        # answers go
-        self.post: Callable[[Callable], None] | None = None
         # admitted requests streaming here past which a new one is refused (Overloaded), whichever router
         # admitted it; from the scheduler's policy once it answers (the actor reads it). None: no bound
         self.admission_bound = admission_bound
@@ -42,9 +39,8 @@ class WorkerHooks(LoopHooks):
         self._next_report = time.monotonic()
         self._report_sent: float | None = None  # when the unanswered telemetry report went out
 
-    def started(self, engine, post: Callable[[Callable], None]) -> None:
+    def started(self, engine) -> None:
         """Compile (or load from numba's cache) every kernel before the first request."""
-        self.post = post
         params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
         engine.add_request(f"warm-up-{os.getpid()}", [engine.spec.bos_token_id or 0] * 3, params)
         while engine.has_unfinished():
@@ -68,17 +64,17 @@ class WorkerHooks(LoopHooks):
         if self.event_loop is not None:
             self.event_loop.call_soon_threadsafe(_put_all, items)
 
-    def tick(self, engine) -> float | None:
+    def tick(self, engine, post: Callable[[Callable], None]) -> float | None:
         if self.scheduler is None:
             return None
         now = time.monotonic()
         if now >= self._next_report:
             self._next_report = now + self.telemetry_interval_s
-            self._report(engine)
+            self._report(engine, post)
         return max(0.0, self._next_report - now)
 
-    def _report(self, engine) -> None:
-        """Send this interval's telemetry; the scheduler's answer is applied on the loop thread."""
+    def _report(self, engine, post: Callable[[Callable], None]) -> None:
+        """Send this interval's telemetry; the scheduler's answer is applied on the loop thread (post)."""
         if self._report_sent is not None and time.monotonic() - self._report_sent < POLICY_TIMEOUT_S:
             return  # one report in flight at a time
         stats = engine.stats()
@@ -89,7 +85,7 @@ class WorkerHooks(LoopHooks):
         meter.reset()
         self._report_sent = time.monotonic()
         answer = self.scheduler.report.remote(telemetry).future()
-        answer.add_done_callback(lambda f: self.post(lambda engine: self._apply(engine, f)))
+        answer.add_done_callback(lambda f: post(lambda engine: self._apply(engine, f)))
 
     def _apply(self, engine, answer: Future) -> None:
         self._report_sent = None

@@ -196,7 +196,7 @@ class EngineLoop:
         try:
             numba.set_num_threads(self.engine.num_threads)  # thread-local: this thread runs the kernels
             self.num_threads = numba.get_num_threads()
-            self.hooks.started(self.engine, self.post)
+            self.hooks.started(self.engine)
         except BaseException as e:  # noqa: BLE001  (raised by the constructor)
             self._failure, self._closed = e, True
             return
@@ -209,7 +209,8 @@ class EngineLoop:
 
     def _serve(self) -> None:
         while True:
-            self._tick_s = self.hooks.tick(self.engine)  # before the first wait too: a report is due at once
+            # before the first wait too: a report is due at once
+            self._tick_s = self.hooks.tick(self.engine, self.post)
             if not self._drain(self._wait_s()):
                 return
             if self._steps():

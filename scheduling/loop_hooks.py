@@ -10,9 +10,8 @@ from scheduling.request import Request
 
 
 class LoopHooks:
-    def started(self, engine, post: Callable[[Callable], None]) -> None:
-        """Once, on the loop thread, before it takes any message. post(fn), from any thread, runs fn(engine)
-        on the loop thread later (EngineLoop.post)."""
+    def started(self, engine) -> None:
+        """Once, on the loop thread, before it takes any message."""
 
     def submitted(self, requests: Sequence[Request]) -> None:
         """Requests were queued in the engine."""
@@ -23,9 +22,10 @@ class LoopHooks:
     def ended(self, outputs: list[RequestOutput]) -> None:
         """Requests ended outside a step: aborted, or past their deadline while paused."""
 
-    def tick(self, engine) -> float | None:
-        """Between steps, and when the inbox's wait ends: periodic work. -> seconds until it is due again
-        (None: never)."""
+    def tick(self, engine, post: Callable[[Callable], None]) -> float | None:
+        """Between steps, and when the inbox's wait ends: periodic work. post(fn), from any thread, runs
+        fn(engine) on the loop thread later (EngineLoop.post): where an answer to the work goes. -> seconds
+        until it is due again (None: never)."""
         return None
 
     def failure(self, error: Exception) -> Exception:

@@ -136,26 +136,13 @@ def run_killing(client, api, actor: str, reaches: str = "all") -> tuple[list[Out
     workers = set(client.stats()["workers"])
     try:
         # paused, the workers hold every stream in flight while the kill lands, whatever this machine's speed
-        until_each_answers(client.pause_generation, workers, "every worker to pause")
+        assert set(client.pause_generation()) == workers, "a worker did not pause"
         num_running = sum(not f.done() for f in futures[:len(gates)])
         ray.kill(ray.get_actor(f"{NAME}.{actor}", namespace="numaserve"), no_restart=False)
     finally:  # through the router (restarted, if it was the one killed); a killed worker comes back unpaused
-        until_each_answers(client.resume_generation, workers, "every worker to resume")
+        wait_for(lambda: answer(client.resume_generation) is not None, BACK_WITHIN_S, "the workers to resume")
     wait(futures, timeout=STREAM_BOUND_S)
     return [f.result() if f.done() else None for f in futures], num_running
-
-
-def until_each_answers(call, workers: set[str], what: str) -> None:
-    """call() (pause or resume, through the router) repeated until each of workers has answered one: the
-    router answers for the workers that reply within its timeout, and one left out would not be paused, or
-    would stay paused."""
-    answered = set()
-
-    def done() -> bool:
-        answered.update(answer(call) or ())
-        return workers <= answered
-
-    wait_for(done, BACK_WITHIN_S, what)
 
 
 def in_daemon_thread(fn, *args) -> Future:
