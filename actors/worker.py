@@ -228,7 +228,8 @@ class NumaWorker:
         return engine.stats() | {
             "worker_id": self.placement.worker_id, "rss_bytes": psutil.Process().memory_info().rss,
             "metrics": self.metrics.snapshot(engine), "decisions": engine.decisions.recent(),
-            "paused": self._loop.paused, "num_session_sequences": len(self._sequences.by_id)}
+            "paused": self._loop.paused, "num_session_sequences": len(self._sequences.by_id),
+            "scheduler_error": self._hooks.scheduler_error}
 
     async def pause(self) -> None:
         """Take no step until resume(): requests in flight stay where they are (none finishes, none is lost).

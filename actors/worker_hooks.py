@@ -38,6 +38,9 @@ class WorkerHooks(LoopHooks):
         self._meter = _StepMeter()
         self._next_report = time.monotonic()
         self._report_sent: float | None = None  # when the unanswered telemetry report went out
+        # why the last report went unanswered (the scheduler died or is restarting), None once one is
+        # answered; set on the loop thread after every earlier answer was applied
+        self.scheduler_error: str | None = None
 
     def started(self, engine) -> None:
         """Compile (or load from numba's cache) every kernel before the first request."""
@@ -91,8 +94,10 @@ class WorkerHooks(LoopHooks):
         self._report_sent = None
         try:
             policy = answer.result()
-        except ray.exceptions.RayError:
+        except ray.exceptions.RayError as error:
+            self.scheduler_error = type(error).__name__
             return  # the scheduler died or is restarting: keep the policy in force
+        self.scheduler_error = None
         engine.apply(policy)
         self.admission_bound = policy.admission_bound
 
