@@ -132,14 +132,19 @@ def arrivals(rng, duration_s: float, rate_per_s: float, kinds: list[str], weight
     return futures, outcomes, pending
 
 
-def run_soak(client, duration_s: float, rate_per_s: float, adapter: str | None, seed: int = 0) -> dict:
-    """Poisson arrivals at rate_per_s for duration_s (at most MAX_CONCURRENT in flight), then a drain."""
+def run_soak(client, duration_s: float, rate_per_s: float, adapter: str | None, seed: int = 0,
+             start: threading.Barrier | None = None) -> dict:
+    """Poisson arrivals at rate_per_s for duration_s (at most MAX_CONCURRENT in flight), then a drain (of
+    the whole deployment). start: a barrier the arrivals wait at, after the warm-up and the first RSS reading
+    (drivers soaking one deployment side by side)."""
     rng = np.random.default_rng(seed)
     kinds = ["plain", "adapter", "disconnect", "deadline"]
     weights = [0.6, 0.2 if adapter else 0.0, 0.1, 0.1]
     weights = np.array(weights) / sum(weights)
     warm(client, adapter)
     rss_before = {w: f[3] for w, f in drained(client, 30).items()}
+    if start is not None:
+        start.wait()
     t0 = time.monotonic()
     futures, outcomes, pending = arrivals(rng, duration_s, rate_per_s, kinds, weights, STREAM_BOUND_S,
                                           lambda seed, kind, at_s: _one(client, seed, kind, adapter, at_s))

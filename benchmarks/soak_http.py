@@ -11,6 +11,7 @@ rest, the gaps between stream chunks). benchmarks/bench_soak.py --http runs it; 
 runs it for 60 s.
 """
 
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -115,9 +116,10 @@ def expected(o: HttpOutcome) -> bool:
     return o.finish_reason == "length"
 
 
-def run_http_soak(client, duration_s: float, rate_per_s: float, adapter: str | None, seed: int = 0) -> dict:
+def run_http_soak(client, duration_s: float, rate_per_s: float, adapter: str | None, seed: int = 0,
+                  start: threading.Barrier | None = None) -> dict:
     """Poisson arrivals at rate_per_s for duration_s through client.http_url (at most MAX_CONCURRENT in
-    flight), then a drain."""
+    flight), then a drain (of the whole deployment); start: as benchmarks/bench_soak.py's run_soak."""
     rng = np.random.default_rng(seed)
     kinds = [k for k in KINDS if adapter or k != "adapter"]
     weights = np.array([KINDS[k] for k in kinds]) / sum(KINDS[k] for k in kinds)
@@ -126,6 +128,8 @@ def run_http_soak(client, duration_s: float, rate_per_s: float, adapter: str | N
     model = api.models.list().data[0].id
     warm(client, adapter)
     rss_before = {w: f[3] for w, f in drained(client, 30).items()}
+    if start is not None:
+        start.wait()
     t0 = time.monotonic()
     futures, outcomes, pending = arrivals(
         rng, duration_s, rate_per_s, kinds, weights, REQUEST_TIMEOUT_S + 10,

@@ -1,8 +1,12 @@
 """A 60 s soak of the two_numa_sim deployment (benchmarks/bench_soak.py's driver): Poisson arrivals, mixed
 lengths, clients disconnecting, deadlines expiring, an adapter. Every request ends the way its kind should,
 none hangs, no KV block stays in use after the drain, and worker RSS grows by less than RSS_GROWTH_BOUND.
-The same through the OpenAI API and the openai client (benchmarks/soak_http.py): chat and completions,
-streamed and not, 10% of the streams closed by their client, 10% of the requests past their deadline_s."""
+At the same time the same through the OpenAI API and the openai client (benchmarks/soak_http.py): chat and
+completions, streamed and not, 10% of the streams closed by their client, 10% of the requests past their
+deadline_s."""
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -12,7 +16,7 @@ from benchmarks.soak_http import run_http_soak
 from tests.cluster.conftest import free_port, sim_config
 from tests.models.test_lora import make_adapter
 
-RSS_GROWTH_BOUND = 64 << 20  # bytes per worker over the soak (the 10-minute run: see README "Soak")
+RSS_GROWTH_BOUND = 64 << 20  # bytes per worker over the soak (the 10-minute run: docs/performance.md "Soak")
 
 
 @pytest.fixture(scope="module")
@@ -26,8 +30,20 @@ def client(ray_cluster, llama_dir, tmp_path_factory):
     client.shutdown()
 
 
-def test_a_60_s_soak_ends_every_request_as_expected_and_leaks_no_kv_block(client):
-    result = run_soak(client, duration_s=60, rate_per_s=8, adapter="a", seed=0)
+def test_a_60_s_soak_through_the_client_and_over_http_at_once_ends_every_request_as_expected(client):
+    """Both drivers on the deployment side by side (their arrivals start together), each drain waiting for
+    the whole deployment: after it no KV block is in use and no request is left."""
+    start = threading.Barrier(2)
+    with ThreadPoolExecutor(2) as pool:
+        direct = pool.submit(run_soak, client, duration_s=60, rate_per_s=8, adapter="a", seed=0, start=start)
+        http = pool.submit(run_http_soak, client, duration_s=60, rate_per_s=4, adapter="a", seed=0,
+                           start=start)
+        direct, http = direct.result(), http.result()
+    check_client_soak(direct)
+    check_http_soak(http)
+
+
+def check_client_soak(result: dict) -> None:
     summary = {k: v for k, v in result.items() if k != "outcomes"}
     assert result["num_hung"] == 0 and result["num_errors"] == 0, summary
     by_kind = result["by_kind"]
@@ -39,8 +55,7 @@ def test_a_60_s_soak_ends_every_request_as_expected_and_leaks_no_kv_block(client
         assert result["rss_after_bytes"][worker] - before < RSS_GROWTH_BOUND, summary
 
 
-def test_a_60_s_http_soak_ends_every_request_as_expected_and_leaks_no_kv_block(client):
-    result = run_http_soak(client, duration_s=60, rate_per_s=4, adapter="a", seed=0)
+def check_http_soak(result: dict) -> None:
     summary = {k: v for k, v in result.items() if k != "outcomes"}
     assert result["num_hung"] == 0 and result["num_errors"] == 0, summary
     assert min(result["by_kind"].values()) > 0 and min(result["by_api"].values()) > 0, summary
