@@ -83,7 +83,7 @@ def write_kv_as(fmt: KVFormat, k, v, slot_mapping, k_cache, v_cache, k_scale, v_
     elif fmt.values_per_element == 2:
         write_kv_scaled(k, v, slot_mapping, k_cache, v_cache, k_scale, v_scale, INT4, 0, 0, 0)
     elif fmt.has_scale:
-        write_kv_scaled(k, v, slot_mapping, k_cache, v_cache, k_scale, v_scale, INT8, 0, 0, 0)
+        write_kv_scaled(k, v, slot_mapping, _bytes(k_cache), _bytes(v_cache), k_scale, v_scale, INT8, 0, 0, 0)
     else:
         write_kv(k, v, slot_mapping, k_cache, v_cache)
 
@@ -96,11 +96,17 @@ def attend_as(fmt: KVFormat, q, k_cache, v_cache, k_scale, v_scale, block_tables
     q = _one_layout(q)
     if fmt.rotated:
         hadamard_inplace(q)
-    paged_attention(q, k_cache, v_cache, k_scale, v_scale, fmt.has_scale, block_tables, token_seq, positions,
-                    window, softmax_scale, out, tree_starts, tree_mask, softcap, fmt.fp8[0] if fmt.fp8 else 0,
-                    recent)
+    paged_attention(q, _bytes(k_cache), _bytes(v_cache), k_scale, v_scale, fmt.has_scale, block_tables,
+                    token_seq, positions, window, softmax_scale, out, tree_starts, tree_mask, softcap,
+                    fmt.fp8[0] if fmt.fp8 else 0, recent)
     if fmt.rotated:
         hadamard_inplace(out)
+
+
+def _bytes(cache: np.ndarray) -> np.ndarray:
+    # an int8 cache as its bytes: the kernels read every one-byte form from one uint8 cache (fp8_mbits 0 and a
+    # code a value: int8), so each compiles once for it, not again for int8
+    return cache.view(np.uint8) if cache.dtype == np.int8 else cache
 
 
 def _one_layout(x: np.ndarray) -> np.ndarray:

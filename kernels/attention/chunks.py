@@ -239,7 +239,10 @@ def _load_row_impl(cache, b, o, kh, fp8_mbits, scale, row):
         return widen
 
     def decode(cache, b, o, kh, fp8_mbits, scale, row):
-        if cache.shape[3] == row.shape[0]:  # fp8: one code a value
+        if cache.shape[3] == row.shape[0] and fp8_mbits == 0:  # int8: one two's complement code a value
+            for d in range(row.shape[0]):
+                row[d] = np.float32(np.int8(cache[b, o, kh, d])) * scale
+        elif cache.shape[3] == row.shape[0]:  # fp8: one code a value
             shift, mask = fp8_placement(fp8_mbits)
             factor = fp8_row_factor(fp8_mbits, scale)
             if factor > 0:  # (value * 2^(bias - 127)) * (2^(127 - bias) * scale): one rounding, as below

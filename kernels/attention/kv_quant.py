@@ -33,9 +33,9 @@ INT8, INT4, FP8 = 0, 1, 2  # write_kv_scaled's row codes
 
 @njit(cache=True, nogil=True)
 def write_kv_scaled(k, v, slot_mapping, k_cache, v_cache, k_scale, v_scale, codes, man_bits, bias, max_code):
-    # k, v: [T, n_kv, D] f32 -> caches [num_blocks, block_size, n_kv, D] (INT8: int8; FP8: uint8 codes of
-    # fp8(man_bits, bias, max_code)) or [.., D // 2] (INT4: uint8 nibbles); scales [.., n_kv] f32; man_bits,
-    # bias and max_code are read for FP8 only (0 otherwise)
+    # k, v: [T, n_kv, D] f32 -> uint8 caches [num_blocks, block_size, n_kv, D] (INT8: the bytes of int8
+    # codes; FP8: codes of fp8(man_bits, bias, max_code)) or [.., D // 2] (INT4: nibbles); scales [.., n_kv]
+    # f32; man_bits, bias and max_code are read for FP8 only (0 otherwise)
     block_size = k_cache.shape[1]
     top = np.float32(fp8_max(man_bits, bias, max_code)) if codes == FP8 else np.float32(0.0)
     for t in range(k.shape[0]):
@@ -103,7 +103,7 @@ def _store_impl(value, like):
 def _quantize_row(x, dst):
     scale, inv = row_scale(x, 127.0)
     for d in range(x.shape[0]):
-        dst[d] = np.int8(round(x[d] * inv))
+        dst[d] = np.uint8(np.int8(round(x[d] * inv)))  # the int8 code's byte
     return scale
 
 

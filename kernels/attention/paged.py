@@ -1,9 +1,10 @@
 """Paged attention over a flat token batch, and the KV-cache writes that feed it.
 
 KV cache of one layer: [num_blocks, block_size, n_kv_heads, head_dim] as float32, bfloat16 bits
-(uint16) or int8, or uint8 codes (fp8: one code a value; int4: [.., head_dim // 2], two a byte, low nibble
-first, n - 8), the integer and code forms with one float32 scale per (slot, kv head); each row is widened to
-float32 as it is read (memory/kv_formats.py names the dtypes). A token reads its sequence's
+(uint16), or uint8 codes (int8 as its bytes; fp8: one code a value; int4: [.., head_dim // 2], two a byte,
+low nibble first, n - 8), the code forms with one float32 scale per (slot, kv head); each row is widened to
+float32 as it is read (memory/kv_formats.py names the dtypes). Every one-byte form is one uint8 cache, so
+each kernel compiles once for the three storage dtypes, not once per form. A token reads its sequence's
 KV through block_tables[token_seq[t]]; prefill, chunked prefill and decode are the same call.
 
 A token sees its sequence's slots 0 .. positions[t] (within the window), unless it is a node of a token
@@ -56,8 +57,8 @@ def paged_attention(q, k_cache, v_cache, k_scale, v_scale, has_scale, block_tabl
     # softcap: scores s -> softcap * tanh(s / softcap) before the softmax (Gemma 2), 0 = none
     # tree_starts: [T] int32, the slot where token t's tree begins (-1: not a tree node); tree_mask: [T, W]
     # uint8, 1 where tree slot tree_starts[t] + i is visible to t (the caller leaves out what the window does)
-    # fp8_mbits: mantissa bits, 3 (e4m3fn) or 2 (e5m2), of a uint8 cache of one code a value
-    # (kernels/formats/fp8.py)
+    # fp8_mbits: mantissa bits, 3 (e4m3fn) or 2 (e5m2), of a uint8 cache of one fp8 code a value
+    # (kernels/formats/fp8.py); 0 on such a cache: int8 codes (the bytes of an int8 cache)
     # recent: the recent window (kernels/attention/chunks.py's RecentWindow; NO_WINDOW: off)
     if q.shape[0] == 0:
         return
