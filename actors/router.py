@@ -25,9 +25,6 @@ from scheduling.policy import admission_bound
 from scheduling.routing import RoutingPolicy
 
 PROBE_INTERVAL_S = 0.5
-# a request placed this long ago that its worker does not stream lost its caller before finish (a killed
-# client): released. Far above the hop from admission to the worker's stream.
-SWEEP_GRACE_S = 30.0
 SWEEP_INTERVAL_S = 5.0
 STATS_TIMEOUT_S = 5.0
 HEALTH_TIMEOUT_S = 2.0
@@ -49,6 +46,7 @@ class Router:
         bound = admission_bound(config.engine.max_num_seqs, config.max_queued_per_worker)
         self.routing = RoutingPolicy(list(workers), config.engine.block_size, bound)
         self.poll_interval_s = config.telemetry_interval_s
+        self.sweep_grace_s = config.router.sweep_grace_s
         self.num_overloaded = 0
         self._probing: set[str] = set()
         self._background: asyncio.Task | None = None
@@ -184,12 +182,12 @@ class Router:
                                               loop.create_task(self._sweep()))
 
     async def _sweep(self) -> None:
-        """Release what callers that went away without finish left placed (SWEEP_GRACE_S)."""
+        """Release what callers that went away without finish left placed (RouterConfig.sweep_grace_s)."""
         while True:
             await asyncio.sleep(SWEEP_INTERVAL_S)
             answers, _ = await self._ask_live_workers(lambda handle: handle.admission_ids.remote())
             for worker_id, admission_ids in answers.items():
-                self.routing.sweep(worker_id, admission_ids, SWEEP_GRACE_S)
+                self.routing.sweep(worker_id, admission_ids, self.sweep_grace_s)
 
     async def _poll_policies(self) -> None:
         while True:

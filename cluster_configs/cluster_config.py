@@ -119,6 +119,10 @@ class RouterConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     replicas: int = Field(1, ge=1, le=64)
+    # a request placed this long ago that its worker does not stream lost its caller before finish (a killed
+    # client): released by the router's sweep. Far above the hop from admission to the worker's stream
+    sweep_grace_s: float = Field(30.0, ge=5.0, description="seconds after which a placed request its worker "
+                                                           "does not stream is released")
 
 
 class WorkerPlacement(BaseModel):

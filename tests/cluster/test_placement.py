@@ -27,7 +27,6 @@ import ray
 import requests
 
 import numaserve as ns
-from actors.router import SWEEP_GRACE_S
 from tests.cluster.conftest import free_port, reference_outputs, sim_config, wait_for
 from tests.conftest import random_prompt
 from tests.models.test_lora import make_adapter
@@ -44,7 +43,7 @@ def config(tmp_path_factory):
     # max_loras=1: a worker that served "a" then "b" holds only "b"; "a" must be fetched again
     return sim_config("two_numa_sim", stream_interval_ms=0, engine={"max_num_seqs": 16, "max_loras": 1},
                       adapter_registry=str(tmp_path_factory.mktemp("registry") / "adapters.json"),
-                      http={"port": free_port(), "host": "127.0.0.1"})
+                      http={"port": free_port(), "host": "127.0.0.1"}, router={"sweep_grace_s": 10})
 
 
 @pytest.fixture(scope="module")
@@ -208,13 +207,14 @@ def test_a_cold_adapter_fetch_does_not_stall_the_other_streams_of_its_worker(cli
     assert sorted(served.values()) == [0, 3 + num_streams], served  # "a", "b", the cold one and the streams
 
 
-def test_an_admission_whose_caller_went_away_without_finish_is_released(client):
+def test_an_admission_whose_caller_went_away_without_finish_is_released(client, config):
     """A caller killed between admit and finish (here: an admission never streamed nor finished) is released
-    by the router's sweep once SWEEP_GRACE_S has passed without its worker streaming it."""
+    by the router's sweep once sweep_grace_s has passed without its worker streaming it."""
     before = client.stats()["num_swept"]
+    grace_s = config.router.sweep_grace_s
     admission = ray.get(client.router.admit.remote([5, 6, 7], GREEDY))
     worker_id = admission.placement.worker_id
     assert client.stats()["workers"][worker_id]["num_outstanding_requests"] >= 1
-    wait_for(lambda: client.stats()["num_swept"] > before, SWEEP_GRACE_S + 60, "the sweep")
+    wait_for(lambda: client.stats()["num_swept"] > before, grace_s + 60, "the sweep")
     wait_for(lambda: client.stats()["workers"][worker_id]["num_outstanding_requests"] == 0, 30,
              "the admission to be released")

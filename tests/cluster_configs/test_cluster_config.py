@@ -77,6 +77,7 @@ def test_relative_paths_in_yaml_are_taken_from_the_files_folder(tmp_path):
     ("http: {served_model_name: ''}", "http.served_model_name"),
     ("http: {replicas: 0}", "http.replicas"),
     ("router: {replicas: 0}", "router.replicas"),
+    ("router: {sweep_grace_s: 1}", "router.sweep_grace_s"),
     ("router: {replicas: 2, colour: red}", "router.colour"),
     ("- just\n- a list", "ClusterConfig"),
     # wrong types and unknown keys (the bad-input matrix)
