@@ -117,9 +117,9 @@ def started_session(name: str) -> str | None:
 def stop_session(session: str) -> int:
     """Disconnects, then terminates this machine's Ray processes of `session` (the GCS, raylet and agents
     name its session directory on their command lines; the actors' workers, renamed `ray::<class>`, are the
-    raylet's children), the GCS last (as `ray stop` does: terminated beside the rest, it outlived the
-    raylet's exit by over 10 s, alone it ends in ~2 s), killing those left after STOP_TIMEOUT_S; -> how many
-    there were. Other Ray instances on the machine are left alone (`ray stop` would end them all)."""
+    raylet's children), the GCS last, as `ray stop` does (terminated beside the rest it outlived
+    STOP_TIMEOUT_S and was killed; alone it exits), killing those left after STOP_TIMEOUT_S; -> how many there
+    were. Other Ray instances on the machine are left alone (`ray stop` would end them all)."""
     address = ray._private.worker.global_worker.node.gcs_address
     ray.shutdown()
     roots = [p for p in psutil.process_iter(["cmdline"])
