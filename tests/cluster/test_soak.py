@@ -33,7 +33,7 @@ def client(ray_cluster, llama_dir, tmp_path_factory):
 def test_a_60_s_soak_through_the_client_and_over_http_at_once_ends_every_request_as_expected(client):
     """Both drivers on the deployment side by side (their arrivals start together), each drain waiting for
     the whole deployment: after it no KV block is in use and no request is left."""
-    start = threading.Barrier(2)
+    start = threading.Barrier(2, timeout=120)  # a driver failing before its arrivals: the other's wait ends
     with ThreadPoolExecutor(2) as pool:
         direct = pool.submit(run_soak, client, duration_s=60, rate_per_s=8, adapter="a", seed=0, start=start)
         http = pool.submit(run_http_soak, client, duration_s=60, rate_per_s=4, adapter="a", seed=0,
