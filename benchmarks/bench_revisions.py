@@ -12,8 +12,9 @@ serves one sample from another's.
                                          [--rows demo:bfloat16:16,tinyllama-1.1b:q8_0:1,...]
 
 A row is model:weight_dtype:B, decode at batch B (tokens a second over --steps steps after the prompts'
-prefill), or model:weight_dtype:prefillN, one prompt of N tokens prefilled to its first token (its tokens a
-second).
+prefill of --prompt-len tokens each), or model:weight_dtype:prefillN, one prompt of N tokens prefilled to its
+first token (its tokens a second). `--kv-dtype int8 --prompt-len 1024` times a KV dtype's attention at a long
+context.
 
 Writes benchmarks/results/revisions.json and revisions.png.
 """
@@ -36,7 +37,6 @@ from benchmarks.machine import cpu_name
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 DEMO = ROOT / "numaserve" / "assets" / "demo" / "base"
-PROMPT_LEN = 16
 DEFAULT_ROWS = "demo:bfloat16:16,tinyllama-1.1b:q8_0:1,tinyllama-1.1b:q8_0:32,tinyllama-1.1b:q8_0:prefill512"
 
 
@@ -55,7 +55,8 @@ def revision(tree: Path) -> str:
 
 def start(tree: Path, label: str, model: Path, weight_dtype: str, args) -> EngineProcess:
     argv = [str(model), "--weight-dtype", weight_dtype, "--activation-dtype", args.activation_dtype,
-            "--threads", str(args.threads), "--max-num-seqs", str(max(32, args.max_batch))]
+            "--threads", str(args.threads), "--max-num-seqs", str(max(32, args.max_batch)),
+            "--kv-dtype", args.kv_dtype]
     return EngineProcess(f"{label} {weight_dtype}", "benchmarks.numaserve_worker", argv, dict(os.environ),
                          cwd=tree)
 
@@ -67,7 +68,7 @@ def sample(engine: EngineProcess, kind: str, rng: np.random.Generator, args) -> 
         tokens = int(kind.removeprefix("prefill"))
         return tokens / engine.call("prefill", prompt=rng.integers(3, 250, tokens).tolist())
     batch = int(kind)
-    prompts = rng.integers(3, 250, (batch, PROMPT_LEN)).tolist()
+    prompts = rng.integers(3, 250, (batch, args.prompt_len)).tolist()
     return batch * args.steps / engine.call("decode", prompts=prompts, num_steps=args.steps)
 
 
@@ -134,6 +135,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     parser.add_argument("--samples", type=int, default=7, help="timed samples per engine and row")
     parser.add_argument("--steps", type=int, default=32, help="decode steps per sample")
+    parser.add_argument("--kv-dtype", default="bfloat16", help="as EngineConfig.kv_cache_dtype")
+    parser.add_argument("--prompt-len", type=int, default=16, help="tokens of each decode row's prompts")
     parser.add_argument("--out", type=Path, default=RESULTS / "revisions.json")
     args = parser.parse_args()
     rows = [tuple(row.split(":")) for row in args.rows.split(",")]
@@ -142,7 +145,8 @@ def main() -> None:
     results = {"command": "python -m benchmarks.bench_revisions " + " ".join(sys.argv[1:]),
                "revisions": {label: revision(tree) for label, tree in trees.items()},
                "machine": {"cpu": cpu_name(), "platform": platform.platform()}, "threads": args.threads,
-               "samples": args.samples, "steps": args.steps, "rows": []}
+               "samples": args.samples, "steps": args.steps, "kv_dtype": args.kv_dtype,
+               "prompt_len": args.prompt_len, "rows": []}
     models = list(dict.fromkeys((m, d) for m, d, _ in rows))  # in order, each once
     for i, (name, dtype) in enumerate(models):
         batches = [b for m, d, b in rows if (m, d) == (name, dtype)]

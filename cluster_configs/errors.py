@@ -32,3 +32,8 @@ class Unavailable(Overloaded):
 
 class EngineClosed(NumaserveError, RuntimeError):
     """The LLM was closed: its engine serves no more requests."""
+
+
+class RankLost(NumaserveError, RuntimeError):
+    """A rank of a tensor-parallel group died or stopped answering: the group's step failed; the group must
+    restart (all its ranks) before it serves again."""

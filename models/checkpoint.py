@@ -14,6 +14,7 @@ from memory.weights import LayerWeights, ModelWeights
 from models.model_spec import ModelSpec, load_spec
 from models.quantization.quant_mix import embedding_dtype, lm_head_dtype, matrix_dtype
 from models.safetensors_io import TensorEntry, read_header, read_tensor
+from models.tensor_parallel.shard import WHOLE_MODEL, TensorShard
 
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
@@ -120,26 +121,44 @@ class TensorReader:
         self.progress.update(entry.nbytes)
         return read_tensor(entry)
 
+    def part(self, name: str, spec: ModelSpec, shard: TensorShard) -> np.ndarray:
+        """A tensor-parallel rank's part of tensor `name` (spec: the whole model's): spans of rows read alone,
+        spans of columns cut from the whole tensor."""
+        plan = shard.pieces(name, spec)
+        if plan is None or plan[0] == 1:
+            return shard.take(name, spec, self(name))
+        entry, spans = self.entries[name], plan[1]
+        self.progress.update(sum(hi - lo for lo, hi in spans) * (entry.nbytes // entry.shape[0]))
+        parts = [read_tensor(entry, span) for span in spans]
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
     def close(self) -> None:
         self.progress.close()
 
 
-def load_weights(model_dir: str | Path, weight_dtype: str) -> tuple[ModelSpec, ModelWeights]:
+def load_weights(model_dir: str | Path, weight_dtype: str,
+                 shard: TensorShard = WHOLE_MODEL) -> tuple[ModelSpec, ModelWeights]:
     """-> (spec, weights): matrices as WeightMatrix in `weight_dtype`, quantized as they are read (q|k|v and
-    gate|up fused), norms and biases as float32."""
+    gate|up fused), norms and biases as float32; spec is the whole model's, the weights shard's (its
+    local_spec's shapes: the whole model unless a tensor-parallel rank's shard is asked for)."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise CheckpointError(f"{model_dir}: not a directory; pass a Hugging Face model directory")
-    spec = load_spec(model_dir)
-    read = TensorReader(model_dir, spec)
+    whole = load_spec(model_dir)
+    spec = shard.local_spec(whole)
+    reader = TensorReader(model_dir, whole)
+
+    def read(name: str) -> np.ndarray:
+        return reader.part(name, whole, shard)
+
     mat = WeightMatrix.from_float
     embed = mat(read("model.embed_tokens.weight"), embedding_dtype(weight_dtype, spec.tie_word_embeddings))
     norm = read("model.norm.weight") + np.float32(spec.arch.norm_offset)
     lm_head = embed if spec.tie_word_embeddings else mat(read("lm_head.weight"), lm_head_dtype(weight_dtype))
     layers = tuple(load_layer(read, f"model.layers.{i}.", spec, weight_dtype, spec.is_moe(i), i)
                    for i in range(spec.num_layers))
-    read.close()
-    return spec, ModelWeights(embed=embed, norm=norm, lm_head=lm_head, layers=layers)
+    reader.close()
+    return whole, ModelWeights(embed=embed, norm=norm, lm_head=lm_head, layers=layers)
 
 
 def load_layer(read, prefix: str, spec: ModelSpec, weight_dtype: str, moe: bool = False,

@@ -16,18 +16,23 @@ from memory.kv_formats import attend_as, write_kv_as
 from memory.matrices import Matrix, parts
 from memory.weights import LayerWeights, ModelWeights
 from models.batch import ForwardBatch
-from models.linear import embed, linear
+from models.linear import linear
 from models.lora.slots import add_lora
 from models.model_spec import ModelSpec
 from models.moe.buffers import MoeBuffers
 from models.moe.layer import ExpertLog, moe_forward
 from models.rope import rope_table
+from models.tensor_parallel.collectives import WHOLE, Whole
 
 
 class DecoderModel:
-    def __init__(self, spec: ModelSpec, weights: ModelWeights, max_model_len: int | None = None):
+    def __init__(self, spec: ModelSpec, weights: ModelWeights, max_model_len: int | None = None,
+                 collectives: Whole = WHOLE):
+        """spec and weights: the whole model's, or a tensor-parallel rank's shard of them (its local_spec),
+        whose partial results its collectives sum with the other ranks'."""
         self.spec = spec
         self.weights = weights
+        self.collectives = collectives
         # [num_layers]; max_model_len (default: the model's context) picks LongRoPE's factors
         self.ropes = tuple(rope_table(r, max_model_len or spec.max_position_embeddings)
                            for r in spec.layer_ropes)
@@ -79,13 +84,15 @@ class DecoderModel:
 
     def forward_hidden(self, batch: ForwardBatch, kv: KVCache,
                        embeddings: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray | None]:
-        """-> logits [len(batch.logits_indices), vocab] and the last layer's hidden states after the final
+        """-> logits [len(batch.logits_indices), vocab] (None on a tensor-parallel follower: rank 0 gathers
+        them) and the last layer's hidden states after the final
         norm (what the LM head reads; trained draft heads read them too) at batch.hidden_indices,
         [len(hidden_indices), hidden] float32 (None when not asked for), from the same pass.
         embeddings: [T, hidden] the first layer's input instead of the tokens' embeddings (an EAGLE head)."""
         s, w = self.spec, self.weights
         T, D = batch.num_tokens, s.head_dim
-        h = embed(w.embed, batch.token_ids) if embeddings is None else embeddings.copy()  # [T, hidden]
+        tp = self.collectives
+        h = tp.embed(w.embed, batch.token_ids) if embeddings is None else embeddings.copy()  # [T, hidden]
         if s.embedding_multiplier != 1.0 and embeddings is None:
             h *= np.float32(s.embedding_multiplier)
         x = np.empty_like(h)
@@ -106,12 +113,14 @@ class DecoderModel:
             attn_flat = attn.reshape(T, s.q_size)
             o = self._project(i, "o", layer.o, attn_flat, batch)
             add_lora(o, attn_flat, batch.lora, i, (("o_proj", slice(None)),))
+            tp.all_reduce(o)  # a shard's heads give part of the sum
             self._add_residual(h, o, layer.attn_out_norm)
             self._norm(h, layer.mlp_norm, x)
             if layer.experts is None:
                 mlp = self._mlp(i, layer, x, batch)
             else:
                 mlp = self._experts(i, layer.experts, x)
+            tp.all_reduce(mlp)  # a shard's intermediate rows give part of the sum
             self._add_residual(h, mlp, layer.mlp_out_norm)
         h_out = np.ascontiguousarray(h[batch.logits_indices])
         rms_norm(h_out, w.norm, s.rms_norm_eps, h_out)
@@ -124,7 +133,7 @@ class DecoderModel:
             logits *= np.float32(s.logit_multiplier)
         if s.final_softcap:
             softcap_inplace(logits, s.final_softcap)
-        return logits, hidden
+        return tp.gather_logits(logits), hidden
 
     def _mlp(self, i: int, layer: LayerWeights, x: np.ndarray, batch: ForwardBatch) -> np.ndarray:
         """The gated MLP of a dense layer: x [T, hidden] -> [T, hidden]."""

@@ -6,7 +6,7 @@ ourselves: an 8-byte little-endian header length, a JSON header, then raw little
 
 import json
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -79,14 +79,20 @@ def _entry(path: Path, name: str, info, data_start: int, data_size: int) -> Tens
     return TensorEntry(path, info["dtype"], tuple(shape), data_start + start, end - start, name)
 
 
-def read_tensor(entry: TensorEntry) -> np.ndarray:
-    """The tensor as float32 (copied into process memory); a NaN or inf value is refused by name (a flipped
-    bit in an exponent would otherwise surface as NaN logits far from its cause; min and max cost little
-    beside the read)."""
+def read_tensor(entry: TensorEntry, rows: tuple[int, int] | None = None) -> np.ndarray:
+    """The tensor as float32 (copied into process memory), or only its rows [lo, hi) (a tensor-parallel
+    rank's shard: only those bytes are read); a NaN or inf value is refused by name (a flipped bit in an
+    exponent would otherwise surface as NaN logits far from its cause; min and max cost little beside the
+    read)."""
     np_dtype = _DTYPES.get(entry.dtype)
     if np_dtype is None:
         raise CheckpointError(f"{entry.path}: tensor dtype {entry.dtype} is not supported; "
                               "store weights as float32, float16 or bfloat16")
+    if rows is not None:
+        lo, hi = rows
+        row_bytes = entry.nbytes // max(1, entry.shape[0])
+        entry = replace(entry, shape=(hi - lo, *entry.shape[1:]), offset=entry.offset + lo * row_bytes,
+                        nbytes=(hi - lo) * row_bytes)
     raw = _read_raw(entry, np_dtype)
     out = from_bf16(raw) if entry.dtype == "BF16" else raw.astype(np.float32, copy=False)
     if out.size and not (np.isfinite(out.min()) and np.isfinite(out.max())):

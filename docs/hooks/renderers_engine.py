@@ -1,5 +1,6 @@
 """Tables for the single-engine benchmarks: decode and prefill against llama.cpp, long context, MoE, load
-time, architectures, the weight stream, LoRA, structured outputs, batching, calibration, quality, revisions.
+time, architectures, the weight stream, LoRA, structured outputs, batching, calibration, quality, revisions,
+the all-reduce of tensor-parallel ranks.
 
 Each renderer takes a file's parsed JSON and returns Markdown; a KeyError or TypeError on a shape it does
 not expect sends the file to the generic table (result_tables.render_data)."""
@@ -272,6 +273,21 @@ def revisions(data: dict) -> str:
                    num(r["median_tokens_per_s"]["new"]), f"{r['new_over_old']:.3f}"] for r in data["rows"]])
 
 
+def all_reduce(data: dict) -> str:
+    rows = data["rows"]
+
+    def bound(r: dict) -> str:
+        if "target_us" not in r:
+            return ""
+        return f"<= {num(r['target_us'], 0)}: {'met' if r['met'] else 'missed'}"
+
+    return (f"{data.get('ranks', '?')} ranks on cores {data.get('cores', '?')}, {data.get('iters', '?')} "
+            f"all-reduces per shape and round, {data.get('rounds', '?')} rounds:\n\n") + table(
+        ["rows x hidden (float32)", "bytes", "median us", "p10 us", "p90 us", "target"],
+        [[k, f"{r['bytes']:,}", num(r["median_us"]), num(r["p10_us"]), num(r["p90_us"]), bound(r)]
+         for k, r in rows.items()])
+
+
 RENDERERS = [
     (r"decode.*\.json", decode),
     (r"context.*\.json", context),
@@ -287,4 +303,5 @@ RENDERERS = [
     (r"quant_quality.*\.json", quant_quality),
     (r"sampling.*\.json", sampling),
     (r"revisions.*\.json", revisions),
+    (r"all_reduce.*\.json", all_reduce),
 ]

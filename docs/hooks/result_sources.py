@@ -47,6 +47,10 @@ SOURCES = {
                             "own."),
     "quant_quality.json": Source("python -m benchmarks.bench_quant_quality"),
     "revisions.json": Source("python -m benchmarks.bench_revisions --old <worktree of 07b6f45> --samples 15"),
+    "revisions-2026-11-29-int8-kv.json": Source(
+        "python -m benchmarks.bench_revisions --old <worktree of 3507f82> --rows tinyllama-1.1b:q8_0:1,"
+        "tinyllama-1.1b:q8_0:4 --activation-dtype int8 --kv-dtype int8 --prompt-len 1024 --samples 5 "
+        "--out benchmarks/results/revisions-2026-11-29-int8-kv.json"),
     "revisions-2026-11-29-house.json": Source(
         "python -m benchmarks.bench_revisions --old <worktree of 6b8172e> --rows tinyllama-1.1b:q8_0:1,"
         "tinyllama-1.1b:q8_0:32,tinyllama-1.1b:q8_0:prefill512 --samples 7 "

@@ -1,0 +1,59 @@
+"""What a forward over a shard needs from the other ranks: the embedding of the tokens in its vocabulary rows,
+the sums of its partial outputs (after attention's o and the MLP's down), and the logits gathered on rank 0.
+`WHOLE` is the model on one rank: each is the identity there, so the forward has no branch for parallelism."""
+
+import numpy as np
+
+from memory.matrices import WeightMatrix
+from memory.shared_group import SharedGroup
+from models.linear import embed
+from models.tensor_parallel.shard import TensorShard
+
+
+class Whole:
+    """The whole model in one process."""
+
+    rank = 0
+    size = 1
+
+    def embed(self, w: WeightMatrix, token_ids: np.ndarray) -> np.ndarray:
+        return embed(w, token_ids)
+
+    def all_reduce(self, x: np.ndarray) -> None:
+        pass
+
+    def gather_logits(self, logits: np.ndarray) -> np.ndarray | None:
+        return logits
+
+
+WHOLE = Whole()
+
+
+class Sharded:
+    """One rank's shard of the model, its partial results summed through the group's shared segment."""
+
+    def __init__(self, group: SharedGroup, shard: TensorShard, vocab_size: int, num_threads: int = 1):
+        self.group, self.shard = group, shard
+        self.rank, self.size = shard.rank, shard.size
+        self.vocab_size = vocab_size
+        self.vocab_lo, self.vocab_hi = shard.span(vocab_size)
+        self.num_threads = num_threads
+
+    def embed(self, w: WeightMatrix, token_ids: np.ndarray) -> np.ndarray:
+        """token_ids [T] -> [T, hidden]: the rows of this rank's vocabulary, zeros elsewhere, summed over the
+        ranks (each token's row comes from exactly one rank, so the sum is that row's bits)."""
+        mine = (token_ids >= self.vocab_lo) & (token_ids < self.vocab_hi)
+        h = np.zeros((token_ids.shape[0], w.shape[1]), np.float32)
+        if mine.any():
+            h[mine] = embed(w, token_ids[mine] - self.vocab_lo)
+        self.group.all_reduce(h, self.num_threads)
+        return h
+
+    def all_reduce(self, x: np.ndarray) -> None:
+        self.group.all_reduce(x, self.num_threads)
+
+    def gather_logits(self, logits: np.ndarray) -> np.ndarray | None:
+        """logits [R, its vocabulary rows] -> [R, vocab] on rank 0, None on the others."""
+        out = np.empty((logits.shape[0], self.vocab_size), np.float32) if self.rank == 0 else None
+        self.group.gather(logits, out)
+        return out
