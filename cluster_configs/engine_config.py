@@ -3,7 +3,7 @@
 import os
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from cluster_configs.speculation_config import SpeculationConfig
 
@@ -56,6 +56,9 @@ class EngineConfig(BaseModel):
                                                               "evicted to the prefix cache past it)")
     num_threads: int | None = Field(None, ge=1, description="kernel threads; None = every core this process "
                                                             "may run on")
+    tensor_parallel_size: int = Field(1, ge=1, description="ranks one model is sharded over (vLLM's name): "
+                                                           "rank 0 in this process, each other a process "
+                                                           "of its own, the allowed cores split evenly")
     # "float32" is exact (within 1e-4 of transformers); "bfloat16" (vdpbf16ps) and "int8" (VNNI, 32-value
     # blocks) trade a stated perplexity bound for speed; see models/quantization/activation_plan.py
     activation_dtype: ActivationDtype = Field(
@@ -106,6 +109,14 @@ class EngineConfig(BaseModel):
         if any(i < 0 for i in v):
             raise ValueError(f"kv_dtype_overrides: layer indices count from 0 (got {sorted(v)})")
         return v
+
+    @model_validator(mode="after")
+    def _tensor_parallel_features(self) -> "EngineConfig":
+        method = self.speculation.method
+        if self.tensor_parallel_size > 1 and method not in ("off", "ngram"):
+            raise ValueError(f"speculation method {method!r} is not supported with tensor_parallel_size > 1 "
+                             "yet; use 'ngram' or 'off', or tensor_parallel_size 1")
+        return self
 
     @field_validator("packed_cache_dir")
     @classmethod

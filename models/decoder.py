@@ -92,6 +92,7 @@ class DecoderModel:
         s, w = self.spec, self.weights
         T, D = batch.num_tokens, s.head_dim
         tp = self.collectives
+        tp.begin(batch, embeddings)
         h = tp.embed(w.embed, batch.token_ids) if embeddings is None else embeddings.copy()  # [T, hidden]
         if s.embedding_multiplier != 1.0 and embeddings is None:
             h *= np.float32(s.embedding_multiplier)

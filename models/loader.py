@@ -2,20 +2,27 @@
 
 from pathlib import Path
 
+from cluster_configs.errors import CheckpointError
 from memory.weights import ModelWeights
 from models.checkpoint import load_weights
 from models.model_spec import ModelSpec, load_spec
+from models.tensor_parallel.shard import WHOLE_MODEL, TensorShard
 from models.tokenizer import Tokenizer
 
 
-def load_model(path: str | Path, weight_dtype: str) -> tuple[ModelSpec, ModelWeights, Tokenizer | None]:
-    """weight_dtype: a served dtype, or "auto" (bfloat16 for float checkpoints; a GGUF keeps its own)."""
+def load_model(path: str | Path, weight_dtype: str,
+               shard: TensorShard = WHOLE_MODEL) -> tuple[ModelSpec, ModelWeights, Tokenizer | None]:
+    """weight_dtype: a served dtype, or "auto" (bfloat16 for float checkpoints; a GGUF keeps its own);
+    shard: a tensor-parallel rank's part of the weights (the spec stays the whole model's)."""
     path = Path(path)
     if path.suffix == ".gguf":
+        if shard.size > 1:
+            raise CheckpointError(f"{path.name}: a GGUF file cannot be sharded yet; serve it with "
+                                  "tensor_parallel_size 1, or its Hugging Face checkpoint")
         from models.gguf.reader import load_gguf
 
         return load_gguf(path, weight_dtype)
-    spec, weights = load_weights(path, "bfloat16" if weight_dtype == "auto" else weight_dtype)
+    spec, weights = load_weights(path, "bfloat16" if weight_dtype == "auto" else weight_dtype, shard)
     return spec, weights, Tokenizer.from_dir(path)
 
 

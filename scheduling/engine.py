@@ -2,7 +2,6 @@
 propose drafts, run the model, sample, update the scheduler from the sampled tokens, record the step's
 StepStats. Input processing (InputProcessor) runs on the callers' threads, before the step's."""
 
-import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -11,7 +10,7 @@ import numpy as np
 
 from cluster_configs.diagnostics import DecisionLog
 from cluster_configs.engine_config import EngineConfig
-from cluster_configs.errors import InvalidRequest
+from cluster_configs.errors import AdapterError, InvalidRequest
 from cluster_configs.sampling_params import SamplingParams
 from kernels import resolve_num_threads, threading_decision
 from memory.heap import release_free_heap
@@ -21,7 +20,7 @@ from models.lora.adapter import LoraAdapter
 from models.lora.slots import LoraSlots, slot_dtype
 from models.packed.planned_load import load_planned
 from scheduling.input_processor import InputProcessor, Prompt
-from scheduling.kv_cache_manager import num_kv_blocks, window_shadows
+from scheduling.kv_cache_manager import window_shadows
 from scheduling.lora.adapter_store import AdapterStore
 from scheduling.lora.planner import LoraPlanner, SharedMerged
 from scheduling.model_runner import ModelRunner
@@ -37,6 +36,7 @@ from scheduling.sessions import SequenceStore
 from scheduling.speculation.drafting import make_speculation
 from scheduling.step_record import step_stats
 from scheduling.step_stats import EngineTotals, StageClock, StepStats
+from scheduling.tensor_parallel import TensorParallelStart
 from scheduling.validation import RequestLimits
 
 
@@ -49,21 +49,29 @@ class Engine:
         merged LoRA copies are shared with the other workers of a deployment."""
         self.config = config = config or EngineConfig()
         self.decisions = DecisionLog()
-        self.num_threads = resolve_num_threads(config.num_threads, os.sched_getaffinity(0))
-        numba.set_num_threads(self.num_threads)  # thread-local: a thread that steps the engine sets it too
-        self.decisions.record("threading", **threading_decision())  # once set_num_threads started them
-        loaded = load_planned(model_path, config, self.decisions)  # through the packed cache
+        self.ranks = TensorParallelStart(model_path, config)  # followers load their shards beside ours
+        try:
+            self.num_threads = resolve_num_threads(config.num_threads, self.ranks.cpu_ids)
+            numba.set_num_threads(self.num_threads)  # thread-local: a thread stepping the engine sets it too
+            self.decisions.record("threading", **threading_decision())  # once set_num_threads started them
+            loaded = load_planned(model_path, config, self.decisions, self.ranks.shard)  # the packed cache
+            self.ranks.wait_ready()
+        except BaseException:
+            self.ranks.close()
+            raise
         self.spec, weights, self.tokenizer, self.load_stats = (loaded.spec, loaded.weights, loaded.tokenizer,
                                                                loaded.stats)
         release_free_heap()  # the matrices planning repacked
         s, bs = self.spec, config.block_size
-        self.max_model_len = config.max_model_len or s.max_position_embeddings
-        self.model = DecoderModel(s, weights, self.max_model_len)
+        local = self.ranks.shard.local_spec(s)  # this rank's heads and intermediate rows (all at TP 1)
+        self.max_model_len = self.ranks.max_model_len
+        self.model = DecoderModel(local, weights, self.max_model_len,
+                                  self.ranks.collectives(self.num_threads))
         for i in np.flatnonzero(s.moe_layers):  # where its tokens go, worded when the diagnostics are read
             self.decisions.record("experts", f"top-{s.num_experts_per_tok} of {s.num_experts}",
                                   lambda i=i: self.model.expert_log.describe(i), subject=f"layers.{i}")
-        num_blocks = num_kv_blocks(s, config, self.max_model_len)
-        self.kv_cache = KVCache(s.num_layers, num_blocks, bs, s.num_kv_heads, s.head_dim,
+        num_blocks = self.ranks.num_blocks
+        self.kv_cache = KVCache(s.num_layers, num_blocks, bs, local.num_kv_heads, s.head_dim,
                                 config.resolved_kv_dtype, config.kv_dtype_overrides,
                                 num_shadows=window_shadows(config))
         window = min(s.layer_windows)  # blocks can be released only if every layer looks back a window
@@ -92,11 +100,22 @@ class Engine:
 
     def register_adapter(self, name: str, path: str | Path) -> None:
         """Load a PEFT LoRA adapter; requests name it with adapter=name. Raises AdapterError."""
+        self._adapters_allowed()
         self.adapters.register(name, path)
 
     def compose_adapter(self, name: str, weights: dict[str, float], combination: str = "svd") -> None:
         """Register name as a weighted combination of registered adapters. Raises AdapterError."""
+        self._adapters_allowed()
         self.adapters.compose(name, weights, combination)
+
+    def _adapters_allowed(self) -> None:
+        if self.config.tensor_parallel_size > 1:
+            raise AdapterError("LoRA adapters are not supported with tensor_parallel_size > 1 yet; serve "
+                               "them with tensor_parallel_size 1")
+
+    def close(self) -> None:
+        """Stops the other ranks' processes (tensor parallelism); nothing else holds a process. Idempotent."""
+        self.ranks.close()
 
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
                     **options) -> Request:

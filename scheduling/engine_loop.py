@@ -199,6 +199,7 @@ class EngineLoop:
             self.hooks.started(self.engine)
         except BaseException as e:  # noqa: BLE001  (raised by the constructor)
             self._failure, self._closed = e, True
+            self.engine.close()
             return
         finally:
             ready.set()
@@ -206,6 +207,8 @@ class EngineLoop:
             self._serve()
         except Exception as e:  # noqa: BLE001  (a bug in the loop itself: answer everyone, then stop)
             self._crash(e)
+        finally:
+            self.engine.close()  # the loop's end: no step will run again (the other ranks' processes stop)
 
     def _serve(self) -> None:
         while True:

@@ -25,6 +25,7 @@ from models.packed.file import CorruptEntry, read_entry, write_entry
 from models.packed.tree import Unstorable, flatten, unflatten
 from models.quantization.activation_plan import plan_activations
 from models.quantization.calibration import Calibration, load_calibration
+from models.tensor_parallel.shard import WHOLE_MODEL, TensorShard
 from models.tokenizer import Tokenizer
 
 Outcome = Literal["hit", "built", "rebuilt", "not cached", "off"]
@@ -58,14 +59,18 @@ class PlannedModel:
     stats: LoadStats
 
 
-def load_planned(model_path: str | Path, config: EngineConfig, decisions: DecisionLog) -> PlannedModel:
-    """Raises CheckpointError as load_model and plan_activations do; never for the cache's sake."""
+def load_planned(model_path: str | Path, config: EngineConfig, decisions: DecisionLog,
+                 shard: TensorShard = WHOLE_MODEL) -> PlannedModel:
+    """shard: a tensor-parallel rank's part (its own cache entry). Raises CheckpointError as load_model and
+    plan_activations do; never for the cache's sake."""
     started = time.perf_counter()
     model_path = Path(model_path)
     calibration = load_calibration(model_path)
     cache, key, hash_seconds, why_not = _keyed_cache(model_path, config, calibration)
+    if key is not None and shard.size > 1:
+        key = key | {"shard": [shard.rank, shard.size]}
     if key is None:
-        spec, weights, tokenizer, _ = _load(model_path, config, decisions, calibration)
+        spec, weights, tokenizer, _ = _load(model_path, config, decisions, calibration, shard)
         outcome: Outcome = "off" if config.packed_cache_dir is None else "not cached"
         return _done(spec, weights, tokenizer, decisions, outcome, why_not, started, hash_seconds, None, 0)
     entry = cache.entry_path(key)
@@ -79,7 +84,7 @@ def load_planned(model_path: str | Path, config: EngineConfig, decisions: Decisi
         cache.touch(entry)
         return _done(spec, weights, tokenizer, decisions, "hit", f"read {entry}", started, hash_seconds,
                      entry, size)
-    spec, weights, tokenizer, recorded = _load(model_path, config, decisions, calibration)
+    spec, weights, tokenizer, recorded = _load(model_path, config, decisions, calibration, shard)
     try:
         tree, arrays = flatten({"spec": spec, "weights": weights})
         text = None if tokenizer is None else tokenizer.hf_tokenizer.to_str()  # its tokenizer.json
@@ -152,9 +157,9 @@ def _tokenizer(text: str | None) -> Tokenizer | None:
     return None if text is None else Tokenizer(HFTokenizer.from_str(text))
 
 
-def _load(model_path: Path, config: EngineConfig, decisions: DecisionLog,
-          calibration: Calibration | None) -> tuple[ModelSpec, ModelWeights, Tokenizer | None, list]:
-    spec, weights, tokenizer = load_model(model_path, config.weight_dtype)
+def _load(model_path: Path, config: EngineConfig, decisions: DecisionLog, calibration: Calibration | None,
+          shard: TensorShard) -> tuple[ModelSpec, ModelWeights, Tokenizer | None, list]:
+    spec, weights, tokenizer = load_model(model_path, config.weight_dtype, shard)
     recording = _Recording(decisions)
     weights = plan_activations(weights, config.activation_dtype, recording, calibration,
                                config.activation_scales == "static")

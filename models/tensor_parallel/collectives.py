@@ -2,11 +2,14 @@
 the sums of its partial outputs (after attention's o and the MLP's down), and the logits gathered on rank 0.
 `WHOLE` is the model on one rank: each is the identity there, so the forward has no branch for parallelism."""
 
+import pickle
+
 import numpy as np
 
 from memory.matrices import WeightMatrix
 from memory.shared_group import SharedGroup
 from models.linear import embed
+from models.tensor_parallel.orders import ForwardOrder
 from models.tensor_parallel.shard import TensorShard
 
 
@@ -15,6 +18,9 @@ class Whole:
 
     rank = 0
     size = 1
+
+    def begin(self, batch, embeddings: np.ndarray | None) -> None:
+        pass
 
     def embed(self, w: WeightMatrix, token_ids: np.ndarray) -> np.ndarray:
         return embed(w, token_ids)
@@ -32,12 +38,20 @@ WHOLE = Whole()
 class Sharded:
     """One rank's shard of the model, its partial results summed through the group's shared segment."""
 
-    def __init__(self, group: SharedGroup, shard: TensorShard, vocab_size: int, num_threads: int = 1):
-        self.group, self.shard = group, shard
+    def __init__(self, group: SharedGroup, shard: TensorShard, vocab_size: int, num_threads: int = 1,
+                 leader: bool = False):
+        """leader: rank 0 of a running group, which sends each forward's batch to the followers first."""
+        self.group, self.shard, self.leader = group, shard, leader
         self.rank, self.size = shard.rank, shard.size
         self.vocab_size = vocab_size
         self.vocab_lo, self.vocab_hi = shard.span(vocab_size)
         self.num_threads = num_threads
+
+    def begin(self, batch, embeddings: np.ndarray | None) -> None:
+        """A forward starts: rank 0 sends it to the followers, which run the same (models/tensor_parallel/
+        group.py)."""
+        if self.leader:
+            self.group.send_plan(pickle.dumps(ForwardOrder(batch, embeddings), pickle.HIGHEST_PROTOCOL))
 
     def embed(self, w: WeightMatrix, token_ids: np.ndarray) -> np.ndarray:
         """token_ids [T] -> [T, hidden]: the rows of this rank's vocabulary, zeros elsewhere, summed over the

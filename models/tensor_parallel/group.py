@@ -1,0 +1,158 @@
+"""A tensor-parallel group's processes. Rank 0 is the engine's own process: it schedules, samples and streams,
+and before each forward sends the batch through the group's segment. Each follower is a spawned process pinned
+to its share of the cores, with its shard of the weights and its own KV cache (its KV heads, the same blocks);
+it runs every forward rank 0 sends it and returns nothing but its part of the collectives."""
+
+import multiprocessing
+import os
+import pickle
+from dataclasses import dataclass
+from pathlib import Path
+
+import numba
+
+from cluster_configs.diagnostics import DecisionLog
+from cluster_configs.engine_config import EngineConfig
+from cluster_configs.errors import RankLost
+from memory.kv_cache import KVCache
+from memory.numa import pin_process
+from memory.shared_group import GroupLayout, SharedGroup
+from models.decoder import DecoderModel
+from models.tensor_parallel.collectives import Sharded
+from models.tensor_parallel.orders import StopOrder
+from models.tensor_parallel.shard import TensorShard
+
+START_TIMEOUT_S = 600.0  # a follower loads and packs its shard (numba may compile first) before this
+STOP_TIMEOUT_S = 10.0
+PLAN_BYTES = 4 << 20
+
+
+@dataclass(frozen=True)
+class FollowerSpec:
+    """What a follower needs to build its part of the engine (pickled to its process)."""
+    model_path: str
+    config: EngineConfig
+    layout: GroupLayout
+    rank: int
+    cpu_ids: tuple[int, ...]
+    num_blocks: int
+    max_model_len: int
+    num_shadows: int
+
+
+def core_shares(cpu_ids: list[int], size: int) -> list[tuple[int, ...]]:
+    """The allowed cores split evenly between the ranks (rank r gets the r-th share, never an empty one)."""
+    if len(cpu_ids) < size:
+        raise ValueError(f"tensor_parallel_size {size} needs a core a rank; this process may use "
+                         f"{len(cpu_ids)}: lower tensor_parallel_size")
+    per = len(cpu_ids) // size
+    return [tuple(cpu_ids[r * per:(r + 1) * per]) for r in range(size)]
+
+
+def slot_elems(config: EngineConfig, hidden: int, vocab: int, size: int) -> int:
+    """The largest collective a step moves: the residual stream [T, hidden], or logits [T, vocab / size]."""
+    return config.max_num_batched_tokens * max(hidden, -(-vocab // size))
+
+
+def follower_main(spec: FollowerSpec, status) -> None:
+    """A follower's process: pin, load the shard, report, then run rank 0's forwards until told to stop."""
+    from models.packed.planned_load import load_planned
+
+    if spec.cpu_ids:
+        pin_process(spec.cpu_ids)
+    numba.set_num_threads(max(1, len(spec.cpu_ids)))
+    shard = TensorShard(spec.rank, spec.layout.num_ranks)
+    group = SharedGroup.attach(spec.layout, spec.rank)
+    try:
+        loaded = load_planned(spec.model_path, spec.config, DecisionLog(), shard)
+        local = shard.local_spec(loaded.spec)
+        collectives = Sharded(group, shard, loaded.spec.vocab_size, numba.get_num_threads())
+        model = DecoderModel(local, loaded.weights, spec.max_model_len, collectives)
+        c = spec.config
+        kv = KVCache(local.num_layers, spec.num_blocks, c.block_size, local.num_kv_heads, local.head_dim,
+                     c.resolved_kv_dtype, c.kv_dtype_overrides, num_shadows=spec.num_shadows)
+    except Exception as e:  # noqa: BLE001 - rank 0 raises it
+        status.put(f"{type(e).__name__}: {e}")
+        group.abort()
+        group.close()
+        return
+    status.put(None)
+    try:
+        while True:
+            order = pickle.loads(group.receive_plan())
+            if isinstance(order, StopOrder):
+                break
+            model.forward_hidden(order.batch, kv, order.embeddings)
+    except RankLost:
+        pass  # rank 0 is gone or gave up: nothing is left to serve
+    finally:
+        group.close()
+
+
+class RankGroup:
+    """Rank 0's handle on its followers."""
+
+    def __init__(self, group: SharedGroup, procs: list, shares: list[tuple[int, ...]]):
+        self.group, self.procs, self.shares = group, procs, shares
+        self.size = len(procs) + 1
+        self._closed = False
+
+    @classmethod
+    def start(cls, model_path: str | Path, config: EngineConfig, *, hidden: int, vocab: int, num_blocks: int,
+              max_model_len: int, num_shadows: int) -> "RankGroup":
+        """Creates the segment, spawns the followers (they load their shards while rank 0 loads its own:
+        call wait_ready() after)."""
+        size = config.tensor_parallel_size
+        shares = core_shares(sorted(os.sched_getaffinity(0)), size)
+        layout = GroupLayout.new(size, slot_elems(config, hidden, vocab, size), PLAN_BYTES)
+        group = SharedGroup.create(layout)
+        ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: no forked numba or Ray threads
+        status = ctx.Queue()
+        procs = []
+        for rank in range(1, size):
+            spec = FollowerSpec(str(model_path), config, layout, rank, shares[rank], num_blocks,
+                                max_model_len, num_shadows)
+            procs.append(ctx.Process(target=follower_main, args=(spec, status), daemon=True,
+                                     name=f"numaserve-tp-rank-{rank}"))
+            procs[-1].start()
+        handle = cls(group, procs, shares)
+        handle._status = status
+        return handle
+
+    def wait_ready(self) -> None:
+        """Waits until every follower has mapped the segment and loaded its shard; raises RankLost (the
+        followers stopped) when one could not."""
+        try:
+            self.group.wait_attached(alive=lambda: all(p.is_alive() for p in self.procs))
+            problems = [p for p in (self._status.get(timeout=START_TIMEOUT_S) for _ in self.procs) if p]
+        except Exception:
+            self.close()
+            raise
+        if problems:
+            self.close()
+            raise RankLost(f"a tensor-parallel rank could not start: {problems[0]}")
+
+    def collectives(self, shard: TensorShard, vocab: int, num_threads: int) -> Sharded:
+        return Sharded(self.group, shard, vocab, num_threads, leader=True)
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+    def close(self) -> None:
+        """Stops the followers (asked, then terminated after STOP_TIMEOUT_S). Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if all(p.is_alive() for p in self.procs):
+                self.group.send_plan(pickle.dumps(StopOrder()))
+        except (RankLost, ValueError):
+            pass
+        for p in self.procs:
+            p.join(STOP_TIMEOUT_S)
+            if p.is_alive():
+                p.terminate()
+                p.join(STOP_TIMEOUT_S)
+        self.group.unlink()
+        self.group.close()

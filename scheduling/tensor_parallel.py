@@ -1,0 +1,44 @@
+"""An engine's ranks: the whole model in this process (tensor_parallel_size 1), or rank 0 here and a group of
+follower processes (models/tensor_parallel/group.py), started before rank 0 loads so the shards load side by
+side. What the engine sizes from the model (the KV pool, the context) is computed here from the spec alone,
+once for every rank: each rank's pool has the same blocks, each holding its KV heads."""
+
+import os
+from pathlib import Path
+
+from cluster_configs.engine_config import EngineConfig
+from models.loader import read_spec
+from models.tensor_parallel.collectives import WHOLE, Whole
+from models.tensor_parallel.group import RankGroup, core_shares
+from models.tensor_parallel.shard import TensorShard
+from scheduling.kv_cache_manager import num_kv_blocks, window_shadows
+
+
+class TensorParallelStart:
+    def __init__(self, model_path: str | Path, config: EngineConfig):
+        size = config.tensor_parallel_size
+        self.shard = TensorShard(0, size)
+        spec = read_spec(model_path)
+        local = self.shard.local_spec(spec)  # a shape ranks cannot split: refused before a process starts
+        self.vocab_size = spec.vocab_size
+        self.max_model_len = config.max_model_len or spec.max_position_embeddings
+        self.num_blocks = num_kv_blocks(local, config, self.max_model_len)
+        allowed = sorted(os.sched_getaffinity(0))
+        # rank 0's kernel threads run on its share of the cores
+        self.cpu_ids = core_shares(allowed, size)[0] if size > 1 else tuple(allowed)
+        self.group = None if size == 1 else RankGroup.start(
+            model_path, config, hidden=spec.hidden_size, vocab=spec.vocab_size, num_blocks=self.num_blocks,
+            max_model_len=self.max_model_len, num_shadows=window_shadows(config))
+
+    def wait_ready(self) -> None:
+        if self.group is not None:
+            self.group.wait_ready()
+
+    def collectives(self, num_threads: int) -> Whole:
+        if self.group is None:
+            return WHOLE
+        return self.group.collectives(self.shard, self.vocab_size, num_threads)
+
+    def close(self) -> None:
+        if self.group is not None:
+            self.group.close()
