@@ -136,14 +136,20 @@ class TensorReader:
         self.progress.close()
 
 
+def model_directory(path: str | Path) -> Path:
+    """path, checked to be a directory (what a Hugging Face checkpoint is)."""
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: not a directory; pass a Hugging Face model directory")
+    return path
+
+
 def load_weights(model_dir: str | Path, weight_dtype: str,
                  shard: TensorShard = WHOLE_MODEL) -> tuple[ModelSpec, ModelWeights]:
     """-> (spec, weights): matrices as WeightMatrix in `weight_dtype`, quantized as they are read (q|k|v and
     gate|up fused), norms and biases as float32; spec is the whole model's, the weights shard's (its
     local_spec's shapes: the whole model unless a tensor-parallel rank's shard is asked for)."""
-    model_dir = Path(model_dir)
-    if not model_dir.is_dir():
-        raise CheckpointError(f"{model_dir}: not a directory; pass a Hugging Face model directory")
+    model_dir = model_directory(model_dir)
     whole = load_spec(model_dir)
     spec = shard.local_spec(whole)
     reader = TensorReader(model_dir, whole)

@@ -4,7 +4,7 @@ from pathlib import Path
 
 from cluster_configs.errors import CheckpointError
 from memory.weights import ModelWeights
-from models.checkpoint import load_weights
+from models.checkpoint import load_weights, model_directory
 from models.model_spec import ModelSpec, load_spec
 from models.tensor_parallel.shard import WHOLE_MODEL, TensorShard
 from models.tokenizer import Tokenizer
@@ -33,4 +33,4 @@ def read_spec(path: str | Path) -> ModelSpec:
         from models.gguf.reader import read_gguf_spec
 
         return read_gguf_spec(path)
-    return load_spec(path)
+    return load_spec(model_directory(path))
