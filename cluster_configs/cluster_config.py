@@ -172,6 +172,14 @@ class ClusterConfig(BaseModel):
             raise ValueError(f"machine names must be distinct, got {names}")
         return v
 
+    @field_validator("engine")
+    @classmethod
+    def _one_rank_a_worker(cls, v: EngineConfig) -> EngineConfig:
+        if v.tensor_parallel_size > 1:
+            raise ValueError(f"engine.tensor_parallel_size {v.tensor_parallel_size}: a deployment's workers "
+                             "do not shard a model over ranks yet (ns.LLM does); set it to 1")
+        return v
+
     @model_validator(mode="after")
     def _port_can_be_shared(self) -> "ClusterConfig":
         if self.num_http_actors > 1 and not hasattr(socket, "SO_REUSEPORT"):

@@ -60,6 +60,8 @@ def test_relative_paths_in_yaml_are_taken_from_the_files_folder(tmp_path):
     ("telemetry_interval_s: 0", "telemetry_interval_s"),
     ("target_step_ms: -5", "target_step_ms"),
     ("engine: {block_size: 12}", "engine.block_size"),
+    ("engine: {tensor_parallel_size: 2}", "engine"),  # not in deployments yet: a message that says so
+    ("engine: {tensor_parallel_size: 0}", "engine.tensor_parallel_size"),
     ("engine: {max_lenght: 5}", "engine.max_lenght"),
     ("machines: []", "machines"),
     ("machines: [{name: 'bad name'}]", "machines.0.name"),
