@@ -81,12 +81,15 @@ class SharedGroup:
 
     @classmethod
     def create(cls, layout: GroupLayout) -> "SharedGroup":
-        fd = os.open(layout.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        """Rank 0 makes the segment, sized before it takes its name (a follower never maps a short file)."""
+        sizing = layout.path + ".new"
+        fd = os.open(sizing, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
             os.ftruncate(fd, layout.total_bytes)
+            os.rename(sizing, layout.path)
         except OSError:
             os.close(fd)
-            os.unlink(layout.path)
+            os.unlink(sizing)
             raise
         return cls(layout, 0, fd)
 
@@ -131,7 +134,10 @@ class SharedGroup:
     def close(self) -> None:
         for name in ("control", "slots", "plan"):
             setattr(self, name, None)
-        self._mmap.close()
+        try:
+            self._mmap.close()
+        except BufferError:
+            pass  # a view of it is still held somewhere: the mapping goes with the last one
 
     # ---- collectives ---------------------------------------------------------------------------------
 

@@ -186,4 +186,5 @@ class Engine:
             "num_forced_tokens": totals.num_forced_tokens,
             "num_masked_rows": totals.num_masked_rows, "mask_seconds": totals.mask_seconds,
             "mask_wait_seconds": totals.mask_wait_seconds,
+            "tensor_parallel": self.ranks.stats(self.model.weight_bytes, self.kv_cache.nbytes),
         } | self.adapters.stats() | self.runner.lora.stats() | self.speculation.stats()

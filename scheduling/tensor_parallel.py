@@ -39,6 +39,12 @@ class TensorParallelStart:
             return WHOLE
         return self.group.collectives(self.shard, self.vocab_size, num_threads)
 
+    def stats(self, weight_bytes: int, kv_cache_bytes: int) -> dict:
+        """What each rank holds, rank 0's (weight_bytes, kv_cache_bytes: this process's) first."""
+        followers = [] if self.group is None else self.group.ready
+        return {"size": self.shard.size, "weight_bytes": [weight_bytes] + [r.weight_bytes for r in followers],
+                "kv_cache_bytes": [kv_cache_bytes] + [r.kv_cache_bytes for r in followers]}
+
     def close(self) -> None:
         if self.group is not None:
             self.group.close()

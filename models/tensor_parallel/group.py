@@ -14,6 +14,7 @@ import numba
 from cluster_configs.diagnostics import DecisionLog
 from cluster_configs.engine_config import EngineConfig
 from cluster_configs.errors import RankLost
+from kernels import resolve_num_threads
 from memory.kv_cache import KVCache
 from memory.numa import pin_process
 from memory.shared_group import GroupLayout, SharedGroup
@@ -40,6 +41,14 @@ class FollowerSpec:
     num_shadows: int
 
 
+@dataclass(frozen=True)
+class RankReady:
+    """A follower to rank 0 once its shard is loaded: what it holds."""
+    rank: int
+    weight_bytes: int
+    kv_cache_bytes: int
+
+
 def core_shares(cpu_ids: list[int], size: int) -> list[tuple[int, ...]]:
     """The allowed cores split evenly between the ranks (rank r gets the r-th share, never an empty one)."""
     if len(cpu_ids) < size:
@@ -60,7 +69,7 @@ def follower_main(spec: FollowerSpec, status) -> None:
 
     if spec.cpu_ids:
         pin_process(spec.cpu_ids)
-    numba.set_num_threads(max(1, len(spec.cpu_ids)))
+    numba.set_num_threads(resolve_num_threads(spec.config.num_threads, spec.cpu_ids))
     shard = TensorShard(spec.rank, spec.layout.num_ranks)
     group = SharedGroup.attach(spec.layout, spec.rank)
     try:
@@ -72,11 +81,11 @@ def follower_main(spec: FollowerSpec, status) -> None:
         kv = KVCache(local.num_layers, spec.num_blocks, c.block_size, local.num_kv_heads, local.head_dim,
                      c.resolved_kv_dtype, c.kv_dtype_overrides, num_shadows=spec.num_shadows)
     except Exception as e:  # noqa: BLE001 - rank 0 raises it
-        status.put(f"{type(e).__name__}: {e}")
+        status.put(f"rank {spec.rank}: {type(e).__name__}: {e}")
         group.abort()
         group.close()
         return
-    status.put(None)
+    status.put(RankReady(spec.rank, model.weight_bytes, kv.nbytes))
     try:
         while True:
             order = pickle.loads(group.receive_plan())
@@ -92,8 +101,10 @@ def follower_main(spec: FollowerSpec, status) -> None:
 class RankGroup:
     """Rank 0's handle on its followers."""
 
-    def __init__(self, group: SharedGroup, procs: list, shares: list[tuple[int, ...]]):
-        self.group, self.procs, self.shares = group, procs, shares
+    def __init__(self, group: SharedGroup, procs: list, status):
+        """procs: the followers' processes; status: the queue each puts its RankReady or start error on."""
+        self.group, self.procs, self._status = group, procs, status
+        self.ready: list[RankReady] = []  # the followers', in rank order, once wait_ready() returned
         self.size = len(procs) + 1
         self._closed = False
 
@@ -115,22 +126,22 @@ class RankGroup:
             procs.append(ctx.Process(target=follower_main, args=(spec, status), daemon=True,
                                      name=f"numaserve-tp-rank-{rank}"))
             procs[-1].start()
-        handle = cls(group, procs, shares)
-        handle._status = status
-        return handle
+        return cls(group, procs, status)
 
     def wait_ready(self) -> None:
         """Waits until every follower has mapped the segment and loaded its shard; raises RankLost (the
         followers stopped) when one could not."""
         try:
             self.group.wait_attached(alive=lambda: all(p.is_alive() for p in self.procs))
-            problems = [p for p in (self._status.get(timeout=START_TIMEOUT_S) for _ in self.procs) if p]
+            reports = [self._status.get(timeout=START_TIMEOUT_S) for _ in self.procs]
         except Exception:
             self.close()
             raise
+        problems = [r for r in reports if isinstance(r, str)]
         if problems:
             self.close()
             raise RankLost(f"a tensor-parallel rank could not start: {problems[0]}")
+        self.ready = sorted(reports, key=lambda r: r.rank)
 
     def collectives(self, shard: TensorShard, vocab: int, num_threads: int) -> Sharded:
         return Sharded(self.group, shard, vocab, num_threads, leader=True)
