@@ -1,8 +1,12 @@
 """ns.LLM(..., tensor_parallel_size=2): rank 0 in the test's process, a follower process of its own with the
 other half of the weights. Exact against tensor_parallel_size 1 (float32: scores within 1e-4, the same greedy
-tokens), continuous batching of mixed requests equal to each alone, n-gram speculation equal to none, and the
-follower stopped by close()."""
+tokens; the demo model in q8_0 with int8 activations: 15 of 16 prompts' tokens), continuous batching of mixed
+requests equal to each alone, the prefix cache, a session, a JSON schema, n-gram speculation equal to none, a
+killed follower a RankLost, and the follower stopped by close()."""
 
+import json
+
+import jsonschema
 import numpy as np
 import psutil
 import pytest
@@ -12,6 +16,8 @@ from cluster_configs.errors import AdapterError, RankLost
 from numaserve.demo import DEMO_DIR
 from numaserve.demo_corpus import heldout_files
 from tests.conftest import random_prompt
+from tests.scheduling.test_jump_forward import FIXED_KEYS
+from tests.scheduling.test_structured_outputs import PROMPT
 
 EXACT = {"weight_dtype": "float32", "kv_dtype": "float32", "num_threads": 1}
 GREEDY = ns.SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
@@ -103,3 +109,30 @@ def test_a_killed_follower_fails_the_step_with_rank_lost_instead_of_hanging(mode
             llm.generate([random_prompt(6, seed=2)], GREEDY)
     finally:
         llm.close()
+
+
+def test_a_prefix_cache_hit_and_a_four_turn_session_on_two_ranks_equal_one_rank(pair):
+    one, two = pair
+    prefix = random_prompt(48, seed=9)  # three full blocks of 16
+    two.generate([prefix + random_prompt(5, seed=10)], GREEDY)
+    before = two.stats()["num_prefix_hit_tokens"]
+    later = prefix + random_prompt(7, seed=11)
+    assert two.generate([later], GREEDY)[0].token_ids == one.generate([later], GREEDY)[0].token_ids
+    assert two.stats()["num_prefix_hit_tokens"] - before == 48
+    seqs = [llm.session().sequence() for llm in (one, two)]
+    for i in range(4):
+        turn = random_prompt(4 + 3 * i, seed=30 + i)
+        before = two.stats()["num_prefill_tokens"]
+        outs = [seq.generate(turn, GREEDY).token_ids for seq in seqs]
+        # the new turn and the last turn's last token (sampled, never fed), nothing earlier
+        assert two.stats()["num_prefill_tokens"] - before == len(turn) + (1 if i else 0)
+        assert outs[1] == outs[0]
+
+
+def test_a_json_schema_request_on_two_ranks_validates_and_equals_one_rank(pair):
+    one, two = pair
+    params = ns.SamplingParams(max_tokens=80, temperature=0,
+                               structured_outputs=ns.StructuredOutputs(json=FIXED_KEYS))
+    got, expected = two.generate([PROMPT], params)[0], one.generate([PROMPT], params)[0]
+    assert got.token_ids == expected.token_ids and got.finish_reason == "stop"
+    jsonschema.validate(json.loads(got.text), FIXED_KEYS)
