@@ -31,7 +31,8 @@ class NumaserveBench:
                           activation_dtype=args.activation_dtype, kv_dtype=args.kv_dtype,
                           max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                           max_model_len=args.max_model_len, kv_cache_bytes=args.kv_cache_bytes,
-                          num_threads=args.threads)
+                          num_threads=args.threads,
+                          tensor_parallel_size=getattr(args, "tensor_parallel_size", 1))
         self.rss_weights = psutil.Process().memory_info().rss - rss_before
         self.engine = self.llm.engine
 
@@ -163,6 +164,7 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--kv-cache-bytes", type=int, default=1 << 30)
     parser.add_argument("--torch-first", action="store_true")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks (--threads each)")
     bench = NumaserveBench(parser.parse_args())
     bench.decode([[5] * 16] * 2, 2)  # warm-up: numba compiles (or loads) every kernel signature once
     serve({"info": bench.info, "export_gguf": bench.export_gguf, "prefill": bench.prefill,

@@ -288,6 +288,15 @@ def all_reduce(data: dict) -> str:
          for k, r in rows.items()])
 
 
+def tensor_parallel(data: dict) -> str:
+    engines = data.get("engines", {})
+    return table(["row", f"tp1: {engines.get('tp1', '?')} tok/s", f"tp2: {engines.get('tp2', '?')} tok/s",
+                  "tp2 / tp1"],
+                 [[f"decode batch {r['row']}" if r["row"].isdigit() else r["row"],
+                   num(r["median_tokens_per_s"]["tp1"]), num(r["median_tokens_per_s"]["tp2"]),
+                   times(r["tp2_over_tp1"])] for r in data["rows"]])
+
+
 RENDERERS = [
     (r"decode.*\.json", decode),
     (r"context.*\.json", context),
@@ -304,4 +313,5 @@ RENDERERS = [
     (r"sampling.*\.json", sampling),
     (r"revisions.*\.json", revisions),
     (r"all_reduce.*\.json", all_reduce),
+    (r"tensor_parallel.*\.json", tensor_parallel),
 ]
