@@ -51,14 +51,19 @@ class Engine:
         self.decisions = DecisionLog()
         self.ranks = TensorParallelStart(model_path, config)  # followers load their shards beside ours
         try:
-            self.num_threads = resolve_num_threads(config.num_threads, self.ranks.cpu_ids)
-            numba.set_num_threads(self.num_threads)  # thread-local: a thread stepping the engine sets it too
-            self.decisions.record("threading", **threading_decision())  # once set_num_threads started them
-            loaded = load_planned(model_path, config, self.decisions, self.ranks.shard)  # the packed cache
-            self.ranks.wait_ready()
+            self._build(model_path, config, fetch_adapter, shared_merged)
         except BaseException:
-            self.ranks.close()
+            self.ranks.close()  # an engine that failed to start leaves no follower behind
             raise
+
+    def _build(self, model_path: str | Path, config: EngineConfig,
+               fetch_adapter: Callable[[str], LoraAdapter] | None,
+               shared_merged: SharedMerged | None) -> None:
+        self.num_threads = resolve_num_threads(config.num_threads, self.ranks.cpu_ids)
+        numba.set_num_threads(self.num_threads)  # thread-local: a thread that steps the engine sets it too
+        self.decisions.record("threading", **threading_decision())  # once set_num_threads started them
+        loaded = load_planned(model_path, config, self.decisions, self.ranks.shard)  # via the packed cache
+        self.ranks.wait_ready()
         self.spec, weights, self.tokenizer, self.load_stats = (loaded.spec, loaded.weights, loaded.tokenizer,
                                                                loaded.stats)
         release_free_heap()  # the matrices planning repacked

@@ -6,6 +6,8 @@ it runs every forward rank 0 sends it and returns nothing but its part of the co
 import multiprocessing
 import os
 import pickle
+import queue
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -81,7 +83,7 @@ def follower_main(spec: FollowerSpec, status) -> None:
         kv = KVCache(local.num_layers, spec.num_blocks, c.block_size, local.num_kv_heads, local.head_dim,
                      c.resolved_kv_dtype, c.kv_dtype_overrides, num_shadows=spec.num_shadows)
     except Exception as e:  # noqa: BLE001 - rank 0 raises it
-        status.put(f"rank {spec.rank}: {type(e).__name__}: {e}")
+        status.put(_picklable(e, spec.rank))
         group.abort()
         group.close()
         return
@@ -98,6 +100,16 @@ def follower_main(spec: FollowerSpec, status) -> None:
         group.close()
 
 
+def _picklable(e: Exception, rank: int) -> Exception:
+    """The follower's start error as rank 0 will raise it: itself where it pickles, else a RankLost."""
+    e.add_note(f"(raised on tensor-parallel rank {rank})")
+    try:
+        pickle.loads(pickle.dumps(e))
+    except Exception:  # noqa: BLE001 - any failure to round-trip
+        return RankLost(f"tensor-parallel rank {rank} could not start: {type(e).__name__}: {e}")
+    return e
+
+
 class RankGroup:
     """Rank 0's handle on its followers."""
 
@@ -105,7 +117,6 @@ class RankGroup:
         """procs: the followers' processes; status: the queue each puts its RankReady or start error on."""
         self.group, self.procs, self._status = group, procs, status
         self.ready: list[RankReady] = []  # the followers', in rank order, once wait_ready() returned
-        self.size = len(procs) + 1
         self._closed = False
 
     @classmethod
@@ -116,32 +127,51 @@ class RankGroup:
         size = config.tensor_parallel_size
         shares = core_shares(sorted(os.sched_getaffinity(0)), size)
         layout = GroupLayout.new(size, slot_elems(config, hidden, vocab, size), PLAN_BYTES)
-        group = SharedGroup.create(layout)
         ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: no forked numba or Ray threads
-        status = ctx.Queue()
-        procs = []
-        for rank in range(1, size):
-            spec = FollowerSpec(str(model_path), config, layout, rank, shares[rank], num_blocks,
-                                max_model_len, num_shadows)
-            procs.append(ctx.Process(target=follower_main, args=(spec, status), daemon=True,
-                                     name=f"numaserve-tp-rank-{rank}"))
-            procs[-1].start()
-        return cls(group, procs, status)
+        handle = cls(SharedGroup.create(layout), [], ctx.Queue())
+        try:
+            for rank in range(1, size):
+                spec = FollowerSpec(str(model_path), config, layout, rank, shares[rank], num_blocks,
+                                    max_model_len, num_shadows)
+                proc = ctx.Process(target=follower_main, args=(spec, handle._status), daemon=True,
+                                   name=f"numaserve-tp-rank-{rank}")
+                proc.start()
+                handle.procs.append(proc)
+        except BaseException:
+            handle.close()
+            raise
+        return handle
 
     def wait_ready(self) -> None:
-        """Waits until every follower has mapped the segment and loaded its shard; raises RankLost (the
-        followers stopped) when one could not."""
+        """Waits until every follower has mapped the segment and loaded its shard; raises a follower's start
+        error as it was raised, or RankLost (a follower died, or took over START_TIMEOUT_S); the followers are
+        stopped then."""
         try:
             self.group.wait_attached(alive=lambda: all(p.is_alive() for p in self.procs))
-            reports = [self._status.get(timeout=START_TIMEOUT_S) for _ in self.procs]
-        except Exception:
+            reports = self._reports()
+        except BaseException:
             self.close()
             raise
-        problems = [r for r in reports if isinstance(r, str)]
+        problems = [r for r in reports if isinstance(r, Exception)]
         if problems:
             self.close()
-            raise RankLost(f"a tensor-parallel rank could not start: {problems[0]}")
+            raise problems[0]  # as rank 0 would have raised it (a bad config, a bad checkpoint)
         self.ready = sorted(reports, key=lambda r: r.rank)
+
+    def _reports(self) -> list:
+        """Every follower's report; a follower that ended without one is RankLost (checked each second)."""
+        reports, deadline = [], time.monotonic() + START_TIMEOUT_S
+        while len(reports) < len(self.procs):
+            try:
+                reports.append(self._status.get(timeout=1.0))
+            except queue.Empty:
+                if not all(p.is_alive() for p in self.procs) and self._status.empty():
+                    raise RankLost("a tensor-parallel rank's process ended while it loaded its shard "
+                                   "(killed, or out of memory?); make the engine again") from None
+                if time.monotonic() > deadline:
+                    raise RankLost("a tensor-parallel rank did not load its shard within "
+                                   f"{START_TIMEOUT_S:.0f} s") from None
+        return reports
 
     def collectives(self, shard: TensorShard, vocab: int, num_threads: int) -> Sharded:
         return Sharded(self.group, shard, vocab, num_threads, leader=True)

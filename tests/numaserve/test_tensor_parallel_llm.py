@@ -5,6 +5,9 @@ requests equal to each alone, the prefix cache, a session, a JSON schema, n-gram
 killed follower a RankLost, and the follower stopped by close()."""
 
 import json
+import multiprocessing
+import shutil
+from pathlib import Path
 
 import jsonschema
 import numpy as np
@@ -79,6 +82,21 @@ def test_close_stops_the_follower_and_unsupported_features_are_typed_errors(mode
         ns.EngineConfig(tensor_parallel_size=2, speculation={"method": "draft", "draft_model": "x"})
     with pytest.raises(ns.CheckpointError, match="tensor_parallel_size 3 must divide"):
         ns.LLM(model_dirs["llama"], tensor_parallel_size=3, **EXACT)
+    with pytest.raises(ValueError, match="kv_dtype_overrides names layers"):  # as with one rank
+        ns.LLM(model_dirs["llama"], tensor_parallel_size=2, kv_dtype_overrides={9: "int8"}, **EXACT)
+
+
+def test_a_checkpoint_that_fails_to_load_leaves_no_follower_and_no_segment(model_dirs, tmp_path):
+    """The followers start before the shards load: a load that fails stops them and removes the segment."""
+    broken = tmp_path / "broken"
+    shutil.copytree(model_dirs["llama"], broken)
+    (broken / "model.safetensors").write_bytes((broken / "model.safetensors").read_bytes()[:100])
+    running = {p.pid for p in multiprocessing.active_children()}  # the module's engines' followers
+    segments = set(Path("/dev/shm").glob("numaserve-tp-*"))
+    with pytest.raises(ns.CheckpointError, match="not a readable safetensors file"):
+        ns.LLM(broken, tensor_parallel_size=2, **EXACT)
+    assert {p.pid for p in multiprocessing.active_children()} <= running
+    assert set(Path("/dev/shm").glob("numaserve-tp-*")) <= segments
 
 
 def test_the_demo_model_in_q8_0_with_int8_activations_keeps_its_greedy_tokens_on_two_ranks():
