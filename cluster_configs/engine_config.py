@@ -59,6 +59,10 @@ class EngineConfig(BaseModel):
     tensor_parallel_size: int = Field(1, ge=1, description="ranks one model is sharded over (vLLM's name): "
                                                            "rank 0 in this process, each other a process "
                                                            "of its own, the allowed cores split evenly")
+    enable_expert_parallel: bool = Field(False, description="with tensor_parallel_size > 1, a MoE layer's "
+                                                            "experts whole on ranks (E / N each; vLLM's "
+                                                            "name) rather than each expert's matrices "
+                                                            "split; no effect on a dense model")
     # "float32" is exact (within 1e-4 of transformers); "bfloat16" (vdpbf16ps) and "int8" (VNNI, 32-value
     # blocks) trade a stated perplexity bound for speed; see models/quantization/activation_plan.py
     activation_dtype: ActivationDtype = Field(

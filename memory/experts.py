@@ -10,7 +10,9 @@ from memory.matrices import Matrix, WeightMatrix, row_block
 
 @dataclass(frozen=True, eq=False)  # eq=False: arrays have no truth value, so equality is identity
 class ExpertWeights:
-    """One layer's experts; matrices [out_features, in_features] in a served format, stacked over experts."""
+    """One layer's experts; matrices [out_features, in_features] in a served format, stacked over the experts
+    held: all of them, or under expert parallelism a rank's experts first_expert.. (E_held of the E the router
+    chooses among; the others' pairs are another rank's)."""
 
     router: np.ndarray  # [E, hidden] f32, kept float32: the routing choice is sensitive to rounding
     gate_up: Matrix  # [E * 2 * I, hidden]: expert e's gate rows then its up rows
@@ -19,6 +21,7 @@ class ExpertWeights:
     top_k: int
     normalize: bool  # renormalise the top-k weights to sum 1 (Mixtral; Qwen3-MoE when norm_topk_prob)
     intermediate_size: int
+    first_expert: int = 0  # the first expert held; E_held = gate_up's rows // 2I
     _views: tuple = field(init=False, repr=False)  # [E] (gate_up_e, down_e)
 
     def __post_init__(self):
@@ -26,14 +29,17 @@ class ExpertWeights:
         if self.router.shape != (E, hidden) or self.router.dtype != np.float32:
             raise ValueError(f"router must be float32 [{E}, hidden], got {self.router.dtype} "
                              f"{self.router.shape}")
-        if self.gate_up.shape != (E * 2 * I, hidden) or self.down.shape != (E * hidden, I):
+        held = self.gate_up.shape[0] // (2 * I)
+        if self.gate_up.shape != (held * 2 * I, hidden) or self.down.shape != (held * hidden, I):
             raise ValueError(f"expert matrices gate_up {self.gate_up.shape}, down {self.down.shape} do not "
-                             f"stack {E} experts of hidden {hidden}, intermediate {I}")
+                             f"stack experts of hidden {hidden}, intermediate {I}")
+        if not (held >= 1 and 0 <= self.first_expert and self.first_expert + held <= E):
+            raise ValueError(f"experts {self.first_expert}..{self.first_expert + held - 1} held of {E}")
         if not 1 <= self.top_k <= E:
             raise ValueError(f"top_k {self.top_k} must be in [1, {E}]")
         # row_block raises here if an expert's rows would split a packed block of interleaved rows
         views = tuple((row_block(self.gate_up, e * 2 * I, (e + 1) * 2 * I),
-                       row_block(self.down, e * hidden, (e + 1) * hidden)) for e in range(E))
+                       row_block(self.down, e * hidden, (e + 1) * hidden)) for e in range(held))
         object.__setattr__(self, "_views", views)
 
     @classmethod
@@ -47,9 +53,14 @@ class ExpertWeights:
                    WeightMatrix.from_float(down.reshape(E * hidden, two_i // 2), dtype),
                    E, top_k, normalize, two_i // 2)
 
+    @property
+    def held(self) -> tuple[int, int]:
+        """[first, end) of the experts held."""
+        return self.first_expert, self.first_expert + len(self._views)
+
     def expert(self, e: int) -> tuple[Matrix, Matrix]:
-        """Expert e's (gate_up [2 * I, hidden], down [hidden, I]): views into the stacked matrices."""
-        return self._views[e]
+        """Held expert e's (gate_up [2 * I, hidden], down [hidden, I]): views into the stacked matrices."""
+        return self._views[e - self.first_expert]
 
     def with_matrices(self, gate_up: Matrix, down: Matrix) -> "ExpertWeights":
         """A copy with the stacked matrices swapped (repacked for their activations), the router shared."""

@@ -80,12 +80,12 @@ def expected_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
 
 
 def _expert_names(spec: ModelSpec, prefix: str) -> tuple[str, list[tuple[str, str, str]]]:
-    """A MoE layer's tensor names: its router's, and each expert's (gate, up, down)."""
+    """A MoE layer's tensor names: its router's, and each held expert's (gate, up, down)."""
     experts = spec.arch.experts
     block = prefix + experts.block
     return f"{block}.gate.weight", [
         tuple(f"{block}.experts.{e}.{name}.weight" for name in experts.projections)
-        for e in range(spec.num_experts)]
+        for e in range(*(spec.held_experts or (0, spec.num_experts)))]
 
 
 def _expert_shapes(spec: ModelSpec, prefix: str) -> dict[str, tuple[int, ...]]:
@@ -209,7 +209,8 @@ def load_layer(read, prefix: str, spec: ModelSpec, weight_dtype: str, moe: bool 
 
 
 def _load_experts(read, prefix: str, spec: ModelSpec, weight_dtype: str, index: int) -> ExpertWeights:
-    """A MoE layer's router and experts, stacked: gate_up [E * 2I, hidden], down [E * hidden, I]."""
+    """A MoE layer's router and held experts, stacked: gate_up [E_held * 2I, hidden], down [E_held * hidden,
+    I]."""
     router, names = _expert_names(spec, prefix)
     gate_up = np.concatenate([np.concatenate([read(gate), read(up)]) for gate, up, _ in names])
     downs = np.concatenate([read(down) for _, _, down in names])
@@ -219,4 +220,5 @@ def _load_experts(read, prefix: str, spec: ModelSpec, weight_dtype: str, index: 
 
     return ExpertWeights(read(router), WeightMatrix.from_float(gate_up, dtype("ffn_gate")),
                          WeightMatrix.from_float(downs, dtype("ffn_down")), spec.num_experts,
-                         spec.num_experts_per_tok, spec.normalize_routing, spec.moe_intermediate_size)
+                         spec.num_experts_per_tok, spec.normalize_routing, spec.moe_intermediate_size,
+                         (spec.held_experts or (0,))[0])

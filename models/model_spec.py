@@ -41,6 +41,9 @@ class ModelSpec:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0  # one expert's intermediate size
     normalize_routing: bool = True  # renormalise a token's top-k routing weights to sum 1
+    # a tensor-parallel rank's experts [first, end) under expert parallelism
+    # (models/tensor_parallel/shard.py); None: all num_experts
+    held_experts: tuple[int, int] | None = None
 
     def is_moe(self, layer: int) -> bool:
         return bool(self.moe_layers) and self.moe_layers[layer]

@@ -9,15 +9,14 @@ from pathlib import Path
 from cluster_configs.engine_config import EngineConfig
 from models.loader import read_spec
 from models.tensor_parallel.collectives import WHOLE, Whole
-from models.tensor_parallel.group import RankGroup, core_shares
-from models.tensor_parallel.shard import TensorShard
+from models.tensor_parallel.group import RankGroup, core_shares, rank_shard
 from scheduling.kv_cache_manager import num_kv_blocks, window_shadows
 
 
 class TensorParallelStart:
     def __init__(self, model_path: str | Path, config: EngineConfig):
         size = config.tensor_parallel_size
-        self.shard = TensorShard(0, size)
+        self.shard = rank_shard(0, config)
         spec = read_spec(model_path)
         local = self.shard.local_spec(spec)  # a shape ranks cannot split: refused before a process starts
         self.vocab_size = spec.vocab_size

@@ -47,7 +47,9 @@ def moe_forward(x: np.ndarray, experts: ExpertWeights, linear: Linear,
     for the VNNI kernel run in one compiled call (kernels/moe/fused.py) in `buffers` (a fresh MoeBuffers when
     None; the results are views into it, valid until its next use); other formats go through `linear`, one
     call per routed expert and projection on its views. A token's output is its slots' outputs summed in
-    slot order, each from its own row alone: the same bits in any batch, and on either path."""
+    slot order, each from its own row alone: the same bits in any batch, and on either path. Experts held by
+    another rank (expert parallelism) add zero: the ranks' outputs sum to the layer's (the caller's
+    all-reduce)."""
     x = np.ascontiguousarray(x, np.float32)
     if _fused(experts):
         return _experts_fused(x, experts, buffers or MoeBuffers())
@@ -59,9 +61,10 @@ def moe_forward(x: np.ndarray, experts: ExpertWeights, linear: Linear,
     slots, position = np.empty(T * k, np.int64), np.empty(T * k, np.int64)
     group_by_expert(ids, offsets, slots, position)
     # each (token, slot)'s expert output, grouped by expert, kept for the slot-order sum: T * k rows (a
-    # 512-token chunk, k = 8, hidden 2048: 32 MB)
-    y = np.empty((T * k, hidden), np.float32)
-    for e in np.flatnonzero(np.diff(offsets)):
+    # 512-token chunk, k = 8, hidden 2048: 32 MB); zeros for pairs routed to experts another rank holds
+    first, end = experts.held
+    y = (np.empty if (first, end) == (0, experts.num_experts) else np.zeros)((T * k, hidden), np.float32)
+    for e in np.flatnonzero(np.diff(offsets[first:end + 1])) + first:
         a, b = offsets[e], offsets[e + 1]
         gate_up, down = experts.expert(e)
         xe = np.empty((b - a, hidden), np.float32)
@@ -112,8 +115,10 @@ def _experts_fused(x: np.ndarray, experts: ExpertWeights,
     T = x.shape[0]
     gu, down = experts.gate_up, experts.down
     arrays = buffers.arrays(experts, T)
-    moe_vnni(x, experts.router, experts.normalize, experts.top_k, gu.data, gu.scales, gu.activation_scale,
-             _bits(gu), down.data, down.scales, down.activation_scale, _bits(down), *arrays)
+    first, end = experts.held
+    moe_vnni(x, experts.router, experts.normalize, experts.top_k, first, end, gu.data, gu.scales,
+             gu.activation_scale, _bits(gu), down.data, down.scales, down.activation_scale, _bits(down),
+             *arrays)
     return arrays.out[:T], arrays.ids[:T]
 
 

@@ -68,7 +68,7 @@ def load_planned(model_path: str | Path, config: EngineConfig, decisions: Decisi
     calibration = load_calibration(model_path)
     cache, key, hash_seconds, why_not = _keyed_cache(model_path, config, calibration)
     if key is not None and shard.size > 1:
-        key = key | {"shard": [shard.rank, shard.size]}
+        key = key | {"shard": [shard.rank, shard.size, shard.expert_parallel]}
     if key is None:
         spec, weights, tokenizer, _ = _load(model_path, config, decisions, calibration, shard)
         outcome: Outcome = "off" if config.packed_cache_dir is None else "not cached"

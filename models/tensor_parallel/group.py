@@ -51,6 +51,11 @@ class RankReady:
     kv_cache_bytes: int
 
 
+def rank_shard(rank: int, config: EngineConfig) -> TensorShard:
+    """What rank `rank` of the engine's group holds."""
+    return TensorShard(rank, config.tensor_parallel_size, config.enable_expert_parallel)
+
+
 def core_shares(cpu_ids: list[int], size: int) -> list[tuple[int, ...]]:
     """The allowed cores split evenly between the ranks (rank r gets the r-th share, never an empty one)."""
     if len(cpu_ids) < size:
@@ -72,7 +77,7 @@ def follower_main(spec: FollowerSpec, status) -> None:
     if spec.cpu_ids:
         pin_process(spec.cpu_ids)
     numba.set_num_threads(resolve_num_threads(spec.config.num_threads, spec.cpu_ids))
-    shard = TensorShard(spec.rank, spec.layout.num_ranks)
+    shard = rank_shard(spec.rank, spec.config)
     group = SharedGroup.attach(spec.layout, spec.rank)
     try:
         loaded = load_planned(spec.model_path, spec.config, DecisionLog(), shard)

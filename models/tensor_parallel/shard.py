@@ -1,7 +1,8 @@
 """Which part of each checkpoint tensor a tensor-parallel rank holds, by its Hugging Face name (vLLM's column-
 and row-parallel layers): attention by groups of KV heads (each rank its KV heads and their query heads; a KV
 head replicated where there are fewer than ranks), the MLP's gate and up by rows and down by columns, each
-expert's likewise, the vocabulary by rows of the embedding and the LM head; norms and routers whole.
+expert's likewise (or, under expert parallelism, each expert whole on one rank: E / N experts a rank, vLLM's
+enable_expert_parallel), the vocabulary by rows of the embedding and the LM head; norms and routers whole.
 
 A rank's spec (`local_spec`) is the model's with its own head and intermediate counts, so the forward, the KV
 cache and the loaders run unchanged on a shard; what its partial results need (an all-reduce after o and
@@ -22,6 +23,7 @@ Span = tuple[int, int]  # [lo, hi)
 class TensorShard:
     rank: int
     size: int
+    expert_parallel: bool = False  # a MoE layer's experts whole on ranks, not each one's matrices split
 
     def __post_init__(self):
         if not 0 <= self.rank < self.size:
@@ -51,16 +53,26 @@ class TensorShard:
         if spec.arch.qk_norm == "whole":
             raise CheckpointError(f"{spec.architecture} normalizes q and k over all heads at once, which a "
                                   "shard of the heads cannot; serve it with tensor_parallel_size 1")
-        for name, n in (("intermediate_size", spec.intermediate_size),
-                        ("moe_intermediate_size", spec.moe_intermediate_size)):
+        experts_whole = self.expert_parallel and spec.num_experts > 0
+        if experts_whole and spec.num_experts < self.size:
+            raise CheckpointError(f"{spec.architecture} has {spec.num_experts} experts: expert parallelism "
+                                  f"places them whole, at least one on each of tensor_parallel_size "
+                                  f"{self.size} ranks; use a smaller size or leave enable_expert_parallel "
+                                  "off")
+        split = [("intermediate_size", spec.intermediate_size)]
+        if not experts_whole:
+            split.append(("moe_intermediate_size", spec.moe_intermediate_size))
+        for name, n in split:
             if n % self.size:
                 raise CheckpointError(f"{spec.architecture}'s {name} {n} does not split into "
                                       f"tensor_parallel_size {self.size} equal parts; pick a size that "
                                       "divides it")
         (q_lo, q_hi), (kv_lo, kv_hi) = self.head_spans(spec)
+        expert_parts = 1 if experts_whole else self.size
         return replace(spec, num_heads=q_hi - q_lo, num_kv_heads=kv_hi - kv_lo,
                        intermediate_size=spec.intermediate_size // self.size,
-                       moe_intermediate_size=spec.moe_intermediate_size // self.size)
+                       moe_intermediate_size=spec.moe_intermediate_size // expert_parts,
+                       held_experts=self.span(spec.num_experts) if experts_whole else None)
 
     def pieces(self, name: str, spec: ModelSpec) -> tuple[int, list[Span]] | None:
         """-> (axis, the spans along it, concatenated in order) of tensor `name` this rank holds;
@@ -89,6 +101,8 @@ class TensorShard:
         if role == "down":
             return 1, [inter]
         if role in ("expert_in", "expert_out"):
+            if self.expert_parallel:  # whole, on the rank that holds it (local_spec's held_experts)
+                return None
             span = self.span(spec.moe_intermediate_size)
             return (0 if role == "expert_in" else 1), [span]
         return None

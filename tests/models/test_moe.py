@@ -1,7 +1,9 @@
 """The mixture-of-experts layer (models/moe/layer.py, kernels/moe/route.py): transformers' own MoE blocks, a
-plain float64 reference over every weight format, reading only the routed experts, batch invariance, and the
-fused path of VNNI-packed experts (kernels/moe/fused.py) bit for bit against one linear call per (token,
-slot)."""
+plain float64 reference over every weight format, reading only the routed experts, batch invariance, ranks
+holding parts of the experts (expert parallelism) summing to the layer, and the fused path of VNNI-packed
+experts (kernels/moe/fused.py) bit for bit against one linear call per (token, slot)."""
+
+import itertools
 
 import numpy as np
 import pytest
@@ -13,6 +15,8 @@ from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
 from kernels.formats.bf16 import from_bf16, to_bf16
+from kernels.formats.int8_layout import padded_k
+from kernels.moe import fused
 from kernels.moe.route import group_by_expert
 from kernels.norms import silu_mul
 from kernels.simd.bf16 import BF16_FEATURES
@@ -21,7 +25,7 @@ from kernels.simd.vnni import VNNI_FEATURES
 from memory.experts import ExpertWeights
 from memory.matrices import Bf16Matrix, Int8Matrix, WeightMatrix, row_block
 from models.linear import dequantize, linear
-from models.moe.buffers import MoeBuffers
+from models.moe.buffers import MoeBuffers, _allocate
 from models.moe.layer import ExpertLog, moe_forward, route
 
 HIDDEN, INTER = 64, 32  # whole q8_0 / q4_0 blocks, and whole 4-row packed blocks per expert
@@ -190,6 +194,89 @@ def test_expert_views_are_the_stacked_rows(dtype, how):
         assert np.shares_memory(dn.data, experts.down.data)
         assert np.array_equal(dequantize(gu), whole_gate_up[e * 2 * INTER:(e + 1) * 2 * INTER])
         assert np.array_equal(dequantize(dn), whole_down[e * HIDDEN:(e + 1) * HIDDEN])
+
+
+def held_part(experts: ExpertWeights, lo: int, hi: int) -> ExpertWeights:
+    """Experts lo..hi - 1 of a layer as expert parallelism gives them to a rank: their rows alone, the router
+    whole."""
+    I, H = experts.intermediate_size, experts.router.shape[1]
+    return ExpertWeights(experts.router, row_block(experts.gate_up, lo * 2 * I, hi * 2 * I),
+                         row_block(experts.down, lo * H, hi * H), experts.num_experts, experts.top_k,
+                         experts.normalize, I, first_expert=lo)
+
+
+@pytest.mark.parametrize("dtype, how", FORMATS)
+@pytest.mark.parametrize("E, top_k, T, dominant", [(8, 2, 5, None), (64, 8, 37, None), (4, 1, 9, 2)])
+def test_ranks_holding_parts_of_the_experts_sum_to_the_layer(dtype, how, E, top_k, T, dominant):
+    # expert parallelism: a rank runs only its experts' pairs, the others add zero. Over a split in two and
+    # an uneven one in three, every part routes as the layer, the parts sum to the layer's output (float32
+    # rounding: the slots add in another order), a token all of whose experts one part holds gets the
+    # layer's bits from it, and a part no token chose (the dominant expert's case) gives zeros
+    rng = np.random.default_rng(E + T)
+    router, gate_up, down = float_experts(rng, E, dominant)
+    experts = packed(ExpertWeights.from_float(router, gate_up, down, dtype, top_k, True), how)
+    x = inputs(rng, T, dominant)
+    whole, ids = moe_forward(x, experts, linear)
+    whole = whole.copy()  # a view into the fused path's buffers
+    for cuts in ([0, E // 2, E], [0, 1, E // 2 + 1, E]):
+        total = np.zeros_like(whole)
+        for lo, hi in itertools.pairwise(cuts):
+            part = held_part(experts, lo, hi)
+            assert part.held == (lo, hi)
+            out, part_ids = moe_forward(x, part, linear)
+            assert np.array_equal(part_ids, ids)
+            inside = ((ids >= lo) & (ids < hi)).all(axis=1)
+            assert out[inside].tobytes() == whole[inside].tobytes()
+            assert not out[~((ids >= lo) & (ids < hi)).any(axis=1)].any()
+            total += out
+        np.testing.assert_allclose(total, whole, rtol=0, atol=1e-5 * np.abs(whole).max())
+    if dominant is not None:
+        assert not moe_forward(x, held_part(experts, 0, dominant), linear)[0].any()
+
+
+def _tagging_projection(xq, xd, xsum, data, scales, out, bits, experts, starts):
+    # matmul_vnni_experts' contract with each expert's product replaced by a tag: row r of active expert s
+    # (pairs starts[s]:starts[s + 1]) gets the expert's tag (the first byte of its rows of data) plus a
+    # trace of its input row's scale
+    N = out.shape[1]
+    for s in range(experts.shape[0]):
+        for r in range(starts[s], starts[s + 1]):
+            out[r, :] = data[experts[s] * N, 0] + 1e-3 * xd[r, 0]
+
+
+@pytest.mark.parametrize("E, top_k, T, cuts", [(8, 2, 5, [0, 4, 8]), (64, 8, 37, [0, 1, 33, 64]),
+                                               (4, 1, 9, [0, 3, 4])])
+def test_the_fused_paths_pairs_reach_the_experts_a_rank_holds(monkeypatch, E, top_k, T, cuts):
+    # kernels/moe/fused.moe_vnni's bookkeeping, on any CPU: its Python body with both projections replaced
+    # by _tagging_projection. Over the held experts [first, end) of each part, every held pair's output
+    # row carries its expert's tag (so rows reached the expert the router chose, by its place in the held
+    # stack), every other pair's row is zero, and the parts' outputs sum to the whole layer's
+    monkeypatch.setattr(fused, "matmul_vnni_experts", _tagging_projection)
+    rng = np.random.default_rng(E + T)
+    x = inputs(rng, T)
+    router = float_experts(rng, E)[0]
+
+    def run(first, end):
+        gate_up = np.zeros(((end - first) * 2 * INTER, HIDDEN), np.int8)
+        down = np.zeros(((end - first) * HIDDEN, INTER), np.int8)
+        gate_up[::2 * INTER, 0] = down[::HIDDEN, 0] = np.arange(first, end)  # each held expert's tag
+        a = _allocate(T, E, top_k, INTER, HIDDEN, padded_k(HIDDEN), padded_k(INTER))
+        scales = np.zeros((1, 1), np.uint16)
+        fused.moe_vnni.py_func(x, router, True, top_k, first, end, gate_up, scales, 0.0, 8, down, scales, 0.0,
+                               8, *a)
+        return a
+
+    whole = run(0, E)
+    total = np.zeros((T, HIDDEN), np.float32)
+    for first, end in itertools.pairwise(cuts):
+        a = run(first, end)
+        assert np.array_equal(a.ids, whole.ids)
+        pair_expert = a.ids.ravel()[a.slots]  # [R] grouped order: each pair's expert
+        held = (pair_expert >= first) & (pair_expert < end)
+        assert np.array_equal(np.floor(a.y[held, 0]), pair_expert[held])
+        assert not a.y[~held].any()
+        total += a.out
+    np.testing.assert_allclose(total, whole.out, rtol=1e-6)
 
 
 def test_row_block_refuses_to_split_interleaved_rows():

@@ -16,19 +16,25 @@ from models.tensor_parallel.shard import TensorShard
 from tests.support.tp_ranks import run_forward, run_ranks, two_sequence_batches
 
 # dense with GQA (llama), one KV head replicated on both ranks and tied, vocabulary-parallel embeddings
-# (llama_tied), per-head q/k norms (qwen3), post-norms and soft-caps (gemma3), experts sharded (qwen3_moe),
-# q|k|v and gate|up stored fused (phi3)
-TP_VARIANTS = ("llama", "llama_tied", "qwen3", "gemma3", "qwen3_moe", "phi3")
+# (llama_tied), per-head q/k norms (qwen3), post-norms and soft-caps (gemma3), experts sharded (qwen3_moe) or
+# whole on ranks (qwen3_moe_ep: expert parallelism), q|k|v and gate|up stored fused (phi3)
+TP_VARIANTS = ("llama", "llama_tied", "qwen3", "gemma3", "qwen3_moe", "qwen3_moe_ep", "phi3")
+
+
+def _model(variant: str) -> tuple[str, bool]:
+    """-> (the checkpoint's name, expert parallel)"""
+    return variant.removesuffix("_ep"), variant.endswith("_ep")
 
 
 @pytest.fixture(scope="module")
 def sharded_runs(model_dirs):
     """variant -> (the whole model's outputs, rank -> (outputs, rerun outputs, weight bytes, KV heads)), from
     one pair of rank processes running every variant."""
-    jobs = [(model_dirs[v], two_sequence_batches(384, seed=i)) for i, v in enumerate(TP_VARIANTS)]
+    jobs = [(model_dirs[_model(v)[0]], two_sequence_batches(384, seed=i), _model(v)[1])
+            for i, v in enumerate(TP_VARIANTS)]
     ranks = run_ranks(2, jobs)
     runs = {}
-    for i, (variant, (model_dir, batches)) in enumerate(zip(TP_VARIANTS, jobs)):
+    for i, (variant, (model_dir, batches, _)) in enumerate(zip(TP_VARIANTS, jobs)):
         spec, weights = load_weights(model_dir, "float32")
         whole = run_forward(DecoderModel(spec, weights), batches)
         runs[variant] = (whole, weights.nbytes, {r: ranks[r][i] for r in ranks})
@@ -56,7 +62,7 @@ def test_two_ranks_give_the_whole_models_logits_and_hidden_states_and_the_same_b
 @pytest.mark.parametrize("variant", TP_VARIANTS)
 def test_each_rank_holds_about_half_the_weights_and_its_kv_heads(variant, sharded_runs, model_dirs):
     _, whole_bytes, ranks = sharded_runs[variant]
-    spec = load_spec(model_dirs[variant])
+    spec = load_spec(model_dirs[_model(variant)[0]])
     for _, _, weight_bytes, kv_heads in ranks.values():
         # norms and routers stay whole on every rank: tiny beside the matrices
         assert weight_bytes <= 0.55 * whole_bytes
@@ -68,9 +74,10 @@ def test_each_rank_holds_about_half_the_weights_and_its_kv_heads(variant, sharde
 def test_the_ranks_parts_of_every_tensor_put_together_are_the_tensor(variant, model_dirs):
     """The parts of the two ranks, each cut at its spans and put side by side kind by kind along their axis
     (q | k | v and gate | up stored fused), are the tensor; a lone KV head's rows are whole on both ranks."""
-    spec = load_spec(model_dirs[variant])
-    reader = TensorReader(model_dirs[variant], spec)
-    shards = [TensorShard(r, 2) for r in range(2)]
+    name, expert_parallel = _model(variant)
+    spec = load_spec(model_dirs[name])
+    reader = TensorReader(model_dirs[name], spec)
+    shards = [TensorShard(r, 2, expert_parallel) for r in range(2)]
     for name in expected_shapes(spec):
         whole = reader(name)
         parts = [reader.part(name, spec, s) for s in shards]
@@ -85,6 +92,31 @@ def test_the_ranks_parts_of_every_tensor_put_together_are_the_tensor(variant, mo
                                    for i in range(len(kinds[0]))], axis=axis)
         assert together.tobytes() == whole.tobytes(), name
     reader.close()
+
+
+def test_expert_parallel_ranks_hold_disjoint_whole_experts_covering_all_and_split_the_rest(model_dirs):
+    """Under expert parallelism each rank holds half the experts, each one's matrices whole (as the file
+    has them), the two halves all of them; attention and the dense layer are split as without it."""
+    spec = load_spec(model_dirs["qwen3_moe"])  # 8 experts, the first layer dense
+    reader = TensorReader(model_dirs["qwen3_moe"], spec)
+    expert_5 = reader("model.layers.1.mlp.experts.5.down_proj.weight")
+    reader.close()
+    held = []
+    for r in range(2):
+        shard = TensorShard(r, 2, expert_parallel=True)
+        local = shard.local_spec(spec)
+        assert local.moe_intermediate_size == spec.moe_intermediate_size  # whole experts
+        assert (local.num_heads, local.intermediate_size) == \
+            (TensorShard(r, 2).local_spec(spec).num_heads, spec.intermediate_size // 2)
+        held.append(local.held_experts)
+        _, weights = load_weights(model_dirs["qwen3_moe"], "float32", shard)
+        experts = weights.layers[1].experts
+        assert experts.held == local.held_experts and experts.router.shape == (8, spec.hidden_size)
+        if experts.held[0] <= 5 < experts.held[1]:
+            assert experts.expert(5)[1].data.tobytes() == expert_5.tobytes()
+    assert held == [(0, 4), (4, 8)]
+    with pytest.raises(CheckpointError, match="tensor_parallel_size 16"):
+        TensorShard(0, 16, expert_parallel=True).local_spec(spec)
 
 
 def test_a_row_span_read_from_the_file_equals_those_rows_of_the_whole_tensor(model_dirs):

@@ -1,6 +1,7 @@
 """ns.LLM(..., tensor_parallel_size=2): rank 0 in the test's process, a follower process of its own with the
-other half of the weights. Exact against tensor_parallel_size 1 (float32: scores within 1e-4, the same greedy
-tokens; the demo model in q8_0 with int8 activations: 15 of 16 prompts' tokens), continuous batching of mixed
+other half of the weights. Exact against tensor_parallel_size 1 (float32, four families, experts split or
+whole on ranks: scores within 1e-4, the same greedy tokens, the same bits alone or in a batch; the demo model
+in q8_0 with int8 activations: 15 of 16 prompts' tokens), continuous batching of mixed
 requests equal to each alone, the prefix cache, a session, a JSON schema, n-gram speculation equal to none, a
 killed follower a RankLost, and the follower stopped by close()."""
 
@@ -37,8 +38,11 @@ def pair(model_dirs):
     two.close()
 
 
-def test_two_ranks_score_within_1e_4_of_one_and_generate_the_same_greedy_tokens(pair):
-    one, two = pair
+def _exact_on_two_ranks(one: ns.LLM, two: ns.LLM) -> None:
+    """two (tensor_parallel_size 2) against one (1): each rank about half the weights and its KV heads; every
+    prompt's scores within 1e-4 and the same greedy tokens; and on two ranks the same bits (logits, through
+    their log-softmax) for a prompt again, and alone or in a batch of 16 mixed requests (sums in rank order,
+    whatever the timing or the batch)."""
     whole, shards = one.stats()["tensor_parallel"], two.stats()["tensor_parallel"]
     assert whole["size"] == 1 and shards["size"] == 2
     assert all(w <= 0.55 * whole["weight_bytes"][0] for w in shards["weight_bytes"])  # each rank: about half
@@ -50,15 +54,34 @@ def test_two_ranks_score_within_1e_4_of_one_and_generate_the_same_greedy_tokens(
     mixed = [ns.SamplingParams(max_tokens=4 + 3 * i, temperature=0, ignore_eos=True) for i in range(4)]
     assert [c.token_ids for c in two.generate(prompts, mixed)] == \
         [c.token_ids for c in one.generate(prompts, mixed)]
+    assert two.score(prompts[2]).tobytes() == two.score(prompts[2]).tobytes()
+    scored = ns.SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=5, prompt_logprobs=5)
+    batch = [random_prompt(3 + 5 * i, seed=100 + i) for i in range(16)]
+    together = [(c.token_ids, c.logprobs, c.prompt_logprobs) for c in two.generate(batch, scored)]
+    alone = [(c.token_ids, c.logprobs, c.prompt_logprobs)
+             for c in (two.generate([p], scored)[0] for p in batch)]
+    assert together == alone  # float equality: the same bits
 
 
-def test_sixteen_mixed_requests_in_one_batch_equal_each_alone_bit_for_bit(pair):
-    _, two = pair
-    prompts = [random_prompt(3 + 5 * i, seed=100 + i) for i in range(16)]
-    together = [c.token_ids for c in two.generate(prompts, GREEDY)]
-    assert together == [two.generate([p], GREEDY)[0].token_ids for p in prompts]
-    score = two.score(prompts[3])
-    assert score.tobytes() == two.score(prompts[3]).tobytes()  # rank-order sums: the same bits again
+@pytest.mark.parametrize("variant", ["qwen3", "llama", "gemma3", "qwen3_moe", "qwen3_moe_ep"])
+def test_two_ranks_score_within_1e_4_of_one_the_same_greedy_tokens_and_the_same_bits_in_any_batch(
+        variant, model_dirs, pair):
+    """Dense with GQA (llama), per-head q/k norms and a sliding-window layer (qwen3), post-norms and soft-caps
+    (gemma3), experts each split over the ranks (qwen3_moe) or whole on one (qwen3_moe_ep: expert
+    parallelism)."""
+    if variant == "qwen3":
+        _exact_on_two_ranks(*pair)
+        return
+    model_dir = model_dirs[variant.removesuffix("_ep")]
+    one = ns.LLM(model_dir, **EXACT)
+    two = ns.LLM(model_dir, tensor_parallel_size=2, enable_expert_parallel=variant.endswith("_ep"), **EXACT)
+    try:
+        experts = two.engine.model.weights.layers[1].experts  # rank 0's: half the experts, or all (split)
+        assert experts is None or experts.held == ((0, 4) if variant.endswith("_ep") else (0, 8))
+        _exact_on_two_ranks(one, two)
+    finally:
+        one.close()
+        two.close()
 
 
 def test_ngram_speculation_on_two_ranks_gives_the_tokens_without_it(model_dirs, pair):

@@ -45,17 +45,21 @@ def run_forward(model: DecoderModel, batches: list[ForwardBatch]) -> list[tuple]
     return [model.forward_hidden(b, kv) for b in batches]
 
 
-def rank_main(layout: GroupLayout, rank: int, jobs: list[tuple[Path, list[ForwardBatch]]], results) -> None:
-    """For each (checkpoint, batches): load this rank's shard, run the batches twice (a fresh KV cache each
-    time); -> results.put((rank, [(outputs, rerun outputs, weight bytes, KV heads), ...])), or (rank,
-    error)."""
-    shard, group = TensorShard(rank, layout.num_ranks), None
+Job = tuple[Path, list[ForwardBatch], bool]  # (checkpoint, batches, expert parallel)
+
+
+def rank_main(layout: GroupLayout, rank: int, jobs: list[Job], results) -> None:
+    """For each (checkpoint, batches, expert parallel): load this rank's shard, run the batches twice (a fresh
+    KV cache each time); -> results.put((rank, [(outputs, rerun outputs, weight bytes, KV heads), ...])), or
+    (rank, error)."""
+    group = None
     try:
         group = SharedGroup.create(layout) if rank == 0 else SharedGroup.attach(layout, rank)
         if rank == 0:
             group.wait_attached()
         done = []
-        for model_dir, batches in jobs:
+        for model_dir, batches, expert_parallel in jobs:
+            shard = TensorShard(rank, layout.num_ranks, expert_parallel)
             spec, weights = load_weights(model_dir, "float32", shard)
             local = shard.local_spec(spec)
             model = DecoderModel(local, weights, collectives=Sharded(group, shard, spec.vocab_size))
@@ -71,7 +75,7 @@ def rank_main(layout: GroupLayout, rank: int, jobs: list[tuple[Path, list[Forwar
             group.close()
 
 
-def run_ranks(size: int, jobs: list[tuple[Path, list[ForwardBatch]]]) -> dict[int, list]:
+def run_ranks(size: int, jobs: list[Job]) -> dict[int, list]:
     """Starts `size` ranks on the jobs; -> rank -> its results (raises if a rank failed)."""
     layout = GroupLayout.new(size, slot_elems=1 << 16, plan_bytes=64, timeout_s=120)
     results = SPAWN.Queue()
