@@ -6,7 +6,8 @@ its OpenAI-compatible HTTP servers when configured, `<name>.http` on the head no
 (http.replicas, by default one per machine) spread over the cluster's nodes by Ray's SPREAD strategy (best
 effort: those that share a machine share the port through SO_REUSEPORT); and
 `<name>.worker.<machine>-numa<node>-<replica>`, each placed on its NUMA node by the custom resource
-`numa_<machine>_<node>` its machine declares.
+`numa_<machine>_<node>` its machine declares (a tensor-parallel worker on its group's nodes: it holds each
+one's resource, and starts its follower ranks pinned to their cores).
 """
 
 import json
@@ -29,13 +30,16 @@ from actors.worker import NumaWorker
 from cluster_configs.cluster_config import NAME_PATTERN, ClusterConfig, HttpConfig, WorkerPlacement
 from cluster_configs.errors import CheckpointError, NumaserveError
 from memory import numa
+from models.loader import read_spec
 from models.model_spec import load_spec
+from scheduling.memory_fit import fitting_size, rank_memory
 from scheduling.policy import PolicyLimits
 
 # control actors live on the head node, which outlives worker machines
 HEAD = {"node:__internal_head__": 0.001}
 READY_TIMEOUT_S = 600.0
 RELEASE_WAIT_S = 5.0
+GIB = 1 << 30
 log = logging.getLogger("numaserve")
 
 
@@ -56,6 +60,7 @@ def serve(config: ClusterConfig | str | Path | None = None, model: str | Path | 
         raise DeploymentError(f"a deployment named {name!r} is already running; use "
                               f"numaserve.connect({name!r}) or shut it down first")
     placements = config.placements()
+    check_memory(config, placements)
     check_resources(config, placements)
     try:
         return _start(config, placements, name)
@@ -151,19 +156,47 @@ def init_ray(config: ClusterConfig, persistent: bool = False, address: str | Non
 
 def check_resources(config: ClusterConfig, placements: list[WorkerPlacement]) -> None:
     total = ray.cluster_resources()
-    missing = sorted({p.resource for p in placements if total.get(p.resource, 0) <= 0})
+    resources = {r for p in placements for r in p.resources}
+    missing = sorted(r for r in resources if total.get(r, 0) <= 0)
     if missing:
         raise DeploymentError(f"no Ray node offers {', '.join(missing)}: each machine must declare its NUMA "
                               "nodes when it joins; " + _start_hints(config))
     deadline = time.monotonic() + RELEASE_WAIT_S
-    while busy := sorted({p.resource for p in placements
-                          if ray.available_resources().get(p.resource, 0) < _worker_share(config) - 1e-9}):
+    while busy := sorted(r for r in resources
+                         if ray.available_resources().get(r, 0) < _worker_share(config) - 1e-9):
         if time.monotonic() > deadline:
             break
         time.sleep(0.2)  # a deployment that was just shut down releases them in a moment
     if busy:
         raise DeploymentError(f"{', '.join(busy)} are taken by another deployment; shut it down first "
                               "(numaserve shutdown --name NAME)")
+
+
+def check_memory(config: ClusterConfig, placements: list[WorkerPlacement]) -> None:
+    """DeploymentError where a worker's ranks (workers_per_node of them on a node) would not fit a node's
+    memory: its declared memory_gib, else /sys's for the one machine of a config that has one (others
+    unchecked); it names the tensor_parallel_size that would fit (scheduling/memory_fit.py's estimate)."""
+    spec = read_spec(config.model)
+    need = rank_memory(spec, config.engine)
+    workers = config.workers_per_node
+    for p in placements:
+        for node_id, gib in p.nodes:
+            have = (gib * GIB if gib is not None else
+                    numa.node_memory_bytes(node_id) if len(config.machines) == 1 else None)
+            if have is None or need.total * workers <= have:
+                continue
+            n = len(next(m for m in config.machines if m.name == p.machine).numa_nodes)
+            sizes = [s for s in range(1, n + 1) if n % s == 0]
+            fit = fitting_size(spec, config.engine, have // workers, sizes)
+            advice = (f"set engine.tensor_parallel_size: {fit[0]} (about {fit[1].total / GIB:.3g} GiB a rank)"
+                      if fit is not None else f"no tensor_parallel_size up to its {n} nodes fits; lower "
+                      "engine.kv_cache_bytes or pick a smaller engine.weight_dtype")
+            raise DeploymentError(
+                f"{Path(config.model).name} needs about {need.total * workers / GIB:.3g} GiB on NUMA node "
+                f"{node_id} of machine {p.machine!r} at tensor_parallel_size "
+                f"{config.engine.tensor_parallel_size} (a rank's weights {need.weight_bytes / GIB:.3g} GiB + "
+                f"KV {need.kv_cache_bytes / GIB:.3g} GiB, {workers} worker(s) a node), and the node has "
+                f"{have / GIB:.3g} GiB: {advice}")
 
 
 def _start_hints(config: ClusterConfig) -> str:
@@ -199,7 +232,7 @@ def _start(config: ClusterConfig, placements: list[WorkerPlacement], name: str) 
         num_threads = str(engine_config.num_threads)  # numba sizes its pool once, when it loads
         env = SERVING_ENV | {"NUMBA_NUM_THREADS": num_threads, "OMP_NUM_THREADS": num_threads}
         workers[p.worker_id] = NumaWorker.options(
-            name=f"{name}.worker.{p.worker_id}", resources={p.resource: _worker_share(config)},
+            name=f"{name}.worker.{p.worker_id}", resources=dict.fromkeys(p.resources, _worker_share(config)),
             **detached | {"runtime_env": {"env_vars": env}}).remote(
                 p, config.model, engine_config, scheduler, adapter_cache, config.telemetry_interval_s,
                 config.stream_interval_ms / 1000, model_name=served_model_name(config))

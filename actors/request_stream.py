@@ -120,9 +120,11 @@ class Ingress:
         (the one that admitted it) first."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + REROUTE_WAIT_S
-        while True:
+        lost: str | None = lost_worker_id  # reported once: a retry that reported it again would mark the
+        while True:  # worker down after its restart, and a deployment of one worker would never get it back
             router, placement = await self.call_router(
-                lambda r: r.reroute.remote(request_id, lost_worker_id, num_tokens_left), router)
+                lambda r, lost=lost: r.reroute.remote(request_id, lost, num_tokens_left), router)
+            lost = None
             if placement is not None:
                 return router, placement
             if loop.time() > deadline:

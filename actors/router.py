@@ -78,10 +78,13 @@ class Router:
         return Admission(request_id, Placement(worker_id, self.workers[worker_id]), prompt_token_ids, params,
                          adapter, cache_salt, fallbacks)
 
-    async def reroute(self, request_id: str, lost_worker_id: str, num_tokens_left: int) -> Placement | None:
-        """The request's worker was lost: another live one for it (bound or not), None while none is up."""
+    async def reroute(self, request_id: str, lost_worker_id: str | None,
+                      num_tokens_left: int) -> Placement | None:
+        """The request's worker was lost (lost_worker_id: reported now; None: asked again): a live worker for
+        it (bound or not, the restarted one too), None while none is up."""
         self._start_background()
-        self._worker_lost(lost_worker_id)
+        if lost_worker_id is not None:
+            self._worker_lost(lost_worker_id)
         worker_id = self.routing.reroute(request_id, num_tokens_left)
         return None if worker_id is None else Placement(worker_id, self.workers[worker_id])
 

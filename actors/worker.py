@@ -1,4 +1,5 @@
-"""NumaWorker: one Engine pinned to one NUMA node's cores; the actor's async surface.
+"""NumaWorker: one Engine pinned to one NUMA node's cores (a tensor-parallel one: rank 0 here, its follower
+processes on the group's other nodes); the actor's async surface.
 
 The actor's event loop serves generate/embed/abort/stats/info; the Engine lives on its engine loop's thread
 (scheduling/engine_loop.py, with the worker's hooks: actors/worker_hooks.py), reached through its messages.
@@ -54,7 +55,7 @@ class NumaWorker:
         memory_policy = numa.bind_memory(numa.physical_node_ids(placement.cpu_ids, numa.read_topology()))
         held = HeldAdapters(CachedMerged(adapter_cache) if adapter_cache is not None else None)
         self.engine = Engine(Path(model_path), engine_config, fetch_adapter=held.get,
-                             shared_merged=held.shared_merged)
+                             shared_merged=held.shared_merged, rank_cpu_ids=placement.rank_cpu_ids)
         numa.first_touch(*self.engine.kv_cache.arrays)
         self._adapters = AdapterFetcher(adapter_cache, engine_config)
         self._num_pinned, self._memory_policy = num_pinned, memory_policy

@@ -4,10 +4,12 @@ It compiles the kernels before the first request (a warm-up request), keeps the 
 step's outputs to the actor's event loop in one call, and reports StepTelemetry to the scheduler about every
 telemetry_interval_s (with the speculator's SpecTelemetry), applying the Policy it answers: batch limits, the
 speculation policy and the admission bound. Until the first answer the engine's own controller decides
-speculation; while the scheduler is dead or restarting the last answer stays in force.
+speculation; while the scheduler is dead or restarting the last answer stays in force. A step that loses a
+tensor-parallel rank ends the worker's process (Ray restarts it, callers resume its streams).
 """
 
 import asyncio
+import logging
 import os
 import time
 from collections.abc import Callable
@@ -17,12 +19,15 @@ import ray
 
 from actors.metrics import WorkerMetrics
 from cluster_configs.cluster_config import WorkerPlacement
+from cluster_configs.errors import RankLost
 from cluster_configs.sampling_params import SamplingParams
 from scheduling.loop_hooks import LoopHooks
 from scheduling.loop_messages import RequestFailed
 from scheduling.outputs import RequestOutput, StepOutput
 from scheduling.policy import StepTelemetry
 
+RANK_LOST_EXIT_CODE = 3
+log = logging.getLogger("numaserve")
 POLICY_TIMEOUT_S = 5.0  # a scheduler answer older than this is dropped (the scheduler may be restarting)
 
 
@@ -61,6 +66,13 @@ class WorkerHooks(LoopHooks):
         self.metrics.outputs(outputs)
 
     def failure(self, error: Exception) -> Exception:
+        if isinstance(error, RankLost):
+            # a tensor-parallel rank is gone, so this group cannot step again: the process ends, Ray restarts
+            # the worker with a new group (all its ranks: the followers left see rank 0 gone and stop), and
+            # callers resume its streams as for any lost worker (actors/request_stream.py): nothing is failed
+            log.error("numaserve: worker %s lost a tensor-parallel rank (%s); restarting it",
+                      self.placement.worker_id, error)
+            os._exit(RANK_LOST_EXIT_CODE)
         return RuntimeError(f"worker {self.placement.worker_id}: engine step failed: {error!r}")
 
     def deliver(self, items: list[tuple]) -> None:

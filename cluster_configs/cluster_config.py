@@ -11,7 +11,9 @@ port through SO_REUSEPORT (the kernel spreads connections over them): an OS with
 
 A worker is placed on its NUMA node by a Ray custom resource, `numa_<machine>_<node>`, that the machine
 declares when it joins (`ray start --resources`, see `ray_resources`); capacity 1, split between the
-node's workers.
+node's workers. With engine.tensor_parallel_size N > 1 a worker is a tensor-parallel group over N nodes of
+one machine (its nodes in the config's order, N at a time): the worker actor is rank 0 on the first, its
+follower processes each pinned to the next nodes' cores; it takes all N nodes' resources.
 """
 
 import socket
@@ -35,6 +37,9 @@ class NumaNodeConfig(BaseModel):
 
     id: int = Field(ge=0)
     cpus: tuple[int, ...] = Field(min_length=1)  # core ids this node's workers are pinned to
+    # the node's memory, to simulate a smaller one; None: /sys/devices/system/node/node<id>/meminfo on the
+    # machine that starts the deployment (a one-machine config), unchecked on other machines
+    memory_gib: float | None = Field(None, gt=0)
 
     @field_validator("cpus")
     @classmethod
@@ -134,6 +139,11 @@ class WorkerPlacement(BaseModel):
     node_id: int
     cpu_ids: tuple[int, ...]
     replica: int  # index among the workers of its node
+    memory_gib: float | None = None  # its node's, when the config declares it
+    # a tensor-parallel group's other ranks (1, 2, ...): their NUMA nodes and cores; () with one rank
+    rank_node_ids: tuple[int, ...] = ()
+    rank_cpu_ids: tuple[tuple[int, ...], ...] = ()
+    rank_memory_gib: tuple[float | None, ...] = ()
 
     @property
     def worker_id(self) -> str:
@@ -142,6 +152,28 @@ class WorkerPlacement(BaseModel):
     @property
     def resource(self) -> str:
         return numa_resource(self.machine, self.node_id)
+
+    @property
+    def resources(self) -> tuple[str, ...]:
+        """The NUMA resources of every node its ranks run on, rank 0's first."""
+        return (self.resource, *(numa_resource(self.machine, n) for n in self.rank_node_ids))
+
+    @property
+    def nodes(self) -> tuple[tuple[int, float | None], ...]:
+        """(NUMA node id, its declared memory_gib) of each rank, rank 0's first."""
+        return ((self.node_id, self.memory_gib), *zip(self.rank_node_ids, self.rank_memory_gib))
+
+
+def node_groups(machine: MachineConfig, size: int) -> list[tuple[NumaNodeConfig, ...]]:
+    """The machine's NUMA nodes in groups of `size` (tensor_parallel_size), in the config's order: one
+    worker's ranks each; ValueError where they do not divide (a group never spans machines)."""
+    nodes = machine.numa_nodes
+    if len(nodes) % size:
+        raise ValueError(f"engine.tensor_parallel_size {size}: machine {machine.name!r} has {len(nodes)} "
+                         f"NUMA node(s), and a tensor-parallel group runs one rank on each of {size} nodes "
+                         "of one machine (a group never spans machines); give each machine a multiple of "
+                         f"{size} nodes, or lower tensor_parallel_size")
+    return [tuple(nodes[i:i + size]) for i in range(0, len(nodes), size)]
 
 
 class ClusterConfig(BaseModel):
@@ -172,13 +204,12 @@ class ClusterConfig(BaseModel):
             raise ValueError(f"machine names must be distinct, got {names}")
         return v
 
-    @field_validator("engine")
-    @classmethod
-    def _one_rank_a_worker(cls, v: EngineConfig) -> EngineConfig:
-        if v.tensor_parallel_size > 1:
-            raise ValueError(f"engine.tensor_parallel_size {v.tensor_parallel_size}: a deployment's workers "
-                             "do not shard a model over ranks yet (ns.LLM does); set it to 1")
-        return v
+    @model_validator(mode="after")
+    def _groups_fit_machines(self) -> "ClusterConfig":
+        for m in self.machines:
+            if m.numa_nodes != "auto":
+                node_groups(m, self.engine.tensor_parallel_size)
+        return self
 
     @model_validator(mode="after")
     def _port_can_be_shared(self) -> "ClusterConfig":
@@ -227,8 +258,12 @@ class ClusterConfig(BaseModel):
         """One entry per worker; needs a resolved topology (see with_topology)."""
         if self.has_auto_topology:
             raise ValueError('resolve the "auto" machines first (ClusterConfig.with_topology)')
-        return [WorkerPlacement(machine=m.name, node_id=n.id, cpu_ids=n.cpus, replica=r)
-                for m in self.machines for n in m.numa_nodes for r in range(self.workers_per_node)]
+        return [WorkerPlacement(machine=m.name, node_id=first.id, cpu_ids=first.cpus, replica=r,
+                                memory_gib=first.memory_gib, rank_node_ids=tuple(n.id for n in rest),
+                                rank_cpu_ids=tuple(n.cpus for n in rest),
+                                rank_memory_gib=tuple(n.memory_gib for n in rest))
+                for m in self.machines for first, *rest in node_groups(m, self.engine.tensor_parallel_size)
+                for r in range(self.workers_per_node)]
 
     def ray_resources(self, machine: str) -> dict[str, float]:
         """The custom resources `ray start --resources` must declare on this machine."""

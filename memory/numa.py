@@ -52,6 +52,20 @@ def read_topology(root: Path = NODE_ROOT, allowed: list[int] | None = None) -> l
     return nodes or [NumaNode(0, tuple(sorted(allowed_set)))]
 
 
+def node_memory_bytes(node_id: int, root: Path = NODE_ROOT) -> int | None:
+    """A node's memory (MemTotal of /sys/devices/system/node/node<id>/meminfo); None where /sys has no such
+    node."""
+    try:
+        text = (root / f"node{node_id}" / "meminfo").read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        fields = line.split()  # "Node 0 MemTotal: 22505248 kB"
+        if len(fields) >= 4 and fields[2] == "MemTotal:":
+            return int(fields[3]) * 1024
+    return None
+
+
 def physical_node_ids(cpu_ids: tuple[int, ...], topology: list[NumaNode]) -> list[int]:
     """The real nodes holding these cores: a simulated node's memory lives on them."""
     wanted = set(cpu_ids)

@@ -43,13 +43,17 @@ from scheduling.validation import RequestLimits
 class Engine:
     def __init__(self, model_path: str | Path, config: EngineConfig | None = None,
                  fetch_adapter: Callable[[str], LoraAdapter] | None = None,
-                 shared_merged: SharedMerged | None = None):
+                 shared_merged: SharedMerged | None = None,
+                 rank_cpu_ids: tuple[tuple[int, ...], ...] = ()):
         """The one factory of an engine's parts. fetch_adapter: where a worker gets the adapters registered
         elsewhere (AdapterStore.add_remote); it then holds at most max_loras of them. shared_merged: where
-        merged LoRA copies are shared with the other workers of a deployment."""
+        merged LoRA copies are shared with the other workers of a deployment. rank_cpu_ids: the cores of
+        tensor-parallel ranks 1, 2, ... (a deployment's group: their NUMA nodes'); (): this process's allowed
+        cores split evenly between all ranks."""
         self.config = config = config or EngineConfig()
         self.decisions = DecisionLog()
-        self.ranks = TensorParallelStart(model_path, config)  # followers load their shards beside ours
+        # followers load their shards beside ours
+        self.ranks = TensorParallelStart(model_path, config, rank_cpu_ids)
         try:
             self._build(model_path, config, fetch_adapter, shared_merged)
         except BaseException:

@@ -14,7 +14,9 @@ from scheduling.kv_cache_manager import num_kv_blocks, window_shadows
 
 
 class TensorParallelStart:
-    def __init__(self, model_path: str | Path, config: EngineConfig):
+    def __init__(self, model_path: str | Path, config: EngineConfig,
+                 rank_cpu_ids: tuple[tuple[int, ...], ...] = ()):
+        """rank_cpu_ids: ranks 1..'s cores; (): the allowed cores split evenly, rank 0 the first share."""
         size = config.tensor_parallel_size
         self.shard = rank_shard(0, config)
         spec = read_spec(model_path)
@@ -22,12 +24,14 @@ class TensorParallelStart:
         self.vocab_size = spec.vocab_size
         self.max_model_len = config.max_model_len or spec.max_position_embeddings
         self.num_blocks = num_kv_blocks(local, config, self.max_model_len)
-        allowed = sorted(os.sched_getaffinity(0))
-        # rank 0's kernel threads run on its share of the cores
-        self.cpu_ids = core_shares(allowed, size)[0] if size > 1 else tuple(allowed)
+        allowed = tuple(sorted(os.sched_getaffinity(0)))
+        if rank_cpu_ids and len(rank_cpu_ids) != size - 1:
+            raise ValueError(f"cores for {len(rank_cpu_ids)} follower ranks, tensor_parallel_size {size}")
+        shares = [allowed, *rank_cpu_ids] if rank_cpu_ids or size == 1 else core_shares(list(allowed), size)
+        self.cpu_ids = shares[0]  # rank 0's kernel threads run on its share of the cores
         self.group = None if size == 1 else RankGroup.start(
-            model_path, config, hidden=spec.hidden_size, vocab=spec.vocab_size, num_blocks=self.num_blocks,
-            max_model_len=self.max_model_len, num_shadows=window_shadows(config))
+            model_path, config, shares, hidden=spec.hidden_size, vocab=spec.vocab_size,
+            num_blocks=self.num_blocks, max_model_len=self.max_model_len, num_shadows=window_shadows(config))
 
     def wait_ready(self) -> None:
         if self.group is not None:
@@ -39,9 +43,12 @@ class TensorParallelStart:
         return self.group.collectives(self.shard, self.vocab_size, num_threads)
 
     def stats(self, weight_bytes: int, kv_cache_bytes: int) -> dict:
-        """What each rank holds, rank 0's (weight_bytes, kv_cache_bytes: this process's) first."""
+        """What each rank holds and its process, rank 0's (weight_bytes, kv_cache_bytes: this process's)
+        first."""
         followers = [] if self.group is None else self.group.ready
-        return {"size": self.shard.size, "weight_bytes": [weight_bytes] + [r.weight_bytes for r in followers],
+        pids = [os.getpid()] + ([] if self.group is None else self.group.pids)
+        return {"size": self.shard.size, "pids": pids,
+                "weight_bytes": [weight_bytes] + [r.weight_bytes for r in followers],
                 "kv_cache_bytes": [kv_cache_bytes] + [r.kv_cache_bytes for r in followers]}
 
     def close(self) -> None:

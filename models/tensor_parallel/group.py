@@ -4,7 +4,6 @@ to its share of the cores, with its shard of the weights and its own KV cache (i
 it runs every forward rank 0 sends it and returns nothing but its part of the collectives."""
 
 import multiprocessing
-import os
 import pickle
 import queue
 import time
@@ -18,7 +17,7 @@ from cluster_configs.engine_config import EngineConfig
 from cluster_configs.errors import RankLost
 from kernels import resolve_num_threads
 from memory.kv_cache import KVCache
-from memory.numa import pin_process
+from memory.numa import bind_memory, physical_node_ids, pin_process, read_topology
 from memory.shared_group import GroupLayout, SharedGroup
 from models.decoder import DecoderModel
 from models.tensor_parallel.collectives import Sharded
@@ -76,6 +75,7 @@ def follower_main(spec: FollowerSpec, status) -> None:
 
     if spec.cpu_ids:
         pin_process(spec.cpu_ids)
+        bind_memory(physical_node_ids(spec.cpu_ids, read_topology()))  # its shard and KV on its node
     numba.set_num_threads(resolve_num_threads(spec.config.num_threads, spec.cpu_ids))
     shard = rank_shard(spec.rank, spec.config)
     group = SharedGroup.attach(spec.layout, spec.rank)
@@ -125,12 +125,11 @@ class RankGroup:
         self._closed = False
 
     @classmethod
-    def start(cls, model_path: str | Path, config: EngineConfig, *, hidden: int, vocab: int, num_blocks: int,
-              max_model_len: int, num_shadows: int) -> "RankGroup":
-        """Creates the segment, spawns the followers (they load their shards while rank 0 loads its own:
-        call wait_ready() after)."""
+    def start(cls, model_path: str | Path, config: EngineConfig, shares: list[tuple[int, ...]], *,
+              hidden: int, vocab: int, num_blocks: int, max_model_len: int, num_shadows: int) -> "RankGroup":
+        """Creates the segment, spawns the followers, rank r pinned to shares[r] (they load their shards while
+        rank 0 loads its own: call wait_ready() after)."""
         size = config.tensor_parallel_size
-        shares = core_shares(sorted(os.sched_getaffinity(0)), size)
         layout = GroupLayout.new(size, slot_elems(config, hidden, vocab, size), PLAN_BYTES)
         ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: no forked numba or Ray threads
         handle = cls(SharedGroup.create(layout), [], ctx.Queue())

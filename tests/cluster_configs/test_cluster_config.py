@@ -46,6 +46,22 @@ def test_auto_topology_is_resolved_before_placement_and_workers_per_node_multipl
     assert resolved.worker_engine_config(placements[0]).num_threads == 2  # asked for fewer than the node's 4
 
 
+def test_tensor_parallel_groups_take_the_nodes_of_one_machine_in_order():
+    """A machine of 4 nodes at tensor_parallel_size 2 runs 2 groups, each over 2 nodes (rank 0 the worker on
+    the first); each group holds every node's resource; auto machines are grouped once resolved."""
+    nodes = [{"id": i, "cpus": [2 * i, 2 * i + 1]} for i in range(4)]
+    config = ns.ClusterConfig.model_validate({"machines": [{"name": "m", "numa_nodes": nodes}],
+                                              "engine": {"tensor_parallel_size": 2}})
+    placements = config.placements()
+    assert [(p.worker_id, p.cpu_ids, p.rank_node_ids, p.rank_cpu_ids) for p in placements] == [
+        ("m-numa0-0", (0, 1), (1,), ((2, 3),)), ("m-numa2-0", (4, 5), (3,), ((6, 7),))]
+    assert placements[1].resources == ("numa_m_2", "numa_m_3")
+    auto = ns.ClusterConfig.model_validate({"engine": {"tensor_parallel_size": 2}})
+    with pytest.raises(ValueError, match="machine 'local' has 1 NUMA node"):
+        auto.with_topology([(0, (0, 1))]).placements()
+    assert [p.rank_node_ids for p in auto.with_topology([(0, (0,)), (1, (1,))]).placements()] == [(1,)]
+
+
 def test_relative_paths_in_yaml_are_taken_from_the_files_folder(tmp_path):
     (tmp_path / "sub").mkdir()
     (tmp_path / "sub" / "c.yaml").write_text("model: ../m\nadapter_registry: reg.json\n")
@@ -60,7 +76,9 @@ def test_relative_paths_in_yaml_are_taken_from_the_files_folder(tmp_path):
     ("telemetry_interval_s: 0", "telemetry_interval_s"),
     ("target_step_ms: -5", "target_step_ms"),
     ("engine: {block_size: 12}", "engine.block_size"),
-    ("engine: {tensor_parallel_size: 2}", "engine"),  # not in deployments yet: a message that says so
+    # a tensor-parallel group takes whole nodes of one machine
+    (("machines: [{numa_nodes: [{id: 0, cpus: [0]}, {id: 1, cpus: [1]}, {id: 2, cpus: [2]}]}]\n"
+     "engine: {tensor_parallel_size: 2}"), "engine.tensor_parallel_size 2: machine 'local' has 3 NUMA"),
     ("engine: {tensor_parallel_size: 0}", "engine.tensor_parallel_size"),
     ("engine: {max_lenght: 5}", "engine.max_lenght"),
     ("machines: []", "machines"),
