@@ -26,6 +26,10 @@ SHAPES = {  # name -> config.json fields: the family's (FAMILIES) then these; "f
     # ~56M parameters: big enough that weights, not Python, dominate a decode step
     "llama-56m": _56M,
     "tinyllama-1.1b": _TINYLLAMA,
+    # TinyLlama's 22 layers and vocabulary at width 256: a step whose kernels do ~1% of TinyLlama's work, what
+    # a step costs whatever the bandwidth and cores (benchmarks/project_tensor_parallel.py)
+    "tinyllama-skinny": _TINYLLAMA | {"hidden_size": 256, "intermediate_size": 704, "num_attention_heads": 4,
+                                      "num_key_value_heads": 4},
     # TinyLlama's shape in other families (benchmarks/bench_architectures.py)
     "qwen3-1.1b": _TINYLLAMA | {"family": "qwen3", "head_dim": 64},
     "gemma3-1.1b": _TINYLLAMA | {"family": "gemma3", "head_dim": 64, "query_pre_attn_scalar": 64},

@@ -297,7 +297,29 @@ def tensor_parallel(data: dict) -> str:
                    times(r["tp2_over_tp1"])] for r in data["rows"]])
 
 
+def tensor_parallel_projection(data: dict) -> str:
+    a = data["assumed"]
+    cost, ar = a["socket_step_cost"], a["all_reduce"]
+    head = (f"Assumed a socket: {cost['source']}; its step's weights stream {num(cost['weights_s'] * 1e3)} "
+            f"ms (TinyLlama q8_0), fixed cost {num(cost['fixed_s'] * 1e3)} ms (the measured step floor; the "
+            f"fit's {num(a['fitted_fixed_s'] * 1e3)} ms); an all-reduce {num(ar['latency_s'] * 1e6)} us + "
+            f"{num(ar['per_byte_s'] * 1e6 * 1024, 3)} us a KB ({ar['source']}); {a['node_gib']:g} GB a "
+            f"socket; decode contexts of {a['context_tokens']} tokens.\n\n")
+    fitted = data.get("with_fitted_fixed_s", {})
+    return head + table(
+        ["model (q8_0)", "one node b1 tok/s", "TP=2 b1 tok/s", "TP=2 / one node",
+         "(with the fit's fixed cost)", "collectives ms a b1 step", "two replicas beat TP=2 above",
+         "fits one node", "fits TP=2"],
+        [[name, num(r["batch_1"]["one_node_tok_s"]), num(r["batch_1"]["tp2_tok_s"]),
+          times(r["batch_1"]["speedup"]),
+          times(fitted[name]["batch_1"]["speedup"]) if name in fitted else "",
+          num(r["batch_1"]["step_ms"]["tp2_collectives"], 3), f"{r['dp_beats_tp2_above_streams']} streams",
+          "yes" if r["fits"]["one_node"] else "no", "yes" if r["fits"]["tp2"] else "no"]
+         for name, r in data["models"].items()])
+
+
 RENDERERS = [
+    (r"tensor_parallel_projection.*\.json", tensor_parallel_projection),
     (r"decode.*\.json", decode),
     (r"context.*\.json", context),
     (r"moe.*\.json", moe),

@@ -14,6 +14,8 @@ from numaserve.simulate.step_cost import PRESETS, STEP_COST_JSON, DeploymentCost
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workers", type=int, default=1, help="modelled workers (one per NUMA node)")
+    p.add_argument("--tensor-parallel", type=int, default=1,
+                   help="ranks a worker, each on its own NUMA node (--workers groups of them)")
     p.add_argument("--machines", type=int, default=1, help="machines the workers spread over (an HTTP "
                                                               "actor on each)")
     p.add_argument("--rate", type=float, default=2.0, help="requests a second offered")
@@ -48,9 +50,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def config_from(a: argparse.Namespace) -> SimConfig:
     """The run's SimConfig from add_arguments' options (ValueError names a bad value)."""
-    return SimConfig(workers=a.workers, machines=a.machines, rate=a.rate, duration_s=a.duration_s,
-                     warmup_s=a.warmup_s, trace=a.trace, seed=a.seed, routing=a.routing,
-                     admission=not a.no_admission, stickiness=not a.no_stickiness,
+    return SimConfig(workers=a.workers, tensor_parallel=a.tensor_parallel, machines=a.machines, rate=a.rate,
+                     duration_s=a.duration_s, warmup_s=a.warmup_s, trace=a.trace, seed=a.seed,
+                     routing=a.routing, admission=not a.no_admission, stickiness=not a.no_stickiness,
                      prefix_affinity=not a.no_prefix_affinity, speculation=a.speculation,
                      accept_rate=a.accept_rate, prompt_len=a.prompt_len, max_tokens=a.max_tokens,
                      step_cost=PRESETS[a.machine](a.step_cost),

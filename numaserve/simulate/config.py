@@ -7,6 +7,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from cluster_configs.cluster_config import ClusterConfig
 from cluster_configs.engine_config import EngineConfig
 from numaserve.simulate.step_cost import DeploymentCost, StepCostModel, default_step_cost
+from numaserve.simulate.tensor_parallel import AllReduceCost, TensorParallelStepCost, fit_all_reduce
 from numaserve.simulate.traces import TRACES
 
 _CLUSTER = ClusterConfig()  # the deployment's defaults: queue bound, telemetry period, target step, chunking
@@ -15,7 +16,8 @@ _CLUSTER = ClusterConfig()  # the deployment's defaults: queue bound, telemetry 
 class SimConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    workers: int = Field(1, ge=1)
+    workers: int = Field(1, ge=1)  # each a group of tensor_parallel ranks (nodes)
+    tensor_parallel: int = Field(1, ge=1)  # ranks a worker, each on its own NUMA node
     machines: int = Field(1, ge=1)  # one caller (HTTP actor) per machine; workers spread evenly over them
     rate: float = Field(2.0, ge=0.0)  # requests/s offered (sessions: turns/s, about)
     duration_s: float = Field(10.0, gt=0.0)  # arrivals in [0, duration_s)
@@ -37,7 +39,8 @@ class SimConfig(BaseModel):
     telemetry_interval_s: float = Field(_CLUSTER.telemetry_interval_s, gt=0.0)
     target_step_s: float = Field(_CLUSTER.target_step_ms / 1000, gt=0.0)
     stream_interval_s: float = Field(_CLUSTER.stream_interval_ms / 1000, ge=0.0)
-    step_cost: StepCostModel = Field(default_factory=default_step_cost)
+    step_cost: StepCostModel = Field(default_factory=default_step_cost)  # one node's whole model
+    all_reduce: AllReduceCost = Field(default_factory=fit_all_reduce)  # between a group's ranks
     deployment_cost: DeploymentCost = DeploymentCost()
 
     @model_validator(mode="after")
@@ -51,6 +54,12 @@ class SimConfig(BaseModel):
         if self.trace not in TRACES:
             raise ValueError(f"trace must be one of {TRACES}")
         return self
+
+    def worker_cost(self) -> StepCostModel | TensorParallelStepCost:
+        """A worker's step cost: one node's, or its group's (numaserve/simulate/tensor_parallel.py)."""
+        if self.tensor_parallel == 1:
+            return self.step_cost
+        return TensorParallelStepCost(self.step_cost, self.tensor_parallel, self.all_reduce)
 
     def engine_config(self) -> EngineConfig:
         """The workers' EngineConfig: speculation as asked."""

@@ -15,6 +15,7 @@ from cluster_configs.engine_config import EngineConfig
 from memory.kv_cache import kv_layout
 from numaserve.simulate.sim_proposer import SimProposer
 from numaserve.simulate.step_cost import StepCostModel, StepShape, prefill_pairs
+from numaserve.simulate.tensor_parallel import TensorParallelStepCost
 from scheduling.batcher import Batcher
 from scheduling.kv_cache_manager import num_kv_blocks
 from scheduling.outputs import RequestOutput
@@ -46,15 +47,17 @@ def step_shape(plan: StepPlan) -> StepShape:
 
 
 class SimWorker:
-    def __init__(self, worker_id: str, config: EngineConfig, cost: StepCostModel, sampler: SimProposer,
-                 max_model_len: int):
+    def __init__(self, worker_id: str, config: EngineConfig, cost: StepCostModel | TensorParallelStepCost,
+                 sampler: SimProposer, max_model_len: int, tensor_parallel: int = 1):
         self.worker_id, self.config, self.cost, self.sampler = worker_id, config, cost, sampler
         if config.speculation.enabled:
             self.speculation = Speculator(config.speculation, sampler)
             self.speculation.clock = lambda: 0.0  # the proposer's seconds are its modelled last_passes
         else:
             self.speculation = NoSpeculation()
-        m = MODEL_SHAPE  # (no arrays, so no recent window)
+        # a rank's pool: its KV heads, as many blocks (no arrays, so no recent window)
+        m = SimpleNamespace(num_layers=MODEL_SHAPE.num_layers, head_dim=MODEL_SHAPE.head_dim,
+                            num_kv_heads=max(1, MODEL_SHAPE.num_kv_heads // tensor_parallel))
         layout = kv_layout(m.num_layers, num_kv_blocks(m, config, max_model_len), config.block_size,
                            m.num_kv_heads, m.head_dim, config.resolved_kv_dtype, config.kv_dtype_overrides)
         # trace tokens are never eos (max_tokens ends a request); a session's turns share KV by prefix

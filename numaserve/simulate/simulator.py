@@ -82,8 +82,8 @@ class Simulation:
                                    cfg.max_tokens)
         self.sampler = SimProposer(cfg.accept_rate, cfg.seed, cfg.step_cost.draft_pass_s)
         ids = [f"m{i * cfg.machines // cfg.workers}-w{i}" for i in range(cfg.workers)]
-        self.workers = {w: SimWorker(w, engine, cfg.step_cost, self.sampler, engine.max_model_len)
-                        for w in ids}
+        self.workers = {w: SimWorker(w, engine, cfg.worker_cost(), self.sampler, engine.max_model_len,
+                                     cfg.tensor_parallel) for w in ids}
         bound = (admission_bound(engine.max_num_seqs, cfg.max_queued_per_worker) if cfg.admission
                  else UNBOUNDED)
         routing = RoutingPolicy if cfg.prefix_affinity else NoPrefixAffinity

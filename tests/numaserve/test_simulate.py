@@ -20,6 +20,13 @@ from numaserve.simulate.step_cost import (
     prefill_pairs,
     two_socket_32c,
 )
+from numaserve.simulate.tensor_parallel import (
+    BUILT_IN_ALL_REDUCE,
+    AllReduceCost,
+    ModelDims,
+    TensorParallelStepCost,
+    fit_all_reduce,
+)
 from scheduling.request import Request
 
 ONE_SECOND_STEPS = StepCostModel(fixed_s=1.0, weights_s=0.0, row_s=0.0, sharpness=1.0, context_token_s=0.0,
@@ -206,3 +213,43 @@ def test_numaserve_simulate_prints_the_run_of_the_same_flags_and_names_a_bad_ste
     assert main(["simulate", "--step-cost", str(bad)]) == 2
     err = capsys.readouterr().err
     assert "step_cost.json is not a fitted step-cost model" in err and "benchmarks.fit_step_cost" in err
+
+
+def test_a_tensor_parallel_group_divides_a_nodes_step_but_its_fixed_cost_and_adds_its_collectives():
+    # each rank streams 1 / N of the weights from its own node and does 1 / N of the rows and attention;
+    # what it adds: 2 all-reduces a layer and the embedding's of rows x hidden float32, and the logits' gather
+    ar = AllReduceCost(latency_s=1e-5, per_byte_s=1e-9)
+    dims = ModelDims(num_layers=4, hidden=8, vocab=100)
+    group = TensorParallelStepCost(TRUTH, 2, ar, dims)
+    shape = StepShape(3, 5, 2, 600, prefill_pairs(5, 0))
+    rows, sampled = 10, 5
+    collectives = 9 * ar.seconds(rows * 8 * 4) + ar.seconds(sampled * 50 * 4)
+    assert group.collectives_s(shape) == pytest.approx(collectives)
+    half = StepCostModel(fixed_s=TRUTH.fixed_s, weights_s=TRUTH.weights_s / 2, row_s=TRUTH.row_s / 2,
+                         sharpness=TRUTH.sharpness, context_token_s=TRUTH.context_token_s / 2,
+                         prefill_pair_s=TRUTH.prefill_pair_s / 2)
+    assert group.seconds(shape) == pytest.approx(half.seconds(shape) + collectives)
+    assert TensorParallelStepCost(TRUTH, 1, ar, dims).seconds(shape) == TRUTH.seconds(shape)  # no collectives
+    # batch 1 is memory-bound: about half the kernels' time, plus the collectives' latencies
+    one = StepShape(1, 0, 0, 0, 0)
+    assert group.seconds(one) - TRUTH.fixed_s == pytest.approx(
+        (TRUTH.seconds(one) - TRUTH.fixed_s) / 2 + group.collectives_s(one), rel=1e-2)
+
+
+def test_a_tensor_parallel_workers_pool_holds_its_heads_so_as_many_more_tokens():
+    engine = EngineConfig(max_model_len=2048, kv_cache_bytes=64 << 20, max_num_seqs=4096)
+    blocks = [SimWorker("w", engine, TRUTH, SimProposer(0.5, 0, 0.0), 2048, n).scheduler.kv.pool.num_blocks
+              for n in (1, 2, 4)]
+    assert blocks[1] == 2 * blocks[0] and blocks[2] == 4 * blocks[0]
+
+
+def test_the_all_reduce_line_fits_the_benchmarks_medians(tmp_path):
+    rows = {f"{r}x{h}": {"bytes": r * h * 4, "median_us": 5.0 + r * h * 4 * 2e-3} for r in (1, 8, 32)
+            for h in (2048, 4096)}
+    path = tmp_path / "all_reduce.json"
+    path.write_text(json.dumps({"date": "d", "rows": rows}))
+    fitted = fit_all_reduce(path)
+    assert fitted.latency_s == pytest.approx(5e-6) and fitted.per_byte_s == pytest.approx(2e-9)
+    assert fit_all_reduce(tmp_path / "absent.json") == BUILT_IN_ALL_REDUCE
+    run = simulate(small(workers=2, machines=1, tensor_parallel=2, all_reduce=fitted))
+    assert run["completed"] + run["rejected"] == run["arrived"] and run["config"]["tensor_parallel"] == 2
