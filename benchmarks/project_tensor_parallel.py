@@ -122,7 +122,8 @@ def plot(results: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, len(shapes), figsize=(5 * len(shapes), 4))
     for ax, (name, r) in zip(axes, shapes.items()):
         ax.plot(r["concurrency"], r["tp2_tok_s"], label="one TP=2 group (2 sockets)")
-        ax.plot(r["concurrency"], r["two_replicas_tok_s"], label="two replicas (a socket each)")
+        replicas = "two replicas (a socket each)" + ("" if r["fits"]["one_node"] else ": would not fit")
+        ax.plot(r["concurrency"], r["two_replicas_tok_s"], label=replicas)
         if r["dp_beats_tp2_above_streams"] is not None:
             ax.axvline(r["dp_beats_tp2_above_streams"], color="grey", linestyle=":")
         ax.set_title(f"{name} q8_0: batch 1 x{r['batch_1']['speedup']:.2f}")
