@@ -3,7 +3,7 @@
 import os
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from cluster_configs.speculation_config import SpeculationConfig
 
@@ -113,14 +113,6 @@ class EngineConfig(BaseModel):
         if any(i < 0 for i in v):
             raise ValueError(f"kv_dtype_overrides: layer indices count from 0 (got {sorted(v)})")
         return v
-
-    @model_validator(mode="after")
-    def _tensor_parallel_features(self) -> "EngineConfig":
-        method = self.speculation.method
-        if self.tensor_parallel_size > 1 and method not in ("off", "ngram"):
-            raise ValueError(f"speculation method {method!r} is not supported with tensor_parallel_size > 1 "
-                             "yet; use 'ngram' or 'off', or tensor_parallel_size 1")
-        return self
 
     @field_validator("packed_cache_dir")
     @classmethod

@@ -167,6 +167,20 @@ def load_weights(model_dir: str | Path, weight_dtype: str,
     return whole, ModelWeights(embed=embed, norm=norm, lm_head=lm_head, layers=layers)
 
 
+def load_vocabulary(model_dir: str | Path, weight_dtype: str) -> tuple[Matrix, Matrix]:
+    """The whole (embedding, LM head) in weight_dtype's formats, as load_weights makes them: what an EAGLE
+    head shares with a target whose tensor-parallel rank holds a share of the vocabulary."""
+    model_dir = model_directory(model_dir)
+    spec = load_spec(model_dir)
+    reader = TensorReader(model_dir, spec)
+    embed = WeightMatrix.from_float(reader("model.embed_tokens.weight"),
+                                    embedding_dtype(weight_dtype, spec.tie_word_embeddings))
+    lm_head = embed if spec.tie_word_embeddings else WeightMatrix.from_float(reader("lm_head.weight"),
+                                                                             lm_head_dtype(weight_dtype))
+    reader.close()
+    return embed, lm_head
+
+
 def load_layer(read, prefix: str, spec: ModelSpec, weight_dtype: str, moe: bool = False,
                index: int = 0) -> LayerWeights:
     """Layer `index`'s weights from read(name) -> float32 tensor: q|k|v and gate|up fused, matrices in

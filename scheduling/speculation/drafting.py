@@ -5,15 +5,18 @@ step) or NoSpeculation (off): the engine calls the same methods on each, every s
 which it has.
 """
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Protocol
 
 from cluster_configs.diagnostics import DecisionLog
 from cluster_configs.engine_config import EngineConfig
 from cluster_configs.speculation_config import SpeculationConfig
+from models.checkpoint import load_vocabulary
 from models.decoder import DecoderModel
 from models.model_spec import ModelSpec
 from models.proposers import auto_candidates, make_proposer
+from models.tensor_parallel.collectives import WHOLE
 from scheduling.batcher import Batcher
 from scheduling.model_runner import RunOutput
 from scheduling.outputs import SamplerOutput
@@ -83,12 +86,22 @@ def make_speculation(config: EngineConfig, spec: ModelSpec, tokenizer, model_pat
     model_dir = Path(model_path).parent if Path(model_path).suffix == ".gguf" else Path(model_path)
     window = min((w for w in spec.layer_windows if w > 0), default=0)
 
+    target_weights = model.weights
+    auto = spec_config.method == "auto"
+    methods = auto_candidates(spec_config, model_dir) if auto else [spec_config.method]
+    if model.collectives is not WHOLE and "eagle" in methods:
+        # a tensor-parallel rank holds a share of the vocabulary: an EAGLE head, which runs on rank 0 alone,
+        # gets the whole embedding and LM head
+        embed, lm_head = load_vocabulary(model_path, "bfloat16" if config.weight_dtype == "auto"
+                                         else config.weight_dtype)
+        target_weights = replace(model.weights, embed=embed, lm_head=lm_head)
+
     def speculator(method_config: SpeculationConfig) -> Speculator:
         proposer = make_proposer(method_config, spec, tokenizer, kv_cache_tokens=kv_cache_tokens,
                                  block_size=config.block_size, weight_dtype=config.weight_dtype,
                                  kv_dtype=config.resolved_kv_dtype, activation_dtype=config.activation_dtype,
                                  decisions=decisions, sampler=sample_batch, model_dir=model_dir,
-                                 target_weights=model.weights, target_weight_dtype=model.weight_dtype,
+                                 target_weights=target_weights, target_weight_dtype=model.weight_dtype,
                                  max_model_len=config.max_model_len or spec.max_position_embeddings)
         return Speculator(method_config, proposer, decisions, window)
 

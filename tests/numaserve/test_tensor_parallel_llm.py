@@ -21,7 +21,10 @@ from numaserve.demo import DEMO_DIR
 from numaserve.demo_corpus import heldout_files
 from tests.conftest import random_prompt
 from tests.scheduling.test_jump_forward import FIXED_KEYS
+from tests.scheduling.test_speculation import perturbed_copy
 from tests.scheduling.test_structured_outputs import PROMPT
+from tests.support.eagle_factory import model_with_eagle
+from tests.support.medusa_factory import model_with_heads
 
 EXACT = {"weight_dtype": "float32", "kv_dtype": "float32", "num_threads": 1}
 GREEDY = ns.SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
@@ -94,6 +97,42 @@ def test_ngram_speculation_on_two_ranks_gives_the_tokens_without_it(model_dirs, 
         spec.close()
 
 
+@pytest.fixture(scope="module")
+def speculators(model_dirs, tmp_path_factory) -> dict:
+    """method -> (its SpeculationConfig fields, the model) over the tiny Llama: a draft model (the target plus
+    noise: some drafts pass, some not), Medusa heads and an EAGLE head fitted to its greedy continuations
+    (mode "on": they always draft)."""
+    root = tmp_path_factory.mktemp("tp_speculators")
+    target = model_dirs["llama"]  # an EAGLE head is a Llama layer (models/proposers/eagle_head.py)
+    prompts = [random_prompt(8, seed=40 + i) for i in range(4)]
+    return {"draft": ({"method": "draft", "mode": "on",
+                       "draft_model": str(perturbed_copy(target, root / "draft", scale=0.3))}, target),
+            "medusa": ({"method": "medusa", "mode": "on"},
+                       model_with_heads(target, root / "medusa", num_heads=3, prompts=prompts)),
+            "eagle": ({"method": "eagle", "mode": "on"},
+                      model_with_eagle(target, root / "eagle", prompts=prompts))}
+
+
+@pytest.mark.parametrize("method", ["draft", "medusa", "eagle"])
+def test_draft_model_medusa_and_eagle_speculation_on_two_ranks_give_the_tokens_without_it(method,
+                                                                                         speculators):
+    """The draft model and the heads run whole on rank 0 (the heads read the final hidden states every rank
+    holds; an EAGLE head gets the whole embedding and LM head, which rank 0 holds a share of); the target
+    verifies on both ranks: the tokens of no speculation, and drafts were accepted."""
+    speculation, model_dir = speculators[method]
+    plain = ns.LLM(model_dir, tensor_parallel_size=2, **EXACT)
+    spec = ns.LLM(model_dir, tensor_parallel_size=2, speculation=speculation, **EXACT)
+    try:
+        prompts = [random_prompt(8, seed=40 + i) for i in range(4)]
+        params = ns.SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+        assert [c.token_ids for c in spec.generate(prompts, params)] == \
+            [c.token_ids for c in plain.generate(prompts, params)]
+        assert spec.stats()["spec_num_accepted_tokens"] > 0
+    finally:
+        spec.close()
+        plain.close()
+
+
 def test_close_stops_the_follower_and_unsupported_features_are_typed_errors(model_dirs):
     llm = ns.LLM(model_dirs["llama"], tensor_parallel_size=2, **EXACT)
     followers = [psutil.Process(pid) for pid in llm.engine.ranks.group.pids]
@@ -101,8 +140,6 @@ def test_close_stops_the_follower_and_unsupported_features_are_typed_errors(mode
         llm.register_adapter("a", model_dirs["llama"])
     llm.close()
     assert all(not p.is_running() or p.status() == psutil.STATUS_ZOMBIE for p in followers)
-    with pytest.raises(ValueError, match="not supported with tensor_parallel_size > 1"):
-        ns.EngineConfig(tensor_parallel_size=2, speculation={"method": "draft", "draft_model": "x"})
     with pytest.raises(ns.CheckpointError, match="tensor_parallel_size 3 must divide"):
         ns.LLM(model_dirs["llama"], tensor_parallel_size=3, **EXACT)
     with pytest.raises(ValueError, match="kv_dtype_overrides names layers"):  # as with one rank
