@@ -49,8 +49,9 @@ class GroupLayout:
 
     @staticmethod
     def new(num_ranks: int, slot_elems: int, plan_bytes: int = 1 << 20, **kw) -> "GroupLayout":
-        return GroupLayout(str(SHM_ROOT / f"numaserve-tp-{uuid.uuid4().hex}"), num_ranks, slot_elems,
-                           plan_bytes, **kw)
+        # named by the creating process, so a test can tell its own segments from another process's
+        return GroupLayout(str(SHM_ROOT / f"numaserve-tp-{os.getpid()}-{uuid.uuid4().hex}"), num_ranks,
+                           slot_elems, plan_bytes, **kw)
 
     @property
     def control_words(self) -> int:

@@ -10,7 +10,7 @@ import numpy as np
 
 from cluster_configs.diagnostics import DecisionLog
 from cluster_configs.engine_config import EngineConfig
-from cluster_configs.errors import AdapterError, InvalidRequest
+from cluster_configs.errors import InvalidRequest
 from cluster_configs.sampling_params import SamplingParams
 from kernels import resolve_num_threads, threading_decision
 from memory.heap import release_free_heap
@@ -86,9 +86,15 @@ class Engine:
         window = min(s.layer_windows)  # blocks can be released only if every layer looks back a window
         self.adapters = AdapterStore(s, config.max_lora_rank, config.adapter_roots, fetch=fetch_adapter,
                                      max_loaded=config.max_loras if fetch_adapter else None)
-        slots = LoraSlots(s, config.max_loras, config.max_lora_rank, slot_dtype(self.model.weight_dtype, s))
+        slots = LoraSlots(s, config.max_loras, config.max_lora_rank,  # this rank's part of each adapter
+                          slot_dtype(self.model.weight_dtype, local), self.ranks.shard)
+        lora_merge = config.lora_merge
+        if self.ranks.shard.size > 1 and lora_merge != "never":
+            lora_merge = "never"  # merged copies would be of the whole weights: not built for shards yet
+            self.decisions.record("lora_merge", "never", "tensor-parallel ranks run adapters on the low-rank "
+                                  "path (merged copies are not built for shards yet)")
         self.runner = ModelRunner(self.model, self.kv_cache, bs, self.adapters, LoraPlanner(
-            slots, self.model.weights.layers, s, config.lora_merge, config.lora_merged_bytes,
+            slots, self.model.weights.layers, s, lora_merge, config.lora_merged_bytes,
             self.model.weight_bytes, shared_merged, self.decisions))
         self.speculation = make_speculation(config, s, self.tokenizer, model_path, self.model,
                                             kv_cache_tokens=num_blocks * bs, decisions=self.decisions)
@@ -109,18 +115,11 @@ class Engine:
 
     def register_adapter(self, name: str, path: str | Path) -> None:
         """Load a PEFT LoRA adapter; requests name it with adapter=name. Raises AdapterError."""
-        self._adapters_allowed()
         self.adapters.register(name, path)
 
     def compose_adapter(self, name: str, weights: dict[str, float], combination: str = "svd") -> None:
         """Register name as a weighted combination of registered adapters. Raises AdapterError."""
-        self._adapters_allowed()
         self.adapters.compose(name, weights, combination)
-
-    def _adapters_allowed(self) -> None:
-        if self.config.tensor_parallel_size > 1:
-            raise AdapterError("LoRA adapters are not supported with tensor_parallel_size > 1 yet; serve "
-                               "them with tensor_parallel_size 1")
 
     def close(self) -> None:
         """Stops the other ranks' processes (tensor parallelism); nothing else holds a process. Idempotent."""

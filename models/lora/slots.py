@@ -23,8 +23,9 @@ from kernels.formats.quant import QK, quantize_q8_0
 from kernels.lora import lora_shrink_expand
 from memory.heap import untouched_zeros
 from models.lora.adapter import LoraAdapter
-from models.lora.config import MODULES, module_shapes
+from models.lora.config import MODULES, module_key, module_shapes
 from models.model_spec import ModelSpec
+from models.tensor_parallel.shard import WHOLE_MODEL, TensorShard
 
 FUSED_MODULES = 3  # modules of the widest fused projection (q, k, v): add_lora pads its tuples to this
 STORED = {"float32": np.float32, "bfloat16": np.uint16, "q8_0": np.int8}  # slot dtype -> its arrays' dtype
@@ -48,8 +49,12 @@ def store(dtype: str, w: np.ndarray, data: np.ndarray, scales: np.ndarray) -> No
 
 
 class LoraSlots:
-    def __init__(self, spec: ModelSpec, max_loras: int, max_rank: int, dtype: str = "float32"):
-        shapes = module_shapes(spec)
+    def __init__(self, spec: ModelSpec, max_loras: int, max_rank: int, dtype: str = "float32",
+                 shard: TensorShard = WHOLE_MODEL):
+        """spec: the whole model's; shard: the tensor-parallel rank whose part of each adapter the slots hold
+        (its modules' shapes, TensorShard.lora_factors)."""
+        self.spec, self.shard = spec, shard
+        shapes = module_shapes(shard.local_spec(spec))
         L, S, R = spec.num_layers, max_loras, max_rank
         self.dtype = dtype  # "float32" | "bfloat16" | "q8_0"
         store = STORED[dtype]
@@ -66,6 +71,7 @@ class LoraSlots:
         self.scalings = {m: np.zeros((L, S), np.float32) for m in MODULES}
         self.held: OrderedDict[str, int] = OrderedDict()  # adapter name -> slot, least recently used first
         self.free = list(range(S - 1, -1, -1))
+        self.loads: list[tuple[int, LoraAdapter]] = []  # (slot, adapter) loaded since take_loads()
         self.num_hits = self.num_misses = self.num_evictions = self.bytes_loaded = 0
         self.kernel_seconds = 0.0  # time in the low-rank kernels, summed (the runner reads and resets it)
 
@@ -84,7 +90,7 @@ class LoraSlots:
                 self.held.move_to_end(name)
             else:
                 self.num_misses += 1
-                self._load(adapter(name), self._take_slot(names))
+                self.load(adapter(name), self._take_slot(names))
         return {name: self.held[name] for name in names}
 
     def _take_slot(self, in_use: list[str]) -> int:
@@ -94,18 +100,28 @@ class LoraSlots:
         self.num_evictions += 1
         return self.held.pop(victim)
 
-    def _load(self, adapter: LoraAdapter, slot: int) -> None:
+    def load(self, adapter: LoraAdapter, slot: int) -> None:
+        """The adapter (its part on this rank) into the slot."""
         for m in MODULES:
             self.ranks[m][:, slot] = 0
         for i, layer in enumerate(adapter.module_layers):
             for m, lora in layer.items():
                 r = lora.rank
-                store(self.dtype, lora.a, self.a[m][i, slot, :r], self.a_scales[m][i, slot, :r])
-                store(self.dtype, lora.b.T, self.bt[m][i, slot, :r], self.bt_scales[m][i, slot, :r])
+                a, b = self.shard.lora_factors(module_key(i, m), self.spec, lora.a, lora.b)
+                store(self.dtype, a, self.a[m][i, slot, :r], self.a_scales[m][i, slot, :r])
+                store(self.dtype, b.T, self.bt[m][i, slot, :r], self.bt_scales[m][i, slot, :r])
                 self.ranks[m][i, slot] = r
                 self.scalings[m][i, slot] = lora.scaling
         self.bytes_loaded += adapter.nbytes
         self.held[adapter.name] = slot
+        if self.shard.size > 1:
+            self.loads.append((slot, adapter))
+
+    def take_loads(self) -> list[tuple[int, LoraAdapter]]:
+        """The (slot, adapter) loads since the last call: what rank 0 sends its followers before the forward
+        that reads them (models/tensor_parallel/collectives.py)."""
+        loads, self.loads = self.loads, []
+        return loads
 
     def rows(self, row_slot: np.ndarray) -> "LoraRows":
         """A step's rows in the kernel's terms: row_slot [T] int32 (-1: no adapter), cut into runs of one

@@ -3,13 +3,15 @@ the sums of its partial outputs (after attention's o and the MLP's down), and th
 `WHOLE` is the model on one rank: each is the identity there, so the forward has no branch for parallelism."""
 
 import pickle
+from dataclasses import replace
 
 import numpy as np
 
+from cluster_configs.errors import RankLost
 from memory.matrices import WeightMatrix
 from memory.shared_group import SharedGroup
 from models.linear import embed
-from models.tensor_parallel.orders import ForwardOrder
+from models.tensor_parallel.orders import ForwardOrder, LoraOrder
 from models.tensor_parallel.shard import TensorShard
 
 
@@ -39,9 +41,11 @@ class Sharded:
     """One rank's shard of the model, its partial results summed through the group's shared segment."""
 
     def __init__(self, group: SharedGroup, shard: TensorShard, vocab_size: int, num_threads: int = 1,
-                 leader: bool = False):
-        """leader: rank 0 of a running group, which sends each forward's batch to the followers first."""
+                 leader: bool = False, adapter_pipes: tuple = ()):
+        """leader: rank 0 of a running group, which sends each forward's batch to the followers first, and
+        the adapters it loaded into slots through adapter_pipes (a sending Connection a follower)."""
         self.group, self.shard, self.leader = group, shard, leader
+        self.adapter_pipes = adapter_pipes
         self.rank, self.size = shard.rank, shard.size
         self.vocab_size = vocab_size
         self.vocab_lo, self.vocab_hi = shard.span(vocab_size)
@@ -50,8 +54,23 @@ class Sharded:
     def begin(self, batch, embeddings: np.ndarray | None) -> None:
         """A forward starts: rank 0 sends it to the followers, which run the same (models/tensor_parallel/
         group.py)."""
-        if self.leader:
-            self.group.send_plan(pickle.dumps(ForwardOrder(batch, embeddings), pickle.HIGHEST_PROTOCOL))
+        if not self.leader:
+            return
+        lora, loads = None, []
+        if batch.lora is not None:
+            rows = batch.lora
+            loads = rows.holder.take_loads()
+            lora = LoraOrder(rows.starts, rows.ends, rows.slots, tuple(slot for slot, _ in loads))
+            batch = replace(batch, lora=None)
+        self.group.send_plan(pickle.dumps(ForwardOrder(batch, embeddings, lora), pickle.HIGHEST_PROTOCOL))
+        for _, adapter in loads:  # after the plan: each follower reads its pipe once it has the plan
+            for rank, pipe in enumerate(self.adapter_pipes, start=1):
+                try:
+                    pipe.send(adapter)
+                except OSError:  # BrokenPipeError: the follower is gone
+                    self.group.abort()
+                    raise RankLost(f"rank 0: rank {rank} is gone (its adapter pipe broke); restart the "
+                                   "group") from None
 
     def embed(self, w: WeightMatrix, token_ids: np.ndarray) -> np.ndarray:
         """token_ids [T] -> [T, hidden]: the rows of this rank's vocabulary, zeros elsewhere, summed over the

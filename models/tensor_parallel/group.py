@@ -7,7 +7,7 @@ import multiprocessing
 import pickle
 import queue
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numba
@@ -20,6 +20,7 @@ from memory.kv_cache import KVCache
 from memory.numa import bind_memory, physical_node_ids, pin_process, read_topology
 from memory.shared_group import GroupLayout, SharedGroup
 from models.decoder import DecoderModel
+from models.lora.slots import LoraRows, LoraSlots, slot_dtype
 from models.tensor_parallel.collectives import Sharded
 from models.tensor_parallel.orders import StopOrder
 from models.tensor_parallel.shard import TensorShard
@@ -69,8 +70,9 @@ def slot_elems(config: EngineConfig, hidden: int, vocab: int, size: int) -> int:
     return config.max_num_batched_tokens * max(hidden, -(-vocab // size))
 
 
-def follower_main(spec: FollowerSpec, status) -> None:
-    """A follower's process: pin, load the shard, report, then run rank 0's forwards until told to stop."""
+def follower_main(spec: FollowerSpec, status, adapters) -> None:
+    """A follower's process: pin, load the shard, report, then run rank 0's forwards until told to stop.
+    adapters: the receiving end of its adapter pipe (the LoRA adapters rank 0 loads into slots)."""
     from models.packed.planned_load import load_planned
 
     if spec.cpu_ids:
@@ -87,6 +89,8 @@ def follower_main(spec: FollowerSpec, status) -> None:
         c = spec.config
         kv = KVCache(local.num_layers, spec.num_blocks, c.block_size, local.num_kv_heads, local.head_dim,
                      c.resolved_kv_dtype, c.kv_dtype_overrides, num_shadows=spec.num_shadows)
+        slots = LoraSlots(loaded.spec, c.max_loras, c.max_lora_rank, slot_dtype(model.weight_dtype, local),
+                          shard)  # rank 0's slot for slot, its part of each adapter
     except Exception as e:  # noqa: BLE001 - rank 0 raises it
         status.put(_picklable(e, spec.rank))
         group.abort()
@@ -98,9 +102,14 @@ def follower_main(spec: FollowerSpec, status) -> None:
             order = pickle.loads(group.receive_plan())
             if isinstance(order, StopOrder):
                 break
-            model.forward_hidden(order.batch, kv, order.embeddings)
-    except RankLost:
-        pass  # rank 0 is gone or gave up: nothing is left to serve
+            batch, lora = order.batch, order.lora
+            if lora is not None:
+                for slot in lora.loads:
+                    slots.load(adapters.recv(), slot)
+                batch = replace(batch, lora=LoraRows(lora.starts, lora.ends, lora.slots, slots))
+            model.forward_hidden(batch, kv, order.embeddings)
+    except (RankLost, EOFError, OSError):
+        pass  # rank 0 is gone or gave up (its pipe closed): nothing is left to serve
     finally:
         group.close()
 
@@ -121,6 +130,7 @@ class RankGroup:
     def __init__(self, group: SharedGroup, procs: list, status):
         """procs: the followers' processes; status: the queue each puts its RankReady or start error on."""
         self.group, self.procs, self._status = group, procs, status
+        self.adapter_pipes: list = []  # the sending end of each follower's adapter pipe, in rank order
         self.ready: list[RankReady] = []  # the followers', in rank order, once wait_ready() returned
         self._closed = False
 
@@ -137,10 +147,13 @@ class RankGroup:
             for rank in range(1, size):
                 spec = FollowerSpec(str(model_path), config, layout, rank, shares[rank], num_blocks,
                                     max_model_len, num_shadows)
-                proc = ctx.Process(target=follower_main, args=(spec, handle._status), daemon=True,
+                receive, send = ctx.Pipe(duplex=False)
+                proc = ctx.Process(target=follower_main, args=(spec, handle._status, receive), daemon=True,
                                    name=f"numaserve-tp-rank-{rank}")
                 proc.start()
+                receive.close()  # the follower's end: a follower gone breaks the pipe for rank 0
                 handle.procs.append(proc)
+                handle.adapter_pipes.append(send)
         except BaseException:
             handle.close()
             raise
@@ -178,7 +191,8 @@ class RankGroup:
         return reports
 
     def collectives(self, shard: TensorShard, vocab: int, num_threads: int) -> Sharded:
-        return Sharded(self.group, shard, vocab, num_threads, leader=True)
+        return Sharded(self.group, shard, vocab, num_threads, leader=True,
+                       adapter_pipes=tuple(self.adapter_pipes))
 
     @property
     def pids(self) -> list[int]:
@@ -199,5 +213,7 @@ class RankGroup:
             if p.is_alive():
                 p.terminate()
                 p.join(STOP_TIMEOUT_S)
+        for pipe in self.adapter_pipes:
+            pipe.close()
         self.group.unlink()
         self.group.close()

@@ -107,6 +107,19 @@ class TensorShard:
             return (0 if role == "expert_in" else 1), [span]
         return None
 
+    def lora_factors(self, module_key: str, spec: ModelSpec, a: np.ndarray,
+                     b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """This rank's (A [r, in], B [out, r]) of a LoRA on the module `module_key` (its weight's name without
+        ".weight"): B's rows where the base weight is split by rows (its outputs are the rank's), A's columns
+        where by columns (its partial product joins the base's in the all-reduce after it)."""
+        plan = self.pieces(module_key + ".weight", spec)
+        if plan is None:
+            return a, b
+        axis, spans = plan
+        if axis == 0:
+            return a, np.ascontiguousarray(np.concatenate([b[lo:hi] for lo, hi in spans]))
+        return np.ascontiguousarray(np.concatenate([a[:, lo:hi] for lo, hi in spans], axis=1)), b
+
     def take(self, name: str, spec: ModelSpec, tensor: np.ndarray) -> np.ndarray:
         """This rank's part of the whole tensor `name` (a copy: the whole one can go)."""
         plan = self.pieces(name, spec)
