@@ -5,8 +5,10 @@ activations).
 
 On one socket the two ranks share what one process had (the same cores and memory channels), so the bound is
 the cost of tensor parallelism itself: the all-reduces, the step plan sent to the follower, and the ranks
-waiting for each other. What a second socket would add (its own memory bandwidth) is the simulator's to
-project.
+waiting for each other. Each TP=2 sample also records the share of its seconds rank 0 spent in the
+all-reduces and the logits' gather (stats()["tensor_parallel"]["collective_seconds"], waiting for the other
+rank included). What a second socket would add (its own memory bandwidth) is the simulator's to project
+(benchmarks/project_tensor_parallel.py).
 
 Each engine runs in its own process (benchmarks/numaserve_worker.py), loaded once; the engines alternate
 sample by sample with the order flipping, unique prompts every sample, medians and ratios from one run.
@@ -43,14 +45,19 @@ def start(label: str, model: Path, size: int, args) -> EngineProcess:
     return EngineProcess(label, "benchmarks.numaserve_worker", argv, dict(os.environ))
 
 
-def sample(engine: EngineProcess, row: str, rng: np.random.Generator, steps: int) -> float:
-    """Tokens a second of one sample of a row (prompts unique to this sample and engine)."""
+def sample(engine: EngineProcess, row: str, rng: np.random.Generator, steps: int) -> tuple[float, float]:
+    """(tokens a second, the share of its seconds rank 0 spent in the all-reduces and the logits' gather) of
+    one sample of a row (prompts unique to this sample and engine)."""
+    before = engine.call("tensor_parallel")["collective_seconds"]
     if row.startswith("prefill"):
         n = int(row.removeprefix("prefill"))
-        return n / engine.call("prefill", prompt=rng.integers(3, 30000, n).tolist())
-    batch = int(row)
-    prompts = rng.integers(3, 30000, (batch, PROMPT_LEN)).tolist()
-    return batch * steps / engine.call("decode", prompts=prompts, num_steps=steps)
+        tokens, seconds = n, engine.call("prefill", prompt=rng.integers(3, 30000, n).tolist())
+    else:
+        batch = int(row)
+        prompts = rng.integers(3, 30000, (batch, PROMPT_LEN)).tolist()
+        tokens, seconds = batch * steps, engine.call("decode", prompts=prompts, num_steps=steps)
+    collectives = engine.call("tensor_parallel")["collective_seconds"] - before
+    return tokens / seconds, collectives / seconds
 
 
 def plot(results: dict, path: Path) -> None:
@@ -99,14 +106,20 @@ def main() -> None:
             for engine in engines.values():  # untimed: compiles what had not been, touches the KV pages
                 sample(engine, row, rng, args.steps)
             speeds: dict[str, list[float]] = {label: [] for label in engines}
+            shares: list[float] = []  # tp2's: the collectives' share of each sample's seconds
             for i in range(args.samples):
                 for label in (list(engines) if i % 2 == 0 else list(engines)[::-1]):
-                    speeds[label].append(sample(engines[label], row, rng, args.steps))
+                    speed, share = sample(engines[label], row, rng, args.steps)
+                    speeds[label].append(speed)
+                    if label == "tp2":
+                        shares.append(share)
             medians = {label: statistics.median(v) for label, v in speeds.items()}
             rows.append({"row": row, "tokens_per_s": speeds, "median_tokens_per_s": medians,
-                         "tp2_over_tp1": medians["tp2"] / medians["tp1"]})
+                         "tp2_over_tp1": medians["tp2"] / medians["tp1"], "tp2_collective_shares": shares,
+                         "tp2_median_collective_share": statistics.median(shares)})
             print(f"{row}: tp1 {medians['tp1']:.1f}, tp2 {medians['tp2']:.1f} tokens/s, "
-                  f"tp2/tp1 {rows[-1]['tp2_over_tp1']:.3f}", flush=True)
+                  f"tp2/tp1 {rows[-1]['tp2_over_tp1']:.3f}, tp2's collectives "
+                  f"{rows[-1]['tp2_median_collective_share']:.1%} of its time", flush=True)
     finally:
         for engine in engines.values():
             engine.close()

@@ -52,6 +52,10 @@ class NumaserveBench:
                                              if d["topic"] == "activation_dtype"}),
                 "torch_imported_first": "--torch-first" in sys.argv}
 
+    def tensor_parallel(self) -> dict:
+        """The engine's tensor-parallel figures (stats()["tensor_parallel"]: the collectives' seconds)."""
+        return self.llm.stats()["tensor_parallel"]
+
     def export_gguf(self, path: str) -> str:
         if self.args.activation_dtype == "float32":  # the loaded weights are the format's own blocks
             export_gguf(self.engine.model.spec, self.engine.model.weights, self.llm.tokenizer, path)
@@ -167,9 +171,10 @@ def main() -> None:
     parser.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks (--threads each)")
     bench = NumaserveBench(parser.parse_args())
     bench.decode([[5] * 16] * 2, 2)  # warm-up: numba compiles (or loads) every kernel signature once
-    serve({"info": bench.info, "export_gguf": bench.export_gguf, "prefill": bench.prefill,
-           "prefill_batch": bench.prefill_batch, "decode": bench.decode, "open_decode": bench.open_decode,
-           "decode_more": bench.decode_more, "close_decode": bench.close_decode})
+    serve({"info": bench.info, "tensor_parallel": bench.tensor_parallel, "export_gguf": bench.export_gguf,
+           "prefill": bench.prefill, "prefill_batch": bench.prefill_batch, "decode": bench.decode,
+           "open_decode": bench.open_decode, "decode_more": bench.decode_more,
+           "close_decode": bench.close_decode})
 
 
 if __name__ == "__main__":

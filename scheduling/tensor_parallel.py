@@ -8,7 +8,7 @@ from pathlib import Path
 
 from cluster_configs.engine_config import EngineConfig
 from models.loader import read_spec
-from models.tensor_parallel.collectives import WHOLE, Whole
+from models.tensor_parallel.collectives import WHOLE, Sharded, Whole
 from models.tensor_parallel.group import RankGroup, core_shares, rank_shard
 from scheduling.kv_cache_manager import num_kv_blocks, window_shadows
 
@@ -29,6 +29,7 @@ class TensorParallelStart:
             raise ValueError(f"cores for {len(rank_cpu_ids)} follower ranks, tensor_parallel_size {size}")
         shares = [allowed, *rank_cpu_ids] if rank_cpu_ids or size == 1 else core_shares(list(allowed), size)
         self.cpu_ids = shares[0]  # rank 0's kernel threads run on its share of the cores
+        self.sharded: Sharded | None = None  # rank 0's collectives, once the model has them
         self.group = None if size == 1 else RankGroup.start(
             model_path, config, shares, hidden=spec.hidden_size, vocab=spec.vocab_size,
             num_blocks=self.num_blocks, max_model_len=self.max_model_len, num_shadows=window_shadows(config))
@@ -40,14 +41,19 @@ class TensorParallelStart:
     def collectives(self, num_threads: int) -> Whole:
         if self.group is None:
             return WHOLE
-        return self.group.collectives(self.shard, self.vocab_size, num_threads)
+        self.sharded = self.group.collectives(self.shard, self.vocab_size, num_threads)
+        return self.sharded
 
     def stats(self, weight_bytes: int, kv_cache_bytes: int) -> dict:
         """What each rank holds and its process, rank 0's (weight_bytes, kv_cache_bytes: this process's)
         first."""
         followers = [] if self.group is None else self.group.ready
         pids = [os.getpid()] + ([] if self.group is None else self.group.pids)
+        sharded = self.sharded
         return {"size": self.shard.size, "pids": pids,
+                # rank 0's seconds in the all-reduces and the logits' gather, and in sending the plans
+                "collective_seconds": 0.0 if sharded is None else sharded.collective_seconds,
+                "plan_seconds": 0.0 if sharded is None else sharded.plan_seconds,
                 "weight_bytes": [weight_bytes] + [r.weight_bytes for r in followers],
                 "kv_cache_bytes": [kv_cache_bytes] + [r.kv_cache_bytes for r in followers]}
 

@@ -3,6 +3,7 @@ the sums of its partial outputs (after attention's o and the MLP's down), and th
 `WHOLE` is the model on one rank: each is the identity there, so the forward has no branch for parallelism."""
 
 import pickle
+import time
 from dataclasses import replace
 
 import numpy as np
@@ -50,12 +51,16 @@ class Sharded:
         self.vocab_size = vocab_size
         self.vocab_lo, self.vocab_hi = shard.span(vocab_size)
         self.num_threads = num_threads
+        # seconds in the all-reduces and the gather (waiting for the slowest rank included), and in sending
+        # the plans, since the group started
+        self.collective_seconds = self.plan_seconds = 0.0
 
     def begin(self, batch, embeddings: np.ndarray | None) -> None:
         """A forward starts: rank 0 sends it to the followers, which run the same (models/tensor_parallel/
         group.py)."""
         if not self.leader:
             return
+        start = time.perf_counter()
         lora, loads = None, []
         if batch.lora is not None:
             rows = batch.lora
@@ -71,6 +76,7 @@ class Sharded:
                     self.group.abort()
                     raise RankLost(f"rank 0: rank {rank} is gone (its adapter pipe broke); restart the "
                                    "group") from None
+        self.plan_seconds += time.perf_counter() - start
 
     def embed(self, w: WeightMatrix, token_ids: np.ndarray) -> np.ndarray:
         """token_ids [T] -> [T, hidden]: the rows of this rank's vocabulary, zeros elsewhere, summed over the
@@ -79,14 +85,18 @@ class Sharded:
         h = np.zeros((token_ids.shape[0], w.shape[1]), np.float32)
         if mine.any():
             h[mine] = embed(w, token_ids[mine] - self.vocab_lo)
-        self.group.all_reduce(h, self.num_threads)
+        self.all_reduce(h)
         return h
 
     def all_reduce(self, x: np.ndarray) -> None:
+        start = time.perf_counter()
         self.group.all_reduce(x, self.num_threads)
+        self.collective_seconds += time.perf_counter() - start
 
     def gather_logits(self, logits: np.ndarray) -> np.ndarray | None:
         """logits [R, its vocabulary rows] -> [R, vocab] on rank 0, None on the others."""
+        start = time.perf_counter()
         out = np.empty((logits.shape[0], self.vocab_size), np.float32) if self.rank == 0 else None
         self.group.gather(logits, out)
+        self.collective_seconds += time.perf_counter() - start
         return out
