@@ -11,6 +11,7 @@ from cluster_configs.errors import (
     InvalidRequest,
     NumaserveError,
     Overloaded,
+    RankLost,
     Unavailable,
 )
 from cluster_configs.sampling_params import SamplingParams
@@ -32,6 +33,7 @@ __all__ = [
     "InvalidRequest",
     "NumaserveError",
     "Overloaded",
+    "RankLost",
     "SamplingParams",
     "SpeculationConfig",
     "StructuredOutputs",

@@ -18,7 +18,6 @@ import psutil
 import pytest
 
 import numaserve as ns
-from cluster_configs.errors import RankLost
 from numaserve.demo import DEMO_DIR
 from numaserve.demo_corpus import heldout_files
 from tests.conftest import random_prompt
@@ -220,7 +219,7 @@ def test_a_killed_follower_fails_the_step_with_rank_lost_instead_of_hanging(mode
     try:
         llm.generate([random_prompt(6, seed=1)], GREEDY)
         psutil.Process(llm.engine.ranks.group.pids[0]).kill()
-        with pytest.raises(RankLost, match="rank 1 .* is gone"):
+        with pytest.raises(ns.RankLost, match="rank 1 .* is gone"):
             llm.generate([random_prompt(6, seed=2)], GREEDY)
     finally:
         llm.close()
