@@ -113,8 +113,10 @@ class LoraSlots:
                 self.ranks[m][i, slot] = r
                 self.scalings[m][i, slot] = lora.scaling
         self.bytes_loaded += adapter.nbytes
+        for stale in [n for n, s in self.held.items() if s == slot]:  # a follower's: rank 0 evicted it
+            del self.held[stale]
         self.held[adapter.name] = slot
-        if self.shard.size > 1:
+        if self.shard.size > 1 and self.shard.rank == 0:  # the followers are told; they tell nobody
             self.loads.append((slot, adapter))
 
     def take_loads(self) -> list[tuple[int, LoraAdapter]]:

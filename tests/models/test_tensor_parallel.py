@@ -10,9 +10,12 @@ import pytest
 from cluster_configs.errors import CheckpointError
 from models.checkpoint import TensorReader, expected_shapes, load_weights
 from models.decoder import DecoderModel
+from models.lora.adapter import load_lora
+from models.lora.slots import LoraSlots
 from models.model_spec import load_spec
 from models.safetensors_io import read_tensor
 from models.tensor_parallel.shard import TensorShard
+from tests.models.test_lora import make_adapter
 from tests.support.tp_ranks import run_forward, run_ranks, two_sequence_batches
 
 # dense with GQA (llama), one KV head replicated on both ranks and tied, vocabulary-parallel embeddings
@@ -136,3 +139,26 @@ def test_a_shard_the_heads_or_sizes_do_not_allow_is_refused_naming_tensor_parall
         TensorShard(0, 2).local_spec(load_spec(model_dirs["olmo2"]))  # q/k normed over all heads at once
     with pytest.raises(ValueError, match="rank 2 of a group of 2"):
         TensorShard(2, 2)
+
+
+def test_lora_slots_hold_each_ranks_part_and_only_rank_0_keeps_a_journal_for_the_followers(model_dirs,
+                                                                                          tmp_path):
+    """A rank's slots hold its part of each adapter (put side by side the two ranks' parts are the adapter);
+    rank 0 records what it loads for the followers until taken; a follower, loading what rank 0 sends into
+    the slots rank 0 chose, keeps neither a journal nor the names rank 0 evicted."""
+    spec = load_spec(model_dirs["llama"])
+    adapters = [load_lora(n, make_adapter(model_dirs["llama"], tmp_path / n, seed=i), spec)
+                for i, n in enumerate("abc")]
+    ranks = [LoraSlots(spec, 2, 8, "float32", TensorShard(r, 2)) for r in range(2)]
+    for r, slots in enumerate(ranks):
+        for i, adapter in enumerate(adapters):
+            slots.load(adapter, i % 2)  # c replaces a in slot 0
+        assert slots.held == {"b": 1, "c": 0}
+        assert [(s, a.name) for s, a in slots.take_loads()] == ([(0, "a"), (1, "b"), (0, "c")] if r == 0
+                                                                else [])
+        assert slots.take_loads() == []
+    lora = adapters[2].module_layers[0]
+    q = lambda slots: slots.bt["q_proj"][0, 0, :lora["q_proj"].rank]
+    o = lambda slots: slots.a["o_proj"][0, 0, :lora["o_proj"].rank]
+    np.testing.assert_array_equal(np.concatenate([q(s) for s in ranks], axis=1), lora["q_proj"].b.T)
+    np.testing.assert_array_equal(np.concatenate([o(s) for s in ranks], axis=1), lora["o_proj"].a)
