@@ -16,7 +16,15 @@ import pytest
 
 import numaserve as ns
 from actors.deploy import DeploymentError
-from tests.cluster.conftest import free_port, paused, sim_config, wait_for, wait_for_restart
+from tests.cluster.conftest import (
+    advance,
+    free_port,
+    paused,
+    queued,
+    sim_config,
+    wait_for,
+    wait_for_restart,
+)
 from tests.cluster.test_faults import in_daemon_thread
 from tests.conftest import random_prompt
 
@@ -99,10 +107,20 @@ def test_a_follower_killed_mid_stream_restarts_the_group_and_loses_none_of_8_str
     old = group_pids(client)
     old_worker, old_follower = psutil.Process(old[0]), psutil.Process(old[1])
     started = threading.Semaphore(0)
-    futures = [in_daemon_thread(_stream, client, p, started) for p in PROMPTS]
-    for _ in PROMPTS:
-        assert started.acquire(timeout=60), "the streams did not start"
-    with paused(client):  # every stream in flight when the rank dies, whatever this machine's speed
+    # paused from before the streams start: the group takes only the steps `advance` asks for, one at a time
+    # until every stream has its first tokens (a few of its 300), so every stream is mid-flight when the rank
+    # dies, whatever this machine's speed
+    with paused(client):
+        futures = [in_daemon_thread(_stream, client, p, started) for p in PROMPTS]
+        wait_for(lambda: queued(client) == len(PROMPTS), 60, "the 8 streams to reach the worker")
+        num_started = 0
+        for _ in range(20):
+            advance(client, 1)
+            while num_started < len(PROMPTS) and started.acquire(timeout=2):
+                num_started += 1
+            if num_started == len(PROMPTS):
+                break
+        assert num_started == len(PROMPTS), "the streams did not start"
         assert not any(f.done() for f in futures)
         old_follower.kill()
     # the group's next step fails with RankLost: the worker ends, Ray restarts it (both ranks) and the
