@@ -2,7 +2,6 @@
 
 from pathlib import Path
 
-from cluster_configs.errors import CheckpointError
 from memory.weights import ModelWeights
 from models.checkpoint import load_weights, model_directory
 from models.model_spec import ModelSpec, load_spec
@@ -16,12 +15,9 @@ def load_model(path: str | Path, weight_dtype: str,
     shard: a tensor-parallel rank's part of the weights (the spec stays the whole model's)."""
     path = Path(path)
     if path.suffix == ".gguf":
-        if shard.size > 1:
-            raise CheckpointError(f"{path.name}: a GGUF file cannot be sharded yet; serve it with "
-                                  "tensor_parallel_size 1, or its Hugging Face checkpoint")
         from models.gguf.reader import load_gguf
 
-        return load_gguf(path, weight_dtype)
+        return load_gguf(path, weight_dtype, shard)
     spec, weights = load_weights(path, "bfloat16" if weight_dtype == "auto" else weight_dtype, shard)
     return spec, weights, Tokenizer.from_dir(path)
 

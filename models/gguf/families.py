@@ -120,9 +120,12 @@ EXPERT_FIELDS = ("experts.router", "experts.gate_up", "experts.down")  # ExpertW
 
 
 def _expert_layouts(spec: ModelSpec) -> dict[str, tuple[Layout]]:
-    E, I, h = spec.num_experts, spec.moe_intermediate_size, spec.hidden_size
+    """The experts a shard holds (all but under expert parallelism), each one's rows it holds (all but
+    without), every expert's router."""
+    first, end = spec.held_experts or (0, spec.num_experts)
+    E, I, h = end - first, spec.moe_intermediate_size, spec.hidden_size
     ours = np.arange(E * 2 * I).reshape(E, 2, I)  # our stacked gate_up's rows: expert, gate | up, row
-    return {"experts.router": ((TensorSlot("ffn_gate_inp.weight", None, (E, h)),),),
+    return {"experts.router": ((TensorSlot("ffn_gate_inp.weight", None, (spec.num_experts, h)),),),
             "experts.gate_up": ((TensorSlot("ffn_gate_exps.weight", ours[:, 0].reshape(-1), (E, I, h)),
                                  TensorSlot("ffn_up_exps.weight", ours[:, 1].reshape(-1), (E, I, h))),),
             "experts.down": ((TensorSlot("ffn_down_exps.weight", None, (E, h, I)),),)}

@@ -22,6 +22,7 @@ from models.gguf.vocab import tokenizer_from_metadata
 from models.linear import dequantize
 from models.model_spec import ModelSpec
 from models.quantization.quant_mix import embedding_dtype, lm_head_dtype, matrix_dtype
+from models.tensor_parallel.shard import WHOLE_MODEL, TensorShard
 from models.tokenizer import Tokenizer
 
 # ---- reading ---------------------------------------------------------------------------------------------
@@ -40,6 +41,13 @@ def read_gguf(path: Path, copied: set[str] | None = None) -> tuple[dict, dict[st
     """-> (metadata, tensors), all copied into process memory: the file mapping is gone on return (the VM
     reclaims idle file pages, so a long-lived mmap would re-read the disk in the middle of serving).
     copied: the names of the tensors whose values are wanted (None: all); the others hold value None."""
+    reader, metadata = _open(path)
+    return metadata, {t.name: _copy_tensor(path, t) if copied is None or t.name in copied else _shape_only(t)
+                      for t in reader.tensors}
+
+
+def _open(path: Path) -> tuple[GGUFReader, dict]:
+    """-> (the file's reader, its metadata)."""
     if not path.is_file():
         raise CheckpointError(f"{path}: no such file; pass the path of a .gguf file")
     try:
@@ -56,13 +64,16 @@ def read_gguf(path: Path, copied: set[str] | None = None) -> tuple[dict, dict[st
     except (ValueError, IndexError) as e:  # UnicodeDecodeError is a ValueError
         raise CheckpointError(f"{path}: a metadata value is unreadable ({e}); the file is corrupt: "
                               "re-download or re-export it") from None
-    tensors = {t.name: _copy_tensor(path, t) if copied is None or t.name in copied else
-               StoredTensor(t.tensor_type, tuple(int(d) for d in reversed(t.shape.tolist())), None)
-               for t in reader.tensors}
-    return metadata, tensors
+    return reader, metadata
 
 
-def _copy_tensor(path: Path, t) -> StoredTensor:
+def _shape_only(t) -> StoredTensor:
+    return StoredTensor(t.tensor_type, tuple(int(d) for d in reversed(t.shape.tolist())), None)
+
+
+def _copy_tensor(path: Path, t, pieces: tuple[int, list[tuple[int, int]]] | None = None) -> StoredTensor:
+    """pieces: (axis, spans) of the tensor (numpy order) to copy, concatenated (a tensor-parallel rank's part,
+    models/tensor_parallel/shard.py); None: all of it."""
     kind = t.tensor_type
     if kind not in AUTO:
         loaded = ", ".join(k.name for k in AUTO)
@@ -72,8 +83,11 @@ def _copy_tensor(path: Path, t) -> StoredTensor:
             "requantize the F16 / BF16 GGUF with `llama-quantize model-f16.gguf out.gguf Q4_K_M` (or Q8_0, "
             "Q6_K, Q5_K_M, Q4_0), or load the Hugging Face directory with weight_dtype='q4_k_m'")
     shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+    data = t.data  # the shape, but the rows of a quantized type in bytes: [..., N, bytes per row]
+    if pieces is not None:
+        data, shape = _part(path, t.name, kind, data, shape, *pieces)
     # F32, F16: [N, K] of their numpy dtypes; the others: uint8 [N, bytes per row]
-    data = t.data.reshape(-1, t.data.shape[-1])
+    data = data.reshape(-1, data.shape[-1])
     if kind in RAW_BLOCKS:
         return StoredTensor(kind, shape, WeightMatrix(RAW_BLOCKS[kind], np.array(data, np.uint8)))
     if kind in (GT.F16, GT.F32):
@@ -86,6 +100,33 @@ def _copy_tensor(path: Path, t) -> StoredTensor:
     qs = np.ascontiguousarray(blocks[:, :, 2:]).reshape(n, -1)  # Q8_0: [N, K]; Q4_0: [N, K // 2]
     return StoredTensor(kind, shape, WeightMatrix(AUTO[kind], qs.view(np.int8) if kind == GT.Q8_0 else qs,
                                                   scales))
+
+
+def _part(path: Path, name: str, kind: GGMLQuantizationType, data: np.ndarray, shape: tuple[int, ...],
+          axis: int, spans: list[tuple[int, int]]) -> tuple[np.ndarray, tuple[int, ...]]:
+    """The spans of data along axis, concatenated, and their shape. Along a row a quantized type is cut at
+    whole blocks only (their bytes kept): a span that splits one is a CheckpointError."""
+    block, block_bytes = GGML_QUANT_SIZES[kind]
+    if max(hi for _, hi in spans) > shape[axis]:
+        raise CheckpointError(f"{path}: tensor {name!r} has shape {shape}, too small for the model its "
+                              "metadata describe; the weights and the metadata do not match")
+    units = spans
+    if axis == len(shape) - 1:  # along a row: in the array's units (bytes of blocks, or values)
+        cut = next((x for span in spans for x in span if x % block), None)
+        if cut is not None:
+            raise CheckpointError(
+                f"{path}: tensor {name!r} is {kind.name}, stored in blocks of {block} values, and a "
+                f"tensor-parallel rank's part of its rows starts or ends at value {cut}, inside a block; "
+                "serve this file with a tensor_parallel_size whose parts are whole blocks (1 always is; for "
+                "a MoE model, enable_expert_parallel keeps experts whole), or load a float GGUF or the "
+                "Hugging Face checkpoint and quantize on load (weight_dtype)")
+        units = [(lo // block * block_bytes // data.itemsize, hi // block * block_bytes // data.itemsize)
+                 for lo, hi in spans]
+    index = (slice(None),) * axis
+    parts = [data[index + (slice(lo, hi),)] for lo, hi in units]
+    local = list(shape)
+    local[axis] = sum(hi - lo for lo, hi in spans)
+    return (parts[0] if len(parts) == 1 else np.concatenate(parts, axis=axis)), tuple(local)
 
 
 # ---- weights ---------------------------------------------------------------------------------------------
@@ -159,17 +200,20 @@ def _field(path: Path, tensors: dict, prefix: str, layouts: tuple[Layout, ...], 
     return _served(parts, weight_dtype, wanted, order)
 
 
-def _weights(path: Path, spec: ModelSpec, family: str, tensors: dict, weight_dtype: str) -> ModelWeights:
+def _weights(path: Path, spec: ModelSpec, family: str, tensors: dict, weight_dtype: str,
+             vocab_rows: int) -> ModelWeights:
+    """spec: the shard's (models/tensor_parallel/shard.py's local_spec), vocab_rows its rows of the
+    vocabulary."""
     h = spec.hidden_size
 
     def pop(name, shape):
         return _pop(path, tensors, name, shape)
 
-    embed = _served([pop("token_embd.weight", (spec.vocab_size, h))], weight_dtype,
+    embed = _served([pop("token_embd.weight", (vocab_rows, h))], weight_dtype,
                     [embedding_dtype(weight_dtype, spec.tie_word_embeddings)])
     norm = _vector(pop("output_norm.weight", (h,)))
     lm_head = embed if spec.tie_word_embeddings else _served(
-        [pop("output.weight", (spec.vocab_size, h))], weight_dtype, [lm_head_dtype(weight_dtype)])
+        [pop("output.weight", (vocab_rows, h))], weight_dtype, [lm_head_dtype(weight_dtype)])
     layers = tuple(_layer(path, spec, FAMILIES[family], tensors, i, weight_dtype)
                    for i in tqdm(range(spec.num_layers), desc=f"loading {path.name}",
                                  disable=not sys.stderr.isatty(), leave=False))
@@ -192,7 +236,8 @@ def _layer(path: Path, spec: ModelSpec, family: GGUFFamily, tensors: dict, i: in
     if spec.is_moe(i):
         fields["experts"] = ExpertWeights(
             fields.pop("experts.router"), fields.pop("experts.gate_up"), fields.pop("experts.down"),
-            spec.num_experts, spec.num_experts_per_tok, spec.normalize_routing, spec.moe_intermediate_size)
+            spec.num_experts, spec.num_experts_per_tok, spec.normalize_routing, spec.moe_intermediate_size,
+            (spec.held_experts or (0,))[0])
         fields |= {"gate_up": None, "down": None}
     return LayerWeights(**({} if spec.qkv_bias else {"qkv_bias": None}) | fields)
 
@@ -204,13 +249,20 @@ def read_gguf_spec(path: str | Path) -> ModelSpec:
     return _spec(path, metadata, tensors)
 
 
-def load_gguf(path: str | Path, weight_dtype: str) -> tuple[ModelSpec, ModelWeights, Tokenizer | None]:
+def load_gguf(path: str | Path, weight_dtype: str,
+              shard: TensorShard = WHOLE_MODEL) -> tuple[ModelSpec, ModelWeights, Tokenizer | None]:
     """-> (spec, weights, tokenizer) like the Hugging Face loader. weight_dtype "auto" keeps the file's
     types (F16 as float16, BF16 as bfloat16, bit for bit); quantized tensors already in the wanted format keep
-    their bytes."""
+    their bytes. shard: a tensor-parallel rank's part, its slices alone copied out of the file (the spec stays
+    the whole model's)."""
     path = Path(path)
-    metadata, tensors = read_gguf(path)
-    spec = _spec(path, metadata, tensors)
+    reader, metadata = _open(path)
+    head = {t.name: _copy_tensor(path, t) if t.name in ROPE_TENSORS else _shape_only(t)
+            for t in reader.tensors}
+    spec = _spec(path, metadata, head)
+    tensors = {t.name: _copy_tensor(path, t, shard.gguf_pieces(t.name, spec)) for t in reader.tensors
+               if t.name not in ROPE_TENSORS}
+    del reader  # the file's mapping
     try:
         tokenizer = tokenizer_from_metadata(path, metadata)
     except CheckpointError:
@@ -218,4 +270,7 @@ def load_gguf(path: str | Path, weight_dtype: str) -> tuple[ModelSpec, ModelWeig
     except Exception as e:  # noqa: BLE001 -- the tokenizers library raises a bare Exception for a bad vocabulary
         raise CheckpointError(f"{path}: the tokenizer.ggml.* vocabulary is inconsistent ({e}); the file is "
                               "corrupt: re-download or re-export it") from None
-    return spec, _weights(path, spec, metadata["general.architecture"], tensors, weight_dtype), tokenizer
+    vocab = shard.span(spec.vocab_size) if shard.size > 1 else (0, spec.vocab_size)
+    weights = _weights(path, shard.local_spec(spec), metadata["general.architecture"], tensors, weight_dtype,
+                       vocab[1] - vocab[0])
+    return spec, weights, tokenizer

@@ -75,15 +75,21 @@ class TensorShard:
                        held_experts=self.span(spec.num_experts) if experts_whole else None)
 
     def pieces(self, name: str, spec: ModelSpec) -> tuple[int, list[Span]] | None:
-        """-> (axis, the spans along it, concatenated in order) of tensor `name` this rank holds;
-        None: the whole tensor."""
-        if self.size == 1:
-            return None
+        """-> (axis, the spans along it, concatenated in order) of the Hugging Face tensor `name` this rank
+        holds; None: the whole tensor."""
+        return None if self.size == 1 else self._plan(_role(name, spec), spec)
+
+    def gguf_pieces(self, name: str, spec: ModelSpec) -> tuple[int, list[Span]] | None:
+        """pieces for llama.cpp's tensor `name` (blk.{i}.attn_q.weight, ...): the same plan, and llama.cpp's
+        merged expert tensors [E, rows, in] split along the experts (expert parallel), the rows (gate, up)
+        or the columns (down)."""
+        return None if self.size == 1 else self._plan(_gguf_role(name, spec), spec)
+
+    def _plan(self, role: str | None, spec: ModelSpec) -> tuple[int, list[Span]] | None:
         D = spec.head_dim
         (q_lo, q_hi), (kv_lo, kv_hi) = self.head_spans(spec)
         q_rows, kv_rows = (q_lo * D, q_hi * D), (kv_lo * D, kv_hi * D)
         inter = self.span(spec.intermediate_size)
-        role = _role(name, spec)
         if role == "vocab":
             return 0, [self.span(spec.vocab_size)]
         if role in ("q", "k", "v"):
@@ -105,6 +111,10 @@ class TensorShard:
                 return None
             span = self.span(spec.moe_intermediate_size)
             return (0 if role == "expert_in" else 1), [span]
+        if role in ("experts_in", "experts_out"):  # every expert's, merged: [E, rows, in]
+            if self.expert_parallel:
+                return 0, [self.span(spec.num_experts)]
+            return (1 if role == "experts_in" else 2), [self.span(spec.moe_intermediate_size)]
         return None
 
     def lora_factors(self, module_key: str, spec: ModelSpec, a: np.ndarray,
@@ -141,6 +151,33 @@ _ROLES = (  # name pattern (after model.layers.{i}.) -> role; the first match wi
     (r"mlp\.up_proj\.weight", "up"),
     (r"mlp\.down_proj\.weight", "down"),
 )
+
+
+_GGUF_ROLES = (  # llama.cpp's name (after blk.{i}.) -> role; ffn_up is gate | up where the family fuses them
+    (r"attn_qkv\.(weight|bias)", "qkv"),
+    (r"attn_([qkv])\.(weight|bias)", None),
+    (r"attn_output\.weight", "o"),
+    (r"ffn_gate\.weight", "gate"),
+    (r"ffn_up\.weight", "up"),
+    (r"ffn_down\.weight", "down"),
+    (r"ffn_(gate|up)_exps\.weight", "experts_in"),
+    (r"ffn_down_exps\.weight", "experts_out"),
+)
+
+
+def _gguf_role(name: str, spec: ModelSpec) -> str | None:
+    if name in ("token_embd.weight", "output.weight"):
+        return "vocab"
+    m = re.fullmatch(r"blk\.\d+\.(.+)", name)
+    if m is None:
+        return None
+    for pattern, role in _GGUF_ROLES:
+        hit = re.fullmatch(pattern, m.group(1))
+        if hit is not None:
+            if role == "up" and spec.arch.fused_projections:
+                return "gate_up"
+            return role or hit.group(1)
+    return None
 
 
 def _role(name: str, spec: ModelSpec) -> str | None:

@@ -18,6 +18,7 @@ import psutil
 import pytest
 
 import numaserve as ns
+from models.gguf.writer import convert_to_gguf
 from numaserve.demo import DEMO_DIR
 from numaserve.demo_corpus import heldout_files
 from tests.conftest import random_prompt
@@ -86,6 +87,27 @@ def test_two_ranks_score_within_1e_4_of_one_the_same_greedy_tokens_and_the_same_
         experts = two.engine.model.weights.layers[1].experts  # rank 0's: half the experts, or all (split)
         assert experts is None or experts.held == ((0, 4) if variant.endswith("_ep") else (0, 8))
         _exact_on_two_ranks(one, two)
+    finally:
+        one.close()
+        two.close()
+
+
+@pytest.mark.parametrize("variant", ["llama", "qwen3_moe_ep"])
+def test_a_gguf_file_on_two_ranks_scores_within_1e_4_of_one_rank_each_rank_reading_its_part(
+        variant, model_dirs, tmp_path):
+    """The file's slices read by each rank (tests/models/test_gguf_tensor_parallel.py: bit for bit the whole
+    file's): llama's permuted rope rows, Qwen3-MoE's experts whole on ranks."""
+    path = convert_to_gguf(model_dirs[variant.removesuffix("_ep")], tmp_path / f"{variant}.gguf", "float32")
+    one = ns.LLM(path, **EXACT)
+    two = ns.LLM(path, tensor_parallel_size=2, enable_expert_parallel=variant.endswith("_ep"), **EXACT)
+    try:
+        whole, shards = one.stats()["tensor_parallel"], two.stats()["tensor_parallel"]
+        assert all(w <= 0.55 * whole["weight_bytes"][0] for w in shards["weight_bytes"])
+        prompts = [random_prompt(n, seed=n) for n in (7, 33)]
+        for p in prompts:
+            np.testing.assert_allclose(two.score(p), one.score(p), atol=1e-4, rtol=0)
+        assert [c.token_ids for c in two.generate(prompts, GREEDY)] == \
+            [c.token_ids for c in one.generate(prompts, GREEDY)]
     finally:
         one.close()
         two.close()
