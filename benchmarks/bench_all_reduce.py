@@ -4,8 +4,9 @@ decode or a small prefill step reduces twice a layer.
 
 Each rank is a process of its own, pinned to one core (or to an equal share of the allowed cores), as a
 tensor-parallel rank is. The ranks run the same script: per shape, untimed warm-up all-reduces, then --iters
-timed ones back to back (rank 0 times each; a fresh input is written before each, so nothing stays in a cache
-it would not in a forward). The shapes interleave round by round, so a swing in the VM's speed hits all alike.
+timed ones of each way (MODES) alternating (rank 0 times each, from the write of a fresh input, so nothing
+stays in a cache it would not in a forward). The shapes interleave round by round, so a swing in the
+VM's speed hits all alike. The median reported is the forward's way (in_slot); copied_median_us the other's.
 
     python -m benchmarks.bench_all_reduce [--ranks 2] [--iters 2000] [--rounds 5]
 
@@ -31,6 +32,11 @@ ROWS = (1, 8, 32)
 HIDDEN = (2048, 4096, 8192)
 TARGETS_US = {(1, 4096): 15.0, (32, 4096): 60.0}  # the tensor-parallel issue's bounds on this VM
 WARMUP = 200
+# in_slot: the partial written into the rank's slot of the segment, then summed into a private array (what a
+# forward does: models/tensor_parallel/collectives.py); copied: the partial written into a private array,
+# copied into the slot by the all-reduce, and the sum written over it (the embedding's). Both time the
+# partial's write (its producer's), so they compare; the median reported is in_slot's
+MODES = ("in_slot", "copied")
 
 
 def core_shares(num_ranks: int) -> list[tuple[int, ...]]:
@@ -51,16 +57,24 @@ def run_rank(layout, rank: int, cores: tuple[int, ...], args, results) -> None:
         group.wait_attached()
     rng = np.random.default_rng(rank)
     inputs = {(r, h): rng.standard_normal((2, r, h)).astype(np.float32) for r in ROWS for h in HIDDEN}
-    times: dict[str, list[float]] = {f"{r}x{h}": [] for r in ROWS for h in HIDDEN}
+    times: dict[str, dict[str, list[float]]] = {mode: {f"{r}x{h}": [] for r in ROWS for h in HIDDEN}
+                                                 for mode in MODES}
     for round_ in range(args.rounds + 1):
         for (r, h), src in inputs.items():
             x = np.empty((r, h), np.float32)
-            for i in range(WARMUP if round_ == 0 else args.iters):
-                x[:] = src[i % 2]
-                start = time.perf_counter_ns()
-                group.all_reduce(x)
+            for i in range(WARMUP if round_ == 0 else 2 * args.iters):
+                mode = MODES[i % 2]  # alternating: a swing of the VM's speed hits both alike
+                if mode == "in_slot":  # the partial written into the slot (timed: its producer's writes)
+                    start = time.perf_counter_ns()
+                    part = group.next_part(r, h)
+                    part[:] = src[i // 2 % 2]
+                    group.all_reduce(part, out=x)
+                else:
+                    start = time.perf_counter_ns()
+                    x[:] = src[i // 2 % 2]
+                    group.all_reduce(x)
                 if round_:
-                    times[f"{r}x{h}"].append((time.perf_counter_ns() - start) / 1e3)
+                    times[mode][f"{r}x{h}"].append((time.perf_counter_ns() - start) / 1e3)
     if rank == 0:
         results.put(times)
     group.close()
@@ -110,16 +124,19 @@ def main() -> None:
     for p in procs:
         p.join(60)
     rows = {}
-    for key, samples in times.items():
+    for key, samples in times["in_slot"].items():
         med = statistics.median(samples)
+        copied = times["copied"][key]
         rows[key] = {"median_us": med, "p10_us": float(np.percentile(samples, 10)),
                      "p90_us": float(np.percentile(samples, 90)), "samples": len(samples),
+                     "copied_median_us": statistics.median(copied),
                      "bytes": 4 * int(np.prod([int(v) for v in key.split("x")]))}
         bound = TARGETS_US.get(tuple(int(v) for v in key.split("x")))
         if bound is not None:
             rows[key]["target_us"] = bound
             rows[key]["met"] = med <= bound
-        print(f"{key}: median {med:.1f} us, p90 {rows[key]['p90_us']:.1f} us"
+        print(f"{key}: median {med:.1f} us, p90 {rows[key]['p90_us']:.1f} us, copied in "
+              f"{rows[key]['copied_median_us']:.1f} us"
               + (f" (target {bound} us: {'met' if med <= bound else 'missed'})" if bound else ""), flush=True)
     results = {"command": "python -m benchmarks.bench_all_reduce " + " ".join(sys.argv[1:]),
                "machine": {"cpu": cpu_name(), "platform": platform.platform()}, "ranks": args.ranks,

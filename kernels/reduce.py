@@ -9,12 +9,19 @@ PARALLEL_ELEMS = 1 << 16  # below this a sum is a few microseconds: threads woul
 
 @njit(cache=True, nogil=True)
 def _sum_range(slots: np.ndarray, n: int, out: np.ndarray, lo: int, hi: int) -> None:
-    # rank by rank over the whole range: each element still adds in rank order, and the loops vectorize
-    for i in range(lo, hi):
-        out[i] = slots[0, i]
-    for r in range(1, n):
+    # the first two ranks in one pass (out written once, not copied then added to), then rank by rank: each
+    # element still adds in rank order, and the loops vectorize (1-D views: no aliasing check per row)
+    first, second = slots[0], slots[1 % n]
+    if n == 1:
         for i in range(lo, hi):
-            out[i] += slots[r, i]
+            out[i] = first[i]
+        return
+    for i in range(lo, hi):
+        out[i] = first[i] + second[i]
+    for r in range(2, n):
+        row = slots[r]
+        for i in range(lo, hi):
+            out[i] += row[i]
 
 
 @njit(cache=True, nogil=True, parallel=True)

@@ -76,6 +76,8 @@ class SharedGroup:
         self.plan = np.frombuffer(buf, np.uint8, layout.plan_bytes, 8 * words + 4 * slot_floats)
         self.num_collectives = 0
         self.num_plans = 0
+        self._part, self._part_seq = None, 0  # next_part's slot, and the collective it was taken for
+        self._own = (self.slots[0, rank], self.slots[1, rank])  # this rank's slot of even, odd collectives
         self._peers: dict[int, psutil.Process] = {}
         self._others = [r for r in range(layout.num_ranks) if r != rank]
         self.control[rank, 1] = os.getpid()
@@ -133,7 +135,7 @@ class SharedGroup:
         self.control[self.layout.num_ranks, 2] = 1
 
     def close(self) -> None:
-        for name in ("control", "slots", "plan"):
+        for name in ("control", "slots", "plan", "_own", "_part"):
             setattr(self, name, None)
         try:
             self._mmap.close()
@@ -142,12 +144,28 @@ class SharedGroup:
 
     # ---- collectives ---------------------------------------------------------------------------------
 
-    def all_reduce(self, x: np.ndarray, num_tasks: int = 1) -> None:
-        """x (float32, C-contiguous) := the sum of every rank's x, added in rank order."""
+    def next_part(self, rows: int, cols: int) -> np.ndarray:
+        """This rank's slot of the next collective as float32 [rows, cols]: a partial result written here is
+        published without a copy (all_reduce(part, out=...)). The next collective must be its all_reduce."""
+        if rows * cols > self.layout.slot_elems:
+            raise ValueError(f"a collective of {rows * cols} values exceeds the group's slots of "
+                             f"{self.layout.slot_elems}")
+        self._part_seq = self.num_collectives + 1
+        self._part = self._own[self._part_seq % 2][:rows * cols].reshape(rows, cols)
+        return self._part
+
+    def all_reduce(self, x: np.ndarray, num_tasks: int = 1, out: np.ndarray | None = None) -> None:
+        """x (float32, C-contiguous) := the sum of every rank's x, added in rank order. With out: x is
+        next_part's slot, written in place, which the other ranks read: the sum goes to out instead."""
+        in_slot = out is not None
+        if in_slot and (x is not self._part or self._part_seq != self.num_collectives + 1):
+            raise ValueError("all_reduce(x, out=...) sums a partial written into next_part's slot, taken "
+                             "right before it; this x is not that slot")
         if not x.flags.c_contiguous:
             raise ValueError("all_reduce sums in place: x must be C-contiguous")
         flat = x.reshape(x.size)
-        sum_slots(self._publish(flat), x.size, flat, num_tasks)
+        target = flat if out is None else out.reshape(out.size)
+        sum_slots(self._publish(flat, in_slot=in_slot), x.size, target, num_tasks)
 
     def gather(self, part: np.ndarray, out: np.ndarray | None) -> None:
         """Rank 0: out[:, offsets] := every rank's part [rows, width_r] side by side in rank order (the
@@ -163,14 +181,16 @@ class SharedGroup:
             if col != out.shape[1]:
                 raise ValueError(f"the ranks' parts are {col} wide together, out is {out.shape[1]}")
 
-    def _publish(self, flat: np.ndarray, width: int = 0) -> np.ndarray:
-        """Writes this rank's part, waits for every rank's; -> the slots of this collective."""
+    def _publish(self, flat: np.ndarray, width: int = 0, in_slot: bool = False) -> np.ndarray:
+        """Writes this rank's part (in_slot: already there), waits for every rank's; -> the slots of this
+        collective."""
         if flat.size > self.layout.slot_elems:
             raise ValueError(f"a collective of {flat.size} values exceeds the group's slots of "
                              f"{self.layout.slot_elems}")
         seq = self.num_collectives + 1
         slots = self.slots[seq % 2]
-        slots[self.rank, :flat.size] = flat
+        if not in_slot:
+            slots[self.rank, :flat.size] = flat
         self.control[self.rank, 3 + seq % 2] = width
         self.control[self.rank, 0] = seq
         control = self.control

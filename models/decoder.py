@@ -112,16 +112,17 @@ class DecoderModel:
                       batch.token_seq, batch.positions, s.layer_windows[i], s.softmax_scale, attn,
                       batch.tree_starts, batch.tree_mask, s.attn_softcap, recent)
             attn_flat = attn.reshape(T, s.q_size)
-            o = self._project(i, "o", layer.o, attn_flat, batch)
+            # a shard's heads give part of the sum, written where the all-reduce reads it
+            o = self._project(i, "o", layer.o, attn_flat, batch, tp.partial(T, s.hidden_size))
             add_lora(o, attn_flat, batch.lora, i, (("o_proj", slice(None)),))
-            tp.all_reduce(o)  # a shard's heads give part of the sum
+            o = tp.all_reduce(o)
             self._add_residual(h, o, layer.attn_out_norm)
             self._norm(h, layer.mlp_norm, x)
             if layer.experts is None:
                 mlp = self._mlp(i, layer, x, batch)
             else:
                 mlp = self._experts(i, layer.experts, x)
-            tp.all_reduce(mlp)  # a shard's intermediate rows give part of the sum
+            mlp = tp.all_reduce(mlp)  # a shard's intermediate rows give part of the sum
             self._add_residual(h, mlp, layer.mlp_out_norm)
         h_out = np.ascontiguousarray(h[batch.logits_indices])
         rms_norm(h_out, w.norm, s.rms_norm_eps, h_out)
@@ -142,7 +143,7 @@ class DecoderModel:
         add_lora(gate_up, x, batch.lora, i, self.gate_up_modules)
         act = np.empty((x.shape[0], self.spec.intermediate_size), np.float32)
         self.activation(gate_up, act)
-        down = self._project(i, "down", layer.down, act, batch)
+        down = self._project(i, "down", layer.down, act, batch, self.collectives.partial(*x.shape))
         add_lora(down, act, batch.lora, i, (("down_proj", slice(None)),))
         return down
 
@@ -170,18 +171,19 @@ class DecoderModel:
             block_out *= np.float32(self.spec.residual_multiplier)
         h += block_out
 
-    def _project(self, i: int, key: str, w: Matrix, x: np.ndarray, batch: ForwardBatch) -> np.ndarray:
-        """Layer i's fused projection `key` (w, its matrix); rows on merged copies (batch.merged) run on their
-        adapter's. Timed."""
+    def _project(self, i: int, key: str, w: Matrix, x: np.ndarray, batch: ForwardBatch,
+                 out: np.ndarray | None = None) -> np.ndarray:
+        """Layer i's fused projection `key` (w, its matrix) into out (None: a new array); rows on merged
+        copies (batch.merged) run on their adapter's. Timed."""
         start = time.perf_counter()
         name = f"layers.{i}.{key}"
         runs = [] if batch.merged is None else [
             (a, b, merged) for a, b, m in batch.merged.runs
             if (merged := m.layers[i].projection(key)) is not None]
         if not runs:
-            out = self._linear(name, x, w)
+            out = self._linear(name, x, w, out)
         else:
-            out = np.empty((x.shape[0], w.shape[0]), np.float32)
+            out = np.empty((x.shape[0], w.shape[0]), np.float32) if out is None else out
             row = 0
             for a, b, merged in runs + [(x.shape[0], x.shape[0], None)]:
                 if a > row:  # base rows before this run
@@ -192,8 +194,8 @@ class DecoderModel:
         self.projection_seconds += time.perf_counter() - start
         return out
 
-    def _linear(self, name: str, x: np.ndarray, w: Matrix) -> np.ndarray:
+    def _linear(self, name: str, x: np.ndarray, w: Matrix, out: np.ndarray | None = None) -> np.ndarray:
         # name: "layers.{i}.qkv" | ".o" | ".gate_up" | ".down" | "lm_head", the keys of activation plans
         if self.observer is not None:
             self.observer(name, x)
-        return linear(x, w)
+        return linear(x, w, out)

@@ -26,12 +26,12 @@ from memory.matrices import Bf16Matrix, BlockInt8Matrix, Int8Matrix, Matrix, Sta
 _NO_SCALES = np.zeros((1, 1), np.uint16)
 
 
-def linear(x: np.ndarray, w: Matrix) -> np.ndarray:
-    # x: [T, K] f32 -> [T, N] f32
+def linear(x: np.ndarray, w: Matrix, out: np.ndarray | None = None) -> np.ndarray:
+    # x: [T, K] f32 -> out [T, N] f32 (C-contiguous; None: a new array)
     if isinstance(w, StackedMatrix):  # each part's outputs, side by side
-        return np.concatenate([linear(x, p) for p in w.parts], axis=1)
+        return np.concatenate([linear(x, p) for p in w.parts], axis=1, out=out)
     T, N = x.shape[0], w.shape[0]
-    out = np.empty((T, N), np.float32)
+    out = np.empty((T, N), np.float32) if out is None else out
     if isinstance(w, Bf16Matrix):
         xb = np.empty((T, w.data.shape[1]), np.uint16)
         round_activations(np.ascontiguousarray(x), xb)

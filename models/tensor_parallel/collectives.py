@@ -28,8 +28,11 @@ class Whole:
     def embed(self, w: WeightMatrix, token_ids: np.ndarray) -> np.ndarray:
         return embed(w, token_ids)
 
-    def all_reduce(self, x: np.ndarray) -> None:
-        pass
+    def partial(self, rows: int, cols: int) -> np.ndarray | None:
+        return None  # a partial result to reduce: wherever the kernel puts it
+
+    def all_reduce(self, x: np.ndarray) -> np.ndarray:
+        return x
 
     def gather_logits(self, logits: np.ndarray) -> np.ndarray | None:
         return logits
@@ -54,6 +57,7 @@ class Sharded:
         # seconds in the all-reduces and the gather (waiting for the slowest rank included), and in sending
         # the plans, since the group started
         self.collective_seconds = self.plan_seconds = 0.0
+        self._part: np.ndarray | None = None  # partial()'s slot, until its all_reduce
 
     def begin(self, batch, embeddings: np.ndarray | None) -> None:
         """A forward starts: rank 0 sends it to the followers, which run the same (models/tensor_parallel/
@@ -88,10 +92,25 @@ class Sharded:
         self.all_reduce(h)
         return h
 
-    def all_reduce(self, x: np.ndarray) -> None:
+    def partial(self, rows: int, cols: int) -> np.ndarray:
+        """[rows, cols] float32 in this rank's slot of the next all-reduce: a partial result written here is
+        published without a copy. Take it right before the all_reduce it feeds."""
+        self._part = self.group.next_part(rows, cols)
+        return self._part
+
+    def all_reduce(self, x: np.ndarray) -> np.ndarray:
+        """-> the sum of every rank's x: x itself, summed in place, or a new array where x is partial()'s
+        slot (the other ranks read it)."""
         start = time.perf_counter()
-        self.group.all_reduce(x, self.num_threads)
+        if x is self._part:
+            out = np.empty_like(x)
+            self.group.all_reduce(x, self.num_threads, out)
+        else:
+            out = x
+            self.group.all_reduce(x, self.num_threads)
+        self._part = None
         self.collective_seconds += time.perf_counter() - start
+        return out
 
     def gather_logits(self, logits: np.ndarray) -> np.ndarray | None:
         """logits [R, its vocabulary rows] -> [R, vocab] on rank 0, None on the others."""

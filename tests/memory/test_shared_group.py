@@ -1,6 +1,6 @@
 """The tensor-parallel group's shared segment between real processes: all-reduces equal to the rank-order sum
-on every rank (the same bits on all), gathers, rank 0's plans in order, and a dead rank failing its peers'
-waits with RankLost instead of a hang. No Ray."""
+on every rank (the same bits on all, partials copied in or written into the slot), gathers, rank 0's plans
+in order, and a dead rank failing its peers' waits with RankLost instead of a hang. No Ray."""
 
 import multiprocessing
 import os
@@ -48,7 +48,12 @@ def run_rank(layout: GroupLayout, rank: int, seed: int, results) -> None:
                 else:
                     plans.append(group.receive_plan().decode())
             x = part(seed, k, rank)
-            group.all_reduce(x)
+            if (k + rank) % 3:
+                group.all_reduce(x)
+            else:  # written into its slot, as a projection does (no copy), the sum into another array
+                in_slot = group.next_part(*x.shape)
+                in_slot[:] = x
+                group.all_reduce(in_slot, out=x)
             sums.append(x.tobytes())
         widths = [3 + r for r in range(layout.num_ranks)]
         mine = np.full((5, widths[rank]), rank, np.float32)
@@ -154,6 +159,9 @@ def test_an_aborting_rank_fails_the_others_waits_and_oversized_inputs_are_refuse
             group.all_reduce(np.ones((4, 4), np.float32)[:, :2])
         with pytest.raises(ValueError, match="exceeds the group's 8"):
             group.send_plan(b"123456789")
+        group.next_part(1, 4)
+        with pytest.raises(ValueError, match="this x is not that slot"):  # a sum into out reads the slot
+            group.all_reduce(np.ones(4, np.float32), out=np.empty(4, np.float32))
         group.abort()
         with pytest.raises(RankLost, match="gave up"):
             group.all_reduce(np.ones(4, np.float32))  # rank 1 never came: the abort ends the wait
@@ -174,3 +182,23 @@ def test_the_threaded_sum_has_the_serial_sums_bits_in_rank_order(num_ranks):
         sum_slots(slots, n, out, num_tasks)
         assert out[:n].tobytes() == expect.tobytes()
         assert np.isnan(out[n:]).all()
+
+
+def test_a_partial_whose_slot_an_earlier_collective_took_is_refused():
+    """next_part's slot belongs to the next collective: used after another one ran, the other ranks could
+    still be reading it."""
+    group = SharedGroup.create(GroupLayout.new(1, slot_elems=8, plan_bytes=8))
+    try:
+        group.wait_attached()
+        stale = group.next_part(1, 4)
+        stale[:] = 1
+        group.all_reduce(np.ones(4, np.float32))
+        with pytest.raises(ValueError, match="taken right before it"):
+            group.all_reduce(stale, out=np.empty((1, 4), np.float32))
+        fresh = group.next_part(1, 4)
+        fresh[:] = 2
+        out = np.empty((1, 4), np.float32)
+        group.all_reduce(fresh, out=out)
+        assert (out == 2).all()
+    finally:
+        group.close()
