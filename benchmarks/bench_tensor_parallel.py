@@ -7,8 +7,9 @@ On one socket the two ranks share what one process had (the same cores and memor
 the cost of tensor parallelism itself: the all-reduces, the step plan sent to the follower, and the ranks
 waiting for each other. Each TP=2 sample also records the share of its seconds rank 0 spent in the
 all-reduces and the logits' gather (stats()["tensor_parallel"]["collective_seconds"], waiting for the other
-rank included). What a second socket would add (its own memory bandwidth) is the simulator's to project
-(benchmarks/project_tensor_parallel.py).
+rank included), and of that the share it waited for the other rank to reach the collective
+("collective_wait_seconds": the ranks' imbalance, not the moving and summing). What a second socket would
+add (its own memory bandwidth) is the simulator's to project (benchmarks/project_tensor_parallel.py).
 
 Each engine runs in its own process (benchmarks/numaserve_worker.py), loaded once; the engines alternate
 sample by sample with the order flipping, unique prompts every sample, medians and ratios from one run.
@@ -45,10 +46,11 @@ def start(label: str, model: Path, size: int, args) -> EngineProcess:
     return EngineProcess(label, "benchmarks.numaserve_worker", argv, dict(os.environ))
 
 
-def sample(engine: EngineProcess, row: str, rng: np.random.Generator, steps: int) -> tuple[float, float]:
-    """(tokens a second, the share of its seconds rank 0 spent in the all-reduces and the logits' gather) of
-    one sample of a row (prompts unique to this sample and engine)."""
-    before = engine.call("tensor_parallel")["collective_seconds"]
+def sample(engine: EngineProcess, row: str, rng: np.random.Generator,
+           steps: int) -> tuple[float, float, float]:
+    """(tokens a second, the share of its seconds rank 0 spent in the all-reduces and the logits' gather, and
+    of those waiting for the other rank) of one sample of a row (prompts unique to this sample and engine)."""
+    before = engine.call("tensor_parallel")
     if row.startswith("prefill"):
         n = int(row.removeprefix("prefill"))
         tokens, seconds = n, engine.call("prefill", prompt=rng.integers(3, 30000, n).tolist())
@@ -56,8 +58,10 @@ def sample(engine: EngineProcess, row: str, rng: np.random.Generator, steps: int
         batch = int(row)
         prompts = rng.integers(3, 30000, (batch, PROMPT_LEN)).tolist()
         tokens, seconds = batch * steps, engine.call("decode", prompts=prompts, num_steps=steps)
-    collectives = engine.call("tensor_parallel")["collective_seconds"] - before
-    return tokens / seconds, collectives / seconds
+    after = engine.call("tensor_parallel")
+    collectives = after["collective_seconds"] - before["collective_seconds"]
+    waits = after["collective_wait_seconds"] - before["collective_wait_seconds"]
+    return tokens / seconds, collectives / seconds, waits / seconds
 
 
 def plot(results: dict, path: Path) -> None:
@@ -107,19 +111,24 @@ def main() -> None:
                 sample(engine, row, rng, args.steps)
             speeds: dict[str, list[float]] = {label: [] for label in engines}
             shares: list[float] = []  # tp2's: the collectives' share of each sample's seconds
+            waits: list[float] = []  # of which waiting for the other rank
             for i in range(args.samples):
                 for label in (list(engines) if i % 2 == 0 else list(engines)[::-1]):
-                    speed, share = sample(engines[label], row, rng, args.steps)
+                    speed, share, wait = sample(engines[label], row, rng, args.steps)
                     speeds[label].append(speed)
                     if label == "tp2":
                         shares.append(share)
+                        waits.append(wait)
             medians = {label: statistics.median(v) for label, v in speeds.items()}
             rows.append({"row": row, "tokens_per_s": speeds, "median_tokens_per_s": medians,
                          "tp2_over_tp1": medians["tp2"] / medians["tp1"], "tp2_collective_shares": shares,
-                         "tp2_median_collective_share": statistics.median(shares)})
+                         "tp2_median_collective_share": statistics.median(shares),
+                         "tp2_collective_wait_shares": waits,
+                         "tp2_median_collective_wait_share": statistics.median(waits)})
             print(f"{row}: tp1 {medians['tp1']:.1f}, tp2 {medians['tp2']:.1f} tokens/s, "
                   f"tp2/tp1 {rows[-1]['tp2_over_tp1']:.3f}, tp2's collectives "
-                  f"{rows[-1]['tp2_median_collective_share']:.1%} of its time", flush=True)
+                  f"{rows[-1]['tp2_median_collective_share']:.1%} of its time (waiting for the other rank "
+                  f"{rows[-1]['tp2_median_collective_wait_share']:.1%})", flush=True)
     finally:
         for engine in engines.values():
             engine.close()

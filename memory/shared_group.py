@@ -76,6 +76,7 @@ class SharedGroup:
         self.plan = np.frombuffer(buf, np.uint8, layout.plan_bytes, 8 * words + 4 * slot_floats)
         self.num_collectives = 0
         self.num_plans = 0
+        self.wait_seconds = 0.0  # in collectives, waiting for a peer to publish its part (it ran slower)
         self._part, self._part_seq = None, 0  # next_part's slot, and the collective it was taken for
         self._own = (self.slots[0, rank], self.slots[1, rank])  # this rank's slot of even, odd collectives
         self._peers: dict[int, psutil.Process] = {}
@@ -196,7 +197,9 @@ class SharedGroup:
         control = self.control
         for peer in self._others:  # a word at a time: ~100 ns a check, where np.all costs microseconds
             if control[peer, 0] < seq:
+                start = time.perf_counter()
                 self._wait(lambda: control[peer, 0] >= seq, f"collective {seq}")  # noqa: B023 - called now
+                self.wait_seconds += time.perf_counter() - start
         self.num_collectives = seq
         return slots
 

@@ -53,6 +53,8 @@ class TensorParallelStart:
         return {"size": self.shard.size, "pids": pids,
                 # rank 0's seconds in the all-reduces and the logits' gather, and in sending the plans
                 "collective_seconds": 0.0 if sharded is None else sharded.collective_seconds,
+                # of those, waiting for a follower to reach the collective (it ran its part slower)
+                "collective_wait_seconds": 0.0 if sharded is None else sharded.wait_seconds,
                 "plan_seconds": 0.0 if sharded is None else sharded.plan_seconds,
                 "weight_bytes": [weight_bytes] + [r.weight_bytes for r in followers],
                 "kv_cache_bytes": [kv_cache_bytes] + [r.kv_cache_bytes for r in followers]}

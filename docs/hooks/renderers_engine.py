@@ -291,10 +291,12 @@ def all_reduce(data: dict) -> str:
 def tensor_parallel(data: dict) -> str:
     engines = data.get("engines", {})
     return table(["row", f"tp1: {engines.get('tp1', '?')} tok/s", f"tp2: {engines.get('tp2', '?')} tok/s",
-                  "tp2 / tp1", "tp2's collectives (share of its time)"],
+                  "tp2 / tp1", "tp2's collectives (share of its time)",
+                  "of which waiting for the other rank"],
                  [[f"decode batch {r['row']}" if r["row"].isdigit() else r["row"],
                    num(r["median_tokens_per_s"]["tp1"]), num(r["median_tokens_per_s"]["tp2"]),
-                   times(r["tp2_over_tp1"]), pct(r.get("tp2_median_collective_share"))]
+                   times(r["tp2_over_tp1"]), pct(r.get("tp2_median_collective_share")),
+                   pct(r.get("tp2_median_collective_wait_share"))]
                   for r in data["rows"]])
 
 

@@ -92,6 +92,11 @@ class Sharded:
         self.all_reduce(h)
         return h
 
+    @property
+    def wait_seconds(self) -> float:
+        """Of collective_seconds, those spent waiting for another rank to reach the collective."""
+        return self.group.wait_seconds
+
     def partial(self, rows: int, cols: int) -> np.ndarray:
         """[rows, cols] float32 in this rank's slot of the next all-reduce: a partial result written here is
         published without a copy. Take it right before the all_reduce it feeds."""
