@@ -153,6 +153,7 @@ class Engine:
         return self.scheduler.has_unfinished()
 
     def step(self) -> StepOutput:
+        self.ranks.pin_stepping_thread()
         clock = StageClock()
         expired = self.scheduler.abort_expired()
         plan = clock.lap("schedule", self.scheduler.schedule())

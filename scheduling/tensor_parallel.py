@@ -4,6 +4,7 @@ side. What the engine sizes from the model (the KV pool, the context) is compute
 once for every rank: each rank's pool has the same blocks, each holding its KV heads."""
 
 import os
+import threading
 from pathlib import Path
 
 from cluster_configs.engine_config import EngineConfig
@@ -29,10 +30,21 @@ class TensorParallelStart:
             raise ValueError(f"cores for {len(rank_cpu_ids)} follower ranks, tensor_parallel_size {size}")
         shares = [allowed, *rank_cpu_ids] if rank_cpu_ids or size == 1 else core_shares(list(allowed), size)
         self.cpu_ids = shares[0]  # rank 0's kernel threads run on its share of the cores
+        self._pinned_thread: int | None = None
         self.sharded: Sharded | None = None  # rank 0's collectives, once the model has them
         self.group = None if size == 1 else RankGroup.start(
             model_path, config, shares, hidden=spec.hidden_size, vocab=spec.vocab_size,
             num_blocks=self.num_blocks, max_model_len=self.max_model_len, num_shadows=window_shadows(config))
+
+    def pin_stepping_thread(self) -> None:
+        """Rank 0's kernels run on the thread that steps the engine (one kernel thread a rank), which is
+        pinned here to rank 0's cores, once per thread: left to float, it would share a follower's core and
+        make every collective wait for the slowed follower. A deployment's worker process is pinned
+        already."""
+        if self.group is None or self._pinned_thread == threading.get_ident():
+            return
+        os.sched_setaffinity(0, self.cpu_ids)  # pid 0: the calling thread alone
+        self._pinned_thread = threading.get_ident()
 
     def wait_ready(self) -> None:
         if self.group is not None:

@@ -19,6 +19,7 @@ import pytest
 
 import numaserve as ns
 from models.gguf.writer import convert_to_gguf
+from models.tensor_parallel.group import core_shares
 from numaserve.demo import DEMO_DIR
 from numaserve.demo_corpus import heldout_files
 from tests.conftest import random_prompt
@@ -113,6 +114,16 @@ def test_a_gguf_file_on_two_ranks_scores_within_1e_4_of_one_rank_each_rank_readi
     finally:
         one.close()
         two.close()
+
+
+def test_the_thread_stepping_rank_0_runs_on_its_cores_the_follower_on_the_others_the_caller_untouched(pair):
+    _, two = pair
+    allowed = os.sched_getaffinity(0)
+    two.generate([random_prompt(4, seed=3)], GREEDY)
+    rank_0, rank_1 = core_shares(sorted(allowed), 2)
+    assert os.sched_getaffinity(two.engine_loop._thread.native_id) == set(rank_0)
+    assert set(psutil.Process(two.engine.ranks.group.pids[0]).cpu_affinity()) == set(rank_1)
+    assert os.sched_getaffinity(0) == allowed
 
 
 def test_ngram_speculation_on_two_ranks_gives_the_tokens_without_it(model_dirs, pair):
