@@ -88,13 +88,8 @@ class Engine:
                                      max_loaded=config.max_loras if fetch_adapter else None)
         slots = LoraSlots(s, config.max_loras, config.max_lora_rank,  # this rank's part of each adapter
                           slot_dtype(self.model.weight_dtype, local), self.ranks.shard)
-        lora_merge = config.lora_merge
-        if self.ranks.shard.size > 1 and lora_merge != "never":
-            lora_merge = "never"  # merged copies would be of the whole weights: not built for shards yet
-            self.decisions.record("lora_merge", "never", "tensor-parallel ranks run adapters on the low-rank "
-                                  "path (merged copies are not built for shards yet)")
         self.runner = ModelRunner(self.model, self.kv_cache, bs, self.adapters, LoraPlanner(
-            slots, self.model.weights.layers, s, lora_merge, config.lora_merged_bytes,
+            slots, self.model.weights.layers, s, config.lora_merge, config.lora_merged_bytes,
             self.model.weight_bytes, shared_merged, self.decisions))
         self.speculation = make_speculation(config, s, self.tokenizer, model_path, self.model,
                                             kv_cache_tokens=num_blocks * bs, decisions=self.decisions)

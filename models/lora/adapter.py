@@ -9,13 +9,17 @@ same A and scaling, B cut into the parts' rows (the columns of our fused project
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from cluster_configs.errors import AdapterError, CheckpointError
-from models.lora.config import FUSED_MODULES, module_shapes, read_lora_config, target_modules
+from models.lora.config import FUSED_MODULES, module_key, module_shapes, read_lora_config, target_modules
 from models.model_spec import ModelSpec
 from models.safetensors_io import read_header, read_tensor
+
+if TYPE_CHECKING:
+    from models.tensor_parallel.shard import TensorShard
 
 _KEY = re.compile(r"base_model\.model\.model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])"
                   r"(?:\.default)?\.weight")
@@ -55,6 +59,16 @@ class LoraAdapter:
             return self.layers
         return tuple({part: m for name, lora in layer.items() for part, m in _parts(name, lora, self.fused)}
                      for layer in self.layers)
+
+    def rank_part(self, shard: "TensorShard", spec: ModelSpec) -> "LoraAdapter":
+        """A tensor-parallel rank's part (spec: the whole model's): each module's factors cut as
+        shard.lora_factors cuts them, fused modules as their parts; the adapter itself on one rank."""
+        if shard.size == 1:
+            return self
+        layers = tuple({m: LoraModule(*shard.lora_factors(module_key(i, m), spec, lora.a, lora.b),
+                                      lora.scaling)
+                        for m, lora in layer.items()} for i, layer in enumerate(self.module_layers))
+        return LoraAdapter(self.name, layers, self.config_rank, self.use_rslora)
 
     @property
     def max_rank(self) -> int:

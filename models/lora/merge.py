@@ -87,8 +87,11 @@ def merged_nbytes(base_layers: Sequence[LayerWeights], adapter: LoraAdapter) -> 
 @dataclass(frozen=True)
 class MergedRows:
     """A step's rows that run on merged copies: per adapter one run of the batch (rows come grouped by
-    adapter), in row order: (start, end, its merged weights)."""
+    adapter), in row order: (start, end, its merged weights). For tensor-parallel followers, which merge
+    their own parts: the adapters whose copies this step made (built), and the names held after it."""
     runs: tuple[tuple[int, int, MergedWeights], ...]
+    built: tuple[LoraAdapter, ...] = ()
+    held: tuple[str, ...] = ()
 
 
 def _reencoded(base: Matrix, dense: np.ndarray) -> Matrix:
@@ -117,6 +120,10 @@ class MergedCache:
 
     def holds(self, name: str) -> bool:
         return name in self._held
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(self._held)
 
     def put(self, merged: MergedWeights, keep: set[str]) -> None:
         """Hold a new copy; past max_bytes drop the least recently used ones not in keep (the step's)."""

@@ -23,7 +23,7 @@ from kernels.formats.quant import QK, quantize_q8_0
 from kernels.lora import lora_shrink_expand
 from memory.heap import untouched_zeros
 from models.lora.adapter import LoraAdapter
-from models.lora.config import MODULES, module_key, module_shapes
+from models.lora.config import MODULES, module_shapes
 from models.model_spec import ModelSpec
 from models.tensor_parallel.shard import WHOLE_MODEL, TensorShard
 
@@ -104,12 +104,11 @@ class LoraSlots:
         """The adapter (its part on this rank) into the slot."""
         for m in MODULES:
             self.ranks[m][:, slot] = 0
-        for i, layer in enumerate(adapter.module_layers):
+        for i, layer in enumerate(adapter.rank_part(self.shard, self.spec).module_layers):
             for m, lora in layer.items():
                 r = lora.rank
-                a, b = self.shard.lora_factors(module_key(i, m), self.spec, lora.a, lora.b)
-                store(self.dtype, a, self.a[m][i, slot, :r], self.a_scales[m][i, slot, :r])
-                store(self.dtype, b.T, self.bt[m][i, slot, :r], self.bt_scales[m][i, slot, :r])
+                store(self.dtype, lora.a, self.a[m][i, slot, :r], self.a_scales[m][i, slot, :r])
+                store(self.dtype, lora.b.T, self.bt[m][i, slot, :r], self.bt_scales[m][i, slot, :r])
                 self.ranks[m][i, slot] = r
                 self.scalings[m][i, slot] = lora.scaling
         self.bytes_loaded += adapter.nbytes

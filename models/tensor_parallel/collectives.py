@@ -12,7 +12,7 @@ from cluster_configs.errors import RankLost
 from memory.matrices import WeightMatrix
 from memory.shared_group import SharedGroup
 from models.linear import embed
-from models.tensor_parallel.orders import ForwardOrder, LoraOrder
+from models.tensor_parallel.orders import ForwardOrder, LoraOrder, MergedOrder
 from models.tensor_parallel.shard import TensorShard
 
 
@@ -65,14 +65,22 @@ class Sharded:
         if not self.leader:
             return
         start = time.perf_counter()
-        lora, loads = None, []
+        lora, merged, adapters = None, None, []
         if batch.lora is not None:
             rows = batch.lora
             loads = rows.holder.take_loads()
             lora = LoraOrder(rows.starts, rows.ends, rows.slots, tuple(slot for slot, _ in loads))
+            adapters += [adapter for _, adapter in loads]
             batch = replace(batch, lora=None)
-        self.group.send_plan(pickle.dumps(ForwardOrder(batch, embeddings, lora), pickle.HIGHEST_PROTOCOL))
-        for _, adapter in loads:  # after the plan: each follower reads its pipe once it has the plan
+        if batch.merged is not None:  # the copies' names: each follower merges its own
+            m = batch.merged
+            merged = MergedOrder(tuple((a, b, w.name) for a, b, w in m.runs), tuple(x.name for x in m.built),
+                                 m.held)
+            adapters += m.built
+            batch = replace(batch, merged=None)
+        order = ForwardOrder(batch, embeddings, lora, merged)
+        self.group.send_plan(pickle.dumps(order, pickle.HIGHEST_PROTOCOL))
+        for adapter in adapters:  # after the plan: each follower reads its pipe once it has the plan
             for rank, pipe in enumerate(self.adapter_pipes, start=1):
                 try:
                     pipe.send(adapter)

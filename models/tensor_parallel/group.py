@@ -20,9 +20,11 @@ from memory.kv_cache import KVCache
 from memory.numa import bind_memory, physical_node_ids, pin_process, read_topology
 from memory.shared_group import GroupLayout, SharedGroup
 from models.decoder import DecoderModel
+from models.lora.merge import MergedRows, MergedWeights, merge_adapter
 from models.lora.slots import LoraRows, LoraSlots, slot_dtype
+from models.model_spec import ModelSpec
 from models.tensor_parallel.collectives import Sharded
-from models.tensor_parallel.orders import StopOrder
+from models.tensor_parallel.orders import MergedOrder, StopOrder
 from models.tensor_parallel.shard import TensorShard
 
 START_TIMEOUT_S = 600.0  # a follower loads and packs its shard (numba may compile first) before this
@@ -91,6 +93,7 @@ def follower_main(spec: FollowerSpec, status, adapters) -> None:
                      c.resolved_kv_dtype, c.kv_dtype_overrides, num_shadows=spec.num_shadows)
         slots = LoraSlots(loaded.spec, c.max_loras, c.max_lora_rank, slot_dtype(model.weight_dtype, local),
                           shard)  # rank 0's slot for slot, its part of each adapter
+        merged: dict[str, MergedWeights] = {}  # its parts of the merged copies rank 0 holds
     except Exception as e:  # noqa: BLE001 - rank 0 raises it
         status.put(_picklable(e, spec.rank))
         group.abort()
@@ -107,11 +110,26 @@ def follower_main(spec: FollowerSpec, status, adapters) -> None:
                 for slot in lora.loads:
                     slots.load(adapters.recv(), slot)
                 batch = replace(batch, lora=LoraRows(lora.starts, lora.ends, lora.slots, slots))
+            if order.merged is not None:
+                batch = replace(batch, merged=_merged_rows(order.merged, merged, adapters,
+                                                           model.weights.layers, shard, loaded.spec))
             model.forward_hidden(batch, kv, order.embeddings)
     except (RankLost, EOFError, OSError):
         pass  # rank 0 is gone or gave up (its pipe closed): nothing is left to serve
     finally:
         group.close()
+
+
+def _merged_rows(order: MergedOrder, held: dict[str, MergedWeights], adapters, base_layers,
+                 shard: TensorShard, spec: ModelSpec) -> MergedRows:
+    """A forward's merged rows on this follower: the copies rank 0 made for it merged here too (their adapters
+    read from the pipe, in order), the ones rank 0 dropped dropped (held: name -> copy, updated)."""
+    for name in order.built:
+        adapter = adapters.recv()
+        held[name] = merge_adapter(base_layers, adapter.rank_part(shard, spec), shard.local_spec(spec))
+    for name in [n for n in held if n not in order.held]:
+        del held[name]
+    return MergedRows(tuple((a, b, held[name]) for a, b, name in order.runs))
 
 
 def _picklable(e: Exception, rank: int) -> Exception:

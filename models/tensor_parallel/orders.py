@@ -20,12 +20,24 @@ class LoraOrder:
 
 
 @dataclass(frozen=True)
+class MergedOrder:
+    """A forward's rows on merged LoRA copies (models/lora/merge.MergedRows by adapter name: each rank merges
+    its part of an adapter into its part of the weights), the copies rank 0 made for it, whose adapters follow
+    the slots' loads on the adapter pipe, one each in this order, and the names rank 0 holds after it (a
+    follower drops the others)."""
+    runs: tuple[tuple[int, int, str], ...]  # (start, end, adapter)
+    built: tuple[str, ...]
+    held: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class ForwardOrder:
     """Run this batch (embeddings: an EAGLE head's inputs in place of the tokens'; lora: its low-rank rows,
-    batch.lora being None)."""
+    batch.lora being None; merged: its rows on merged copies, batch.merged being None)."""
     batch: ForwardBatch
     embeddings: np.ndarray | None = None
     lora: LoraOrder | None = None
+    merged: MergedOrder | None = None
 
 
 @dataclass(frozen=True)

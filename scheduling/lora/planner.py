@@ -88,7 +88,9 @@ class LoraPlanner:
         if shared is not None:
             self.num_merged_shared += 1
             return shared
-        built = merge_adapter(self.base_layers, adapter, self.spec)
+        shard = self.slots.shard  # a tensor-parallel rank merges its part into its part of the weights
+        built = merge_adapter(self.base_layers, adapter.rank_part(shard, self.spec),
+                              shard.local_spec(self.spec))
         self.meter.built(built.seconds)
         self.num_merged_builds += 1
         self.merged_build_s += built.seconds
@@ -130,4 +132,5 @@ class LoraPlanner:
         for name in choice.adapters:
             rows = [i for i, a in enumerate(row_adapter) if a == name]
             runs.append((rows[0], rows[-1] + 1, self.merged.get(name)))
-        return MergedRows(tuple(sorted(runs, key=lambda r: r[0])))
+        return MergedRows(tuple(sorted(runs, key=lambda r: r[0])), tuple(map(adapter, choice.build)),
+                          self.merged.names)

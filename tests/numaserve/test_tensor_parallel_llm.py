@@ -18,7 +18,10 @@ import psutil
 import pytest
 
 import numaserve as ns
+from models.checkpoint import load_weights
 from models.gguf.writer import convert_to_gguf
+from models.lora.adapter import load_lora
+from models.lora.merge import merged_nbytes
 from models.tensor_parallel.group import core_shares
 from numaserve.demo import DEMO_DIR
 from numaserve.demo_corpus import heldout_files
@@ -200,6 +203,41 @@ def test_lora_adapters_on_two_ranks_equal_one_rank_alone_mixed_and_through_slot_
             assert [c.token_ids for c in two.generate(prompts, params, adapter=adapter)] != \
                 [c.token_ids for c in two.generate(prompts, params)]  # the adapters change the tokens
         assert two.stats()["lora_slot_evictions"] > 0
+    finally:
+        for llm in engines:
+            llm.close()
+
+
+@pytest.mark.parametrize("variant", ["llama", "phi3"])
+def test_merged_lora_copies_on_two_ranks_equal_one_ranks_each_rank_merging_its_part(variant, model_dirs,
+                                                                                    tmp_path):
+    """lora_merge="always": each rank merges its part of an adapter into its part of the weights (a follower
+    gets the adapters rank 0 merges through its pipe, and drops the copies rank 0 drops). A merged-bytes bound
+    of one copy on both engines (a rank's copy is half the whole's): in the mixed batch "a" runs merged and
+    "b" on the low-rank path, then "ab" evicts "a"; the same tokens as one rank's, and "a" again after."""
+    base = model_dirs[variant]
+    adapters = {n: make_adapter(base, tmp_path / n, seed=i + 1) for i, n in enumerate(("a", "b"))}
+    spec, weights = load_weights(base, "float32")
+    copy = merged_nbytes(weights.layers, load_lora("a", adapters["a"], spec))
+    engines = [ns.LLM(base, tensor_parallel_size=size, lora_merge="always",
+                      lora_merged_bytes=int(1.5 * copy / size), **EXACT) for size in (1, 2)]
+    try:
+        for llm in engines:
+            for name, path in adapters.items():
+                llm.register_adapter(name, path)
+            llm.compose_adapter("ab", {"a": 0.5, "b": 0.5}, "cat")
+        one, two = engines
+        prompts = [random_prompt(6 + 3 * i, seed=90 + i) for i in range(6)]
+        params = ns.SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+        for adapter in (["a", "b", None, "a", "b", None], "ab", "a"):
+            assert [c.token_ids for c in two.generate(prompts, params, adapter=adapter)] == \
+                [c.token_ids for c in one.generate(prompts, params, adapter=adapter)], adapter
+        np.testing.assert_allclose(two.score(prompts[0], adapter="ab"), one.score(prompts[0], adapter="ab"),
+                                   atol=1e-4, rtol=0)
+        for llm in engines:
+            stats = llm.stats()
+            assert stats["num_merged_tokens"] > 0 and stats["num_lora_tokens"] > 0  # both paths ran
+            assert stats["lora_merged_evictions"] >= 2 and stats["lora_merged_builds"] >= 3
     finally:
         for llm in engines:
             llm.close()
