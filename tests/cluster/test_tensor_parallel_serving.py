@@ -21,12 +21,14 @@ from tests.cluster.conftest import (
     free_port,
     paused,
     queued,
+    reference_outputs,
     sim_config,
     wait_for,
     wait_for_restart,
 )
 from tests.cluster.test_faults import in_daemon_thread
 from tests.conftest import random_prompt
+from tests.models.test_lora import make_adapter
 
 NAME = "tp"
 WORKER = "local-numa0-0"  # the group: rank 0 on node 0, rank 1 on node 1
@@ -45,8 +47,9 @@ def small_nodes_config(size: int, **fields) -> ns.ClusterConfig:
 
 
 @pytest.fixture(scope="module")
-def config():
-    return small_nodes_config(2, http={"port": free_port(), "host": "127.0.0.1"})
+def config(tmp_path_factory):
+    return small_nodes_config(2, http={"port": free_port(), "host": "127.0.0.1"},
+                              adapter_registry=str(tmp_path_factory.mktemp("registry") / "adapters.json"))
 
 
 @pytest.fixture(scope="module")
@@ -92,6 +95,24 @@ def test_one_worker_over_both_nodes_serves_http_streams_equal_to_the_in_process_
             text += chunk.choices[0].text if chunk.choices else ""
             finish = (chunk.choices[0].finish_reason if chunk.choices else None) or finish
         assert (text, finish) == (reference.text, "length")
+
+
+def test_an_adapter_on_the_group_serves_http_streams_equal_to_the_in_process_engine_with_it(client, config,
+                                                                                             tmp_path):
+    """Each rank's slots hold its part of the adapter; the follower gets it through rank 0's pipe."""
+    path = make_adapter(config.model, tmp_path / "tp-adapter", seed=1)
+    client.register_adapter("tp-adapter", path)
+    params = ns.SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    with_adapter = reference_outputs(config.model, config, PROMPTS[:2], params, adapters={"tp-adapter": path})
+    assert [c.token_ids for c in with_adapter] != \
+        [c.token_ids for c in reference_outputs(config.model, config, PROMPTS[:2], params)]
+    api = openai.OpenAI(base_url=f"{client.http_url}/v1", api_key="unused", max_retries=0,
+                        timeout=STREAM_BOUND_S)
+    for prompt, reference in zip(PROMPTS[:2], with_adapter):
+        text = "".join(chunk.choices[0].text for chunk in api.completions.create(
+            model="tp-adapter", prompt=prompt, max_tokens=params.max_tokens, temperature=0, stream=True,
+            extra_body={"ignore_eos": True}) if chunk.choices)
+        assert text == reference.text
 
 
 def _stream(client, prompt, started: threading.Semaphore) -> list[int]:
