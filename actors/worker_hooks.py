@@ -19,7 +19,6 @@ import ray
 
 from actors.metrics import WorkerMetrics
 from cluster_configs.cluster_config import WorkerPlacement
-from cluster_configs.errors import RankLost
 from cluster_configs.sampling_params import SamplingParams
 from scheduling.loop_hooks import LoopHooks
 from scheduling.loop_messages import RequestFailed
@@ -66,14 +65,15 @@ class WorkerHooks(LoopHooks):
         self.metrics.outputs(outputs)
 
     def failure(self, error: Exception) -> Exception:
-        if isinstance(error, RankLost):
-            # a tensor-parallel rank is gone, so this group cannot step again: the process ends, Ray restarts
-            # the worker with a new group (all its ranks: the followers left see rank 0 gone and stop), and
-            # callers resume its streams as for any lost worker (actors/request_stream.py): nothing is failed
-            log.error("numaserve: worker %s lost a tensor-parallel rank (%s); restarting it",
-                      self.placement.worker_id, error)
-            os._exit(RANK_LOST_EXIT_CODE)
         return RuntimeError(f"worker {self.placement.worker_id}: engine step failed: {error!r}")
+
+    def fatal(self, error: Exception) -> None:
+        """A tensor-parallel rank is gone, so this group cannot step again: the process ends, Ray restarts the
+        worker with a new group (all its ranks: the followers left see rank 0 gone and stop), and callers
+        resume its streams as for any lost worker (actors/request_stream.py): nothing is failed."""
+        log.error("numaserve: worker %s lost a tensor-parallel rank (%s); restarting it",
+                  self.placement.worker_id, error)
+        os._exit(RANK_LOST_EXIT_CODE)
 
     def deliver(self, items: list[tuple]) -> None:
         if self.event_loop is not None:

@@ -10,9 +10,10 @@ one (its deltas wait in its outbox). numba's thread count is per thread, so one 
 the kernels release the GIL, so the callers' threads cost the loop nothing while it computes.
 
 One failure rule: a step that raises fails the requests it held (the running ones; every pending one if none
-was running) with its exception, and the loop goes on. close() fails what is pending with EngineClosed and
-ends the thread; later submissions and calls raise EngineClosed. Should the loop's own code fail, it closes
-the same way.
+was running) with its exception (hooks.failure may map it), and the loop goes on; an error after which the
+engine cannot step again (RankLost) goes to hooks.fatal first. close() fails what is pending with
+EngineClosed and ends the thread; later submissions and calls raise EngineClosed. Should the loop's own code
+fail, it closes the same way.
 """
 
 import contextlib
@@ -25,7 +26,7 @@ from concurrent.futures import Future
 
 import numba
 
-from cluster_configs.errors import EngineClosed, InvalidRequest
+from cluster_configs.errors import EngineClosed, InvalidRequest, RankLost
 from scheduling.loop_hooks import LoopHooks
 from scheduling.loop_messages import (
     Abort,
@@ -301,6 +302,8 @@ class EngineLoop:
         try:
             step = self.engine.step()
         except Exception as e:  # noqa: BLE001  (a bug fails the requests it hit, not the loop)
+            if isinstance(e, RankLost):
+                self.hooks.fatal(e)
             held = [r.request_id for r in self.engine.scheduler.running if r.request_id in self._outboxes]
             self._fail(held or list(self._outboxes), self.hooks.failure(e))
             self._advanced()

@@ -32,6 +32,10 @@ class LoopHooks:
         """What the requests a failing step held are failed with."""
         return error
 
+    def fatal(self, error: Exception) -> None:
+        """A step raised an error after which the engine cannot step again (RankLost: a tensor-parallel rank
+        is gone), before its requests are failed. The default adds nothing: later steps raise it again."""
+
     def deliver(self, items: list[tuple]) -> None:
         """Hand on (outbox, output or RequestFailed) pairs, a step's at once, in order."""
         for outbox, item in items:
