@@ -2,9 +2,9 @@
 other half of the weights. Exact against tensor_parallel_size 1 (float32, four families, experts split or
 whole on ranks: scores within 1e-4, the same greedy tokens, the same bits alone or in a batch; the demo model
 in q8_0 with int8 activations: 15 of 16 prompts' tokens), continuous batching of mixed requests equal to each
-alone, the prefix cache, a session, a JSON schema, LoRA adapters equal to one rank's, n-gram, draft-model,
-Medusa and EAGLE speculation equal to none, a killed follower a RankLost, and the follower stopped by
-close()."""
+alone, the prefix cache, a session, a JSON schema, LoRA adapters equal to one rank's (low-rank and merged),
+a GGUF file within 1e-4 of one rank, n-gram, draft-model, Medusa and EAGLE speculation equal to none, a killed
+follower a RankLost, rank 0's stepping thread on its own cores, and the follower stopped by close()."""
 
 import json
 import multiprocessing
