@@ -169,13 +169,15 @@ def _gguf_role(name: str, spec: ModelSpec) -> str | None:
     if name in ("token_embd.weight", "output.weight"):
         return "vocab"
     m = re.fullmatch(r"blk\.\d+\.(.+)", name)
-    if m is None:
-        return None
-    for pattern, role in _GGUF_ROLES:
-        hit = re.fullmatch(pattern, m.group(1))
+    role = None if m is None else _table_role(_GGUF_ROLES, m.group(1))
+    return "gate_up" if role == "up" and spec.arch.fused_projections else role
+
+
+def _table_role(table: tuple, rest: str) -> str | None:
+    """The role of the first pattern of table that rest matches (None in a pattern: its first group)."""
+    for pattern, role in table:
+        hit = re.fullmatch(pattern, rest)
         if hit is not None:
-            if role == "up" and spec.arch.fused_projections:
-                return "gate_up"
             return role or hit.group(1)
     return None
 
@@ -192,8 +194,4 @@ def _role(name: str, spec: ModelSpec) -> str | None:
         e = re.fullmatch(re.escape(experts.block) + r"\.experts\.\d+\.(\w+)\.weight", rest)
         if e is not None:
             return "expert_out" if e.group(1) == experts.projections[2] else "expert_in"
-    for pattern, role in _ROLES:
-        hit = re.fullmatch(pattern, rest)
-        if hit is not None:
-            return role or hit.group(1)
-    return None
+    return _table_role(_ROLES, rest)

@@ -175,6 +175,14 @@ def test_draft_model_medusa_and_eagle_speculation_on_two_ranks_give_the_tokens_w
         plain.close()
 
 
+def _register(engines: list[ns.LLM], adapters: dict[str, Path]) -> None:
+    """The adapters on every engine, and "ab" composed of a and b."""
+    for llm in engines:
+        for name, path in adapters.items():
+            llm.register_adapter(name, path)
+        llm.compose_adapter("ab", {"a": 0.5, "b": 0.5}, "cat")
+
+
 @pytest.mark.parametrize("variant", ["llama", "phi3"])
 def test_lora_adapters_on_two_ranks_equal_one_rank_alone_mixed_and_through_slot_evictions(variant, model_dirs,
                                                                                          tmp_path):
@@ -187,10 +195,7 @@ def test_lora_adapters_on_two_ranks_equal_one_rank_alone_mixed_and_through_slot_
     adapters = {n: make_adapter(base, tmp_path / n, seed=i + 1) for i, n in enumerate(("a", "b"))}
     engines = [ns.LLM(base, tensor_parallel_size=size, max_loras=2, **EXACT) for size in (1, 2)]
     try:
-        for llm in engines:
-            for name, path in adapters.items():
-                llm.register_adapter(name, path)
-            llm.compose_adapter("ab", {"a": 0.5, "b": 0.5}, "cat")
+        _register(engines, adapters)
         one, two = engines
         prompts = [random_prompt(6 + 3 * i, seed=80 + i) for i in range(6)]
         for adapter in ("a", "ab"):
@@ -222,10 +227,7 @@ def test_merged_lora_copies_on_two_ranks_equal_one_ranks_each_rank_merging_its_p
     engines = [ns.LLM(base, tensor_parallel_size=size, lora_merge="always",
                       lora_merged_bytes=int(1.5 * copy / size), **EXACT) for size in (1, 2)]
     try:
-        for llm in engines:
-            for name, path in adapters.items():
-                llm.register_adapter(name, path)
-            llm.compose_adapter("ab", {"a": 0.5, "b": 0.5}, "cat")
+        _register(engines, adapters)
         one, two = engines
         prompts = [random_prompt(6 + 3 * i, seed=90 + i) for i in range(6)]
         params = ns.SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
