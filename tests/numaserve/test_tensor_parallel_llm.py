@@ -10,6 +10,8 @@ import json
 import multiprocessing
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import jsonschema
@@ -298,6 +300,36 @@ def test_a_killed_follower_fails_the_step_with_rank_lost_instead_of_hanging(mode
             llm.generate([random_prompt(6, seed=2)], GREEDY)
     finally:
         llm.close()
+
+
+DRIVER = """
+import sys
+import numaserve as ns
+
+if __name__ == "__main__":
+    llm = ns.LLM(sys.argv[1], tensor_parallel_size=2, weight_dtype="float32", num_threads=1)
+    llm.generate([[5, 6, 7]], ns.SamplingParams(max_tokens=2))
+    print(llm.engine.ranks.group.pids[0], flush=True)
+    sys.stdin.read()  # until killed
+"""
+
+
+def test_a_killed_driver_leaves_no_follower_and_no_segment(model_dirs, tmp_path):
+    """rank 0's process killed (no close(), no atexit): its follower sees rank 0 gone and exits, and the
+    segment, nameless since every rank mapped it, goes with the last mapping."""
+    script = tmp_path / "driver.py"
+    script.write_text(DRIVER)
+    driver = subprocess.Popen([sys.executable, str(script), str(model_dirs["llama"])], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True, cwd=Path(__file__).parents[2])
+    try:
+        follower = psutil.Process(int(driver.stdout.readline()))
+        assert list(Path("/dev/shm").glob(f"numaserve-tp-{driver.pid}-*")) == []  # nameless once mapped
+        driver.kill()
+        driver.wait(30)
+        follower.wait(60)  # a bound on liveness (it checks its peers every 50 ms), not on speed
+    finally:
+        driver.kill()
+        driver.wait(30)
 
 
 def test_a_prefix_cache_hit_and_a_four_turn_session_on_two_ranks_equal_one_rank(pair):
