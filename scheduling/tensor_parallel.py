@@ -38,7 +38,7 @@ class TensorParallelStart:
 
     def pin_stepping_thread(self) -> None:
         """Rank 0's kernels run on the thread that steps the engine (one kernel thread a rank), which is
-        pinned here to rank 0's cores, once per thread: left to float, it would share a follower's core and
+        pinned here to rank 0's cores, once per thread: left to float, it could share a follower's core and
         make every collective wait for the slowed follower. A deployment's worker process is pinned
         already."""
         if self.group is None or self._pinned_thread == threading.get_ident():

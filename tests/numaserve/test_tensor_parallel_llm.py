@@ -9,6 +9,7 @@ follower a RankLost, rank 0's stepping thread on its own cores, and the follower
 import json
 import multiprocessing
 import os
+import select
 import shutil
 import subprocess
 import sys
@@ -322,6 +323,8 @@ def test_a_killed_driver_leaves_no_follower_and_no_segment(model_dirs, tmp_path)
     driver = subprocess.Popen([sys.executable, str(script), str(model_dirs["llama"])], stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, text=True, cwd=Path(__file__).parents[2])
     try:
+        ready, _, _ = select.select([driver.stdout], [], [], 300)  # one that never starts fails, not hangs
+        assert ready, "the driver did not start its engine within 300 s"
         follower = psutil.Process(int(driver.stdout.readline()))
         assert list(Path("/dev/shm").glob(f"numaserve-tp-{driver.pid}-*")) == []  # nameless once mapped
         driver.kill()
