@@ -2,7 +2,6 @@
 the sums of its partial outputs (after attention's o and the MLP's down), and the logits gathered on rank 0.
 `WHOLE` is the model on one rank: each is the identity there, so the forward has no branch for parallelism."""
 
-import pickle
 import time
 from dataclasses import replace
 
@@ -14,6 +13,7 @@ from memory.shared_group import SharedGroup
 from models.linear import embed
 from models.tensor_parallel.orders import ForwardOrder, LoraOrder, MergedOrder
 from models.tensor_parallel.shard import TensorShard
+from models.tensor_parallel.wire import encode
 
 
 class Whole:
@@ -79,11 +79,11 @@ class Sharded:
             adapters += m.built
             batch = replace(batch, merged=None)
         order = ForwardOrder(batch, embeddings, lora, merged)
-        self.group.send_plan(pickle.dumps(order, pickle.HIGHEST_PROTOCOL))
+        self.group.send_plan(encode(order))
         for adapter in adapters:  # after the plan: each follower reads its pipe once it has the plan
             for rank, pipe in enumerate(self.adapter_pipes, start=1):
                 try:
-                    pipe.send(adapter)
+                    pipe.send_bytes(encode(adapter))
                 except OSError:  # BrokenPipeError: the follower is gone
                     self.group.abort()
                     raise RankLost(f"rank 0: rank {rank} is gone (its adapter pipe broke); restart the "

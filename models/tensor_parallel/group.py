@@ -4,7 +4,6 @@ to its share of the cores, with its shard of the weights and its own KV cache (i
 it runs every forward rank 0 sends it and returns nothing but its part of the collectives."""
 
 import multiprocessing
-import pickle
 import queue
 import time
 from dataclasses import dataclass, replace
@@ -14,7 +13,7 @@ import numba
 
 from cluster_configs.diagnostics import DecisionLog
 from cluster_configs.engine_config import EngineConfig
-from cluster_configs.errors import RankLost
+from cluster_configs.errors import AdapterError, CheckpointError, InvalidRequest, RankLost
 from kernels import resolve_num_threads
 from memory.kv_cache import KVCache
 from memory.numa import bind_memory, physical_node_ids, pin_process, read_topology
@@ -26,6 +25,7 @@ from models.model_spec import ModelSpec
 from models.tensor_parallel.collectives import Sharded
 from models.tensor_parallel.orders import MergedOrder, StopOrder
 from models.tensor_parallel.shard import TensorShard
+from models.tensor_parallel.wire import decode, encode
 
 START_TIMEOUT_S = 600.0  # a follower loads and packs its shard (numba may compile first) before this
 STOP_TIMEOUT_S = 10.0
@@ -95,20 +95,20 @@ def follower_main(spec: FollowerSpec, status, adapters) -> None:
                           shard)  # rank 0's slot for slot, its part of each adapter
         merged: dict[str, MergedWeights] = {}  # its parts of the merged copies rank 0 holds
     except Exception as e:  # noqa: BLE001 - rank 0 raises it
-        status.put(_picklable(e, spec.rank))
+        status.put(RankFailed(spec.rank, type(e).__name__, str(e)))
         group.abort()
         group.close()
         return
     status.put(RankReady(spec.rank, model.weight_bytes, kv.nbytes))
     try:
         while True:
-            order = pickle.loads(group.receive_plan())
+            order = decode(group.receive_plan())
             if isinstance(order, StopOrder):
                 break
             batch, lora = order.batch, order.lora
             if lora is not None:
                 for slot in lora.loads:
-                    slots.load(adapters.recv(), slot)
+                    slots.load(decode(adapters.recv_bytes()), slot)
                 batch = replace(batch, lora=LoraRows(lora.starts, lora.ends, lora.slots, slots))
             if order.merged is not None:
                 batch = replace(batch, merged=_merged_rows(order.merged, merged, adapters,
@@ -125,21 +125,29 @@ def _merged_rows(order: MergedOrder, held: dict[str, MergedWeights], adapters, b
     """A forward's merged rows on this follower: the copies rank 0 made for it merged here too (their adapters
     read from the pipe, in order), the ones rank 0 dropped dropped (held: name -> copy, updated)."""
     for name in order.built:
-        adapter = adapters.recv()
+        adapter = decode(adapters.recv_bytes())
         held[name] = merge_adapter(base_layers, adapter.rank_part(shard, spec), shard.local_spec(spec))
     for name in [n for n in held if n not in order.held]:
         del held[name]
     return MergedRows(tuple((a, b, held[name]) for a, b, name in order.runs))
 
 
-def _picklable(e: Exception, rank: int) -> Exception:
-    """The follower's start error as rank 0 will raise it: itself where it pickles, else a RankLost."""
-    e.add_note(f"(raised on tensor-parallel rank {rank})")
-    try:
-        pickle.loads(pickle.dumps(e))
-    except Exception:  # noqa: BLE001 - any failure to round-trip
-        return RankLost(f"tensor-parallel rank {rank} could not start: {type(e).__name__}: {e}")
-    return e
+@dataclass(frozen=True)
+class RankFailed:
+    """A follower to rank 0 when its start failed: the error's class name and message."""
+    rank: int
+    kind: str
+    message: str
+
+    def error(self) -> Exception:
+        """The error as rank 0 raises it: numaserve's typed errors (and ValueError, a bad config) as they were
+        raised, anything else a RankLost naming it."""
+        kinds = {cls.__name__: cls for cls in (CheckpointError, AdapterError, InvalidRequest, ValueError)}
+        if self.kind in kinds:
+            e = kinds[self.kind](self.message)
+            e.add_note(f"(raised on tensor-parallel rank {self.rank})")
+            return e
+        return RankLost(f"tensor-parallel rank {self.rank} could not start: {self.kind}: {self.message}")
 
 
 class RankGroup:
@@ -187,10 +195,10 @@ class RankGroup:
         except BaseException:
             self.close()
             raise
-        problems = [r for r in reports if isinstance(r, Exception)]
+        problems = [r for r in reports if isinstance(r, RankFailed)]
         if problems:
             self.close()
-            raise problems[0]  # as rank 0 would have raised it (a bad config, a bad checkpoint)
+            raise problems[0].error()  # as rank 0 would have raised it (a bad config, a bad checkpoint)
         self.ready = sorted(reports, key=lambda r: r.rank)
 
     def _reports(self) -> list:
@@ -223,7 +231,7 @@ class RankGroup:
         self._closed = True
         try:
             if all(p.is_alive() for p in self.procs):
-                self.group.send_plan(pickle.dumps(StopOrder()))
+                self.group.send_plan(encode(StopOrder()))
         except (RankLost, ValueError):
             pass
         for p in self.procs:

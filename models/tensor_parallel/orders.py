@@ -1,9 +1,6 @@
-"""What rank 0 sends its followers through the group's segment, once a forward (pickled); adapters' weights
-go through a pipe a follower (models/tensor_parallel/group.py), being larger than the plan's bytes.
-
-Pickle rather than msgpack: a ForwardBatch is some twenty numpy arrays, which pickle carries as they are,
-where msgpack would need a hand-kept schema of every field; and nothing untrusted writes them (the segment is
-created 0600 under a fresh random name, mapped only by the group's own processes)."""
+"""What rank 0 sends its followers through the group's segment, once a forward (as msgpack:
+models/tensor_parallel/wire.py); adapters' weights go through a pipe a follower (models/tensor_parallel/
+group.py), being larger than the plan's bytes."""
 
 from dataclasses import dataclass
 
