@@ -7,8 +7,11 @@ sample by sample, the order flipping every sample, and each row's medians and ra
 llama.cpp gets a clean environment and its own defaults; numaserve gets its best threading for dedicated
 cores, picked by a short trial at the start (its shipped default, numba's tbb layer, against numba's
 OpenMP layer with OMP_WAIT_POLICY=ACTIVE). This parent imports neither engine: it only runs the machine
-probes (bandwidth and matmul rooflines, sampled between the engines' samples: bandwidth drifts up to 2x
-within seconds), on numba's workqueue layer, whose threads sleep between probes.
+probes, sampled between the engines' samples (bandwidth drifts up to 2x within seconds), on numba's
+workqueue layer, whose threads sleep between probes: a batch-1 row is a fraction of the read probe (the
+weights' bytes a token reads), a prefill or batched row a fraction of the dot-product peak of its
+activation dtype's instructions (benchmarks/bench_peak.py; 2 x the matrices' parameters a token, attention's
+own products left out).
 A "torch imported first" pair (same weights, numaserve's shipped settings) checks import order.
 
     python -m benchmarks.bench_decode [--dtypes bfloat16,q8_0,q4_0,q4_k_m]
@@ -44,6 +47,8 @@ NUMASERVE_THREADING = {  # candidates for numaserve's process: extra environment
     "omp-active": {"NUMBA_THREADING_LAYER": "omp", "OMP_WAIT_POLICY": "ACTIVE"},  # spinning waits
 }
 # activation dtypes meant for each weight dtype (others only with --all-combinations)
+# the dot-product instructions bounding each activation dtype's prefill and batched rows (bench_peak)
+PEAK_KIND = {"int8": "int8", "bfloat16": "bf16", "float32": "f32"}
 MEANT_FOR = {"float32": {"float32", "bfloat16", "q8_0", "q4_0", "q4_k_m"}, "bfloat16": {"bfloat16"},
              "int8": {"q8_0", "q4_0", "q4_k_m"}}
 
@@ -141,8 +146,9 @@ def bench_dtype(ckpt: Path, weight_dtype: str, args, loads: dict, probe, threadi
         runs = {name: tok_s(e, load) for name, e in engines.items()}
         if metric == "decode_b1":
             runs["read_bytes_per_s"] = probe.read_bandwidth
-        elif metric.startswith("decode_b"):
-            runs["matmul_flop_per_s"] = probe.matmul_flops
+        else:  # prefill and batched decode: the dot-product peak of each activation dtype's instructions
+            for kind in {PEAK_KIND[a] for a in ours}:
+                runs[f"peak_{kind}"] = lambda kind=kind: probe.dot_peak(kind)
         times = alternate(args.samples, runs)
         for a in ours:
             row = {"dtype": weight_dtype, "activation_dtype": a, "metric": metric,
@@ -155,10 +161,10 @@ def bench_dtype(ckpt: Path, weight_dtype: str, args, loads: dict, probe, threadi
                 row["read_bytes_per_s"] = statistics.median(times["read_bytes_per_s"])
                 row["bandwidth_roofline"] = (row["numaserve_tok_s"] * info[a]["read_bytes"]
                                              / row["read_bytes_per_s"])
-            elif "matmul_flop_per_s" in times:
-                row["matmul_flop_per_s"] = statistics.median(times["matmul_flop_per_s"])
-                flops = 2 * info[a]["num_params"]
-                row["compute_roofline"] = row["numaserve_tok_s"] * flops / row["matmul_flop_per_s"]
+            elif f"peak_{PEAK_KIND[a]}" in times:
+                row["peak_kind"] = PEAK_KIND[a]
+                row["peak_ops_per_s"] = statistics.median(times[f"peak_{PEAK_KIND[a]}"])
+                row["of_peak"] = row["numaserve_tok_s"] * 2 * info[a]["matmul_params"] / row["peak_ops_per_s"]
             rows.append(row)
             print(json.dumps({k: v for k, v in row.items() if k != "samples"}), flush=True)
     if first and not args.no_torch_first:
@@ -277,7 +283,9 @@ def main(argv: list[str] | None = None) -> None:
     probe = MachineProbe()
     machine = {"read_bytes_per_s": probe.read_bandwidth(repeats=5),
                "matmul_flop_per_s": probe.matmul_flops(repeats=5)}
-    # best of 5 at the start; each row keeps the median of its own probes
+    kinds = sorted({PEAK_KIND[a] for a in args.activation_dtypes})
+    machine |= {f"peak_{k}_ops_per_s": probe.dot_peak(k) for k in kinds}
+    # at the start (bandwidth and matmul: best of 5); each row keeps the median of its own probes
     print(json.dumps(machine), flush=True)
     loads = workloads(args, np.random.default_rng(0))
     dtypes = args.dtypes.split(",")

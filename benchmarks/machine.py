@@ -1,4 +1,5 @@
-"""The machine's own limits, measured in the same run: memory read bandwidth and float32 matmul rate."""
+"""The machine's own limits, measured in the same run: memory read bandwidth, the dot-product instructions'
+peak (benchmarks/peak_kernels.py) and numpy's float32 matmul rate."""
 
 import platform
 import time
@@ -6,6 +7,8 @@ from pathlib import Path
 
 import numpy as np
 from numba import njit, prange
+
+from benchmarks.peak_kernels import DotPeak, available
 
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=True)
@@ -21,7 +24,8 @@ def _read_all(a):
 
 
 class MachineProbe:
-    """The two probes, allocated once so the benchmarks can sample them between their own samples."""
+    """The probes, allocated (and compiled) once so the benchmarks can sample them between their own
+    samples."""
 
     def __init__(self, nbytes: int = 1 << 30, m: int = 512, k: int = 2048, n: int = 2048):
         self.array = np.ones((nbytes // 16384, 4096), np.float32)
@@ -30,6 +34,7 @@ class MachineProbe:
                           rng.standard_normal((n, k), dtype=np.float32))
         _read_all(self.array)
         self.x @ self.w.T
+        self._peaks: dict[str, list[DotPeak]] = {}
 
     def read_bandwidth(self, repeats: int = 1) -> float:
         """Best-of read bandwidth in bytes/s over an array much larger than the caches."""
@@ -39,6 +44,15 @@ class MachineProbe:
         """Best-of numpy float32 matmul rate in FLOP/s."""
         m, k = self.x.shape
         return 2 * m * k * self.w.shape[0] / min(_timed(lambda: self.x @ self.w.T) for _ in range(repeats))
+
+
+    def dot_peak(self, kind: str) -> float:
+        """Every thread's best rate, in operations/s (a multiply-add counts 2), of the dot-product
+        instructions for activations of `kind` ("int8", "bf16", "f32") this CPU has: the compute limit of
+        prefill and batched decode."""
+        if kind not in self._peaks:
+            self._peaks[kind] = [DotPeak(i) for i in available() if i.kind == kind]
+        return max(loop.ops_per_s(all_threads=True) for loop in self._peaks[kind])
 
 
 def _timed(fn) -> float:

@@ -41,7 +41,11 @@ class NumaserveBench:
         num_params = int(sum(np.prod(m.shape) for m in _matrices(model.weights)))
         decisions = self.llm.diagnostics()
         spec = self.engine.spec
-        return {"weight_bytes": model.weight_bytes, "num_params": num_params,
+        # the products a token makes: every matrix but the embedding table (a lookup)
+        matmul_params = num_params - int(np.prod(model.weights.embed.shape))
+        if model.weights.lm_head is model.weights.embed:
+            matmul_params += int(np.prod(model.weights.embed.shape))
+        return {"weight_bytes": model.weight_bytes, "num_params": num_params, "matmul_params": matmul_params,
                 "active_params": spec.num_params, "active_bytes": _active_bytes(model.weights),
                 "kv_bytes_per_position": self.engine.kv_cache.bytes_per_token,  # K and V, scales included
                 # a decode step reads only T embedding rows

@@ -26,8 +26,10 @@ def metric_label(metric: str) -> str:
 def roofline(row: dict) -> str:
     if "bandwidth_roofline" in row:
         return f"{pct(row['bandwidth_roofline'], 0)} bandwidth"
-    if "compute_roofline" in row:
-        return f"{pct(row['compute_roofline'], 0)} compute"
+    if "of_peak" in row:
+        return f"{pct(row['of_peak'], 0)} of {row['peak_kind']} peak"
+    if "compute_roofline" in row:  # runs before bench_peak: numpy's float32 sgemm rate
+        return f"{pct(row['compute_roofline'], 0)} of sgemm"
     return ""
 
 
@@ -45,6 +47,8 @@ def decode(data: dict) -> str:
         probes.append(f"read probe {machine['read_bytes_per_s'] / 1e9:.0f} GB/s")
     if "matmul_flop_per_s" in machine:
         probes.append(f"numpy float32 sgemm {machine['matmul_flop_per_s'] / 1e9:.0f} GFLOP/s")
+    probes += [f"{key.split('_')[1]} dot-product peak {value / 1e9:.0f} G op/s"
+               for key, value in machine.items() if key.startswith("peak_")]
     threading = (data.get("meta", {}).get("numaserve_settings") or {}).get("threading")
     if probes or threading:
         blocks.append("At the start of the run: " + ", ".join(probes)
@@ -321,7 +325,17 @@ def tensor_parallel_projection(data: dict) -> str:
          for name, r in data["models"].items()])
 
 
+def peak(data: dict) -> str:
+    head = (f"{data.get('threads', '?')} threads, {data.get('samples', '?')} rounds alternating; read probe "
+            f"{data['read_bytes_per_s'] / 1e9:.1f} GB/s (median).\n\n")
+    return head + table(
+        ["instruction", "multiply-adds each", "one core G op/s", "every thread G op/s", "best G op/s"],
+        [[r["instruction"], r["macs_per_instruction"], num(r["per_core_ops_s"] / 1e9),
+          num(r["all_cores_ops_s"] / 1e9), num(r["all_cores_best_ops_s"] / 1e9)] for r in data["rows"]])
+
+
 RENDERERS = [
+    (r"peak.*\.json", peak),
     (r"tensor_parallel_projection.*\.json", tensor_parallel_projection),
     (r"decode.*\.json", decode),
     (r"context.*\.json", context),
