@@ -28,8 +28,6 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from kernels.simd.cpu import missing_features
-
 I32, F32 = ir.IntType(32), ir.FloatType()
 
 
@@ -65,10 +63,16 @@ OPERAND_BYTES = 64  # each of the two operands: one 512-bit vector (a 256-bit lo
 def num_accs() -> int:
     """Independent chains per loop: 16 with AVX-512's 32 vector registers, 12 with AVX2's 16 (two hold the
     operands)."""
+    from kernels.simd.cpu import missing_features
+
     return 16 if not missing_features(("avx512f",)) else 12
 
 
 def available() -> list[Instruction]:
+    # imported here: `kernels` pins numba's threading layer when imported, and a benchmark's parent chooses
+    # its own layer first (bench_decode restarts itself if it finds the engine's modules imported)
+    from kernels.simd.cpu import missing_features
+
     return [i for i in INSTRUCTIONS if not missing_features(i.features)]
 
 
