@@ -16,6 +16,7 @@ from kernels.simd.int8 import int8_block
 from kernels.simd.u8s8 import u8s8_block
 from kernels.simd.vnni import ROWS as VNNI_ROWS
 from kernels.simd.vnni import vnni_block
+from kernels.simd.vnni_wide import vnni_block_wide
 
 X_CHUNK_BYTES = 1 << 19  # tokens of x per pass over the weights: half of a core's L2
 
@@ -95,6 +96,9 @@ def _vnni_tokens_impl(xq, xd, xsum, data, scales, out, n, c0, c1, bits):
 
     def impl(xq, xd, xsum, data, scales, out, n, c0, c1, bits):
         t = c0
+        while t + 8 <= c1:
+            vnni_block_wide(xq, xd, xsum, data, scales, out, t, n, b, 4)
+            t += 8
         while t + 4 <= c1:
             vnni_block(xq, xd, xsum, data, scales, out, t, n, b, 4)
             t += 4

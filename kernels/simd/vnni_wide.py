@@ -1,0 +1,128 @@
+"""kernels/simd/vnni.py's register block on 512-bit vectors: 4 weight rows x 2P tokens, a vector holding two
+tokens' 8 lanes each.
+
+As in vnni.py, per group of 8 blocks each (row, token) pair keeps 8 int32 lanes, lane b = block b, filled by
+vpdpbusd over the group's 8 vectors (weights the unsigned side); here a 512-bit accumulator holds the pairs
+(row, t) and (row, t + 1) side by side: the weight vector is broadcast to both halves and the two tokens'
+activation vectors are loaded into one. One vpdpbusd then does 64 products where vnni.py's does 32, on
+CPUs that run 512-bit vpdpbusd at the 256-bit rate (bench_peak: Sapphire Rapids; Zen 4 splits it in two).
+Every lane sees the same integer sums, the same fold (convert, scale = weight scale x activation scale,
+fused multiply-add) and the same horizontal sum per (row, token) as vnni.py: the outputs are its bits.
+
+Needs AVX512-VNNI and AVX512F (the 512-bit vpdpbusd) and F16C. numba's on-disk cache of
+kernels/linear/int8.py does not notice edits to this file: after changing the code generation here,
+delete kernels/__pycache__.
+"""
+
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from kernels.simd.int8 import (
+    F32,
+    GROUP,
+    I32,
+    V8F,
+    V8I,
+    block_operands,
+    const64,
+    hsum8,
+    load_vec,
+    operands_fit,
+)
+from kernels.simd.vnni import ROWS, V32I8, nibble_vector, prefetch_ahead
+
+V16I, V16F = ir.VectorType(I32, 16), ir.VectorType(F32, 16)
+BOTH = ir.Constant(ir.VectorType(I32, 16), list(range(16)))  # two 8-lane vectors as one
+TWICE = ir.Constant(ir.VectorType(I32, 16), list(range(8)) * 2)  # an 8-lane vector in both halves
+HALVES = [ir.Constant(ir.VectorType(I32, 8), list(range(h * 8, h * 8 + 8))) for h in range(2)]
+
+
+@intrinsic(prefer_literal=True)
+def vnni_block_wide(typingctx, xq, xd, xsum, data, scales, out, t0, n0, bits, pairs):
+    """out[t0:t0+2*pairs, n0:n0+4] = the int8 dot products of quantized x with 4 packed W rows (those < N).
+
+    Operands as kernels/simd/vnni.vnni_block's; bits (8 | 4), pairs: literals.
+    """
+    if not operands_fit((xq, xd, xsum, data, scales, out),
+                        (types.int8, types.float32, types.int32, types.uint8, types.uint16, types.float32)):
+        return None
+    if not all(isinstance(a, types.IntegerLiteral) for a in (bits, pairs)):
+        return None
+    if bits.literal_value not in (4, 8):
+        return None
+    is_q4, P = bits.literal_value == 4, pairs.literal_value
+    offset = 8 if is_q4 else 128
+    group_bytes = GROUP // 2 if is_q4 else GROUP  # one row's bytes of one group
+
+    def codegen(context, builder, signature, args):
+        (xa, da, sa, wa, ca, oa), t0_, n0_, Kp, N = block_operands(context, builder, signature, args)
+        num_blocks = builder.udiv(Kp, const64(32))
+        num_groups = builder.udiv(Kp, const64(GROUP))
+        module = builder.module
+        dpbusd = cgutils.get_or_insert_function(module, ir.FunctionType(V16I, [V16I] * 3),
+                                                "llvm.x86.avx512.vpdpbusd.512")
+        fma = cgutils.get_or_insert_function(module, ir.FunctionType(V16F, [V16F] * 3), "llvm.fma.v16f32")
+        minus_offset = ir.Constant(V16I, [-offset] * 16)
+        token_rows = [builder.add(t0_, const64(t)) for t in range(2 * P)]
+        weight_rows = [builder.add(n0_, const64(r)) for r in range(ROWS)]
+        block_base = builder.mul(builder.udiv(n0_, const64(ROWS)), num_groups)  # the block's first group
+        accs = [[cgutils.alloca_once_value(builder, ir.Constant(V16F, None)) for _ in range(P)]
+                for _ in range(ROWS)]
+
+        def pair(a, b):
+            return builder.shuffle_vector(a, b, BOTH)
+
+        def per_token(array, row, blk0, vec_type):
+            return load_vec(builder, array, builder.add(builder.mul(row, num_blocks), blk0), vec_type)
+
+        with cgutils.for_range(builder, num_groups) as loop:
+            g = loop.index
+            blk0 = builder.mul(g, const64(8))
+            x_base = [builder.add(builder.mul(row, Kp), builder.mul(g, const64(GROUP))) for row in token_rows]
+            # this group's 4 rows
+            stream = builder.mul(builder.add(block_base, g), const64(ROWS * group_bytes))
+            prefetch_ahead(builder, wa.data, stream, ROWS * group_bytes, 2 * P)
+            w_base = [builder.add(stream, const64(r * group_bytes)) for r in range(ROWS)]
+            dx = [pair(per_token(da.data, token_rows[2 * p], blk0, V8F),
+                       per_token(da.data, token_rows[2 * p + 1], blk0, V8F)) for p in range(P)]
+            dw = [builder.fpext(per_token(ca.data, row, blk0, ir.VectorType(ir.HalfType(), 8)), V8F)
+                  for row in weight_rows]
+            dw = [builder.shuffle_vector(d, d, TWICE) for d in dw]
+            init = [builder.mul(pair(per_token(sa.data, token_rows[2 * p], blk0, V8I),
+                                     per_token(sa.data, token_rows[2 * p + 1], blk0, V8I)), minus_offset)
+                    for p in range(P)]
+            iacc = [list(init) for _ in range(ROWS)]
+            packed = [None] * ROWS
+            for j in range(8):
+                weights = []
+                for r in range(ROWS):
+                    if is_q4:
+                        if j % 2 == 0:
+                            packed[r] = load_vec(builder, wa.data, builder.add(w_base[r], const64(16 * j)),
+                                                 V32I8)
+                        v = builder.bitcast(nibble_vector(builder, packed[r], j), V8I)
+                    else:
+                        v = load_vec(builder, wa.data, builder.add(w_base[r], const64(32 * j)), V8I)
+                    weights.append(builder.shuffle_vector(v, v, TWICE))
+                for p in range(P):
+                    xv = pair(*(load_vec(builder, xa.data, builder.add(x_base[2 * p + h], const64(32 * j)),
+                                         V8I) for h in range(2)))
+                    for r in range(ROWS):
+                        iacc[r][p] = builder.call(dpbusd, [iacc[r][p], weights[r], xv])
+            for r in range(ROWS):
+                for p in range(P):
+                    scale = builder.fmul(dw[r], dx[p])
+                    builder.store(builder.call(fma, [builder.sitofp(iacc[r][p], V16F), scale,
+                                                     builder.load(accs[r][p])]), accs[r][p])
+        for r, row in enumerate(weight_rows):
+            with builder.if_then(builder.icmp_signed("<", row, N), likely=True):
+                for p in range(P):
+                    acc = builder.load(accs[r][p])
+                    for h in range(2):
+                        ptr = builder.gep(oa.data, [builder.add(builder.mul(token_rows[2 * p + h], N), row)])
+                        builder.store(hsum8(builder, builder.shuffle_vector(acc, acc, HALVES[h])), ptr)
+        return context.get_dummy_value()
+
+    return types.none(xq, xd, xsum, data, scales, out, t0, n0, bits, pairs), codegen
