@@ -5,7 +5,8 @@ Parallel tasks own output rows; each row's register block walks a chunk of token
 chunk of x stays in L2 (2 or 3 rows a block ran slower under AVX2: their accumulators no longer fit the 16
 vector registers). matmul_int8 (AVX2): q8_0 through vpmaddwd on int16 activations (kernels/simd/int8.py), q4_0
 through vpmaddubsw on int8 activations (kernels/simd/u8s8.py). matmul_vnni (AVX512-VNNI): both formats through
-vpdpbusd on int8 activations (kernels/simd/vnni.py), the same bits as matmul_int8.
+vpdpbusd on int8 activations, 4 tokens at a time on 512-bit vectors (kernels/simd/vnni_wide.py), the last 1-3
+on 256-bit ones (kernels/simd/vnni.py), the same bits as matmul_int8.
 """
 
 from numba import njit, prange, types
@@ -96,11 +97,8 @@ def _vnni_tokens_impl(xq, xd, xsum, data, scales, out, n, c0, c1, bits):
 
     def impl(xq, xd, xsum, data, scales, out, n, c0, c1, bits):
         t = c0
-        while t + 8 <= c1:
-            vnni_block_wide(xq, xd, xsum, data, scales, out, t, n, b, 4)
-            t += 8
-        while t + 4 <= c1:
-            vnni_block(xq, xd, xsum, data, scales, out, t, n, b, 4)
+        while t + 4 <= c1:  # two 512-bit pairs of tokens: faster than 2 or 4 pairs, or 4 tokens at 256 bits
+            vnni_block_wide(xq, xd, xsum, data, scales, out, t, n, b, 2)
             t += 4
         if c1 - t >= 2:
             vnni_block(xq, xd, xsum, data, scales, out, t, n, b, 2)

@@ -1,11 +1,13 @@
-"""kernels/simd/vnni.py's register block on 512-bit vectors: 4 weight rows x 2P tokens, a vector holding two
-tokens' 8 lanes each.
+"""kernels/simd/vnni.py's register block on 512-bit vectors: 4 weight rows x 2P tokens (P pairs), a vector
+holding two tokens' 8 lanes each.
 
 As in vnni.py, per group of 8 blocks each (row, token) pair keeps 8 int32 lanes, lane b = block b, filled by
 vpdpbusd over the group's 8 vectors (weights the unsigned side); here a 512-bit accumulator holds the pairs
 (row, t) and (row, t + 1) side by side: the weight vector is broadcast to both halves and the two tokens'
-activation vectors are loaded into one. One vpdpbusd then does 64 products where vnni.py's does 32, on
-CPUs that run 512-bit vpdpbusd at the 256-bit rate (bench_peak: Sapphire Rapids; Zen 4 splits it in two).
+activation vectors are loaded into one. One vpdpbusd then does 64 products where vnni.py's does 32: on a CPU
+that issues 512-bit vpdpbusd as often as 256-bit ones (bench_peak on the Sapphire Rapids-class VM), twice
+the products a cycle. (Zen 4 splits a 512-bit instruction into two 256-bit halves: no gain expected there,
+not measured.) Two pairs of tokens (4) ran faster than one or four pairs: benchmarks/results/HISTORY.md.
 Every lane sees the same integer sums, the same fold (convert, scale = weight scale x activation scale,
 fused multiply-add) and the same horizontal sum per (row, token) as vnni.py: the outputs are its bits.
 
