@@ -297,10 +297,10 @@ def main(argv: list[str] | None = None) -> None:
             "dtype), alternating sample by sample; probes in the parent (numba workqueue layer)",
             "numaserve_settings": {"threading": threading, "env": NUMASERVE_THREADING[threading],
                                    "trial": trial, "kv_dtype": "bfloat16", "max_num_batched_tokens": 512},
-            "llamacpp_settings": {"env": "the parent's without OMP_*/GOMP_*/KMP_*/NUMBA_THREADING*",
-                                  "n_threads": args.threads, "n_threads_batch": args.threads, "mmap": False,
-                                  "logging": "silenced", "n_batch": 512, "kv_unified": True,
-                                  "other": "llama.cpp defaults"}}
+            "llamacpp_settings": None if args.no_llamacpp else {
+                "env": "the parent's without OMP_*/GOMP_*/KMP_*/NUMBA_THREADING*",
+                "n_threads": args.threads, "n_threads_batch": args.threads, "mmap": False,
+                "logging": "silenced", "n_batch": 512, "kv_unified": True, "other": "llama.cpp defaults"}}
     rows = []
     out = Path(args.out)
     out.parent.mkdir(exist_ok=True)

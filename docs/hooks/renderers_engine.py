@@ -39,7 +39,8 @@ def decode(data: dict) -> str:
     blocks = [table(["weights", "activations", "metric", "numaserve tok/s", "llama.cpp tok/s", "ratio",
                      "roofline"],
                     [[r["dtype"], r.get("activation_dtype", ""), metric_label(r["metric"]),
-                      num(r["numaserve_tok_s"]), num(r["llamacpp_tok_s"]), times(r["ratio"]), roofline(r)]
+                      num(r["numaserve_tok_s"]), num(r.get("llamacpp_tok_s")), times(r.get("ratio")),
+                      roofline(r)]
                      for r in speed])]
     machine = data.get("machine") or {}
     probes = []

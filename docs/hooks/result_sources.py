@@ -25,6 +25,14 @@ SOURCES = {
     "decode.json": Source(f"{DECODE} --dtypes q8_0,q4_0,q4_k_m --activation-dtypes int8", commit="cb07a1e"),
     "decode-bf16.json": Source(f"{DECODE} --dtypes bfloat16 --activation-dtypes bfloat16 --no-torch-first "
                                "--out benchmarks/results/decode-bf16.json", commit="58c99ef"),
+    "decode-2026-11-30-peak.json": Source(
+        f"{DECODE} --dtypes q8_0,q4_k_m,bfloat16 --activation-dtypes int8,bfloat16 --samples 3 "
+        "--no-torch-first --no-llamacpp --numaserve-threading tbb "
+        "--out benchmarks/results/decode-2026-11-30-peak.json",
+        commit="15f22e8",
+        note="numaserve alone: llama.cpp (llama-cpp-python 0.3.36) crashed on this VM in its "
+        "AMX matrix multiply (ggml_backend_amx_mul_mat; llama.cpp issue 20824). The first run with "
+        "bench_peak's fractions."),
     "decode-2026-11-26-1533-q8_0.json": Source(
         f"{DECODE} --dtypes q8_0 --activation-dtypes int8 "
         "--out benchmarks/results/decode-2026-11-26-1533-q8_0.json", commit="297e724"),

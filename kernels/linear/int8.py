@@ -97,7 +97,7 @@ def _vnni_tokens_impl(xq, xd, xsum, data, scales, out, n, c0, c1, bits):
 
     def impl(xq, xd, xsum, data, scales, out, n, c0, c1, bits):
         t = c0
-        while t + 4 <= c1:  # two 512-bit pairs of tokens: faster than 2 or 4 pairs, or 4 tokens at 256 bits
+        while t + 4 <= c1:  # two pairs at 512 bits: benchmarks/results/HISTORY.md (2026-11-30)
             vnni_block_wide(xq, xd, xsum, data, scales, out, t, n, b, 2)
             t += 4
         if c1 - t >= 2:

@@ -7,7 +7,7 @@ vpdpbusd over the group's 8 vectors (weights the unsigned side); here a 512-bit 
 activation vectors are loaded into one. One vpdpbusd then does 64 products where vnni.py's does 32: on a CPU
 that issues 512-bit vpdpbusd as often as 256-bit ones (bench_peak on the Sapphire Rapids-class VM), twice
 the products a cycle. (Zen 4 splits a 512-bit instruction into two 256-bit halves: no gain expected there,
-not measured.) Two pairs of tokens (4) ran faster than one or four pairs: benchmarks/results/HISTORY.md.
+not measured.) Two pairs of tokens (4) ran faster than one pair and level with four: HISTORY.md.
 Every lane sees the same integer sums, the same fold (convert, scale = weight scale x activation scale,
 fused multiply-add) and the same horizontal sum per (row, token) as vnni.py: the outputs are its bits.
 
@@ -98,16 +98,7 @@ def vnni_block_wide(typingctx, xq, xd, xsum, data, scales, out, t0, n0, bits, pa
             iacc = [list(init) for _ in range(ROWS)]
             packed = [None] * ROWS
             for j in range(8):
-                weights = []
-                for r in range(ROWS):
-                    if is_q4:
-                        if j % 2 == 0:
-                            packed[r] = load_vec(builder, wa.data, builder.add(w_base[r], const64(16 * j)),
-                                                 V32I8)
-                        v = builder.bitcast(nibble_vector(builder, packed[r], j), V8I)
-                    else:
-                        v = load_vec(builder, wa.data, builder.add(w_base[r], const64(32 * j)), V8I)
-                    weights.append(builder.shuffle_vector(v, v, TWICE))
+                weights = weight_vectors(builder, wa.data, w_base, j, is_q4, packed)
                 for p in range(P):
                     xv = pair(*(load_vec(builder, xa.data, builder.add(x_base[2 * p + h], const64(32 * j)),
                                          V8I) for h in range(2)))
@@ -118,13 +109,33 @@ def vnni_block_wide(typingctx, xq, xd, xsum, data, scales, out, t0, n0, bits, pa
                     scale = builder.fmul(dw[r], dx[p])
                     builder.store(builder.call(fma, [builder.sitofp(iacc[r][p], V16F), scale,
                                                      builder.load(accs[r][p])]), accs[r][p])
-        for r, row in enumerate(weight_rows):
-            with builder.if_then(builder.icmp_signed("<", row, N), likely=True):
-                for p in range(P):
-                    acc = builder.load(accs[r][p])
-                    for h in range(2):
-                        ptr = builder.gep(oa.data, [builder.add(builder.mul(token_rows[2 * p + h], N), row)])
-                        builder.store(hsum8(builder, builder.shuffle_vector(acc, acc, HALVES[h])), ptr)
+        store_pairs(builder, oa.data, accs, token_rows, weight_rows, N)
         return context.get_dummy_value()
 
     return types.none(xq, xd, xsum, data, scales, out, t0, n0, bits, pairs), codegen
+
+
+def weight_vectors(builder, data, w_base, j, is_q4, packed):
+    """Vector j of the group of each of the 4 rows (q4_0: from its chunk, loaded into packed[r] at even j),
+    in both halves of a 512-bit vector."""
+    weights = []
+    for r in range(ROWS):
+        if is_q4:
+            if j % 2 == 0:
+                packed[r] = load_vec(builder, data, builder.add(w_base[r], const64(16 * j)), V32I8)
+            v = builder.bitcast(nibble_vector(builder, packed[r], j), V8I)
+        else:
+            v = load_vec(builder, data, builder.add(w_base[r], const64(32 * j)), V8I)
+        weights.append(builder.shuffle_vector(v, v, TWICE))
+    return weights
+
+
+def store_pairs(builder, out_data, accs, token_rows, weight_rows, N):
+    """out[token, row] = the horizontal sum of its half of accs[r][p] (tokens 2p, 2p + 1), rows < N."""
+    for r, row in enumerate(weight_rows):
+        with builder.if_then(builder.icmp_signed("<", row, N), likely=True):
+            for p, pair_accs in enumerate(accs[r]):
+                acc = builder.load(pair_accs)
+                for h in range(2):
+                    ptr = builder.gep(out_data, [builder.add(builder.mul(token_rows[2 * p + h], N), row)])
+                    builder.store(hsum8(builder, builder.shuffle_vector(acc, acc, HALVES[h])), ptr)
