@@ -64,6 +64,11 @@ def store_block(builder, out_data, accs, token_rows, weight_rows, N):
                 builder.store(hsum8(builder, builder.load(accs[r][t])), ptr)
 
 
+def group_counts(builder, Kp):
+    """(blocks of 32, groups of GROUP) in a row of Kp values, as int64 IR values."""
+    return builder.udiv(Kp, const64(32)), builder.udiv(Kp, const64(GROUP))
+
+
 def operands_fit(arrays, dtypes) -> bool:
     """A block intrinsic's typing check: every array 2-D and C-contiguous, with these dtypes (None: any)."""
     return all(isinstance(a, types.Array) and a.ndim == 2 and a.layout == "C" and (d is None or a.dtype == d)

@@ -37,6 +37,7 @@ from kernels.simd.int8 import (
     block_operands,
     const64,
     fold_group,
+    group_counts,
     load_vec,
     operands_fit,
     store_block,
@@ -102,8 +103,7 @@ def kquant_block(typingctx, xq, xd, xsum, data, out, t0, n0, qtype, tokens):
 
     def codegen(context, builder, signature, args):
         (xa, da, sa, wa, oa), t0_, n0_, Kp, N = block_operands(context, builder, signature, args, 5)
-        num_blocks = builder.udiv(Kp, const64(32))
-        num_groups = builder.udiv(Kp, const64(GROUP))
+        num_blocks, num_groups = group_counts(builder, Kp)
         module = builder.module
         dpbusd = dpbusd_function(module)
         fma = cgutils.get_or_insert_function(module, ir.FunctionType(V8F, [V8F] * 3), "llvm.fma.v8f32")

@@ -39,8 +39,18 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from kernels.formats.q6k_layout import BLOCK_BYTES, ROWS, SCALES, VALUES
-from kernels.simd.int8 import GROUP, I8, I32, block_operands, const64, hsum8, load_vec, operands_fit
-from kernels.simd.vnni import prefetch_ahead
+from kernels.simd.int8 import (
+    GROUP,
+    I8,
+    I32,
+    block_operands,
+    const64,
+    group_counts,
+    hsum8,
+    load_vec,
+    operands_fit,
+)
+from kernels.simd.vnni import dpbusd_function, fma_function, prefetch_ahead
 
 I16 = ir.IntType(16)
 V32I8, V64I8, V32I16 = ir.VectorType(I8, 32), ir.VectorType(I8, 64), ir.VectorType(I16, 32)
@@ -125,12 +135,10 @@ def q6k_block(typingctx, xq, xd, offsets, data, d, out, t0, n0, tokens):
 
     def codegen(context, builder, signature, args):
         (xa, da, oa_, wa, ca, oa), t0_, n0_, Kp, N = block_operands(context, builder, signature, args)
-        num_blocks = builder.udiv(Kp, const64(32))
-        num_groups = builder.udiv(Kp, const64(GROUP))
+        num_blocks, num_groups = group_counts(builder, Kp)
         module = builder.module
-        dpbusd = cgutils.get_or_insert_function(module, ir.FunctionType(V16I, [V16I] * 3),
-                                                "llvm.x86.avx512.vpdpbusd.512")
-        fma = cgutils.get_or_insert_function(module, ir.FunctionType(V16F, [V16F] * 3), "llvm.fma.v16f32")
+        dpbusd = dpbusd_function(module, 512)
+        fma = fma_function(module, 16)
 
 
         token_rows = [builder.add(t0_, const64(t)) for t in range(TB)]

@@ -37,6 +37,7 @@ from kernels.simd.int8 import (
     block_operands,
     const64,
     fold_group,
+    group_counts,
     load_vec,
     operands_fit,
     store_block,
@@ -56,12 +57,33 @@ PREFETCH_LOCALITY = 2
 PREFETCH_MIN_TOKENS = 4
 
 
-def dpbusd_function(module):
-    """vpdpbusd on 256-bit vectors: acc + per int32 lane the sum of 4 products of unsigned bytes (the first
-    operand) with signed bytes (the second), the byte operands typed <8 x i32>, the form every LLVM since
-    VNNI's introduction accepts."""
-    return cgutils.get_or_insert_function(module, ir.FunctionType(V8I, [V8I] * 3),
-                                          "llvm.x86.avx512.vpdpbusd.256")
+def dpbusd_function(module, bits: int = 256):
+    """vpdpbusd on 256-bit (or 512-bit) vectors: acc + per int32 lane the sum of 4 products of unsigned bytes
+    (the first operand) with signed bytes (the second), the byte operands typed <8 x i32> (<16 x i32>), the
+    form every LLVM since VNNI's introduction accepts."""
+    vec = ir.VectorType(I32, bits // 32)
+    return cgutils.get_or_insert_function(module, ir.FunctionType(vec, [vec] * 3),
+                                          f"llvm.x86.avx512.vpdpbusd.{bits}")
+
+
+def fma_function(module, lanes: int = 8):
+    """llvm.fma on float32 vectors of `lanes` lanes: a x b + c, one rounding."""
+    vec = ir.VectorType(ir.FloatType(), lanes)
+    return cgutils.get_or_insert_function(module, ir.FunctionType(vec, [vec] * 3), f"llvm.fma.v{lanes}f32")
+
+
+def vnni_literals(operands, bits, count):
+    """A VNNI block's typing check: (is_q4, count, the weights' offset, one row's bytes of a group), or None
+    when the operands (xq, xd, xsum, data, scales, out) or the literals (bits 8 | 4, a count) do not fit."""
+    if not operands_fit(operands,
+                        (types.int8, types.float32, types.int32, types.uint8, types.uint16, types.float32)):
+        return None
+    if not all(isinstance(a, types.IntegerLiteral) for a in (bits, count)):
+        return None
+    if bits.literal_value not in (4, 8):
+        return None
+    is_q4 = bits.literal_value == 4
+    return is_q4, count.literal_value, 8 if is_q4 else 128, GROUP // 2 if is_q4 else GROUP
 
 
 def prefetch_ahead(builder, data, position, num_bytes, tokens):
@@ -98,24 +120,17 @@ def vnni_block(typingctx, xq, xd, xsum, data, scales, out, t0, n0, bits, tokens)
     128) or [N4, Kp // 2] (q4_0 nibbles) in 4-row blocks, scales: [N4, Kp // 32] uint16 fp16 (N4: N
     rounded up to 4), out: [T, N] f32; n0 % 4 == 0; bits (8 | 4), tokens: literals.
     """
-    if not operands_fit((xq, xd, xsum, data, scales, out),
-                        (types.int8, types.float32, types.int32, types.uint8, types.uint16, types.float32)):
+    literals = vnni_literals((xq, xd, xsum, data, scales, out), bits, tokens)
+    if literals is None:
         return None
-    if not all(isinstance(a, types.IntegerLiteral) for a in (bits, tokens)):
-        return None
-    if bits.literal_value not in (4, 8):
-        return None
-    is_q4, TB = bits.literal_value == 4, tokens.literal_value
-    offset = 8 if is_q4 else 128
-    group_bytes = GROUP // 2 if is_q4 else GROUP  # one row's bytes of one group
+    is_q4, TB, offset, group_bytes = literals
 
     def codegen(context, builder, signature, args):
         (xa, da, sa, wa, ca, oa), t0_, n0_, Kp, N = block_operands(context, builder, signature, args)
-        num_blocks = builder.udiv(Kp, const64(32))
-        num_groups = builder.udiv(Kp, const64(GROUP))
+        num_blocks, num_groups = group_counts(builder, Kp)
         module = builder.module
         dpbusd = dpbusd_function(module)
-        fma = cgutils.get_or_insert_function(module, ir.FunctionType(V8F, [V8F] * 3), "llvm.fma.v8f32")
+        fma = fma_function(module)
         minus_offset = ir.Constant(V8I, [-offset] * 8)
         token_rows = [builder.add(t0_, const64(t)) for t in range(TB)]
         weight_rows = [builder.add(n0_, const64(r)) for r in range(ROWS)]

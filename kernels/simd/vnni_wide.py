@@ -29,11 +29,19 @@ from kernels.simd.int8 import (
     V8I,
     block_operands,
     const64,
+    group_counts,
     hsum8,
     load_vec,
-    operands_fit,
 )
-from kernels.simd.vnni import ROWS, V32I8, nibble_vector, prefetch_ahead
+from kernels.simd.vnni import (
+    ROWS,
+    V32I8,
+    dpbusd_function,
+    fma_function,
+    nibble_vector,
+    prefetch_ahead,
+    vnni_literals,
+)
 
 V16I, V16F = ir.VectorType(I32, 16), ir.VectorType(F32, 16)
 BOTH = ir.Constant(ir.VectorType(I32, 16), list(range(16)))  # two 8-lane vectors as one
@@ -47,25 +55,17 @@ def vnni_block_wide(typingctx, xq, xd, xsum, data, scales, out, t0, n0, bits, pa
 
     Operands as kernels/simd/vnni.vnni_block's; bits (8 | 4), pairs: literals.
     """
-    if not operands_fit((xq, xd, xsum, data, scales, out),
-                        (types.int8, types.float32, types.int32, types.uint8, types.uint16, types.float32)):
+    literals = vnni_literals((xq, xd, xsum, data, scales, out), bits, pairs)
+    if literals is None:
         return None
-    if not all(isinstance(a, types.IntegerLiteral) for a in (bits, pairs)):
-        return None
-    if bits.literal_value not in (4, 8):
-        return None
-    is_q4, P = bits.literal_value == 4, pairs.literal_value
-    offset = 8 if is_q4 else 128
-    group_bytes = GROUP // 2 if is_q4 else GROUP  # one row's bytes of one group
+    is_q4, P, offset, group_bytes = literals
 
     def codegen(context, builder, signature, args):
         (xa, da, sa, wa, ca, oa), t0_, n0_, Kp, N = block_operands(context, builder, signature, args)
-        num_blocks = builder.udiv(Kp, const64(32))
-        num_groups = builder.udiv(Kp, const64(GROUP))
+        num_blocks, num_groups = group_counts(builder, Kp)
         module = builder.module
-        dpbusd = cgutils.get_or_insert_function(module, ir.FunctionType(V16I, [V16I] * 3),
-                                                "llvm.x86.avx512.vpdpbusd.512")
-        fma = cgutils.get_or_insert_function(module, ir.FunctionType(V16F, [V16F] * 3), "llvm.fma.v16f32")
+        dpbusd = dpbusd_function(module, 512)
+        fma = fma_function(module, 16)
         minus_offset = ir.Constant(V16I, [-offset] * 16)
         token_rows = [builder.add(t0_, const64(t)) for t in range(2 * P)]
         weight_rows = [builder.add(n0_, const64(r)) for r in range(ROWS)]
