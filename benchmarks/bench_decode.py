@@ -46,9 +46,9 @@ NUMASERVE_THREADING = {  # candidates for numaserve's process: extra environment
     "tbb": {},  # the shipped default (kernels/__init__.py)
     "omp-active": {"NUMBA_THREADING_LAYER": "omp", "OMP_WAIT_POLICY": "ACTIVE"},  # spinning waits
 }
-# activation dtypes meant for each weight dtype (others only with --all-combinations)
 # the dot-product instructions bounding each activation dtype's prefill and batched rows (bench_peak)
 PEAK_KIND = {"int8": "int8", "bfloat16": "bf16", "float32": "f32"}
+# activation dtypes meant for each weight dtype (others only with --all-combinations)
 MEANT_FOR = {"float32": {"float32", "bfloat16", "q8_0", "q4_0", "q4_k_m"}, "bfloat16": {"bfloat16"},
              "int8": {"q8_0", "q4_0", "q4_k_m"}}
 

@@ -41,7 +41,8 @@ class NumaserveBench:
         num_params = int(sum(np.prod(m.shape) for m in _matrices(model.weights)))
         decisions = self.llm.diagnostics()
         spec = self.engine.spec
-        # the products a token makes: every matrix but the embedding table (a lookup)
+        # the products a token makes in a dense model: every matrix but the embedding table (a lookup); a MoE
+        # token makes only its experts' (active_params)
         matmul_params = num_params - int(np.prod(model.weights.embed.shape))
         if model.weights.lm_head is model.weights.embed:
             matmul_params += int(np.prod(model.weights.embed.shape))
