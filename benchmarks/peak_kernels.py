@@ -78,11 +78,13 @@ def available() -> list[Instruction]:
 
 def _step_function(module, ins: Instruction):
     """(acc, a, b) -> acc + a . b, one instruction, and the accumulator's type."""
+    from kernels.simd.int8 import fma_function  # the kernels' own declarations (imported here: see available)
+    from kernels.simd.vnni import dpbusd_function
+
     n = ins.lanes
     vi, vf = ir.VectorType(I32, n), ir.VectorType(F32, n)
     if ins.name == "vpdpbusd":
-        fn = cgutils.get_or_insert_function(module, ir.FunctionType(vi, [vi] * 3),
-                                            f"llvm.x86.avx512.vpdpbusd.{ins.bits}")
+        fn = dpbusd_function(module, ins.bits)
         return (lambda b, acc, x, y: b.call(fn, [acc, x, y])), vi
     if ins.name == "vpmaddwd":  # acc <- pmaddwd(acc as int16 pairs, y); x unused
         v16 = ir.VectorType(ir.IntType(16), 2 * n)
@@ -92,7 +94,7 @@ def _step_function(module, ins: Instruction):
         fn = cgutils.get_or_insert_function(module, ir.FunctionType(vf, [vf, vi, vi]),
                                             f"llvm.x86.avx512bf16.dpbf16ps.{ins.bits}")
         return (lambda b, acc, x, y: b.call(fn, [acc, x, y])), vf
-    fn = cgutils.get_or_insert_function(module, ir.FunctionType(vf, [vf] * 3), f"llvm.fma.v{n}f32")
+    fn = fma_function(module, n)
     return (lambda b, acc, x, y: b.call(fn, [b.bitcast(x, vf), b.bitcast(y, vf), acc])), vf
 
 

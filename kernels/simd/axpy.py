@@ -10,6 +10,8 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from kernels.simd.int8 import fma_function
+
 _F32, _I32, _I64 = ir.FloatType(), ir.IntType(32), ir.IntType(64)
 _V8F = ir.VectorType(_F32, 8)
 _ZEROS8 = ir.Constant(ir.VectorType(_I32, 8), [0] * 8)  # a shuffle mask: lane 0 to all eight
@@ -32,7 +34,7 @@ def weighted_sum(typingctx, w, x, a, b, out):
         first, stop = (context.cast(builder, args[i], signature.args[i], types.int64) for i in (2, 3))
         D = cgutils.unpack_tuple(builder, xa.shape, 2)[1]
         module = builder.module
-        fma = cgutils.get_or_insert_function(module, ir.FunctionType(_V8F, [_V8F] * 3), "llvm.fma.v8f32")
+        fma = fma_function(module)
         fma1 = cgutils.get_or_insert_function(module, ir.FunctionType(_F32, [_F32] * 3), "llvm.fma.f32")
 
         def vec_ptr(ptr, i):

@@ -26,6 +26,8 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from kernels.simd.int8 import fma_function
+
 LANES = 16
 _HAS_AVX512 = "+avx512f" in binding.get_host_cpu_features().flatten().split(",")
 _F32 = ir.FloatType()
@@ -58,9 +60,7 @@ def _splat(builder, scalar):
 
 
 def _fma(builder, a, b, c):
-    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VF32, [_VF32] * 3),
-                                        "llvm.fma.v16f32")
-    return builder.call(fn, [a, b, c])
+    return builder.call(fma_function(builder.module, 16), [a, b, c])
 
 
 def _hsum(builder, vec):

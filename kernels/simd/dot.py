@@ -17,7 +17,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from kernels.simd.int8 import hsum8
+from kernels.simd.int8 import fma_function, hsum8
 
 _F32, _I32, _I64 = ir.FloatType(), ir.IntType(32), ir.IntType(64)
 _V8F = ir.VectorType(_F32, 8)
@@ -28,7 +28,7 @@ def _emit_dots(builder, a_rows: list, b_data, D):
     """The IR of sum(a * b) for each pointer in a_rows (float32*, D values each) against b_data -> float
     values."""
     module = builder.module
-    fma = cgutils.get_or_insert_function(module, ir.FunctionType(_V8F, [_V8F] * 3), "llvm.fma.v8f32")
+    fma = fma_function(module)
     fma1 = cgutils.get_or_insert_function(module, ir.FunctionType(_F32, [_F32] * 3), "llvm.fma.f32")
 
     def load8(ptr, i):

@@ -64,6 +64,12 @@ def store_block(builder, out_data, accs, token_rows, weight_rows, N):
                 builder.store(hsum8(builder, builder.load(accs[r][t])), ptr)
 
 
+def fma_function(module, lanes: int = 8):
+    """llvm.fma on float32 vectors of `lanes` lanes: a x b + c, one rounding."""
+    vec = ir.VectorType(F32, lanes)
+    return cgutils.get_or_insert_function(module, ir.FunctionType(vec, [vec] * 3), f"llvm.fma.v{lanes}f32")
+
+
 def group_counts(builder, Kp):
     """(blocks of 32, groups of GROUP) in a row of Kp values, as int64 IR values."""
     return builder.udiv(Kp, const64(32)), builder.udiv(Kp, const64(GROUP))
@@ -111,7 +117,7 @@ def int8_block(typingctx, xq, xd, xsum, data, scales, out, t0, n0, rows, tokens)
         module = builder.module
         pmaddwd = cgutils.get_or_insert_function(module, ir.FunctionType(V8I, [V16I16, V16I16]),
                                                  "llvm.x86.avx2.pmadd.wd")
-        fma = cgutils.get_or_insert_function(module, ir.FunctionType(V8F, [V8F] * 3), "llvm.fma.v8f32")
+        fma = fma_function(module)
         token_rows = [builder.add(t0_, const64(t)) for t in range(TB)]
         weight_rows = [builder.add(n0_, const64(r)) for r in range(R)]
         accs = [[cgutils.alloca_once_value(builder, ir.Constant(V8F, None)) for _ in range(TB)]

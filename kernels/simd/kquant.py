@@ -36,6 +36,7 @@ from kernels.simd.int8 import (
     V8I,
     block_operands,
     const64,
+    fma_function,
     fold_group,
     group_counts,
     load_vec,
@@ -106,7 +107,7 @@ def kquant_block(typingctx, xq, xd, xsum, data, out, t0, n0, qtype, tokens):
         num_blocks, num_groups = group_counts(builder, Kp)
         module = builder.module
         dpbusd = dpbusd_function(module)
-        fma = cgutils.get_or_insert_function(module, ir.FunctionType(V8F, [V8F] * 3), "llvm.fma.v8f32")
+        fma = fma_function(module)
         token_rows = [builder.add(t0_, const64(t)) for t in range(TB)]
         weight_rows = [builder.add(n0_, const64(r)) for r in range(ROWS)]
         block_base = builder.mul(builder.udiv(n0_, const64(ROWS)), num_groups)  # the block's first tile

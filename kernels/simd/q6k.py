@@ -45,12 +45,13 @@ from kernels.simd.int8 import (
     I32,
     block_operands,
     const64,
+    fma_function,
     group_counts,
     hsum8,
     load_vec,
     operands_fit,
 )
-from kernels.simd.vnni import dpbusd_function, fma_function, prefetch_ahead
+from kernels.simd.vnni import dpbusd_function, prefetch_ahead
 
 I16 = ir.IntType(16)
 V32I8, V64I8, V32I16 = ir.VectorType(I8, 32), ir.VectorType(I8, 64), ir.VectorType(I16, 32)

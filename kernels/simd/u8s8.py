@@ -27,6 +27,7 @@ from kernels.simd.int8 import (
     V16I16,
     block_operands,
     const64,
+    fma_function,
     hsum8,
     load_vec,
     operands_fit,
@@ -57,7 +58,7 @@ def u8s8_block(typingctx, xq, xd, xsum, data, scales, out, t0, n0, tokens):
                                                    "llvm.x86.avx2.pmadd.ub.sw")
         pmaddwd = cgutils.get_or_insert_function(module, ir.FunctionType(V8I, [V16I16, V16I16]),
                                                  "llvm.x86.avx2.pmadd.wd")
-        fma = cgutils.get_or_insert_function(module, ir.FunctionType(V8F, [V8F] * 3), "llvm.fma.v8f32")
+        fma = fma_function(module)
         ones = ir.Constant(V16I16, [1] * 16)
         low = ir.Constant(V32I8, [15] * 32)
         four = ir.Constant(V32I8, [4] * 32)

@@ -16,7 +16,9 @@ pack_q4_0): a task reads one sequential stream, and from 4 tokens up prefetches 
 into L2, so the next blocks' bytes arrive while this one is multiplied (below 4 tokens the hardware's prefetch
 is faster). 4 rows x 4 tokens keep 16 int32 and 16 float32 accumulators in AVX-512's 32 vector registers. Rows
 past the matrix's last (padding of the last block) are computed, not stored. (One pass per block over all of a
-task's tokens, their float32 accumulators in a stack array, was slower from 2 tokens up.)
+task's tokens, their float32 accumulators in a stack array, was slower from 2 tokens up.) matmul_vnni now
+takes whole blocks of 4 tokens through the 512-bit form of this block (kernels/simd/vnni_wide.py, the same
+bits) and only the last 1-3 tokens through this one.
 
 Needs AVX512-VNNI and AVX512-VL (the 256-bit vpdpbusd) and F16C. numba's on-disk cache of
 kernels/linear/int8.py does not notice edits to this file: after changing the code generation here,
@@ -36,6 +38,7 @@ from kernels.simd.int8 import (
     V8I,
     block_operands,
     const64,
+    fma_function,
     fold_group,
     group_counts,
     load_vec,
@@ -64,12 +67,6 @@ def dpbusd_function(module, bits: int = 256):
     vec = ir.VectorType(I32, bits // 32)
     return cgutils.get_or_insert_function(module, ir.FunctionType(vec, [vec] * 3),
                                           f"llvm.x86.avx512.vpdpbusd.{bits}")
-
-
-def fma_function(module, lanes: int = 8):
-    """llvm.fma on float32 vectors of `lanes` lanes: a x b + c, one rounding."""
-    vec = ir.VectorType(ir.FloatType(), lanes)
-    return cgutils.get_or_insert_function(module, ir.FunctionType(vec, [vec] * 3), f"llvm.fma.v{lanes}f32")
 
 
 def vnni_literals(operands, bits, count):
