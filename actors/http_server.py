@@ -35,6 +35,9 @@ from http_api.serving import OpenAIServing
 HEALTH_TIMEOUT_S = 5.0
 HEALTH_REFRESH_S = 0.25  # /health answers a serving-worker count asked at most this long ago (while polled),
 HEALTH_MAX_AGE_S = 2.0  # and never one older than this: it waits for a fresh one (actors/fresh_value.py)
+STATS_REFRESH_S = 0.5  # /v1/numaserve/stats: one router ask per this, however many consoles poll it
+STATS_MAX_AGE_S = 1.0
+STATS_TIMEOUT_S = 5.0
 STARTUP_TIMEOUT_S = 30.0
 
 
@@ -107,6 +110,7 @@ class RayDeployment:
         self.ingress = Ingress(routers, adapter_cache, first_router)
         self.num_requests = 0  # generate calls: each HTTP actor's own count
         self.serving_workers = FreshValue(self._ask_serving_workers, HEALTH_REFRESH_S, HEALTH_MAX_AGE_S)
+        self.router_stats = FreshValue(self._ask_stats, STATS_REFRESH_S, STATS_MAX_AGE_S)
 
     def generate(self, prompt, params, adapter, cache_salt=None):
         self.num_requests += 1
@@ -146,6 +150,17 @@ class RayDeployment:
     async def metrics(self) -> list[dict]:
         _, snapshots = await self.ingress.call_router(lambda router: router.metrics.remote())
         return snapshots
+
+    async def stats(self) -> dict:
+        return await self.router_stats.get()
+
+    async def _ask_stats(self) -> dict:
+        try:
+            _, stats = await asyncio.wait_for(
+                self.ingress.call_router(lambda router: router.stats.remote()), STATS_TIMEOUT_S)
+            return stats
+        except (TimeoutError, Unavailable, ray.exceptions.RayError):
+            return {"error": "no router answered (down or restarting); retry in a few seconds"}
 
 
 # ---- the actor ---------------------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ import math
 import time
 from dataclasses import dataclass
 
+import psutil
 from ray.util import metrics as ray_metrics
 
 from http_api.prometheus import (
@@ -30,9 +31,13 @@ from http_api.prometheus import (
     REASON,
     REQUEST_SUCCESS,
     SPEC_DECODE,
+    STAGE,
+    STEP_STAGE_SECONDS,
+    WORKER_CPU,
     full_name,
 )
 from scheduling.outputs import RequestOutput, StepOutput
+from scheduling.step_stats import STAGES
 
 RAY_GAUGE_INTERVAL_S = 0.1  # Ray exports every few seconds: fresher gauges buy nothing
 
@@ -54,6 +59,9 @@ class WorkerMetrics:
         self.finished = dict.fromkeys(FINISH_REASONS, 0)
         self.spec_decode: dict[str, dict[str, int]] = {}  # method -> SPEC_DECODE name -> count
         self.histograms = {m.name: _Histogram(m.buckets) for m in HISTOGRAMS}
+        self.stage_histograms = {stage: _Histogram(STEP_STAGE_SECONDS.buckets) for stage in STAGES}
+        self.cpu_seconds = 0.0  # of this process and its children, summed over reads (WORKER_CPU)
+        self._cpu_read: dict[int, float] = {}  # pid -> its CPU seconds at the last read
         self.timings: dict[str, _Timing] = {}  # the requests submitted through the worker and not finished
         self.unscheduled: set[str] = set()  # of those, the ones no step has run yet
         self._ray = _ray_metrics()
@@ -73,6 +81,11 @@ class WorkerMetrics:
         self._count("prefix_cache_queries", stats.num_prefix_lookup_tokens)
         self._count("prefix_cache_hits", stats.num_prefix_hit_tokens)
         self._count("num_preemptions", len(stats.preempted_ids))
+        if stats.scheduled_ids:
+            for stage in STAGES:
+                seconds = getattr(stats.seconds, stage)
+                self.stage_histograms[stage].observe(seconds)
+                self._ray[STEP_STAGE_SECONDS.name].observe(seconds, self.labels | {STAGE: stage})
         for d in stats.drafts:
             counts = self.spec_decode.setdefault(d.method, dict.fromkeys((m.name for m in SPEC_DECODE), 0))
             for m, n in zip(SPEC_DECODE, (d.num_drafts, d.num_draft_tokens, d.num_accepted_tokens)):
@@ -121,10 +134,29 @@ class WorkerMetrics:
             self.unscheduled.discard(req_id)
         gauges = _gauges(engine.stats())
         self._record_gauges(gauges)
-        values = gauges | self.counters
+        self._read_cpu()
+        values = gauges | self.counters | {WORKER_CPU.name: self.cpu_seconds}
         return {"labels": dict(self.labels), "values": values, REQUEST_SUCCESS.name: dict(self.finished),
                 "spec_decode": {method: dict(c) for method, c in self.spec_decode.items()},
-                "histograms": {name: h.as_dict() for name, h in self.histograms.items()}}
+                "histograms": {name: h.as_dict() for name, h in self.histograms.items()},
+                "stage_histograms": {stage: h.as_dict() for stage, h in self.stage_histograms.items()}}
+
+    def _read_cpu(self) -> None:
+        """Adds the CPU seconds this process and its live children (tensor-parallel ranks) spent since the
+        last read (a rank that ended keeps what was counted of it)."""
+        process = psutil.Process()
+        added = 0.0
+        for p in (process, *process.children(recursive=True)):
+            try:
+                times = p.cpu_times()
+            except psutil.Error:
+                continue  # ended since it was listed
+            seconds = times.user + times.system
+            added += max(seconds - self._cpu_read.get(p.pid, 0.0), 0.0)
+            self._cpu_read[p.pid] = seconds
+        if added > 0:
+            self.cpu_seconds += added
+            self._ray[WORKER_CPU.name].inc(added, self.labels)
 
     def _observe(self, name: str, seconds: float) -> None:
         self.histograms[name].observe(seconds)
@@ -176,6 +208,7 @@ def _ray_metrics() -> dict:
                     else LABELS
                 _ray_cache[m.name] = ray_metrics.Counter(name, m.help, tag_keys=keys)
             else:
+                keys = (*LABELS, STAGE) if m is STEP_STAGE_SECONDS else LABELS
                 _ray_cache[m.name] = ray_metrics.Histogram(name, m.help, boundaries=list(m.buckets),
-                                                           tag_keys=LABELS)
+                                                           tag_keys=keys)
     return _ray_cache

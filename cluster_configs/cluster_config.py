@@ -101,6 +101,8 @@ class HttpConfig(BaseModel):
     tool_call_parser: Literal["hermes", "llama3_json"] | None = None
     # /v1/embeddings: the final hidden states of an input pooled as its last token's or their mean
     pooling: Literal["last", "mean"] = "last"
+    # the web console at / (http_api/console/): chat and a live view of the workers; its data behind the keys
+    ui: bool = True
 
     @field_validator("api_keys", mode="before")
     @classmethod

@@ -5,13 +5,16 @@ tests/support/local_deployment.py). Importing it imports no Ray."""
 import asyncio
 import importlib.metadata
 from collections import Counter
+from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Response
+from fastapi.staticfiles import StaticFiles
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from sse_starlette import EventSourceResponse
 
+from http_api.console_stats import ConsoleStats
 from http_api.errors import APIError, InternalErrors, install_error_handlers
 from http_api.json_bodies import JSONBodies, ParsedJSONRoute
 from http_api.limits import Caller
@@ -28,6 +31,7 @@ from http_api.protocol import (
 from http_api.request_ids import RequestIds
 from http_api.serving import OpenAIServing
 
+CONSOLE = Path(__file__).parent / "console"  # the web console's static files (no build step)
 MAX_BODY_BYTES = 8 << 20  # a 32k-token prompt as token ids is ~200 kB; more is a mistake or an attack: 413
 
 
@@ -47,6 +51,8 @@ def build_app(serving: OpenAIServing) -> FastAPI:
     app.add_middleware(RequestIds)
     _add_api_routes(app, serving)
     _add_operations_routes(app, serving, http_requests)
+    if serving.tenancy.config.ui:
+        _add_console(app, serving)
     return app
 
 
@@ -80,6 +86,13 @@ def _add_api_routes(app: FastAPI, serving: OpenAIServing) -> None:
         caller(request)
         return PlainTextResponse(await serving.load_lora_adapter(body))
 
+    @app.get("/v1/numaserve/stats")
+    async def numaserve_stats(request: Request) -> ConsoleStats:
+        """The deployment now, per worker (the web console's live view reads it): placement, load, rates,
+        KV, prefix cache, speculation, adapters, stage times."""
+        caller(request)
+        return await serving.console_stats()
+
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest, request: Request) -> dict:
         caller(request)
@@ -109,6 +122,27 @@ def _add_operations_routes(app: FastAPI, serving: OpenAIServing, http_requests: 
     async def metrics() -> Response:
         return Response(render(await serving.deployment.metrics(), http_requests),
                         media_type=CONTENT_TYPE_LATEST)
+
+
+def _add_console(app: FastAPI, serving: OpenAIServing) -> None:
+    """The web console: its page at /, its scripts and styles under /console. They hold no data: the page
+    asks the /v1 routes for it, with the API key the user gives it."""
+
+    @app.get("/console/auth", include_in_schema=False)
+    async def console_auth(request: Request) -> dict:
+        """Whether this server wants a key and accepts the one sent (the page asks before it asks for data,
+        so that a missing key is a form to fill, not a 401 in the browser's console)."""
+        try:
+            serving.tenancy.authenticate(request.headers.get("authorization"))
+        except APIError:
+            return {"key_required": True, "authorized": False}
+        return {"key_required": bool(serving.tenancy.config.api_keys), "authorized": True}
+
+    @app.get("/", include_in_schema=False)
+    async def console() -> FileResponse:
+        return FileResponse(CONSOLE / "index.html", headers={"Cache-Control": "no-cache"})
+
+    app.mount("/console", StaticFiles(directory=CONSOLE), name="console")
 
 
 async def _respond(request: Request, work) -> Response:

@@ -12,12 +12,16 @@ from prometheus_client.core import (
 )
 from prometheus_client.exposition import generate_latest
 
+from scheduling.step_stats import STAGES
+
 LABELS = ("model_name", "worker", "numa_node")
 REASON = "finished_reason"
 FINISH_REASONS = ("stop", "length", "abort")
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
                     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_STAGE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+                  5.0, 10.0)
 _REQUEST_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
                     50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 
@@ -70,7 +74,14 @@ HISTOGRAMS = (
     Metric("request_queue_time_seconds", "histogram",
            "From submission to the worker to its first scheduled step", _REQUEST_BUCKETS),
 )
-ALL = (*GAUGES, *ENGINE_COUNTERS, *COUNTERS, REQUEST_SUCCESS, *SPEC_DECODE, *HISTOGRAMS)
+STAGE = "stage"  # the label of STEP_STAGE_SECONDS: one of STAGES
+STEP_STAGE_SECONDS = Metric("step_stage_seconds", "histogram",
+                            "Seconds of each stage (schedule, propose, run, sample, process) of the worker's "
+                            "engine steps that ran a batch", _STAGE_BUCKETS)
+WORKER_CPU = Metric("worker_cpu_seconds", "counter",
+                    "CPU seconds (user + system) of the worker's process and its tensor-parallel ranks")
+ALL = (*GAUGES, *ENGINE_COUNTERS, *COUNTERS, REQUEST_SUCCESS, *SPEC_DECODE, *HISTOGRAMS, STEP_STAGE_SECONDS,
+       WORKER_CPU)
 
 
 def full_name(metric: Metric) -> str:
@@ -109,19 +120,27 @@ class _Collector:
                 for s in self.snapshots:
                     for method, counts in s["spec_decode"].items():
                         family.add_metric([*_label_values(s), method], counts[m.name])
+            elif m is STEP_STAGE_SECONDS:
+                family = HistogramMetricFamily(name, m.help, labels=(*LABELS, STAGE))
+                for s in self.snapshots:
+                    for stage in STAGES:
+                        _add_histogram(family, [*_label_values(s), stage], s["stage_histograms"][stage])
             elif m.kind == "histogram":
                 family = HistogramMetricFamily(name, m.help, labels=LABELS)
                 for s in self.snapshots:
-                    h = s["histograms"][m.name]
-                    cumulative = [sum(h["counts"][:i + 1]) for i in range(len(h["counts"]))]
-                    bounds = [*(repr(float(b)) for b in h["buckets"]), "+Inf"]
-                    family.add_metric(_label_values(s), list(zip(bounds, cumulative)), h["sum"])
+                    _add_histogram(family, _label_values(s), s["histograms"][m.name])
             else:
                 kind = GaugeMetricFamily if m.kind == "gauge" else CounterMetricFamily
                 family = kind(name, m.help, labels=LABELS)
                 for s in self.snapshots:
                     family.add_metric(_label_values(s), s["values"][m.name])
             yield family
+
+
+def _add_histogram(family: HistogramMetricFamily, labels: list[str], h: dict) -> None:
+    cumulative = [sum(h["counts"][:i + 1]) for i in range(len(h["counts"]))]
+    bounds = [*(repr(float(b)) for b in h["buckets"]), "+Inf"]
+    family.add_metric(labels, list(zip(bounds, cumulative)), h["sum"])
 
 
 def _label_values(snapshot: dict) -> list[str]:

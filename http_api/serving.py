@@ -26,6 +26,7 @@ from http_api.choices import (
     open_choices,
     sse_stream,
 )
+from http_api.console_stats import ConsoleStats, console_stats
 from http_api.errors import APIError, shown
 from http_api.fill_in_middle import fim_prompt
 from http_api.limits import ANONYMOUS, Caller, Tenancy, release_after
@@ -82,6 +83,7 @@ class Deployment(Protocol):
     async def register_adapter(self, name: str, path: str) -> str: ...
     async def num_serving_workers(self) -> int: ...
     async def metrics(self) -> list[dict]: ...  # each worker's snapshot (actors/metrics.py)
+    async def stats(self) -> dict: ...  # the router's stats (Router.stats), or {"error": ...}: a recent copy
     # each prompt's token ids and its final hidden states pooled (scheduling/embedding.py), L2-normalized
     async def embed(self, prompts: list, pooling: str, adapter: str | None,
                     cache_salt: str | None = None) -> tuple[list[list[int]], np.ndarray]: ...
@@ -337,6 +339,9 @@ class OpenAIServing:
 
     async def health(self) -> bool:
         return await self.deployment.num_serving_workers() > 0
+
+    async def console_stats(self) -> ConsoleStats:
+        return console_stats(self.model_name, await self.deployment.stats())
 
     # ---- requests to the deployment ----------------------------------------------------------------------
 

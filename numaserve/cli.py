@@ -51,10 +51,12 @@ def cmd_serve(args) -> None:
         ("max_tokens_cap", args.max_tokens_cap),
         ("max_concurrent_per_client", args.max_concurrent_per_client),
         ("default_deadline_s", args.default_deadline_s), ("allowed_origins", _origins(args.allowed_origins)),
-        ("tool_call_parser", args.tool_call_parser), ("pooling", args.pooling)) if value is not None}
+        ("tool_call_parser", args.tool_call_parser), ("pooling", args.pooling),
+        ("ui", False if args.no_ui else None)) if value is not None}
     if limits:
         if config.http is None:
-            flags = ", ".join("--api-key" if f == "api_keys" else "--" + f.replace("_", "-") for f in limits)
+            flags = ", ".join({"api_keys": "--api-key", "ui": "--no-ui"}.get(f, "--" + f.replace("_", "-"))
+                              for f in limits)
             raise SystemExit(f"{flags}: these are the HTTP server's; pass --http-port too")
         from cluster_configs.cluster_config import ClusterConfig
         config = ClusterConfig.model_validate(config.model_dump()

@@ -124,6 +124,9 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
     serve.add_argument("--pooling", choices=("last", "mean"),
                        help="/v1/embeddings: pool an input's final hidden states as its last token's or "
                             "their mean (default: the config's http.pooling, last)")
+    serve.add_argument("--no-ui", action="store_true",
+                       help="serve no web console at / (chat and a live view of the workers; default: "
+                            "served, its data behind the API key when one is set)")
     serve.add_argument("--served-model-name", help="the name requests give as `model` (default: the config's "
                                                    "http.served_model_name, else the model folder's name)")
     serve.add_argument("--detach", action="store_true",

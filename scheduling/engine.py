@@ -28,6 +28,7 @@ from scheduling.output_processor import ProcessedStep
 from scheduling.outputs import RequestOutput, SamplerOutput, StepOutput
 from scheduling.plan import StepPlan
 from scheduling.policy import Policy
+from scheduling.recent_steps import RecentSteps
 from scheduling.request import Request
 from scheduling.sampling.step_sampler import sample_step
 from scheduling.sampling.structured import MaskWorker, StepMasks
@@ -102,6 +103,7 @@ class Engine:
                                                    num_kv_blocks=num_blocks if window <= 0 else None),
                                      self.tokenizer, self.adapters, s.eos_token_ids)
         self.totals = EngineTotals()
+        self.recent = RecentSteps()
         self.mask_worker = MaskWorker(s.vocab_size)
 
     @property
@@ -171,6 +173,8 @@ class Engine:
         stats = step_stats(plan, out, processed, clock.seconds(), len(sched.running), len(sched.waiting),
                            sched.kv.usage, masks, sched.kv.pool.num_used_blocks)
         self.totals = self.totals.plus(stats)
+        if plan.scheduled:
+            self.recent.add(stats)
         return stats
 
     def apply(self, policy: Policy) -> None:
@@ -191,4 +195,5 @@ class Engine:
             "num_masked_rows": totals.num_masked_rows, "mask_seconds": totals.mask_seconds,
             "mask_wait_seconds": totals.mask_wait_seconds,
             "tensor_parallel": self.ranks.stats(self.model.weight_bytes, self.kv_cache.nbytes),
+            "recent": self.recent.as_dict(),
         } | self.adapters.stats() | self.runner.lora.stats() | self.speculation.stats()

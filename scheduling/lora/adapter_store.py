@@ -132,7 +132,8 @@ class AdapterStore(Mapping[str, LoraAdapter]):
     def stats(self) -> dict:
         return {"adapter_hits": self.num_hits, "adapter_misses": self.num_misses,
                 "adapter_evictions": self.num_evictions, "adapter_bytes": self.loaded_bytes,
-                "num_adapters": len(self.sources), "num_adapters_loaded": len(self._loaded)}
+                "num_adapters": len(self.sources), "num_adapters_loaded": len(self._loaded),
+                "adapters_loaded": sorted(self._loaded)}
 
     # ---- internals ---------------------------------------------------------------------------------
 
