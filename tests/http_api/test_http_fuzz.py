@@ -78,7 +78,7 @@ def test_fuzzing_every_operation_finds_no_5xx_no_hang_and_leaves_the_server_heal
     assert {f"{op.method.upper()} {op.path}" for op in operations} == {
         "POST /v1/completions", "POST /v1/chat/completions", "POST /v1/embeddings", "GET /v1/models",
         "POST /v1/load_lora_adapter", "POST /tokenize", "POST /detokenize", "GET /version", "GET /health",
-        "GET /metrics"}
+        "GET /metrics", "GET /v1/numaserve/stats"}
     headers = {"Authorization": f"Bearer {KEY}"} if with_key else {}
     start = time.monotonic()
     statuses = {f"{op.method.upper()} {op.path}": fuzz(op, url, headers) for op in operations}

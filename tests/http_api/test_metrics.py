@@ -10,6 +10,7 @@ import numaserve as ns
 from actors.metrics import WorkerMetrics
 from http_api.prometheus import ALL, HISTOGRAMS, SPEC_DECODE, full_name, render
 from scheduling.engine import Engine
+from scheduling.step_stats import STAGES
 from tests.conftest import random_prompt
 
 GREEDY = ns.SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
@@ -98,6 +99,38 @@ def test_render_names_every_metric_in_vllms_style_with_cumulative_buckets(engine
         assert [le for le, _ in buckets] == [*m.buckets, float("inf")]
         counts = [c for _, c in buckets]
         assert counts == sorted(counts) and counts[-1] == value(found, f"{full_name(m)}_count", worker="w0")
+
+
+def test_stage_histograms_count_each_step_that_ran_a_batch_and_sum_its_recorded_stage_seconds(engine):
+    metrics = WorkerMetrics("llama", "w0", 0)
+    for i in range(2):
+        submit(engine, metrics, f"s{i}", random_prompt(9, seed=i))
+    steps = []
+    while engine.has_unfinished():
+        start = time.perf_counter()
+        out = engine.step()
+        metrics.step(out, start)
+        steps.append(out.stats)
+    ran = [s for s in steps if s.scheduled_ids]
+    snapshot = metrics.snapshot(engine)
+    found = samples([snapshot])
+    for stage in STAGES:
+        h = snapshot["stage_histograms"][stage]
+        expected = sum(getattr(s.seconds, stage) for s in ran)
+        assert sum(h["counts"]) == len(ran) and h["sum"] == pytest.approx(expected, rel=1e-12, abs=1e-15)
+        assert value(found, "numaserve:step_stage_seconds_count", stage=stage) == len(ran)
+        assert value(found, "numaserve:step_stage_seconds_sum", stage=stage) == pytest.approx(expected)
+
+
+def test_worker_cpu_seconds_are_this_processs_and_never_fall(engine):
+    metrics = WorkerMetrics("llama", "w0", 0)
+    first = metrics.snapshot(engine)["values"]["worker_cpu_seconds"]
+    submit(engine, metrics, "busy", random_prompt(30, seed=5), ns.SamplingParams(max_tokens=40,
+                                                                                  ignore_eos=True))
+    run(engine, metrics)
+    second = metrics.snapshot(engine)["values"]["worker_cpu_seconds"]
+    assert 0 < first <= second
+    assert value(samples([metrics.snapshot(engine)]), "numaserve:worker_cpu_seconds_total") >= second
 
 
 def test_kv_blocks_in_use_are_the_pools_while_requests_hold_them(engine):
