@@ -110,7 +110,7 @@ class RayDeployment:
         self.ingress = Ingress(routers, adapter_cache, first_router)
         self.num_requests = 0  # generate calls: each HTTP actor's own count
         self.serving_workers = FreshValue(self._ask_serving_workers, HEALTH_REFRESH_S, HEALTH_MAX_AGE_S)
-        self.router_stats = FreshValue(self._ask_stats, STATS_REFRESH_S, STATS_MAX_AGE_S)
+        self.router_live = FreshValue(self._ask_live, STATS_REFRESH_S, STATS_MAX_AGE_S)
 
     def generate(self, prompt, params, adapter, cache_salt=None):
         self.num_requests += 1
@@ -151,14 +151,14 @@ class RayDeployment:
         _, snapshots = await self.ingress.call_router(lambda router: router.metrics.remote())
         return snapshots
 
-    async def stats(self) -> dict:
-        return await self.router_stats.get()
+    async def live(self) -> dict:
+        return await self.router_live.get()
 
-    async def _ask_stats(self) -> dict:
+    async def _ask_live(self) -> dict:
         try:
-            _, stats = await asyncio.wait_for(
-                self.ingress.call_router(lambda router: router.stats.remote()), STATS_TIMEOUT_S)
-            return stats
+            _, live = await asyncio.wait_for(
+                self.ingress.call_router(lambda router: router.live.remote()), STATS_TIMEOUT_S)
+            return live
         except (TimeoutError, Unavailable, ray.exceptions.RayError):
             return {"error": "no router answered (down or restarting); retry in a few seconds"}
 

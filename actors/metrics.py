@@ -60,7 +60,7 @@ class WorkerMetrics:
         self.spec_decode: dict[str, dict[str, int]] = {}  # method -> SPEC_DECODE name -> count
         self.histograms = {m.name: _Histogram(m.buckets) for m in HISTOGRAMS}
         self.stage_histograms = {stage: _Histogram(STEP_STAGE_SECONDS.buckets) for stage in STAGES}
-        self.cpu_seconds = 0.0  # of this process and its children, summed over reads (WORKER_CPU)
+        self.cpu_seconds = 0.0  # of the worker's processes, summed over reads (WORKER_CPU)
         self._cpu_read: dict[int, float] = {}  # pid -> its CPU seconds at the last read
         self.timings: dict[str, _Timing] = {}  # the requests submitted through the worker and not finished
         self.unscheduled: set[str] = set()  # of those, the ones no step has run yet
@@ -132,31 +132,32 @@ class WorkerMetrics:
         for req_id in [r for r in self.timings if r not in engine.scheduler.requests]:
             del self.timings[req_id]  # failed with the engine's step: they have no output
             self.unscheduled.discard(req_id)
-        gauges = _gauges(engine.stats())
+        stats = engine.stats()
+        gauges = _gauges(stats)
         self._record_gauges(gauges)
-        self._read_cpu()
+        self.read_cpu(stats["tensor_parallel"]["pids"])
         values = gauges | self.counters | {WORKER_CPU.name: self.cpu_seconds}
         return {"labels": dict(self.labels), "values": values, REQUEST_SUCCESS.name: dict(self.finished),
                 "spec_decode": {method: dict(c) for method, c in self.spec_decode.items()},
                 "histograms": {name: h.as_dict() for name, h in self.histograms.items()},
                 "stage_histograms": {stage: h.as_dict() for stage, h in self.stage_histograms.items()}}
 
-    def _read_cpu(self) -> None:
-        """Adds the CPU seconds this process and its live children (tensor-parallel ranks) spent since the
-        last read (a rank that ended keeps what was counted of it)."""
-        process = psutil.Process()
+    def read_cpu(self, pids: list[int]) -> float:
+        """Adds the CPU seconds the worker's processes (pids: its own, then its tensor-parallel ranks') spent
+        since the last read -> the total (a rank that ended keeps what was counted of it)."""
         added = 0.0
-        for p in (process, *process.children(recursive=True)):
+        for pid in pids:
             try:
-                times = p.cpu_times()
+                times = psutil.Process(pid).cpu_times()
             except psutil.Error:
-                continue  # ended since it was listed
+                continue  # ended
             seconds = times.user + times.system
-            added += max(seconds - self._cpu_read.get(p.pid, 0.0), 0.0)
-            self._cpu_read[p.pid] = seconds
+            added += max(seconds - self._cpu_read.get(pid, 0.0), 0.0)
+            self._cpu_read[pid] = seconds
         if added > 0:
             self.cpu_seconds += added
             self._ray[WORKER_CPU.name].inc(added, self.labels)
+        return self.cpu_seconds
 
     def _observe(self, name: str, seconds: float) -> None:
         self.histograms[name].observe(seconds)

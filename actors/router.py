@@ -48,6 +48,9 @@ class Router:
         self.poll_interval_s = config.telemetry_interval_s
         self.sweep_grace_s = config.router.sweep_grace_s
         self.num_overloaded = 0
+        # worker id -> where it runs, for the live view (the workers' info() says more, at a Ray call each)
+        self.placements = {p.worker_id: {"machine": p.machine, "numa_node": p.node_id,
+                                         "cpu_ids": list(p.cpu_ids)} for p in config.placements()}
         self._probing: set[str] = set()
         self._background: asyncio.Task | None = None
 
@@ -121,6 +124,19 @@ class Router:
         left out."""
         answers, _ = await self._ask_live_workers(lambda handle: handle.stats.remote())
         return [stats["metrics"] for stats in answers.values()]
+
+    async def live(self) -> dict:
+        """The web console's view, asked about once a second: per worker its placement and its engine's
+        figures now (NumaWorker.live); the lean part of stats(), without the workers' info, the policies,
+        the metrics or the decisions."""
+        answers, errors = await self._ask_live_workers(lambda handle: handle.live.remote())
+        workers = {}
+        for worker_id, load in self.routing.workers.items():
+            answer = answers.get(worker_id, {})
+            if worker_id in errors:
+                answer = {"error": f"no answer ({type(errors[worker_id]).__name__})"}
+            workers[worker_id] = {"alive": load.alive, "info": self.placements.get(worker_id, {})} | answer
+        return {"workers": workers, "routed": dict(self.routing.num_routed)}
 
     async def pause(self, paused: bool, worker_ids: list[str] | None = None) -> list[str]:
         """Pause (or resume) the live workers among worker_ids (None: all), each waited for until its step in

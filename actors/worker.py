@@ -224,11 +224,23 @@ class NumaWorker:
             "num_streams": len(self._streams), "num_requests": self._num_requests,
             "num_callers_expired": self._leases.num_expired}
 
+    async def live(self) -> dict:
+        """What the web console shows of this worker (Router.live), about once a second: the engine's stats
+        and the CPU seconds of its processes, nothing costlier."""
+        return await self._ask(self._loop.call_future(self._live))
+
+    def _live(self, engine: Engine) -> dict:
+        """On the loop thread."""
+        stats = engine.stats()
+        return stats | {"cpu_seconds": self.metrics.read_cpu(stats["tensor_parallel"]["pids"])}
+
     def _engine_stats(self, engine: Engine) -> dict:
         """On the loop thread."""
+        metrics = self.metrics.snapshot(engine)
         return engine.stats() | {
             "worker_id": self.placement.worker_id, "rss_bytes": psutil.Process().memory_info().rss,
-            "metrics": self.metrics.snapshot(engine), "decisions": engine.decisions.recent(),
+            "cpu_seconds": self.metrics.cpu_seconds, "metrics": metrics,
+            "decisions": engine.decisions.recent(),
             "paused": self._loop.paused, "num_session_sequences": len(self._sequences.by_id),
             "scheduler_error": self._hooks.scheduler_error}
 

@@ -1,6 +1,6 @@
 """GET /v1/numaserve/stats: the deployment now, as typed records (the web console's live view reads them; so
-can any script). Built from the router's stats (actors/router.py: per worker its engine's stats, placement and
-metrics snapshot), never from scraped Prometheus text."""
+can any script). Built from the router's live view (Router.live: per worker its placement, its engine's stats
+and its CPU seconds), never from scraped Prometheus text."""
 
 import time
 
@@ -58,7 +58,8 @@ class ConsoleStats(BaseModel):
 
 
 def console_stats(model: str, stats: dict) -> ConsoleStats:
-    """stats: the router's (Router.stats), or {"error": ...} when it did not answer."""
+    """stats: the router's live view (Router.live; Router.stats has its shape too), or {"error": ...} when
+    it did not answer."""
     workers = [_worker(worker_id, w) for worker_id, w in sorted(stats.get("workers", {}).items())]
     return ConsoleStats(model=model, time=time.time(), num_routed=sum(stats.get("routed", {}).values()),
                         workers=workers, error=stats.get("error"))
@@ -77,7 +78,6 @@ def _worker(worker_id: str, w: dict) -> WorkerView:
 def _engine(w: dict) -> EngineView:
     recent = w["recent"]
     drafted = w.get("spec_num_draft_tokens", 0)
-    metrics = w.get("metrics")
     return EngineView(
         num_running=w["num_running"], num_waiting=w["num_waiting"], tokens_per_s=recent["tokens_per_s"],
         prompt_tokens_per_s=recent["prompt_tokens_per_s"], window_s=recent["window_s"],
@@ -87,5 +87,5 @@ def _engine(w: dict) -> EngineView:
         spec_acceptance=w["spec_num_accepted_tokens"] / drafted if drafted else None,
         adapters_loaded=w.get("adapters_loaded", []), lora_slots_held=w.get("lora_slots_held", []),
         stage_seconds=StageTimes(**recent["stage_seconds"]),
-        cpu_seconds=metrics["values"]["worker_cpu_seconds"] if metrics else None,
+        cpu_seconds=w.get("cpu_seconds"),
         tensor_parallel_size=w.get("tensor_parallel", {}).get("size", 1))

@@ -83,7 +83,7 @@ class Deployment(Protocol):
     async def register_adapter(self, name: str, path: str) -> str: ...
     async def num_serving_workers(self) -> int: ...
     async def metrics(self) -> list[dict]: ...  # each worker's snapshot (actors/metrics.py)
-    async def stats(self) -> dict: ...  # the router's stats (Router.stats), or {"error": ...}: a recent copy
+    async def live(self) -> dict: ...  # a recent copy of the router's live view (Router.live), or {"error"}
     # each prompt's token ids and its final hidden states pooled (scheduling/embedding.py), L2-normalized
     async def embed(self, prompts: list, pooling: str, adapter: str | None,
                     cache_salt: str | None = None) -> tuple[list[list[int]], np.ndarray]: ...
@@ -341,7 +341,7 @@ class OpenAIServing:
         return await self.deployment.num_serving_workers() > 0
 
     async def console_stats(self) -> ConsoleStats:
-        return console_stats(self.model_name, await self.deployment.stats())
+        return console_stats(self.model_name, await self.deployment.live())
 
     # ---- requests to the deployment ----------------------------------------------------------------------
 

@@ -63,6 +63,25 @@ def http(data: dict) -> str:
     return head + "\n\n" + table(header, rows)
 
 
+def console(data: dict) -> str:
+    rows = []
+    for streams, lv in data["levels"].items():
+        closed, opened = lv["closed"], lv["open"]
+        rows.append([streams, num(closed["median_tokens_per_s"]), num(opened["median_tokens_per_s"]),
+                     f"{lv['open_over_closed']:.3f}",
+                     f"{closed['ttft_p50_ms']:.0f} / {opened['ttft_p50_ms']:.0f}",
+                     f"{closed['itl_p99_ms']:.0f} / {opened['itl_p99_ms']:.0f}",
+                     f"{closed['median_cpu_ms_per_token']:.1f} / {opened['median_cpu_ms_per_token']:.1f}",
+                     f"{opened['median_console_polls_per_s']:.2f}"])
+    meta = data.get("meta", {})
+    head = (f"{meta.get('prompt_len', '?')}-token prompts, {meta.get('max_tokens', '?')} greedy tokens, "
+            f"medians of {meta.get('repeats', '?')} samples per state, alternating; the browser: "
+            f"{meta.get('browser', '?')}.")
+    return head + "\n\n" + table(["streams", "console closed tok/s", "console open tok/s", "open / closed",
+                                   "TTFT p50 (ms), closed / open", "ITL p99 (ms)",
+                                   "CPU ms / token, all processes", "stats polls / s (open)"], rows)
+
+
 def soak(data: dict) -> str:
     def ms(*keys: str) -> str:
         return " / ".join(f"{data[k] * 1e3:.1f}" if isinstance(data.get(k), (int, float)) else ""
@@ -141,6 +160,7 @@ RENDERERS = [
     (r"serving_peers.*\.json", serving_peers),
     (r"serving.*\.json", serving),
     (r"http.*\.json", http),
+    (r"console.*\.json", console),
     (r"soak.*\.json", soak),
     (r"simulate_validation.*\.json", simulate_validation),
     (r"simulate_sweep.*\.json", simulate_sweep),

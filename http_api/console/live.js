@@ -14,6 +14,7 @@ export class Live {
     this.onError = onError;
     this.timer = null;
     this.previous = null; // the last answer, for CPU use between polls
+    this.cardIds = null; // the workers the cards were built for, and whether each was up
     this.charts = {
       tokens: new Chart($("chart-tokens"), HISTORY_S),
       running: new Chart($("chart-running"), HISTORY_S),
@@ -46,11 +47,10 @@ export class Live {
 
   show(stats) {
     const serving = stats.workers.filter((w) => w.engine).length;
-    $("live-summary").textContent = stats.error
+    setText($("live-summary"), stats.error
       ? `${stats.model}: ${stats.error}`
-      : `${stats.model}: ${stats.workers.length} workers (${serving} answering), ${stats.num_routed} requests routed`;
-    const cards = stats.workers.map((w) => this.card(w, stats.time));
-    $("workers").replaceChildren(...cards);
+      : `${stats.model}: ${stats.workers.length} workers (${serving} answering), ${stats.num_routed} requests routed`);
+    this.showCards(stats);
     for (const w of stats.workers) {
       const e = w.engine;
       if (!e) continue;
@@ -63,6 +63,23 @@ export class Live {
     for (const chart of Object.values(this.charts)) chart.draw(stats.time);
   }
 
+  // A card per worker, built once (again when it goes down or comes back); each poll changes only the texts
+  // that changed, so the browser repaints little.
+  showCards(stats) {
+    const ids = stats.workers.map((w) => `${w.worker_id}:${w.engine ? "up" : "down"}`).join(",");
+    if (ids !== this.cardIds) {
+      this.cardIds = ids;
+      $("workers").replaceChildren(...stats.workers.map((w) => card(w)));
+    }
+    for (const w of stats.workers) {
+      const element = $("workers").querySelector(`.worker-card[data-worker="${CSS.escape(w.worker_id)}"]`);
+      for (const [field, text] of Object.entries(this.fields(w, stats.time))) {
+        setText(element.querySelector(`[data-field="${field}"]`), text);
+      }
+      if (w.engine) showStages(element.querySelector(".stages"), w.engine.stage_seconds);
+    }
+  }
+
   // Cores busy since the last poll: CPU seconds spent / seconds passed.
   cpuCores(w, time) {
     const before = this.previous && this.previous.workers.find((p) => p.worker_id === w.worker_id);
@@ -71,74 +88,91 @@ export class Live {
     return elapsed > 0 ? Math.max(w.engine.cpu_seconds - before.engine.cpu_seconds, 0) / elapsed : null;
   }
 
-  card(w, time) {
-    const card = document.createElement("div");
-    card.className = "worker-card";
-    card.dataset.worker = w.worker_id;
-    const title = document.createElement("h3");
-    title.textContent = w.worker_id;
-    const where = document.createElement("div");
-    where.className = "where";
-    where.textContent = `NUMA node ${w.numa_node ?? "-"} · cores ${cores(w.cpu_ids)}` +
-      (w.machine ? ` · ${w.machine}` : "");
-    card.append(title, where);
-    if (!w.engine) {
-      card.classList.add("down");
-      card.append(row("state", w.error || "down"));
-      return card;
-    }
+  // The texts of a worker's card, by field.
+  fields(w, time) {
+    const where = `NUMA node ${w.numa_node ?? "-"} · cores ${cores(w.cpu_ids)}` + (w.machine ? ` · ${w.machine}` : "");
     const e = w.engine;
+    if (!e) return { where, state: w.error || "down" };
     const cpu = this.cpuCores(w, time);
-    card.append(
-      row("tokens/s", e.tokens_per_s.toFixed(1), "tokens-per-s"),
-      row("prompt tokens/s", e.prompt_tokens_per_s.toFixed(1)),
-      row("running / waiting", `${e.num_running} / ${e.num_waiting}`, "running"),
-      row("KV blocks", `${e.kv_used_blocks} / ${e.kv_total_blocks} (${(100 * e.kv_usage).toFixed(0)}%)`, "kv"),
-      row("prefix cache hits", `${(100 * e.prefix_hit_rate).toFixed(0)}%`),
-      row("speculation", e.spec_method === "off" ? "off"
-        : `${e.spec_method}, ${e.spec_acceptance === null ? "no drafts yet" : `${(100 * e.spec_acceptance).toFixed(0)}% accepted`}`),
-      row("adapters", e.adapters_loaded.length ? e.adapters_loaded.join(", ") : "none", "adapters"),
-      row("CPU", cpu === null ? "-" : `${cpu.toFixed(2)} cores`),
-      row("tensor parallel", `${e.tensor_parallel_size}`),
-      stageBar(e.stage_seconds),
-    );
-    return card;
+    return {
+      where,
+      "tokens-per-s": e.tokens_per_s.toFixed(1),
+      "prompt-tokens-per-s": e.prompt_tokens_per_s.toFixed(1),
+      running: `${e.num_running} / ${e.num_waiting}`,
+      kv: `${e.kv_used_blocks} / ${e.kv_total_blocks} (${(100 * e.kv_usage).toFixed(0)}%)`,
+      prefix: `${(100 * e.prefix_hit_rate).toFixed(0)}%`,
+      speculation: e.spec_method === "off" ? "off"
+        : `${e.spec_method}, ${e.spec_acceptance === null ? "no drafts yet" : `${(100 * e.spec_acceptance).toFixed(0)}% accepted`}`,
+      adapters: e.adapters_loaded.length ? e.adapters_loaded.join(", ") : "none",
+      cpu: cpu === null ? "-" : `${cpu.toFixed(2)} cores`,
+      "tensor-parallel": `${e.tensor_parallel_size}`,
+    };
   }
 }
 
-function row(label, value, cls) {
-  const div = document.createElement("div");
-  div.className = "row" + (cls ? ` ${cls}` : "");
-  const name = document.createElement("span");
-  name.textContent = label;
-  const text = document.createElement("span");
-  text.className = "value";
-  text.textContent = value;
-  div.append(name, text);
-  return div;
-}
+const ROWS = [["tokens/s", "tokens-per-s"], ["prompt tokens/s", "prompt-tokens-per-s"],
+  ["running / waiting", "running"], ["KV blocks", "kv"], ["prefix cache hits", "prefix"],
+  ["speculation", "speculation"], ["adapters", "adapters"], ["CPU", "cpu"], ["tensor parallel", "tensor-parallel"]];
 
-// The mean step of the last seconds, split by stage.
-function stageBar(seconds) {
-  const total = STAGES.reduce((sum, s) => sum + seconds[s], 0);
-  const div = document.createElement("div");
-  div.className = "stages";
+function card(w) {
+  const element = document.createElement("div");
+  element.className = "worker-card";
+  element.dataset.worker = w.worker_id;
+  const title = document.createElement("h3");
+  title.textContent = w.worker_id;
+  const where = document.createElement("div");
+  where.className = "where";
+  where.dataset.field = "where";
+  element.append(title, where);
+  if (!w.engine) {
+    element.classList.add("down");
+    element.append(row("state", "state"));
+    return element;
+  }
+  element.append(...ROWS.map(([label, field]) => row(label, field)));
+  const stages = document.createElement("div");
+  stages.className = "stages";
   const label = document.createElement("div");
-  label.textContent = total > 0 ? `step ${(1000 * total).toFixed(2)} ms: ` +
-    STAGES.filter((s) => seconds[s] > 0).map((s) => `${s} ${(1000 * seconds[s]).toFixed(2)}`).join(", ")
-    : "no steps in the last seconds";
   const bar = document.createElement("div");
   bar.className = "bar";
   for (const s of STAGES) {
-    if (!(total > 0 && seconds[s] > 0)) continue;
     const part = document.createElement("span");
     part.className = `stage-${s}`;
-    part.style.width = `${100 * seconds[s] / total}%`;
-    part.title = `${s}: ${(1000 * seconds[s]).toFixed(2)} ms`;
     bar.append(part);
   }
-  div.append(label, bar);
+  stages.append(label, bar);
+  element.append(stages);
+  return element;
+}
+
+function row(label, field) {
+  const div = document.createElement("div");
+  div.className = `row ${field}`;
+  const name = document.createElement("span");
+  name.textContent = label;
+  const value = document.createElement("span");
+  value.className = "value";
+  value.dataset.field = field;
+  div.append(name, value);
   return div;
+}
+
+function setText(element, text) {
+  if (element.textContent !== text) element.textContent = text;
+}
+
+// The mean step of the last seconds, split by stage: a label and a bar of one part per stage.
+function showStages(element, seconds) {
+  const total = STAGES.reduce((sum, s) => sum + seconds[s], 0);
+  setText(element.firstChild, total > 0 ? `step ${(1000 * total).toFixed(2)} ms: ` +
+    STAGES.filter((s) => seconds[s] > 0).map((s) => `${s} ${(1000 * seconds[s]).toFixed(2)}`).join(", ")
+    : "no steps in the last seconds");
+  for (const part of element.lastChild.children) {
+    const s = part.className.slice("stage-".length);
+    const width = total > 0 ? `${(100 * seconds[s] / total).toFixed(1)}%` : "0%";
+    if (part.style.width !== width) part.style.width = width;
+    part.title = `${s}: ${(1000 * seconds[s]).toFixed(2)} ms`;
+  }
 }
 
 // [0, 1, 2, 5] -> "0-2,5"

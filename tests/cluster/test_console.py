@@ -32,7 +32,7 @@ DOCS = Path(__file__).resolve().parents[2] / "docs"
 IMAGES = DOCS / "images"
 WORKERS = ["local-numa0-0", "local-numa1-0"]
 UI_TIMEOUT_MS = 30_000  # generous: a loaded machine renders in well under a second
-STEP_TEXT_TIMEOUT_S = 5.0  # a step whose token completes no character shows nothing new: move on after this
+STEP_TEXT_TIMEOUT_S = 2.0  # a step whose token completes no character shows nothing new: move on after this
 
 # every text the assistant's reply shows, in order, as the page renders it (one entry per change)
 OBSERVE_REPLY = """() => {
@@ -157,6 +157,28 @@ def test_a_reply_streams_into_the_page_token_by_token_and_equals_the_apis_greedy
     p.wait_for_selector(".msg.assistant.done >> nth=1", timeout=UI_TIMEOUT_MS)
     assert p.locator(".msg.user").count() == 2
     p.screenshot(path=str(IMAGES / "console-chat.png"))
+
+
+def test_a_json_schema_constrains_the_reply_and_a_schema_that_does_not_parse_sends_nothing(url, watched,
+                                                                                        client):
+    p = open_console(watched, url)
+    set_sampling(p, temperature=1.0, max_tokens=64)
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    p.fill("#schema", json.dumps(schema))
+    p.fill("#prompt", "Is it?")
+    p.click("#send")
+    p.wait_for_selector(".msg.assistant.done", timeout=UI_TIMEOUT_MS)
+    reply = json.loads(p.text_content(".msg.assistant .content"))
+    assert set(reply) == {"ok"} and isinstance(reply["ok"], bool)
+    routed = sum(client.stats()["routed"].values())
+    p.fill("#schema", "{not json")
+    p.fill("#prompt", "Again?")
+    p.click("#send")
+    p.wait_for_selector(".msg.assistant.error", timeout=UI_TIMEOUT_MS)
+    assert "the JSON schema does not parse" in p.text_content(".msg.assistant.error .meta")
+    assert sum(client.stats()["routed"].values()) == routed  # nothing was sent
+    assert p.input_value("#prompt") == "Again?"  # the message is not lost
 
 
 def test_stop_aborts_a_long_reply_and_the_workers_kv_returns_to_idle(url, watched, client):

@@ -112,6 +112,6 @@ class LocalDeployment:
     async def metrics(self) -> list[dict]:
         return []  # the Prometheus series are the workers' (actors/metrics.py); an LLM has its stats()
 
-    async def stats(self) -> dict:
-        """The router's stats shape, the engine its one worker."""
+    async def live(self) -> dict:
+        """The router's live view, the engine its one worker."""
         return {"workers": {"local": await self.run(self.llm.stats) | {"alive": True}}, "routed": {}}
