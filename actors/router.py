@@ -129,6 +129,7 @@ class Router:
         """The web console's view, asked about once a second: per worker its placement and its engine's
         figures now (NumaWorker.live); the lean part of stats(), without the workers' info, the policies,
         the metrics or the decisions."""
+        self._start_background()
         answers, errors = await self._ask_live_workers(lambda handle: handle.live.remote())
         workers = {}
         for worker_id, load in self.routing.workers.items():

@@ -1,17 +1,22 @@
-"""What the web console costs the streams it watches: bench_http's HTTP load with the live view open in a
-headless Chromium against the same load without it.
+"""What the web console costs the streams it watches: bench_http's HTTP load with the live view polled, by a
+headless Chromium on the same cores or by a minimal client, against the same load with no console.
 
-    python -m benchmarks.bench_console [--concurrency 1,16] [--repeats 4] [--max-tokens 64]
+    python -m benchmarks.bench_console [--concurrency 1,16] [--repeats 6] [--max-tokens 64]
 
 One deployment as bench_http's "shared" layout (the TinyLlama-1.1B-shaped random checkpoint, q8_0, one worker
 on every core, stream_interval_ms 0), driven over loopback by asyncio `openai` clients in this process. Each
-sample runs 3 x c requests (c streams in flight, unique random prompts per sample), with the console open
-(Debian's Chromium, headless, showing `/#live`: one poll of /v1/numaserve/stats a second and its SVG redrawn,
-on the same cores as everything else) or closed (no browser running); the two alternate sample by sample, the
-order flipping every repeat. The browser starts before an "open" sample and is seen polling (the server's own
-count of /v1/numaserve/stats answers, from /metrics) before the clock starts; the polls answered during each
-sample are recorded. Throughput: generated tokens over the sample's wall time, median of the repeats; the
-ratio open / closed per level from the same run. Writes benchmarks/results/console.json and .png.
+sample runs max(3 x c, 8) requests (c streams in flight, unique random prompts per sample) in one of three
+states, alternating sample by sample, the order rotating every repeat:
+- closed: no console;
+- polled: a minimal client process fetching /v1/numaserve/stats once a second over one kept-alive
+  connection, what the live view asks of the server: the server's cost of a console whose browser runs
+  elsewhere (an operator's own machine);
+- browser: Debian's Chromium, headless, showing `/#live` on the same cores as everything else (its own CPU
+  included: a browser on the serving machine itself).
+Before a polled or browser sample starts, the server's own count of /v1/numaserve/stats answers (from
+/metrics) shows the polls arriving; the polls answered during each sample are recorded. Throughput: generated
+tokens over the sample's wall time, median of the repeats; ratios to closed from the same run. Writes
+benchmarks/results/console.json and .png.
 """
 
 import argparse
@@ -21,6 +26,7 @@ import os
 import shutil
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -41,7 +47,7 @@ from benchmarks.bench_http import (
 )
 from benchmarks.machine import cpu_name
 
-STATES = ("closed", "open")
+STATES = ("closed", "polled", "browser")
 STATS_HANDLER = "/v1/numaserve/stats"
 CHROMIUM_FLAGS = ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                   "--disable-background-networking", "--disable-component-update", "--disable-sync",
@@ -58,27 +64,44 @@ def stats_polls(url: str) -> int:
                    if s.name == "http_requests_total" and s.labels.get("handler") == STATS_HANDLER))
 
 
-class Console:
-    """Chromium showing the live view, in a process of its own (with a fresh profile) while open."""
+# the polled state's client: GET the stats once a second over one connection, as the page does
+POLLER = """
+import http.client, sys, time
+host, port = sys.argv[1], int(sys.argv[2])
+connection = http.client.HTTPConnection(host, port)
+while True:
+    connection.request("GET", "/v1/numaserve/stats")
+    connection.getresponse().read()
+    time.sleep(1.0)
+"""
 
-    def __init__(self, url: str):
-        self.url = url
-        self.chromium = shutil.which("chromium")
-        if self.chromium is None:
-            raise SystemExit("no Chromium: install Debian's package (apt-get install chromium)")
+
+class Console:
+    """A process polling the live view's stats while open: Chromium showing `/#live` (with a fresh profile),
+    or the minimal client above."""
+
+    def __init__(self, url: str, state: str):
+        self.url, self.state = url, state
         self.proc: subprocess.Popen | None = None
         self.profile: tempfile.TemporaryDirectory | None = None
 
-    def open(self) -> None:
+    def command(self) -> list[str]:
+        if self.state == "polled":
+            host, port = self.url.removeprefix("http://").split(":")
+            return [sys.executable, "-c", POLLER, host, port]
+        chromium = shutil.which("chromium")
+        if chromium is None:
+            raise SystemExit("no Chromium: install Debian's package (apt-get install chromium)")
         self.profile = tempfile.TemporaryDirectory(prefix="bench-console-")
+        return [chromium, *CHROMIUM_FLAGS, f"--user-data-dir={self.profile.name}", f"{self.url}/#live"]
+
+    def open(self) -> None:
         before = stats_polls(self.url)
-        command = [self.chromium, *CHROMIUM_FLAGS, f"--user-data-dir={self.profile.name}",
-                   f"{self.url}/#live"]
-        self.proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(self.command(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + POLLING_TIMEOUT_S
-        while stats_polls(self.url) < before + 2:  # the page is up and polling
+        while stats_polls(self.url) < before + 2:  # up and polling
             if time.monotonic() > deadline or self.proc.poll() is not None:
-                raise RuntimeError("the console did not start polling")
+                raise RuntimeError(f"the {self.state} console did not start polling")
             time.sleep(0.25)
 
     def close(self) -> None:
@@ -86,7 +109,9 @@ class Console:
             self.proc.terminate()
             self.proc.wait(timeout=30)
             self.proc = None
+        if self.profile is not None:
             self.profile.cleanup()
+            self.profile = None
 
 
 def run(args, model: str, cores: list[int]) -> dict:
@@ -105,29 +130,32 @@ def run(args, model: str, cores: list[int]) -> dict:
              namespace="numaserve", log_to_driver=False)
     client = ns.serve(config, name="bench-console")
     url = client.http_url
-    console = Console(url)
+    consoles = {state: Console(url, state) for state in STATES[1:]}
     raw = {c: {state: [] for state in STATES} for c in args.concurrency}
     try:
         asyncio.run(http_load(url, workload(2, args.prompt_len, seed=10**6), args.max_tokens, 2))  # warm-up
         for rep in range(args.repeats):
             for c in args.concurrency:
-                for state in STATES if rep % 2 == 0 else STATES[::-1]:
+                for state in STATES[rep % 3:] + STATES[:rep % 3]:
                     seed = 10_000 * rep + 10 * c + STATES.index(state)
-                    load = http_load(url, workload(3 * c, args.prompt_len, seed), args.max_tokens, c)
-                    if state == "open":
+                    load = http_load(url, workload(max(3 * c, 8), args.prompt_len, seed), args.max_tokens, c)
+                    console = consoles.get(state)
+                    if console is not None:
                         console.open()
                     try:
                         polls = stats_polls(url)
                         result = measured(lambda load=load: asyncio.run(load))
                         summary = summarize(result) | {"console_polls": stats_polls(url) - polls}
                     finally:
-                        console.close()
+                        if console is not None:
+                            console.close()
                     summary["console_polls_per_s"] = summary["console_polls"] / summary["seconds"]
                     raw[c][state].append(summary)
                     print(f"rep {rep} c={c} console {state}: {summary['tokens_per_s']:.1f} tok/s, "
                           f"{summary['console_polls']} polls in {summary['seconds']:.1f} s", flush=True)
     finally:
-        console.close()
+        for console in consoles.values():
+            console.close()
         client.shutdown()
         ray.shutdown()
     return raw
@@ -138,8 +166,9 @@ def level_results(raw: dict) -> dict:
     for c, states in raw.items():
         level = {state: pooled(runs) | {"median_console_polls_per_s": statistics.median(
             r["console_polls_per_s"] for r in runs)} for state, runs in states.items()}
-        level["open_over_closed"] = (level["open"]["median_tokens_per_s"]
-                                     / level["closed"]["median_tokens_per_s"])
+        for state in STATES[1:]:
+            level[f"{state}_over_closed"] = (level[state]["median_tokens_per_s"]
+                                             / level["closed"]["median_tokens_per_s"])
         level["runs"] = {state: [{k: v for k, v in r.items() if not isinstance(v, list)} for r in runs]
                          for state, runs in states.items()}
         levels[str(c)] = level
@@ -153,17 +182,20 @@ def plot(results: dict, path: Path) -> None:
 
     levels = list(results["levels"])
     fig, ax = plt.subplots(figsize=(7, 4.2))
-    width = 0.38
-    for i, (state, color) in enumerate((("closed", "#777"), ("open", "#2f6fdf"))):
+    width = 0.27
+    labels = {"closed": "no console", "polled": "stats polled once a second (browser elsewhere)",
+              "browser": "live view in Chromium on the same cores"}
+    for i, (state, color) in enumerate(zip(STATES, ("#777", "#2a9d58", "#2f6fdf"))):
         values = [results["levels"][c][state]["median_tokens_per_s"] for c in levels]
-        bars = ax.bar([x + (i - 0.5) * width for x in range(len(levels))], values, width, color=color,
-                      label=f"console {state}")
-        ax.bar_label(bars, fmt="%.1f", fontsize=8)
-    ax.set_xticks(range(len(levels)), [f"{c} streams\nopen / closed "
-                                       f"{results['levels'][c]['open_over_closed']:.3f}" for c in levels])
+        bars = ax.bar([x + (i - 1) * width for x in range(len(levels))], values, width, color=color,
+                      label=labels[state])
+        ax.bar_label(bars, fmt="%.1f", fontsize=7)
+    ax.set_xticks(range(len(levels)), [
+        f"{c} streams\npolled {results['levels'][c]['polled_over_closed']:.3f}, "
+        f"browser {results['levels'][c]['browser_over_closed']:.3f}" for c in levels])
     ax.set_ylabel("generated tokens/s (median)")
     ax.legend(fontsize=8)
-    ax.set_title(f"HTTP streams with the web console's live view open in headless Chromium or not\n"
+    ax.set_title(f"HTTP streams while the web console's live view polls, against none\n"
                  f"{results['meta']['model']}, {results['meta']['num_cores']} cores shared by all",
                  fontsize=9)
     fig.tight_layout()
@@ -177,7 +209,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="concurrent streams per level, comma-separated")
     parser.add_argument("--prompt-len", type=int, default=8, help="prompt tokens per request")
     parser.add_argument("--max-tokens", type=int, default=64, help="tokens generated per request")
-    parser.add_argument("--repeats", type=int, default=4, help="samples of each state at each level")
+    parser.add_argument("--repeats", type=int, default=6, help="samples of each state at each level")
     parser.add_argument("--out", default=str(RESULTS / "console.json"),
                         help="JSON to write (and the PNG beside it)")
     args = parser.parse_args(argv)
@@ -192,17 +224,21 @@ def main(argv: list[str] | None = None) -> None:
                         "prompt_len": args.prompt_len, "max_tokens": args.max_tokens, "repeats": args.repeats,
                         "num_cores": len(cores), "cpu": cpu_name(), "date": time.strftime("%Y-%m-%d %H:%M"),
                         "load_average_before": load_before, "load_average_after": os.getloadavg(),
-                        "browser": "Debian's Chromium, headless, on the same cores as the deployment"},
+                        "states": {"closed": "no console",
+                                   "polled": "a minimal client polling /v1/numaserve/stats once a second",
+                                   "browser": "Debian's Chromium, headless, showing /#live, on the same "
+                                              "cores as the deployment"}},
                "levels": levels}
     out = Path(args.out)
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(results, indent=2))
     plot(results, out.with_suffix(".png"))
     for c, level in levels.items():
-        opened, closed = level["open"], level["closed"]
-        print(f"{c:>2} streams: console open {opened['median_tokens_per_s']:.1f} tok/s, closed "
-              f"{closed['median_tokens_per_s']:.1f} ({level['open_over_closed']:.3f}); polls/s "
-              f"{opened['median_console_polls_per_s']:.2f} / {closed['median_console_polls_per_s']:.2f}")
+        print(f"{c:>2} streams: " + ", ".join(
+            f"{state} {level[state]['median_tokens_per_s']:.1f} tok/s "
+            f"({level[state]['median_console_polls_per_s']:.2f} polls/s)" for state in STATES)
+            + f"; polled / closed {level['polled_over_closed']:.3f}, browser / closed "
+              f"{level['browser_over_closed']:.3f}")
 
 
 if __name__ == "__main__":
