@@ -5,7 +5,7 @@ headless Chromium on the same cores or by a minimal client, against the same loa
 
 One deployment as bench_http's "shared" layout (the TinyLlama-1.1B-shaped random checkpoint, q8_0, one worker
 on every core, stream_interval_ms 0), driven over loopback by asyncio `openai` clients in this process. Each
-sample runs max(3 x c, 8) requests (c streams in flight, unique random prompts per sample) in one of three
+sample runs max(2 x c, 4) requests (c streams in flight, unique random prompts per sample) in one of three
 states, alternating sample by sample, the order rotating every repeat:
 - closed: no console;
 - polled: a minimal client process fetching /v1/numaserve/stats once a second over one kept-alive
@@ -15,8 +15,9 @@ states, alternating sample by sample, the order rotating every repeat:
   included: a browser on the serving machine itself).
 Before a polled or browser sample starts, the server's own count of /v1/numaserve/stats answers (from
 /metrics) shows the polls arriving; the polls answered during each sample are recorded. Throughput: generated
-tokens over the sample's wall time, median of the repeats; ratios to closed from the same run. Writes
-benchmarks/results/console.json and .png.
+tokens over the sample's wall time, median of the repeats. The ratio to closed is the median over repeats of
+each repeat's ratio (the samples of a repeat run back to back, so the VM's drift between repeats cancels);
+the ratio of the medians is recorded too. Writes benchmarks/results/console.json and .png.
 """
 
 import argparse
@@ -138,7 +139,7 @@ def run(args, model: str, cores: list[int]) -> dict:
             for c in args.concurrency:
                 for state in STATES[rep % 3:] + STATES[:rep % 3]:
                     seed = 10_000 * rep + 10 * c + STATES.index(state)
-                    load = http_load(url, workload(max(3 * c, 8), args.prompt_len, seed), args.max_tokens, c)
+                    load = http_load(url, workload(max(2 * c, 4), args.prompt_len, seed), args.max_tokens, c)
                     console = consoles.get(state)
                     if console is not None:
                         console.open()
@@ -167,8 +168,11 @@ def level_results(raw: dict) -> dict:
         level = {state: pooled(runs) | {"median_console_polls_per_s": statistics.median(
             r["console_polls_per_s"] for r in runs)} for state, runs in states.items()}
         for state in STATES[1:]:
-            level[f"{state}_over_closed"] = (level[state]["median_tokens_per_s"]
-                                             / level["closed"]["median_tokens_per_s"])
+            pairs = zip(states[state], states["closed"])  # one repeat's samples
+            level[f"{state}_over_closed"] = statistics.median(r["tokens_per_s"] / closed["tokens_per_s"]
+                                                              for r, closed in pairs)
+            level[f"{state}_over_closed_of_medians"] = (level[state]["median_tokens_per_s"]
+                                                        / level["closed"]["median_tokens_per_s"])
         level["runs"] = {state: [{k: v for k, v in r.items() if not isinstance(v, list)} for r in runs]
                          for state, runs in states.items()}
         levels[str(c)] = level
@@ -208,8 +212,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--concurrency", default="1,16", type=lambda s: [int(c) for c in s.split(",")],
                         help="concurrent streams per level, comma-separated")
     parser.add_argument("--prompt-len", type=int, default=8, help="prompt tokens per request")
-    parser.add_argument("--max-tokens", type=int, default=64, help="tokens generated per request")
-    parser.add_argument("--repeats", type=int, default=6, help="samples of each state at each level")
+    parser.add_argument("--max-tokens", type=int, default=32, help="tokens generated per request")
+    parser.add_argument("--repeats", type=int, default=12, help="samples of each state at each level")
     parser.add_argument("--out", default=str(RESULTS / "console.json"),
                         help="JSON to write (and the PNG beside it)")
     args = parser.parse_args(argv)

@@ -44,7 +44,8 @@ def test_steps_older_than_the_window_leave_the_rates_and_the_stage_means():
     clock.now += 2.5  # the first step is 5.5 s old now
     figures = recent.figures()
     assert figures.num_steps == 2 and figures.tokens_per_s == 10 / 5.0
-    assert (figures.stage_seconds.run, figures.stage_seconds.sample) == (pytest.approx(0.3), pytest.approx(0.2))
+    stages = figures.stage_seconds
+    assert (stages.run, stages.sample) == (pytest.approx(0.3), pytest.approx(0.2))
     assert figures.stage_seconds.schedule == 0.0
 
 
