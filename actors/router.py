@@ -9,6 +9,7 @@ answers again (Ray restarts it), then rejoins.
 
 import asyncio
 import os
+import time
 import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -130,6 +131,7 @@ class Router:
         figures now (NumaWorker.live); the lean part of stats(), without the workers' info, the policies,
         the metrics or the decisions."""
         self._start_background()
+        gathered = time.time()
         answers, errors = await self._ask_live_workers(lambda handle: handle.live.remote())
         workers = {}
         for worker_id, load in self.routing.workers.items():
@@ -137,7 +139,7 @@ class Router:
             if worker_id in errors:
                 answer = {"error": f"no answer ({type(errors[worker_id]).__name__})"}
             workers[worker_id] = {"alive": load.alive, "info": self.placements.get(worker_id, {})} | answer
-        return {"workers": workers, "routed": dict(self.routing.num_routed)}
+        return {"time": gathered, "workers": workers, "routed": dict(self.routing.num_routed)}
 
     async def pause(self, paused: bool, worker_ids: list[str] | None = None) -> list[str]:
         """Pause (or resume) the live workers among worker_ids (None: all), each waited for until its step in

@@ -51,18 +51,19 @@ class WorkerView(BaseModel):
 
 class ConsoleStats(BaseModel):
     model: str
-    time: float  # seconds since the epoch, when gathered
+    time: float  # seconds since the epoch, when gathered (a copy served twice keeps its time)
     num_routed: int  # requests the router placed since it started
     workers: list[WorkerView]
     error: str | None  # the router did not answer: no workers listed
 
 
 def console_stats(model: str, stats: dict) -> ConsoleStats:
-    """stats: the router's live view (Router.live; Router.stats has its shape too), or {"error": ...} when
-    it did not answer."""
+    """stats: the router's live view (Router.live; Router.stats has its shape too, without "time"), or
+    {"error": ...} when it did not answer."""
     workers = [_worker(worker_id, w) for worker_id, w in sorted(stats.get("workers", {}).items())]
-    return ConsoleStats(model=model, time=time.time(), num_routed=sum(stats.get("routed", {}).values()),
-                        workers=workers, error=stats.get("error"))
+    return ConsoleStats(model=model, time=stats.get("time", time.time()),
+                        num_routed=sum(stats.get("routed", {}).values()), workers=workers,
+                        error=stats.get("error"))
 
 
 def _worker(worker_id: str, w: dict) -> WorkerView:

@@ -42,10 +42,11 @@ export class Live {
       return;
     }
     this.show(stats);
-    this.previous = stats;
+    if (!this.previous || stats.time !== this.previous.time) this.previous = stats;
   }
 
   show(stats) {
+    if (this.previous && stats.time === this.previous.time) return; // the same copy again: nothing new
     const serving = stats.workers.filter((w) => w.engine).length;
     setText($("live-summary"), stats.error
       ? `${stats.model}: ${stats.error}`

@@ -63,11 +63,13 @@ def test_stats_are_typed_records_that_match_the_engine(url, llm):
     assert e.cpu_seconds is None  # no worker process measured in process
 
 
-def test_a_down_worker_and_an_unanswering_router_are_records_too():
-    stats = console_stats("m", {"workers": {"w1": {"alive": False, "num_outstanding_requests": 0}},
+def test_a_down_worker_and_an_unanswering_router_are_records_with_the_time_they_were_gathered():
+    stats = console_stats("m", {"time": 1234.5, "workers": {"w1": {"alive": False,
+                                                                  "num_outstanding_requests": 0}},
                                 "routed": {"w1": 3}})
     [w] = stats.workers
     assert (w.alive, w.engine, w.error, stats.num_routed) == (False, None, "down", 3)
+    assert stats.time == 1234.5  # when the router gathered it: a copy served twice keeps it
     stats = console_stats("m", {"error": "no router answered"})
     assert (stats.workers, stats.error) == ([], "no router answered")
 

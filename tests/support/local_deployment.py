@@ -9,6 +9,7 @@ worker thread too. cancel() aborts it on the engine loop, which frees its KV blo
 
 import asyncio
 import itertools
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
@@ -114,4 +115,5 @@ class LocalDeployment:
 
     async def live(self) -> dict:
         """The router's live view, the engine its one worker."""
-        return {"workers": {"local": await self.run(self.llm.stats) | {"alive": True}}, "routed": {}}
+        return {"time": time.time(), "workers": {"local": await self.run(self.llm.stats) | {"alive": True}},
+                "routed": {}}
