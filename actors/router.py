@@ -49,9 +49,11 @@ class Router:
         self.poll_interval_s = config.telemetry_interval_s
         self.sweep_grace_s = config.router.sweep_grace_s
         self.num_overloaded = 0
-        # worker id -> where it runs, for the live view (the workers' info() says more, at a Ray call each)
-        self.placements = {p.worker_id: {"machine": p.machine, "numa_node": p.node_id,
-                                         "cpu_ids": list(p.cpu_ids)} for p in config.placements()}
+        # worker id -> where it runs, for the live view (the workers' info() says more, at a Ray call each);
+        # none known from a config whose topology is unresolved (a router built alone, as in tests)
+        self.placements = {} if config.has_auto_topology else {
+            p.worker_id: {"machine": p.machine, "numa_node": p.node_id, "cpu_ids": list(p.cpu_ids)}
+            for p in config.placements()}
         self._probing: set[str] = set()
         self._background: asyncio.Task | None = None
 
