@@ -126,13 +126,14 @@ class WorkerMetrics:
         self._count("prompt_tokens", num_prompt)
         self._count("generation_tokens", num_generated)
 
-    def snapshot(self, engine) -> dict:
+    def snapshot(self, engine, stats: dict | None = None) -> dict:
         """Exact values now, as plain data (it crosses to the router): the labels, then each metric's value;
-        a histogram's is {"buckets": upper bounds, "counts": per bucket and +Inf, "sum": ...}."""
+        a histogram's is {"buckets": upper bounds, "counts": per bucket and +Inf, "sum": ...}. stats: the
+        engine's stats() just taken by the caller (None: taken here)."""
         for req_id in [r for r in self.timings if r not in engine.scheduler.requests]:
             del self.timings[req_id]  # failed with the engine's step: they have no output
             self.unscheduled.discard(req_id)
-        stats = engine.stats()
+        stats = engine.stats() if stats is None else stats
         gauges = _gauges(stats)
         self._record_gauges(gauges)
         self.read_cpu(stats["tensor_parallel"]["pids"])

@@ -236,8 +236,9 @@ class NumaWorker:
 
     def _engine_stats(self, engine: Engine) -> dict:
         """On the loop thread."""
-        metrics = self.metrics.snapshot(engine)
-        return engine.stats() | {
+        stats = engine.stats()
+        metrics = self.metrics.snapshot(engine, stats)
+        return stats | {
             "worker_id": self.placement.worker_id, "rss_bytes": psutil.Process().memory_info().rss,
             "cpu_seconds": self.metrics.cpu_seconds, "metrics": metrics,
             "decisions": engine.decisions.recent(),

@@ -51,22 +51,22 @@ export class Live {
     setText($("live-summary"), stats.error
       ? `${stats.model}: ${stats.error}`
       : `${stats.model}: ${stats.workers.length} workers (${serving} answering), ${stats.num_routed} requests routed`);
-    this.showCards(stats);
+    const cpu = new Map(stats.workers.filter((w) => w.engine).map((w) => [w.worker_id, this.cpuCores(w, stats.time)]));
+    this.showCards(stats, cpu);
     for (const w of stats.workers) {
       const e = w.engine;
       if (!e) continue;
       this.charts.tokens.add(w.worker_id, stats.time, e.tokens_per_s);
       this.charts.running.add(w.worker_id, stats.time, e.num_running);
       this.charts.kv.add(w.worker_id, stats.time, 100 * e.kv_usage);
-      const cpu = this.cpuCores(w, stats.time);
-      if (cpu !== null) this.charts.cpu.add(w.worker_id, stats.time, cpu);
+      if (cpu.get(w.worker_id) !== null) this.charts.cpu.add(w.worker_id, stats.time, cpu.get(w.worker_id));
     }
     for (const chart of Object.values(this.charts)) chart.draw(stats.time);
   }
 
   // A card per worker, built once (again when it goes down or comes back); each poll changes only the texts
   // that changed, so the browser repaints little.
-  showCards(stats) {
+  showCards(stats, cpu) {
     const ids = stats.workers.map((w) => `${w.worker_id}:${w.engine ? "up" : "down"}`).join(",");
     if (ids !== this.cardIds) {
       this.cardIds = ids;
@@ -74,7 +74,7 @@ export class Live {
     }
     for (const w of stats.workers) {
       const element = $("workers").querySelector(`.worker-card[data-worker="${CSS.escape(w.worker_id)}"]`);
-      for (const [field, text] of Object.entries(this.fields(w, stats.time))) {
+      for (const [field, text] of Object.entries(fields(w, cpu.get(w.worker_id)))) {
         setText(element.querySelector(`[data-field="${field}"]`), text);
       }
       if (w.engine) showStages(element.querySelector(".stages"), w.engine.stage_seconds);
@@ -88,27 +88,26 @@ export class Live {
     const elapsed = time - this.previous.time;
     return elapsed > 0 ? Math.max(w.engine.cpu_seconds - before.engine.cpu_seconds, 0) / elapsed : null;
   }
+}
 
-  // The texts of a worker's card, by field.
-  fields(w, time) {
-    const where = `NUMA node ${w.numa_node ?? "-"} · cores ${cores(w.cpu_ids)}` + (w.machine ? ` · ${w.machine}` : "");
-    const e = w.engine;
-    if (!e) return { where, state: w.error || "down" };
-    const cpu = this.cpuCores(w, time);
-    return {
-      where,
-      "tokens-per-s": e.tokens_per_s.toFixed(1),
-      "prompt-tokens-per-s": e.prompt_tokens_per_s.toFixed(1),
-      running: `${e.num_running} / ${e.num_waiting}`,
-      kv: `${e.kv_used_blocks} / ${e.kv_total_blocks} (${(100 * e.kv_usage).toFixed(0)}%)`,
-      prefix: `${(100 * e.prefix_hit_rate).toFixed(0)}%`,
-      speculation: e.spec_method === "off" ? "off"
-        : `${e.spec_method}, ${e.spec_acceptance === null ? "no drafts yet" : `${(100 * e.spec_acceptance).toFixed(0)}% accepted`}`,
-      adapters: e.adapters_loaded.length ? e.adapters_loaded.join(", ") : "none",
-      cpu: cpu === null ? "-" : `${cpu.toFixed(2)} cores`,
-      "tensor-parallel": `${e.tensor_parallel_size}`,
-    };
-  }
+// The texts of a worker's card, by field (cpu: its cores busy since the last poll, null: unknown).
+function fields(w, cpu) {
+  const where = `NUMA node ${w.numa_node ?? "-"} · cores ${cores(w.cpu_ids)}` + (w.machine ? ` · ${w.machine}` : "");
+  const e = w.engine;
+  if (!e) return { where, state: w.error || "down" };
+  return {
+    where,
+    "tokens-per-s": e.tokens_per_s.toFixed(1),
+    "prompt-tokens-per-s": e.prompt_tokens_per_s.toFixed(1),
+    running: `${e.num_running} / ${e.num_waiting}`,
+    kv: `${e.kv_used_blocks} / ${e.kv_total_blocks} (${(100 * e.kv_usage).toFixed(0)}%)`,
+    prefix: `${(100 * e.prefix_hit_rate).toFixed(0)}%`,
+    speculation: e.spec_method === "off" ? "off"
+      : `${e.spec_method}, ${e.spec_acceptance === null ? "no drafts yet" : `${(100 * e.spec_acceptance).toFixed(0)}% accepted`}`,
+    adapters: e.adapters_loaded.length ? e.adapters_loaded.join(", ") : "none",
+    cpu: cpu === null ? "-" : `${cpu.toFixed(2)} cores`,
+    "tensor-parallel": `${e.tensor_parallel_size}`,
+  };
 }
 
 const ROWS = [["tokens/s", "tokens-per-s"], ["prompt tokens/s", "prompt-tokens-per-s"],

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 import ray
+import requests
+from prometheus_client.parser import text_string_to_metric_families
 from ray.cluster_utils import Cluster
 
 import numaserve as ns
@@ -81,6 +83,20 @@ def queued(client) -> int:
     """Requests in the workers' engines (-1 while a worker does not answer)."""
     workers = client.stats()["workers"].values()
     return sum(w["num_waiting"] + w["num_running"] if "num_waiting" in w else -1 for w in workers)
+
+
+def idle(client) -> bool:
+    """Every worker answered, and holds nothing (a worker busy past the router's stats timeout is not idle
+    yet)."""
+    keys = ("num_running", "num_waiting", "kv_usage", "num_streams", "num_outstanding_requests")
+    return all(w.get(k) == 0 for w in client.stats()["workers"].values() for k in keys)
+
+
+def scrape(url: str) -> list:
+    """The samples of GET /metrics, parsed as Prometheus text."""
+    r = requests.get(f"{url}/metrics", timeout=30)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain"), r.text
+    return [sample for family in text_string_to_metric_families(r.text) for sample in family.samples]
 
 
 def advance(client, num_steps: int = 1) -> None:

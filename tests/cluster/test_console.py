@@ -21,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 import numaserve as ns
 from numaserve.cli import main
 from scheduling.step_stats import STAGES
-from tests.cluster.conftest import CONFIGS, advance, free_port, paused, queued, wait_for
+from tests.cluster.conftest import CONFIGS, advance, free_port, idle, paused, queued, scrape, wait_for
 from tests.support.browser import WatchedPage, chromium
 
 NAME = "console"
@@ -78,12 +78,6 @@ def watched(browser):
     yield page
     page.close()
     assert not page.errors, f"the browser's console showed errors: {page.errors}"
-
-
-def idle(client) -> bool:
-    """Every worker answered and holds no request and no KV block."""
-    keys = ("num_running", "num_waiting", "num_used_blocks", "num_streams", "num_outstanding_requests")
-    return all(w.get(k) == 0 for w in client.stats()["workers"].values() for k in keys)
 
 
 def open_console(watched: WatchedPage, url: str, page: str = "chat", key: str | None = KEY):
@@ -246,12 +240,6 @@ def test_the_live_view_shows_both_workers_and_their_tokens_per_s_rise_with_reque
             stop.set()
         assert all(f.result() > 0 for f in load)
     wait_for(lambda: idle(client), 60, "the load to end")
-
-
-def scrape(url: str) -> list:
-    r = requests.get(f"{url}/metrics", timeout=30)
-    assert r.status_code == 200
-    return [s for family in text_string_to_metric_families(r.text) for s in family.samples]
 
 
 def test_metrics_carry_stage_histograms_and_cpu_seconds_per_worker_with_its_numa_node(url, client, api):

@@ -20,7 +20,17 @@ from schemathesis import GenerationMode
 from transformers import AutoTokenizer
 
 import numaserve as ns
-from tests.cluster.conftest import advance, free_port, paused, queued, reference_outputs, sim_config, wait_for
+from tests.cluster.conftest import (
+    advance,
+    free_port,
+    idle,
+    paused,
+    queued,
+    reference_outputs,
+    scrape,
+    sim_config,
+    wait_for,
+)
 from tests.conftest import random_prompt
 from tests.numaserve.test_lm_eval import check_local_completions
 
@@ -55,13 +65,6 @@ def url(client) -> str:
 def api(url) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
 
-
-
-def idle(client) -> bool:
-    """Every worker answered, and holds nothing (a worker busy past the router's stats timeout is not idle
-    yet)."""
-    keys = ("num_running", "num_waiting", "kv_usage", "num_streams", "num_outstanding_requests")
-    return all(w.get(k) == 0 for w in client.stats()["workers"].values() for k in keys)
 
 
 def serves(api) -> bool:
@@ -382,13 +385,6 @@ def test_requests_dropped_by_the_client_are_aborted_and_free_their_kv_blocks(cli
     assert metric(samples, "numaserve:request_success_total", finished_reason="abort") - aborted == 3
     assert idle(client)
     # a dropped non-streaming request: tests/http_api/test_http_server.py
-
-
-def scrape(url: str) -> list:
-    """The samples of GET /metrics, parsed as Prometheus text."""
-    r = requests.get(f"{url}/metrics", timeout=30)
-    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain"), r.text
-    return [sample for family in text_string_to_metric_families(r.text) for sample in family.samples]
 
 
 def metric(samples: list, name: str, **labels) -> float:
