@@ -3,7 +3,7 @@
 import os
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from cluster_configs.speculation_config import SpeculationConfig
 
@@ -96,6 +96,14 @@ class EngineConfig(BaseModel):
     packed_cache_bytes: int = Field(
         32 << 30, ge=0, description="the packed cache's size at most, in bytes: the least recently used "
                                     "entries go after a write")
+    prefix_cache_dir: str | None = Field(
+        None, description="a disk tier for the prefix cache: full KV blocks are also written here (in the "
+                          "background) and read back, not recomputed, for a prompt whose prefix left the "
+                          "pool or was computed by an earlier start or another worker of this machine "
+                          "(scheduling/disk_tier.py); None = off")
+    prefix_cache_disk_bytes: int = Field(
+        16 << 30, ge=0, description="the disk tier's size at most, in bytes, over every model sharing "
+                                    "prefix_cache_dir: the least recently used blocks go first")
     speculation: SpeculationConfig = Field(default_factory=SpeculationConfig,
                                            description="speculative decoding (a SpeculationConfig or a dict "
                                                        "of its fields); off by default")
@@ -118,6 +126,18 @@ class EngineConfig(BaseModel):
     @classmethod
     def _off(cls, v: str | None) -> str | None:
         return None if v == "off" else v
+
+    @model_validator(mode="after")
+    def _disk_tier(self) -> "EngineConfig":
+        if self.prefix_cache_dir is None:
+            return self
+        if not self.enable_prefix_caching:
+            raise ValueError("prefix_cache_dir is a tier of the prefix cache, but enable_prefix_caching="
+                             "False; enable prefix caching or leave prefix_cache_dir unset")
+        if self.tensor_parallel_size > 1:
+            raise ValueError("prefix_cache_dir is not supported with tensor_parallel_size > 1 yet (each rank "
+                             "holds its own part of every KV block); leave one of them unset")
+        return self
 
     @property
     def resolved_kv_dtype(self) -> str:

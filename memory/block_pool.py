@@ -75,13 +75,15 @@ class BlockPool:
             self.ref_cnt[block_id] += 1
 
     def commit(self, block_id: int, block_hash: int, parent_hash: int | None, token_ids: Sequence[int],
-               extra: tuple) -> None:
-        """Make a full, owned block findable by its hash (first writer wins on duplicates)."""
+               extra: tuple) -> bool:
+        """Make a full, owned block findable by its hash (first writer wins on duplicates) -> whether it
+        was."""
         if self.block_hash[block_id] is not None or block_hash in self.cached:
-            return
+            return False
         self.block_hash[block_id] = block_hash
         self.block_key[block_id] = (parent_hash, tuple(token_ids), extra)
         self.cached[block_hash] = block_id
+        return True
 
     def free(self, block_ids: Iterable[int]) -> None:
         """Drop one reference each; pass a request's blocks tail first so its tail is evicted first."""

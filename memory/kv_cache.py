@@ -130,6 +130,17 @@ class KVCache:
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.arrays)
 
+    def block_parts(self, block: int) -> list[np.ndarray]:
+        """Views of one block's codes and scales, layer by layer, keys then values (a disk tier's file
+        payload, in this order): [block_size, n_kv, row] codes, [block_size, n_kv] scales where the format has
+        one."""
+        parts = []
+        for i, fmt in enumerate(self.formats):
+            parts += [self.k[i][block], self.v[i][block]]
+            if fmt.has_scale:
+                parts += [self.k_scale[i][block], self.v_scale[i][block]]
+        return parts
+
     def move_slots(self, block_ids: list[int], src: list[int], dst: list[int]) -> None:
         """For every layer, the KV (and scales) of a sequence's slot src[i] copied to its slot dst[i], in
         order (a tree verification keeps its accepted path: each dst <= its src, so no copy reads a slot

@@ -74,8 +74,13 @@ class Batcher:
         adapters = {r.adapter_id for r in self.running} - {None}
         num_lookup = num_hit = 0
         short_of_blocks = bool(preempted)
-        while self.waiting and budget > 0:
-            req = self.waiting[0]
+        self.kv.finish_disk_loads()
+        w = 0  # the first waiting request not skipped: those reading their prefix from disk wait, others pass
+        while w < len(self.waiting) and budget > 0:
+            req = self.waiting[w]
+            if self.kv.is_loading(req):
+                w += 1
+                continue
             if short_of_blocks and not self._outranks_running(req):
                 break  # admitting it would only preempt again
             if (req.adapter_id is not None and req.adapter_id not in adapters
@@ -83,6 +88,9 @@ class Batcher:
                 # its adapter waits for a LoRA slot: one frees when the last request of another finishes
                 break
             self.sessions.resume(req)
+            if self.kv.start_disk_load(req):
+                w += 1
+                continue
             cached = self.kv.find_cached_prefix(req)
             num_new = min(req.num_tokens - req.num_computed_tokens - len(cached) * self.kv.block_size, budget)
             if len(self.running) >= self.max_num_seqs or not self.kv.allocate_slots(req, num_new, cached):
@@ -94,7 +102,7 @@ class Batcher:
                 continue
             if self.kv.looks_up(req):
                 num_lookup, num_hit = num_lookup + req.num_tokens, num_hit + req.num_cached_tokens
-            self.waiting.pop(0)
+            self.waiting.pop(w)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             if req.adapter_id is not None:

@@ -18,7 +18,8 @@ from memory.kv_cache import KVCache
 from models.decoder import DecoderModel
 from models.lora.adapter import LoraAdapter
 from models.lora.slots import LoraSlots, slot_dtype
-from models.packed.planned_load import load_planned
+from models.packed.planned_load import load_planned, model_key
+from scheduling.disk_tier import DiskTier
 from scheduling.input_processor import InputProcessor, Prompt
 from scheduling.kv_cache_manager import window_shadows
 from scheduling.lora.adapter_store import AdapterStore
@@ -55,10 +56,11 @@ class Engine:
         self.decisions = DecisionLog()
         # followers load their shards beside ours
         self.ranks = TensorParallelStart(model_path, config, rank_cpu_ids)
+        self.disk: DiskTier | None = None  # the prefix cache's disk tier
         try:
             self._build(model_path, config, fetch_adapter, shared_merged)
         except BaseException:
-            self.ranks.close()  # an engine that failed to start leaves no follower behind
+            self.close()  # an engine that failed to start leaves no follower or thread behind
             raise
 
     def _build(self, model_path: str | Path, config: EngineConfig,
@@ -95,9 +97,10 @@ class Engine:
         self.speculation = make_speculation(config, s, self.tokenizer, model_path, self.model,
                                             kv_cache_tokens=num_blocks * bs, decisions=self.decisions)
         self.runner.wants_hidden = self.speculation.needs_hidden
+        self.disk = self._disk_tier(model_path, config)
         self.scheduler = Scheduler(config, self.kv_cache.layout, s.eos_token_ids, sliding_window=window,
                                    kv_cache=self.kv_cache, on_release=self.speculation.free,
-                                   decisions=self.decisions)
+                                   decisions=self.decisions, disk=self.disk)
         # what make_request validates against (the KV pool fit only when every layer keeps all its KV)
         self.inputs = InputProcessor(RequestLimits(s.vocab_size, self.max_model_len, block_size=bs,
                                                    num_kv_blocks=num_blocks if window <= 0 else None),
@@ -105,6 +108,33 @@ class Engine:
         self.totals = EngineTotals()
         self.recent = RecentSteps()
         self.mask_worker = MaskWorker(s.vocab_size)
+
+    def _disk_tier(self, model_path: str | Path, config: EngineConfig) -> DiskTier | None:
+        """The prefix cache's disk tier when config.prefix_cache_dir names one: its blocks are this model's
+        (the packed cache's key of it) in this KV layout."""
+        if config.prefix_cache_dir is None:
+            return None
+        layout = self.kv_cache.layout
+        sources = config.packed_cache_dir or config.prefix_cache_dir  # (where source hashes are recorded)
+        identity = {"model": model_key(model_path, config, sources),
+                    "kv": [layout.num_layers, layout.block_size, layout.n_kv_heads, layout.head_dim,
+                           list(layout.layer_dtypes)]}
+        tier = DiskTier(config.prefix_cache_dir, config.prefix_cache_disk_bytes, identity, self.kv_cache,
+                        self.adapters.digest)
+        self.decisions.record("prefix_cache", "disk tier", f"full KV blocks also kept in "
+                              f"{tier.files.folder} ({config.prefix_cache_disk_bytes} bytes at most over "
+                              f"{tier.files.root})")
+        return tier
+
+    def on_disk_read(self, wake: Callable[[], None]) -> None:
+        """wake() is called (on another thread) when a read from the disk tier ends: a request waiting for it
+        can be scheduled."""
+        if self.disk is not None:
+            self.disk.wake = wake
+
+    def waits_on_disk(self) -> bool:
+        """Whether the engine has requests but none a step can take until a disk read ends."""
+        return self.scheduler.waits_on_disk()
 
     @property
     def sessions(self) -> SequenceStore:
@@ -119,8 +149,11 @@ class Engine:
         self.adapters.compose(name, weights, combination)
 
     def close(self) -> None:
-        """Stops the other ranks' processes (tensor parallelism); nothing else holds a process. Idempotent."""
+        """Stops the other ranks' processes (tensor parallelism) and the disk tier's threads (what they were
+        writing is written first). Idempotent."""
         self.ranks.close()
+        if self.disk is not None:
+            self.disk.close()
 
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
                     **options) -> Request:

@@ -42,9 +42,13 @@ from scheduling.loop_messages import (
 from scheduling.outputs import RequestOutput
 from scheduling.request import Request
 
-IDLE_WAIT_S = 0.02  # a paused loop with requests wakes this often to end those past their deadline
+IDLE_WAIT_S = 0.02  # a loop with requests it cannot step (paused, or on disk) wakes this often for deadlines
 
 log = logging.getLogger(__name__)
+
+
+def _nothing(engine) -> None:
+    """A call that only wakes the loop."""
 
 
 class Pending:
@@ -97,6 +101,8 @@ class EngineLoop:
         self._advancing: tuple[int, Future] | None = None  # paused: steps still to take, who waits
         self._tick_s: float | None = None  # until the hooks' next tick
         self._failure: BaseException | None = None
+        # a read from the prefix cache's disk tier that ends wakes the loop (its request can be scheduled)
+        engine.on_disk_read(lambda: self._inbox.put(Call(_nothing, None)))
         ready = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(ready,), name=name, daemon=True)
         self._thread.start()
@@ -219,19 +225,21 @@ class EngineLoop:
                 return
             if self._steps():
                 self._step()
-            elif self._paused and (expired := self.engine.abort_expired()):  # a pause holds no one past it
+            elif expired := self.engine.abort_expired():  # a pause or a disk read holds no one past it
                 self.hooks.ended(expired)
                 self._deliver(expired)
 
     def _steps(self) -> bool:
-        return self.engine.has_unfinished() and (not self._paused or self._advancing is not None)
+        return (self.engine.has_unfinished() and not self.engine.waits_on_disk()
+                and (not self._paused or self._advancing is not None))
 
     def _wait_s(self) -> float | None:
         """How long to sleep on the inbox: not at all while there are steps to take; else until the next
         tick, or a paused request's deadline check; None: until a message comes."""
         if self._steps():
             return 0.0
-        paused_s = IDLE_WAIT_S if self._paused and self.engine.has_unfinished() else None
+        # (waiting on disk: a read's end wakes it; the deadlines of those waiting are checked meanwhile)
+        paused_s = IDLE_WAIT_S if self.engine.has_unfinished() else None
         waits = [s for s in (self._tick_s, paused_s) if s is not None]
         return min(waits) if waits else None
 

@@ -3,7 +3,7 @@ verification's drafts, commits, frees. It reads the KV cache's KVLayout; the arr
 shadows, a verified tree's kept path) are an optional collaborator, left out where nothing is computed."""
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from cluster_configs.engine_config import EngineConfig
 from kernels.attention.chunks import recent_start
@@ -11,6 +11,7 @@ from memory.block_pool import NULL_BLOCK, BlockPool, hash_block
 from memory.kv_cache import KVCache, KVLayout, kv_bytes_per_token
 from memory.kv_formats import RECENT_GROUP
 from models.model_spec import ModelSpec
+from scheduling.disk_tier import DiskTier, LoadJob
 from scheduling.plan import ScheduledRequest
 from scheduling.request import Request
 
@@ -18,7 +19,7 @@ from scheduling.request import Request
 class KVCacheManager:
     def __init__(self, pool: BlockPool, layout: KVLayout, enable_prefix_caching: bool, sliding_window: int,
                  reclaim: Callable[[Callable[[], bool]], bool] = lambda enough: enough(),
-                 kv_cache: KVCache | None = None):
+                 kv_cache: KVCache | None = None, disk: DiskTier | None = None):
         self.pool = pool
         self.reclaim = reclaim  # frees blocks held elsewhere (idle session sequences) until enough()
         self.layout = layout
@@ -27,6 +28,9 @@ class KVCacheManager:
         self.block_size = layout.block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.sliding_window = sliding_window  # > 0 only when every layer is windowed
+        # the prefix cache's disk tier (None: off), and the requests whose prefix is being read from it
+        self.disk = disk
+        self.loading: dict[str, LoadJob] = {}
 
     @property
     def usage(self) -> float:
@@ -55,17 +59,57 @@ class KVCacheManager:
         if not self.looks_up(req) or req.block_ids:  # (a session's turn starts from its sequence's blocks)
             return []
         block_ids: list[int] = []
-        parent = None
-        max_blocks = (req.num_tokens - 1) // self.block_size
-        for i in range(max_blocks):
-            tokens = req.token_ids[i * self.block_size:(i + 1) * self.block_size]
-            block_hash = hash_block(parent, tokens, req.cache_extra)
+        for block_hash, parent, tokens in self.prefix_chain(req):
             block_id = self.pool.lookup(block_hash, parent, tokens, req.cache_extra)
             if block_id is None:
                 break
             block_ids.append(block_id)
-            parent = block_hash
         return block_ids
+
+    def is_loading(self, req: Request) -> bool:
+        """Whether req waits for its prefix to be read from the disk tier."""
+        return req.request_id in self.loading
+
+    def start_disk_load(self, req: Request) -> bool:
+        """Once per request: if its prompt's full blocks go on past what the pool holds and the next ones
+        are on disk, reserve pool blocks for them and start reading them -> whether it did (req then waits:
+        is_loading). Never more blocks than are free."""
+        if self.disk is None or req.disk_looked_up or not self.looks_up(req) or req.block_ids:
+            return False
+        req.disk_looked_up = True
+        cached = self.find_cached_prefix(req)
+        chain = list(self.prefix_chain(req))[len(cached):]
+        if not chain:
+            return False
+        keys = [self.disk.key(h, parent, tokens, req.cache_extra) for h, parent, tokens in chain]
+        num_blocks = min(self.disk.find(keys), self.pool.num_free_blocks - sum(
+            1 for b in cached if self.pool.ref_cnt[b] == 0))
+        if num_blocks <= 0:
+            return False
+        self.pool.touch(cached)  # (held while blocks are allocated: the prefix they continue stays)
+        block_ids = self.pool.allocate(num_blocks)
+        self.pool.free(reversed(cached))
+        job = LoadJob(req.request_id, keys[:num_blocks], block_ids, req.cache_extra)
+        self.loading[req.request_id] = job
+        self.disk.start_load(job)
+        return True
+
+    def finish_disk_loads(self) -> None:
+        """The blocks read back since the last call join the prefix cache (then their requests find them
+        there); a job's blocks that hold nothing go back to the free queue."""
+        if self.disk is None:
+            return
+        for job in self.disk.finished():
+            if self.loading.get(job.request_id) is job:
+                del self.loading[job.request_id]
+            for key, block_id in zip(job.keys[:job.num_loaded], job.block_ids):
+                self.pool.commit(block_id, key.block_hash, key.parent_hash, key.token_ids, job.extra)
+            self.pool.free(reversed(job.block_ids))
+
+    def waits_on_disk(self, requests) -> bool:
+        """Whether every one of requests (an engine's unfinished ones) waits for a disk read still running."""
+        return bool(self.loading) and all(r.request_id in self.loading
+                                          and not self.loading[r.request_id].done.is_set() for r in requests)
 
     def allocate_slots(self, req: Request, num_new_tokens: int, cached_block_ids: list[int] = ()) -> bool:
         """Blocks for num_new_tokens more tokens of req (after its cached prefix); False if the pool is
@@ -135,7 +179,9 @@ class KVCacheManager:
                 if req.block_ids[i] != NULL_BLOCK:
                     parent = req.block_hashes[i - 1] if i else None
                     tokens = req.token_ids[i * self.block_size:(i + 1) * self.block_size]
-                    self.pool.commit(req.block_ids[i], req.block_hashes[i], parent, tokens, req.cache_extra)
+                    block_id, block_hash = req.block_ids[i], req.block_hashes[i]
+                    if self.pool.commit(block_id, block_hash, parent, tokens, req.cache_extra) and self.disk:
+                        self.disk.save(self.disk.key(block_hash, parent, tokens, req.cache_extra), block_id)
 
     def rollback(self, req: Request) -> None:
         """After verification moved req.num_computed_tokens back over rejected drafts: return the blocks
@@ -153,6 +199,16 @@ class KVCacheManager:
         req.block_ids = []
         req.block_hashes = []
         req.num_computed_tokens = 0
+
+    def prefix_chain(self, req: Request) -> Iterator[tuple[int, int | None, list[int]]]:
+        """(hash, parent hash, tokens) of each full block of req's tokens but the last token (at least one
+        token stays to compute), hashed as they are asked for."""
+        parent, bs = None, self.block_size
+        for i in range((req.num_tokens - 1) // bs):
+            tokens = req.token_ids[i * bs:(i + 1) * bs]
+            block_hash = hash_block(parent, tokens, req.cache_extra)
+            yield block_hash, parent, tokens
+            parent = block_hash
 
     def _hash_full_blocks(self, req: Request) -> None:
         bs = self.block_size

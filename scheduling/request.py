@@ -40,6 +40,7 @@ class Request:
         self.num_cached_tokens = 0  # of those, taken from the prefix cache on admission
         self.block_ids: list[int] = []
         self.block_hashes: list[int] = []  # chain over this request's full blocks
+        self.disk_looked_up = False  # its prefix was looked up in the prefix cache's disk tier (once at most)
         # the recent window (memory/kv_formats.py): the first slot computed since it got its blocks (None: has
         # none), and its blocks that carry a bfloat16 shadow
         self.wide_from: int | None = None

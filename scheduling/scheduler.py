@@ -14,6 +14,7 @@ from cluster_configs.engine_config import EngineConfig
 from memory.block_pool import BlockPool
 from memory.kv_cache import KVCache, KVLayout
 from scheduling.batcher import Batcher
+from scheduling.disk_tier import DiskTier
 from scheduling.kv_cache_manager import KVCacheManager
 from scheduling.output_processor import OutputProcessor, ProcessedStep, emit, finish
 from scheduling.outputs import RequestOutput, SamplerOutput
@@ -27,16 +28,17 @@ class Scheduler:
     def __init__(self, config: EngineConfig, layout: KVLayout, eos_token_ids: tuple[int, ...], *,
                  sliding_window: int = 0, kv_cache: KVCache | None = None,
                  on_release: Callable[[str], None] = lambda request_id: None,
-                 decisions: DecisionLog | None = None):
+                 decisions: DecisionLog | None = None, disk: DiskTier | None = None):
         """layout: the KV cache's (its num_blocks sizes the pool); kv_cache: its arrays, None where no model
         runs (their shadows and tree moves are then skipped); sliding_window: > 0 only when every layer looks
-        back that far; on_release(request_id): drops what else a released request holds (its drafts)."""
+        back that far; on_release(request_id): drops what else a released request holds (its drafts); disk:
+        the prefix cache's disk tier (None: off)."""
         pool = BlockPool(layout.num_blocks)
         block_bytes = layout.bytes_per_token * layout.block_size
         self.sessions = SequenceStore(pool, layout.block_size,
                                       max_pinned_blocks=config.session_kv_bytes // block_bytes)
         self.kv = KVCacheManager(pool, layout, config.enable_prefix_caching, sliding_window,
-                                 reclaim=self.sessions.reclaim, kv_cache=kv_cache)
+                                 reclaim=self.sessions.reclaim, kv_cache=kv_cache, disk=disk)
         self.batcher = Batcher(config, self.kv, self.sessions, decisions)
         self.processor = OutputProcessor(self.kv, eos_token_ids, config.jump_forward)
         self.requests: dict[str, Request] = {}  # every request added and not yet released, by id
@@ -73,6 +75,11 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
+    def waits_on_disk(self) -> bool:
+        """Whether every unfinished request waits for its prefix from the disk tier (a step has nothing to
+        do until a read ends)."""
+        return self.kv.waits_on_disk(self.requests.values())
+
     def schedule(self) -> StepPlan:
         """The next step's plan under the token budget and the free blocks (drafts are added to it later,
         through the batcher, where budget and blocks are left)."""
@@ -91,7 +98,8 @@ class Scheduler:
         self.batcher.token_budget, self.batcher.max_num_seqs = policy.token_budget, policy.max_num_seqs
 
     def stats(self) -> dict:
-        return self.batcher.stats() | self.kv.stats(self.batcher.running) | self.sessions.stats()
+        disk = self.kv.disk.stats().as_dict() if self.kv.disk is not None else {}
+        return self.batcher.stats() | self.kv.stats(self.batcher.running) | self.sessions.stats() | disk
 
     def _release(self, req: Request) -> None:
         """A finished request's blocks go back (a session turn's: to its sequence), then its drafts; the

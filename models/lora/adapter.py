@@ -6,6 +6,7 @@ kept as PEFT holds it (composition treats it as one matrix, as PEFT does) and se
 same A and scaling, B cut into the parts' rows (the columns of our fused projections).
 """
 
+import hashlib
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -146,3 +147,17 @@ def _parts(name: str, lora: LoraModule, fused: dict) -> list[tuple[str, LoraModu
     ends = np.cumsum([rows for _, rows in fused[name]])
     return [(part, LoraModule(lora.a, np.ascontiguousarray(lora.b[end - rows:end]), lora.scaling))
             for (part, rows), end in zip(fused[name], ends)]
+
+
+def adapter_digest(adapter: LoraAdapter) -> str:
+    """A digest of what an adapter computes (every module's factors and scaling, its rank settings): equal
+    for equal weights under any name (the prefix cache's disk tier keys KV by it, not by the name)."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(repr((adapter.config_rank, adapter.use_rslora, sorted(adapter.fused.items()))).encode())
+    for i, layer in enumerate(adapter.layers):
+        for name in sorted(layer):
+            m = layer[name]
+            h.update(repr((i, name, m.scaling, m.a.shape, m.b.shape, m.a.dtype.str, m.b.dtype.str)).encode())
+            h.update(np.ascontiguousarray(m.a).data)
+            h.update(np.ascontiguousarray(m.b).data)
+    return h.hexdigest()

@@ -102,6 +102,17 @@ def load_planned(model_path: str | Path, config: EngineConfig, decisions: Decisi
                  entry if size else None, size)
 
 
+def model_key(model_path: str | Path, config: EngineConfig, directory: str | Path) -> dict:
+    """The packed cache's key of the model as config loads it (its sources' content, the dtypes, the
+    calibration, the CPU's features, the versions), its source hashes recorded under directory/sources: what
+    identifies the KV the model computes (the prefix cache's disk tier). Raises OSError."""
+    model_path = Path(model_path)
+    cache = PackedCache(Path(directory).expanduser(), 0)
+    key, _ = cache.key(model_path, config.weight_dtype, config.activation_dtype, config.activation_scales,
+                       load_calibration(model_path))
+    return key
+
+
 def _read(entry: Path, key: dict,
           decisions: DecisionLog) -> tuple[ModelSpec, ModelWeights, Tokenizer | None, int]:
     """-> (spec, weights, tokenizer, bytes read) from the entry; planning's decisions replayed into decisions.

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from cluster_configs.cluster_config import NAME_PATTERN
 from cluster_configs.errors import AdapterError
-from models.lora.adapter import LoraAdapter, load_lora
+from models.lora.adapter import LoraAdapter, adapter_digest, load_lora
 from models.lora.compose import compose
 from models.model_spec import ModelSpec
 
@@ -60,6 +60,7 @@ class AdapterStore(Mapping[str, LoraAdapter]):
         self.fetch = fetch  # name -> the adapter validated elsewhere (remote sources)
         self.sources: dict[str, AdapterSource] = {}  # every adapter served
         self._loaded: OrderedDict[str, LoraAdapter] = OrderedDict()  # least recently used first
+        self._digests: dict[str, str] = {}  # name -> adapter_digest of the weights it was last loaded with
         self.num_hits = self.num_misses = self.num_evictions = 0
 
     # ---- registration ------------------------------------------------------------------------------
@@ -122,6 +123,12 @@ class AdapterStore(Mapping[str, LoraAdapter]):
     def __len__(self) -> int:
         return len(self.sources)
 
+    def digest(self, name: str) -> str:
+        """The content digest of the weights served as name (models/lora/adapter.adapter_digest)."""
+        if name not in self._digests:
+            self._digests[name] = adapter_digest(self._loaded.get(name) or self[name])
+        return self._digests[name]
+
     def is_loaded(self, name: str) -> bool:
         return name in self._loaded
 
@@ -153,6 +160,7 @@ class AdapterStore(Mapping[str, LoraAdapter]):
 
     def _add(self, name: str, adapter: LoraAdapter, source: AdapterSource) -> None:
         self.sources[name] = source
+        self._digests.pop(name, None)  # (its files may have changed since it was last loaded)
         self._loaded[name] = adapter
         self._loaded.move_to_end(name)
         total = self.loaded_bytes
