@@ -23,6 +23,8 @@ from ray.util import metrics as ray_metrics
 from http_api.prometheus import (
     ALL,
     COUNTERS,
+    DISK_STATS,
+    DISK_TIER,
     ENGINE_COUNTERS,
     FINISH_REASONS,
     HISTOGRAMS,
@@ -62,6 +64,7 @@ class WorkerMetrics:
         self.stage_histograms = {stage: _Histogram(STEP_STAGE_SECONDS.buckets) for stage in STAGES}
         self.cpu_seconds = 0.0  # of the worker's processes, summed over reads (WORKER_CPU)
         self._cpu_read: dict[int, float] = {}  # pid -> its CPU seconds at the last read
+        self._disk_seen: dict[str, float] = {}  # the disk tier's values at the last snapshot
         self.timings: dict[str, _Timing] = {}  # the requests submitted through the worker and not finished
         self.unscheduled: set[str] = set()  # of those, the ones no step has run yet
         self._ray = _ray_metrics()
@@ -137,7 +140,7 @@ class WorkerMetrics:
         gauges = _gauges(stats)
         self._record_gauges(gauges)
         self.read_cpu(stats["tensor_parallel"]["pids"])
-        values = gauges | self.counters | {WORKER_CPU.name: self.cpu_seconds}
+        values = gauges | self.counters | {WORKER_CPU.name: self.cpu_seconds} | self._disk_tier(stats)
         return {"labels": dict(self.labels), "values": values, REQUEST_SUCCESS.name: dict(self.finished),
                 "spec_decode": {method: dict(c) for method, c in self.spec_decode.items()},
                 "histograms": {name: h.as_dict() for name, h in self.histograms.items()},
@@ -159,6 +162,18 @@ class WorkerMetrics:
             self.cpu_seconds += added
             self._ray[WORKER_CPU.name].inc(added, self.labels)
         return self.cpu_seconds
+
+    def _disk_tier(self, stats: dict) -> dict[str, float]:
+        """The disk tier's metrics from the engine's stats (0 where it is off), recorded with Ray too (its
+        counters by what they grew since the last snapshot)."""
+        values = {name: stats.get(field, 0) for name, field in DISK_STATS.items()}
+        for m in DISK_TIER:
+            if m.kind == "gauge":
+                self._ray[m.name].set(values[m.name], self.labels)
+            elif (grown := values[m.name] - self._disk_seen.get(m.name, 0)) > 0:
+                self._ray[m.name].inc(grown, self.labels)
+        self._disk_seen = values
+        return values
 
     def _observe(self, name: str, seconds: float) -> None:
         self.histograms[name].observe(seconds)

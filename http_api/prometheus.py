@@ -80,8 +80,26 @@ STEP_STAGE_SECONDS = Metric("step_stage_seconds", "histogram",
                             "engine steps that ran a batch", _STAGE_BUCKETS)
 WORKER_CPU = Metric("worker_cpu_seconds", "counter",
                     "CPU seconds (user + system) of the worker's process and its tensor-parallel ranks")
+# the prefix cache's disk tier (scheduling/disk_tier.py): the engine's totals and its files now (0: off)
+DISK_TIER = (
+    Metric("prefix_cache_disk_queries", "counter",
+           "Prompts whose prefix missed the KV pool at a full block and was looked up in the disk tier"),
+    Metric("prefix_cache_disk_hits", "counter", "Disk-tier lookups that found at least one block"),
+    Metric("prefix_cache_disk_read_blocks", "counter", "KV blocks read back from the disk tier (checked)"),
+    Metric("prefix_cache_disk_read_bytes", "counter", "Bytes of block files read back"),
+    Metric("prefix_cache_disk_rejected_blocks", "counter",
+           "Block files that failed a check (truncated, corrupted, foreign, stale): removed, never served"),
+    Metric("prefix_cache_disk_written_bytes", "counter", "Bytes of block files written"),
+    Metric("prefix_cache_disk_usage_bytes", "gauge", "Bytes of block files under the disk tier's folder"),
+    Metric("prefix_cache_disk_reads_per_second", "gauge", "KV blocks read back per second (the last 5 s)"),
+)
+# each DISK_TIER metric's field of the engine's stats (DiskStats.as_dict)
+DISK_STATS = dict(zip((m.name for m in DISK_TIER), (
+    "disk_lookups", "disk_hits", "disk_hit_blocks", "disk_read_bytes", "disk_rejected_blocks",
+    "disk_written_bytes", "disk_used_bytes", "disk_reads_per_s")))
+
 ALL = (*GAUGES, *ENGINE_COUNTERS, *COUNTERS, REQUEST_SUCCESS, *SPEC_DECODE, *HISTOGRAMS, STEP_STAGE_SECONDS,
-       WORKER_CPU)
+       WORKER_CPU, *DISK_TIER)
 
 
 def full_name(metric: Metric) -> str:

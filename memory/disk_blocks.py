@@ -151,6 +151,12 @@ class BlockFiles:
         self.touch(key)  # used now: the least recently used go first
         return size
 
+    def sweep(self) -> int:
+        """Count the files anew (the ledger then equals them), remove the temp files of writers that are gone
+        and the least recently used blocks past the bound (it may have been lowered) -> files removed."""
+        with self._locked():
+            return self._evict(self.max_bytes)[1]
+
     def usage(self) -> int:
         """Bytes of block files under the root, as the ledger counts them."""
         with self._locked():

@@ -3,14 +3,16 @@ committed, read back into the pool for a prompt whose prefix misses the pool but
 
 The engine's thread only copies and queues: save() copies a committed block's codes into a staging buffer (the
 pool may hand the block out again at once), find() checks which of a prompt's next blocks have a file, and
-start_load() hands a LoadJob to the reader. Two threads of the tier's own do the file work: the writer
-(batches of staged blocks, within the bound) and the reader (a job's files into the pool blocks reserved for
-it, in chain order, stopping at the first that is missing or fails its checks). The engine polls finished()
+start_load() hands a LoadJob to the reader. Two threads of the tier's own do the file work, at idle priority
+(the step loop's threads come first): the writer (batches of staged blocks, within the bound) and the reader
+(a job's files into the pool blocks reserved for it, in chain order, stopping at the first that is missing or
+fails its checks). The engine polls finished()
 between steps; a job's request waits meanwhile while the others step. Nothing here blocks the step loop.
 """
 
 import collections
 import logging
+import os
 import queue
 import threading
 import time
@@ -30,6 +32,18 @@ READ_RATE_WINDOW_S = 5.0
 log = logging.getLogger(__name__)
 
 
+def background_priority() -> None:
+    """The calling thread runs only on CPU time the step loop leaves (Linux SCHED_IDLE; else the lowest
+    nice): checksums and copies of the tier never slow a step, and take the cores between steps."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # 0: this thread
+    except (AttributeError, OSError):
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        except (AttributeError, OSError):
+            pass
+
+
 @dataclass
 class LoadJob:
     """Blocks of one request's prefix being read from disk into pool blocks reserved for them."""
@@ -40,6 +54,8 @@ class LoadJob:
     extra: tuple  # the request's prefix-cache extra (the pool's key of the blocks)
     num_loaded: int = 0  # leading blocks read and verified (the rest hold nothing)
     done: threading.Event = field(default_factory=threading.Event)
+    started: float = 0.0  # perf_counter when the reader took it up, and when it was done
+    ended: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -171,6 +187,13 @@ class DiskTier:
     # ---- the tier's threads --------------------------------------------------------------------------------
 
     def _write_loop(self) -> None:
+        background_priority()
+        try:
+            evicted = self.files.sweep()  # a start recounts the files: writers killed before leave no trace
+        except OSError as e:
+            log.warning("the prefix cache's disk tier could not sweep %s: %s", self.files.root, e)
+        else:
+            self._count("evicted_files", evicted)
         while True:
             items = [self._writes.get()]
             while True:  # everything staged meanwhile, in one pass over the lock
@@ -201,10 +224,13 @@ class DiskTier:
             self._counts["evicted_files"] += evicted
 
     def _read_loop(self) -> None:
+        background_priority()
         while (job := self._loads.get()) is not None:
+            job.started = time.perf_counter()
             try:
                 self._read(job)
             finally:
+                job.ended = time.perf_counter()
                 with self._lock:
                     self._finished.append(job)
                 job.done.set()

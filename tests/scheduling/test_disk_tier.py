@@ -4,7 +4,11 @@ ignored, counted and removed; salts and adapters never share a block; the bound 
 while a read is held."""
 
 import shutil
+import signal
+import subprocess
+import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -46,6 +50,7 @@ def serve(model: Path, cache: Path, seed: int = 0, **engine) -> tuple[list[int],
     after it, its writes flushed)."""
     with ns.LLM(model, prefix_cache_dir=str(cache), **engine) as llm:
         out = llm.generate([random_prompt(PROMPT_LEN, seed)], GREEDY)[0]
+        assert llm.engine.disk.flush()
         stats = llm.stats()
     return out.token_ids, stats
 
@@ -158,3 +163,81 @@ def test_the_step_loop_runs_on_while_a_read_is_held(long_model, cold, tmp_path, 
         finally:
             held.set()
         assert waiting[0].wait().output_token_ids == cold[0]
+
+
+CHILD = """
+import sys
+import numpy as np
+import numaserve as ns
+model, cache = sys.argv[1], sys.argv[2]
+def random_prompt(n, seed):  # tests/conftest.py's, without importing torch
+    return np.random.default_rng(seed).integers(3, 384, n).tolist()
+with ns.LLM(model, prefix_cache_dir=cache) as llm:
+    for seed in range(1000):
+        llm.generate([random_prompt(PROMPT_LEN, 1000 + seed)], ns.SamplingParams(max_tokens=1))
+        print(seed, flush=True)
+"""
+
+
+@pytest.mark.parametrize("delay_s", [0.0, 0.05, 0.2])
+def test_a_writer_killed_mid_write_leaves_nothing_that_is_served(long_model, tmp_path, delay_s):
+    """An engine writing a stream of prompts' blocks is killed (SIGKILL) at a point of its writes; an engine
+    over the same folder then serves those prompts from what is there: equal to a cold run, and no file it
+    finds fails a check (a write either ended as a whole file or left only a temp file, never read)."""
+    script = f"PROMPT_LEN = {PROMPT_LEN}\n" + CHILD
+    child = subprocess.Popen([sys.executable, "-c", script, str(long_model), str(tmp_path)],
+                             stdout=subprocess.PIPE, text=True, cwd=Path(__file__).parents[2])
+    try:
+        for _ in range(3):
+            served = int(child.stdout.readline())
+        time.sleep(delay_s)
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+    with ns.LLM(long_model) as llm:
+        cold_outputs = [llm.generate([random_prompt(PROMPT_LEN, 1000 + s)], GREEDY)[0].token_ids
+                        for s in range(served + 2)]
+    with ns.LLM(long_model, prefix_cache_dir=str(tmp_path)) as llm:
+        for s in range(served + 2):
+            assert llm.generate([random_prompt(PROMPT_LEN, 1000 + s)], GREEDY)[0].token_ids == cold_outputs[s]
+        stats = llm.stats()
+        assert llm.engine.disk.flush()  # (its start's sweep came first)
+    assert stats["disk_rejected_blocks"] == 0 and stats["disk_hit_blocks"] > 0
+    assert not list((tmp_path / "kv").glob("*/.*.tmp"))  # the dead writer's temp files went at the start
+
+
+def test_an_adapter_is_keyed_by_its_weights_not_its_name(long_model, tmp_path):
+    """A block computed under adapter "x" is served again only to "x" with the same weights: the name given
+    other weights in a new engine (or no adapter) reads nothing of it."""
+    from tests.models.test_lora import make_adapter
+    one = make_adapter(long_model, tmp_path / "one", seed=1)
+    two = make_adapter(long_model, tmp_path / "two", seed=2)
+    cache, prompt = tmp_path / "cache", random_prompt(PROMPT_LEN, 0)
+
+    def run(adapter_dir, adapter="x") -> tuple[list[int], dict]:
+        with ns.LLM(long_model, prefix_cache_dir=str(cache)) as llm:
+            if adapter is not None:
+                llm.register_adapter(adapter, adapter_dir)
+            out = llm.generate([prompt], GREEDY, adapter=adapter)[0].token_ids
+            return out, llm.stats()
+
+    with ns.LLM(long_model) as llm:
+        llm.register_adapter("x", two)
+        cold_two = llm.generate([prompt], GREEDY, adapter="x")[0].token_ids
+    first, stats = run(one)
+    assert stats["disk_hit_blocks"] == 0
+    again, stats = run(one)
+    assert again == first and stats["disk_hit_blocks"] == 125
+    tokens, stats = run(two)
+    assert tokens == cold_two and stats["disk_hit_blocks"] == 0
+    assert run(None, adapter=None)[1]["disk_hit_blocks"] == 0
+
+
+def test_a_second_engine_on_the_machine_reads_the_first_ones_blocks(long_model, cold, tmp_path):
+    with ns.LLM(long_model, prefix_cache_dir=str(tmp_path)) as first, \
+            ns.LLM(long_model, prefix_cache_dir=str(tmp_path)) as second:
+        assert first.generate([random_prompt(PROMPT_LEN, 1)], GREEDY)[0].token_ids == cold[1]
+        assert first.engine.disk.flush()
+        assert second.generate([random_prompt(PROMPT_LEN, 1)], GREEDY)[0].token_ids == cold[1]
+        stats = second.stats()
+    assert stats["disk_hit_blocks"] == 125 and stats["num_prefill_tokens"] == 5
