@@ -223,6 +223,8 @@ def main() -> None:
     parser.add_argument("--streams", type=int, default=8, help="streams decoding beside the reads")
     parser.add_argument("--shape", default="tinyllama-1.1b", help="benchmarks/checkpoints.py SHAPES name")
     parser.add_argument("--out", type=Path, default=RESULTS / "prefix_disk.json")
+    parser.add_argument("--decode-only", action="store_true",
+                        help="the decode part alone (a trial: its JSON has no restart rows)")
     parser.add_argument("--sample", nargs="+", help=argparse.SUPPRESS)  # inside a sample process
     args = parser.parse_args()
     if args.sample:
@@ -253,7 +255,7 @@ def main() -> None:
     ttft(run_seed, run_seed + 1)  # untimed: the packed entry written, numba's kernels cached
     can_drop = drop_page_cache()
     samples = {"cold": [], "disk": []} | ({"disk, cold page cache": []} if can_drop else {})
-    for s in range(args.samples):
+    for s in range(0 if args.decode_only else args.samples):
         seed = run_seed + 10 * (s + 1)
         samples["cold"].append(ttft(seed, seed + 1))
         samples["disk"].append(ttft(seed, seed + 2))
@@ -265,9 +267,9 @@ def main() -> None:
         if any(g["prefill_tokens"] != expect for g in got):
             raise RuntimeError(f"{name}: prefilled {[g['prefill_tokens'] for g in got]} tokens, expected "
                                f"{expect}")
-    ttft_medians = {name: statistics.median(g["ttft_s"] for g in got) for name, got in samples.items()}
+    ttft_medians = {name: statistics.median(g["ttft_s"] for g in got) for name, got in samples.items() if got}
     ttft_ratios = {name: statistics.median(g["ttft_s"] / c["ttft_s"] for g, c in zip(got, samples["cold"]))
-                   for name, got in samples.items() if name != "cold"}
+                   for name, got in samples.items() if name != "cold" and got}
 
     # decode beside reads: three prefixes on disk; a pool for the streams and about one prefix
     seeds = [run_seed + 500 + 10 * k for k in range(3)]
@@ -289,7 +291,7 @@ def main() -> None:
             "suffix": SUFFIX_LEN, "samples": args.samples, "reads": args.reads, "streams": args.streams,
             "threads": len(os.sched_getaffinity(0)), "kv_bytes_per_token": per_token,
             "page_cache_dropped": can_drop,
-            "prefix_bytes_on_disk": sum(g["disk_read_bytes"] for g in samples["disk"]) / args.samples}
+            "prefix_bytes_on_disk": statistics.median([g["disk_read_bytes"] for g in samples["disk"]] or [0])}
     results = {"meta": meta, "ttft_medians_s": ttft_medians, "ttft_ratios": ttft_ratios,
                "ttft_within_15pct": all(r <= 0.15 for r in ttft_ratios.values()),
                "decode_rate_ratio_median": ratio, "decode_within_5pct": ratio >= 0.95,
@@ -297,6 +299,9 @@ def main() -> None:
                "read_seconds_median": statistics.median(r["read_s"] for r in beside)}
     print(json.dumps({k: v for k, v in results.items() if k not in ("samples", "decode_beside_reads")},
                      indent=1))
+    if args.decode_only:  # a trial, not a result
+        print(json.dumps(beside, indent=1))
+        return
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=1))
     plot(results, args.out.with_suffix(".png"))

@@ -127,27 +127,36 @@ class BlockFiles:
         return len(written), reserved, evicted
 
     def read_into(self, key: BlockKey, parts: Sequence[np.ndarray]) -> int:
-        """Copy a block file's payload into parts (KVCache.block_parts of the block it goes to) -> bytes read.
-        Raises FileNotFoundError, or BadBlockFile (the file is then removed)."""
+        """Read a block file's payload into parts (KVCache.block_parts of the pool block it goes to, reserved
+        for it: they hold garbage if the file fails its checks, and the block is then not used) -> bytes read.
+        One scatter read straight into the parts, then the checks. Raises FileNotFoundError, or BadBlockFile
+        (the file is then removed)."""
+        if parts_spec(parts) != self.parts:
+            raise ValueError(f"read_into: parts {parts_spec(parts)} are not this layout's {self.parts}")
         path = self.path(key)
-        size = self.file_bytes(key)
-        buf = bytearray(size)
+        head = MAGIC + _HEAD.pack(len(header := self._header(key))) + header  # what the file must start with
+        size = len(head) + self.payload_bytes + _CRC.size
         with open(path, "rb", buffering=0) as f:
-            n = f.readinto(buf)
-            extra = f.read(1)
+            fd = f.fileno()
+            on_disk = os.fstat(fd).st_size
+            if on_disk == size:
+                found = os.pread(fd, len(head), 0)
+                views = [memoryview(p).cast("B") for p in parts]
+                n = os.preadv(fd, views, len(head))
+                tail = os.pread(fd, _CRC.size, size - _CRC.size)
         try:
-            if n != size or extra:
-                raise BadBlockFile(f"{path}: {n + len(extra)} bytes, a block of this layout has {size}")
-            self._check(path, memoryview(buf), key)
-            if parts_spec(parts) != self.parts:
-                raise ValueError(f"read_into: parts {parts_spec(parts)} are not this layout's {self.parts}")
+            if on_disk != size or n != self.payload_bytes or len(tail) != _CRC.size:
+                raise BadBlockFile(f"{path}: {on_disk} bytes, a block of this layout and key has {size}")
+            crc = zlib.crc32(found)
+            for v in views:
+                crc = zlib.crc32(v, crc)
+            if crc != _CRC.unpack(tail)[0]:
+                raise BadBlockFile(f"{path}: checksum mismatch (corrupted)")
+            if found != head:
+                self._mismatch(path, found)
         except BadBlockFile:
             path.unlink(missing_ok=True)
             raise
-        offset = size - _CRC.size - self.payload_bytes
-        for p in parts:
-            np.copyto(p, np.frombuffer(buf, p.dtype, p.size, offset).reshape(p.shape))
-            offset += p.nbytes
         self.touch(key)  # used now: the least recently used go first
         return size
 
@@ -173,24 +182,19 @@ class BlockFiles:
         return json.dumps({"identity": self._identity_json, "key": key.as_json(), "parts": self.parts},
                           sort_keys=True).encode()
 
-    def _check(self, path: Path, buf: memoryview, key: BlockKey) -> None:
-        if bytes(buf[:len(MAGIC)]) != MAGIC:
+    def _mismatch(self, path: Path, found: bytes) -> None:
+        """Raise BadBlockFile naming how a file whose checksum holds differs from what was asked for."""
+        if not found.startswith(MAGIC):
             raise BadBlockFile(f"{path}: not a block file of this version")
-        body = buf[:-_CRC.size]
-        if zlib.crc32(body) != _CRC.unpack_from(buf, len(buf) - _CRC.size)[0]:
-            raise BadBlockFile(f"{path}: checksum mismatch (corrupted)")
-        (hlen,) = _HEAD.unpack_from(buf, len(MAGIC))
-        start = len(MAGIC) + _HEAD.size
         try:
-            header = json.loads(bytes(buf[start:start + hlen]))
-        except ValueError as e:
-            raise BadBlockFile(f"{path}: unreadable header ({e})") from None
+            header = json.loads(found[len(MAGIC) + _HEAD.size:])
+        except ValueError:
+            header = {}
         if header.get("identity") != self._identity_json:
             raise BadBlockFile(f"{path}: another model's or layout's block")
-        if header.get("key") != key.as_json():
-            raise BadBlockFile(f"{path}: another block's KV (key mismatch)")
         if header.get("parts") != self.parts:
             raise BadBlockFile(f"{path}: its parts are not this layout's")
+        raise BadBlockFile(f"{path}: another block's KV (key mismatch)")
 
     def _write_file(self, key: BlockKey, payload: np.ndarray) -> None:
         path = self.path(key)

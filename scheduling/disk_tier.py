@@ -3,16 +3,16 @@ committed, read back into the pool for a prompt whose prefix misses the pool but
 
 The engine's thread only copies and queues: save() copies a committed block's codes into a staging buffer (the
 pool may hand the block out again at once), find() checks which of a prompt's next blocks have a file, and
-start_load() hands a LoadJob to the reader. Two threads of the tier's own do the file work, at idle priority
-(the step loop's threads come first): the writer (batches of staged blocks, within the bound) and the reader
-(a job's files into the pool blocks reserved for it, in chain order, stopping at the first that is missing or
-fails its checks). The engine polls finished()
-between steps; a job's request waits meanwhile while the others step. Nothing here blocks the step loop.
+start_load() hands a LoadJob to the reader. Two threads of the tier's own do the file work: the writer
+(batches of staged blocks, within the bound) and the reader (a job's files into the pool blocks reserved for
+it, in chain order, stopping at the first that is missing or fails its checks). While the engine serves, both
+keep to a few percent of a core (CpuPace), so the steps beside them keep their speed. The engine polls
+finished() between steps; a job's request waits meanwhile while the others step. Nothing here blocks the step
+loop.
 """
 
 import collections
 import logging
-import os
 import queue
 import threading
 import time
@@ -28,20 +28,37 @@ from memory.kv_cache import KVCache
 DISK_FORMAT_VERSION = 1  # the block files' identity: bump when what a block's payload means changes
 STAGING_BYTES = 256 << 20  # blocks copied and waiting for the writer at most; more are not written
 READ_RATE_WINDOW_S = 5.0
+# the CPU time the tier's threads take while the step loop serves, as a fraction of one core (a step waits for
+# every kernel thread: whatever a thread loses to ours, the step loses); idle, they run at full speed
+BACKGROUND_CPU_SHARE = 0.02
+WRITE_BATCH = 32  # blocks written between two paces
 
 log = logging.getLogger(__name__)
 
 
-def background_priority() -> None:
-    """The calling thread runs only on CPU time the step loop leaves (Linux SCHED_IDLE; else the lowest
-    nice): checksums and copies of the tier never slow a step, and take the cores between steps."""
-    try:
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # 0: this thread
-    except (AttributeError, OSError):
-        try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-        except (AttributeError, OSError):
-            pass
+class CpuPace:
+    """Keeps a thread's CPU time within `share` of the wall-clock time while busy() says the step loop is
+    serving (its kernels' threads then hold every core, and a step waits for whichever thread lost its core
+    to ours): pace() after each unit of work sleeps as long as that takes. While the engine idles: no
+    pause."""
+
+    def __init__(self, share: float, busy: Callable[[], bool], cpu: Callable[[], float] = time.thread_time,
+                 wall: Callable[[], float] = time.perf_counter, sleep: Callable[[float], None] = time.sleep):
+        """cpu, wall, sleep: the calling thread's CPU clock, a wall clock and a sleep (tests inject them)."""
+        self.share, self.busy = share, busy
+        self.cpu, self.wall, self.sleep = cpu, wall, sleep
+        self.restart()
+
+    def restart(self) -> None:
+        self.cpu_from, self.wall_from = self.cpu(), self.wall()
+
+    def pace(self) -> None:
+        if not self.busy():
+            self.restart()
+            return
+        ahead = (self.cpu() - self.cpu_from) / self.share - (self.wall() - self.wall_from)
+        if ahead > 0:
+            self.sleep(ahead)
 
 
 @dataclass
@@ -64,6 +81,7 @@ class DiskStats:
 
     lookups: int  # prompts whose prefix missed the pool at a full block and were looked up on disk
     hits: int  # of those, found at least one block on disk
+    misses: int  # found none
     hit_blocks: int  # blocks read back and verified
     missing_blocks: int  # found by a lookup, gone by the time they were read
     rejected_blocks: int  # files failing a check (truncated, corrupted, foreign, stale): removed, not served
@@ -82,10 +100,13 @@ class DiskStats:
 
 class DiskTier:
     def __init__(self, directory: str | Path, max_bytes: int, identity: dict, kv_cache: KVCache,
-                 adapter_digest: Callable[[str], str]):
+                 adapter_digest: Callable[[str], str], busy: Callable[[], bool] = lambda: False):
         """identity: what decides a block's KV besides its tokens and key (the model's packed-cache key, the
-        KV layout); adapter_digest(name): the content digest of a loaded adapter. Raises OSError if the
-        folder cannot be used."""
+        KV layout); adapter_digest(name): the content digest of a loaded adapter; busy(): whether the step
+        loop is serving requests (the tier's threads then keep to BACKGROUND_CPU_SHARE of a core). Raises
+        OSError if the folder cannot be used."""
+        self._read_pace = CpuPace(BACKGROUND_CPU_SHARE, busy)
+        self._write_pace = CpuPace(BACKGROUND_CPU_SHARE, busy)
         self.kv_cache = kv_cache
         self.adapter_digest = adapter_digest
         parts = parts_spec(kv_cache.block_parts(0))
@@ -162,9 +183,11 @@ class DiskTier:
             used_bytes = self.files.usage()
         except OSError:
             used_bytes = -1
-        names = ("lookups", "hits", "hit_blocks", "missing_blocks", "rejected_blocks", "read_bytes")
-        return DiskStats(*(c.get(n, 0) for n in names), rate, c.get("written_blocks", 0),
-                         c.get("written_bytes", 0), c.get("dropped_blocks", 0), c.get("evicted_files", 0),
+        lookups, hits = c.get("lookups", 0), c.get("hits", 0)
+        names = ("hit_blocks", "missing_blocks", "rejected_blocks", "read_bytes")
+        return DiskStats(lookups, hits, lookups - hits, *(c.get(n, 0) for n in names), rate,
+                         c.get("written_blocks", 0), c.get("written_bytes", 0), c.get("dropped_blocks", 0),
+                         c.get("evicted_files", 0),
                          used_bytes, self.files.max_bytes)
 
     def flush(self, timeout_s: float = 60.0) -> bool:
@@ -187,7 +210,6 @@ class DiskTier:
     # ---- the tier's threads --------------------------------------------------------------------------------
 
     def _write_loop(self) -> None:
-        background_priority()
         try:
             evicted = self.files.sweep()  # a start recounts the files: writers killed before leave no trace
         except OSError as e:
@@ -202,8 +224,10 @@ class DiskTier:
                 except queue.Empty:
                     break
             batch = [item for item in items if isinstance(item, tuple)]
-            if batch:
-                self._write(batch)
+            self._write_pace.restart()  # (the time it waited for work is no credit)
+            for start in range(0, len(batch), WRITE_BATCH):
+                self._write(batch[start:start + WRITE_BATCH])
+                self._write_pace.pace()
             for item in items:
                 if isinstance(item, threading.Event):  # flush(): everything staged before it is written
                     item.set()
@@ -224,9 +248,9 @@ class DiskTier:
             self._counts["evicted_files"] += evicted
 
     def _read_loop(self) -> None:
-        background_priority()
         while (job := self._loads.get()) is not None:
             job.started = time.perf_counter()
+            self._read_pace.restart()
             try:
                 self._read(job)
             finally:
@@ -252,6 +276,7 @@ class DiskTier:
                 self._count("missing_blocks")
                 return
             job.num_loaded += 1
+            self._read_pace.pace()
             with self._lock:
                 self._counts["hit_blocks"] += 1
                 self._counts["read_bytes"] += n

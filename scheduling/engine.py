@@ -120,7 +120,7 @@ class Engine:
                     "kv": [layout.num_layers, layout.block_size, layout.n_kv_heads, layout.head_dim,
                            list(layout.layer_dtypes)]}
         tier = DiskTier(config.prefix_cache_dir, config.prefix_cache_disk_bytes, identity, self.kv_cache,
-                        self.adapters.digest)
+                        self.adapters.digest, busy=lambda: bool(self.scheduler.running))
         self.decisions.record("prefix_cache", "disk tier", f"full KV blocks also kept in "
                               f"{tier.files.folder} ({config.prefix_cache_disk_bytes} bytes at most over "
                               f"{tier.files.root})")
@@ -131,6 +131,11 @@ class Engine:
         can be scheduled."""
         if self.disk is not None:
             self.disk.wake = wake
+
+    def finish_disk_reads(self) -> None:
+        """The disk tier's reads that ended join the pool now (each schedule does it too): a read whose
+        request went away meanwhile holds no block past it."""
+        self.scheduler.kv.finish_disk_loads()
 
     def waits_on_disk(self) -> bool:
         """Whether the engine has requests but none a step can take until a disk read ends."""

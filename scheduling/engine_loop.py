@@ -47,8 +47,8 @@ IDLE_WAIT_S = 0.02  # a loop with requests it cannot step (paused, or on disk) w
 log = logging.getLogger(__name__)
 
 
-def _nothing(engine) -> None:
-    """A call that only wakes the loop."""
+def _disk_read_ended(engine) -> None:
+    engine.finish_disk_reads()
 
 
 class Pending:
@@ -101,8 +101,9 @@ class EngineLoop:
         self._advancing: tuple[int, Future] | None = None  # paused: steps still to take, who waits
         self._tick_s: float | None = None  # until the hooks' next tick
         self._failure: BaseException | None = None
-        # a read from the prefix cache's disk tier that ends wakes the loop (its request can be scheduled)
-        engine.on_disk_read(lambda: self._inbox.put(Call(_nothing, None)))
+        # a read from the prefix cache's disk tier that ends wakes the loop: its blocks join the pool (its
+        # request, if not aborted meanwhile, can be scheduled)
+        engine.on_disk_read(lambda: self._inbox.put(Call(_disk_read_ended, None)))
         ready = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(ready,), name=name, daemon=True)
         self._thread.start()

@@ -86,6 +86,21 @@ def console(data: dict) -> str:
                                    "ITL p99 (ms)", "CPU ms / token, all processes", "stats polls / s"], rows)
 
 
+def prefix_disk(data: dict) -> str:
+    meta = data["meta"]
+    rows = [[name, f"{seconds:.2f}", "1" if name == "cold" else pct(data["ttft_ratios"][name])]
+            for name, seconds in data["ttft_medians_s"].items()]
+    head = (f"{meta['checkpoint']} q8_0, KV {meta['kv_dtype']}, a {meta['prefix']}-token prefix and "
+            f"{meta['suffix']} tokens of suffix, {meta['threads']} threads, medians of {meta['samples']} "
+            "samples "
+            "(each a fresh process per row, in the order of the rows).")
+    beside = (f"Beside {meta['streams']} decoding streams, {len(data['decode_beside_reads'])} reads of a "
+              f"{meta['prefix']}-token prefix took {data['read_seconds_median']:.2f} s each (median); the "
+              f"streams' decode rate during a read, over the rate just before it: "
+              f"{data['decode_rate_ratio_median']:.3f} (median over reads).")
+    return head + "\n\n" + table(["start", "time to first token (s)", "of cold"], rows) + "\n\n" + beside
+
+
 def soak(data: dict) -> str:
     def ms(*keys: str) -> str:
         return " / ".join(f"{data[k] * 1e3:.1f}" if isinstance(data.get(k), (int, float)) else ""
@@ -166,6 +181,7 @@ RENDERERS = [
     (r"http.*\.json", http),
     (r"console.*\.json", console),
     (r"soak.*\.json", soak),
+    (r"prefix_disk.*\.json", prefix_disk),
     (r"simulate_validation.*\.json", simulate_validation),
     (r"simulate_sweep.*\.json", simulate_sweep),
     (r"step_cost.*\.json", step_cost),

@@ -170,3 +170,29 @@ def test_http_request_counts_render_as_vllms_http_requests_total():
     assert {(s.name, s.labels["status"], s.value) for s in found} == {
         ("http_requests_total", "200", 3), ("http_requests_total", "400", 1)}
     assert all(s.labels["handler"] == "/v1/completions" and s.labels["method"] == "POST" for s in found)
+
+
+def test_the_disk_tier_series_are_the_engines_counts(llama_dir, tmp_path):
+    """A prompt computed by one engine and read back from the disk tier by a second: the second worker's
+    prefix_cache_disk series equal its engine's stats; a worker without a disk tier reports 0."""
+    prompt = random_prompt(100, seed=3)  # 6 full blocks of 16 before its last token
+    first = Engine(llama_dir, ns.EngineConfig(prefix_cache_dir=str(tmp_path)))
+    first.add_request("a", prompt, GREEDY)
+    while first.has_unfinished():
+        first.step()
+    first.close()  # its writes flushed
+    second = Engine(llama_dir, ns.EngineConfig(prefix_cache_dir=str(tmp_path)))
+    metrics = WorkerMetrics("llama", "w1", 1)
+    submit(second, metrics, "b", prompt)
+    run(second, metrics)
+    stats = second.stats()
+    snapshots = [metrics.snapshot(second), WorkerMetrics("llama", "w0", 0).snapshot(Engine(llama_dir))]
+    got = samples(snapshots)
+    assert stats["disk_hit_blocks"] == 6 and stats["disk_lookups"] == stats["disk_hits"] == 1
+    for name, expected in [("prefix_cache_disk_read_blocks_total", 6), ("prefix_cache_disk_hits_total", 1),
+                           ("prefix_cache_disk_queries_total", 1),
+                           ("prefix_cache_disk_read_bytes_total", stats["disk_read_bytes"]),
+                           ("prefix_cache_disk_usage_bytes", stats["disk_used_bytes"])]:
+        assert value(got, "numaserve:" + name, worker="w1") == expected > 0
+        assert value(got, "numaserve:" + name, worker="w0") == 0
+    second.close()

@@ -241,3 +241,28 @@ def test_a_second_engine_on_the_machine_reads_the_first_ones_blocks(long_model, 
         assert second.generate([random_prompt(PROMPT_LEN, 1)], GREEDY)[0].token_ids == cold[1]
         stats = second.stats()
     assert stats["disk_hit_blocks"] == 125 and stats["num_prefill_tokens"] == 5
+
+
+def test_a_request_aborted_while_its_prefix_is_read_leaves_no_block_held(long_model, tmp_path, monkeypatch):
+    serve(long_model, tmp_path)
+    held = threading.Event()
+    original = BlockFiles.read_into
+
+    def slow_read(self, key, parts):
+        assert held.wait(30)
+        return original(self, key, parts)
+
+    monkeypatch.setattr(BlockFiles, "read_into", slow_read)
+    with ns.LLM(long_model, prefix_cache_dir=str(tmp_path)) as llm:
+        pending = llm.engine_loop.submit([llm.engine.make_request("gone", random_prompt(PROMPT_LEN, 0),
+                                                                  GREEDY)])
+        while not llm.engine.scheduler.kv.loading:
+            time.sleep(0.01)
+        llm.engine_loop.abort("gone")
+        assert pending[0].wait().finish_reason == "abort"
+        held.set()
+        deadline = time.monotonic() + 30
+        while llm.stats()["num_used_blocks"] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        stats = llm.stats()
+    assert stats["num_used_blocks"] == 0 and stats["disk_hit_blocks"] == 125  # read, then left to the pool
