@@ -172,10 +172,12 @@ def step_ratios(decode: dict) -> list[dict]:
         s, e = read["started"], read["ended"]
         during = [b - a for a, b in pure if b > s and a < e]
         before = [b - a for a, b in pure if s - READ_GAP_S <= a and b <= s]
+        row = {"read_s": e - s, "blocks": read["blocks"], "of_blocks": read["of_blocks"],
+               "steps_during": len(during), "steps_before": len(before)}
         if during and before:
-            out.append({"read_s": e - s, "blocks": read["blocks"], "steps_during": len(during),
-                        "step_s_before": statistics.mean(before), "step_s_during": statistics.mean(during),
-                        "rate_ratio": statistics.mean(before) / statistics.mean(during)})
+            row |= {"step_s_before": statistics.mean(before), "step_s_during": statistics.mean(during),
+                    "rate_ratio": statistics.mean(before) / statistics.mean(during)}
+        out.append(row)  # (a read without pure decode steps on both sides has no ratio: listed, not counted)
     return out
 
 
@@ -195,7 +197,7 @@ def plot(results: dict, path: Path) -> None:
     ax1.set_ylabel("time to first token, s (median)")
     ax1.set_ylim(0, 1.25 * max(med.values()))
     ax1.set_title(f"{results['meta']['prefix']}-token prefix after a restart", fontsize=9)
-    ratios = [r["rate_ratio"] for r in results["decode_beside_reads"]]
+    ratios = [r["rate_ratio"] for r in results["decode_beside_reads"] if "rate_ratio" in r]
     ax2.plot(range(1, len(ratios) + 1), ratios, "o", color="C0")
     ax2.axhline(results["decode_rate_ratio_median"], color="C0", lw=1,
                 label=f"median {results['decode_rate_ratio_median']:.3f}")
@@ -284,7 +286,7 @@ def main() -> None:
     decode = run_sample(["decode", str(model), decode_fields, json.dumps(seeds), str(args.prefix),
                          str(args.reads), str(args.streams), str(run_seed)])
     beside = step_ratios(decode)
-    ratio = statistics.median(r["rate_ratio"] for r in beside)
+    ratio = statistics.median(r["rate_ratio"] for r in beside if "rate_ratio" in r)
     meta = {"command": "python -m benchmarks.bench_prefix_disk " + " ".join(sys.argv[1:]),
             "revision": revision(ROOT), "date": time.strftime("%Y-%m-%d %H:%M"), "cpu": cpu_name(),
             "checkpoint": model.name, "kv_dtype": "bfloat16 (auto)", "prefix": args.prefix,
@@ -296,7 +298,8 @@ def main() -> None:
                "ttft_within_15pct": all(r <= 0.15 for r in ttft_ratios.values()),
                "decode_rate_ratio_median": ratio, "decode_within_5pct": ratio >= 0.95,
                "decode_beside_reads": beside, "samples": samples,
-               "read_seconds_median": statistics.median(r["read_s"] for r in beside)}
+               "read_seconds_median": statistics.median(r["read_s"] for r in beside),
+               "reads_without_ratio": sum("rate_ratio" not in r for r in beside)}
     print(json.dumps({k: v for k, v in results.items() if k not in ("samples", "decode_beside_reads")},
                      indent=1))
     if args.decode_only:  # a trial, not a result

@@ -94,7 +94,7 @@ def prefix_disk(data: dict) -> str:
             f"{meta['suffix']} tokens of suffix, {meta['threads']} threads, medians of {meta['samples']} "
             "samples "
             "(each a fresh process per row, in the order of the rows).")
-    beside = (f"Beside {meta['streams']} decoding streams, {len(data['decode_beside_reads'])} reads of a "
+    beside = (f"Beside {meta['streams']} decoding streams, {meta['reads']} reads of a "
               f"{meta['prefix']}-token prefix took {data['read_seconds_median']:.2f} s each (median); the "
               f"streams' decode rate during a read, over the rate just before it: "
               f"{data['decode_rate_ratio_median']:.3f} (median over reads).")
