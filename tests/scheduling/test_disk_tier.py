@@ -141,8 +141,8 @@ def test_the_bound_holds_under_a_stream_of_unique_prefixes(long_model, tmp_path)
         assert disk.files.scan()[0] == stats["disk_used_bytes"] <= bound  # the ledger counts what is there
 
 
-def test_the_step_loop_runs_on_while_a_read_is_held(long_model, cold, tmp_path, monkeypatch):
-    serve(long_model, tmp_path)
+def hold_reads(monkeypatch) -> tuple[threading.Event, threading.Event]:
+    """Block-file reads wait until the first event is set; the second is set once one began."""
     held, reading = threading.Event(), threading.Event()
     original = BlockFiles.read_into
 
@@ -152,6 +152,12 @@ def test_the_step_loop_runs_on_while_a_read_is_held(long_model, cold, tmp_path, 
         return original(self, key, parts)
 
     monkeypatch.setattr(BlockFiles, "read_into", slow_read)
+    return held, reading
+
+
+def test_the_step_loop_runs_on_while_a_read_is_held(long_model, cold, tmp_path, monkeypatch):
+    serve(long_model, tmp_path)
+    held, reading = hold_reads(monkeypatch)
     with ns.LLM(long_model, prefix_cache_dir=str(tmp_path)) as llm:
         waiting = llm.engine_loop.submit([llm.engine.make_request("held", random_prompt(PROMPT_LEN, 0),
                                                                   GREEDY)])
@@ -245,14 +251,7 @@ def test_a_second_engine_on_the_machine_reads_the_first_ones_blocks(long_model, 
 
 def test_a_request_aborted_while_its_prefix_is_read_leaves_no_block_held(long_model, tmp_path, monkeypatch):
     serve(long_model, tmp_path)
-    held = threading.Event()
-    original = BlockFiles.read_into
-
-    def slow_read(self, key, parts):
-        assert held.wait(30)
-        return original(self, key, parts)
-
-    monkeypatch.setattr(BlockFiles, "read_into", slow_read)
+    held, _ = hold_reads(monkeypatch)
     with ns.LLM(long_model, prefix_cache_dir=str(tmp_path)) as llm:
         pending = llm.engine_loop.submit([llm.engine.make_request("gone", random_prompt(PROMPT_LEN, 0),
                                                                   GREEDY)])
