@@ -116,11 +116,16 @@ class Engine:
             return None
         layout = self.kv_cache.layout
         sources = config.packed_cache_dir or config.prefix_cache_dir  # (where source hashes are recorded)
-        identity = {"model": model_key(model_path, config, sources),
-                    "kv": [layout.num_layers, layout.block_size, layout.n_kv_heads, layout.head_dim,
-                           list(layout.layer_dtypes)]}
-        tier = DiskTier(config.prefix_cache_dir, config.prefix_cache_disk_bytes, identity, self.kv_cache,
-                        self.adapters.digest, busy=lambda: bool(self.scheduler.running))
+        try:
+            identity = {"model": model_key(model_path, config, sources),
+                        "kv": [layout.num_layers, layout.block_size, layout.n_kv_heads, layout.head_dim,
+                               list(layout.layer_dtypes)]}
+            tier = DiskTier(config.prefix_cache_dir, config.prefix_cache_disk_bytes, identity, self.kv_cache,
+                            self.adapters.digest, busy=lambda: bool(self.scheduler.running))
+        except OSError as e:
+            raise ValueError(f"prefix_cache_dir={config.prefix_cache_dir!r} cannot be used "
+                             f"({e.strerror or e}); point it at a folder this process may write, or leave it "
+                             "unset") from None
         self.decisions.record("prefix_cache", "disk tier", f"full KV blocks also kept in "
                               f"{tier.files.folder} ({config.prefix_cache_disk_bytes} bytes at most over "
                               f"{tier.files.root})")

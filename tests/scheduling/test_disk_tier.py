@@ -265,3 +265,14 @@ def test_a_request_aborted_while_its_prefix_is_read_leaves_no_block_held(long_mo
             time.sleep(0.01)
         stats = llm.stats()
     assert stats["num_used_blocks"] == 0 and stats["disk_hit_blocks"] == 125  # read, then left to the pool
+
+
+def test_a_folder_that_cannot_be_used_is_a_typed_error_naming_the_field(long_model, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    with pytest.raises(ValueError, match="prefix_cache_dir=.*cannot be used"):
+        ns.LLM(long_model, prefix_cache_dir=str(blocker / "cache"))
+    with pytest.raises(ValueError, match="enable_prefix_caching"):
+        ns.EngineConfig(prefix_cache_dir=str(tmp_path), enable_prefix_caching=False)
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        ns.EngineConfig(prefix_cache_dir=str(tmp_path), tensor_parallel_size=2)
