@@ -3,7 +3,7 @@ verification's drafts, commits, frees. It reads the KV cache's KVLayout; the arr
 shadows, a verified tree's kept path) are an optional collaborator, left out where nothing is computed."""
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 from cluster_configs.engine_config import EngineConfig
 from kernels.attention.chunks import recent_start
@@ -58,8 +58,12 @@ class KVCacheManager:
         compute."""
         if not self.looks_up(req) or req.block_ids:  # (a session's turn starts from its sequence's blocks)
             return []
+        return self._in_pool(req, self.prefix_chain(req))
+
+    def _in_pool(self, req: Request, chain: Iterable[tuple[int, int | None, list[int]]]) -> list[int]:
+        """The pool's blocks of chain's leading blocks (prefix_chain's), up to the first it lacks."""
         block_ids: list[int] = []
-        for block_hash, parent, tokens in self.prefix_chain(req):
+        for block_hash, parent, tokens in chain:
             block_id = self.pool.lookup(block_hash, parent, tokens, req.cache_extra)
             if block_id is None:
                 break
@@ -77,11 +81,12 @@ class KVCacheManager:
         if self.disk is None or req.disk_looked_up or not self.looks_up(req) or req.block_ids:
             return False
         req.disk_looked_up = True
-        cached = self.find_cached_prefix(req)
-        chain = list(self.prefix_chain(req))[len(cached):]
-        if not chain:
+        chain = list(self.prefix_chain(req))  # hashed once: the pool's part, then the disk's
+        cached = self._in_pool(req, chain)
+        keys = [self.disk.key(h, parent, tokens, req.cache_extra)
+                for h, parent, tokens in chain[len(cached):]]
+        if not keys:
             return False
-        keys = [self.disk.key(h, parent, tokens, req.cache_extra) for h, parent, tokens in chain]
         num_blocks = min(self.disk.find(keys), self.pool.num_free_blocks - sum(
             1 for b in cached if self.pool.ref_cnt[b] == 0))
         if num_blocks <= 0:
