@@ -5,6 +5,12 @@ so a restarted cache, or a later deployment of the same name over the same model
 worker asks for an adapter by name and gets it through the object store, put there once per load and shared
 by every worker that asks: workers on other machines need no shared filesystem.
 It also keeps the merged copies workers build (scheduling/lora/planner.py), so each is built once.
+
+Callers resolve a name to the id its current version is served under (AdapterStore's versions) when they admit
+a request; the id is what the router, the worker and its engine see. Unloading a name, or registering other
+weights under it, retires its id: the cache drops its copies of it at once (a late fetch loads it again from
+its source, checked against its digest) and tells every worker of the deployment, which forget it once its
+last request ends.
 """
 
 import asyncio
@@ -13,6 +19,7 @@ from collections import OrderedDict
 import ray
 from ray.exceptions import RayActorError
 
+from actors.ray_instance import NAMESPACE
 from models.loader import read_spec
 from scheduling.lora.adapter_registry import AdapterRegistry, model_identity
 from scheduling.lora.adapter_store import AdapterStore
@@ -28,8 +35,8 @@ class AdapterCache:
         spec = read_spec(model_path)
         self.registry = AdapterRegistry(registry_path, deployment, model_identity(model_path, spec))
         self.store = AdapterStore(spec, max_lora_rank, adapter_roots, max_bytes=max_bytes)
-        for name, source in self.registry.read().items():
-            self.store.restore(name, source)  # loaded when first asked for
+        self.deployment = deployment
+        self.store.restore(self.registry.read())  # each loaded when first asked for
         self._refs: dict[str, ray.ObjectRef] = {}  # the loaded adapters, in the object store
         # merged copies a worker built (every worker serves the same model and engine config), for the others
         self._merged: OrderedDict[str, tuple[ray.ObjectRef, int]] = OrderedDict()  # name -> (ref, bytes), LRU
@@ -39,26 +46,39 @@ class AdapterCache:
     def register(self, name: str, directory: str) -> str:
         """Validate and serve a PEFT adapter directory; -> its resolved path. AdapterError if it does not
         fit."""
+        before = self.store.resolve(name)
         path = self.store.register(name, directory)
-        self._save()
+        self._changed(before, name)
         return path
 
     def compose(self, name: str, weights: dict[str, float], combination: str = "svd") -> None:
         """Serve `name` as a weighted combination of registered adapters (models/lora/compose.py)."""
+        before = self.store.resolve(name)
         self.store.compose(name, weights, combination)
-        self._save()
+        self._changed(before, name)
 
-    def get(self, name: str) -> list[ray.ObjectRef] | None:
+    def unload(self, name: str) -> str:
+        """Serve `name` no more -> the id retired; AdapterError if no adapter has that name. Requests that
+        hold it finish on its weights."""
+        adapter_id = self.store.unload(name)
+        self._changed(adapter_id, name)
+        return adapter_id
+
+    def resolve(self, name: str) -> str | None:
+        """The id a request naming the adapter is served under now (None: no adapter has that name)."""
+        return self.store.resolve(name)
+
+    def get(self, adapter_id: str) -> list[ray.ObjectRef] | None:
         """[the adapter's tensors in the object store] (a list, so the caller gets the reference), or None if
-        no adapter has that name."""
-        if name not in self.store:
+        no adapter has that id. AdapterError if a retired id's files changed since."""
+        if adapter_id not in self.store:
             return None
-        adapter = self.store[name]  # loaded (or reloaded) now, which may evict others
+        adapter = self.store[adapter_id]  # loaded (or reloaded) now, which may evict others
         for gone in [n for n in self._refs if not self.store.is_loaded(n)]:
             del self._refs[gone]
-        if name not in self._refs:
-            self._refs[name] = ray.put(adapter)
-        return [self._refs[name]]
+        if adapter_id not in self._refs:
+            self._refs[adapter_id] = ray.put(adapter)
+        return [self._refs[adapter_id]]
 
     def merged(self, name: str) -> list[ray.ObjectRef] | None:
         """[a merged copy of the adapter a worker shared] or None (the caller builds it, then shares it)."""
@@ -80,11 +100,12 @@ class AdapterCache:
 
     def path(self, name: str) -> str | None:
         """Where the adapter comes from (its directory, or its composition), None if not registered."""
-        source = self.store.sources.get(name)
-        return None if source is None else str(source)
+        adapter_id = self.store.resolve(name)
+        return None if adapter_id is None else str(self.store.sources[adapter_id])
 
     def adapters(self) -> dict[str, str]:
-        return {name: str(source) for name, source in self.store.sources.items()}
+        """name -> where its served version comes from."""
+        return {name: str(self.store.sources[i]) for name, i in self.store.served.items()}
 
     def stats(self) -> dict:
         return self.store.stats() | {"merged_hits": self.num_merged_hits,
@@ -92,13 +113,40 @@ class AdapterCache:
                                      "merged_held": list(self._merged),
                                      "merged_bytes": sum(b for _, b in self._merged.values())}
 
-    def _save(self) -> None:
-        self.registry.write(self.store.sources)
+    def _changed(self, before: str | None, name: str) -> None:
+        """After a registration or an unload: kept in the registry; the id the name had, if retired now,
+        dropped here and retired on every worker."""
+        self.registry.write(self.store.state())
+        if before is None or self.store.resolve(name) == before:
+            return
+        self._refs.pop(before, None)
+        self._merged.pop(before, None)
+        self.store.forget(before, keep_source=True)  # a late fetch loads it again
+        for worker in self._workers():
+            worker.retire_adapters.remote([before])  # not waited for: a worker lost meanwhile holds nothing
+
+    def _workers(self) -> list:
+        prefix = f"{self.deployment}.worker."
+        handles = []
+        for entry in ray.util.list_named_actors(all_namespaces=True):
+            name = entry["name"]
+            if entry["namespace"] == NAMESPACE and name.startswith(prefix):
+                try:
+                    handles.append(ray.get_actor(name, namespace=NAMESPACE))
+                except ValueError:  # gone since it was listed
+                    pass
+        return handles
 
 
 async def lookup_adapter(adapter_cache, name: str) -> str | None:
     """Where a registered adapter comes from (None if unknown), waiting out a restart of the cache."""
     return await _retrying(lambda: adapter_cache.path.remote(name))
+
+
+async def resolve_adapter(adapter_cache, name: str) -> str | None:
+    """The id a request naming the adapter is served under now (None if unknown), waiting out a restart of
+    the cache."""
+    return await _retrying(lambda: adapter_cache.resolve.remote(name))
 
 
 async def fetch_adapter_ref(adapter_cache, name: str) -> ray.ObjectRef | None:

@@ -66,8 +66,15 @@ class Client:
 
     def register_adapter(self, name: str, path: str | Path) -> str:
         """Register a PEFT adapter directory under name (kept across restarts); AdapterError if it is
-        invalid."""
+        invalid. Other weights under a registered name are its new version: requests admitted before keep
+        the old weights to their end."""
         return _get(self.adapter_cache.register.remote(name, str(path)), "adapter cache")
+
+    def unload_adapter(self, name: str) -> None:
+        """Serve the adapter no more (kept across restarts): requests admitted before finish on its weights,
+        new ones naming it are refused; registered again, it is a new version. AdapterError if no adapter has
+        that name."""
+        _get(self.adapter_cache.unload.remote(name), "adapter cache")
 
     def compose_adapter(self, name: str, weights: dict[str, float], combination: str = "svd") -> None:
         """Register `name` as the weighted combination of registered adapters, as PEFT's add_weighted_adapter

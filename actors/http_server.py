@@ -134,6 +134,9 @@ class RayDeployment:
     async def register_adapter(self, name: str, path: str) -> str:
         return await _call(self.adapter_cache.register.remote(name, path), "adapter cache")
 
+    async def unload_adapter(self, name: str) -> None:
+        await _call(self.adapter_cache.unload.remote(name), "adapter cache")
+
     async def num_serving_workers(self) -> int:
         """As of at most HEALTH_MAX_AGE_S ago, without a Ray call of its own while one is under way."""
         return await self.serving_workers.get()

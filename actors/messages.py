@@ -27,7 +27,7 @@ class Admission:
     placement: Placement
     prompt_token_ids: list[int]
     params: SamplingParams  # validated by the caller
-    adapter: str | None
+    adapter: str | None  # the id of the adapter's version (AdapterCache.resolve)
     cache_salt: str | None
     # where the caller goes, in turn, while workers refuse it at their own bound (other routers filled them)
     fallbacks: tuple[Placement, ...] = ()
@@ -44,7 +44,7 @@ class GenerateRequest:
     request_id: str  # the attempt's id, unique on its worker
     prompt_token_ids: list[int]
     params: SamplingParams
-    adapter: str | None = None
+    adapter: str | None = None  # an adapter id (Admission.adapter)
     cache_salt: str | None = None
     resume: Resume | None = None
     admission_id: str | None = None  # Admission.request_id (None: not admitted by a router)
@@ -79,5 +79,5 @@ class EmbedRequest:
     request_id: str  # unique on its worker
     prompt_token_ids: list[int]
     pooling: str  # scheduling/embedding.POOLINGS
-    adapter: str | None = None
+    adapter: str | None = None  # an adapter id (Admission.adapter)
     admission_id: str | None = None  # Admission.request_id

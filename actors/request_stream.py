@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 from ray.exceptions import RayActorError, RayTaskError
 
-from actors.adapter_cache import lookup_adapter
+from actors.adapter_cache import resolve_adapter
 from actors.caller_lease import LeaseKeeper
 from actors.messages import Admission, EmbedRequest, GenerateRequest, Placement
 from actors.ray_errors import WORKER_LOST, unwrap
@@ -46,7 +46,6 @@ class Ingress:
         self.routers, self.adapter_cache = list(routers), adapter_cache
         self._current = first % len(self.routers)
         self._model: dict | None = None  # Router.model_info
-        self._known_adapters: set[str] = set()  # registered ones (a name, once registered, stays so)
         self.leases = LeaseKeeper()  # keeps this caller's requests alive on their workers
 
     @property
@@ -80,7 +79,7 @@ class Ingress:
         placement, fallbacks = a.placement, list(a.fallbacks)
         try:
             for attempt in range(MAX_ATTEMPTS):
-                request = EmbedRequest(f"{a.request_id}-{attempt}", a.prompt_token_ids, pooling, adapter,
+                request = EmbedRequest(f"{a.request_id}-{attempt}", a.prompt_token_ids, pooling, a.adapter,
                                        a.request_id)
                 try:
                     return a.prompt_token_ids, await placement.worker.embed.remote(request)
@@ -102,17 +101,17 @@ class Ingress:
         """(the router that admitted it, the Admission)."""
         model = await self.model_info()
         adapters = None  # the registered names, as far as validation needs them
-        if adapter is not None and adapter not in self._known_adapters:
-            found = await lookup_adapter(self.adapter_cache, adapter) if isinstance(adapter, str) else None
-            adapters = {adapter} if found is not None else await self._adapter_names()
-            if found is not None:
-                self._known_adapters.add(adapter)
+        adapter_id = None  # the id the adapter's current version is served under (asked at each admission)
+        if adapter is not None:
+            if isinstance(adapter, str):
+                adapter_id = await resolve_adapter(self.adapter_cache, adapter)
+            adapters = {adapter} if adapter_id is not None else await self._adapter_names()
         limits = RequestLimits(model["vocab_size"], model["max_model_len"])
         prompt_ids, params = await asyncio.to_thread(
             validate_request, prompt, params, limits, tokenizer=model["tokenizer"], adapter=adapter,
             adapters=adapters, cache_salt=cache_salt, prompt_only=prompt_only)
         return await self.call_router(
-            lambda router: router.admit.remote(prompt_ids, params, adapter, session, cache_salt, pinned))
+            lambda router: router.admit.remote(prompt_ids, params, adapter_id, session, cache_salt, pinned))
 
     async def reroute(self, router, request_id: str, lost_worker_id: str,
                       num_tokens_left: int) -> tuple[Any, Placement]:

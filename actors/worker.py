@@ -205,6 +205,11 @@ class NumaWorker:
 
         return prepare
 
+    async def retire_adapters(self, adapter_ids: list[str]) -> None:
+        """The adapter cache retired these ids (unloaded, or replaced by a new version): each is forgotten
+        here once no request uses it (Engine.retire_adapters)."""
+        self._loop.post(lambda engine: engine.retire_adapters(adapter_ids))
+
     async def admission_ids(self) -> set[str]:
         """The router's ids of the requests streaming from here now (the router releases the others)."""
         return set(self._admission_ids.values())

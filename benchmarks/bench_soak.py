@@ -6,6 +6,11 @@ With --http the same deployment is soaked through its OpenAI API instead (benchm
 
     .venv/bin/python -m benchmarks.bench_soak --duration-s 600   # -> benchmarks/results/soak.json + soak.png
     .venv/bin/python -m benchmarks.bench_soak --http             # -> benchmarks/results/soak_http.json + .png
+    .venv/bin/python -m benchmarks.bench_soak --http --chaos     # -> results/soak_http_chaos.json + .png
+
+With --chaos an actor of the deployment (a worker, the router, the scheduler, the adapter cache, one of its
+two HTTP actors) is killed every 20-60 s while the HTTP soak runs (benchmarks/chaos.py), and every greedy
+request that completed is sent again undisturbed afterwards and its answer compared.
 """
 
 import argparse
@@ -110,15 +115,20 @@ def warm(client, adapter: str | None) -> None:
 
 
 def arrivals(rng, duration_s: float, rate_per_s: float, kinds: list[str], weights, wait_s: float,
-             one) -> tuple[list, list, set]:
-    """Poisson arrivals at rate_per_s for duration_s, each one(seed, kind, arrival_s) in a thread of its own
-    (at most MAX_CONCURRENT in flight: later arrivals wait, the client's own bound), then up to wait_s for
-    them to end -> (futures, outcomes of those done, futures still pending: hung, cancelled)."""
+             one, more=None) -> tuple[list, list, set]:
+    """Poisson arrivals at rate_per_s for duration_s (and while more() says so, up to 4x as long), each
+    one(seed, kind, arrival_s) in a thread of its own (at most MAX_CONCURRENT in flight: later arrivals wait,
+    the client's own bound), then up to wait_s for them to end -> (futures, outcomes of those done, futures
+    still pending: hung, cancelled)."""
     slots = threading.BoundedSemaphore(MAX_CONCURRENT)
     futures, t0 = [], time.monotonic()
+
+    def going(at: float) -> bool:
+        return at < t0 + duration_s or (more is not None and more() and at < t0 + 4 * duration_s)
+
     with ThreadPoolExecutor(MAX_CONCURRENT) as pool:
         next_at = t0
-        while (next_at := next_at + rng.exponential(1 / rate_per_s)) < t0 + duration_s:
+        while going(next_at := next_at + rng.exponential(1 / rate_per_s)):
             time.sleep(max(0.0, next_at - time.monotonic()))
             slots.acquire()
             kind = str(rng.choice(kinds, p=weights))
@@ -201,10 +211,19 @@ def main() -> None:
     parser.add_argument("--rate", type=float, default=4.0, help="mean arrivals per second (Poisson)")
     parser.add_argument("--http", action="store_true",
                         help="through the OpenAI API with the openai client (benchmarks/soak_http.py)")
-    parser.add_argument("--out", type=Path, default=None, help="default: results/soak.json or soak_http.json")
+    parser.add_argument("--chaos", action="store_true", help="with --http: kill an actor every 20-60 s")
+    parser.add_argument("--chaos-seed", type=int, default=0)
+    parser.add_argument("--chaos-interval", type=float, nargs=2, default=(20.0, 60.0),
+                        metavar=("MIN_S", "MAX_S"), help="seconds from one kill to the next")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="default: results/soak.json, soak_http.json or soak_http_chaos.json")
     args = parser.parse_args()
-    out = args.out or RESULTS / ("soak_http.json" if args.http else "soak.json")
+    if args.chaos and not args.http:
+        parser.error("--chaos soaks the HTTP API: add --http")
+    out = args.out or RESULTS / ("soak_http_chaos.json" if args.chaos else
+                                 "soak_http.json" if args.http else "soak.json")
     from benchmarks.bench_http import free_port
+    from benchmarks.chaos import Chaos
     from benchmarks.soak_http import run_http_soak
     from tests.cluster.conftest import sim_config
     from tests.models.test_lora import make_adapter
@@ -213,16 +232,23 @@ def main() -> None:
     root = Path(tempfile.mkdtemp(prefix="soak-"))
     build_model(root / "llama", "llama")
     make_adapter(root / "llama", root / "adapter", seed=1)
+    # under chaos two HTTP actors share the port: one killed, the other serves while it restarts
+    http = {"port": free_port()} | ({"replicas": 2} if args.chaos else {})
     config = sim_config("two_numa_sim", engine={"max_num_seqs": 16}, max_queued_per_worker=16,
-                        adapter_registry=str(root / "adapters.json"),
-                        http={"port": free_port()} if args.http else None)
+                        adapter_registry=str(root / "adapters.json"), http=http if args.http else None)
     client = ns.serve(config, model=root / "llama", name="soak")
     try:
         client.register_adapter("a", root / "adapter")
-        result = (run_http_soak if args.http else run_soak)(client, args.duration_s, args.rate, "a")
+        if args.http:
+            chaos = Chaos(client, "a", args.chaos_seed, tuple(args.chaos_interval)) if args.chaos else None
+            result = run_http_soak(client, args.duration_s, args.rate, "a", chaos=chaos)
+        else:
+            result = run_soak(client, args.duration_s, args.rate, "a")
     finally:
         client.shutdown()
-    result["command"] = (f"python -m benchmarks.bench_soak{' --http' if args.http else ''} "
+    chaos_flags = (f" --chaos --chaos-seed {args.chaos_seed} --chaos-interval "
+                   f"{args.chaos_interval[0]:g} {args.chaos_interval[1]:g}") if args.chaos else ""
+    result["command"] = (f"python -m benchmarks.bench_soak{' --http' if args.http else ''}{chaos_flags} "
                          f"--duration-s {args.duration_s:g} --rate {args.rate:g}")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))

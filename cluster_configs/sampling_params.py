@@ -5,11 +5,16 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from cluster_configs.structured_outputs import StructuredOutputs
 
 
+# below this a temperature samples the argmax (up to exact ties), and logits / temperature may overflow: such a
+# request is greedy (vLLM's sampler keeps the same floor)
+MIN_TEMPERATURE = 1e-5
+
+
 class SamplingParams(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)  # inf temperature: NaN logits
 
     max_tokens: int = Field(16, ge=1)
-    temperature: float = Field(1.0, ge=0.0)  # 0 = greedy
+    temperature: float = Field(1.0, ge=0.0)  # 0 (below MIN_TEMPERATURE) = greedy
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0)  # 0 = off
     min_p: float = Field(0.0, ge=0.0, le=1.0)
@@ -70,4 +75,4 @@ class SamplingParams(BaseModel):
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        return self.temperature < MIN_TEMPERATURE or self.top_k == 1

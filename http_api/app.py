@@ -27,6 +27,7 @@ from http_api.protocol import (
     EmbeddingRequest,
     LoadLoraAdapterRequest,
     TokenizeRequest,
+    UnloadLoraAdapterRequest,
 )
 from http_api.request_ids import RequestIds
 from http_api.serving import OpenAIServing
@@ -85,6 +86,11 @@ def _add_api_routes(app: FastAPI, serving: OpenAIServing) -> None:
     async def load_lora_adapter(body: LoadLoraAdapterRequest, request: Request) -> PlainTextResponse:
         caller(request)
         return PlainTextResponse(await serving.load_lora_adapter(body))
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(body: UnloadLoraAdapterRequest, request: Request) -> PlainTextResponse:
+        caller(request)
+        return PlainTextResponse(await serving.unload_lora_adapter(body))
 
     @app.get("/v1/numaserve/stats")
     async def numaserve_stats(request: Request) -> ConsoleStats:

@@ -260,6 +260,11 @@ class LoadLoraAdapterRequest(Body):
     lora_path: str = Field(pattern=r"^[^\x00]+$", description="the adapter's folder on the server")
 
 
+class UnloadLoraAdapterRequest(Body):
+    lora_name: str
+    lora_int_id: int | None = None  # vLLM's; names are what numaserve serves adapters by
+
+
 class TokenizeRequest(Body):
     """vLLM's /tokenize: a prompt, or messages rendered by the chat template (exactly one)."""
 

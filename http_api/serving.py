@@ -37,6 +37,7 @@ from http_api.protocol import (
     EmbeddingRequest,
     LoadLoraAdapterRequest,
     TokenizeRequest,
+    UnloadLoraAdapterRequest,
 )
 from http_api.responses import (
     ChoiceState,
@@ -81,6 +82,7 @@ class Deployment(Protocol):
     async def adapter_path(self, name: str) -> str | None: ...
     async def adapters(self) -> dict[str, str]: ...
     async def register_adapter(self, name: str, path: str) -> str: ...
+    async def unload_adapter(self, name: str) -> None: ...
     async def num_serving_workers(self) -> int: ...
     async def metrics(self) -> list[dict]: ...  # each worker's snapshot (actors/metrics.py)
     async def live(self) -> dict: ...  # a recent copy of the router's live view (Router.live), or {"error"}
@@ -326,16 +328,29 @@ class OpenAIServing:
             card(name, path, self.model_name) for name, path in sorted(adapters.items())]}
 
     async def load_lora_adapter(self, req: LoadLoraAdapterRequest) -> str:
-        if not self.enable_lora_loading:
-            raise APIError(403, "loading adapters over HTTP is disabled in this deployment; set "
-                                "http: {enable_lora_loading: true} in its config, or register adapters from "
-                                "Python with client.register_adapter(name, path)", type="permission_error",
-                           code="lora_loading_disabled")
+        self._check_lora_loading("loading")
         if req.lora_name == self.model_name:
             raise APIError(400, f"lora_name {shown(req.lora_name)} is the served model's name; pick another",
                            param="lora_name")
         await self.deployment.register_adapter(req.lora_name, req.lora_path)
         return f"Success: LoRA adapter '{req.lora_name}' added successfully."
+
+    async def unload_lora_adapter(self, req: UnloadLoraAdapterRequest) -> str:
+        """Requests admitted before finish on the adapter's weights; later ones naming it get a 404."""
+        self._check_lora_loading("unloading")
+        if await self.deployment.adapter_path(req.lora_name) is None:
+            raise APIError(404, f"the LoRA adapter {shown(req.lora_name)} cannot be found; GET /v1/models "
+                                "lists the registered adapters", param="lora_name", code="lora_not_found")
+        await self.deployment.unload_adapter(req.lora_name)
+        return f"Success: LoRA adapter '{req.lora_name}' removed successfully."
+
+    def _check_lora_loading(self, what: str) -> None:
+        if not self.enable_lora_loading:
+            raise APIError(403, f"{what} adapters over HTTP is disabled in this deployment; set "
+                                "http: {enable_lora_loading: true} in its config, or manage adapters from "
+                                "Python with client.register_adapter(name, path) and "
+                                "client.unload_adapter(name)", type="permission_error",
+                           code="lora_loading_disabled")
 
     async def health(self) -> bool:
         return await self.deployment.num_serving_workers() > 0

@@ -8,7 +8,7 @@ again (LRU: blocks freed longest ago are reused first).
 import hashlib
 import struct
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 NULL_BLOCK = -1  # a block-table entry whose block was released (out of a sliding window)
 
@@ -94,6 +94,16 @@ class BlockPool:
             self.ref_cnt[block_id] -= 1
             if self.ref_cnt[block_id] == 0:
                 self.free_queue[block_id] = None
+
+    def drop_cached(self, match: Callable[[tuple], bool]) -> int:
+        """Make the free cached blocks whose extra matches unfindable, first in line for reuse -> how many
+        (the blocks of an adapter version no request will name again)."""
+        keys = self.block_key
+        dropped = [b for b in self.free_queue if keys[b] is not None and match(keys[b][2])]
+        for block_id in reversed(dropped):
+            self._evict(block_id)
+            self.free_queue.move_to_end(block_id, last=False)
+        return len(dropped)
 
     def _evict(self, block_id: int) -> None:
         block_hash = self.block_hash[block_id]

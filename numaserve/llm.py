@@ -125,8 +125,14 @@ class LLM:
         return embed(self._loop, self.engine, _as_prompt_list(prompts), pooling, normalize, adapter)
 
     def register_adapter(self, name: str, path: str | Path) -> None:
-        """Serve a PEFT LoRA adapter directory as `adapter=name`."""
+        """Serve a PEFT LoRA adapter directory as `adapter=name`; other weights under a served name are its
+        new version (requests started before keep the old weights)."""
         self._loop.call(lambda engine: engine.register_adapter(name, path))
+
+    def unload_adapter(self, name: str) -> None:
+        """Serve the adapter no more: requests that use it finish on its weights; registered again, it is a
+        new version. AdapterError if no adapter has that name."""
+        self._loop.call(lambda engine: engine.unload_adapter(name))
 
     def compose_adapter(self, name: str, weights: dict[str, float], combination: str = "svd") -> None:
         """Serve as `adapter=name` the weighted combination of registered adapters, as PEFT's

@@ -107,6 +107,8 @@ class Engine:
                                      self.tokenizer, self.adapters, s.eos_token_ids)
         self.totals = EngineTotals()
         self.recent = RecentSteps()
+        self._retiring: set[str] = set()  # retired adapter ids, forgotten when no request uses them
+        self.num_adapter_blocks_dropped = 0  # cached prefix blocks of forgotten adapter ids
         self.mask_worker = MaskWorker(s.vocab_size)
 
     def _disk_tier(self, model_path: str | Path, config: EngineConfig) -> DiskTier | None:
@@ -151,12 +153,44 @@ class Engine:
         return self.scheduler.sessions
 
     def register_adapter(self, name: str, path: str | Path) -> None:
-        """Load a PEFT LoRA adapter; requests name it with adapter=name. Raises AdapterError."""
+        """Load a PEFT LoRA adapter; requests name it with adapter=name (other weights under a served name:
+        its next version). Raises AdapterError."""
+        before = self.adapters.resolve(name)
         self.adapters.register(name, path)
+        self._retire_if_replaced(before, name)
 
     def compose_adapter(self, name: str, weights: dict[str, float], combination: str = "svd") -> None:
         """Register name as a weighted combination of registered adapters. Raises AdapterError."""
+        before = self.adapters.resolve(name)
         self.adapters.compose(name, weights, combination)
+        self._retire_if_replaced(before, name)
+
+    def unload_adapter(self, name: str) -> None:
+        """Serve the adapter no more: requests that use it finish on its weights, then it is forgotten.
+        AdapterError if no adapter has that name."""
+        self.retire_adapters([self.adapters.unload(name)])
+
+    def retire_adapters(self, adapter_ids: list[str]) -> None:
+        """Forget each id (its weights, slot, merged copy, cached prefix blocks) once no request uses it."""
+        for adapter_id in adapter_ids:
+            self.adapters.retire(adapter_id)
+            self._retiring.add(adapter_id)
+        self._forget_unused()
+
+    def _retire_if_replaced(self, before: str | None, name: str) -> None:
+        if before is not None and self.adapters.resolve(name) != before:
+            self.retire_adapters([before])
+
+    def _forget_unused(self) -> None:
+        if not self._retiring:
+            return
+        in_use = {r.adapter_id for r in self.scheduler.requests.values()}
+        for adapter_id in self._retiring - in_use:
+            self.adapters.forget(adapter_id)
+            self.runner.lora.forget(adapter_id)
+            self.num_adapter_blocks_dropped += self.scheduler.kv.pool.drop_cached(
+                lambda extra, a=adapter_id: extra[0] == a)
+        self._retiring &= in_use
 
     def close(self) -> None:
         """Stops the other ranks' processes (tensor parallelism) and the disk tier's threads (what they were
@@ -182,9 +216,13 @@ class Engine:
 
     def submit(self, req: Request) -> None:
         self.scheduler.add(req)
+        if req.adapter_id in self.adapters.retired:  # admitted before its adapter was retired
+            self._retiring.add(req.adapter_id)
 
     def abort(self, request_id: str) -> RequestOutput | None:
-        return self.scheduler.abort(request_id)
+        out = self.scheduler.abort(request_id)
+        self._forget_unused()
+        return out
 
     def abort_expired(self) -> list[RequestOutput]:
         return self.scheduler.abort_expired()
@@ -208,6 +246,7 @@ class Engine:
         processed = clock.lap("process", self.scheduler.update_from_output(plan, out))
         stats = self._record(plan, out, processed, clock, masks)
         self.speculation.observe(plan, run, out, stats)
+        self._forget_unused()
         return StepOutput(expired + processed.outputs, stats)
 
     def _record(self, plan: StepPlan, out: SamplerOutput | None, processed: ProcessedStep | None,
@@ -238,5 +277,6 @@ class Engine:
             "num_masked_rows": totals.num_masked_rows, "mask_seconds": totals.mask_seconds,
             "mask_wait_seconds": totals.mask_wait_seconds,
             "tensor_parallel": self.ranks.stats(self.model.weight_bytes, self.kv_cache.nbytes),
+            "num_adapter_blocks_dropped": self.num_adapter_blocks_dropped,
             "recent": self.recent.as_dict(),
         } | self.adapters.stats() | self.runner.lora.stats() | self.speculation.stats()

@@ -27,13 +27,15 @@ class InputProcessor:
                      prompt_logits: bool = False, pooling: bool = False,
                      remote_adapter: bool = False) -> Request:
         """A validated request, not yet queued: every InvalidRequest of its content is raised here.
-        remote_adapter: the adapter was registered and checked elsewhere and its weights come with the request
-        (a worker's), so this engine's registry is not asked."""
-        registry = None if remote_adapter else self.adapters
+        remote_adapter: adapter is an id registered and checked elsewhere whose weights come with the request
+        (a worker's), so this engine's registry is not asked; else adapter is a name, served as its current
+        version's id."""
+        registry = None if remote_adapter else self.adapters.served
         prompt_ids, params = validate_request(prompt, params, self.limits, tokenizer=self.tokenizer,
                                               adapter=adapter, adapters=registry,
                                               cache_salt=cache_salt, prompt_only=prompt_logits or pooling)
-        req = Request(request_id, prompt_ids, params, adapter_id=adapter, cache_salt=cache_salt,
+        adapter_id = adapter if remote_adapter or adapter is None else registry[adapter]  # its version now
+        req = Request(request_id, prompt_ids, params, adapter_id=adapter_id, cache_salt=cache_salt,
                       prompt_logits=prompt_logits, pooling=pooling, max_model_len=self.limits.max_model_len)
         if self.tokenizer is not None and not req.prompt_only:
             req.detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids)

@@ -137,6 +137,9 @@ class MergedCache:
     def fits(self, nbytes: int) -> bool:
         return nbytes <= self.max_bytes
 
+    def drop(self, name: str) -> None:
+        self._held.pop(name, None)
+
     @property
     def nbytes(self) -> int:
         return sum(m.nbytes for m in self._held.values())

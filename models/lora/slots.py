@@ -118,6 +118,14 @@ class LoraSlots:
         if self.shard.size > 1 and self.shard.rank == 0:  # the followers are told; they tell nobody
             self.loads.append((slot, adapter))
 
+    def forget(self, name: str) -> None:
+        """The adapter's slot back to the free ones (a retired adapter no request uses)."""
+        slot = self.held.pop(name, None)
+        if slot is not None:
+            for m in MODULES:
+                self.ranks[m][:, slot] = 0
+            self.free.append(slot)
+
     def take_loads(self) -> list[tuple[int, LoraAdapter]]:
         """The (slot, adapter) loads since the last call: what rank 0 sends its followers before the forward
         that reads them (models/tensor_parallel/collectives.py)."""

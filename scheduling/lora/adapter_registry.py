@@ -8,7 +8,8 @@ The base model's identity (model_identity) is what an adapter was checked agains
 module an adapter may target. Two checkpoints with the same shapes at different paths (a base model and its
 fine-tune) are different models: an adapter trained on one is not silently served on the other.
 
-The file: {"registrations": [{"deployment": name, "model": identity, "adapters": {adapter: source}}, ...]}.
+The file: {"registrations": [{"deployment": name, "model": identity, "adapters": {adapter: source}}, ...]},
+each registration also with "versions", "retired" and "digests" when it has any (AdapterState).
 A file written before registrations carried these ({adapter: source}) is kept as one registration of an
 unknown deployment and model: never served, logged, left in the file.
 """
@@ -23,7 +24,7 @@ from pathlib import Path
 from cluster_configs.errors import AdapterError
 from models.lora.config import target_modules
 from models.model_spec import ModelSpec
-from scheduling.lora.adapter_store import AdapterSource
+from scheduling.lora.adapter_store import AdapterSource, AdapterState
 
 log = logging.getLogger("numaserve")
 
@@ -65,7 +66,23 @@ def model_identity(model_path: str | Path, spec: ModelSpec) -> ModelIdentity:
 class Registration:
     deployment: str | None  # None: written before registrations carried it
     model: ModelIdentity | None
-    adapters: dict[str, AdapterSource]
+    state: AdapterState
+
+    def to_json(self) -> dict:
+        state = self.state
+        entry = {"deployment": self.deployment, "model": None if self.model is None else self.model.to_json(),
+                 "adapters": {n: s.to_json() for n, s in state.adapters.items()}}
+        extra = {"versions": state.versions, "retired": {i: s.to_json() for i, s in state.retired.items()},
+                 "digests": state.digests}
+        return entry | {key: value for key, value in extra.items() if value}
+
+    @classmethod
+    def from_json(cls, r: dict) -> "Registration":
+        return cls(r["deployment"], ModelIdentity.from_json(r["model"]), AdapterState(
+            {n: AdapterSource.from_json(v) for n, v in dict(r["adapters"]).items()},
+            {str(n): int(v) for n, v in dict(r.get("versions", {})).items()},
+            {str(i): AdapterSource.from_json(v) for i, v in dict(r.get("retired", {})).items()},
+            {str(i): str(d) for i, d in dict(r.get("digests", {})).items()}))
 
 
 class AdapterRegistry:
@@ -75,26 +92,24 @@ class AdapterRegistry:
         self.path = Path(path).expanduser()
         self.deployment, self.model = deployment, model
 
-    def read(self) -> dict[str, AdapterSource]:
+    def read(self) -> AdapterState:
         """This deployment's adapters over this model; those it kept over another model are logged."""
-        served: dict[str, AdapterSource] = {}
+        served = AdapterState()
         for r in self._read_all():
             if r.deployment == self.deployment and r.model == self.model:
-                served = r.adapters
-            elif r.adapters and r.deployment in (self.deployment, None):
+                served = r.state
+            elif r.state.adapters and r.deployment in (self.deployment, None):
                 log.warning("adapters %s registered on deployment %r over the %s are not loaded: this "
                             "deployment serves the %s; register them again to serve them over it",
-                            sorted(r.adapters), r.deployment, r.model or "unknown model (an older registry)",
-                            self.model)
+                            sorted(r.state.adapters), r.deployment,
+                            r.model or "unknown model (an older registry)", self.model)
         return served
 
-    def write(self, sources: dict[str, AdapterSource]) -> None:
-        """Keep `sources` as this deployment's adapters over this model; every other registration stays."""
+    def write(self, state: AdapterState) -> None:
+        """Keep `state` as this deployment's adapters over this model; every other registration stays."""
         kept = [r for r in self._read_all()
-                if r.adapters and (r.deployment, r.model) != (self.deployment, self.model)]
-        entries = [{"deployment": r.deployment, "model": None if r.model is None else r.model.to_json(),
-                    "adapters": {n: s.to_json() for n, s in r.adapters.items()}}
-                   for r in [*kept, Registration(self.deployment, self.model, sources)]]
+                if r.state.adapters and (r.deployment, r.model) != (self.deployment, self.model)]
+        entries = [r.to_json() for r in [*kept, Registration(self.deployment, self.model, state)]]
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text(json.dumps({"registrations": entries}, indent=2, sort_keys=True))
@@ -106,10 +121,9 @@ class AdapterRegistry:
         try:
             data = dict(json.loads(self.path.read_text()))
             if "registrations" not in data:  # written before registrations carried deployment and model
-                return [Registration(None, None, {n: AdapterSource.from_json(v) for n, v in data.items()})]
-            return [Registration(r["deployment"], ModelIdentity.from_json(r["model"]),
-                                 {n: AdapterSource.from_json(v) for n, v in dict(r["adapters"]).items()})
-                    for r in data["registrations"]]
+                return [Registration(None, None, AdapterState(
+                    {n: AdapterSource.from_json(v) for n, v in data.items()}))]
+            return [Registration.from_json(r) for r in data["registrations"]]
         except (ValueError, TypeError, KeyError) as e:
             raise AdapterError(f"{self.path}: the adapter registry is not a JSON object of adapter "
                                f"registrations ({e!r}); fix or delete the file") from None

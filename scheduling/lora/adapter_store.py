@@ -5,12 +5,18 @@ Sources: a PEFT directory, a composition of registered adapters, or "remote": va
 fetched by name when needed (a worker's adapters come from the adapter-cache actor). Loaded weights are
 kept least recently used first; past max_bytes or max_loaded adapters the oldest are dropped, to be loaded
 again from their source when next asked for.
+
+Versions: requests name an adapter, the engine serves an id. A name's first registration is served as the
+name itself, each later one with other weights as `name@v` (version_id); the old id is retired: requests
+that hold it keep its weights to their end, new ones resolve the name to the new id. A retired id is
+forgotten (forget) once nothing uses it. Weights are checked against the digest taken at registration
+whenever they are loaded again: an id never serves other weights than it was registered with.
 """
 
 import re
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from cluster_configs.cluster_config import NAME_PATTERN
@@ -48,7 +54,25 @@ class AdapterSource:
 REMOTE = AdapterSource(remote=True)
 
 
+def version_id(name: str, version: int) -> str:
+    """The id the version-th registration of name is served under."""
+    return name if version == 1 else f"{name}@{version}"
+
+
+@dataclass
+class AdapterState:
+    """What a store keeps across restarts (scheduling/lora/adapter_registry.py): the served names' sources,
+    each name's last version (an unloaded name too: registered again, it gets the next one), the sources of
+    retired ids a served composition is made of, and the weights' digests by id."""
+    adapters: dict[str, AdapterSource] = field(default_factory=dict)  # name -> its served id's source
+    versions: dict[str, int] = field(default_factory=dict)  # name -> last version (above 1, or unloaded)
+    retired: dict[str, AdapterSource] = field(default_factory=dict)  # id -> source
+    digests: dict[str, str] = field(default_factory=dict)  # id -> adapter_digest
+
+
 class AdapterStore(Mapping[str, LoraAdapter]):
+    """A Mapping of adapter ids (served and retired, while kept) to their weights."""
+
     def __init__(self, spec: ModelSpec, max_lora_rank: int, adapter_roots: Sequence[str] | None = None,
                  max_bytes: int | None = None, max_loaded: int | None = None,
                  fetch: Callable[[str], LoraAdapter] | None = None):
@@ -57,65 +81,111 @@ class AdapterStore(Mapping[str, LoraAdapter]):
         self.roots = None if adapter_roots is None else [Path(r).expanduser().resolve()
                                                          for r in adapter_roots]
         self.max_bytes, self.max_loaded = max_bytes, max_loaded
-        self.fetch = fetch  # name -> the adapter validated elsewhere (remote sources)
-        self.sources: dict[str, AdapterSource] = {}  # every adapter served
+        self.fetch = fetch  # id -> the adapter validated elsewhere (remote sources)
+        self.sources: dict[str, AdapterSource] = {}  # id -> where its weights come from
+        self.served: dict[str, str] = {}  # name -> the id requests naming it get
+        self.versions: dict[str, int] = {}  # name -> its last version
+        self.retired: set[str] = set()  # ids no name resolves to any more (forgotten once unused)
         self._loaded: OrderedDict[str, LoraAdapter] = OrderedDict()  # least recently used first
-        self._digests: dict[str, str] = {}  # name -> adapter_digest of the weights it was last loaded with
+        self._digests: dict[str, str] = {}  # id -> adapter_digest of its weights
         self.num_hits = self.num_misses = self.num_evictions = 0
+        self.num_retired = self.num_forgotten = 0
 
     # ---- registration ------------------------------------------------------------------------------
 
     def register(self, name: str, path: str | Path) -> str:
-        """Load a PEFT adapter directory as `name`; -> the resolved directory. Raises AdapterError."""
+        """Serve the PEFT adapter directory as `name`; -> the resolved directory. Other weights under a
+        served name become its next version. Raises AdapterError."""
         check_name(name)
         source = AdapterSource(path=str(resolve_adapter_path(path, self.roots)))
-        self._check_free(name, source)
-        if name not in self.sources:
-            self._add(name, self._build(name, source), source)
+        self._serve(name, source)
         return source.path
 
     def compose(self, name: str, weights: Mapping[str, float], combination: str = "svd") -> None:
-        """Register `name` as the weighted combination of registered adapters (models/lora/compose.py)."""
+        """Serve `name` as the weighted combination of registered adapters (models/lora/compose.py), as they
+        are now: the composition keeps their ids."""
         check_name(name)
         if not isinstance(weights, Mapping) or not weights:
             raise AdapterError(f"weights must map registered adapter names to numbers, e.g. {{'tests': 0.7, "
                                f"'library': 0.3}}; got {weights!r}")
-        unknown = [n for n in weights if n not in self.sources]
+        unknown = [n for n in weights if n not in self.served]
         if unknown:
             raise AdapterError(f"cannot compose unknown adapters {unknown} (registered: "
-                               f"{', '.join(sorted(self.sources)) or 'none'}); register them first")
-        source = AdapterSource(weights=tuple(weights.items()), combination=combination)
-        self._check_free(name, source)
-        if name not in self.sources:
-            self._add(name, self._build(name, source), source)
+                               f"{', '.join(sorted(self.served)) or 'none'}); register them first")
+        self._serve(name, AdapterSource(weights=tuple((self.served[n], w) for n, w in weights.items()),
+                                        combination=combination))
 
-    def restore(self, name: str, source: AdapterSource) -> None:
-        """Serve `name` from a source registered before (a restarted cache), loading it when first
-        asked for."""
-        self.sources[name] = source
+    def unload(self, name: str) -> str:
+        """Serve `name` no more -> the id retired. AdapterError if no adapter has that name."""
+        adapter_id = self.served.pop(name, None)
+        if adapter_id is None:
+            raise AdapterError(f"no adapter is named {name!r} (registered: "
+                               f"{', '.join(sorted(self.served)) or 'none'})")
+        self._retire(adapter_id)
+        return adapter_id
 
-    def add_remote(self, name: str) -> None:
-        """Serve `name`, registered and validated elsewhere, fetching it when first asked for."""
-        check_name(name)
-        self._check_free(name, REMOTE)
-        self.sources[name] = REMOTE
+    def restore(self, state: AdapterState) -> None:
+        """Serve what a store kept (a restarted cache), loading each adapter when first asked for."""
+        self.versions.update(state.versions)
+        self._digests.update(state.digests)
+        for adapter_id, source in state.retired.items():
+            self.sources[adapter_id] = source
+            self.retired.add(adapter_id)
+        for name, source in state.adapters.items():
+            adapter_id = version_id(name, self.versions.setdefault(name, 1))
+            self.sources[adapter_id], self.served[name] = source, adapter_id
+
+    def state(self) -> AdapterState:
+        """What restore() takes back (the retired ids kept are those a served composition is made of)."""
+        parts = self._parts({self.served[n] for n in self.served})
+        return AdapterState({n: self.sources[i] for n, i in self.served.items()},
+                            {n: v for n, v in self.versions.items() if v > 1 or n not in self.served},
+                            {i: self.sources[i] for i in parts if i in self.retired},
+                            {i: d for i, d in self._digests.items() if i in parts})
+
+    def add_remote(self, adapter_id: str) -> None:
+        """Serve the id, registered and validated elsewhere, fetching its weights when first asked for."""
+        check_id(adapter_id)
+        if self.sources.get(adapter_id, REMOTE) != REMOTE:
+            raise AdapterError(f"adapter {adapter_id!r} is taken by {self.sources[adapter_id]}")
+        self.sources[adapter_id] = REMOTE
+
+    def retire(self, adapter_id: str) -> None:
+        """The id was retired elsewhere (a worker told by the adapter cache): forget it once unused."""
+        if adapter_id not in self.retired:
+            self._retire(adapter_id)
+
+    def forget(self, adapter_id: str, keep_source: bool = False) -> None:
+        """Drop a retired id's weights, and its source (unless kept, or a served composition is made of
+        it)."""
+        self._loaded.pop(adapter_id, None)
+        if not keep_source and adapter_id in self.sources and \
+                adapter_id not in self._parts(set(self.served.values())):
+            del self.sources[adapter_id]
+            self._digests.pop(adapter_id, None)
+        self.num_forgotten += 1
 
     # ---- lookup ------------------------------------------------------------------------------------
 
-    def __getitem__(self, name: str) -> LoraAdapter:
-        adapter = self._loaded.get(name)
+    def resolve(self, name: str) -> str | None:
+        """The id a request naming `name` is served (None: no adapter has that name)."""
+        return self.served.get(name)
+
+    def __getitem__(self, adapter_id: str) -> LoraAdapter:
+        adapter = self._loaded.get(adapter_id)
         if adapter is not None:
             self.num_hits += 1
-            self._loaded.move_to_end(name)
+            self._loaded.move_to_end(adapter_id)
             return adapter
-        source = self.sources[name]  # KeyError: not served
+        source = self.sources[adapter_id]  # KeyError: not served
         self.num_misses += 1
-        adapter = self._build(name, source)  # the checks passed at registration; files may have changed since
-        self._add(name, adapter, source)
+        adapter = self._build(adapter_id, source)  # the checks passed at registration; files may have changed
+        self._check_digest(adapter_id, adapter)
+        self._add(adapter_id, adapter)
         return adapter
 
-    def __contains__(self, name) -> bool:
-        return name in self.sources
+    def __contains__(self, adapter_id) -> bool:
+        return adapter_id in self.sources
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.sources)
@@ -123,14 +193,14 @@ class AdapterStore(Mapping[str, LoraAdapter]):
     def __len__(self) -> int:
         return len(self.sources)
 
-    def digest(self, name: str) -> str:
-        """The content digest of the weights served as name (models/lora/adapter.adapter_digest)."""
-        if name not in self._digests:
-            self._digests[name] = adapter_digest(self._loaded.get(name) or self[name])
-        return self._digests[name]
+    def digest(self, adapter_id: str) -> str:
+        """The content digest of the weights served as the id (models/lora/adapter.adapter_digest)."""
+        if adapter_id not in self._digests:
+            self._digests[adapter_id] = adapter_digest(self._loaded.get(adapter_id) or self[adapter_id])
+        return self._digests[adapter_id]
 
-    def is_loaded(self, name: str) -> bool:
-        return name in self._loaded
+    def is_loaded(self, adapter_id: str) -> bool:
+        return adapter_id in self._loaded
 
     @property
     def loaded_bytes(self) -> int:
@@ -139,48 +209,92 @@ class AdapterStore(Mapping[str, LoraAdapter]):
     def stats(self) -> dict:
         return {"adapter_hits": self.num_hits, "adapter_misses": self.num_misses,
                 "adapter_evictions": self.num_evictions, "adapter_bytes": self.loaded_bytes,
-                "num_adapters": len(self.sources), "num_adapters_loaded": len(self._loaded),
-                "adapters_loaded": sorted(self._loaded)}
+                "num_adapters": sum(i not in self.retired for i in self.sources),
+                "num_adapters_loaded": len(self._loaded), "adapters_loaded": sorted(self._loaded),
+                "num_adapters_retired": self.num_retired, "num_adapters_forgotten": self.num_forgotten,
+                "adapters_retired": sorted(i for i in self.retired if i in self.sources)}
 
     # ---- internals ---------------------------------------------------------------------------------
 
-    def _build(self, name: str, source: AdapterSource) -> LoraAdapter:
+    def _serve(self, name: str, source: AdapterSource) -> None:
+        """Serve source as name: a no-op for the weights it serves already, else its next version."""
+        current = self.served.get(name)
+        if self.sources.get(current or name, source).remote:  # a worker's: registered at the adapter cache
+            raise AdapterError(f"adapter name {name!r} is taken by {REMOTE}; register it there")
+        adapter_id = version_id(name, self.versions.get(name, 0) + 1)
+        adapter = self._build(adapter_id, source)
+        digest = adapter_digest(adapter)
+        if current is not None and self.sources[current] == source and \
+                self._digests.setdefault(current, digest) == digest:  # (unknown: kept by an older registry)
+            return
+        self.versions[name] = self.versions.get(name, 0) + 1
+        self.sources[adapter_id], self.served[name] = source, adapter_id
+        self._digests[adapter_id] = digest
+        self._add(adapter_id, adapter)
+        if current is not None:
+            self._retire(current)
+
+    def _retire(self, adapter_id: str) -> None:
+        self.retired.add(adapter_id)
+        self.num_retired += 1
+
+    def _parts(self, adapter_ids: set[str]) -> set[str]:
+        """adapter_ids and every id the compositions among them are made of, down to directories."""
+        parts, todo = set(), list(adapter_ids)
+        while todo:
+            adapter_id = todo.pop()
+            if adapter_id in parts or adapter_id not in self.sources:
+                continue
+            parts.add(adapter_id)
+            todo += [i for i, _ in self.sources[adapter_id].weights]
+        return parts
+
+    def _check_digest(self, adapter_id: str, adapter: LoraAdapter) -> None:
+        """An id reloaded from a directory serves the weights it was registered with, or nothing."""
+        known = self._digests.get(adapter_id)
+        if known is not None and self.sources[adapter_id].path and adapter_digest(adapter) != known:
+            raise AdapterError(f"the files of adapter {adapter_id!r} ({self.sources[adapter_id]}) changed "
+                               f"since it was registered; register it again to serve the new weights")
+
+    def _build(self, adapter_id: str, source: AdapterSource) -> LoraAdapter:
         if source.path:
-            return load_lora(name, source.path, self.spec, self.max_lora_rank)
+            return load_lora(adapter_id, source.path, self.spec, self.max_lora_rank)
         if source.remote:
-            adapter = self.fetch(name)
-            if adapter.name != name:
-                raise AdapterError(f"asked for adapter {name!r}, got {adapter.name!r}")
+            adapter = self.fetch(adapter_id)
+            if adapter.name != adapter_id:
+                raise AdapterError(f"asked for adapter {adapter_id!r}, got {adapter.name!r}")
             return adapter
-        adapter = compose(name, [(self[n], w) for n, w in source.weights], source.combination)
+        adapter = compose(adapter_id, [(self[i], w) for i, w in source.weights], source.combination)
         if adapter.max_rank > self.max_lora_rank:
-            raise AdapterError(f"composing {name!r} ({source.combination}) gives rank {adapter.max_rank}, "
-                               f"above max_lora_rank={self.max_lora_rank}; raise max_lora_rank or use 'svd'")
+            raise AdapterError(f"composing {adapter_id!r} ({source.combination}) gives rank "
+                               f"{adapter.max_rank}, above max_lora_rank={self.max_lora_rank}; raise "
+                               "max_lora_rank or use 'svd'")
         return adapter
 
-    def _add(self, name: str, adapter: LoraAdapter, source: AdapterSource) -> None:
-        self.sources[name] = source
-        self._digests.pop(name, None)  # (its files may have changed since it was last loaded)
-        self._loaded[name] = adapter
-        self._loaded.move_to_end(name)
+    def _add(self, adapter_id: str, adapter: LoraAdapter) -> None:
+        self._loaded[adapter_id] = adapter
+        self._loaded.move_to_end(adapter_id)
         total = self.loaded_bytes
-        for old in [n for n in self._loaded if n != name]:  # least recently used first
+        for old in [n for n in self._loaded if n != adapter_id]:  # least recently used first
             if (self.max_bytes is None or total <= self.max_bytes) and \
                     (self.max_loaded is None or len(self._loaded) <= self.max_loaded):
                 break
             total -= self._loaded.pop(old).nbytes
             self.num_evictions += 1
 
-    def _check_free(self, name: str, source: AdapterSource) -> None:
-        if self.sources.get(name, source) != source:  # requests and cached KV may hold the old weights
-            raise AdapterError(f"adapter name {name!r} is taken by {self.sources[name]}; register the new "
-                               "weights under another name")
-
 
 def check_name(name) -> None:
     if not isinstance(name, str) or not re.fullmatch(NAME_PATTERN, name):
         raise AdapterError(f"adapter name {name!r} is not valid: a non-empty string of letters, digits, "
                            "'_' and '-'")
+
+
+def check_id(adapter_id) -> None:
+    """An id version_id makes: a name, then @ and a version above 1."""
+    name, at, version = str(adapter_id).partition("@")
+    check_name(name if isinstance(adapter_id, str) else adapter_id)
+    if at and not (version.isdigit() and int(version) > 1):
+        raise AdapterError(f"adapter id {adapter_id!r} is not valid: a name, or a name@version")
 
 
 def resolve_adapter_path(path: str | Path, roots: Sequence[Path] | None) -> Path:

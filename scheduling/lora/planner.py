@@ -65,6 +65,12 @@ class LoraPlanner:
         self._last = (len(row_adapter), num_lowrank)
         return self.slots.rows(np.asarray([slot[a] for a in row_adapter], np.int32)), merged
 
+    def forget(self, name: str) -> None:
+        """A retired adapter's slot and merged copy are dropped (no request uses it)."""
+        self.slots.forget(name)
+        self.merged.drop(name)
+        self._copy_bytes.pop(name, None)
+
     def _record_paths(self, rows_by_adapter: Counter, num_rows: int, merged_names: set[str]) -> None:
         """A "lora_path" decision per adapter when its path (merged / low-rank) changes; repeats are
         counted."""

@@ -243,10 +243,12 @@ def test_adapters_are_validated_persisted_across_a_restart_and_served(client, ll
         client.register_adapter("bad name!", adapter)
     client.register_adapter("a", adapter)
     client.register_adapter("a", adapter)  # the same again: a no-op
-    with pytest.raises(ns.AdapterError, match="is taken by"):
-        client.register_adapter("a", make_adapter(llama_dir, tmp_path / "a2", seed=2))
     [registration] = json.loads(Path(config.adapter_registry).read_text())["registrations"]
     assert registration["deployment"] == NAME and registration["adapters"] == {"a": str(adapter)}
+    other = make_adapter(llama_dir, tmp_path / "a2", seed=2)
+    client.register_adapter("a", other)  # other weights: its next version
+    [registration] = json.loads(Path(config.adapter_registry).read_text())["registrations"]
+    assert registration["adapters"] == {"a": str(other)} and registration["versions"] == {"a": 2}
     assert registration["model"]["path"] == str(Path(llama_dir).resolve())
 
     def cache_process():
@@ -258,10 +260,11 @@ def test_adapters_are_validated_persisted_across_a_restart_and_served(client, ll
     ray.kill(cache, no_restart=False)
     wait_for(lambda: cache_process()[0] == "ALIVE" and cache_process()[1] != pid, 60,
              "the adapter cache to restart")
-    assert ray.get(cache.adapters.remote()) == {"a": str(adapter)}  # read back from its file
+    assert ray.get(cache.adapters.remote()) == {"a": str(other)}  # read back from its file
+    assert ray.get(cache.resolve.remote("a")) == "a@2"  # its version too
 
     prompts = [random_prompt(20, seed=40 + i) for i in range(4)]
-    expected = reference_outputs(llama_dir, config, prompts, GREEDY, adapters={"a": adapter})
+    expected = reference_outputs(llama_dir, config, prompts, GREEDY, adapters={"a": other})
     base = reference_outputs(llama_dir, config, prompts, GREEDY)
     with ThreadPoolExecutor(4) as pool:
         got = list(pool.map(lambda p: client.generate(p, GREEDY, adapter="a").token_ids, prompts))

@@ -24,6 +24,7 @@ from http_api.protocol import (
     EmbeddingRequest,
     LoadLoraAdapterRequest,
     TokenizeRequest,
+    UnloadLoraAdapterRequest,
 )
 from http_api.request_ids import RequestIds
 from http_api.serving import OpenAIServing
@@ -320,7 +321,8 @@ VALID = {C: (CompletionRequest, {"prompt": "hi", "max_tokens": 2}),
          CHAT: (ChatCompletionRequest, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}),
          E: (EmbeddingRequest, {"input": "hi"}), T: (TokenizeRequest, {"prompt": "hi"}),
          D: (DetokenizeRequest, {"tokens": [5, 6]}),
-         "/v1/load_lora_adapter": (LoadLoraAdapterRequest, {"lora_name": "x", "lora_path": "missing"})}
+         "/v1/load_lora_adapter": (LoadLoraAdapterRequest, {"lora_name": "x", "lora_path": "missing"}),
+         "/v1/unload_lora_adapter": (UnloadLoraAdapterRequest, {"lora_name": "x"})}
 
 
 @given(path=st.sampled_from(sorted(VALID)), data=st.data())

@@ -77,7 +77,8 @@ def test_fuzzing_every_operation_finds_no_5xx_no_hang_and_leaves_the_server_heal
     operations = [result.ok() for result in schema.get_all_operations()]
     assert {f"{op.method.upper()} {op.path}" for op in operations} == {
         "POST /v1/completions", "POST /v1/chat/completions", "POST /v1/embeddings", "GET /v1/models",
-        "POST /v1/load_lora_adapter", "POST /tokenize", "POST /detokenize", "GET /version", "GET /health",
+        "POST /v1/load_lora_adapter", "POST /v1/unload_lora_adapter", "POST /tokenize", "POST /detokenize",
+        "GET /version", "GET /health",
         "GET /metrics", "GET /v1/numaserve/stats"}
     headers = {"Authorization": f"Bearer {KEY}"} if with_key else {}
     start = time.monotonic()

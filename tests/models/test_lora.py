@@ -334,9 +334,10 @@ def test_registration_is_confined_to_adapter_roots(llama_dir, adapters, tmp_path
     for path in (outside, root / ".." / "outside", root / "link"):
         with pytest.raises(ns.AdapterError, match="outside adapter_roots"):
             llm.register_adapter("x", path)
-    with pytest.raises(ns.AdapterError, match="taken by"):
-        llm.register_adapter("a", root / "c")  # other weights under a served name
     llm.register_adapter("a", root / "a")  # the same directory again: a no-op
+    assert llm.engine.adapters.resolve("a") == "a"
+    llm.register_adapter("a", root / "c")  # other weights under a served name: its next version
+    assert llm.engine.adapters.resolve("a") == "a@2"
 
 
 def test_a_rank_above_max_lora_rank_is_refused(llama_dir, adapters):

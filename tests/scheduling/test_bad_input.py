@@ -229,7 +229,8 @@ def admit_once(tokenizer, prompt, params=None, adapter=None, session=None):
     raised."""
     registered = {"a": "/adapters/a", "b": "/adapters/b"}
     worker = _Stub(model_info=lambda: {"tokenizer": tokenizer, "vocab_size": VOCAB, "block_size": 16})
-    cache = _Stub(path=registered.get, adapters=lambda: dict(registered))
+    cache = _Stub(path=registered.get, resolve=lambda name: name if name in registered else None,
+                  adapters=lambda: dict(registered))
     router = Router.__ray_actor_class__(
         ns.ClusterConfig(engine={"max_model_len": MAX_MODEL_LEN}), {"w0": worker}, _Stub(policies=dict),
         cache)

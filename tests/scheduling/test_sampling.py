@@ -89,6 +89,14 @@ def test_top_k_1_equals_greedy(llm):
     assert top1.token_ids == greedy.token_ids
 
 
+def test_a_temperature_below_the_floor_is_greedy(llm):
+    # 5e-324 (the fuzzer's): logits / temperature overflowed to inf - inf = nan, every weight 0, a 500
+    greedy = llm.generate(PROMPT, ns.SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))[0]
+    for tiny in (5e-324, 1e-300, 9.9e-6):
+        params = ns.SamplingParams(max_tokens=24, temperature=tiny, top_p=5e-324, ignore_eos=True)
+        assert params.greedy and llm.generate(PROMPT, params)[0].token_ids == greedy.token_ids
+
+
 def test_top_k_keeps_only_the_k_most_likely(llm, next_token_logits):
     allowed = set(np.argsort(-next_token_logits)[:5].tolist())
     tokens = first_tokens(llm, top_k=5)

@@ -92,13 +92,16 @@ class LocalDeployment:
 
     async def adapters(self) -> dict[str, str]:
         def sources(engine) -> dict[str, str]:
-            return {name: str(source) for name, source in engine.adapters.sources.items()}
+            return {name: str(engine.adapters.sources[i]) for name, i in engine.adapters.served.items()}
 
         return await self.run(self.llm.engine_loop.call, sources)
 
     async def register_adapter(self, name: str, path: str) -> str:
         await self.run(self.llm.engine_loop.call, lambda engine: engine.register_adapter(name, path))
         return (await self.adapters())[name]
+
+    async def unload_adapter(self, name: str) -> None:
+        await self.run(self.llm.engine_loop.call, lambda engine: engine.unload_adapter(name))
 
     async def embed(self, prompts: list, pooling: str, adapter: str | None,
                     cache_salt: str | None = None) -> tuple[list[list[int]], np.ndarray]:
