@@ -92,7 +92,7 @@ class AdapterCache:
 
     def put_merged(self, name: str, refs: list[ray.ObjectRef], nbytes: int) -> None:
         """Keep a worker's merged copy for the others, least recently used out past max_merged_bytes."""
-        if name not in self.store or nbytes > self.max_merged_bytes:
+        if name not in self.store or name in self.store.retired or nbytes > self.max_merged_bytes:
             return
         self._merged[name] = (refs[0], nbytes)
         while sum(b for _, b in self._merged.values()) > self.max_merged_bytes:

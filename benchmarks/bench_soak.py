@@ -250,6 +250,10 @@ def main() -> None:
                    f"{args.chaos_interval[0]:g} {args.chaos_interval[1]:g}") if args.chaos else ""
     result["command"] = (f"python -m benchmarks.bench_soak{' --http' if args.http else ''}{chaos_flags} "
                          f"--duration-s {args.duration_s:g} --rate {args.rate:g}")
+    from benchmarks.bench_revisions import revision
+    from benchmarks.machine import cpu_name
+    result |= {"revision": revision(RESULTS.parents[1]), "date": time.strftime("%Y-%m-%d %H:%M"),
+               "cpu": cpu_name()}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
     _plot(result, out.with_suffix(".png"))

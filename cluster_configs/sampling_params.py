@@ -4,9 +4,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from cluster_configs.structured_outputs import StructuredOutputs
 
-
-# below this a temperature samples the argmax (up to exact ties), and logits / temperature may overflow: such a
-# request is greedy (vLLM's sampler keeps the same floor)
+# below this a temperature samples the argmax (up to exact ties), and logits / temperature may overflow: such
+# a request is greedy (vLLM's sampler keeps the same floor)
 MIN_TEMPERATURE = 1e-5
 
 

@@ -127,7 +127,25 @@ def soak(data: dict) -> str:
                   f"{data['num_blocks_leaked']}, {data['num_requests_left']}"))
     before, after = data["rss_before_bytes"], data["rss_after_bytes"]
     facts += [(f"RSS of {w}", f"{before[w] / 1e6:.0f} -> {after[w] / 1e6:.0f} MB") for w in before]
+    if "chaos" in data:
+        facts += chaos_facts(data)
     return table(["", ""], [[k, v] for k, v in facts])
+
+
+def chaos_facts(data: dict) -> list[tuple[str, object]]:
+    chaos = data["chaos"]
+    recovery = chaos["recovery_by_kind"]
+    return [
+        ("kills (by kind)", f"{chaos['num_kills']} ("
+                            + ", ".join(f"{k} {n}" for k, n in chaos["kills_by_kind"].items()) + ")"),
+        ("recovery p50 / p99 (s)", f"{chaos['recovery_p50_s']:.1f} / {chaos['recovery_p99_s']:.1f}"),
+        ("recovery p50 / max by kind (s)", ", ".join(f"{k} {r['p50_s']:.1f} / {r['max_s']:.1f}"
+                                                     for k, r in recovery.items())),
+        ("not recovered", chaos["num_not_recovered"]),
+        ("5xx (all typed 503 during a restart)", f"{data['num_5xx']} ({data['num_503_during_restart']})"),
+        ("connections lost to an HTTP actor's kill", data["num_connection_lost_to_http_kill"]),
+        ("greedy answers checked undisturbed / differing",
+         f"{data['num_greedy_checked']} / {data['num_greedy_mismatched']}")]
 
 
 def simulate_validation(data: dict) -> str:

@@ -33,6 +33,8 @@ def test_a_90_s_chaos_soak_kills_every_kind_of_actor_and_loses_no_request(client
     chaos = Chaos(client, "a", seed=0, interval_s=(3.0, 6.0))
     result = run_http_soak(client, duration_s=90, rate_per_s=4, adapter="a", seed=1, chaos=chaos)
     summary = {k: v for k, v in result.items() if k != "outcomes"}
+    print({k: v for k, v in summary.items() if k != "chaos"}, {k: v for k, v in result["chaos"].items()
+                                                                if k != "kills"})
     killed = result["chaos"]["kills_by_kind"]
     assert all(killed[kind] >= 1 for kind in KINDS), summary
     assert result["chaos"]["num_not_recovered"] == 0, summary
