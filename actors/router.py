@@ -164,7 +164,9 @@ class Router:
                                 ) -> tuple[dict[str, Any], dict[str, Exception]]:
         """call(handle) (an awaitable) on every live worker among worker_ids (None: all) at once, each given
         timeout_s -> (worker id -> answer, worker id -> the TimeoutError or RayError it failed with), in
-        worker_ids' order. Workers marked down are in neither: a restarting one is not waited for."""
+        worker_ids' order. Workers marked down are in neither: a restarting one is not waited for. A worker
+        whose actor is dead or restarting (RayActorError) is marked down here, as a caller's reroute would:
+        a worker no stream reported lost (its machine gone while it streamed nothing) is not left "alive"."""
         live = [w for w in (self.workers if worker_ids is None else worker_ids)
                 if self.routing.workers[w].alive]
 
@@ -177,6 +179,8 @@ class Router:
         answers, errors = {}, {}
         for worker_id, (ok, value) in zip(live, await asyncio.gather(*map(ask, live))):
             (answers if ok else errors)[worker_id] = value
+            if isinstance(value, ray.exceptions.RayActorError):
+                self._worker_lost(worker_id)
         return answers, errors
 
     def _worker_lost(self, worker_id: str) -> None:

@@ -14,8 +14,7 @@ import requests
 import numaserve as ns
 from tests.cluster.conftest import advance, collect, free_port, paused, queued, sim_config, wait_for
 from tests.conftest import random_prompt
-from tests.models.test_hf_parity import hf_greedy
-from tests.models.test_lora import make_adapter, peft_reference
+from tests.models.test_lora import peft_greedy, two_versions
 
 NAME = "adapter-lifecycle"
 FP32 = {"weight_dtype": "float32", "kv_dtype": "float32"}
@@ -27,16 +26,13 @@ ERROR_KEYS = {"message", "type", "param", "code"}
 
 @pytest.fixture(scope="module")
 def weights(llama_dir, tmp_path_factory):
-    root = tmp_path_factory.mktemp("lifecycle")
-    return {"old": make_adapter(llama_dir, root / "old", seed=21),
-            "new": make_adapter(llama_dir, root / "new", seed=22, r=8)}
+    return two_versions(llama_dir, tmp_path_factory.mktemp("lifecycle"), seed=21)
 
 
 @pytest.fixture(scope="module")
 def expected(llama_dir, weights) -> dict[str, list[list[int]]]:
     """PEFT's greedy tokens over each version's weights, for each prompt."""
-    return {which: [hf_greedy(peft_reference(llama_dir, path), p, MAX_TOKENS) for p in PROMPTS]
-            for which, path in weights.items()}
+    return peft_greedy(llama_dir, weights, PROMPTS, MAX_TOKENS)
 
 
 @pytest.fixture(scope="module", params=["never", "always"])

@@ -49,6 +49,19 @@ def peft_reference(llama_dir, adapter_dir):
     return PeftModel.from_pretrained(base, adapter_dir).eval()
 
 
+def two_versions(base_dir, root, seed: int) -> dict:
+    """Two adapters' directories, "old" and "new" (other weights, another rank): one name's two versions."""
+    return {"old": make_adapter(base_dir, root / "old", seed=seed),
+            "new": make_adapter(base_dir, root / "new", seed=seed + 1, r=8)}
+
+
+def peft_greedy(base_dir, adapter_dirs: dict, prompts: list[list[int]], n: int) -> dict:
+    """{key: PEFT's greedy tokens for each prompt} over each adapter directory."""
+    from tests.models.test_hf_parity import hf_greedy
+    return {key: [hf_greedy(model, p, n) for p in prompts]
+            for key, model in ((k, peft_reference(base_dir, d)) for k, d in adapter_dirs.items())}
+
+
 @pytest.fixture(scope="module")
 def llm(module_llm, llama_dir, adapters):
     llm = module_llm(llama_dir, **FP32)

@@ -8,25 +8,20 @@ import pytest
 import numaserve as ns
 from scheduling.engine import Engine
 from tests.conftest import random_prompt
-from tests.models.test_hf_parity import hf_greedy
-from tests.models.test_lora import FP32, make_adapter, peft_reference
+from tests.models.test_lora import FP32, peft_greedy, two_versions
 
 GREEDY = ns.SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
 def weights(llama_dir, tmp_path_factory):
-    root = tmp_path_factory.mktemp("versions")
-    return {"old": make_adapter(llama_dir, root / "old", seed=11),
-            "new": make_adapter(llama_dir, root / "new", seed=12, r=8)}
+    return two_versions(llama_dir, tmp_path_factory.mktemp("versions"), seed=11)
 
 
 @pytest.fixture(scope="module")
 def expected(llama_dir, weights):
     prompts = [random_prompt(21, seed=31), random_prompt(9, seed=32)]
-    peft = {which: peft_reference(llama_dir, path) for which, path in weights.items()}
-    return prompts, {which: [hf_greedy(model, p, GREEDY.max_tokens) for p in prompts]
-                     for which, model in peft.items()}
+    return prompts, peft_greedy(llama_dir, weights, prompts, GREEDY.max_tokens)
 
 
 def run(engine: Engine, until) -> dict[str, list[int]]:
