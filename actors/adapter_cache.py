@@ -121,7 +121,7 @@ class AdapterCache:
             return
         self._refs.pop(before, None)
         self._merged.pop(before, None)
-        self.store.forget(before, keep_source=True)  # a late fetch loads it again
+        self.store.forget(before)  # a late fetch loads it again
         for worker in self._workers():
             worker.retire_adapters.remote([before])  # not waited for: a worker lost meanwhile holds nothing
 

@@ -8,8 +8,8 @@ again from their source when next asked for.
 
 Versions: requests name an adapter, the engine serves an id. A name's first registration is served as the
 name itself, each later one with other weights as `name@v` (version_id); the old id is retired: requests
-that hold it keep its weights to their end, new ones resolve the name to the new id. A retired id is
-forgotten (forget) once nothing uses it. Weights are checked against the digest taken at registration
+that hold it keep its weights to their end, new ones resolve the name to the new id. A retired id's weights
+are dropped (forget) once nothing uses it. Weights are checked against the digest taken at registration
 whenever they are loaded again: an id never serves other weights than it was registered with.
 """
 
@@ -71,7 +71,7 @@ class AdapterState:
 
 
 class AdapterStore(Mapping[str, LoraAdapter]):
-    """A Mapping of adapter ids (served and retired, while kept) to their weights."""
+    """A Mapping of adapter ids (served and retired) to their weights."""
 
     def __init__(self, spec: ModelSpec, max_lora_rank: int, adapter_roots: Sequence[str] | None = None,
                  max_bytes: int | None = None, max_loaded: int | None = None,
@@ -85,7 +85,7 @@ class AdapterStore(Mapping[str, LoraAdapter]):
         self.sources: dict[str, AdapterSource] = {}  # id -> where its weights come from
         self.served: dict[str, str] = {}  # name -> the id requests naming it get
         self.versions: dict[str, int] = {}  # name -> its last version
-        self.retired: set[str] = set()  # ids no name resolves to any more (forgotten once unused)
+        self.retired: set[str] = set()  # ids no name resolves to any more (weights dropped once unused)
         self._loaded: OrderedDict[str, LoraAdapter] = OrderedDict()  # least recently used first
         self._digests: dict[str, str] = {}  # id -> adapter_digest of its weights
         self.num_hits = self.num_misses = self.num_evictions = 0
@@ -155,14 +155,10 @@ class AdapterStore(Mapping[str, LoraAdapter]):
         if adapter_id not in self.retired:
             self._retire(adapter_id)
 
-    def forget(self, adapter_id: str, keep_source: bool = False) -> None:
-        """Drop a retired id's weights, and its source (unless kept, or a served composition is made of
-        it)."""
+    def forget(self, adapter_id: str) -> None:
+        """Drop a retired id's weights. Its source stays (a few bytes): a request resolved to it just before
+        it was retired, or moved from a lost worker, loads it again, checked against its digest."""
         self._loaded.pop(adapter_id, None)
-        if not keep_source and adapter_id in self.sources and \
-                adapter_id not in self._parts(set(self.served.values())):
-            del self.sources[adapter_id]
-            self._digests.pop(adapter_id, None)
         self.num_forgotten += 1
 
     # ---- lookup ------------------------------------------------------------------------------------
@@ -212,7 +208,7 @@ class AdapterStore(Mapping[str, LoraAdapter]):
                 "num_adapters": sum(i not in self.retired for i in self.sources),
                 "num_adapters_loaded": len(self._loaded), "adapters_loaded": sorted(self._loaded),
                 "num_adapters_retired": self.num_retired, "num_adapters_forgotten": self.num_forgotten,
-                "adapters_retired": sorted(i for i in self.retired if i in self.sources)}
+                "adapters_retired": sorted(i for i in self.retired if i in self._loaded)}
 
     # ---- internals ---------------------------------------------------------------------------------
 
