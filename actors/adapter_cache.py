@@ -48,20 +48,20 @@ class AdapterCache:
         fit."""
         before = self.store.resolve(name)
         path = self.store.register(name, directory)
-        self._changed(before, name)
+        self._changed(self.store.replaced(before, name))
         return path
 
     def compose(self, name: str, weights: dict[str, float], combination: str = "svd") -> None:
         """Serve `name` as a weighted combination of registered adapters (models/lora/compose.py)."""
         before = self.store.resolve(name)
         self.store.compose(name, weights, combination)
-        self._changed(before, name)
+        self._changed(self.store.replaced(before, name))
 
     def unload(self, name: str) -> str:
         """Serve `name` no more -> the id retired; AdapterError if no adapter has that name. Requests that
         hold it finish on its weights."""
         adapter_id = self.store.unload(name)
-        self._changed(adapter_id, name)
+        self._changed(adapter_id)
         return adapter_id
 
     def resolve(self, name: str) -> str | None:
@@ -113,17 +113,17 @@ class AdapterCache:
                                      "merged_held": list(self._merged),
                                      "merged_bytes": sum(b for _, b in self._merged.values())}
 
-    def _changed(self, before: str | None, name: str) -> None:
-        """After a registration or an unload: kept in the registry; the id the name had, if retired now,
-        dropped here and retired on every worker."""
+    def _changed(self, retired: str | None) -> None:
+        """After a registration or an unload: kept in the registry; the id it retired (if any) dropped here
+        and retired on every worker."""
         self.registry.write(self.store.state())
-        if before is None or self.store.resolve(name) == before:
+        if retired is None:
             return
-        self._refs.pop(before, None)
-        self._merged.pop(before, None)
-        self.store.forget(before)  # a late fetch loads it again
+        self._refs.pop(retired, None)
+        self._merged.pop(retired, None)
+        self.store.forget(retired)  # a late fetch loads it again
         for worker in self._workers():
-            worker.retire_adapters.remote([before])  # not waited for: a worker lost meanwhile holds nothing
+            worker.retire_adapters.remote([retired])  # not waited for: a worker lost meanwhile holds nothing
 
     def _workers(self) -> list:
         prefix = f"{self.deployment}.worker."

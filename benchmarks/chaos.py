@@ -122,8 +122,8 @@ class Chaos:
                 pid = self._worker_pid(actor)
                 return pid is not None and pid != old_pid and self._served(self.model)
             if kind == "scheduler":
-                policies = self.client.stats()["policies"]
-                return "error" not in policies and len(policies) == len(self.client.stats()["workers"])
+                stats = self.client.stats()  # (one call: it asks every worker and the scheduler)
+                return "error" not in stats["policies"] and len(stats["policies"]) == len(stats["workers"])
             return self._served(self.adapter if kind == "adapters" else self.model)
         except Exception:  # noqa: BLE001  (anything short of an answer: not recovered yet)
             return False

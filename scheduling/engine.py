@@ -157,13 +157,13 @@ class Engine:
         its next version). Raises AdapterError."""
         before = self.adapters.resolve(name)
         self.adapters.register(name, path)
-        self._retire_if_replaced(before, name)
+        self._retire_replaced(before, name)
 
     def compose_adapter(self, name: str, weights: dict[str, float], combination: str = "svd") -> None:
         """Register name as a weighted combination of registered adapters. Raises AdapterError."""
         before = self.adapters.resolve(name)
         self.adapters.compose(name, weights, combination)
-        self._retire_if_replaced(before, name)
+        self._retire_replaced(before, name)
 
     def unload_adapter(self, name: str) -> None:
         """Serve the adapter no more: requests that use it finish on its weights, then it is forgotten.
@@ -177,9 +177,9 @@ class Engine:
             self._retiring.add(adapter_id)
         self._forget_unused()
 
-    def _retire_if_replaced(self, before: str | None, name: str) -> None:
-        if before is not None and self.adapters.resolve(name) != before:
-            self.retire_adapters([before])
+    def _retire_replaced(self, before: str | None, name: str) -> None:
+        if (retired := self.adapters.replaced(before, name)) is not None:
+            self.retire_adapters([retired])
 
     def _forget_unused(self) -> None:
         if not self._retiring:

@@ -155,6 +155,10 @@ class AdapterStore(Mapping[str, LoraAdapter]):
         if adapter_id not in self.retired:
             self._retire(adapter_id)
 
+    def replaced(self, before: str | None, name: str) -> str | None:
+        """The id a registration of name retired, given the id name resolved to before it (None: none)."""
+        return before if before is not None and self.served.get(name) != before else None
+
     def forget(self, adapter_id: str) -> None:
         """Drop a retired id's weights. Its source stays (a few bytes): a request resolved to it just before
         it was retired, or moved from a lost worker, loads it again, checked against its digest."""
