@@ -1,11 +1,11 @@
-"""llama.cpp's own HTTP server (`llama-server`), built once from the llama.cpp source that ships inside the
-llama-cpp-python sdist of the installed version (its `vendor/llama.cpp`), so the server and the
-llama-cpp-python the other benchmarks use are the same llama.cpp.
+"""llama.cpp's own tools (`llama-server`, `llama-imatrix`, `llama-quantize`, ...), built once from the llama.cpp
+source that ships inside the llama-cpp-python sdist of the installed version (its `vendor/llama.cpp`), so the
+tools and the llama-cpp-python the other benchmarks and tests use are the same llama.cpp.
 
-    python -m benchmarks.llama_server        # build (or find) it and print its path
+    python -m benchmarks.llama_server [TOOL ...]   # build (or find) them (default llama-server), print paths
 
-The sdist comes from pip's index (`pip download --no-binary`); the build is CMake's Release build of the
-target `llama-server` with `-DGGML_NATIVE=ON` (this CPU's instruction sets, as llama-cpp-python's own wheel
+The sdist comes from pip's index (`pip download --no-binary`); the build is CMake's Release build of each
+tool's target with `-DGGML_NATIVE=ON` (this CPU's instruction sets, as llama-cpp-python's own wheel
 build), no tests or examples, no web UI download (offline), ~5 minutes on 2 cores. Everything is cached under
 ~/.cache/numaserve/llama-server/<version>/, outside the repo."""
 
@@ -25,17 +25,23 @@ CMAKE_FLAGS = ("-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_BUILD_
 
 def llama_server_binary() -> Path:
     """The path of a built llama-server for the installed llama-cpp-python version (built on first use)."""
+    return llama_cpp_tool("llama-server")
+
+
+def llama_cpp_tool(name: str) -> Path:
+    """The path of llama.cpp's tool `name` (a CMake target: llama-imatrix, llama-quantize, ...) for the
+    installed llama-cpp-python version, built on first use."""
     release = version("llama_cpp_python")
     root = CACHE / release
-    binary = root / "llama-server"
+    binary = root / name
     if binary.exists():
         return binary
     source = _vendored_source(root, release)
     build = root / "build"
     jobs = str(len(os.sched_getaffinity(0)))
     subprocess.run(["cmake", "-S", str(source), "-B", str(build), "-G", "Ninja", *CMAKE_FLAGS], check=True)
-    subprocess.run(["cmake", "--build", str(build), "--target", "llama-server", "-j", jobs], check=True)
-    shutil.copy2(build / "bin" / "llama-server", binary)
+    subprocess.run(["cmake", "--build", str(build), "--target", name, "-j", jobs], check=True)
+    shutil.copy2(build / "bin" / name, binary)
     return binary
 
 
@@ -58,4 +64,5 @@ def _vendored_source(root: Path, release: str) -> Path:
 
 
 if __name__ == "__main__":
-    print(llama_server_binary())
+    for tool in sys.argv[1:] or ["llama-server"]:
+        print(llama_cpp_tool(tool))

@@ -34,6 +34,7 @@ from kernels.formats.int8_layout import (
 )
 from kernels.formats.quant import QK, quantize_q4_0, quantize_q8_0
 from kernels.formats.quant_k import quantize_k
+from kernels.formats.quant_weighted import quantize_weighted_32
 from kernels.placement import stream_zeros
 from kernels.simd.bf16 import GROUP as BF16_GROUP
 from kernels.simd.bf16 import ROWS as BF16_ROWS
@@ -45,6 +46,7 @@ from kernels.simd.vnni import VNNI_FEATURES
 from memory.block_matrices import KQuantMatrix, Q6KMatrix
 
 WEIGHT_DTYPES = ("float32", "float16", "bfloat16", "q8_0", "q4_0") + BLOCK_DTYPES
+GGML_TYPE_OF = {"q4_0": gguf.GGMLQuantizationType.Q4_0, "q8_0": gguf.GGMLQuantizationType.Q8_0} | GGML_TYPE
 # the format llama.cpp's llama-quant gives a matrix whose rows are not whole K-quant super-blocks of 256
 K_QUANT_FALLBACK = {"q4_k": "q5_0", "q5_k": "q5_1", "q6_k": "q8_0"}
 
@@ -66,11 +68,14 @@ class WeightMatrix:
     scales: np.ndarray | None = None
 
     @classmethod
-    def from_float(cls, w: np.ndarray, dtype: str) -> "WeightMatrix":
-        """w: [N, K] in dtype, quantized as llama.cpp quantizes without an importance matrix. Rows that are
-        not whole super-blocks take K_QUANT_FALLBACK's format, rows that are not whole blocks of 32 bf16.
-        float16 rounds to nearest even (float16 values keep their bits); a finite value beyond its range
-        raises CheckpointError rather than becoming infinite."""
+    def from_float(cls, w: np.ndarray, dtype: str, importance: np.ndarray | None = None) -> "WeightMatrix":
+        """w: [N, K] in dtype, quantized as llama.cpp quantizes: without an importance matrix, or with one
+        (importance: f32 [G, K], G dividing N: each input column's mean squared activation, per group of N // G
+        rows, an expert's; models/quantization/imatrix.py) in the formats that use it (q4_0, q4_1, q5_0, q5_1
+        and the K-quants; q8_0 and the float formats ignore it). Rows that are not whole super-blocks take
+        K_QUANT_FALLBACK's format, rows that are not whole blocks of 32 bf16. float16 rounds to nearest even
+        (float16 values keep their bits); a finite value beyond its range raises CheckpointError rather than
+        becoming infinite."""
         if dtype == "float32":
             return cls(dtype, np.ascontiguousarray(w, dtype=np.float32))
         if dtype == "float16":
@@ -89,10 +94,18 @@ class WeightMatrix:
             return cls("bfloat16", to_bf16(w))  # rows that are not whole blocks stay bf16
         w = np.ascontiguousarray(w, dtype=np.float32)
         n, k = w.shape
+        if importance is not None:
+            importance = np.ascontiguousarray(importance, dtype=np.float32).reshape(-1, k)
+            if n % importance.shape[0]:
+                raise ValueError(f"{importance.shape[0]} importance groups do not divide {n} rows")
         if dtype in K_QUANT_DTYPES:
             data = np.empty((n, row_bytes(dtype, k)), np.uint8)
-            quantize_k(CODE[dtype], w, data)
+            quantize_k(CODE[dtype], w, np.empty((0, k), np.float32) if importance is None else importance, data)
             return cls(dtype, data)
+        if importance is not None and dtype in ("q4_0", "q4_1", "q5_0", "q5_1"):
+            data = np.empty((n, gguf.quant_shape_to_byte_shape((k,), GGML_TYPE_OF[dtype])[0]), np.uint8)
+            quantize_weighted_32(int(GGML_TYPE_OF[dtype]), w, importance, data)
+            return cls.from_ggml_blocks(dtype, data)
         if dtype in BLOCK_DTYPES:
             # q4_1, q5_0, q5_1: the gguf package's, ggml's reference rounding
             # (tests/kernels/test_kquant_quantize.py). Fast enough in numpy: the K-quants, whose scale search
@@ -106,6 +119,18 @@ class WeightMatrix:
             qs = np.empty((n, k // 2), np.uint8)
             quantize_q4_0(w, qs, scales)
         return cls(dtype, qs, scales)
+
+    @classmethod
+    def from_ggml_blocks(cls, dtype: str, data: np.ndarray) -> "WeightMatrix":
+        """A matrix from its rows as GGML stores them, uint8 [N, row bytes]: q8_0 / q4_0 blocks split into
+        their scales and values, the block formats as they are."""
+        if dtype not in ("q8_0", "q4_0"):
+            return cls(dtype, data)
+        n = data.shape[0]
+        blocks = data.reshape(n, -1, 34 if dtype == "q8_0" else 18)  # [N, K // 32, fp16 d + 32 | 16 bytes]
+        scales = np.ascontiguousarray(blocks[:, :, :2]).view(np.uint16).reshape(n, -1)
+        qs = np.ascontiguousarray(blocks[:, :, 2:]).reshape(n, -1)
+        return cls(dtype, qs.view(np.int8) if dtype == "q8_0" else qs, scales)
 
     @property
     def shape(self) -> tuple[int, int]:

@@ -94,12 +94,7 @@ def _copy_tensor(path: Path, t, pieces: tuple[int, list[tuple[int, int]]] | None
         return StoredTensor(kind, shape, WeightMatrix(AUTO[kind], np.array(data)))
     if kind == GT.BF16:
         return StoredTensor(kind, shape, WeightMatrix("bfloat16", np.array(data).view(np.uint16)))
-    n = data.shape[0]
-    blocks = data.reshape(n, -1, GGML_QUANT_SIZES[kind][1])  # [N, K // 32, 2 + 32 | 2 + 16]
-    scales = np.ascontiguousarray(blocks[:, :, :2]).view(np.uint16).reshape(n, -1)  # fp16 bits [N, K // 32]
-    qs = np.ascontiguousarray(blocks[:, :, 2:]).reshape(n, -1)  # Q8_0: [N, K]; Q4_0: [N, K // 2]
-    return StoredTensor(kind, shape, WeightMatrix(AUTO[kind], qs.view(np.int8) if kind == GT.Q8_0 else qs,
-                                                  scales))
+    return StoredTensor(kind, shape, WeightMatrix.from_ggml_blocks(AUTO[kind], np.array(data, np.uint8)))
 
 
 def _part(path: Path, name: str, kind: GGMLQuantizationType, data: np.ndarray, shape: tuple[int, ...],
