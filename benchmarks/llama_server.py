@@ -1,6 +1,7 @@
-"""llama.cpp's own tools (`llama-server`, `llama-imatrix`, `llama-quantize`, ...), built once from the llama.cpp
-source that ships inside the llama-cpp-python sdist of the installed version (its `vendor/llama.cpp`), so the
-tools and the llama-cpp-python the other benchmarks and tests use are the same llama.cpp.
+"""llama.cpp's own tools (`llama-server`, `llama-imatrix`, `llama-quantize`, ...), built once from the
+llama.cpp source that ships inside the llama-cpp-python sdist of the installed version (its
+`vendor/llama.cpp`), so the tools and the llama-cpp-python the other benchmarks and tests use are the same
+llama.cpp.
 
     python -m benchmarks.llama_server [TOOL ...]   # build (or find) them (default llama-server), print paths
 

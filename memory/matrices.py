@@ -70,12 +70,12 @@ class WeightMatrix:
     @classmethod
     def from_float(cls, w: np.ndarray, dtype: str, importance: np.ndarray | None = None) -> "WeightMatrix":
         """w: [N, K] in dtype, quantized as llama.cpp quantizes: without an importance matrix, or with one
-        (importance: f32 [G, K], G dividing N: each input column's mean squared activation, per group of N // G
-        rows, an expert's; models/quantization/imatrix.py) in the formats that use it (q4_0, q4_1, q5_0, q5_1
-        and the K-quants; q8_0 and the float formats ignore it). Rows that are not whole super-blocks take
-        K_QUANT_FALLBACK's format, rows that are not whole blocks of 32 bf16. float16 rounds to nearest even
-        (float16 values keep their bits); a finite value beyond its range raises CheckpointError rather than
-        becoming infinite."""
+        (importance: f32 [G, K], G dividing N: each input column's mean squared activation, per group of
+        N // G rows, an expert's; models/quantization/imatrix.py) in the formats that use it (q4_0, q4_1,
+        q5_0, q5_1 and the K-quants; q8_0 and the float formats ignore it). Rows that are not whole
+        super-blocks take K_QUANT_FALLBACK's format, rows that are not whole blocks of 32 bf16. float16 rounds
+        to nearest even (float16 values keep their bits); a finite value beyond its range raises
+        CheckpointError rather than becoming infinite."""
         if dtype == "float32":
             return cls(dtype, np.ascontiguousarray(w, dtype=np.float32))
         if dtype == "float16":
@@ -100,7 +100,8 @@ class WeightMatrix:
                 raise ValueError(f"{importance.shape[0]} importance groups do not divide {n} rows")
         if dtype in K_QUANT_DTYPES:
             data = np.empty((n, row_bytes(dtype, k)), np.uint8)
-            quantize_k(CODE[dtype], w, np.empty((0, k), np.float32) if importance is None else importance, data)
+            none = np.empty((0, k), np.float32)
+            quantize_k(CODE[dtype], w, none if importance is None else importance, data)
             return cls(dtype, data)
         if importance is not None and dtype in ("q4_0", "q4_1", "q5_0", "q5_1"):
             data = np.empty((n, gguf.quant_shape_to_byte_shape((k,), GGML_TYPE_OF[dtype])[0]), np.uint8)

@@ -118,7 +118,7 @@ def _q45_k_weighted(x, qw, fifth_bit, block, L, trial, weights, scales, mins, su
 
 @njit(inline="always", nogil=True)
 def _pack_scale_min(block, j, ls, lm):
-    # sub-block j's 6-bit scale and min into bytes 4..15; sub-blocks 4..7 keep their top 2 bits in bytes 0..7's
+    # sub-block j's 6-bit scale and min into bytes 4..15 (sub-blocks 4..7 keep their top 2 bits in 0..7's)
     packed = block[4:16]
     if j < 4:
         packed[j], packed[j + 4] = ls & 255, lm & 255
