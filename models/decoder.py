@@ -44,8 +44,8 @@ class DecoderModel:
         self.qkv_modules = (("q_proj", slice(0, q)), ("k_proj", slice(q, q + kv)),
                             ("v_proj", slice(q + kv, None)))
         self.gate_up_modules = (("gate_proj", slice(0, inter)), ("up_proj", slice(inter, None)))
-        # calibration (models/quantization/calibration.py) sets this to see every linear layer's input:
-        # (name, x [T, K])
+        # calibration (models/quantization/calibrate.py) sets this to see every linear layer's input:
+        # (name, x [T, K]); a MoE layer's routed experts as layers.{i}.experts.{e}.gate_up | down
         self.observer = None
         # time in the layers' projections, summed (the runner reads and resets it)
         self.projection_seconds = 0.0
@@ -150,7 +150,9 @@ class DecoderModel:
     def _experts(self, i: int, experts: ExpertWeights, x: np.ndarray) -> np.ndarray:
         """A MoE layer's experts: x [T, hidden] -> [T, hidden]; the routing counted in expert_log. Timed."""
         start = time.perf_counter()
-        out, ids = moe_forward(x, experts, linear, self.moe_buffers)
+        observe = None if self.observer is None else (
+            lambda e, key, inputs: self.observer(f"layers.{i}.experts.{e}.{key}", inputs))
+        out, ids = moe_forward(x, experts, linear, self.moe_buffers, observe)
         self.expert_log.record(i, ids)
         self.projection_seconds += time.perf_counter() - start
         return out

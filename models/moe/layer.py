@@ -38,8 +38,11 @@ def route(logits: np.ndarray, top_k: int, normalize: bool) -> tuple[np.ndarray, 
     return ids, weights
 
 
-def moe_forward(x: np.ndarray, experts: ExpertWeights, linear: Linear,
-                buffers: MoeBuffers | None = None) -> tuple[np.ndarray, np.ndarray]:
+Observe = Callable[[int, str, np.ndarray], None]  # (expert, "gate_up" | "down", its inputs [n, K])
+
+
+def moe_forward(x: np.ndarray, experts: ExpertWeights, linear: Linear, buffers: MoeBuffers | None = None,
+                observe: Observe | None = None) -> tuple[np.ndarray, np.ndarray]:
     """The MoE MLP over a flat token batch: x [T, hidden] f32 -> (out [T, hidden] f32, ids [T, k] int32,
     the experts each token was routed to: those that ran).
 
@@ -49,9 +52,10 @@ def moe_forward(x: np.ndarray, experts: ExpertWeights, linear: Linear,
     call per routed expert and projection on its views. A token's output is its slots' outputs summed in
     slot order, each from its own row alone: the same bits in any batch, and on either path. Experts held by
     another rank (expert parallelism) add zero: the ranks' outputs sum to the layer's (the caller's
-    all-reduce)."""
+    all-reduce). observe(expert, "gate_up" | "down", inputs): shown each routed expert's projection inputs
+    (the per-expert path then runs)."""
     x = np.ascontiguousarray(x, np.float32)
-    if _fused(experts):
+    if _fused(experts) and observe is None:
         return _experts_fused(x, experts, buffers or MoeBuffers())
     T, hidden = x.shape
     k, I = experts.top_k, experts.intermediate_size
@@ -70,7 +74,11 @@ def moe_forward(x: np.ndarray, experts: ExpertWeights, linear: Linear,
         xe = np.empty((b - a, hidden), np.float32)
         gather_rows(x, slots[a:b], k, xe)
         act = np.empty((b - a, I), np.float32)
+        if observe is not None:
+            observe(e, "gate_up", xe)
         silu_mul(linear(xe, gate_up), act)  # [n, 2 * I] -> [n, I]
+        if observe is not None:
+            observe(e, "down", act)
         y[a:b] = linear(act, down)
     out = np.empty((T, hidden), np.float32)
     weighted_sum(y, weights, position, out)

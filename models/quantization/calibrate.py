@@ -1,4 +1,5 @@
-"""`numaserve calibrate`: run a model over text with float32 activations and write its calibration file.
+"""`numaserve calibrate`: run a model over text with float32 activations and write its calibration file
+(or, with --imatrix, its importance matrix: compute_imatrix).
 
 Three passes over the same token windows, each watching every linear layer's input through
 `DecoderModel.observer`: (1) the largest |x|, (2) the histogram of |x| (percentile and kl only), then the
@@ -36,11 +37,13 @@ from models.quantization.calibration import (
     MatrixCalibration,
     matrix_names,
 )
+from models.quantization.imatrix import ImatrixCollector, ImportanceMatrix, imatrix_chunks
 from models.quantization.kv_calibration import REFERENCE, KVErrorMeter, wider_overrides
 
 WINDOW_TOKENS = 256  # the demo family's training context
 NUM_WINDOWS = 32  # 8,192 tokens: more move the scales and errors little (benchmarks/results/HISTORY.md)
 NUM_KV_WINDOWS = 8  # of those, for the KV errors: each layer's attention seven times a window
+IMATRIX_CHUNK_TOKENS = 512  # llama-imatrix's default context
 _BLOCK = 16
 
 
@@ -128,13 +131,52 @@ def _calibrate_kv(runner: "WindowRunner", windows: list[np.ndarray], target: str
                          kv_dtype_overrides=wider_overrides(errors, target, head_dim))
 
 
+def compute_imatrix(model_path: str | Path, texts: list[str], text_label: str, chunk_size: int | None = None,
+                    process_output: bool = False) -> ImportanceMatrix:
+    """The model's importance matrix over the texts, as llama-imatrix computes it (models/quantization/
+    imatrix.py): one text is tokenized whole as the tokenizer frames it (llama-imatrix's -f FILE), several
+    (the held-out set) each framed and followed by EOS into one stream; chunks of chunk_size tokens (default
+    llama-imatrix's 512, at most the model's context), each from position 0 with BOS first where the tokenizer
+    adds one. Float32 weights for a directory (a GGUF keeps its types) and a float32 KV cache.
+    process_output: the LM head's input too (llama-imatrix --process-output; an untied head only)."""
+    model_path = Path(model_path)
+    if not model_path.exists():
+        raise CheckpointError(f"{model_path}: no such file or directory; pass a model directory "
+                              "(config.json and safetensors) or a .gguf file")
+    spec, weights, tokenizer = load_model(model_path, "auto" if model_path.suffix == ".gguf" else "float32")
+    if tokenizer is None:
+        raise CheckpointError(f"{model_path}: has no tokenizer; an importance matrix needs one to tokenize "
+                              "the text")
+    chunk_size = chunk_size or min(IMATRIX_CHUNK_TOKENS, spec.max_position_embeddings)
+    if not 1 <= chunk_size <= spec.max_position_embeddings:
+        raise CalibrationError(f"--chunk {chunk_size}: pass a chunk of 1 to {spec.max_position_embeddings} "
+                               "tokens (the model's context)")
+    hf = tokenizer.hf_tokenizer
+    if len(texts) == 1:
+        stream = np.array(hf.encode(texts[0]).ids, np.int64)
+    else:
+        eos = spec.eos_token_ids[0] if spec.eos_token_ids else None
+        stream = np.array([t for e in hf.encode_batch(texts) for t in [*e.ids, *([eos] if eos is not None
+                                                                                 else [])]], np.int64)
+    framed, plain = hf.encode("a").ids, hf.encode("a", add_special_tokens=False).ids
+    adds_bos = spec.bos_token_id is not None and framed[:1] == [spec.bos_token_id] and plain[:1] != framed[:1]
+    chunks = imatrix_chunks(stream, chunk_size, spec.bos_token_id if adds_bos else None)
+    if not chunks:
+        raise CalibrationError(f"{text_label}: {len(stream)} tokens, fewer than one chunk of {chunk_size}; "
+                               "pass more text (llama-imatrix asks for at least two chunks) or a smaller "
+                               "--chunk")
+    collector = ImatrixCollector(spec, process_output)
+    WindowRunner(spec, weights, chunk_size).run(chunks, collector.observe)
+    return collector.result((text_label,), len(chunks), chunk_size)
+
+
 class WindowRunner:
     """The model over one window of tokens at a time (positions from 0), logits at every position."""
 
-    def __init__(self, spec, weights: ModelWeights):
+    def __init__(self, spec, weights: ModelWeights, max_tokens: int = WINDOW_TOKENS):
         self.model = DecoderModel(spec, weights)
         self.matrices = {name: w for name, _, w in linear_matrices(weights)}
-        self.max_tokens = min(WINDOW_TOKENS, spec.max_position_embeddings)
+        self.max_tokens = min(max_tokens, spec.max_position_embeddings)
         num_blocks = -(-self.max_tokens // _BLOCK)
         self.kv = KVCache(spec.num_layers, num_blocks, _BLOCK, spec.num_kv_heads, spec.head_dim, "float32")
         self.block_tables = np.arange(num_blocks, dtype=np.int32)[None]  # [1, num_blocks]
