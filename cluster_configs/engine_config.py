@@ -28,6 +28,10 @@ class EngineConfig(BaseModel):
                                                           'keeps the types it stores); "q4_k_m" / "q5_k_m" = '
                                                           "llama.cpp's mixes (models/quantization/"
                                                           "quant_mix.py)")
+    imatrix: str | None = Field(None, description="an importance matrix file (llama.cpp's format: `numaserve "
+                                                  "calibrate MODEL --imatrix OUT` or llama-imatrix) that "
+                                                  "weight_dtype's 4- to 6-bit formats are quantized with, as "
+                                                  "llama-quantize --imatrix; None = without")
     kv_dtype: KVDtype = Field("auto", description='KV cache storage; "auto" = bfloat16; "fp8_e4m3" / '
                                                   '"fp8_e5m2" / "int8" / "int4": one float32 scale per '
                                                   '(token, kv head); "*_hadamard": heads rotated by a '

@@ -12,6 +12,7 @@ from memory.experts import ExpertWeights
 from memory.matrices import Matrix, WeightMatrix, stacked
 from memory.weights import LayerWeights, ModelWeights
 from models.model_spec import ModelSpec, load_spec
+from models.quantization.imatrix import ImportanceLookup, ImportanceMatrix
 from models.quantization.quant_mix import embedding_dtype, lm_head_dtype, matrix_dtype
 from models.safetensors_io import TensorEntry, read_header, read_tensor
 from models.tensor_parallel.shard import WHOLE_MODEL, TensorShard
@@ -144,24 +145,30 @@ def model_directory(path: str | Path) -> Path:
     return path
 
 
-def load_weights(model_dir: str | Path, weight_dtype: str,
-                 shard: TensorShard = WHOLE_MODEL) -> tuple[ModelSpec, ModelWeights]:
+def load_weights(model_dir: str | Path, weight_dtype: str, shard: TensorShard = WHOLE_MODEL,
+                 imatrix: ImportanceMatrix | None = None) -> tuple[ModelSpec, ModelWeights]:
     """-> (spec, weights): matrices as WeightMatrix in `weight_dtype`, quantized as they are read (q|k|v and
-    gate|up fused), norms and biases as float32; spec is the whole model's, the weights shard's (its
-    local_spec's shapes: the whole model unless a tensor-parallel rank's shard is asked for)."""
+    gate|up fused; with the importance matrix imatrix, by llama.cpp's names), norms and biases as float32;
+    spec is the whole model's, the weights shard's (its local_spec's shapes: the whole model unless a
+    tensor-parallel rank's shard is asked for)."""
     model_dir = model_directory(model_dir)
     whole = load_spec(model_dir)
     spec = shard.local_spec(whole)
+    importance = None if imatrix is None else ImportanceLookup(imatrix, whole, shard)
     reader = TensorReader(model_dir, whole)
 
     def read(name: str) -> np.ndarray:
         return reader.part(name, whole, shard)
 
-    mat = WeightMatrix.from_float
-    embed = mat(read("model.embed_tokens.weight"), embedding_dtype(weight_dtype, spec.tie_word_embeddings))
+    def mat(name: str, gguf_name: str, dtype: str) -> WeightMatrix:
+        return WeightMatrix.from_float(read(name), dtype, importance and importance(gguf_name))
+
+    embed = mat("model.embed_tokens.weight", "token_embd.weight",
+                embedding_dtype(weight_dtype, spec.tie_word_embeddings))
     norm = read("model.norm.weight") + np.float32(spec.arch.norm_offset)
-    lm_head = embed if spec.tie_word_embeddings else mat(read("lm_head.weight"), lm_head_dtype(weight_dtype))
-    layers = tuple(load_layer(read, f"model.layers.{i}.", spec, weight_dtype, spec.is_moe(i), i)
+    lm_head = embed if spec.tie_word_embeddings else mat("lm_head.weight", "output.weight",
+                                                         lm_head_dtype(weight_dtype))
+    layers = tuple(load_layer(read, f"model.layers.{i}.", spec, weight_dtype, spec.is_moe(i), i, importance)
                    for i in range(spec.num_layers))
     reader.close()
     return whole, ModelWeights(embed=embed, norm=norm, lm_head=lm_head, layers=layers)
@@ -182,19 +189,24 @@ def load_vocabulary(model_dir: str | Path, weight_dtype: str) -> tuple[Matrix, M
 
 
 def load_layer(read, prefix: str, spec: ModelSpec, weight_dtype: str, moe: bool = False,
-               index: int = 0) -> LayerWeights:
+               index: int = 0, importance: ImportanceLookup | None = None) -> LayerWeights:
     """Layer `index`'s weights from read(name) -> float32 tensor: q|k|v and gate|up fused, matrices in
-    weight_dtype (a mix's choice per matrix: models/quantization/quant_mix.py), norms (as the forward applies
-    them: Gemma's offset added) and biases float32; moe: its MLP is experts (stacked, the router float32)."""
+    weight_dtype (a mix's choice per matrix: models/quantization/quant_mix.py; quantized with importance,
+    when given, by GGUF name), norms (as the forward applies them: Gemma's offset added) and biases float32;
+    moe: its MLP is experts (stacked, the router float32)."""
     p, arch = prefix, spec.arch
 
     def norm(name: str) -> np.ndarray:
         return read(p + name + ".weight") + np.float32(arch.norm_offset)
 
     def mat(category: str, *names: str) -> Matrix:
-        """The tensors `names`, stacked by rows, in the format of their GGUF category."""
-        dtype = matrix_dtype(weight_dtype, category, index, spec.num_layers, spec.num_experts)
-        return WeightMatrix.from_float(np.concatenate([read(p + n + ".weight") for n in names]), dtype)
+        """The tensors `names`, stacked by rows, in the format of their GGUF category (one input: one
+        importance, blk.{index}.{category}.weight's)."""
+        dtype = matrix_dtype(weight_dtype, category, index, spec.num_layers, spec.num_experts,
+                             importance is not None)
+        weights = importance and importance(f"blk.{index}.{category}.weight")
+        stack = np.concatenate([read(p + n + ".weight") for n in names])
+        return WeightMatrix.from_float(stack, dtype, weights)
 
     if arch.fused_projections:
         qkv = mat("attn_qkv", "self_attn.qkv_proj")
@@ -204,7 +216,7 @@ def load_layer(read, prefix: str, spec: ModelSpec, weight_dtype: str, moe: bool 
                                                   "k_norm": norm("self_attn.k_norm")}
     gate_up = down = experts = None
     if moe:
-        experts = _load_experts(read, p, spec, weight_dtype, index)
+        experts = _load_experts(read, p, spec, weight_dtype, index, importance)
     else:
         gate_up = (mat("ffn_up", "mlp.gate_up_proj") if arch.fused_projections else
                    mat("ffn_gate", "mlp.gate_proj", "mlp.up_proj"))
@@ -222,17 +234,21 @@ def load_layer(read, prefix: str, spec: ModelSpec, weight_dtype: str, moe: bool 
     )
 
 
-def _load_experts(read, prefix: str, spec: ModelSpec, weight_dtype: str, index: int) -> ExpertWeights:
+def _load_experts(read, prefix: str, spec: ModelSpec, weight_dtype: str, index: int,
+                  importance: ImportanceLookup | None) -> ExpertWeights:
     """A MoE layer's router and held experts, stacked: gate_up [E_held * 2I, hidden], down [E_held * hidden,
-    I]."""
+    I]; with importance, each expert's rows weighted by its own."""
     router, names = _expert_names(spec, prefix)
     gate_up = np.concatenate([np.concatenate([read(gate), read(up)]) for gate, up, _ in names])
     downs = np.concatenate([read(down) for _, _, down in names])
 
-    def dtype(category: str) -> str:
-        return matrix_dtype(weight_dtype, category, index, spec.num_layers, spec.num_experts)
+    def quantized(w: np.ndarray, category: str) -> WeightMatrix:
+        dtype = matrix_dtype(weight_dtype, category, index, spec.num_layers, spec.num_experts,
+                             importance is not None)
+        weights = importance and importance(f"blk.{index}.{category}_exps.weight")
+        return WeightMatrix.from_float(w, dtype, weights)
 
-    return ExpertWeights(read(router), WeightMatrix.from_float(gate_up, dtype("ffn_gate")),
-                         WeightMatrix.from_float(downs, dtype("ffn_down")), spec.num_experts,
+    return ExpertWeights(read(router), quantized(gate_up, "ffn_gate"), quantized(downs, "ffn_down"),
+                         spec.num_experts,
                          spec.num_experts_per_tok, spec.normalize_routing, spec.moe_intermediate_size,
                          (spec.held_experts or (0,))[0])

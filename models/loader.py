@@ -5,20 +5,23 @@ from pathlib import Path
 from memory.weights import ModelWeights
 from models.checkpoint import load_weights, model_directory
 from models.model_spec import ModelSpec, load_spec
+from models.quantization.imatrix import ImportanceMatrix
 from models.tensor_parallel.shard import WHOLE_MODEL, TensorShard
 from models.tokenizer import Tokenizer
 
 
-def load_model(path: str | Path, weight_dtype: str,
-               shard: TensorShard = WHOLE_MODEL) -> tuple[ModelSpec, ModelWeights, Tokenizer | None]:
+def load_model(path: str | Path, weight_dtype: str, shard: TensorShard = WHOLE_MODEL,
+               imatrix: ImportanceMatrix | None = None) -> tuple[ModelSpec, ModelWeights, Tokenizer | None]:
     """weight_dtype: a served dtype, or "auto" (bfloat16 for float checkpoints; a GGUF keeps its own);
-    shard: a tensor-parallel rank's part of the weights (the spec stays the whole model's)."""
+    shard: a tensor-parallel rank's part of the weights (the spec stays the whole model's); imatrix: the
+    importance matrix matrices are quantized with (models/quantization/imatrix.py), checked against the
+    model (ImatrixError)."""
     path = Path(path)
     if path.suffix == ".gguf":
         from models.gguf.reader import load_gguf
 
-        return load_gguf(path, weight_dtype, shard)
-    spec, weights = load_weights(path, "bfloat16" if weight_dtype == "auto" else weight_dtype, shard)
+        return load_gguf(path, weight_dtype, shard, imatrix)
+    spec, weights = load_weights(path, "bfloat16" if weight_dtype == "auto" else weight_dtype, shard, imatrix)
     return spec, weights, Tokenizer.from_dir(path)
 
 

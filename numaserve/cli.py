@@ -131,6 +131,16 @@ def cmd_shutdown(args) -> None:
     print(f"numaserve: {args.name!r} shut down, and the Ray instance it started ({num_processes} processes)")
 
 
+def _write_imatrix(args, texts: list[str], label: str, start: float) -> None:
+    from models.quantization.calibrate import compute_imatrix
+    from models.quantization.imatrix import write_imatrix
+
+    im = compute_imatrix(args.model, texts, label, args.chunk, args.process_output)
+    path = write_imatrix(im, args.imatrix)
+    print(f"numaserve: importance matrix of {args.model} over {im.chunk_count} chunks of {im.chunk_size} "
+          f"tokens of {label} in {time.perf_counter() - start:.1f} s: {len(im.entries)} tensors -> {path}")
+
+
 def cmd_calibrate(args) -> None:
     from models.quantization.calibrate import calibrate, read_text_file
     from models.quantization.calibration import CalibrationOptions, save_calibration
@@ -146,6 +156,9 @@ def cmd_calibrate(args) -> None:
     else:
         texts, label = [read_text_file(args.text)], str(args.text)
     start = time.perf_counter()
+    if args.imatrix is not None:
+        _write_imatrix(args, texts, label, start)
+        return
     calibration = calibrate(args.model, texts, label, options)
     path = save_calibration(calibration, args.model)
     errors = [(m.error_dynamic, m.error_static) for m in calibration.matrices.values()

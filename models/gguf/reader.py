@@ -21,6 +21,7 @@ from models.gguf.model_spec import spec_from_gguf
 from models.gguf.vocab import tokenizer_from_metadata
 from models.linear import dequantize
 from models.model_spec import ModelSpec
+from models.quantization.imatrix import ImportanceLookup, ImportanceMatrix
 from models.quantization.quant_mix import embedding_dtype, lm_head_dtype, matrix_dtype
 from models.tensor_parallel.shard import WHOLE_MODEL, TensorShard
 from models.tokenizer import Tokenizer
@@ -152,16 +153,16 @@ def _vector(t: StoredTensor) -> np.ndarray:
     return np.ascontiguousarray(_to_float(t).reshape(-1))  # [N] f32
 
 
-def _served(parts: list[StoredTensor], weight_dtype: str, wanted: list[str],
-            rows: np.ndarray | None = None) -> Matrix:
+def _served(parts: list[StoredTensor], weight_dtype: str, wanted: list[str], rows: np.ndarray | None = None,
+            importance: list[np.ndarray | None] | None = None) -> Matrix:
     """Parts stacked by rows (parts in different formats make a StackedMatrix). weight_dtype "auto" keeps
     each part's stored format; otherwise a part keeps the file's bytes where they are in weight_dtype or in
-    its wanted format, and is requantized to the wanted one where not."""
+    its wanted format, and is requantized to the wanted one where not (with its importance, if any)."""
     mats = []
-    for p, want in zip(parts, wanted):
+    for p, want, weights in zip(parts, wanted, importance or [None] * len(parts)):
         stored = AUTO[p.ggml_type]
         keep = weight_dtype == "auto" or stored in (weight_dtype, want)
-        mats.append(p.value if keep else WeightMatrix.from_float(_to_float(p), want))
+        mats.append(p.value if keep else WeightMatrix.from_float(_to_float(p), want, weights))
     matrix = stacked(mats)
     return matrix if rows is None else take_rows(matrix, rows)
 
@@ -177,7 +178,7 @@ def take_rows(w: Matrix, rows: np.ndarray) -> Matrix:
 
 
 def _field(path: Path, tensors: dict, prefix: str, layouts: tuple[Layout, ...], weight_dtype: str,
-           spec: ModelSpec, index: int):
+           spec: ModelSpec, index: int, importance: ImportanceLookup | None):
     """A LayerWeights field of layer `index` from the first layout whose tensors the file has: matrices in a
     served format (a mix's choice per tensor category: models/quantization/quant_mix.py), vectors float32,
     rows back in our order."""
@@ -191,12 +192,13 @@ def _field(path: Path, tensors: dict, prefix: str, layouts: tuple[Layout, ...], 
         vector = np.concatenate([_vector(p) for p in parts])
         return vector if order is None else vector[order]
     wanted = [matrix_dtype(weight_dtype, s.name.split(".")[0].removesuffix("_exps"), index, spec.num_layers,
-                           spec.num_experts) for s in layout]
-    return _served(parts, weight_dtype, wanted, order)
+                           spec.num_experts, importance is not None) for s in layout]
+    weights = None if importance is None else [importance(prefix + s.name) for s in layout]
+    return _served(parts, weight_dtype, wanted, order, weights)
 
 
 def _weights(path: Path, spec: ModelSpec, family: str, tensors: dict, weight_dtype: str,
-             vocab_rows: int) -> ModelWeights:
+             vocab_rows: int, importance: ImportanceLookup | None) -> ModelWeights:
     """spec: the shard's (models/tensor_parallel/shard.py's local_spec), vocab_rows its rows of the
     vocabulary."""
     h = spec.hidden_size
@@ -204,12 +206,14 @@ def _weights(path: Path, spec: ModelSpec, family: str, tensors: dict, weight_dty
     def pop(name, shape):
         return _pop(path, tensors, name, shape)
 
-    embed = _served([pop("token_embd.weight", (vocab_rows, h))], weight_dtype,
-                    [embedding_dtype(weight_dtype, spec.tie_word_embeddings)])
+    def served(name: str, dtype: str) -> Matrix:
+        return _served([pop(name, (vocab_rows, h))], weight_dtype, [dtype],
+                       importance=None if importance is None else [importance(name)])
+
+    embed = served("token_embd.weight", embedding_dtype(weight_dtype, spec.tie_word_embeddings))
     norm = _vector(pop("output_norm.weight", (h,)))
-    lm_head = embed if spec.tie_word_embeddings else _served(
-        [pop("output.weight", (vocab_rows, h))], weight_dtype, [lm_head_dtype(weight_dtype)])
-    layers = tuple(_layer(path, spec, FAMILIES[family], tensors, i, weight_dtype)
+    lm_head = embed if spec.tie_word_embeddings else served("output.weight", lm_head_dtype(weight_dtype))
+    layers = tuple(_layer(path, spec, FAMILIES[family], tensors, i, weight_dtype, importance)
                    for i in tqdm(range(spec.num_layers), desc=f"loading {path.name}",
                                  disable=not sys.stderr.isatty(), leave=False))
     if tensors:
@@ -219,7 +223,7 @@ def _weights(path: Path, spec: ModelSpec, family: str, tensors: dict, weight_dty
 
 
 def _layer(path: Path, spec: ModelSpec, family: GGUFFamily, tensors: dict, i: int,
-           weight_dtype: str) -> LayerWeights:
+           weight_dtype: str, importance: ImportanceLookup | None) -> LayerWeights:
     fields = {}
     for field, options in layer_layouts(spec, family, i).items():
         if field == "experts.router":  # float32 whatever the weights' dtype (memory/experts.py)
@@ -227,7 +231,7 @@ def _layer(path: Path, spec: ModelSpec, family: GGUFFamily, tensors: dict, i: in
             fields[field] = np.ascontiguousarray(_to_float(_pop(path, tensors, f"blk.{i}.{slot.name}",
                                                                 slot.shape)))
         else:
-            fields[field] = _field(path, tensors, f"blk.{i}.", options, weight_dtype, spec, i)
+            fields[field] = _field(path, tensors, f"blk.{i}.", options, weight_dtype, spec, i, importance)
     if spec.is_moe(i):
         fields["experts"] = ExpertWeights(
             fields.pop("experts.router"), fields.pop("experts.gate_up"), fields.pop("experts.down"),
@@ -244,12 +248,12 @@ def read_gguf_spec(path: str | Path) -> ModelSpec:
     return _spec(path, metadata, tensors)
 
 
-def load_gguf(path: str | Path, weight_dtype: str,
-              shard: TensorShard = WHOLE_MODEL) -> tuple[ModelSpec, ModelWeights, Tokenizer | None]:
+def load_gguf(path: str | Path, weight_dtype: str, shard: TensorShard = WHOLE_MODEL,
+              imatrix: ImportanceMatrix | None = None) -> tuple[ModelSpec, ModelWeights, Tokenizer | None]:
     """-> (spec, weights, tokenizer) like the Hugging Face loader. weight_dtype "auto" keeps the file's
     types (F16 as float16, BF16 as bfloat16, bit for bit); quantized tensors already in the wanted format keep
-    their bytes. shard: a tensor-parallel rank's part, its slices alone copied out of the file (the spec stays
-    the whole model's)."""
+    their bytes; others are requantized (with imatrix's importance, if given). shard: a tensor-parallel
+    rank's part, its slices alone copied out of the file (the spec stays the whole model's)."""
     path = Path(path)
     reader, metadata = _open(path)
     head = {t.name: _copy_tensor(path, t) if t.name in ROPE_TENSORS else _shape_only(t)
@@ -266,6 +270,7 @@ def load_gguf(path: str | Path, weight_dtype: str,
         raise CheckpointError(f"{path}: the tokenizer.ggml.* vocabulary is inconsistent ({e}); the file is "
                               "corrupt: re-download or re-export it") from None
     vocab = shard.span(spec.vocab_size) if shard.size > 1 else (0, spec.vocab_size)
+    importance = None if imatrix is None else ImportanceLookup(imatrix, spec, shard)
     weights = _weights(path, shard.local_spec(spec), metadata["general.architecture"], tensors, weight_dtype,
-                       vocab[1] - vocab[0])
+                       vocab[1] - vocab[0], importance)
     return spec, weights, tokenizer

@@ -18,6 +18,7 @@ from models.gguf.reader import take_rows
 from models.gguf.vocab import GGUFVocab, synthetic_vocab, vocab_from_tokenizer
 from models.loader import load_model
 from models.model_spec import ModelSpec
+from models.quantization.imatrix import read_imatrix
 from models.tokenizer import Tokenizer
 
 # (GGUF name, served tensor, rows of it to write or None for all, the file's shape: None for the rows' own)
@@ -147,7 +148,10 @@ def export_gguf(spec: ModelSpec, weights: ModelWeights, tokenizer: Tokenizer | N
     return out_path
 
 
-def convert_to_gguf(model_path: str | Path, out_path: str | Path, weight_dtype: str = "q8_0") -> Path:
-    """Load a Hugging Face directory (or a GGUF) at `weight_dtype` and write it as GGUF."""
-    spec, weights, tokenizer = load_model(model_path, weight_dtype)
+def convert_to_gguf(model_path: str | Path, out_path: str | Path, weight_dtype: str = "q8_0",
+                    imatrix: str | Path | None = None) -> Path:
+    """Load a Hugging Face directory (or a GGUF) at `weight_dtype` and write it as GGUF; imatrix: an
+    importance matrix file to quantize with (llama-quantize --imatrix's rules and bytes)."""
+    spec, weights, tokenizer = load_model(model_path, weight_dtype,
+                                          imatrix=None if imatrix is None else read_imatrix(imatrix))
     return export_gguf(spec, weights, tokenizer, out_path, name=Path(model_path).name)

@@ -57,18 +57,24 @@ class PackedCache:
         (directory / "sources").mkdir(parents=True, exist_ok=True)
 
     def key(self, model_path: Path, weight_dtype: str, activation_dtype: str, activation_scales: str,
-            calibration: Calibration | None) -> tuple[dict, float]:
-        """-> (the key's fields, seconds spent hashing sources whose recorded hash could not be trusted)."""
+            calibration: Calibration | None, imatrix: str | None = None) -> tuple[dict, float]:
+        """-> (the key's fields, seconds spent hashing sources whose recorded hash could not be trusted).
+        imatrix: the importance matrix file the weights are quantized with (its content is keyed)."""
         hashed, digests = 0.0, []
         for path in source_files(model_path):
             digest, seconds = self._source_hash(path)
             digests.append([path.name if model_path.is_dir() else "", digest])  # a renamed GGUF file hits
+            hashed += seconds
+        imatrix_digest = None
+        if imatrix is not None:
+            imatrix_digest, seconds = self._source_hash(Path(imatrix).expanduser().resolve())
             hashed += seconds
         fields = {"source": digests, "weight_dtype": weight_dtype, "activation_dtype": activation_dtype,
                   "activation_scales": activation_scales,
                   # its path too: planning's decisions (replayed on a hit) name it
                   "calibration": None if calibration is None else [
                       calibration.path, _sha256_text(calibration.model_dump_json())],
+                  "imatrix": imatrix_digest,
                   "cpu_features": sorted(cpu_features()), "layout_version": LAYOUT_VERSION,
                   "numaserve": numaserve_version()}
         return fields, hashed

@@ -25,6 +25,7 @@ from models.packed.file import CorruptEntry, read_entry, write_entry
 from models.packed.tree import Unstorable, flatten, unflatten
 from models.quantization.activation_plan import plan_activations
 from models.quantization.calibration import Calibration, load_calibration
+from models.quantization.imatrix import read_imatrix
 from models.tensor_parallel.shard import WHOLE_MODEL, TensorShard
 from models.tokenizer import Tokenizer
 
@@ -109,7 +110,7 @@ def model_key(model_path: str | Path, config: EngineConfig, directory: str | Pat
     model_path = Path(model_path)
     cache = PackedCache(Path(directory).expanduser(), 0)
     key, _ = cache.key(model_path, config.weight_dtype, config.activation_dtype, config.activation_scales,
-                       load_calibration(model_path))
+                       load_calibration(model_path), config.imatrix)
     return key
 
 
@@ -145,7 +146,7 @@ def _keyed_cache(model_path: Path, config: EngineConfig, calibration: Calibratio
         return None, None, 0.0, f"cannot use {directory} ({e}); the weights are repacked at every start"
     try:
         key, seconds = cache.key(model_path, config.weight_dtype, config.activation_dtype,
-                                 config.activation_scales, calibration)
+                                 config.activation_scales, calibration, config.imatrix)
     except OSError as e:
         return None, None, 0.0, f"cannot hash the model's files ({e})"
     return cache, key, seconds, ""
@@ -170,7 +171,8 @@ def _tokenizer(text: str | None) -> Tokenizer | None:
 
 def _load(model_path: Path, config: EngineConfig, decisions: DecisionLog, calibration: Calibration | None,
           shard: TensorShard) -> tuple[ModelSpec, ModelWeights, Tokenizer | None, list]:
-    spec, weights, tokenizer = load_model(model_path, config.weight_dtype, shard)
+    imatrix = None if config.imatrix is None else read_imatrix(config.imatrix)
+    spec, weights, tokenizer = load_model(model_path, config.weight_dtype, shard, imatrix)
     recording = _Recording(decisions)
     weights = plan_activations(weights, config.activation_dtype, recording, calibration,
                                config.activation_scales == "static")

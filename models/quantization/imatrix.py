@@ -21,7 +21,6 @@ the same input).
 """
 
 import struct
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -225,7 +224,7 @@ class ImatrixCollector:
             self.sums[name] = np.zeros((nmat, x.shape[1]), np.float32)
             self.counts[name] = np.zeros(nmat, np.int64)
         acc = self.sums[name][expert]
-        for row in np.asarray(x, np.float32):  # float32, token by token: llama-imatrix's sums, rounding and all
+        for row in np.asarray(x, np.float32):  # float32, token by token: llama-imatrix's sums and roundings
             acc += row * row
         self.counts[name][expert] += x.shape[0]
 
@@ -249,28 +248,63 @@ def imatrix_chunks(tokens: np.ndarray, chunk_size: int, bos: int | None) -> list
 
 # ---- use -------------------------------------------------------------------------------------------------
 
-def importance_lookup(im: ImportanceMatrix | None,
-                      shapes: dict[str, tuple[int, ...]]) -> Callable[[str], np.ndarray | None]:
-    """name -> the importance a tensor of the model is quantized with (None: without), checked against the
-    model's tensor shapes (GGUF names, numpy order: [N, K] or experts [E, N, K]). Every layer tensor
-    (blk.*) must have an entry of its shape; output.weight and token_embd.weight use one where the file has
-    it (llama-imatrix records the output only with --process-output, the embedding never)."""
-    if im is None:
-        return lambda name: None
-    where = im.path or "the importance matrix"
-    for name, shape in shapes.items():
-        entry = im.entries.get(name)
-        if entry is None:
-            if name.startswith("blk."):
+def model_tensor_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
+    """The whole model's quantized tensors under llama.cpp's names (numpy order: [N, K], experts [E, N, K]):
+    every layer matrix, the output (untied) and the token embedding."""
+    family = FAMILIES.get(spec.arch.gguf)
+    if family is None:
+        raise ImatrixError(f"{spec.architecture} has no GGUF architecture numaserve writes, so its tensors "
+                           "have no llama.cpp names to look importance up by")
+    shapes = {"token_embd.weight": (spec.vocab_size, spec.hidden_size)}
+    if not spec.tie_word_embeddings:
+        shapes["output.weight"] = (spec.vocab_size, spec.hidden_size)
+    for i in range(spec.num_layers):
+        for fld, options in layer_layouts(spec, family, i).items():
+            if fld in MATRIX_FIELDS:
+                shapes |= {f"blk.{i}.{slot.name}": slot.shape for slot in options[0]}
+    return shapes
+
+
+class ImportanceLookup:
+    """The importance each tensor of a model (or of a tensor-parallel rank's shard) is quantized with, by
+    llama.cpp's tensor name: f32 [nmat, K] of the shard's columns (and held experts), or None (without).
+
+    Checked at construction against the whole model: every layer matrix (blk.*) must have an entry of its
+    size; output.weight and token_embd.weight use one where the file has it (llama-imatrix records the output
+    only with --process-output, the embedding never)."""
+
+    def __init__(self, im: ImportanceMatrix, spec: ModelSpec, shard=None):
+        self.im, self.spec, self.shard = im, spec, shard
+        where = im.path or "the importance matrix"
+        self.shapes = model_tensor_shapes(spec)
+        for name, shape in self.shapes.items():
+            entry = im.entries.get(name)
+            if entry is None:
+                if name.startswith("blk."):
+                    raise ImatrixError(
+                        f"{where}: has no entry for tensor {name!r}; it was computed for another model (or "
+                        "another architecture's tensor names): compute one for this model with `numaserve "
+                        "calibrate MODEL --imatrix OUT`")
+                continue
+            nmat = shape[0] if len(shape) == 3 else 1  # a legacy file has an expert tensor's sums in one row
+            if entry.sums.size != nmat * shape[-1]:
                 raise ImatrixError(
-                    f"{where}: has no entry for tensor {name!r}; it was computed for another model (or "
-                    "another architecture's tensor names): compute one for this model with `numaserve "
-                    "calibrate MODEL --imatrix OUT`")
-            continue
-        nmat = shape[0] if len(shape) == 3 else 1  # a legacy file holds an expert tensor's sums as one row
-        if entry.sums.size != nmat * shape[-1]:
-            raise ImatrixError(
-                f"{where}: tensor {name!r} has importance for {entry.sums.size} columns, the model's tensor "
-                f"takes {nmat} x {shape[-1]}; it was computed for another model: compute one for this model "
-                "with `numaserve calibrate MODEL --imatrix OUT`")
-    return im.importance
+                    f"{where}: tensor {name!r} has importance for {entry.sums.size} columns, the model's "
+                    f"tensor takes {nmat} x {shape[-1]}; it was computed for another model: compute one for "
+                    "this model with `numaserve calibrate MODEL --imatrix OUT`")
+
+    def __call__(self, name: str) -> np.ndarray | None:
+        importance = self.im.importance(name)
+        if importance is None:
+            return None
+        shape = self.shapes[name]
+        importance = importance.reshape(-1, shape[-1])  # [nmat, K]
+        plan = None if self.shard is None else self.shard.gguf_pieces(name, self.spec)
+        if plan is None:
+            return importance
+        axis, spans = plan
+        if axis == len(shape) - 1:  # the shard holds some of the columns
+            return np.concatenate([importance[:, lo:hi] for lo, hi in spans], axis=1)
+        if axis == 0 and len(shape) == 3:  # some of the experts
+            return np.concatenate([importance[lo:hi] for lo, hi in spans])
+        return importance  # some of the rows: every row sees every column

@@ -25,10 +25,14 @@ def use_more_bits(layer: int, num_layers: int) -> bool:
     return layer < num_layers // 8 or layer >= 7 * num_layers // 8 or (layer - num_layers // 8) % 3 == 2
 
 
-def matrix_dtype(weight_dtype: str, category: str, layer: int, num_layers: int, num_experts: int = 0) -> str:
+def matrix_dtype(weight_dtype: str, category: str, layer: int, num_layers: int, num_experts: int = 0,
+                 imatrix: bool = False) -> str:
     """The format of a layer's matrix of this GGUF category ("attn_q", "attn_k", "attn_v", "attn_qkv",
-    "attn_output", "ffn_gate", "ffn_up", "ffn_down"; experts' tensors by their dense category)."""
+    "attn_output", "ffn_gate", "ffn_up", "ffn_down"; experts' tensors by their dense category); imatrix:
+    quantized with an importance matrix (llama.cpp then keeps q4_0's first eighth of ffn_down in q4_1)."""
     base = MIXES.get(weight_dtype)
+    if imatrix and weight_dtype == "q4_0" and category == "ffn_down" and layer < num_layers // 8:
+        return "q4_1"
     if base is None:
         return weight_dtype
     if num_experts == 8 and category in ("attn_k", "attn_v"):
