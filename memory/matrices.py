@@ -133,6 +133,16 @@ class WeightMatrix:
         qs = np.ascontiguousarray(blocks[:, :, 2:]).reshape(n, -1)
         return cls(dtype, qs.view(np.int8) if dtype == "q8_0" else qs, scales)
 
+    def ggml_blocks(self) -> np.ndarray:
+        """The rows as GGML stores them (from_ggml_blocks' inverse), uint8 [N, row bytes]: q8_0 / q4_0 blocks
+        of (fp16 d, values), the block formats as they are; float formats as their bytes."""
+        if self.scales is None:
+            return np.ascontiguousarray(self.data).view(np.uint8)
+        n, num_blocks = self.scales.shape
+        scales = np.ascontiguousarray(self.scales).view(np.uint8).reshape(n, num_blocks, 2)
+        qs = np.ascontiguousarray(self.data).view(np.uint8).reshape(n, num_blocks, -1)  # [N, K // 32, 32|16]
+        return np.concatenate([scales, qs], axis=2).reshape(n, -1)
+
     @property
     def shape(self) -> tuple[int, int]:
         n, k = self.data.shape

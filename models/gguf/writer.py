@@ -70,14 +70,7 @@ def _tensor_data(t: Matrix | np.ndarray, rows) -> np.ndarray:
     if not isinstance(t, WeightMatrix):  # packed for its activations
         t = t.unpack()
     w = t if rows is None else take_rows(t, rows)
-    if w.scales is None and w.dtype != "float32":  # float16 / bfloat16 bits or raw blocks
-        return np.ascontiguousarray(w.data).view(np.uint8)
-    if w.dtype == "float32":
-        return np.ascontiguousarray(w.data)
-    n, num_blocks = w.scales.shape
-    scales = np.ascontiguousarray(w.scales).view(np.uint8).reshape(n, num_blocks, 2)
-    qs = np.ascontiguousarray(w.data).view(np.uint8).reshape(n, num_blocks, -1)  # [N, K // 32, 32 | 16]
-    return np.concatenate([scales, qs], axis=2).reshape(n, -1)
+    return np.ascontiguousarray(w.data) if w.dtype == "float32" else w.ggml_blocks()
 
 
 def _file_dtype(weights: ModelWeights) -> str:

@@ -21,22 +21,13 @@ needs_llama_cpp = pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is No
                                      reason="llama-cpp-python (the bench extra) is not installed")
 
 
-def ggml_bytes(w: WeightMatrix) -> np.ndarray:
-    """w's rows as GGML blocks: q8_0 as its fp16 scale then 32 int8 per block; block formats as they are."""
-    if w.dtype != "q8_0":
-        return w.data
-    n, k = w.shape
-    scales = w.scales.reshape(n, k // 32, 1).view(np.uint8)
-    return np.concatenate([scales, w.data.reshape(n, k // 32, 32).view(np.uint8)], axis=2).reshape(n, -1)
-
-
 def assert_quantized_as_llama_cpp(arrays) -> None:
     names = [key for key in arrays if "/" not in key]
     for target in TARGETS:
         for name in names:
             w = WeightMatrix.from_float(arrays[name].view(np.float16).astype(np.float32), target)
             assert GT[w.dtype.upper()] == int(arrays[f"{target}/{name}/type"]), (target, name, w.dtype)
-            ours, theirs = ggml_bytes(w), arrays[f"{target}/{name}"]
+            ours, theirs = w.ggml_blocks(), arrays[f"{target}/{name}"]
             differing = np.flatnonzero((ours != theirs).any(axis=1))
             assert differing.size == 0, f"{target} {name}: rows {differing} differ from llama.cpp's"
 
