@@ -8,7 +8,6 @@ packer writes must bump models/packed_cache.LAYOUT_VERSION, or starts would read
 from dataclasses import dataclass, replace
 from itertools import pairwise
 
-import gguf
 import numpy as np
 
 from cluster_configs.errors import CheckpointError
@@ -16,10 +15,7 @@ from kernels.formats.bf16 import to_bf16
 from kernels.formats.ggml_blocks import (
     BLOCK_DTYPES,
     CODE,
-    GGML_TYPE,
-    K_QUANT_DTYPES,
     QK_K,
-    row_bytes,
     row_values,
 )
 from kernels.formats.int8_layout import (
@@ -33,8 +29,7 @@ from kernels.formats.int8_layout import (
     unpack_int8_weights,
 )
 from kernels.formats.quant import QK, quantize_q4_0, quantize_q8_0
-from kernels.formats.quant_k import quantize_k
-from kernels.formats.quant_weighted import quantize_weighted_32
+from kernels.formats.quantize_blocks import quantize_blocks
 from kernels.placement import stream_zeros
 from kernels.simd.bf16 import GROUP as BF16_GROUP
 from kernels.simd.bf16 import ROWS as BF16_ROWS
@@ -46,7 +41,6 @@ from kernels.simd.vnni import VNNI_FEATURES
 from memory.block_matrices import KQuantMatrix, Q6KMatrix
 
 WEIGHT_DTYPES = ("float32", "float16", "bfloat16", "q8_0", "q4_0") + BLOCK_DTYPES
-GGML_TYPE_OF = {"q4_0": gguf.GGMLQuantizationType.Q4_0, "q8_0": gguf.GGMLQuantizationType.Q8_0} | GGML_TYPE
 # the format llama.cpp's llama-quant gives a matrix whose rows are not whole K-quant super-blocks of 256
 K_QUANT_FALLBACK = {"q4_k": "q5_0", "q5_k": "q5_1", "q6_k": "q8_0"}
 
@@ -98,20 +92,8 @@ class WeightMatrix:
             importance = np.ascontiguousarray(importance, dtype=np.float32).reshape(-1, k)
             if n % importance.shape[0]:
                 raise ValueError(f"{importance.shape[0]} importance groups do not divide {n} rows")
-        if dtype in K_QUANT_DTYPES:
-            data = np.empty((n, row_bytes(dtype, k)), np.uint8)
-            none = np.empty((0, k), np.float32)
-            quantize_k(CODE[dtype], w, none if importance is None else importance, data)
-            return cls(dtype, data)
-        if importance is not None and dtype in ("q4_0", "q4_1", "q5_0", "q5_1"):
-            data = np.empty((n, gguf.quant_shape_to_byte_shape((k,), GGML_TYPE_OF[dtype])[0]), np.uint8)
-            quantize_weighted_32(int(GGML_TYPE_OF[dtype]), w, importance, data)
-            return cls.from_ggml_blocks(dtype, data)
-        if dtype in BLOCK_DTYPES:
-            # q4_1, q5_0, q5_1: the gguf package's, ggml's reference rounding
-            # (tests/kernels/test_kquant_quantize.py). Fast enough in numpy: the K-quants, whose scale search
-            # is the cost, take far longer
-            return cls(dtype, gguf.quants.quantize(w, GGML_TYPE[dtype]))
+        if dtype in BLOCK_DTYPES or (importance is not None and dtype == "q4_0"):
+            return cls.from_ggml_blocks(dtype, quantize_blocks(w, dtype, importance))
         scales = np.empty((n, k // QK), np.uint16)
         if dtype == "q8_0":
             qs = np.empty((n, k), np.int8)

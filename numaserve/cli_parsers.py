@@ -83,11 +83,12 @@ def add_calibrate_parser(sub) -> None:
     cal.add_argument("--imatrix", metavar="OUT",
                      help="write the model's importance matrix to OUT instead, in llama.cpp's format (GGUF; "
                           "the legacy format for OUT ending in .dat), for weight_dtype quantizing with "
-                          "imatrix= and for llama-quantize --imatrix")
+                          "imatrix= and for llama-quantize --imatrix (default: none, the calibration file)")
     cal.add_argument("--chunk", type=int, help="with --imatrix: tokens per chunk (default 512, at most the "
                                                "model's context; llama-imatrix's -c)")
     cal.add_argument("--process-output", action="store_true",
-                     help="with --imatrix: record the LM head's input too (llama-imatrix --process-output)")
+                     help="with --imatrix: record the LM head's input too (llama-imatrix --process-output; "
+                          "default: off)")
 
 
 def add_serve_parser(sub) -> argparse.ArgumentParser:

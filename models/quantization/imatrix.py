@@ -36,10 +36,16 @@ MIN_TOKENS = 16  # llama-imatrix skips matrix products over fewer tokens
 GGUF_SUFFIXES = (".in_sum2", ".counts")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class ImatrixEntry:
     sums: np.ndarray  # f32 [nmat, K]: per matrix (expert) of the tensor, sum over tokens of x**2 per column
     counts: np.ndarray  # f32 [nmat]: tokens summed into each (a legacy file: its ncall, sums pre-scaled)
+
+    def __eq__(self, other) -> bool:
+        return (isinstance(other, ImatrixEntry) and np.array_equal(self.sums, other.sums)
+                and np.array_equal(self.counts, other.counts))
+
+    __hash__ = None
 
 
 @dataclass(frozen=True)
