@@ -8,7 +8,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from cluster_configs.speculation_config import SpeculationConfig
 
 WeightDtype = Literal["auto", "float32", "float16", "bfloat16", "q8_0", "q4_0", "q4_k", "q5_k", "q6_k",
-                      "q4_k_m", "q5_k_m"]
+                      "q4_k_m", "q5_k_m", "iq4_nl", "iq4_xs"]
 KVStorage = Literal["float32", "bfloat16", "int8", "int8_hadamard", "fp8_e4m3", "fp8_e5m2", "int4",
                     "int4_hadamard"]  # memory/kv_formats.py
 KVDtype = Literal["auto", KVStorage]

@@ -1,5 +1,5 @@
 """Weight matrices: a matrix in one of the served formats (float32, float16, bfloat16, q8_0, q4_0, and
-GGML's block formats q4_k, q5_k, q6_k, q4_1, q5_0, q5_1), packed for its activations or not
+GGML's block formats q4_k, q5_k, q6_k, q4_1, q5_0, q5_1, iq4_nl, iq4_xs), packed for its activations or not
 (memory/weights.py holds a model's weights built of them).
 
 The packed cache stores these containers as they are (models/packed/tree.py): a change to the bytes a
@@ -42,7 +42,7 @@ from memory.block_matrices import KQuantMatrix, Q6KMatrix
 
 WEIGHT_DTYPES = ("float32", "float16", "bfloat16", "q8_0", "q4_0") + BLOCK_DTYPES
 # the format llama.cpp's llama-quant gives a matrix whose rows are not whole K-quant super-blocks of 256
-K_QUANT_FALLBACK = {"q4_k": "q5_0", "q5_k": "q5_1", "q6_k": "q8_0"}
+K_QUANT_FALLBACK = {"q4_k": "q5_0", "q5_k": "q5_1", "q6_k": "q8_0", "iq4_xs": "iq4_nl"}
 
 
 @dataclass(frozen=True)

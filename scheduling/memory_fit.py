@@ -21,7 +21,7 @@ from scheduling.kv_cache_manager import num_kv_blocks
 # bytes per weight value of each served format (GGML's (block bytes, block values) for the quantized ones)
 BYTES_PER_VALUE = {"float32": 4.0, "float16": 2.0, "bfloat16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32,
                    "q4_k": 144 / 256, "q5_k": 176 / 256, "q6_k": 210 / 256, "q4_k_m": 144 / 256,
-                   "q5_k_m": 176 / 256}
+                   "q5_k_m": 176 / 256, "iq4_nl": 18 / 32, "iq4_xs": 136 / 256}
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,6 @@
-"""Dequantize rows of GGML block bytes (kernels/formats/ggml_blocks.py) into float32: the K-quants and q4_1 /
-q5_0 / q5_1, bit-equal to the gguf package's dequantize (tests/kernels/test_kquant_dequant.py).
+"""Dequantize rows of GGML block bytes (kernels/formats/ggml_blocks.py) into float32: the K-quants, q4_1 /
+q5_0 / q5_1 and iq4_nl / iq4_xs, bit-equal to the gguf package's dequantize
+(tests/kernels/test_kquant_dequant.py).
 
 Each value is computed in gguf's (and ggml's reference dequantizer's) order in float32: a sub-block's scale
 d * sc and min dmin * m first, then scale * q - min (K-quants), d * q + m (q4_1, q5_1), d * (q - 16) (q5_0).
@@ -15,6 +16,10 @@ Block layouts (byte offsets in a block; fp16 little-endian; "q[i]" is value i of
   q4_1   20: d 0, m 2, qs 4..19 (q[j] low, q[j + 16] high nibble of byte j)
   q5_0   22: d 0, qh 2..5 (uint32: bit j is q[j]'s 5th bit), qs 6..21 as q4_1's; q - 16
   q5_1   24: d 0, m 2, qh 4..7, qs 8..23
+  iq4_nl 18: d 0, qs 2..17 as q4_1's, each nibble an index into IQ4_VALUES: d * IQ4_VALUES[q]
+  iq4_xs 136: d 0, scales_h 2..3, scales_l 4..7, qs 8..135 (block b: 16 bytes as iq4_nl's); block b's scale
+        l_b = (scales_l[b // 2] >> 4 (b % 2)) & 15 | ((scales_h >> 2b) & 3) << 4, value (d * (l_b - 32)) *
+        IQ4_VALUES[q] (kernels/formats/quant_iq4.py)
 """
 
 import numpy as np
@@ -22,6 +27,7 @@ from numba import njit
 
 from kernels.formats import ggml_blocks as gb
 from kernels.formats.fp16 import f16_to_f32
+from kernels.formats.quant_iq4 import IQ4_VALUES
 
 
 @njit(inline="always", nogil=True)
@@ -128,6 +134,26 @@ def _legacy(row, fifth_bit, has_min, dst):
 
 
 @njit(inline="always", nogil=True)
+def _iq4(row, super_block, dst):
+    # iq4_nl (32-value blocks) or iq4_xs (super_block: 256-value ones with 6-bit block scales) rows
+    type_size = gb.IQ4_XS_BYTES if super_block else gb.IQ4_NL_BYTES
+    per_block = 256 if super_block else 32
+    for s in range(dst.shape[0] // per_block):
+        o = s * type_size
+        d = fp16_at(row, o)
+        for b in range(per_block // 32):
+            dl = d
+            if super_block:
+                low = (np.int32(row[o + 4 + b // 2]) >> (4 * (b % 2))) & 15
+                high = (np.int32(row[o + 2 + b // 4]) >> (2 * (b % 4))) & 3
+                dl = d * np.float32((low | (high << 4)) - 32)
+            qs, y = o + (8 if super_block else 2) + 16 * b, s * per_block + 32 * b
+            for j in range(16):
+                dst[y + j] = dl * np.float32(IQ4_VALUES[row[qs + j] & 15])
+                dst[y + 16 + j] = dl * np.float32(IQ4_VALUES[row[qs + j] >> 4])
+
+
+@njit(inline="always", nogil=True)
 def dequantize_block_row(code, row, dst):
     """One row of GGML blocks of format code, uint8 [row_bytes] -> dst: [K] f32."""
     if code == gb.Q4_K:
@@ -140,8 +166,10 @@ def dequantize_block_row(code, row, dst):
         _legacy(row, False, True, dst)
     elif code == gb.Q5_0:
         _legacy(row, True, False, dst)
-    else:
+    elif code == gb.Q5_1:
         _legacy(row, True, True, dst)
+    else:
+        _iq4(row, code == gb.IQ4_XS, dst)
 
 
 @njit(cache=True, nogil=True)

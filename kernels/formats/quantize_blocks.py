@@ -6,7 +6,8 @@ import gguf
 import numpy as np
 from gguf import GGMLQuantizationType as GT
 
-from kernels.formats.ggml_blocks import CODE, GGML_TYPE, K_QUANT_DTYPES
+from kernels.formats.ggml_blocks import CODE, GGML_TYPE, IQ4_DTYPES, K_QUANT_DTYPES
+from kernels.formats.quant_iq4 import quantize_iq4
 from kernels.formats.quant_k import quantize_k
 from kernels.formats.quant_weighted import quantize_weighted_32
 
@@ -14,13 +15,16 @@ WEIGHTED_32 = {"q4_0": GT.Q4_0, "q4_1": GT.Q4_1, "q5_0": GT.Q5_0, "q5_1": GT.Q5_
 
 
 def quantize_blocks(w: np.ndarray, dtype: str, importance: np.ndarray | None) -> np.ndarray:
-    """w: f32 [N, K] (whole blocks of the format) -> uint8 [N, row bytes] in dtype: a K-quant, q4_1, q5_0,
-    q5_1, or q4_0 with an importance (f32 [G, K], G dividing N; without one q4_0 is quantize_q4_0's)."""
+    """w: f32 [N, K] (whole blocks of the format) -> uint8 [N, row bytes] in dtype: a K-quant, an IQ4, q4_1,
+    q5_0, q5_1, or q4_0 with an importance (f32 [G, K], G dividing N; without one q4_0 is quantize_q4_0's)."""
     n, k = w.shape
     kind = WEIGHTED_32.get(dtype) or GGML_TYPE[dtype]
     out = np.empty((n, gguf.quant_shape_to_byte_shape((k,), kind)[0]), np.uint8)
+    none = np.empty((0, k), np.float32)
     if dtype in K_QUANT_DTYPES:
-        quantize_k(CODE[dtype], w, np.empty((0, k), np.float32) if importance is None else importance, out)
+        quantize_k(CODE[dtype], w, none if importance is None else importance, out)
+    elif dtype in IQ4_DTYPES:
+        quantize_iq4(CODE[dtype], w, none if importance is None else importance, out)
     elif importance is not None:
         quantize_weighted_32(int(kind), w, importance, out)
     else:

@@ -31,7 +31,7 @@ ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_s
 # Q8_0 and Q4_0 split into values and scales, the K-quants and the legacy types llama.cpp's quantizer falls
 # back to as their raw blocks (memory/matrices.py)
 RAW_BLOCKS = {GT.Q4_K: "q4_k", GT.Q5_K: "q5_k", GT.Q6_K: "q6_k", GT.Q4_1: "q4_1", GT.Q5_0: "q5_0",
-              GT.Q5_1: "q5_1"}
+              GT.Q5_1: "q5_1", GT.IQ4_NL: "iq4_nl", GT.IQ4_XS: "iq4_xs"}
 AUTO = {GT.F32: "float32", GT.F16: "float16", GT.BF16: "bfloat16", GT.Q8_0: "q8_0",
         GT.Q4_0: "q4_0"} | RAW_BLOCKS
 GGML_TYPE = {dtype: kind for kind, dtype in AUTO.items()}
@@ -41,7 +41,8 @@ FILE_TYPE = {"float32": LlamaFileType.ALL_F32, "float16": LlamaFileType.MOSTLY_F
              "q4_1": LlamaFileType.MOSTLY_Q4_1, "q5_0": LlamaFileType.MOSTLY_Q5_0,
              "q5_1": LlamaFileType.MOSTLY_Q5_1, "q4_k": LlamaFileType.MOSTLY_Q4_K_S,
              "q5_k": LlamaFileType.MOSTLY_Q5_K_S, "q6_k": LlamaFileType.MOSTLY_Q6_K,
-             "q4_k_m": LlamaFileType.MOSTLY_Q4_K_M}
+             "q4_k_m": LlamaFileType.MOSTLY_Q4_K_M, "iq4_nl": LlamaFileType.MOSTLY_IQ4_NL,
+             "iq4_xs": LlamaFileType.MOSTLY_IQ4_XS}
 REQUIRED = object()
 
 

@@ -26,7 +26,7 @@ from dataclasses import replace
 
 from cluster_configs.diagnostics import DecisionLog
 from cluster_configs.errors import CheckpointError
-from kernels.formats.ggml_blocks import BLOCK_DTYPES
+from kernels.formats.ggml_blocks import BLOCK_DTYPES, IQ4_DTYPES
 from kernels.simd.bf16 import BF16_FEATURES
 from kernels.simd.cpu import missing_features
 from memory.matrices import Bf16Matrix, BlockInt8Matrix, Int8Matrix, Matrix, WeightMatrix, map_parts, parts
@@ -35,7 +35,8 @@ from models.quantization.calibration import Calibration, MatrixCalibration, chec
 
 # vpmaddwd on 256-bit vectors, fp16 scale conversion (and VNNI where present)
 INT8_FEATURES = ("avx2", "f16c")
-INT8_DTYPES = ("q8_0", "q4_0", *BLOCK_DTYPES)  # the weight formats with an int8-activation kernel
+# the weight formats with an int8-activation kernel (not yet the IQ4 ones: they serve float32 activations)
+INT8_DTYPES = ("q8_0", "q4_0", *(d for d in BLOCK_DTYPES if d not in IQ4_DTYPES))
 
 
 def linear_matrices(weights: ModelWeights) -> Iterator[tuple[str, str, Matrix]]:
@@ -159,8 +160,7 @@ def _plan_int8(weights: ModelWeights, decisions: DecisionLog, calibration: Calib
     def choose_part(name: str, w: Matrix, cal: MatrixCalibration | None) -> Matrix:
         chosen, lacking = w, int8_kernel_lacks(w)
         if lacking is None:
-            choice, why = "float32", (f"{w.dtype} weights: int8 activations are used with quantized weights "
-                                      "only")
+            choice, why = "float32", f"{w.dtype} weights have no int8-activation kernel"
         elif lacking:
             choice, why = "float32", (f"{w.dtype} weights: their int8 kernel needs {', '.join(lacking)}, "
                                       "which this CPU lacks; float32 activations (exact)")
