@@ -1,13 +1,16 @@
-"""GGUF Q4_K, Q5_K, Q4_1, Q5_0 and Q5_1 weights repacked from their raw GGML blocks for the int8-activation
-VNNI kernel (kernels/simd/kquant.py).
+"""GGUF Q4_K, Q5_K, Q4_1, Q5_0, Q5_1, IQ4_NL and IQ4_XS weights repacked from their raw GGML blocks for the
+int8-activation VNNI kernel (kernels/simd/kquant.py).
 
 The values go in the quad order of kernels/formats/int8_layout.py, so the activations quantized for q8_0 /
 q4_0 (int8 xq, f32 xd, int32 xsum per 32-value block) serve these formats unchanged. Every format's quants are
-unsigned (0..15, or 0..31 with a fifth bit), the weights' side of vpdpbusd; what turns them into values is
-kept per 32-value block b as the format gives it: value = S_b q - M_b with
+unsigned (0..15, or 0..31 with a fifth bit), the weights' side of vpdpbusd; the IQ4 formats' 4-bit indices
+become their level + 128 (IQ4_VALUES + 128: 1..241, unsigned) through a byte shuffle in the kernel. What
+turns them into values is kept per 32-value block b as the format gives it: value = S_b q - M_b with
     Q4_K, Q5_K  S_b = d sc_b, M_b = dmin mn_b  (fp16 d, dmin per 256 values, 6-bit sc, mn per 32)
     Q4_1, Q5_1  S_b = d_b, M_b = -m_b          (fp16 d, m per 32)
     Q5_0        S_b = d_b, offset 16           (fp16 d per 32; the kernel takes 16 off in int32)
+    IQ4_NL      S_b = d_b, offset 128          (fp16 d per 32; level + 128, the 128 taken off in int32)
+    IQ4_XS      S_b = d sc_b, offset 128       (fp16 d per 256, signed 6-bit sc = l_b - 32 per 32)
 K is zero-padded to a whole number of groups of 256 values (one K-quant super-block, 8 legacy blocks): the
 padding's quants and scales are 0. Rows are padded with zeros to N4, a multiple of ROWS = 4.
 
@@ -17,11 +20,13 @@ row order, per row
             (vector j, lane m: int8_layout's quad order; q4_0's nibble layout)
     high    32 bytes (5-bit formats): bit j of byte m = the fifth bit of vector j's lane m
     K-quants: scales 8 bytes (sc_b), mins 8 bytes (mn_b), d 2 bytes, dmin 2 bytes (fp16 bits)
-    legacy:   d 16 bytes (8 fp16), m 16 bytes (Q4_1, Q5_1)
+    IQ4_XS:   scales 8 bytes (sc_b, int8), d 2 bytes
+    legacy, IQ4_NL: d 16 bytes (8 fp16), m 16 bytes (Q4_1, Q5_1)
 and data: uint8 [N4, Kp // 256 * tile_bytes // 4] holds each block's tiles group after group (the block's
 rows 4i..4i+3 of the array are its stream). Bytes per weight against the GGML block's: Q4_K 148 / 144 per
 256 (+2.8%: sc and mn as 16 bytes, not packed into 12, so the kernel converts each 8 with no bit
-unpacking), Q5_K 180 / 176 (+2.3%), Q4_1, Q5_0, Q5_1 the same as GGML's (but for padding).
+unpacking), Q5_K 180 / 176 (+2.3%), IQ4_XS 138 / 136 (+1.5%), Q4_1, Q5_0, Q5_1, IQ4_NL the same as GGML's
+(but for padding).
 """
 
 from dataclasses import dataclass
@@ -30,8 +35,9 @@ from functools import cached_property
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 
-from kernels.formats.ggml_blocks import Q4_1, Q4_K, Q5_0, Q5_1, Q5_K
+from kernels.formats.ggml_blocks import IQ4_NL, IQ4_XS, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K
 from kernels.formats.int8_layout import GROUP, QK, QUADS, _packed_index, padded_k
+from kernels.formats.quant_iq4 import IQ4_VALUES
 from kernels.placement import stream_empty
 from kernels.simd.vnni import ROWS
 
@@ -47,16 +53,25 @@ class KQuantFormat:
     qtype: int  # the GGML type id (kernels/formats/ggml_blocks.py's CODE)
     bits: int  # 4 | 5
     has_min: bool
+    table: bool = False  # IQ4: a quant is an index into IQ4_VALUES
 
     @property
     def super_block(self) -> bool:
-        """K-quant: one d, dmin and 8 6-bit scales and mins per 256 values, not fp16 scales per 32."""
+        """One fp16 d per 256 values and a 6-bit scale per 32 (K-quants, IQ4_XS), not fp16 scales per 32."""
         return GGML_QUANT_SIZES[QT(self.qtype)][0] == GROUP
+
+    @property
+    def offset(self) -> int:
+        """What the kernel takes off every quant in int32 (the formats without a min)."""
+        return 128 if self.table else 16 if not self.has_min else 0
 
     @property
     def block_fields(self) -> list[tuple[str, int]]:
         """A raw GGML block's fields and their bytes, in order."""
         values = GGML_QUANT_SIZES[QT(self.qtype)][0]
+        if self.table:
+            return [("d", 2)] + ([("scales_h", 2), ("scales_l", 4)] if self.super_block else []) + [
+                ("qs", values // 2)]
         head = [("d", 2)] + ([("dmin", 2), ("scales", 12)] if self.super_block else
                              [("m", 2)] if self.has_min else [])
         return head + ([("qh", values // 8)] if self.bits == 5 else []) + [("qs", values // 2)]
@@ -64,15 +79,16 @@ class KQuantFormat:
     @property
     def nibble_run(self) -> int:
         """Values per run of qs bytes: a run holds them in its low nibbles and the next as many in its high
-        ones (K-quants: 32-byte runs, sub-blocks 2i and 2i + 1; legacy: 16 bytes, a block's halves)."""
-        return GROUP // 8 if self.super_block else QK // 2
+        ones (K-quants: 32-byte runs, sub-blocks 2i and 2i + 1; legacy, IQ4: 16 bytes, a block's halves)."""
+        return GROUP // 8 if self.super_block and not self.table else QK // 2
 
     @property
     def tile_parts(self) -> list[tuple[str, int]]:
         """A tile's parts and one row's bytes of each, in order."""
         quants = [("quants", GROUP // 2)] + ([("high", GROUP // 8)] if self.bits == 5 else [])
         if self.super_block:
-            return quants + [("scales", 8), ("mins", 8), ("d", 2), ("dmin", 2)]
+            return quants + [("scales", 8)] + ([("d", 2)] if self.table else [("mins", 8), ("d", 2),
+                                                                             ("dmin", 2)])
         return quants + [("d", 16)] + ([("m", 16)] if self.has_min else [])
 
     @cached_property
@@ -87,7 +103,10 @@ class KQuantFormat:
 
 FORMATS = {f.qtype: f for f in (KQuantFormat(Q4_K, 4, True), KQuantFormat(Q5_K, 5, True),
                                 KQuantFormat(Q4_1, 4, True), KQuantFormat(Q5_0, 5, False),
-                                KQuantFormat(Q5_1, 5, True))}
+                                KQuantFormat(Q5_1, 5, True), KQuantFormat(IQ4_NL, 4, False, True),
+                                KQuantFormat(IQ4_XS, 4, False, True))}
+# an IQ4 index's unsigned level, as the kernel's byte shuffle reads it (both 128-bit lanes)
+IQ4_UNSIGNED = (IQ4_VALUES.astype(np.int16) + 128).astype(np.uint8)
 
 
 def pack_kquant(raw: np.ndarray, qtype: int, k: int) -> np.ndarray:
@@ -161,6 +180,12 @@ def _parts(raw, f, k, kp):
     parts = {"quants": ((vectors[:, :, 0::2] & 15) | (vectors[:, :, 1::2] << 4)).reshape(n, num_groups, -1)}
     if f.bits == 5:
         parts["high"] = ((vectors >> 4) << np.arange(VECTORS, dtype=np.uint8)[:, None]).sum(2, dtype=np.uint8)
+    if f.super_block and f.table:  # IQ4_XS: l_b - 32 as int8
+        low = (fields["scales_l"][..., :, None] >> np.array([0, 4], np.uint8)) & 15  # [N, G, 4, 2]
+        high = (fields["scales_h"].view("<u2")[..., None] >> (2 * np.arange(8, dtype=np.uint16))) & 3
+        levels = low.reshape(n, num_groups, 8) | (high.reshape(n, num_groups, 8).astype(np.uint8) << 4)
+        return parts | {"scales": (levels.astype(np.int16) - 32).astype(np.int8).view(np.uint8),
+                        "d": fields["d"]}
     if f.super_block:
         sc, mn = quants.Q4_K.get_scale_min(fields["scales"].reshape(-1, 12))
         return parts | {"scales": sc.reshape(n, num_groups, 8), "mins": mn.reshape(n, num_groups, 8),
@@ -191,7 +216,12 @@ def _raw(parts, f, k):
         fields["qh"] = bits.sum(2, dtype=np.uint8)
     elif f.bits == 5:
         fields["qh"] = np.packbits(q.reshape(n, nb, 32) >> 4, axis=-1, bitorder="little")
-    if f.super_block:
+    if f.super_block and f.table:
+        levels = (parts["scales"].view(np.int8).astype(np.int16) + 32).astype(np.uint8)  # [N, G, 8]
+        scales_h = (levels.astype(np.uint16) >> 4) << (2 * np.arange(8, dtype=np.uint16))
+        fields |= {"d": parts["d"], "scales_l": (levels[..., 0::2] & 15) | (levels[..., 1::2] << 4),
+                   "scales_h": scales_h.sum(-1, dtype=np.uint16)[..., None].astype("<u2").view(np.uint8)}
+    elif f.super_block:
         sc, mn = parts["scales"], parts["mins"]
         fields |= {"d": parts["d"], "dmin": parts["dmin"],
                    "scales": np.concatenate([sc[..., :4] | (sc[..., 4:] >> 4) << 6,

@@ -1,10 +1,11 @@
-"""y = x @ W.T with x quantized to int8 (kernels/formats/int8_layout.py) and Q4_K / Q5_K / Q4_1 / Q5_0 / Q5_1
-weights packed by kernels/formats/kquant_layout.py, through the VNNI register block of kernels/simd/kquant.py.
+"""y = x @ W.T with x quantized to int8 (kernels/formats/int8_layout.py) and Q4_K / Q5_K / Q4_1 / Q5_0 /
+Q5_1 / IQ4_NL / IQ4_XS weights packed by kernels/formats/kquant_layout.py, through the VNNI register block
+of kernels/simd/kquant.py.
 
 The drivers are matmul_vnni's and matmul_vnni_experts' (kernels/linear/int8.py): a task owns a block of 4
 output rows and walks a chunk of tokens 4 at a time (then 2, then 1) while the chunk of x stays in L2.
 qtype (the GGML type id, kernels/formats/ggml_blocks.py's CODE) picks the format's code per task, as
-matmul_vnni's bits: one compiled function serves all five. (numba.literally(qtype), one compilation per
+matmul_vnni's bits: one compiled function serves all seven. (numba.literally(qtype), one compilation per
 format, was slow at every call: numba retypes the call through an exception every time.)
 
 With the weights in cache, the K-quants' scales and Q5_K's fifth bits cost instructions beside q4_0; from
@@ -14,7 +15,7 @@ memory every format streams at least q4_0's bytes per second (benchmarks/results
 from numba import njit, prange, types
 from numba.extending import overload
 
-from kernels.formats.ggml_blocks import Q4_1, Q4_K, Q5_0, Q5_1, Q5_K
+from kernels.formats.ggml_blocks import IQ4_NL, IQ4_XS, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K
 from kernels.linear.int8 import X_CHUNK_BYTES
 from kernels.moe.expert_tasks import expert_num_tasks, expert_task
 from kernels.simd.kquant import kquant_block
@@ -36,8 +37,9 @@ def matmul_kquant(xq, xd, xsum, data, out, qtype):
 
 @njit(inline="always", nogil=True)
 def _check_format(qtype):
-    if qtype != Q4_K and qtype != Q5_K and qtype != Q4_1 and qtype != Q5_0 and qtype != Q5_1:
-        raise ValueError("qtype is not one of Q4_K, Q5_K, Q4_1, Q5_0, Q5_1")
+    if (qtype != Q4_K and qtype != Q5_K and qtype != Q4_1 and qtype != Q5_0 and qtype != Q5_1
+            and qtype != IQ4_NL and qtype != IQ4_XS):
+        raise ValueError("qtype is not one of Q4_K, Q5_K, Q4_1, Q5_0, Q5_1, IQ4_NL, IQ4_XS")
 
 
 @njit(inline="always", nogil=True)
@@ -53,6 +55,10 @@ def _by_format(xq, xd, xsum, data, out, n, c0, c1, qtype):
         _kquant_tokens(xq, xd, xsum, data, out, n, c0, c1, Q5_0)
     elif qtype == Q5_1:
         _kquant_tokens(xq, xd, xsum, data, out, n, c0, c1, Q5_1)
+    elif qtype == IQ4_NL:
+        _kquant_tokens(xq, xd, xsum, data, out, n, c0, c1, IQ4_NL)
+    elif qtype == IQ4_XS:
+        _kquant_tokens(xq, xd, xsum, data, out, n, c0, c1, IQ4_XS)
 
 
 def _kquant_tokens(xq, xd, xsum, data, out, n, c0, c1, qtype):

@@ -1,22 +1,24 @@
-"""A register block for int8 activations x Q4_K / Q5_K / Q4_1 / Q5_0 / Q5_1 weights through AVX-512 VNNI,
-written as LLVM IR: 4 weight rows x TB tokens.
+"""A register block for int8 activations x Q4_K / Q5_K / Q4_1 / Q5_0 / Q5_1 / IQ4_NL / IQ4_XS weights through
+AVX-512 VNNI, written as LLVM IR: 4 weight rows x TB tokens.
 
 As kernels/simd/vnni.py: per group of 256 values each (row, token) pair keeps 8 int32 lanes, lane b = block
 b's dot product of the unsigned quants q (kernels/formats/kquant_layout.py) with the int8 activations, through
-8 vpdpbusd (exact: |lane| <= 32 x 31 x 127). A quant vector is chunk j // 2's low or high nibbles (q4_0's mask
-and shift), and for the 5-bit formats bit j of the group's 32 bytes of fifth bits, shifted to bit 4 and or-ed
-in: one load per row and group, then per vector a byte shift and one vpternlog as LLVM emits them. (Fifth bits
-stored as one 32-bit lane mask per vector instead, a kmov and a masked blend, had fewer spills but was no
-faster.) The 4 rows' stream of tiles (quants, fifth bits, scales) is prefetched as q4_0's (32 KB ahead from 4
+8 vpdpbusd (exact: |lane| <= 32 x 241 x 127). A quant vector is chunk j // 2's low or high nibbles (q4_0's
+mask and shift), and for the 5-bit formats bit j of the group's 32 bytes of fifth bits, shifted to bit 4 and
+or-ed in: one load per row and group, then per vector a byte shift and one vpternlog as LLVM emits them.
+(Fifth bits stored as one 32-bit lane mask per vector instead, a kmov and a masked blend, had fewer spills but
+was no faster.) The IQ4 formats' 4-bit indices go through one vpshufb into their unsigned levels (IQ4_VALUES +
+128). The 4 rows' stream of tiles (quants, fifth bits, scales) is prefetched as q4_0's (32 KB ahead from 4
 tokens up; nearby distances measured the same).
 
 Then per block, with value = S_b q - M_b (kquant_layout.py's table) and xd_b, xsum_b the activations'
 scale and sum, in this order for every token of any batch (so its outputs do not depend on the batch):
     inner = fma(-M_b, float(xsum_b), S_b x float(dot_b)); acc_b = fma(xd_b, inner, acc_b)
 where K-quants' S_b = d x sc_b, M_b = dmin x mn_b are float32 products, formed once per row and group,
-as gguf's dequantization forms them. Q5_0's offset of 16 is an integer, taken off the int32 lanes (they
-start at -16 x xsum_b, q4_0's way), and its blocks fold as q4_0's: acc_b = fma(float(dot_b), d_b x xd_b,
-acc_b). The 8 lanes are summed at the end (store_block).
+as gguf's dequantization forms them. Q5_0's offset of 16 and the IQ4 formats' 128 are integers, taken off
+the int32 lanes (they start at -offset x xsum_b, q4_0's way), and their blocks fold as q4_0's:
+acc_b = fma(float(dot_b), S_b x xd_b, acc_b), IQ4_XS's S_b = d x sc_b (sc_b signed) as gguf forms it. The 8
+lanes are summed at the end (store_block).
 
 Needs AVX512-VNNI, AVX512-VL and F16C (simd_vnni.VNNI_FEATURES). numba's on-disk cache of
 kernels/linear/kquant.py does not notice edits to this file: after changing the code generation here,
@@ -28,7 +30,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from kernels.formats.kquant_layout import FORMATS
+from kernels.formats.kquant_layout import FORMATS, IQ4_UNSIGNED
 from kernels.simd.int8 import (
     GROUP,
     I8,
@@ -58,6 +60,13 @@ def _splat_f16(builder, data, offset):
     return builder.fpext(builder.shuffle_vector(vec, vec, zeros), V8F)
 
 
+def _pshufb_function(module):
+    # vpshufb on 256-bit vectors: per 128-bit lane, each byte of the second operand (0..15) picks a byte of
+    # the first's lane
+    return cgutils.get_or_insert_function(module, ir.FunctionType(V32I8, [V32I8, V32I8]),
+                                          "llvm.x86.avx2.pshuf.b")
+
+
 def _fifth_bits(builder, high, j):
     # vector j's fifth bits (bit j of each byte of the group's 32 bytes) at bit 4, the rest 0
     if j < 4:
@@ -74,6 +83,9 @@ def _block_scales(builder, data, tile, f, r):
     def part(name, width):
         return builder.add(tile, const64(at[name] + width * r))
 
+    if f.super_block and f.table:  # IQ4_XS: signed scales, no min
+        sc = builder.sitofp(load_vec(builder, data, part("scales", 8), V8I8), V8F)
+        return builder.fmul(_splat_f16(builder, data, part("d", 2)), sc), None
     if f.super_block:
         sc, mn = (builder.uitofp(load_vec(builder, data, part(name, 8), V8I8), V8F)
                   for name in ("scales", "mins"))
@@ -108,6 +120,8 @@ def kquant_block(typingctx, xq, xd, xsum, data, out, t0, n0, qtype, tokens):
         module = builder.module
         dpbusd = dpbusd_function(module)
         fma = fma_function(module)
+        pshufb = _pshufb_function(module)
+        levels = ir.Constant(V32I8, [int(v) for v in IQ4_UNSIGNED] * 2)
         token_rows = [builder.add(t0_, const64(t)) for t in range(TB)]
         weight_rows = [builder.add(n0_, const64(r)) for r in range(ROWS)]
         block_base = builder.mul(builder.udiv(n0_, const64(ROWS)), num_groups)  # the block's first tile
@@ -123,8 +137,8 @@ def kquant_block(typingctx, xq, xd, xsum, data, out, t0, n0, qtype, tokens):
                      for row in token_rows]
             if f.has_min:
                 init = [ir.Constant(V8I, None)] * TB
-            else:  # Q5_0: q - 16
-                init = [builder.mul(s, ir.Constant(V8I, [-16] * 8)) for s in xsum_]
+            else:  # Q5_0: q - 16; IQ4: level + 128 - 128
+                init = [builder.mul(s, ir.Constant(V8I, [-f.offset] * 8)) for s in xsum_]
             iacc = [list(init) for _ in range(ROWS)]
             chunks = [None] * ROWS
             highs = [load_vec(builder, wa.data, builder.add(tile, const64(f.tile_offsets["high"] + 32 * r)),
@@ -138,6 +152,8 @@ def kquant_block(typingctx, xq, xd, xsum, data, out, t0, n0, qtype, tokens):
                     v = nibble_vector(builder, chunks[r], j)
                     if highs:
                         v = builder.or_(v, _fifth_bits(builder, highs[r], j))
+                    if f.table:
+                        v = builder.call(pshufb, [levels, v])
                     weights.append(builder.bitcast(v, V8I))
                 for t in range(TB):
                     xv = builder.bitcast(load_vec(builder, xa.data, builder.add(x_base[t], const64(32 * j)),

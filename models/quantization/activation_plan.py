@@ -26,7 +26,7 @@ from dataclasses import replace
 
 from cluster_configs.diagnostics import DecisionLog
 from cluster_configs.errors import CheckpointError
-from kernels.formats.ggml_blocks import BLOCK_DTYPES, IQ4_DTYPES
+from kernels.formats.ggml_blocks import BLOCK_DTYPES
 from kernels.simd.bf16 import BF16_FEATURES
 from kernels.simd.cpu import missing_features
 from memory.matrices import Bf16Matrix, BlockInt8Matrix, Int8Matrix, Matrix, WeightMatrix, map_parts, parts
@@ -35,8 +35,7 @@ from models.quantization.calibration import Calibration, MatrixCalibration, chec
 
 # vpmaddwd on 256-bit vectors, fp16 scale conversion (and VNNI where present)
 INT8_FEATURES = ("avx2", "f16c")
-# the weight formats with an int8-activation kernel (not yet the IQ4 ones: they serve float32 activations)
-INT8_DTYPES = ("q8_0", "q4_0", *(d for d in BLOCK_DTYPES if d not in IQ4_DTYPES))
+INT8_DTYPES = ("q8_0", "q4_0", *BLOCK_DTYPES)  # the weight formats with an int8-activation kernel
 
 
 def linear_matrices(weights: ModelWeights) -> Iterator[tuple[str, str, Matrix]]:
