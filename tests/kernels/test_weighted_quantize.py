@@ -1,6 +1,6 @@
 """WeightMatrix.from_float with an importance matrix gives llama.cpp's bytes: ggml's importance-weighted
 quantizers (quantize_row_*_impl, what llama-quantize runs with --imatrix) for q4_0, q4_1, q5_0, q5_1, q4_k,
-q5_k and q6_k, each group of rows (an expert's) with its own importance.
+q5_k, q6_k, iq4_nl and iq4_xs, each group of rows (an expert's) with its own importance.
 
 The committed fixture (tests/fixtures/make_weighted_fixture.py) holds ggml's output; with llama-cpp-python
 installed the fixture is regenerated and another seed's rows compared as well."""

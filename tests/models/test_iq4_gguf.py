@@ -1,7 +1,8 @@
 """IQ4_NL and IQ4_XS, the 4-bit non-linear GGUF types people download: files made by llama.cpp's own
 quantizer (tests/fixtures/make_iq4_gguf.py) load with every tensor in its stored type, numaserve's float32
-logits equal transformers' (float64) over the gguf package's dequantization of the same file, and quantizing
-the F16 source to iq4_nl / iq4_xs (at load and at export) gives llama.cpp's bytes."""
+logits equal transformers' (float64) over the gguf package's dequantization of the same file, with int8
+activations every matrix runs the VNNI kernel and equals float64 over the same quantized activations, and
+quantizing the F16 source to iq4_nl / iq4_xs (at load and at export) gives llama.cpp's bytes."""
 
 import gguf
 import numpy as np
@@ -11,16 +12,18 @@ from gguf import GGMLQuantizationType as GT
 from transformers import LlamaForCausalLM
 
 import numaserve as ns
+from cluster_configs.diagnostics import DecisionLog
 from cluster_configs.errors import CheckpointError
 from memory.matrices import WeightMatrix
 from models.gguf.writer import convert_to_gguf
-from models.linear import dequantize
+from models.linear import dequantize, linear
 from models.loader import load_model
+from models.quantization.activation_plan import linear_matrices, plan_activations
 from tests.conftest import random_prompt
 from tests.fixtures.make_iq4_gguf import FIXTURES, INITIALIZER_RANGE
 from tests.fixtures.make_kquant_gguf import OVERRIDES, SEED
 from tests.models.test_gguf import reference_gguf
-from tests.models.test_kquant_gguf import config, dequantized_checkpoint
+from tests.models.test_kquant_gguf import config, dequantized_checkpoint, needs_vnni_kernels
 from tests.support.model_factory import build_model
 
 DTYPES = tuple(FIXTURES)
@@ -87,3 +90,28 @@ def test_other_i_quants_stay_refused_by_name(tmp_path, f16):
     quantize(f16, path, llama_cpp.LLAMA_FTYPE_MOSTLY_IQ3_S)
     with pytest.raises(CheckpointError, match="IQ3_S, an I-quant"):
         load_model(path, "auto")
+
+
+@needs_vnni_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_int8_activations_run_the_iq4_matrices_through_the_vnni_kernel(dtype):
+    llm = ns.LLM(FIXTURES[dtype], activation_dtype="int8", kv_dtype="float32", max_model_len=128)
+    kernels = " ".join(d["choice"] + d["reason"] for d in llm.diagnostics() if d["topic"] == "kernel")
+    assert f"matmul_kquant: {dtype} weights x int8 activations" in kernels
+    assert "float32 activations" not in kernels
+
+
+@needs_vnni_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_every_packed_iq4_matrix_equals_float64_over_the_same_quantized_activations(dtype):
+    _, weights, _ = load_model(FIXTURES[dtype], "auto")
+    packed = plan_activations(weights, "int8", DecisionLog())
+    rng = np.random.default_rng(0)
+    for (name, _, stored), (_, _, served) in zip(linear_matrices(weights), linear_matrices(packed)):
+        x = rng.standard_normal((3, stored.shape[1])).astype(np.float32)
+        blocks = x.reshape(3, -1, 32)  # quantized per 32 values as kernels/formats/int8_layout.py does
+        d = np.abs(blocks).max(-1, keepdims=True) / np.float32(127)
+        rounded = (np.rint(blocks * (1 / d)) * d).reshape(x.shape).astype(np.float64)
+        reference = rounded @ dequantize(stored).astype(np.float64).T
+        error = np.abs(linear(x, served) - reference).max() / np.abs(reference).max()
+        assert error < 1e-6, name
