@@ -258,6 +258,25 @@ def quant_quality(data: dict) -> str:
     return "\n\n".join(blocks)
 
 
+def imatrix_quality(data: dict) -> str:
+    im = data["imatrix"]
+    head = (f"Demo model, {data['windows']} held-out windows of {data['window_tokens']} tokens, float32 "
+            f"activations; bfloat16 weights' perplexity {data['bf16_perplexity']:.3f}. Importance matrix: "
+            f"{im['chunks']} chunks of {im['chunk_tokens']} tokens of {im['text']} (not the held-out set).")
+    rows = [[f] + [pct(v[run][key], 3, sign=True) for run, key in (
+        ("plain", "vs_bf16"), ("plain", "llama_cpp_vs_bf16"), ("imatrix", "vs_bf16"),
+        ("imatrix", "llama_cpp_vs_bf16"), ("imatrix", "vs_llama_cpp"))] for f, v in data["formats"].items()]
+    blocks = [head, table(["weights", "numaserve", "llama.cpp's file", "numaserve + imatrix",
+                           "llama.cpp's file + imatrix", "ours vs llama.cpp's (imatrix)"], rows)]
+    goals = data.get("goals") or {}
+    if goals:
+        blocks.append(labelled("Goals (perplexity vs bfloat16 weights, at most)", table(
+            ["goal", "bound", "value", "met"],
+            [[g, pct(v["bound"], 2), pct(v["value"], 3, sign=True), "yes" if v["met"] else "no"]
+             for g, v in goals.items()])))
+    return "\n\n".join(blocks)
+
+
 def sampling(data: dict) -> str:
     meta = data.get("meta", {})
     frac = data["fraction_of_decode_step"]
@@ -350,6 +369,7 @@ RENDERERS = [
     (r"calibration.*\.json", calibration),
     (r"kv_quality.*\.json", kv_quality),
     (r"quant_quality.*\.json", quant_quality),
+    (r"imatrix_quality.*\.json", imatrix_quality),
     (r"sampling.*\.json", sampling),
     (r"revisions.*\.json", revisions),
     (r"all_reduce.*\.json", all_reduce),

@@ -54,6 +54,7 @@ SOURCES = {
                        note="The measurement notes named commit 58c99ef for this run; the file records its "
                             "own."),
     "quant_quality.json": Source("python -m benchmarks.bench_quant_quality"),
+    "imatrix_quality.json": Source("python -m benchmarks.bench_imatrix_quality"),
     "revisions.json": Source("python -m benchmarks.bench_revisions --old <worktree of 07b6f45> --samples 15"),
     "revisions-2026-11-29-int8-kv.json": Source(
         "python -m benchmarks.bench_revisions --old <worktree of 3507f82> --rows tinyllama-1.1b:q8_0:1,"

@@ -12,18 +12,21 @@ from gguf import GGMLQuantizationType as GT
 from transformers import LlamaForCausalLM
 
 import numaserve as ns
-from cluster_configs.diagnostics import DecisionLog
 from cluster_configs.errors import CheckpointError
 from memory.matrices import WeightMatrix
 from models.gguf.writer import convert_to_gguf
-from models.linear import dequantize, linear
+from models.linear import dequantize
 from models.loader import load_model
-from models.quantization.activation_plan import linear_matrices, plan_activations
 from tests.conftest import random_prompt
 from tests.fixtures.make_iq4_gguf import FIXTURES, INITIALIZER_RANGE
 from tests.fixtures.make_kquant_gguf import OVERRIDES, SEED
 from tests.models.test_gguf import reference_gguf
-from tests.models.test_kquant_gguf import config, dequantized_checkpoint, needs_vnni_kernels
+from tests.models.test_kquant_gguf import (
+    assert_packed_matrices_equal_float64,
+    config,
+    dequantized_checkpoint,
+    needs_vnni_kernels,
+)
 from tests.support.model_factory import build_model
 
 DTYPES = tuple(FIXTURES)
@@ -104,14 +107,4 @@ def test_int8_activations_run_the_iq4_matrices_through_the_vnni_kernel(dtype):
 @needs_vnni_kernels
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_every_packed_iq4_matrix_equals_float64_over_the_same_quantized_activations(dtype):
-    _, weights, _ = load_model(FIXTURES[dtype], "auto")
-    packed = plan_activations(weights, "int8", DecisionLog())
-    rng = np.random.default_rng(0)
-    for (name, _, stored), (_, _, served) in zip(linear_matrices(weights), linear_matrices(packed)):
-        x = rng.standard_normal((3, stored.shape[1])).astype(np.float32)
-        blocks = x.reshape(3, -1, 32)  # quantized per 32 values as kernels/formats/int8_layout.py does
-        d = np.abs(blocks).max(-1, keepdims=True) / np.float32(127)
-        rounded = (np.rint(blocks * (1 / d)) * d).reshape(x.shape).astype(np.float64)
-        reference = rounded @ dequantize(stored).astype(np.float64).T
-        error = np.abs(linear(x, served) - reference).max() / np.abs(reference).max()
-        assert error < 1e-6, name
+    assert_packed_matrices_equal_float64(FIXTURES[dtype])
