@@ -60,11 +60,18 @@ def _splat_f16(builder, data, offset):
     return builder.fpext(builder.shuffle_vector(vec, vec, zeros), V8F)
 
 
-def _pshufb_function(module):
-    # vpshufb on 256-bit vectors: per 128-bit lane, each byte of the second operand (0..15) picks a byte of
-    # the first's lane
-    return cgutils.get_or_insert_function(module, ir.FunctionType(V32I8, [V32I8, V32I8]),
-                                          "llvm.x86.avx2.pshuf.b")
+def _weight_vector(builder, f, chunk, high, j):
+    # vector j's unsigned quants as <8 x i32>: chunk j // 2's nibbles, the fifth bits or-ed in (5-bit
+    # formats), the IQ4 indices looked up in their levels + 128 by vpshufb (per 128-bit lane, each byte
+    # (0..15) picks a byte of the table's lane)
+    v = nibble_vector(builder, chunk, j)
+    if high is not None:
+        v = builder.or_(v, _fifth_bits(builder, high, j))
+    if f.table:
+        pshufb = cgutils.get_or_insert_function(builder.module, ir.FunctionType(V32I8, [V32I8, V32I8]),
+                                                "llvm.x86.avx2.pshuf.b")
+        v = builder.call(pshufb, [ir.Constant(V32I8, [int(level) for level in IQ4_UNSIGNED] * 2), v])
+    return builder.bitcast(v, V8I)
 
 
 def _fifth_bits(builder, high, j):
@@ -120,8 +127,6 @@ def kquant_block(typingctx, xq, xd, xsum, data, out, t0, n0, qtype, tokens):
         module = builder.module
         dpbusd = dpbusd_function(module)
         fma = fma_function(module)
-        pshufb = _pshufb_function(module)
-        levels = ir.Constant(V32I8, [int(v) for v in IQ4_UNSIGNED] * 2)
         token_rows = [builder.add(t0_, const64(t)) for t in range(TB)]
         weight_rows = [builder.add(n0_, const64(r)) for r in range(ROWS)]
         block_base = builder.mul(builder.udiv(n0_, const64(ROWS)), num_groups)  # the block's first tile
@@ -149,12 +154,7 @@ def kquant_block(typingctx, xq, xd, xsum, data, out, t0, n0, qtype, tokens):
                     if j % 2 == 0:
                         at = builder.add(tile, const64(GROUP // 2 * r + 16 * j))  # row r's chunk j // 2
                         chunks[r] = load_vec(builder, wa.data, at, V32I8)
-                    v = nibble_vector(builder, chunks[r], j)
-                    if highs:
-                        v = builder.or_(v, _fifth_bits(builder, highs[r], j))
-                    if f.table:
-                        v = builder.call(pshufb, [levels, v])
-                    weights.append(builder.bitcast(v, V8I))
+                    weights.append(_weight_vector(builder, f, chunks[r], highs[r] if highs else None, j))
                 for t in range(TB):
                     xv = builder.bitcast(load_vec(builder, xa.data, builder.add(x_base[t], const64(32 * j)),
                                                   V32I8), V8I)
