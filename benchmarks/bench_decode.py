@@ -49,8 +49,8 @@ NUMASERVE_THREADING = {  # candidates for numaserve's process: extra environment
 # the dot-product instructions bounding each activation dtype's prefill and batched rows (bench_peak)
 PEAK_KIND = {"int8": "int8", "bfloat16": "bf16", "float32": "f32"}
 # activation dtypes meant for each weight dtype (others only with --all-combinations)
-MEANT_FOR = {"float32": {"float32", "bfloat16", "q8_0", "q4_0", "q4_k_m"}, "bfloat16": {"bfloat16"},
-             "int8": {"q8_0", "q4_0", "q4_k_m"}}
+MEANT_FOR = {"float32": {"float32", "bfloat16", "q8_0", "q4_0", "q4_k_m", "iq4_xs", "iq4_nl"},
+             "bfloat16": {"bfloat16"}, "int8": {"q8_0", "q4_0", "q4_k_m", "iq4_xs", "iq4_nl"}}
 
 
 def start_numaserve(ckpt: Path, weight_dtype: str, activation_dtype: str, args, threading: str,
@@ -67,7 +67,24 @@ def start_llamacpp(gguf: Path, args) -> EngineProcess:
              + PROMPT_LEN)
     argv = [str(gguf), "--threads", str(args.threads), "--n-ctx", str(n_ctx), "--n-seq-max",
             str(max(args.batches))]
-    return EngineProcess("llama.cpp", "benchmarks.llamacpp_runner", argv, CLEAN_ENV)
+    return EngineProcess("llama.cpp", "benchmarks.llamacpp_runner", argv, CLEAN_ENV | llama_cpp_env())
+
+
+def llama_cpp_env() -> dict[str, str]:
+    """llama-cpp-python's libraries: its own, or on a CPU with AMX (where its -march=native build crashed)
+    the vendored llama.cpp built without AMX (benchmarks/llama_server.py)."""
+    from benchmarks.llama_server import host_has_amx, llama_cpp_library_without_amx
+
+    return {"LLAMA_CPP_LIB_PATH": str(llama_cpp_library_without_amx())} if host_has_amx() else {}
+
+
+def llama_cpp_build() -> str:
+    from benchmarks.llama_server import NO_AMX_FLAGS, host_has_amx
+
+    if not host_has_amx():
+        return "llama-cpp-python's own (its build's -march=native)"
+    return ("the llama.cpp inside llama-cpp-python built without AMX (its own build crashed in its AMX "
+            "matrix multiply on this CPU, llama.cpp issue 20824): " + " ".join(NO_AMX_FLAGS))
 
 
 def workloads(args, rng) -> dict[str, tuple[str, dict, int]]:
@@ -300,7 +317,8 @@ def main(argv: list[str] | None = None) -> None:
             "llamacpp_settings": None if args.no_llamacpp else {
                 "env": "the parent's without OMP_*/GOMP_*/KMP_*/NUMBA_THREADING*",
                 "n_threads": args.threads, "n_threads_batch": args.threads, "mmap": False,
-                "logging": "silenced", "n_batch": 512, "kv_unified": True, "other": "llama.cpp defaults"}}
+                "logging": "silenced", "n_batch": 512, "kv_unified": True, "other": "llama.cpp defaults",
+                "build": llama_cpp_build()}}
     rows = []
     out = Path(args.out)
     out.parent.mkdir(exist_ok=True)
