@@ -202,8 +202,7 @@ def load_layer(read, prefix: str, spec: ModelSpec, weight_dtype: str, moe: bool 
     def mat(category: str, *names: str) -> Matrix:
         """The tensors `names`, stacked by rows, in the format of their GGUF category (one input: one
         importance, blk.{index}.{category}.weight's)."""
-        dtype = matrix_dtype(weight_dtype, category, index, spec.num_layers, spec.num_experts,
-                             importance is not None, spec.num_heads // spec.num_kv_heads)
+        dtype = matrix_dtype(weight_dtype, category, index, spec, importance is not None)
         weights = importance and importance(f"blk.{index}.{category}.weight")
         stack = np.concatenate([read(p + n + ".weight") for n in names])
         return WeightMatrix.from_float(stack, dtype, weights)
@@ -243,8 +242,7 @@ def _load_experts(read, prefix: str, spec: ModelSpec, weight_dtype: str, index: 
     downs = np.concatenate([read(down) for _, _, down in names])
 
     def quantized(w: np.ndarray, category: str) -> WeightMatrix:
-        dtype = matrix_dtype(weight_dtype, category, index, spec.num_layers, spec.num_experts,
-                             importance is not None, spec.num_heads // spec.num_kv_heads)
+        dtype = matrix_dtype(weight_dtype, category, index, spec, importance is not None)
         weights = importance and importance(f"blk.{index}.{category}_exps.weight")
         return WeightMatrix.from_float(w, dtype, weights)
 

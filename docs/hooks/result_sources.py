@@ -33,6 +33,12 @@ SOURCES = {
         note="numaserve alone: llama.cpp (llama-cpp-python 0.3.36) crashed on this VM in its "
         "AMX matrix multiply (ggml_backend_amx_mul_mat; llama.cpp issue 20824). The first run with "
         "bench_peak's fractions."),
+    "decode-2026-11-30-iq4.json": Source(
+        f"{DECODE} --dtypes iq4_xs,q4_k_m --activation-dtypes int8 --samples 3 --no-torch-first "
+        "--out benchmarks/results/decode-2026-11-30-iq4.json",
+        commit="4be02f5",
+        note="llama.cpp (llama-cpp-python 0.3.36) with the libraries of its own llama.cpp built without AMX "
+        "(benchmarks/llama_server.py's lib-noamx), through LLAMA_CPP_LIB_PATH."),
     "decode-2026-11-26-1533-q8_0.json": Source(
         f"{DECODE} --dtypes q8_0 --activation-dtypes int8 "
         "--out benchmarks/results/decode-2026-11-26-1533-q8_0.json", commit="297e724"),

@@ -191,9 +191,8 @@ def _field(path: Path, tensors: dict, prefix: str, layouts: tuple[Layout, ...], 
     if len(layout[0].shape) == 1:
         vector = np.concatenate([_vector(p) for p in parts])
         return vector if order is None else vector[order]
-    wanted = [matrix_dtype(weight_dtype, s.name.split(".")[0].removesuffix("_exps"), index, spec.num_layers,
-                           spec.num_experts, importance is not None, spec.num_heads // spec.num_kv_heads)
-              for s in layout]
+    wanted = [matrix_dtype(weight_dtype, s.name.split(".")[0].removesuffix("_exps"), index, spec,
+                           importance is not None) for s in layout]
     weights = None if importance is None else [importance(prefix + s.name) for s in layout]
     return _served(parts, weight_dtype, wanted, order, weights)
 

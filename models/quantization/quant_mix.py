@@ -12,6 +12,8 @@ F16 GGUF quantize alike; rows that are not whole 256-value super-blocks fall bac
 WeightMatrix.from_float as llama.cpp's do (Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0).
 """
 
+from models.model_spec import ModelSpec
+
 MIXES = {"q4_k_m": "q4_k", "q5_k_m": "q5_k", "iq4_nl": "iq4_nl", "iq4_xs": "iq4_xs"}  # mix -> its default
 # the LM head's format per weight_dtype where it differs (measured for q4_0: benchmarks/results/HISTORY.md)
 LM_HEAD = {"q4_0": "q8_0", "q4_k": "q6_k", "q5_k": "q6_k", "q4_k_m": "q6_k", "q5_k_m": "q6_k",
@@ -28,12 +30,12 @@ def use_more_bits(layer: int, num_layers: int) -> bool:
     return layer < num_layers // 8 or layer >= 7 * num_layers // 8 or (layer - num_layers // 8) % 3 == 2
 
 
-def matrix_dtype(weight_dtype: str, category: str, layer: int, num_layers: int, num_experts: int = 0,
-                 imatrix: bool = False, gqa: int = 1) -> str:
-    """The format of a layer's matrix of this GGUF category ("attn_q", "attn_k", "attn_v", "attn_qkv",
-    "attn_output", "ffn_gate", "ffn_up", "ffn_down"; experts' tensors by their dense category); imatrix:
-    quantized with an importance matrix (llama.cpp then keeps q4_0's first eighth of ffn_down in q4_1, and
-    the IQ4 mixes' in their own format); gqa: query heads per KV head."""
+def matrix_dtype(weight_dtype: str, category: str, layer: int, spec: ModelSpec, imatrix: bool = False) -> str:
+    """The format of layer `layer`'s matrix of this GGUF category ("attn_q", "attn_k", "attn_v", "attn_qkv",
+    "attn_output", "ffn_gate", "ffn_up", "ffn_down"; experts' tensors by their dense category) in a model of
+    this spec; imatrix: quantized with an importance matrix (llama.cpp then keeps q4_0's first eighth of
+    ffn_down in q4_1, and the IQ4 mixes' in their own format)."""
+    num_layers, num_experts, gqa = spec.num_layers, spec.num_experts, spec.num_heads // spec.num_kv_heads
     base = MIXES.get(weight_dtype)
     if imatrix and weight_dtype == "q4_0" and category == "ffn_down" and layer < num_layers // 8:
         return "q4_1"

@@ -13,12 +13,12 @@ from transformers import LlamaForCausalLM
 
 import numaserve as ns
 from cluster_configs.errors import CheckpointError
-from memory.matrices import WeightMatrix
+from memory.matrices import WeightMatrix, parts
 from models.gguf.writer import convert_to_gguf
 from models.linear import dequantize
 from models.loader import load_model
 from tests.conftest import random_prompt
-from tests.fixtures.make_iq4_gguf import FIXTURES, INITIALIZER_RANGE
+from tests.fixtures.make_iq4_gguf import FIXTURES, IQ4_OVERRIDES
 from tests.fixtures.make_kquant_gguf import OVERRIDES, SEED
 from tests.models.test_gguf import reference_gguf
 from tests.models.test_kquant_gguf import (
@@ -36,7 +36,7 @@ DTYPES = tuple(FIXTURES)
 def f16(tmp_path_factory):
     """The fixtures' source: the same seeded model exported to F16 as their generator did."""
     tmp = tmp_path_factory.mktemp("iq4-source")
-    build_model(tmp / "hf", "llama", seed=SEED, initializer_range=INITIALIZER_RANGE, **OVERRIDES)
+    build_model(tmp / "hf", "llama", seed=SEED, **(OVERRIDES | IQ4_OVERRIDES))
     return reference_gguf(tmp / "hf", tmp / "f16.gguf")
 
 
@@ -45,14 +45,16 @@ def test_every_tensor_is_served_in_its_stored_type(dtype):
     _, weights, _ = load_model(FIXTURES[dtype], "auto")
     assert weights.embed.dtype == dtype and weights.lm_head.dtype == "q6_k"
     for layer in weights.layers:
-        assert {layer.qkv.dtype, layer.o.dtype, layer.gate_up.dtype} == {dtype}
+        assert [p.dtype for p in parts(layer.qkv)] == [dtype, "q5_k"]  # q, k; v (4 query heads per KV head)
+        assert {layer.o.dtype, layer.gate_up.dtype} == {dtype}
         assert layer.down.dtype == "iq4_nl"  # 288-value rows: IQ4_XS falls back to IQ4_NL, as llama.cpp
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_float32_logits_equal_transformers_over_the_dequantized_file(dtype):
-    model = LlamaForCausalLM(config()).eval()
-    missing, unexpected = model.load_state_dict(dequantized_checkpoint(FIXTURES[dtype]), strict=False)
+    cfg = config(OVERRIDES | IQ4_OVERRIDES)
+    model = LlamaForCausalLM(cfg).eval()
+    missing, unexpected = model.load_state_dict(dequantized_checkpoint(FIXTURES[dtype], cfg), strict=False)
     assert not unexpected and all("rotary" in m for m in missing)
     tokens = random_prompt(40, seed=4)
     llm = ns.LLM(FIXTURES[dtype], activation_dtype="float32", kv_dtype="float32", max_model_len=128,

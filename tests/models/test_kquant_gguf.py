@@ -40,13 +40,13 @@ HF_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v"
             "ffn_norm": "post_attention_layernorm"}
 
 
-def config() -> LlamaConfig:
-    return VARIANTS["llama"][0](**(COMMON | VARIANTS["llama"][2] | OVERRIDES))
+def config(overrides: dict = OVERRIDES) -> LlamaConfig:
+    return VARIANTS["llama"][0](**(COMMON | VARIANTS["llama"][2] | overrides))
 
 
-def dequantized_checkpoint(path: Path) -> dict[str, torch.Tensor]:
+def dequantized_checkpoint(path: Path, cfg: LlamaConfig | None = None) -> dict[str, torch.Tensor]:
     """The file's tensors through gguf.quants.dequantize, under Hugging Face names and row order."""
-    cfg = config()
+    cfg = cfg or config()
     state = {}
     for t in gguf.GGUFReader(path).tensors:
         if t.name == "rope_freqs.weight":
