@@ -479,15 +479,16 @@ def test_model_without_tokenizer_exports_a_synthetic_vocabulary(llama_dir, tmp_p
 
 # ---- bad input -------------------------------------------------------------------------------------------
 
-def iq4_nl_junk(rows: int) -> tuple[np.ndarray, GT]:
-    return np.zeros((rows, 36), np.uint8), GT.IQ4_NL  # two 32-value IQ4_NL blocks per 64-value row
+def iq3_s_junk(rows: int) -> tuple[np.ndarray, GT]:
+    return np.zeros((rows, 110), np.uint8), GT.IQ3_S  # one 256-value IQ3_S block per row
 
 
 BAD_FILES = {
     "architecture": ({"metadata": {"general.architecture": ("gpt2", GGUFValueType.STRING)}},
                      "general.architecture='gpt2'"),
-    "tensor_type": ({"extra": {"blk.0.attn_q.weight": iq4_nl_junk(96)}},
-                    "'blk.0.attn_q.weight' is IQ4_NL, an I-quant .* Q4_K_M"),
+    # refused by type as each tensor is read, before its name or shape is looked at
+    "tensor_type": ({"extra": {"blk.0.attn_iq3.weight": iq3_s_junk(4)}},
+                    "'blk.0.attn_iq3.weight' is IQ3_S, an I-quant .* Q4_K_M"),
     "missing_tensor": ({"drop": ["blk.1.ffn_down.weight"]}, "'blk.1.ffn_down.weight' is missing"),
     "missing_key": ({"drop": ["llama.block_count"]}, "'llama.block_count' is missing"),
     "wrong_shape": ({"metadata": {"llama.feed_forward_length": (128, GGUFValueType.UINT32)}},

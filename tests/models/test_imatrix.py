@@ -179,6 +179,28 @@ def test_loading_with_an_imatrix_quantizes_each_matrix_with_its_importance(dense
     assert np.array_equal(weighted.lm_head.data, lm_head.data)
 
 
+def test_a_tensor_parallel_rank_quantizes_its_part_with_its_columns_importance(dense_dir, dense_imatrix):
+    # rank 1 of 2 holds half of o_proj's and down_proj's columns (and half of q|k|v's, gate|up's rows): its
+    # matrices equal the whole tensors' parts quantized with the same part of the importance
+    from safetensors.numpy import load_file
+
+    from models.tensor_parallel.shard import TensorShard
+
+    whole = load_file(dense_dir / "model.safetensors")
+    shard = TensorShard(1, 2)
+    spec, weights = load_weights(dense_dir, "q4_k", shard, imatrix=dense_imatrix)
+    for name, gguf_name, served in (("model.layers.0.self_attn.o_proj.weight", "blk.0.attn_output.weight",
+                                     weights.layers[0].o),
+                                    ("model.layers.1.mlp.down_proj.weight", "blk.1.ffn_down.weight",
+                                     weights.layers[1].down)):
+        axis, spans = shard.pieces(name, spec)
+        assert axis == 1  # split by columns
+        cols = np.concatenate([np.arange(lo, hi) for lo, hi in spans])
+        importance = dense_imatrix.importance(gguf_name)[:, cols]
+        expected = WeightMatrix.from_float(whole[name][:, cols], "q4_k", importance)
+        assert np.array_equal(served.data, expected.data), name
+
+
 def test_export_with_an_imatrix_writes_the_bytes_the_loader_serves(dense_dir, dense_imatrix, tmp_path):
     im_path = write_imatrix(dense_imatrix, tmp_path / "m.gguf")
     out = convert_to_gguf(dense_dir, tmp_path / "q4_0.gguf", "q4_0", imatrix=im_path)
