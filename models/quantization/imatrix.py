@@ -153,7 +153,8 @@ def write_imatrix(im: ImportanceMatrix, path: str | Path) -> Path:
     else:
         writer = gguf.GGUFWriter(tmp, arch="imatrix")  # general.architecture: gguf-py writes one
         writer.add_type(gguf.GGUFType.IMATRIX)
-        writer.add_array(gguf.Keys.IMatrix.DATASETS, list(im.datasets))
+        # llama-quantize refuses a GGUF imatrix without the key; gguf-py cannot write an empty array
+        writer.add_array(gguf.Keys.IMatrix.DATASETS, list(im.datasets) or [""])
         writer.add_uint32(gguf.Keys.IMatrix.CHUNK_COUNT, im.chunk_count)
         writer.add_uint32(gguf.Keys.IMatrix.CHUNK_SIZE, im.chunk_size)
         for name in sorted(im.entries):
