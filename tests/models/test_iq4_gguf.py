@@ -23,6 +23,7 @@ from tests.fixtures.make_kquant_gguf import OVERRIDES, SEED
 from tests.models.test_gguf import reference_gguf
 from tests.models.test_kquant_gguf import (
     assert_packed_matrices_equal_float64,
+    assert_same_tensors,
     config,
     dequantized_checkpoint,
     needs_vnni_kernels,
@@ -66,16 +67,7 @@ def test_float32_logits_equal_transformers_over_the_dequantized_file(dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_our_iq4_of_the_f16_file_is_llama_cpps_byte_for_byte(dtype, f16, tmp_path):
-    ours = convert_to_gguf(f16, tmp_path / "ours.gguf", dtype)
-    theirs = {t.name: t for t in gguf.GGUFReader(FIXTURES[dtype]).tensors}
-    mine = {t.name: t for t in gguf.GGUFReader(ours).tensors}
-    assert mine.keys() == theirs.keys()
-    for name, t in theirs.items():
-        assert mine[name].tensor_type == t.tensor_type, name
-        if name == "rope_freqs.weight":  # recomputed from the scaling read back: within float32 rounding
-            np.testing.assert_allclose(mine[name].data, t.data, rtol=1e-6)
-        else:
-            assert np.array_equal(mine[name].data, t.data), name
+    assert_same_tensors(convert_to_gguf(f16, tmp_path / "ours.gguf", dtype), FIXTURES[dtype])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

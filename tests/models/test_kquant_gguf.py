@@ -104,13 +104,18 @@ def test_our_q4_k_m_of_the_f16_file_is_llama_cpps_byte_for_byte(tmp_path):
     # the fixture's own source, rebuilt: the same random model (seeded) exported to F16 the same way
     build_model(tmp_path / "hf", "llama", seed=SEED, **OVERRIDES)
     f16 = reference_gguf(tmp_path / "hf", tmp_path / "f16.gguf")
-    ours = convert_to_gguf(f16, tmp_path / "ours.gguf", "q4_k_m")
-    theirs = {t.name: t for t in gguf.GGUFReader(FIXTURE).tensors}
+    assert_same_tensors(convert_to_gguf(f16, tmp_path / "ours.gguf", "q4_k_m"), FIXTURE)
+
+
+def assert_same_tensors(ours: Path, theirs: Path) -> None:
+    """Two GGUF files hold the same tensors, each of the same type and bytes (the llama3 rope frequencies,
+    recomputed from the scaling read back, within float32 rounding)."""
+    expected = {t.name: t for t in gguf.GGUFReader(theirs).tensors}
     mine = {t.name: t for t in gguf.GGUFReader(ours).tensors}
-    assert mine.keys() == theirs.keys()
-    for name, t in theirs.items():
+    assert mine.keys() == expected.keys()
+    for name, t in expected.items():
         assert mine[name].tensor_type == t.tensor_type, name
-        if name == "rope_freqs.weight":  # recomputed from the scaling read back: within float32 rounding
+        if name == "rope_freqs.weight":
             np.testing.assert_allclose(mine[name].data, t.data, rtol=1e-6)
         else:
             assert np.array_equal(mine[name].data, t.data), name
