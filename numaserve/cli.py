@@ -135,7 +135,8 @@ def _write_imatrix(args, texts: list[str], label: str, start: float) -> None:
     from models.quantization.calibrate import compute_imatrix
     from models.quantization.imatrix import write_imatrix
 
-    im = compute_imatrix(args.model, texts, label, args.chunk, args.process_output)
+    im = compute_imatrix(args.model, texts, label, args.chunk, args.process_output,
+                         args.weight_dtype or "auto")
     path = write_imatrix(im, args.imatrix)
     print(f"numaserve: importance matrix of {args.model} over {im.chunk_count} chunks of {im.chunk_size} "
           f"tokens of {label} in {time.perf_counter() - start:.1f} s: {len(im.entries)} tensors -> {path}")

@@ -76,7 +76,8 @@ def add_calibrate_parser(sub) -> None:
     cal.add_argument("--bound", type=float, help="relative int8 output error above which a matrix keeps "
                                                  f"float32 activations (default {defaults.bound:g})")
     cal.add_argument("--weight-dtype", help="q8_0 | q4_0 | ... (default: a GGUF file's own types, q8_0 for a "
-                                            "directory)")
+                                            "directory; with --imatrix float32, as llama-imatrix is run on "
+                                            "F32 / F16 / Q8_0 weights)")
     cal.add_argument("--kv-dtype", help="KV dtype to recommend per-layer overrides for: the layers whose "
                                         "attention errs most with it are kept wider (default "
                                         f"{defaults.kv_dtype})")

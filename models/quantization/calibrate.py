@@ -132,18 +132,20 @@ def _calibrate_kv(runner: "WindowRunner", windows: list[np.ndarray], target: str
 
 
 def compute_imatrix(model_path: str | Path, texts: list[str], text_label: str, chunk_size: int | None = None,
-                    process_output: bool = False) -> ImportanceMatrix:
+                    process_output: bool = False, weight_dtype: str = "auto") -> ImportanceMatrix:
     """The model's importance matrix over the texts, as llama-imatrix computes it (models/quantization/
     imatrix.py): one text is tokenized whole as the tokenizer frames it (llama-imatrix's -f FILE), several
     (the held-out set) each framed and followed by EOS into one stream; chunks of chunk_size tokens (default
     llama-imatrix's 512, at most the model's context), each from position 0 with BOS first where the tokenizer
-    adds one. Float32 weights for a directory (a GGUF keeps its types) and a float32 KV cache.
-    process_output: the LM head's input too (llama-imatrix --process-output; an untied head only)."""
+    adds one. weight_dtype "auto": float32 weights for a directory (a GGUF keeps its types); a float32 KV
+    cache. process_output: the LM head's input too (llama-imatrix --process-output; an untied head only)."""
     model_path = Path(model_path)
     if not model_path.exists():
         raise CheckpointError(f"{model_path}: no such file or directory; pass a model directory "
                               "(config.json and safetensors) or a .gguf file")
-    spec, weights, tokenizer = load_model(model_path, "auto" if model_path.suffix == ".gguf" else "float32")
+    if weight_dtype == "auto" and model_path.suffix != ".gguf":
+        weight_dtype = "float32"
+    spec, weights, tokenizer = load_model(model_path, weight_dtype)
     if tokenizer is None:
         raise CheckpointError(f"{model_path}: has no tokenizer; an importance matrix needs one to tokenize "
                               "the text")

@@ -250,6 +250,13 @@ def test_the_calibrate_command_writes_the_file(dense_dir, tmp_path, capsys):
     assert "importance matrix" in capsys.readouterr().out
     im = read_imatrix(tmp_path / "out.gguf")
     assert "output.weight" not in im.entries and len(im.entries) == 14  # 7 per layer, no --process-output
+    # --weight-dtype: the forward in those weights (float32 by default), so other, nearby sums
+    assert cli_main(["calibrate", str(dense_dir), "--text", str(text), "--imatrix", str(tmp_path / "q8.gguf"),
+                     "--chunk", str(CHUNK), "--weight-dtype", "q8_0"]) == 0
+    q8 = read_imatrix(tmp_path / "q8.gguf")
+    for name, entry in im.entries.items():
+        difference = np.abs(q8.entries[name].sums - entry.sums).sum() / entry.sums.sum()
+        assert 0 < difference < 0.02, (name, difference)
     assert cli_main(["calibrate", str(dense_dir), "--text", str(text), "--imatrix", str(tmp_path / "x.gguf"),
                      "--chunk", "100000"]) != 0
     err = capsys.readouterr().err
