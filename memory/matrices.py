@@ -8,6 +8,7 @@ packer writes must bump models/packed_cache.LAYOUT_VERSION, or starts would read
 from dataclasses import dataclass, replace
 from itertools import pairwise
 
+import gguf
 import numpy as np
 
 from cluster_configs.errors import CheckpointError
@@ -66,7 +67,7 @@ class WeightMatrix:
         """w: [N, K] in dtype, quantized as llama.cpp quantizes: without an importance matrix, or with one
         (importance: f32 [G, K], G dividing N: each input column's mean squared activation, per group of
         N // G rows, an expert's; models/quantization/imatrix.py) in the formats that use it (q4_0, q4_1,
-        q5_0, q5_1 and the K-quants; q8_0 and the float formats ignore it). Rows that are not whole
+        q5_0, q5_1, the K-quants and the IQ4s; q8_0 and the float formats ignore it). Rows that are not whole
         super-blocks take K_QUANT_FALLBACK's format, rows that are not whole blocks of 32 bf16. float16 rounds
         to nearest even (float16 values keep their bits); a finite value beyond its range raises
         CheckpointError rather than becoming infinite."""
@@ -110,7 +111,8 @@ class WeightMatrix:
         if dtype not in ("q8_0", "q4_0"):
             return cls(dtype, data)
         n = data.shape[0]
-        blocks = data.reshape(n, -1, 34 if dtype == "q8_0" else 18)  # [N, K // 32, fp16 d + 32 | 16 bytes]
+        kind = gguf.GGMLQuantizationType.Q8_0 if dtype == "q8_0" else gguf.GGMLQuantizationType.Q4_0
+        blocks = data.reshape(n, -1, gguf.GGML_QUANT_SIZES[kind][1])  # [N, K // 32, fp16 d + 32 | 16 bytes]
         scales = np.ascontiguousarray(blocks[:, :, :2]).view(np.uint16).reshape(n, -1)
         qs = np.ascontiguousarray(blocks[:, :, 2:]).reshape(n, -1)
         return cls(dtype, qs.view(np.int8) if dtype == "q8_0" else qs, scales)

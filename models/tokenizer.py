@@ -3,6 +3,7 @@
 from functools import cached_property
 from pathlib import Path
 
+import numpy as np
 from tokenizers import Tokenizer as HFTokenizer
 
 from cluster_configs.errors import CheckpointError
@@ -30,6 +31,18 @@ class Tokenizer:
     @property
     def hf_tokenizer(self) -> HFTokenizer:
         return self._tok
+
+    @cached_property
+    def frames(self) -> tuple[bool, bool]:
+        """Whether encoding prepends, and whether it appends, a token (the post-processor's BOS, EOS)."""
+        framed, plain = self._tok.encode("a").ids, self._tok.encode("a", add_special_tokens=False).ids
+        return framed[:1] != plain[:1], framed[-1:] != plain[-1:]
+
+    def stream(self, texts: list[str], eos: int | None) -> np.ndarray:
+        """The texts encoded one by one, each as the tokenizer frames it and followed by eos (if any), in one
+        int64 stream."""
+        tail = [] if eos is None else [eos]
+        return np.array([t for e in self._tok.encode_batch(texts) for t in [*e.ids, *tail]], np.int64)
 
     @property
     def vocab_size(self) -> int:

@@ -22,8 +22,7 @@ GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
 
 
 def heldout_stream(tokenizer, eos_id: int = 2) -> np.ndarray:
-    encodings = tokenizer.hf_tokenizer.encode_batch(heldout_texts())  # the post-processor prepends <s>
-    return np.array([i for e in encodings for i in [*e.ids, eos_id]], np.int64)
+    return tokenizer.stream(heldout_texts(), eos_id)  # the post-processor prepends <s>
 
 
 def card_windows(tokenizer, num_windows: int = CARD_WINDOWS) -> list[np.ndarray]:

@@ -41,6 +41,15 @@ def f32_to_f16(value):
     return _f32_to_f16_bits(value)
 
 
+@njit(inline="always", nogil=True)
+def put_f16(block, at, value):
+    """value rounded to fp16 into the uint8 bytes block[at], block[at + 1] (little-endian, as GGML blocks
+    store it); returns the rounded value as float32."""
+    bits = f32_to_f16(value)
+    block[at], block[at + 1] = bits & 255, bits >> 8
+    return f16_to_f32(bits)
+
+
 def f16_kernel_bits(a: np.ndarray) -> np.ndarray:
     """A float16 array's bytes as int16, how the kernels take float16 weights (kernels/simd/block.py): numba
     has no float16 arrays on the CPU, and uint16 already means bf16 bits there. A view, no copy."""

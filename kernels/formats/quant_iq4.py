@@ -17,7 +17,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as GT
 from numba import njit, prange
 
-from kernels.formats.fp16 import f32_to_f16
+from kernels.formats.fp16 import put_f16
 from kernels.formats.quant_search import GROUP_MAX_EPS, clamp, nearest_int
 
 IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8)
@@ -115,14 +115,14 @@ def _super_block(x, qw, weighted, block, L, weights, scales):
         if abs(d) > amax_scale:
             amax_scale, max_scale = abs(d), d
     if n == 32:  # iq4_nl: the scale in fp16, the levels picked again against it (unrounded)
-        _put_fp16(block, 0, scales[0])
+        put_f16(block, 0, scales[0])
         inverse = np.float32(1.0) / scales[0] if scales[0] != 0 else np.float32(0.0)
         for j in range(32):
             L[j] = best_level(inverse * x[j])
         qs = block[2:18]
     else:  # iq4_xs: d * a 6-bit signed integer per block
         d = -max_scale / np.float32(32.0)
-        _put_fp16(block, 0, d)
+        put_f16(block, 0, d)
         inverse = np.float32(1.0) / d if d != 0 else np.float32(0.0)
         block[2:8] = 0
         for ib in range(8):
@@ -138,9 +138,3 @@ def _super_block(x, qw, weighted, block, L, weights, scales):
     for i in range(n // 32):
         for j in range(16):
             qs[16 * i + j] = L[32 * i + j] | (L[32 * i + 16 + j] << 4)
-
-
-@njit(inline="always", nogil=True)
-def _put_fp16(block, at, value):
-    bits = f32_to_f16(value)
-    block[at], block[at + 1] = bits & 255, bits >> 8

@@ -16,8 +16,8 @@ x**2 or the importance), the block's d puts the largest in magnitude on -128 and
 import numpy as np
 from numba import njit, prange
 
-from kernels.formats.dequant_blocks import fp16_at, scale_min_k4
-from kernels.formats.fp16 import f32_to_f16
+from kernels.formats.dequant_blocks import scale_min_k4
+from kernels.formats.fp16 import put_f16
 from kernels.formats.ggml_blocks import Q5_K, Q6_K, QK_K
 from kernels.formats.quant_search import (
     GROUP_MAX_EPS,
@@ -56,14 +56,6 @@ def quantize_k(code, w, importance, out):
                                 scales, mins, sums, levels)
             else:
                 _q45_k(x, code == Q5_K, block, L, trial, weights, scales, mins)
-
-
-@njit(inline="always", nogil=True)
-def _put_fp16(block, at, value):
-    # value rounded to fp16 into bytes at, at + 1; returns the rounded value as f32
-    bits = f32_to_f16(value)
-    block[at], block[at + 1] = bits & 255, bits >> 8
-    return fp16_at(block, at)
 
 
 @njit(inline="always", nogil=True)
@@ -132,8 +124,8 @@ def _pack_scale_min(block, j, ls, lm):
 def _requantize_q45_k(x, fifth_bit, block, L, d_block, dmin_block):
     # the block's d and dmin rounded to fp16, the values requantized against the rounded scales, packed
     nmax = 31 if fifth_bit else 15
-    d = _put_fp16(block, 0, d_block)
-    dmin = _put_fp16(block, 2, dmin_block)
+    d = put_f16(block, 0, d_block)
+    dmin = put_f16(block, 2, dmin_block)
     for j in range(8):
         sc, m = scale_min_k4(block, 4, j)
         dl = d * np.float32(sc)
@@ -169,7 +161,7 @@ def _q6_k(x, qw, weighted, block, L, scales, weights):
         block[:] = 0
         return
     iscale = np.float32(-128.0) / max_scale
-    d = _put_fp16(block, 208, np.float32(1.0) / iscale)
+    d = put_f16(block, 208, np.float32(1.0) / iscale)
     for j in range(16):
         sc = np.int8(min(127, nearest_int(iscale * scales[j])))
         block[192 + j] = np.uint8(sc)

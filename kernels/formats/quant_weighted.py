@@ -13,7 +13,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as GT
 from numba import njit, prange
 
-from kernels.formats.fp16 import f32_to_f16
+from kernels.formats.fp16 import put_f16
 from kernels.formats.quant_search import fit_scale_min, fit_signed_scale
 
 QK = 32
@@ -46,21 +46,15 @@ def quantize_weighted_32(code, w, importance, out):
             if with_min:
                 d, the_min = fit_scale_min(xb, weights, 31 if fifth_bit else 15, np.float32(-0.9),
                                            np.float32(0.05), 36, levels, trial)
-                _put_fp16(block, 0, d)
-                _put_fp16(block, 2, -the_min)
+                put_f16(block, 0, d)
+                put_f16(block, 2, -the_min)
                 _pack(levels, fifth_bit, block, 4)
             else:
                 d = fit_signed_scale(xb, weights, 16 if fifth_bit else 8, signed)
-                _put_fp16(block, 0, d)
+                put_f16(block, 0, d)
                 for i in range(QK):
                     levels[i] = signed[i]
                 _pack(levels, fifth_bit, block, 2)
-
-
-@njit(inline="always", nogil=True)
-def _put_fp16(block, at, value):
-    bits = f32_to_f16(value)
-    block[at], block[at + 1] = bits & 255, bits >> 8
 
 
 @njit(inline="always", nogil=True)

@@ -141,13 +141,11 @@ def vocab_from_tokenizer(spec: ModelSpec, tokenizer: Tokenizer) -> GGUFVocab:
     types = [TokenType.UNUSED if i not in by_id else TokenType.NORMAL if i not in added
              else TokenType.CONTROL if added[i]["special"] else TokenType.USER_DEFINED
              for i in range(spec.vocab_size)]
-    # the post-processor
-    with_special, plain = hf.encode("a").ids, hf.encode("a", add_special_tokens=False).ids
     return GGUFVocab(tokens=tokens, types=[int(t) for t in types],
                      merges=[m if isinstance(m, str) else " ".join(m) for m in model["merges"]], pre=pre,
                      bos=spec.bos_token_id, eos=spec.eos_token_ids[0] if spec.eos_token_ids else None,
                      unk=model["vocab"].get(model.get("unk_token")),
-                     add_bos=with_special[:1] != plain[:1], add_eos=with_special[-1:] != plain[-1:])
+                     add_bos=tokenizer.frames[0], add_eos=tokenizer.frames[1])
 
 
 def synthetic_vocab(spec: ModelSpec) -> GGUFVocab:

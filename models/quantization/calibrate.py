@@ -76,10 +76,7 @@ def calibrate(model_path: str | Path, texts: list[str], text_label: str,
     if not any(text.strip() for text in texts):
         raise CalibrationError(f"{text_label}: no text to calibrate on; "
                                "pass text like what the model will serve")
-    model_path = Path(model_path)
-    if not model_path.exists():
-        raise CheckpointError(f"{model_path}: no such file or directory; pass a model directory "
-                              "(config.json and safetensors) or a .gguf file")
+    model_path = _existing(model_path)
     weight_dtype = options.weight_dtype
     if weight_dtype == "auto" and model_path.suffix != ".gguf":
         weight_dtype = "q8_0"  # int8 activations run with q8_0 / q4_0 weights only
@@ -89,9 +86,7 @@ def calibrate(model_path: str | Path, texts: list[str], text_label: str,
                                "their int8 activations use dynamic per-block scales, which need none")
     if tokenizer is None:
         raise CheckpointError(f"{model_path}: has no tokenizer; calibration needs one to tokenize the text")
-    eos = spec.eos_token_ids[0] if spec.eos_token_ids else None
-    stream = np.array([t for e in tokenizer.hf_tokenizer.encode_batch(texts)
-                       for t in [*e.ids, *([eos] if eos is not None else [])]], np.int64)
+    stream = tokenizer.stream(texts, _eos(spec))
     if len(stream) < 2:
         raise CalibrationError(f"{text_label}: {len(stream)} token(s); calibration needs some text")
     windows = token_windows(stream, min(WINDOW_TOKENS, spec.max_position_embeddings), NUM_WINDOWS)
@@ -131,6 +126,18 @@ def _calibrate_kv(runner: "WindowRunner", windows: list[np.ndarray], target: str
                          kv_dtype_overrides=wider_overrides(errors, target, head_dim))
 
 
+def _existing(model_path: str | Path) -> Path:
+    model_path = Path(model_path)
+    if not model_path.exists():
+        raise CheckpointError(f"{model_path}: no such file or directory; pass a model directory "
+                              "(config.json and safetensors) or a .gguf file")
+    return model_path
+
+
+def _eos(spec) -> int | None:
+    return spec.eos_token_ids[0] if spec.eos_token_ids else None
+
+
 def compute_imatrix(model_path: str | Path, texts: list[str], text_label: str, chunk_size: int | None = None,
                     process_output: bool = False, weight_dtype: str = "auto") -> ImportanceMatrix:
     """The model's importance matrix over the texts, as llama-imatrix computes it (models/quantization/
@@ -139,10 +146,7 @@ def compute_imatrix(model_path: str | Path, texts: list[str], text_label: str, c
     llama-imatrix's 512, at most the model's context), each from position 0 with BOS first where the tokenizer
     adds one. weight_dtype "auto": float32 weights for a directory (a GGUF keeps its types); a float32 KV
     cache. process_output: the LM head's input too (llama-imatrix --process-output; an untied head only)."""
-    model_path = Path(model_path)
-    if not model_path.exists():
-        raise CheckpointError(f"{model_path}: no such file or directory; pass a model directory "
-                              "(config.json and safetensors) or a .gguf file")
+    model_path = _existing(model_path)
     if weight_dtype == "auto" and model_path.suffix != ".gguf":
         weight_dtype = "float32"
     spec, weights, tokenizer = load_model(model_path, weight_dtype)
@@ -153,16 +157,8 @@ def compute_imatrix(model_path: str | Path, texts: list[str], text_label: str, c
     if not 1 <= chunk_size <= spec.max_position_embeddings:
         raise CalibrationError(f"--chunk {chunk_size}: pass a chunk of 1 to {spec.max_position_embeddings} "
                                "tokens (the model's context)")
-    hf = tokenizer.hf_tokenizer
-    if len(texts) == 1:
-        stream = np.array(hf.encode(texts[0]).ids, np.int64)
-    else:
-        eos = spec.eos_token_ids[0] if spec.eos_token_ids else None
-        stream = np.array([t for e in hf.encode_batch(texts) for t in [*e.ids, *([eos] if eos is not None
-                                                                                 else [])]], np.int64)
-    framed, plain = hf.encode("a").ids, hf.encode("a", add_special_tokens=False).ids
-    adds_bos = spec.bos_token_id is not None and framed[:1] == [spec.bos_token_id] and plain[:1] != framed[:1]
-    chunks = imatrix_chunks(stream, chunk_size, spec.bos_token_id if adds_bos else None)
+    stream = tokenizer.stream(texts, None if len(texts) == 1 else _eos(spec))
+    chunks = imatrix_chunks(stream, chunk_size, spec.bos_token_id if tokenizer.frames[0] else None)
     if not chunks:
         raise CalibrationError(f"{text_label}: {len(stream)} tokens, fewer than one chunk of {chunk_size}; "
                                "pass more text (llama-imatrix asks for at least two chunks) or a smaller "

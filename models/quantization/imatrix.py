@@ -21,6 +21,7 @@ the same input).
 """
 
 import struct
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,7 +29,7 @@ import gguf
 import numpy as np
 
 from cluster_configs.errors import CheckpointError
-from models.gguf.families import FAMILIES, layer_layouts
+from models.gguf.families import FAMILIES, TensorSlot, layer_layouts
 from models.model_spec import ModelSpec
 
 MATRIX_FIELDS = ("qkv", "o", "gate_up", "down", "experts.gate_up", "experts.down")  # layer_layouts' matrices
@@ -194,15 +195,8 @@ def tensor_names(spec: ModelSpec, process_output: bool = False) -> dict[str, tup
     """The forward's matrix names (DecoderModel's observer: layers.{i}.qkv | o | gate_up | down,
     layers.{i}.experts.{e}.gate_up | down, lm_head) -> the GGUF tensors their input feeds. Expert names map
     with the expert left out: the collector files an expert's sums under its row of the merged tensor."""
-    family = FAMILIES.get(spec.arch.gguf)
-    if family is None:
-        raise ImatrixError(f"{spec.architecture} has no GGUF architecture numaserve writes, so its tensors "
-                           "have no llama.cpp names to file importance under")
-    names = {}
-    for i in range(spec.num_layers):
-        for fld, options in layer_layouts(spec, family, i).items():
-            if fld in MATRIX_FIELDS:
-                names[f"layers.{i}.{fld}"] = tuple(f"blk.{i}.{slot.name}" for slot in options[0])
+    names = {f"layers.{i}.{fld}": tuple(f"blk.{i}.{slot.name}" for slot in slots)
+             for i, fld, slots in _layer_matrices(spec)}
     if process_output and not spec.tie_word_embeddings:
         names["lm_head"] = ("output.weight",)
     return names
@@ -258,18 +252,23 @@ def imatrix_chunks(tokens: np.ndarray, chunk_size: int, bos: int | None) -> list
 def model_tensor_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     """The whole model's quantized tensors under llama.cpp's names (numpy order: [N, K], experts [E, N, K]):
     every layer matrix, the output (untied) and the token embedding."""
-    family = FAMILIES.get(spec.arch.gguf)
-    if family is None:
-        raise ImatrixError(f"{spec.architecture} has no GGUF architecture numaserve writes, so its tensors "
-                           "have no llama.cpp names to look importance up by")
     shapes = {"token_embd.weight": (spec.vocab_size, spec.hidden_size)}
     if not spec.tie_word_embeddings:
         shapes["output.weight"] = (spec.vocab_size, spec.hidden_size)
+    return shapes | {f"blk.{i}.{slot.name}": slot.shape
+                      for i, _, slots in _layer_matrices(spec) for slot in slots}
+
+
+def _layer_matrices(spec: ModelSpec) -> Iterator[tuple[int, str, tuple[TensorSlot, ...]]]:
+    """(layer, LayerWeights field, the GGUF tensors it is written as) for every matrix of every layer."""
+    family = FAMILIES.get(spec.arch.gguf)
+    if family is None:
+        raise ImatrixError(f"{spec.architecture} has no GGUF architecture numaserve writes, so its tensors "
+                           "have no llama.cpp names to file importance under")
     for i in range(spec.num_layers):
         for fld, options in layer_layouts(spec, family, i).items():
             if fld in MATRIX_FIELDS:
-                shapes |= {f"blk.{i}.{slot.name}": slot.shape for slot in options[0]}
-    return shapes
+                yield i, fld, options[0]
 
 
 class ImportanceLookup:
