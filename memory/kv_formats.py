@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kernels.attention.chunks import NO_WINDOW
+from kernels.attention.gauss4 import GAUSS4
 from kernels.attention.hadamard import hadamard_inplace, is_power_of_two
 from kernels.attention.kv_quant import FP8, INT4, INT8, write_kv, write_kv_scaled, write_kv_shadows
 from kernels.attention.paged import paged_attention
@@ -38,6 +39,12 @@ class KVFormat:
     rotated: bool
     fp8: tuple[int, int, int] | None = None  # (mantissa bits, bias, largest finite code)
     recent: bool = False  # whether it keeps a recent window in bfloat16 (above)
+    codebook: bool = False  # 4-bit codes index kernels/attention/gauss4.py's Gaussian levels (rotated rows)
+
+    @property
+    def row_code(self) -> int:
+        """How the attention kernel reads a uint8 cache's codes (kernels/attention/paged.py)."""
+        return self.fp8[0] if self.fp8 else GAUSS4 if self.codebook else 0
 
     def row_elements(self, head_dim: int) -> int:
         return head_dim // self.values_per_element
@@ -64,7 +71,7 @@ KV_FORMATS = {f.name: f for f in (
     KVFormat("fp8_e4m3", np.uint8, 1, True, False, E4M3, recent=True),
     KVFormat("fp8_e5m2", np.uint8, 1, True, False, E5M2, recent=True),
     KVFormat("int4", np.uint8, 2, True, False),
-    KVFormat("int4_hadamard", np.uint8, 2, True, True),
+    KVFormat("int4_hadamard", np.uint8, 2, True, True, codebook=True),
 )}
 
 
@@ -81,7 +88,8 @@ def write_kv_as(fmt: KVFormat, k, v, slot_mapping, k_cache, v_cache, k_scale, v_
     if fmt.fp8 is not None:
         write_kv_scaled(k, v, slot_mapping, k_cache, v_cache, k_scale, v_scale, FP8, *fmt.fp8)
     elif fmt.values_per_element == 2:
-        write_kv_scaled(k, v, slot_mapping, k_cache, v_cache, k_scale, v_scale, INT4, 0, 0, 0)
+        write_kv_scaled(k, v, slot_mapping, k_cache, v_cache, k_scale, v_scale,
+                        GAUSS4 if fmt.codebook else INT4, 0, 0, 0)
     elif fmt.has_scale:
         write_kv_scaled(k, v, slot_mapping, _bytes(k_cache), _bytes(v_cache), k_scale, v_scale, INT8, 0, 0, 0)
     else:
@@ -98,13 +106,13 @@ def attend_as(fmt: KVFormat, q, k_cache, v_cache, k_scale, v_scale, block_tables
         hadamard_inplace(q)
     paged_attention(q, _bytes(k_cache), _bytes(v_cache), k_scale, v_scale, fmt.has_scale, block_tables,
                     token_seq, positions, window, softmax_scale, out, tree_starts, tree_mask, softcap,
-                    fmt.fp8[0] if fmt.fp8 else 0, recent)
+                    fmt.row_code, recent)
     if fmt.rotated:
         hadamard_inplace(out)
 
 
 def _bytes(cache: np.ndarray) -> np.ndarray:
-    # an int8 cache as its bytes: the kernels read every one-byte form from one uint8 cache (fp8_mbits 0 and a
+    # an int8 cache as its bytes: the kernels read every one-byte form from one uint8 cache (row_code 0 and a
     # code a value: int8), so each compiles once for it, not again for int8
     return cache.view(np.uint8) if cache.dtype == np.int8 else cache
 

@@ -16,6 +16,7 @@ import numpy as np
 from numba import njit, types
 from numba.extending import overload
 
+from kernels.attention.gauss4 import GAUSS4, GAUSS4_LEVELS
 from kernels.exp32 import exp32, tanh32
 from kernels.formats.bf16 import as_f32
 from kernels.formats.fp8 import fp8_as_f32, fp8_placement, fp8_row_factor, fp8_unbias
@@ -71,7 +72,7 @@ def num_chunks(num_visible, chunk):
 
 
 @njit(cache=True, nogil=True, fastmath=FASTMATH, error_model="numpy")
-def attend(q, k_cache, v_cache, k_scale, v_scale, has_scale, fp8_mbits, recent, block_tables, token_seq,
+def attend(q, k_cache, v_cache, k_scale, v_scale, has_scale, row_code, recent, block_tables, token_seq,
            positions, tree_starts, tree_mask, window, softmax_scale, softcap, chunk, out, t, kh):
     # token t, kv head kh, its whole group of query heads: the chunks' partial softmaxes one after another,
     # then merged (each key and value row read and widened once)
@@ -81,14 +82,14 @@ def attend(q, k_cache, v_cache, k_scale, v_scale, has_scale, fp8_mbits, recent, 
     m, l = np.empty((k, group), np.float32), np.empty((k, group), np.float32)
     acc = np.empty((k, group, q.shape[2]), np.float32)
     for c in range(k):
-        partial(q, k_cache, v_cache, k_scale, v_scale, has_scale, fp8_mbits, recent, block_tables, token_seq,
+        partial(q, k_cache, v_cache, k_scale, v_scale, has_scale, row_code, recent, block_tables, token_seq,
                 positions, tree_starts, tree_mask, window, softmax_scale, softcap, t, kh, c * chunk,
                 (c + 1) * chunk, m[c], l[c], acc[c])
     merge_chunks(m, l, acc, out[t, kh * group:(kh + 1) * group])
 
 
 @njit(cache=True, nogil=True, fastmath=FASTMATH, error_model="numpy")
-def partial(q, k_cache, v_cache, k_scale, v_scale, has_scale, fp8_mbits, recent, block_tables, token_seq,
+def partial(q, k_cache, v_cache, k_scale, v_scale, has_scale, row_code, recent, block_tables, token_seq,
             positions, tree_starts, tree_mask, window, softmax_scale, softcap, t, kh, a, b, m, l, acc):
     # token t, kv head kh, over its visible slots a .. b (in visible's order), each query head g of the
     # group: m[g] = the largest score s_j, l[g] = sum_j exp(s_j - m[g]), acc[g] = sum_j exp(s_j - m[g]) v_j.
@@ -116,14 +117,14 @@ def partial(q, k_cache, v_cache, k_scale, v_scale, has_scale, fp8_mbits, recent,
             dots(qg, row, scores, j - start - a, np.float32(softmax_scale))
         else:
             scale = np.float32(softmax_scale) * (k_scale[blk, o, kh] if has_scale else np.float32(1.0))
-            load_row(k_cache, blk, o, kh, fp8_mbits, np.float32(1.0), row)
+            load_row(k_cache, blk, o, kh, row_code, np.float32(1.0), row)
             dots(qg, row, scores, j - start - a, scale)
     n = max(0, min(b, num_context) - a)
     rank = num_context  # visible index of the next tree slot
     for i in range(tree_mask.shape[1] if b > num_context else 0):
         if tree_mask[t, i] != 0:
             if a <= rank < b:
-                _score(qg, k_cache, k_scale, has_scale, fp8_mbits, recent, block_tables, seq,
+                _score(qg, k_cache, k_scale, has_scale, row_code, recent, block_tables, seq,
                        tree_starts[t] + i, kh, softmax_scale, row, scores, n)
                 n += 1
             rank += 1
@@ -157,7 +158,7 @@ def partial(q, k_cache, v_cache, k_scale, v_scale, has_scale, fp8_mbits, recent,
                 load_row(v_wide, shadow_of[blk], o, kh, 0, np.float32(1.0), values[i])
             else:
                 scale = v_scale[blk, o, kh] if has_scale else np.float32(1.0)
-                load_row(v_cache, blk, o, kh, fp8_mbits, scale, values[i])
+                load_row(v_cache, blk, o, kh, row_code, scale, values[i])
         for g in range(group):
             weights[:rows] = scores[g, first - start - a:first - start - a + rows]
             weighted_sum(weights, values, 0, rows, acc[g])
@@ -166,7 +167,7 @@ def partial(q, k_cache, v_cache, k_scale, v_scale, has_scale, fp8_mbits, recent,
     for i in range(tree_mask.shape[1] if b > num_context else 0):
         if tree_mask[t, i] != 0:
             if a <= rank < b:
-                _add_value(v_cache, v_scale, has_scale, fp8_mbits, recent, block_tables, seq,
+                _add_value(v_cache, v_scale, has_scale, row_code, recent, block_tables, seq,
                            tree_starts[t] + i, kh, row, scores, n, acc)
                 n += 1
             rank += 1
@@ -192,7 +193,7 @@ def merge_chunks(m, l, acc, out):
 
 
 @njit(inline="always", nogil=True, fastmath=FASTMATH, error_model="numpy")
-def _score(qg, k_cache, k_scale, has_scale, fp8_mbits, recent, block_tables, seq, j, kh, softmax_scale, row,
+def _score(qg, k_cache, k_scale, has_scale, row_code, recent, block_tables, seq, j, kh, softmax_scale, row,
            scores, column):
     # scores[:, column] = q . k_j for tree slot j of the sequence, each query head of the group
     block_size = k_cache.shape[1]
@@ -204,12 +205,12 @@ def _score(qg, k_cache, k_scale, has_scale, fp8_mbits, recent, block_tables, seq
         dots(qg, row, scores, column, np.float32(softmax_scale))
         return
     scale = np.float32(softmax_scale) * (k_scale[b, o, kh] if has_scale else np.float32(1.0))
-    load_row(k_cache, b, o, kh, fp8_mbits, np.float32(1.0), row)
+    load_row(k_cache, b, o, kh, row_code, np.float32(1.0), row)
     dots(qg, row, scores, column, scale)
 
 
 @njit(inline="always", nogil=True, fastmath=FASTMATH, error_model="numpy")
-def _add_value(v_cache, v_scale, has_scale, fp8_mbits, recent, block_tables, seq, j, kh, row, scores, column,
+def _add_value(v_cache, v_scale, has_scale, row_code, recent, block_tables, seq, j, kh, row, scores, column,
                acc):
     # acc += p * v_j for tree slot j, p = scores[:, column]
     block_size = v_cache.shape[1]
@@ -218,40 +219,45 @@ def _add_value(v_cache, v_scale, has_scale, fp8_mbits, recent, block_tables, seq
     if recent.group > 0:
         load_row(recent.v_wide, recent.shadow_of[b], o, kh, 0, np.float32(1.0), row)
     else:
-        load_row(v_cache, b, o, kh, fp8_mbits, v_scale[b, o, kh] if has_scale else np.float32(1.0), row)
+        load_row(v_cache, b, o, kh, row_code, v_scale[b, o, kh] if has_scale else np.float32(1.0), row)
     for g in range(acc.shape[0]):
         p = scores[g, column]
         for d in range(row.shape[0]):
             acc[g, d] += p * row[d]
 
 
-def load_row(cache, b, o, kh, fp8_mbits, scale, row):
+def load_row(cache, b, o, kh, row_code, scale, row):
     """row[:] = the values of cache[b, o, kh] as float32, times scale (numba-only)."""
     raise NotImplementedError("numba-only")
 
 
 @overload(load_row, inline="always")
-def _load_row_impl(cache, b, o, kh, fp8_mbits, scale, row):
+def _load_row_impl(cache, b, o, kh, row_code, scale, row):
     if cache.dtype != types.uint8:
-        def widen(cache, b, o, kh, fp8_mbits, scale, row):
+        def widen(cache, b, o, kh, row_code, scale, row):
             for d in range(row.shape[0]):
                 row[d] = as_f32(cache[b, o, kh, d]) * scale
         return widen
 
-    def decode(cache, b, o, kh, fp8_mbits, scale, row):
-        if cache.shape[3] == row.shape[0] and fp8_mbits == 0:  # int8: one two's complement code a value
+    def decode(cache, b, o, kh, row_code, scale, row):
+        if cache.shape[3] == row.shape[0] and row_code == 0:  # int8: one two's complement code a value
             for d in range(row.shape[0]):
                 row[d] = np.float32(np.int8(cache[b, o, kh, d])) * scale
         elif cache.shape[3] == row.shape[0]:  # fp8: one code a value
-            shift, mask = fp8_placement(fp8_mbits)
-            factor = fp8_row_factor(fp8_mbits, scale)
+            shift, mask = fp8_placement(row_code)
+            factor = fp8_row_factor(row_code, scale)
             if factor > 0:  # (value * 2^(bias - 127)) * (2^(127 - bias) * scale): one rounding, as below
                 for d in range(row.shape[0]):
                     row[d] = fp8_as_f32(cache[b, o, kh, d], shift, mask) * factor
             else:
-                unbias = fp8_unbias(fp8_mbits)
+                unbias = fp8_unbias(row_code)
                 for d in range(row.shape[0]):  # (value * 2^(bias - 127)) * 2^(127 - bias): exact, then scaled
                     row[d] = fp8_as_f32(cache[b, o, kh, d], shift, mask) * unbias * scale
+        elif row_code == GAUSS4:  # int4_hadamard: two codebook indices a byte
+            for i in range(cache.shape[3]):
+                code = np.int32(cache[b, o, kh, i])
+                row[2 * i] = GAUSS4_LEVELS[code & 15] * scale
+                row[2 * i + 1] = GAUSS4_LEVELS[code >> 4] * scale
         else:  # int4: two codes a byte
             for i in range(cache.shape[3]):
                 code = np.int32(cache[b, o, kh, i])

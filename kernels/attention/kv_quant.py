@@ -6,13 +6,15 @@ differ by orders of magnitude across heads and layers (keys after RoPE with outl
 per-row scale keeps every row clear of saturation and of the subnormal range for 4 bytes per row (1/16 byte
 a value at head_dim 64). A fixed per-tensor scale (vLLM's, default 1.0) would need calibrating per model.
 int4: symmetric codes -7..7 (scale = max|x| / 7) stored with an offset of 8, two a byte, the even
-coordinate in the low nibble.
+coordinate in the low nibble; GAUSS4 (int4_hadamard's rows): indices into a 16-level Gaussian codebook, two a
+byte, with a fitted scale (kernels/attention/gauss4.py).
 """
 
 import numpy as np
 from numba import njit, types
 from numba.extending import overload
 
+from kernels.attention.gauss4 import GAUSS4, gauss4_row
 from kernels.formats.bf16 import f32_to_bf16
 from kernels.formats.fp8 import fp8_encode, fp8_max
 
@@ -28,14 +30,14 @@ def row_scale(x, top):
     return scale, inv
 
 
-INT8, INT4, FP8 = 0, 1, 2  # write_kv_scaled's row codes
+INT8, INT4, FP8 = 0, 1, 2  # write_kv_scaled's row codes, and GAUSS4 (3, kernels/attention/gauss4.py)
 
 
 @njit(cache=True, nogil=True)
 def write_kv_scaled(k, v, slot_mapping, k_cache, v_cache, k_scale, v_scale, codes, man_bits, bias, max_code):
     # k, v: [T, n_kv, D] f32 -> uint8 caches [num_blocks, block_size, n_kv, D] (INT8: the bytes of int8
-    # codes; FP8: codes of fp8(man_bits, bias, max_code)) or [.., D // 2] (INT4: nibbles); scales [.., n_kv]
-    # f32; man_bits, bias and max_code are read for FP8 only (0 otherwise)
+    # codes; FP8: codes of fp8(man_bits, bias, max_code)) or [.., D // 2] (INT4, GAUSS4: nibbles); scales
+    # [.., n_kv] f32; man_bits, bias and max_code are read for FP8 only (0 otherwise)
     block_size = k_cache.shape[1]
     top = np.float32(fp8_max(man_bits, bias, max_code)) if codes == FP8 else np.float32(0.0)
     for t in range(k.shape[0]):
@@ -53,6 +55,8 @@ def _scaled_row(x, dst, codes, top, man_bits, bias, max_code):
         return _quantize_row(x, dst)
     if codes == INT4:
         return _int4_row(x, dst)
+    if codes == GAUSS4:
+        return gauss4_row(x, dst)
     return _fp8_row(x, dst, top, man_bits, bias, max_code)
 
 

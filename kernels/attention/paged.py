@@ -2,10 +2,11 @@
 
 KV cache of one layer: [num_blocks, block_size, n_kv_heads, head_dim] as float32, bfloat16 bits
 (uint16), or uint8 codes (int8 as its bytes; fp8: one code a value; int4: [.., head_dim // 2], two a byte,
-low nibble first, n - 8), the code forms with one float32 scale per (slot, kv head); each row is widened to
-float32 as it is read (memory/kv_formats.py names the dtypes). Every one-byte form is one uint8 cache, so
-each kernel compiles once for the three storage dtypes, not once per form. A token reads its sequence's
-KV through block_tables[token_seq[t]]; prefill, chunked prefill and decode are the same call.
+low nibble first, n - 8 or a Gaussian codebook's level), the code forms with one float32 scale per (slot, kv
+head); each row is widened to float32 as it is read (memory/kv_formats.py names the dtypes). Every one-byte
+form is one uint8 cache, so each kernel compiles once for the three storage dtypes, not once per form. A
+token reads its sequence's KV through block_tables[token_seq[t]]; prefill, chunked prefill and decode are
+the same call.
 
 A token sees its sequence's slots 0 .. positions[t] (within the window), unless it is a node of a token
 tree being verified (tree_starts[t] >= 0): then it sees the slots before the tree, and of the tree's slots
@@ -48,7 +49,7 @@ def split_chunks(num_rows: int, n_kv: int, context: int, threads: int, chunk: in
 
 
 def paged_attention(q, k_cache, v_cache, k_scale, v_scale, has_scale, block_tables, token_seq, positions,
-                    window, softmax_scale, out, tree_starts=None, tree_mask=None, softcap=0.0, fp8_mbits=0,
+                    window, softmax_scale, out, tree_starts=None, tree_mask=None, softcap=0.0, row_code=0,
                     recent=NO_WINDOW):
     # q: [T, n_heads, D] f32; k_cache, v_cache: [num_blocks, block_size, n_kv, D]
     # k_scale, v_scale: [num_blocks, block_size, n_kv] f32 (read only when has_scale)
@@ -57,15 +58,16 @@ def paged_attention(q, k_cache, v_cache, k_scale, v_scale, has_scale, block_tabl
     # softcap: scores s -> softcap * tanh(s / softcap) before the softmax (Gemma 2), 0 = none
     # tree_starts: [T] int32, the slot where token t's tree begins (-1: not a tree node); tree_mask: [T, W]
     # uint8, 1 where tree slot tree_starts[t] + i is visible to t (the caller leaves out what the window does)
-    # fp8_mbits: mantissa bits, 3 (e4m3fn) or 2 (e5m2), of a uint8 cache of one fp8 code a value
-    # (kernels/formats/fp8.py); 0 on such a cache: int8 codes (the bytes of an int8 cache)
+    # row_code: how a uint8 cache's codes read. One code a value: the mantissa bits, 3 (e4m3fn) or 2 (e5m2),
+    # of fp8 codes (kernels/formats/fp8.py), 0: int8 codes (the bytes of an int8 cache). Two a byte: 0 the
+    # uniform int4 codes n - 8, GAUSS4 indices into kernels/attention/gauss4.py's levels
     # recent: the recent window (kernels/attention/chunks.py's RecentWindow; NO_WINDOW: off)
     if q.shape[0] == 0:
         return
     if tree_starts is None:
         tree_starts, tree_mask = np.full(q.shape[0], -1, np.int32), _NO_TREE_MASK
     context = int(positions.max()) + 1 + tree_mask.shape[1]
-    args = (q, k_cache, v_cache, k_scale, v_scale, has_scale, fp8_mbits, recent, block_tables, token_seq,
+    args = (q, k_cache, v_cache, k_scale, v_scale, has_scale, row_code, recent, block_tables, token_seq,
             positions, tree_starts, tree_mask, window, softmax_scale, np.float32(softcap), CHUNK, out)
     if q.shape[0] * q.shape[1] * context < PARALLEL_MIN_WORK:
         _attention_serial(*args)
@@ -77,18 +79,18 @@ def paged_attention(q, k_cache, v_cache, k_scale, v_scale, has_scale, block_tabl
 
 
 @njit(cache=True, nogil=True, fastmath=FASTMATH, error_model="numpy")
-def _attention_serial(q, k_cache, v_cache, k_scale, v_scale, has_scale, fp8_mbits, recent, block_tables,
+def _attention_serial(q, k_cache, v_cache, k_scale, v_scale, has_scale, row_code, recent, block_tables,
                       token_seq, positions, tree_starts, tree_mask, window, softmax_scale, softcap, chunk,
                       out):
     for t in range(q.shape[0]):
         for kh in range(k_cache.shape[2]):
-            attend(q, k_cache, v_cache, k_scale, v_scale, has_scale, fp8_mbits, recent, block_tables,
+            attend(q, k_cache, v_cache, k_scale, v_scale, has_scale, row_code, recent, block_tables,
                    token_seq, positions, tree_starts, tree_mask, window, softmax_scale, softcap, chunk, out,
                    t, kh)
 
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=FASTMATH, error_model="numpy")
-def _attention_split(q, k_cache, v_cache, k_scale, v_scale, has_scale, fp8_mbits, recent, block_tables,
+def _attention_split(q, k_cache, v_cache, k_scale, v_scale, has_scale, row_code, recent, block_tables,
                      token_seq, positions, tree_starts, tree_mask, window, softmax_scale, softcap, chunk,
                      out):
     # flash-decoding: every (token, kv head, chunk) a task writing its partial softmax into a scratch row,
@@ -107,7 +109,7 @@ def _attention_split(q, k_cache, v_cache, k_scale, v_scale, has_scale, fp8_mbits
         t = np.searchsorted(first, r, side="right") - 1
         k = (first[t + 1] - first[t]) // n_kv
         kh, c = (r - first[t]) // k, (r - first[t]) % k
-        partial(q, k_cache, v_cache, k_scale, v_scale, has_scale, fp8_mbits, recent, block_tables, token_seq,
+        partial(q, k_cache, v_cache, k_scale, v_scale, has_scale, row_code, recent, block_tables, token_seq,
                 positions, tree_starts, tree_mask, window, softmax_scale, softcap, t, kh, c * chunk,
                  (c + 1) * chunk, m[r], l[r], acc[r])
     for task in prange(T * n_kv):

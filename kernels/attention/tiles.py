@@ -50,7 +50,7 @@ def row_tiles(token_seq, positions, tree_starts, tile_rows, group):
 
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=FASTMATH, error_model="numpy")
-def attention_tiled(q, k_cache, v_cache, k_scale, v_scale, has_scale, fp8_mbits, recent, block_tables,
+def attention_tiled(q, k_cache, v_cache, k_scale, v_scale, has_scale, row_code, recent, block_tables,
                     token_seq, positions, tree_starts, tree_mask, window, softmax_scale, softcap, chunk,
                     bounds, out):
     # kernels/attention/paged.py's arguments, and bounds: row_tiles'; every (tile, kv head) a task
@@ -60,17 +60,17 @@ def attention_tiled(q, k_cache, v_cache, k_scale, v_scale, has_scale, fp8_mbits,
         i = tt // 2 if tt % 2 == 0 else num_tiles - 1 - tt // 2  # short tiles paired with long ones
         kh = task - tt * n_kv
         if bounds[i + 1] - bounds[i] == 1:
-            attend(q, k_cache, v_cache, k_scale, v_scale, has_scale, fp8_mbits, recent, block_tables,
+            attend(q, k_cache, v_cache, k_scale, v_scale, has_scale, row_code, recent, block_tables,
                    token_seq, positions, tree_starts, tree_mask, window, softmax_scale, softcap, chunk, out,
                    bounds[i], kh)
         else:
-            _attend_tile(q, k_cache, v_cache, k_scale, v_scale, has_scale, fp8_mbits, recent, block_tables,
+            _attend_tile(q, k_cache, v_cache, k_scale, v_scale, has_scale, row_code, recent, block_tables,
                          token_seq, positions, tree_starts, tree_mask, window, softmax_scale, softcap, chunk,
                          out, bounds[i], bounds[i + 1], kh)
 
 
 @njit(cache=True, nogil=True, fastmath=FASTMATH, error_model="numpy")
-def _attend_tile(q, k_cache, v_cache, k_scale, v_scale, has_scale, fp8_mbits, recent, block_tables, token_seq,
+def _attend_tile(q, k_cache, v_cache, k_scale, v_scale, has_scale, row_code, recent, block_tables, token_seq,
                  positions, tree_starts, tree_mask, window, softmax_scale, softcap, chunk, out, t0, t1, kh):
     # rows t0 .. t1 (one sequence, consecutive positions, no tree), kv head kh
     R, D = t1 - t0, q.shape[2]
@@ -108,8 +108,8 @@ def _attend_tile(q, k_cache, v_cache, k_scale, v_scale, has_scale, fp8_mbits, re
                 continue
             key_scales[j - lo] = np.float32(softmax_scale) * (k_scale[blk, o, kh] if has_scale
                                                               else np.float32(1.0))
-            load_row(k_cache, blk, o, kh, fp8_mbits, np.float32(1.0), keys[j - lo])
-            load_row(v_cache, blk, o, kh, fp8_mbits, v_scale[blk, o, kh] if has_scale else np.float32(1.0),
+            load_row(k_cache, blk, o, kh, row_code, np.float32(1.0), keys[j - lo])
+            load_row(v_cache, blk, o, kh, row_code, v_scale[blk, o, kh] if has_scale else np.float32(1.0),
                      values[j - lo])
         # row by row (its [group, width] scores stay in L1; the [R x group, width] block of the tile did not)
         for r in range(R):

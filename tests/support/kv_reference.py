@@ -4,6 +4,7 @@ model's basis (rotated forms rotated back by Sylvester's Hadamard matrix)."""
 import numpy as np
 import torch
 
+from kernels.attention.gauss4 import GAUSS4_LEVELS
 from kernels.formats.bf16 import from_bf16
 from memory.kv_formats import KV_FORMATS
 
@@ -32,7 +33,8 @@ def stored(kv_dtype: str, cache: np.ndarray, scales: np.ndarray, head_dim: int) 
     elif kv_dtype in TORCH_FP8:
         values = torch.from_numpy(cache).view(TORCH_FP8[kv_dtype]).to(torch.float64).numpy()
     elif fmt.values_per_element == 2:
-        values = np.stack([cache & 15, cache >> 4], axis=-1).reshape(*cache.shape[:-1], head_dim) - 8.0
+        codes = np.stack([cache & 15, cache >> 4], axis=-1).reshape(*cache.shape[:-1], head_dim)
+        values = GAUSS4_LEVELS.astype(np.float64)[codes] if fmt.codebook else codes - 8.0
     else:
         values = cache.astype(np.float64)
     if fmt.has_scale:
