@@ -1,16 +1,24 @@
-"""KV dtypes' quality on the shipped demo model against bfloat16 KV: held-out perplexity over its full
-1024-token context (evenly spaced windows of the model card's held-out stream, numaserve/demo_eval.py)
-and greedy agreement, 32 tokens after each of 16 held-out prompts of 128 tokens. Deterministic: the same
-figures on any machine with the same kernels.
+"""KV dtypes' quality on the shipped demo model against bfloat16 KV: held-out perplexity and the mean KL
+divergence of the next-token distribution from bfloat16 KV's, over evenly spaced windows of the model card's
+held-out stream (numaserve/demo_eval.py) at each context length, with the paired standard error of the
+perplexity change across windows; and greedy agreement, 32 tokens after each of 16 held-out prompts of 128
+tokens. Deterministic: the same figures on any machine with the same kernels.
 
-    python -m benchmarks.bench_kv_quality [--windows 16] [--kv-dtypes int8,fp8_e4m3,...]
+The demo model was trained on 256-token windows; its max_position_embeddings is 1024, and contexts beyond it
+(4096) are served with max_model_len raised (plain RoPE, no scaling): the model extrapolates there, so its
+perplexity is higher, but every dtype is compared on the same windows against the same bfloat16 KV run.
 
-Writes benchmarks/results/kv_quality.json.
+    python -m benchmarks.bench_kv_quality [--windows 64] [--contexts 1024,4096] [--kv-dtypes int8,...]
+
+Writes benchmarks/results/kv_quality.json and .png.
 """
 
 import argparse
 import json
+import math
 from pathlib import Path
+
+import numpy as np
 
 import numaserve as ns
 from memory.kv_formats import KV_FORMATS
@@ -25,47 +33,114 @@ from numaserve.demo_eval import (
     greedy_agreement,
     greedy_prompts,
     heldout_stream,
-    perplexity,
 )
 
 RESULTS = Path(__file__).parent / "results"
 BASE = DEMO_DIR / "base"
 REFERENCE = "bfloat16"
-CONTEXT = 1024  # the demo model's max_position_embeddings
+CONTEXTS = "1024,4096"  # the demo model's max_position_embeddings, and 4x it
 
 
-def measure(kv_dtype: str, windows: list, prompts: list[list[int]]) -> tuple[float, list[list[int]]]:
-    """(held-out perplexity, greedy continuations) with kv_dtype KV."""
-    llm = ns.LLM(BASE, kv_dtype=kv_dtype, max_num_batched_tokens=CONTEXT)
-    return perplexity(llm.score, windows), [c.token_ids for c in llm.generate(prompts, GREEDY)]
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    x = logits.astype(np.float64)
+    peak = x.max(-1, keepdims=True)
+    return x - (np.log(np.exp(x - peak).sum(-1, keepdims=True)) + peak)
+
+
+def score_windows(engines: dict, windows: list[np.ndarray]) -> dict:
+    """Per dtype and window: (mean next-token NLL, mean KL(bfloat16 KV || dtype)); the engines take turns
+    window by window, so only one window's logits are held."""
+    nll = {d: [] for d in engines}
+    kl = {d: [] for d in engines}
+    for window in windows:
+        ids = [int(t) for t in window]
+        targets = np.asarray(ids[1:])
+        reference = None
+        for dtype, llm in engines.items():  # REFERENCE first
+            logp = log_softmax(llm.score(ids)[:-1])  # [S - 1, vocab]
+            reference = logp if reference is None else reference
+            nll[dtype].append(-float(np.mean(logp[np.arange(len(targets)), targets])))
+            kl[dtype].append(float(np.mean(np.sum(np.exp(reference) * (reference - logp), -1))))
+    return {d: (np.array(nll[d]), np.array(kl[d])) for d in engines}
+
+
+def context_rows(kv_dtypes: list[str], context: int, num_windows: int, stream: np.ndarray) -> dict:
+    windows = token_windows(stream, context, num_windows)
+    engines = {d: ns.LLM(BASE, kv_dtype=d, max_model_len=context, max_num_batched_tokens=context)
+               for d in [REFERENCE, *kv_dtypes]}
+    scores = score_windows(engines, windows)
+    base_nll = scores[REFERENCE][0]
+    rows = {}
+    for dtype in kv_dtypes:
+        nll, kl = scores[dtype]
+        change = nll - base_nll  # per window
+        rows[dtype] = {"perplexity": math.exp(nll.mean()), "vs_bf16": math.exp(change.mean()) - 1,
+                       "vs_bf16_standard_error": float(change.std(ddof=1) / math.sqrt(len(change))),
+                       "kl_divergence": float(kl.mean())}
+        row = rows[dtype]
+        print(f"{context:>5} {dtype:<15} perplexity {row['perplexity']:.4f} ({row['vs_bf16']:+.3%} +- "
+              f"{row['vs_bf16_standard_error']:.3%} against bfloat16 KV), KL {row['kl_divergence']:.5f}",
+              flush=True)
+    return {"window_tokens": context, "windows": len(windows), "bf16_perplexity": math.exp(base_nll.mean()),
+            "kv_dtypes": rows}
+
+
+def greedy_rows(kv_dtypes: list[str], tokenizer) -> dict:
+    prompts = greedy_prompts(tokenizer)
+    tokens = {d: [c.token_ids for c in ns.LLM(BASE, kv_dtype=d).generate(prompts, GREEDY)]
+              for d in [REFERENCE, *kv_dtypes]}
+    return {d: greedy_agreement(tokens[d], tokens[REFERENCE]) for d in kv_dtypes}
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--windows", type=int, default=16, help="1024-token windows scored")
+    parser.add_argument("--windows", type=int, default=64, help="windows scored at each context length")
+    parser.add_argument("--contexts", default=CONTEXTS, help="window lengths in tokens")
     reduced = [d for d in KV_FORMATS if d not in ("float32", REFERENCE)]
     parser.add_argument("--kv-dtypes", default=",".join(reduced), help="KV dtypes against bfloat16 KV")
-    parser.add_argument("--out", default=str(RESULTS / "kv_quality.json"), help="JSON to write")
+    parser.add_argument("--out", default=str(RESULTS / "kv_quality.json"), help="JSON to write (and .png)")
     args = parser.parse_args(argv)
+    kv_dtypes = args.kv_dtypes.split(",")
     tokenizer = Tokenizer.from_dir(BASE)
-    windows = token_windows(heldout_stream(tokenizer), CONTEXT, args.windows)
-    prompts = greedy_prompts(tokenizer)
-    base_ppl, base_tokens = measure(REFERENCE, windows, prompts)
-    rows = {}
-    for kv_dtype in args.kv_dtypes.split(","):
-        ppl, tokens = measure(kv_dtype, windows, prompts)
-        rows[kv_dtype] = {"perplexity": ppl, "vs_bf16": ppl / base_ppl - 1,
-                          **greedy_agreement(tokens, base_tokens)}
-        row = rows[kv_dtype]
-        print(f"{kv_dtype:<18} perplexity {ppl:.4f} ({row['vs_bf16']:+.3%} against bfloat16 KV), "
-              f"{row['identical_continuations']}/{NUM_PROMPTS} greedy continuations identical, "
+    stream = heldout_stream(tokenizer)
+    contexts = {str(c): context_rows(kv_dtypes, c, args.windows, stream)
+                for c in map(int, args.contexts.split(","))}
+    greedy = greedy_rows(kv_dtypes, tokenizer)
+    for dtype, row in greedy.items():
+        print(f"{dtype:<15} {row['identical_continuations']}/{NUM_PROMPTS} greedy continuations identical, "
               f"prefix agreement {row['prefix_agreement']:.3f}", flush=True)
-    result = {"model": "numaserve demo base", "windows": len(windows), "window_tokens": CONTEXT,
-              "prompts": NUM_PROMPTS, "prompt_tokens": PROMPT_TOKENS, "new_tokens": NEW_TOKENS,
-              "bf16_perplexity": base_ppl, "kv_dtypes": rows}
+    result = {"model": "numaserve demo base", "trained_window_tokens": 256, "prompts": NUM_PROMPTS,
+              "prompt_tokens": PROMPT_TOKENS, "new_tokens": NEW_TOKENS, "contexts": contexts,
+              "greedy": greedy}
     out = Path(args.out)
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
+    plot(result, out.with_suffix(".png"))
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    contexts = result["contexts"]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    width = 0.8 / len(contexts)
+    for i, (context, data) in enumerate(contexts.items()):
+        dtypes = list(data["kv_dtypes"])
+        x = np.arange(len(dtypes)) + i * width
+        rows = [data["kv_dtypes"][d] for d in dtypes]
+        axes[0].bar(x, [100 * r["vs_bf16"] for r in rows], width,
+                    yerr=[100 * r["vs_bf16_standard_error"] for r in rows], label=f"{context} tokens")
+        axes[1].bar(x, [r["kl_divergence"] for r in rows], width, label=f"{context} tokens")
+    for ax, title in zip(axes, ("perplexity vs bfloat16 KV (%), +- 1 standard error",
+                                "mean KL divergence from bfloat16 KV (nats)")):
+        ax.set_xticks(np.arange(len(dtypes)) + width * (len(contexts) - 1) / 2, dtypes, rotation=30)
+        ax.set_title(title, fontsize=10)
+        ax.legend()
+    fig.suptitle("KV dtypes on the demo model, held-out windows", fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":
