@@ -9,6 +9,10 @@ The demo model was trained on 256-token windows; its max_position_embeddings is 
 perplexity is higher, but every dtype is compared on the same windows against the same bfloat16 KV run.
 
     python -m benchmarks.bench_kv_quality [--windows 64] [--contexts 1024,4096] [--kv-dtypes int8,...]
+                                          [--long-kv-dtypes int4,int4_hadamard]
+
+The first context scores every dtype of --kv-dtypes, the longer ones those of --long-kv-dtypes (the 4-bit
+forms by default: a 4096-token window costs each engine several seconds here).
 
 Writes benchmarks/results/kv_quality.json and .png.
 """
@@ -33,6 +37,7 @@ from numaserve.demo_eval import (
     greedy_agreement,
     greedy_prompts,
     heldout_stream,
+    window_scores,
 )
 
 RESULTS = Path(__file__).parent / "results"
@@ -41,34 +46,11 @@ REFERENCE = "bfloat16"
 CONTEXTS = "1024,4096"  # the demo model's max_position_embeddings, and 4x it
 
 
-def log_softmax(logits: np.ndarray) -> np.ndarray:
-    x = logits.astype(np.float64)
-    peak = x.max(-1, keepdims=True)
-    return x - (np.log(np.exp(x - peak).sum(-1, keepdims=True)) + peak)
-
-
-def score_windows(engines: dict, windows: list[np.ndarray]) -> dict:
-    """Per dtype and window: (mean next-token NLL, mean KL(bfloat16 KV || dtype)); the engines take turns
-    window by window, so only one window's logits are held."""
-    nll = {d: [] for d in engines}
-    kl = {d: [] for d in engines}
-    for window in windows:
-        ids = [int(t) for t in window]
-        targets = np.asarray(ids[1:])
-        reference = None
-        for dtype, llm in engines.items():  # REFERENCE first
-            logp = log_softmax(llm.score(ids)[:-1])  # [S - 1, vocab]
-            reference = logp if reference is None else reference
-            nll[dtype].append(-float(np.mean(logp[np.arange(len(targets)), targets])))
-            kl[dtype].append(float(np.mean(np.sum(np.exp(reference) * (reference - logp), -1))))
-    return {d: (np.array(nll[d]), np.array(kl[d])) for d in engines}
-
-
 def context_rows(kv_dtypes: list[str], context: int, num_windows: int, stream: np.ndarray) -> dict:
     windows = token_windows(stream, context, num_windows)
-    engines = {d: ns.LLM(BASE, kv_dtype=d, max_model_len=context, max_num_batched_tokens=context)
-               for d in [REFERENCE, *kv_dtypes]}
-    scores = score_windows(engines, windows)
+    scores = window_scores({d: ns.LLM(BASE, kv_dtype=d, max_model_len=context,
+                                      max_num_batched_tokens=context).score
+                            for d in [REFERENCE, *kv_dtypes]}, windows)
     base_nll = scores[REFERENCE][0]
     rows = {}
     for dtype in kv_dtypes:
@@ -98,13 +80,17 @@ def main(argv=None) -> None:
     parser.add_argument("--contexts", default=CONTEXTS, help="window lengths in tokens")
     reduced = [d for d in KV_FORMATS if d not in ("float32", REFERENCE)]
     parser.add_argument("--kv-dtypes", default=",".join(reduced), help="KV dtypes against bfloat16 KV")
+    parser.add_argument("--long-kv-dtypes", default="int4,int4_hadamard",
+                        help="KV dtypes scored at the contexts after the first")
     parser.add_argument("--out", default=str(RESULTS / "kv_quality.json"), help="JSON to write (and .png)")
     args = parser.parse_args(argv)
     kv_dtypes = args.kv_dtypes.split(",")
     tokenizer = Tokenizer.from_dir(BASE)
     stream = heldout_stream(tokenizer)
-    contexts = {str(c): context_rows(kv_dtypes, c, args.windows, stream)
-                for c in map(int, args.contexts.split(","))}
+    lengths = [int(c) for c in args.contexts.split(",")]
+    long_dtypes = [d for d in args.long_kv_dtypes.split(",") if d in kv_dtypes]
+    contexts = {str(c): context_rows(kv_dtypes if i == 0 else long_dtypes, c, args.windows, stream)
+                for i, c in enumerate(lengths)}
     greedy = greedy_rows(kv_dtypes, tokenizer)
     for dtype, row in greedy.items():
         print(f"{dtype:<15} {row['identical_continuations']}/{NUM_PROMPTS} greedy continuations identical, "
@@ -124,12 +110,13 @@ def plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     contexts = result["contexts"]
+    dtypes = list(next(iter(contexts.values()))["kv_dtypes"])  # the first context scores every dtype
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     width = 0.8 / len(contexts)
     for i, (context, data) in enumerate(contexts.items()):
-        dtypes = list(data["kv_dtypes"])
-        x = np.arange(len(dtypes)) + i * width
-        rows = [data["kv_dtypes"][d] for d in dtypes]
+        scored = [d for d in dtypes if d in data["kv_dtypes"]]
+        x = np.array([dtypes.index(d) for d in scored]) + i * width
+        rows = [data["kv_dtypes"][d] for d in scored]
         axes[0].bar(x, [100 * r["vs_bf16"] for r in rows], width,
                     yerr=[100 * r["vs_bf16_standard_error"] for r in rows], label=f"{context} tokens")
         axes[1].bar(x, [r["kl_divergence"] for r in rows], width, label=f"{context} tokens")

@@ -7,6 +7,11 @@ The *_hadamard forms rotate keys and values (kernels/attention/hadamard.py) befo
 same way, and the attention output back; the kernel itself reads every form as codes x per-row scale. Values
 are rotated too: on the demo model rotating only the keys measured no better than rotating both; at 8 bits
 neither rotation helps, so int8_hadamard is kept only as the issue's form (benchmarks/results/HISTORY.md).
+int4_hadamard's codes index a 16-level codebook for Gaussian coordinates with a fitted scale
+(kernels/attention/gauss4.py), which the rotation makes apt whatever the model; plain int4 keeps the uniform
+-7..7 grid at max|x| / 7. The rotation alone bought nothing on the demo model (its rows have no outliers to
+spread, and its values are lighter-tailed than a Gaussian, so rotated they round coarser); with the codebook
+the next-token distributions are half as far from bfloat16 KV's (benchmarks/results/kv_quality.json).
 
 The fp8 forms keep a recent window: each token reads its own group of RECENT_GROUP positions and the one
 before (its 16 to 31 newest slots) from a bfloat16 shadow of their blocks (kernels/attention/chunks.py; the

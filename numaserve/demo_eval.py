@@ -49,6 +49,31 @@ def perplexity(logits_of: Callable[[list[int]], np.ndarray], windows: list[np.nd
     return math.exp(total / count)
 
 
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    """[.., vocab] logits -> float64 log-probabilities."""
+    x = logits.astype(np.float64)
+    peak = x.max(-1, keepdims=True)
+    return x - (np.log(np.exp(x - peak).sum(-1, keepdims=True)) + peak)
+
+
+def window_scores(logits_of: dict[str, Callable[[list[int]], np.ndarray]],
+                  windows: list[np.ndarray]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Per model and window: (mean next-token NLL, mean KL divergence of its next-token distribution from the
+    first model's), each [len(windows)]. The models take turns window by window: one window's logits held."""
+    nll = {name: [] for name in logits_of}
+    kl = {name: [] for name in logits_of}
+    for window in windows:
+        ids = [int(t) for t in window]
+        targets = np.asarray(ids[1:])
+        reference = None
+        for name, logits in logits_of.items():
+            logp = log_softmax(logits(ids)[:-1])  # [S - 1, vocab]
+            reference = logp if reference is None else reference
+            nll[name].append(-float(np.mean(logp[np.arange(len(targets)), targets])))
+            kl[name].append(float(np.mean(np.sum(np.exp(reference) * (reference - logp), -1))))
+    return {name: (np.array(nll[name]), np.array(kl[name])) for name in logits_of}
+
+
 def greedy_agreement(tokens_a: list[list[int]], tokens_b: list[list[int]]) -> dict:
     """How far two sets of greedy continuations of the same prompts agree."""
     same_prefix = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))

@@ -25,7 +25,8 @@ import numpy as np
 from memory.disk_blocks import BadBlockFile, BlockFiles, BlockKey, parts_spec
 from memory.kv_cache import KVCache
 
-DISK_FORMAT_VERSION = 1  # the block files' identity: bump when what a block's payload means changes
+DISK_FORMAT_VERSION = 2  # the block files' identity: bump when what a block's payload means changes
+# (2: int4_hadamard rows became Gaussian codebook indices)
 STAGING_BYTES = 256 << 20  # blocks copied and waiting for the writer at most; more are not written
 READ_RATE_WINDOW_S = 5.0
 # the CPU time the tier's threads take while the step loop serves, as a fraction of one core (a step waits for

@@ -231,15 +231,26 @@ def calibration(data: dict) -> str:
 
 
 def kv_quality(data: dict) -> str:
-    head = (f"Demo model, {data['windows']} windows of {data['window_tokens']} tokens and "
-            f"{data['new_tokens']} greedy tokens after each of {data['prompts']} held-out prompts, against "
-            "bfloat16 KV:")
-    return head + "\n\n" + table(
-        ["kv_dtype", "perplexity vs bfloat16 KV", f"continuations identical (of {data['prompts']})",
-         "tokens before the first difference"],
-        [[k, pct(v["vs_bf16"], 3, sign=True), v["identical_continuations"],
-          pct(v["tokens_before_first_difference"] / v["num_tokens"], 0)]
-         for k, v in data["kv_dtypes"].items()])
+    contexts = data["contexts"]
+    head = ("Demo model (trained on 256-token windows), held-out windows at each context length ("
+            + ", ".join(f"{c['windows']} of {c['window_tokens']} tokens" for c in contexts.values())
+            + f"), and {data['new_tokens']} greedy tokens after each of {data['prompts']} held-out prompts, "
+            "against bfloat16 KV. Perplexity change +- one standard error (paired, across windows); KL: the "
+            "mean KL divergence of the next-token distribution from bfloat16 KV's, in nats:")
+    columns = ["kv_dtype"]
+    for context in contexts:
+        columns += [f"perplexity, {context}", f"KL, {context}"]
+    columns += [f"continuations identical (of {data['prompts']})", "tokens before the first difference"]
+    rows = []
+    for dtype, greedy in data["greedy"].items():
+        row = [dtype]
+        for c in contexts.values():
+            v = c["kv_dtypes"].get(dtype)
+            row += ([f"{pct(v['vs_bf16'], 3, sign=True)} +- {pct(v['vs_bf16_standard_error'], 3)}",
+                     f"{v['kl_divergence']:.5f}"] if v else ["", ""])
+        rows.append(row + [greedy["identical_continuations"],
+                           pct(greedy["tokens_before_first_difference"] / greedy["num_tokens"], 0)])
+    return head + "\n\n" + table(columns, rows)
 
 
 def quant_quality(data: dict) -> str:

@@ -9,10 +9,10 @@ from memory.kv_formats import KV_FORMATS, attend_as, write_kv_as
 from tests.support.kv_reference import KV_DTYPES, empty_cache, head_dim_for, stored
 
 # stored against written keys, relative RMS over standard normal rows; measured 0.0016 (bfloat16), 0.0049 and
-# 0.0054 (int8, rotated), 0.023 (e4m3), 0.047 (e5m2), 0.092 and 0.095 (int4, rotated)
+# 0.0054 (int8, rotated), 0.023 (e4m3), 0.047 (e5m2), 0.092 (int4), 0.076 (int4_hadamard's Gaussian codebook)
 RELATIVE_RMS_ERROR = {"float32": 0.0, "bfloat16": 0.003, "int8": 0.01, "int8_hadamard": 0.01,
                       "fp8_e4m3": 0.03,
-                      "fp8_e5m2": 0.06, "int4": 0.12, "int4_hadamard": 0.12}
+                      "fp8_e5m2": 0.06, "int4": 0.12, "int4_hadamard": 0.09}
 
 
 def reference(q, keys, values, positions, window, scale):

@@ -8,7 +8,9 @@ import torch
 from numba import njit
 
 from cluster_configs.engine_config import EngineConfig
+from kernels.attention.gauss4 import FIT_GRID, GAUSS4, GAUSS4_LEVELS
 from kernels.attention.hadamard import hadamard_inplace
+from kernels.attention.kv_quant import INT4, write_kv_scaled
 from kernels.formats.fp8 import E4M3, E5M2, fp8_decode, fp8_encode
 from memory.kv_cache import KVCache, kv_bytes_per_token
 from memory.kv_formats import KV_FORMATS
@@ -93,6 +95,51 @@ def test_fp8_encoding_saturates_at_the_largest_finite_value(kv_dtype):
     top = np.float32(_finite_values(kv_dtype).max())
     ours = _encode_all(np.array([top * 1.01, -top * 4, 3e38, -0.0, 0.0], np.float32), *params)
     np.testing.assert_array_equal(_decode_all(ours, params[0]), [top, -top, top, 0, 0])
+
+
+def _write_rows(x: np.ndarray, codes: int) -> tuple[np.ndarray, np.ndarray]:
+    # x [N, D] f32 as one kv head's rows of N slots -> (nibble codes [N, D], scales [N])
+    N, D = x.shape
+    cache, scales = np.zeros((N, 1, 1, D // 2), np.uint8), np.zeros((N, 1, 1), np.float32)
+    rows = x[:, None, :].copy()
+    write_kv_scaled(rows, rows.copy(), np.arange(N), cache, cache.copy(), scales, scales.copy(), codes,
+                    0, 0, 0)
+    nibbles = np.stack([cache[:, 0, 0] & 15, cache[:, 0, 0] >> 4], axis=-1).reshape(N, D)
+    return nibbles, scales[:, 0, 0]
+
+
+@pytest.mark.parametrize("head_dim", [32, 128])
+def test_gaussian_int4_rows_are_the_best_fit_of_the_grid_then_least_squares(head_dim):
+    rng = np.random.default_rng(head_dim)
+    x = (rng.standard_normal((2000, head_dim)) * 2.0 ** rng.integers(-6, 6, (2000, 1))).astype(np.float32)
+    codes, scales = _write_rows(x, GAUSS4)
+    # the reference in float64: every fraction's nearest levels, the least-erring fraction, least squares
+    levels, x64 = GAUSS4_LEVELS.astype(np.float64), x.astype(np.float64)
+    midpoints = (levels[1:] + levels[:-1]) / 2
+    steps = np.abs(x64).max(1, keepdims=True) * FIT_GRID.astype(np.float64) / levels[-1]  # [N, grid]
+    candidates = np.searchsorted(midpoints, x64[:, None, :] / steps[..., None])  # [N, grid, D]
+    errors = ((levels[candidates] * steps[..., None] - x64[:, None, :]) ** 2).sum(-1)
+    best = candidates[np.arange(len(x)), errors.argmin(1)]
+    assert np.mean(np.all(codes == best, axis=1)) > 0.999  # float32 rounding may tip a value at a midpoint
+    fitted = levels[codes]
+    np.testing.assert_allclose(scales, (fitted * x64).sum(1) / (fitted ** 2).sum(1), rtol=1e-5)
+    stored_error = ((fitted * scales[:, None] - x64) ** 2).sum(1)
+    assert np.all(stored_error <= errors.min(1) * (1 + 1e-4) + 1e-30)  # no worse than any fraction
+    # and on these Gaussian rows, well below the uniform -7..7 grid's error at the same bytes
+    uniform_codes, uniform_scales = _write_rows(x, INT4)
+    uniform_error = (((uniform_codes - 8.0) * uniform_scales[:, None] - x64) ** 2).sum(1)
+    assert np.mean(stored_error / uniform_error) < 0.75
+
+
+def test_gaussian_int4_rows_of_zeros_and_of_one_value():
+    x = np.zeros((3, 32), np.float32)
+    x[1, 5] = -3.0  # one nonzero value: the codebook has no zero, so the others sit on its smallest levels
+    x[2] = 0.5  # a constant row
+    codes, scales = _write_rows(x, GAUSS4)
+    values = GAUSS4_LEVELS[codes] * scales[:, None]
+    assert scales[0] == 0 and np.all(values[0] == 0)
+    assert abs(values[1, 5] + 3.0) < 0.3 and np.abs(np.delete(values[1], 5)).max() < 0.15
+    np.testing.assert_allclose(values[2], 0.5, rtol=1e-6)
 
 
 @pytest.mark.parametrize("head_dim", [1, 2, 32, 128])

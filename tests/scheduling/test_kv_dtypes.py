@@ -2,6 +2,8 @@
 tokens against bfloat16 KV over held-out prompts, overrides, preemption and prefix caching. Run with -s to
 see the counts."""
 
+import math
+
 import pytest
 
 import numaserve as ns
@@ -9,7 +11,7 @@ from memory.kv_cache import kv_bytes_per_token
 from models.quantization.calibrate import token_windows
 from models.tokenizer import Tokenizer
 from numaserve.demo import DEMO_DIR
-from numaserve.demo_eval import GREEDY, NEW_TOKENS, NUM_PROMPTS, greedy_prompts, heldout_stream, perplexity
+from numaserve.demo_eval import GREEDY, NEW_TOKENS, NUM_PROMPTS, greedy_prompts, heldout_stream, window_scores
 
 BASE = DEMO_DIR / "base"
 # prompts (of 16) whose 32 greedy tokens equal bfloat16 KV's, issue 29's bound. Measured here: int8 15,
@@ -85,9 +87,13 @@ def test_preemption_and_prefix_hits_change_no_tokens(prompts, kv_dtype, override
 
 def test_held_out_perplexity_of_each_kv_dtype_against_bfloat16_kv():
     windows = token_windows(heldout_stream(Tokenizer.from_dir(BASE)), 1024, 4)
-    ppl = {d: perplexity(ns.LLM(BASE, kv_dtype=d, max_num_batched_tokens=1024).score, windows)
-           for d in ("bfloat16", *PPL_BOUND, "int4")}
-    change = {d: p / ppl["bfloat16"] - 1 for d, p in ppl.items()}
-    print("\nheld-out perplexity against bfloat16 KV:", {d: f"{c:+.3%}" for d, c in change.items()})
+    scores = window_scores({d: ns.LLM(BASE, kv_dtype=d, max_num_batched_tokens=1024).score
+                            for d in ("bfloat16", *PPL_BOUND, "int4")}, windows)
+    change = {d: math.exp(nll.mean() - scores["bfloat16"][0].mean()) - 1 for d, (nll, _) in scores.items()}
+    divergence = {d: kl.mean() for d, (_, kl) in scores.items()}
+    print("\nheld-out perplexity against bfloat16 KV:", {d: f"{c:+.3%}" for d, c in change.items()},
+          "KL:", {d: f"{k:.5f}" for d, k in divergence.items()})
     assert all(abs(change[d]) <= bound for d, bound in PPL_BOUND.items())
-    assert change["int4_hadamard"] < change["int4"]  # the rotation pays at 4 bits
+    # the rotation and its Gaussian codebook: the next-token distributions at most 0.6x as far from bfloat16
+    # KV's as plain int4's (measured 0.45x here; over 4 windows the perplexity change itself is noise)
+    assert divergence["int4_hadamard"] < 0.6 * divergence["int4"]
