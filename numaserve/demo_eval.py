@@ -41,10 +41,8 @@ def perplexity(logits_of: Callable[[list[int]], np.ndarray], windows: list[np.nd
     total, count = 0.0, 0
     for window in windows:
         ids = [int(t) for t in window]
-        logits = logits_of(ids)[:-1].astype(np.float64)  # [S - 1, vocab]
-        peak = logits.max(-1)
-        log_z = np.log(np.exp(logits - peak[:, None]).sum(-1)) + peak
-        total += float(np.sum(log_z - logits[np.arange(len(ids) - 1), ids[1:]]))
+        logp = log_softmax(logits_of(ids)[:-1])  # [S - 1, vocab]
+        total -= float(np.sum(logp[np.arange(len(ids) - 1), ids[1:]]))
         count += len(ids) - 1
     return math.exp(total / count)
 

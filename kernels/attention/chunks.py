@@ -17,6 +17,7 @@ from numba import njit, types
 from numba.extending import overload
 
 from kernels.attention.gauss4 import GAUSS4, GAUSS4_LEVELS
+from kernels.attention.score_noise import debias, row_kappa, score_bias
 from kernels.exp32 import exp32, tanh32
 from kernels.formats.bf16 import as_f32
 from kernels.formats.fp8 import fp8_as_f32, fp8_placement, fp8_row_factor, fp8_unbias
@@ -104,6 +105,13 @@ def partial(q, k_cache, v_cache, k_scale, v_scale, has_scale, row_code, recent, 
     row = np.empty(D, np.float32)
     qg = np.empty((group, D), np.float32)  # q is a strided view of the fused qkv output: copy once
     qg[:, :] = q[t, kh * group:(kh + 1) * group, :]
+    kappa = row_kappa(k_cache.shape[3], row_code, D) if has_scale else np.float32(0.0)
+    debiased = kappa > 0  # 4-bit key rows: kernels/attention/score_noise.py
+    # each slot's squared row scale (0: read wide), then score_bias's [group]: one allocation (empty: unused)
+    extra = np.zeros(b - a + group if debiased else 0, np.float32)
+    scale2, bias = extra[:b - a], extra[b - a:]
+    if debiased:
+        score_bias(qg, softmax_scale, kappa, bias)
     # the context's loops written out here, not through _score/_add_value: through them the serial kernel ran
     # slower on short decode contexts
     block_size = k_cache.shape[1]
@@ -119,15 +127,21 @@ def partial(q, k_cache, v_cache, k_scale, v_scale, has_scale, row_code, recent, 
             scale = np.float32(softmax_scale) * (k_scale[blk, o, kh] if has_scale else np.float32(1.0))
             load_row(k_cache, blk, o, kh, row_code, np.float32(1.0), row)
             dots(qg, row, scores, j - start - a, scale)
+            if debiased:
+                scale2[j - start - a] = k_scale[blk, o, kh] * k_scale[blk, o, kh]
     n = max(0, min(b, num_context) - a)
     rank = num_context  # visible index of the next tree slot
     for i in range(tree_mask.shape[1] if b > num_context else 0):
         if tree_mask[t, i] != 0:
             if a <= rank < b:
-                _score(qg, k_cache, k_scale, has_scale, row_code, recent, block_tables, seq,
-                       tree_starts[t] + i, kh, softmax_scale, row, scores, n)
+                squared = _score(qg, k_cache, k_scale, has_scale, row_code, recent, block_tables, seq,
+                                 tree_starts[t] + i, kh, softmax_scale, row, scores, n)
+                if debiased:
+                    scale2[n] = squared
                 n += 1
             rank += 1
+    if debiased:
+        debias(scores, bias, scale2, 0, n)
     if softcap > 0:
         inv_cap = np.float32(1.0) / softcap
         for g in range(group):
@@ -195,7 +209,8 @@ def merge_chunks(m, l, acc, out):
 @njit(inline="always", nogil=True, fastmath=FASTMATH, error_model="numpy")
 def _score(qg, k_cache, k_scale, has_scale, row_code, recent, block_tables, seq, j, kh, softmax_scale, row,
            scores, column):
-    # scores[:, column] = q . k_j for tree slot j of the sequence, each query head of the group
+    # scores[:, column] = q . k_j for tree slot j of the sequence, each query head of the group -> the
+    # squared scale of the row read (0: read wide)
     block_size = k_cache.shape[1]
     b = block_tables[seq, j // block_size]
     o = j % block_size
@@ -203,10 +218,11 @@ def _score(qg, k_cache, k_scale, has_scale, row_code, recent, block_tables, seq,
     if recent.group > 0:
         load_row(recent.k_wide, recent.shadow_of[b], o, kh, 0, np.float32(1.0), row)
         dots(qg, row, scores, column, np.float32(softmax_scale))
-        return
-    scale = np.float32(softmax_scale) * (k_scale[b, o, kh] if has_scale else np.float32(1.0))
+        return np.float32(0.0)
+    row_scale = k_scale[b, o, kh] if has_scale else np.float32(1.0)
     load_row(k_cache, b, o, kh, row_code, np.float32(1.0), row)
-    dots(qg, row, scores, column, scale)
+    dots(qg, row, scores, column, np.float32(softmax_scale) * row_scale)
+    return row_scale * row_scale
 
 
 @njit(inline="always", nogil=True, fastmath=FASTMATH, error_model="numpy")

@@ -14,7 +14,8 @@ scale max|x| * g / GAUSS4_LEVELS[15] and every value's nearest level; the fracti
 of squares) is kept, and s is the least-squares scale of its codes, (x . L[c]) / (L[c] . L[c]). On rows of
 standard normal values this errs 38% less than the uniform -7..7 grid at max|x| / 7 (0.0058 against 0.0095
 squared a value at D = 32; the best fraction lies between 0.85 and 1.1 for 90% of rows at D = 32 to 128).
-Measured on the demo model: benchmarks/results/kv_quality.json and HISTORY.md.
+Scores against these rows are debiased for their noise: kernels/attention/score_noise.py. Measured on the
+demo model: benchmarks/results/kv_quality.json and HISTORY.md.
 """
 
 import numpy as np

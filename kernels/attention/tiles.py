@@ -25,6 +25,7 @@ from kernels.attention.chunks import (
     visible,
     wide_start,
 )
+from kernels.attention.score_noise import debias, row_kappa, score_bias
 from kernels.exp32 import exp32, tanh32
 from kernels.simd.axpy import weighted_sum
 from kernels.simd.dot import dots
@@ -89,6 +90,13 @@ def _attend_tile(q, k_cache, v_cache, k_scale, v_scale, has_scale, row_code, rec
     width = chunk + R - 1  # the rows' chunk c spans at most this many keys
     keys, values = np.empty((width, D), np.float32), np.empty((width, D), np.float32)
     key_scales = np.empty(width, np.float32)
+    kappa = row_kappa(k_cache.shape[3], row_code, D) if has_scale else np.float32(0.0)
+    debiased = kappa > 0  # 4-bit key rows: kernels/attention/score_noise.py
+    scale2 = np.zeros(width, np.float32)  # each key's squared row scale (0: read wide)
+    bias = np.empty((R, group), np.float32)
+    if debiased:
+        for r in range(R):
+            score_bias(qt[r], softmax_scale, kappa, bias[r])
     scores = np.empty((R, group, width), np.float32)
     m, l = np.empty((k, R, group), np.float32), np.empty((k, R, group), np.float32)
     acc = np.empty((k, R, group, D), np.float32)
@@ -102,12 +110,12 @@ def _attend_tile(q, k_cache, v_cache, k_scale, v_scale, has_scale, row_code, rec
             blk = block_tables[seq, j // block_size]
             o = j % block_size
             if j >= first_wide:
-                key_scales[j - lo] = np.float32(softmax_scale)
+                key_scales[j - lo], scale2[j - lo] = np.float32(softmax_scale), np.float32(0.0)
                 load_row(recent.k_wide, recent.shadow_of[blk], o, kh, 0, np.float32(1.0), keys[j - lo])
                 load_row(recent.v_wide, recent.shadow_of[blk], o, kh, 0, np.float32(1.0), values[j - lo])
                 continue
-            key_scales[j - lo] = np.float32(softmax_scale) * (k_scale[blk, o, kh] if has_scale
-                                                              else np.float32(1.0))
+            row_scale = k_scale[blk, o, kh] if has_scale else np.float32(1.0)
+            key_scales[j - lo], scale2[j - lo] = np.float32(softmax_scale) * row_scale, row_scale * row_scale
             load_row(k_cache, blk, o, kh, row_code, np.float32(1.0), keys[j - lo])
             load_row(v_cache, blk, o, kh, row_code, v_scale[blk, o, kh] if has_scale else np.float32(1.0),
                      values[j - lo])
@@ -119,6 +127,8 @@ def _attend_tile(q, k_cache, v_cache, k_scale, v_scale, has_scale, row_code, rec
             b = min(ends[r], starts[r] + (c + 1) * chunk) - lo
             for j in range(a, b):
                 dots(qt[r], keys[j], scores[r], j, key_scales[j])
+            if debiased:
+                debias(scores[r], bias[r], scale2, a, b)
             for g in range(group):
                 if softcap > 0:
                     inv_cap = np.float32(1.0) / softcap

@@ -6,7 +6,7 @@ import pytest
 
 from kernels.attention import paged as attention
 from memory.kv_formats import KV_FORMATS, attend_as, write_kv_as
-from tests.support.kv_reference import KV_DTYPES, empty_cache, head_dim_for, stored
+from tests.support.kv_reference import KV_DTYPES, empty_cache, head_dim_for, score_noise, stored
 
 # stored against written keys, relative RMS over standard normal rows; measured 0.0016 (bfloat16), 0.0049 and
 # 0.0054 (int8, rotated), 0.023 (e4m3), 0.047 (e5m2), 0.092 (int4), 0.076 (int4_hadamard's Gaussian codebook)
@@ -15,8 +15,9 @@ RELATIVE_RMS_ERROR = {"float32": 0.0, "bfloat16": 0.003, "int8": 0.01, "int8_had
                       "fp8_e5m2": 0.06, "int4": 0.12, "int4_hadamard": 0.09}
 
 
-def reference(q, keys, values, positions, window, scale):
-    # q: [T, H, D]; keys/values: per token, its sequence's [L, n_kv, D] float64
+def reference(q, keys, values, positions, window, scale, noises):
+    # q: [T, H, D]; keys/values: per token, its sequence's [L, n_kv, D] float64; noises: per token, its
+    # sequence's [L, n_kv] score_noise (each score less half its noise's variance)
     T, H, D = q.shape
     out = np.empty((T, H, D))
     for t in range(T):
@@ -26,6 +27,7 @@ def reference(q, keys, values, positions, window, scale):
         start = max(0, end - window) if window else 0
         for h in range(H):
             s = k[start:end, h // group] @ q[t, h] * scale
+            s -= 0.5 * scale ** 2 * (q[t, h] @ q[t, h]) * noises[t][start:end, h // group]
             p = np.exp(s - s.max())
             out[t, h] = p @ v[start:end, h // group] / p.sum()
     return out
@@ -65,8 +67,10 @@ def test_paged_attention_matches_float64_softmax(kv_dtype, window, parallel, mon
                  for s, n in enumerate(lengths)]
     keys = [k_all[seq_slots[s]] for s in token_seq]
     values = [v_all[seq_slots[s]] for s in token_seq]
+    noise = score_noise(kv_dtype, k_scale, D)
+    noises = [noise[seq_slots[s]] for s in token_seq]
     out = np.empty((T, H, D), np.float32)
     attend_as(fmt, q.copy(), k_cache, v_cache, k_scale, v_scale, tables, token_seq, positions, window, 0.2,
               out)
-    ref = reference(q.astype(np.float64), keys, values, positions, window, 0.2)
+    ref = reference(q.astype(np.float64), keys, values, positions, window, 0.2, noises)
     assert np.abs(out - ref).max() < 1e-5 * np.abs(ref).max() + 1e-6

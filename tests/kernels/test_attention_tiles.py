@@ -11,7 +11,7 @@ from kernels.attention import paged as attention
 from kernels.attention.tiles import row_tiles
 from memory.kv_formats import KV_FORMATS, attend_as, write_kv_as
 from tests.kernels.test_attention import reference
-from tests.support.kv_reference import KV_DTYPES, empty_cache, head_dim_for, stored
+from tests.support.kv_reference import KV_DTYPES, empty_cache, head_dim_for, score_noise, stored
 
 TILE = 4
 LENGTHS = [1, TILE - 1, TILE, TILE + 1, 3 * TILE + 2, 29]  # one sequence each, every position a query row
@@ -54,7 +54,9 @@ class Prefill:
                      for s, n in enumerate(LENGTHS)]
         keys = [k_all[seq_slots[s]] for s in self.token_seq]
         values = [v_all[seq_slots[s]] for s in self.token_seq]
-        return reference(self.q.astype(np.float64), keys, values, self.positions, window, 0.2)
+        noise = score_noise(self.fmt.name, k_scale, self.D)
+        noises = [noise[seq_slots[s]] for s in self.token_seq]
+        return reference(self.q.astype(np.float64), keys, values, self.positions, window, 0.2, noises)
 
 
 def kernel(monkeypatch, tiles: bool, chunk: int) -> None:

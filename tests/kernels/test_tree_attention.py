@@ -6,7 +6,7 @@ import pytest
 
 from kernels.attention import paged as attention
 from memory.kv_formats import KV_FORMATS, attend_as, write_kv_as
-from tests.support.kv_reference import KV_DTYPES, empty_cache, head_dim_for, stored
+from tests.support.kv_reference import KV_DTYPES, empty_cache, head_dim_for, score_noise, stored
 
 H, N_KV, BLOCK, NUM_BLOCKS = 6, 2, 4, 64
 
@@ -86,12 +86,14 @@ class Batch:
     def reference(self) -> np.ndarray:
         keys = stored(self.kv_dtype, self.k_cache, self.k_scale, self.D)
         values = stored(self.kv_dtype, self.v_cache, self.v_scale, self.D)
+        noise = score_noise(self.kv_dtype, self.k_scale, self.D)
         out = np.empty(self.q.shape)
         group = H // N_KV
         for t, seen in enumerate(self.visible):
             slots = [self.slot(self.token_seq[t], j) for j in seen]
             for h in range(H):
-                s = keys[slots, h // group] @ self.q[t, h].astype(np.float64) * 0.2
+                qh = self.q[t, h].astype(np.float64)
+                s = keys[slots, h // group] @ qh * 0.2 - 0.5 * 0.2 ** 2 * (qh @ qh) * noise[slots, h // group]
                 p = np.exp(s - s.max())
                 out[t, h] = p @ values[slots, h // group] / p.sum()
         return out

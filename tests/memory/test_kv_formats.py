@@ -11,6 +11,7 @@ from cluster_configs.engine_config import EngineConfig
 from kernels.attention.gauss4 import FIT_GRID, GAUSS4, GAUSS4_LEVELS
 from kernels.attention.hadamard import hadamard_inplace
 from kernels.attention.kv_quant import INT4, write_kv_scaled
+from kernels.attention.score_noise import row_kappa
 from kernels.formats.fp8 import E4M3, E5M2, fp8_decode, fp8_encode
 from memory.kv_cache import KVCache, kv_bytes_per_token
 from memory.kv_formats import KV_FORMATS
@@ -129,6 +130,22 @@ def test_gaussian_int4_rows_are_the_best_fit_of_the_grid_then_least_squares(head
     uniform_codes, uniform_scales = _write_rows(x, INT4)
     uniform_error = (((uniform_codes - 8.0) * uniform_scales[:, None] - x64) ** 2).sum(1)
     assert np.mean(stored_error / uniform_error) < 0.75
+
+
+@pytest.mark.parametrize("head_dim", [24, 32, 64, 128, 256])
+@pytest.mark.parametrize("kv_dtype", ["int4", "int4_hadamard"])
+def test_kappa_is_the_mean_squared_error_a_coordinate_over_the_squared_scale(kv_dtype, head_dim):
+    # what the kernels' score correction assumes (kernels/attention/score_noise.py), on Gaussian rows
+    fmt = KV_FORMATS[kv_dtype]
+    if fmt.rotated and head_dim & (head_dim - 1):
+        pytest.skip("rotated rows need a power of two")
+    x = np.random.default_rng(head_dim).standard_normal((4000, head_dim)).astype(np.float32)
+    codes, scales = _write_rows(x, fmt.row_code if fmt.codebook else INT4)
+    values = GAUSS4_LEVELS[codes] if fmt.codebook else codes - np.float32(8.0)
+    errors = ((values * scales[:, None] - x) ** 2).astype(np.float64).mean(1)
+    kappa = row_kappa(fmt.row_elements(head_dim), fmt.row_code, head_dim)
+    assert np.mean(errors / scales.astype(np.float64) ** 2) == pytest.approx(kappa, rel=0.04)
+    assert row_kappa(head_dim, 0, head_dim) == 0  # int8 rows: no correction
 
 
 def test_gaussian_int4_rows_of_zeros_and_of_one_value():

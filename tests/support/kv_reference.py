@@ -5,6 +5,7 @@ import numpy as np
 import torch
 
 from kernels.attention.gauss4 import GAUSS4_LEVELS
+from kernels.attention.score_noise import row_kappa
 from kernels.formats.bf16 import from_bf16
 from memory.kv_formats import KV_FORMATS
 
@@ -42,6 +43,15 @@ def stored(kv_dtype: str, cache: np.ndarray, scales: np.ndarray, head_dim: int) 
     if fmt.rotated:
         values = values @ sylvester(head_dim)
     return values.reshape(-1, cache.shape[2], head_dim)
+
+
+def score_noise(kv_dtype: str, scales: np.ndarray, head_dim: int) -> np.ndarray:
+    """The variance of a key row's score error per unit of softmax_scale^2 |q|^2 (the kernels take half of it
+    off each score: kernels/attention/score_noise.py), [num_blocks, block_size, n_kv] -> float64
+    [num_blocks * block_size, n_kv]; 0 for the formats whose scores are not corrected."""
+    fmt = KV_FORMATS[kv_dtype]
+    kappa = float(row_kappa(fmt.row_elements(head_dim), fmt.row_code, head_dim)) if fmt.has_scale else 0.0
+    return kappa * scales.astype(np.float64).reshape(-1, scales.shape[2]) ** 2
 
 
 def empty_cache(kv_dtype: str, num_blocks: int, block_size: int, n_kv: int, head_dim: int):
