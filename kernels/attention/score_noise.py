@@ -28,12 +28,13 @@ GAUSS4_KAPPA = np.float32(0.0084)
 @njit(inline="always", nogil=True)
 def row_kappa(row_elements, row_code, head_dim):
     # a key cache's kappa from its row elements and row code (kernels/attention/chunks.load_row's rule for
-    # which codes a cache holds); 0: its scores are not corrected
+    # which codes a cache holds: a row code alone is ambiguous, fp8_e4m3's 3 mantissa bits are GAUSS4's 3);
+    # 0: its scores are not corrected
+    if 2 * row_elements != head_dim:  # one code a value (or none): 8 bits or wider
+        return np.float32(0.0)
     if row_code == GAUSS4:
         return GAUSS4_KAPPA
-    if row_code == 0 and 2 * row_elements == head_dim:  # uniform int4
-        return np.float32(head_dim - 1) / np.float32(12 * head_dim)
-    return np.float32(0.0)
+    return np.float32(head_dim - 1) / np.float32(12 * head_dim)  # uniform int4
 
 
 @njit(inline="always", nogil=True)

@@ -145,7 +145,8 @@ def test_kappa_is_the_mean_squared_error_a_coordinate_over_the_squared_scale(kv_
     errors = ((values * scales[:, None] - x) ** 2).astype(np.float64).mean(1)
     kappa = row_kappa(fmt.row_elements(head_dim), fmt.row_code, head_dim)
     assert np.mean(errors / scales.astype(np.float64) ** 2) == pytest.approx(kappa, rel=0.04)
-    assert row_kappa(head_dim, 0, head_dim) == 0  # int8 rows: no correction
+    for wide in ("int8", "fp8_e4m3", "fp8_e5m2", "bfloat16"):  # one code a value: no correction
+        assert row_kappa(KV_FORMATS[wide].row_elements(head_dim), KV_FORMATS[wide].row_code, head_dim) == 0
 
 
 def test_gaussian_int4_rows_of_zeros_and_of_one_value():

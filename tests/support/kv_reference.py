@@ -5,7 +5,7 @@ import numpy as np
 import torch
 
 from kernels.attention.gauss4 import GAUSS4_LEVELS
-from kernels.attention.score_noise import row_kappa
+from kernels.attention.score_noise import GAUSS4_KAPPA
 from kernels.formats.bf16 import from_bf16
 from memory.kv_formats import KV_FORMATS
 
@@ -49,8 +49,8 @@ def score_noise(kv_dtype: str, scales: np.ndarray, head_dim: int) -> np.ndarray:
     """The variance of a key row's score error per unit of softmax_scale^2 |q|^2 (the kernels take half of it
     off each score: kernels/attention/score_noise.py), [num_blocks, block_size, n_kv] -> float64
     [num_blocks * block_size, n_kv]; 0 for the formats whose scores are not corrected."""
-    fmt = KV_FORMATS[kv_dtype]
-    kappa = float(row_kappa(fmt.row_elements(head_dim), fmt.row_code, head_dim)) if fmt.has_scale else 0.0
+    kappas = {"int4": (head_dim - 1) / (12 * head_dim), "int4_hadamard": float(GAUSS4_KAPPA)}
+    kappa = kappas.get(kv_dtype, 0.0)
     return kappa * scales.astype(np.float64).reshape(-1, scales.shape[2]) ** 2
 
 
