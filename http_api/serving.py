@@ -5,6 +5,7 @@ A request of n choices over several prompts is one deployment request per choice
 collected together (http_api/choices.py).
 """
 
+import asyncio
 import base64
 import time
 from collections.abc import AsyncIterator, Callable
@@ -221,7 +222,9 @@ class OpenAIServing:
                 raise APIError(400, f"tool_choice constrains the output to tool calls and {constraint_param} "
                                     "to another format; send one", param=constraint_param)
             constraint, constraint_param = plan.constraint, "tools"
-        prompt_ids = chat_prompt_ids(info, self.chat_template, self.model_name, req.messages, plan.tools)
+        # rendered and tokenized in a thread: a long chat in the event loop held up every stream it serves
+        prompt_ids = await asyncio.to_thread(chat_prompt_ids, info, self.chat_template, self.model_name,
+                                             req.messages, plan.tools, for_generation=True)
         k = req.num_logprobs()
         if req.max_new_tokens() is not None:
             self.tenancy.check_max_tokens(req.max_new_tokens())
@@ -287,7 +290,9 @@ class OpenAIServing:
         return header.body([choice(c) for c in choices], usage=billed, **scored)
 
     async def tokenize(self, req: TokenizeRequest) -> dict:
-        return tokenize_body(await self.info(), self._texts, self.chat_template, self.model_name, req)
+        info = await self.info()  # then tokenized in a thread, as a chat is
+        return await asyncio.to_thread(tokenize_body, info, self._texts, self.chat_template, self.model_name,
+                                       req)
 
     async def detokenize(self, req: DetokenizeRequest) -> dict:
         return detokenize_body(await self.info(), self.model_name, req)

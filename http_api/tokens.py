@@ -1,17 +1,20 @@
 """Prompts as token ids for the OpenAI endpoints: chat messages rendered by the model's chat template, and
 the /tokenize and /detokenize bodies (vLLM's shapes). `info` is Deployment.model_info's answer."""
 
+from cluster_configs.errors import InvalidRequest
 from http_api.chat_template import ChatTemplate
 from http_api.errors import APIError
 from http_api.protocol import DetokenizeRequest, TokenizeRequest
 from http_api.responses import TokenTexts
+from scheduling.validation import RequestLimits, check_text_length
 
 
 def chat_prompt_ids(info: dict, chat_template: ChatTemplate | None, model_name: str, messages: list,
                     tools: list[dict] | None, add_generation_prompt: bool = True,
-                    add_special_tokens: bool = False) -> list[int]:
+                    add_special_tokens: bool = False, for_generation: bool = False) -> list[int]:
     """The token ids of messages rendered by the model's chat template (whose own special tokens count:
-    none are added unless asked)."""
+    none are added unless asked); for_generation: a rendering too long for max_model_len is a 400 (/tokenize
+    counts any length)."""
     tokenizer = info["tokenizer"]
     if chat_template is None or tokenizer is None:
         raise APIError(400, f"model {model_name!r} has no chat template (no chat_template.jinja or "
@@ -21,6 +24,12 @@ def chat_prompt_ids(info: dict, chat_template: ChatTemplate | None, model_name: 
                        param="messages", code="no_chat_template")
     text = chat_template.render([m.template_message() for m in messages],
                                 add_generation_prompt=add_generation_prompt, tools=tools)
+    if for_generation:  # a text too long for any prompt is refused before it is tokenized
+        limits = RequestLimits(info["vocab_size"], info["max_model_len"])
+        try:
+            check_text_length(len(text), tokenizer.max_token_chars, limits, prompt_only=False)
+        except InvalidRequest as e:
+            raise APIError(400, str(e), param="messages", code="context_length_exceeded") from None
     return tokenizer.hf_tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
 

@@ -54,6 +54,8 @@ def validate_request(prompt, params: SamplingParams | None, limits: RequestLimit
         check_adapter(adapter, adapters)
     if isinstance(prompt, str) and tokenizer is not None:
         check_text_length(len(prompt), tokenizer.max_token_chars, limits, prompt_only)
+    elif isinstance(prompt, (list, tuple, np.ndarray)):
+        check_length(len(prompt), params, limits, prompt_only)  # before a long list is checked id by id
     prompt_ids = encode_prompt(prompt, tokenizer, limits.vocab_size)
     check_length(len(prompt_ids), params, limits, prompt_only)
     for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or ())):

@@ -7,6 +7,7 @@ import json
 import logging
 
 import httpx2
+import pydantic
 import pytest
 import requests
 from hypothesis import HealthCheck, Phase, given, settings
@@ -308,6 +309,19 @@ def test_a_long_odd_value_is_echoed_at_most_100_characters(tiny_url):
     r = requests.post(f"{tiny_url}{C}", json={"prompt": "hi", "model": "m" * 10_000, "top_p": "x" * 10_000},
                       timeout=60)
     assert r.status_code in (400, 404) and len(r.json()["error"]["message"]) < 300, r.text[:300]
+
+
+def test_a_token_id_prompt_is_taken_as_it_is_and_other_shapes_fail_as_before():
+    """A long prompt's ids are not first tried as strings, one error per id (in the event loop, that held up
+    every stream the server relays); any other shape meets the whole union as before."""
+    ids = list(range(3, 100_003))
+    assert CompletionRequest.model_validate({"prompt": ids}).prompt is ids
+    assert EmbeddingRequest.model_validate({"input": ids}).input is ids
+    for odd in ([1, True], [1, 1.5], ["a", 1], [[1], "a"], [[]], 5):
+        with pytest.raises(pydantic.ValidationError) as e:
+            CompletionRequest.model_validate({"prompt": odd})
+        assert {err["loc"][1] for err in e.value.errors()} == {"str", "list[str]", "list[int]",
+                                                               "list[list[int]]"}, odd
 
 
 # odd values at any field of a valid body: non-finite and huge numbers, surrogates and control characters,

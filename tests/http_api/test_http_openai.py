@@ -12,6 +12,7 @@ bodies naming the field; CORS answers an allowed origin's preflight and not anot
 import asyncio
 import json
 import re
+import threading
 import time
 from pathlib import Path
 
@@ -28,7 +29,7 @@ from http_api.app import build_app
 from http_api.chat_template import ChatTemplate
 from http_api.errors import APIError
 from http_api.fill_in_middle import fim_prompt
-from http_api.protocol import ChatCompletionRequest
+from http_api.protocol import ChatCompletionRequest, TokenizeRequest
 from http_api.serving import OpenAIServing
 from models.tokenizer import Tokenizer as ModelTokenizer
 from tests.scheduling.test_structured_outputs import SCHEMAS
@@ -290,6 +291,35 @@ def test_auto_tool_choice_needs_a_parser(llm):
     req = ChatCompletionRequest.model_validate({"messages": MESSAGES, "tools": TOOLS})
     with pytest.raises(APIError, match="--tool-call-parser"):
         asyncio.run(serving_of(llm).chat(req))
+
+
+def test_a_chat_is_tokenized_off_the_event_loop_and_one_too_long_is_refused_before_it(llm, monkeypatch):
+    """A long chat tokenized in the event loop held up every stream the server relays; one too long for
+    max_model_len whatever its tokens is refused from its characters, untokenized."""
+    real, threads = llm.tokenizer.hf_tokenizer, []
+
+    class Recording:
+        def encode(self, text, **kwargs):
+            threads.append(threading.current_thread())
+            return real.encode(text, **kwargs)
+
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+    monkeypatch.setattr(ModelTokenizer, "hf_tokenizer", property(lambda self: Recording()))
+    serving = serving_of(llm)
+    asyncio.run(serving.chat(ChatCompletionRequest.model_validate({"messages": MESSAGES, "max_tokens": 2})))
+    assert threads and threading.main_thread() not in threads  # asyncio.run's loop is in the main thread
+    threads.clear()
+    too_long = ChatCompletionRequest.model_validate(
+        {"messages": [{"role": "user", "content": "a" * 5_000_000}]})
+    with pytest.raises(APIError, match=r"prompt has 50000\d\d characters, more than max_model_len=2048") as e:
+        asyncio.run(serving.chat(too_long))
+    assert (e.value.status, e.value.param, e.value.code) == (400, "messages", "context_length_exceeded")
+    assert not threads
+    counted = asyncio.run(serving.tokenize(TokenizeRequest.model_validate(
+        {"messages": [{"role": "user", "content": "a " * 200_000}]})))  # /tokenize counts any length
+    assert counted["count"] > llm.engine.max_model_len and threading.main_thread() not in threads
 
 
 def test_nulls_and_fields_without_effect_are_accepted(url):

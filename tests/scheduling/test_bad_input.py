@@ -263,6 +263,15 @@ def test_a_text_too_long_for_any_tokenization_is_refused_before_it_is_tokenized(
         validate_request("a" * 5_000_000, None, limits, tokenizer=llm.tokenizer)
 
 
+def test_a_token_list_too_long_is_refused_before_its_ids_are_checked():
+    class Unread(list):
+        def __iter__(self):
+            pytest.fail("the ids were read")
+
+    with pytest.raises(ns.InvalidRequest, match=r"prompt has 700000 tokens but max_model_len=64"):
+        validate_request(Unread([5] * 700_000), None, RequestLimits(VOCAB, MAX_MODEL_LEN))
+
+
 @settings(max_examples=200, deadline=None)
 @given(st.text(min_size=1, max_size=400))
 def test_the_text_bound_never_refuses_a_text_that_tokenizes_within_the_limit(llama_tokenizer, text):
