@@ -3,10 +3,11 @@
 A key row stored as codes and a scale s errs by e, and moves a score by softmax_scale * q . e. The errors of
 a row's coordinates are near-independent with a mean square of kappa s^2 each (kappa: the format's, below),
 so the score's noise has variance about v = softmax_scale^2 |q|^2 kappa s^2. The softmax weighs exp(score),
-and the mean of exp(score + noise) is exp(score + v / 2) (the log-normal mean): keys with a larger scale draw
+and the mean of exp(score + noise) is exp(score + v / 2) (the log-normal mean): rows with a larger scale draw
 more weight than their keys earn, the more so the longer the context. Each score is lowered by v / 2
 (score_bias, debias). Values' errors enter the output linearly: no correction. The 8-bit formats' noise is
-256 times smaller: not corrected either (their scores keep their bits).
+hundreds of times smaller (int8's step is max|x| / 127, not / 7): not corrected (their scores keep their
+bits).
 
 kappa per format, the mean squared error of a coordinate over its row's squared scale:
 - int4 (uniform -7..7 at s = max|x| / 7, round to nearest): the largest coordinate is exact and the others
