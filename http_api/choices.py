@@ -13,7 +13,7 @@ from dataclasses import replace
 from typing import Protocol
 
 from cluster_configs.errors import InvalidRequest
-from http_api.errors import APIError, as_api_error
+from http_api.errors import APIError, as_api_error, invalid_request
 from http_api.limits import Tenancy
 from http_api.protocol import MAX_CHOICES
 from http_api.responses import ChoiceState, ResponseHeader, sse_event, usage
@@ -43,14 +43,13 @@ async def open_choices(streams: list[RequestStream], tenancy: Tenancy, prompt_pa
         for s in streams:
             s.cancel()
         message = str(e)
-        code = "context_length_exceeded" if "max_model_len" in message else "invalid_value"
         # chat: the prompt is the rendered messages
         param = prompt_param if e.param == "prompt" else e.param
         if param == "structured_outputs" and constraint_param is not None:
             param = constraint_param
             if constraint_param != "structured_outputs":
                 message = f"{constraint_param}: {message}"
-        raise APIError(400, message, param=param, code=code) from None
+        raise invalid_request(message, param) from None
     except BaseException:
         for s in streams:
             s.cancel()

@@ -72,6 +72,13 @@ def as_api_error(e: Exception) -> APIError:
     return internal_error(e)
 
 
+def invalid_request(message: str, param: str | None) -> APIError:
+    """A request the engine's validation refused (scheduling/validation.py), as OpenAI answers it: a prompt
+    too long for the context is context_length_exceeded."""
+    return APIError(400, message, param=param,
+                    code="context_length_exceeded" if "max_model_len" in message else "invalid_value")
+
+
 def internal_error(e: BaseException) -> APIError:
     """A 500 naming only the request id; the log has the exception under that id."""
     rid = request_id.get()

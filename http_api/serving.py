@@ -28,7 +28,7 @@ from http_api.choices import (
     sse_stream,
 )
 from http_api.console_stats import ConsoleStats, console_stats
-from http_api.errors import APIError, shown
+from http_api.errors import APIError, invalid_request, shown
 from http_api.fill_in_middle import fim_prompt
 from http_api.limits import ANONYMOUS, Caller, Tenancy, release_after
 from http_api.protocol import (
@@ -308,9 +308,7 @@ class OpenAIServing:
             pooling = self.tenancy.config.pooling
             prompt_ids, vectors = await self.deployment.embed(inputs, pooling, adapter, salt)
         except InvalidRequest as e:
-            raise APIError(400, str(e), param="input" if e.param == "prompt" else e.param,
-                           code="context_length_exceeded" if "max_model_len" in str(e) else "invalid_value"
-                           ) from None
+            raise invalid_request(str(e), "input" if e.param == "prompt" else e.param) from None
         for ids in prompt_ids:
             self.tenancy.check_prompt(len(ids), "input")
         vectors = np.asarray(vectors, "<f4")

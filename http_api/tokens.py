@@ -3,7 +3,7 @@ the /tokenize and /detokenize bodies (vLLM's shapes). `info` is Deployment.model
 
 from cluster_configs.errors import InvalidRequest
 from http_api.chat_template import ChatTemplate
-from http_api.errors import APIError
+from http_api.errors import APIError, invalid_request
 from http_api.protocol import DetokenizeRequest, TokenizeRequest
 from http_api.responses import TokenTexts
 from scheduling.validation import RequestLimits, check_text_length
@@ -29,7 +29,7 @@ def chat_prompt_ids(info: dict, chat_template: ChatTemplate | None, model_name: 
         try:
             check_text_length(len(text), tokenizer.max_token_chars, limits, prompt_only=False)
         except InvalidRequest as e:
-            raise APIError(400, str(e), param="messages", code="context_length_exceeded") from None
+            raise invalid_request(str(e), "messages") from None
     return tokenizer.hf_tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
 
