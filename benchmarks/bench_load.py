@@ -46,12 +46,16 @@ def numaserve_sample(gguf: str, cache_dir: str) -> dict:
     imported = time.perf_counter()
     llm = ns.LLM(gguf, packed_cache_dir=cache_dir)
     loaded = time.perf_counter()
+    rss_loaded = resident_bytes()
     llm.generate([1], ns.SamplingParams(max_tokens=1, temperature=0))
+    first_token = time.perf_counter()
     stats = llm.engine.load_stats
     return {"import_s": imported - started, "load_s": loaded - imported,
-            "first_token_s": time.perf_counter() - loaded, "outcome": stats.outcome,
+            "first_token_s": first_token - loaded, "outcome": stats.outcome, "reason": stats.reason,
             "hash_s": stats.hash_seconds, "entry_bytes": stats.entry_bytes,
-            "threads": llm.engine.decisions.recent("threading")[0]["choice"]}
+            "threads": llm.engine.decisions.recent("threading")[0]["choice"],
+            "weight_bytes": llm.engine.model.weight_bytes, "rss_loaded_bytes": rss_loaded,
+            "rss_first_token_bytes": resident_bytes(), "peak_rss_bytes": peak_resident_bytes()}
 
 
 def llamacpp_sample(gguf: str, threads: int, use_mmap: bool) -> dict:
@@ -62,9 +66,23 @@ def llamacpp_sample(gguf: str, threads: int, use_mmap: bool) -> dict:
     llm = llama_cpp.Llama(gguf, n_ctx=N_CTX, n_threads=threads, n_threads_batch=threads, use_mmap=use_mmap,
                           verbose=False)
     loaded = time.perf_counter()
+    rss_loaded = resident_bytes()
     llm.eval([llm.token_bos()])
     return {"import_s": imported - started, "load_s": loaded - imported,
-            "first_token_s": time.perf_counter() - loaded}
+            "first_token_s": time.perf_counter() - loaded, "rss_loaded_bytes": rss_loaded,
+            "rss_first_token_bytes": resident_bytes(), "peak_rss_bytes": peak_resident_bytes()}
+
+
+def resident_bytes() -> int:
+    """This process's resident memory now: its own pages and the file pages it maps (a mapped weight counts
+    once it was touched)."""
+    import psutil
+    return psutil.Process().memory_info().rss
+
+
+def peak_resident_bytes() -> int:
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 # ---- the benchmark -----------------------------------------------------------------------------------------
@@ -175,9 +193,16 @@ def main() -> None:
         if any(s["outcome"] != outcome for s in samples[name]):
             raise RuntimeError(f"{name}: outcomes {[s['outcome'] for s in samples[name]]}, expected "
                                f"{outcome}")
-    timed = ("import_s", "load_s", "first_token_s")
+    timed = ("import_s", "load_s", "first_token_s", "rss_loaded_bytes", "rss_first_token_bytes",
+             "peak_rss_bytes")
     medians = {name: {k: statistics.median(s[k] for s in got) for k in timed}
                for name, got in samples.items()}
+    weight_bytes = samples["numaserve warm"][0]["weight_bytes"]
+    warm, cold = medians["numaserve warm"], medians["numaserve cold"]
+    memory = {"weight_bytes": weight_bytes,  # numaserve's resident memory over its weights' bytes
+              "warm_resident_after_first_token": warm["rss_first_token_bytes"] / weight_bytes,
+              "warm_peak": warm["peak_rss_bytes"] / weight_bytes,
+              "cold_peak (building the entry)": cold["peak_rss_bytes"] / weight_bytes}
     ratios, to_first = {}, {}  # numaserve's over llama.cpp's: load; load and first token
     for name in expected:
         for ref in ("llama.cpp", "llama.cpp no mmap"):
@@ -194,7 +219,8 @@ def main() -> None:
             "llamacpp_settings": "llama_cpp.Llama(gguf, n_ctx=256, n_threads=n_threads_batch=threads, "
                                  "verbose=False), defaults otherwise (mmap on); 'no mmap': use_mmap=False"}
     results = {"meta": meta, "medians": medians, "ratios": ratios, "load_and_first_token_ratios": to_first,
-               "warm_within_2x_llamacpp": ratios["numaserve warm / llama.cpp"] <= 2.0, "samples": samples}
+               "warm_within_2x_llamacpp": to_first["numaserve warm / llama.cpp"] <= 2.0,
+               "memory_over_weights": memory, "samples": samples}
     print(json.dumps({k: v for k, v in results.items() if k not in ("samples", "meta")}, indent=1))
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=1))

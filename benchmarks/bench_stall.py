@@ -1,13 +1,15 @@
 """Do running streams stall while a long prompt prefills, or while a 5 MB body is refused?
 
     python -m benchmarks.bench_stall [--repeats 3] [--idle-s 5] [--prompt-len 4096] [--target-step-ms MS]
+                                     [--max-prefill-stretch S]
                                      [--phases prefill,refusal_text,refusal_token_ids]
 
 The TinyLlama-1.1B-shaped random checkpoint with a word tokenizer (benchmarks/checkpoints.py), q8_0 weights,
 max_model_len 8192 (the shape's 2048 positions would refuse a 4,096-token prompt; random weights do not care),
 served as bench_http serves it: one worker on every core, its router and HTTP server on the same cores, driven
 over loopback by the `openai` AsyncOpenAI client in this process. The deployment keeps its own batching policy
-(target_step_ms its default unless --target-step-ms), as a user gets it.
+(target_step_ms its default unless --target-step-ms), as a user gets it; --max-prefill-stretch paces prompt
+chunks beside decodes (scheduling/prefill_pacing.py).
 
 Each repeat opens 8 streamed completions (16 random prompt tokens each, ignore_eos, stream_interval_ms 0 so a
 chunk is an engine step, max_tokens past the repeat's end; closed, and so aborted, when it ends) and, once
@@ -277,6 +279,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="phases after idle, comma-separated (a quick look: --phases refusal_text)")
     parser.add_argument("--target-step-ms", type=float, default=None,
                         help="the deployment's target_step_ms (default: ClusterConfig's)")
+    parser.add_argument("--max-prefill-stretch", type=float, default=None,
+                        help="the engine's max_prefill_stretch (default: EngineConfig's, no pacing)")
     parser.add_argument("--out", default=str(RESULTS / "stall.json"),
                         help="JSON to write (and the PNG beside it)")
     args = parser.parse_args(argv)
@@ -290,8 +294,10 @@ def main(argv: list[str] | None = None) -> None:
     load_before = os.getloadavg()
     registry = tempfile.TemporaryDirectory(prefix="bench-stall-")
     extra = {} if args.target_step_ms is None else {"target_step_ms": args.target_step_ms}
+    engine = ENGINE | ({} if args.max_prefill_stretch is None
+                       else {"max_prefill_stretch": args.max_prefill_stretch})
     config = ns.ClusterConfig(
-        model=model, engine=ENGINE, machines=[{"name": "stall", "numa_nodes": [{"id": 0, "cpus": cores}]}],
+        model=model, engine=engine, machines=[{"name": "stall", "numa_nodes": [{"id": 0, "cpus": cores}]}],
         stream_interval_ms=0, adapter_registry=str(Path(registry.name) / "adapters.json"),
         http={"port": free_port(), "served_model_name": SERVED_NAME}, **extra)
     ray.init(num_cpus=len(cores), resources=config.ray_resources("stall"), include_dashboard=False,
@@ -311,7 +317,7 @@ def main(argv: list[str] | None = None) -> None:
         client.shutdown()
         ray.shutdown()
     results = {"meta": {"command": "python -m benchmarks.bench_stall " + " ".join(argv or []),
-                        "model": f"{MODEL} (random weights, word tokenizer)", "engine": ENGINE,
+                        "model": f"{MODEL} (random weights, word tokenizer)", "engine": engine,
                         "target_step_ms": config.target_step_ms, "num_streams": NUM_STREAMS,
                         "stream_prompt_len": STREAM_PROMPT_LEN, "prompt_len": args.prompt_len,
                         "idle_s": args.idle_s, "body": f"/v1/completions, prompt a {BODY_CHARS}-character "

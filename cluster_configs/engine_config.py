@@ -32,7 +32,10 @@ class EngineConfig(BaseModel):
                                                   "calibrate MODEL --imatrix OUT` or llama-imatrix) that "
                                                   "weight_dtype's 4- to 6-bit formats are quantized with, as "
                                                   "llama-quantize --imatrix; None = without")
-    kv_dtype: KVDtype = Field("auto", description='KV cache storage; "auto" = bfloat16; "fp8_e4m3" / '
+    kv_dtype: KVDtype = Field("auto", description='KV cache storage; "auto" = int8 (every attention kernel '
+                                                  "reads it; +0.008% perplexity against bfloat16 KV at 1k "
+                                                  "tokens, benchmarks/results/kv_quality.json, and half its "
+                                                  'bytes); "float32" / "bfloat16"; "fp8_e4m3" / '
                                                   '"fp8_e5m2" / "int8" / "int4": one float32 scale per '
                                                   '(token, kv head); "*_hadamard": heads rotated by a '
                                                   "Hadamard transform before rounding (head_dim a power "
@@ -45,6 +48,11 @@ class EngineConfig(BaseModel):
     kv_cache_bytes: int = Field(1 << 30, gt=0, description="KV cache size, an upper bound: never more than "
                                                           "max_num_seqs full contexts")
     max_num_batched_tokens: int = Field(512, ge=1, description="token budget of one step")
+    max_prefill_stretch: float | None = Field(
+        None, ge=1.0, description="while requests decode, a step's prompt tokens are as many as keep it "
+                                  "within this times a decode-only step, from measured costs (scheduling/"
+                                  "prefill_pacing.py): a long prompt arriving slows running streams by at "
+                                  "most this much, and prompts take longer; None = the token budget alone")
     max_num_seqs: int = Field(64, ge=1, description="requests in one step's batch at most")
     max_model_len: int | None = Field(None, ge=1, description="prompt + output tokens at most; None = the "
                                                               "model's max_position_embeddings")
@@ -145,4 +153,4 @@ class EngineConfig(BaseModel):
 
     @property
     def resolved_kv_dtype(self) -> str:
-        return "bfloat16" if self.kv_dtype == "auto" else self.kv_dtype
+        return "int8" if self.kv_dtype == "auto" else self.kv_dtype

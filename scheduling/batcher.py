@@ -6,7 +6,9 @@ prefills), then waiting ones in that order. When blocks run out, the last runnin
 is preempted: its blocks are freed and it is recomputed later. Under "priority" a waiting request that
 finds no room (no free blocks, or max_num_seqs running) also preempts running requests of a lower
 priority (a higher number), last first, as vLLM's priority preemption does. Draft tokens come last
-(`add_drafts`), into what budget and free blocks are left: drafts never preempt anyone.
+(`add_drafts`), into what budget and free blocks are left: drafts never preempt anyone. While requests
+decode, the prompt tokens of a step (chunks of running prefills, admissions) are bounded by the pacer
+(scheduling/prefill_pacing.py) too.
 """
 
 import bisect
@@ -17,14 +19,21 @@ from cluster_configs.engine_config import EngineConfig
 from models.proposers.token_tree import TokenTree
 from scheduling.kv_cache_manager import KVCacheManager
 from scheduling.plan import ScheduledRequest, StepPlan
+from scheduling.prefill_pacing import PrefillPacer
 from scheduling.request import Request, RequestStatus
 from scheduling.sessions import SequenceStore
 
 
+def decodes(req: Request) -> bool:
+    """Whether a running request computes only its last token next (ScheduledRequest.is_decoding)."""
+    return not req.prompt_only and req.num_computed_tokens + 1 == req.num_tokens
+
+
 class Batcher:
     def __init__(self, config: EngineConfig, kv: KVCacheManager, sessions: SequenceStore,
-                 decisions: DecisionLog | None = None):
+                 decisions: DecisionLog | None = None, pacer: PrefillPacer | None = None):
         self.token_budget = config.max_num_batched_tokens
+        self.pacer = pacer or PrefillPacer(config.max_prefill_stretch)
         self.max_num_seqs = config.max_num_seqs
         self.max_loras = config.max_loras
         self.kv = kv
@@ -57,10 +66,17 @@ class Batcher:
         preempted: list[Request] = []
         budget = self.token_budget
         self.running.sort(key=self.sort_key)
+        prompt_left = self.pacer.prompt_tokens(sum(map(decodes, self.running)))  # None: no bound
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            paced = prompt_left is not None and not decodes(req)
+            if paced:
+                num_new = min(num_new, prompt_left)
+                if num_new == 0:  # its next chunk waits for a step with room
+                    i += 1
+                    continue
             while not self.kv.allocate_slots(req, num_new):
                 victim = self.running.pop()  # last in order: never already scheduled
                 self._preempt(victim, preempted, f"no free KV block for {num_new} more tokens of "
@@ -70,13 +86,15 @@ class Batcher:
             else:
                 scheduled.append(ScheduledRequest(req, num_new))
                 budget -= num_new
+                if paced:
+                    prompt_left -= num_new
                 i += 1
         adapters = {r.adapter_id for r in self.running} - {None}
         num_lookup = num_hit = 0
         short_of_blocks = bool(preempted)
         self.kv.finish_disk_loads()
         w = 0  # the first waiting request not skipped: those reading their prefix from disk wait, others pass
-        while w < len(self.waiting) and budget > 0:
+        while w < len(self.waiting) and budget > 0 and prompt_left != 0:
             req = self.waiting[w]
             if self.kv.is_loading(req):
                 w += 1
@@ -92,7 +110,8 @@ class Batcher:
                 w += 1
                 continue
             cached = self.kv.find_cached_prefix(req)
-            num_new = min(req.num_tokens - req.num_computed_tokens - len(cached) * self.kv.block_size, budget)
+            num_new = min(req.num_tokens - req.num_computed_tokens - len(cached) * self.kv.block_size, budget,
+                          budget if prompt_left is None else prompt_left)
             if len(self.running) >= self.max_num_seqs or not self.kv.allocate_slots(req, num_new, cached):
                 self.sessions.suspend(req)
                 if not self._preempt_for(req, scheduled, preempted):
@@ -109,6 +128,8 @@ class Batcher:
                 adapters.add(req.adapter_id)
             scheduled.append(ScheduledRequest(req, num_new))
             budget -= num_new
+            if prompt_left is not None:
+                prompt_left -= num_new
         return StepPlan(tuple(scheduled), tuple(preempted), budget, num_lookup, num_hit)
 
     def with_drafts(self, plan: StepPlan, drafts: dict[int, TokenTree], method: str) -> StepPlan:

@@ -245,6 +245,7 @@ class Engine:
                                               self.spec.eos_token_ids))
         processed = clock.lap("process", self.scheduler.update_from_output(plan, out))
         stats = self._record(plan, out, processed, clock, masks)
+        self.scheduler.observe(plan, stats.seconds.total)
         self.speculation.observe(plan, run, out, stats)
         self._forget_unused()
         return StepOutput(expired + processed.outputs, stats)

@@ -93,6 +93,11 @@ class Scheduler:
             self._release(req)
         return processed
 
+    def observe(self, plan: StepPlan, seconds: float) -> None:
+        """A step's wall time, for the pacing of prompt chunks beside decodes."""
+        num_decode = sum(s.num_new_tokens for s in plan.scheduled if s.is_decoding)
+        self.batcher.pacer.observe(num_decode, plan.num_tokens - num_decode, seconds)
+
     def apply(self, policy: Policy) -> None:
         """A Policy's batch limits, in force from the next step."""
         self.batcher.token_budget, self.batcher.max_num_seqs = policy.token_budget, policy.max_num_seqs

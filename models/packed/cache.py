@@ -28,8 +28,9 @@ from models.quantization.calibration import Calibration, calibration_path
 # loaders' fusing and row orders) must bump it when the bytes it produces change: entries of another
 # version are then never used. 2: a GGUF's F16 tensors load as float16, no longer as bfloat16. 3: the K-quant
 # containers moved to memory/block_matrices.py (an entry names its classes by module). 4: the model and kernel
-# modules moved into subpackages (models/moe/, models/lora/, ...), which renamed classes' modules.
-LAYOUT_VERSION = 4
+# modules moved into subpackages (models/moe/, models/lora/, ...), which renamed classes' modules. 5: an
+# entry's blob starts 16 bytes past a page (models/packed/file.py maps it).
+LAYOUT_VERSION = 5
 ENTRY_SUFFIX = ".packed"
 _HASH_BYTES = 64 << 20
 _STALE_TEMP_SECONDS = 3600  # a temp file untouched this long belongs to a writer that died

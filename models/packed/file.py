@@ -1,7 +1,8 @@
 """One packed-cache entry on disk: a header, a JSON manifest, then every array's bytes (the blob).
 
-    MAGIC [8] | manifest bytes [u64] | manifest checksum [u64] | manifest (JSON, UTF-8) | zeros to 4096 |
-    blob: each array at a 64-byte aligned offset, zeros between
+    MAGIC [8] | manifest bytes [u64] | manifest checksum [u64] | manifest (JSON, UTF-8) |
+    zeros to a multiple of 4096, then STREAM_OFFSET (16) more | blob: each array at a 64-byte aligned offset
+    from its start, zeros between
 
 The manifest says, for each array, its dtype, shape, offset in the blob, bytes and checksum
 (kernels/checksum.py), and carries the caller's fields (the key, the object tree). Manifest and blob share
@@ -10,12 +11,18 @@ describe another build's blob. JSON rather than msgpack: a model's manifest (mos
 a string) parses in a small fraction of its blob's read, and stays readable with `head -c`; msgpack would not
 earn its dependency.
 
-Reading is one sequential pass into one buffer of process memory, then zero-copy views of it (no long-lived
-mmap: the VM reclaims idle file pages; see models/gguf_reader.read_gguf). Every array's checksum is verified
-(a small fraction of the read); a bad magic, manifest, size or checksum raises CorruptEntry saying which.
+Reading maps the file (mapped=True): the arrays are views of a private mapping of it, so a load copies
+nothing and the weights' pages are the page cache's, faulted in by a second thread while the first parses
+the manifest (numba starts there); a write to an array copies only its page, never reaches the file. Or it is
+one sequential pass into one buffer of process memory, then views of that (mapped=False: where several NUMA
+nodes each want their own copy, which one page cache cannot give). Either way every array's checksum is
+verified (a small fraction of the read); a bad magic, manifest, size or checksum raises CorruptEntry saying
+which. The blob starts STREAM_OFFSET bytes past a page, so that in a mapping, as in the buffer, every array
+starts where kernels/placement.py places weight streams.
 """
 
 import json
+import mmap
 import os
 import struct
 import uuid
@@ -26,11 +33,12 @@ from pathlib import Path
 import numpy as np
 
 from kernels.checksum import weighted_sum
-from kernels.placement import stream_empty
+from kernels.placement import STREAM_OFFSET, stream_empty
 
 MAGIC = b"NSPACK\x00\x01"
 _HEADER = struct.Struct("<8sQQ")
-_BLOB_ALIGN = 4096  # the blob starts on a page
+_BLOB_ALIGN = 4096  # the blob starts STREAM_OFFSET bytes past a page
+_PAGE = 4096
 _ARRAY_ALIGN = 64  # each array at a whole number of cache lines from the blob's start, the blob in memory
 # where kernels/placement.py puts weight streams: every array lands there
 _READ_BYTES = 1 << 30  # per read call (Linux caps one below 2 GiB); short reads are retried
@@ -67,7 +75,7 @@ def write_entry(path: Path, fields: dict, arrays: list[np.ndarray]) -> int:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
     try:
         with open(tmp, "wb") as f:
-            f.write(head + bytes(_aligned(len(head), _BLOB_ALIGN) - len(head)))
+            f.write(head + bytes(_blob_start(len(head)) - len(head)))
             for a, o, d in zip(arrays, offsets, described):
                 f.write(memoryview(a.reshape(-1).view(np.uint8)))
                 f.write(bytes(_aligned(o + d["nbytes"], _ARRAY_ALIGN) - o - d["nbytes"]))
@@ -79,37 +87,42 @@ def write_entry(path: Path, fields: dict, arrays: list[np.ndarray]) -> int:
     return size
 
 
-def read_entry(path: Path, meanwhile: Callable[[dict], None] | None = None) -> tuple[dict, list[np.ndarray]]:
-    """-> (the fields written, the arrays): views of one buffer the file was read into, checksums verified.
-    meanwhile(fields), if given, runs on this thread while a second one reads the blob. Raises CorruptEntry,
-    or OSError (FileNotFoundError: no entry).
+def read_entry(path: Path, meanwhile: Callable[[dict], None] | None = None,
+               mapped: bool = True) -> tuple[dict, list[np.ndarray]]:
+    """-> (the fields written, the arrays): views of a mapping of the file, or of one buffer it was read into
+    (mapped=False), checksums verified. meanwhile(fields), if given, runs on this thread while a second one
+    faults in or reads the blob. Raises CorruptEntry, or OSError (FileNotFoundError: no entry).
 
-    The blob's read starts as soon as the header gives its place, in a thread of its own (the read releases
-    the GIL; it touches the buffer's pages from this process, so a pinned worker's land on its node); this
-    thread meanwhile verifies and parses the manifest, which is where numba first starts in a process (its
-    checksum kernel, and numba's own set-up with it), and runs meanwhile: a start waits for the longer of the
-    two, not their sum."""
+    The blob's mapping or read starts as soon as the header gives its place, in a thread of its own (faults
+    and reads release the GIL; its pages are touched from this process, so a pinned worker's land on its
+    node); this thread meanwhile verifies and parses the manifest, which is where numba first starts in a
+    process (its checksum kernel, and numba's own set-up with it), and runs meanwhile: a start waits for the
+    longer of the two, not their sum."""
     with open(path, "rb", buffering=0) as f, ThreadPoolExecutor(1) as reader:
         size = os.fstat(f.fileno()).st_size
         magic, manifest_bytes, manifest_sum = _HEADER.unpack(_read_exactly(f, _HEADER.size, path))
         if magic != MAGIC:
             raise CorruptEntry(f"{path}: not a packed-cache entry (magic {magic!r})")
-        blob_start = _aligned(_HEADER.size + manifest_bytes, _BLOB_ALIGN)
+        blob_start = _blob_start(_HEADER.size + manifest_bytes)
         if blob_start > size:
             raise CorruptEntry(f"{path}: truncated inside its manifest ({size} bytes)")
         raw = _read_exactly(f, manifest_bytes, path)
-        buf = _aligned_buffer(size - blob_start)
-        reading = reader.submit(_read_into, path, blob_start, buf)
+        blob_bytes = size - blob_start
+        if mapped:
+            reading = reader.submit(_map, f, blob_start, blob_bytes)
+        else:
+            reading = reader.submit(_read_into, path, blob_start, _aligned_buffer(blob_bytes))
         try:
             fields = _manifest(raw, manifest_sum, path)
-            if fields.pop("blob_bytes") != len(buf):
-                raise CorruptEntry(f"{path}: {size} bytes, its manifest describes {blob_start + len(buf)}")
+            if fields.pop("blob_bytes") != blob_bytes:
+                raise CorruptEntry(f"{path}: {size} bytes, its manifest describes {blob_start + blob_bytes}")
             if meanwhile is not None:
                 meanwhile(fields)
         finally:
             failed = reading.exception()  # waits for the read: the buffer is not handed on half-filled
         if failed is not None:
             raise failed
+        buf = reading.result()
     arrays = []
     for i, d in enumerate(fields.pop("arrays")):
         a = buf[d["offset"]:d["offset"] + d["nbytes"]].view(np.dtype(d["dtype"])).reshape(d["shape"])
@@ -125,7 +138,7 @@ def _manifest(raw: bytes, manifest_sum: int, path: Path) -> dict:
     return json.loads(raw)
 
 
-def _read_into(path: Path, offset: int, buf: np.ndarray) -> None:
+def _read_into(path: Path, offset: int, buf: np.ndarray) -> np.ndarray:
     # buf <- the file's bytes from offset, through a file of its own (no shared position with the caller's)
     with open(path, "rb", buffering=0) as f:
         f.seek(offset)
@@ -135,6 +148,18 @@ def _read_into(path: Path, offset: int, buf: np.ndarray) -> None:
             if not n:
                 raise CorruptEntry(f"{path}: ended {len(buf) - done} bytes short of its blob while read")
             done += n
+    return buf
+
+
+def _map(f, offset: int, nbytes: int) -> np.ndarray:
+    """uint8 [nbytes]: the file's bytes from offset, a private writable mapping (copy on write: numba's
+    kernels take writable arrays), every page faulted in: read once, a byte a page (numpy's loop releases
+    the GIL), so the pages are the page cache's own, not copies."""
+    mapping = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    mapping.madvise(mmap.MADV_WILLNEED)
+    buf = np.frombuffer(mapping, np.uint8, nbytes, offset)
+    np.bitwise_or.reduce(buf[::_PAGE])
+    return buf
 
 
 def _read_exactly(f, n: int, path: Path) -> bytes:
@@ -142,6 +167,10 @@ def _read_exactly(f, n: int, path: Path) -> bytes:
     if len(data) != n:
         raise CorruptEntry(f"{path}: truncated ({len(data)} of {n} bytes of its header read)")
     return data
+
+
+def _blob_start(head_bytes: int) -> int:
+    return _aligned(head_bytes, _BLOB_ALIGN) + STREAM_OFFSET
 
 
 def _aligned(n: int, align: int) -> int:

@@ -1,13 +1,14 @@
 """An engine's model: loaded (models/loader.py) and its matrices planned for their activations
 (models/quantization/activation_plan.py), through the packed cache (models/packed/cache.py) when it is on.
 
-A hit reads the planned weights, the spec and the tokenizer back from one entry and replays the decisions
-planning recorded; nothing is loaded or repacked. A miss loads, plans, and writes an entry. Whatever goes
-wrong with the cache (an unwritable or full directory, a stale or corrupt entry, something it cannot store)
-costs the cache, never the load: the outcome and its reason go to the decision log (topic "packed_cache";
-a rebuild or a failure also as a warning) and to the LoadStats an engine keeps.
+A hit maps (maps_entries) or reads the planned weights, the spec and the tokenizer back from one entry and
+replays the decisions planning recorded; nothing is loaded or repacked. A miss loads, plans, and writes an
+entry. Whatever goes wrong with the cache (an unwritable or full directory, a stale or corrupt entry,
+something it cannot store) costs the cache, never the load: the outcome and its reason go to the decision log
+(topic "packed_cache"; a rebuild or a failure also as a warning) and to the LoadStats an engine keeps.
 """
 
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +18,7 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from cluster_configs.diagnostics import DecisionLog
 from cluster_configs.engine_config import EngineConfig
+from memory.numa import read_topology
 from memory.weights import ModelWeights
 from models.loader import load_model
 from models.model_spec import ModelSpec
@@ -83,7 +85,8 @@ def load_planned(model_path: str | Path, config: EngineConfig, decisions: Decisi
         outcome, problem = "rebuilt", f"{type(e).__name__}: {e}"
     else:
         cache.touch(entry)
-        return _done(spec, weights, tokenizer, decisions, "hit", f"read {entry}", started, hash_seconds,
+        how = "mapped" if maps_entries() else "read"
+        return _done(spec, weights, tokenizer, decisions, "hit", f"{how} {entry}", started, hash_seconds,
                      entry, size)
     spec, weights, tokenizer, recorded = _load(model_path, config, decisions, calibration, shard)
     try:
@@ -123,7 +126,7 @@ def _read(entry: Path, key: dict,
     def meanwhile(fields: dict) -> None:  # while the blob is read: the tokenizer from its tokenizer.json
         built["tokenizer"] = _tokenizer(fields["tokenizer"])
 
-    fields, arrays = read_entry(entry, meanwhile)
+    fields, arrays = read_entry(entry, meanwhile, mapped=maps_entries())
     if fields["key"] != key:
         raise CorruptEntry(f"{entry}: its manifest's key is another model's")
     tree = unflatten(fields["tree"], arrays)
@@ -132,6 +135,13 @@ def _read(entry: Path, key: dict,
     for topic, choice, why, subject, warn in replayed:
         decisions.record(topic, choice, why, subject, warn=warn)
     return tree["spec"], tree["weights"], built["tokenizer"], sum(a.nbytes for a in arrays)
+
+
+def maps_entries() -> bool:
+    """Whether a hit maps its entry (zero-copy) rather than reading it: on a machine of one NUMA node. On
+    several, each node's workers want their weights next to their cores, and a mapping would share the page
+    cache's one copy, wherever its pages first landed."""
+    return len(read_topology(allowed=list(range(os.cpu_count() or 1)))) <= 1
 
 
 def _keyed_cache(model_path: Path, config: EngineConfig, calibration: Calibration | None,

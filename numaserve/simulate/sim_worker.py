@@ -119,6 +119,7 @@ class SimWorker:
         """The step's outputs, its state moved on as Engine.step moves it."""
         out = self.sampler.sample(plan)
         processed = self.scheduler.update_from_output(plan, out)
+        self.scheduler.observe(plan, seconds)
         if isinstance(self.speculation, Speculator):
             draft_seconds = self._draft_seconds()
             self.speculation.record(plan, out, seconds - draft_seconds, draft_seconds,

@@ -149,15 +149,18 @@ def before_routing_differs(a: ns.LLM, b: ns.LLM) -> slice:
 KV_BOUNDS = {"bfloat16": (0.05, 0.0083), "int8": (0.167, 0.025)}
 
 
-@pytest.mark.parametrize("kv_dtype", KV_BOUNDS)
+@pytest.mark.parametrize("kv_dtype", [*KV_BOUNDS, "auto"])
 @pytest.mark.parametrize("variant", WITH_MOE)
 def test_low_precision_kv_stays_close_to_float32(variant, kv_dtype, engines):
+    """"auto" is the serving default: int8, held to int8's bounds."""
     tokens = random_prompt(120, seed=61)
     reference = engines(variant, weight_dtype="float32")
     exact = reference.score(tokens)
     low = engines(variant, weight_dtype="float32", kv_dtype=kv_dtype)
+    stored = low.config.resolved_kv_dtype
+    assert stored == ("int8" if kv_dtype == "auto" else kv_dtype)
     max_err, mean_err = relative_errors(low.score(tokens), exact, before_routing_differs(low, reference))
-    bound_max, bound_mean = (b * logit_scale(low) for b in KV_BOUNDS[kv_dtype])
+    bound_max, bound_mean = (b * logit_scale(low) for b in KV_BOUNDS[stored])
     assert 0 < max_err < bound_max and mean_err < bound_mean, (max_err, mean_err)
 
 

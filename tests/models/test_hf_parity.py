@@ -50,6 +50,20 @@ def test_greedy_generate_matches_hf_token_for_token(variant, model_dirs, hf_mode
         assert out.finish_reason == "length"
 
 
+@pytest.mark.parametrize("variant", [v for v in VARIANTS if v not in ("qwen3_moe", "mixtral")])
+def test_default_kv_int8_stays_within_its_bound_of_hf(variant, model_dirs, hf_models):
+    # the default kv_dtype ("auto") stores int8 codes with a float32 scale per row: each cached key and value
+    # moves by at most half a step of max|row| / 127, so the logits stay within int8's bounds of
+    # tests/models/test_architectures.py (units of the logits' std); a dense family: no router to tip
+    from tests.models.test_architectures import KV_BOUNDS, logit_scale, relative_errors
+    llm = ns.LLM(model_dirs[variant], weight_dtype="float32")
+    assert llm.config.kv_dtype == "auto" and llm.config.resolved_kv_dtype == "int8"
+    tokens = random_prompt(90, seed=1)
+    max_err, mean_err = relative_errors(llm.score(tokens), hf_logits(hf_models[variant], tokens))
+    bound_max, bound_mean = (b * logit_scale(llm) for b in KV_BOUNDS["int8"])
+    assert 0 < max_err < bound_max and mean_err < bound_mean, (max_err, mean_err)
+
+
 def test_score_with_chunked_prefill_matches_one_pass(llama_dir):
     tokens = random_prompt(100, seed=5)
     whole = ns.LLM(llama_dir, weight_dtype="float32", kv_dtype="float32").score(tokens)

@@ -204,7 +204,7 @@ def _manifest(entry: Path) -> tuple[int, int, dict]:
     data = entry.read_bytes()
     magic, size, _ = struct.unpack("<8sQQ", data[:24])
     assert magic == b"NSPACK\x00\x01"
-    return 24, -(-(24 + size) // 4096) * 4096, json.loads(data[24:24 + size])
+    return 24, -(-(24 + size) // 4096) * 4096 + 16, json.loads(data[24:24 + size])
 
 
 def _flip(entry: Path, offset: int) -> None:
