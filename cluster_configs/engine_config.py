@@ -33,9 +33,9 @@ class EngineConfig(BaseModel):
                                                   "weight_dtype's 4- to 6-bit formats are quantized with, as "
                                                   "llama-quantize --imatrix; None = without")
     kv_dtype: KVDtype = Field("auto", description='KV cache storage; "auto" = int8 (every attention kernel '
-                                                  "reads it; +0.008% perplexity against bfloat16 KV at 1k "
-                                                  "tokens, benchmarks/results/kv_quality.json, and half its "
-                                                  'bytes); "float32" / "bfloat16"; "fp8_e4m3" / '
+                                                  "reads it; perplexity within 0.01 percent of bfloat16 "
+                                                  "KV's at 1k tokens, benchmarks/results/kv_quality.json, "
+                                                  'and half its bytes); "float32" / "bfloat16"; "fp8_e4m3" / '
                                                   '"fp8_e5m2" / "int8" / "int4": one float32 scale per '
                                                   '(token, kv head); "*_hadamard": heads rotated by a '
                                                   "Hadamard transform before rounding (head_dim a power "

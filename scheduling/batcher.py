@@ -64,37 +64,13 @@ class Batcher:
     def schedule(self) -> StepPlan:
         scheduled: list[ScheduledRequest] = []
         preempted: list[Request] = []
-        budget = self.token_budget
-        self.running.sort(key=self.sort_key)
-        prompt_left = self.pacer.prompt_tokens(sum(map(decodes, self.running)))  # None: no bound
-        i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            paced = prompt_left is not None and not decodes(req)
-            if paced:
-                num_new = min(num_new, prompt_left)
-                if num_new == 0:  # its next chunk waits for a step with room
-                    i += 1
-                    continue
-            while not self.kv.allocate_slots(req, num_new):
-                victim = self.running.pop()  # last in order: never already scheduled
-                self._preempt(victim, preempted, f"no free KV block for {num_new} more tokens of "
-                              + ("its own" if victim is req else req.request_id))
-                if victim is req:
-                    break
-            else:
-                scheduled.append(ScheduledRequest(req, num_new))
-                budget -= num_new
-                if paced:
-                    prompt_left -= num_new
-                i += 1
+        budget, prompt_left = self._schedule_running(scheduled, preempted)
         adapters = {r.adapter_id for r in self.running} - {None}
         num_lookup = num_hit = 0
         short_of_blocks = bool(preempted)
         self.kv.finish_disk_loads()
         w = 0  # the first waiting request not skipped: those reading their prefix from disk wait, others pass
-        while w < len(self.waiting) and budget > 0 and prompt_left != 0:
+        while w < len(self.waiting) and budget > 0 and prompt_left > 0:
             req = self.waiting[w]
             if self.kv.is_loading(req):
                 w += 1
@@ -111,7 +87,7 @@ class Batcher:
                 continue
             cached = self.kv.find_cached_prefix(req)
             num_new = min(req.num_tokens - req.num_computed_tokens - len(cached) * self.kv.block_size, budget,
-                          budget if prompt_left is None else prompt_left)
+                          prompt_left)
             if len(self.running) >= self.max_num_seqs or not self.kv.allocate_slots(req, num_new, cached):
                 self.sessions.suspend(req)
                 if not self._preempt_for(req, scheduled, preempted):
@@ -128,9 +104,38 @@ class Batcher:
                 adapters.add(req.adapter_id)
             scheduled.append(ScheduledRequest(req, num_new))
             budget -= num_new
-            if prompt_left is not None:
-                prompt_left -= num_new
+            prompt_left -= num_new
         return StepPlan(tuple(scheduled), tuple(preempted), budget, num_lookup, num_hit)
+
+    def _schedule_running(self, scheduled: list[ScheduledRequest],
+                          preempted: list[Request]) -> tuple[int, int]:
+        """The running requests' next tokens, in order (a decode token, or a prefill's next chunk within the
+        prompt tokens the pacer leaves), preempting the last in order when blocks run out -> (token budget
+        left, prompt tokens left)."""
+        budget = self.token_budget
+        self.running.sort(key=self.sort_key)
+        paced = self.pacer.prompt_tokens(sum(map(decodes, self.running)))
+        prompt_left = budget if paced is None else paced
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            chunk = not decodes(req)
+            if chunk and prompt_left == 0:  # its next chunk waits for a step with room
+                i += 1
+                continue
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget, prompt_left if chunk else budget)
+            while not self.kv.allocate_slots(req, num_new):
+                victim = self.running.pop()  # last in order: never already scheduled
+                self._preempt(victim, preempted, f"no free KV block for {num_new} more tokens of "
+                              + ("its own" if victim is req else req.request_id))
+                if victim is req:
+                    break
+            else:
+                scheduled.append(ScheduledRequest(req, num_new))
+                budget -= num_new
+                prompt_left -= num_new if chunk else 0
+                i += 1
+        return budget, prompt_left
 
     def with_drafts(self, plan: StepPlan, drafts: dict[int, TokenTree], method: str) -> StepPlan:
         """plan with drafts after the last token of plan.scheduled[i] for each i in drafts, in order, where

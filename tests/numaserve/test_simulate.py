@@ -237,7 +237,8 @@ def test_a_tensor_parallel_group_divides_a_nodes_step_but_its_fixed_cost_and_add
 
 
 def test_a_tensor_parallel_workers_pool_holds_its_heads_so_as_many_more_tokens():
-    engine = EngineConfig(max_model_len=2048, kv_cache_bytes=64 << 20, max_num_seqs=4096)
+    # bfloat16 KV: a token's bytes halve exactly with the heads (int8's would too, the pool's floor not)
+    engine = EngineConfig(max_model_len=2048, kv_cache_bytes=64 << 20, max_num_seqs=4096, kv_dtype="bfloat16")
     blocks = [SimWorker("w", engine, TRUTH, SimProposer(0.5, 0, 0.0), 2048, n).scheduler.kv.pool.num_blocks
               for n in (1, 2, 4)]
     assert blocks[1] == 2 * blocks[0] and blocks[2] == 4 * blocks[0]
