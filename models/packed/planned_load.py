@@ -1,8 +1,8 @@
 """An engine's model: loaded (models/loader.py) and its matrices planned for their activations
 (models/quantization/activation_plan.py), through the packed cache (models/packed/cache.py) when it is on.
 
-A hit maps (maps_entries) or reads the planned weights, the spec and the tokenizer back from one entry and
-replays the decisions planning recorded; nothing is loaded or repacked. A miss loads, plans, and writes an
+A hit maps (map_packed_weights) or reads the planned weights, the spec and the tokenizer back from one entry
+and replays the decisions planning recorded; nothing is loaded or repacked. A miss loads, plans, and writes an
 entry. Whatever goes wrong with the cache (an unwritable or full directory, a stale or corrupt entry,
 something it cannot store) costs the cache, never the load: the outcome and its reason go to the decision log
 (topic "packed_cache"; a rebuild or a failure also as a warning) and to the LoadStats an engine keeps.
@@ -78,14 +78,14 @@ def load_planned(model_path: str | Path, config: EngineConfig, decisions: Decisi
         return _done(spec, weights, tokenizer, decisions, outcome, why_not, started, hash_seconds, None, 0)
     entry = cache.entry_path(key)
     try:
-        spec, weights, tokenizer, size = _read(entry, key, decisions)
+        spec, weights, tokenizer, size = _read(entry, key, decisions, maps_entries(config))
     except FileNotFoundError:
         outcome, problem = "built", "no entry yet"
     except _UNREADABLE as e:
         outcome, problem = "rebuilt", f"{type(e).__name__}: {e}"
     else:
         cache.touch(entry)
-        how = "mapped" if maps_entries() else "read"
+        how = "mapped" if maps_entries(config) else "read"
         return _done(spec, weights, tokenizer, decisions, "hit", f"{how} {entry}", started, hash_seconds,
                      entry, size)
     spec, weights, tokenizer, recorded = _load(model_path, config, decisions, calibration, shard)
@@ -117,8 +117,8 @@ def model_key(model_path: str | Path, config: EngineConfig, directory: str | Pat
     return key
 
 
-def _read(entry: Path, key: dict,
-          decisions: DecisionLog) -> tuple[ModelSpec, ModelWeights, Tokenizer | None, int]:
+def _read(entry: Path, key: dict, decisions: DecisionLog,
+          mapped: bool) -> tuple[ModelSpec, ModelWeights, Tokenizer | None, int]:
     """-> (spec, weights, tokenizer, bytes read) from the entry; planning's decisions replayed into decisions.
     Raises FileNotFoundError (no entry) or one of _UNREADABLE."""
     built = {}
@@ -126,7 +126,7 @@ def _read(entry: Path, key: dict,
     def meanwhile(fields: dict) -> None:  # while the blob is read: the tokenizer from its tokenizer.json
         built["tokenizer"] = _tokenizer(fields["tokenizer"])
 
-    fields, arrays = read_entry(entry, meanwhile, mapped=maps_entries())
+    fields, arrays = read_entry(entry, meanwhile, mapped)
     if fields["key"] != key:
         raise CorruptEntry(f"{entry}: its manifest's key is another model's")
     tree = unflatten(fields["tree"], arrays)
@@ -137,11 +137,11 @@ def _read(entry: Path, key: dict,
     return tree["spec"], tree["weights"], built["tokenizer"], sum(a.nbytes for a in arrays)
 
 
-def maps_entries() -> bool:
-    """Whether a hit maps its entry (zero-copy) rather than reading it: on a machine of one NUMA node. On
-    several, each node's workers want their weights next to their cores, and a mapping would share the page
-    cache's one copy, wherever its pages first landed."""
-    return len(read_topology(allowed=list(range(os.cpu_count() or 1)))) <= 1
+def maps_entries(config: EngineConfig) -> bool:
+    """Whether a hit maps its entry (zero-copy) rather than reading it: when config.map_packed_weights asks,
+    on a machine of one NUMA node. On several, each node's workers want their weights next to their cores,
+    and a mapping would share the page cache's one copy, wherever its pages first landed."""
+    return config.map_packed_weights and len(read_topology(allowed=list(range(os.cpu_count() or 1)))) <= 1
 
 
 def _keyed_cache(model_path: Path, config: EngineConfig, calibration: Calibration | None,

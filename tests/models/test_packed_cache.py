@@ -102,8 +102,9 @@ def test_a_second_load_hits_without_loading_or_repacking_and_serves_identical_lo
     first = load(path, tmp_path, **fields)
     assert outcome(first) == "built" and len(entries(tmp_path)) == 1
     no_loading_or_repacking(monkeypatch)
-    second = load(path, tmp_path, **fields)
+    second = load(path, tmp_path, **fields, map_packed_weights=True)  # zero-copy views of the entry's pages
     assert outcome(second) == "hit" and second.engine.load_stats.hit
+    assert second.engine.load_stats.reason.startswith("mapped")
     assert second.engine.load_stats.entry_bytes > 0 and second.engine.load_stats.hash_seconds == 0
     assert np.array_equal(first.score(PROMPT), second.score(PROMPT))
     assert first.generate(PROMPT, GREEDY)[0].token_ids == second.generate(PROMPT, GREEDY)[0].token_ids
@@ -114,7 +115,7 @@ def test_a_second_load_hits_without_loading_or_repacking_and_serves_identical_lo
     assert type(w2.layers[-1].qkv) is type(w1.layers[-1].qkv)
     assert w2.layers[-1].qkv.dtype == w1.layers[-1].qkv.dtype
     assert second.tokenizer.encode("the quick brown fox") == first.tokenizer.encode("the quick brown fox")
-    # built or read, the streams sit 16 bytes past a cache line (kernels/placement.py); float weights, and
+    # built or mapped, the streams sit 16 bytes past a cache line (kernels/placement.py); float weights, and
     # bfloat16 activations on a CPU without their kernel (float32 activations then), have no packed stream
     offsets = [{a.ctypes.data % 64 for a in stream_arrays(w)} for w in (w1, w2)]
     unpacked = case in ("tied float32", "float16") or (case == "bfloat16 activations"
@@ -240,18 +241,21 @@ def _damage(entry: Path, case: str, other: Path) -> None:
     ("array byte", "fails its checksum"), ("last array byte", "fails its checksum"),
     ("manifest byte", "manifest's checksum"), ("magic", "not a packed-cache entry"),
     ("another model's entry", "key is another model's"), ("missing", "no entry yet")])
-def test_a_damaged_entry_is_rebuilt_never_used(case, problem, llama_dir, tmp_path, caplog):
+@pytest.mark.parametrize("mapped", [False, True])
+def test_a_damaged_entry_is_rebuilt_never_used(case, problem, mapped, llama_dir, tmp_path, caplog):
     reference = load(llama_dir, None).score(PROMPT)
     other = Path(load(llama_dir, tmp_path, activation_dtype="float32").engine.load_stats.entry)
     entry = Path(load(llama_dir, tmp_path).engine.load_stats.entry)
     _damage(entry, case, other)
-    rebuilt = load(llama_dir, tmp_path)
+    rebuilt = load(llama_dir, tmp_path, map_packed_weights=mapped)
     stats = rebuilt.engine.load_stats
     assert stats.outcome == ("built" if case == "missing" else "rebuilt") and problem in stats.reason
     if case != "missing":
         assert "packed_cache" in caplog.text and problem in caplog.text  # a rebuild warns
     assert np.array_equal(rebuilt.score(PROMPT), reference)
-    assert outcome(load(llama_dir, tmp_path)) == "hit"  # the rebuilt entry is whole again
+    hit = load(llama_dir, tmp_path, map_packed_weights=mapped)  # the rebuilt entry is whole again
+    assert outcome(hit) == "hit" and hit.engine.load_stats.reason.startswith("mapped" if mapped else "read")
+    assert np.array_equal(hit.score(PROMPT), reference)
     assert not list(tmp_path.glob(".*.tmp"))
 
 
