@@ -11,14 +11,14 @@ describe another build's blob. JSON rather than msgpack: a model's manifest (mos
 a string) parses in a small fraction of its blob's read, and stays readable with `head -c`; msgpack would not
 earn its dependency.
 
-Reading maps the file (mapped=True): the arrays are views of a private mapping of it, so a load copies
-nothing and the weights' pages are the page cache's, faulted in by a second thread while the first parses
-the manifest (numba starts there); a write to an array copies only its page, never reaches the file. Or it is
-one sequential pass into one buffer of process memory, then views of that (mapped=False: where several NUMA
-nodes each want their own copy, which one page cache cannot give). Either way every array's checksum is
-verified (a small fraction of the read); a bad magic, manifest, size or checksum raises CorruptEntry saying
-which. The blob starts STREAM_OFFSET bytes past a page, so that in a mapping, as in the buffer, every array
-starts where kernels/placement.py places weight streams.
+Reading is one sequential pass into one buffer of process memory (huge pages: the kernels stream weights
+faster from them), then zero-copy views of it. Or it maps the file (mapped=True): the arrays are views of a
+private mapping of it, so a load copies nothing and the weights' pages are the page cache's (4 KB), faulted in
+by a second thread while the first parses the manifest (numba starts there); a write to an array copies only
+its page, never reaches the file. Either way every array's checksum is verified (a small fraction of the
+read); a bad magic, manifest, size or checksum raises CorruptEntry saying which. The blob starts STREAM_OFFSET
+bytes past a page, so that in a mapping, as in the buffer, every array starts where kernels/placement.py
+places weight streams.
 """
 
 import json
@@ -88,9 +88,9 @@ def write_entry(path: Path, fields: dict, arrays: list[np.ndarray]) -> int:
 
 
 def read_entry(path: Path, meanwhile: Callable[[dict], None] | None = None,
-               mapped: bool = True) -> tuple[dict, list[np.ndarray]]:
-    """-> (the fields written, the arrays): views of a mapping of the file, or of one buffer it was read into
-    (mapped=False), checksums verified. meanwhile(fields), if given, runs on this thread while a second one
+               mapped: bool = False) -> tuple[dict, list[np.ndarray]]:
+    """-> (the fields written, the arrays): views of one buffer the file was read into, or of a mapping of
+    it (mapped), checksums verified. meanwhile(fields), if given, runs on this thread while a second one
     faults in or reads the blob. Raises CorruptEntry, or OSError (FileNotFoundError: no entry).
 
     The blob's mapping or read starts as soon as the header gives its place, in a thread of its own (faults
