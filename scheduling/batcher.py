@@ -29,6 +29,12 @@ def decodes(req: Request) -> bool:
     return not req.prompt_only and req.num_computed_tokens + 1 == req.num_tokens
 
 
+def prompt_tokens(scheduled: list[ScheduledRequest]) -> int:
+    """The tokens of those scheduled that are not decode tokens (prefill chunks, recomputes): what pacing
+    bounds."""
+    return sum(s.num_new_tokens for s in scheduled if not s.is_decoding)
+
+
 class Batcher:
     def __init__(self, config: EngineConfig, kv: KVCacheManager, sessions: SequenceStore,
                  decisions: DecisionLog | None = None, pacer: PrefillPacer | None = None):
@@ -64,7 +70,8 @@ class Batcher:
     def schedule(self) -> StepPlan:
         scheduled: list[ScheduledRequest] = []
         preempted: list[Request] = []
-        budget, prompt_left = self._schedule_running(scheduled, preempted)
+        budget, prompt_limit = self._schedule_running(scheduled, preempted)
+        prompt_left = prompt_limit - prompt_tokens(scheduled)
         adapters = {r.adapter_id for r in self.running} - {None}
         num_lookup = num_hit = 0
         short_of_blocks = bool(preempted)
@@ -93,6 +100,7 @@ class Batcher:
                 if not self._preempt_for(req, scheduled, preempted):
                     break
                 budget = self.token_budget - sum(s.num_new_tokens for s in scheduled)
+                prompt_left = prompt_limit - prompt_tokens(scheduled)
                 adapters = {r.adapter_id for r in self.running} - {None}
                 continue
             if self.kv.looks_up(req):
@@ -104,18 +112,18 @@ class Batcher:
                 adapters.add(req.adapter_id)
             scheduled.append(ScheduledRequest(req, num_new))
             budget -= num_new
-            prompt_left -= num_new
+            prompt_left -= prompt_tokens(scheduled[-1:])
         return StepPlan(tuple(scheduled), tuple(preempted), budget, num_lookup, num_hit)
 
     def _schedule_running(self, scheduled: list[ScheduledRequest],
                           preempted: list[Request]) -> tuple[int, int]:
         """The running requests' next tokens, in order (a decode token, or a prefill's next chunk within the
         prompt tokens the pacer leaves), preempting the last in order when blocks run out -> (token budget
-        left, prompt tokens left)."""
+        left, the step's bound on prompt tokens: the pacer's, or the whole budget)."""
         budget = self.token_budget
         self.running.sort(key=self.sort_key)
         paced = self.pacer.prompt_tokens(sum(map(decodes, self.running)))
-        prompt_left = budget if paced is None else paced
+        prompt_limit = prompt_left = budget if paced is None else paced
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -133,9 +141,9 @@ class Batcher:
             else:
                 scheduled.append(ScheduledRequest(req, num_new))
                 budget -= num_new
-                prompt_left -= num_new if chunk else 0
+                prompt_left -= prompt_tokens(scheduled[-1:])
                 i += 1
-        return budget, prompt_left
+        return budget, prompt_limit
 
     def with_drafts(self, plan: StepPlan, drafts: dict[int, TokenTree], method: str) -> StepPlan:
         """plan with drafts after the last token of plan.scheduled[i] for each i in drafts, in order, where
