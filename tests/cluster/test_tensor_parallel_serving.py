@@ -36,14 +36,16 @@ GREEDY = ns.SamplingParams(max_tokens=300, temperature=0, ignore_eos=True)
 PROMPTS = [random_prompt(5 + 3 * i, seed=700 + i) for i in range(8)]
 STREAM_BOUND_S = 180.0  # a stream not ended by then is hung
 BACK_WITHIN_S = 120.0  # a restarted worker serves again within this (a bound on liveness, not speed)
-# the demo model's rank at tensor_parallel_size 1: 13.6 MB of weights + 50.3 MB of KV (its pool holds
-# max_num_seqs 16 of max_model_len 1024) = 64.0 MB; at 2: 6.8 MB + 25.2 MB = 32.0 MB. A node: 53.7 MB
+# the demo model's rank at tensor_parallel_size 1: 13.6 MB of weights + 50.3 MB of bfloat16 KV (its pool holds
+# max_num_seqs 16 of max_model_len 1024) = 64.0 MB; at 2: 6.8 MB + 25.2 MB = 32.0 MB. A node: 53.7 MB (int8
+# KV, the default, would fit one rank)
 SMALL_NODES = [{"id": 0, "cpus": [0], "memory_gib": 0.05}, {"id": 1, "cpus": [1], "memory_gib": 0.05}]
 
 
 def small_nodes_config(size: int, **fields) -> ns.ClusterConfig:
     return sim_config("two_numa_sim", machines=[{"name": "local", "numa_nodes": SMALL_NODES}],
-                      engine={"tensor_parallel_size": size, "max_num_seqs": 16}, **fields)
+                      engine={"tensor_parallel_size": size, "max_num_seqs": 16, "kv_dtype": "bfloat16"},
+                      **fields)
 
 
 @pytest.fixture(scope="module")
