@@ -48,6 +48,7 @@ class Batcher:
         self.waiting: list[Request] = []  # sorted by sort_key
         self.running: list[Request] = []
         self.decisions = decisions or DecisionLog()
+        self.floor_over_stretch = False  # the pacer's, as last logged
 
     def stats(self) -> dict:
         return {"num_running": len(self.running), "num_waiting": len(self.waiting),
@@ -123,6 +124,8 @@ class Batcher:
         budget = self.token_budget
         self.running.sort(key=self.sort_key)
         paced = self.pacer.prompt_tokens(sum(map(decodes, self.running)))
+        if paced is not None and self.pacer.floor_over_stretch != self.floor_over_stretch:
+            self._log_pacing()
         prompt_limit = prompt_left = budget if paced is None else paced
         i = 0
         while i < len(self.running) and budget > 0:
@@ -144,6 +147,20 @@ class Batcher:
                 prompt_left -= prompt_tokens(scheduled[-1:])
                 i += 1
         return budget, prompt_limit
+
+    def _log_pacing(self) -> None:
+        """When a prompt chunk's fixed cost alone comes to exceed what max_prefill_stretch allows, or no
+        longer does: the decision log says so (a warning while it does)."""
+        self.floor_over_stretch = over = self.pacer.floor_over_stretch
+        pacer, cost = self.pacer, self.pacer.cost
+        room_ms = (pacer.max_stretch - 1.0) * pacer.decode_s * 1e3
+        self.decisions.record(
+            "prefill_pacing", "floor over the stretch" if over else "within the stretch",
+            f"a step with any prompt chunk costs {cost.fixed_s * 1e3:.1f} ms over a "
+            f"{pacer.decode_s * 1e3:.1f} ms decode step, and {cost.token_s * 1e3:.2f} ms a prompt token; "
+            f"max_prefill_stretch {pacer.max_stretch:g} leaves {room_ms:.1f} ms"
+            + ("; chunks are sized to stretch that floor instead (raise max_prefill_stretch to hold it)"
+               if over else ""), warn=over)
 
     def with_drafts(self, plan: StepPlan, drafts: dict[int, TokenTree], method: str) -> StepPlan:
         """plan with drafts after the last token of plan.scheduled[i] for each i in drafts, in order, where

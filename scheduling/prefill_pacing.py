@@ -3,25 +3,66 @@ freezes the streams already running (Sarathi-Serve's stall-free batching, its bu
 measured step costs rather than an offline profile).
 
 A decode step's time is what a running stream waits between tokens. A step that also carries a prompt chunk
-of p tokens takes about decode_s + p * prompt_token_s, so holding it to max_stretch * decode_s gives
+of p tokens takes about decode_s + fixed_s + p * token_s: fixed_s is what any chunk adds (the batch leaving
+the decode kernels' shapes, the chunk's attention set up over its context), token_s what each of its tokens
+adds. Holding the step to max_stretch * decode_s gives
 
-    p = (max_stretch - 1) * decode_s / prompt_token_s   (at least 1: a prompt always moves on)
+    p = ((max_stretch - 1) * decode_s - fixed_s) / token_s   (at least 1: a prompt always moves on)
 
-decode_s is an average of the steps that decoded with no prompt token, prompt_token_s of what each prompt
-token added to the steps that carried some (the step's seconds less decode_s, over its prompt tokens). Until
-both were measured a chunk is FIRST_CHUNK tokens, and a chunk is never more than GROWTH times the largest one
-measured: an estimate is tried at a size near what it was measured at before it is trusted further (a prompt
-token's cost grows with its context, and small chunks pay per token what large ones share). With nothing
-decoding, or pacing off, only the token budget bounds a step.
+decode_s is an average of the steps that decoded with no prompt token; fixed_s and token_s a line fitted to
+the recent steps that carried some (their seconds less decode_s against their prompt tokens, the newer
+weighing more). While those steps' chunks were all about one size the line has no slope to fit: it keeps
+the slope fitted before and moves through their mean, or before any slope was fitted takes the excess as
+per token (exact at that size; the chunk sizes it then picks spread the sizes). When fixed_s alone fills the
+room, no chunk keeps the stretch: a chunk is then sized against a mixed step's floor (decode_s + fixed_s)
+instead, so that a prompt does not crawl a token a step while the streams wait about as long anyway, and
+`floor_over_stretch` says so (the batcher logs it). Until a chunk was measured it is FIRST_CHUNK tokens, and
+a chunk grows by at most GROWTH times the last one measured: a line fitted to noisy steps may promise a chunk
+far larger than any measured, and one step that long is the streams' p99. With nothing decoding, or pacing
+off, only the token budget bounds a step.
 """
 
+from collections import deque
+from dataclasses import dataclass
+
 FIRST_CHUNK = 16  # prompt tokens beside decodes before a chunk's cost was measured
-GROWTH = 2  # a chunk at most this times the largest measured
-EMA_WEIGHT = 0.25  # of the newest step in either average: the VM's speed swings within seconds
+GROWTH = 1.25  # a chunk at most this times (plus one token) the last one measured
+EMA_WEIGHT = 0.25  # of the newest step in each average: the VM's speed swings within seconds
+WINDOW = 16  # the mixed steps the line is fitted to
+SPREAD = 0.25  # the chunk sizes' weighted relative spread (std / mean) below which no slope is fitted
 
 
 def _average(old: float | None, new: float) -> float:
     return new if old is None else old + EMA_WEIGHT * (new - old)
+
+
+@dataclass(frozen=True)
+class ChunkCost:
+    """What a prompt chunk of p tokens adds to a decode step: fixed_s + p * token_s seconds."""
+
+    fixed_s: float
+    token_s: float
+
+
+def fit_chunk_cost(chunks: list[tuple[int, float]], slope: float | None = None) -> ChunkCost | None:
+    """The line through (prompt tokens, seconds added) of mixed steps, oldest first, each weighing
+    (1 - EMA_WEIGHT) times the next. When the sizes barely differ: the line of the given slope (one fitted
+    before) through their mean, or without one all per token; all per token too when a fit says a token costs
+    nothing or a chunk less than nothing (noise). None: no step."""
+    if not chunks:
+        return None
+    weights = [(1.0 - EMA_WEIGHT) ** age for age in range(len(chunks) - 1, -1, -1)]
+    total = sum(weights)
+    mean_p = sum(w * p for w, (p, _) in zip(weights, chunks)) / total
+    mean_s = sum(w * s for w, (_, s) in zip(weights, chunks)) / total
+    var_p = sum(w * (p - mean_p) ** 2 for w, (p, _) in zip(weights, chunks)) / total
+    per_token = ChunkCost(0.0, max(mean_s, 0.0) / mean_p)
+    if var_p < (SPREAD * mean_p) ** 2:
+        slope = slope if slope is not None and mean_s - slope * mean_p >= 0 else mean_s / mean_p
+        return per_token if slope <= 0 else ChunkCost(mean_s - slope * mean_p, slope)
+    slope = sum(w * (p - mean_p) * (s - mean_s) for w, (p, s) in zip(weights, chunks)) / total / var_p
+    fixed = mean_s - slope * mean_p
+    return ChunkCost(fixed, slope) if slope > 0 and fixed >= 0 else per_token
 
 
 class PrefillPacer:
@@ -30,8 +71,8 @@ class PrefillPacer:
         (EngineConfig.max_prefill_stretch); None: unpaced."""
         self.max_stretch = max_stretch
         self.decode_s: float | None = None  # a decode-only step
-        self.prompt_token_s: float | None = None  # what one prompt token adds to a step
-        self.largest_chunk = 0  # the most prompt tokens a measured step beside decodes carried
+        self.chunks: deque[tuple[int, float]] = deque(maxlen=WINDOW)  # (prompt tokens, seconds added)
+        self.cost: ChunkCost | None = None  # fitted to chunks at their last change
 
     def observe(self, num_decode_tokens: int, num_prompt_tokens: int, seconds: float) -> None:
         """A step's tokens (decoding requests' and all others') and its wall time."""
@@ -40,15 +81,31 @@ class PrefillPacer:
         if num_prompt_tokens == 0:
             self.decode_s = _average(self.decode_s, seconds)
         elif self.decode_s is not None:
-            added = max(seconds - self.decode_s, 0.0) / num_prompt_tokens
-            self.prompt_token_s = _average(self.prompt_token_s, added)
-            self.largest_chunk = max(self.largest_chunk, num_prompt_tokens)
+            self.chunks.append((num_prompt_tokens, max(seconds - self.decode_s, 0.0)))
+            # chunks all of one size keep the slope the sizes gave before
+            self.cost = fit_chunk_cost(list(self.chunks), None if self.cost is None else self.cost.token_s)
+
+    @property
+    def last_chunk(self) -> int:
+        """The prompt tokens the last measured step beside decodes carried (FIRST_CHUNK before one)."""
+        return self.chunks[-1][0] if self.chunks else FIRST_CHUNK
+
+    @property
+    def floor_over_stretch(self) -> bool:
+        """Whether any prompt chunk alone makes a step longer than max_stretch decode steps."""
+        cost = self.cost
+        return (self.max_stretch is not None and cost is not None
+                and cost.fixed_s >= (self.max_stretch - 1.0) * self.decode_s)
 
     def prompt_tokens(self, num_decoding: int) -> int | None:
         """Prompt tokens the next step may carry beside num_decoding decoding requests (None: no bound)."""
         if self.max_stretch is None or num_decoding == 0:
             return None
-        if self.decode_s is None or self.prompt_token_s is None:
+        cost = self.cost
+        if cost is None:
             return FIRST_CHUNK
-        fits = (self.max_stretch - 1.0) * self.decode_s / max(self.prompt_token_s, 1e-9)
-        return max(1, min(int(fits + 1e-6), GROWTH * max(self.largest_chunk, FIRST_CHUNK)))  # 4.9999... is 5
+        room = (self.max_stretch - 1.0) * self.decode_s - cost.fixed_s
+        if room <= 0:  # floor_over_stretch: the stretch over a mixed step's floor instead
+            room = (self.max_stretch - 1.0) * (self.decode_s + cost.fixed_s)
+        fits = room / max(cost.token_s, 1e-9)
+        return max(1, min(int(fits + 1e-6), int(GROWTH * self.last_chunk) + 1))  # 4.9999... is 5

@@ -4,7 +4,7 @@ import pytest
 
 from cluster_configs.engine_config import EngineConfig
 from memory.kv_cache import kv_layout
-from scheduling.prefill_pacing import FIRST_CHUNK, GROWTH, PrefillPacer
+from scheduling.prefill_pacing import FIRST_CHUNK, GROWTH, ChunkCost, PrefillPacer, fit_chunk_cost
 from scheduling.scheduler import Scheduler
 from tests.scheduling.test_scheduler import BLOCK_SIZE, request, run_step
 
@@ -40,21 +40,95 @@ def test_first_chunk_before_a_cost_was_measured():
 
 @pytest.mark.parametrize("stretch, decode_s, prompt_token_s, expected", [
     (1.5, 0.1, 0.01, 5),  # 0.05 s of room at 0.01 s a token
-    (1.5, 0.1875, 1 / 256, 24),
+    (1.5, 0.1, 1 / 256, 12),
     (1.1, 0.1, 0.05, 1),  # not even one token fits: still one, so the prompt moves on
-    (2.0, 0.1, 0.0001, GROWTH * FIRST_CHUNK),  # 1,000 would fit, but only twice the largest chunk measured
+    (2.0, 0.1, 0.0001, int(GROWTH * FIRST_CHUNK) + 1),  # 1,000 would fit, but the chunk grows GROWTH-fold
 ])
 def test_chunk_is_the_room_a_stretch_leaves_over_a_prompt_tokens_cost(stretch, decode_s, prompt_token_s,
                                                                        expected):
     assert measured(stretch, decode_s, prompt_token_s).prompt_tokens(8) == expected
 
 
-def test_growth_follows_the_largest_chunk_measured():
+def test_growth_follows_the_last_chunk_measured():
     pacer = measured(2.0, 0.1, 0.0001)
-    for chunk in (32, 64, 128):
+    for chunk in (21, 27, 34, 43):
         assert pacer.prompt_tokens(4) == chunk
         pacer.observe(4, chunk, 0.1 + chunk * 0.0001)
-    assert pacer.prompt_tokens(4) == 256
+    pacer.observe(4, 8, 0.1 + 8 * 0.0001)  # a smaller chunk (a prompt's tail): growth starts from it
+    assert pacer.prompt_tokens(4) == 11
+
+
+def line(fixed_s: float, token_s: float, *sizes: int) -> list[tuple[int, float]]:
+    return [(p, fixed_s + p * token_s) for p in sizes]
+
+
+def test_a_line_through_chunks_of_several_sizes_separates_the_fixed_cost():
+    cost = fit_chunk_cost(line(0.02, 0.005, 16, 8, 4, 6))
+    assert cost.fixed_s == pytest.approx(0.02) and cost.token_s == pytest.approx(0.005)
+    assert fit_chunk_cost([]) is None
+
+
+def test_chunks_of_one_size_are_all_per_token_until_a_slope_was_fitted():
+    per_token = fit_chunk_cost(line(0.02, 0.005, 8, 8, 9))  # sizes too close to fit a slope to
+    assert per_token.fixed_s == 0 and per_token.token_s == pytest.approx(0.005 + 0.02 / 8.4, rel=0.01)
+    kept = fit_chunk_cost(line(0.03, 0.005, 8, 8, 8), slope=0.005)  # the slope kept, the level moved
+    assert kept.fixed_s == pytest.approx(0.03) and kept.token_s == pytest.approx(0.005)
+    steep = fit_chunk_cost(line(0.0, 0.005, 8, 8), slope=0.01)  # the kept slope would cost less than nothing
+    assert steep.fixed_s == 0 and steep.token_s == pytest.approx(0.005)
+
+
+def test_noise_that_fits_a_falling_or_negative_line_is_taken_per_token():
+    falling = fit_chunk_cost([(16, 0.05), (4, 0.06)])
+    assert falling == ChunkCost(0.0, pytest.approx((0.05 * 0.75 + 0.06) / (16 * 0.75 + 4)))
+    assert fit_chunk_cost(line(-0.01, 0.005, 16, 4)).fixed_s == 0
+
+
+def test_a_fixed_part_leaves_the_tokens_what_is_left_of_the_room():
+    pacer = PrefillPacer(1.5)
+    pacer.observe(4, 0, 0.1)
+    for p, seconds in line(0.02, 0.005, 16, 4, 8):
+        pacer.observe(4, p, 0.1 + seconds)
+    assert pacer.prompt_tokens(4) == 6  # (0.05 s of room - 0.02) / 0.005 s a token
+    assert not pacer.floor_over_stretch
+
+
+def test_steps_priced_by_a_line_converge_to_its_chunk_and_keep_the_stretch():
+    """A closed loop: each step's seconds from a fixed and a per-token cost (no clock), a decode-only step
+    between some of them."""
+    decode_s, fixed_s, token_s, stretch = 0.356, 0.06, 0.002, 1.25
+    pacer = PrefillPacer(stretch)
+    pacer.observe(8, 0, decode_s)
+    chunks = []
+    for step in range(40):
+        chunk = pacer.prompt_tokens(8)
+        pacer.observe(8, chunk, decode_s + fixed_s + chunk * token_s)
+        if step % 3 == 0:
+            pacer.observe(8, 0, decode_s)
+        chunks.append(chunk)
+    best = int(((stretch - 1) * decode_s - fixed_s) / token_s)  # 14
+    assert chunks[-10:] == [best] * 10
+    assert all(decode_s + fixed_s + c * token_s <= stretch * decode_s * 1.3 for c in chunks)
+
+
+def test_a_fixed_part_over_the_room_stretches_the_floor_and_is_logged():
+    sched = scheduler(max_num_batched_tokens=64, max_prefill_stretch=1.25)
+    sched.add(request("a", [1, 2, 3], max_tokens=50))
+    run_step(sched)
+    sched.add(request("c", list(range(200)), max_tokens=2))
+    pacer = sched.batcher.pacer
+    pacer.observe(4, 0, 0.1)
+    for p, seconds in line(0.03, 0.001, 8, 4, 32):  # 0.03 s over 0.025 s of room
+        pacer.observe(4, p, 0.1 + seconds)
+    assert pacer.floor_over_stretch
+    plan, _ = run_step(sched)
+    chunks = {s.request.request_id: s.num_new_tokens for s in plan.scheduled}
+    assert chunks == {"a": 1, "c": 32}  # 0.25 x the floor's 0.13 s, at 0.001 s a token
+    logged = sched.batcher.decisions.recent("prefill_pacing")
+    assert logged[0]["choice"] == "floor over the stretch" and "30.0 ms" in logged[0]["reason"]
+    for _ in range(8):  # the fixed part fell (the VM sped up): within the stretch again, and said
+        pacer.observe(4, 8, 0.1 + 0.01 + 8 * 0.001)
+    run_step(sched)
+    assert sched.batcher.decisions.recent("prefill_pacing")[-1]["choice"] == "within the stretch"
 
 
 def test_averages_move_toward_new_costs():
