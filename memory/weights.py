@@ -4,6 +4,7 @@ them: norms and biases as float32 arrays, matrices in a served format (memory/ma
 The packed cache stores these containers as they are (models/packed/tree.py): a change to the bytes a
 packer writes must bump models/packed_cache.LAYOUT_VERSION, or starts would read entries of the old layout."""
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -61,6 +62,11 @@ class LayerWeights:
         return sum(a.nbytes for a in (self.qkv, self.qkv_bias, self.o, self.gate_up, self.down,
                                       self.attn_norm, self.attn_out_norm, self.mlp_norm, self.mlp_out_norm,
                                       self.q_norm, self.k_norm, self.experts) if a is not None)
+
+
+# what a loader applies to each layer as it builds it, (index, layer) -> layer: the activation plan
+# (models/quantization/activation_plan.ActivationPlan.layer), so that unplanned layers do not pile up
+LayerHook = Callable[[int, LayerWeights], LayerWeights]
 
 
 @dataclass(frozen=True, eq=False)

@@ -10,7 +10,7 @@ from tqdm import tqdm
 from cluster_configs.errors import CheckpointError
 from memory.experts import ExpertWeights
 from memory.matrices import Matrix, WeightMatrix, stacked
-from memory.weights import LayerWeights, ModelWeights
+from memory.weights import LayerHook, LayerWeights, ModelWeights
 from models.model_spec import ModelSpec, load_spec
 from models.quantization.imatrix import ImportanceLookup, ImportanceMatrix
 from models.quantization.quant_mix import embedding_dtype, lm_head_dtype, matrix_dtype
@@ -146,7 +146,8 @@ def model_directory(path: str | Path) -> Path:
 
 
 def load_weights(model_dir: str | Path, weight_dtype: str, shard: TensorShard = WHOLE_MODEL,
-                 imatrix: ImportanceMatrix | None = None) -> tuple[ModelSpec, ModelWeights]:
+                 imatrix: ImportanceMatrix | None = None, each_layer: LayerHook | None = None,
+                 ) -> tuple[ModelSpec, ModelWeights]:
     """-> (spec, weights): matrices as WeightMatrix in `weight_dtype`, quantized as they are read (q|k|v and
     gate|up fused; with the importance matrix imatrix, by llama.cpp's names), norms and biases as float32;
     spec is the whole model's, the weights shard's (its local_spec's shapes: the whole model unless a
@@ -168,7 +169,9 @@ def load_weights(model_dir: str | Path, weight_dtype: str, shard: TensorShard = 
     norm = read("model.norm.weight") + np.float32(spec.arch.norm_offset)
     lm_head = embed if spec.tie_word_embeddings else mat("lm_head.weight", "output.weight",
                                                          lm_head_dtype(weight_dtype))
-    layers = tuple(load_layer(read, f"model.layers.{i}.", spec, weight_dtype, spec.is_moe(i), i, importance)
+    each_layer = each_layer or (lambda i, layer: layer)
+    layers = tuple(each_layer(i, load_layer(read, f"model.layers.{i}.", spec, weight_dtype, spec.is_moe(i), i,
+                                            importance))
                    for i in range(spec.num_layers))
     reader.close()
     return whole, ModelWeights(embed=embed, norm=norm, lm_head=lm_head, layers=layers)

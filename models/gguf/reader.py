@@ -14,7 +14,7 @@ from tqdm import tqdm
 from cluster_configs.errors import CheckpointError
 from memory.experts import ExpertWeights
 from memory.matrices import Matrix, StackedMatrix, WeightMatrix, stacked
-from memory.weights import LayerWeights, ModelWeights
+from memory.weights import LayerHook, LayerWeights, ModelWeights
 from models.gguf.families import FAMILIES, GGUFFamily, Layout, layer_layouts
 from models.gguf.format import AUTO, GT, RAW_BLOCKS, ROPE_TENSORS
 from models.gguf.model_spec import spec_from_gguf
@@ -84,18 +84,35 @@ def _copy_tensor(path: Path, t, pieces: tuple[int, list[tuple[int, int]]] | None
             "requantize the F16 / BF16 GGUF with `llama-quantize model-f16.gguf out.gguf Q4_K_M` (or Q8_0, "
             "Q6_K, Q5_K_M, Q4_0), or load the Hugging Face directory with weight_dtype='q4_k_m'")
     shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-    data = t.data  # the shape, but the rows of a quantized type in bytes: [..., N, bytes per row]
+    data = _read_tensor(path, t)  # the shape, but a quantized type's rows in bytes: [..., N, bytes per row]
     if pieces is not None:
         data, shape = _part(path, t.name, kind, data, shape, *pieces)
     # F32, F16: [N, K] of their numpy dtypes; the others: uint8 [N, bytes per row]
-    data = data.reshape(-1, data.shape[-1])
+    data = np.ascontiguousarray(data.reshape(-1, data.shape[-1]))
     if kind in RAW_BLOCKS:
-        return StoredTensor(kind, shape, WeightMatrix(RAW_BLOCKS[kind], np.array(data, np.uint8)))
+        return StoredTensor(kind, shape, WeightMatrix(RAW_BLOCKS[kind], data.view(np.uint8)))
     if kind in (GT.F16, GT.F32):
-        return StoredTensor(kind, shape, WeightMatrix(AUTO[kind], np.array(data)))
+        return StoredTensor(kind, shape, WeightMatrix(AUTO[kind], data))
     if kind == GT.BF16:
-        return StoredTensor(kind, shape, WeightMatrix("bfloat16", np.array(data).view(np.uint16)))
-    return StoredTensor(kind, shape, WeightMatrix.from_ggml_blocks(AUTO[kind], np.array(data, np.uint8)))
+        return StoredTensor(kind, shape, WeightMatrix("bfloat16", data.view(np.uint16)))
+    return StoredTensor(kind, shape, WeightMatrix.from_ggml_blocks(AUTO[kind], data.view(np.uint8)))
+
+
+def _read_tensor(path: Path, t) -> np.ndarray:
+    """t's bytes read from the file into a new array of t.data's dtype and shape. Not copied out of the
+    reader's mapping: every page copied from there would also stay in this process's resident memory until the
+    mapping is gone, so a load would peak at twice the file."""
+    data = np.empty(t.data.shape, t.data.dtype)
+    view, done = memoryview(data.reshape(-1)).cast("B"), 0
+    with open(path, "rb", buffering=0) as f:
+        f.seek(t.data_offset)
+        while done < data.nbytes:  # a read returns at most ~2 GiB
+            got = f.readinto(view[done:])
+            if not got:
+                raise CheckpointError(f"{path}: tensor {t.name!r} runs past the end of the file; the file "
+                                      "is truncated: re-download or re-export it")
+            done += got
+    return data
 
 
 def _part(path: Path, name: str, kind: GGMLQuantizationType, data: np.ndarray, shape: tuple[int, ...],
@@ -198,7 +215,7 @@ def _field(path: Path, tensors: dict, prefix: str, layouts: tuple[Layout, ...], 
 
 
 def _weights(path: Path, spec: ModelSpec, family: str, tensors: dict, weight_dtype: str,
-             vocab_rows: int, importance: ImportanceLookup | None) -> ModelWeights:
+             vocab_rows: int, importance: ImportanceLookup | None, each_layer: LayerHook) -> ModelWeights:
     """spec: the shard's (models/tensor_parallel/shard.py's local_spec), vocab_rows its rows of the
     vocabulary."""
     h = spec.hidden_size
@@ -213,7 +230,7 @@ def _weights(path: Path, spec: ModelSpec, family: str, tensors: dict, weight_dty
     embed = served("token_embd.weight", embedding_dtype(weight_dtype, spec.tie_word_embeddings))
     norm = _vector(pop("output_norm.weight", (h,)))
     lm_head = embed if spec.tie_word_embeddings else served("output.weight", lm_head_dtype(weight_dtype))
-    layers = tuple(_layer(path, spec, FAMILIES[family], tensors, i, weight_dtype, importance)
+    layers = tuple(each_layer(i, _layer(path, spec, FAMILIES[family], tensors, i, weight_dtype, importance))
                    for i in tqdm(range(spec.num_layers), desc=f"loading {path.name}",
                                  disable=not sys.stderr.isatty(), leave=False))
     if tensors:
@@ -249,11 +266,13 @@ def read_gguf_spec(path: str | Path) -> ModelSpec:
 
 
 def load_gguf(path: str | Path, weight_dtype: str, shard: TensorShard = WHOLE_MODEL,
-              imatrix: ImportanceMatrix | None = None) -> tuple[ModelSpec, ModelWeights, Tokenizer | None]:
+              imatrix: ImportanceMatrix | None = None, each_layer: LayerHook | None = None,
+              ) -> tuple[ModelSpec, ModelWeights, Tokenizer | None]:
     """-> (spec, weights, tokenizer) like the Hugging Face loader. weight_dtype "auto" keeps the file's
     types (F16 as float16, BF16 as bfloat16, bit for bit); quantized tensors already in the wanted format keep
     their bytes; others are requantized (with imatrix's importance, if given). shard: a tensor-parallel
-    rank's part, its slices alone copied out of the file (the spec stays the whole model's)."""
+    rank's part, its slices alone copied out of the file (the spec stays the whole model's); each_layer:
+    applied to each layer as it is built, its tensors' copies then dropped (memory/weights.LayerHook)."""
     path = Path(path)
     reader, metadata = _open(path)
     head = {t.name: _copy_tensor(path, t) if t.name in ROPE_TENSORS else _shape_only(t)
@@ -272,5 +291,5 @@ def load_gguf(path: str | Path, weight_dtype: str, shard: TensorShard = WHOLE_MO
     vocab = shard.span(spec.vocab_size) if shard.size > 1 else (0, spec.vocab_size)
     importance = None if imatrix is None else ImportanceLookup(imatrix, spec, shard)
     weights = _weights(path, shard.local_spec(spec), metadata["general.architecture"], tensors, weight_dtype,
-                       vocab[1] - vocab[0], importance)
+                       vocab[1] - vocab[0], importance, each_layer or (lambda i, layer: layer))
     return spec, weights, tokenizer

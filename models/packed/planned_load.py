@@ -20,12 +20,12 @@ from cluster_configs.diagnostics import DecisionLog
 from cluster_configs.engine_config import EngineConfig
 from memory.numa import read_topology
 from memory.weights import ModelWeights
-from models.loader import load_model
+from models.loader import load_model, read_spec
 from models.model_spec import ModelSpec
 from models.packed.cache import PackedCache
 from models.packed.file import CorruptEntry, read_entry, write_entry
 from models.packed.tree import Unstorable, flatten, unflatten
-from models.quantization.activation_plan import plan_activations
+from models.quantization.activation_plan import ActivationPlan
 from models.quantization.calibration import Calibration, load_calibration
 from models.quantization.imatrix import read_imatrix
 from models.tensor_parallel.shard import WHOLE_MODEL, TensorShard
@@ -181,12 +181,16 @@ def _tokenizer(text: str | None) -> Tokenizer | None:
 
 def _load(model_path: Path, config: EngineConfig, decisions: DecisionLog, calibration: Calibration | None,
           shard: TensorShard) -> tuple[ModelSpec, ModelWeights, Tokenizer | None, list]:
+    """Each layer planned as the loader builds it: the unplanned copy of one layer at a time, not of the
+    model, is what a load holds beside the planned weights."""
     imatrix = None if config.imatrix is None else read_imatrix(config.imatrix)
-    spec, weights, tokenizer = load_model(model_path, config.weight_dtype, shard, imatrix)
+    whole = read_spec(model_path)
     recording = _Recording(decisions)
-    weights = plan_activations(weights, config.activation_dtype, recording, calibration,
-                               config.activation_scales == "static")
-    return spec, weights, tokenizer, recording.records
+    plan = ActivationPlan(config.activation_dtype, recording, calibration,
+                          config.activation_scales == "static", whole.num_layers,
+                          any(whole.is_moe(i) for i in range(whole.num_layers)))
+    spec, weights, tokenizer = load_model(model_path, config.weight_dtype, shard, imatrix, plan.layer)
+    return spec, plan.finish(weights), tokenizer, recording.records
 
 
 def _done(spec, weights, tokenizer, decisions: DecisionLog, outcome: Outcome, reason: str, started: float,

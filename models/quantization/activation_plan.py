@@ -30,7 +30,7 @@ from kernels.formats.ggml_blocks import BLOCK_DTYPES
 from kernels.simd.bf16 import BF16_FEATURES
 from kernels.simd.cpu import missing_features
 from memory.matrices import Bf16Matrix, BlockInt8Matrix, Int8Matrix, Matrix, WeightMatrix, map_parts, parts
-from memory.weights import ModelWeights
+from memory.weights import LayerWeights, ModelWeights
 from models.quantization.calibration import Calibration, MatrixCalibration, check_fits
 
 # vpmaddwd on 256-bit vectors, fp16 scale conversion (and VNNI where present)
@@ -65,13 +65,125 @@ def plan_activations(weights: ModelWeights, activation_dtype: str, decisions: De
 
     Raises CheckpointError if the calibration file was made for another model shape, or static scales are
     asked for without one."""
-    if static_scales and calibration is None:
-        raise CheckpointError("activation_scales='static' takes its scales from the model's calibration "
-                              "file, and there is none: run `numaserve calibrate MODEL` first, or use "
-                              "activation_scales='dynamic'")
-    planned = _plan(weights, activation_dtype, decisions, calibration, static_scales)
-    record_kernels(planned, decisions)
-    return planned
+    plan = ActivationPlan(activation_dtype, decisions, calibration, static_scales, len(weights.layers),
+                          any(layer.experts is not None for layer in weights.layers))
+    return plan.finish(replace(weights, layers=tuple(plan.layer(i, layer)
+                                                     for i, layer in enumerate(weights.layers))))
+
+
+class ActivationPlan:
+    """plan_activations in two parts, so that a loader can plan each layer as it builds it (models/loader.py's
+    each_layer): a load then holds one unplanned layer at a time rather than a second copy of the model.
+    layer(i, layer) for every layer in order, then finish(weights) with the planned layers."""
+
+    def __init__(self, activation_dtype: str, decisions: DecisionLog, calibration: Calibration | None,
+                 static_scales: bool, num_layers: int, moe: bool):
+        """moe: whether any layer has experts. Raises CheckpointError as plan_activations does."""
+        if static_scales and calibration is None:
+            raise CheckpointError("activation_scales='static' takes its scales from the model's calibration "
+                                  "file, and there is none: run `numaserve calibrate MODEL` first, or use "
+                                  "activation_scales='dynamic'")
+        if calibration is not None and moe:
+            _calibration_unused(calibration, decisions, "calibration files describe dense models only")
+            calibration = None
+        if calibration is not None:
+            check_fits(calibration, num_layers)
+        self.decisions, self.calibration, self.static_scales = decisions, calibration, static_scales
+        self.fallbacks: list[str] = []  # the matrices calibration keeps in float32
+        self.int8 = False
+        self._choose_part = self._chooser(activation_dtype)  # (name, part) -> part; None: all unchanged
+
+    def layer(self, i: int, layer: LayerWeights) -> LayerWeights:
+        for key in layer.projections:
+            layer = layer.with_projection(key, self._matrix(f"layers.{i}.{key}", layer.projection(key)))
+        return layer
+
+    def finish(self, weights: ModelWeights) -> ModelWeights:
+        """weights (their layers planned by layer()) with the LM head planned; the records made."""
+        planned = replace(weights, lm_head=self._matrix("lm_head", weights.lm_head))
+        if self.int8 and self.calibration is not None:
+            c, fallbacks = self.calibration, self.fallbacks
+            note = "" if c.weight_dtype == planned.layers[0].qkv.dtype else (
+                f"; its errors were measured with {c.weight_dtype} weights")
+            self.decisions.record(
+                "calibration", "used", f"{c.path or 'not from a file'}: {c.method} scales "
+                f"({'static, used' if self.static_scales else 'dynamic scales used; static ones unused'})"
+                f", bound {c.bound:g}, {c.num_tokens} tokens of {c.text}{note}; "
+                f"float32 activations for {len(fallbacks)} matrices"
+                + (f": {', '.join(fallbacks)}" if fallbacks else ""), warn=bool(fallbacks))
+        record_kernels(planned, self.decisions)
+        return planned
+
+    def _matrix(self, name: str, w: Matrix) -> Matrix:
+        """w planned, a StackedMatrix part by part."""
+        if self._choose_part is None:
+            return w
+        return map_parts(w, lambda part: self._choose_part(name, part))
+
+    def _chooser(self, activation_dtype: str) -> Callable[[str, Matrix], Matrix] | None:
+        decisions, calibration = self.decisions, self.calibration
+        if activation_dtype == "float32":
+            decisions.record("activation_dtype", "float32", "requested: exact float32 activations")
+            _calibration_unused(calibration, decisions, "activation_dtype=float32")
+            return None
+        if activation_dtype == "bfloat16":
+            missing = missing_features(BF16_FEATURES)
+            if missing:
+                decisions.record("activation_dtype", "float32",
+                                 f"bfloat16 activations requested but this CPU lacks "
+                                 f"{', '.join(missing)} (vdpbf16ps); computing with float32 activations "
+                                 "(exact)", warn=True)
+                _calibration_unused(calibration, decisions, "bfloat16 activations fall back to float32")
+                return None
+            _calibration_unused(calibration, decisions, "its scales are for int8 activations")
+            return self._bf16_part
+        missing = missing_features(INT8_FEATURES)
+        if missing:
+            decisions.record("activation_dtype", "float32",
+                             f"activation_dtype={activation_dtype} but this CPU lacks "
+                             f"{', '.join(missing)}; computing with float32 activations (exact)",
+                             warn=activation_dtype != "auto")
+            _calibration_unused(calibration, decisions, f"this CPU lacks {', '.join(missing)}")
+            return None
+        self.int8 = True
+        return self._int8_part
+
+    def _bf16_part(self, name: str, w: Matrix) -> Matrix:
+        if isinstance(w, WeightMatrix) and w.dtype == "bfloat16":
+            w, choice, why = (Bf16Matrix.pack(w), "bfloat16",
+                              "bfloat16 weights: vdpbf16ps on activations rounded to bf16")
+        else:
+            choice, why = "float32", (f"{w.dtype} weights: bfloat16 activations are used with bfloat16 "
+                                      "weights only")
+        self.decisions.record("activation_dtype", choice, why, subject=name)
+        return w
+
+    def _int8_part(self, name: str, w: Matrix) -> Matrix:
+        """int8 activations where this CPU runs w's kernel, but where calibration says the error exceeds its
+        bound."""
+        calibration, static_scales = self.calibration, self.static_scales
+        cal = calibration.matrices[name] if calibration is not None else None
+        chosen, lacking = w, int8_kernel_lacks(w)
+        if lacking is None:
+            choice, why = "float32", f"{w.dtype} weights have no int8-activation kernel"
+        elif lacking:
+            choice, why = "float32", (f"{w.dtype} weights: their int8 kernel needs {', '.join(lacking)}, "
+                                      "which this CPU lacks; float32 activations (exact)")
+        elif cal is not None and _falls_back(cal, calibration.bound, static_scales):
+            error = cal.error_static if static_scales else cal.error_dynamic
+            choice, why = "float32", (f"calibration ({calibration.path or 'not from a file'}): relative int8 "
+                                      f"error {error:.3g} with "
+                                      f"{'static' if static_scales else 'dynamic'} scales exceeds the bound "
+                                      f"{calibration.bound:g}")
+            self.fallbacks.append(name)
+        else:
+            scale = cal.scale if static_scales and cal is not None else 0.0
+            chosen = pack_int8(w, scale)
+            choice, why = "int8", (f"{w.dtype} weights, " + (
+                f"static activation scale {scale:.4g} ({calibration.method}-calibrated)" if scale
+                else "dynamic per-block activation scales"))
+        self.decisions.record("activation_dtype", choice, why, subject=name)
+        return chosen
 
 
 def record_kernels(weights: ModelWeights, decisions: DecisionLog) -> None:
@@ -113,86 +225,6 @@ def for_activations(w: WeightMatrix, activation_dtype: str) -> Matrix:
     return w
 
 
-def _plan(weights: ModelWeights, activation_dtype: str, decisions: DecisionLog,
-          calibration: Calibration | None, static_scales: bool) -> ModelWeights:
-    if calibration is not None and any(layer.experts is not None for layer in weights.layers):
-        _calibration_unused(calibration, decisions, "calibration files describe dense models only")
-        calibration = None
-    if calibration is not None:
-        check_fits(calibration, len(weights.layers))
-    if activation_dtype == "float32":
-        decisions.record("activation_dtype", "float32", "requested: exact float32 activations")
-        _calibration_unused(calibration, decisions, "activation_dtype=float32")
-        return weights
-    if activation_dtype == "bfloat16":
-        missing = missing_features(BF16_FEATURES)
-        if missing:
-            decisions.record("activation_dtype", "float32",
-                             f"bfloat16 activations requested but this CPU lacks "
-                             f"{', '.join(missing)} (vdpbf16ps); computing with float32 activations (exact)",
-                             warn=True)
-            _calibration_unused(calibration, decisions, "bfloat16 activations fall back to float32")
-            return weights
-        _calibration_unused(calibration, decisions, "its scales are for int8 activations")
-        return _planned(weights, decisions, _bf16_choice)
-    missing = missing_features(INT8_FEATURES)
-    if missing:
-        decisions.record("activation_dtype", "float32",
-                         f"activation_dtype={activation_dtype} but this CPU lacks "
-                         f"{', '.join(missing)}; computing with float32 activations (exact)",
-                         warn=activation_dtype != "auto")
-        _calibration_unused(calibration, decisions, f"this CPU lacks {', '.join(missing)}")
-        return weights
-    return _plan_int8(weights, decisions, calibration, static_scales)
-
-
-def _plan_int8(weights: ModelWeights, decisions: DecisionLog, calibration: Calibration | None,
-               static_scales: bool) -> ModelWeights:
-    """int8 activations for every matrix whose kernel this CPU runs, but where calibration says the error
-    exceeds its bound; each matrix's choice recorded."""
-    fallbacks = []
-
-    def choose(name: str, w: Matrix) -> Matrix:  # a StackedMatrix part by part
-        cal = calibration.matrices[name] if calibration is not None else None
-        return map_parts(w, lambda part: choose_part(name, part, cal))
-
-    def choose_part(name: str, w: Matrix, cal: MatrixCalibration | None) -> Matrix:
-        chosen, lacking = w, int8_kernel_lacks(w)
-        if lacking is None:
-            choice, why = "float32", f"{w.dtype} weights have no int8-activation kernel"
-        elif lacking:
-            choice, why = "float32", (f"{w.dtype} weights: their int8 kernel needs {', '.join(lacking)}, "
-                                      "which this CPU lacks; float32 activations (exact)")
-        elif cal is not None and _falls_back(cal, calibration.bound, static_scales):
-            error = cal.error_static if static_scales else cal.error_dynamic
-            choice, why = "float32", (f"calibration ({calibration.path or 'not from a file'}): relative int8 "
-                                      f"error {error:.3g} with "
-                                      f"{'static' if static_scales else 'dynamic'} scales exceeds the bound "
-                                      f"{calibration.bound:g}")
-            fallbacks.append(name)
-        else:
-            scale = cal.scale if static_scales and cal is not None else 0.0
-            chosen = pack_int8(w, scale)
-            choice, why = "int8", (f"{w.dtype} weights, " + (
-                f"static activation scale {scale:.4g} ({calibration.method}-calibrated)" if scale
-                else "dynamic per-block activation scales"))
-        decisions.record("activation_dtype", choice, why, subject=name)
-        return chosen
-
-    planned = with_linear_matrices(weights, choose)
-    if calibration is not None:
-        c = calibration
-        note = "" if c.weight_dtype == planned.layers[0].qkv.dtype else (
-            f"; its errors were measured with {c.weight_dtype} weights")
-        decisions.record("calibration", "used", f"{c.path or 'not from a file'}: {c.method} scales "
-                         f"({'static, used' if static_scales else 'dynamic scales used; static ones unused'})"
-                         f", bound {c.bound:g}, {c.num_tokens} tokens of {c.text}{note}; "
-                         f"float32 activations for {len(fallbacks)} matrices"
-                         + (f": {', '.join(fallbacks)}" if fallbacks else ""),
-                         warn=bool(fallbacks))
-    return planned
-
-
 def _kernel(w: Matrix) -> str:
     """The linear kernel a (part of a) matrix runs with, and its weight and activation dtypes."""
     if isinstance(w, BlockInt8Matrix):
@@ -214,22 +246,3 @@ def _falls_back(cal: MatrixCalibration, bound: float, static_scales: bool) -> bo
 def _calibration_unused(calibration: Calibration | None, decisions: DecisionLog, why: str) -> None:
     if calibration is not None:
         decisions.record("calibration", "unused", f"{calibration.path}: not needed ({why})")
-
-
-def _planned(weights: ModelWeights, decisions: DecisionLog, choose) -> ModelWeights:
-    """weights with each matrix replaced by choose(w) -> (matrix, choice, why), every choice recorded."""
-    def chosen(name: str, w: Matrix) -> Matrix:
-        return map_parts(w, lambda part: chosen_part(name, part))
-
-    def chosen_part(name: str, w: Matrix) -> Matrix:
-        w, choice, why = choose(w)
-        decisions.record("activation_dtype", choice, why, subject=name)
-        return w
-
-    return with_linear_matrices(weights, chosen)
-
-
-def _bf16_choice(w):
-    if isinstance(w, WeightMatrix) and w.dtype == "bfloat16":
-        return Bf16Matrix.pack(w), "bfloat16", "bfloat16 weights: vdpbf16ps on activations rounded to bf16"
-    return w, "float32", f"{w.dtype} weights: bfloat16 activations are used with bfloat16 weights only"

@@ -3,6 +3,7 @@ or repacking (asserted by making both fail) and serves bit-identical logits and 
 misses; a damaged entry is rebuilt, never used; an unwritable or full directory and unstorable weights cost
 the cache, not the load; concurrent builders leave one valid entry; pruning keeps the byte budget."""
 
+import gc
 import json
 import multiprocessing
 import os
@@ -11,6 +12,7 @@ import shutil
 import signal
 import struct
 import time
+import weakref
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -18,15 +20,18 @@ import numpy as np
 import pytest
 
 import numaserve as ns
+from cluster_configs.diagnostics import DecisionLog
 from cluster_configs.engine_config import EngineConfig
 from cluster_configs.errors import CheckpointError
 from kernels.simd.bf16 import BF16_FEATURES
 from kernels.simd.cpu import cpu_features, missing_features
 from memory.matrices import Bf16Matrix, BlockInt8Matrix, Int8Matrix, parts
 from models.gguf.writer import convert_to_gguf
+from models.loader import load_model
 from models.packed import cache as packed_cache
 from models.packed import planned_load
 from models.packed.tree import Unstorable, flatten, unflatten
+from models.quantization.activation_plan import INT8_FEATURES, ActivationPlan, plan_activations
 from models.quantization.calibration import Calibration, MatrixCalibration, matrix_names, save_calibration
 from tests.fixtures.make_kquant_gguf import FIXTURE
 
@@ -143,6 +148,58 @@ def test_the_hit_matches_a_load_without_the_cache(llama_dir, tmp_path):
     uncached = load(llama_dir, None)
     assert outcome(hit) == "hit" and outcome(uncached) == "off"
     assert np.array_equal(hit.score(PROMPT), uncached.score(PROMPT))
+
+
+# ---- a build plans each layer as it loads it -------------------------------------------------------------
+
+BUILDS = {"hf": ("llama", "q8_0"), "gguf": ("gguf", "auto"), "experts": ("qwen3_moe", "q8_0")}
+
+
+def _build(case: str, model_dirs, gguf_file) -> tuple[Path, EngineConfig]:
+    model, dtype = BUILDS[case]
+    path = gguf_file if model == "gguf" else model_dirs[model]
+    return path, EngineConfig(**Q8 | {"weight_dtype": dtype}, packed_cache_dir=None)
+
+
+@pytest.mark.parametrize("case", list(BUILDS))
+def test_a_build_drops_each_layers_unplanned_matrices_before_it_loads_the_next(case, model_dirs, gguf_file,
+                                                                              monkeypatch):
+    """What keeps a build's memory near the weights' own: the matrices planning replaced (repacked for their
+    activations) are gone by the time the next layer is planned, and at the end."""
+    path, config = _build(case, model_dirs, gguf_file)
+    replaced, layer = [], ActivationPlan.layer
+
+    def watched(self, i, unplanned):
+        gc.collect()
+        assert [r() for r in replaced] == [None] * len(replaced), f"layer {i}: an earlier one's copy is alive"
+        planned = layer(self, i, unplanned)
+        replaced.extend(weakref.ref(m) for key in unplanned.projections
+                        for m in parts(unplanned.projection(key))
+                        if all(m is not p for p in parts(planned.projection(key))))
+        return planned
+
+    monkeypatch.setattr(ActivationPlan, "layer", watched)
+    built = planned_load.load_planned(path, config, DecisionLog())
+    gc.collect()
+    assert [r() for r in replaced] == [None] * len(replaced)
+    assert replaced or missing_features(INT8_FEATURES), "int8 planning repacked nothing"
+    assert built.stats.outcome == "off"
+
+
+@pytest.mark.parametrize("case", list(BUILDS))
+def test_planning_while_loading_equals_planning_the_loaded_model(case, model_dirs, gguf_file):
+    path, config = _build(case, model_dirs, gguf_file)
+    streamed_log, after_log = DecisionLog(), DecisionLog()
+    streamed = planned_load.load_planned(path, config, streamed_log)
+    spec, weights, _ = load_model(path, config.weight_dtype)
+    after = plan_activations(weights, config.activation_dtype, after_log)
+    tree, arrays = flatten({"spec": streamed.spec, "weights": streamed.weights})
+    tree_after, arrays_after = flatten({"spec": spec, "weights": after})
+    assert tree == tree_after and len(arrays) == len(arrays_after)
+    assert all(np.array_equal(a, b) and a.dtype == b.dtype for a, b in zip(arrays, arrays_after))
+    planning = [(d["topic"], d["subject"], d["choice"], d["reason"], d["count"]) for d in after_log.recent()]
+    assert [(d["topic"], d["subject"], d["choice"], d["reason"], d["count"]) for d in streamed_log.recent()
+            if d["topic"] != "packed_cache"] == planning
 
 
 # ---- the key ---------------------------------------------------------------------------------------------
@@ -293,14 +350,14 @@ def test_a_full_disk_loads_without_the_cache_and_leaves_no_temp_file(llama_dir, 
 
 
 def test_weights_the_cache_cannot_store_are_loaded_and_not_cached(llama_dir, tmp_path, monkeypatch):
-    plan = planned_load.plan_activations
+    finish = planned_load.ActivationPlan.finish
 
-    def with_an_object_array(*args, **kwargs):
-        w = plan(*args, **kwargs)
+    def with_an_object_array(self, weights):
+        w = finish(self, weights)
         layer = replace(w.layers[0], qkv_bias=np.array([object()], dtype=object))
         return replace(w, layers=(layer, *w.layers[1:]))
 
-    monkeypatch.setattr(planned_load, "plan_activations", with_an_object_array)
+    monkeypatch.setattr(planned_load.ActivationPlan, "finish", with_an_object_array)
     llm = load(llama_dir, tmp_path)
     assert outcome(llm) == "not cached"
     reason = llm.engine.load_stats.reason
