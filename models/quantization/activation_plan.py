@@ -50,12 +50,16 @@ def linear_matrices(weights: ModelWeights) -> Iterator[tuple[str, str, Matrix]]:
 def with_linear_matrices(weights: ModelWeights, choose: Callable[[str, Matrix], Matrix]) -> ModelWeights:
     """A copy with each matrix of linear_matrices (name, w) replaced by choose(name, w), called in that
     order."""
-    layers = []
-    for i, layer in enumerate(weights.layers):
-        for key in layer.projections:
-            layer = layer.with_projection(key, choose(f"layers.{i}.{key}", layer.projection(key)))
-        layers.append(layer)
-    return replace(weights, layers=tuple(layers), lm_head=choose("lm_head", weights.lm_head))
+    return replace(weights, layers=tuple(with_layer_matrices(i, layer, choose)
+                                         for i, layer in enumerate(weights.layers)),
+                   lm_head=choose("lm_head", weights.lm_head))
+
+
+def with_layer_matrices(i: int, layer: LayerWeights, choose: Callable[[str, Matrix], Matrix]) -> LayerWeights:
+    """Layer i with each matrix replaced by choose(name, w), named as linear_matrices names them."""
+    for key in layer.projections:
+        layer = layer.with_projection(key, choose(f"layers.{i}.{key}", layer.projection(key)))
+    return layer
 
 
 def plan_activations(weights: ModelWeights, activation_dtype: str, decisions: DecisionLog,
@@ -90,13 +94,11 @@ class ActivationPlan:
             check_fits(calibration, num_layers)
         self.decisions, self.calibration, self.static_scales = decisions, calibration, static_scales
         self.fallbacks: list[str] = []  # the matrices calibration keeps in float32
-        self.int8 = False
+        self.int8 = False  # whether matrices are planned for int8 activations (_chooser decides)
         self._choose_part = self._chooser(activation_dtype)  # (name, part) -> part; None: all unchanged
 
     def layer(self, i: int, layer: LayerWeights) -> LayerWeights:
-        for key in layer.projections:
-            layer = layer.with_projection(key, self._matrix(f"layers.{i}.{key}", layer.projection(key)))
-        return layer
+        return with_layer_matrices(i, layer, self._matrix)
 
     def finish(self, weights: ModelWeights) -> ModelWeights:
         """weights (their layers planned by layer()) with the LM head planned; the records made."""
