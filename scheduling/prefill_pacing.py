@@ -3,29 +3,33 @@ freezes the streams already running (Sarathi-Serve's stall-free batching, its bu
 measured step costs rather than an offline profile).
 
 A decode step's time is what a running stream waits between tokens. A step that also carries a prompt chunk
-of p tokens takes about decode_s + fixed_s + p * token_s: fixed_s is what any chunk adds (the batch leaving
-the decode kernels' shapes, the chunk's attention set up over its context), token_s what each of its tokens
-adds. Holding the step to max_stretch * decode_s gives
+of p tokens takes about decode_s + fixed_s + p * token_s: fixed_s is what any chunk adds whatever its size,
+token_s what each of its tokens adds. Holding the step to max_stretch * decode_s gives
 
     p = ((max_stretch - 1) * decode_s - fixed_s) / token_s   (at least 1: a prompt always moves on)
 
-decode_s is an average of the steps that decoded with no prompt token; fixed_s and token_s a line fitted to
-the recent steps that carried some (their seconds less decode_s against their prompt tokens, the newer
-weighing more). While those steps' chunks were all about one size the line has no slope to fit: it keeps
-the slope fitted before and moves through their mean, or before any slope was fitted takes the excess as
-per token (exact at that size; the chunk sizes it then picks spread the sizes). When fixed_s alone fills the
-room, no chunk keeps the stretch: a chunk is then sized against a mixed step's floor (decode_s + fixed_s)
-instead, so that a prompt does not crawl a token a step while the streams wait about as long anyway, and
-`floor_over_stretch` says so (the batcher logs it). Until a chunk was measured it is FIRST_CHUNK tokens, and
-a chunk grows by at most GROWTH times the last one measured: a line fitted to noisy steps may promise a chunk
-far larger than any measured, and one step that long is the streams' p99. With nothing decoding, or pacing
-off, only the token budget bounds a step.
+decode_s is an average of the steps that decoded with no prompt token. A long prompt's chunks would leave
+none, while the streams' contexts grow and the VM's speed swings, so at least every PROBE_EVERY-th step
+beside decodes carries no prompt token. fixed_s and token_s are a line fitted to the recent steps that
+carried some (their seconds less decode_s against their prompt tokens, the newer weighing more). While
+those steps' chunks were all about one size the line has no slope to fit: it keeps the slope fitted before
+and moves through their mean, or before any slope was fitted takes the excess as per token (exact at that
+size; the chunk sizes it then picks spread the sizes). Before any chunk was measured a prompt token is
+taken to cost what a decoding request's token does (decode_s over the requests decoding: both are rows of
+the same matrix products; on a 2-core Zen 1 VM, 37 ms against 34 measured), and before any step was
+measured a chunk is FIRST_CHUNK tokens. When fixed_s alone fills the room, no chunk keeps the stretch: a
+chunk is then sized against a mixed step's floor (decode_s + fixed_s) instead, so that a prompt does not
+crawl a token a step while the streams wait about as long anyway, and `floor_over_stretch` says so (the
+batcher logs it). A chunk grows by at most GROWTH times the last one measured: a line fitted to noisy steps
+may promise a chunk far larger than any measured, and one step that long is the streams' p99. With nothing
+decoding, or pacing off, only the token budget bounds a step.
 """
 
 from collections import deque
 from dataclasses import dataclass
 
-FIRST_CHUNK = 16  # prompt tokens beside decodes before a chunk's cost was measured
+FIRST_CHUNK = 16  # prompt tokens beside decodes before any step was measured
+PROBE_EVERY = 8  # of the steps beside decodes, at least every this many carries no prompt token
 GROWTH = 1.25  # a chunk at most this times (plus one token) the last one measured
 EMA_WEIGHT = 0.25  # of the newest step in each average: the VM's speed swings within seconds
 WINDOW = 16  # the mixed steps the line is fitted to
@@ -73,21 +77,25 @@ class PrefillPacer:
         self.decode_s: float | None = None  # a decode-only step
         self.chunks: deque[tuple[int, float]] = deque(maxlen=WINDOW)  # (prompt tokens, seconds added)
         self.cost: ChunkCost | None = None  # fitted to chunks at their last change
+        self.since_decode_only = 0  # steps beside decodes measured since the last decode-only one
 
     def observe(self, num_decode_tokens: int, num_prompt_tokens: int, seconds: float) -> None:
         """A step's tokens (decoding requests' and all others') and its wall time."""
         if num_decode_tokens == 0 or seconds <= 0:
             return  # nothing decoded: no stream waited on it
         if num_prompt_tokens == 0:
-            self.decode_s = _average(self.decode_s, seconds)
-        elif self.decode_s is not None:
+            self.decode_s, self.since_decode_only = _average(self.decode_s, seconds), 0
+            return
+        self.since_decode_only += 1
+        if self.decode_s is not None:
             self.chunks.append((num_prompt_tokens, max(seconds - self.decode_s, 0.0)))
             # chunks all of one size keep the slope the sizes gave before
             self.cost = fit_chunk_cost(list(self.chunks), None if self.cost is None else self.cost.token_s)
 
     @property
     def last_chunk(self) -> int:
-        """The prompt tokens the last measured step beside decodes carried (FIRST_CHUNK before one)."""
+        """The prompt tokens the last measured step beside decodes carried (FIRST_CHUNK before one: growth
+        does not bound the first)."""
         return self.chunks[-1][0] if self.chunks else FIRST_CHUNK
 
     @property
@@ -98,14 +106,21 @@ class PrefillPacer:
                 and cost.fixed_s >= (self.max_stretch - 1.0) * self.decode_s)
 
     def prompt_tokens(self, num_decoding: int) -> int | None:
-        """Prompt tokens the next step may carry beside num_decoding decoding requests (None: no bound)."""
+        """Prompt tokens the next step may carry beside num_decoding decoding requests (None: no bound; 0:
+        a decode-only step, every PROBE_EVERY-th)."""
         if self.max_stretch is None or num_decoding == 0:
             return None
-        cost = self.cost
-        if cost is None:
+        if self.decode_s is None:
             return FIRST_CHUNK
+        if self.since_decode_only >= PROBE_EVERY - 1:
+            return 0
+        # before a chunk was measured: a prompt token costs what a decoding request's token does
+        cost = self.cost or ChunkCost(0.0, self.decode_s / num_decoding)
         room = (self.max_stretch - 1.0) * self.decode_s - cost.fixed_s
         if room <= 0:  # floor_over_stretch: the stretch over a mixed step's floor instead
             room = (self.max_stretch - 1.0) * (self.decode_s + cost.fixed_s)
         fits = room / max(cost.token_s, 1e-9)
-        return max(1, min(int(fits + 1e-6), int(GROWTH * self.last_chunk) + 1))  # 4.9999... is 5
+        chunk = int(fits + 1e-6)  # 4.9999... is 5
+        if cost.fixed_s == 0 and self.chunks and chunk == self.last_chunk < fits:
+            chunk += 1  # all per token, measured at one size: one more shows whether a chunk has a fixed part
+        return max(1, min(chunk, int(GROWTH * self.last_chunk) + 1))

@@ -4,6 +4,7 @@ import pytest
 
 from cluster_configs.engine_config import EngineConfig
 from memory.kv_cache import kv_layout
+from scheduling import prefill_pacing as pacing
 from scheduling.prefill_pacing import FIRST_CHUNK, GROWTH, ChunkCost, PrefillPacer, fit_chunk_cost
 from scheduling.scheduler import Scheduler
 from tests.scheduling.test_scheduler import BLOCK_SIZE, request, run_step
@@ -29,13 +30,31 @@ def test_no_bound_unpaced_or_with_nothing_decoding():
     assert measured().prompt_tokens(0) is None
 
 
-def test_first_chunk_before_a_cost_was_measured():
+def test_first_chunk_before_a_step_was_measured_then_priced_as_a_decoding_token():
     pacer = PrefillPacer(1.5)
     assert pacer.prompt_tokens(3) == FIRST_CHUNK
-    pacer.observe(3, 0, 0.1)  # a decode step alone does not price a prompt token
+    pacer.observe(0, 100, 5.0)  # a step where nothing decoded prices nothing (no stream waited on it)
     assert pacer.prompt_tokens(3) == FIRST_CHUNK
-    pacer.observe(0, 100, 5.0)  # nor does a step where nothing decoded (no stream waited on it)
-    assert pacer.prompt_tokens(3) == FIRST_CHUNK
+    pacer.observe(4, 0, 0.1)  # 4 decoding requests' tokens in 0.1 s: 0.025 s a token
+    assert pacer.prompt_tokens(4) == 2  # 0.05 s of room
+    assert pacer.prompt_tokens(10) == 5  # a step of 10 decodes: 0.01 s a token, 0.05 s of room
+
+
+def test_every_probe_every_th_step_beside_decodes_decodes_alone():
+    pacer, probe = measured(1.5, 0.1, 0.01), pacing.PROBE_EVERY  # a decode-only step, one of 16 prompt tokens
+    chunks = []
+    for _ in range(2 * probe):
+        chunk = pacer.prompt_tokens(4)
+        pacer.observe(4, chunk, 0.1 + chunk * 0.01)
+        chunks.append(chunk)
+    assert chunks == [5] * (probe - 2) + [0] + [5] * (probe - 1) + [0] + [5]
+
+
+def test_one_more_token_when_the_cost_is_all_per_token_and_leaves_room_for_a_fraction():
+    pacer = PrefillPacer(1.25)
+    pacer.observe(8, 0, 0.356)
+    pacer.observe(8, 2, 0.356 + 0.06 + 2 * 0.002)  # 0.032 s a token if all per token: 2.8 fit
+    assert pacer.prompt_tokens(8) == 3  # what tells a fixed part from a per-token one
 
 
 @pytest.mark.parametrize("stretch, decode_s, prompt_token_s, expected", [
@@ -93,21 +112,19 @@ def test_a_fixed_part_leaves_the_tokens_what_is_left_of_the_room():
 
 
 def test_steps_priced_by_a_line_converge_to_its_chunk_and_keep_the_stretch():
-    """A closed loop: each step's seconds from a fixed and a per-token cost (no clock), a decode-only step
-    between some of them."""
+    """A closed loop: each step's seconds from a fixed and a per-token cost (no clock); the pacer's
+    decode-only steps take decode_s."""
     decode_s, fixed_s, token_s, stretch = 0.356, 0.06, 0.002, 1.25
     pacer = PrefillPacer(stretch)
     pacer.observe(8, 0, decode_s)
     chunks = []
-    for step in range(40):
+    for _ in range(40):
         chunk = pacer.prompt_tokens(8)
-        pacer.observe(8, chunk, decode_s + fixed_s + chunk * token_s)
-        if step % 3 == 0:
-            pacer.observe(8, 0, decode_s)
+        pacer.observe(8, chunk, decode_s + (fixed_s + chunk * token_s if chunk else 0.0))
         chunks.append(chunk)
     best = int(((stretch - 1) * decode_s - fixed_s) / token_s)  # 14
-    assert chunks[-10:] == [best] * 10
-    assert all(decode_s + fixed_s + c * token_s <= stretch * decode_s * 1.3 for c in chunks)
+    assert [c for c in chunks[-16:] if c] == [best] * 14
+    assert all(fixed_s + c * token_s <= (stretch - 1) * decode_s for c in chunks if c)
 
 
 def test_a_fixed_part_over_the_room_stretches_the_floor_and_is_logged():
@@ -136,6 +153,7 @@ def test_averages_move_toward_new_costs():
     before = pacer.prompt_tokens(4)
     for _ in range(20):  # prompt tokens got 4x dearer (a longer context)
         pacer.observe(4, 5, 0.1 + 5 * 0.04)
+    pacer.observe(4, 0, 0.1)  # the decode-only step every pacing.PROBE_EVERY-th
     assert pacer.prompt_tokens(4) < before
     assert pacer.prompt_tokens(4) == 1  # 0.05 s of room at 0.04 s a token
 
