@@ -6,7 +6,7 @@ A decode step's time is what a running stream waits between tokens. A step that 
 of p tokens takes about decode_s + fixed_s + p * token_s: fixed_s is what any chunk adds whatever its size,
 token_s what each of its tokens adds. Holding the step to max_stretch * decode_s gives
 
-    p = ((max_stretch - 1) * decode_s - fixed_s) / token_s   (at least 1: a prompt always moves on)
+    p = ((max_stretch - 1) * decode_s - fixed_s) / token_s   (at least 1 but on the steps below that probe)
 
 decode_s is an average of the steps that decoded with no prompt token. A long prompt's chunks would leave
 none, while the streams' contexts grow and the VM's speed swings, so at least every PROBE_EVERY-th step
@@ -110,10 +110,10 @@ class PrefillPacer:
         a decode-only step, every PROBE_EVERY-th)."""
         if self.max_stretch is None or num_decoding == 0:
             return None
-        if self.decode_s is None:
-            return FIRST_CHUNK
         if self.since_decode_only >= PROBE_EVERY - 1:
             return 0
+        if self.decode_s is None:
+            return FIRST_CHUNK
         # before a chunk was measured: a prompt token costs what a decoding request's token does
         cost = self.cost or ChunkCost(0.0, self.decode_s / num_decoding)
         room = (self.max_stretch - 1.0) * self.decode_s - cost.fixed_s

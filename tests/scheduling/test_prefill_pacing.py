@@ -48,6 +48,11 @@ def test_every_probe_every_th_step_beside_decodes_decodes_alone():
         pacer.observe(4, chunk, 0.1 + chunk * 0.01)
         chunks.append(chunk)
     assert chunks == [5] * (probe - 2) + [0] + [5] * (probe - 1) + [0] + [5]
+    unmeasured = PrefillPacer(1.5)  # prompts beside decodes from the first step: a probe measures decode_s
+    for _ in range(probe - 1):
+        assert unmeasured.prompt_tokens(4) == FIRST_CHUNK
+        unmeasured.observe(4, FIRST_CHUNK, 0.3)
+    assert unmeasured.prompt_tokens(4) == 0
 
 
 def test_one_more_token_when_the_cost_is_all_per_token_and_leaves_room_for_a_fraction():
