@@ -69,6 +69,11 @@ class LayerWeights:
 LayerHook = Callable[[int, LayerWeights], LayerWeights]
 
 
+def as_built(i: int, layer: LayerWeights) -> LayerWeights:
+    """The LayerHook that keeps each layer as the loader built it."""
+    return layer
+
+
 @dataclass(frozen=True, eq=False)
 class ModelWeights:
     embed: WeightMatrix  # [vocab, hidden]

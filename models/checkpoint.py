@@ -10,7 +10,7 @@ from tqdm import tqdm
 from cluster_configs.errors import CheckpointError
 from memory.experts import ExpertWeights
 from memory.matrices import Matrix, WeightMatrix, stacked
-from memory.weights import LayerHook, LayerWeights, ModelWeights
+from memory.weights import LayerHook, LayerWeights, ModelWeights, as_built
 from models.model_spec import ModelSpec, load_spec
 from models.quantization.imatrix import ImportanceLookup, ImportanceMatrix
 from models.quantization.quant_mix import embedding_dtype, lm_head_dtype, matrix_dtype
@@ -169,7 +169,7 @@ def load_weights(model_dir: str | Path, weight_dtype: str, shard: TensorShard = 
     norm = read("model.norm.weight") + np.float32(spec.arch.norm_offset)
     lm_head = embed if spec.tie_word_embeddings else mat("lm_head.weight", "output.weight",
                                                          lm_head_dtype(weight_dtype))
-    each_layer = each_layer or (lambda i, layer: layer)
+    each_layer = each_layer or as_built
     layers = tuple(each_layer(i, load_layer(read, f"model.layers.{i}.", spec, weight_dtype, spec.is_moe(i), i,
                                             importance))
                    for i in range(spec.num_layers))

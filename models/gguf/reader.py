@@ -14,7 +14,7 @@ from tqdm import tqdm
 from cluster_configs.errors import CheckpointError
 from memory.experts import ExpertWeights
 from memory.matrices import Matrix, StackedMatrix, WeightMatrix, stacked
-from memory.weights import LayerHook, LayerWeights, ModelWeights
+from memory.weights import LayerHook, LayerWeights, ModelWeights, as_built
 from models.gguf.families import FAMILIES, GGUFFamily, Layout, layer_layouts
 from models.gguf.format import AUTO, GT, RAW_BLOCKS, ROPE_TENSORS
 from models.gguf.model_spec import spec_from_gguf
@@ -271,8 +271,9 @@ def load_gguf(path: str | Path, weight_dtype: str, shard: TensorShard = WHOLE_MO
     """-> (spec, weights, tokenizer) like the Hugging Face loader. weight_dtype "auto" keeps the file's
     types (F16 as float16, BF16 as bfloat16, bit for bit); quantized tensors already in the wanted format keep
     their bytes; others are requantized (with imatrix's importance, if given). shard: a tensor-parallel
-    rank's part, its slices alone copied out of the file (the spec stays the whole model's); each_layer:
-    applied to each layer as it is built, its tensors' copies then dropped (memory/weights.LayerHook)."""
+    rank's part, its slices alone kept (each tensor read whole, one at a time; the spec stays the whole
+    model's); each_layer: applied to each layer as it is built, its tensors' copies then dropped
+    (memory/weights.LayerHook)."""
     path = Path(path)
     reader, metadata = _open(path)
     head = {t.name: _copy_tensor(path, t) if t.name in ROPE_TENSORS else _shape_only(t)
@@ -291,5 +292,5 @@ def load_gguf(path: str | Path, weight_dtype: str, shard: TensorShard = WHOLE_MO
     vocab = shard.span(spec.vocab_size) if shard.size > 1 else (0, spec.vocab_size)
     importance = None if imatrix is None else ImportanceLookup(imatrix, spec, shard)
     weights = _weights(path, shard.local_spec(spec), metadata["general.architecture"], tensors, weight_dtype,
-                       vocab[1] - vocab[0], importance, each_layer or (lambda i, layer: layer))
+                       vocab[1] - vocab[0], importance, each_layer or as_built)
     return spec, weights, tokenizer
