@@ -25,8 +25,8 @@ LATE_CHECK_S = 0.25  # a check this long after the previous one follows a stall 
 
 
 class CallerGone(Exception):
-    """Put in the stream of a request whose caller's lease lapsed: the worker aborts it and ends its stream
-    without a last chunk (the abort's chunk yielded to the dead caller held up the worker's next call)."""
+    """A worker's answer for a request it no longer runs for its caller (the caller's lease lapsed and the
+    worker aborted it): a caller that lives on (its event loop stalled) resumes it as after a lost worker."""
 
 
 class CallerLeases:
@@ -59,19 +59,18 @@ class CallerLeases:
         if caller_id in self.renewed:
             self.renewed[caller_id] = now
 
-    def expire(self, now: float) -> list[str]:
-        """The requests of the callers whose lease lapsed, each returned once (the callers are forgotten)."""
+    def expire(self, now: float) -> dict[str, list[str]]:
+        """caller id -> its requests, for the callers whose lease lapsed, each returned once (the callers
+        are forgotten)."""
         late = self._last_check is not None and now - self._last_check > self.late_check_s
         self._last_check = now
         if late:
-            return []
+            return {}
         lapsed = [c for c, at in self.renewed.items() if now - at > self.lease_s]
-        expired: list[str] = []
         self.num_expired += len(lapsed)
         for caller_id in lapsed:
             del self.renewed[caller_id]
-            expired += sorted(self.request_ids.pop(caller_id))
-        return expired
+        return {caller_id: sorted(self.request_ids.pop(caller_id)) for caller_id in lapsed}
 
 
 class LeaseKeeper:

@@ -23,10 +23,11 @@ import numpy as np
 from ray.exceptions import RayActorError, RayTaskError
 
 from actors.adapter_cache import resolve_adapter
-from actors.caller_lease import LeaseKeeper
+from actors.caller_lease import CallerGone, LeaseKeeper
 from actors.messages import Admission, EmbedRequest, GenerateRequest, Placement
 from actors.ray_errors import WORKER_LOST, unwrap
 from actors.resume import resume_state
+from actors.worker_feed import WorkerFeed, WorkerFeeds, WorkerLost
 from cluster_configs.errors import Overloaded, Unavailable
 from cluster_configs.sampling_params import SamplingParams
 from scheduling.outputs import RequestOutput
@@ -47,6 +48,7 @@ class Ingress:
         self._current = first % len(self.routers)
         self._model: dict | None = None  # Router.model_info
         self.leases = LeaseKeeper()  # keeps this caller's requests alive on their workers
+        self.feeds = WorkerFeeds(self.leases.caller_id)  # their deltas, one Ray stream per worker
 
     @property
     def router(self):
@@ -174,29 +176,27 @@ class RequestStream:
         self.resume = None
         self.num_attempts = 0
         self.attempt_id: str | None = None
-        self.refs = None  # the running attempt's ObjectRefGenerator
+        self.feed: WorkerFeed | None = None  # the caller's feed from the attempt's worker
+        self.queue: asyncio.Queue | None = None  # the submitted attempt's items, from the feed
         self.done = False
 
     async def next(self) -> RequestOutput:
         try:
             while True:
-                if self.refs is None:
-                    expired = self._start_attempt()
+                if self.queue is None:
+                    expired = await self._start_attempt()
                     if expired is not None:
                         self._end(finished=True)
                         return expired
-                try:
-                    out: RequestOutput = await (await self.refs.__anext__())
-                except (StopAsyncIteration, *WORKER_LOST):
-                    await self._move()  # the worker's stream stopped before the request finished: lost
+                    if self.queue is None:
+                        continue  # refused at a worker's bound, or its worker lost: the next one
+                out = await self.queue.get()
+                if isinstance(out, (WorkerLost, CallerGone)):
+                    await self._move()  # its worker was lost, or dropped it taking this caller for dead
                     continue
-                except RayTaskError as e:
-                    error = unwrap(e, "worker")
-                    if isinstance(error, Overloaded) and self.fallbacks and not self.generated:
-                        self.refs, self.placement = None, self.fallbacks.pop(0)  # refused at its bound
-                        continue
+                if isinstance(out, BaseException):
                     self._end(finished=True)  # the request failed on its worker, which has let it go
-                    raise error from None
+                    raise out
                 self.generated += out.token_ids
                 self.emitted_text += out.text
                 if out.finished:
@@ -212,9 +212,10 @@ class RequestStream:
         if not self.done:
             self._end(finished=False)
 
-    def _start_attempt(self) -> RequestOutput | None:
-        """Submit the request (resumed, after a loss) to its worker; an "abort" output if its deadline has
-        passed meanwhile."""
+    async def _start_attempt(self) -> RequestOutput | None:
+        """Submit the request (resumed, after a loss) to its worker, its queue on the caller's feed from that
+        worker set first; an "abort" output if its deadline has passed meanwhile. The queue stays None if the
+        worker refused it at its bound (the next fallback is placed) or was lost (it is moved)."""
         a = self.admission
         if self.num_attempts >= MAX_ATTEMPTS:
             raise RuntimeError(f"request {a.request_id} lost its worker too many times; giving up")
@@ -223,18 +224,34 @@ class RequestStream:
             return RequestOutput(a.request_id, [], "", "abort", [] if a.params.logprobs is not None else None)
         self.attempt_id = f"{a.request_id}-{self.num_attempts}"
         self.num_attempts += 1
+        leases = self.ingress.leases
         request = GenerateRequest(self.attempt_id, a.prompt_token_ids + self.generated, left or a.params,
                                   a.adapter, a.cache_salt, self.resume, a.request_id, self.sequence_id,
-                                  self.ingress.leases.caller_id)
-        self.refs = self.placement.worker.generate.remote(request)
-        self.ingress.leases.opened(self)
+                                  leases.caller_id)
+        self.feed = self.ingress.feeds.feed(self.placement.worker_id, self.placement.worker)
+        queue = self.feed.add(self.attempt_id)
+        leases.opened(self)
+        try:
+            await self.placement.worker.submit.remote(request)
+        except WORKER_LOST:
+            await self._move()
+            return None
+        except RayTaskError as e:
+            self._leave()
+            error = unwrap(e, "worker")
+            if isinstance(error, Overloaded) and self.fallbacks and not self.generated:
+                self.placement = self.fallbacks.pop(0)  # refused at its bound: the router's next candidate
+                return None
+            self._end(finished=True)  # refused: nothing runs there
+            raise error from None
+        self.queue = queue
         return None
 
     async def _move(self) -> None:
         """The worker was lost: go on on the one the router gives, from where the stream is."""
         a = self.admission
-        self.refs = None
-        self.placement.worker.abort.remote(self.attempt_id)  # in case it lives on (its stream ended early)
+        self._leave()
+        self.placement.worker.abort.remote(self.attempt_id)  # in case it lives on (it dropped this caller)
         num_tokens_left = len(a.prompt_token_ids) + a.params.max_tokens
         self.router, self.placement = await self.ingress.reroute(self.router, a.request_id,
                                                                  self.placement.worker_id, num_tokens_left)
@@ -246,10 +263,16 @@ class RequestStream:
         for (a router restarting now has forgotten the request anyway)."""
         self.done = True
         self.ingress.leases.closed(self)
-        if not finished and self.refs is not None:
+        if not finished and self.feed is not None:  # submitted, or its submission in flight
             self.placement.worker.abort.remote(self.attempt_id)
-        self.refs = None
+        self._leave()
         self.router.finish.remote(self.admission.request_id)
+
+    def _leave(self) -> None:
+        """Nothing more of the running attempt is read."""
+        if self.feed is not None:
+            self.feed.remove(self.attempt_id)
+        self.queue = self.feed = None
 
 
 def _deadline_left(params: SamplingParams, arrival: float) -> SamplingParams | None:

@@ -1,11 +1,13 @@
 """NumaWorker: one Engine pinned to one NUMA node's cores (a tensor-parallel one: rank 0 here, its follower
 processes on the group's other nodes); the actor's async surface.
 
-The actor's event loop serves generate/embed/abort/stats/info; the Engine lives on its engine loop's thread
-(scheduling/engine_loop.py, with the worker's hooks: actors/worker_hooks.py), reached through its messages.
-Callers stream straight from `generate` (the router only placed the request), and renew a lease on the worker
-while they do: a caller that stops (killed) has its requests aborted (actors/caller_lease.py). A request's
-adapter is fetched on the event loop before the request is queued and held by the loop thread while it runs
+The actor's event loop serves submit/caller_stream/embed/abort/stats/info; the Engine lives on its engine
+loop's thread (scheduling/engine_loop.py, with the worker's hooks: actors/worker_hooks.py), reached through
+its messages. Callers submit requests straight to the worker (the router only placed them) and read the
+deltas of all theirs here from one stream, caller_stream (actors/caller_channel.py: one Ray item per step
+per caller, however many streams), and renew a lease on the worker while they have requests here: a caller
+that stops (killed) has its requests aborted (actors/caller_lease.py). A request's adapter is fetched on the
+event loop before the request is queued and held by the loop thread while it runs
 (actors/worker_adapters.py).
 """
 
@@ -13,21 +15,24 @@ import asyncio
 import os
 import socket
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from concurrent.futures import Future
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 import psutil
 import ray
 
+from actors.caller_channel import CallerChannel
 from actors.caller_lease import CHECK_INTERVAL_S, CallerGone, CallerLeases
-from actors.delta_stream import DeltaStream, merge
+from actors.channel_wire import encode
 from actors.messages import EmbedRequest, ForkSequence, FreeSequences, GenerateRequest
 from actors.metrics import WorkerMetrics
 from actors.resume import resume_request
 from actors.worker_adapters import AdapterFetcher, CachedMerged, HeldAdapters
 from actors.worker_hooks import WorkerHooks
+from actors.worker_requests import RecentIds, Running, settle
 from actors.worker_sequences import WorkerSequences
 from cluster_configs.cluster_config import WorkerPlacement
 from cluster_configs.engine_config import EngineConfig
@@ -60,11 +65,15 @@ class NumaWorker:
         self._adapters = AdapterFetcher(adapter_cache, engine_config)
         self._num_pinned, self._memory_policy = num_pinned, memory_policy
         self._stream_interval_s = stream_interval_s
-        self._streams: dict[str, DeltaStream] = {}
+        self._running: dict[str, Running] = {}  # request id -> its record, from submit to its last item
+        self._channels: dict[str, CallerChannel] = {}  # caller id -> its channel (actors/caller_channel.py)
         self._admission_ids: dict[str, str] = {}  # request id -> its router's admission id, while it streams
         self._leases = CallerLeases()
+        self._expired = RecentIds()  # requests aborted as their caller's lease lapsed (caller_stream says so)
+        self._early_aborts = RecentIds()  # ids aborted before their submit came (the caller cancelled them)
         self._lease_check: asyncio.Task | None = None
-        self._num_requests = 0  # served through generate (the warm-up is not one)
+        self._num_requests = 0  # submitted (the warm-up is not one)
+        self._num_caller_batches = 0  # Ray items yielded by caller_stream, every caller's
         self.metrics = WorkerMetrics(model_name or Path(model_path).name, placement.worker_id,
                                      placement.node_id)
         self._held = held  # the loop thread's
@@ -72,12 +81,12 @@ class NumaWorker:
         self._hooks = WorkerHooks(placement, self.metrics, scheduler, telemetry_interval_s, admission_bound)
         self._loop = EngineLoop(self.engine, self._hooks, name=f"step-loop-{placement.worker_id}")
 
-    @ray.method(num_returns="streaming")
-    async def generate(self, request: GenerateRequest):
-        """Deltas of one request: one RequestOutput per yield, holding every token ready since the last. The
-        first comes as soon as it is ready, the next ones at most every stream_interval_s (and the last at
-        once). With request.resume, the prompt ends in the output a lost worker had streamed, and this one
-        goes on. With request.sequence_id, a session sequence's turn (actors/worker_sequences.py)."""
+    async def submit(self, request: GenerateRequest) -> None:
+        """Queue one attempt at a request of request.caller_id; returns once it is queued (Overloaded past
+        this worker's admission bound, InvalidRequest for an id already running here). Its deltas come on
+        the caller's channel (caller_stream). With request.resume, the prompt ends in the output a lost
+        worker had streamed, and this one goes on. With request.sequence_id, a session sequence's turn
+        (actors/worker_sequences.py)."""
         resume = request.resume
 
         def make(adapter: str | None) -> Request:
@@ -92,18 +101,49 @@ class NumaWorker:
                 resume_request(req, params, resume)
             return req
 
+        if self._early_aborts.pop(request.request_id):
+            return  # cancelled by its caller before it came: nobody waits for it
         if resume is None:
             self._refuse_past_bound(request.admission_id)
-        if request.caller_id is not None:
-            self._leases.add(request.caller_id, request.request_id, time.monotonic())
-            self._check_leases()
+        self._check_new(request.request_id)
+        caller_id = request.caller_id
+        channel = self._channels.get(caller_id)
+        if channel is None:
+            channel = self._channels[caller_id] = CallerChannel(self._bind())
+        channel.opened(request.request_id)
+        self._leases.add(caller_id, request.request_id, time.monotonic())
+        self._check_leases()
+        running = Running(request.request_id, request.admission_id, caller_id, request.adapter,
+                          partial(channel.put, request.request_id), self._ended)
         try:
-            async for chunk, _ in self._serve(request.request_id, request.admission_id, request.adapter, make,
-                                              request.sequence_id):
-                yield chunk
+            await self._start(running, make, request.sequence_id)
+        except BaseException:
+            channel.forget(request.request_id)
+            raise
+
+    @ray.method(num_returns="streaming")
+    async def caller_stream(self, caller_id: str, request_ids: tuple[str, ...] = ()):
+        """Every delta of caller_id's requests here, one batch (actors/caller_channel.Batch, as
+        actors/channel_wire.py's bytes) per yield: the first delta of a request and its end at once, the rest
+        at most every stream_interval_s. request_ids: those the caller waits for here; the first batch marks
+        CallerGone those aborted as its lease lapsed (while the caller's event loop stalled, say). Ends when
+        the caller's lease lapses, or after a while with no request of its caller here (its next request
+        opens a new channel: the caller calls again)."""
+        channel = self._channels.get(caller_id)
+        if channel is None:
+            channel = self._channels[caller_id] = CallerChannel(self._bind())
+        try:
+            gone = [r for r in request_ids if self._expired.pop(r)]
+            if gone:
+                self._num_caller_batches += 1
+                yield encode([(r, CallerGone(r)) for r in gone])
+            while (batch := await channel.take()) is not None:
+                self._num_caller_batches += 1
+                yield encode(batch)
+                channel.hold(self._stream_interval_s)
         finally:
-            if request.caller_id is not None:
-                self._leases.remove(request.caller_id, request.request_id)
+            if self._channels.get(caller_id) is channel and (channel.closed or channel.num_running == 0):
+                del self._channels[caller_id]
 
     async def renew_lease(self, caller_id: str) -> None:
         """The caller is alive: its requests here go on (actors/caller_lease.py)."""
@@ -116,80 +156,102 @@ class NumaWorker:
 
     async def _expire_leases(self) -> None:
         while self._leases.request_ids:
-            for request_id in self._leases.expire(time.monotonic()):
-                stream = self._streams.get(request_id)
-                if stream is not None:
-                    stream.put(CallerGone(request_id))
+            for caller_id, request_ids in self._leases.expire(time.monotonic()).items():
+                for request_id in request_ids:
+                    self._expired.add(request_id, time.monotonic())
+                    self._abort(request_id)
+                channel = self._channels.pop(caller_id, None)
+                if channel is not None:
+                    channel.close()
             await asyncio.sleep(CHECK_INTERVAL_S)
 
     def _refuse_past_bound(self, admission_id: str | None) -> None:
         """Overloaded if a newly admitted request would take this worker past its admission bound (another
         router may have filled it): its caller tries the router's next candidate. No await separates this
-        check from _serve counting the request, so the bound holds exactly. A resumed request, which lost its
-        worker, is never refused."""
+        check from _start counting the request, so the bound holds exactly. A resumed request, which lost
+        its worker, is never refused."""
         bound = self._hooks.admission_bound
         if admission_id is not None and bound is not None and len(self._admission_ids) >= bound:
             raise Overloaded(f"worker {self.placement.worker_id}'s queue is full ({bound} requests "
                              "admitted); retry later, or raise max_queued_per_worker or add workers")
 
+    def _check_new(self, request_id: str) -> None:
+        if request_id in self._running:
+            raise InvalidRequest(f"request id {request_id!r} is already running on this worker; "
+                                 "use a unique id")
+
     async def embed(self, request: EmbedRequest) -> np.ndarray:
         """float32 [hidden]: the prompt's final hidden states pooled and L2-normalized
         (scheduling/embedding.py), computed in the engine's steps beside the streams."""
+        made: list[Request] = []
 
         def make(adapter: str | None) -> Request:
-            return self.engine.make_request(request.request_id, request.prompt_token_ids,
-                                            SamplingParams(max_tokens=1), adapter=adapter, pooling=True,
-                                            remote_adapter=True)
+            made.append(self.engine.make_request(request.request_id, request.prompt_token_ids,
+                                                 SamplingParams(max_tokens=1), adapter=adapter, pooling=True,
+                                                 remote_adapter=True))
+            return made[0]
 
         self._refuse_past_bound(request.admission_id)
-        async for _, req in self._serve(request.request_id, request.admission_id, request.adapter, make):
-            pass
-        return pool([np.concatenate(req.collected_rows)], request.pooling, normalize=True)[0]
+        self._check_new(request.request_id)
+        done = asyncio.get_running_loop().create_future()
+        running = Running(request.request_id, request.admission_id, None, request.adapter,
+                          partial(settle, done), self._ended)
+        try:
+            await self._start(running, make)
+            await done
+        except asyncio.CancelledError:
+            self._abort(request.request_id)
+            raise
+        return pool([np.concatenate(made[0].collected_rows)], request.pooling, normalize=True)[0]
 
-    async def _serve(self, request_id: str, admission_id: str | None, adapter: str | None,
-                   make: Callable[[str | None], Request], sequence_id: str | None = None
-                   ) -> AsyncIterator[tuple[RequestOutput, Request]]:
-        """Submit make(adapter)'s request once its adapter is here, and yield its merged deltas (with it)
-        until it finishes; a caller that goes away (cancelled, or its lease lapsed) aborts it."""
-        loop = self._bind()
-        if request_id in self._streams:
-            raise InvalidRequest(f"request id {request_id!r} is already running on this worker; "
-                                 "use a unique id")
-        stream = DeltaStream(loop)
-        self._streams[request_id] = stream
-        if admission_id is not None:
-            self._admission_ids[request_id] = admission_id
-        finished, submitted, using_adapter = False, False, False
+    async def _start(self, running: "Running", make: Callable[[str | None], Request],
+                     sequence_id: str | None = None) -> None:
+        """Submit make(adapter)'s request once its adapter is here; its items go to running.put until one
+        ends it, which lets go of what it held (_ended)."""
+        self._bind()
+        self._running[running.request_id] = running
+        if running.admission_id is not None:
+            self._admission_ids[running.request_id] = running.admission_id
         try:
             weights = merged = None
-            if adapter is not None:
-                weights, merged = await self._adapters.use(adapter)
-                using_adapter = True
-            req = make(adapter)
+            if running.adapter is not None:
+                weights, merged = await self._adapters.use(running.adapter)
+                running.using_adapter = True
+            if running.aborted:  # while its adapter was fetched
+                running.put(RequestOutput(running.request_id, [], "", "abort"))
+                return
+            req = make(running.adapter)
             prepare = self._preparation(req, weights, merged, sequence_id)
-            self._loop.send(Submit((req,), (stream,), True, prepare))
-            submitted = True
+            self._loop.send(Submit((req,), (running,), True, prepare))
+            running.submitted = True
             self._num_requests += 1
-            while not finished:
-                items = await stream.take()
-                failure = next((i for i in items if isinstance(i, Exception)), None)
-                if isinstance(failure, CallerGone):
-                    return  # aborted below, nothing sent: nobody reads it
-                if failure is not None:
-                    raise failure
-                chunk = merge(request_id, items)
-                finished = chunk.finished
-                yield chunk, req
-                stream.hold(self._stream_interval_s)
-        finally:
-            del self._streams[request_id]
-            self._admission_ids.pop(request_id, None)
-            if submitted and not finished:  # the caller went away or was cancelled
-                self._loop.abort(request_id)
-            if using_adapter:
-                self._adapters.done(adapter)
-                if submitted:  # after its abort, if any: the loop holds the weights until then
-                    self._loop.post(lambda engine: self._held.release(adapter))
+        except BaseException:
+            if not running.submitted:
+                self._ended(running)
+            raise
+
+    def _ended(self, running: "Running") -> None:
+        """A request's last item was put (or it never reached the engine): let go of what it held."""
+        if self._running.get(running.request_id) is not running:
+            return
+        del self._running[running.request_id]
+        self._admission_ids.pop(running.request_id, None)
+        if running.caller_id is not None:
+            self._leases.remove(running.caller_id, running.request_id)
+        if running.using_adapter:
+            self._adapters.done(running.adapter)
+            if running.submitted:  # after its end: the loop holds the weights until then
+                self._loop.post(lambda engine: self._held.release(running.adapter))
+
+    def _abort(self, request_id: str) -> None:
+        """End a request here (finish_reason "abort"), queued or still waiting for its adapter, or not yet
+        submitted: Ray may run an abort before the submit its caller made first (submit then drops it)."""
+        running = self._running.get(request_id)
+        if running is None:
+            self._early_aborts.add(request_id, time.monotonic())
+        elif not running.submitted:
+            running.aborted = True
+        self._loop.abort(request_id)
 
     def _preparation(self, req: Request, weights, merged, sequence_id: str | None):
         """What the loop thread does just before it queues req: hold its adapter's weights (the adapter is
@@ -215,7 +277,7 @@ class NumaWorker:
         return set(self._admission_ids.values())
 
     async def abort(self, request_id: str) -> None:
-        self._loop.abort(request_id)
+        self._abort(request_id)
 
     async def fork_sequence(self, call: ForkSequence) -> None:
         await self._ask(self._loop.call_future(
@@ -226,7 +288,8 @@ class NumaWorker:
 
     async def stats(self) -> dict:
         return await self._ask(self._loop.call_future(self._engine_stats)) | {
-            "num_streams": len(self._streams), "num_requests": self._num_requests,
+            "num_streams": len(self._running), "num_requests": self._num_requests,
+            "num_caller_batches": self._num_caller_batches,
             "num_callers_expired": self._leases.num_expired}
 
     async def live(self) -> dict:

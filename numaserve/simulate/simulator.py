@@ -7,8 +7,10 @@ Per request (times are simulated seconds):
   -> a cold adapter is fetched first (adapter_load_s; the request waits, the worker's others do not, as
   #27 asks) -> the worker's Scheduler queue.
 A worker steps while it has requests: plan (real Scheduler.schedule, Speculator.propose), its StepCostModel
-seconds, then the real OutputProcessor. Each step's deltas coalesce into chunks as actors/delta_stream.py
-coalesces them (the first at once, the next after stream_interval_s, the last at once). A chunk then
+seconds, then the real OutputProcessor. Each step's deltas coalesce into chunks per request (the first at
+once, the next after stream_interval_s, the last at once), and each chunk is its own item with its own
+caller CPU: the per-request streams before caller channels (actors/caller_channel.py, which send one batch
+per caller per release), so at many streams this charges the caller more than it now costs. A chunk then
 crosses the router ("relay", the deployment before #27: router CPU per chunk, finish after the last) or
 not ("placement": the caller calls the router once more at the end), then its caller (caller CPU), where
 the caller sees its tokens. Every telemetry_interval_s each worker's StepTelemetry goes to the real
@@ -48,7 +50,7 @@ class NoPrefixAffinity(RoutingPolicy):
 
 @dataclass
 class _Stream:
-    """One request as its caller and its worker's DeltaStream see it."""
+    """One request as its caller and its worker see it."""
     arrival: Arrival
     index: int  # in the trace
     arrived_at: float
@@ -174,7 +176,7 @@ class Simulation:
     # ---- a request's way out ------------------------------------------------------------------------
 
     def _put(self, out: RequestOutput) -> None:
-        """DeltaStream.put: a step's delta joins the request's pending chunk."""
+        """A step's delta joins the request's pending chunk."""
         s, now = self.streams[out.request_id], self.events.now
         s.num_pending += len(out.token_ids)
         s.finished = out.finished

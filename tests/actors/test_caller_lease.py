@@ -15,7 +15,7 @@ def ticking(leases: CallerLeases, start: float, end: float,
             if now - last_renewal[caller] >= every:
                 leases.renew(caller, now)
                 last_renewal[caller] = now
-        expired += leases.expire(now)
+        expired += [r for ids in leases.expire(now).values() for r in ids]
         now += CHECK_INTERVAL_S
     return expired
 
@@ -36,8 +36,8 @@ def test_a_late_check_expires_nothing_and_the_next_one_sees_the_renewals_queued_
     leases = CallerLeases(LEASE_S, LATE_S)
     for caller in ("alive", "dead"):
         leases.add(caller, caller, 0.0)
-    assert leases.expire(0.0) == []
-    assert leases.expire(5.0) == []  # the worker's loop stalled 5 s: the callers' renewals queued behind it
+    assert leases.expire(0.0) == {}
+    assert leases.expire(5.0) == {}  # the worker's loop stalled 5 s: the callers' renewals queued behind it
     leases.renew("alive", 5.01)  # run just after the late check
     assert ticking(leases, 5.0 + CHECK_INTERVAL_S, 5.0 + LEASE_S) == ["dead"]  # at the first check on time
 
@@ -53,4 +53,4 @@ def test_a_caller_with_no_requests_left_is_forgotten_and_its_late_renewal_leaves
     leases.remove("c", "r2")  # ended twice (expired, then its stream closed): harmless
     assert leases.request_ids == {} and leases.renewed == {}
     leases.add("c", "r3", 10.0)  # back later: a fresh lease from its new request
-    assert leases.expire(10.0) == [] and leases.expire(10.0 + LEASE_S / 2) == []
+    assert leases.expire(10.0) == {} and leases.expire(10.0 + LEASE_S / 2) == {}

@@ -1,7 +1,7 @@
 """A caller that goes away has its requests aborted on the workers within a second, their KV blocks freed:
 a driver streaming through ns.connect killed with SIGKILL, the HTTP actor killed mid-stream
 (actors/caller_lease.py: Ray cancels neither, and tells a worker of its caller's death only 2 s later), an
-HTTP connection dropped (RequestStream.cancel).
+HTTP connection dropped (RequestStream.cancel). A caller that only stalled past its lease resumes its stream.
 
 The workers are paused from before the requests reach them (advanced a step at a time until each stream has
 its first token), so the requests hold KV and stay in flight until aborted, whatever this machine's speed:
@@ -21,6 +21,7 @@ import ray
 import requests
 
 import numaserve as ns
+from actors.caller_lease import LEASE_S
 from tests.cluster.conftest import advance, free_port, paused, queued, sim_config, wait_for
 from tests.conftest import random_prompt
 
@@ -35,6 +36,7 @@ DRIVER = """
 import sys
 import threading
 import numaserve as ns
+from actors.caller_lease import LEASE_S
 from tests.conftest import random_prompt
 client = ns.connect(sys.argv[1], address=sys.argv[2])
 params = ns.SamplingParams(max_tokens=int(sys.argv[3]), temperature=0, ignore_eos=True)
@@ -126,7 +128,11 @@ def test_a_killed_driver_has_its_requests_aborted_within_a_second(client, ray_cl
             driver.kill()
             driver.wait()
         wait_freed(handles, idle_blocks, start, GONE_WITHIN_S + round_trip, "driver killed (SIGKILL)")
-    assert sum(s["num_callers_expired"] for s in ray.get([w.stats.remote() for w in handles])) >= 1
+    assert num_callers_expired(handles) >= 1
+
+
+def num_callers_expired(handles) -> int:
+    return sum(s["num_callers_expired"] for s in ray.get([w.stats.remote() for w in handles]))
 
 
 def healthy(url: str) -> bool:
@@ -157,3 +163,36 @@ def test_http_callers_gone_have_their_requests_aborted_within_a_second(client, h
             for s in streams:
                 s.close()
         wait_freed(handles, idle_blocks, start, GONE_WITHIN_S + round_trip, how)
+
+
+@pytest.mark.load_sensitive
+def test_a_caller_whose_event_loop_stalls_past_its_lease_resumes_its_stream_exactly(client):
+    """Its worker takes it for dead (its lease lapsed), aborts its request and ends its channel; once the
+    caller's loop runs again it calls that worker again naming the request, learns it is gone (CallerGone),
+    and resumes it where it was, on the worker the router gives: the tokens are the undisturbed run's."""
+    params = ns.SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    prompt = random_prompt(8, seed=70)
+    expected = client.generate(prompt, params).token_ids
+    handles = workers(client)
+    expired = num_callers_expired(handles)
+    chunks: list = []
+    with ThreadPoolExecutor(1) as pool:
+        with paused(client):
+            reading = pool.submit(lambda: [chunks.append(c) for c in client.stream(prompt, params)])
+            wait_for(lambda: queued(client) == 1, 60, "the request to reach its worker")
+            for _ in range(100):
+                if chunks:
+                    break
+                advance(client)
+                time.sleep(0.05)
+            assert chunks and not chunks[-1].finish_reason
+
+            async def stall() -> None:
+                time.sleep(2 * LEASE_S + 0.5)  # noqa: ASYNC251  (the point: the caller's loop blocked)
+
+            client._streams.run(stall())
+            wait_for(lambda: num_callers_expired(handles) > expired, 30, "the caller taken for dead")
+            wait_for(lambda: queued(client) == 1, 60, "the request to be resumed on a worker")
+        reading.result(timeout=120)
+    assert [t for c in chunks for t in c.token_ids] == expected
+    assert chunks[-1].finish_reason == "length"

@@ -1,12 +1,10 @@
-"""Resuming a request on another engine from the tokens a lost worker had streamed changes nothing, and a
-worker's stream coalesces deltas (no Ray cluster needed)."""
+"""Resuming a request on another engine from the tokens a lost worker had streamed changes nothing (no Ray
+cluster needed)."""
 
-import asyncio
 
 import pytest
 
 import numaserve as ns
-from actors.delta_stream import DeltaStream, merge
 from actors.resume import resume_request, resume_state
 from scheduling.outputs import RequestOutput
 from tests.conftest import random_prompt
@@ -111,35 +109,6 @@ def test_a_request_resumed_with_a_draft_model_continues_with_the_same_tokens(lla
     assert 0 < stats["spec_num_accepted_tokens"] < stats["spec_num_draft_tokens"], stats
     for cut in (1, len(outputs) // 2):
         assert resume_on_a_fresh_engine(llama_dir, spec, whole, outputs[:cut]) == whole.output_token_ids
-
-
-def test_merge_joins_deltas_and_keeps_the_last_finish_reason():
-    merged = merge("r", [RequestOutput("r", [1], "a"), RequestOutput("r", [2, 3], "bc", "length")])
-    assert merged == RequestOutput("r", [1, 2, 3], "abc", "length")
-    with_logprobs = merge("r", [RequestOutput("r", [1], "a", None, [{1: -0.5}]),
-                                RequestOutput("r", [2, 3], "bc", "length", [{2: -0.1}, {3: -0.2, 4: -0.3}])])
-    assert with_logprobs.logprobs == [{1: -0.5}, {2: -0.1}, {3: -0.2, 4: -0.3}]
-
-
-def test_a_delta_stream_releases_at_once_then_holds_and_never_holds_the_end():
-    async def scenario():
-        loop = asyncio.get_running_loop()
-        stream = DeltaStream(loop)
-        for i in range(3):
-            stream.put(RequestOutput("r", [i], str(i)))
-        assert len(await stream.take()) == 3  # no hold yet: what is there now
-        stream.hold(0.2)
-        start = loop.time()
-        for i in range(3):
-            loop.call_later(0.01 * (i + 1), stream.put, RequestOutput("r", [i], str(i)))
-        assert len(await stream.take()) == 3
-        assert loop.time() - start >= 0.19  # held the full interval
-        stream.hold(5.0)
-        loop.call_later(0.01, stream.put, RequestOutput("r", [9], "9", "stop"))
-        start = loop.time()
-        assert len(await stream.take()) == 1
-        assert loop.time() - start < 1.0  # the last delta is not held back
-    asyncio.run(scenario())
 
 
 def test_a_resume_without_a_tokenizer_carries_no_text(llama_dir):

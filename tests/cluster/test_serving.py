@@ -60,15 +60,21 @@ def worker_stats(client) -> dict:
 def test_greedy_results_equal_the_in_process_engine_under_32_concurrent_streams(client, llama_dir, config):
     prompts = [TEXTS[i % len(TEXTS)] if i % 3 == 0 else random_prompt(1 + 7 * i, seed=i) for i in range(32)]
     expected = reference_outputs(llama_dir, config, prompts, GREEDY)
-    before = {w: s["num_requests"] for w, s in worker_stats(client).items()}
+    counts = ("num_requests", "num_steps", "num_caller_batches")
+    before = {w: {k: s[k] for k in counts} for w, s in worker_stats(client).items()}
     with ThreadPoolExecutor(32) as pool:
         got = list(pool.map(lambda p: collect(client.stream(p, GREEDY)), prompts))
+    done = {w: {k: s[k] - before[w][k] for k in counts} for w, s in worker_stats(client).items()}
     assert [g[0] for g in got] == [e.token_ids for e in expected]
     assert [g[1] for g in got] == [e.text for e in expected]
     assert {g[2] for g in got} == {"length"}
     assert sum(g[3] for g in got) < 32 * GREEDY.max_tokens  # tokens ready together rode in one chunk
-    served = {w: s["num_requests"] - before[w] for w, s in worker_stats(client).items()}
+    served = {w: d["num_requests"] for w, d in done.items()}
     assert sum(served.values()) == 32 and min(served.values()) > 0, served  # spread over both workers
+    # this caller read at most one Ray item per engine step of a worker, however many of its streams ran
+    # there (actors/caller_channel.py), its items carrying more chunks than there were items
+    assert all(0 < d["num_caller_batches"] <= d["num_steps"] for d in done.values()), done
+    assert sum(g[3] for g in got) > sum(d["num_caller_batches"] for d in done.values()), done
 
 
 def test_generate_returns_the_prompt_ids_and_the_whole_completion(client, llama_dir, config):

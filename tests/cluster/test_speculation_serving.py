@@ -26,6 +26,7 @@ from tests.cluster.conftest import (
 )
 from tests.conftest import random_prompt
 from tests.scheduling.test_speculation import perturbed_copy
+from tests.support.worker_stream import worker_outputs
 
 NAME = "speculation"
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "mode": "on", "prompt_lookup_min": 1}
@@ -201,8 +202,8 @@ def test_a_worker_drafts_at_the_depth_its_scheduler_pushes_not_its_configured_on
         wait_for(lambda: ray.get(scheduler.last_telemetry.remote()) is not None, 10, "the first report")
         prompt = random_prompt(12, seed=32) * 4
         params = ns.SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
-        token_ids = [t for ref in worker.generate.remote(GenerateRequest("r0", prompt, params))
-                     for t in ray.get(ref).token_ids]
+        token_ids = [t for out in worker_outputs(worker, GenerateRequest("r0", prompt, params))
+                     for t in out.token_ids]
         assert token_ids == reference_outputs(llama_dir, plain_config, [prompt], params)[0].token_ids
         stats = ray.get(worker.stats.remote())
         assert stats["spec_policy_source"] == "scheduler" and stats["spec_max_depth"] == 2
