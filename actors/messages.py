@@ -38,7 +38,7 @@ class Admission:
 
 @dataclass(frozen=True)
 class GenerateRequest:
-    """One attempt at a request on one worker (NumaWorker.generate). With resume, prompt_token_ids end in the
+    """One attempt at a request on one worker (NumaWorker.submit). With resume, prompt_token_ids end in the
     output a lost worker had streamed."""
 
     request_id: str  # the attempt's id, unique on its worker
@@ -51,7 +51,8 @@ class GenerateRequest:
     # a session sequence's turn: prompt_token_ids are its history + the new input, and the worker goes on from
     # the live KV it keeps under this id (or builds it: the first turn, or after a worker's loss)
     sequence_id: str | None = None
-    # the caller's lease (actors/caller_lease.py): the request is aborted once the caller stops renewing it
+    # the caller: its deltas go to the caller's stream (NumaWorker.caller_stream), and the request is aborted
+    # once the caller stops renewing its lease (actors/caller_lease.py); required by submit
     caller_id: str | None = None
 
 

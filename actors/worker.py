@@ -101,6 +101,9 @@ class NumaWorker:
                 resume_request(req, params, resume)
             return req
 
+        if request.caller_id is None:
+            raise InvalidRequest("a submitted request names its caller (caller_id): its deltas go to that "
+                                 "caller's stream (caller_stream)")
         if self._early_aborts.pop(request.request_id):
             return  # cancelled by its caller before it came: nobody waits for it
         if resume is None:

@@ -29,7 +29,6 @@ class WorkerFeed:
         self.worker, self.caller_id, self._forget = worker, caller_id, forget
         self.queues: dict[str, asyncio.Queue[Item]] = {}  # request (attempt) id -> its items
         self._task: asyncio.Task | None = None
-        self.num_batches = 0  # Ray items read
 
     def add(self, request_id: str) -> asyncio.Queue[Item]:
         """request_id's queue, before its submission (its first items may come before the submit returns)."""
@@ -50,14 +49,19 @@ class WorkerFeed:
                         queue = self.queues.get(request_id)
                         if queue is not None:
                             queue.put_nowait(item)
-                    self.num_batches += 1
-        except (*WORKER_LOST, RayTaskError) as e:
-            error = WorkerLost(str(e)) if isinstance(e, WORKER_LOST) else unwrap(e, "worker")
-            for queue in self.queues.values():
-                queue.put_nowait(error)
-            self.queues.clear()
+        except WORKER_LOST as e:
+            self._fail(WorkerLost(str(e)))
+        except RayTaskError as e:  # a bug in caller_stream: its requests fail with it
+            self._fail(unwrap(e, "worker"))
+        except Exception as e:  # noqa: BLE001  (a batch that does not decode: the same)
+            self._fail(e)
         finally:
             self._forget(self)
+
+    def _fail(self, error: BaseException) -> None:
+        for queue in self.queues.values():
+            queue.put_nowait(error)
+        self.queues.clear()
 
 
 class WorkerFeeds:
