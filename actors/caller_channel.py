@@ -28,6 +28,8 @@ def merge(request_id: str, outputs: list[RequestOutput]) -> RequestOutput:
 
 
 class CallerChannel:
+    """One caller's pending items on a worker's event loop, released by take() as batches."""
+
     def __init__(self, loop: asyncio.AbstractEventLoop, idle_s: float = IDLE_S):
         self.loop, self.idle_s = loop, idle_s
         self.pending: dict[str, list[Item]] = {}  # request id -> its items since the last batch
