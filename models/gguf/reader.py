@@ -3,12 +3,13 @@ tokenizer): tensors copied out of the file and stacked into our fused projection
 Hugging Face's rope order where the family's converter permuted them, each matrix served in its stored format
 where it can be."""
 
+import struct
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from tqdm import tqdm
 
 from cluster_configs.errors import CheckpointError
@@ -17,6 +18,7 @@ from memory.matrices import Matrix, StackedMatrix, WeightMatrix, stacked
 from memory.weights import LayerHook, LayerWeights, ModelWeights, as_built
 from models.gguf.families import FAMILIES, GGUFFamily, Layout, layer_layouts
 from models.gguf.format import AUTO, GT, RAW_BLOCKS, ROPE_TENSORS
+from models.gguf.header import TensorInfo, read_header
 from models.gguf.model_spec import spec_from_gguf
 from models.gguf.vocab import tokenizer_from_metadata
 from models.linear import dequantize
@@ -39,40 +41,36 @@ class StoredTensor:
 
 
 def read_gguf(path: Path, copied: set[str] | None = None) -> tuple[dict, dict[str, StoredTensor]]:
-    """-> (metadata, tensors), all copied into process memory: the file mapping is gone on return (the VM
-    reclaims idle file pages, so a long-lived mmap would re-read the disk in the middle of serving).
+    """-> (metadata, tensors), all copied into process memory, no mapping of the file kept (the VM reclaims
+    idle file pages, so a long-lived mmap would re-read the disk in the middle of serving).
     copied: the names of the tensors whose values are wanted (None: all); the others hold value None."""
-    reader, metadata = _open(path)
+    tensors, metadata = _open(path)
     return metadata, {t.name: _copy_tensor(path, t) if copied is None or t.name in copied else _shape_only(t)
-                      for t in reader.tensors}
+                      for t in tensors}
 
 
-def _open(path: Path) -> tuple[GGUFReader, dict]:
-    """-> (the file's reader, its metadata)."""
+def _open(path: Path) -> tuple[list[TensorInfo], dict]:
+    """-> (the file's tensors, its metadata)."""
     if not path.is_file():
         raise CheckpointError(f"{path}: no such file; pass the path of a .gguf file")
     try:
-        reader = GGUFReader(path)
-    except (ValueError, IndexError, OverflowError, EOFError) as e:
+        metadata, tensors = read_header(path)
+    except UnicodeDecodeError as e:
+        raise CheckpointError(f"{path}: a metadata value is unreadable ({e}); the file is corrupt: "
+                              "re-download or re-export it") from None
+    except (ValueError, IndexError, OverflowError, EOFError, struct.error) as e:
         raise CheckpointError(f"{path}: not a readable GGUF file ({e}); if it was copied or downloaded, "
                               "check that it is complete; write one with numaserve's export_gguf or "
                               "convert_hf_to_gguf.py") from None
-    if reader.byte_order != "I":
-        raise CheckpointError(f"{path}: a big-endian GGUF file; convert it for little-endian hosts")
-    try:
-        metadata = {name: field.contents() for name, field in reader.fields.items()
-                    if not name.startswith("GGUF.")}
-    except (ValueError, IndexError) as e:  # UnicodeDecodeError is a ValueError
-        raise CheckpointError(f"{path}: a metadata value is unreadable ({e}); the file is corrupt: "
-                              "re-download or re-export it") from None
-    return reader, metadata
+    return tensors, metadata
 
 
-def _shape_only(t) -> StoredTensor:
-    return StoredTensor(t.tensor_type, tuple(int(d) for d in reversed(t.shape.tolist())), None)
+def _shape_only(t: TensorInfo) -> StoredTensor:
+    return StoredTensor(t.tensor_type, tuple(reversed(t.dims)), None)
 
 
-def _copy_tensor(path: Path, t, pieces: tuple[int, list[tuple[int, int]]] | None = None) -> StoredTensor:
+def _copy_tensor(path: Path, t: TensorInfo,
+                 pieces: tuple[int, list[tuple[int, int]]] | None = None) -> StoredTensor:
     """pieces: (axis, spans) of the tensor (numpy order) to copy, concatenated (a tensor-parallel rank's part,
     models/tensor_parallel/shard.py); None: all of it."""
     kind = t.tensor_type
@@ -83,7 +81,7 @@ def _copy_tensor(path: Path, t, pieces: tuple[int, list[tuple[int, int]]] | None
             f"{path}: tensor {t.name!r} is {kind.name}, {what} numaserve does not load (it loads {loaded}); "
             "requantize the F16 / BF16 GGUF with `llama-quantize model-f16.gguf out.gguf Q4_K_M` (or Q8_0, "
             "Q6_K, Q5_K_M, Q4_0), or load the Hugging Face directory with weight_dtype='q4_k_m'")
-    shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+    shape = tuple(reversed(t.dims))
     data = _read_tensor(path, t)  # the shape, but a quantized type's rows in bytes: [..., N, bytes per row]
     if pieces is not None:
         data, shape = _part(path, t.name, kind, data, shape, *pieces)
@@ -98,11 +96,11 @@ def _copy_tensor(path: Path, t, pieces: tuple[int, list[tuple[int, int]]] | None
     return StoredTensor(kind, shape, WeightMatrix.from_ggml_blocks(AUTO[kind], data.view(np.uint8)))
 
 
-def _read_tensor(path: Path, t) -> np.ndarray:
-    """t's bytes read from the file into a new array of t.data's dtype and shape. Not copied out of the
-    reader's mapping: every page copied from there would also stay in this process's resident memory until the
+def _read_tensor(path: Path, t: TensorInfo) -> np.ndarray:
+    """t's bytes read from the file into a new array of t's data dtype and shape. Not copied out of a mapping
+    of the file: every page copied from there would also stay in this process's resident memory until the
     mapping is gone, so a load would peak at twice the file."""
-    data = np.empty(t.data.shape, t.data.dtype)
+    data = np.empty(t.data_shape, t.data_dtype)
     view, done = memoryview(data.reshape(-1)).cast("B"), 0
     with open(path, "rb", buffering=0) as f:
         f.seek(t.data_offset)
@@ -275,13 +273,11 @@ def load_gguf(path: str | Path, weight_dtype: str, shard: TensorShard = WHOLE_MO
     model's); each_layer: applied to each layer as it is built, its tensors' copies then dropped
     (memory/weights.LayerHook)."""
     path = Path(path)
-    reader, metadata = _open(path)
-    head = {t.name: _copy_tensor(path, t) if t.name in ROPE_TENSORS else _shape_only(t)
-            for t in reader.tensors}
+    infos, metadata = _open(path)
+    head = {t.name: _copy_tensor(path, t) if t.name in ROPE_TENSORS else _shape_only(t) for t in infos}
     spec = _spec(path, metadata, head)
-    tensors = {t.name: _copy_tensor(path, t, shard.gguf_pieces(t.name, spec)) for t in reader.tensors
+    tensors = {t.name: _copy_tensor(path, t, shard.gguf_pieces(t.name, spec)) for t in infos
                if t.name not in ROPE_TENSORS}
-    del reader  # the file's mapping
     try:
         tokenizer = tokenizer_from_metadata(path, metadata)
     except CheckpointError:
