@@ -110,9 +110,7 @@ class NumaWorker:
             self._refuse_past_bound(request.admission_id)
         self._check_new(request.request_id)
         caller_id = request.caller_id
-        channel = self._channels.get(caller_id)
-        if channel is None:
-            channel = self._channels[caller_id] = CallerChannel(self._bind())
+        channel = self._channel(caller_id)
         channel.opened(request.request_id)
         self._leases.add(caller_id, request.request_id, time.monotonic())
         self._check_leases()
@@ -132,9 +130,7 @@ class NumaWorker:
         CallerGone those aborted as its lease lapsed (while the caller's event loop stalled, say). Ends when
         the caller's lease lapses, or after a while with no request of its caller here (its next request
         opens a new channel: the caller calls again)."""
-        channel = self._channels.get(caller_id)
-        if channel is None:
-            channel = self._channels[caller_id] = CallerChannel(self._bind())
+        channel = self._channel(caller_id)
         try:
             gone = [r for r in request_ids if self._expired.pop(r)]
             if gone:
@@ -147,6 +143,13 @@ class NumaWorker:
         finally:
             if self._channels.get(caller_id) is channel and (channel.closed or channel.num_running == 0):
                 del self._channels[caller_id]
+
+    def _channel(self, caller_id: str) -> CallerChannel:
+        """caller_id's channel here, opened if it has none."""
+        channel = self._channels.get(caller_id)
+        if channel is None:
+            channel = self._channels[caller_id] = CallerChannel(self._bind())
+        return channel
 
     async def renew_lease(self, caller_id: str) -> None:
         """The caller is alive: its requests here go on (actors/caller_lease.py)."""

@@ -39,12 +39,13 @@ class TensorInfo:
 
 
 class _Bytes:
-    """The file's bytes from the start, read on demand as the header is parsed."""
+    """The file's bytes from the start, read on demand as the header is parsed (into one growing bytearray:
+    amortized linear in the header's size, where bytes concatenation copied it all at every read)."""
 
     def __init__(self, path: Path):
         self.file = open(path, "rb")  # noqa: SIM115  (closed by read_header)
         self.size = os.fstat(self.file.fileno()).st_size
-        self.buf = b""
+        self.buf = bytearray()
         self.pos = 0
 
     def need(self, n: int) -> None:
@@ -54,7 +55,7 @@ class _Bytes:
             more = self.file.read(max(HEADER_READ, self.pos + n - len(self.buf)))
             if not more:
                 raise EOFError(f"the header runs past the end of the file (at byte {self.pos})")
-            self.buf += more
+            self.buf.extend(more)
 
     def unpack(self, fmt: str):
         size = struct.calcsize("<" + fmt)
@@ -66,9 +67,9 @@ class _Bytes:
     def string(self) -> str:
         (n,) = self.unpack("Q")
         self.need(n)
-        raw = self.buf[self.pos:self.pos + n]
+        raw = self.buf[self.pos:self.pos + n].decode("utf-8")
         self.pos += n
-        return raw.decode("utf-8")
+        return raw
 
     def array(self, fmt: str, count: int) -> list:
         size = struct.calcsize("<" + fmt) * count

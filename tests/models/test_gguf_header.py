@@ -7,6 +7,7 @@ from pathlib import Path
 import gguf
 import pytest
 
+from models.gguf import header
 from models.gguf.header import read_header
 from models.gguf.writer import convert_to_gguf
 
@@ -34,6 +35,11 @@ def test_llama_cpps_files_read_as_gguf_py_reads_them(name):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", "q8_0", "q4_0", "q4_k_m"])
 def test_our_exports_read_as_gguf_py_reads_them(llama_dir, tmp_path, dtype):
     assert_equals_gguf_reader(convert_to_gguf(llama_dir, tmp_path / f"llama-{dtype}.gguf", dtype))
+
+
+def test_a_header_read_a_few_bytes_at_a_time_is_the_same(monkeypatch):
+    monkeypatch.setattr(header, "HEADER_READ", 13)  # every field straddles reads
+    assert_equals_gguf_reader(FIXTURES / LLAMA_CPP_FILES[0])
 
 
 def test_a_truncated_header_raises(tmp_path):
