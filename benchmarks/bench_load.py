@@ -15,6 +15,11 @@ four runs alternate, the order flipping every sample (benchmarks/bench_decode.al
 empties the cache directory first; the files are read through once before every sample, so each run starts
 with them in the page cache. Medians from one run.
 
+A warm start runs twice: reading the entry into memory of its own (map_packed_weights=False) and mapping it
+(True). Each numaserve process then decodes DECODE_TOKENS tokens at batch 1 (greedy, EOS ignored, a prompt
+of its own; after a few untimed tokens, so every decode kernel is loaded): what the weights' pages (a buffer's
+huge pages, or the page cache's, huge only where the kernel's page cache keeps large folios) cost a stream.
+
     python -m benchmarks.bench_load [--shape tinyllama|small] [--dtype q8_0|q4_k_m] [--samples 7]
 
 Writes benchmarks/results/load.json and load.png (load-q4_k_m.json and .png for --dtype q4_k_m).
@@ -23,6 +28,7 @@ Writes benchmarks/results/load.json and load.png (load-q4_k_m.json and .png for 
 import argparse
 import json
 import os
+import random
 import shutil
 import statistics
 import subprocess
@@ -34,28 +40,53 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 CHECKPOINTS = {"tinyllama": "tinyllama-1.1b", "small": "llama-56m"}  # --shape -> benchmarks/checkpoints.py
 N_CTX = 256
-RUNS = ("numaserve cold", "numaserve warm", "llama.cpp", "llama.cpp no mmap")
+RUNS = ("numaserve cold", "numaserve warm read", "numaserve warm mapped", "llama.cpp", "llama.cpp no mmap")
+WARM = {"numaserve warm read": False, "numaserve warm mapped": True}  # run -> map_packed_weights
+DECODE_TOKENS = 48
+PROMPT_TOKENS = 16
 
 
 # ---- the sample processes ----------------------------------------------------------------------------------
 
-def numaserve_sample(gguf: str, cache_dir: str) -> dict:
+def numaserve_sample(gguf: str, cache_dir: str, mapped: str) -> dict:
     started = time.perf_counter()
     import numaserve as ns
 
     imported = time.perf_counter()
-    llm = ns.LLM(gguf, packed_cache_dir=cache_dir)
+    llm = ns.LLM(gguf, packed_cache_dir=cache_dir, **({} if mapped == "default" else
+                                                      {"map_packed_weights": mapped == "mapped"}))
     loaded = time.perf_counter()
     rss_loaded = resident_bytes()
     llm.generate([1], ns.SamplingParams(max_tokens=1, temperature=0))
     first_token = time.perf_counter()
+    decode = decode_tok_s(llm, ns)
     stats = llm.engine.load_stats
     return {"import_s": imported - started, "load_s": loaded - imported,
-            "first_token_s": first_token - loaded, "outcome": stats.outcome, "reason": stats.reason,
+            "first_token_s": first_token - loaded, "decode_tok_s": decode,
+            "outcome": stats.outcome, "reason": stats.reason,
             "hash_s": stats.hash_seconds, "entry_bytes": stats.entry_bytes,
             "threads": llm.engine.decisions.recent("threading")[0]["choice"],
             "weight_bytes": llm.engine.model.weight_bytes, "rss_loaded_bytes": rss_loaded,
             "rss_first_token_bytes": resident_bytes(), "peak_rss_bytes": peak_resident_bytes()}
+
+
+def decode_tok_s(llm, ns) -> float:
+    """Batch-1 greedy decode, tokens a second: DECODE_TOKENS tokens after a prompt of PROMPT_TOKENS tokens
+    drawn for this process (the prompt's prefill is in the time: about one decode step's worth here)."""
+    rng = random.Random(os.urandom(8))
+    vocab = llm.engine.spec.vocab_size
+
+    def prompt() -> list[int]:
+        return [rng.randrange(3, vocab) for _ in range(PROMPT_TOKENS)]
+
+    llm.generate(prompt(), ns.SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))  # untimed
+    params = ns.SamplingParams(max_tokens=DECODE_TOKENS, temperature=0, ignore_eos=True)
+    started = time.perf_counter()
+    [out] = llm.generate(prompt(), params)
+    seconds = time.perf_counter() - started
+    if len(out.token_ids) != DECODE_TOKENS:
+        raise RuntimeError(f"decoded {len(out.token_ids)} tokens, asked {DECODE_TOKENS}")
+    return DECODE_TOKENS / seconds
 
 
 def llamacpp_sample(gguf: str, threads: int, use_mmap: bool) -> dict:
@@ -118,11 +149,11 @@ def plot(results: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     med = results["medians"]
-    fig, ax = plt.subplots(figsize=(7.2, 4.2))
+    fig, ax = plt.subplots(figsize=(8.4, 4.4))
     x = range(len(RUNS))
     load = [med[r]["load_s"] for r in RUNS]
     first = [med[r]["first_token_s"] for r in RUNS]
-    colors = ["C3", "C0", "C1", "C2"]
+    colors = ["C3", "C0", "C4", "C1", "C2"]
     ax.bar(x, load, 0.6, color=colors, label="load (constructor)")
     ax.bar(x, first, 0.6, bottom=load, color=colors, alpha=0.35, hatch="//",
            label="first token (reads every weight)")
@@ -130,6 +161,8 @@ def plot(results: dict, path: Path) -> None:
         note = f"{load[i]:.2f} s"
         if r.startswith("numaserve"):
             note += f"\n{results['ratios'][r + ' / llama.cpp']:.1f}x llama.cpp's load"
+        if "decode_tok_s" in med[r]:
+            note += f"\ndecode {med[r]['decode_tok_s']:.1f} tok/s"
         ax.annotate(note, (i, load[i] + first[i]), ha="center", va="bottom", fontsize=8)
     ax.set_xticks(list(x), RUNS)
     ax.set_ylabel("seconds (median)")
@@ -171,12 +204,12 @@ def main() -> None:
     cache_dir = CACHE / "packed-bench"  # the benchmark's own: emptied before every cold run
     threads = len(os.sched_getaffinity(0))
 
-    def numaserve(cold: bool):
+    def numaserve(cold: bool, how: str = "default"):
         def run() -> dict:
             if cold:
                 shutil.rmtree(cache_dir, ignore_errors=True)
             read_through([gguf, *cache_dir.glob("*.packed")])
-            return run_sample(["numaserve", str(gguf), str(cache_dir)], CLEAN_ENV)
+            return run_sample(["numaserve", str(gguf), str(cache_dir), how], CLEAN_ENV)
         return run
 
     def llamacpp(mmap: bool):
@@ -185,24 +218,31 @@ def main() -> None:
             return run_sample(["llamacpp", str(gguf), str(threads), "mmap" if mmap else "read"], CLEAN_ENV)
         return run
 
-    runs = dict(zip(RUNS, (numaserve(True), numaserve(False), llamacpp(True), llamacpp(False))))
+    runs = dict(zip(RUNS, (numaserve(True), numaserve(False, "read"), numaserve(False, "mapped"),
+                           llamacpp(True), llamacpp(False))))
     numaserve(True)()  # untimed: numba's kernels compiled and cached, the entry written
     samples = alternate(args.samples, runs)
-    expected = {"numaserve cold": "built", "numaserve warm": "hit"}
+    expected = {"numaserve cold": "built"} | {name: "hit" for name in WARM}
     for name, outcome in expected.items():
         if any(s["outcome"] != outcome for s in samples[name]):
             raise RuntimeError(f"{name}: outcomes {[s['outcome'] for s in samples[name]]}, expected "
                                f"{outcome}")
-    timed = ("import_s", "load_s", "first_token_s", "rss_loaded_bytes", "rss_first_token_bytes",
-             "peak_rss_bytes")
-    medians = {name: {k: statistics.median(s[k] for s in got) for k in timed}
+    timed = ("import_s", "load_s", "first_token_s", "decode_tok_s", "rss_loaded_bytes",
+             "rss_first_token_bytes", "peak_rss_bytes")
+    medians = {name: {k: statistics.median(s[k] for s in got) for k in timed if k in got[0]}
                for name, got in samples.items()}
-    weight_bytes = samples["numaserve warm"][0]["weight_bytes"]
-    warm, cold = medians["numaserve warm"], medians["numaserve cold"]
+    weight_bytes = samples["numaserve warm read"][0]["weight_bytes"]
+    cold = medians["numaserve cold"]
     memory = {"weight_bytes": weight_bytes,  # numaserve's resident memory over its weights' bytes
-              "warm_resident_after_first_token": warm["rss_first_token_bytes"] / weight_bytes,
-              "warm_peak": warm["peak_rss_bytes"] / weight_bytes,
               "cold_peak (building the entry)": cold["peak_rss_bytes"] / weight_bytes}
+    for name in WARM:
+        memory[f"{name}: resident_after_first_token"] = medians[name]["rss_first_token_bytes"] / weight_bytes
+        memory[f"{name}: peak"] = medians[name]["peak_rss_bytes"] / weight_bytes
+    pairs = list(zip(samples["numaserve warm mapped"], samples["numaserve warm read"]))
+    decode = {"mapped / read (medians)": (medians["numaserve warm mapped"]["decode_tok_s"]
+                                          / medians["numaserve warm read"]["decode_tok_s"]),
+              "mapped / read (median of the samples' pairs)": statistics.median(
+                  m["decode_tok_s"] / r["decode_tok_s"] for m, r in pairs)}
     ratios, to_first = {}, {}  # numaserve's over llama.cpp's: load; load and first token
     for name in expected:
         for ref in ("llama.cpp", "llama.cpp no mmap"):
@@ -214,13 +254,15 @@ def main() -> None:
             "revision": revision(ROOT), "date": time.strftime("%Y-%m-%d %H:%M"), "cpu": cpu_name(),
             "checkpoint": ckpt.name, "dtype": args.dtype,
             "config": checkpoint_config(ckpt.name), "gguf": str(gguf), "gguf_bytes": gguf.stat().st_size,
-            "entry_bytes": samples["numaserve warm"][0]["entry_bytes"], "samples": args.samples,
+            "entry_bytes": samples["numaserve warm read"][0]["entry_bytes"], "samples": args.samples,
+            "kernel": os.uname().release, "decode": f"batch 1, {DECODE_TOKENS} tokens after a "
+                                                    f"{PROMPT_TOKENS}-token prompt, greedy",
             "threads": threads, "n_ctx": N_CTX, "page_cache": "warm: files read through before every sample",
             "llamacpp_settings": "llama_cpp.Llama(gguf, n_ctx=256, n_threads=n_threads_batch=threads, "
                                  "verbose=False), defaults otherwise (mmap on); 'no mmap': use_mmap=False"}
     results = {"meta": meta, "medians": medians, "ratios": ratios, "load_and_first_token_ratios": to_first,
-               "warm_within_2x_llamacpp": to_first["numaserve warm / llama.cpp"] <= 2.0,
-               "memory_over_weights": memory, "samples": samples}
+               "warm_within_2x_llamacpp": {name: to_first[f"{name} / llama.cpp"] <= 2.0 for name in WARM},
+               "decode_ratios": decode, "memory_over_weights": memory, "samples": samples}
     print(json.dumps({k: v for k, v in results.items() if k not in ("samples", "meta")}, indent=1))
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=1))

@@ -117,9 +117,9 @@ def moe(data: dict) -> str:
 
 def load(data: dict) -> str:
     medians = data["medians"]
-    blocks = [table(["run", "import (s)", "constructor (s)", "first token (s)"],
-                    [[run, num(m["import_s"], 2), num(m["load_s"], 2), num(m["first_token_s"], 3)]
-                     for run, m in medians.items()])]
+    blocks = [table(["run", "import (s)", "constructor (s)", "first token (s)", "decode (tok/s)"],
+                    [[run, num(m["import_s"], 2), num(m["load_s"], 2), num(m["first_token_s"], 3),
+                      num(m.get("decode_tok_s"), 2)] for run, m in medians.items()])]
     ratios = data.get("ratios") or {}
     both = data.get("load_and_first_token_ratios") or {}
     if ratios or both:
@@ -127,10 +127,20 @@ def load(data: dict) -> str:
                             [[k, times(ratios.get(k), 1), times(both.get(k), 1)]
                              for k in dict.fromkeys(list(ratios) + list(both))]))
     meta = data.get("meta", {})
+    decode = data.get("decode_ratios") or {}
+    if decode:
+        blocks.append(table(["decode at batch 1", "ratio"], [[k, times(v, 3)] for k, v in decode.items()]))
+    memory = data.get("memory_over_weights") or {}
+    if memory:
+        blocks.append(table(["memory over the weights' bytes", "ratio"],
+                            [[k, times(v, 2)] for k, v in memory.items() if k != "weight_bytes"]))
     if "gguf_bytes" in meta:
+        within = data.get("warm_within_2x_llamacpp")
+        said = (", ".join(f"{k}: {'yes' if v else 'no'}" for k, v in within.items())
+                if isinstance(within, dict) else "yes" if within else "no")
         blocks.append(f"GGUF of {gb(meta['gguf_bytes'])} ({meta.get('dtype', '')}), medians of "
-                      f"{meta.get('samples', '?')} samples; warm start within 2x llama.cpp's load: "
-                      f"{'yes' if data.get('warm_within_2x_llamacpp') else 'no'}.")
+                      f"{meta.get('samples', '?')} samples; warm start within 2x llama.cpp's load to its "
+                      f"first token: {said}.")
     return "\n\n".join(blocks)
 
 

@@ -1,8 +1,9 @@
 """An engine's model: loaded (models/loader.py) and its matrices planned for their activations
 (models/quantization/activation_plan.py), through the packed cache (models/packed/cache.py) when it is on.
 
-A hit maps (map_packed_weights) or reads the planned weights, the spec and the tokenizer back from one entry
-and replays the decisions planning recorded; nothing is loaded or repacked. A miss loads, plans, and writes an
+A hit maps (map_packed_weights: by default where the mapping comes on huge pages) or reads the planned
+weights, the spec and the tokenizer back from one entry and replays the decisions planning recorded; nothing
+is loaded or repacked. A miss loads, plans, and writes an
 entry. Whatever goes wrong with the cache (an unwritable or full directory, a stale or corrupt entry,
 something it cannot store) costs the cache, never the load: the outcome and its reason go to the decision log
 (topic "packed_cache"; a rebuild or a failure also as a warning) and to the LoadStats an engine keeps.
@@ -78,16 +79,14 @@ def load_planned(model_path: str | Path, config: EngineConfig, decisions: Decisi
         return _done(spec, weights, tokenizer, decisions, outcome, why_not, started, hash_seconds, None, 0)
     entry = cache.entry_path(key)
     try:
-        spec, weights, tokenizer, size = _read(entry, key, decisions, maps_entries(config))
+        spec, weights, tokenizer, size, how = _read(entry, key, decisions, maps_entries(config))
     except FileNotFoundError:
         outcome, problem = "built", "no entry yet"
     except _UNREADABLE as e:
         outcome, problem = "rebuilt", f"{type(e).__name__}: {e}"
     else:
         cache.touch(entry)
-        how = "mapped" if maps_entries(config) else "read"
-        return _done(spec, weights, tokenizer, decisions, "hit", f"{how} {entry}", started, hash_seconds,
-                     entry, size)
+        return _done(spec, weights, tokenizer, decisions, "hit", how, started, hash_seconds, entry, size)
     spec, weights, tokenizer, recorded = _load(model_path, config, decisions, calibration, shard)
     try:
         tree, arrays = flatten({"spec": spec, "weights": weights})
@@ -118,15 +117,17 @@ def model_key(model_path: str | Path, config: EngineConfig, directory: str | Pat
 
 
 def _read(entry: Path, key: dict, decisions: DecisionLog,
-          mapped: bool) -> tuple[ModelSpec, ModelWeights, Tokenizer | None, int]:
-    """-> (spec, weights, tokenizer, bytes read) from the entry; planning's decisions replayed into decisions.
-    Raises FileNotFoundError (no entry) or one of _UNREADABLE."""
+          mapped: bool | Literal["auto"]) -> tuple[ModelSpec, ModelWeights, Tokenizer | None, int, str]:
+    """-> (spec, weights, tokenizer, bytes read, how: "mapped <entry>: why" or "read <entry>: why") from the
+    entry; planning's decisions replayed into decisions. Raises FileNotFoundError (no entry) or one of
+    _UNREADABLE."""
     built = {}
 
     def meanwhile(fields: dict) -> None:  # while the blob is read: the tokenizer from its tokenizer.json
         built["tokenizer"] = _tokenizer(fields["tokenizer"])
 
-    fields, arrays = read_entry(entry, meanwhile, mapped)
+    read = read_entry(entry, meanwhile, mapped)
+    fields, arrays = read.fields, read.arrays
     if fields["key"] != key:
         raise CorruptEntry(f"{entry}: its manifest's key is another model's")
     tree = unflatten(fields["tree"], arrays)
@@ -134,14 +135,18 @@ def _read(entry: Path, key: dict, decisions: DecisionLog,
                 for topic, choice, why, subject, warn in fields["decisions"]]
     for topic, choice, why, subject, warn in replayed:
         decisions.record(topic, choice, why, subject, warn=warn)
-    return tree["spec"], tree["weights"], built["tokenizer"], sum(a.nbytes for a in arrays)
+    how = f"{'mapped' if read.mapped else 'read'} {entry}: {read.why}"
+    return tree["spec"], tree["weights"], built["tokenizer"], sum(a.nbytes for a in arrays), how
 
 
-def maps_entries(config: EngineConfig) -> bool:
-    """Whether a hit maps its entry (zero-copy) rather than reading it: when config.map_packed_weights asks,
-    on a machine of one NUMA node. On several, each node's workers want their weights next to their cores,
-    and a mapping would share the page cache's one copy, wherever its pages first landed."""
-    return config.map_packed_weights and len(read_topology(allowed=list(range(os.cpu_count() or 1)))) <= 1
+def maps_entries(config: EngineConfig) -> bool | Literal["auto"]:
+    """Whether a hit maps its entry (zero-copy) rather than reading it (read_entry's mapped): as
+    config.map_packed_weights says, on a machine of one NUMA node. On several, each node's workers want their
+    weights next to their cores, and a mapping would share the page cache's one copy, wherever its pages
+    first landed."""
+    if len(read_topology(allowed=list(range(os.cpu_count() or 1)))) > 1:
+        return False
+    return config.map_packed_weights
 
 
 def _keyed_cache(model_path: Path, config: EngineConfig, calibration: Calibration | None,

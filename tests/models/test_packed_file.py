@@ -1,6 +1,7 @@
 """One packed-cache entry (models/packed/file.py), mapped and read: what comes back is what was written, every
 array where kernels/placement.py places weight streams; a mapped one lies in a private mapping of the entry
-(nothing copied, a write never reaching the file); any damage to the file raises CorruptEntry either way."""
+(nothing copied, a write never reaching the file); mapped="auto" keeps the mapping where smaps says it is
+mostly on huge pages, else a copy; any damage to the file raises CorruptEntry every way."""
 
 import json
 import os
@@ -12,7 +13,8 @@ import numpy as np
 import pytest
 
 from kernels.placement import LINE, STREAM_OFFSET
-from models.packed.file import CorruptEntry, read_entry, write_entry
+from models.packed import file
+from models.packed.file import HUGE_SHARE, CorruptEntry, huge_page_share, read_entry, write_entry
 
 FIELDS = {"key": {"model": "m"}, "tree": [1, "two"]}
 
@@ -40,11 +42,11 @@ def mapping_of(address: int) -> str | None:
     return None
 
 
-@pytest.mark.parametrize("mapped", [True, False])
+@pytest.mark.parametrize("mapped", [True, False, "auto"])
 def test_what_is_read_is_what_was_written_placed_for_the_kernels(tmp_path, mapped):
-    fields, got = read_entry(write(tmp_path), mapped=mapped)
-    assert fields == FIELDS
-    for a, b in zip(got, arrays(), strict=True):
+    entry = read_entry(write(tmp_path), mapped=mapped)
+    assert entry.fields == FIELDS
+    for a, b in zip(entry.arrays, arrays(), strict=True):
         assert a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a, b)
         assert a.flags.writeable and a.flags.c_contiguous
         if a.size:
@@ -54,13 +56,57 @@ def test_what_is_read_is_what_was_written_placed_for_the_kernels(tmp_path, mappe
 def test_a_mapped_entry_is_not_copied_and_a_write_stays_in_the_process(tmp_path):
     path = write(tmp_path)
     before = path.read_bytes()
-    _, got = read_entry(path, mapped=True)
-    assert all(mapping_of(a.ctypes.data) == str(path) for a in got if a.size)
+    entry = read_entry(path, mapped=True)
+    got = entry.arrays
+    assert entry.mapped and all(mapping_of(a.ctypes.data) == str(path) for a in got if a.size)
     got[0][0, 0] ^= 1  # copy on write: this page becomes the process's own
     assert got[0][0, 0] == arrays()[0][0, 0] ^ 1
     assert path.read_bytes() == before
-    _, read = read_entry(path, mapped=False)
-    assert mapping_of(read[0].ctypes.data) != str(path)
+    read = read_entry(path, mapped=False)
+    assert not read.mapped and mapping_of(read.arrays[0].ctypes.data) != str(path)
+
+
+@pytest.mark.parametrize("share", [0.0, HUGE_SHARE - 0.01, HUGE_SHARE, 1.0])
+def test_auto_keeps_the_mapping_only_where_it_is_mostly_on_huge_pages(tmp_path, monkeypatch, share):
+    path = write(tmp_path)
+    monkeypatch.setattr(file, "huge_page_share", lambda buf: share)
+    entry = read_entry(path, mapped="auto")
+    kept = share >= HUGE_SHARE
+    assert entry.mapped == kept and f"{share:.0%} of the mapping on huge pages" in entry.why
+    assert all((mapping_of(a.ctypes.data) == str(path)) == kept for a in entry.arrays if a.size)
+    for a, b in zip(entry.arrays, arrays(), strict=True):
+        assert np.array_equal(a, b) and a.flags.writeable
+        if a.size:
+            assert a.ctypes.data % LINE == STREAM_OFFSET
+
+
+SMAPS = """\
+7f0000000000-7f0000200000 r--p 00000000 fe:00 11 /usr/lib/libc.so.6
+Rss:                2048 kB
+FilePmdMapped:      2048 kB
+VmFlags: rd mr mw me
+7fbc26c00000-7fbc6c80f000 rw-p 00000000 fe:00 2884429                    /cache/entry.packed
+Size:            1142844 kB
+Rss:             1142844 kB
+AnonHugePages:         0 kB
+FilePmdMapped:    880640 kB
+VmFlags: rd wr mr mw me ac
+7fbc6c80f000-7fbc6c810000 rw-p 00000000 00:00 0
+Rss:                   4 kB
+AnonHugePages:         0 kB
+"""
+
+
+def test_the_huge_page_share_is_read_from_the_mapping_holding_the_buffer():
+    class At:  # what huge_page_share reads of an array: its address
+        def __init__(self, address: int):
+            self.ctypes = type("C", (), {"data": address})()
+
+    assert huge_page_share(At(0x7fbc26c02010), SMAPS) == 880640 / 1142844
+    assert huge_page_share(At(0x7f00001fffff), SMAPS) == 1.0
+    assert huge_page_share(At(0x7fbc6c80f000), SMAPS) == 0.0
+    assert huge_page_share(At(0x1000), SMAPS) == 0.0  # in no mapping
+    assert 0.0 <= huge_page_share(np.zeros(1 << 20, np.uint8)) <= 1.0  # this process's own smaps
 
 
 def _blob_start(path: Path) -> tuple[int, dict]:
@@ -75,7 +121,7 @@ def _flip(path: Path, offset: int) -> None:
     path.write_bytes(bytes(data))
 
 
-@pytest.mark.parametrize("mapped", [True, False])
+@pytest.mark.parametrize("mapped", [True, False, "auto"])
 @pytest.mark.parametrize("damage, problem", [
     ("truncated in its blob", "its manifest describes"), ("truncated in its manifest", "truncated"),
     ("bytes appended", "its manifest describes"),
