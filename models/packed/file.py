@@ -45,6 +45,7 @@ MAGIC = b"NSPACK\x00\x01"
 _HEADER = struct.Struct("<8sQQ")
 _BLOB_ALIGN = 4096  # the blob starts STREAM_OFFSET bytes past a page
 _PAGE = 4096
+_HUGE = 2 << 20  # a huge page (x86-64's PMD)
 _ARRAY_ALIGN = 64  # each array at a whole number of cache lines from the blob's start, the blob in memory
 # where kernels/placement.py puts weight streams: every array lands there
 _READ_BYTES = 1 << 30  # per read call (Linux caps one below 2 GiB); short reads are retried
@@ -81,17 +82,51 @@ def write_entry(path: Path, fields: dict, arrays: list[np.ndarray]) -> int:
     head = _HEADER.pack(MAGIC, len(manifest), checksum(np.frombuffer(manifest, np.uint8))) + manifest
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
     try:
-        with open(tmp, "wb") as f:
+        with open(tmp, "wb", buffering=0) as raw:
+            f = _HugeChunks(raw)
             f.write(head + bytes(_blob_start(len(head)) - len(head)))
             for a, o, d in zip(arrays, offsets, described):
                 f.write(memoryview(a.reshape(-1).view(np.uint8)))
                 f.write(bytes(_aligned(o + d["nbytes"], _ARRAY_ALIGN) - o - d["nbytes"]))
-            size = f.tell()
+            size = f.close()
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
     return size
+
+
+class _HugeChunks:
+    """Writes a file in whole, aligned huge pages' worth (_HUGE bytes at multiples of _HUGE; the last one
+    short), through one staging buffer: the page cache then holds the file in huge folios where the kernel
+    keeps large folios (a write's folios are as large as its length and offset allow), which a mapping maps
+    with huge pages. Written as the arrays came, each in pieces: 78% of a 1.17 GB entry's mapping came on
+    huge pages on Linux 6.18 ext4, 100% this way."""
+
+    def __init__(self, raw):
+        self.raw, self.stage, self.filled, self.written = raw, bytearray(_HUGE), 0, 0
+
+    def write(self, data) -> None:
+        data = memoryview(data).cast("B")
+        while len(data):
+            n = min(len(data), _HUGE - self.filled)
+            self.stage[self.filled:self.filled + n] = data[:n]
+            self.filled, data = self.filled + n, data[n:]
+            if self.filled == _HUGE:
+                self._flush()
+
+    def close(self) -> int:
+        """-> the bytes written."""
+        self._flush()
+        return self.written
+
+    def _flush(self) -> None:
+        view = memoryview(self.stage)[:self.filled]
+        while len(view):  # short writes are retried
+            n = self.raw.write(view)
+            view = view[n:]
+        self.written += self.filled
+        self.filled = 0
 
 
 @dataclass(frozen=True)
@@ -210,6 +245,8 @@ def _map(f, offset: int, nbytes: int) -> np.ndarray:
     kernels take writable arrays), every page faulted in: read once, a byte a page (numpy's loop releases
     the GIL), so the pages are the page cache's own, not copies."""
     mapping = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    if hasattr(mmap, "MADV_HUGEPAGE"):  # pages not cached yet are read into huge folios, mapped huge
+        mapping.madvise(mmap.MADV_HUGEPAGE)
     mapping.madvise(mmap.MADV_WILLNEED)
     buf = np.frombuffer(mapping, np.uint8, nbytes, offset)
     np.bitwise_or.reduce(buf[::_PAGE])
