@@ -164,7 +164,7 @@ def plot(results: dict, path: Path) -> None:
         if "decode_tok_s" in med[r]:
             note += f"\ndecode {med[r]['decode_tok_s']:.1f} tok/s"
         ax.annotate(note, (i, load[i] + first[i]), ha="center", va="bottom", fontsize=8)
-    ax.set_xticks(list(x), RUNS)
+    ax.set_xticks(list(x), [r.replace("numaserve ", "numaserve\n") for r in RUNS], fontsize=8)
     ax.set_ylabel("seconds (median)")
     ax.set_ylim(0, 1.25 * max(a + b for a, b in zip(load, first)))
     ax.legend(fontsize=8, loc="upper right")

@@ -94,8 +94,10 @@ def _vendored_source(root: Path, release: str) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     sdists = list(root.glob(f"llama_cpp_python-{release}.tar.gz"))
     if not sdists:
-        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-binary", ":all:", "--no-deps",
-                        "-d", str(root), f"llama-cpp-python=={release}"], check=True)
+        # the sdist alone from source: its build requirements (which pip installs to read its metadata) as
+        # wheels (":all:" built those from source too, for many minutes)
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-binary", "llama-cpp-python",
+                        "--no-deps", "-d", str(root), f"llama-cpp-python=={release}"], check=True)
         sdists = list(root.glob(f"llama_cpp_python-{release}.tar.gz"))
     prefix = f"llama_cpp_python-{release}/vendor/llama.cpp/"
     with tarfile.open(sdists[0]) as archive:

@@ -55,6 +55,11 @@ SOURCES = {
                               note="Deterministic: quality, not speed, so the machine does not matter."),
     "load.json": Source("python -m benchmarks.bench_load"),
     "load-q4_k_m.json": Source("python -m benchmarks.bench_load --dtype q4_k_m"),
+    "load-2026-12-01-mapped-slow-phase.json": Source(
+        "python -m benchmarks.bench_load --samples 5 "
+        "--out benchmarks/results/load-2026-12-01-mapped-slow-phase.json",
+        note="The same command and commit as load-2026-12-01-mapped.json, run just before it, while the VM's "
+        "memory bandwidth was about half its usual (every engine's decode and first token slower)."),
     "lora.json": Source("python -m benchmarks.bench_lora", machine="Intel Xeon VM, 2 cores"),
     "moe.json": Source("python -m benchmarks.bench_moe",
                        note="The measurement notes named commit 58c99ef for this run; the file records its "

@@ -148,3 +148,32 @@ def test_a_damaged_entry_raises_corrupt_entry(tmp_path, mapped, damage, problem)
         path.write_bytes(bytes(data))
     with pytest.raises(CorruptEntry, match=re.escape(problem)):
         read_entry(path, mapped=mapped)
+
+
+class ShortWrites:
+    """A raw file that takes at most `most` bytes a write call, recording each call's (offset, length)."""
+
+    def __init__(self, most: int):
+        self.most, self.calls, self.data = most, [], bytearray()
+
+    def write(self, view) -> int:
+        n = min(len(view), self.most)
+        self.calls.append((len(self.data), n))
+        self.data += bytes(view[:n])
+        return n
+
+
+@pytest.mark.parametrize("most", [file._HUGE, 3 << 20, 12345])
+def test_an_entry_is_written_in_whole_aligned_huge_pages(most):
+    raw = ShortWrites(most)
+    chunks = file._HugeChunks(raw)
+    pieces = [b"h" * 4112, np.arange(1_500_000, dtype=np.int32), b"", b"\0" * 48, np.ones(700_001, np.uint8)]
+    for piece in pieces:
+        chunks.write(piece)
+    expected = b"".join(bytes(memoryview(p).cast("B")) for p in pieces)
+    assert chunks.close() == len(expected) and bytes(raw.data) == expected
+    # every call but the last's retries starts where a huge page does, or retries the rest of one
+    starts = [offset for offset, _ in raw.calls]
+    firsts = {offset for offset in starts if offset % file._HUGE == 0}
+    assert firsts == set(range(0, len(expected), file._HUGE))
+    assert all(offset // file._HUGE == (offset + n - 1) // file._HUGE for offset, n in raw.calls)
