@@ -29,6 +29,17 @@ HEADER_READ = 1 << 20  # bytes read at a time while the header runs on
 
 
 @dataclass(frozen=True)
+class UnreadStrings:
+    """A metadata array of strings stepped over, not decoded (read_header's strings=False): its length
+    alone."""
+
+    count: int
+
+    def __len__(self) -> int:
+        return self.count
+
+
+@dataclass(frozen=True)
 class TensorInfo:
     name: str
     tensor_type: GGMLQuantizationType
@@ -64,6 +75,20 @@ class _Bytes:
         self.pos += size
         return values
 
+    def skip_strings(self, count: int) -> None:
+        buf, pos, unpack = self.buf, self.pos, struct.Struct("<Q").unpack_from  # need() only past the buffer
+        for _ in range(count):
+            if pos + 8 > len(buf):
+                self.pos = pos
+                self.need(8)
+            (n,) = unpack(buf, pos)
+            pos += 8
+            if pos + n > len(buf):
+                self.pos = pos
+                self.need(n)
+            pos += n
+        self.pos = pos
+
     def string(self) -> str:
         (n,) = self.unpack("Q")
         self.need(n)
@@ -79,9 +104,10 @@ class _Bytes:
         return values
 
 
-def read_header(path: Path) -> tuple[dict, list[TensorInfo]]:
+def read_header(path: Path, strings: bool = True) -> tuple[dict, list[TensorInfo]]:
     """-> (metadata: key -> value as GGUFReader's field.contents(), the tensors in file order). ValueError,
-    EOFError or UnicodeDecodeError for a file that is not a readable little-endian GGUF."""
+    EOFError or UnicodeDecodeError for a file that is not a readable little-endian GGUF. strings=False:
+    arrays of strings (a vocabulary, its merges) come as UnreadStrings, stepped over (a tenth of the time)."""
     src = _Bytes(path)
     try:
         (magic,) = src.unpack("I")
@@ -99,7 +125,7 @@ def read_header(path: Path) -> tuple[dict, list[TensorInfo]]:
             if key in metadata:
                 raise ValueError(f"duplicate metadata key {key!r}")
             (kind,) = src.unpack("I")
-            metadata[key] = _value(src, GGUFValueType(kind))
+            metadata[key] = _value(src, GGUFValueType(kind), strings)
         described = [_tensor(src) for _ in range(num_tensors)]
     finally:
         src.file.close()
@@ -119,7 +145,7 @@ def read_header(path: Path) -> tuple[dict, list[TensorInfo]]:
     return metadata, tensors
 
 
-def _value(src: _Bytes, kind: GGUFValueType):
+def _value(src: _Bytes, kind: GGUFValueType, strings: bool = True):
     if kind == GGUFValueType.STRING:
         return src.string()
     if kind in _SCALARS:
@@ -129,7 +155,10 @@ def _value(src: _Bytes, kind: GGUFValueType):
         item = GGUFValueType(item)
         if item in _SCALARS:
             return src.array(_SCALARS[item], count)
-        values = [_value(src, item) for _ in range(count)]
+        if item == GGUFValueType.STRING and not strings:
+            src.skip_strings(count)
+            return UnreadStrings(count)
+        values = [_value(src, item, strings) for _ in range(count)]
         # GGUFReader flattens nested arrays into one list of their items
         return [v for sub in values for v in sub] if item == GGUFValueType.ARRAY else values
     raise ValueError(f"unknown metadata type {kind}")

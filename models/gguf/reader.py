@@ -40,21 +40,24 @@ class StoredTensor:
     value: WeightMatrix | None  # None: not copied (read_gguf's copied)
 
 
-def read_gguf(path: Path, copied: set[str] | None = None) -> tuple[dict, dict[str, StoredTensor]]:
+def read_gguf(path: Path, copied: set[str] | None = None,
+              strings: bool = True) -> tuple[dict, dict[str, StoredTensor]]:
     """-> (metadata, tensors), all copied into process memory, no mapping of the file kept (the VM reclaims
     idle file pages, so a long-lived mmap would re-read the disk in the middle of serving).
-    copied: the names of the tensors whose values are wanted (None: all); the others hold value None."""
-    tensors, metadata = _open(path)
+    copied: the names of the tensors whose values are wanted (None: all); the others hold value None.
+    strings=False: metadata arrays of strings (the vocabulary) come as their lengths alone
+    (header.UnreadStrings)."""
+    tensors, metadata = _open(path, strings)
     return metadata, {t.name: _copy_tensor(path, t) if copied is None or t.name in copied else _shape_only(t)
                       for t in tensors}
 
 
-def _open(path: Path) -> tuple[list[TensorInfo], dict]:
+def _open(path: Path, strings: bool = True) -> tuple[list[TensorInfo], dict]:
     """-> (the file's tensors, its metadata)."""
     if not path.is_file():
         raise CheckpointError(f"{path}: no such file; pass the path of a .gguf file")
     try:
-        metadata, tensors = read_header(path)
+        metadata, tensors = read_header(path, strings)
     except UnicodeDecodeError as e:
         raise CheckpointError(f"{path}: a metadata value is unreadable ({e}); the file is corrupt: "
                               "re-download or re-export it") from None
@@ -257,9 +260,10 @@ def _layer(path: Path, spec: ModelSpec, family: GGUFFamily, tensors: dict, i: in
 
 
 def read_gguf_spec(path: str | Path) -> ModelSpec:
-    """The spec alone, from the metadata and the tensors' shapes: no weight is copied."""
+    """The spec alone, from the metadata and the tensors' shapes: no weight is copied, no token decoded
+    (the vocabulary's size is its length)."""
     path = Path(path)
-    metadata, tensors = read_gguf(path, set(ROPE_TENSORS))
+    metadata, tensors = read_gguf(path, set(ROPE_TENSORS), strings=False)
     return _spec(path, metadata, tensors)
 
 

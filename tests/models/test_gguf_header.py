@@ -38,8 +38,10 @@ def test_our_exports_read_as_gguf_py_reads_them(llama_dir, tmp_path, dtype):
 
 
 def test_a_header_read_a_few_bytes_at_a_time_is_the_same(monkeypatch):
+    whole = read_header(FIXTURES / LLAMA_CPP_FILES[0], strings=False)
     monkeypatch.setattr(header, "HEADER_READ", 13)  # every field straddles reads
     assert_equals_gguf_reader(FIXTURES / LLAMA_CPP_FILES[0])
+    assert read_header(FIXTURES / LLAMA_CPP_FILES[0], strings=False) == whole
 
 
 def test_a_truncated_header_raises(tmp_path):
@@ -56,3 +58,17 @@ def test_a_truncated_header_raises(tmp_path):
     cut.write_bytes(b"GGUX" + whole[4:5000])
     with pytest.raises(ValueError, match="magic"):
         read_header(cut)
+
+
+@pytest.mark.parametrize("name", LLAMA_CPP_FILES)
+def test_string_arrays_stepped_over_keep_their_lengths_and_the_rest(name):
+    metadata, tensors = read_header(FIXTURES / name)
+    unread, same_tensors = read_header(FIXTURES / name, strings=False)
+    assert same_tensors == tensors and unread.keys() == metadata.keys()
+    stepped = {k for k, v in unread.items() if isinstance(v, header.UnreadStrings)}
+    assert "tokenizer.ggml.tokens" in stepped
+    for key, value in metadata.items():
+        if key in stepped:
+            assert all(isinstance(v, str) for v in value) and len(unread[key]) == len(value)
+        else:
+            assert unread[key] == value
