@@ -55,6 +55,10 @@ SOURCES = {
                               note="Deterministic: quality, not speed, so the machine does not matter."),
     "load.json": Source("python -m benchmarks.bench_load"),
     "load-q4_k_m.json": Source("python -m benchmarks.bench_load --dtype q4_k_m"),
+    "load-2026-12-01-mapped.json": Source(
+        "python -m benchmarks.bench_load --samples 5 --out benchmarks/results/load-2026-12-01-mapped.json",
+        note="Run from a worktree of its commit (the repository's tree was being edited), written outside "
+        "the repository and copied in."),
     "load-2026-12-01-mapped-slow-phase.json": Source(
         "python -m benchmarks.bench_load --samples 5 "
         "--out benchmarks/results/load-2026-12-01-mapped-slow-phase.json",
