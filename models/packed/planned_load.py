@@ -3,10 +3,10 @@
 
 A hit maps (map_packed_weights: by default where the mapping comes on huge pages) or reads the planned
 weights, the spec and the tokenizer back from one entry and replays the decisions planning recorded; nothing
-is loaded or repacked. A miss loads, plans, and writes an
-entry. Whatever goes wrong with the cache (an unwritable or full directory, a stale or corrupt entry,
-something it cannot store) costs the cache, never the load: the outcome and its reason go to the decision log
-(topic "packed_cache"; a rebuild or a failure also as a warning) and to the LoadStats an engine keeps.
+is loaded or repacked. A miss loads, plans, and writes an entry. Whatever goes wrong with the cache (an
+unwritable or full directory, a stale or corrupt entry, something it cannot store) costs the cache, never the
+load: the outcome and its reason go to the decision log (topic "packed_cache"; a rebuild or a failure also as
+a warning) and to the LoadStats an engine keeps.
 """
 
 import os
