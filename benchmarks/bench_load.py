@@ -48,13 +48,14 @@ PROMPT_TOKENS = 16
 
 # ---- the sample processes ----------------------------------------------------------------------------------
 
-def numaserve_sample(gguf: str, cache_dir: str, mapped: str) -> dict:
+def numaserve_sample(gguf: str, cache_dir: str, how: str) -> dict:
+    """how: "default" (map_packed_weights as EngineConfig has it), "read" or "mapped" (False, True)."""
     started = time.perf_counter()
     import numaserve as ns
 
     imported = time.perf_counter()
-    llm = ns.LLM(gguf, packed_cache_dir=cache_dir, **({} if mapped == "default" else
-                                                      {"map_packed_weights": mapped == "mapped"}))
+    llm = ns.LLM(gguf, packed_cache_dir=cache_dir, **({} if how == "default" else
+                                                      {"map_packed_weights": how == "mapped"}))
     loaded = time.perf_counter()
     rss_loaded = resident_bytes()
     llm.generate([1], ns.SamplingParams(max_tokens=1, temperature=0))
