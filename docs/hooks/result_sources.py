@@ -55,6 +55,12 @@ SOURCES = {
                               note="Deterministic: quality, not speed, so the machine does not matter."),
     "load.json": Source("python -m benchmarks.bench_load"),
     "load-q4_k_m.json": Source("python -m benchmarks.bench_load --dtype q4_k_m"),
+    "serving_peers-2026-12-01.json": Source(
+        "python -m benchmarks.bench_serving_peers --streams 8,32 --requests-per-stream 1 --samples 2 "
+        "--out benchmarks/results/serving_peers-2026-12-01.json",
+        commit="68c75d0",
+        note="Run from a clone of that commit, written outside the repository and copied in; llama-server "
+        "built by benchmarks/llama_server.py from llama-cpp-python 0.3.36's sdist."),
     "load-2026-12-01-mapped.json": Source(
         "python -m benchmarks.bench_load --samples 5 --out benchmarks/results/load-2026-12-01-mapped.json",
         note="Run from a worktree of its commit (the repository's tree was being edited), written outside "
