@@ -158,7 +158,7 @@ def _value(src: _Bytes, kind: GGUFValueType, strings: bool = True):
         if item == GGUFValueType.STRING and not strings:
             src.skip_strings(count)
             return UnreadStrings(count)
-        values = [_value(src, item, strings) for _ in range(count)]
+        values = [_value(src, item) for _ in range(count)]  # nested arrays whole: they are flattened below
         # GGUFReader flattens nested arrays into one list of their items
         return [v for sub in values for v in sub] if item == GGUFValueType.ARRAY else values
     raise ValueError(f"unknown metadata type {kind}")

@@ -5,6 +5,7 @@ field.contents() gives it, and each tensor's name, type, dims, data offset, data
 from pathlib import Path
 
 import gguf
+import numpy as np
 import pytest
 
 from models.gguf import header
@@ -72,3 +73,16 @@ def test_string_arrays_stepped_over_keep_their_lengths_and_the_rest(name):
             assert all(isinstance(v, str) for v in value) and len(unread[key]) == len(value)
         else:
             assert unread[key] == value
+
+
+def test_a_nested_array_of_strings_is_read_whole_either_way(tmp_path):
+    path = tmp_path / "nested.gguf"
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_array("test.nested", [["a", "bc"], ["def"]])
+    writer.add_tensor("t", np.zeros(32, np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert_equals_gguf_reader(path)
+    assert read_header(path, strings=False)[0]["test.nested"] == ["a", "bc", "def"]
