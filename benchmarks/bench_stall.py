@@ -24,8 +24,8 @@ every repeat; --phases picks them):
   so this process's loop only reads the streams. Meanwhile /health is asked every 20 ms from another thread.
   The streams' max gap overlapping the refusal's time in flight (and its excess over the idle max: the idle
   gap is the decode step, which on a small machine may itself pass 100 ms), and /health latency.
-Every repeat's prompts are new random ones. Figures are medians over repeats. Writes
-benchmarks/results/stall.json and stall.png.
+Every repeat's prompts are new random ones (drawn from os.urandom: no run saw them before). Figures are
+medians over repeats. Writes benchmarks/results/stall.json and stall.png.
 """
 
 import argparse
@@ -57,6 +57,7 @@ BODY_KINDS = ("text", "token_ids")
 REFUSALS = tuple(f"refusal_{kind}" for kind in BODY_KINDS)
 PHASES = ("prefill", *REFUSALS)
 HEALTH_INTERVAL_S = 0.02
+PREFILL_TIMEOUT_S = 3600.0
 SETTLE_S = 1.0  # between phases, so one's tail does not land in the next
 
 
@@ -189,8 +190,10 @@ async def refusal_phase(url: str, streams: Streams, body: bytes) -> dict:
 async def one_repeat(url: str, rep: int, prompt_len: int, idle_s: float, phases: tuple[str, ...]) -> dict:
     import openai
 
-    rng = np.random.default_rng(rep)
-    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=600)
+    rng = np.random.default_rng(int.from_bytes(os.urandom(8)))  # prompts no run before this one saw
+    # a paced prefill of a 4k prompt beside 8 streams takes over 10 minutes on a 2-core AVX2 CPU
+    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0,
+                                timeout=PREFILL_TIMEOUT_S)
     long_prompt = rng.integers(3, 32000, prompt_len).tolist()
     bodies = {f"refusal_{kind}": big_body(kind, rng) for kind in BODY_KINDS}
     stream_prompts = [rng.integers(3, 32000, STREAM_PROMPT_LEN).tolist() for _ in range(NUM_STREAMS)]
