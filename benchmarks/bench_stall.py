@@ -57,7 +57,7 @@ BODY_KINDS = ("text", "token_ids")
 REFUSALS = tuple(f"refusal_{kind}" for kind in BODY_KINDS)
 PHASES = ("prefill", *REFUSALS)
 HEALTH_INTERVAL_S = 0.02
-PREFILL_TIMEOUT_S = 3600.0
+PREFILL_TIMEOUT_S = 3600.0  # the long prompt's client timeout and deadline_s (the server's default is 600)
 SETTLE_S = 1.0  # between phases, so one's tail does not land in the next
 
 
@@ -161,7 +161,8 @@ async def idle_phase(streams: Streams, seconds: float) -> dict:
 
 async def prefill_phase(client, streams: Streams, prompt: list[int]) -> dict:
     start = time.perf_counter()
-    done = await client.completions.create(model=SERVED_NAME, prompt=prompt, max_tokens=1, temperature=0)
+    done = await client.completions.create(model=SERVED_NAME, prompt=prompt, max_tokens=1, temperature=0,
+                                           extra_body={"deadline_s": PREFILL_TIMEOUT_S})
     end = time.perf_counter()
     assert done.usage.prompt_tokens == len(prompt), done.usage
     await streams.next_chunks(end)
