@@ -72,10 +72,16 @@ def _shape_only(t: TensorInfo) -> StoredTensor:
     return StoredTensor(t.tensor_type, tuple(reversed(t.dims)), None)
 
 
-def _copy_tensor(path: Path, t: TensorInfo,
-                 pieces: tuple[int, list[tuple[int, int]]] | None = None) -> StoredTensor:
-    """pieces: (axis, spans) of the tensor (numpy order) to copy, concatenated (a tensor-parallel rank's part,
-    models/tensor_parallel/shard.py); None: all of it."""
+@dataclass(frozen=True)
+class Pending:
+    """A tensor not copied yet: copied when a layer takes it (_pop), so that a load holds the file's copy of
+    one layer at a time beside the weights built, not of the whole model."""
+
+    info: TensorInfo
+    pieces: tuple[int, list[tuple[int, int]]] | None  # _copy_tensor's
+
+
+def _check_loadable(path: Path, t: TensorInfo) -> None:
     kind = t.tensor_type
     if kind not in AUTO:
         loaded = ", ".join(k.name for k in AUTO)
@@ -84,6 +90,14 @@ def _copy_tensor(path: Path, t: TensorInfo,
             f"{path}: tensor {t.name!r} is {kind.name}, {what} numaserve does not load (it loads {loaded}); "
             "requantize the F16 / BF16 GGUF with `llama-quantize model-f16.gguf out.gguf Q4_K_M` (or Q8_0, "
             "Q6_K, Q5_K_M, Q4_0), or load the Hugging Face directory with weight_dtype='q4_k_m'")
+
+
+def _copy_tensor(path: Path, t: TensorInfo,
+                 pieces: tuple[int, list[tuple[int, int]]] | None = None) -> StoredTensor:
+    """pieces: (axis, spans) of the tensor (numpy order) to copy, concatenated (a tensor-parallel rank's part,
+    models/tensor_parallel/shard.py); None: all of it."""
+    _check_loadable(path, t)
+    kind = t.tensor_type
     shape = tuple(reversed(t.dims))
     data = _read_tensor(path, t)  # the shape, but a quantized type's rows in bytes: [..., N, bytes per row]
     if pieces is not None:
@@ -152,11 +166,13 @@ def _spec(path: Path, metadata: dict, tensors: dict[str, StoredTensor]) -> Model
     return spec_from_gguf(path, metadata, shapes, lambda name: _vector(rope[name]) if name in rope else None)
 
 
-def _pop(path: Path, tensors: dict, name: str, shape: tuple[int, ...]) -> StoredTensor:
-    t = tensors.pop(name, None)
-    if t is None:
+def _pop(path: Path, tensors: dict[str, Pending], name: str, shape: tuple[int, ...]) -> StoredTensor:
+    """The tensor `name`, copied from the file now and taken from `tensors`."""
+    pending = tensors.pop(name, None)
+    if pending is None:
         raise CheckpointError(f"{path}: tensor {name!r} is missing (expected shape {shape}); the file is "
                               "incomplete or its metadata do not describe its tensors")
+    t = _copy_tensor(path, pending.info, pending.pieces)
     if t.shape != shape:
         raise CheckpointError(f"{path}: tensor {name!r} has shape {t.shape}, expected {shape} from the "
                               "metadata; the weights and the metadata do not match")
@@ -195,8 +211,8 @@ def take_rows(w: Matrix, rows: np.ndarray) -> Matrix:
     return WeightMatrix(w.dtype, w.data[rows], None if w.scales is None else w.scales[rows])
 
 
-def _field(path: Path, tensors: dict, prefix: str, layouts: tuple[Layout, ...], weight_dtype: str,
-           spec: ModelSpec, index: int, importance: ImportanceLookup | None):
+def _field(path: Path, tensors: dict[str, Pending], prefix: str, layouts: tuple[Layout, ...],
+           weight_dtype: str, spec: ModelSpec, index: int, importance: ImportanceLookup | None):
     """A LayerWeights field of layer `index` from the first layout whose tensors the file has: matrices in a
     served format (a mix's choice per tensor category: models/quantization/quant_mix.py), vectors float32,
     rows back in our order."""
@@ -215,7 +231,7 @@ def _field(path: Path, tensors: dict, prefix: str, layouts: tuple[Layout, ...], 
     return _served(parts, weight_dtype, wanted, order, weights)
 
 
-def _weights(path: Path, spec: ModelSpec, family: str, tensors: dict, weight_dtype: str,
+def _weights(path: Path, spec: ModelSpec, family: str, tensors: dict[str, Pending], weight_dtype: str,
              vocab_rows: int, importance: ImportanceLookup | None, each_layer: LayerHook) -> ModelWeights:
     """spec: the shard's (models/tensor_parallel/shard.py's local_spec), vocab_rows its rows of the
     vocabulary."""
@@ -240,7 +256,7 @@ def _weights(path: Path, spec: ModelSpec, family: str, tensors: dict, weight_dty
     return ModelWeights(embed=embed, norm=norm, lm_head=lm_head, layers=layers)
 
 
-def _layer(path: Path, spec: ModelSpec, family: GGUFFamily, tensors: dict, i: int,
+def _layer(path: Path, spec: ModelSpec, family: GGUFFamily, tensors: dict[str, Pending], i: int,
            weight_dtype: str, importance: ImportanceLookup | None) -> LayerWeights:
     fields = {}
     for field, options in layer_layouts(spec, family, i).items():
@@ -275,13 +291,15 @@ def load_gguf(path: str | Path, weight_dtype: str, shard: TensorShard = WHOLE_MO
     their bytes; others are requantized (with imatrix's importance, if given). shard: a tensor-parallel
     rank's part, its slices alone kept (each tensor read whole, one at a time; the spec stays the whole
     model's); each_layer: applied to each layer as it is built, its tensors' copies then dropped
-    (memory/weights.LayerHook)."""
+    (memory/weights.LayerHook). Each tensor is copied from the file as its layer is built (Pending)."""
     path = Path(path)
     infos, metadata = _open(path)
     head = {t.name: _copy_tensor(path, t) if t.name in ROPE_TENSORS else _shape_only(t) for t in infos}
     spec = _spec(path, metadata, head)
-    tensors = {t.name: _copy_tensor(path, t, shard.gguf_pieces(t.name, spec)) for t in infos
-               if t.name not in ROPE_TENSORS}
+    for t in infos:
+        _check_loadable(path, t)  # before anything is built
+    tensors = {t.name: Pending(t, shard.gguf_pieces(t.name, spec))
+               for t in infos if t.name not in ROPE_TENSORS}
     try:
         tokenizer = tokenizer_from_metadata(path, metadata)
     except CheckpointError:

@@ -247,6 +247,27 @@ def test_exported_blocks_decode_with_ggml_reference_to_the_served_values(dtype, 
                           dequantize(weights.layers[0].down))
 
 
+def test_a_load_copies_each_layer_s_tensors_as_the_layer_is_built(exported, monkeypatch):
+    """What bounds a cold start's memory: beside the weights built, the file's copy of one layer, not of the
+    model (each tensor copied when its layer takes it)."""
+    from models.gguf import reader
+
+    copied, seen = [], []
+    copy = reader._copy_tensor
+    monkeypatch.setattr(reader, "_copy_tensor",
+                        lambda path, t, *a: copied.append(t.name) or copy(path, t, *a))
+
+    def each_layer(i, layer):
+        layers = {int(m.group(1)) for m in map(re.compile(r"blk\.(\d+)\.").match, copied) if m}
+        seen.append((i, layers))
+        return layer
+
+    spec, _, _ = load_model(exported["llama", "q8_0"], "auto", each_layer=each_layer)
+    assert [i for i, _ in seen] == list(range(spec.num_layers))
+    assert all(layers == set(range(i + 1)) for i, layers in seen)
+    assert len(copied) == len(set(copied))  # each tensor copied once
+
+
 def test_tied_export_has_no_output_tensor(exported):
     _, tensors = read_gguf(exported["llama_tied", "q4_0"])
     assert "output.weight" not in tensors
