@@ -8,21 +8,26 @@ token_s what each of its tokens adds. Holding the step to max_stretch * decode_s
 
     p = ((max_stretch - 1) * decode_s - fixed_s) / token_s   (at least 1 but on the steps below that probe)
 
-decode_s is an average of the steps that decoded with no prompt token. A long prompt's chunks would leave
-none, while the streams' contexts grow and the VM's speed swings, so at least every PROBE_EVERY-th step
-beside decodes carries no prompt token. fixed_s and token_s are a line fitted to the recent steps that
-carried some (their seconds less decode_s against their prompt tokens, the newer weighing more). While
-those steps' chunks were all about one size the line has no slope to fit: it keeps the slope fitted before
-and moves through their mean, or before any slope was fitted takes the excess as per token (exact at that
-size; the chunk sizes it then picks spread the sizes). Before any chunk was measured a prompt token is
-taken to cost what a decoding request's token does (decode_s over the requests decoding: both are rows of
-the same matrix products; on a 2-core Zen 1 VM, 37 ms against 34 measured), and before any step was
-measured a chunk is FIRST_CHUNK tokens. When fixed_s alone fills the room, no chunk keeps the stretch: a
-chunk is then sized against a mixed step's floor (decode_s + fixed_s) instead, so that a prompt does not
-crawl a token a step while the streams wait about as long anyway, and `floor_over_stretch` says so (the
-batcher logs it). A chunk grows by at most GROWTH times the last one measured: a line fitted to noisy steps
-may promise a chunk far larger than any measured, and one step that long is the streams' p99. With nothing
-decoding, or pacing off, only the token budget bounds a step.
+decode_s is an average of the steps that decoded as many requests with no prompt token, one per number of
+decoding requests: where the matrix products are compute-bound (a CPU without VNNI) a decode step of 8
+requests costs several times one of 2, so an average over both would misprice every chunk. A count not
+measured yet is priced by the largest count below it that was (a cheaper step: less room, never a longer
+stall); with none below it, the step decodes alone and measures it. A long prompt's chunks would leave no
+decode-only step, while the streams' contexts grow and the VM's speed swings, so at least every
+PROBE_EVERY-th step beside decodes carries no prompt token.
+
+fixed_s and token_s are a line fitted to the recent steps that carried some (their seconds less decode_s
+against their prompt tokens, the newer weighing more). While those steps' chunks were all about one size the
+line has no slope to fit: it keeps the slope fitted before and moves through their mean, or before any slope
+was fitted takes the excess as per token (exact at that size; the chunk sizes it then picks spread the sizes).
+Before any chunk was measured a prompt token is taken to cost what a decoding request's token does (decode_s
+over the requests decoding: both are rows of the same matrix products; on a 2-core Zen 1 VM, 37 ms against 34
+measured), and before any step was measured a chunk is FIRST_CHUNK tokens. When fixed_s alone fills the room,
+no chunk keeps the stretch: a chunk is then sized against a mixed step's floor (decode_s + fixed_s) instead,
+so that a prompt does not crawl a token a step while the streams wait about as long anyway, and
+`floor_over_stretch` says so (the batcher logs it). A chunk grows by at most GROWTH times the last one
+measured: a line fitted to noisy steps may promise a chunk far larger than any measured, and one step that
+long is the streams' p99. With nothing decoding, or pacing off, only the token budget bounds a step.
 """
 
 from collections import deque
@@ -74,7 +79,8 @@ class PrefillPacer:
         """max_stretch: a step with prompt tokens beside decodes takes at most this times a decode-only step
         (EngineConfig.max_prefill_stretch); None: unpaced."""
         self.max_stretch = max_stretch
-        self.decode_s: float | None = None  # a decode-only step
+        self.decode_steps: dict[int, float] = {}  # decoding requests -> a decode-only step's seconds
+        self.num_decoding = 0  # the decoding requests of the step last measured or asked for
         self.chunks: deque[tuple[int, float]] = deque(maxlen=WINDOW)  # (prompt tokens, seconds added)
         self.cost: ChunkCost | None = None  # fitted to chunks at their last change
         self.since_decode_only = 0  # steps beside decodes measured since the last decode-only one
@@ -83,12 +89,15 @@ class PrefillPacer:
         """A step's tokens (decoding requests' and all others') and its wall time."""
         if num_decode_tokens == 0 or seconds <= 0:
             return  # nothing decoded: no stream waited on it
+        self.num_decoding = num_decode_tokens
         if num_prompt_tokens == 0:
-            self.decode_s, self.since_decode_only = _average(self.decode_s, seconds), 0
+            old = self.decode_steps.get(num_decode_tokens)
+            self.decode_steps[num_decode_tokens], self.since_decode_only = _average(old, seconds), 0
             return
         self.since_decode_only += 1
-        if self.decode_s is not None:
-            self.chunks.append((num_prompt_tokens, max(seconds - self.decode_s, 0.0)))
+        decode_s = self.decode_steps.get(num_decode_tokens)  # only a measured step of this count prices it
+        if decode_s is not None:
+            self.chunks.append((num_prompt_tokens, max(seconds - decode_s, 0.0)))
             # chunks all of one size keep the slope the sizes gave before
             self.cost = fit_chunk_cost(list(self.chunks), None if self.cost is None else self.cost.token_s)
 
@@ -98,27 +107,40 @@ class PrefillPacer:
         does not bound the first)."""
         return self.chunks[-1][0] if self.chunks else FIRST_CHUNK
 
+    def decode_s_for(self, num_decoding: int) -> float | None:
+        """A decode-only step of num_decoding requests: as measured, or the largest count below it measured
+        (None: none)."""
+        below = [n for n in self.decode_steps if n <= num_decoding]
+        return self.decode_steps[max(below)] if below else None
+
+    @property
+    def decode_s(self) -> float | None:
+        """A decode-only step of as many requests as the step last measured or asked for decoded."""
+        return self.decode_s_for(self.num_decoding)
+
     @property
     def floor_over_stretch(self) -> bool:
         """Whether any prompt chunk alone makes a step longer than max_stretch decode steps."""
-        cost = self.cost
-        return (self.max_stretch is not None and cost is not None
-                and cost.fixed_s >= (self.max_stretch - 1.0) * self.decode_s)
+        cost, decode_s = self.cost, self.decode_s
+        return (self.max_stretch is not None and cost is not None and decode_s is not None
+                and cost.fixed_s >= (self.max_stretch - 1.0) * decode_s)
 
     def prompt_tokens(self, num_decoding: int) -> int | None:
         """Prompt tokens the next step may carry beside num_decoding decoding requests (None: no bound; 0:
         a decode-only step, every PROBE_EVERY-th)."""
         if self.max_stretch is None or num_decoding == 0:
             return None
+        self.num_decoding = num_decoding
         if self.since_decode_only >= PROBE_EVERY - 1:
             return 0
-        if self.decode_s is None:
-            return FIRST_CHUNK
+        decode_s = self.decode_s
+        if decode_s is None:  # none measured (prompts go beside decodes at once), or none of this few
+            return 0 if self.decode_steps else FIRST_CHUNK
         # before a chunk was measured: a prompt token costs what a decoding request's token does
-        cost = self.cost or ChunkCost(0.0, self.decode_s / num_decoding)
-        room = (self.max_stretch - 1.0) * self.decode_s - cost.fixed_s
+        cost = self.cost or ChunkCost(0.0, decode_s / num_decoding)
+        room = (self.max_stretch - 1.0) * decode_s - cost.fixed_s
         if room <= 0:  # floor_over_stretch: the stretch over a mixed step's floor instead
-            room = (self.max_stretch - 1.0) * (self.decode_s + cost.fixed_s)
+            room = (self.max_stretch - 1.0) * (decode_s + cost.fixed_s)
         fits = room / max(cost.token_s, 1e-9)
         chunk = int(fits + 1e-6)  # 4.9999... is 5
         if cost.fixed_s == 0 and self.chunks and chunk == self.last_chunk < fits:

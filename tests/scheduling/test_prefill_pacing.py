@@ -17,11 +17,12 @@ def scheduler(**config) -> Scheduler:
 
 
 def measured(stretch: float | None = 1.5, decode_s: float = 0.1, prompt_token_s: float = 0.01,
-             chunk: int = 16) -> PrefillPacer:
-    """A pacer that saw a decode-only step of decode_s and a step with a chunk of prompt tokens beside it."""
+             chunk: int = 16, num_decoding: int = 4) -> PrefillPacer:
+    """A pacer that saw a decode-only step of decode_s and a step with a chunk of prompt tokens beside it,
+    both with num_decoding requests decoding (a step of more is priced by it too)."""
     pacer = PrefillPacer(stretch)
-    pacer.observe(4, 0, decode_s)
-    pacer.observe(4, chunk, decode_s + chunk * prompt_token_s)
+    pacer.observe(num_decoding, 0, decode_s)
+    pacer.observe(num_decoding, chunk, decode_s + chunk * prompt_token_s)
     return pacer
 
 
@@ -137,10 +138,10 @@ def test_a_fixed_part_over_the_room_stretches_the_floor_and_is_logged():
     sched.add(request("a", [1, 2, 3], max_tokens=50))
     run_step(sched)
     sched.add(request("c", list(range(200)), max_tokens=2))
-    pacer = sched.batcher.pacer
-    pacer.observe(4, 0, 0.1)
+    pacer = sched.batcher.pacer  # steps where a decodes alone
+    pacer.observe(1, 0, 0.1)
     for p, seconds in line(0.03, 0.001, 8, 4, 32):  # 0.03 s over 0.025 s of room
-        pacer.observe(4, p, 0.1 + seconds)
+        pacer.observe(1, p, 0.1 + seconds)
     assert pacer.floor_over_stretch
     plan, _ = run_step(sched)
     chunks = {s.request.request_id: s.num_new_tokens for s in plan.scheduled}
@@ -148,9 +149,33 @@ def test_a_fixed_part_over_the_room_stretches_the_floor_and_is_logged():
     logged = sched.batcher.decisions.recent("prefill_pacing")
     assert logged[0]["choice"] == "floor over the stretch" and "30.0 ms" in logged[0]["reason"]
     for _ in range(8):  # the fixed part fell (the VM sped up): within the stretch again, and said
-        pacer.observe(4, 8, 0.1 + 0.01 + 8 * 0.001)
+        pacer.observe(1, 8, 0.1 + 0.01 + 8 * 0.001)
     run_step(sched)
     assert sched.batcher.decisions.recent("prefill_pacing")[-1]["choice"] == "within the stretch"
+
+
+def test_decode_steps_are_priced_per_number_of_decoding_requests():
+    """A compute-bound CPU: 8 requests' decode step costs 4x 2 requests'. Each count's chunk is priced over
+    its own decode step (one average over both would price a prompt token at 0.10 s here, and leave one)."""
+    pacer = PrefillPacer(1.5)
+    pacer.observe(2, 0, 0.1)
+    pacer.observe(8, 0, 0.4)
+    pacer.observe(8, 4, 0.4 + 4 * 0.05)
+    assert pacer.chunks[-1] == (4, pytest.approx(0.2))
+    assert pacer.prompt_tokens(8) == 4  # 0.2 s of room at 0.05 s a token
+    assert pacer.prompt_tokens(2) == 1  # 0.05 s of room
+    assert pacer.prompt_tokens(5) == 1  # priced by the 2 requests' step: the cheaper one
+
+
+def test_a_count_with_no_decode_step_below_it_measured_is_probed_and_not_fitted():
+    pacer = measured(num_decoding=4)
+    assert pacer.prompt_tokens(2) == 0  # a decode-only step measures 2 requests' step
+    before = list(pacer.chunks)
+    pacer.observe(2, 5, 0.3)  # with no decode step of 2 measured, nothing to price this one against
+    assert list(pacer.chunks) == before
+    pacer.observe(2, 0, 0.05)
+    assert pacer.prompt_tokens(2) == 2  # 0.025 s of room at 0.01 s a token
+    assert pacer.prompt_tokens(4) == 5  # its own step: 0.05 s of room
 
 
 def test_averages_move_toward_new_costs():
@@ -169,7 +194,7 @@ def test_plan_gives_decodes_their_tokens_and_prompts_the_pacers_chunk():
         sched.add(request(name, [1, 2, 3], max_tokens=50))
     run_step(sched)  # both prompts at once: nothing decoded yet
     sched.add(request("c", list(range(20)), max_tokens=2))
-    sched.batcher.pacer = measured(1.5, 0.1, 0.01)  # 5 prompt tokens a step beside decodes
+    sched.batcher.pacer = measured(1.5, 0.1, 0.01, num_decoding=2)  # 5 prompt tokens a step beside decodes
     chunks = []
     while sched.requests["c"].num_computed_tokens < 20:
         plan, _ = run_step(sched)
@@ -207,7 +232,7 @@ def test_an_admission_and_a_running_chunk_share_the_pacers_tokens():
     run_step(sched)
     sched.add(request("b", list(range(9)), max_tokens=5))
     sched.add(request("c", list(range(20, 29)), max_tokens=2))
-    sched.batcher.pacer = measured(1.5, 0.1, 0.01)  # 5 prompt tokens a step beside decodes
+    sched.batcher.pacer = measured(1.5, 0.1, 0.01, num_decoding=1)  # 5 prompt tokens a step beside decodes
     steps = []
     for _ in range(4):
         plan, _ = run_step(sched)
