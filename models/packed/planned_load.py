@@ -79,14 +79,15 @@ def load_planned(model_path: str | Path, config: EngineConfig, decisions: Decisi
         return _done(spec, weights, tokenizer, decisions, outcome, why_not, started, hash_seconds, None, 0)
     entry = cache.entry_path(key)
     try:
-        spec, weights, tokenizer, size, how = _read(entry, key, decisions, maps_entries(config))
+        hit = _read(entry, key, decisions, maps_entries(config))
     except FileNotFoundError:
         outcome, problem = "built", "no entry yet"
     except _UNREADABLE as e:
         outcome, problem = "rebuilt", f"{type(e).__name__}: {e}"
     else:
         cache.touch(entry)
-        return _done(spec, weights, tokenizer, decisions, "hit", how, started, hash_seconds, entry, size)
+        return _done(hit.spec, hit.weights, hit.tokenizer, decisions, "hit", hit.how, started, hash_seconds,
+                     entry, hit.entry_bytes)
     spec, weights, tokenizer, recorded = _load(model_path, config, decisions, calibration, shard)
     try:
         tree, arrays = flatten({"spec": spec, "weights": weights})
@@ -116,11 +117,20 @@ def model_key(model_path: str | Path, config: EngineConfig, directory: str | Pat
     return key
 
 
-def _read(entry: Path, key: dict, decisions: DecisionLog,
-          mapped: bool | Literal["auto"]) -> tuple[ModelSpec, ModelWeights, Tokenizer | None, int, str]:
-    """-> (spec, weights, tokenizer, bytes read, how: "mapped <entry>: why" or "read <entry>: why") from the
-    entry; planning's decisions replayed into decisions. Raises FileNotFoundError (no entry) or one of
-    _UNREADABLE."""
+@dataclass(frozen=True)
+class _Hit:
+    """What an entry gave back."""
+
+    spec: ModelSpec
+    weights: ModelWeights
+    tokenizer: Tokenizer | None
+    entry_bytes: int  # of its arrays
+    how: str  # "mapped <entry>: why" or "read <entry>: why"
+
+
+def _read(entry: Path, key: dict, decisions: DecisionLog, mapped: bool | Literal["auto"]) -> _Hit:
+    """The entry's model; planning's decisions replayed into decisions. Raises FileNotFoundError (no entry)
+    or one of _UNREADABLE."""
     built = {}
 
     def meanwhile(fields: dict) -> None:  # while the blob is read: the tokenizer from its tokenizer.json
@@ -136,7 +146,7 @@ def _read(entry: Path, key: dict, decisions: DecisionLog,
     for topic, choice, why, subject, warn in replayed:
         decisions.record(topic, choice, why, subject, warn=warn)
     how = f"{'mapped' if read.mapped else 'read'} {entry}: {read.why}"
-    return tree["spec"], tree["weights"], built["tokenizer"], sum(a.nbytes for a in arrays), how
+    return _Hit(tree["spec"], tree["weights"], built["tokenizer"], sum(a.nbytes for a in arrays), how)
 
 
 def maps_entries(config: EngineConfig) -> bool | Literal["auto"]:
