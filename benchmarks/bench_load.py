@@ -15,10 +15,12 @@ four runs alternate, the order flipping every sample (benchmarks/bench_decode.al
 empties the cache directory first; the files are read through once before every sample, so each run starts
 with them in the page cache. Medians from one run.
 
-A warm start runs twice: reading the entry into memory of its own (map_packed_weights=False) and mapping it
-(True). Each numaserve process then decodes DECODE_TOKENS tokens at batch 1 (greedy, EOS ignored, a prompt
-of its own; after a few untimed tokens, so every decode kernel is loaded): what the weights' pages (a buffer's
-huge pages, or the page cache's, huge only where the kernel's page cache keeps large folios) cost a stream.
+Resident memory is also broken down by what holds it after the first token (resident_parts: the weights'
+file's mapping, shared libraries, anonymous memory, other files). A warm start runs twice: reading the entry
+into memory of its own (map_packed_weights=False) and mapping it (True). Each numaserve process then decodes
+DECODE_TOKENS tokens at batch 1 (greedy, EOS ignored, a prompt of its own; after a few untimed tokens, so
+every decode kernel is loaded): what the weights' pages (a buffer's huge pages, or the page cache's, huge only
+where the kernel's page cache keeps large folios) cost a stream.
 
     python -m benchmarks.bench_load [--shape tinyllama|small] [--dtype q8_0|q4_k_m] [--samples 7]
 
@@ -68,7 +70,8 @@ def numaserve_sample(gguf: str, cache_dir: str, how: str) -> dict:
             "hash_s": stats.hash_seconds, "entry_bytes": stats.entry_bytes,
             "threads": llm.engine.decisions.recent("threading")[0]["choice"],
             "weight_bytes": llm.engine.model.weight_bytes, "rss_loaded_bytes": rss_loaded,
-            "rss_first_token_bytes": resident_bytes(), "peak_rss_bytes": peak_resident_bytes()}
+            "rss_first_token_bytes": resident_bytes(), "peak_rss_bytes": peak_resident_bytes(),
+            **resident_parts()}
 
 
 def decode_tok_s(llm, ns) -> float:
@@ -102,7 +105,30 @@ def llamacpp_sample(gguf: str, threads: int, use_mmap: bool) -> dict:
     llm.eval([llm.token_bos()])
     return {"import_s": imported - started, "load_s": loaded - imported,
             "first_token_s": time.perf_counter() - loaded, "rss_loaded_bytes": rss_loaded,
-            "rss_first_token_bytes": resident_bytes(), "peak_rss_bytes": peak_resident_bytes()}
+            "rss_first_token_bytes": resident_bytes(), "peak_rss_bytes": peak_resident_bytes(),
+            **resident_parts()}
+
+
+RESIDENT_PARTS = ("weights_file", "shared_libraries", "anonymous", "other_files")
+
+
+def resident_parts() -> dict[str, int]:
+    """This process's resident bytes now by what holds them (/proc/self/smaps): mappings of the weights'
+    file (the packed entry or the GGUF), of shared libraries (their code: libllvmlite.so is numba's LLVM),
+    anonymous memory (the heap, numpy's arrays, the JIT's code) and other files."""
+    parts = dict.fromkeys(RESIDENT_PARTS, 0)
+    part = "anonymous"
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            fields = line.split()
+            if not fields[0].endswith(":"):  # a mapping's first line: address perms offset dev inode [path]
+                path = fields[5] if len(fields) > 5 else ""
+                part = ("weights_file" if path.endswith((".packed", ".gguf")) else
+                        "shared_libraries" if ".so" in Path(path).name else
+                        "other_files" if path.startswith("/") else "anonymous")
+            elif fields[0] == "Rss:":
+                parts[part] += int(fields[1]) * 1024
+    return {f"rss_{k}_bytes": v for k, v in parts.items()}
 
 
 def resident_bytes() -> int:
@@ -229,7 +255,7 @@ def main() -> None:
             raise RuntimeError(f"{name}: outcomes {[s['outcome'] for s in samples[name]]}, expected "
                                f"{outcome}")
     timed = ("import_s", "load_s", "first_token_s", "decode_tok_s", "rss_loaded_bytes",
-             "rss_first_token_bytes", "peak_rss_bytes")
+             "rss_first_token_bytes", "peak_rss_bytes", *(f"rss_{k}_bytes" for k in RESIDENT_PARTS))
     medians = {name: {k: statistics.median(s[k] for s in got) for k in timed if k in got[0]}
                for name, got in samples.items()}
     weight_bytes = samples["numaserve warm read"][0]["weight_bytes"]
@@ -239,6 +265,9 @@ def main() -> None:
     for name in WARM:
         memory[f"{name}: resident_after_first_token"] = medians[name]["rss_first_token_bytes"] / weight_bytes
         memory[f"{name}: peak"] = medians[name]["peak_rss_bytes"] / weight_bytes
+    # after the first token, MB: what besides the weights (anonymous memory holds them when read)
+    memory["resident parts (MB)"] = {name: {k: medians[name][f"rss_{k}_bytes"] / 1e6 for k in RESIDENT_PARTS}
+                                     for name in RUNS}
     pairs = list(zip(samples["numaserve warm mapped"], samples["numaserve warm read"]))
     decode = {"mapped / read (medians)": (medians["numaserve warm mapped"]["decode_tok_s"]
                                           / medians["numaserve warm read"]["decode_tok_s"]),
