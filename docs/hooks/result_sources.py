@@ -70,6 +70,16 @@ SOURCES = {
         "--out benchmarks/results/load-2026-12-01-mapped-slow-phase.json",
         note="The same command and commit as load-2026-12-01-mapped.json, run just before it, while the VM's "
         "memory bandwidth was about half its usual (every engine's decode and first token slower)."),
+    "load-2026-12-01-lazy.json": Source(
+        "python -m benchmarks.bench_load --samples 5 --out benchmarks/results/load-2026-12-01-lazy.json",
+        commit="5106f7c",
+        note="Run from a clone of that commit (the GGUF load copying each layer's tensors as it is built), "
+        "written outside the repository and copied in."),
+    "load-2026-12-01-parts.json": Source(
+        "python -m benchmarks.bench_load --samples 3 --out benchmarks/results/load-2026-12-01-parts.json",
+        commit="469bb2f",
+        note="Run from a clone of that commit (resident memory by what holds it), written outside the "
+        "repository and copied in."),
     "lora.json": Source("python -m benchmarks.bench_lora", machine="Intel Xeon VM, 2 cores"),
     "moe.json": Source("python -m benchmarks.bench_moe",
                        note="The measurement notes named commit 58c99ef for this run; the file records its "
