@@ -127,7 +127,7 @@ class PrefillPacer:
 
     def prompt_tokens(self, num_decoding: int) -> int | None:
         """Prompt tokens the next step may carry beside num_decoding decoding requests (None: no bound; 0:
-        a decode-only step, every PROBE_EVERY-th)."""
+        a decode-only step, every PROBE_EVERY-th, and where no decode step of as few was measured)."""
         if self.max_stretch is None or num_decoding == 0:
             return None
         self.num_decoding = num_decoding
