@@ -22,7 +22,7 @@ bits depend on its own visible slots only, not on the split, the batch or the th
 """
 
 import numpy as np
-from numba import get_num_threads, njit, prange
+from numba import get_num_threads, njit, parallel_chunksize, prange
 
 from kernels.attention.chunks import FASTMATH, NO_WINDOW, attend, merge_chunks, num_chunks, partial, visible
 from kernels.attention.tiles import attention_tiled, row_tiles
@@ -75,7 +75,11 @@ def paged_attention(q, k_cache, v_cache, k_scale, v_scale, has_scale, block_tabl
         _attention_split(*args)
     else:  # every (tile, kv head) a task: a prefill's tiles, each decode row a tile of its own (attend)
         bounds = row_tiles(token_seq, positions, tree_starts, TILE_ROWS, recent.group)
-        attention_tiled(*args[:-1], bounds, out)
+        # handed out a task at a time as threads free up, not split into an even run a thread: a step's
+        # tasks differ widely (decode rows over short contexts beside a chunk of a long prompt over thousands
+        # of positions), and one run a thread put all of the long prompt's kv heads on one thread
+        with parallel_chunksize(1):
+            attention_tiled(*args[:-1], bounds, out)
 
 
 @njit(cache=True, nogil=True, fastmath=FASTMATH, error_model="numpy")
