@@ -149,16 +149,15 @@ class Batcher:
         return budget, prompt_limit
 
     def _log_pacing(self) -> None:
-        """When a prompt chunk's fixed cost alone comes to exceed what max_prefill_stretch allows, or no
-        longer does: the decision log says so (a warning while it does)."""
+        """When a one-token prompt chunk alone comes to exceed what max_prefill_stretch allows, or no longer
+        does: the decision log says so (a warning while it does)."""
         self.floor_over_stretch = over = self.pacer.floor_over_stretch
-        pacer, cost = self.pacer, self.pacer.cost
-        room_ms = (pacer.max_stretch - 1.0) * pacer.decode_s * 1e3
+        pacer, token_s = self.pacer, self.pacer.token_s or 0.0
         self.decisions.record(
             "prefill_pacing", "floor over the stretch" if over else "within the stretch",
-            f"a step with any prompt chunk costs {cost.fixed_s * 1e3:.1f} ms over a "
-            f"{pacer.decode_s * 1e3:.1f} ms decode step, and {cost.token_s * 1e3:.2f} ms a prompt token; "
-            f"max_prefill_stretch {pacer.max_stretch:g} leaves {room_ms:.1f} ms"
+            f"a step with a one-token prompt chunk costs {pacer.floor_s * 1e3:.1f} ms over a "
+            f"{pacer.decode_s * 1e3:.1f} ms decode step (recent chunks: {token_s * 1e3:.2f} ms a prompt "
+            f"token); max_prefill_stretch {pacer.max_stretch:g} leaves {pacer.room_s * 1e3:.1f} ms"
             + ("; chunks are sized to stretch that floor instead (raise max_prefill_stretch to hold it)"
                if over else ""), warn=over)
 

@@ -3,10 +3,8 @@ freezes the streams already running (Sarathi-Serve's stall-free batching, its bu
 measured step costs rather than an offline profile).
 
 A decode step's time is what a running stream waits between tokens. A step that also carries a prompt chunk
-of p tokens takes about decode_s + fixed_s + p * token_s: fixed_s is what any chunk adds whatever its size,
-token_s what each of its tokens adds. Holding the step to max_stretch * decode_s gives
-
-    p = ((max_stretch - 1) * decode_s - fixed_s) / token_s   (at least 1 but on the steps below that probe)
+of p tokens takes decode_s + excess(p); holding it to max_stretch * decode_s leaves room = (max_stretch - 1)
+* decode_s for the chunk: the largest p with excess(p) <= room.
 
 decode_s is an average of the steps that decoded as many requests with no prompt token, one per number of
 decoding requests: where the matrix products are compute-bound (a CPU without VNNI) a decode step of 8
@@ -16,62 +14,47 @@ stall); with none below it, the step decodes alone and measures it. A long promp
 decode-only step, while the streams' contexts grow and the VM's speed swings, so at least every
 PROBE_EVERY-th step beside decodes carries no prompt token.
 
-fixed_s and token_s are a line fitted to the recent steps that carried some (their seconds less decode_s
-against their prompt tokens, the newer weighing more). While those steps' chunks were all about one size the
-line has no slope to fit: it keeps the slope fitted before and moves through their mean, or before any slope
-was fitted takes the excess as per token (exact at that size; the chunk sizes it then picks spread the sizes).
-Before any chunk was measured a prompt token is taken to cost what a decoding request's token does (decode_s
-over the requests decoding: both are rows of the same matrix products; on a 2-core Zen 1 VM, 37 ms against 34
-measured), and before any step was measured a chunk is FIRST_CHUNK tokens. When fixed_s alone fills the room,
-no chunk keeps the stretch: a chunk is then sized against a mixed step's floor (decode_s + fixed_s) instead,
+A prompt token is priced at the recent chunks' excess over their tokens (the newer weighing more), and the
+next chunk is the room at that price: if a chunk of p adds f + t * p, that price is f / p + t, and the chunks
+it picks, room * p / (f + t * p) each from the last, settle on (room - f) / t, the chunk a line fitted to
+the steps would give, whenever f < room. No line is fitted: at the few tokens a step carries on a small CPU a
+step's noise is of a token's cost, and a slope fitted to chunks of 3 to 6 tokens came out a quarter of the
+true one, which then priced every chunk (an engine on a 2-core Zen 1 VM took a 1k prompt's chunks for 446 ms
+of fixed cost and 7.5 ms a token, where they cost ~30 ms and 30 ms). While the room is a fraction of a token
+over the last chunk, one token more is tried, unless a chunk that size among the recent ones overran the
+room. Before any chunk was measured a prompt token is taken to cost what a decoding request's token does
+(decode_s over the requests decoding: both are rows of the same matrix products; on a 2-core Zen 1 VM, 37 ms
+against 34 measured), and before any step was measured a chunk is FIRST_CHUNK tokens.
+
+When even a one-token chunk overruns the room (its excess, floor_s, averaged over one-token chunks), no
+chunk keeps the stretch: chunks are then sized against a mixed step's floor (decode_s + floor_s) instead,
 so that a prompt does not crawl a token a step while the streams wait about as long anyway, and
-`floor_over_stretch` says so (the batcher logs it). A chunk grows by at most GROWTH times the last one
-measured: a line fitted to noisy steps may promise a chunk far larger than any measured, and one step that
-long is the streams' p99. With nothing decoding, or pacing off, only the token budget bounds a step.
+`floor_over_stretch` says so (the batcher logs it); the first chunk after each decode-only step is then one
+token, which measures the floor again. A chunk grows by at most GROWTH times the last one measured: one step
+far longer than any measured is the streams' p99. With nothing decoding, or pacing off, only the token budget
+bounds a step.
 """
 
 from collections import deque
-from dataclasses import dataclass
 
 FIRST_CHUNK = 16  # prompt tokens beside decodes before any step was measured
 PROBE_EVERY = 8  # of the steps beside decodes, at least every this many carries no prompt token
 GROWTH = 1.25  # a chunk at most this times (plus one token) the last one measured
 EMA_WEIGHT = 0.25  # of the newest step in each average: the VM's speed swings within seconds
-WINDOW = 16  # the mixed steps the line is fitted to
-SPREAD = 0.25  # the chunk sizes' weighted relative spread (std / mean) below which no slope is fitted
+WINDOW = 16  # the mixed steps a prompt token's price is taken over
 
 
 def _average(old: float | None, new: float) -> float:
     return new if old is None else old + EMA_WEIGHT * (new - old)
 
 
-@dataclass(frozen=True)
-class ChunkCost:
-    """What a prompt chunk of p tokens adds to a decode step: fixed_s + p * token_s seconds."""
-
-    fixed_s: float
-    token_s: float
-
-
-def fit_chunk_cost(chunks: list[tuple[int, float]], slope: float | None = None) -> ChunkCost | None:
-    """The line through (prompt tokens, seconds added) of mixed steps, oldest first, each weighing
-    (1 - EMA_WEIGHT) times the next. When the sizes barely differ: the line of the given slope (one fitted
-    before) through their mean, or without one all per token; all per token too when a fit says a token costs
-    nothing or a chunk less than nothing (noise). None: no step."""
+def token_price(chunks: list[tuple[int, float]]) -> float | None:
+    """Seconds a prompt token adds: the chunks' (prompt tokens, seconds added), oldest first, summed with each
+    weighing (1 - EMA_WEIGHT) times the next, seconds over tokens. None: no chunk."""
     if not chunks:
         return None
     weights = [(1.0 - EMA_WEIGHT) ** age for age in range(len(chunks) - 1, -1, -1)]
-    total = sum(weights)
-    mean_p = sum(w * p for w, (p, _) in zip(weights, chunks)) / total
-    mean_s = sum(w * s for w, (_, s) in zip(weights, chunks)) / total
-    var_p = sum(w * (p - mean_p) ** 2 for w, (p, _) in zip(weights, chunks)) / total
-    per_token = ChunkCost(0.0, max(mean_s, 0.0) / mean_p)
-    if var_p < (SPREAD * mean_p) ** 2:
-        slope = slope if slope is not None and mean_s - slope * mean_p >= 0 else mean_s / mean_p
-        return per_token if slope <= 0 else ChunkCost(mean_s - slope * mean_p, slope)
-    slope = sum(w * (p - mean_p) * (s - mean_s) for w, (p, s) in zip(weights, chunks)) / total / var_p
-    fixed = mean_s - slope * mean_p
-    return ChunkCost(fixed, slope) if slope > 0 and fixed >= 0 else per_token
+    return sum(w * s for w, (_, s) in zip(weights, chunks)) / sum(w * p for w, (p, _) in zip(weights, chunks))
 
 
 class PrefillPacer:
@@ -82,7 +65,7 @@ class PrefillPacer:
         self.decode_steps: dict[int, float] = {}  # decoding requests -> a decode-only step's seconds
         self.num_decoding = 0  # the decoding requests of the step last measured or asked for
         self.chunks: deque[tuple[int, float]] = deque(maxlen=WINDOW)  # (prompt tokens, seconds added)
-        self.cost: ChunkCost | None = None  # fitted to chunks at their last change
+        self.floor_s: float | None = None  # what a one-token chunk adds (None: none measured)
         self.since_decode_only = 0  # steps beside decodes measured since the last decode-only one
 
     def observe(self, num_decode_tokens: int, num_prompt_tokens: int, seconds: float) -> None:
@@ -97,9 +80,15 @@ class PrefillPacer:
         self.since_decode_only += 1
         decode_s = self.decode_steps.get(num_decode_tokens)  # only a measured step of this count prices it
         if decode_s is not None:
-            self.chunks.append((num_prompt_tokens, max(seconds - decode_s, 0.0)))
-            # chunks all of one size keep the slope the sizes gave before
-            self.cost = fit_chunk_cost(list(self.chunks), None if self.cost is None else self.cost.token_s)
+            added = max(seconds - decode_s, 0.0)
+            self.chunks.append((num_prompt_tokens, added))
+            if num_prompt_tokens == 1:
+                self.floor_s = _average(self.floor_s, added)
+
+    @property
+    def token_s(self) -> float | None:
+        """What a prompt token adds, over the recent chunks (None: none measured)."""
+        return token_price(list(self.chunks))
 
     @property
     def last_chunk(self) -> int:
@@ -119,11 +108,16 @@ class PrefillPacer:
         return self.decode_s_for(self.num_decoding)
 
     @property
+    def room_s(self) -> float | None:
+        """What max_stretch lets a chunk add to that decode step (None: unpaced, or no such step measured)."""
+        decode_s = self.decode_s
+        return None if self.max_stretch is None or decode_s is None else (self.max_stretch - 1.0) * decode_s
+
+    @property
     def floor_over_stretch(self) -> bool:
-        """Whether any prompt chunk alone makes a step longer than max_stretch decode steps."""
-        cost, decode_s = self.cost, self.decode_s
-        return (self.max_stretch is not None and cost is not None and decode_s is not None
-                and cost.fixed_s >= (self.max_stretch - 1.0) * decode_s)
+        """Whether a one-token chunk alone makes a step longer than max_stretch decode steps."""
+        room = self.room_s
+        return room is not None and self.floor_s is not None and self.floor_s >= room
 
     def prompt_tokens(self, num_decoding: int) -> int | None:
         """Prompt tokens the next step may carry beside num_decoding decoding requests (None: no bound; 0:
@@ -133,16 +127,20 @@ class PrefillPacer:
         self.num_decoding = num_decoding
         if self.since_decode_only >= PROBE_EVERY - 1:
             return 0
-        decode_s = self.decode_s
+        decode_s, room = self.decode_s, self.room_s
         if decode_s is None:  # none measured (prompts go beside decodes at once), or none of this few
             return 0 if self.decode_steps else FIRST_CHUNK
-        # before a chunk was measured: a prompt token costs what a decoding request's token does
-        cost = self.cost or ChunkCost(0.0, decode_s / num_decoding)
-        room = (self.max_stretch - 1.0) * decode_s - cost.fixed_s
-        if room <= 0:  # floor_over_stretch: the stretch over a mixed step's floor instead
-            room = (self.max_stretch - 1.0) * (decode_s + cost.fixed_s)
-        fits = room / max(cost.token_s, 1e-9)
+        if self.floor_over_stretch:
+            if self.since_decode_only == 0:
+                return 1  # the floor measured again
+            room = (self.max_stretch - 1.0) * (decode_s + self.floor_s)
+        price = self.token_s
+        fits = room / max(decode_s / num_decoding if price is None else price, 1e-9)
         chunk = int(fits + 1e-6)  # 4.9999... is 5
-        if cost.fixed_s == 0 and self.chunks and chunk == self.last_chunk < fits:
-            chunk += 1  # all per token, measured at one size: one more shows whether a chunk has a fixed part
+        if self.chunks and chunk == self.last_chunk < fits and not self._overran(chunk + 1, room):
+            chunk += 1  # the price at this size includes any fixed part: a token more may fit
         return max(1, min(chunk, int(GROWTH * self.last_chunk) + 1))
+
+    def _overran(self, num_tokens: int, room: float) -> bool:
+        """Whether a recent chunk of num_tokens added more than room."""
+        return any(p == num_tokens and added > room for p, added in self.chunks)
