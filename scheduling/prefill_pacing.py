@@ -18,11 +18,12 @@ A prompt token is priced at the recent chunks' excess over their tokens (the new
 next chunk is the room at that price: if a chunk of p adds f + t * p, that price is f / p + t, and the chunks
 it picks, room * p / (f + t * p) each from the last, settle on (room - f) / t, the chunk a line fitted to
 the steps would give, whenever f < room. No line is fitted: at the few tokens a step carries on a small CPU a
-step's noise is of a token's cost, and a slope fitted to chunks of 3 to 6 tokens came out a quarter of the
-true one, which then priced every chunk (an engine on a 2-core Zen 1 VM took a 1k prompt's chunks for 446 ms
-of fixed cost and 7.5 ms a token, where they cost ~30 ms and 30 ms). While the room is a fraction of a token
-over the last chunk, one token more is tried, unless a chunk that size among the recent ones overran the
-room. Before any chunk was measured a prompt token is taken to cost what a decoding request's token does
+step's noise is of a token's cost, and the slope of one fitted to chunks of 3 to 6 tokens then priced every
+chunk (on a 2-core Zen 1 VM a deployment's pacer took 7.5 ms a token and 446 ms a chunk, where a regression
+over a whole run's steps gives ~32 ms a token and a chunk's part that grows with the prompt's position,
+~0.1 s per 1k positions: its attention). A price at the chunks' own size follows such a drift too.
+While the room is a fraction of a token over the last chunk, one token more is tried, unless a chunk that
+size among the recent ones overran the room. Before any chunk was measured a prompt token is taken to cost what a decoding request's token does
 (decode_s over the requests decoding: both are rows of the same matrix products; on a 2-core Zen 1 VM, 37 ms
 against 34 measured), and before any step was measured a chunk is FIRST_CHUNK tokens.
 
