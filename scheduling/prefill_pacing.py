@@ -23,9 +23,10 @@ chunk (on a 2-core Zen 1 VM a deployment's pacer took 7.5 ms a token and 446 ms 
 over a whole run's steps gives ~32 ms a token and a chunk's part that grows with the prompt's position,
 ~0.1 s per 1k positions: its attention). A price at the chunks' own size follows such a drift too.
 While the room is a fraction of a token over the last chunk, one token more is tried, unless a chunk that
-size among the recent ones overran the room. Before any chunk was measured a prompt token is taken to cost what a decoding request's token does
-(decode_s over the requests decoding: both are rows of the same matrix products; on a 2-core Zen 1 VM, 37 ms
-against 34 measured), and before any step was measured a chunk is FIRST_CHUNK tokens.
+size among the recent ones overran the room. Before any chunk was measured a prompt token is taken to cost
+what a decoding request's token does (decode_s over the requests decoding: both are rows of the same matrix
+products; on a 2-core Zen 1 VM, 37 ms against 34 measured), and before any step was measured a chunk is
+FIRST_CHUNK tokens.
 
 When even a one-token chunk overruns the room (its excess, floor_s, averaged over one-token chunks), no
 chunk keeps the stretch: chunks are then sized against a mixed step's floor (decode_s + floor_s) instead,
