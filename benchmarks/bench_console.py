@@ -223,7 +223,8 @@ def main(argv: list[str] | None = None) -> None:
     cores = sorted(os.sched_getaffinity(0))
     load_before = os.getloadavg()
     levels = level_results(run(args, model, cores))
-    results = {"meta": {"command": "python -m benchmarks.bench_console " + " ".join(argv or []),
+    results = {"meta": {"command": "python -m benchmarks.bench_console " + " ".join(
+                            sys.argv[1:] if argv is None else argv),
                         "model": f"{MODEL} (random weights, word tokenizer)", "engine": ENGINE,
                         "prompt_len": args.prompt_len, "max_tokens": args.max_tokens, "repeats": args.repeats,
                         "num_cores": len(cores), "cpu": cpu_name(), "date": time.strftime("%Y-%m-%d %H:%M"),

@@ -27,6 +27,7 @@ import json
 import os
 import socket
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -269,7 +270,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.dedicated_concurrency and len(cores) > 1:
         layouts["dedicated"] = level_results(run_layout("dedicated", args, model, cores,
                                                         args.dedicated_concurrency))
-    results = {"meta": {"command": "python -m benchmarks.bench_http " + " ".join(argv or []),
+    results = {"meta": {"command": "python -m benchmarks.bench_http " + " ".join(
+                            sys.argv[1:] if argv is None else argv),
                         "model": f"{MODEL} (random weights, word tokenizer)", "engine": ENGINE,
                         "prompt_len": args.prompt_len, "max_tokens": args.max_tokens, "repeats": args.repeats,
                         "min_requests": MIN_REQUESTS, "stream_interval_ms": args.stream_interval_ms,

@@ -37,6 +37,7 @@ import itertools
 import json
 import os
 import statistics
+import sys
 import tempfile
 import threading
 import time
@@ -318,7 +319,8 @@ def main(argv: list[str] | None = None) -> None:
     config = ns.ClusterConfig(
         model=model, engine=engine, machines=[{"name": "stall", "numa_nodes": [{"id": 0, "cpus": cores}]}],
         stream_interval_ms=0, adapter_registry=str(Path(registry.name) / "adapters.json"),
-        http={"port": free_port(), "served_model_name": SERVED_NAME}, **extra)
+        http={"port": free_port(), "served_model_name": SERVED_NAME, "max_tokens_cap": STREAM_MAX_TOKENS},
+        **extra)
     ray.init(num_cpus=len(cores), resources=config.ray_resources("stall"), include_dashboard=False,
              namespace="numaserve", log_to_driver=False)
     start = time.perf_counter()
@@ -335,7 +337,8 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         client.shutdown()
         ray.shutdown()
-    results = {"meta": {"command": "python -m benchmarks.bench_stall " + " ".join(argv or []),
+    results = {"meta": {"command": "python -m benchmarks.bench_stall " + " ".join(
+                            sys.argv[1:] if argv is None else argv),
                         "model": f"{MODEL} (random weights, word tokenizer)", "engine": engine,
                         "target_step_ms": config.target_step_ms, "num_streams": NUM_STREAMS,
                         "stream_prompt_len": STREAM_PROMPT_LEN, "prompt_len": args.prompt_len,
