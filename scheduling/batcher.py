@@ -124,7 +124,9 @@ class Batcher:
         budget = self.token_budget
         self.running.sort(key=self.sort_key)
         paced = self.pacer.prompt_tokens(sum(map(decodes, self.running)))
-        if paced is not None and self.pacer.floor_over_stretch != self.floor_over_stretch:
+        # (a count with no decode step measured has no room to price the floor against: it waits for one)
+        if paced is not None and self.pacer.room_s is not None and (self.pacer.floor_over_stretch
+                                                                    != self.floor_over_stretch):
             self._log_pacing()
         prompt_limit = prompt_left = budget if paced is None else paced
         i = 0

@@ -247,3 +247,21 @@ def test_an_admission_and_a_running_chunk_share_the_pacers_tokens():
     # b admitted with 5, then its last 4 and c's first 1; then c's next 5; c's last 3 (b decodes)
     assert steps == [{"a": 1, "b": 5}, {"a": 1, "b": 4, "c": 1}, {"a": 1, "b": 1, "c": 5},
                      {"a": 1, "b": 1, "c": 3}]
+
+
+def test_a_count_with_no_decode_step_measured_does_not_log_a_floor_it_cannot_price():
+    """The floor logged over at 2 decoding requests; one finishes, and no decode step of 1 was measured: the
+    step probes it, and the log waits for it rather than word a decode step it has not got."""
+    sched = scheduler(max_num_batched_tokens=64, max_prefill_stretch=1.25)
+    sched.add(request("a", [1, 2, 3], max_tokens=2))
+    sched.add(request("b", [4, 5, 6], max_tokens=50))
+    run_step(sched)
+    sched.add(request("c", list(range(200)), max_tokens=2))
+    pacer = sched.batcher.pacer
+    pacer.observe(2, 0, 0.1)
+    pacer.observe(2, 1, 0.1 + 0.031)
+    run_step(sched)  # a's last token: it finishes
+    assert sched.batcher.decisions.recent("prefill_pacing")[-1]["choice"] == "floor over the stretch"
+    plan, _ = run_step(sched)
+    assert {s.request.request_id: s.num_new_tokens for s in plan.scheduled} == {"b": 1}  # a probe
+    assert sched.batcher.decisions.recent("prefill_pacing")[-1]["choice"] == "floor over the stretch"
