@@ -116,18 +116,14 @@ def resident_parts() -> dict[str, int]:
     """This process's resident bytes now by what holds them (/proc/self/smaps): mappings of the weights'
     file (the packed entry or the GGUF), of shared libraries (their code: libllvmlite.so is numba's LLVM),
     anonymous memory (the heap, numpy's arrays, the JIT's code) and other files."""
+    from memory.smaps import mappings  # here: a sample's import_s times numaserve's imports alone
+
     parts = dict.fromkeys(RESIDENT_PARTS, 0)
-    part = "anonymous"
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            fields = line.split()
-            if not fields[0].endswith(":"):  # a mapping's first line: address perms offset dev inode [path]
-                path = fields[5] if len(fields) > 5 else ""
-                part = ("weights_file" if path.endswith((".packed", ".gguf")) else
-                        "shared_libraries" if ".so" in Path(path).name else
-                        "other_files" if path.startswith("/") else "anonymous")
-            elif fields[0] == "Rss:":
-                parts[part] += int(fields[1]) * 1024
+    for m in mappings():
+        part = ("weights_file" if m.path.endswith((".packed", ".gguf")) else
+                "shared_libraries" if ".so" in Path(m.path).name else
+                "other_files" if m.path.startswith("/") else "anonymous")
+        parts[part] += m.kb.get("Rss", 0) * 1024
     return {f"rss_{k}_bytes": v for k, v in parts.items()}
 
 

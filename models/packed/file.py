@@ -40,6 +40,7 @@ import numpy as np
 
 from kernels.checksum import weighted_sum
 from kernels.placement import STREAM_OFFSET, stream_empty
+from memory.smaps import mappings
 
 MAGIC = b"NSPACK\x00\x01"
 _HEADER = struct.Struct("<8sQQ")
@@ -195,22 +196,7 @@ def huge_page_share(buf: np.ndarray, smaps: str | None = None) -> float:
     the kernel maps with huge pages: FilePmdMapped (file pages) plus AnonHugePages over its resident bytes;
     0 where smaps is unreadable."""
     address = buf.ctypes.data
-    try:
-        text = Path("/proc/self/smaps").read_text() if smaps is None else smaps
-    except OSError:
-        return 0.0
-    inside, values = False, {}
-    for line in text.splitlines():
-        head = line.split(maxsplit=1)[0]
-        if "-" in head and not head.endswith(":"):  # a mapping's first line: start-end perms ...
-            if inside:
-                break
-            start, end = (int(x, 16) for x in head.split("-"))
-            inside = start <= address < end
-        elif inside:
-            name, value = line.split(":", 1)
-            values[name] = value
-    kb = {k: int(values[k].split()[0]) for k in ("Rss", "FilePmdMapped", "AnonHugePages") if k in values}
+    kb = next((m.kb for m in mappings(smaps) if m.start <= address < m.end), {})
     rss = kb.get("Rss", 0)
     return 0.0 if rss == 0 else (kb.get("FilePmdMapped", 0) + kb.get("AnonHugePages", 0)) / rss
 

@@ -1,0 +1,21 @@
+"""/proc/self/smaps parsed: each mapping's range, what it maps and its kB counters."""
+
+from memory.smaps import mappings
+from tests.models.test_packed_file import SMAPS
+
+
+def test_each_mapping_has_its_range_path_and_counters_and_no_flags():
+    maps = mappings(SMAPS)
+    assert [(m.start, m.end, m.path) for m in maps] == [
+        (0x7f0000000000, 0x7f0000200000, "/usr/lib/libc.so.6"),
+        (0x7fbc26c00000, 0x7fbc6c80f000, "/cache/entry.packed"),
+        (0x7fbc6c80f000, 0x7fbc6c810000, "")]
+    assert maps[1].kb == {"Size": 1142844, "Rss": 1142844, "AnonHugePages": 0, "FilePmdMapped": 880640}
+    assert sum(m.kb.get("Rss", 0) for m in mappings()) > 0  # this process's own
+
+
+def test_unreadable_smaps_is_no_mappings(monkeypatch, tmp_path):
+    from memory import smaps
+
+    monkeypatch.setattr(smaps, "Path", lambda _: tmp_path / "missing")
+    assert mappings() == []
