@@ -38,9 +38,9 @@ from typing import Literal
 
 import numpy as np
 
-from kernels.checksum import weighted_sum
+from kernels.checksum import PIECE_WORDS, weighted_sum, weighted_sum_parallel
 from kernels.placement import STREAM_OFFSET, stream_empty
-from memory.smaps import mappings
+from memory.smaps import mapping_at
 
 MAGIC = b"NSPACK\x00\x01"
 _HEADER = struct.Struct("<8sQQ")
@@ -61,7 +61,8 @@ def checksum(data: np.ndarray) -> int:
     """Of a C-contiguous array's bytes, zero-padded to whole 8-byte words."""
     b = data.reshape(-1).view(np.uint8)
     whole = len(b) // 8 * 8
-    s = int(weighted_sum(b[:whole].view(np.uint64), 0))
+    words = b[:whole].view(np.uint64)
+    s = int((weighted_sum_parallel if len(words) > PIECE_WORDS else weighted_sum)(words, 0))
     if whole < len(b):
         tail = np.zeros(8, np.uint8)
         tail[:len(b) - whole] = b[whole:]
@@ -195,8 +196,8 @@ def huge_page_share(buf: np.ndarray, smaps: str | None = None) -> float:
     """The share of buf's mapping (the one holding its first byte, per smaps: /proc/self/smaps' text) that
     the kernel maps with huge pages: FilePmdMapped (file pages) plus AnonHugePages over its resident bytes;
     0 where smaps is unreadable."""
-    address = buf.ctypes.data
-    kb = next((m.kb for m in mappings(smaps) if m.start <= address < m.end), {})
+    held = mapping_at(buf.ctypes.data, smaps)
+    kb = {} if held is None else held.kb
     rss = kb.get("Rss", 0)
     return 0.0 if rss == 0 else (kb.get("FilePmdMapped", 0) + kb.get("AnonHugePages", 0)) / rss
 

@@ -1,6 +1,6 @@
 """/proc/self/smaps parsed: each mapping's range, what it maps and its kB counters."""
 
-from memory.smaps import mappings
+from memory.smaps import mapping_at, mappings
 from tests.models.test_packed_file import SMAPS
 
 
@@ -19,3 +19,14 @@ def test_unreadable_smaps_is_no_mappings(monkeypatch, tmp_path):
 
     monkeypatch.setattr(smaps, "Path", lambda _: tmp_path / "missing")
     assert mappings() == []
+
+
+def test_the_mapping_at_an_address_is_the_one_whose_range_holds_it():
+    maps = mappings(SMAPS)
+    for m in maps:
+        assert mapping_at(m.start, SMAPS) == m
+        assert mapping_at(m.end - 1, SMAPS) == m
+    assert mapping_at(0x1000, SMAPS) is None
+    assert mapping_at(maps[-1].end, SMAPS) is None
+    here = mapping_at(id(maps))  # a Python object's address: in this process's heap
+    assert here is not None and here.start <= id(maps) < here.end
