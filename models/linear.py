@@ -19,8 +19,8 @@ from kernels.linear.bf16 import matmul_bf16, round_activations
 from kernels.linear.blocks import matmul_blocks
 from kernels.linear.dispatch import gather_rows_bf16, matmul
 from kernels.linear.int8 import matmul_int8, matmul_vnni
-from kernels.linear.kquant import matmul_kquant
-from kernels.linear.q6k import matmul_q6k
+from kernels.linear.kquant import matmul_kquant, matmul_kquant_avx2
+from kernels.linear.q6k import matmul_q6k, matmul_q6k_avx2
 from memory.matrices import Bf16Matrix, BlockInt8Matrix, Int8Matrix, Matrix, StackedMatrix, WeightMatrix
 
 _NO_SCALES = np.zeros((1, 1), np.uint16)
@@ -46,9 +46,11 @@ def linear(x: np.ndarray, w: Matrix, out: np.ndarray | None = None) -> np.ndarra
         xq, xd, xsum = quantized_activations(x, w)
         p = w.packed
         if w.dtype == "q6_k":
-            matmul_q6k(xq, xd, xsum, p.data, p.d, out)
-        else:
+            (matmul_q6k if w.vnni else matmul_q6k_avx2)(xq, xd, xsum, p.data, p.d, out)
+        elif w.vnni:
             matmul_kquant(xq, xd, xsum, p.data, out, p.qtype)
+        else:
+            matmul_kquant_avx2(xq, xd, xsum, p.data, out, p.qtype)
     elif w.dtype in BLOCK_DTYPES:  # dequantized by groups of rows into the float32 kernel: the same bits
         matmul_blocks(np.ascontiguousarray(x), w.data, CODE[w.dtype], out)
     else:  # one kernel at every batch size: see the module docstring

@@ -1,6 +1,8 @@
 """y = x @ W.T with x quantized to int8 (kernels/formats/int8_layout.py) and Q4_K / Q5_K / Q4_1 / Q5_0 /
 Q5_1 / IQ4_NL / IQ4_XS weights packed by kernels/formats/kquant_layout.py, through the VNNI register block
-of kernels/simd/kquant.py.
+of kernels/simd/kquant.py; matmul_kquant_avx2 the same block and bits without VNNI (vpdpbusd's integers
+through vpmaddubsw and vpmaddwd: kernels/simd/vnni.py dpbusd_avx2), for all but the IQ4 formats (their
+levels + 128 would saturate vpmaddubsw's int16 pairs).
 
 The drivers are matmul_vnni's and matmul_vnni_experts' (kernels/linear/int8.py): a task owns a block of 4
 output rows and walks a chunk of tokens 4 at a time (then 2, then 1) while the chunk of x stays in L2.
@@ -32,7 +34,20 @@ def matmul_kquant(xq, xd, xsum, data, out, qtype):
     for c0 in range(0, T, chunk):
         c1 = min(T, c0 + chunk)
         for task in prange(data.shape[0] // ROWS):
-            _by_format(xq, xd, xsum, data, out, task * ROWS, c0, c1, qtype)
+            _by_format(xq, xd, xsum, data, out, task * ROWS, c0, c1, qtype, 1)
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def matmul_kquant_avx2(xq, xd, xsum, data, out, qtype):
+    # matmul_kquant's operands and bits without VNNI (kernels/simd/kquant.py _dot_avx2), for the formats of
+    # AVX2_FORMATS (not IQ4_NL, IQ4_XS)
+    _check_avx2_format(qtype)
+    T, Kp = xq.shape
+    chunk = max(4, X_CHUNK_BYTES // Kp // 4 * 4)
+    for c0 in range(0, T, chunk):
+        c1 = min(T, c0 + chunk)
+        for task in prange(data.shape[0] // ROWS):
+            _by_format(xq, xd, xsum, data, out, task * ROWS, c0, c1, qtype, 0)
 
 
 @njit(inline="always", nogil=True)
@@ -43,44 +58,73 @@ def _check_format(qtype):
 
 
 @njit(inline="always", nogil=True)
-def _by_format(xq, xd, xsum, data, out, n, c0, c1, qtype):
-    # qtype as a literal (the globals are constants): each branch compiles its format's block
-    if qtype == Q4_K:
-        _kquant_tokens(xq, xd, xsum, data, out, n, c0, c1, Q4_K)
-    elif qtype == Q5_K:
-        _kquant_tokens(xq, xd, xsum, data, out, n, c0, c1, Q5_K)
-    elif qtype == Q4_1:
-        _kquant_tokens(xq, xd, xsum, data, out, n, c0, c1, Q4_1)
-    elif qtype == Q5_0:
-        _kquant_tokens(xq, xd, xsum, data, out, n, c0, c1, Q5_0)
-    elif qtype == Q5_1:
-        _kquant_tokens(xq, xd, xsum, data, out, n, c0, c1, Q5_1)
-    elif qtype == IQ4_NL:
-        _kquant_tokens(xq, xd, xsum, data, out, n, c0, c1, IQ4_NL)
-    elif qtype == IQ4_XS:
-        _kquant_tokens(xq, xd, xsum, data, out, n, c0, c1, IQ4_XS)
+def _check_avx2_format(qtype):
+    if qtype != Q4_K and qtype != Q5_K and qtype != Q4_1 and qtype != Q5_0 and qtype != Q5_1:
+        raise ValueError("qtype is not one of Q4_K, Q5_K, Q4_1, Q5_0, Q5_1 (the AVX2 kernel's formats)")
 
 
-def _kquant_tokens(xq, xd, xsum, data, out, n, c0, c1, qtype):
+def _by_format(xq, xd, xsum, data, out, n, c0, c1, qtype, vnni):
+    raise NotImplementedError("numba-only")
+
+
+@overload(_by_format, inline="always", prefer_literal=True)
+def _by_format_impl(xq, xd, xsum, data, out, n, c0, c1, qtype, vnni):
+    # qtype as a literal (the globals are constants): each branch compiles its format's block; without VNNI
+    # (vnni 0) the IQ4 formats' branches are left out (their block does not compile there)
+    if not isinstance(vnni, types.IntegerLiteral):
+        return None
+    if vnni.literal_value:
+        def impl(xq, xd, xsum, data, out, n, c0, c1, qtype, vnni):
+            if qtype == Q4_K:
+                _kquant_tokens(xq, xd, xsum, data, out, n, c0, c1, Q4_K, 1)
+            elif qtype == Q5_K:
+                _kquant_tokens(xq, xd, xsum, data, out, n, c0, c1, Q5_K, 1)
+            elif qtype == Q4_1:
+                _kquant_tokens(xq, xd, xsum, data, out, n, c0, c1, Q4_1, 1)
+            elif qtype == Q5_0:
+                _kquant_tokens(xq, xd, xsum, data, out, n, c0, c1, Q5_0, 1)
+            elif qtype == Q5_1:
+                _kquant_tokens(xq, xd, xsum, data, out, n, c0, c1, Q5_1, 1)
+            elif qtype == IQ4_NL:
+                _kquant_tokens(xq, xd, xsum, data, out, n, c0, c1, IQ4_NL, 1)
+            elif qtype == IQ4_XS:
+                _kquant_tokens(xq, xd, xsum, data, out, n, c0, c1, IQ4_XS, 1)
+        return impl
+
+    def impl(xq, xd, xsum, data, out, n, c0, c1, qtype, vnni):
+        if qtype == Q4_K:
+            _kquant_tokens(xq, xd, xsum, data, out, n, c0, c1, Q4_K, 0)
+        elif qtype == Q5_K:
+            _kquant_tokens(xq, xd, xsum, data, out, n, c0, c1, Q5_K, 0)
+        elif qtype == Q4_1:
+            _kquant_tokens(xq, xd, xsum, data, out, n, c0, c1, Q4_1, 0)
+        elif qtype == Q5_0:
+            _kquant_tokens(xq, xd, xsum, data, out, n, c0, c1, Q5_0, 0)
+        elif qtype == Q5_1:
+            _kquant_tokens(xq, xd, xsum, data, out, n, c0, c1, Q5_1, 0)
+    return impl
+
+
+def _kquant_tokens(xq, xd, xsum, data, out, n, c0, c1, qtype, vnni):
     raise NotImplementedError("numba-only")
 
 
 @overload(_kquant_tokens, inline="always", prefer_literal=True)
-def _kquant_tokens_impl(xq, xd, xsum, data, out, n, c0, c1, qtype):
-    if not isinstance(qtype, types.IntegerLiteral):
+def _kquant_tokens_impl(xq, xd, xsum, data, out, n, c0, c1, qtype, vnni):
+    if not all(isinstance(a, types.IntegerLiteral) for a in (qtype, vnni)):
         return None
-    q = qtype.literal_value
+    q, v = qtype.literal_value, vnni.literal_value
 
-    def impl(xq, xd, xsum, data, out, n, c0, c1, qtype):
+    def impl(xq, xd, xsum, data, out, n, c0, c1, qtype, vnni):
         t = c0
         while t + 4 <= c1:
-            kquant_block(xq, xd, xsum, data, out, t, n, q, 4)
+            kquant_block(xq, xd, xsum, data, out, t, n, q, 4, v)
             t += 4
         if c1 - t >= 2:
-            kquant_block(xq, xd, xsum, data, out, t, n, q, 2)
+            kquant_block(xq, xd, xsum, data, out, t, n, q, 2, v)
             t += 2
         if c1 - t == 1:
-            kquant_block(xq, xd, xsum, data, out, t, n, q, 1)
+            kquant_block(xq, xd, xsum, data, out, t, n, q, 1, v)
     return impl
 
 
@@ -95,4 +139,4 @@ def matmul_kquant_experts(xq, xd, xsum, data, out, qtype, experts, starts):
         d = data[e * N:(e + 1) * N]
         x, xs, xt, o = xq[r0:r1], xd[r0:r1], xsum[r0:r1], out[r0:r1]
         for b in range(b0, b1):
-            _by_format(x, xs, xt, d, o, b * ROWS, 0, r1 - r0, qtype)
+            _by_format(x, xs, xt, d, o, b * ROWS, 0, r1 - r0, qtype, 1)

@@ -1,5 +1,7 @@
 """y = x @ W.T with x quantized to int8 (kernels/formats/int8_layout.py) and GGUF Q6_K weights
-(kernels/formats/q6k_layout.py), through AVX512-VNNI (kernels/simd/q6k.py).
+(kernels/formats/q6k_layout.py), through AVX512-VNNI (kernels/simd/q6k.py), or without AVX-512
+(matmul_q6k_avx2: vpdpbusd's integers through vpmaddubsw and vpmaddwd, kernels/simd/vnni.py dpbusd_avx2), the
+same bits.
 
 The same quantized activations (xq, xd, xsum) as matmul_vnni's serve: the sub-block offsets the Q6_K block
 needs are derived from them once per call. A task owns a block of 4 output rows for a chunk of tokens, 4 at a
@@ -7,13 +9,15 @@ time, then 2, then 1 (4 rows x 4 tokens measured best: kernels/simd/q6k.py).
 """
 
 import numpy as np
-from numba import njit, prange
+from numba import njit, prange, types
+from numba.extending import overload
 
 from kernels.formats.int8_layout import GROUP
 from kernels.formats.q6k_layout import ROWS, subblock_offsets
 from kernels.moe.expert_tasks import expert_num_tasks, expert_task
 from kernels.simd.q6k import q6k_block
 
+AVX2_TOKENS = 1  # tokens a block without AVX-512
 _X_CHUNK_BYTES = 1 << 19  # tokens of x per pass over the weights: half of a core's L2 (as matmul_vnni)
 
 
@@ -24,17 +28,30 @@ def _offsets(xq, xsum):
     return offsets
 
 
-@njit(inline="always", nogil=True)
-def _tokens(xq, xd, offsets, data, d, out, n, c0, c1):
-    t = c0
-    while t + 4 <= c1:
-        q6k_block(xq, xd, offsets, data, d, out, t, n, 4)
-        t += 4
-    if c1 - t >= 2:
-        q6k_block(xq, xd, offsets, data, d, out, t, n, 2)
-        t += 2
-    if c1 - t == 1:
-        q6k_block(xq, xd, offsets, data, d, out, t, n, 1)
+def _tokens(xq, xd, offsets, data, d, out, n, c0, c1, vnni):
+    raise NotImplementedError("numba-only")
+
+
+@overload(_tokens, inline="always", prefer_literal=True)
+def _tokens_impl(xq, xd, offsets, data, d, out, n, c0, c1, vnni):
+    # VNNI: 4 tokens a block, then 2, then 1; AVX2 (vnni 0): AVX2_TOKENS a block, its 16 registers holding
+    # fewer accumulators (kernels/simd/q6k.py's 512-bit vectors are two each there)
+    if not isinstance(vnni, types.IntegerLiteral):
+        return None
+    v = vnni.literal_value
+    step = 4 if v else AVX2_TOKENS
+
+    def impl(xq, xd, offsets, data, d, out, n, c0, c1, vnni):
+        t = c0
+        while t + step <= c1:
+            q6k_block(xq, xd, offsets, data, d, out, t, n, step, v)
+            t += step
+        if step > 2 and c1 - t >= 2:
+            q6k_block(xq, xd, offsets, data, d, out, t, n, 2, v)
+            t += 2
+        if step > 1 and c1 - t == 1:
+            q6k_block(xq, xd, offsets, data, d, out, t, n, 1, v)
+    return impl
 
 
 @njit(cache=True, nogil=True, parallel=True)
@@ -47,7 +64,19 @@ def matmul_q6k(xq, xd, xsum, data, d, out):
     for c0 in range(0, T, chunk):
         c1 = min(T, c0 + chunk)
         for task in prange(data.shape[0] // ROWS):
-            _tokens(xq, xd, offsets, data, d, out, task * ROWS, c0, c1)
+            _tokens(xq, xd, offsets, data, d, out, task * ROWS, c0, c1, 1)
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def matmul_q6k_avx2(xq, xd, xsum, data, d, out):
+    # matmul_q6k's operands and bits without AVX-512 (kernels/simd/vnni.py dpbusd_avx2)
+    T, Kp = xq.shape
+    offsets = _offsets(xq, xsum)
+    chunk = max(4, _X_CHUNK_BYTES // Kp // 4 * 4)
+    for c0 in range(0, T, chunk):
+        c1 = min(T, c0 + chunk)
+        for task in prange(data.shape[0] // ROWS):
+            _tokens(xq, xd, offsets, data, d, out, task * ROWS, c0, c1, 0)
 
 
 @njit(cache=True, nogil=True, parallel=True)
@@ -61,4 +90,4 @@ def matmul_q6k_experts(xq, xd, xsum, data, d, out, experts, starts):
         w, wd = data[e * N:(e + 1) * N], d[e * N:(e + 1) * N]
         x, xs, xo, o = xq[r0:r1], xd[r0:r1], offsets[r0:r1], out[r0:r1]
         for b in range(b0, b1):
-            _tokens(x, xs, xo, w, wd, o, b * ROWS, 0, r1 - r0)
+            _tokens(x, xs, xo, w, wd, o, b * ROWS, 0, r1 - r0, 1)

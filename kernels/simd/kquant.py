@@ -20,7 +20,8 @@ the int32 lanes (they start at -offset x xsum_b, q4_0's way), and their blocks f
 acc_b = fma(float(dot_b), S_b x xd_b, acc_b), IQ4_XS's S_b = d x sc_b (sc_b signed) as gguf forms it. The 8
 lanes are summed at the end (store_block).
 
-Needs AVX512-VNNI, AVX512-VL and F16C (simd_vnni.VNNI_FEATURES). numba's on-disk cache of
+Needs AVX512-VNNI, AVX512-VL and F16C (simd_vnni.VNNI_FEATURES); with vnni 0, AVX2 and F16C (AVX2_FEATURES):
+each vpdpbusd becomes vpmaddubsw + vpmaddwd by ones + vpaddd, the same int32 lanes. numba's on-disk cache of
 kernels/linear/kquant.py does not notice edits to this file: after changing the code generation here,
 delete kernels/__pycache__.
 """
@@ -45,9 +46,12 @@ from kernels.simd.int8 import (
     operands_fit,
     store_block,
 )
-from kernels.simd.vnni import ROWS, V32I8, dpbusd_function, nibble_vector, prefetch_ahead
+from kernels.simd.vnni import ROWS, V32I8, dpbusd_avx2, dpbusd_function, nibble_vector, prefetch_ahead
 
 V8H = ir.VectorType(ir.HalfType(), 8)
+# the formats whose quants pass through vpmaddubsw exactly (vnni.dpbusd_avx2): all but the IQ4 levels
+AVX2_FORMATS = {code: f for code, f in FORMATS.items() if not f.table}
+AVX2_FEATURES = ("avx2", "f16c")  # kquant_block with vnni 0
 V8I8 = ir.VectorType(I8, 8)
 
 
@@ -104,28 +108,35 @@ def _block_scales(builder, data, tile, f, r):
 
 
 @intrinsic(prefer_literal=True)
-def kquant_block(typingctx, xq, xd, xsum, data, out, t0, n0, qtype, tokens):
+def kquant_block(typingctx, xq, xd, xsum, data, out, t0, n0, qtype, tokens, vnni):
     """out[t0:t0+tokens, n0:n0+4] = the int8 dot products of quantized x with 4 packed W rows (those < N).
 
     xq: [T, Kp] int8 (quad order), xd/xsum: [T, Kp // 32] f32/int32, data: uint8 [N4, ...] packed by
     kquant_layout.pack_kquant, out: [T, N] f32; n0 % 4 == 0; qtype (a GGML type id in kquant_layout.FORMATS),
-    tokens: literals.
+    tokens, vnni (1: vpdpbusd; 0: vnni.dpbusd_avx2, the same integers, for AVX2_FORMATS): literals.
     """
     if not operands_fit((xq, xd, xsum, data, out),
                         (types.int8, types.float32, types.int32, types.uint8, types.float32)):
         return None
-    if not all(isinstance(a, types.IntegerLiteral) for a in (qtype, tokens)):
+    if not all(isinstance(a, types.IntegerLiteral) for a in (qtype, tokens, vnni)):
         return None
-    if qtype.literal_value not in FORMATS:
+    if qtype.literal_value not in (FORMATS if vnni.literal_value else AVX2_FORMATS):
         return None
-    f, TB = FORMATS[qtype.literal_value], tokens.literal_value
+    f, TB, use_vnni = FORMATS[qtype.literal_value], tokens.literal_value, bool(vnni.literal_value)
     tile_bytes = f.tile_offsets["end"]
 
     def codegen(context, builder, signature, args):
         (xa, da, sa, wa, oa), t0_, n0_, Kp, N = block_operands(context, builder, signature, args, 5)
         num_blocks, num_groups = group_counts(builder, Kp)
         module = builder.module
-        dpbusd = dpbusd_function(module)
+        if use_vnni:
+            vpdpbusd = dpbusd_function(module)
+
+            def dpbusd(acc, weights, x):
+                return builder.call(vpdpbusd, [acc, weights, x])
+        else:
+            def dpbusd(acc, weights, x):
+                return dpbusd_avx2(builder, acc, weights, x)
         fma = fma_function(module)
         token_rows = [builder.add(t0_, const64(t)) for t in range(TB)]
         weight_rows = [builder.add(n0_, const64(r)) for r in range(ROWS)]
@@ -159,7 +170,7 @@ def kquant_block(typingctx, xq, xd, xsum, data, out, t0, n0, qtype, tokens):
                     xv = builder.bitcast(load_vec(builder, xa.data, builder.add(x_base[t], const64(32 * j)),
                                                   V32I8), V8I)
                     for r in range(ROWS):
-                        iacc[r][t] = builder.call(dpbusd, [iacc[r][t], weights[r], xv])
+                        iacc[r][t] = dpbusd(iacc[r][t], weights[r], xv)
             # the scales after the products: formed before, they stayed live through them and spilled
             dx = [load_vec(builder, da.data, builder.add(builder.mul(row, num_blocks), blk0), V8F)
                   for row in token_rows]
@@ -177,4 +188,4 @@ def kquant_block(typingctx, xq, xd, xsum, data, out, t0, n0, qtype, tokens):
         store_block(builder, oa.data, accs, token_rows, weight_rows, N)
         return context.get_dummy_value()
 
-    return types.none(xq, xd, xsum, data, out, t0, n0, qtype, tokens), codegen
+    return types.none(xq, xd, xsum, data, out, t0, n0, qtype, tokens, vnni), codegen

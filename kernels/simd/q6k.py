@@ -28,9 +28,10 @@ Weights stream as in kernels/simd/vnni.py: one sequential stream per task (a blo
 group), prefetched as there (from 4 tokens up); d's stream (1/104 of the bytes) is left to the hardware.
 Rows past the matrix's last (padding of the last block) are computed, not stored.
 
-Needs AVX512-VNNI, AVX512-BW (512-bit byte vectors) and F16C. numba's on-disk cache of
-kernels/linear/q6k.py does not notice edits to this file: after changing the code generation here, delete
-kernels/__pycache__.
+Needs AVX512-VNNI, AVX512-BW (512-bit byte vectors) and F16C; with vnni 0, AVX2 and F16C
+(Q6K_AVX2_FEATURES): each 512-bit operation as two 256-bit ones, vpdpbusd as vnni.dpbusd_avx2 on each half.
+numba's on-disk cache of kernels/linear/q6k.py does not notice edits to this file: after changing the code
+generation here, delete kernels/__pycache__.
 """
 
 from llvmlite import ir
@@ -51,7 +52,7 @@ from kernels.simd.int8 import (
     load_vec,
     operands_fit,
 )
-from kernels.simd.vnni import dpbusd_function, prefetch_ahead
+from kernels.simd.vnni import dpbusd_avx2, dpbusd_function, prefetch_ahead
 
 I16 = ir.IntType(16)
 V32I8, V64I8, V32I16 = ir.VectorType(I8, 32), ir.VectorType(I8, 64), ir.VectorType(I16, 32)
@@ -60,6 +61,7 @@ F32 = ir.FloatType()
 V4H, V4F, V8F = ir.VectorType(ir.HalfType(), 4), ir.VectorType(F32, 4), ir.VectorType(F32, 8)
 V16F = ir.VectorType(F32, 16)
 Q6K_FEATURES = ("avx512vnni", "avx512bw", "f16c")
+Q6K_AVX2_FEATURES = ("avx2", "f16c")  # q6k_block with vnni 0
 
 
 def _lanes(indices):
@@ -119,26 +121,43 @@ def _fold_rows(builder, fma, sums, scales, scale, acc):
     builder.store(builder.call(fma, [blocks, scale, builder.load(acc)]), acc)
 
 
+def _dot_avx2_512(builder, acc, weights, x):
+    """vpdpbusd on 512 bits without AVX-512: each 256-bit half through vnni.dpbusd_avx2
+    (vpmaddubsw, vpmaddwd by ones), the same int32 lanes; exact for 6-bit values (a pair's 2 x 63 x 127 fits
+    int16). The 512-bit generic operations around it LLVM splits into 256-bit ones."""
+    halves = [_lanes(range(8)), _lanes(range(8, 16))]
+    parts = [dpbusd_avx2(builder, *(builder.shuffle_vector(v, v, h) for v in (acc, weights, x)))
+             for h in halves]
+    return builder.shuffle_vector(parts[0], parts[1], _lanes(range(16)))
+
+
 @intrinsic(prefer_literal=True)
-def q6k_block(typingctx, xq, xd, offsets, data, d, out, t0, n0, tokens):
+def q6k_block(typingctx, xq, xd, offsets, data, d, out, t0, n0, tokens, vnni):
     """out[t0:t0+tokens, n0:n0+4] = the int8 dot products of quantized x with 4 packed Q6_K rows (those < N).
 
     xq: [T, Kp] int8 (quad order), xd: [T, Kp // 32] f32, offsets: [T, Kp // 16] int32 (subblock_offsets),
     data: uint8 [N4, G * 208], d: uint16 [N4, G] (kernels/formats/q6k_layout.py), out: [T, N] f32; n0 % 4 ==
-    0; tokens: a literal.
+    0; tokens, vnni (1: vpdpbusd; 0: _dot_avx2_512, the same integers on AVX2): literals.
     """
     if not operands_fit((xq, xd, offsets, data, d, out),
                         (types.int8, types.float32, types.int32, types.uint8, types.uint16, types.float32)):
         return None
-    if not isinstance(tokens, types.IntegerLiteral):
+    if not all(isinstance(a, types.IntegerLiteral) for a in (tokens, vnni)):
         return None
-    TB = tokens.literal_value
+    TB, use_vnni = tokens.literal_value, bool(vnni.literal_value)
 
     def codegen(context, builder, signature, args):
         (xa, da, oa_, wa, ca, oa), t0_, n0_, Kp, N = block_operands(context, builder, signature, args)
         num_blocks, num_groups = group_counts(builder, Kp)
         module = builder.module
-        dpbusd = dpbusd_function(module, 512)
+        if use_vnni:
+            vpdpbusd = dpbusd_function(module, 512)
+
+            def dpbusd(acc, weights, x):
+                return builder.call(vpdpbusd, [acc, weights, x])
+        else:
+            def dpbusd(acc, weights, x):
+                return _dot_avx2_512(builder, acc, weights, x)
         fma = fma_function(module, 16)
 
 
@@ -169,7 +188,7 @@ def q6k_block(typingctx, xq, xd, offsets, data, d, out, t0, n0, tokens):
             for f in range(4):
                 for t in range(TB):
                     for r in range(ROWS):
-                        sums[r][t] = builder.call(dpbusd, [sums[r][t], weights[r][f], pairs[t][f]])
+                        sums[r][t] = dpbusd(sums[r][t], weights[r][f], pairs[t][f])
             for p in range(ROWS // 2):
                 rows = (2 * p, 2 * p + 1)
                 pair_scales = _pair_scales(builder, [scales[r] for r in rows])
@@ -186,4 +205,4 @@ def q6k_block(typingctx, xq, xd, offsets, data, d, out, t0, n0, tokens):
                         builder.store(total, builder.gep(oa.data, [builder.add(builder.mul(token, N), row)]))
         return context.get_dummy_value()
 
-    return types.none(xq, xd, offsets, data, d, out, t0, n0, tokens), codegen
+    return types.none(xq, xd, offsets, data, d, out, t0, n0, tokens, vnni), codegen

@@ -36,6 +36,7 @@ from kernels.simd.int8 import (
     I32,
     V8F,
     V8I,
+    V16I16,
     block_operands,
     const64,
     fma_function,
@@ -67,6 +68,20 @@ def dpbusd_function(module, bits: int = 256):
     vec = ir.VectorType(I32, bits // 32)
     return cgutils.get_or_insert_function(module, ir.FunctionType(vec, [vec] * 3),
                                           f"llvm.x86.avx512.vpdpbusd.{bits}")
+
+
+def dpbusd_avx2(builder, acc, weights, x):
+    """vpdpbusd's result without VNNI: acc + per int32 lane the sum of its 4 products of unsigned weight bytes
+    with signed activation bytes, through vpmaddubsw (pairs to int16) and vpmaddwd by ones (pairs of pairs to
+    int32). Exact where a pair cannot saturate int16: 2 x q x 127 <= 32767, q <= 129 (the K-quants' 4 to 6
+    bits; not kernels/simd/kquant.py's IQ4 levels + 128, up to 255)."""
+    module = builder.module
+    pmaddubsw = cgutils.get_or_insert_function(module, ir.FunctionType(V16I16, [V32I8, V32I8]),
+                                               "llvm.x86.avx2.pmadd.ub.sw")
+    pmaddwd = cgutils.get_or_insert_function(module, ir.FunctionType(V8I, [V16I16, V16I16]),
+                                             "llvm.x86.avx2.pmadd.wd")
+    pairs = builder.call(pmaddubsw, [builder.bitcast(weights, V32I8), builder.bitcast(x, V32I8)])
+    return builder.add(acc, builder.call(pmaddwd, [pairs, ir.Constant(V16I16, [1] * 16)]))
 
 
 def vnni_literals(operands, bits, count):

@@ -29,8 +29,9 @@ from models.quantization.calibration import Calibration, calibration_path
 # version are then never used. 2: a GGUF's F16 tensors load as float16, no longer as bfloat16. 3: the K-quant
 # containers moved to memory/block_matrices.py (an entry names its classes by module). 4: the model and kernel
 # modules moved into subpackages (models/moe/, models/lora/, ...), which renamed classes' modules. 5: an
-# entry's blob starts 16 bytes past a page (models/packed/file.py maps it).
-LAYOUT_VERSION = 5
+# entry's blob starts 16 bytes past a page (models/packed/file.py maps it). 6: the K-quant formats but IQ4 get
+# int8 activations without VNNI too (BlockInt8Matrix.vnni): an AVX2 host's entries held them unplanned.
+LAYOUT_VERSION = 6
 ENTRY_SUFFIX = ".packed"
 _HASH_BYTES = 64 << 20
 _STALE_TEMP_SECONDS = 3600  # a temp file untouched this long belongs to a writer that died

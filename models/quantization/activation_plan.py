@@ -3,8 +3,9 @@
 `EngineConfig.activation_dtype`:
 - "float32": every matrix multiplies float32 activations (exact: within 1e-4 of transformers).
 - "int8": quantized matrices (q8_0, q4_0 and the GGML block formats; the LM head included) get activations
-  quantized per 32-value block and integer dot products (kernels/linear/int8.py; the block formats through
-  VNNI: kernels/linear/kquant.py, kernels/linear/q6k.py); other weight formats keep float32 activations.
+  quantized per 32-value block and integer dot products (kernels/linear/int8.py; the block formats:
+  kernels/linear/kquant.py and kernels/linear/q6k.py, through VNNI or AVX2 (IQ4's through VNNI only));
+  other weight formats keep float32 activations.
 - "bfloat16": bf16 matrices (the LM head included) get activations rounded to bf16 and AVX512-BF16's
   vdpbf16ps (kernels/linear/bf16.py); other weight formats keep float32 activations. A CPU without the
   instruction falls back to float32: rounding activations to bf16 and then multiplying in float32 would
@@ -230,7 +231,7 @@ def for_activations(w: WeightMatrix, activation_dtype: str) -> Matrix:
 def _kernel(w: Matrix) -> str:
     """The linear kernel a (part of a) matrix runs with, and its weight and activation dtypes."""
     if isinstance(w, BlockInt8Matrix):
-        kernel = "matmul_q6k" if w.dtype == "q6_k" else "matmul_kquant"
+        kernel = ("matmul_q6k" if w.dtype == "q6_k" else "matmul_kquant") + ("" if w.vnni else "_avx2")
         return f"{kernel}: {w.dtype} weights x int8 activations"
     if isinstance(w, Int8Matrix):
         return f"{'matmul_vnni' if w.vnni else 'matmul_int8'}: {w.dtype} weights x int8 activations"

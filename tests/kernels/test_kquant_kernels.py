@@ -1,6 +1,7 @@
-"""The Q4_K / Q5_K / Q4_1 / Q5_0 / Q5_1 int8-activation kernels (kernels/linear/kquant.py) against a float64
-numpy reference over gguf's dequantization of the same raw blocks and the same quantized activations;
-batch invariance, the experts driver, and the packing's exact round trip and size."""
+"""The Q4_K / Q5_K / Q4_1 / Q5_0 / Q5_1 int8-activation kernels (kernels/linear/kquant.py: VNNI's and AVX2's,
+each where the host runs it) against a float64 numpy reference over gguf's dequantization of the same raw
+blocks and the same quantized activations; the two kernels' bits equal; batch invariance, the experts driver,
+and the packing's exact round trip and size."""
 
 import numpy as np
 import pytest
@@ -11,14 +12,18 @@ from gguf.quants import dequantize
 from kernels.formats import kquant_layout
 from kernels.formats.ggml_blocks import CODE
 from kernels.formats.int8_layout import padded_k, quantize_activations
-from kernels.linear.kquant import matmul_kquant, matmul_kquant_experts
+from kernels.linear.kquant import matmul_kquant, matmul_kquant_avx2, matmul_kquant_experts
 from kernels.simd.cpu import missing_features
+from kernels.simd.kquant import AVX2_FEATURES
 from kernels.simd.vnni import VNNI_FEATURES
 from memory.block_matrices import KQuantMatrix
 from memory.matrices import WeightMatrix
 
 FORMATS = (QT.Q4_K, QT.Q5_K, QT.Q4_1, QT.Q5_0, QT.Q5_1)
 requires_vnni = pytest.mark.skipif(bool(missing_features(VNNI_FEATURES)), reason="this CPU lacks AVX512-VNNI")
+requires_avx2 = pytest.mark.skipif(bool(missing_features(AVX2_FEATURES)), reason="this CPU lacks AVX2, F16C")
+KERNELS = [pytest.param(matmul_kquant, id="vnni", marks=requires_vnni),
+           pytest.param(matmul_kquant_avx2, id="avx2", marks=requires_avx2)]
 
 
 def fp16_fields(qtype: QT) -> int:
@@ -44,9 +49,9 @@ def activations(x: np.ndarray):
     return xq, xd, xsum
 
 
-def run(m: KQuantMatrix, x: np.ndarray) -> np.ndarray:
+def run(m: KQuantMatrix, x: np.ndarray, kernel=matmul_kquant) -> np.ndarray:
     out = np.empty((x.shape[0], m.shape[0]), np.float32)
-    matmul_kquant(*activations(x), m.data, out, m.qtype)
+    kernel(*activations(x), m.data, out, m.qtype)
     return out
 
 
@@ -67,10 +72,10 @@ def shapes(qtype: QT) -> list[int]:
     return [256, 512, 2048] if GGML_QUANT_SIZES[qtype][0] == 256 else [96, 800, 2048]
 
 
-@requires_vnni
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("qtype", FORMATS, ids=lambda q: q.name)
 @pytest.mark.parametrize("case", range(3))
-def test_matmul_equals_dequantized_reference(qtype, case):
+def test_matmul_equals_dequantized_reference(qtype, case, kernel):
     k = shapes(qtype)[case]
     n, t = [(5, 1), (9, 3), (37, 13)][case]  # N % 4 != 0: a last block's padding rows
     rng = np.random.default_rng(10 * case + int(qtype))
@@ -78,26 +83,26 @@ def test_matmul_equals_dequantized_reference(qtype, case):
     x = rng.standard_normal((t, k)).astype(np.float32)
     x[0, 32:64] = 0.0  # an all-zero activation block: scale 0
     ref, magnitude = reference(raw, qtype, x)
-    got = run(KQuantMatrix.pack(raw, qtype, k), x)
+    got = run(KQuantMatrix.pack(raw, qtype, k), x, kernel)
     assert np.all(np.abs(got - ref) <= 1e-5 * magnitude)
 
 
-@requires_vnni
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("dtype", ["q4_k", "q5_k", "q4_1", "q5_0", "q5_1"])
-def test_matmul_of_weights_quantized_by_from_float(dtype):
+def test_matmul_of_weights_quantized_by_from_float(dtype, kernel):
     # the blocks llama.cpp's quantizers write (positive d, dmin; signed m), not random bytes
     rng = np.random.default_rng(5)
     w = WeightMatrix.from_float(rng.standard_normal((13, 768)).astype(np.float32) * 0.02, dtype)
     assert w.dtype == dtype
     x = rng.standard_normal((6, 768)).astype(np.float32)
     ref, magnitude = reference(w.data, QT(CODE[dtype]), x)
-    got = run(KQuantMatrix.pack(w.data, CODE[dtype], 768), x)
+    got = run(KQuantMatrix.pack(w.data, CODE[dtype], 768), x, kernel)
     assert np.all(np.abs(got - ref) <= 1e-5 * magnitude)
 
 
-@requires_vnni
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("qtype", FORMATS, ids=lambda q: q.name)
-def test_edge_blocks_zero_and_largest_scales_and_several_token_chunks(qtype):
+def test_edge_blocks_zero_and_largest_scales_and_several_token_chunks(qtype, kernel):
     # 150 tokens of K = 4096: x chunks of 128 tokens, two passes over the weights
     rng = np.random.default_rng(int(qtype))
     n, k = 11, 4096
@@ -116,14 +121,14 @@ def test_edge_blocks_zero_and_largest_scales_and_several_token_chunks(qtype):
     x = rng.standard_normal((150, k)).astype(np.float32)
     x[3, :] *= 1000.0
     ref, magnitude = reference(raw, qtype, x)
-    got = run(KQuantMatrix.pack(raw, qtype, k), x)
+    got = run(KQuantMatrix.pack(raw, qtype, k), x, kernel)
     assert np.all(got[:, 0] == 0.0) and np.all(np.isfinite(got))
     assert np.all(np.abs(got - ref) <= 1e-5 * magnitude)
 
 
-@requires_vnni
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("qtype", FORMATS, ids=lambda q: q.name)
-def test_integer_weights_and_activations_give_exact_sums(qtype):
+def test_integer_weights_and_activations_give_exact_sums(qtype, kernel):
     # d = dmin = 1 (and m = -1), small 6-bit scales, activations with block maximum 127 (scale 1): every float
     # operation is exact, so the kernel must return the exact integer dot products
     rng = np.random.default_rng(3)
@@ -139,20 +144,34 @@ def test_integer_weights_and_activations_give_exact_sums(qtype):
     x[:, ::32] = 127
     exact = x.astype(np.int64) @ dequantize(raw, qtype).astype(np.int64).T
     assert np.abs(exact).max() < 2 ** 24
-    assert np.array_equal(run(KQuantMatrix.pack(raw, qtype, k), x), exact.astype(np.float32))
+    assert np.array_equal(run(KQuantMatrix.pack(raw, qtype, k), x, kernel), exact.astype(np.float32))
 
 
-@requires_vnni
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("qtype", FORMATS, ids=lambda q: q.name)
-def test_a_tokens_outputs_are_the_same_bits_in_any_batch(qtype):
+def test_a_tokens_outputs_are_the_same_bits_in_any_batch(qtype, kernel):
     rng = np.random.default_rng(7)
     n, k = 23, shapes(qtype)[1]
     m = KQuantMatrix.pack(random_raw(qtype, n, k, rng), qtype, k)
     x = rng.standard_normal((33, k)).astype(np.float32)
-    alone = np.concatenate([run(m, x[i:i + 1]) for i in range(33)])
+    alone = np.concatenate([run(m, x[i:i + 1], kernel) for i in range(33)])
     for t in (1, 2, 3, 5, 8, 33):
-        np.testing.assert_array_equal(run(m, x[:t]), alone[:t], err_msg=f"T = {t}")
-        np.testing.assert_array_equal(run(m, x[33 - t:]), alone[33 - t:], err_msg=f"the last {t}")
+        np.testing.assert_array_equal(run(m, x[:t], kernel), alone[:t], err_msg=f"T = {t}")
+        np.testing.assert_array_equal(run(m, x[33 - t:], kernel), alone[33 - t:], err_msg=f"the last {t}")
+
+
+@requires_vnni
+@requires_avx2
+@pytest.mark.parametrize("qtype", FORMATS, ids=lambda q: q.name)
+def test_the_avx2_kernel_gives_the_vnni_kernels_bits(qtype):
+    # its integer sums are vpdpbusd's (no pair saturates int16), the float steps the same
+    rng = np.random.default_rng(13)
+    n, k = 21, shapes(qtype)[2]
+    m = KQuantMatrix.pack(random_raw(qtype, n, k, rng), qtype, k)
+    for t in (1, 2, 3, 4, 7):
+        x = rng.standard_normal((t, k)).astype(np.float32)
+        np.testing.assert_array_equal(run(m, x, matmul_kquant_avx2), run(m, x, matmul_kquant),
+                                      err_msg=f"T = {t}")
 
 
 @requires_vnni
@@ -181,6 +200,16 @@ def test_other_formats_are_refused():
     with pytest.raises(ValueError, match="qtype"):
         matmul_kquant_experts(*activations(x), data, out, int(QT.Q4_0), np.zeros(1, np.int64),
                               np.array([0, 1], np.int64))
+
+
+@requires_avx2
+@pytest.mark.parametrize("qtype", [QT.IQ4_NL, QT.IQ4_XS, QT.Q6_K], ids=lambda q: q.name)
+def test_the_avx2_kernel_refuses_the_formats_it_cannot_sum_exactly(qtype):
+    # IQ4's levels + 128 reach 255: a vpmaddubsw pair of them would saturate int16
+    x = np.zeros((1, 256), np.float32)
+    with pytest.raises(ValueError, match="AVX2"):
+        matmul_kquant_avx2(*activations(x), np.zeros((4, 148), np.uint8), np.zeros((1, 4), np.float32),
+                           int(qtype))
 
 
 @pytest.mark.parametrize("qtype", FORMATS, ids=lambda q: q.name)
@@ -217,3 +246,23 @@ def test_blocks_that_do_not_match_k_are_refused():
         KQuantMatrix.pack(np.zeros((2, 144), np.uint8), QT.Q4_K, 300)
     with pytest.raises(ValueError, match="Q5_0 rows of 64 values"):
         KQuantMatrix.pack(np.zeros((2, 22), np.uint8), QT.Q5_0, 64)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_any_thread_count_gives_the_same_bits(kernel):
+    import numba
+
+    rng = np.random.default_rng(17)
+    n, k = 30, 512
+    m = KQuantMatrix.pack(random_raw(QT.Q4_K, n, k, rng), QT.Q4_K, k)
+    x = rng.standard_normal((9, k)).astype(np.float32)
+    before = numba.get_num_threads()
+    try:
+        runs = []
+        for threads in sorted({1, min(2, numba.config.NUMBA_NUM_THREADS), numba.config.NUMBA_NUM_THREADS}):
+            numba.set_num_threads(threads)
+            runs.append(run(m, x, kernel))
+    finally:
+        numba.set_num_threads(before)
+    for other in runs[1:]:
+        np.testing.assert_array_equal(other, runs[0])

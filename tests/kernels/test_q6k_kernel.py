@@ -1,6 +1,7 @@
-"""The Q6_K x int8-activation kernel (kernels/linear/q6k.py) against a float64 numpy product of the gguf
-package's dequantization of the same raw blocks with the same quantized activations; its batch invariance,
-the packing's round trip and the experts driver."""
+"""The Q6_K x int8-activation kernels (kernels/linear/q6k.py: VNNI's and AVX2's, each where the host runs it)
+against a float64 numpy product of the gguf package's dequantization of the same raw blocks with the same
+quantized activations; the two kernels' bits equal; batch and thread-count invariance, the packing's round
+trip and the experts driver."""
 
 import gguf
 import numpy as np
@@ -8,12 +9,15 @@ import pytest
 
 from kernels.formats.int8_layout import quantize_activations
 from kernels.formats.q6k_layout import RAW_BYTES, subblock_offsets
-from kernels.linear.q6k import matmul_q6k, matmul_q6k_experts
+from kernels.linear.q6k import matmul_q6k, matmul_q6k_avx2, matmul_q6k_experts
 from kernels.simd.cpu import missing_features
-from kernels.simd.q6k import Q6K_FEATURES
+from kernels.simd.q6k import Q6K_AVX2_FEATURES, Q6K_FEATURES
 from memory.block_matrices import Q6KMatrix
 
-pytestmark = pytest.mark.skipif(bool(missing_features(Q6K_FEATURES)), reason="this CPU lacks AVX512-VNNI")
+requires_vnni = pytest.mark.skipif(bool(missing_features(Q6K_FEATURES)), reason="this CPU lacks AVX512-VNNI")
+requires_avx2 = pytest.mark.skipif(bool(missing_features(Q6K_AVX2_FEATURES)), reason="this CPU lacks AVX2")
+KERNELS = [pytest.param(matmul_q6k, id="vnni", marks=requires_vnni),
+           pytest.param(matmul_q6k_avx2, id="avx2", marks=requires_avx2)]
 
 
 def random_raw(rng, n: int, k: int, d_scale: float = 1e-3) -> np.ndarray:
@@ -47,30 +51,32 @@ def reference(raw: np.ndarray, xq: np.ndarray, xd: np.ndarray) -> tuple[np.ndarr
     return x @ w.T, np.abs(x) @ np.abs(w).T
 
 
-def run(raw: np.ndarray, x: np.ndarray) -> np.ndarray:
+def run(raw: np.ndarray, x: np.ndarray, kernel=matmul_q6k) -> np.ndarray:
     packed = Q6KMatrix.pack(raw, (raw.shape[0], x.shape[1]))
     out = np.empty((x.shape[0], raw.shape[0]), np.float32)
-    matmul_q6k(*quantized(x), packed.data, packed.d, out)
+    kernel(*quantized(x), packed.data, packed.d, out)
     return out
 
 
-def assert_matches_reference(raw, x):
-    got = run(raw, x)
+def assert_matches_reference(raw, x, kernel):
+    got = run(raw, x, kernel)
     ref, magnitude = reference(raw, *quantized(x)[:2])
     assert np.all(np.abs(got - ref) <= 1e-5 * magnitude + 1e-30)
 
 
 @pytest.mark.parametrize("n,k,num_tokens", [(7, 256, 1), (4, 2048, 2), (13, 512, 5), (9, 2048, 33),
                                             (5, 2048, 300)])  # 300 tokens: two passes over the weights
-def test_matmul_equals_reference(n, k, num_tokens):
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_matmul_equals_reference(n, k, num_tokens, kernel):
     rng = np.random.default_rng(n * k + num_tokens)
     x = rng.standard_normal((num_tokens, k)).astype(np.float32)
     x[0, 32:64] = 0.0  # an all-zero block of x: scale 0
-    assert_matches_reference(random_raw(rng, n, k), x)
+    assert_matches_reference(random_raw(rng, n, k), x, kernel)
 
 
 @pytest.mark.parametrize("k", [256, 2048])
-def test_extreme_blocks_match_reference(k):
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_extreme_blocks_match_reference(k, kernel):
     # zero blocks, scales -128 and 127 with q at 0 and 63 (values -32 and 31), x at full scale: the int32 sums
     # at their largest (2 x 16 x 32 x 127 x 128 per block) stay exact
     rng = np.random.default_rng(k)
@@ -86,11 +92,12 @@ def test_extreme_blocks_match_reference(k):
     x[1] = -1.0
     x[2] = rng.standard_normal(k).astype(np.float32)
     raw = raw.reshape(6, -1)
-    assert_matches_reference(raw, x)
-    assert np.all(run(raw, x)[:, 0] == 0)
+    assert_matches_reference(raw, x, kernel)
+    assert np.all(run(raw, x, kernel)[:, 0] == 0)
 
 
-def test_integer_sums_are_exact():
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_integer_sums_are_exact(kernel):
     # d = 1 and integer activations with a 127 in every block (scale 1): every float operation is exact, so
     # the outputs are the exact integer sums
     rng = np.random.default_rng(7)
@@ -104,10 +111,11 @@ def test_integer_sums_are_exact():
     w = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q6_K).reshape(n, k).astype(np.int64)
     exact = x.astype(np.int64) @ w.T
     assert np.abs(exact).max() < 2 ** 24
-    assert np.array_equal(run(raw, x), exact.astype(np.float32))
+    assert np.array_equal(run(raw, x, kernel), exact.astype(np.float32))
 
 
-def test_a_tokens_outputs_do_not_depend_on_its_batch():
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_a_tokens_outputs_do_not_depend_on_its_batch(kernel):
     rng = np.random.default_rng(11)
     n, k = 10, 1024
     packed = Q6KMatrix.pack(random_raw(rng, n, k), (n, k))
@@ -115,7 +123,7 @@ def test_a_tokens_outputs_do_not_depend_on_its_batch():
 
     def outputs(rows):
         out = np.empty((len(rows), n), np.float32)
-        matmul_q6k(*quantized(x[rows]), packed.data, packed.d, out)
+        kernel(*quantized(x[rows]), packed.data, packed.d, out)
         return out
 
     alone = np.concatenate([outputs([i]) for i in range(33)])
@@ -146,6 +154,7 @@ def test_subblock_offsets_are_minus_32_times_the_half_block_sums():
     assert np.array_equal(offsets.reshape(3, 2, 2, 8), -32 * halves.transpose(0, 1, 3, 2))
 
 
+@requires_vnni
 def test_experts_driver_equals_one_call_per_expert():
     rng = np.random.default_rng(9)
     num_experts, n, k = 4, 40, 512  # 40 rows: 10 blocks of 4, two tasks per expert
@@ -164,3 +173,32 @@ def test_experts_driver_equals_one_call_per_expert():
         alone = np.empty((r1 - r0, n), np.float32)
         matmul_q6k(xq[r0:r1], xd[r0:r1], xsum[r0:r1], packs[e].data, packs[e].d, alone)
         assert np.array_equal(out[r0:r1], alone)
+
+
+@requires_vnni
+@requires_avx2
+def test_the_avx2_kernel_gives_the_vnni_kernels_bits():
+    rng = np.random.default_rng(21)
+    raw = random_raw(rng, 11, 2048)
+    for num_tokens in (1, 2, 3, 4, 7):
+        x = rng.standard_normal((num_tokens, 2048)).astype(np.float32)
+        assert np.array_equal(run(raw, x, matmul_q6k_avx2), run(raw, x, matmul_q6k)), num_tokens
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_any_thread_count_gives_the_same_bits(kernel):
+    import numba
+
+    rng = np.random.default_rng(23)
+    raw = random_raw(rng, 30, 512)
+    x = rng.standard_normal((9, 512)).astype(np.float32)
+    before = numba.get_num_threads()
+    try:
+        runs = []
+        for threads in sorted({1, min(2, numba.config.NUMBA_NUM_THREADS), numba.config.NUMBA_NUM_THREADS}):
+            numba.set_num_threads(threads)
+            runs.append(run(raw, x, kernel))
+    finally:
+        numba.set_num_threads(before)
+    for other in runs[1:]:
+        assert np.array_equal(other, runs[0])

@@ -1,9 +1,10 @@
 """Every engine feature on K-quant weights: a Llama whose rows are whole 256-value super-blocks, quantized
 at load to llama.cpp's Q4_K_M mix (Q4_K, with Q6_K for the LM head and for attn_v / ffn_down of the layers
 that get more bits). With float32 activations the served values are exactly the quantized ones, so
-transformers over them (float64) is the reference; int8 activations through the VNNI kernels keep batching,
-chunked prefill, preemption, prefix caching and speculation exact (every kernel sums in one order); PEFT
-adapters match peft on the rounded base, and a merged adapter keeps each matrix's format."""
+transformers over them (float64) is the reference; int8 activations through the int8 kernels (VNNI's or
+AVX2's) keep batching, chunked prefill, preemption, prefix caching and speculation exact (every kernel sums
+in one order); PEFT adapters match peft on the rounded base, and a merged adapter keeps each matrix's
+format."""
 
 import shutil
 
@@ -16,8 +17,7 @@ from transformers import LlamaForCausalLM
 
 import numaserve as ns
 from kernels.simd.cpu import missing_features
-from kernels.simd.q6k import Q6K_FEATURES
-from kernels.simd.vnni import VNNI_FEATURES
+from kernels.simd.kquant import AVX2_FEATURES
 from memory.matrices import BlockInt8Matrix, WeightMatrix, parts
 from models.gguf.writer import convert_to_gguf
 from models.linear import dequantize
@@ -80,8 +80,7 @@ def test_q4_k_m_gives_the_sensitive_matrices_more_bits(kq_dir):
         assert (layer.o.dtype, layer.gate_up.dtype, layer.down.dtype) == ("q4_k", "q4_k", v)
 
 
-@pytest.mark.skipif(bool(missing_features(VNNI_FEATURES) or missing_features(Q6K_FEATURES)),
-                    reason="this CPU lacks AVX512-VNNI")
+@pytest.mark.skipif(bool(missing_features(AVX2_FEATURES)), reason="this CPU lacks AVX2, F16C")
 def test_q4_k_m_matrices_are_packed_for_their_int8_kernels(kq_dir):
     for layer in ns.LLM(kq_dir, **INT8).engine.model.weights.layers:
         assert all(isinstance(p, BlockInt8Matrix) for p in parts(layer.qkv))

@@ -14,6 +14,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import numaserve as ns
 from cluster_configs.diagnostics import DecisionLog
 from kernels.simd.cpu import missing_features
+from kernels.simd.kquant import AVX2_FEATURES
 from kernels.simd.q6k import Q6K_FEATURES
 from kernels.simd.vnni import VNNI_FEATURES
 from memory.matrices import StackedMatrix, parts
@@ -121,22 +122,25 @@ def assert_same_tensors(ours: Path, theirs: Path) -> None:
             assert np.array_equal(mine[name].data, t.data), name
 
 
-# the K-quant, Q6_K and q8_0 int8 kernels are AVX-512 VNNI code: elsewhere the matrices keep float32
-# activations
-LACKS_VNNI = bool(missing_features(VNNI_FEATURES) or missing_features(Q6K_FEATURES))
-needs_vnni_kernels = pytest.mark.skipif(LACKS_VNNI, reason="this CPU lacks AVX512-VNNI")
+# the K-quant, Q6_K and q8_0 int8 kernels: AVX-512 VNNI's where the CPU has it, else AVX2's (the same bits);
+# without AVX2 the matrices keep float32 activations
+VNNI = not (missing_features(VNNI_FEATURES) or missing_features(Q6K_FEATURES))
+needs_int8_kernels = pytest.mark.skipif(bool(missing_features(AVX2_FEATURES)), reason="this CPU lacks AVX2")
+needs_vnni_kernels = pytest.mark.skipif(not VNNI, reason="this CPU lacks AVX512-VNNI")  # IQ4's int8 kernel
 
 
-@needs_vnni_kernels
-def test_int8_activations_run_every_format_through_its_vnni_kernel():
+@needs_int8_kernels
+def test_int8_activations_run_every_format_through_its_int8_kernel():
     llm = ns.LLM(FIXTURE, activation_dtype="int8", kv_dtype="float32", max_model_len=128)
     kernels = " ".join(d["choice"] + d["reason"] for d in llm.diagnostics() if d["topic"] == "kernel")
-    for path in ("matmul_kquant: q4_k", "matmul_q6k: q6_k", "matmul_kquant: q5_0", "matmul_vnni: q8_0"):
+    avx2 = "" if VNNI else "_avx2"
+    for path in (f"matmul_kquant{avx2}: q4_k", f"matmul_q6k{avx2}: q6_k", f"matmul_kquant{avx2}: q5_0",
+                 f"{'matmul_vnni' if VNNI else 'matmul_int8'}: q8_0"):
         assert f"{path} weights x int8 activations" in kernels
     assert "float32 activations" not in kernels
 
 
-@needs_vnni_kernels
+@needs_int8_kernels
 def test_every_packed_matrix_of_the_file_equals_float64_over_the_same_quantized_activations():
     assert_packed_matrices_equal_float64(FIXTURE)
 
