@@ -17,7 +17,6 @@ from kernels.formats.q6k_layout import ROWS, subblock_offsets
 from kernels.moe.expert_tasks import expert_num_tasks, expert_task
 from kernels.simd.q6k import q6k_block
 
-AVX2_TOKENS = 1  # tokens a block without AVX-512
 _X_CHUNK_BYTES = 1 << 19  # tokens of x per pass over the weights: half of a core's L2 (as matmul_vnni)
 
 
@@ -34,22 +33,21 @@ def _tokens(xq, xd, offsets, data, d, out, n, c0, c1, vnni):
 
 @overload(_tokens, inline="always", prefer_literal=True)
 def _tokens_impl(xq, xd, offsets, data, d, out, n, c0, c1, vnni):
-    # VNNI: 4 tokens a block, then 2, then 1; AVX2 (vnni 0): AVX2_TOKENS a block, its 16 registers holding
-    # fewer accumulators (kernels/simd/q6k.py's 512-bit vectors are two each there)
+    # 4 tokens a block, then 2, then 1, with VNNI or without (AVX2: 4 x 4 spills more of its 16 registers, and
+    # still ran 7% faster than 4 x 2 and 27% than 4 x 1 at 64 tokens on Zen 1)
     if not isinstance(vnni, types.IntegerLiteral):
         return None
     v = vnni.literal_value
-    step = 4 if v else AVX2_TOKENS
 
     def impl(xq, xd, offsets, data, d, out, n, c0, c1, vnni):
         t = c0
-        while t + step <= c1:
-            q6k_block(xq, xd, offsets, data, d, out, t, n, step, v)
-            t += step
-        if step > 2 and c1 - t >= 2:
+        while t + 4 <= c1:
+            q6k_block(xq, xd, offsets, data, d, out, t, n, 4, v)
+            t += 4
+        if c1 - t >= 2:
             q6k_block(xq, xd, offsets, data, d, out, t, n, 2, v)
             t += 2
-        if step > 1 and c1 - t == 1:
+        if c1 - t == 1:
             q6k_block(xq, xd, offsets, data, d, out, t, n, 1, v)
     return impl
 
