@@ -6,6 +6,7 @@ from result_tables import Source
 
 ZEN2 = "AMD EPYC Zen 2 VM, 2 cores (AVX2, FMA, F16C; no AVX-512)"
 ZEN4 = "AMD EPYC Zen 4 VM, 2 cores (AVX-512 VNNI and BF16)"
+ZEN1 = "AMD EPYC Zen 1 VM (family 23, model 1), 2 cores (AVX2, FMA, F16C; no AVX-512)"
 DECODE = "python -m benchmarks.bench_decode"
 CONTEXT = "python -m benchmarks.bench_context"
 HTTP = ("python -m benchmarks.bench_http --concurrency 1,16 --dedicated-concurrency \"\" "
@@ -39,6 +40,19 @@ SOURCES = {
         commit="4be02f5",
         note="llama.cpp (llama-cpp-python 0.3.36) with the libraries of its own llama.cpp built without AMX "
         "(benchmarks/llama_server.py's lib-noamx), through LLAMA_CPP_LIB_PATH."),
+    "decode-2026-12-02-zen1.json": Source(
+        f"{DECODE} --dtypes q8_0,q4_0,q4_k_m --activation-dtypes int8 --batches 8 --no-torch-first --samples 3 "
+        "--out <outside the repository>",
+        machine=ZEN1, commit="cd25cae",
+        note="Before the K-quants' AVX2 kernels: Q4_K_M's matrices kept float32 activations on this CPU. Run "
+        "from a clone of that commit, copied in. A test run on the same cores during the Q4_K_M batch-8 row "
+        "slowed one llama.cpp sample (7.6 tok/s; the median is the other two's)."),
+    "decode-2026-12-02-zen1-q4km.json": Source(
+        f"{DECODE} --dtypes q4_k_m --activation-dtypes int8 --batches 8,32 --no-torch-first --samples 3 "
+        "--out <outside the repository>",
+        machine=ZEN1, commit="7408f0f",
+        note="After the K-quants' and Q6_K's AVX2 int8 kernels (matmul_kquant_avx2, matmul_q6k_avx2). Run "
+        "from a clone of that commit, copied in."),
     "decode-2026-11-26-1533-q8_0.json": Source(
         f"{DECODE} --dtypes q8_0 --activation-dtypes int8 "
         "--out benchmarks/results/decode-2026-11-26-1533-q8_0.json", commit="297e724"),
