@@ -4,9 +4,9 @@ weighted_sum = sum of words[i] * (2 * (start + i) + 1), mod 2**64. The weights a
 2**64: a change confined to one 8-byte word always changes the sum; a random corruption (a torn write, a
 zeroed page) goes unnoticed with a chance of about 2**-64. It guards storage, not against an adversary (the
 cache's key holds the source's sha256). The loop vectorizes (AVX-512 vpmullq), so it runs several times faster
-than zlib.crc32 or sha256 (benchmarks/results/HISTORY.md). Without vpmullq (AVX2) one thread sums ~8 GB/s,
-under the memory's rate: weighted_sum_parallel splits an array into pieces, one a task, whose sums add up
-(mod 2**64) to the same value.
+than zlib.crc32 or sha256 (benchmarks/results/HISTORY.md). Without vpmullq (AVX2) one thread sums under the
+memory's rate: weighted_sum_parallel splits an array into pieces, one a task, whose sums add up (mod 2**64) to
+the same value.
 """
 
 import numpy as np
@@ -27,8 +27,10 @@ def weighted_sum(words: np.ndarray, start: int) -> np.uint64:
 
 @njit(cache=True, nogil=True, parallel=True)
 def weighted_sum_parallel(words: np.ndarray, start: int) -> np.uint64:
-    """weighted_sum(words, start), PIECE_WORDS words a task."""
+    """weighted_sum(words, start), PIECE_WORDS words a task (one piece: on this thread)."""
     n = words.shape[0]
+    if n <= PIECE_WORDS:
+        return weighted_sum(words, start)
     pieces = (n + PIECE_WORDS - 1) // PIECE_WORDS
     sums = np.zeros(pieces, np.uint64)
     for p in prange(pieces):

@@ -36,7 +36,8 @@ from kernels.simd.bf16 import GROUP as BF16_GROUP
 from kernels.simd.bf16 import ROWS as BF16_ROWS
 from kernels.simd.bf16 import pack_bf16
 from kernels.simd.cpu import missing_features
-from kernels.simd.kquant import AVX2_FEATURES, AVX2_FORMATS
+from kernels.simd.int8 import AVX2_FEATURES
+from kernels.simd.kquant import AVX2_FORMATS
 from kernels.simd.q6k import Q6K_FEATURES
 from kernels.simd.vnni import ROWS as VNNI_ROWS
 from kernels.simd.vnni import VNNI_FEATURES
@@ -259,23 +260,27 @@ class BlockInt8Matrix:
     dtype: str
     packed: "KQuantMatrix | Q6KMatrix"
     activation_scale: float = 0.0
-    vnni: bool = True
+    vnni: bool | None = None  # None: uses_vnni(dtype)
 
     def __post_init__(self):
+        if self.vnni is None:
+            object.__setattr__(self, "vnni", BlockInt8Matrix.uses_vnni(self.dtype))
         if not self.vnni and self.dtype not in AVX2_DTYPES:
             raise ValueError(f"{self.dtype} has no AVX2 int8 kernel: only {AVX2_DTYPES}")
+
+    @staticmethod
+    def uses_vnni(dtype: str) -> bool:
+        """Whether the host has dtype's VNNI kernel's features (NUMASERVE_DISABLE_CPU_FEATURES hides them)."""
+        return not missing_features(Q6K_FEATURES if dtype == "q6_k" else VNNI_FEATURES)
 
     @classmethod
     def pack(cls, w: WeightMatrix, activation_scale: float = 0.0,
              vnni: bool | None = None) -> "BlockInt8Matrix":
-        """vnni: None = whether the host has the VNNI kernel's features (NUMASERVE_DISABLE_CPU_FEATURES hides
-        them)."""
+        """vnni: None = uses_vnni(w.dtype)."""
         if w.dtype not in BLOCK_DTYPES:
             raise ValueError(f"BlockInt8Matrix packs the GGML block formats {BLOCK_DTYPES}, got {w.dtype}")
         packed = (Q6KMatrix.pack(w.data, w.shape) if w.dtype == "q6_k"
                   else KQuantMatrix.pack(w.data, CODE[w.dtype], w.shape[1]))
-        if vnni is None:
-            vnni = not missing_features(Q6K_FEATURES if w.dtype == "q6_k" else VNNI_FEATURES)
         return cls(w.dtype, packed, float(activation_scale), vnni)
 
     @staticmethod

@@ -34,8 +34,8 @@ def mappings(smaps: str | None = None) -> list[Mapping]:
 
 
 def mapping_at(address: int, smaps: str | None = None) -> Mapping | None:
-    """The mapping holding address (None: none, or smaps unreadable), its block alone parsed: a process with
-    numba's LLVM loaded has thousands of mappings, whose parse took ~50 ms of a warm model load."""
+    """The mapping holding address (None: none, or smaps unreadable), its block alone parsed (a process with
+    numba's LLVM loaded has thousands of mappings: benchmarks/results/HISTORY.md, warm loads)."""
     text = _text(smaps)
     starts = list(_RANGE.finditer(text))
     for i, m in enumerate(starts):

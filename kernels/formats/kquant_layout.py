@@ -1,5 +1,5 @@
 """GGUF Q4_K, Q5_K, Q4_1, Q5_0, Q5_1, IQ4_NL and IQ4_XS weights repacked from their raw GGML blocks for the
-int8-activation VNNI kernel (kernels/simd/kquant.py).
+int8-activation kernel (kernels/simd/kquant.py: VNNI's, or AVX2's for all but IQ4).
 
 The values go in the quad order of kernels/formats/int8_layout.py, so the activations quantized for q8_0 /
 q4_0 (int8 xq, f32 xd, int32 xsum per 32-value block) serve these formats unchanged. Every format's quants are

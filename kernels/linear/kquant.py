@@ -20,7 +20,7 @@ from numba.extending import overload
 from kernels.formats.ggml_blocks import IQ4_NL, IQ4_XS, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K
 from kernels.linear.int8 import X_CHUNK_BYTES
 from kernels.moe.expert_tasks import expert_num_tasks, expert_task
-from kernels.simd.kquant import kquant_block
+from kernels.simd.kquant import AVX2_FORMATS, kquant_block
 from kernels.simd.vnni import ROWS
 
 
@@ -28,39 +28,56 @@ from kernels.simd.vnni import ROWS
 def matmul_kquant(xq, xd, xsum, data, out, qtype):
     # xq: [T, Kp] int8 (quad order), xd/xsum: [T, Kp // 32], data: uint8 [N4, ...] (kquant_layout.pack_kquant
     # of format qtype), out: [T, N] f32
-    _check_format(qtype)
-    T, Kp = xq.shape
-    chunk = max(4, X_CHUNK_BYTES // Kp // 4 * 4)
-    for c0 in range(0, T, chunk):
-        c1 = min(T, c0 + chunk)
-        for task in prange(data.shape[0] // ROWS):
-            _by_format(xq, xd, xsum, data, out, task * ROWS, c0, c1, qtype, 1)
+    _matmul(xq, xd, xsum, data, out, qtype, 1)
 
 
 @njit(cache=True, nogil=True, parallel=True)
 def matmul_kquant_avx2(xq, xd, xsum, data, out, qtype):
-    # matmul_kquant's operands and bits without VNNI (kernels/simd/kquant.py _dot_avx2), for the formats of
+    # matmul_kquant's operands and bits without VNNI (kernels/simd/vnni.py dpbusd_avx2), for the formats of
     # AVX2_FORMATS (not IQ4_NL, IQ4_XS)
-    _check_avx2_format(qtype)
-    T, Kp = xq.shape
-    chunk = max(4, X_CHUNK_BYTES // Kp // 4 * 4)
-    for c0 in range(0, T, chunk):
-        c1 = min(T, c0 + chunk)
-        for task in prange(data.shape[0] // ROWS):
-            _by_format(xq, xd, xsum, data, out, task * ROWS, c0, c1, qtype, 0)
+    _matmul(xq, xd, xsum, data, out, qtype, 0)
 
 
-@njit(inline="always", nogil=True)
-def _check_format(qtype):
-    if (qtype != Q4_K and qtype != Q5_K and qtype != Q4_1 and qtype != Q5_0 and qtype != Q5_1
-            and qtype != IQ4_NL and qtype != IQ4_XS):
-        raise ValueError("qtype is not one of Q4_K, Q5_K, Q4_1, Q5_0, Q5_1, IQ4_NL, IQ4_XS")
+def _matmul(xq, xd, xsum, data, out, qtype, vnni):
+    raise NotImplementedError("numba-only")
 
 
-@njit(inline="always", nogil=True)
-def _check_avx2_format(qtype):
-    if qtype != Q4_K and qtype != Q5_K and qtype != Q4_1 and qtype != Q5_0 and qtype != Q5_1:
-        raise ValueError("qtype is not one of Q4_K, Q5_K, Q4_1, Q5_0, Q5_1 (the AVX2 kernel's formats)")
+@overload(_matmul, inline="always", prefer_literal=True)
+def _matmul_impl(xq, xd, xsum, data, out, qtype, vnni):
+    if not isinstance(vnni, types.IntegerLiteral):
+        return None
+    v = vnni.literal_value
+
+    def impl(xq, xd, xsum, data, out, qtype, vnni):
+        _check_format(qtype, v)
+        T, Kp = xq.shape
+        chunk = max(4, X_CHUNK_BYTES // Kp // 4 * 4)
+        for c0 in range(0, T, chunk):
+            c1 = min(T, c0 + chunk)
+            for task in prange(data.shape[0] // ROWS):
+                _by_format(xq, xd, xsum, data, out, task * ROWS, c0, c1, qtype, v)
+    return impl
+
+
+def _check_format(qtype, vnni):
+    raise NotImplementedError("numba-only")
+
+
+@overload(_check_format, inline="always", prefer_literal=True)
+def _check_format_impl(qtype, vnni):
+    if not isinstance(vnni, types.IntegerLiteral):
+        return None
+    if vnni.literal_value:
+        def impl(qtype, vnni):
+            if (qtype != Q4_K and qtype != Q5_K and qtype != Q4_1 and qtype != Q5_0 and qtype != Q5_1
+                    and qtype != IQ4_NL and qtype != IQ4_XS):
+                raise ValueError("qtype is not one of Q4_K, Q5_K, Q4_1, Q5_0, Q5_1, IQ4_NL, IQ4_XS")
+        return impl
+
+    def impl(qtype, vnni):
+        if qtype != Q4_K and qtype != Q5_K and qtype != Q4_1 and qtype != Q5_0 and qtype != Q5_1:
+            raise ValueError("qtype is not one of Q4_K, Q5_K, Q4_1, Q5_0, Q5_1 (the AVX2 kernel's formats)")
+    return impl
 
 
 def _by_format(xq, xd, xsum, data, out, n, c0, c1, qtype, vnni):
@@ -69,39 +86,26 @@ def _by_format(xq, xd, xsum, data, out, n, c0, c1, qtype, vnni):
 
 @overload(_by_format, inline="always", prefer_literal=True)
 def _by_format_impl(xq, xd, xsum, data, out, n, c0, c1, qtype, vnni):
-    # qtype as a literal (the globals are constants): each branch compiles its format's block; without VNNI
-    # (vnni 0) the IQ4 formats' branches are left out (their block does not compile there)
+    # qtype as a literal (the globals are constants): each branch compiles its format's block
     if not isinstance(vnni, types.IntegerLiteral):
         return None
-    if vnni.literal_value:
-        def impl(xq, xd, xsum, data, out, n, c0, c1, qtype, vnni):
-            if qtype == Q4_K:
-                _kquant_tokens(xq, xd, xsum, data, out, n, c0, c1, Q4_K, 1)
-            elif qtype == Q5_K:
-                _kquant_tokens(xq, xd, xsum, data, out, n, c0, c1, Q5_K, 1)
-            elif qtype == Q4_1:
-                _kquant_tokens(xq, xd, xsum, data, out, n, c0, c1, Q4_1, 1)
-            elif qtype == Q5_0:
-                _kquant_tokens(xq, xd, xsum, data, out, n, c0, c1, Q5_0, 1)
-            elif qtype == Q5_1:
-                _kquant_tokens(xq, xd, xsum, data, out, n, c0, c1, Q5_1, 1)
-            elif qtype == IQ4_NL:
-                _kquant_tokens(xq, xd, xsum, data, out, n, c0, c1, IQ4_NL, 1)
-            elif qtype == IQ4_XS:
-                _kquant_tokens(xq, xd, xsum, data, out, n, c0, c1, IQ4_XS, 1)
-        return impl
+    v = vnni.literal_value
 
     def impl(xq, xd, xsum, data, out, n, c0, c1, qtype, vnni):
         if qtype == Q4_K:
-            _kquant_tokens(xq, xd, xsum, data, out, n, c0, c1, Q4_K, 0)
+            _kquant_tokens(xq, xd, xsum, data, out, n, c0, c1, Q4_K, v)
         elif qtype == Q5_K:
-            _kquant_tokens(xq, xd, xsum, data, out, n, c0, c1, Q5_K, 0)
+            _kquant_tokens(xq, xd, xsum, data, out, n, c0, c1, Q5_K, v)
         elif qtype == Q4_1:
-            _kquant_tokens(xq, xd, xsum, data, out, n, c0, c1, Q4_1, 0)
+            _kquant_tokens(xq, xd, xsum, data, out, n, c0, c1, Q4_1, v)
         elif qtype == Q5_0:
-            _kquant_tokens(xq, xd, xsum, data, out, n, c0, c1, Q5_0, 0)
+            _kquant_tokens(xq, xd, xsum, data, out, n, c0, c1, Q5_0, v)
         elif qtype == Q5_1:
-            _kquant_tokens(xq, xd, xsum, data, out, n, c0, c1, Q5_1, 0)
+            _kquant_tokens(xq, xd, xsum, data, out, n, c0, c1, Q5_1, v)
+        elif qtype == IQ4_NL:
+            _kquant_tokens(xq, xd, xsum, data, out, n, c0, c1, IQ4_NL, v)
+        elif qtype == IQ4_XS:
+            _kquant_tokens(xq, xd, xsum, data, out, n, c0, c1, IQ4_XS, v)
     return impl
 
 
@@ -114,6 +118,8 @@ def _kquant_tokens_impl(xq, xd, xsum, data, out, n, c0, c1, qtype, vnni):
     if not all(isinstance(a, types.IntegerLiteral) for a in (qtype, vnni)):
         return None
     q, v = qtype.literal_value, vnni.literal_value
+    if not v and q not in AVX2_FORMATS:  # IQ4 without VNNI: no block compiles; _check_format refused it
+        return lambda xq, xd, xsum, data, out, n, c0, c1, qtype, vnni: None
 
     def impl(xq, xd, xsum, data, out, n, c0, c1, qtype, vnni):
         t = c0
@@ -132,7 +138,7 @@ def _kquant_tokens_impl(xq, xd, xsum, data, out, n, c0, c1, qtype, vnni):
 def matmul_kquant_experts(xq, xd, xsum, data, out, qtype, experts, starts):
     # Several experts' matmul_kquant in one parallel region (kernels/moe/expert_tasks.py: the layout of data,
     # experts, starts; the tasks); out: [R, N] f32
-    _check_format(qtype)
+    _check_format(qtype, 1)
     N = out.shape[1]
     for task in prange(expert_num_tasks(experts.shape[0], N, ROWS)):
         e, r0, r1, b0, b1 = expert_task(task, experts, starts, N, ROWS)

@@ -34,7 +34,7 @@ def _tokens(xq, xd, offsets, data, d, out, n, c0, c1, vnni):
 @overload(_tokens, inline="always", prefer_literal=True)
 def _tokens_impl(xq, xd, offsets, data, d, out, n, c0, c1, vnni):
     # 4 tokens a block, then 2, then 1, with VNNI or without (AVX2: 4 x 4 spills more of its 16 registers, and
-    # still ran 7% faster than 4 x 2 and 27% than 4 x 1 at 64 tokens on Zen 1)
+    # still ran faster than 4 x 2 or 4 x 1: benchmarks/results/HISTORY.md, "Without AVX-512")
     if not isinstance(vnni, types.IntegerLiteral):
         return None
     v = vnni.literal_value
@@ -56,25 +56,34 @@ def _tokens_impl(xq, xd, offsets, data, d, out, n, c0, c1, vnni):
 def matmul_q6k(xq, xd, xsum, data, d, out):
     # xq: [T, Kp] int8 (quad order), xd/xsum: [T, Kp // 32], data: uint8 [N4, Kp // 256 * 208], d: uint16
     # [N4, Kp // 256] (kernels/formats/q6k_layout.py), out: [T, N] f32
-    T, Kp = xq.shape
-    offsets = _offsets(xq, xsum)
-    chunk = max(4, _X_CHUNK_BYTES // Kp // 4 * 4)
-    for c0 in range(0, T, chunk):
-        c1 = min(T, c0 + chunk)
-        for task in prange(data.shape[0] // ROWS):
-            _tokens(xq, xd, offsets, data, d, out, task * ROWS, c0, c1, 1)
+    _matmul(xq, xd, xsum, data, d, out, 1)
 
 
 @njit(cache=True, nogil=True, parallel=True)
 def matmul_q6k_avx2(xq, xd, xsum, data, d, out):
     # matmul_q6k's operands and bits without AVX-512 (kernels/simd/vnni.py dpbusd_avx2)
-    T, Kp = xq.shape
-    offsets = _offsets(xq, xsum)
-    chunk = max(4, _X_CHUNK_BYTES // Kp // 4 * 4)
-    for c0 in range(0, T, chunk):
-        c1 = min(T, c0 + chunk)
-        for task in prange(data.shape[0] // ROWS):
-            _tokens(xq, xd, offsets, data, d, out, task * ROWS, c0, c1, 0)
+    _matmul(xq, xd, xsum, data, d, out, 0)
+
+
+def _matmul(xq, xd, xsum, data, d, out, vnni):
+    raise NotImplementedError("numba-only")
+
+
+@overload(_matmul, inline="always", prefer_literal=True)
+def _matmul_impl(xq, xd, xsum, data, d, out, vnni):
+    if not isinstance(vnni, types.IntegerLiteral):
+        return None
+    v = vnni.literal_value
+
+    def impl(xq, xd, xsum, data, d, out, vnni):
+        T, Kp = xq.shape
+        offsets = _offsets(xq, xsum)
+        chunk = max(4, _X_CHUNK_BYTES // Kp // 4 * 4)
+        for c0 in range(0, T, chunk):
+            c1 = min(T, c0 + chunk)
+            for task in prange(data.shape[0] // ROWS):
+                _tokens(xq, xd, offsets, data, d, out, task * ROWS, c0, c1, v)
+    return impl
 
 
 @njit(cache=True, nogil=True, parallel=True)

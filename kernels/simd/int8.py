@@ -22,6 +22,7 @@ F32 = ir.FloatType()
 V8F, V8I = ir.VectorType(F32, 8), ir.VectorType(I32, 8)
 V16I8, V16I16 = ir.VectorType(I8, 16), ir.VectorType(I16, 16)
 GROUP = 256
+AVX2_FEATURES = ("avx2", "f16c")  # every AVX2 int8 block: this one, u8s8.py's, vnni.dpbusd_avx2's
 
 
 def const64(value):

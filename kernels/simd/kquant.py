@@ -20,10 +20,10 @@ the int32 lanes (they start at -offset x xsum_b, q4_0's way), and their blocks f
 acc_b = fma(float(dot_b), S_b x xd_b, acc_b), IQ4_XS's S_b = d x sc_b (sc_b signed) as gguf forms it. The 8
 lanes are summed at the end (store_block).
 
-Needs AVX512-VNNI, AVX512-VL and F16C (simd_vnni.VNNI_FEATURES); with vnni 0, AVX2 and F16C (AVX2_FEATURES):
-each vpdpbusd becomes vpmaddubsw + vpmaddwd by ones + vpaddd, the same int32 lanes. numba's on-disk cache of
-kernels/linear/kquant.py does not notice edits to this file: after changing the code generation here,
-delete kernels/__pycache__.
+Needs AVX512-VNNI, AVX512-VL and F16C (simd_vnni.VNNI_FEATURES); with vnni 0, AVX2 and F16C
+(int8.AVX2_FEATURES): each vpdpbusd becomes vpmaddubsw + vpmaddwd by ones + vpaddd, the same int32 lanes.
+numba's on-disk cache of kernels/linear/kquant.py does not notice edits to this file: after changing the code
+generation here, delete kernels/__pycache__.
 """
 
 from llvmlite import ir
@@ -51,7 +51,6 @@ from kernels.simd.vnni import ROWS, V32I8, dpbusd_avx2, dpbusd_function, nibble_
 V8H = ir.VectorType(ir.HalfType(), 8)
 # the formats whose quants pass through vpmaddubsw exactly (vnni.dpbusd_avx2): all but the IQ4 levels
 AVX2_FORMATS = {code: f for code, f in FORMATS.items() if not f.table}
-AVX2_FEATURES = ("avx2", "f16c")  # kquant_block with vnni 0
 V8I8 = ir.VectorType(I8, 8)
 
 

@@ -29,7 +29,7 @@ group), prefetched as there (from 4 tokens up); d's stream (1/104 of the bytes) 
 Rows past the matrix's last (padding of the last block) are computed, not stored.
 
 Needs AVX512-VNNI, AVX512-BW (512-bit byte vectors) and F16C; with vnni 0, AVX2 and F16C
-(Q6K_AVX2_FEATURES): each 512-bit operation as two 256-bit ones, vpdpbusd as vnni.dpbusd_avx2 on each half.
+(int8.AVX2_FEATURES): each 512-bit operation as two 256-bit ones, vpdpbusd as vnni.dpbusd_avx2 on each half.
 numba's on-disk cache of kernels/linear/q6k.py does not notice edits to this file: after changing the code
 generation here, delete kernels/__pycache__.
 """
@@ -61,7 +61,6 @@ F32 = ir.FloatType()
 V4H, V4F, V8F = ir.VectorType(ir.HalfType(), 4), ir.VectorType(F32, 4), ir.VectorType(F32, 8)
 V16F = ir.VectorType(F32, 16)
 Q6K_FEATURES = ("avx512vnni", "avx512bw", "f16c")
-Q6K_AVX2_FEATURES = ("avx2", "f16c")  # q6k_block with vnni 0
 
 
 def _lanes(indices):

@@ -38,7 +38,7 @@ from typing import Literal
 
 import numpy as np
 
-from kernels.checksum import PIECE_WORDS, weighted_sum, weighted_sum_parallel
+from kernels.checksum import weighted_sum, weighted_sum_parallel
 from kernels.placement import STREAM_OFFSET, stream_empty
 from memory.smaps import mapping_at
 
@@ -62,7 +62,7 @@ def checksum(data: np.ndarray) -> int:
     b = data.reshape(-1).view(np.uint8)
     whole = len(b) // 8 * 8
     words = b[:whole].view(np.uint64)
-    s = int((weighted_sum_parallel if len(words) > PIECE_WORDS else weighted_sum)(words, 0))
+    s = int(weighted_sum_parallel(words, 0))
     if whole < len(b):
         tail = np.zeros(8, np.uint8)
         tail[:len(b) - whole] = b[whole:]

@@ -30,12 +30,13 @@ from cluster_configs.errors import CheckpointError
 from kernels.formats.ggml_blocks import BLOCK_DTYPES
 from kernels.simd.bf16 import BF16_FEATURES
 from kernels.simd.cpu import missing_features
+from kernels.simd.int8 import AVX2_FEATURES
 from memory.matrices import Bf16Matrix, BlockInt8Matrix, Int8Matrix, Matrix, WeightMatrix, map_parts, parts
 from memory.weights import LayerWeights, ModelWeights
 from models.quantization.calibration import Calibration, MatrixCalibration, check_fits
 
 # vpmaddwd on 256-bit vectors, fp16 scale conversion (and VNNI where present)
-INT8_FEATURES = ("avx2", "f16c")
+INT8_FEATURES = AVX2_FEATURES
 INT8_DTYPES = ("q8_0", "q4_0", *BLOCK_DTYPES)  # the weight formats with an int8-activation kernel
 
 

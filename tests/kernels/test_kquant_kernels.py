@@ -14,10 +14,11 @@ from kernels.formats.ggml_blocks import CODE
 from kernels.formats.int8_layout import padded_k, quantize_activations
 from kernels.linear.kquant import matmul_kquant, matmul_kquant_avx2, matmul_kquant_experts
 from kernels.simd.cpu import missing_features
-from kernels.simd.kquant import AVX2_FEATURES
+from kernels.simd.int8 import AVX2_FEATURES
 from kernels.simd.vnni import VNNI_FEATURES
 from memory.block_matrices import KQuantMatrix
 from memory.matrices import WeightMatrix
+from tests.support.threads import at_each_thread_count
 
 FORMATS = (QT.Q4_K, QT.Q5_K, QT.Q4_1, QT.Q5_0, QT.Q5_1)
 requires_vnni = pytest.mark.skipif(bool(missing_features(VNNI_FEATURES)), reason="this CPU lacks AVX512-VNNI")
@@ -250,19 +251,10 @@ def test_blocks_that_do_not_match_k_are_refused():
 
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_any_thread_count_gives_the_same_bits(kernel):
-    import numba
-
     rng = np.random.default_rng(17)
     n, k = 30, 512
     m = KQuantMatrix.pack(random_raw(QT.Q4_K, n, k, rng), QT.Q4_K, k)
     x = rng.standard_normal((9, k)).astype(np.float32)
-    before = numba.get_num_threads()
-    try:
-        runs = []
-        for threads in sorted({1, min(2, numba.config.NUMBA_NUM_THREADS), numba.config.NUMBA_NUM_THREADS}):
-            numba.set_num_threads(threads)
-            runs.append(run(m, x, kernel))
-    finally:
-        numba.set_num_threads(before)
-    for other in runs[1:]:
-        np.testing.assert_array_equal(other, runs[0])
+    first, *others = at_each_thread_count(lambda: run(m, x, kernel))
+    for other in others:
+        np.testing.assert_array_equal(other, first)

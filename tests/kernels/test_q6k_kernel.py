@@ -11,11 +11,13 @@ from kernels.formats.int8_layout import quantize_activations
 from kernels.formats.q6k_layout import RAW_BYTES, subblock_offsets
 from kernels.linear.q6k import matmul_q6k, matmul_q6k_avx2, matmul_q6k_experts
 from kernels.simd.cpu import missing_features
-from kernels.simd.q6k import Q6K_AVX2_FEATURES, Q6K_FEATURES
+from kernels.simd.int8 import AVX2_FEATURES
+from kernels.simd.q6k import Q6K_FEATURES
 from memory.block_matrices import Q6KMatrix
+from tests.support.threads import at_each_thread_count
 
 requires_vnni = pytest.mark.skipif(bool(missing_features(Q6K_FEATURES)), reason="this CPU lacks AVX512-VNNI")
-requires_avx2 = pytest.mark.skipif(bool(missing_features(Q6K_AVX2_FEATURES)), reason="this CPU lacks AVX2")
+requires_avx2 = pytest.mark.skipif(bool(missing_features(AVX2_FEATURES)), reason="this CPU lacks AVX2")
 KERNELS = [pytest.param(matmul_q6k, id="vnni", marks=requires_vnni),
            pytest.param(matmul_q6k_avx2, id="avx2", marks=requires_avx2)]
 
@@ -187,18 +189,9 @@ def test_the_avx2_kernel_gives_the_vnni_kernels_bits():
 
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_any_thread_count_gives_the_same_bits(kernel):
-    import numba
-
     rng = np.random.default_rng(23)
     raw = random_raw(rng, 30, 512)
     x = rng.standard_normal((9, 512)).astype(np.float32)
-    before = numba.get_num_threads()
-    try:
-        runs = []
-        for threads in sorted({1, min(2, numba.config.NUMBA_NUM_THREADS), numba.config.NUMBA_NUM_THREADS}):
-            numba.set_num_threads(threads)
-            runs.append(run(raw, x, kernel))
-    finally:
-        numba.set_num_threads(before)
-    for other in runs[1:]:
-        assert np.array_equal(other, runs[0])
+    first, *others = at_each_thread_count(lambda: run(raw, x, kernel))
+    for other in others:
+        assert np.array_equal(other, first)

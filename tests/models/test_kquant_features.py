@@ -17,7 +17,7 @@ from transformers import LlamaForCausalLM
 
 import numaserve as ns
 from kernels.simd.cpu import missing_features
-from kernels.simd.kquant import AVX2_FEATURES
+from kernels.simd.int8 import AVX2_FEATURES
 from memory.matrices import BlockInt8Matrix, WeightMatrix, parts
 from models.gguf.writer import convert_to_gguf
 from models.linear import dequantize

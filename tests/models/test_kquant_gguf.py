@@ -14,10 +14,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import numaserve as ns
 from cluster_configs.diagnostics import DecisionLog
 from kernels.simd.cpu import missing_features
-from kernels.simd.kquant import AVX2_FEATURES
-from kernels.simd.q6k import Q6K_FEATURES
+from kernels.simd.int8 import AVX2_FEATURES
 from kernels.simd.vnni import VNNI_FEATURES
-from memory.matrices import StackedMatrix, parts
+from memory.matrices import BlockInt8Matrix, StackedMatrix, host_has_vnni, parts
 from models.gguf.format import rope_row_order
 from models.gguf.writer import convert_to_gguf
 from models.linear import dequantize, linear
@@ -124,20 +123,48 @@ def assert_same_tensors(ours: Path, theirs: Path) -> None:
 
 # the K-quant, Q6_K and q8_0 int8 kernels: AVX-512 VNNI's where the CPU has it, else AVX2's (the same bits);
 # without AVX2 the matrices keep float32 activations
-VNNI = not (missing_features(VNNI_FEATURES) or missing_features(Q6K_FEATURES))
 needs_int8_kernels = pytest.mark.skipif(bool(missing_features(AVX2_FEATURES)), reason="this CPU lacks AVX2")
-needs_vnni_kernels = pytest.mark.skipif(not VNNI, reason="this CPU lacks AVX512-VNNI")  # IQ4's int8 kernel
+needs_vnni_kernels = pytest.mark.skipif(bool(missing_features(VNNI_FEATURES)),  # IQ4's int8 kernel
+                                        reason="this CPU lacks AVX512-VNNI")
+INT8 = {"activation_dtype": "int8", "kv_dtype": "float32", "max_model_len": 128}
+
+
+def kernel_paths() -> tuple[str, ...]:
+    """The kernel each of the fixture's formats runs with int8 activations on this host, as pack chooses."""
+    def block(kernel: str, dtype: str) -> str:
+        return f"{kernel}{'' if BlockInt8Matrix.uses_vnni(dtype) else '_avx2'}: {dtype}"
+
+    return (block("matmul_kquant", "q4_k"), block("matmul_q6k", "q6_k"), block("matmul_kquant", "q5_0"),
+            f"{'matmul_vnni' if host_has_vnni() else 'matmul_int8'}: q8_0")
+
+
+def kernels_of(llm) -> str:
+    return " ".join(d["choice"] + d["reason"] for d in llm.diagnostics() if d["topic"] == "kernel")
 
 
 @needs_int8_kernels
 def test_int8_activations_run_every_format_through_its_int8_kernel():
-    llm = ns.LLM(FIXTURE, activation_dtype="int8", kv_dtype="float32", max_model_len=128)
-    kernels = " ".join(d["choice"] + d["reason"] for d in llm.diagnostics() if d["topic"] == "kernel")
-    avx2 = "" if VNNI else "_avx2"
-    for path in (f"matmul_kquant{avx2}: q4_k", f"matmul_q6k{avx2}: q6_k", f"matmul_kquant{avx2}: q5_0",
-                 f"{'matmul_vnni' if VNNI else 'matmul_int8'}: q8_0"):
+    llm = ns.LLM(FIXTURE, **INT8)
+    kernels = kernels_of(llm)
+    for path in kernel_paths():
         assert f"{path} weights x int8 activations" in kernels
     assert "float32 activations" not in kernels
+
+
+@needs_int8_kernels
+def test_hiding_vnni_serves_the_same_logits_through_the_avx2_kernels(monkeypatch):
+    # where the CPU has VNNI this runs the AVX2 kernels of a whole model beside them; elsewhere both runs are
+    # AVX2's
+    tokens = random_prompt(40, seed=5)
+    monkeypatch.delenv("NUMASERVE_DISABLE_CPU_FEATURES", raising=False)
+    logits = ns.LLM(FIXTURE, **INT8).score(tokens)
+    monkeypatch.setenv("NUMASERVE_DISABLE_CPU_FEATURES", "avx512vnni")
+    hidden = ns.LLM(FIXTURE, **INT8)
+    kernels = kernels_of(hidden)
+    for path in ("matmul_kquant_avx2: q4_k", "matmul_q6k_avx2: q6_k", "matmul_kquant_avx2: q5_0",
+                 "matmul_int8: q8_0"):
+        assert f"{path} weights x int8 activations" in kernels
+    np.testing.assert_array_equal(hidden.score(tokens), logits)
 
 
 @needs_int8_kernels

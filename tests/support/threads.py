@@ -1,0 +1,19 @@
+"""A numba kernel's outputs at every thread count this process can run (1, 2, all), the count restored."""
+
+from collections.abc import Callable
+
+import numba
+import numpy as np
+
+
+def at_each_thread_count(run: Callable[[], np.ndarray]) -> list[np.ndarray]:
+    before = numba.get_num_threads()
+    counts = sorted({1, min(2, numba.config.NUMBA_NUM_THREADS), numba.config.NUMBA_NUM_THREADS})
+    try:
+        outputs = []
+        for threads in counts:
+            numba.set_num_threads(threads)
+            outputs.append(run())
+        return outputs
+    finally:
+        numba.set_num_threads(before)
