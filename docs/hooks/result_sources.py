@@ -41,8 +41,8 @@ SOURCES = {
         note="llama.cpp (llama-cpp-python 0.3.36) with the libraries of its own llama.cpp built without AMX "
         "(benchmarks/llama_server.py's lib-noamx), through LLAMA_CPP_LIB_PATH."),
     "decode-2026-12-02-zen1.json": Source(
-        f"{DECODE} --dtypes q8_0,q4_0,q4_k_m --activation-dtypes int8 --batches 8 --no-torch-first --samples 3 "
-        "--out <outside the repository>",
+        f"{DECODE} --dtypes q8_0,q4_0,q4_k_m --activation-dtypes int8 --batches 8 --no-torch-first "
+        "--samples 3 --out <outside the repository>",
         machine=ZEN1, commit="cd25cae",
         note="Before the K-quants' AVX2 kernels: Q4_K_M's matrices kept float32 activations on this CPU. Run "
         "from a clone of that commit, copied in. A test run on the same cores during the Q4_K_M batch-8 row "
