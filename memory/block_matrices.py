@@ -7,10 +7,30 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kernels.formats.ggml_blocks import BLOCK_DTYPES, CODE
 from kernels.formats.int8_layout import GROUP
 from kernels.formats.kquant_layout import pack_kquant, unpack_kquant
 from kernels.formats.q6k_layout import RAW_BYTES, ROW_BYTES, ROWS, pack_q6k, unpack_q6k
 from kernels.placement import stream_zeros
+from kernels.simd.cpu import missing_features
+from kernels.simd.int8 import AVX2_FEATURES
+from kernels.simd.kquant import AVX2_FORMATS
+from kernels.simd.q6k import Q6K_FEATURES
+from kernels.simd.vnni import VNNI_FEATURES
+
+# the block formats with an AVX2 int8 kernel (matmul_kquant_avx2, matmul_q6k_avx2): all but IQ4's
+AVX2_DTYPES = tuple(d for d in BLOCK_DTYPES if CODE[d] in AVX2_FORMATS or d == "q6_k")
+
+
+def uses_vnni(dtype: str) -> bool:
+    """Whether the host has the features of block format dtype's VNNI kernel (NUMASERVE_DISABLE_CPU_FEATURES
+    hides them): the kernel its matrices are packed for, else AVX2's."""
+    return not missing_features(Q6K_FEATURES if dtype == "q6_k" else VNNI_FEATURES)
+
+
+def int8_features(dtype: str) -> tuple[str, ...]:
+    """The CPU features the slowest int8 kernel of block format dtype needs."""
+    return AVX2_FEATURES if dtype in AVX2_DTYPES else VNNI_FEATURES
 
 
 @dataclass(frozen=True)

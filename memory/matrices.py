@@ -36,17 +36,12 @@ from kernels.simd.bf16 import GROUP as BF16_GROUP
 from kernels.simd.bf16 import ROWS as BF16_ROWS
 from kernels.simd.bf16 import pack_bf16
 from kernels.simd.cpu import missing_features
-from kernels.simd.int8 import AVX2_FEATURES
-from kernels.simd.kquant import AVX2_FORMATS
-from kernels.simd.q6k import Q6K_FEATURES
 from kernels.simd.vnni import ROWS as VNNI_ROWS
 from kernels.simd.vnni import VNNI_FEATURES
-from memory.block_matrices import KQuantMatrix, Q6KMatrix
+from memory.block_matrices import AVX2_DTYPES, KQuantMatrix, Q6KMatrix, int8_features, uses_vnni
 
 WEIGHT_DTYPES = ("float32", "float16", "bfloat16", "q8_0", "q4_0") + BLOCK_DTYPES
 # the format llama.cpp's llama-quant gives a matrix whose rows are not whole K-quant super-blocks of 256
-# the block formats with an AVX2 int8 kernel (matmul_kquant_avx2, matmul_q6k_avx2): all but IQ4's
-AVX2_DTYPES = tuple(d for d in BLOCK_DTYPES if CODE[d] in AVX2_FORMATS or d == "q6_k")
 K_QUANT_FALLBACK = {"q4_k": "q5_0", "q5_k": "q5_1", "q6_k": "q8_0", "iq4_xs": "iq4_nl"}
 
 
@@ -251,42 +246,33 @@ class Bf16Matrix:
 class BlockInt8Matrix:
     """A matrix in a GGML block format (q4_k, q5_k, q6_k, q4_1, q5_0, q5_1, iq4_nl, iq4_xs) repacked for int8
     activations, [out_features, in_features]: Q6_K for its own kernel (kernels/formats/q6k_layout.py,
-    kernels/linear/q6k.py), the others for kernels/linear/kquant.py; through AVX512-VNNI where the host has it
-    (vnni), else their AVX2 kernels (matmul_q6k_avx2, matmul_kquant_avx2) for AVX2_DTYPES: one layout, the
-    same bits. The activations are Int8Matrix's VNNI ones (quad order, K padded to 256), so one quantized
-    input serves every format of a layer. activation_scale: a calibrated static scale for its inputs, 0 =
-    per-block dynamic scales."""
+    kernels/linear/q6k.py), the others for kernels/linear/kquant.py; through AVX512-VNNI (vnni), else
+    AVX2's kernels (block_matrices.AVX2_DTYPES): one layout, the same bits. The activations are Int8Matrix's
+    VNNI ones (quad order, K padded to 256), so one quantized input serves every format of a layer.
+    activation_scale: a calibrated static scale for its inputs, 0 = per-block dynamic scales."""
 
     dtype: str
     packed: "KQuantMatrix | Q6KMatrix"
     activation_scale: float = 0.0
-    vnni: bool | None = None  # None: uses_vnni(dtype)
+    vnni: bool | None = None  # None: block_matrices.uses_vnni(dtype)
 
     def __post_init__(self):
         if self.vnni is None:
-            object.__setattr__(self, "vnni", BlockInt8Matrix.uses_vnni(self.dtype))
+            object.__setattr__(self, "vnni", uses_vnni(self.dtype))
         if not self.vnni and self.dtype not in AVX2_DTYPES:
             raise ValueError(f"{self.dtype} has no AVX2 int8 kernel: only {AVX2_DTYPES}")
-
-    @staticmethod
-    def uses_vnni(dtype: str) -> bool:
-        """Whether the host has dtype's VNNI kernel's features (NUMASERVE_DISABLE_CPU_FEATURES hides them)."""
-        return not missing_features(Q6K_FEATURES if dtype == "q6_k" else VNNI_FEATURES)
 
     @classmethod
     def pack(cls, w: WeightMatrix, activation_scale: float = 0.0,
              vnni: bool | None = None) -> "BlockInt8Matrix":
-        """vnni: None = uses_vnni(w.dtype)."""
+        """vnni: None = block_matrices.uses_vnni(w.dtype)."""
         if w.dtype not in BLOCK_DTYPES:
             raise ValueError(f"BlockInt8Matrix packs the GGML block formats {BLOCK_DTYPES}, got {w.dtype}")
         packed = (Q6KMatrix.pack(w.data, w.shape) if w.dtype == "q6_k"
                   else KQuantMatrix.pack(w.data, CODE[w.dtype], w.shape[1]))
         return cls(w.dtype, packed, float(activation_scale), vnni)
 
-    @staticmethod
-    def features(dtype: str) -> tuple[str, ...]:
-        """The CPU features its slowest kernel needs (pack picks VNNI's where the host has it)."""
-        return AVX2_FEATURES if dtype in AVX2_DTYPES else VNNI_FEATURES
+    features = staticmethod(int8_features)  # dtype -> the CPU features its slowest kernel needs
 
     @property
     def shape(self) -> tuple[int, int]:

@@ -106,6 +106,14 @@ def _block_scales(builder, data, tile, f, r):
     return s, builder.fneg(m) if m else None  # Q4_1, Q5_1: value = d q + m
 
 
+def _dot(builder, use_vnni: bool):
+    """(acc, weights, x) -> acc + vpdpbusd(weights, x): VNNI's instruction or AVX2's same integers."""
+    if not use_vnni:
+        return lambda acc, weights, x: dpbusd_avx2(builder, acc, weights, x)
+    vpdpbusd = dpbusd_function(builder.module)
+    return lambda acc, weights, x: builder.call(vpdpbusd, [acc, weights, x])
+
+
 @intrinsic(prefer_literal=True)
 def kquant_block(typingctx, xq, xd, xsum, data, out, t0, n0, qtype, tokens, vnni):
     """out[t0:t0+tokens, n0:n0+4] = the int8 dot products of quantized x with 4 packed W rows (those < N).
@@ -128,14 +136,7 @@ def kquant_block(typingctx, xq, xd, xsum, data, out, t0, n0, qtype, tokens, vnni
         (xa, da, sa, wa, oa), t0_, n0_, Kp, N = block_operands(context, builder, signature, args, 5)
         num_blocks, num_groups = group_counts(builder, Kp)
         module = builder.module
-        if use_vnni:
-            vpdpbusd = dpbusd_function(module)
-
-            def dpbusd(acc, weights, x):
-                return builder.call(vpdpbusd, [acc, weights, x])
-        else:
-            def dpbusd(acc, weights, x):
-                return dpbusd_avx2(builder, acc, weights, x)
+        dpbusd = _dot(builder, use_vnni)
         fma = fma_function(module)
         token_rows = [builder.add(t0_, const64(t)) for t in range(TB)]
         weight_rows = [builder.add(n0_, const64(r)) for r in range(ROWS)]

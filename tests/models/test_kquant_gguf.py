@@ -16,7 +16,8 @@ from cluster_configs.diagnostics import DecisionLog
 from kernels.simd.cpu import missing_features
 from kernels.simd.int8 import AVX2_FEATURES
 from kernels.simd.vnni import VNNI_FEATURES
-from memory.matrices import BlockInt8Matrix, StackedMatrix, host_has_vnni, parts
+from memory.block_matrices import uses_vnni
+from memory.matrices import StackedMatrix, host_has_vnni, parts
 from models.gguf.format import rope_row_order
 from models.gguf.writer import convert_to_gguf
 from models.linear import dequantize, linear
@@ -132,7 +133,7 @@ INT8 = {"activation_dtype": "int8", "kv_dtype": "float32", "max_model_len": 128}
 def kernel_paths() -> tuple[str, ...]:
     """The kernel each of the fixture's formats runs with int8 activations on this host, as pack chooses."""
     def block(kernel: str, dtype: str) -> str:
-        return f"{kernel}{'' if BlockInt8Matrix.uses_vnni(dtype) else '_avx2'}: {dtype}"
+        return f"{kernel}{'' if uses_vnni(dtype) else '_avx2'}: {dtype}"
 
     return (block("matmul_kquant", "q4_k"), block("matmul_q6k", "q6_k"), block("matmul_kquant", "q5_0"),
             f"{'matmul_vnni' if host_has_vnni() else 'matmul_int8'}: q8_0")
