@@ -1,13 +1,14 @@
 """The 1-token weight stream of the int8 kernels: how fast matmul_vnni reads TinyLlama-shaped q8_0 and q4_0
 matrices at 1 token, against a read probe of the same bytes, by where the weights start past a cache line
-(kernels/placement.py) and with or without the software prefetch below 4 tokens (kernels/simd/vnni.py).
+(kernels/placement.py) and with or without the software prefetch at 1 token (kernels/simd/vnni.py).
 
 Kernel-level, in one process (no engine, no llama.cpp): every variant alternates with the others and with
 the probe, the order flipping each repeat, so a variant's figure and its ratio to the probe come from the same
 memory phase (this VM's bandwidth swings up to 2x within seconds). The weights are random bytes in the packed
 layout (the kernel's time does not depend on their values) with real fp16 scales; 1.1 GB (q8_0) / 0.62 GB
-(q4_0) per pass, well past the caches. The "prefetch at 1 token" variant is the same kernel compiled with
-simd_vnni.PREFETCH_MIN_TOKENS = 1 (the code generator reads it when it lowers a block).
+(q4_0) per pass, well past the caches. The "no prefetch below 4 tokens" variant is the same kernel compiled
+with simd_vnni.PREFETCH_MIN_TOKENS = 4, the shipped value before 2026-12-02 (the code generator reads it when
+it lowers a block).
 
     python -m benchmarks.bench_stream [--offsets 0,8,16,24,32,48] [--repeats 8] [--threads 2]
 
@@ -90,7 +91,7 @@ def run_format(bits: int, offsets: list[int], repeats: int, rng) -> dict:
     variants = {f"offset {o}": (linear_int8.matmul_vnni, [(*m[:3], _placed(m[3], o), *m[4:]) for m in base])
                 for o in offsets}
     shipped = variants[f"offset {STREAM_OFFSET}"][1]
-    variants["offset 16, prefetch at 1 token"] = (_kernel_with_prefetch_below(1), shipped)
+    variants["offset 16, no prefetch below 4 tokens"] = (_kernel_with_prefetch_below(4), shipped)
     del base
     probe_bytes = [m[3].reshape(-1) for m in shipped] + [m[4].reshape(-1).view(np.uint8) for m in shipped]
 

@@ -7,7 +7,7 @@ of an accumulator gathers values 2l and 2l + 1 of every 16; one horizontal sum a
 (row, token) its dot product, in the same order whatever the other rows and tokens are (batch invariance).
 
 Weights come in blocks of 4 rows interleaved by group of GROUP values (pack_bf16 below): a task reads one
-sequential stream, prefetched as the VNNI kernel's (kernels/simd_vnni.prefetch_ahead: from 4 tokens up).
+sequential stream, prefetched as the VNNI kernel's (kernels/simd/vnni.py prefetch_ahead: at every block size).
 Rows past the matrix's last (padding of the last block) are computed, not stored. K is zero-padded to
 whole groups (weights and activations).
 

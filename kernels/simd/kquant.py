@@ -8,8 +8,8 @@ mask and shift), and for the 5-bit formats bit j of the group's 32 bytes of fift
 or-ed in: one load per row and group, then per vector a byte shift and one vpternlog as LLVM emits them.
 (Fifth bits stored as one 32-bit lane mask per vector instead, a kmov and a masked blend, had fewer spills but
 was no faster.) The IQ4 formats' 4-bit indices go through one vpshufb into their unsigned levels (IQ4_VALUES +
-128). The 4 rows' stream of tiles (quants, fifth bits, scales) is prefetched as q4_0's (32 KB ahead from 4
-tokens up; nearby distances measured the same).
+128). The 4 rows' stream of tiles (quants, fifth bits, scales) is prefetched as q4_0's (32 KB ahead at every
+block size; nearby distances measured the same).
 
 Then per block, with value = S_b q - M_b (kquant_layout.py's table) and xd_b, xsum_b the activations'
 scale and sum, in this order for every token of any batch (so its outputs do not depend on the batch):

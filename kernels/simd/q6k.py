@@ -23,9 +23,9 @@ Choices, each measured against the alternative named (benchmarks/results/HISTORY
   4 rows x 4 tokens beats 4 x 3 and 4 x 2 though its 16 + 8 accumulators still spill a few registers (4 x 2's
       do not, but it decodes each row's values for 2 tokens only); splitting the 4-row block into 2 x 4 was
       slower in a draft;
-  the prefetch distance and prefetching d's small stream made no difference at 1 token.
+  the prefetch distance (8 to 32 KB) and prefetching d's small stream made no difference at 1 token.
 Weights stream as in kernels/simd/vnni.py: one sequential stream per task (a block's 4 rows interleaved by
-group), prefetched as there (from 4 tokens up); d's stream (1/104 of the bytes) is left to the hardware.
+group), prefetched as there (at every block size); d's stream (1/104 of the bytes) is left to the hardware.
 Rows past the matrix's last (padding of the last block) are computed, not stored.
 
 Needs AVX512-VNNI, AVX512-BW (512-bit byte vectors) and F16C; with vnni 0, AVX2 and F16C

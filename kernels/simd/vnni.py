@@ -12,13 +12,13 @@ outputs are bit for bit those of the AVX2 kernels, with one instruction per 32 p
 three per 16.
 
 Weights come in blocks of 4 rows interleaved by group (kernels/formats/int8_layout.py pack_q8_0_quads,
-pack_q4_0): a task reads one sequential stream, and from 4 tokens up prefetches PREFETCH_BYTES ahead in it
-into L2, so the next blocks' bytes arrive while this one is multiplied (below 4 tokens the hardware's prefetch
-is faster). 4 rows x 4 tokens keep 16 int32 and 16 float32 accumulators in AVX-512's 32 vector registers. Rows
-past the matrix's last (padding of the last block) are computed, not stored. (One pass per block over all of a
-task's tokens, their float32 accumulators in a stack array, was slower from 2 tokens up.) matmul_vnni now
-takes whole blocks of 4 tokens through the 512-bit form of this block (kernels/simd/vnni_wide.py, the same
-bits) and only the last 1-3 tokens through this one.
+pack_q4_0): a task reads one sequential stream and prefetches PREFETCH_BYTES ahead in it into L2, so the
+next blocks' bytes arrive while this one is multiplied, at every block size (1 token included). 4 rows x 4
+tokens keep 16 int32 and 16 float32 accumulators in AVX-512's 32 vector registers. Rows past the matrix's
+last (padding of the last block) are computed, not stored. (One pass per block over all of a task's tokens,
+their float32 accumulators in a stack array, was slower from 2 tokens up.) matmul_vnni now takes whole blocks
+of 4 tokens through the 512-bit form of this block (kernels/simd/vnni_wide.py, the same bits) and only the
+last 1-3 tokens through this one.
 
 Needs AVX512-VNNI and AVX512-VL (the 256-bit vpdpbusd) and F16C. numba's on-disk cache of
 kernels/linear/int8.py does not notice edits to this file: after changing the code generation here,
@@ -56,9 +56,10 @@ ROWS = 4  # weight rows per block
 # what 1 does: benchmarks/results/HISTORY.md
 PREFETCH_BYTES = 32768
 PREFETCH_LOCALITY = 2
-# Blocks of fewer tokens leave the stream to the hardware prefetcher: at 1 and 2 tokens the software prefetch
-# slowed the stream, and at 4 tokens and up it is what keeps the stream going
-PREFETCH_MIN_TOKENS = 4
+# The fewest tokens of a block that prefetches. 1: on Zen 4 the 1-token streams ran 1.1-1.9x faster with it
+# (q8_0 to Q6_K, bf16: benchmarks/results/HISTORY.md); an earlier layout's 1-token q8_0 stream was slower with
+# it, and bench_stream still times the block without it below 4 tokens
+PREFETCH_MIN_TOKENS = 1
 
 
 def dpbusd_function(module, bits: int = 256):
