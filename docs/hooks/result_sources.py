@@ -34,6 +34,18 @@ SOURCES = {
         note="numaserve alone: llama.cpp (llama-cpp-python 0.3.36) crashed on this VM in its "
         "AMX matrix multiply (ggml_backend_amx_mul_mat; llama.cpp issue 20824). The first run with "
         "bench_peak's fractions."),
+    "decode-2026-12-02-zen4.json": Source(
+        f"{DECODE} --dtypes q4_k_m,q8_0,q4_0 --activation-dtypes int8 --samples 3 --no-torch-first "
+        "--out benchmarks/results/decode-2026-12-02-zen4.json",
+        machine=ZEN4, commit="1bb1d6e",
+        note="After the 1-token prefetch. Both engines ran slower than on 2026-11-26 on this VM (llama.cpp's "
+        "q8_0 batch 1 19.0 against 27.5 tok/s): compare ratios, not tokens a second, across the two runs."),
+    "decode-2026-12-02-zen4-bf16.json": Source(
+        f"{DECODE} --dtypes bfloat16 --activation-dtypes bfloat16 --samples 3 --no-torch-first "
+        "--out benchmarks/results/decode-2026-12-02-zen4-bf16.json",
+        machine=ZEN4, commit="1bb1d6e",
+        note="Right after decode-2026-12-02-zen4.json. The batch-1 row's read probe swung to 20.9 GB/s "
+        "(32 at the run's start), hence its fraction above 1."),
     "decode-2026-11-30-iq4.json": Source(
         f"{DECODE} --dtypes iq4_xs,q4_k_m --activation-dtypes int8 --samples 3 --no-torch-first "
         "--out benchmarks/results/decode-2026-11-30-iq4.json",
@@ -160,6 +172,10 @@ SOURCES = {
     "step_cost.json": Source(
         "python -m benchmarks.fit_step_cost",
         note="The model was fitted again (`--refit SAMPLES.json`) to the samples of that run."),
-    "stream.json": Source("python -m benchmarks.bench_stream", commit="58c99ef"),
+    "stream.json": Source(
+        "NUMBA_THREADING_LAYER=omp OMP_WAIT_POLICY=ACTIVE python -m benchmarks.bench_stream", machine=ZEN4,
+        commit="1bb1d6e",
+        note="The VM's read probe swung from 15 to 46 GB/s within this run: compare a variant with the probe "
+        "samples beside it, and the variants with each other."),
     "structured.json": Source("python -m benchmarks.bench_structured", commit="da74cf7"),
 }
