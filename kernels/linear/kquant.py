@@ -14,10 +14,12 @@ With the weights in cache, the K-quants' scales and Q5_K's fifth bits cost instr
 memory every format streams at least q4_0's bytes per second (benchmarks/results/HISTORY.md).
 """
 
+from gguf import GGMLQuantizationType as QT
 from numba import njit, prange, types
 from numba.extending import overload
 
 from kernels.formats.ggml_blocks import IQ4_NL, IQ4_XS, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K
+from kernels.formats.kquant_layout import FORMATS
 from kernels.linear.int8 import X_CHUNK_BYTES
 from kernels.moe.expert_tasks import expert_num_tasks, expert_task
 from kernels.simd.kquant import AVX2_FORMATS, kquant_block
@@ -65,18 +67,19 @@ def _check_format(qtype, vnni):
 
 @overload(_check_format, inline="always", prefer_literal=True)
 def _check_format_impl(qtype, vnni):
+    # the formats a block compiles for (kernels/simd/kquant.py's FORMATS, AVX2_FORMATS without VNNI)
     if not isinstance(vnni, types.IntegerLiteral):
         return None
-    if vnni.literal_value:
-        def impl(qtype, vnni):
-            if (qtype != Q4_K and qtype != Q5_K and qtype != Q4_1 and qtype != Q5_0 and qtype != Q5_1
-                    and qtype != IQ4_NL and qtype != IQ4_XS):
-                raise ValueError("qtype is not one of Q4_K, Q5_K, Q4_1, Q5_0, Q5_1, IQ4_NL, IQ4_XS")
-        return impl
+    formats = FORMATS if vnni.literal_value else AVX2_FORMATS
+    codes = tuple(sorted(formats))
+    message = ("qtype is not one of " + ", ".join(QT(c).name for c in codes)
+               + ("" if vnni.literal_value else " (the AVX2 kernel's formats)"))
 
     def impl(qtype, vnni):
-        if qtype != Q4_K and qtype != Q5_K and qtype != Q4_1 and qtype != Q5_0 and qtype != Q5_1:
-            raise ValueError("qtype is not one of Q4_K, Q5_K, Q4_1, Q5_0, Q5_1 (the AVX2 kernel's formats)")
+        for code in codes:
+            if qtype == code:
+                return
+        raise ValueError(message)
     return impl
 
 
