@@ -67,7 +67,8 @@ def _check_format(qtype, vnni):
 
 @overload(_check_format, inline="always", prefer_literal=True)
 def _check_format_impl(qtype, vnni):
-    # the formats a block compiles for (kernels/simd/kquant.py's FORMATS, AVX2_FORMATS without VNNI)
+    # the formats a block compiles for: kquant_layout.FORMATS with VNNI, kernels/simd/kquant.py's AVX2_FORMATS
+    # without
     if not isinstance(vnni, types.IntegerLiteral):
         return None
     formats = FORMATS if vnni.literal_value else AVX2_FORMATS

@@ -56,9 +56,9 @@ ROWS = 4  # weight rows per block
 # what 1 does: benchmarks/results/HISTORY.md
 PREFETCH_BYTES = 32768
 PREFETCH_LOCALITY = 2
-# The fewest tokens of a block that prefetches. 1: on Zen 4 the 1-token streams ran 1.1-1.9x faster with it
-# (q8_0 to Q6_K, bf16: benchmarks/results/HISTORY.md); an earlier layout's 1-token q8_0 stream was slower with
-# it, and bench_stream still times the block without it below 4 tokens
+# The fewest tokens of a block that prefetches. 1: on Zen 4 the Q4_K, Q6_K, q4_0 and bf16 1-token streams
+# ran 1.2-1.9x faster with it in fast memory phases, q8_0's about level (benchmarks/results/HISTORY.md); an
+# earlier layout's 1-token q8_0 stream was slower with it, and bench_stream still times the block without it
 PREFETCH_MIN_TOKENS = 1
 
 
