@@ -11,9 +11,9 @@ from numba import njit, prange, types
 from numba.extending import overload
 
 from kernels.formats.bf16 import f32_to_bf16
+from kernels.linear.chunking import token_chunk
 from kernels.simd.bf16 import ROWS, bf16_block
 
-_X_CHUNK_BYTES = 1 << 19  # tokens of x per pass over the weights: half of a core's L2
 PARALLEL_MIN_TOKENS = 16  # waking the thread pool costs more than rounding a few rows
 
 
@@ -21,7 +21,7 @@ PARALLEL_MIN_TOKENS = 16  # waking the thread pool costs more than rounding a fe
 def matmul_bf16(xb, w, out):
     # xb: [T, Kp] uint16 bf16, w: [N4, Kp] uint16 bf16 in 4-row blocks, out: [T, N] f32
     T, Kp = xb.shape
-    chunk = max(4, _X_CHUNK_BYTES // (2 * Kp) // 4 * 4)
+    chunk = token_chunk(2 * Kp, 4)
     for c0 in range(0, T, chunk):
         c1 = min(T, c0 + chunk)
         for task in prange(w.shape[0] // ROWS):

@@ -16,13 +16,12 @@ import numpy as np
 from numba import get_num_threads, njit, prange
 
 from kernels.formats.dequant_blocks import dequantize_block_row
+from kernels.linear.chunking import token_chunk
 from kernels.simd.block import matmul_block
 
 ROWS = 4  # rows per register block and per dequantized group
 TOKENS = 4  # tokens per register block
 PARTS_PER_THREAD = 4  # parts per thread: work can move off a core another process holds
-# tokens of x per pass over the weights: half of a core's L2 (as kernels/linear/dispatch.py)
-_X_CHUNK_BYTES = 1 << 19
 
 
 def matmul_blocks(x: np.ndarray, data: np.ndarray, code: int, out: np.ndarray) -> None:
@@ -34,7 +33,7 @@ def matmul_blocks(x: np.ndarray, data: np.ndarray, code: int, out: np.ndarray) -
 def _matmul_parts(x, data, code, out, num_parts):
     T, K = x.shape
     N = out.shape[1]
-    chunk = max(TOKENS, _X_CHUNK_BYTES // (4 * K) // TOKENS * TOKENS)
+    chunk = token_chunk(4 * K, TOKENS)
     num_groups = (N + ROWS - 1) // ROWS
     num_parts = min(num_groups, num_parts)
     w = np.empty((num_parts, ROWS, K), np.float32)  # each part's dequantized group

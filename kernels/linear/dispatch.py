@@ -12,10 +12,10 @@ from numba import njit, prange, types
 from numba.extending import overload
 
 from kernels.formats.bf16 import as_f32, bf16_to_f32
+from kernels.linear.chunking import token_chunk
 from kernels.simd.block import matmul_block
 
 MATVEC_MAX_TOKENS = 3  # up to this many tokens: one row per task
-_X_CHUNK_BYTES = 1 << 19  # tokens of x per pass over the weights: half of a core's L2
 
 
 @njit(cache=True, nogil=True, parallel=True)
@@ -23,7 +23,7 @@ def matmul(x, data, scales, out):
     # x: [T, K] f32; data/scales: one weight in any served format (kernels/formats/dequant.py; float16 as
     # int16 bits, kernels/formats/fp16.py); out: [T, N] f32
     T, K = x.shape
-    chunk = max(8, _X_CHUNK_BYTES // (4 * K) // 8 * 8)
+    chunk = token_chunk(4 * K, 8)
     for c0 in range(0, T, chunk):  # a chunk of x stays in L2 while every row group passes over it
         _matmul_chunk(x, data, scales, out, c0, min(T, c0 + chunk))
 

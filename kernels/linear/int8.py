@@ -12,6 +12,7 @@ on 256-bit ones (kernels/simd/vnni.py), the same bits as matmul_int8.
 from numba import njit, prange, types
 from numba.extending import overload
 
+from kernels.linear.chunking import token_chunk
 from kernels.moe.expert_tasks import expert_num_tasks, expert_task
 from kernels.simd.int8 import int8_block
 from kernels.simd.u8s8 import u8s8_block
@@ -19,15 +20,13 @@ from kernels.simd.vnni import ROWS as VNNI_ROWS
 from kernels.simd.vnni import vnni_block
 from kernels.simd.vnni_wide import vnni_block_wide
 
-X_CHUNK_BYTES = 1 << 19  # tokens of x per pass over the weights: half of a core's L2
-
 
 @njit(cache=True, nogil=True, parallel=True)
 def matmul_int8(xq, xd, xsum, data, scales, out):
     # xq: [T, Kp] int16 (q8_0) | int8 (q4_0), xd/xsum: [T, Kp // 32], data/scales: one packed weight,
     # out: [T, N] f32
     T, Kp = xq.shape
-    chunk = max(4, X_CHUNK_BYTES // (xq.itemsize * Kp) // 4 * 4)
+    chunk = token_chunk(xq.itemsize * Kp, 4)
     for c0 in range(0, T, chunk):
         c1 = min(T, c0 + chunk)
         for n in prange(out.shape[1]):
@@ -75,7 +74,7 @@ def matmul_vnni(xq, xd, xsum, data, scales, out, bits):
     # out: [T, N] f32, N4 = N rounded up to 4. A task owns a block of 4 output rows (kernels/simd/vnni.py).
     # With the weights from memory it is memory-bound up to 8 tokens (benchmarks/results/HISTORY.md).
     T, Kp = xq.shape
-    chunk = max(4, X_CHUNK_BYTES // Kp // 4 * 4)
+    chunk = token_chunk(Kp, 4)
     for c0 in range(0, T, chunk):
         c1 = min(T, c0 + chunk)
         for task in prange(data.shape[0] // VNNI_ROWS):

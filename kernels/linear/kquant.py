@@ -20,7 +20,7 @@ from numba.extending import overload
 
 from kernels.formats.ggml_blocks import IQ4_NL, IQ4_XS, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K
 from kernels.formats.kquant_layout import FORMATS
-from kernels.linear.int8 import X_CHUNK_BYTES
+from kernels.linear.chunking import token_chunk
 from kernels.moe.expert_tasks import expert_num_tasks, expert_task
 from kernels.simd.kquant import AVX2_FORMATS, kquant_block
 from kernels.simd.vnni import ROWS
@@ -53,7 +53,7 @@ def _matmul_impl(xq, xd, xsum, data, out, qtype, vnni):
     def impl(xq, xd, xsum, data, out, qtype, vnni):
         _check_format(qtype, v)
         T, Kp = xq.shape
-        chunk = max(4, X_CHUNK_BYTES // Kp // 4 * 4)
+        chunk = token_chunk(Kp, 4)
         for c0 in range(0, T, chunk):
             c1 = min(T, c0 + chunk)
             for task in prange(data.shape[0] // ROWS):

@@ -14,10 +14,9 @@ from numba.extending import overload
 
 from kernels.formats.int8_layout import GROUP
 from kernels.formats.q6k_layout import ROWS, subblock_offsets
+from kernels.linear.chunking import token_chunk
 from kernels.moe.expert_tasks import expert_num_tasks, expert_task
 from kernels.simd.q6k import q6k_block
-
-_X_CHUNK_BYTES = 1 << 19  # tokens of x per pass over the weights: half of a core's L2 (as matmul_vnni)
 
 
 @njit(inline="always", nogil=True)
@@ -78,7 +77,7 @@ def _matmul_impl(xq, xd, xsum, data, d, out, vnni):
     def impl(xq, xd, xsum, data, d, out, vnni):
         T, Kp = xq.shape
         offsets = _offsets(xq, xsum)
-        chunk = max(4, _X_CHUNK_BYTES // Kp // 4 * 4)
+        chunk = token_chunk(Kp, 4)
         for c0 in range(0, T, chunk):
             c1 = min(T, c0 + chunk)
             for task in prange(data.shape[0] // ROWS):
