@@ -5,13 +5,15 @@ Parallel tasks own output rows; each row's register block walks a chunk of token
 chunk of x stays in L2 (2 or 3 rows a block ran slower under AVX2: their accumulators no longer fit the 16
 vector registers). matmul_int8 (AVX2): q8_0 through vpmaddwd on int16 activations (kernels/simd/int8.py), q4_0
 through vpmaddubsw on int8 activations (kernels/simd/u8s8.py). matmul_vnni (AVX512-VNNI): both formats through
-vpdpbusd on int8 activations, 4 tokens at a time on 512-bit vectors (kernels/simd/vnni_wide.py), the last 1-3
-on 256-bit ones (kernels/simd/vnni.py), the same bits as matmul_int8.
+vpdpbusd on int8 activations, the tokens in pairs (kernels/formats/token_pairs.py) 6 at a time on 512-bit
+vectors (kernels/simd/vnni_wide.py), then 4 or 2, a last odd one on 256-bit ones (kernels/simd/vnni.py): the
+same bits as matmul_int8.
 """
 
 from numba import njit, prange, types
 from numba.extending import overload
 
+from kernels.formats.token_pairs import pair_tokens, whole_batch
 from kernels.linear.chunking import token_chunk
 from kernels.moe.expert_tasks import expert_num_tasks, expert_task
 from kernels.simd.int8 import int8_block
@@ -19,6 +21,8 @@ from kernels.simd.u8s8 import u8s8_block
 from kernels.simd.vnni import ROWS as VNNI_ROWS
 from kernels.simd.vnni import vnni_block
 from kernels.simd.vnni_wide import vnni_block_wide
+
+PAIR_BLOCK_TOKENS = 6  # 3 pairs: kernels/simd/vnni_wide.py
 
 
 @njit(cache=True, nogil=True, parallel=True)
@@ -74,7 +78,9 @@ def matmul_vnni(xq, xd, xsum, data, scales, out, bits):
     # out: [T, N] f32, N4 = N rounded up to 4. A task owns a block of 4 output rows (kernels/simd/vnni.py).
     # With the weights from memory it is memory-bound up to 8 tokens (benchmarks/results/HISTORY.md).
     T, Kp = xq.shape
-    chunk = token_chunk(Kp, 4)
+    if T > 1:  # one token is its own pairing
+        xq, xd, xsum = pair_tokens(xq, xd, xsum, whole_batch(T))
+    chunk = token_chunk(Kp, PAIR_BLOCK_TOKENS)
     for c0 in range(0, T, chunk):
         c1 = min(T, c0 + chunk)
         for task in prange(data.shape[0] // VNNI_ROWS):
@@ -95,14 +101,18 @@ def _vnni_tokens_impl(xq, xd, xsum, data, scales, out, n, c0, c1, bits):
     b = bits.literal_value
 
     def impl(xq, xd, xsum, data, scales, out, n, c0, c1, bits):
+        # xq, xd, xsum paired from row c0 (even from the segment's start)
         t = c0
-        while t + 4 <= c1:  # two pairs at 512 bits: benchmarks/results/HISTORY.md (2026-11-30)
+        while t + PAIR_BLOCK_TOKENS <= c1:
+            vnni_block_wide(xq, xd, xsum, data, scales, out, t, n, b, 3)
+            t += PAIR_BLOCK_TOKENS
+        if c1 - t >= 4:
             vnni_block_wide(xq, xd, xsum, data, scales, out, t, n, b, 2)
             t += 4
-        if c1 - t >= 2:
-            vnni_block(xq, xd, xsum, data, scales, out, t, n, b, 2)
+        elif c1 - t >= 2:
+            vnni_block_wide(xq, xd, xsum, data, scales, out, t, n, b, 1)
             t += 2
-        if c1 - t == 1:
+        if c1 - t == 1:  # a segment's odd last row, as it was
             vnni_block(xq, xd, xsum, data, scales, out, t, n, b, 1)
     return impl
 
@@ -112,6 +122,8 @@ def matmul_vnni_experts(xq, xd, xsum, data, scales, out, bits, experts, starts):
     # Several experts' matmul_vnni in one parallel region (kernels/moe/expert_tasks.py: the layout of
     # data/scales, experts, starts; the tasks); out: [R, N] f32
     N = out.shape[1]
+    if xq.shape[0] > 1:
+        xq, xd, xsum = pair_tokens(xq, xd, xsum, starts)
     for task in prange(expert_num_tasks(experts.shape[0], N, VNNI_ROWS)):
         e, r0, r1, b0, b1 = expert_task(task, experts, starts, N, VNNI_ROWS)
         d, c = data[e * N:(e + 1) * N], scales[e * N:(e + 1) * N]

@@ -3,13 +3,16 @@ holding two tokens' 8 lanes each.
 
 As in vnni.py, per group of 8 blocks each (row, token) pair keeps 8 int32 lanes, lane b = block b, filled by
 vpdpbusd over the group's 8 vectors (weights the unsigned side); here a 512-bit accumulator holds the pairs
-(row, t) and (row, t + 1) side by side: the weight vector is broadcast to both halves and the two tokens'
-activation vectors are loaded into one. One vpdpbusd then does 64 products where vnni.py's does 32: on a CPU
-that issues 512-bit vpdpbusd as often as 256-bit ones (bench_peak on the Sapphire Rapids-class VM), twice
-the products a cycle. (Zen 4 splits a 512-bit instruction into two 256-bit halves: no gain expected there,
-not measured.) Two pairs of tokens (4) ran faster than one pair and level with four: HISTORY.md.
-Every lane sees the same integer sums, the same fold (convert, scale = weight scale x activation scale,
-fused multiply-add) and the same horizontal sum per (row, token) as vnni.py: the outputs are its bits.
+(row, t) and (row, t + 1) side by side: the weight vector is broadcast to both halves, and the activations
+come paired (kernels/formats/token_pairs.py), so one 64-byte load gives both tokens' vector and one their
+scales or block sums. One vpdpbusd does 64 products where vnni.py's does 32, with no shuffle in the group's
+loop. 3 pairs (6 tokens: 12 int32 and 12 float32 accumulators, 4 weight vectors and one of activations in
+the 32 registers) ran 1.19x (q8_0) and 1.20x (q4_0) faster than 2 pairs of unpaired tokens (each pair of
+vectors joined by a shuffle), 2 and 4 pairs slower than 3 (benchmarks/results/HISTORY.md, 2026-12-02). Every
+lane sees the same integer sums, the same fold (convert, scale = weight scale x activation scale, fused
+multiply-add) and the same horizontal sum per (row, token) as vnni.py: the outputs are its bits. The fold's
+multiply and fused multiply-add share the dot products' units: 2 a group per pair and row against 8
+vpdpbusd, so this block cannot pass ~80% of the vpdpbusd peak.
 
 Needs AVX512-VNNI and AVX512F (the 512-bit vpdpbusd) and F16C. numba's on-disk cache of
 kernels/linear/int8.py does not notice edits to this file: after changing the code generation here,
@@ -44,7 +47,6 @@ from kernels.simd.vnni import (
 )
 
 V16I, V16F = ir.VectorType(I32, 16), ir.VectorType(F32, 16)
-BOTH = ir.Constant(ir.VectorType(I32, 16), list(range(16)))  # two 8-lane vectors as one
 TWICE = ir.Constant(ir.VectorType(I32, 16), list(range(8)) * 2)  # an 8-lane vector in both halves
 HALVES = [ir.Constant(ir.VectorType(I32, 8), list(range(h * 8, h * 8 + 8))) for h in range(2)]
 
@@ -53,7 +55,8 @@ HALVES = [ir.Constant(ir.VectorType(I32, 8), list(range(h * 8, h * 8 + 8))) for 
 def vnni_block_wide(typingctx, xq, xd, xsum, data, scales, out, t0, n0, bits, pairs):
     """out[t0:t0+2*pairs, n0:n0+4] = the int8 dot products of quantized x with 4 packed W rows (those < N).
 
-    Operands as kernels/simd/vnni.vnni_block's; bits (8 | 4), pairs: literals.
+    Operands as kernels/simd/vnni.vnni_block's, with xq, xd, xsum paired (kernels/formats/token_pairs.py) and
+    t0 the first row of a pair; bits (8 | 4), pairs: literals.
     """
     literals = vnni_literals((xq, xd, xsum, data, scales, out), bits, pairs)
     if literals is None:
@@ -73,35 +76,31 @@ def vnni_block_wide(typingctx, xq, xd, xsum, data, scales, out, t0, n0, bits, pa
         accs = [[cgutils.alloca_once_value(builder, ir.Constant(V16F, None)) for _ in range(P)]
                 for _ in range(ROWS)]
 
-        def pair(a, b):
-            return builder.shuffle_vector(a, b, BOTH)
-
-        def per_token(array, row, blk0, vec_type):
-            return load_vec(builder, array, builder.add(builder.mul(row, num_blocks), blk0), vec_type)
+        def paired_blocks(array, p, g, vec_type):
+            # group g's 8 block values (xd or xsum) of both tokens of pair p, one load
+            start = builder.add(builder.mul(token_rows[2 * p], num_blocks), builder.mul(g, const64(16)))
+            return load_vec(builder, array, start, vec_type)
 
         with cgutils.for_range(builder, num_groups) as loop:
             g = loop.index
             blk0 = builder.mul(g, const64(8))
-            x_base = [builder.add(builder.mul(row, Kp), builder.mul(g, const64(GROUP))) for row in token_rows]
+            x_base = [builder.add(builder.mul(token_rows[2 * p], Kp), builder.mul(g, const64(2 * GROUP)))
+                      for p in range(P)]
             # this group's 4 rows
             stream = builder.mul(builder.add(block_base, g), const64(ROWS * group_bytes))
             prefetch_ahead(builder, wa.data, stream, ROWS * group_bytes, 2 * P)
             w_base = [builder.add(stream, const64(r * group_bytes)) for r in range(ROWS)]
-            dx = [pair(per_token(da.data, token_rows[2 * p], blk0, V8F),
-                       per_token(da.data, token_rows[2 * p + 1], blk0, V8F)) for p in range(P)]
-            dw = [builder.fpext(per_token(ca.data, row, blk0, ir.VectorType(ir.HalfType(), 8)), V8F)
-                  for row in weight_rows]
+            dx = [paired_blocks(da.data, p, g, V16F) for p in range(P)]
+            dw = [builder.fpext(load_vec(builder, ca.data, builder.add(builder.mul(row, num_blocks), blk0),
+                                         ir.VectorType(ir.HalfType(), 8)), V8F) for row in weight_rows]
             dw = [builder.shuffle_vector(d, d, TWICE) for d in dw]
-            init = [builder.mul(pair(per_token(sa.data, token_rows[2 * p], blk0, V8I),
-                                     per_token(sa.data, token_rows[2 * p + 1], blk0, V8I)), minus_offset)
-                    for p in range(P)]
+            init = [builder.mul(paired_blocks(sa.data, p, g, V16I), minus_offset) for p in range(P)]
             iacc = [list(init) for _ in range(ROWS)]
             packed = [None] * ROWS
             for j in range(8):
                 weights = weight_vectors(builder, wa.data, w_base, j, is_q4, packed)
                 for p in range(P):
-                    xv = pair(*(load_vec(builder, xa.data, builder.add(x_base[2 * p + h], const64(32 * j)),
-                                         V8I) for h in range(2)))
+                    xv = load_vec(builder, xa.data, builder.add(x_base[p], const64(64 * j)), V16I)
                     for r in range(ROWS):
                         iacc[r][p] = builder.call(dpbusd, [iacc[r][p], weights[r], xv])
             for r in range(ROWS):

@@ -72,7 +72,7 @@ def test_packing_round_trips(dtype, k, vnni):
 
 @pytest.mark.skipif(not HAS_VNNI, reason="this CPU lacks AVX512-VNNI")
 @pytest.mark.parametrize("dtype", FORMATS)
-@pytest.mark.parametrize("num_tokens", [1, 2, 3, 4, 5, 7, 8, 9, 70])  # blocks of 4 (512-bit), 2, 1
+@pytest.mark.parametrize("num_tokens", [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 12, 13, 70])  # 3, 2, 1 pairs, odd
 def test_vnni_kernel_gives_the_avx2_kernels_bits(dtype, num_tokens):
     # the same integer sums and the same float operations in the same order: every output bit equal
     rng = np.random.default_rng(40 + num_tokens)
