@@ -64,7 +64,7 @@ def start_numaserve(ckpt: Path, weight_dtype: str, activation_dtype: str, args, 
 
 def start_llamacpp(gguf: Path, args) -> EngineProcess:
     n_ctx = (max(args.batches) * (DECODE_PROMPT_LEN + max(args.decode_tokens, args.batched_steps) + 8)
-             + PROMPT_LEN)
+             + PROMPT_LEN + max(args.contexts, default=0) + args.decode_tokens)
     argv = [str(gguf), "--threads", str(args.threads), "--n-ctx", str(n_ctx), "--n-seq-max",
             str(max(args.batches))]
     return EngineProcess("llama.cpp", "benchmarks.llamacpp_runner", argv, CLEAN_ENV | llama_cpp_env())
@@ -95,7 +95,23 @@ def workloads(args, rng) -> dict[str, tuple[str, dict, int]]:
         steps = args.decode_tokens if batch == 1 else args.batched_steps
         prompts = [rng.integers(3, 32000, DECODE_PROMPT_LEN).tolist() for _ in range(batch)]
         loads[f"decode_b{batch}"] = ("decode", {"prompts": prompts, "num_steps": steps}, batch * steps)
+    for context in args.contexts:  # batch 1 over a longer prompt: its attention reads `context` positions
+        prompts = [rng.integers(3, 32000, context).tolist()]
+        loads[f"decode_b1_ctx{context}"] = ("decode", {"prompts": prompts, "num_steps": args.decode_tokens},
+                                            args.decode_tokens)
     return loads
+
+
+def token_bytes(info: dict, metric: str, args) -> float:
+    """Bytes a batch-1 token reads: the weights (not the embedding table) and its context's K and V, at the
+    decode's mean position."""
+    context = int(metric.removeprefix("decode_b1_ctx")) if "_ctx" in metric else DECODE_PROMPT_LEN
+    return info["read_bytes"] + (context + args.decode_tokens / 2) * info["kv_bytes_per_position"]
+
+
+def is_batch1(metric: str) -> bool:
+    """A batch-1 decode row (at 16 tokens of context or at --contexts'): a fraction of the read probe."""
+    return metric == "decode_b1" or metric.startswith("decode_b1_ctx")
 
 
 def alternate(samples: int, runs: dict) -> dict[str, list[float]]:
@@ -161,7 +177,7 @@ def bench_dtype(ckpt: Path, weight_dtype: str, args, loads: dict, probe, threadi
     rows = []
     for metric, load in loads.items():
         runs = {name: tok_s(e, load) for name, e in engines.items()}
-        if metric == "decode_b1":
+        if is_batch1(metric):
             runs["read_bytes_per_s"] = probe.read_bandwidth
         else:  # prefill and batched decode: the dot-product peak of each activation dtype's instructions
             for kind in {PEAK_KIND[a] for a in ours}:
@@ -176,7 +192,8 @@ def bench_dtype(ckpt: Path, weight_dtype: str, args, loads: dict, probe, threadi
                 row["ratio"] = row["numaserve_tok_s"] / row["llamacpp_tok_s"]
             if "read_bytes_per_s" in times:
                 row["read_bytes_per_s"] = statistics.median(times["read_bytes_per_s"])
-                row["bandwidth_roofline"] = (row["numaserve_tok_s"] * info[a]["read_bytes"]
+                row["bytes_per_token"] = token_bytes(info[a], metric, args)
+                row["bandwidth_roofline"] = (row["numaserve_tok_s"] * row["bytes_per_token"]
                                              / row["read_bytes_per_s"])
             elif f"peak_{PEAK_KIND[a]}" in times:
                 row["peak_kind"] = PEAK_KIND[a]
@@ -275,6 +292,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--samples", type=int, default=3, help="timed samples per engine and row")
     parser.add_argument("--decode-tokens", type=int, default=128, help="tokens decoded per batch-1 sample")
     parser.add_argument("--batched-steps", type=int, default=32, help="decode steps per batched sample")
+    parser.add_argument("--contexts", default="", type=lambda s: [int(c) for c in s.split(",") if c],
+                        help="tokens of context for more batch-1 rows (decode_b1_ctx<N>), comma-separated")
     parser.add_argument("--batches", default="8,32", type=lambda s: [int(b) for b in s.split(",")],
                         help="batch sizes besides 1, comma-separated")
     parser.add_argument("--numaserve-threading", default="auto", choices=["auto", *NUMASERVE_THREADING],
@@ -310,6 +329,7 @@ def main(argv: list[str] | None = None) -> None:
     threading, trial = pick_threading(ckpt, dtypes[0], meant[0], args, loads)
     meta = {"model": args.model, "threads": args.threads, "samples": args.samples, "cpu": cpu_name(),
             "date": time.strftime("%Y-%m-%d %H:%M"), "decode_tokens": args.decode_tokens,
+            "contexts": [DECODE_PROMPT_LEN, *args.contexts],
             "batched_steps": args.batched_steps, "processes": "one per engine (and per numaserve activation "
             "dtype), alternating sample by sample; probes in the parent (numba workqueue layer)",
             "numaserve_settings": {"threading": threading, "env": NUMASERVE_THREADING[threading],

@@ -35,7 +35,7 @@ def roofline(row: dict) -> str:
 
 def decode(data: dict) -> str:
     rows = data["rows"]
-    speed = [r for r in rows if r["metric"] in METRICS]
+    speed = [r for r in rows if r["metric"] in METRICS or re.fullmatch(r"decode_b1_ctx\d+", r["metric"])]
     blocks = [table(["weights", "activations", "metric", "numaserve tok/s", "llama.cpp tok/s", "ratio",
                      "roofline"],
                     [[r["dtype"], r.get("activation_dtype", ""), metric_label(r["metric"]),
