@@ -16,23 +16,39 @@ from numba import njit, prange
 
 VALUES = 32  # xq values a row contributes to each 64-byte vector of its pair
 BLOCKS = 8  # xd / xsum values a row contributes to each group of its pair
+PARALLEL_MIN_TOKENS = 16  # as int8_layout's: waking the threads costs more than pairing a few rows
 
 
-@njit(cache=True, nogil=True, parallel=True)
+@njit(cache=True, nogil=True)
 def pair_tokens(xq, xd, xsum, starts):
     # -> (pq, pd, psum): xq, xd, xsum with each segment's rows paired (the module docstring)
     pq, pd, psum = np.empty_like(xq), np.empty_like(xd), np.empty_like(xsum)
-    for t in prange(xq.shape[0]):
-        s = np.searchsorted(starts, t, side="right") - 1
-        if s < 0 or s >= starts.shape[0] - 1 or (t - starts[s]) % 2 == 1:
-            continue  # outside every segment, or the second row of a pair (written with the first)
-        if t + 1 < starts[s + 1]:
-            _pair(xq, t, pq, VALUES)
-            _pair(xd, t, pd, BLOCKS)
-            _pair(xsum, t, psum, BLOCKS)
-        else:
-            pq[t], pd[t], psum[t] = xq[t], xd[t], xsum[t]
+    if xq.shape[0] < PARALLEL_MIN_TOKENS:
+        for t in range(xq.shape[0]):
+            _row(xq, xd, xsum, starts, pq, pd, psum, t)
+    else:
+        _rows_parallel(xq, xd, xsum, starts, pq, pd, psum)
     return pq, pd, psum
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def _rows_parallel(xq, xd, xsum, starts, pq, pd, psum):
+    for t in prange(xq.shape[0]):
+        _row(xq, xd, xsum, starts, pq, pd, psum, t)
+
+
+@njit(inline="always", nogil=True)
+def _row(xq, xd, xsum, starts, pq, pd, psum, t):
+    # row t's part: a pair's first row writes the pair, a segment's odd last row itself
+    s = np.searchsorted(starts, t, side="right") - 1
+    if s < 0 or s >= starts.shape[0] - 1 or (t - starts[s]) % 2 == 1:
+        return  # outside every segment, or the second row of a pair (written with the first)
+    if t + 1 < starts[s + 1]:
+        _pair(xq, t, pq, VALUES)
+        _pair(xd, t, pd, BLOCKS)
+        _pair(xsum, t, psum, BLOCKS)
+    else:
+        pq[t], pd[t], psum[t] = xq[t], xd[t], xsum[t]
 
 
 @njit(inline="always", nogil=True)

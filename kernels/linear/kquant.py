@@ -5,7 +5,9 @@ through vpmaddubsw and vpmaddwd: kernels/simd/vnni.py dpbusd_avx2), for all but 
 levels + 128 would saturate vpmaddubsw's int16 pairs).
 
 The drivers are matmul_vnni's and matmul_vnni_experts' (kernels/linear/int8.py): a task owns a block of 4
-output rows and walks a chunk of tokens 4 at a time (then 2, then 1) while the chunk of x stays in L2.
+output rows and walks a chunk of tokens while the chunk of x stays in L2; with VNNI the tokens in pairs 6 at
+a time through the 512-bit block (kernels/simd/kquant_wide.py), then 4 or 2, a last odd one through the
+256-bit block; without, 4 at a time (then 2, then 1).
 qtype (the GGML type id, kernels/formats/ggml_blocks.py's CODE) picks the format's code per task, as
 matmul_vnni's bits: one compiled function serves all seven. (numba.literally(qtype), one compilation per
 format, was slow at every call: numba retypes the call through an exception every time.)
@@ -20,10 +22,14 @@ from numba.extending import overload
 
 from kernels.formats.ggml_blocks import IQ4_NL, IQ4_XS, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K
 from kernels.formats.kquant_layout import FORMATS
+from kernels.formats.token_pairs import pair_tokens, whole_batch
 from kernels.linear.chunking import token_chunk
 from kernels.moe.expert_tasks import expert_num_tasks, expert_task
 from kernels.simd.kquant import AVX2_FORMATS, kquant_block
+from kernels.simd.kquant_wide import kquant_block_wide
 from kernels.simd.vnni import ROWS
+
+PAIR_BLOCK_TOKENS = 6  # 3 pairs, as kernels/linear/int8.py's
 
 
 @njit(cache=True, nogil=True, parallel=True)
@@ -53,7 +59,9 @@ def _matmul_impl(xq, xd, xsum, data, out, qtype, vnni):
     def impl(xq, xd, xsum, data, out, qtype, vnni):
         _check_format(qtype, v)
         T, Kp = xq.shape
-        chunk = token_chunk(Kp, 4)
+        if v and T > 1:  # the 512-bit block's pairs (one token is its own pairing)
+            xq, xd, xsum = pair_tokens(xq, xd, xsum, whole_batch(T))
+        chunk = token_chunk(Kp, PAIR_BLOCK_TOKENS if v else 4)
         for c0 in range(0, T, chunk):
             c1 = min(T, c0 + chunk)
             for task in prange(data.shape[0] // ROWS):
@@ -125,6 +133,23 @@ def _kquant_tokens_impl(xq, xd, xsum, data, out, n, c0, c1, qtype, vnni):
     if not v and q not in AVX2_FORMATS:  # IQ4 without VNNI: no block compiles; _check_format refused it
         return lambda xq, xd, xsum, data, out, n, c0, c1, qtype, vnni: None
 
+    if v:
+        def paired(xq, xd, xsum, data, out, n, c0, c1, qtype, vnni):
+            # xq, xd, xsum paired from row c0 (even from the segment's start)
+            t = c0
+            while t + PAIR_BLOCK_TOKENS <= c1:
+                kquant_block_wide(xq, xd, xsum, data, out, t, n, q, 3)
+                t += PAIR_BLOCK_TOKENS
+            if c1 - t >= 4:
+                kquant_block_wide(xq, xd, xsum, data, out, t, n, q, 2)
+                t += 4
+            elif c1 - t >= 2:
+                kquant_block_wide(xq, xd, xsum, data, out, t, n, q, 1)
+                t += 2
+            if c1 - t == 1:  # a segment's odd last row, as it was
+                kquant_block(xq, xd, xsum, data, out, t, n, q, 1, 1)
+        return paired
+
     def impl(xq, xd, xsum, data, out, n, c0, c1, qtype, vnni):
         t = c0
         while t + 4 <= c1:
@@ -144,6 +169,8 @@ def matmul_kquant_experts(xq, xd, xsum, data, out, qtype, experts, starts):
     # experts, starts; the tasks); out: [R, N] f32
     _check_format(qtype, 1)
     N = out.shape[1]
+    if xq.shape[0] > 1:
+        xq, xd, xsum = pair_tokens(xq, xd, xsum, starts)
     for task in prange(expert_num_tasks(experts.shape[0], N, ROWS)):
         e, r0, r1, b0, b1 = expert_task(task, experts, starts, N, ROWS)
         d = data[e * N:(e + 1) * N]

@@ -63,7 +63,7 @@ def _splat_f16(builder, data, offset):
     return builder.fpext(builder.shuffle_vector(vec, vec, zeros), V8F)
 
 
-def _weight_vector(builder, f, chunk, high, j):
+def weight_vector(builder, f, chunk, high, j):
     # vector j's unsigned quants as <8 x i32>: chunk j // 2's nibbles, the fifth bits or-ed in (5-bit
     # formats), the IQ4 indices looked up in their levels + 128 by vpshufb (per 128-bit lane, each byte
     # (0..15) picks a byte of the table's lane)
@@ -86,7 +86,7 @@ def _fifth_bits(builder, high, j):
     return builder.and_(high, ir.Constant(V32I8, [16] * 32))
 
 
-def _block_scales(builder, data, tile, f, r):
+def block_scales(builder, data, tile, f, r):
     # row r's (S, M) per block of this group (value = S q - M) from its tile at byte `tile` (M None for Q5_0)
     at = f.tile_offsets
 
@@ -165,7 +165,7 @@ def kquant_block(typingctx, xq, xd, xsum, data, out, t0, n0, qtype, tokens, vnni
                     if j % 2 == 0:
                         at = builder.add(tile, const64(GROUP // 2 * r + 16 * j))  # row r's chunk j // 2
                         chunks[r] = load_vec(builder, wa.data, at, V32I8)
-                    weights.append(_weight_vector(builder, f, chunks[r], highs[r] if highs else None, j))
+                    weights.append(weight_vector(builder, f, chunks[r], highs[r] if highs else None, j))
                 for t in range(TB):
                     xv = builder.bitcast(load_vec(builder, xa.data, builder.add(x_base[t], const64(32 * j)),
                                                   V32I8), V8I)
@@ -174,7 +174,7 @@ def kquant_block(typingctx, xq, xd, xsum, data, out, t0, n0, qtype, tokens, vnni
             # the scales after the products: formed before, they stayed live through them and spilled
             dx = [load_vec(builder, da.data, builder.add(builder.mul(row, num_blocks), blk0), V8F)
                   for row in token_rows]
-            scales = [_block_scales(builder, wa.data, tile, f, r) for r in range(ROWS)]
+            scales = [block_scales(builder, wa.data, tile, f, r) for r in range(ROWS)]
             if not f.has_min:
                 fold_group(builder, fma, iacc, [s for s, _ in scales], dx, accs)
             else:

@@ -76,25 +76,20 @@ def vnni_block_wide(typingctx, xq, xd, xsum, data, scales, out, t0, n0, bits, pa
         accs = [[cgutils.alloca_once_value(builder, ir.Constant(V16F, None)) for _ in range(P)]
                 for _ in range(ROWS)]
 
-        def paired_blocks(array, p, g, vec_type):
-            # group g's 8 block values (xd or xsum) of both tokens of pair p, one load
-            start = builder.add(builder.mul(token_rows[2 * p], num_blocks), builder.mul(g, const64(16)))
-            return load_vec(builder, array, start, vec_type)
-
         with cgutils.for_range(builder, num_groups) as loop:
             g = loop.index
             blk0 = builder.mul(g, const64(8))
-            x_base = [builder.add(builder.mul(token_rows[2 * p], Kp), builder.mul(g, const64(2 * GROUP)))
-                      for p in range(P)]
+            x_base = [pair_group(builder, token_rows[2 * p], Kp, g, GROUP) for p in range(P)]
             # this group's 4 rows
             stream = builder.mul(builder.add(block_base, g), const64(ROWS * group_bytes))
             prefetch_ahead(builder, wa.data, stream, ROWS * group_bytes, 2 * P)
             w_base = [builder.add(stream, const64(r * group_bytes)) for r in range(ROWS)]
-            dx = [paired_blocks(da.data, p, g, V16F) for p in range(P)]
+            dx = [paired_blocks(builder, da.data, token_rows[2 * p], num_blocks, g, V16F) for p in range(P)]
             dw = [builder.fpext(load_vec(builder, ca.data, builder.add(builder.mul(row, num_blocks), blk0),
                                          ir.VectorType(ir.HalfType(), 8)), V8F) for row in weight_rows]
             dw = [builder.shuffle_vector(d, d, TWICE) for d in dw]
-            init = [builder.mul(paired_blocks(sa.data, p, g, V16I), minus_offset) for p in range(P)]
+            init = [builder.mul(paired_blocks(builder, sa.data, token_rows[2 * p], num_blocks, g, V16I),
+                                minus_offset) for p in range(P)]
             iacc = [list(init) for _ in range(ROWS)]
             packed = [None] * ROWS
             for j in range(8):
@@ -112,6 +107,17 @@ def vnni_block_wide(typingctx, xq, xd, xsum, data, scales, out, t0, n0, bits, pa
         return context.get_dummy_value()
 
     return types.none(xq, xd, xsum, data, scales, out, t0, n0, bits, pairs), codegen
+
+
+def pair_group(builder, first_row, row_values, g, group_values):
+    """Where group g (group_values a row) of the pair whose first row is first_row starts in a paired array
+    of row_values a row (kernels/formats/token_pairs.py)."""
+    return builder.add(builder.mul(first_row, row_values), builder.mul(g, const64(2 * group_values)))
+
+
+def paired_blocks(builder, array, first_row, num_blocks, g, vec_type):
+    """Group g's 8 block values (xd or xsum: num_blocks a row) of both rows of a pair, one load."""
+    return load_vec(builder, array, pair_group(builder, first_row, num_blocks, g, 8), vec_type)
 
 
 def weight_vectors(builder, data, w_base, j, is_q4, packed):
