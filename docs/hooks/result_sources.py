@@ -46,6 +46,12 @@ SOURCES = {
         machine=ZEN4, commit="1bb1d6e",
         note="Right after decode-2026-12-02-zen4.json. The batch-1 row's read probe swung to 20.9 GB/s "
         "(32 at the run's start), hence its fraction above 1."),
+    "decode-2026-12-02-zen4-pairs.json": Source(
+        f"{DECODE} --dtypes q8_0,q4_k_m,q4_0 --activation-dtypes int8 --contexts 1024 --samples 3 "
+        "--no-torch-first --out benchmarks/results/decode-2026-12-02-zen4-pairs.json",
+        machine=ZEN4, commit="8db80f4",
+        note="After matmul_vnni's token pairs (q8_0, q4_0), before the K-quants' (Q4_K_M's rows: the 256-bit "
+        "block). The first run with batch-1 rows at 1k tokens of context."),
     "decode-2026-11-30-iq4.json": Source(
         f"{DECODE} --dtypes iq4_xs,q4_k_m --activation-dtypes int8 --samples 3 --no-torch-first "
         "--out benchmarks/results/decode-2026-11-30-iq4.json",
@@ -140,6 +146,29 @@ SOURCES = {
         note="The house's tree at 1d63f2c (attention compiled once per KV dtype, C-contiguous q/k/v) "
              "against the tree before it (6b8172e) (the file's command line names the path it was first "
              "written to)."),
+    "revisions-2026-12-02-pairs.json": Source(
+        "python -m benchmarks.bench_revisions --old <worktree of 992c90a> --rows "
+        "tinyllama-1.1b:q8_0:prefill512,tinyllama-1.1b:q4_0:prefill512,tinyllama-1.1b:q8_0:32,"
+        "tinyllama-1.1b:q4_0:32,tinyllama-1.1b:q8_0:8,tinyllama-1.1b:q8_0:1 --activation-dtype int8 "
+        "--samples 5 --out benchmarks/results/revisions-2026-12-02-pairs.json",
+        machine=ZEN4, commit="7c44431",
+        note="matmul_vnni's token pairs against the tree before them (the file's command line names the path "
+             "it was first written to). Batch 1 does not use them (one token)."),
+    "revisions-2026-12-02-kquant-pairs.json": Source(
+        "python -m benchmarks.bench_revisions --old <worktree of 8db80f4> --rows "
+        "tinyllama-1.1b:q4_k_m:prefill512,tinyllama-1.1b:q4_k_m:32,tinyllama-1.1b:q4_k_m:8,"
+        "tinyllama-1.1b:q8_0:prefill512 --activation-dtype int8 --samples 5 "
+        "--out benchmarks/results/revisions-2026-12-02-kquant-pairs.json",
+        machine=ZEN4, commit="ddbe97d",
+        note="The K-quants' token pairs against the tree before them. q8_0's code is the same in both trees: "
+             "its 1.155 is this VM's noise between the two processes."),
+    "revisions-2026-12-02-attention.json": Source(
+        "python -m benchmarks.bench_revisions --old <worktree of 8db80f4> --rows "
+        "tinyllama-1.1b:q8_0:prefill512,tinyllama-1.1b:q4_k_m:prefill512 --activation-dtype int8 --samples 7 "
+        "--out benchmarks/results/revisions-2026-12-02-attention.json",
+        machine=ZEN4, commit="da57e1c",
+        note="The prefill attention tile's vectorized exponentials (q8_0: that change alone) and, for "
+             "Q4_K_M, the K-quants' token pairs, against the tree before both."),
     "revisions-2026-11-26-b1.json": Source(
         "python -m benchmarks.bench_revisions --old <worktree of cb07a1e> --rows tinyllama-1.1b:q8_0:1 "
         "--activation-dtype int8 --samples 9 --out benchmarks/results/revisions-2026-11-26-b1.json"),

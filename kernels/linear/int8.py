@@ -1,7 +1,7 @@
 """y = x @ W.T with x quantized to int8 (kernels/formats/int8_layout.py) and q8_0 / q4_0 weights in the packed
 layout.
 
-Parallel tasks own output rows; each row's register block walks a chunk of tokens, 4 at a time, while the
+Parallel tasks own output rows; each row's register block walks a chunk of tokens a block at a time while the
 chunk of x stays in L2 (2 or 3 rows a block ran slower under AVX2: their accumulators no longer fit the 16
 vector registers). matmul_int8 (AVX2): q8_0 through vpmaddwd on int16 activations (kernels/simd/int8.py), q4_0
 through vpmaddubsw on int8 activations (kernels/simd/u8s8.py). matmul_vnni (AVX512-VNNI): both formats through

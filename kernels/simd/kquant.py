@@ -63,7 +63,7 @@ def _splat_f16(builder, data, offset):
     return builder.fpext(builder.shuffle_vector(vec, vec, zeros), V8F)
 
 
-def weight_vector(builder, f, chunk, high, j):
+def _weight_vector(builder, f, chunk, high, j):
     # vector j's unsigned quants as <8 x i32>: chunk j // 2's nibbles, the fifth bits or-ed in (5-bit
     # formats), the IQ4 indices looked up in their levels + 128 by vpshufb (per 128-bit lane, each byte
     # (0..15) picks a byte of the table's lane)
@@ -75,6 +75,30 @@ def weight_vector(builder, f, chunk, high, j):
                                                 "llvm.x86.avx2.pshuf.b")
         v = builder.call(pshufb, [ir.Constant(V32I8, [int(level) for level in IQ4_UNSIGNED] * 2), v])
     return builder.bitcast(v, V8I)
+
+
+def group_weights(builder, f, data, tile):
+    """j -> the 4 rows' quant vectors j (<8 x i32>) of the group whose tile starts at byte `tile` of data, for
+    j = 0..7 in order (a row's chunk loaded at even j, its fifth bits once)."""
+    chunks = [None] * ROWS
+    highs = [load_vec(builder, data, builder.add(tile, const64(f.tile_offsets["high"] + 32 * r)), V32I8)
+             for r in range(ROWS)] if f.bits == 5 else [None] * ROWS
+
+    def vectors(j):
+        for r in range(ROWS):
+            if j % 2 == 0:
+                at = builder.add(tile, const64(GROUP // 2 * r + 16 * j))  # row r's chunk j // 2
+                chunks[r] = load_vec(builder, data, at, V32I8)
+        return [_weight_vector(builder, f, chunks[r], highs[r], j) for r in range(ROWS)]
+    return vectors
+
+
+def offset_sums(builder, f, xsum, vec_type):
+    """The int32 accumulators' start per token (or pair) from its block sums xsum: 0, or -offset x xsum for
+    the formats whose quants carry an offset (Q5_0: q - 16; IQ4: level + 128 - 128)."""
+    if f.has_min:
+        return [ir.Constant(vec_type, None)] * len(xsum)
+    return [builder.mul(s, ir.Constant(vec_type, [-f.offset] * vec_type.count)) for s in xsum]
 
 
 def _fifth_bits(builder, high, j):
@@ -151,21 +175,11 @@ def kquant_block(typingctx, xq, xd, xsum, data, out, t0, n0, qtype, tokens, vnni
             prefetch_ahead(builder, wa.data, tile, tile_bytes, TB)
             xsum_ = [load_vec(builder, sa.data, builder.add(builder.mul(row, num_blocks), blk0), V8I)
                      for row in token_rows]
-            if f.has_min:
-                init = [ir.Constant(V8I, None)] * TB
-            else:  # Q5_0: q - 16; IQ4: level + 128 - 128
-                init = [builder.mul(s, ir.Constant(V8I, [-f.offset] * 8)) for s in xsum_]
+            init = offset_sums(builder, f, xsum_, V8I)
             iacc = [list(init) for _ in range(ROWS)]
-            chunks = [None] * ROWS
-            highs = [load_vec(builder, wa.data, builder.add(tile, const64(f.tile_offsets["high"] + 32 * r)),
-                              V32I8) for r in range(ROWS)] if f.bits == 5 else None
+            weights_of = group_weights(builder, f, wa.data, tile)
             for j in range(8):
-                weights = []
-                for r in range(ROWS):
-                    if j % 2 == 0:
-                        at = builder.add(tile, const64(GROUP // 2 * r + 16 * j))  # row r's chunk j // 2
-                        chunks[r] = load_vec(builder, wa.data, at, V32I8)
-                    weights.append(weight_vector(builder, f, chunks[r], highs[r] if highs else None, j))
+                weights = weights_of(j)
                 for t in range(TB):
                     xv = builder.bitcast(load_vec(builder, xa.data, builder.add(x_base[t], const64(32 * j)),
                                                   V32I8), V8I)

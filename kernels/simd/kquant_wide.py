@@ -26,8 +26,8 @@ from kernels.simd.int8 import (
     load_vec,
     operands_fit,
 )
-from kernels.simd.kquant import block_scales, weight_vector
-from kernels.simd.vnni import ROWS, V32I8, dpbusd_function, prefetch_ahead
+from kernels.simd.kquant import block_scales, group_weights, offset_sums
+from kernels.simd.vnni import ROWS, dpbusd_function, prefetch_ahead
 from kernels.simd.vnni_wide import TWICE, V16F, V16I, pair_group, paired_blocks, store_pairs
 
 
@@ -61,31 +61,17 @@ def kquant_block_wide(typingctx, xq, xd, xsum, data, out, t0, n0, qtype, pairs):
         accs = [[cgutils.alloca_once_value(builder, ir.Constant(V16F, None)) for _ in range(P)]
                 for _ in range(ROWS)]
 
-        def twice(v):
-            return builder.shuffle_vector(v, v, TWICE)
-
         with cgutils.for_range(builder, num_groups) as loop:
             g = loop.index
             x_base = [pair_group(builder, first, Kp, g, GROUP) for first in firsts]
             tile = builder.mul(builder.add(block_base, g), const64(tile_bytes))
             prefetch_ahead(builder, wa.data, tile, tile_bytes, 2 * P)
             xsum_ = [paired_blocks(builder, sa.data, first, num_blocks, g, V16I) for first in firsts]
-            if f.has_min:
-                init = [ir.Constant(V16I, None)] * P
-            else:  # Q5_0: q - 16; IQ4: level + 128 - 128
-                init = [builder.mul(s, ir.Constant(V16I, [-f.offset] * 16)) for s in xsum_]
+            init = offset_sums(builder, f, xsum_, V16I)
             iacc = [list(init) for _ in range(ROWS)]
-            chunks = [None] * ROWS
-            highs = [load_vec(builder, wa.data, builder.add(tile, const64(f.tile_offsets["high"] + 32 * r)),
-                              V32I8) for r in range(ROWS)] if f.bits == 5 else None
+            weights_of = group_weights(builder, f, wa.data, tile)
             for j in range(8):
-                weights = []
-                for r in range(ROWS):
-                    if j % 2 == 0:
-                        at = builder.add(tile, const64(GROUP // 2 * r + 16 * j))  # row r's chunk j // 2
-                        chunks[r] = load_vec(builder, wa.data, at, V32I8)
-                    high = highs[r] if highs else None
-                    weights.append(twice(weight_vector(builder, f, chunks[r], high, j)))
+                weights = [twice(builder, w) for w in weights_of(j)]
                 for p in range(P):
                     xv = load_vec(builder, xa.data, builder.add(x_base[p], const64(64 * j)), V16I)
                     for r in range(ROWS):
@@ -93,21 +79,32 @@ def kquant_block_wide(typingctx, xq, xd, xsum, data, out, t0, n0, qtype, pairs):
             # the scales after the products, as kquant.py forms them
             dx = [paired_blocks(builder, da.data, first, num_blocks, g, V16F) for first in firsts]
             scales = [block_scales(builder, wa.data, tile, f, r) for r in range(ROWS)]
-            xsum_f = [builder.sitofp(s, V16F) for s in xsum_] if f.has_min else None
-            for r, (s, m) in enumerate(scales):
-                s2 = twice(s)
-                minus_m2 = twice(builder.fneg(m)) if f.has_min else None
-                for p in range(P):
-                    acc = builder.load(accs[r][p])
-                    if f.has_min:  # kquant.py's fold: fma(dx, fma(-M, xsum, S x dot), acc)
-                        scaled = builder.fmul(s2, builder.sitofp(iacc[r][p], V16F))
-                        inner = builder.call(fma, [minus_m2, xsum_f[p], scaled])
-                        acc = builder.call(fma, [dx[p], inner, acc])
-                    else:  # int8.fold_group's: fma(dot, S x dx, acc)
-                        dot = builder.sitofp(iacc[r][p], V16F)
-                        acc = builder.call(fma, [dot, builder.fmul(s2, dx[p]), acc])
-                    builder.store(acc, accs[r][p])
+            fold_pairs(builder, fma, f, iacc, scales, dx, xsum_, accs)
         store_pairs(builder, oa.data, accs, token_rows, weight_rows, N)
         return context.get_dummy_value()
 
     return types.none(xq, xd, xsum, data, out, t0, n0, qtype, pairs), codegen
+
+
+def twice(builder, v):
+    """An 8-lane vector in both halves of a 16-lane one."""
+    return builder.shuffle_vector(v, v, TWICE)
+
+
+def fold_pairs(builder, fma, f, iacc, scales, dx, xsum, accs):
+    """accs[r][p] += a group's sums iacc[r][p] of row r and pair p, scaled as kquant.py folds them (in its
+    order): scales[r] = (S, M) of the row's blocks (8 lanes), dx and xsum [P] the pairs' activation scales
+    and block sums (16 lanes)."""
+    xsum_f = [builder.sitofp(s, V16F) for s in xsum] if f.has_min else None
+    for r, (s, m) in enumerate(scales):
+        s2 = twice(builder, s)
+        minus_m2 = twice(builder, builder.fneg(m)) if f.has_min else None
+        for p, sums in enumerate(iacc[r]):
+            acc = builder.load(accs[r][p])
+            if f.has_min:  # fma(dx, fma(-M, xsum, S x dot), acc)
+                scaled = builder.fmul(s2, builder.sitofp(sums, V16F))
+                inner = builder.call(fma, [minus_m2, xsum_f[p], scaled])
+                acc = builder.call(fma, [dx[p], inner, acc])
+            else:  # int8.fold_group's: fma(dot, S x dx, acc)
+                acc = builder.call(fma, [builder.sitofp(sums, V16F), builder.fmul(s2, dx[p]), acc])
+            builder.store(acc, accs[r][p])

@@ -16,9 +16,9 @@ pack_q4_0): a task reads one sequential stream and prefetches PREFETCH_BYTES ahe
 next blocks' bytes arrive while this one is multiplied, at every block size (1 token included). 4 rows x 4
 tokens keep 16 int32 and 16 float32 accumulators in AVX-512's 32 vector registers. Rows past the matrix's
 last (padding of the last block) are computed, not stored. (One pass per block over all of a task's tokens,
-their float32 accumulators in a stack array, was slower from 2 tokens up.) matmul_vnni now takes whole blocks
-of 4 tokens through the 512-bit form of this block (kernels/simd/vnni_wide.py, the same bits) and only the
-last 1-3 tokens through this one.
+their float32 accumulators in a stack array, was slower from 2 tokens up.) matmul_vnni now takes its tokens
+in pairs through the 512-bit form of this block (kernels/simd/vnni_wide.py, the same bits) and only a last odd
+token through this one.
 
 Needs AVX512-VNNI and AVX512-VL (the 256-bit vpdpbusd) and F16C. numba's on-disk cache of
 kernels/linear/int8.py does not notice edits to this file: after changing the code generation here,

@@ -5,14 +5,14 @@ As in vnni.py, per group of 8 blocks each (row, token) pair keeps 8 int32 lanes,
 vpdpbusd over the group's 8 vectors (weights the unsigned side); here a 512-bit accumulator holds the pairs
 (row, t) and (row, t + 1) side by side: the weight vector is broadcast to both halves, and the activations
 come paired (kernels/formats/token_pairs.py), so one 64-byte load gives both tokens' vector and one their
-scales or block sums. One vpdpbusd does 64 products where vnni.py's does 32, with no shuffle in the group's
-loop. 3 pairs (6 tokens: 12 int32 and 12 float32 accumulators, 4 weight vectors and one of activations in
-the 32 registers) ran 1.19x (q8_0) and 1.20x (q4_0) faster than 2 pairs of unpaired tokens (each pair of
-vectors joined by a shuffle), 2 and 4 pairs slower than 3 (benchmarks/results/HISTORY.md, 2026-12-02). Every
-lane sees the same integer sums, the same fold (convert, scale = weight scale x activation scale, fused
-multiply-add) and the same horizontal sum per (row, token) as vnni.py: the outputs are its bits. The fold's
-multiply and fused multiply-add share the dot products' units: 2 a group per pair and row against 8
-vpdpbusd, so this block cannot pass ~80% of the vpdpbusd peak.
+scales or block sums. One vpdpbusd does 64 products where vnni.py's does 32, and no activation vector is
+shuffled (each weight vector's broadcast remains). 3 pairs (6 tokens: 12 int32 and 12 float32 accumulators, 4
+weight vectors and one of activations in the 32 registers) ran 1.19x (q8_0) and 1.20x (q4_0) faster than 2
+pairs of unpaired tokens (each pair of vectors joined by a shuffle), 2 and 4 pairs slower than 3
+(benchmarks/results/HISTORY.md, 2026-12-02). Every lane sees the same integer sums, the same fold (convert,
+scale = weight scale x activation scale, fused multiply-add) and the same horizontal sum per (row, token) as
+vnni.py: the outputs are its bits. The fold's multiply and fused multiply-add share the dot products' units: 2
+a group per pair and row against 8 vpdpbusd, so this block cannot pass ~80% of the vpdpbusd peak.
 
 Needs AVX512-VNNI and AVX512F (the 512-bit vpdpbusd) and F16C. numba's on-disk cache of
 kernels/linear/int8.py does not notice edits to this file: after changing the code generation here,
