@@ -16,6 +16,9 @@ from numba import njit, prange
 
 VALUES = 32  # xq values a row contributes to each 64-byte vector of its pair
 BLOCKS = 8  # xd / xsum values a row contributes to each group of its pair
+# tokens a 512-bit block takes (3 pairs: kernels/simd/vnni_wide.py), the step of the drivers that pair tokens
+# (kernels/linear/int8.py, kquant.py) and the multiple their chunks of x are cut to
+PAIR_BLOCK_TOKENS = 6
 PARALLEL_MIN_TOKENS = 16  # as int8_layout's: waking the threads costs more than pairing a few rows
 
 

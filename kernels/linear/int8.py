@@ -13,7 +13,7 @@ same bits as matmul_int8.
 from numba import njit, prange, types
 from numba.extending import overload
 
-from kernels.formats.token_pairs import pair_tokens, whole_batch
+from kernels.formats.token_pairs import PAIR_BLOCK_TOKENS, pair_tokens, whole_batch
 from kernels.linear.chunking import token_chunk
 from kernels.moe.expert_tasks import expert_num_tasks, expert_task
 from kernels.simd.int8 import int8_block
@@ -21,8 +21,6 @@ from kernels.simd.u8s8 import u8s8_block
 from kernels.simd.vnni import ROWS as VNNI_ROWS
 from kernels.simd.vnni import vnni_block
 from kernels.simd.vnni_wide import vnni_block_wide
-
-PAIR_BLOCK_TOKENS = 6  # 3 pairs: kernels/simd/vnni_wide.py
 
 
 @njit(cache=True, nogil=True, parallel=True)

@@ -22,14 +22,12 @@ from numba.extending import overload
 
 from kernels.formats.ggml_blocks import IQ4_NL, IQ4_XS, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K
 from kernels.formats.kquant_layout import FORMATS
-from kernels.formats.token_pairs import pair_tokens, whole_batch
+from kernels.formats.token_pairs import PAIR_BLOCK_TOKENS, pair_tokens, whole_batch
 from kernels.linear.chunking import token_chunk
 from kernels.moe.expert_tasks import expert_num_tasks, expert_task
 from kernels.simd.kquant import AVX2_FORMATS, kquant_block
 from kernels.simd.kquant_wide import kquant_block_wide
 from kernels.simd.vnni import ROWS
-
-PAIR_BLOCK_TOKENS = 6  # 3 pairs, as kernels/linear/int8.py's
 
 
 @njit(cache=True, nogil=True, parallel=True)
