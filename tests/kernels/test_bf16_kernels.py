@@ -11,6 +11,7 @@ from kernels.simd.cpu import missing_features
 from memory.matrices import Bf16Matrix, WeightMatrix
 from models.linear import linear
 from tests.support.model_factory import build_model
+from tests.support.threads import EVERY_BATCH_SIZE, at_each_thread_count
 
 pytestmark = pytest.mark.skipif(bool(missing_features(BF16_FEATURES)), reason="this CPU lacks AVX512-BF16")
 
@@ -27,16 +28,35 @@ def test_packing_round_trips(n, k):
     assert np.array_equal(Bf16Matrix.pack(w).unpack().data, w.data)
 
 
-@pytest.mark.parametrize("n, k, num_tokens", [(4, 128, 1), (37, 300, 5), (64, 1024, 9), (13, 256, 70)])
+def reference(x: np.ndarray, w: WeightMatrix) -> tuple[np.ndarray, np.ndarray]:
+    # (the float64 product of the bf16-rounded operands, the float32 sums' rounding bound)
+    xb, wb = from_bf16(to_bf16(x)).astype(np.float64), from_bf16(w.data).astype(np.float64)
+    k = x.shape[1]
+    return xb @ wb.T, 4 * (k // 16 + 8) * np.finfo(np.float32).eps * (np.abs(xb) @ np.abs(wb).T) + 1e-7
+
+
+# (4096, 150): x chunks of 64 tokens, so three passes over the weights
+@pytest.mark.parametrize("n, k, num_tokens", [(4, 128, 1), (37, 300, 5), (64, 1024, 9), (13, 256, 70),
+                                              (9, 4096, 150)])
 def test_matmul_equals_the_float64_product_of_the_bf16_operands(n, k, num_tokens):
     rng = np.random.default_rng(n + k)
     w = bf16_matrix(n, k, k)
     x = rng.standard_normal((num_tokens, k)).astype(np.float32)
-    got = linear(x, Bf16Matrix.pack(w))
-    xb, wb = from_bf16(to_bf16(x)).astype(np.float64), from_bf16(w.data).astype(np.float64)
-    ref = xb @ wb.T
-    bound = 4 * (k // 16 + 8) * np.finfo(np.float32).eps * (np.abs(xb) @ np.abs(wb).T) + 1e-7  # float32 sums
-    assert np.all(np.abs(got - ref) <= bound)
+    ref, bound = reference(x, w)
+    assert np.all(np.abs(linear(x, Bf16Matrix.pack(w)) - ref) <= bound)
+
+
+def test_every_batch_size_at_every_thread_count_equals_the_reference():
+    rng = np.random.default_rng(31)
+    w = bf16_matrix(37, 300, 4)
+    packed = Bf16Matrix.pack(w)
+    x = rng.standard_normal((max(EVERY_BATCH_SIZE), 300)).astype(np.float32)
+    for t in EVERY_BATCH_SIZE:
+        ref, bound = reference(x[:t], w)
+        first, *others = at_each_thread_count(lambda t=t: linear(x[:t], packed))
+        assert np.all(np.abs(first - ref) <= bound), f"T = {t}"
+        for other in others:
+            np.testing.assert_array_equal(other, first, err_msg=f"T = {t}")
 
 
 def test_a_tokens_outputs_do_not_depend_on_its_batch():

@@ -18,7 +18,7 @@ from kernels.simd.int8 import AVX2_FEATURES
 from kernels.simd.vnni import VNNI_FEATURES
 from memory.block_matrices import KQuantMatrix
 from memory.matrices import WeightMatrix
-from tests.support.threads import at_each_thread_count
+from tests.support.threads import EVERY_BATCH_SIZE, at_each_thread_count
 
 FORMATS = (QT.Q4_K, QT.Q5_K, QT.Q4_1, QT.Q5_0, QT.Q5_1)
 requires_vnni = pytest.mark.skipif(bool(missing_features(VNNI_FEATURES)), reason="this CPU lacks AVX512-VNNI")
@@ -86,6 +86,22 @@ def test_matmul_equals_dequantized_reference(qtype, case, kernel):
     ref, magnitude = reference(raw, qtype, x)
     got = run(KQuantMatrix.pack(raw, qtype, k), x, kernel)
     assert np.all(np.abs(got - ref) <= 1e-5 * magnitude)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("qtype", FORMATS, ids=lambda q: q.name)
+def test_every_batch_size_at_every_thread_count_equals_the_reference(qtype, kernel):
+    rng = np.random.default_rng(23 + int(qtype))
+    n, k = 30, shapes(qtype)[1]
+    raw = random_raw(qtype, n, k, rng)
+    m = KQuantMatrix.pack(raw, qtype, k)
+    x = rng.standard_normal((max(EVERY_BATCH_SIZE), k)).astype(np.float32)
+    for t in EVERY_BATCH_SIZE:
+        ref, magnitude = reference(raw, qtype, x[:t])
+        first, *others = at_each_thread_count(lambda t=t: run(m, x[:t], kernel))
+        assert np.all(np.abs(first - ref) <= 1e-5 * magnitude), f"T = {t}"
+        for other in others:
+            np.testing.assert_array_equal(other, first, err_msg=f"T = {t}")
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
@@ -247,14 +263,3 @@ def test_blocks_that_do_not_match_k_are_refused():
         KQuantMatrix.pack(np.zeros((2, 144), np.uint8), QT.Q4_K, 300)
     with pytest.raises(ValueError, match="Q5_0 rows of 64 values"):
         KQuantMatrix.pack(np.zeros((2, 22), np.uint8), QT.Q5_0, 64)
-
-
-@pytest.mark.parametrize("kernel", KERNELS)
-def test_any_thread_count_gives_the_same_bits(kernel):
-    rng = np.random.default_rng(17)
-    n, k = 30, 512
-    m = KQuantMatrix.pack(random_raw(QT.Q4_K, n, k, rng), QT.Q4_K, k)
-    x = rng.standard_normal((9, k)).astype(np.float32)
-    first, *others = at_each_thread_count(lambda: run(m, x, kernel))
-    for other in others:
-        np.testing.assert_array_equal(other, first)

@@ -14,7 +14,7 @@ from kernels.simd.cpu import missing_features
 from kernels.simd.int8 import AVX2_FEATURES
 from kernels.simd.q6k import Q6K_FEATURES
 from memory.block_matrices import Q6KMatrix
-from tests.support.threads import at_each_thread_count
+from tests.support.threads import EVERY_BATCH_SIZE, at_each_thread_count
 
 requires_vnni = pytest.mark.skipif(bool(missing_features(Q6K_FEATURES)), reason="this CPU lacks AVX512-VNNI")
 requires_avx2 = pytest.mark.skipif(bool(missing_features(AVX2_FEATURES)), reason="this CPU lacks AVX2")
@@ -74,6 +74,19 @@ def test_matmul_equals_reference(n, k, num_tokens, kernel):
     x = rng.standard_normal((num_tokens, k)).astype(np.float32)
     x[0, 32:64] = 0.0  # an all-zero block of x: scale 0
     assert_matches_reference(random_raw(rng, n, k), x, kernel)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_every_batch_size_at_every_thread_count_equals_the_reference(kernel):
+    rng = np.random.default_rng(19)
+    raw = random_raw(rng, 30, 512)
+    x = rng.standard_normal((max(EVERY_BATCH_SIZE), 512)).astype(np.float32)
+    for t in EVERY_BATCH_SIZE:
+        ref, magnitude = reference(raw, *quantized(x[:t])[:2])
+        first, *others = at_each_thread_count(lambda t=t: run(raw, x[:t], kernel))
+        assert np.all(np.abs(first - ref) <= 1e-5 * magnitude + 1e-30), f"T = {t}"
+        for other in others:
+            np.testing.assert_array_equal(other, first, err_msg=f"T = {t}")
 
 
 @pytest.mark.parametrize("k", [256, 2048])
@@ -185,13 +198,3 @@ def test_the_avx2_kernel_gives_the_vnni_kernels_bits():
     for num_tokens in (1, 2, 3, 4, 7):
         x = rng.standard_normal((num_tokens, 2048)).astype(np.float32)
         assert np.array_equal(run(raw, x, matmul_q6k_avx2), run(raw, x, matmul_q6k)), num_tokens
-
-
-@pytest.mark.parametrize("kernel", KERNELS)
-def test_any_thread_count_gives_the_same_bits(kernel):
-    rng = np.random.default_rng(23)
-    raw = random_raw(rng, 30, 512)
-    x = rng.standard_normal((9, 512)).astype(np.float32)
-    first, *others = at_each_thread_count(lambda: run(raw, x, kernel))
-    for other in others:
-        assert np.array_equal(other, first)
