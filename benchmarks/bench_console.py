@@ -39,7 +39,6 @@ from benchmarks.bench_http import (
     MODEL,
     RESULTS,
     SERVED_NAME,
-    free_port,
     http_load,
     measured,
     pooled,
@@ -47,6 +46,7 @@ from benchmarks.bench_http import (
     workload,
 )
 from benchmarks.machine import cpu_name
+from benchmarks.ports import free_port
 
 STATES = ("closed", "polled", "browser")
 STATS_HANDLER = "/v1/numaserve/stats"

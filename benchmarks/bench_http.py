@@ -25,7 +25,6 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -36,6 +35,7 @@ import numpy as np
 import psutil
 
 from benchmarks.machine import cpu_name
+from benchmarks.ports import free_port
 
 RESULTS = Path(__file__).parent / "results"
 MODEL = "tinyllama-1.1b"
@@ -117,12 +117,6 @@ def pooled(runs: list[dict]) -> dict:
             "median_cpu_ms_per_token": statistics.median(r["cpu_ms_per_token"] for r in runs),
             "tokens_per_chunk": statistics.median(r["tokens_per_chunk"] for r in runs),
             "num_ttft_samples": len(ttft), "num_itl_samples": len(itl)} | pct
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def plot(results: dict, path: Path) -> None:

@@ -35,10 +35,10 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.bench_http import free_port
 from benchmarks.checkpoints import CACHE
 from benchmarks.llama_server import llama_server_binary
 from benchmarks.machine import cpu_name
+from benchmarks.ports import free_port
 
 RESULTS = Path(__file__).parent / "results"
 REPO = Path(__file__).resolve().parents[1]

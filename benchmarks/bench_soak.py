@@ -222,8 +222,8 @@ def main() -> None:
         parser.error("--chaos soaks the HTTP API: add --http")
     out = args.out or RESULTS / ("soak_http_chaos.json" if args.chaos else
                                  "soak_http.json" if args.http else "soak.json")
-    from benchmarks.bench_http import free_port
     from benchmarks.chaos import Chaos
+    from benchmarks.ports import free_port
     from benchmarks.soak_http import run_http_soak
     from tests.cluster.conftest import sim_config
     from tests.models.test_lora import make_adapter

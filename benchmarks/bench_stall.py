@@ -46,8 +46,9 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
-from benchmarks.bench_http import MODEL, SERVED_NAME, free_port
+from benchmarks.bench_http import MODEL, SERVED_NAME
 from benchmarks.machine import cpu_name
+from benchmarks.ports import free_port
 
 RESULTS = Path(__file__).parent / "results"
 ENGINE = {"weight_dtype": "q8_0", "max_num_seqs": 64, "max_num_batched_tokens": 512,

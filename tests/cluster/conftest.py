@@ -2,8 +2,6 @@
 two_numa_sim.yaml and machine `sim0` of two_node_sim.yaml at once (it declares both sets of NUMA
 resources); the multi-machine test adds machine `sim1` and removes it again."""
 
-import random
-import socket
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -35,25 +33,6 @@ def reference_outputs(model_dir, config: ns.ClusterConfig, prompts: list,
     for name, path in (adapters or {}).items():
         llm.register_adapter(name, path)
     return llm.generate(prompts, params, adapter=next(iter(adapters), None) if adapters else None)
-
-
-# Below the kernel's ephemeral range (Linux: 32768-60999), where outgoing connections (Ray's own, many) take
-# their local ports, and above Ray's worker ports (10002-19999): a port bound to 0 could be taken by a
-# connection before the server binds it (CI saw "Address already in use" that way).
-FREE_PORTS = range(20000, 32768)
-
-
-def free_port() -> int:
-    """A TCP port free on loopback now that no outgoing connection will take (for an HTTP server under
-    test)."""
-    for port in random.sample(FREE_PORTS, 64):
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError(f"no free port on 127.0.0.1 in {FREE_PORTS}")
 
 
 def wait_for(condition, timeout_s: float, what: str):

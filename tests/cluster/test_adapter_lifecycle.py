@@ -12,7 +12,8 @@ import pytest
 import requests
 
 import numaserve as ns
-from tests.cluster.conftest import advance, collect, free_port, paused, queued, sim_config, wait_for
+from benchmarks.ports import free_port
+from tests.cluster.conftest import advance, collect, paused, queued, sim_config, wait_for
 from tests.conftest import random_prompt
 from tests.models.test_lora import peft_greedy, two_versions
 

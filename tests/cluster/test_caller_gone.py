@@ -22,7 +22,8 @@ import requests
 
 import numaserve as ns
 from actors.caller_lease import LEASE_S
-from tests.cluster.conftest import advance, free_port, paused, queued, sim_config, wait_for
+from benchmarks.ports import free_port
+from tests.cluster.conftest import advance, paused, queued, sim_config, wait_for
 from tests.conftest import random_prompt
 
 NAME = "gone"

@@ -9,8 +9,9 @@ import pytest
 
 import numaserve as ns
 from benchmarks.chaos import KINDS, Chaos
+from benchmarks.ports import free_port
 from benchmarks.soak_http import run_http_soak
-from tests.cluster.conftest import free_port, sim_config
+from tests.cluster.conftest import sim_config
 from tests.models.test_lora import make_adapter
 
 

@@ -7,8 +7,9 @@ import requests
 
 import numaserve as ns
 from actors.deploy import DeploymentError
+from benchmarks.ports import free_port
 from numaserve.cli import main
-from tests.cluster.conftest import CONFIGS, free_port
+from tests.cluster.conftest import CONFIGS
 
 NAME = "cli"
 

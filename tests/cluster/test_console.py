@@ -19,9 +19,10 @@ import requests
 from prometheus_client.parser import text_string_to_metric_families
 
 import numaserve as ns
+from benchmarks.ports import free_port
 from numaserve.cli import main
 from scheduling.step_stats import STAGES
-from tests.cluster.conftest import CONFIGS, advance, free_port, idle, paused, queued, scrape, wait_for
+from tests.cluster.conftest import CONFIGS, advance, idle, paused, queued, scrape, wait_for
 from tests.support.browser import WatchedPage, chromium
 
 NAME = "console"

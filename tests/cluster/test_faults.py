@@ -18,8 +18,8 @@ import pytest
 import ray
 
 import numaserve as ns
+from benchmarks.ports import free_port
 from tests.cluster.conftest import (
-    free_port,
     reference_outputs,
     sim_config,
     wait_for,

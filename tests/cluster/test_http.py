@@ -20,9 +20,9 @@ from schemathesis import GenerationMode
 from transformers import AutoTokenizer
 
 import numaserve as ns
+from benchmarks.ports import free_port
 from tests.cluster.conftest import (
     advance,
-    free_port,
     idle,
     paused,
     queued,

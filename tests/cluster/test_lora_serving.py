@@ -16,7 +16,8 @@ import requests
 from ray.util.state import list_actors
 
 import numaserve as ns
-from tests.cluster.conftest import collect, free_port, paused, sim_config, wait_for
+from benchmarks.ports import free_port
+from tests.cluster.conftest import collect, paused, sim_config, wait_for
 from tests.conftest import random_prompt
 from tests.models.test_lora import make_adapter
 from tests.support.model_factory import build_model

@@ -27,7 +27,8 @@ import ray
 import requests
 
 import numaserve as ns
-from tests.cluster.conftest import free_port, reference_outputs, sim_config, wait_for
+from benchmarks.ports import free_port
+from tests.cluster.conftest import reference_outputs, sim_config, wait_for
 from tests.conftest import random_prompt
 from tests.models.test_lora import make_adapter
 

@@ -11,8 +11,9 @@ import requests
 
 import numaserve as ns
 from actors.client import Client
+from benchmarks.ports import free_port
 from scheduling.session_hash import session_ranking
-from tests.cluster.conftest import free_port, paused, sim_config, wait_for
+from tests.cluster.conftest import paused, sim_config, wait_for
 from tests.conftest import random_prompt
 
 NAME = "replicas"

@@ -20,7 +20,8 @@ import pytest
 import requests
 from openai import OpenAI
 
-from tests.cluster.conftest import CONFIGS, REPO, free_port, wait_for
+from benchmarks.ports import free_port
+from tests.cluster.conftest import CONFIGS, REPO, wait_for
 from tests.support.model_factory import build_model
 
 NAME = "life"

@@ -12,8 +12,9 @@ import pytest
 
 import numaserve as ns
 from benchmarks.bench_soak import run_soak
+from benchmarks.ports import free_port
 from benchmarks.soak_http import run_http_soak
-from tests.cluster.conftest import free_port, sim_config
+from tests.cluster.conftest import sim_config
 from tests.models.test_lora import make_adapter
 
 RSS_GROWTH_BOUND = 64 << 20  # bytes per worker over the soak (the 10-minute run: docs/performance.md "Soak")

@@ -11,8 +11,9 @@ import pytest
 import requests
 
 import numaserve as ns
+from benchmarks.ports import free_port
 from numaserve.cli import main
-from tests.cluster.conftest import free_port, paused, queued, sim_config, wait_for
+from tests.cluster.conftest import paused, queued, sim_config, wait_for
 from tests.conftest import random_prompt
 
 NAME = "tenants"

@@ -16,9 +16,9 @@ import pytest
 
 import numaserve as ns
 from actors.deploy import DeploymentError
+from benchmarks.ports import free_port
 from tests.cluster.conftest import (
     advance,
-    free_port,
     paused,
     queued,
     reference_outputs,
