@@ -3,17 +3,17 @@ repacks and writes an entry) and its second (warm: it reads the entry back) agai
 same file (by default, and without mmap).
 
 A TinyLlama-shaped random checkpoint (benchmarks/checkpoints.py: 1.1B parameters), exported once to a q8_0
-GGUF by numaserve (models.gguf.writer.convert_to_gguf, in a short-lived process): 1.17 GB. Every sample
-is a fresh process that times its constructor alone (its imports timed apart): numaserve.LLM(gguf,
-packed_cache_dir=a benchmark's own directory) with its defaults otherwise, and llama_cpp.Llama(gguf,
-n_ctx=256, verbose=False) with llama.cpp's defaults otherwise (mmap on: its load maps the file and reads
-little of it), and once more with use_mmap=False (it then reads the file into memory, as numaserve does and
-as benchmarks/llamacpp_runner.py runs it). So each process then also times its first token (one token's
-logits), which reads every weight: llama.cpp's deferred page faults land there. llama.cpp gets the same
-threads for that token as numaserve uses (n_threads, n_threads_batch; they do not change its load). The
-four runs alternate, the order flipping every sample (benchmarks/bench_decode.alternate); a cold run
-empties the cache directory first; the files are read through once before every sample, so each run starts
-with them in the page cache. Medians from one run.
+GGUF by numaserve (models.gguf.writer.convert_to_gguf, in a short-lived process): 1.17 GB (--dtype: another
+format of the same weights, bfloat16 2.2 GB). Every sample is a fresh process that times its constructor
+alone (its imports timed apart): numaserve.LLM(gguf, packed_cache_dir=a benchmark's own directory) with its
+defaults otherwise, and llama_cpp.Llama(gguf, n_ctx=256, verbose=False) with llama.cpp's defaults
+otherwise (mmap on: its load maps the file and reads little of it), and once more with use_mmap=False (it
+then reads the file into memory, as numaserve does and as benchmarks/llamacpp_runner.py runs it). So each
+process then also times its first token (one token's logits), which reads every weight: llama.cpp's deferred
+page faults land there. llama.cpp gets the same threads for that token as numaserve uses
+(n_threads, n_threads_batch; they do not change its load). The four runs alternate, the order flipping every
+sample (benchmarks/bench_decode.alternate); a cold run empties the cache directory first; the files are read
+through once before every sample, so each run starts with them in the page cache. Medians from one run.
 
 Resident memory is also broken down by what holds it after the first token (resident_parts: the weights'
 file's mapping, shared libraries, anonymous memory, other files). A warm start runs twice: reading the entry
@@ -22,9 +22,9 @@ DECODE_TOKENS tokens at batch 1 (greedy, EOS ignored, a prompt of its own; after
 every decode kernel is loaded): what the weights' pages (a buffer's huge pages, or the page cache's, huge only
 where the kernel's page cache keeps large folios) cost a stream.
 
-    python -m benchmarks.bench_load [--shape tinyllama|small] [--dtype q8_0|q4_k_m] [--samples 7]
+    python -m benchmarks.bench_load [--shape tinyllama|small] [--dtype q8_0|q4_k_m|bfloat16] [--samples 7]
 
-Writes benchmarks/results/load.json and load.png (load-q4_k_m.json and .png for --dtype q4_k_m).
+Writes benchmarks/results/load.json and load.png (load-<dtype>.json and .png for another --dtype).
 """
 
 import argparse
@@ -204,10 +204,10 @@ def main() -> None:
     parser.add_argument("--shape", default="tinyllama", choices=list(CHECKPOINTS),
                         help="tinyllama: TinyLlama-1.1B's shape; small: llama-56m (a smoke test)")
     parser.add_argument("--samples", type=int, default=7, help="timed samples per run")
-    parser.add_argument("--dtype", default="q8_0", choices=["q8_0", "q4_k_m"],
+    parser.add_argument("--dtype", default="q8_0", choices=["q8_0", "q4_k_m", "bfloat16"],
                         help="the GGUF's weights (q4_k_m: llama.cpp's mix, as llama-quantize writes it)")
     parser.add_argument("--out", type=Path, help="default benchmarks/results/load.json (q8_0), "
-                                                 "load-q4_k_m.json")
+                                                 "load-<dtype>.json")
     parser.add_argument("--sample", nargs="+", help=argparse.SUPPRESS)  # inside a sample process
     args = parser.parse_args()
     if args.sample:
