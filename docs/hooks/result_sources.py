@@ -52,6 +52,16 @@ SOURCES = {
         machine=ZEN4, commit="8db80f4",
         note="After matmul_vnni's token pairs (q8_0, q4_0), before the K-quants' (Q4_K_M's rows: the 256-bit "
         "block). The first run with batch-1 rows at 1k tokens of context."),
+    "decode-2026-12-02-zen4-head.json": Source(
+        f"{DECODE} --dtypes q8_0,q4_k_m,q4_0 --activation-dtypes int8 --contexts 1024 --samples 3 "
+        "--no-torch-first --out benchmarks/results/decode-2026-12-02-zen4-head.json",
+        machine=ZEN4, commit="1a31aff",
+        note="Every engine change of session 74 in (the int8 and K-quant token pairs, the attention tile). "
+        "The read probe's median fell below what q8_0's batch-1 rows read (fractions 1.12 and 1.52)."),
+    "decode-2026-12-02-zen4-head-bf16.json": Source(
+        f"{DECODE} --dtypes bfloat16 --activation-dtypes bfloat16 --contexts 1024 --samples 3 "
+        "--no-torch-first --out benchmarks/results/decode-2026-12-02-zen4-head-bf16.json",
+        machine=ZEN4, commit="1a31aff"),
     "decode-2026-11-30-iq4.json": Source(
         f"{DECODE} --dtypes iq4_xs,q4_k_m --activation-dtypes int8 --samples 3 --no-torch-first "
         "--out benchmarks/results/decode-2026-11-30-iq4.json",
@@ -87,6 +97,31 @@ SOURCES = {
                               note="Deterministic: quality, not speed, so the machine does not matter."),
     "load.json": Source("python -m benchmarks.bench_load"),
     "load-q4_k_m.json": Source("python -m benchmarks.bench_load --dtype q4_k_m"),
+    "serving_peers-2026-12-02-zen4.json": Source(
+        "python -m benchmarks.bench_serving_peers --streams 8,32 --requests-per-stream 1 --samples 2 "
+        "--out <outside the repository>",
+        machine=ZEN4, commit="1a31aff",
+        note="llama-server built this session from llama-cpp-python 0.3.36's sdist (-march=native)."),
+    "stall-2026-12-02-zen4-paced-4k.json": Source(
+        "python -m benchmarks.bench_stall --phases prefill,refusal_text --repeats 1 --prompt-len 4096 "
+        "--max-prefill-stretch 1.25 --out <outside the repository>",
+        machine=ZEN4, commit="1a31aff"),
+    "load-2026-12-02-zen4-q8_0.json": Source(
+        "python -m benchmarks.bench_load --samples 5 --out <outside the repository>",
+        machine=ZEN4, commit="1a31aff",
+        note="The uncommitted changes: bench_load.py's --dtype option, tests and docs; no engine code."),
+    "load-2026-12-02-zen4-bf16.json": Source(
+        "python -m benchmarks.bench_load --samples 5 --dtype bfloat16 --out <outside the repository>",
+        machine=ZEN4, commit="1a31aff",
+        note="--dtype bfloat16 added to bench_load after this commit (the run's own tree had it)."),
+    "http-2026-12-02-zen4.json": Source(
+        "python -m benchmarks.bench_http --concurrency 1,16 --dedicated-concurrency 16 "
+        "--out <outside the repository>",
+        machine=ZEN4, commit="1a31aff", note="Run with benchmarks/ports.py's free_port (added after it)."),
+    "stall-2026-12-02-zen4-refusals.json": Source(
+        "python -m benchmarks.bench_stall --phases refusal_text,refusal_token_ids --repeats 3 "
+        "--out <outside the repository>",
+        machine=ZEN4, commit="1a31aff"),
     "serving_peers-2026-12-01.json": Source(
         "python -m benchmarks.bench_serving_peers --streams 8,32 --requests-per-stream 1 --samples 2 "
         "--out benchmarks/results/serving_peers-2026-12-01.json",
