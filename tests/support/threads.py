@@ -6,9 +6,13 @@ from collections.abc import Callable
 import numba
 import numpy as np
 
+from kernels.formats.int8_layout import PARALLEL_MIN_TOKENS as QUANTIZE_PARALLEL
+from kernels.formats.token_pairs import PARALLEL_MIN_TOKENS as PAIR_PARALLEL
+from kernels.linear.bf16 import PARALLEL_MIN_TOKENS as ROUND_PARALLEL
+
 # every token count of the kernels' blocks (4 tokens, 3 / 2 / 1 token pairs) and each remainder, then an odd
-# count past the thresholds where the quantizers and the pairing go parallel (16 rows)
-EVERY_BATCH_SIZE = (*range(1, 14), 41)
+# count past the thresholds where the quantizers, the pairing and bf16's rounding go parallel
+EVERY_BATCH_SIZE = (*range(1, 14), 1 + 2 * max(QUANTIZE_PARALLEL, PAIR_PARALLEL, ROUND_PARALLEL))
 
 
 def at_each_thread_count(run: Callable[[], np.ndarray]) -> list[np.ndarray]:
