@@ -228,8 +228,8 @@ class RequestStream:
         request = GenerateRequest(self.attempt_id, a.prompt_token_ids + self.generated, left or a.params,
                                   a.adapter, a.cache_salt, self.resume, a.request_id, self.sequence_id,
                                   leases.caller_id)
-        self.feed = self.ingress.feeds.feed(self.placement.worker_id, self.placement.worker)
-        queue = self.feed.add(self.attempt_id)
+        feed = self.feed = self.ingress.feeds.feed(self.placement.worker_id, self.placement.worker)
+        queue = feed.add(self.attempt_id)
         leases.opened(self)
         try:
             await self.placement.worker.submit.remote(request)
@@ -244,6 +244,7 @@ class RequestStream:
                 return None
             self._end(finished=True)  # refused: nothing runs there
             raise error from None
+        feed.submitted_to(request.request_id)  # (unless it was cancelled or moved meanwhile)
         self.queue = queue
         return None
 

@@ -123,16 +123,21 @@ class NumaWorker:
             raise
 
     @ray.method(num_returns="streaming")
-    async def caller_stream(self, caller_id: str, request_ids: tuple[str, ...] = ()):
+    async def caller_stream(self, caller_id: str, request_ids: tuple[str, ...] = (),
+                            submitted: tuple[str, ...] = ()):
         """Every delta of caller_id's requests here, one batch (actors/caller_channel.Batch, as
         actors/channel_wire.py's bytes) per yield: the first delta of a request and its end at once, the rest
-        at most every stream_interval_s. request_ids: those the caller waits for here; the first batch marks
-        CallerGone those aborted as its lease lapsed (while the caller's event loop stalled, say). Ends when
-        the caller's lease lapses, or after a while with no request of its caller here (its next request
-        opens a new channel: the caller calls again)."""
+        at most every stream_interval_s. request_ids: those the caller waits for here; submitted: those of
+        them whose submit has returned. The first batch marks CallerGone those aborted as its lease lapsed
+        (while the caller's event loop stalled, say), and the submitted ones this worker neither runs nor
+        holds an item of (it restarted since, or its lease lapsed as one ended, which dropped its last
+        item): a caller never waits for a request nobody runs. Ends when the caller's lease lapses, or after
+        a while with no request of its caller here (its next request opens a new channel: the caller calls
+        again)."""
         channel = self._channel(caller_id)
         try:
             gone = [r for r in request_ids if self._expired.pop(r)]
+            gone += [r for r in submitted if r not in gone and not self._runs_for(caller_id, r, channel)]
             if gone:
                 self._num_caller_batches += 1
                 yield encode([(r, CallerGone(r)) for r in gone])
@@ -143,6 +148,11 @@ class NumaWorker:
         finally:
             if self._channels.get(caller_id) is channel and (channel.closed or channel.num_running == 0):
                 del self._channels[caller_id]
+
+    def _runs_for(self, caller_id: str, request_id: str, channel: CallerChannel) -> bool:
+        """Whether request_id, submitted by caller_id, runs here or has an item in its channel."""
+        running = self._running.get(request_id)
+        return (running is not None and running.caller_id == caller_id) or request_id in channel.pending
 
     def _channel(self, caller_id: str) -> CallerChannel:
         """caller_id's channel here, opened if it has none."""

@@ -28,6 +28,7 @@ class WorkerFeed:
     def __init__(self, worker, caller_id: str, forget: Callable[["WorkerFeed"], None]):
         self.worker, self.caller_id, self._forget = worker, caller_id, forget
         self.queues: dict[str, asyncio.Queue[Item]] = {}  # request (attempt) id -> its items
+        self.submitted: set[str] = set()  # of those, the ones whose submit returned: the worker runs them
         self._task: asyncio.Task | None = None
 
     def add(self, request_id: str) -> asyncio.Queue[Item]:
@@ -37,14 +38,22 @@ class WorkerFeed:
             self._task = asyncio.get_running_loop().create_task(self._read())
         return queue
 
+    def submitted_to(self, request_id: str) -> None:
+        """The request's submit returned: a worker that reopens the stream and no longer runs it (restarted
+        since, say) says so (CallerGone)."""
+        if request_id in self.queues:
+            self.submitted.add(request_id)
+
     def remove(self, request_id: str) -> None:
         """The request ended, was cancelled or moved: what else comes for it is dropped."""
         self.queues.pop(request_id, None)
+        self.submitted.discard(request_id)
 
     async def _read(self) -> None:
         try:
             while self.queues:
-                async for ref in self.worker.caller_stream.remote(self.caller_id, tuple(self.queues)):
+                async for ref in self.worker.caller_stream.remote(self.caller_id, tuple(self.queues),
+                                                                  tuple(self.submitted)):
                     for request_id, item in decode(await ref):
                         queue = self.queues.get(request_id)
                         if queue is not None:
@@ -62,6 +71,7 @@ class WorkerFeed:
         for queue in self.queues.values():
             queue.put_nowait(error)
         self.queues.clear()
+        self.submitted.clear()
 
 
 class WorkerFeeds:

@@ -40,11 +40,20 @@ PROMPTS = [random_prompt(6 + i % 11, seed=100 + i) for i in range(NUM_HTTP + NUM
 
 @dataclass
 class Outcome:
+    """One stream's, filled in as it runs: a hung one shows how far it got."""
     via: str  # "http" | "client"
     text: str = ""
     token_ids: tuple = ()
     error: Exception | None = None
     finished: bool = False
+    request_id: str = ""
+    num_chunks: int = 0
+    hung: bool = False  # not ended within STREAM_BOUND_S after the kill
+
+    def __str__(self) -> str:
+        return (f"{self.via} stream {self.request_id or '(no chunk)'}: {self.num_chunks} chunks, "
+                f"{len(self.text)} chars, {len(self.token_ids)} tokens, finished {self.finished}, "
+                f"error {self.error!r}")
 
 
 def is_connection_error(e: Exception) -> bool:
@@ -85,13 +94,13 @@ def expected(llama_dir, config, adapter_dir) -> list[ns.Completion]:
             + reference_outputs(llama_dir, config, PROMPTS[num_base:], GREEDY, adapters={"a": adapter_dir}))
 
 
-def _http_stream(api, prompt, started) -> Outcome:
-    out = Outcome("http")
+def _http_stream(api, prompt, started, out: Outcome) -> Outcome:
     try:
         stream = api.completions.create(model=MODEL, prompt=prompt, max_tokens=GREEDY.max_tokens,
                                         temperature=0, stream=True, extra_body={"ignore_eos": True})
         started.release()  # the server answers a stream's headers once its first token is out (its text
         for chunk in stream:  # may be empty for a while: a token's bytes need not end a character)
+            out.request_id, out.num_chunks = chunk.id, out.num_chunks + 1
             if chunk.choices and chunk.choices[0].text:
                 out.text += chunk.choices[0].text
             out.finished = out.finished or bool(chunk.choices and chunk.choices[0].finish_reason)
@@ -104,10 +113,10 @@ def _http_stream(api, prompt, started) -> Outcome:
     return out
 
 
-def _client_stream(client, prompt, adapter, started) -> Outcome:
-    out = Outcome("client")
+def _client_stream(client, prompt, adapter, started, out: Outcome) -> Outcome:
     try:
         for chunk in client.stream(prompt, GREEDY, adapter=adapter):
+            out.request_id, out.num_chunks = chunk.request_id, out.num_chunks + 1
             if not out.token_ids:
                 started.release()  # once per stream
             out.text += chunk.text
@@ -118,17 +127,21 @@ def _client_stream(client, prompt, adapter, started) -> Outcome:
     return out
 
 
-def run_killing(client, api, actor: str, reaches: str = "all") -> tuple[list[Outcome | None], int]:
+def run_killing(client, api, actor: str, reaches: str = "all") -> tuple[list[Outcome], int]:
     """The 32 streams, `actor` killed once every stream it reaches ("all" | "http") has its first tokens:
-    (outcome per stream, None if hung; how many of the streams it reaches had not finished when it came).
+    (outcome per stream, marked hung if it had not ended STREAM_BOUND_S later; how many of the streams it
+    reaches had not finished when the kill came).
 
     Each stream runs in a daemon thread: a hung one is counted, never waited for (a pool's shutdown would
     wait for it forever). Whatever fails, every worker is resumed before this returns or raises."""
     wait_for(lambda: serves(client, api), BACK_WITHIN_S, "the deployment to serve before the kill")
     http_started, client_started = threading.Semaphore(0), threading.Semaphore(0)
     num_base = NUM_HTTP + NUM_CLIENT - NUM_ADAPTER
-    futures = [in_daemon_thread(_http_stream, api, p, http_started) for p in PROMPTS[:NUM_HTTP]]
-    futures += [in_daemon_thread(_client_stream, client, p, "a" if i >= num_base else None, client_started)
+    outcomes = [Outcome("http") for _ in range(NUM_HTTP)] + [Outcome("client") for _ in range(NUM_CLIENT)]
+    futures = [in_daemon_thread(_http_stream, api, p, http_started, outcomes[i])
+               for i, p in enumerate(PROMPTS[:NUM_HTTP])]
+    futures += [in_daemon_thread(_client_stream, client, p, "a" if i >= num_base else None, client_started,
+                                 outcomes[i])
                 for i, p in enumerate(PROMPTS) if i >= NUM_HTTP]
     gates = [http_started] * NUM_HTTP + ([client_started] * NUM_CLIENT if reaches == "all" else [])
     for gate in gates:  # every stream the kill reaches has its first tokens
@@ -142,7 +155,14 @@ def run_killing(client, api, actor: str, reaches: str = "all") -> tuple[list[Out
     finally:  # through the router (restarted, if it was the one killed); a killed worker comes back unpaused
         wait_for(lambda: answer(client.resume_generation) is not None, BACK_WITHIN_S, "the workers to resume")
     wait(futures, timeout=STREAM_BOUND_S)
-    return [f.result() if f.done() else None for f in futures], num_running
+    for future, outcome in zip(futures, outcomes):
+        if future.done():
+            future.result()  # an unexpected exception in the stream's thread fails the test here
+        else:
+            outcome.hung = True
+    if any(o.hung for o in outcomes):
+        print(f"after killing {actor}: workers {answer(lambda: client.stats()['workers'])}")
+    return outcomes, num_running
 
 
 def in_daemon_thread(fn, *args) -> Future:
@@ -166,9 +186,12 @@ def exact(outcome: Outcome, reference: ns.Completion) -> bool:
 
 
 def counts(outcomes, expected) -> dict:
-    return {"completed": sum(o is not None and exact(o, e) for o, e in zip(outcomes, expected)),
-            "failed": sum(o is not None and o.error is not None for o in outcomes),
-            "hung": sum(o is None for o in outcomes)}
+    """completed, failed, hung; with the streams that did none of these (each described) under "other"."""
+    completed = [not o.hung and exact(o, e) for o, e in zip(outcomes, expected)]
+    failed = [not o.hung and o.error is not None for o in outcomes]
+    result = {"completed": sum(completed), "failed": sum(failed), "hung": sum(o.hung for o in outcomes)}
+    others = [str(o) for o, c, f in zip(outcomes, completed, failed) if o.hung or not (c or f)]
+    return result | ({"other": others} if others else {})
 
 
 def answer(call):

@@ -5,7 +5,10 @@ import json
 import os
 import subprocess
 import sys
+import threading
+import uuid
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -13,7 +16,10 @@ import ray
 from ray.util.state import list_actors
 
 import numaserve as ns
+from actors.caller_lease import RENEW_INTERVAL_S, CallerGone
+from actors.channel_wire import decode
 from actors.deploy import DeploymentError
+from actors.messages import GenerateRequest
 from tests.cluster.conftest import (
     REPO,
     collect,
@@ -164,6 +170,43 @@ def test_closing_a_stream_aborts_its_request_on_the_worker(client):
                              for s in worker_stats(client).values()), 20,
                  "the abort to reach the worker")
     assert num_aborted(client) == aborted + 1
+
+
+def test_a_worker_names_the_submitted_requests_it_does_not_run_so_no_caller_waits_for_them(client):
+    """A caller that calls its worker's stream again (the last one ended without an error: the worker
+    restarted under it, or the caller's lease lapsed as a request ended, dropping its last item) learns which
+    of its submitted requests nobody runs there: they come back CallerGone (the caller resumes them
+    elsewhere), those it runs and those whose submit may still be in flight do not."""
+    worker_id = "local-numa0-0"
+    worker, caller_id = worker_handle(worker_id), uuid.uuid4().hex
+    long = ns.SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
+    with paused(client, [worker_id]), renewing(worker, caller_id):  # the request holds its first token back
+        ray.get(worker.submit.remote(GenerateRequest("runs", [5, 6, 7], long, caller_id=caller_id)))
+        waits_for, submitted = ("runs", "unknown", "in-flight"), ("runs", "unknown")
+        batches = worker.caller_stream.remote(caller_id, waits_for, submitted)
+        ray.get(worker.abort.remote("runs"))  # its item comes after the gone ones, whenever it lands
+        assert [(r, type(item)) for r, item in decode(ray.get(next(batches)))] == [("unknown", CallerGone)]
+        [(request_id, out)] = decode(ray.get(next(batches)))
+        assert (request_id, out.finish_reason) == ("runs", "abort")  # what it runs goes on as before
+        assert next(batches, None) is None  # and the stream idles out once nothing of the caller runs
+
+
+@contextmanager
+def renewing(worker, caller_id: str):
+    """caller_id's lease on worker renewed inside the block, as a caller's LeaseKeeper does."""
+    done = threading.Event()
+
+    def renew() -> None:
+        while not done.wait(RENEW_INTERVAL_S):
+            worker.renew_lease.remote(caller_id)
+
+    thread = threading.Thread(target=renew, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
 
 
 @pytest.mark.load_sensitive
