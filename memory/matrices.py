@@ -211,8 +211,8 @@ class Int8Matrix:
 @dataclass(frozen=True)
 class Bf16Matrix:
     """A bf16 matrix packed for bf16 activations (kernels/simd/bf16.py), [out_features, in_features]: data
-    uint16 [N4, Kp] in blocks of 4 rows interleaved by group of 128 values, N4 = N rounded up to 4 and Kp =
-    K rounded up to 128, the padding zero."""
+    uint16 [N4, Kp] row-major, N4 = N rounded up to 4 (the kernel's blocks of rows) and Kp = K rounded up to
+    128, the padding zero."""
 
     data: np.ndarray
     shape: tuple[int, int]
@@ -228,7 +228,7 @@ class Bf16Matrix:
 
     def unpack(self) -> WeightMatrix:
         n, k = self.shape
-        return WeightMatrix("bfloat16", deinterleave_rows(self.data, BF16_ROWS, BF16_GROUP, n)[:, :k].copy())
+        return WeightMatrix("bfloat16", self.data[:n, :k].copy())
 
     def repacked(self, w: WeightMatrix) -> "Bf16Matrix":
         return Bf16Matrix.pack(w)
@@ -374,8 +374,8 @@ def select_rows(w: Matrix, ids: np.ndarray) -> Matrix:
 
 def row_block(w: Matrix, start: int, stop: int) -> Matrix:
     """Rows [start, stop) of w as a zero-copy view in w's format and layout (a MoE expert's block of a
-    stacked matrix). Packed formats interleave blocks of 4 rows (Bf16Matrix, a VNNI Int8Matrix): start must
-    begin a block and stop end one or be the last row, else ValueError."""
+    stacked matrix). Packed formats are read in blocks of 4 rows (Bf16Matrix, a VNNI Int8Matrix; the latter
+    interleaves them): start must begin a block and stop end one or be the last row, else ValueError."""
     n, k = w.shape
     if not 0 <= start < stop <= n:
         raise ValueError(f"rows [{start}, {stop}) are not a block of a matrix of {n} rows")

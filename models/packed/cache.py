@@ -30,8 +30,9 @@ from models.quantization.calibration import Calibration, calibration_path
 # containers moved to memory/block_matrices.py (an entry names its classes by module). 4: the model and kernel
 # modules moved into subpackages (models/moe/, models/lora/, ...), which renamed classes' modules. 5: an
 # entry's blob starts 16 bytes past a page (models/packed/file.py maps it). 6: the K-quant formats but IQ4 get
-# int8 activations without VNNI too (BlockInt8Matrix.vnni): an AVX2 host's entries held them unplanned.
-LAYOUT_VERSION = 6
+# int8 activations without VNNI too (BlockInt8Matrix.vnni): an AVX2 host's entries held them unplanned. 7: a
+# Bf16Matrix is row-major (its 4-row blocks were interleaved by group).
+LAYOUT_VERSION = 7
 ENTRY_SUFFIX = ".packed"
 _HASH_BYTES = 64 << 20
 _STALE_TEMP_SECONDS = 3600  # a temp file untouched this long belongs to a writer that died
