@@ -36,7 +36,7 @@ class AdapterFetcher:
         merged = None
         if self.config.lora_merge != "never" and self.config.lora_merged_bytes > 0:
             merged_ref = await fetch_merged_ref(self.adapter_cache, name)
-            merged = None if merged_ref is None else await merged_ref
+            merged = None if merged_ref is None else await _shared_copy(merged_ref)
         in_use = self.in_use.get(name)  # another request may have fetched it meanwhile
         self.in_use[name] = (weights, 1 + (in_use[1] if in_use else 0))
         return weights, merged
@@ -46,6 +46,16 @@ class AdapterFetcher:
         weights, num_requests = self.in_use.pop(name, (None, 0))
         if num_requests > 1:
             self.in_use[name] = (weights, num_requests - 1)
+
+
+async def _shared_copy(ref: ray.ObjectRef) -> MergedWeights | None:
+    """The merged copy another worker shared, or None if that worker is gone (the object store lost it with
+    its owner): this one builds it again, and its copy replaces the lost one in the AdapterCache. Raised, the
+    loss would fail the request's submit as if this worker were lost."""
+    try:
+        return await ref
+    except ray.exceptions.ObjectLostError:  # OwnerDiedError among them
+        return None
 
 
 class HeldAdapters:

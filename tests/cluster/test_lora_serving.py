@@ -17,7 +17,7 @@ from ray.util.state import list_actors
 
 import numaserve as ns
 from benchmarks.ports import free_port
-from tests.cluster.conftest import collect, paused, sim_config, wait_for
+from tests.cluster.conftest import collect, paused, sim_config, wait_for, wait_for_restart, worker_pid
 from tests.conftest import random_prompt
 from tests.models.test_lora import make_adapter
 from tests.support.model_factory import build_model
@@ -93,7 +93,8 @@ def test_mixed_adapters_through_the_client_equal_each_alone(ray_cluster, llama_d
 
         assert_a_session_switching_adapter_recomputes_and_switching_back_reuses(client)
         if config.engine.lora_merge == "always":
-            assert_a_merged_copy_is_built_once_and_shared(client)
+            builder = assert_a_merged_copy_is_built_once_and_shared(client)
+            assert_a_shared_copy_lost_with_its_builder_is_built_again(client, deployment, builder)
 
         shutil.move(tmp_path / "moved", private)  # a restarted cache reloads from the registered directories
         cache_actor = ray.get_actor(f"{deployment}.adapters", namespace="numaserve")
@@ -192,8 +193,9 @@ def assert_a_session_switching_adapter_recomputes_and_switching_back_reuses(clie
     assert turns[2] >= 48  # back on "a": the first turn's blocks are still cached
 
 
-def assert_a_merged_copy_is_built_once_and_shared(client):
-    """The worker that builds a merged copy shares it through the AdapterCache: the other takes it."""
+def assert_a_merged_copy_is_built_once_and_shared(client) -> str:
+    """The worker that builds a merged copy shares it through the AdapterCache: the other takes it. -> the
+    builder's id."""
     def per_worker() -> dict[str, tuple[int, int]]:
         return {w: (s["lora_merged_builds"], s["lora_merged_shared"])
                 for w, s in client.stats()["workers"].items() if "lora_merged_builds" in s}
@@ -214,6 +216,22 @@ def assert_a_merged_copy_is_built_once_and_shared(client):
     assert sum(a[0] - before[w][0] for w, a in after.items()) == 1  # built once
     # and shared
     assert [w for w, a in after.items() if a[1] > before[w][1]] == [w for w in after if w != builder]
+    return builder
+
+
+def assert_a_shared_copy_lost_with_its_builder_is_built_again(client, deployment: str, builder: str):
+    """The builder of a shared merged copy dies: the object store loses the copy with it (its owner). A worker
+    that fetches it for a request builds it again, and the request stays there: the loss is not its worker's
+    (taken as one, each worker the request moved to was marked down in turn)."""
+    pid = worker_pid(client, builder)
+    ray.kill(ray.get_actor(f"{deployment}.worker.{builder}", namespace="numaserve"), no_restart=False)
+    wait_for_restart(client, builder, pid)
+    rerouted = client.stats()["routed"]["reroute"]
+    prompts = [random_prompt(8, seed=seed) for seed in range(202, 206)]
+    with ThreadPoolExecutor(4) as pool:  # on both workers, neither holding the copy in use
+        done = list(pool.map(lambda prompt: client.generate(prompt, GREEDY, adapter="fresh"), prompts))
+    assert [d.finish_reason for d in done] == ["length"] * 4
+    assert client.stats()["routed"]["reroute"] == rerouted
 
 
 def cache_process(name: str) -> tuple[str, int]:
