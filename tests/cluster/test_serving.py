@@ -5,10 +5,8 @@ import json
 import os
 import subprocess
 import sys
-import threading
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -16,7 +14,7 @@ import ray
 from ray.util.state import list_actors
 
 import numaserve as ns
-from actors.caller_lease import RENEW_INTERVAL_S, CallerGone
+from actors.caller_lease import CallerGone
 from actors.channel_wire import decode
 from actors.deploy import DeploymentError
 from actors.messages import GenerateRequest
@@ -31,6 +29,7 @@ from tests.cluster.conftest import (
     worker_pid,
 )
 from tests.conftest import random_prompt
+from tests.support.worker_stream import renewing
 
 NAME = "serving"
 GREEDY = ns.SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
@@ -189,24 +188,6 @@ def test_a_worker_names_the_submitted_requests_it_does_not_run_so_no_caller_wait
         [(request_id, out)] = decode(ray.get(next(batches)))
         assert (request_id, out.finish_reason) == ("runs", "abort")  # what it runs goes on as before
         assert next(batches, None) is None  # and the stream idles out once nothing of the caller runs
-
-
-@contextmanager
-def renewing(worker, caller_id: str):
-    """caller_id's lease on worker renewed inside the block, as a caller's LeaseKeeper does."""
-    done = threading.Event()
-
-    def renew() -> None:
-        while not done.wait(RENEW_INTERVAL_S):
-            worker.renew_lease.remote(caller_id)
-
-    thread = threading.Thread(target=renew, daemon=True)
-    thread.start()
-    try:
-        yield
-    finally:
-        done.set()
-        thread.join()
 
 
 @pytest.mark.load_sensitive

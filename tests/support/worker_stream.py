@@ -3,6 +3,7 @@ under a caller id, read from that caller's channel, the caller's lease renewed m
 
 import threading
 import uuid
+from contextlib import contextmanager
 from dataclasses import replace
 
 import ray
@@ -13,17 +14,27 @@ from actors.messages import GenerateRequest
 from scheduling.outputs import RequestOutput
 
 
-def worker_outputs(worker, request: GenerateRequest) -> list[RequestOutput]:
-    caller_id = uuid.uuid4().hex
+@contextmanager
+def renewing(worker, caller_id: str):
+    """caller_id's lease on worker renewed inside the block, as a caller's LeaseKeeper does."""
     done = threading.Event()
 
     def renew() -> None:
         while not done.wait(RENEW_INTERVAL_S):
             worker.renew_lease.remote(caller_id)
 
-    renewing = threading.Thread(target=renew, daemon=True)
-    renewing.start()
+    thread = threading.Thread(target=renew, daemon=True)
+    thread.start()
     try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+
+
+def worker_outputs(worker, request: GenerateRequest) -> list[RequestOutput]:
+    caller_id = uuid.uuid4().hex
+    with renewing(worker, caller_id):
         ray.get(worker.submit.remote(replace(request, caller_id=caller_id)))
         outputs = []
         while True:  # the channel may idle out between the submit and its first read: read it again
@@ -35,6 +46,3 @@ def worker_outputs(worker, request: GenerateRequest) -> list[RequestOutput]:
                     outputs.append(item)
                     if item.finished:
                         return outputs
-    finally:
-        done.set()
-        renewing.join()
