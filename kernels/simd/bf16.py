@@ -9,10 +9,10 @@ of an accumulator gathers values 2l and 2l + 1 of every 16; one horizontal sum a
 Weights are row-major, rows padded to whole blocks of 4 and K to whole groups of GROUP values with zeros
 (pack_bf16 below); activations are padded to the same Kp. A block of 2 or more tokens reads its 4 rows side
 by side, each stream prefetched as the VNNI kernel's (kernels/simd/vnni.py prefetch_ahead); a 1-token block
-reads them one after another, one sequential stream left to the hardware prefetcher: on Zen 4 that read
-1.3-1.5x faster than 4 rows read side by side (interleaved by group as the int8 layouts, or in 4 streams).
-Either walk adds a (row, token)'s products in the same order: the same bits. Rows past the matrix's last
-(padding of the last block) are computed, not stored.
+reads them one after another, one sequential stream left to the hardware prefetcher: on Zen 4 matmul_bf16's
+1-token read ran 1.09-1.24x faster so than with the 4 rows interleaved by group as the int8 layouts are
+(benchmarks/results/HISTORY.md, "bf16 weights row-major"). Either walk adds a (row, token)'s products in the
+same order: the same bits. Rows past the matrix's last (padding of the last block) are computed, not stored.
 
 Needs AVX512-BF16 and AVX512-VL (the 256-bit vdpbf16ps). numba's on-disk cache of kernels/linear/bf16.py
 does not notice edits to this file: after changing the code generation here, delete kernels/__pycache__.
