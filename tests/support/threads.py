@@ -1,7 +1,7 @@
 """A numba kernel's outputs at every thread count this process can run (1, 2, all), the count restored; and
-the batch sizes a kernel's reference test sweeps."""
+the batch sizes a kernel's reference test sweeps, each at every thread count."""
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import numba
 import numpy as np
@@ -26,3 +26,13 @@ def at_each_thread_count(run: Callable[[], np.ndarray]) -> list[np.ndarray]:
         return outputs
     finally:
         numba.set_num_threads(before)
+
+
+def each_batch_size(run: Callable[[int], np.ndarray]) -> Iterator[tuple[int, np.ndarray]]:
+    """(T, run(T)) for every T of EVERY_BATCH_SIZE, once run(T) has given the same bits at every thread count
+    (a kernel's reference test checks each output against its reference)."""
+    for t in EVERY_BATCH_SIZE:
+        first, *others = at_each_thread_count(lambda t=t: run(t))
+        for other in others:
+            np.testing.assert_array_equal(other, first, err_msg=f"T = {t}")
+        yield t, first
