@@ -68,7 +68,7 @@ def bf16_block(typingctx, xb, w, out, t0, n0, tokens):
             with cgutils.for_range(builder, num_groups) as loop:
                 k = builder.mul(loop.index, const64(GROUP))
                 streams = {r: builder.add(builder.mul(weight_rows[r], Kp), k) for r in rows}  # in values
-                if TB > 1:
+                if len(rows) > 1:  # one row's stream alone is the hardware prefetcher's
                     for r in rows:
                         prefetch_ahead(builder, wa.data, builder.mul(streams[r], const64(2)), group_bytes, TB)
                 x_base = [builder.add(builder.mul(row, Kp), k) for row in token_rows]

@@ -58,7 +58,9 @@ PREFETCH_BYTES = 32768
 PREFETCH_LOCALITY = 2
 # The fewest tokens of a block that prefetches. 1: on Zen 4 the Q4_K, Q6_K, q4_0 and bf16 1-token streams
 # ran 1.2-1.9x faster with it in fast memory phases, q8_0's about level (benchmarks/results/HISTORY.md); an
-# earlier layout's 1-token q8_0 stream was slower with it, and bench_stream still times the block without it
+# earlier layout's 1-token q8_0 stream was slower with it, and bench_stream still times the block without it.
+# bf16's 1-token block has since read its rows one after another, a single stream it leaves to the hardware
+# prefetcher (kernels/simd/bf16.py)
 PREFETCH_MIN_TOKENS = 1
 
 
