@@ -1,20 +1,24 @@
 """A register block for bf16 activations x bf16 weights through AVX512-BF16, written as LLVM IR: 4 weight rows
 x TB tokens.
 
-`vdpbf16ps` multiplies 16 bf16 pairs and adds each pair's two products into a float32 lane (8 lanes, 16
-multiply-adds per 256-bit instruction, twice float32 FMA's, and no widening of the weights first). Lane l
-of an accumulator gathers values 2l and 2l + 1 of every 16; one horizontal sum at the end gives a
-(row, token) its dot product, in the same order whatever the other rows and tokens are (batch invariance).
+`vdpbf16ps` multiplies 32 bf16 pairs and adds each pair's two products into a float32 lane (16 lanes, 32
+multiply-adds per 512-bit instruction, twice float32 FMA's, and no widening of the weights first). Lane l
+of an accumulator gathers values 2l and 2l + 1 of every 32; at the end the upper 8 lanes are added to the
+lower 8 and one horizontal sum gives a (row, token) its dot product, in the same order whatever the other rows
+and tokens are (batch invariance).
 
 Weights are row-major, rows padded to whole blocks of 4 and K to whole groups of GROUP values with zeros
 (pack_bf16 below); activations are padded to the same Kp. A block of 2 or more tokens reads its 4 rows side
 by side, each stream prefetched as the VNNI kernel's (kernels/simd/vnni.py prefetch_ahead); a 1-token block
 reads them one after another, one sequential stream left to the hardware prefetcher: on Zen 4 matmul_bf16's
 1-token read ran 1.09-1.24x faster so than with the 4 rows interleaved by group as the int8 layouts are
-(benchmarks/results/HISTORY.md, "bf16 weights row-major"). Either walk adds a (row, token)'s products in the
+(benchmarks/results/HISTORY.md, "bf16 weights row-major"). A 1-token block's (row, token) is one chain of
+dependent vdpbf16ps: on 256-bit vectors (32 bytes of weights an instruction's latency) that chain, not the
+memory, bounded the read at ~0.81 of a plain read of the same weights on Zen 4; 512-bit vectors halve the chain
+and read at ~0.99 of it (HISTORY "bf16 on 512-bit vectors"). Either walk adds a (row, token)'s products in the
 same order: the same bits. Rows past the matrix's last (padding of the last block) are computed, not stored.
 
-Needs AVX512-BF16 and AVX512-VL (the 256-bit vdpbf16ps). numba's on-disk cache of kernels/linear/bf16.py
+Needs AVX512-BF16 and AVX512F (the 512-bit vdpbf16ps). numba's on-disk cache of kernels/linear/bf16.py
 does not notice edits to this file: after changing the code generation here, delete kernels/__pycache__.
 """
 
@@ -23,13 +27,15 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from kernels.simd.int8 import V8F, V8I, const64, load_vec, operands_fit, store_block
+from kernels.simd.int8 import F32, I32, const64, hsum8, load_vec, operands_fit
 from kernels.simd.vnni import prefetch_ahead
 
-BF16_FEATURES = ("avx512bf16", "avx512vl")
+BF16_FEATURES = ("avx512bf16", "avx512f")
 ROWS = 4  # weight rows per block
 GROUP = 128  # values of a row per group (256 bytes), the unit of the row interleave
-VECTORS = GROUP // 16  # 16 bf16 values per 256-bit vector
+VECTORS = GROUP // 32  # 32 bf16 values per 512-bit vector
+V16F, V16I = ir.VectorType(F32, 16), ir.VectorType(I32, 16)
+HALVES = [ir.Constant(ir.VectorType(I32, 8), list(range(h * 8, h * 8 + 8))) for h in range(2)]
 
 
 @intrinsic(prefer_literal=True)
@@ -55,12 +61,12 @@ def bf16_block(typingctx, xb, w, out, t0, n0, tokens):
         N = cgutils.unpack_tuple(builder, oa.shape, 2)[1]
         num_groups = builder.udiv(Kp, const64(GROUP))
         module = builder.module
-        # the bf16 operands typed <8 x i32>, the form every LLVM since AVX512-BF16's introduction accepts
-        dpbf16 = cgutils.get_or_insert_function(module, ir.FunctionType(V8F, [V8F, V8I, V8I]),
-                                                "llvm.x86.avx512bf16.dpbf16ps.256")
+        # the bf16 operands typed <16 x i32>, the form every LLVM since AVX512-BF16's introduction accepts
+        dpbf16 = cgutils.get_or_insert_function(module, ir.FunctionType(V16F, [V16F, V16I, V16I]),
+                                                "llvm.x86.avx512bf16.dpbf16ps.512")
         token_rows = [builder.add(t0_, const64(t)) for t in range(TB)]
         weight_rows = [builder.add(n0_, const64(r)) for r in range(ROWS)]
-        accs = [[cgutils.alloca_once_value(builder, ir.Constant(V8F, None)) for _ in range(TB)]
+        accs = [[cgutils.alloca_once_value(builder, ir.Constant(V16F, None)) for _ in range(TB)]
                 for _ in range(ROWS)]
 
         def walk(rows):
@@ -74,10 +80,10 @@ def bf16_block(typingctx, xb, w, out, t0, n0, tokens):
                 x_base = [builder.add(builder.mul(row, Kp), k) for row in token_rows]
                 sums = {(r, t): builder.load(accs[r][t]) for r in rows for t in range(TB)}
                 for j in range(VECTORS):
-                    weights = {r: load_vec(builder, wa.data, builder.add(streams[r], const64(16 * j)), V8I)
+                    weights = {r: load_vec(builder, wa.data, builder.add(streams[r], const64(32 * j)), V16I)
                                for r in rows}
                     for t in range(TB):
-                        xv = load_vec(builder, xa.data, builder.add(x_base[t], const64(16 * j)), V8I)
+                        xv = load_vec(builder, xa.data, builder.add(x_base[t], const64(32 * j)), V16I)
                         for r in rows:
                             sums[r, t] = builder.call(dpbf16, [sums[r, t], weights[r], xv])
                 for (r, t), value in sums.items():
@@ -88,7 +94,13 @@ def bf16_block(typingctx, xb, w, out, t0, n0, tokens):
                 walk([r])
         else:
             walk(range(ROWS))
-        store_block(builder, oa.data, accs, token_rows, weight_rows, N)
+        for r, row in enumerate(weight_rows):
+            with builder.if_then(builder.icmp_signed("<", row, N), likely=True):
+                for t, token in enumerate(token_rows):
+                    acc = builder.load(accs[r][t])
+                    half = builder.fadd(*(builder.shuffle_vector(acc, acc, h) for h in HALVES))
+                    ptr = builder.gep(oa.data, [builder.add(builder.mul(token, N), row)])
+                    builder.store(hsum8(builder, half), ptr)
         return context.get_dummy_value()
 
     return types.none(xb, w, out, t0, n0, tokens), codegen
