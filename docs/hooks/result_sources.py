@@ -68,6 +68,12 @@ SOURCES = {
         machine=ZEN4, commit="d93ebe2",
         note="bf16 weights row-major: a 1-token block reads its 4 rows one after another "
         "(LAYOUT_VERSION 7)."),
+    "decode-2026-12-02-zen4-bf16-512bit.json": Source(
+        f"{DECODE} --dtypes bfloat16 --activation-dtypes bfloat16 --contexts 1024 --samples 7 "
+        "--no-torch-first --out benchmarks/results/decode-2026-12-02-zen4-bf16-512bit.json",
+        machine=ZEN4, commit="9eb9223",
+        note="The bf16 block on 512-bit vectors, 6 tokens a block. Two 3-sample runs of the same hour, "
+        "not kept: batch 1 1.40x and 0.81x (HISTORY \"bf16 on 512-bit vectors\")."),
     "decode-2026-11-30-iq4.json": Source(
         f"{DECODE} --dtypes iq4_xs,q4_k_m --activation-dtypes int8 --samples 3 --no-torch-first "
         "--out benchmarks/results/decode-2026-11-30-iq4.json",

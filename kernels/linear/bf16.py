@@ -2,8 +2,8 @@
 AVX512-BF16's vdpbf16ps: activation_dtype "bfloat16".
 
 Parallel tasks own a block of 4 output rows; each walks a chunk of tokens, BLOCK_TOKENS at a time, while the
-chunk of x stays in L2. The activations are rounded to nearest even (as torch's .to(bfloat16)) into a buffer padded
-to the weights' whole groups.
+chunk of x stays in L2. The activations are rounded to nearest even (as torch's .to(bfloat16)) into a buffer
+padded to the weights' whole groups.
 """
 
 import numpy as np
@@ -15,8 +15,8 @@ from kernels.linear.chunking import token_chunk
 from kernels.simd.bf16 import ROWS, bf16_block
 
 PARALLEL_MIN_TOKENS = 16  # waking the thread pool costs more than rounding a few rows
-# 4 rows x 6 tokens: 24 accumulators, 4 weight vectors and one of x in the 32 registers; 0.93-1.0x the time
-# of 4 tokens a block at 8, 32 and 512 tokens (TinyLlama's shapes, Zen 4, HISTORY "bf16 on 512-bit vectors")
+# 4 rows x 6 tokens: 24 accumulators, 4 weight vectors and one of x in the 32 registers (the most that fit;
+# faster than 4 tokens a block from 32 tokens up: HISTORY "bf16 on 512-bit vectors")
 BLOCK_TOKENS = 6
 
 

@@ -10,13 +10,11 @@ and tokens are (batch invariance).
 Weights are row-major, rows padded to whole blocks of 4 and K to whole groups of GROUP values with zeros
 (pack_bf16 below); activations are padded to the same Kp. A block of 2 or more tokens reads its 4 rows side
 by side, each stream prefetched as the VNNI kernel's (kernels/simd/vnni.py prefetch_ahead); a 1-token block
-reads them one after another, one sequential stream left to the hardware prefetcher: on Zen 4 matmul_bf16's
-1-token read ran 1.09-1.24x faster so than with the 4 rows interleaved by group as the int8 layouts are
-(benchmarks/results/HISTORY.md, "bf16 weights row-major"). A 1-token block's (row, token) is one chain of
-dependent vdpbf16ps: on 256-bit vectors (32 bytes of weights an instruction's latency) that chain, not the
-memory, bounded the read at ~0.81 of a plain read of the same weights on Zen 4; 512-bit vectors halve the chain
-and read at ~0.99 of it (HISTORY "bf16 on 512-bit vectors"). Either walk adds a (row, token)'s products in the
-same order: the same bits. Rows past the matrix's last (padding of the last block) are computed, not stored.
+reads them one after another, one sequential stream left to the hardware prefetcher, which on Zen 4 read
+faster than the 4 rows interleaved by group as the int8 layouts are (benchmarks/results/HISTORY.md, "bf16
+weights row-major"). A 1-token block's (row, token) is one chain of dependent vdpbf16ps: on 256-bit vectors
+that chain, not the memory, bounded its read; a 512-bit link carries twice the bytes (HISTORY "bf16 on 512-bit
+vectors"). Either walk adds a (row, token)'s products in the same order: the same bits. Rows past the matrix's last (padding of the last block) are computed, not stored.
 
 Needs AVX512-BF16 and AVX512F (the 512-bit vdpbf16ps). numba's on-disk cache of kernels/linear/bf16.py
 does not notice edits to this file: after changing the code generation here, delete kernels/__pycache__.
