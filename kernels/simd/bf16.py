@@ -13,8 +13,9 @@ by side, each stream prefetched as the VNNI kernel's (kernels/simd/vnni.py prefe
 reads them one after another, one sequential stream left to the hardware prefetcher, which on Zen 4 read
 faster than the 4 rows interleaved by group as the int8 layouts are (benchmarks/results/HISTORY.md, "bf16
 weights row-major"). A 1-token block's (row, token) is one chain of dependent vdpbf16ps: on 256-bit vectors
-that chain, not the memory, bounded its read; a 512-bit link carries twice the bytes (HISTORY "bf16 on 512-bit
-vectors"). Either walk adds a (row, token)'s products in the same order: the same bits. Rows past the matrix's last (padding of the last block) are computed, not stored.
+that chain, not the memory, bounded its read; a 512-bit link carries twice the bytes (HISTORY "bf16 on
+512-bit vectors"). Either walk adds a (row, token)'s products in the same order: the same bits. Rows past the
+matrix's last (padding of the last block) are computed, not stored.
 
 Needs AVX512-BF16 and AVX512F (the 512-bit vdpbf16ps). numba's on-disk cache of kernels/linear/bf16.py
 does not notice edits to this file: after changing the code generation here, delete kernels/__pycache__.
