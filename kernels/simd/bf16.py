@@ -26,15 +26,14 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from kernels.simd.int8 import F32, I32, const64, hsum8, load_vec, operands_fit
+from kernels.simd.int8 import F32, I32, const64, load_vec, operands_fit, store_block
 from kernels.simd.vnni import prefetch_ahead
 
 BF16_FEATURES = ("avx512bf16", "avx512f")
 ROWS = 4  # weight rows per block
-GROUP = 128  # values of a row per group (256 bytes), the unit of the row interleave
+GROUP = 128  # values of a row per group (256 bytes): rows are padded to whole groups, walked a group a step
 VECTORS = GROUP // 32  # 32 bf16 values per 512-bit vector
 V16F, V16I = ir.VectorType(F32, 16), ir.VectorType(I32, 16)
-HALVES = [ir.Constant(ir.VectorType(I32, 8), list(range(h * 8, h * 8 + 8))) for h in range(2)]
 
 
 @intrinsic(prefer_literal=True)
@@ -93,13 +92,7 @@ def bf16_block(typingctx, xb, w, out, t0, n0, tokens):
                 walk([r])
         else:
             walk(range(ROWS))
-        for r, row in enumerate(weight_rows):
-            with builder.if_then(builder.icmp_signed("<", row, N), likely=True):
-                for t, token in enumerate(token_rows):
-                    acc = builder.load(accs[r][t])
-                    half = builder.fadd(*(builder.shuffle_vector(acc, acc, h) for h in HALVES))
-                    ptr = builder.gep(oa.data, [builder.add(builder.mul(token, N), row)])
-                    builder.store(hsum8(builder, half), ptr)
+        store_block(builder, oa.data, accs, token_rows, weight_rows, N)
         return context.get_dummy_value()
 
     return types.none(xb, w, out, t0, n0, tokens), codegen

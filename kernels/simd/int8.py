@@ -35,7 +35,8 @@ def load_vec(builder, base, offset, vec_type):
 
 
 def hsum8(builder, vec):
-    width = 8
+    # the float lanes' sum, halving: upper half onto lower (a 16-lane vector first folds lanes 8-15 onto 0-7)
+    width = vec.type.count
     while width > 1:
         width //= 2
         lo = builder.shuffle_vector(vec, vec, ir.Constant(ir.VectorType(I32, width), list(range(width))))
