@@ -163,11 +163,19 @@ def pick_threading(ckpt: Path, weight_dtype: str, activation_dtype: str, args,
     return best, {"weights": weight_dtype, "activations": activation_dtype, "tok_s": trial}
 
 
+def peak_kind(computed: list[str]) -> str:
+    """The dot-product peak a row is a fraction of: that of the activations the engine computed with (a CPU
+    without vdpbf16ps computes bfloat16 requests in float32: models/quantization/activation_plan.py); where
+    its matrices mixed them, the highest peak of theirs (the smaller fraction)."""
+    return min((PEAK_KIND[a] for a in computed), key=("int8", "bf16", "f32").index)
+
+
 def bench_dtype(ckpt: Path, weight_dtype: str, args, loads: dict, probe, threading: str,
                 first: bool) -> list[dict]:
     act_dtypes = [a for a in args.activation_dtypes if args.all_combinations or weight_dtype in MEANT_FOR[a]]
     ours = {a: start_numaserve(ckpt, weight_dtype, a, args, threading) for a in act_dtypes}
     info = {a: e.call("info") for a, e in ours.items()}
+    kinds = {a: peak_kind(info[a]["activation_dtypes"]) for a in ours}
     engines = {f"numaserve/{a}": e for a, e in ours.items()}
     if not args.no_llamacpp:
         gguf = CACHE / f"{ckpt.name}-{weight_dtype}.gguf"
@@ -180,7 +188,7 @@ def bench_dtype(ckpt: Path, weight_dtype: str, args, loads: dict, probe, threadi
         if is_batch1(metric):
             runs["read_bytes_per_s"] = probe.read_bandwidth
         else:  # prefill and batched decode: the dot-product peak of each activation dtype's instructions
-            for kind in {PEAK_KIND[a] for a in ours}:
+            for kind in set(kinds.values()):
                 runs[f"peak_{kind}"] = lambda kind=kind: probe.dot_peak(kind)
         times = alternate(args.samples, runs)
         for a in ours:
@@ -195,9 +203,9 @@ def bench_dtype(ckpt: Path, weight_dtype: str, args, loads: dict, probe, threadi
                 row["bytes_per_token"] = token_bytes(info[a], metric, args)
                 row["bandwidth_roofline"] = (row["numaserve_tok_s"] * row["bytes_per_token"]
                                              / row["read_bytes_per_s"])
-            elif f"peak_{PEAK_KIND[a]}" in times:
-                row["peak_kind"] = PEAK_KIND[a]
-                row["peak_ops_per_s"] = statistics.median(times[f"peak_{PEAK_KIND[a]}"])
+            elif f"peak_{kinds[a]}" in times:
+                row["peak_kind"] = kinds[a]
+                row["peak_ops_per_s"] = statistics.median(times[f"peak_{kinds[a]}"])
                 row["of_peak"] = row["numaserve_tok_s"] * 2 * info[a]["matmul_params"] / row["peak_ops_per_s"]
             rows.append(row)
             print(json.dumps({k: v for k, v in row.items() if k != "samples"}), flush=True)
@@ -319,7 +327,7 @@ def main(argv: list[str] | None = None) -> None:
     probe = MachineProbe()
     machine = {"read_bytes_per_s": probe.read_bandwidth(repeats=5),
                "matmul_flop_per_s": probe.matmul_flops(repeats=5)}
-    kinds = sorted({PEAK_KIND[a] for a in args.activation_dtypes})
+    kinds = sorted({PEAK_KIND[a] for a in args.activation_dtypes if probe.has_peak(PEAK_KIND[a])})
     machine |= {f"peak_{k}_ops_per_s": probe.dot_peak(k) for k in kinds}
     # at the start (bandwidth and matmul: best of 5); each row keeps the median of its own probes
     print(json.dumps(machine), flush=True)

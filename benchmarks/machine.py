@@ -45,6 +45,10 @@ class MachineProbe:
         m, k = self.x.shape
         return 2 * m * k * self.w.shape[0] / min(_timed(lambda: self.x @ self.w.T) for _ in range(repeats))
 
+    def has_peak(self, kind: str) -> bool:
+        """Whether this CPU has a dot-product instruction for activations of `kind`."""
+        return any(i.kind == kind for i in available())
+
     def dot_peak(self, kind: str) -> float:
         """Every thread's best rate, in operations/s (a multiply-add counts 2), of the dot-product
         instructions for activations of `kind` ("int8", "bf16", "f32") this CPU has: the compute limit of
