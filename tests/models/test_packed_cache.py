@@ -316,6 +316,34 @@ def test_a_damaged_entry_is_rebuilt_never_used(case, problem, mapped, llama_dir,
     assert not list(tmp_path.glob(".*.tmp"))
 
 
+@pytest.mark.parametrize("how", ["rebuilt", "pruned"])
+def test_an_engine_serving_a_mapped_entry_keeps_its_weights_while_the_entry_is_replaced_or_removed(
+        how, llama_dir, tmp_path):
+    # the cache never writes an entry in place (a new file renamed over it, or unlinked): a mapping of the
+    # old one keeps its inode, so an engine serving it is untouched by a rebuild or a prune in another
+    reference = load(llama_dir, None).score(PROMPT)
+    entry = Path(load(llama_dir, tmp_path).engine.load_stats.entry)
+    serving = load(llama_dir, tmp_path, map_packed_weights=True)
+    assert outcome(serving) == "hit" and serving.engine.load_stats.reason.startswith("mapped")
+    weights = [a.copy() for a in stream_arrays(serving.engine.model.weights)]
+    if how == "rebuilt":  # a damaged copy renamed over the entry, then a load that finds it and rebuilds it
+        damaged = tmp_path / "damaged"
+        shutil.copyfile(entry, damaged)
+        _manifest_at, blob_at, manifest = _manifest(damaged)
+        largest = max(manifest["arrays"], key=lambda a: a["nbytes"])
+        _flip(damaged, blob_at + largest["offset"] + largest["nbytes"] // 2)
+        os.replace(damaged, entry)
+        assert outcome(load(llama_dir, tmp_path, map_packed_weights=True)) == "rebuilt"
+    else:
+        other = tmp_path / "other"
+        from tests.support.model_factory import build_model
+        build_model(other, "llama", seed=9)
+        pruning = load(other, tmp_path, packed_cache_bytes=entry.stat().st_size + 1)
+        assert "removed 1 least recently used" in pruning.engine.load_stats.reason and not entry.exists()
+    assert all(np.array_equal(a, b) for a, b in zip(stream_arrays(serving.engine.model.weights), weights))
+    assert np.array_equal(serving.score(PROMPT), reference)
+
+
 def test_a_damaged_source_record_is_hashed_again(llama_dir, tmp_path):
     load(llama_dir, tmp_path)
     for record in (tmp_path / "sources").iterdir():
