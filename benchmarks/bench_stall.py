@@ -1,7 +1,7 @@
 """Do running streams stall while a long prompt prefills, or while a 5 MB body is refused?
 
     python -m benchmarks.bench_stall [--repeats 3] [--idle-s 5] [--prompt-len 4096] [--target-step-ms MS]
-                                     [--max-prefill-stretch S]
+                                     [--max-prefill-stretch S] [--stream-tokens N]
                                      [--phases prefill,refusal_text,refusal_token_ids]
 
 The TinyLlama-1.1B-shaped random checkpoint with a word tokenizer (benchmarks/checkpoints.py), q8_0 weights,
@@ -12,7 +12,10 @@ over loopback by the `openai` AsyncOpenAI client in this process. The deployment
 chunks beside decodes (scheduling/prefill_pacing.py).
 
 Each repeat opens 8 streamed completions (16 random prompt tokens each, ignore_eos, stream_interval_ms 0 so a
-chunk is an engine step, max_tokens past the repeat's end; closed, and so aborted, when it ends) and, once
+chunk is an engine step, max_tokens past the repeat's end; closed, and so aborted, when it ends; with
+--stream-tokens N each stream is instead a run of N-token completions, the next, with new prompt tokens, as
+soon as the last ends, so the streams' contexts stay under 16 + N tokens while a long prompt prefills: the
+stall alone, not the streams' own growth; a gap is then between two chunks of one completion) and, once
 every stream has its first tokens, runs these phases on them (idle first, the others in an order that flips
 every repeat; --phases picks them):
 - idle: nothing else for --idle-s seconds; the streams' inter-chunk gaps, p50 / p99 / max.
@@ -71,16 +74,34 @@ SETTLE_S = 1.0  # between phases, so one's tail does not land in the next
 
 
 class Streams:
-    """NUM_STREAMS streamed completions and the arrival time of each chunk with text, per stream."""
+    """NUM_STREAMS streamed completions and the arrival time of each chunk with text, per stream and run: with
+    stream_tokens, each stream is a run of completions of that many tokens, a new one (its prompt new random
+    tokens) as soon as the last ends, so the streams' contexts stay between STREAM_PROMPT_LEN and
+    STREAM_PROMPT_LEN + stream_tokens however long a phase lasts; without, one completion a stream, its
+    context growing all along."""
 
-    def __init__(self, client, prompts: list[list[int]]):
-        self.times: list[list[float]] = [[] for _ in prompts]
-        self.tasks = [asyncio.ensure_future(self._one(client, p, t)) for p, t in zip(prompts, self.times)]
+    def __init__(self, client, rng: np.random.Generator, stream_tokens: int | None = None):
+        self.client, self.rng, self.stream_tokens = client, rng, stream_tokens
+        self.runs: list[list[list[float]]] = [[] for _ in range(NUM_STREAMS)]  # stream -> its runs' times
+        self.tasks = [asyncio.ensure_future(self._stream(runs)) for runs in self.runs]
+
+    @property
+    def times(self) -> list[list[float]]:
+        """Each stream's chunk times, every run's in order."""
+        return [[t for run in runs for t in run] for runs in self.runs]
+
+    async def _stream(self, runs: list[list[float]]) -> None:
+        while True:
+            runs.append([])
+            await self._one(self.client, self.rng.integers(3, 32000, STREAM_PROMPT_LEN).tolist(), runs[-1],
+                            self.stream_tokens or STREAM_MAX_TOKENS)
+            if self.stream_tokens is None:
+                return
 
     @staticmethod
-    async def _one(client, prompt: list[int], times: list[float]) -> None:
+    async def _one(client, prompt: list[int], times: list[float], max_tokens: int) -> None:
         stream = await client.completions.create(model=SERVED_NAME, prompt=prompt,
-                                                 max_tokens=STREAM_MAX_TOKENS, temperature=0, stream=True,
+                                                 max_tokens=max_tokens, temperature=0, stream=True,
                                                  extra_body={"ignore_eos": True,
                                                              "deadline_s": PREFILL_TIMEOUT_S})
         try:
@@ -100,7 +121,8 @@ class Streams:
     def gaps(self, start: float, end: float) -> list[float]:
         """Every stream's gaps between consecutive chunks whose span overlaps [start, end]; a stream still
         waiting at `end` counts its open gap up to the next chunk (the caller waits for it)."""
-        return [b - a for times in self.times for a, b in itertools.pairwise(times) if b > start and a < end]
+        return [b - a for runs in self.runs for times in runs for a, b in itertools.pairwise(times)
+                if b > start and a < end]  # within a run: a new run's first chunk is its own prefill's
 
     async def next_chunks(self, after: float) -> None:
         """Until every stream has a chunk after `after` (so a gap open at a phase's end is measured whole)."""
@@ -198,7 +220,8 @@ async def refusal_phase(url: str, streams: Streams, body: bytes) -> dict:
         "health_before_max_ms": 1000 * max(before, default=float("nan"))}
 
 
-async def one_repeat(url: str, rep: int, prompt_len: int, idle_s: float, phases: tuple[str, ...]) -> dict:
+async def one_repeat(url: str, rep: int, prompt_len: int, idle_s: float, phases: tuple[str, ...],
+                     stream_tokens: int | None) -> dict:
     import openai
 
     rng = np.random.default_rng(int.from_bytes(os.urandom(8)))  # prompts no run before this one saw
@@ -207,8 +230,7 @@ async def one_repeat(url: str, rep: int, prompt_len: int, idle_s: float, phases:
                                 timeout=PREFILL_TIMEOUT_S)
     long_prompt = rng.integers(3, 32000, prompt_len).tolist()
     bodies = {f"refusal_{kind}": big_body(kind, rng) for kind in BODY_KINDS}
-    stream_prompts = [rng.integers(3, 32000, STREAM_PROMPT_LEN).tolist() for _ in range(NUM_STREAMS)]
-    streams = Streams(client, stream_prompts)
+    streams = Streams(client, rng, stream_tokens)
     try:
         await streams.started()
         result = {"idle": await idle_phase(streams, idle_s)}
@@ -302,6 +324,10 @@ def main(argv: list[str] | None = None) -> None:
                         help="the deployment's target_step_ms (default: ClusterConfig's)")
     parser.add_argument("--max-prefill-stretch", type=float, default=None,
                         help="the engine's max_prefill_stretch (default: EngineConfig's, no pacing)")
+    parser.add_argument("--stream-tokens", type=int, default=None,
+                        help="each stream a run of completions of this many tokens, a new one as the last "
+                             "ends (contexts that stay short however long the prefill takes); default: one "
+                             "completion a stream, its context growing all along")
     parser.add_argument("--out", default=str(RESULTS / "stall.json"),
                         help="JSON to write (and the PNG beside it)")
     args = parser.parse_args(argv)
@@ -331,7 +357,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         for rep in range(args.repeats):
             reps.append(asyncio.run(one_repeat(client.http_url, rep, args.prompt_len, args.idle_s,
-                                               args.phases)))
+                                               args.phases, args.stream_tokens)))
             print(f"rep {rep}: " + json.dumps({p: {k: round(v, 3) if isinstance(v, float) else v
                                                    for k, v in r.items()} for p, r in reps[-1].items()}),
                   flush=True)
@@ -342,7 +368,8 @@ def main(argv: list[str] | None = None) -> None:
                             sys.argv[1:] if argv is None else argv),
                         "model": f"{MODEL} (random weights, word tokenizer)", "engine": engine,
                         "target_step_ms": config.target_step_ms, "num_streams": NUM_STREAMS,
-                        "stream_prompt_len": STREAM_PROMPT_LEN, "prompt_len": args.prompt_len,
+                        "stream_prompt_len": STREAM_PROMPT_LEN, "stream_tokens": args.stream_tokens,
+                        "prompt_len": args.prompt_len,
                         "idle_s": args.idle_s, "body": f"/v1/completions, prompt a {BODY_CHARS}-character "
                                                       "string of vocabulary words",
                         "repeats": args.repeats, "num_cores": len(cores), "cpu": cpu_name(),
