@@ -134,6 +134,16 @@ SOURCES = {
         "python -m benchmarks.bench_stall --phases refusal_text,refusal_token_ids --repeats 3 "
         "--out <outside the repository>",
         machine=ZEN4, commit="1a31aff"),
+    "stall-2026-12-02-zen4-stationary.json": Source(
+        "python -m benchmarks.bench_stall --phases prefill --repeats 3 --prompt-len 4096 "
+        "--max-prefill-stretch 1.25 --stream-tokens 256 "
+        "--out benchmarks/results/stall-2026-12-02-zen4-stationary.json",
+        machine=ZEN4, commit="16a2c6d",
+        note="The streams' contexts held under 272 tokens (runs of 256-token completions); a 1-repeat run of "
+        "the same hour, not kept: 1.51x (HISTORY \"Stalls of running streams\")."),
+    "peak-2026-12-02-zen4.json": Source(
+        "python -m benchmarks.bench_peak --out benchmarks/results/peak-2026-12-02-zen4.json",
+        machine=ZEN4, commit="c0579d1"),
     "serving_peers-2026-12-01.json": Source(
         "python -m benchmarks.bench_serving_peers --streams 8,32 --requests-per-stream 1 --samples 2 "
         "--out benchmarks/results/serving_peers-2026-12-01.json",
