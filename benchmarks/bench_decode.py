@@ -32,6 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks.bench_revisions import revision
 from benchmarks.checkpoints import CACHE, random_checkpoint
 from benchmarks.engine_process import EngineProcess
 from benchmarks.machine import cpu_name
@@ -335,7 +336,9 @@ def main(argv: list[str] | None = None) -> None:
     dtypes = args.dtypes.split(",")
     meant = [a for a in args.activation_dtypes if args.all_combinations or dtypes[0] in MEANT_FOR[a]]
     threading, trial = pick_threading(ckpt, dtypes[0], meant[0], args, loads)
-    meta = {"model": args.model, "threads": args.threads, "samples": args.samples, "cpu": cpu_name(),
+    meta = {"command": "python -m benchmarks.bench_decode " + " ".join(argv),
+            "revision": revision(Path(__file__).resolve().parent.parent),
+            "model": args.model, "threads": args.threads, "samples": args.samples, "cpu": cpu_name(),
             "date": time.strftime("%Y-%m-%d %H:%M"), "decode_tokens": args.decode_tokens,
             "contexts": [DECODE_PROMPT_LEN, *args.contexts],
             "batched_steps": args.batched_steps, "processes": "one per engine (and per numaserve activation "
