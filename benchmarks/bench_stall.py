@@ -331,6 +331,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", default=str(RESULTS / "stall.json"),
                         help="JSON to write (and the PNG beside it)")
     args = parser.parse_args(argv)
+    if args.stream_tokens is not None and args.stream_tokens < 1:
+        parser.error(f"--stream-tokens is a completion's tokens, at least 1 (got {args.stream_tokens})")
     import ray
 
     import numaserve as ns
