@@ -41,7 +41,7 @@ def build_app(serving: OpenAIServing) -> FastAPI:
     app.router.route_class = ParsedJSONRoute
     install_error_handlers(app)
     # the last added is the outermost: ids, CORS, the request counts, a bug's 500, then the body checks
-    app.add_middleware(JSONBodies, max_bytes=MAX_BODY_BYTES)
+    app.add_middleware(JSONBodies, max_bytes=MAX_BODY_BYTES, max_model_len=serving.max_model_len)
     app.add_middleware(InternalErrors)
     http_requests: Counter = Counter()  # (handler, method, status) -> n, for /metrics
     app.add_middleware(CountRequests, counts=http_requests)

@@ -15,12 +15,12 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from cluster_configs.errors import AdapterError, InvalidRequest, Overloaded, Unavailable
+from http_api.json_values import SHOWN_CHARS, param_of
 from http_api.request_ids import request_id
 from http_api.responses import sse_event
 
 logger = logging.getLogger(__name__)
 
-SHOWN_CHARS = 100  # the most of a client's value an error message echoes
 # what numaserve's own messages may hold that a client must not see: an absolute path (an adapter's folder
 # resolved, the server's adapter_roots) and an engine request id (a uuid's 32 hex digits)
 PATH = re.compile(r"(?<![\w.~-])/[^\s,;:()'\"]+")
@@ -144,14 +144,6 @@ def _common_prefix(locs: list[tuple]) -> tuple:
         n = next((i for i, (a, b) in enumerate(zip(prefix, loc)) if a != b), min(len(prefix), len(loc)))
         prefix = prefix[:n]
     return prefix
-
-
-def param_of(loc: tuple) -> str:
-    """The OpenAI param of a location: ("messages", 0, "content") -> messages[0].content."""
-    param = str(loc[0])
-    for part in loc[1:]:
-        param += f"[{part}]" if isinstance(part, int) else f".{part}"
-    return param if len(param) <= SHOWN_CHARS else param[:SHOWN_CHARS - 3] + "..."
 
 
 def install_error_handlers(app: FastAPI) -> None:

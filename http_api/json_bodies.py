@@ -1,93 +1,37 @@
 """Request bodies as the OpenAI endpoints read them: JSON objects in UTF-8, at most max_bytes, of values every
-later stage can take. Python's json reads more than JSON (NaN, Infinity, lone UTF-16 surrogates, nesting as
-deep as the stack, integers of 4,300 digits) and each of those reached the tokenizer, the sampler or the stack
-limit as a 500; here each is a 400 naming where it is, before the endpoint runs."""
+later stage can take (http_api/json_values.py's read_json; each value it refuses a 400 naming where it is,
+before the endpoint runs), parsed where they hold up the streams least: small ones on the event loop, larger
+ones in a thread, the largest in a process of their own (http_api/body_parser.py)."""
 
 import asyncio
-import json
-import math
+from collections.abc import Awaitable, Callable
 
 from fastapi import Request
 from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from http_api.errors import APIError, as_api_error, param_of
+from http_api.body_parser import BodyParser
+from http_api.errors import APIError, as_api_error
+from http_api.json_values import BodyError, read_json
 
-MAX_DEPTH = 64  # objects in objects: a JSON Schema of a tool or response_format nests a few levels a field
-INT64 = 2 ** 63  # every integer field fits in 64 bits (token ids, seeds, counts)
 JSON_TYPES = (b"application/json", b"")  # no content type: curl -d and friends, read as JSON
 THREAD_MIN_BYTES = 1 << 16  # parsed off the event loop from here: parsing then outlasts a thread's hop
+# parsed in the body parser's process from here (http_api/body_parser.py): a thread still holds the GIL the
+# streams' writer needs, ~90 ms for 5 MB of token ids; a legitimate body is rarely this large (a 32k-token
+# prompt as token ids is ~200 kB)
+PROCESS_MIN_BYTES = 1 << 20
 PARSED = "numaserve.json"  # the scope key under which JSONBodies leaves the body's value for ParsedJSONRoute
+# routes whose token-id lists are prompts: a longer list than the context is refused in the parser's process
+PROMPT_ROUTES = ("/v1/completions", "/v1/embeddings")
 
 
 def media_type(content_type: bytes) -> bytes:
     return content_type.split(b";")[0].strip().lower()
 
 
-def read_json(body: bytes):
-    """The body's JSON value, else APIError(400) saying what is wrong and where."""
-    if not body.strip():
-        raise APIError(400, "the body is empty; send a JSON object of this endpoint's fields",
-                       code="invalid_json")
-    try:
-        text = body.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise APIError(400, f"the body is not UTF-8 (byte {e.start}); send JSON in UTF-8",
-                       code="invalid_json") from None
-    try:
-        value = json.loads(text)
-    except RecursionError:
-        raise APIError(400, f"the body nests deeper than {MAX_DEPTH} levels", code="invalid_json") from None
-    except json.JSONDecodeError as e:
-        raise APIError(400, f"the body is not valid JSON ({e.msg} at character {e.pos}); send a JSON object",
-                       code="invalid_json") from None
-    except ValueError:  # an integer longer than sys.get_int_max_str_digits()
-        raise APIError(400, "the body holds an integer of thousands of digits; integers here fit in 64 bits",
-                       code="invalid_value") from None
-    check_values(value)
-    return value
-
-
-def check_values(value) -> None:
-    """APIError(400) at the first value no field takes: a lone surrogate, a non-finite number, an integer past
-    64 bits, nesting past MAX_DEPTH. Walks with a stack (no recursion: the depth is the input's)."""
-    stack = [(value, ())]
-    while stack:
-        v, loc = stack.pop()
-        if isinstance(v, str):
-            _check_text(v, loc)
-        elif isinstance(v, float) and not math.isfinite(v):
-            raise _bad(loc, f"NaN and Infinity are not JSON numbers (got {v})")
-        elif isinstance(v, int) and not isinstance(v, bool) and not -INT64 <= v < INT64:
-            raise _bad(loc, f"an integer of {len(str(abs(v)))} digits is out of range; integers here fit in "
-                            "64 bits")
-        elif isinstance(v, dict | list):
-            if len(loc) >= MAX_DEPTH:
-                raise _bad(loc, f"the body nests deeper than {MAX_DEPTH} levels")
-            if isinstance(v, list) and set(map(type, v)) <= {int} and v:  # token ids: one pass at C speed
-                if not (-INT64 <= min(v) and max(v) < INT64):
-                    raise _bad(loc, "an integer is out of range; integers here fit in 64 bits")
-                continue
-            for key, item in (v.items() if isinstance(v, dict) else enumerate(v)):
-                if isinstance(key, str):
-                    _check_text(key, loc)
-                stack.append((item, (*loc, key)))
-
-
-def _check_text(s: str, loc: tuple) -> None:
-    if s.isascii():
-        return
-    try:
-        s.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise _bad(loc, f"a string holds a lone UTF-16 surrogate (U+{ord(s[e.start]):04X}); send valid "
-                        "Unicode") from None
-
-
-def _bad(loc: tuple, message: str) -> APIError:
-    param = param_of(loc) if loc else None
-    return APIError(400, f"{param}: {message}" if param else message, param=param, code="invalid_value")
+def as_400(e: BodyError) -> APIError:
+    return APIError(400, e.message, param=e.param, code=e.code)
 
 
 class JSONBodies:
@@ -95,12 +39,16 @@ class JSONBodies:
     and FastAPI would then not parse it, so it (and an unlabelled body) is relabelled application/json;
     another media type is a 415, as vLLM answers. None may exceed max_bytes: 413 with an OpenAI error body
     (Starlette's own limit answers in plain text), at once when Content-Length says so, else when the bytes
-    read pass the limit. The body is read whole, then parsed and checked by read_json (a large one in a worker
-    thread), and handed on with its value in the scope for ParsedJSONRoute (FastAPI's route would parse it
-    again). In the event loop, a large body's parse held up the actor's other requests."""
+    read pass the limit. The body is read whole, then parsed and checked by read_json (from THREAD_MIN_BYTES
+    in a worker thread, from PROCESS_MIN_BYTES in the body parser's process), and handed on with its value in
+    the scope for ParsedJSONRoute (FastAPI's route would parse it again). In the event loop, a large body's
+    parse held up the actor's other requests. max_model_len(), where given, bounds a prompt's token ids in
+    the parser's process (None: no bound; a failure to learn it, too)."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int):
-        self.app, self.max_bytes = app, max_bytes
+    def __init__(self, app: ASGIApp, max_bytes: int,
+                 max_model_len: Callable[[], Awaitable[int | None]] | None = None):
+        self.app, self.max_bytes, self.max_model_len = app, max_bytes, max_model_len
+        self.parser = BodyParser()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] != "POST":
@@ -133,10 +81,9 @@ class JSONBodies:
                 break
         body = b"".join(chunks)
         try:
-            scope[PARSED] = (read_json(body) if len(body) < THREAD_MIN_BYTES
-                             else await asyncio.to_thread(read_json, body))
-        except APIError as e:
-            return await e.response()(scope, receive, send)
+            scope[PARSED] = await self._parsed(body, scope["path"])
+        except BodyError as e:
+            return await as_400(e).response()(scope, receive, send)
         replayed = False
 
         async def replay() -> Message:
@@ -147,6 +94,22 @@ class JSONBodies:
             return {"type": "http.request", "body": body, "more_body": False}
 
         await self.app(scope, replay, send)
+
+
+    async def _parsed(self, body: bytes, path: str):
+        if len(body) < THREAD_MIN_BYTES:
+            return read_json(body)
+        if len(body) < PROCESS_MIN_BYTES:
+            return await asyncio.to_thread(read_json, body)
+        return await self.parser.read_json(body, await self._max_ids(path))
+
+    async def _max_ids(self, path: str) -> int | None:
+        if self.max_model_len is None or path not in PROMPT_ROUTES:
+            return None
+        try:
+            return await self.max_model_len()
+        except Exception:  # noqa: BLE001  (the deployment not reachable: no bound here, the endpoint refuses)
+            return None
 
 
 class ParsedJSONRequest(Request):

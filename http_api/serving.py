@@ -112,6 +112,9 @@ class OpenAIServing:
             self._texts = TokenTexts(self._info["tokenizer"])
         return self._info
 
+    async def max_model_len(self) -> int | None:
+        return (await self.info())["max_model_len"]
+
     # ---- endpoints ---------------------------------------------------------------------------------------
 
     async def completions(self, req: CompletionRequest,

@@ -17,7 +17,8 @@ from cluster_configs.errors import AdapterError, Unavailable
 from cluster_configs.sampling_params import SamplingParams
 from http_api.app import build_app
 from http_api.errors import InternalErrors, as_api_error
-from http_api.json_bodies import MAX_DEPTH
+from http_api.json_bodies import PROCESS_MIN_BYTES
+from http_api.json_values import MAX_DEPTH
 from http_api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -297,6 +298,34 @@ def test_an_odd_but_decodable_body_is_a_4xx_with_an_openai_error(tiny_url, name)
     assert (r.status_code, set(error)) == (status, ERROR_KEYS), r.text[:300]
     assert error["type"] == "invalid_request_error" and 0 < len(error["message"]) < 400, error
     assert r.headers["X-Request-Id"]
+
+
+@pytest.mark.parametrize("name", [n for n in ODD if ODD[n][2] is None])
+def test_an_odd_body_past_the_process_size_is_answered_as_a_small_one(tiny_url, name):
+    # the same body behind PROCESS_MIN_BYTES of leading whitespace (JSON allows it): parsed in the body
+    # parser's process (http_api/body_parser.py), answered with the same status and code
+    path, body, _, status = ODD[name]
+    small = requests.post(f"{tiny_url}{path}", data=body, timeout=60)
+    large = requests.post(f"{tiny_url}{path}", data=b" " * PROCESS_MIN_BYTES + body, timeout=60)
+    assert (large.status_code, set(large.json()["error"])) == (status, ERROR_KEYS), large.text[:300]
+    assert large.json()["error"]["code"] == small.json()["error"]["code"], (small.text[:300],
+                                                                             large.text[:300])
+
+
+def test_a_prompt_of_more_token_ids_than_the_context_is_refused_before_it_reaches_the_server(tiny_url):
+    max_model_len = requests.get(f"{tiny_url}/v1/models", timeout=60).json()["data"][0]["max_model_len"]
+    ids = [3 + i % 90 for i in range(300_000)]  # ~1.2 MB: parsed and refused in the body parser's process
+    for path, field in ((C, "prompt"), (E, "input")):
+        body = json.dumps({field: ids, "max_tokens": 1} if path == C else {field: ids}).encode()
+        assert len(body) >= PROCESS_MIN_BYTES
+        r = requests.post(f"{tiny_url}{path}", data=body, timeout=60)
+        error = r.json()["error"]
+        assert (r.status_code, error["code"], error["param"]) == (400, "context_length_exceeded", field)
+        assert f"{len(ids)} token ids" in error["message"], error
+        assert f"max_model_len={max_model_len}" in error["message"], error
+    one_short = json.dumps({"prompt": ids[:max_model_len - 1], "max_tokens": 1, "ignore_eos": True}).encode()
+    r = requests.post(f"{tiny_url}{C}", data=b" " * PROCESS_MIN_BYTES + one_short, timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == max_model_len - 1, r.text[:300]
 
 
 def test_the_server_serves_after_the_corpus(tiny_url):
