@@ -134,6 +134,12 @@ SOURCES = {
         "python -m benchmarks.bench_stall --phases refusal_text,refusal_token_ids --repeats 3 "
         "--out <outside the repository>",
         machine=ZEN4, commit="1a31aff"),
+    "stall-2026-12-02-zen4-refusals-process.json": Source(
+        "python -m benchmarks.bench_stall --phases refusal_text,refusal_token_ids --repeats 3 "
+        "--out benchmarks/results/stall-2026-12-02-zen4-refusals-process.json",
+        machine=ZEN4, commit="ecf643e",
+        note="Bodies of 1 MiB or more parsed in the body parser's process; a slower phase of the VM than the "
+        "run before it (idle p50 95 against 74 ms)."),
     "stall-2026-12-02-zen4-stationary.json": Source(
         "python -m benchmarks.bench_stall --phases prefill --repeats 3 --prompt-len 4096 "
         "--max-prefill-stretch 1.25 --stream-tokens 256 "
