@@ -9,8 +9,9 @@ stdin and answers on its stdout, a pickled ("value", value) or ("error", message
 it refuses a list of more token ids than the context holds itself, so such a body never crosses back. Not
 multiprocessing: a spawned child of a Ray worker would import Ray's worker script as its main module.
 
-One body at a time per parser (a lock). The child starts at the first body; a child that dies (killed, out
-of memory) is started again for the next, and the body it held is parsed in a thread of this process.
+One body at a time per parser (a lock held by the exchanging thread). The child starts at the first body; a
+child that dies (killed, out of memory) is started again for the next, and the body it held is parsed in a
+thread of this process.
 """
 
 import asyncio
@@ -46,18 +47,21 @@ def answer_value(answer: tuple):
 class BodyParser:
     def __init__(self):
         self._child: subprocess.Popen | None = None
-        self._lock = asyncio.Lock()
-        self._start_lock = threading.Lock()
+        # one exchange at a time, held by the thread that runs it: a caller cancelled mid-exchange (its
+        # coroutine gone) does not let the next body's bytes interleave with its own in the pipe
+        self._lock = threading.RLock()
 
     async def read_json(self, body: bytes, max_ids: int | None = None):
         """read_json(body, max_ids) in the child process: the value, or BodyError."""
-        async with self._lock:
+        return answer_value(await asyncio.to_thread(self._answer, body, max_ids))
+
+    def _answer(self, body: bytes, max_ids: int | None) -> tuple:
+        with self._lock:
             try:
-                answer = await asyncio.to_thread(self._exchange, body, max_ids)
+                return self._exchange(body, max_ids)
             except (OSError, EOFError, struct.error, pickle.UnpicklingError):
                 self.close()  # the child died: the next body starts another
-                answer = await asyncio.to_thread(parse, body, max_ids)
-        return answer_value(answer)
+        return parse(body, max_ids)  # this one here, in this thread
 
     def _exchange(self, body: bytes, max_ids: int | None) -> tuple:
         child = self._started()
@@ -68,13 +72,12 @@ class BodyParser:
         return pickle.loads(_read(child.stdout, size))
 
     def _started(self) -> subprocess.Popen:
-        with self._start_lock:
-            if self._child is None or self._child.poll() is not None:
-                env = os.environ | {"PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-                self._child = subprocess.Popen([sys.executable, "-m", "http_api.body_parser"],
-                                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
-                weakref.finalize(self, _end, self._child)  # a parser dropped unclosed ends its child
-            return self._child
+        if self._child is None or self._child.poll() is not None:
+            env = os.environ | {"PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+            self._child = subprocess.Popen([sys.executable, "-m", "http_api.body_parser"],
+                                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+            weakref.finalize(self, _end, self._child)  # a parser dropped unclosed ends its child
+        return self._child
 
     @property
     def pid(self) -> int | None:
@@ -82,11 +85,11 @@ class BodyParser:
         return None if self._child is None or self._child.poll() is not None else self._child.pid
 
     def close(self) -> None:
-        """End the child (the next body starts another). Idempotent."""
-        with self._start_lock:
+        """End the child (the next body starts another; one mid-exchange first finishes). Idempotent."""
+        with self._lock:
             child, self._child = self._child, None
-        if child is not None:
-            _end(child)
+            if child is not None:
+                _end(child)
 
 
 def _end(child: subprocess.Popen) -> None:
