@@ -46,7 +46,7 @@ def test_a_parser_whose_process_died_answers_the_next_body_from_a_new_one():
         assert asyncio.run(parser.read_json(BODIES[0])) == json.loads(BODIES[0])
         first = parser.pid
         os.kill(first, signal.SIGKILL)
-        assert asyncio.run(parser.read_json(BODIES[-1])) == json.loads(BODIES[-1])  # parsed here
+        assert asyncio.run(parser.read_json(BODIES[-1])) == json.loads(BODIES[-1])  # here or by a new one
         assert asyncio.run(parser.read_json(BODIES[0])) == json.loads(BODIES[0])
         assert parser.pid not in (None, first)
     finally:
@@ -63,3 +63,21 @@ def test_the_parsers_process_imports_no_web_framework():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_a_prompt_of_max_ids_token_ids_passes_and_one_more_is_refused():
+    parser = BodyParser()
+    try:
+        for n, refused in ((4096, False), (4097, True)):
+            body = json.dumps({"prompt": [[5] * 3, [7] * n]}).encode()
+            if refused:
+                try:
+                    asyncio.run(parser.read_json(body, 4096))
+                except BodyError as e:
+                    assert (e.param, e.code) == ("prompt[1]", "context_length_exceeded"), e
+                else:
+                    raise AssertionError("a prompt of 4,097 ids passed a bound of 4,096")
+            else:
+                assert asyncio.run(parser.read_json(body, 4096)) == json.loads(body)
+    finally:
+        parser.close()

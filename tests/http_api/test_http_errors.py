@@ -323,9 +323,12 @@ def test_a_prompt_of_more_token_ids_than_the_context_is_refused_before_it_reache
         assert (r.status_code, error["code"], error["param"]) == (400, "context_length_exceeded", field)
         assert f"{len(ids)} token ids" in error["message"], error
         assert f"max_model_len={max_model_len}" in error["message"], error
-    one_short = json.dumps({"prompt": ids[:max_model_len - 1], "max_tokens": 1, "ignore_eos": True}).encode()
-    r = requests.post(f"{tiny_url}{C}", data=b" " * PROCESS_MIN_BYTES + one_short, timeout=60)
-    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == max_model_len - 1, r.text[:300]
+    # a large body within the bound crosses back and is served (a short prompt: a long one's first prefill
+    # compiles the tiled attention kernel, minutes on a loaded CI machine; the bound's edge is
+    # tests/http_api/test_body_parser.py's)
+    short = json.dumps({"prompt": ids[:8], "max_tokens": 1, "ignore_eos": True}).encode()
+    r = requests.post(f"{tiny_url}{C}", data=b" " * PROCESS_MIN_BYTES + short, timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 8, r.text[:300]
 
 
 def test_the_server_serves_after_the_corpus(tiny_url):
