@@ -4,8 +4,8 @@ this process writes.
 A thread does not do: json.loads of a 5 MB body of ~750k token ids and the check of its values hold the
 interpreter's lock for ~90 ms (the Zen 4 VM), and the server's event loop, which writes every running
 stream's chunks, waits that long (benchmarks/bench_stall.py). A child process (`python -m
-http_api.body_parser`, importing only the json module and http_api/json_values.py) reads each body from its
-stdin and answers on its stdout, a pickled ("value", value) or ("error", message, param, code); with max_ids
+http_api.body_parser`, importing only json, msgpack and http_api/json_values.py) reads each body from its
+stdin and answers on its stdout, msgpack of ("value", value) or ("error", message, param, code); with max_ids
 it refuses a list of more token ids than the context holds itself, so such a body never crosses back. Not
 multiprocessing: a spawned child of a Ray worker would import Ray's worker script as its main module.
 
@@ -16,17 +16,18 @@ thread of this process.
 
 import asyncio
 import os
-import pickle
 import struct
 import subprocess
 import sys
 import threading
 import weakref
 
+import msgpack
+
 from http_api.json_values import BodyError, read_json
 
 _REQUEST = struct.Struct("<QQ")  # the body's bytes, max_ids (0: no bound); then the body
-_ANSWER = struct.Struct("<Q")  # the pickled answer's bytes; then the answer
+_ANSWER = struct.Struct("<Q")  # the answer's bytes (msgpack); then the answer
 
 
 def parse(body: bytes, max_ids: int | None) -> tuple:
@@ -59,7 +60,7 @@ class BodyParser:
         with self._lock:
             try:
                 return self._exchange(body, max_ids)
-            except (OSError, EOFError, struct.error, pickle.UnpicklingError):
+            except (OSError, EOFError, struct.error, ValueError):  # msgpack's errors are ValueErrors
                 self.close()  # the child died: the next body starts another
         return parse(body, max_ids)  # this one here, in this thread
 
@@ -69,7 +70,7 @@ class BodyParser:
         child.stdin.write(body)
         child.stdin.flush()
         (size,) = _ANSWER.unpack(_read(child.stdout, _ANSWER.size))
-        return pickle.loads(_read(child.stdout, size))
+        return msgpack.unpackb(_read(child.stdout, size), strict_map_key=False)
 
     def _started(self) -> subprocess.Popen:
         if self._child is None or self._child.poll() is not None:
@@ -114,7 +115,7 @@ def main() -> None:
         if len(request) < _REQUEST.size:
             return  # the server closed the pipe: it ended
         size, max_ids = _REQUEST.unpack(request)
-        answer = pickle.dumps(parse(_read(stdin, size), max_ids or None), protocol=pickle.HIGHEST_PROTOCOL)
+        answer = msgpack.packb(parse(_read(stdin, size), max_ids or None))
         stdout.write(_ANSWER.pack(len(answer)))
         stdout.write(answer)
         stdout.flush()
