@@ -95,16 +95,68 @@ def thread_cpu_ids() -> tuple[int, ...]:
     return tuple(sorted(cpu_ids))
 
 
+MPOL_BIND = 2  # <linux/mempolicy.h>
+MPOL_MF_MOVE = 1 << 1  # mbind: migrate the range's pages that are elsewhere and mapped by this process alone
+MPOL_F_ADDR = 1 << 1  # get_mempolicy: the policy of the mapping at an address, not the thread's
+_MASK_BITS = 1024  # node mask bits passed to the kernel (a multiple of the word size, > any node id)
+
+
+def _libnuma() -> ctypes.CDLL | str:
+    """libnuma, or why not (the text a binding reports)."""
+    path = ctypes.util.find_library("numa")
+    if path is None:
+        return "libnuma not found"
+    libnuma = ctypes.CDLL(path, use_errno=True)
+    if libnuma.numa_available() < 0:
+        return "the kernel has no NUMA support"
+    libnuma.mbind.argtypes = [ctypes.c_void_p, ctypes.c_ulong, ctypes.c_int, ctypes.c_void_p, ctypes.c_ulong,
+                              ctypes.c_uint]
+    libnuma.get_mempolicy.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_void_p, ctypes.c_ulong,
+                                      ctypes.c_void_p, ctypes.c_ulong]
+    return libnuma
+
+
+def memory_policy(address: int | None = None) -> tuple[int, list[int]] | None:
+    """(mode, node ids) of this thread's memory policy, or of the mapping holding address (mode 0: the
+    default, first touch); None without libnuma."""
+    libnuma = _libnuma()
+    if isinstance(libnuma, str):
+        return None
+    mode, mask = ctypes.c_int(0), (ctypes.c_ulong * (_MASK_BITS // 64))()
+    flags = 0 if address is None else MPOL_F_ADDR
+    if libnuma.get_mempolicy(ctypes.byref(mode), mask, _MASK_BITS, address, flags) != 0:
+        raise OSError(ctypes.get_errno(), f"get_mempolicy: {os.strerror(ctypes.get_errno())}")
+    return mode.value, [n for n in range(_MASK_BITS) if mask[n // 64] >> (n % 64) & 1]
+
+
+def bind_range_as_thread(address: int, nbytes: int) -> str:
+    """Bind the pages [address, address + nbytes) (page-aligned: a mapping's start) to the nodes this thread's
+    memory is bound to (bind_memory), moving those of them that sit on another node and that this process
+    alone maps (MPOL_MF_MOVE: a file's page-cache pages first read by a process elsewhere). What it did, for
+    the decision log; a thread with no binding (or no libnuma) leaves the range to first touch."""
+    libnuma = _libnuma()
+    if isinstance(libnuma, str):
+        return f"first-touch ({libnuma})"
+    policy = memory_policy()
+    if policy is None or policy[0] != MPOL_BIND:
+        return "first-touch (this thread's memory is not bound)"
+    _, node_ids = policy
+    mask = (ctypes.c_ulong * (_MASK_BITS // 64))()
+    for n in node_ids:
+        mask[n // 64] |= 1 << (n % 64)
+    if libnuma.mbind(address, nbytes, MPOL_BIND, mask, _MASK_BITS, MPOL_MF_MOVE) != 0:
+        err = ctypes.get_errno()  # EIO: some page could not be moved (mapped by another process too)
+        return f"bind:{','.join(map(str, node_ids))} failed ({os.strerror(err)}): pages where first touched"
+    return f"bind:{','.join(map(str, node_ids))}"
+
+
 def bind_memory(node_ids: list[int]) -> str:
     """Bind this thread's (and its future threads') allocations to node_ids with libnuma, if present."""
     if not node_ids:
         return "first-touch (no physical node holds these cores)"
-    path = ctypes.util.find_library("numa")
-    if path is None:
-        return "first-touch (libnuma not found)"
-    libnuma = ctypes.CDLL(path)
-    if libnuma.numa_available() < 0:
-        return "first-touch (the kernel has no NUMA support)"
+    libnuma = _libnuma()
+    if isinstance(libnuma, str):
+        return f"first-touch ({libnuma})"
     libnuma.numa_parse_nodestring.restype = ctypes.c_void_p
     libnuma.numa_parse_nodestring.argtypes = [ctypes.c_char_p]
     libnuma.numa_set_membind.argtypes = [ctypes.c_void_p]

@@ -14,15 +14,17 @@ earn its dependency.
 Reading is one sequential pass into one buffer of process memory (huge pages: the kernels stream weights
 faster from them), then zero-copy views of it. Or it maps the file (mapped=True): the arrays are views of a
 private mapping of it, so a load copies nothing and the weights' pages are the page cache's, faulted in by a
-second thread while the first parses the manifest (numba starts there); a write to an array copies only its
-page, never reaches the file. The page cache's pages are huge where the kernel keeps a file's cache in large
-folios (ext4 and XFS on recent Linux: 77% of a 1.17 GB entry's mapping PMD-mapped on Linux 6.18 ext4), else
-4 KB, which batch-1 decode measured 0.93x the buffer's speed on an older kernel. mapped="auto" maps and keeps
-the mapping where at least HUGE_SHARE of it is on huge pages (/proc/self/smaps' FilePmdMapped), else copies
-it into a buffer (the read's cost, no more: its pages were faulted in from the page cache). Either way every
-array's checksum is verified (a small fraction of the read); a bad magic, manifest, size or checksum raises
-CorruptEntry saying which. The blob starts STREAM_OFFSET bytes past a page, so that in a mapping, as in the
-buffer, every array starts where kernels/placement.py places weight streams.
+second thread while the first parses the manifest (numba starts there), then bound with mbind to the NUMA
+nodes the loading thread's memory is bound to (memory/numa.py: a worker's node; pages cached elsewhere move
+there); a write to an array copies only its page, never reaches the file. The page cache's pages are huge
+where the kernel keeps a file's cache in large folios (ext4 and XFS on recent Linux: 77% of a 1.17 GB entry's
+mapping PMD-mapped on Linux 6.18 ext4), else 4 KB, which batch-1 decode measured 0.93x the buffer's speed on
+an older kernel. mapped="auto" maps and keeps the mapping where at least HUGE_SHARE of it is on huge pages
+(/proc/self/smaps' FilePmdMapped), else copies it into a buffer (the read's cost, no more: its pages were
+faulted in from the page cache). Either way every array's checksum is verified (a small fraction of the read);
+a bad magic, manifest, size or checksum raises CorruptEntry saying which. The blob starts STREAM_OFFSET bytes
+past a page, so that in a mapping, as in the buffer, every array starts where kernels/placement.py places
+weight streams.
 """
 
 import json
@@ -40,6 +42,7 @@ import numpy as np
 
 from kernels.checksum import weighted_sum, weighted_sum_parallel
 from kernels.placement import STREAM_OFFSET, stream_empty
+from memory.numa import bind_range_as_thread
 from memory.smaps import mapping_at
 
 MAGIC = b"NSPACK\x00\x01"
@@ -161,10 +164,10 @@ def read_entry(path: Path, meanwhile: Callable[[dict], None] | None = None,
             raise CorruptEntry(f"{path}: truncated inside its manifest ({size} bytes)")
         raw = _read_exactly(f, manifest_bytes, path)
         blob_bytes = size - blob_start
-        if mapped:  # True or "auto"
+        if mapped:  # True or "auto": (buffer, NUMA binding)
             reading = reader.submit(_map, f, blob_start, blob_bytes)
         else:
-            reading = reader.submit(_read_into, path, blob_start, _aligned_buffer(blob_bytes))
+            reading = reader.submit(lambda: (_read_into(path, blob_start, _aligned_buffer(blob_bytes)), ""))
         try:
             fields = _manifest(raw, manifest_sum, path)
             if fields.pop("blob_bytes") != blob_bytes:
@@ -175,11 +178,11 @@ def read_entry(path: Path, meanwhile: Callable[[dict], None] | None = None,
             failed = reading.exception()  # waits for the read: the buffer is not handed on half-filled
         if failed is not None:
             raise failed
-        buf = reading.result()
+        buf, binding = reading.result()
     why, kept = "into memory of its own", bool(mapped)
     if mapped:
         share = huge_page_share(buf)
-        why = f"{share:.0%} of the mapping on huge pages"
+        why = f"{share:.0%} of the mapping on huge pages, NUMA {binding}"
         if mapped == "auto" and share < HUGE_SHARE:  # 4 KB pages: decode would read the weights slower
             why, kept = f"{why}, under {HUGE_SHARE:.0%}: copied into memory of its own", False
             buf = _copied(buf)
@@ -227,17 +230,21 @@ def _read_into(path: Path, offset: int, buf: np.ndarray) -> np.ndarray:
     return buf
 
 
-def _map(f, offset: int, nbytes: int) -> np.ndarray:
-    """uint8 [nbytes]: the file's bytes from offset, a private writable mapping (copy on write: numba's
+def _map(f, offset: int, nbytes: int) -> tuple[np.ndarray, str]:
+    """(uint8 [nbytes]: the file's bytes from offset, a private writable mapping (copy on write: numba's
     kernels take writable arrays), every page faulted in: read once, a byte a page (numpy's loop releases
-    the GIL), so the pages are the page cache's own, not copies."""
+    the GIL), so the pages are the page cache's own, not copies; how the mapping is bound to NUMA nodes).
+
+    Pages read from disk by the fault land where this thread's memory is bound (a worker's: its node's); the
+    mapping is then bound to the same nodes with mbind, which moves there the pages the page cache already
+    held elsewhere (read by a process on another node) as far as no other process maps them."""
     mapping = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
     if hasattr(mmap, "MADV_HUGEPAGE"):  # pages not cached yet are read into huge folios, mapped huge
         mapping.madvise(mmap.MADV_HUGEPAGE)
     mapping.madvise(mmap.MADV_WILLNEED)
     buf = np.frombuffer(mapping, np.uint8, nbytes, offset)
     np.bitwise_or.reduce(buf[::_PAGE])
-    return buf
+    return buf, bind_range_as_thread(buf.ctypes.data - offset, len(mapping))
 
 
 def _read_exactly(f, n: int, path: Path) -> bytes:

@@ -76,3 +76,31 @@ def test_first_touch_keeps_the_values():
     numa.first_touch(a[:0], b)
     assert b.sum() == 0
     numa.first_touch(np.zeros(1 << 20, np.uint16))
+
+
+def test_a_range_takes_the_threads_binding_and_reports_it(tmp_path):
+    blob = tmp_path / "blob"
+    blob.write_bytes(bytes(range(256)) * 4096)  # 1 MiB: 256 pages
+    code = textwrap.dedent(f"""
+        import mmap
+        import numpy as np
+        from memory import numa
+        with open({str(blob)!r}, "rb") as f:
+            m = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        buf = np.frombuffer(m, np.uint8)
+        address = buf.ctypes.data
+        print(numa.bind_range_as_thread(address, len(m)))
+        print(numa.bind_memory([0]))
+        print(numa.bind_range_as_thread(address, len(m)))
+        print(numa.memory_policy(address), numa.memory_policy(address + len(m) - 1), numa.memory_policy())
+        assert buf[::4096].tolist() == [0] * 256 and int(buf.sum()) == 255 * 128 * 4096  # the bytes unchanged
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__)))).stdout.splitlines()
+    assert out[0] in ("first-touch (this thread's memory is not bound)", "first-touch (libnuma not found)",
+                      "first-touch (the kernel has no NUMA support)")
+    if out[1] != "bind:0":
+        assert out[2].startswith("first-touch (")
+        return
+    bind = f"({numa.MPOL_BIND}, [0])"
+    assert out[2] == "bind:0" and out[3] == f"{bind} {bind} {bind}"

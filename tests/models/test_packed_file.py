@@ -1,18 +1,23 @@
 """One packed-cache entry (models/packed/file.py), mapped and read: what comes back is what was written, every
 array where kernels/placement.py places weight streams; a mapped one lies in a private mapping of the entry
 (nothing copied, a write never reaching the file); mapped="auto" keeps the mapping where smaps says it is
-mostly on huge pages, else a copy; any damage to the file raises CorruptEntry every way."""
+mostly on huge pages, else a copy, and binds it to the NUMA nodes the loading thread's memory is bound to;
+any damage to the file raises CorruptEntry every way."""
 
 import json
 import os
 import re
 import struct
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from kernels.placement import LINE, STREAM_OFFSET
+from memory import numa
 from models.packed import file
 from models.packed.file import HUGE_SHARE, CorruptEntry, huge_page_share, read_entry, write_entry
 
@@ -177,3 +182,26 @@ def test_an_entry_is_written_in_whole_aligned_huge_pages(most):
     firsts = {offset for offset in starts if offset % file._HUGE == 0}
     assert firsts == set(range(0, len(expected), file._HUGE))
     assert all(offset // file._HUGE == (offset + n - 1) // file._HUGE for offset, n in raw.calls)
+
+
+def test_a_mapped_entry_is_bound_to_the_nodes_the_loading_threads_memory_is(tmp_path):
+    # in a process of its own: a worker binds its memory (memory/numa.py bind_memory) before it loads
+    path = write(tmp_path)
+    code = textwrap.dedent(f"""
+        from memory import numa
+        from models.packed.file import read_entry
+        unbound = read_entry({str(path)!r}, mapped=True)
+        print(unbound.why, "|", numa.memory_policy(unbound.arrays[0].ctypes.data))
+        print(numa.bind_memory([0]))
+        bound = read_entry({str(path)!r}, mapped=True)
+        print(bound.why, "|", numa.memory_policy(bound.arrays[0].ctypes.data))
+    """)
+    root = Path(__file__).parents[2]
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=root,
+                         env=os.environ | {"PYTHONPATH": str(root)}).stdout.splitlines()
+    unbound, binding, bound = out
+    if binding != "bind:0":  # no libnuma here: both left to first touch, and say so
+        assert "NUMA first-touch (" in unbound and "NUMA first-touch (" in bound
+        return
+    assert "NUMA first-touch (this thread's memory is not bound)" in unbound and unbound.endswith("| (0, [])")
+    assert "NUMA bind:0" in bound and bound.endswith(f"| ({numa.MPOL_BIND}, [0])")
