@@ -28,10 +28,12 @@ import kernels  # noqa: F401  (pins numba's threading layer first)
 from benchmarks.machine import cpu_name
 from kernels.formats.int8_layout import padded_k, quantize_activations
 from kernels.linear import int8 as linear_int8
+from kernels.linear.chunking import linear_tiles
 from kernels.placement import LINE, STREAM_OFFSET
 from kernels.simd import vnni as simd_vnni
 
 RESULTS = Path(__file__).parent / "results"
+CHUNK = linear_tiles().x_chunk_bytes  # x's bytes per pass over the weights, this CPU's
 # TinyLlama-1.1B: per layer qkv, o, gate_up, down; then the LM head
 SHAPES = [(2560, 2048), (2048, 2048), (11264, 2048), (2048, 5632)] * 22 + [(32000, 2048)]
 
@@ -77,9 +79,9 @@ def _kernel_with_prefetch_below(min_tokens: int):
         kernel = njit(nogil=True, parallel=True)(linear_int8.matmul_vnni.py_func)
         xq = np.zeros((1, 256), np.int8)
         kernel(xq, np.zeros((1, 8), np.float32), np.zeros((1, 8), np.int32), np.zeros((4, 256), np.uint8),
-               np.zeros((4, 8), np.uint16), np.zeros((1, 4), np.float32), 8)  # compiles now, with this value
+               np.zeros((4, 8), np.uint16), np.zeros((1, 4), np.float32), 8, CHUNK)  # compiles now, with this
         kernel(xq, np.zeros((1, 8), np.float32), np.zeros((1, 8), np.int32), np.zeros((4, 128), np.uint8),
-               np.zeros((4, 8), np.uint16), np.zeros((1, 4), np.float32), 4)
+               np.zeros((4, 8), np.uint16), np.zeros((1, 4), np.float32), 4, CHUNK)
     finally:
         simd_vnni.PREFETCH_MIN_TOKENS = shipped
     return kernel
@@ -99,7 +101,7 @@ def run_format(bits: int, offsets: list[int], repeats: int, rng) -> dict:
         kernel, mats = variants[name]
         start = time.perf_counter()
         for m in mats:
-            kernel(*m, bits)
+            kernel(*m, bits, CHUNK)
         return nbytes / (time.perf_counter() - start)
 
     def probe():

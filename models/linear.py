@@ -17,6 +17,7 @@ from kernels.formats.ggml_blocks import BLOCK_DTYPES, CODE
 from kernels.formats.int8_layout import QK, padded_k, quantize_activations
 from kernels.linear.bf16 import matmul_bf16, round_activations
 from kernels.linear.blocks import matmul_blocks
+from kernels.linear.chunking import linear_tiles
 from kernels.linear.dispatch import gather_rows_bf16, matmul
 from kernels.linear.int8 import matmul_int8, matmul_vnni
 from kernels.linear.kquant import matmul_kquant, matmul_kquant_avx2
@@ -32,30 +33,31 @@ def linear(x: np.ndarray, w: Matrix, out: np.ndarray | None = None) -> np.ndarra
         return np.concatenate([linear(x, p) for p in w.parts], axis=1, out=out)
     T, N = x.shape[0], w.shape[0]
     out = np.empty((T, N), np.float32) if out is None else out
+    chunk = linear_tiles().x_chunk_bytes
     if isinstance(w, Bf16Matrix):
         xb = np.empty((T, w.data.shape[1]), np.uint16)
         round_activations(np.ascontiguousarray(x), xb)
-        matmul_bf16(xb, w.data, out)
+        matmul_bf16(xb, w.data, out, chunk)
     elif isinstance(w, Int8Matrix):
         xq, xd, xsum = quantized_activations(x, w)
         if w.vnni:
-            matmul_vnni(xq, xd, xsum, w.data, w.scales, out, 4 if w.dtype == "q4_0" else 8)
+            matmul_vnni(xq, xd, xsum, w.data, w.scales, out, 4 if w.dtype == "q4_0" else 8, chunk)
         else:
-            matmul_int8(xq, xd, xsum, w.data, w.scales, out)
+            matmul_int8(xq, xd, xsum, w.data, w.scales, out, chunk)
     elif isinstance(w, BlockInt8Matrix):
         xq, xd, xsum = quantized_activations(x, w)
         p = w.packed
         if w.dtype == "q6_k":
-            (matmul_q6k if w.vnni else matmul_q6k_avx2)(xq, xd, xsum, p.data, p.d, out)
+            (matmul_q6k if w.vnni else matmul_q6k_avx2)(xq, xd, xsum, p.data, p.d, out, chunk)
         elif w.vnni:
-            matmul_kquant(xq, xd, xsum, p.data, out, p.qtype)
+            matmul_kquant(xq, xd, xsum, p.data, out, p.qtype, chunk)
         else:
-            matmul_kquant_avx2(xq, xd, xsum, p.data, out, p.qtype)
+            matmul_kquant_avx2(xq, xd, xsum, p.data, out, p.qtype, chunk)
     elif w.dtype in BLOCK_DTYPES:  # dequantized by groups of rows into the float32 kernel: the same bits
-        matmul_blocks(np.ascontiguousarray(x), w.data, CODE[w.dtype], out)
+        matmul_blocks(np.ascontiguousarray(x), w.data, CODE[w.dtype], out, chunk)
     else:  # one kernel at every batch size: see the module docstring
         data = f16_kernel_bits(w.data) if w.dtype == "float16" else w.data
-        matmul(np.ascontiguousarray(x), data, _scales(w), out)
+        matmul(np.ascontiguousarray(x), data, _scales(w), out, chunk)
     return out
 
 

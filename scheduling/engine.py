@@ -13,6 +13,7 @@ from cluster_configs.engine_config import EngineConfig
 from cluster_configs.errors import InvalidRequest
 from cluster_configs.sampling_params import SamplingParams
 from kernels import resolve_num_threads, threading_decision
+from kernels.linear.chunking import linear_tiles
 from memory.heap import release_free_heap
 from memory.kv_cache import KVCache
 from models.decoder import DecoderModel
@@ -69,6 +70,8 @@ class Engine:
         self.num_threads = resolve_num_threads(config.num_threads, self.ranks.cpu_ids)
         numba.set_num_threads(self.num_threads)  # thread-local: a thread that steps the engine sets it too
         self.decisions.record("threading", **threading_decision())  # once set_num_threads started them
+        tiles = linear_tiles()
+        self.decisions.record("tiles", f"x chunk {tiles.x_chunk_bytes >> 10} KiB", tiles.why)
         loaded = load_planned(model_path, config, self.decisions, self.ranks.shard)  # via the packed cache
         self.ranks.wait_ready()
         self.spec, weights, self.tokenizer, self.load_stats = (loaded.spec, loaded.weights, loaded.tokenizer,

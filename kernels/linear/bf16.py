@@ -21,10 +21,11 @@ BLOCK_TOKENS = 6
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def matmul_bf16(xb, w, out):
-    # xb: [T, Kp] uint16 bf16, w: [N4, Kp] uint16 bf16 in 4-row blocks, out: [T, N] f32
+def matmul_bf16(xb, w, out, x_chunk_bytes):
+    # xb: [T, Kp] uint16 bf16, w: [N4, Kp] uint16 bf16 in 4-row blocks, out: [T, N] f32; x_chunk_bytes:
+    # kernels/linear/chunking.py
     T, Kp = xb.shape
-    chunk = token_chunk(2 * Kp, BLOCK_TOKENS)
+    chunk = token_chunk(2 * Kp, BLOCK_TOKENS, x_chunk_bytes)
     for c0 in range(0, T, chunk):
         c1 = min(T, c0 + chunk)
         for task in prange(w.shape[0] // ROWS):

@@ -24,16 +24,16 @@ TOKENS = 4  # tokens per register block
 PARTS_PER_THREAD = 4  # parts per thread: work can move off a core another process holds
 
 
-def matmul_blocks(x: np.ndarray, data: np.ndarray, code: int, out: np.ndarray) -> None:
+def matmul_blocks(x: np.ndarray, data: np.ndarray, code: int, out: np.ndarray, x_chunk_bytes: int) -> None:
     # x: [T, K] f32; data: uint8 [N, row_bytes] in format code; out: [T, N] f32
-    _matmul_parts(x, data, code, out, PARTS_PER_THREAD * get_num_threads())
+    _matmul_parts(x, data, code, out, PARTS_PER_THREAD * get_num_threads(), x_chunk_bytes)
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def _matmul_parts(x, data, code, out, num_parts):
+def _matmul_parts(x, data, code, out, num_parts, x_chunk_bytes):
     T, K = x.shape
     N = out.shape[1]
-    chunk = token_chunk(4 * K, TOKENS)
+    chunk = token_chunk(4 * K, TOKENS, x_chunk_bytes)
     num_groups = (N + ROWS - 1) // ROWS
     num_parts = min(num_groups, num_parts)
     w = np.empty((num_parts, ROWS, K), np.float32)  # each part's dequantized group

@@ -19,11 +19,11 @@ MATVEC_MAX_TOKENS = 3  # up to this many tokens: one row per task
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def matmul(x, data, scales, out):
+def matmul(x, data, scales, out, x_chunk_bytes):
     # x: [T, K] f32; data/scales: one weight in any served format (kernels/formats/dequant.py; float16 as
-    # int16 bits, kernels/formats/fp16.py); out: [T, N] f32
+    # int16 bits, kernels/formats/fp16.py); out: [T, N] f32; x_chunk_bytes: kernels/linear/chunking.py
     T, K = x.shape
-    chunk = token_chunk(4 * K, 8)
+    chunk = token_chunk(4 * K, 8, x_chunk_bytes)
     for c0 in range(0, T, chunk):  # a chunk of x stays in L2 while every row group passes over it
         _matmul_chunk(x, data, scales, out, c0, min(T, c0 + chunk))
 

@@ -24,11 +24,11 @@ from kernels.simd.vnni_wide import vnni_block_wide
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def matmul_int8(xq, xd, xsum, data, scales, out):
+def matmul_int8(xq, xd, xsum, data, scales, out, x_chunk_bytes):
     # xq: [T, Kp] int16 (q8_0) | int8 (q4_0), xd/xsum: [T, Kp // 32], data/scales: one packed weight,
-    # out: [T, N] f32
+    # out: [T, N] f32; x_chunk_bytes: kernels/linear/chunking.py
     T, Kp = xq.shape
-    chunk = token_chunk(xq.itemsize * Kp, 4)
+    chunk = token_chunk(xq.itemsize * Kp, 4, x_chunk_bytes)
     for c0 in range(0, T, chunk):
         c1 = min(T, c0 + chunk)
         for n in prange(out.shape[1]):
@@ -70,7 +70,7 @@ def _row_impl(xq, xd, xsum, data, scales, out, n, c0, c1):
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def matmul_vnni(xq, xd, xsum, data, scales, out, bits):
+def matmul_vnni(xq, xd, xsum, data, scales, out, bits, x_chunk_bytes):
     # xq: [T, Kp] int8 (quad order), xd/xsum: [T, Kp // 32], data: uint8 q8_0 [N4, Kp] (bits 8) | q4_0
     # [N4, Kp // 2] (bits 4) in 4-row blocks (int8_layout.pack_q8_0_quads, pack_q4_0), scales: [N4, Kp // 32],
     # out: [T, N] f32, N4 = N rounded up to 4. A task owns a block of 4 output rows (kernels/simd/vnni.py).
@@ -78,7 +78,7 @@ def matmul_vnni(xq, xd, xsum, data, scales, out, bits):
     T, Kp = xq.shape
     if T > 1:  # one token is its own pairing
         xq, xd, xsum = pair_tokens(xq, xd, xsum, whole_batch(T))
-    chunk = token_chunk(Kp, PAIR_BLOCK_TOKENS)
+    chunk = token_chunk(Kp, PAIR_BLOCK_TOKENS, x_chunk_bytes)
     for c0 in range(0, T, chunk):
         c1 = min(T, c0 + chunk)
         for task in prange(data.shape[0] // VNNI_ROWS):

@@ -31,35 +31,35 @@ from kernels.simd.vnni import ROWS
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def matmul_kquant(xq, xd, xsum, data, out, qtype):
+def matmul_kquant(xq, xd, xsum, data, out, qtype, x_chunk_bytes):
     # xq: [T, Kp] int8 (quad order), xd/xsum: [T, Kp // 32], data: uint8 [N4, ...] (kquant_layout.pack_kquant
     # of format qtype), out: [T, N] f32
-    _matmul(xq, xd, xsum, data, out, qtype, 1)
+    _matmul(xq, xd, xsum, data, out, qtype, 1, x_chunk_bytes)
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def matmul_kquant_avx2(xq, xd, xsum, data, out, qtype):
+def matmul_kquant_avx2(xq, xd, xsum, data, out, qtype, x_chunk_bytes):
     # matmul_kquant's operands and bits without VNNI (kernels/simd/vnni.py dpbusd_avx2), for the formats of
     # AVX2_FORMATS (not IQ4_NL, IQ4_XS)
-    _matmul(xq, xd, xsum, data, out, qtype, 0)
+    _matmul(xq, xd, xsum, data, out, qtype, 0, x_chunk_bytes)
 
 
-def _matmul(xq, xd, xsum, data, out, qtype, vnni):
+def _matmul(xq, xd, xsum, data, out, qtype, vnni, x_chunk_bytes):
     raise NotImplementedError("numba-only")
 
 
 @overload(_matmul, inline="always", prefer_literal=True)
-def _matmul_impl(xq, xd, xsum, data, out, qtype, vnni):
+def _matmul_impl(xq, xd, xsum, data, out, qtype, vnni, x_chunk_bytes):
     if not isinstance(vnni, types.IntegerLiteral):
         return None
     v = vnni.literal_value
 
-    def impl(xq, xd, xsum, data, out, qtype, vnni):
+    def impl(xq, xd, xsum, data, out, qtype, vnni, x_chunk_bytes):
         _check_format(qtype, v)
         T, Kp = xq.shape
         if v and T > 1:  # the 512-bit block's pairs (one token is its own pairing)
             xq, xd, xsum = pair_tokens(xq, xd, xsum, whole_batch(T))
-        chunk = token_chunk(Kp, PAIR_BLOCK_TOKENS if v else 4)
+        chunk = token_chunk(Kp, PAIR_BLOCK_TOKENS if v else 4, x_chunk_bytes)
         for c0 in range(0, T, chunk):
             c1 = min(T, c0 + chunk)
             for task in prange(data.shape[0] // ROWS):

@@ -52,32 +52,32 @@ def _tokens_impl(xq, xd, offsets, data, d, out, n, c0, c1, vnni):
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def matmul_q6k(xq, xd, xsum, data, d, out):
+def matmul_q6k(xq, xd, xsum, data, d, out, x_chunk_bytes):
     # xq: [T, Kp] int8 (quad order), xd/xsum: [T, Kp // 32], data: uint8 [N4, Kp // 256 * 208], d: uint16
     # [N4, Kp // 256] (kernels/formats/q6k_layout.py), out: [T, N] f32
-    _matmul(xq, xd, xsum, data, d, out, 1)
+    _matmul(xq, xd, xsum, data, d, out, 1, x_chunk_bytes)
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def matmul_q6k_avx2(xq, xd, xsum, data, d, out):
+def matmul_q6k_avx2(xq, xd, xsum, data, d, out, x_chunk_bytes):
     # matmul_q6k's operands and bits without AVX-512 (kernels/simd/vnni.py dpbusd_avx2)
-    _matmul(xq, xd, xsum, data, d, out, 0)
+    _matmul(xq, xd, xsum, data, d, out, 0, x_chunk_bytes)
 
 
-def _matmul(xq, xd, xsum, data, d, out, vnni):
+def _matmul(xq, xd, xsum, data, d, out, vnni, x_chunk_bytes):
     raise NotImplementedError("numba-only")
 
 
 @overload(_matmul, inline="always", prefer_literal=True)
-def _matmul_impl(xq, xd, xsum, data, d, out, vnni):
+def _matmul_impl(xq, xd, xsum, data, d, out, vnni, x_chunk_bytes):
     if not isinstance(vnni, types.IntegerLiteral):
         return None
     v = vnni.literal_value
 
-    def impl(xq, xd, xsum, data, d, out, vnni):
+    def impl(xq, xd, xsum, data, d, out, vnni, x_chunk_bytes):
         T, Kp = xq.shape
         offsets = _offsets(xq, xsum)
-        chunk = token_chunk(Kp, 4)
+        chunk = token_chunk(Kp, 4, x_chunk_bytes)
         for c0 in range(0, T, chunk):
             c1 = min(T, c0 + chunk)
             for task in prange(data.shape[0] // ROWS):

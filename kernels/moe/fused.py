@@ -31,13 +31,14 @@ _NO_SCALES = np.zeros((1, 1), np.uint16)  # the router is float32: its matmul re
 
 @njit(cache=True, nogil=True)
 def moe_vnni(x, router, normalize, top_k, first, end, gate_up, gate_up_scales, gate_up_static,
-             gate_up_bits, down, down_scales, down_static, down_bits, logits, ids, weights, offsets, slots,
-             position, active, starts, token_q, token_d, token_sum, xq, xd, xsum, gate_up_out, act, aq, ad,
-             asum, y, out):
+             gate_up_bits, down, down_scales, down_static, down_bits, x_chunk_bytes, logits, ids, weights,
+             offsets, slots, position, active, starts, token_q, token_d, token_sum, xq, xd, xsum, gate_up_out,
+             act, aq, ad, asum, y, out):
     # x: [T, H] f32, router: [E, H] f32; [first, end): the experts held (all, or a rank's under expert
     # parallelism: the other pairs' outputs are zeros); gate_up / down (+ _scales): the held experts
     # stacked, packed for the VNNI kernel (Int8Matrix data / scales: end - first blocks of 2I rows | H rows),
-    # *_static: their activation scales (0: dynamic), *_bits: 8 (q8_0) | 4 (q4_0). Buffers, leading dimension
+    # *_static: their activation scales (0: dynamic), *_bits: 8 (q8_0) | 4 (q4_0), x_chunk_bytes: the router's
+    # matmul's (kernels/linear/chunking.py). Buffers, leading dimension
     # at least T | R = T * top_k | E: logits [T, E] f32, ids [T, k] int32, weights [T, k] f32 (the routing:
     # written), offsets [E + 1], slots / position [R], active [E], starts [E + 1] int64; token_q / token_d /
     # token_sum: x quantized [T, Kp] int8, [T, Kp // 32] f32 / int32; xq / xd / xsum: [R, ...] the held
@@ -46,7 +47,7 @@ def moe_vnni(x, router, normalize, top_k, first, end, gate_up, gate_up_scales, g
     T = x.shape[0]
     R = T * top_k
     logits, ids, weights = logits[:T], ids[:T], weights[:T]
-    matmul(x, router, _NO_SCALES, logits)
+    matmul(x, router, _NO_SCALES, logits, x_chunk_bytes)
     route_tokens(logits, normalize, ids, weights)
     group_by_expert(ids, offsets, slots[:R], position[:R])
     # the held experts' pairs are rows p0:p1 of the grouped order; their ids from 0, their starts from p0

@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from kernels.linear.chunking import linear_tiles
 from kernels.moe.fused import moe_vnni
 from kernels.moe.route import gather_rows, group_by_expert, route_tokens, weighted_sum
 from kernels.norms import silu_mul
@@ -126,7 +127,7 @@ def _experts_fused(x: np.ndarray, experts: ExpertWeights,
     first, end = experts.held
     moe_vnni(x, experts.router, experts.normalize, experts.top_k, first, end, gu.data, gu.scales,
              gu.activation_scale, _bits(gu), down.data, down.scales, down.activation_scale, _bits(down),
-             *arrays)
+             linear_tiles().x_chunk_bytes, *arrays)
     return arrays.out[:T], arrays.ids[:T]
 
 

@@ -12,6 +12,7 @@ import pytest
 import numaserve as ns
 from kernels.formats.fp16 import f32_to_f16
 from kernels.formats.int8_layout import pack_q4_0, pack_q8_0, pad_scales, padded_k, quantize_activations
+from kernels.linear.chunking import linear_tiles
 from kernels.linear.int8 import matmul_int8
 from kernels.simd.cpu import missing_features
 from kernels.simd.vnni import VNNI_FEATURES
@@ -19,6 +20,8 @@ from memory.matrices import Int8Matrix, WeightMatrix
 from models.linear import dequantize, linear
 from tests.support.model_factory import build_model
 from tests.support.threads import EVERY_BATCH_SIZE, each_batch_size
+
+CHUNK = linear_tiles().x_chunk_bytes
 
 FORMATS = ("q8_0", "q4_0")
 HAS_VNNI = not missing_features(VNNI_FEATURES)
@@ -168,7 +171,7 @@ def test_quantizer_writes_the_layout_the_kernel_reads():
     unit_x = np.empty_like(xq)
     unit_x[:] = xq
     ones = np.ones_like(xd)
-    matmul_int8(unit_x, ones, xsum, packed, pad_scales(unit.scales, kp), out)  # identity weights: q back
+    matmul_int8(unit_x, ones, xsum, packed, pad_scales(unit.scales, kp), out, CHUNK)  # identity weights
     assert np.array_equal(out, q.reshape(3, kp).astype(np.float32))
     q4 = np.zeros((kp, kp // 2), np.uint8)
     # packs without error

@@ -12,6 +12,7 @@ from gguf.quants import dequantize
 from kernels.formats import kquant_layout
 from kernels.formats.ggml_blocks import CODE
 from kernels.formats.int8_layout import padded_k, quantize_activations
+from kernels.linear.chunking import linear_tiles
 from kernels.linear.kquant import matmul_kquant, matmul_kquant_avx2, matmul_kquant_experts
 from kernels.simd.cpu import missing_features
 from kernels.simd.int8 import AVX2_FEATURES
@@ -19,6 +20,8 @@ from kernels.simd.vnni import VNNI_FEATURES
 from memory.block_matrices import KQuantMatrix
 from memory.matrices import WeightMatrix
 from tests.support.threads import EVERY_BATCH_SIZE, each_batch_size
+
+CHUNK = linear_tiles().x_chunk_bytes
 
 FORMATS = (QT.Q4_K, QT.Q5_K, QT.Q4_1, QT.Q5_0, QT.Q5_1)
 requires_vnni = pytest.mark.skipif(bool(missing_features(VNNI_FEATURES)), reason="this CPU lacks AVX512-VNNI")
@@ -52,7 +55,7 @@ def activations(x: np.ndarray):
 
 def run(m: KQuantMatrix, x: np.ndarray, kernel=matmul_kquant) -> np.ndarray:
     out = np.empty((x.shape[0], m.shape[0]), np.float32)
-    kernel(*activations(x), m.data, out, m.qtype)
+    kernel(*activations(x), m.data, out, m.qtype, CHUNK)
     return out
 
 
@@ -210,7 +213,7 @@ def test_other_formats_are_refused():
     out = np.zeros((1, 4), np.float32)
     data = np.zeros((4, 148), np.uint8)
     with pytest.raises(ValueError, match="qtype"):
-        matmul_kquant(*activations(x), data, out, int(QT.Q6_K))
+        matmul_kquant(*activations(x), data, out, int(QT.Q6_K), CHUNK)
     with pytest.raises(ValueError, match="qtype"):
         matmul_kquant_experts(*activations(x), data, out, int(QT.Q4_0), np.zeros(1, np.int64),
                               np.array([0, 1], np.int64))
@@ -223,7 +226,7 @@ def test_the_avx2_kernel_refuses_the_formats_it_cannot_sum_exactly(qtype):
     x = np.zeros((1, 256), np.float32)
     with pytest.raises(ValueError, match="AVX2"):
         matmul_kquant_avx2(*activations(x), np.zeros((4, 148), np.uint8), np.zeros((1, 4), np.float32),
-                           int(qtype))
+                           int(qtype), CHUNK)
 
 
 @pytest.mark.parametrize("qtype", FORMATS, ids=lambda q: q.name)

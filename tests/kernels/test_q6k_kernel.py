@@ -9,12 +9,15 @@ import pytest
 
 from kernels.formats.int8_layout import quantize_activations
 from kernels.formats.q6k_layout import RAW_BYTES, subblock_offsets
+from kernels.linear.chunking import linear_tiles
 from kernels.linear.q6k import matmul_q6k, matmul_q6k_avx2, matmul_q6k_experts
 from kernels.simd.cpu import missing_features
 from kernels.simd.int8 import AVX2_FEATURES
 from kernels.simd.q6k import Q6K_FEATURES
 from memory.block_matrices import Q6KMatrix
 from tests.support.threads import EVERY_BATCH_SIZE, each_batch_size
+
+CHUNK = linear_tiles().x_chunk_bytes
 
 requires_vnni = pytest.mark.skipif(bool(missing_features(Q6K_FEATURES)), reason="this CPU lacks AVX512-VNNI")
 requires_avx2 = pytest.mark.skipif(bool(missing_features(AVX2_FEATURES)), reason="this CPU lacks AVX2")
@@ -56,7 +59,7 @@ def reference(raw: np.ndarray, xq: np.ndarray, xd: np.ndarray) -> tuple[np.ndarr
 def run(raw: np.ndarray, x: np.ndarray, kernel=matmul_q6k) -> np.ndarray:
     packed = Q6KMatrix.pack(raw, (raw.shape[0], x.shape[1]))
     out = np.empty((x.shape[0], raw.shape[0]), np.float32)
-    kernel(*quantized(x), packed.data, packed.d, out)
+    kernel(*quantized(x), packed.data, packed.d, out, CHUNK)
     return out
 
 
@@ -135,7 +138,7 @@ def test_a_tokens_outputs_do_not_depend_on_its_batch(kernel):
 
     def outputs(rows):
         out = np.empty((len(rows), n), np.float32)
-        kernel(*quantized(x[rows]), packed.data, packed.d, out)
+        kernel(*quantized(x[rows]), packed.data, packed.d, out, CHUNK)
         return out
 
     alone = np.concatenate([outputs([i]) for i in range(33)])
@@ -183,7 +186,7 @@ def test_experts_driver_equals_one_call_per_expert():
     for s, e in enumerate(experts):
         r0, r1 = starts[s], starts[s + 1]
         alone = np.empty((r1 - r0, n), np.float32)
-        matmul_q6k(xq[r0:r1], xd[r0:r1], xsum[r0:r1], packs[e].data, packs[e].d, alone)
+        matmul_q6k(xq[r0:r1], xd[r0:r1], xsum[r0:r1], packs[e].data, packs[e].d, alone, CHUNK)
         assert np.array_equal(out[r0:r1], alone)
 
 

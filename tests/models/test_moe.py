@@ -16,6 +16,7 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBl
 
 from kernels.formats.bf16 import from_bf16, to_bf16
 from kernels.formats.int8_layout import padded_k
+from kernels.linear.chunking import linear_tiles
 from kernels.moe import fused
 from kernels.moe.route import group_by_expert
 from kernels.norms import silu_mul
@@ -263,7 +264,7 @@ def test_the_fused_paths_pairs_reach_the_experts_a_rank_holds(monkeypatch, E, to
         a = _allocate(T, E, top_k, INTER, HIDDEN, padded_k(HIDDEN), padded_k(INTER))
         scales = np.zeros((1, 1), np.uint16)
         fused.moe_vnni.py_func(x, router, True, top_k, first, end, gate_up, scales, 0.0, 8, down, scales, 0.0,
-                               8, *a)
+                               8, linear_tiles().x_chunk_bytes, *a)
         return a
 
     whole = run(0, E)

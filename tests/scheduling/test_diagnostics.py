@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 import numaserve as ns
 from cluster_configs.diagnostics import DecisionLog
+from kernels.linear.chunking import linear_tiles
 from memory.weights import PROJECTIONS
 from tests.conftest import random_prompt
 from tests.models.test_lora import make_adapter
@@ -73,6 +74,9 @@ def test_kernel_and_dtypes_per_layer_type_follow_the_weight_format(llama_dir):
     assert kernels(llm) == {key: ("matmul: float32 weights x float32 activations", f"{n} of {n} layers")
                             for key in PROJECTIONS} | {
         "lm_head": ("matmul: float32 weights x float32 activations", "the LM head")}
+    tiles = linear_tiles()  # this CPU's (tests/kernels/test_linear_tiles.py)
+    assert [(d["choice"], d["reason"]) for d in llm.diagnostics() if d["topic"] == "tiles"] == [
+        (f"x chunk {tiles.x_chunk_bytes >> 10} KiB", tiles.why)]
 
 
 def test_int8_activations_run_the_int8_kernel_on_q8_0_weights(llama_dir, monkeypatch):
