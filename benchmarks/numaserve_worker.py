@@ -41,12 +41,8 @@ class NumaserveBench:
         num_params = int(sum(np.prod(m.shape) for m in _matrices(model.weights)))
         decisions = self.llm.diagnostics()
         spec = self.engine.spec
-        # the products a token makes in a dense model: every matrix but the embedding table (a lookup); a MoE
-        # token makes only its experts' (active_params)
-        matmul_params = num_params - int(np.prod(model.weights.embed.shape))
-        if model.weights.lm_head is model.weights.embed:
-            matmul_params += int(np.prod(model.weights.embed.shape))
-        return {"weight_bytes": model.weight_bytes, "num_params": num_params, "matmul_params": matmul_params,
+        return {"weight_bytes": model.weight_bytes, "num_params": num_params,
+                "matmul_params": matmul_params(model.weights),
                 "active_params": spec.num_params, "active_bytes": _active_bytes(model.weights),
                 "kv_bytes_per_position": self.engine.kv_cache.bytes_per_token,  # K and V, scales included
                 # a decode step reads only T embedding rows
@@ -145,6 +141,14 @@ def _active_bytes(weights: ModelWeights) -> float:
             share = experts.top_k / experts.num_experts
             total += experts.router.nbytes + share * (experts.gate_up.nbytes + experts.down.nbytes)
     return total
+
+
+def matmul_params(weights: ModelWeights) -> int:
+    """The weights a token multiplies in a dense model: every matrix but the embedding table (a lookup) unless
+    it is the LM head too; a MoE token multiplies only its experts' (active_params)."""
+    num_params = int(sum(np.prod(m.shape) for m in _matrices(weights)))
+    embed = int(np.prod(weights.embed.shape))
+    return num_params - (0 if weights.lm_head is weights.embed else embed)
 
 
 def _matrices(weights: ModelWeights):

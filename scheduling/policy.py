@@ -9,7 +9,8 @@ arrives.
   what is running (recompute wastes more than queueing); a roomy pool adds back 1/16 of the limit.
 - Token budget, toward target_step_s: long steps mean long gaps between a running request's tokens
   (a big prefill chunk rode along), so the budget shrinks in proportion; short steps let it double
-  again. It never drops below one decode token per running request.
+  again. It never drops below one decode token per running request, nor below MIN_TOKEN_BUDGET (the
+  smallest prompt chunk that keeps prefill near its best fraction of the dot-product peak).
 - Admission bound = max_num_seqs + max_queued: a worker whose cap was cut also admits fewer, so the
   router's Overloaded pushes back on clients instead of queues growing without end.
 - Speculation: spec_policy.speculation_policy of each SpecTelemetry the worker sent, one per draft method
@@ -23,7 +24,10 @@ from scheduling.speculation.depth_policy import SpecTelemetry, SpeculationPolicy
 
 KV_HIGH = 0.95  # kv_usage at or above this counts as pressure
 KV_LOW = 0.80  # below this the cap may grow again
-MIN_TOKEN_BUDGET = 16
+# a step's token budget, at least: the smallest prompt chunk whose prefill rate is within 5% of the best
+# chunk's on the Zen 4 VM (`python -m benchmarks.bench_chunks`: q8_0 42% of the int8 peak at 64 tokens a
+# step, 39% at 16; bf16 64% of its peak, 53% at 16): below it a chunk rereads the weights for too few tokens
+MIN_TOKEN_BUDGET = 64
 
 
 def admission_bound(max_num_seqs: int, max_queued: int) -> int:

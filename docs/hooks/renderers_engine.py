@@ -375,8 +375,21 @@ def peak(data: dict) -> str:
           num(r["all_cores_ops_s"] / 1e9), num(r["all_cores_best_ops_s"] / 1e9)] for r in data["rows"]])
 
 
+def chunks(data: dict) -> str:
+    head = (f"Prefill of {data['prompt_len']} tokens, {data['threads']} threads, {data['samples']} rounds "
+            f"alternating; the pick: the smallest chunk within {pct(data['within'], 0)} of the best "
+            "rate.\n\n")
+    return head + table(
+        ["format", "peak", *(f"{r['chunk']} tokens" for r in data["formats"][0]["rows"]), "pick"],
+        [[f["format"], f"{f['peak_kind']} {f['peak_ops_per_s'] / 1e9:.0f} G op/s",
+          *(f"{r['tokens_per_s']:.0f} tok/s, {pct(r['fraction_of_peak'], 0)}" for r in f["rows"]),
+          f["pick"]]
+         for f in data["formats"]])
+
+
 RENDERERS = [
     (r"peak.*\.json", peak),
+    (r"chunks.*\.json", chunks),
     (r"tensor_parallel_projection.*\.json", tensor_parallel_projection),
     (r"decode.*\.json", decode),
     (r"context.*\.json", context),

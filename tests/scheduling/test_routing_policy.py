@@ -9,7 +9,7 @@ import numaserve as ns
 from memory.block_pool import BlockPool, prefix_cache_key
 from memory.kv_cache import kv_layout
 from scheduling.kv_cache_manager import KVCacheManager
-from scheduling.policy import BatchingPolicy, Policy, PolicyLimits, StepTelemetry
+from scheduling.policy import MIN_TOKEN_BUDGET, BatchingPolicy, Policy, PolicyLimits, StepTelemetry
 from scheduling.request import Request
 from scheduling.routing import ADAPTER_LOAD_TOKENS, NUM_AFFINITY_BLOCKS, RoutingPolicy
 from tests.conftest import random_prompt
@@ -226,7 +226,9 @@ def test_slow_steps_shrink_the_token_budget_fast_ones_restore_it():
     slow = p.update(telemetry(step_time_s=0.4))
     assert slow.token_budget == 128
     floor = p.update(telemetry(step_time_s=100.0, num_running=40))
-    assert floor.token_budget == 40  # one decode token per running request, at least
+    assert floor.token_budget == MIN_TOKEN_BUDGET  # the smallest chunk that keeps prefill near its best rate
+    floor = p.update(telemetry(step_time_s=100.0, num_running=100))
+    assert floor.token_budget == 100  # one decode token per running request, at least
     for _ in range(10):
         fast = p.update(telemetry(step_time_s=0.01))
     assert fast.token_budget == 512
