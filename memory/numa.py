@@ -11,6 +11,7 @@ import ctypes
 import ctypes.util
 import os
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 
 import numpy as np
@@ -101,8 +102,9 @@ MPOL_F_ADDR = 1 << 1  # get_mempolicy: the policy of the mapping at an address, 
 _MASK_BITS = 1024  # node mask bits passed to the kernel (a multiple of the word size, > any node id)
 
 
+@cache
 def _libnuma() -> ctypes.CDLL | str:
-    """libnuma, or why not (the text a binding reports)."""
+    """libnuma, or why not (the text a binding reports). Cached: find_library runs ldconfig."""
     path = ctypes.util.find_library("numa")
     if path is None:
         return "libnuma not found"
