@@ -126,6 +126,12 @@ SOURCES = {
         "python -m benchmarks.bench_load --samples 5 --dtype bfloat16 --out <outside the repository>",
         machine=ZEN4, commit="1a31aff",
         note="--dtype bfloat16 added to bench_load after this commit (the run's own tree had it)."),
+    "load-2026-12-03-zen4-q8_0.json": Source(
+        "python -m benchmarks.bench_load --samples 5 --out <outside the repository>", machine=ZEN4,
+        commit="332b11a"),
+    "load-2026-12-03-zen4-bf16.json": Source(
+        "python -m benchmarks.bench_load --samples 5 --dtype bfloat16 --out <outside the repository>",
+        machine=ZEN4, commit="332b11a"),
     "http-2026-12-02-zen4.json": Source(
         "python -m benchmarks.bench_http --concurrency 1,16 --dedicated-concurrency 16 "
         "--out <outside the repository>",
