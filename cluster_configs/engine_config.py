@@ -113,8 +113,10 @@ class EngineConfig(BaseModel):
                             "the page cache's) rather than reading it into memory of its own; 'auto' maps "
                             "where the mapping comes mostly on huge pages (a kernel whose page cache keeps "
                             "large folios: ext4 or XFS on recent Linux) and reads elsewhere (on 4 KB pages "
-                            "batch-1 decode measured 0.93x a buffer's huge pages); never maps on a machine "
-                            "of several NUMA nodes (models/packed/file.py, planned_load.py)")
+                            "batch-1 decode measured 0.93x a buffer's huge pages); on a machine of several "
+                            "NUMA nodes 'auto' reads and True maps, each mapping bound to its worker's node "
+                            "(one worker per entry: a tensor-parallel group's ranks; models/packed/file.py, "
+                            "planned_load.py)")
     prefix_cache_dir: str | None = Field(
         None, description="a disk tier for the prefix cache: full KV blocks are also written here (in the "
                           "background) and read back, not recomputed, for a prompt whose prefix left the "

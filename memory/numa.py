@@ -97,9 +97,12 @@ def thread_cpu_ids() -> tuple[int, ...]:
 
 
 MPOL_BIND = 2  # <linux/mempolicy.h>
-MPOL_MF_MOVE = 1 << 1  # mbind: migrate the range's pages that are elsewhere and mapped by this process alone
+MPOL_MODE_FLAGS = (1 << 15) | (1 << 14) | (1 << 13)  # MPOL_F_STATIC_NODES, _RELATIVE_NODES, _NUMA_BALANCING
+MPOL_MF_MOVE = 1 << 1  # mbind: move the range's pages that are elsewhere and mapped by this process alone
 MPOL_F_ADDR = 1 << 1  # get_mempolicy: the policy of the mapping at an address, not the thread's
-_MASK_BITS = 1024  # node mask bits passed to the kernel (a multiple of the word size, > any node id)
+_WORD_BITS = 8 * ctypes.sizeof(ctypes.c_ulong)
+_MASK_BITS = 16 * _WORD_BITS  # node mask bits passed to the kernel: whole words, more than any node id
+NodeMask = ctypes.c_ulong * (_MASK_BITS // _WORD_BITS)
 
 
 @cache
@@ -111,45 +114,60 @@ def _libnuma() -> ctypes.CDLL | str:
     libnuma = ctypes.CDLL(path, use_errno=True)
     if libnuma.numa_available() < 0:
         return "the kernel has no NUMA support"
+    # <numaif.h>: long mbind(void *, unsigned long, int, const unsigned long *, unsigned long, unsigned);
+    # long get_mempolicy(int *, unsigned long *, unsigned long, void *, unsigned)
+    libnuma.mbind.restype = libnuma.get_mempolicy.restype = ctypes.c_long
     libnuma.mbind.argtypes = [ctypes.c_void_p, ctypes.c_ulong, ctypes.c_int, ctypes.c_void_p, ctypes.c_ulong,
                               ctypes.c_uint]
     libnuma.get_mempolicy.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_void_p, ctypes.c_ulong,
-                                      ctypes.c_void_p, ctypes.c_ulong]
+                                      ctypes.c_void_p, ctypes.c_uint]
     return libnuma
+
+
+def _bound(node_ids: list[int]) -> str:
+    """What a binding to node_ids reports."""
+    return "bind:" + ",".join(map(str, node_ids))
 
 
 def memory_policy(address: int | None = None) -> tuple[int, list[int]] | None:
     """(mode, node ids) of this thread's memory policy, or of the mapping holding address (mode 0: the
-    default, first touch); None without libnuma."""
+    default, first touch; its flags masked off); None without libnuma. Raises OSError where the kernel
+    refuses the call (a seccomp profile that denies it)."""
     libnuma = _libnuma()
     if isinstance(libnuma, str):
         return None
-    mode, mask = ctypes.c_int(0), (ctypes.c_ulong * (_MASK_BITS // 64))()
+    mode, mask = ctypes.c_int(0), NodeMask()
     flags = 0 if address is None else MPOL_F_ADDR
     if libnuma.get_mempolicy(ctypes.byref(mode), mask, _MASK_BITS, address, flags) != 0:
-        raise OSError(ctypes.get_errno(), f"get_mempolicy: {os.strerror(ctypes.get_errno())}")
-    return mode.value, [n for n in range(_MASK_BITS) if mask[n // 64] >> (n % 64) & 1]
+        err = ctypes.get_errno()
+        raise OSError(err, f"get_mempolicy: {os.strerror(err)}")
+    node_ids = [n for n in range(_MASK_BITS) if mask[n // _WORD_BITS] >> (n % _WORD_BITS) & 1]
+    return mode.value & ~MPOL_MODE_FLAGS, node_ids
 
 
 def bind_range_as_thread(address: int, nbytes: int) -> str:
     """Bind the pages [address, address + nbytes) (page-aligned: a mapping's start) to the nodes this thread's
-    memory is bound to (bind_memory), moving those of them that sit on another node and that this process
-    alone maps (MPOL_MF_MOVE: a file's page-cache pages first read by a process elsewhere). What it did, for
-    the decision log; a thread with no binding (or no libnuma) leaves the range to first touch."""
+    memory is bound to (bind_memory), moving there those of them that sit on another node as far as the kernel
+    can (MPOL_MF_MOVE: pages another process maps too stay where they are, silently). What it did, for the
+    decision log; a thread with no binding (or no libnuma, or a kernel that refuses the calls) leaves the
+    range to first touch."""
     libnuma = _libnuma()
     if isinstance(libnuma, str):
         return f"first-touch ({libnuma})"
-    policy = memory_policy()
+    try:
+        policy = memory_policy()
+    except OSError as e:
+        return f"first-touch ({e.strerror})"
     if policy is None or policy[0] != MPOL_BIND:
         return "first-touch (this thread's memory is not bound)"
     _, node_ids = policy
-    mask = (ctypes.c_ulong * (_MASK_BITS // 64))()
+    mask = NodeMask()
     for n in node_ids:
-        mask[n // 64] |= 1 << (n % 64)
+        mask[n // _WORD_BITS] |= 1 << (n % _WORD_BITS)
     if libnuma.mbind(address, nbytes, MPOL_BIND, mask, _MASK_BITS, MPOL_MF_MOVE) != 0:
-        err = ctypes.get_errno()  # EIO: some page could not be moved (mapped by another process too)
-        return f"bind:{','.join(map(str, node_ids))} failed ({os.strerror(err)}): pages where first touched"
-    return f"bind:{','.join(map(str, node_ids))}"
+        err = ctypes.get_errno()
+        return f"first-touch (mbind to {','.join(map(str, node_ids))}: {os.strerror(err)})"
+    return _bound(node_ids)
 
 
 def bind_memory(node_ids: list[int]) -> str:
@@ -169,7 +187,7 @@ def bind_memory(node_ids: list[int]) -> str:
         return f"first-touch (libnuma rejected nodes {nodes})"
     libnuma.numa_set_membind(mask)
     libnuma.numa_bitmask_free(mask)
-    return f"bind:{nodes}"
+    return _bound(node_ids)
 
 
 def first_touch(*arrays: np.ndarray) -> None:

@@ -25,8 +25,8 @@ from scheduling.speculation.depth_policy import SpecTelemetry, SpeculationPolicy
 KV_HIGH = 0.95  # kv_usage at or above this counts as pressure
 KV_LOW = 0.80  # below this the cap may grow again
 # a step's token budget, at least: the smallest prompt chunk whose prefill rate is within 5% of the best
-# chunk's on the Zen 4 VM (`python -m benchmarks.bench_chunks`: q8_0 42% of the int8 peak at 64 tokens a
-# step, 39% at 16; bf16 64% of its peak, 53% at 16): below it a chunk rereads the weights for too few tokens
+# chunk's (`python -m benchmarks.bench_chunks`, docs/performance.md "Prefill chunks"): below it a chunk
+# rereads the weights for too few tokens
 MIN_TOKEN_BUDGET = 64
 
 

@@ -22,8 +22,8 @@ class LinearTiles:
 
 @cache
 def linear_tiles(root: Path = CPU_ROOT) -> LinearTiles:
-    """The tiles of this CPU (of the first core this process may run on; a worker pins first). root: /sys's
-    cpu directory."""
+    """The tiles of this CPU (of the first core this process may run on), read once per process: the cores
+    of one machine share an L2 size. root: /sys's cpu directory."""
     found = l2_cache(root)
     if found is None:
         return LinearTiles(DEFAULT_L2_BYTES // 2,

@@ -33,7 +33,7 @@ from kernels.simd.vnni import ROWS
 @njit(cache=True, nogil=True, parallel=True)
 def matmul_kquant(xq, xd, xsum, data, out, qtype, x_chunk_bytes):
     # xq: [T, Kp] int8 (quad order), xd/xsum: [T, Kp // 32], data: uint8 [N4, ...] (kquant_layout.pack_kquant
-    # of format qtype), out: [T, N] f32
+    # of format qtype), out: [T, N] f32; x_chunk_bytes: kernels/linear/chunking.py
     _matmul(xq, xd, xsum, data, out, qtype, 1, x_chunk_bytes)
 
 

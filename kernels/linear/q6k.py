@@ -54,7 +54,8 @@ def _tokens_impl(xq, xd, offsets, data, d, out, n, c0, c1, vnni):
 @njit(cache=True, nogil=True, parallel=True)
 def matmul_q6k(xq, xd, xsum, data, d, out, x_chunk_bytes):
     # xq: [T, Kp] int8 (quad order), xd/xsum: [T, Kp // 32], data: uint8 [N4, Kp // 256 * 208], d: uint16
-    # [N4, Kp // 256] (kernels/formats/q6k_layout.py), out: [T, N] f32
+    # [N4, Kp // 256] (kernels/formats/q6k_layout.py), out: [T, N] f32; x_chunk_bytes:
+    # kernels/linear/chunking.py
     _matmul(xq, xd, xsum, data, d, out, 1, x_chunk_bytes)
 
 

@@ -16,15 +16,15 @@ faster from them), then zero-copy views of it. Or it maps the file (mapped=True)
 private mapping of it, so a load copies nothing and the weights' pages are the page cache's, faulted in by a
 second thread while the first parses the manifest (numba starts there), then bound with mbind to the NUMA
 nodes the loading thread's memory is bound to (memory/numa.py: a worker's node; pages cached elsewhere move
-there); a write to an array copies only its page, never reaches the file. The page cache's pages are huge
-where the kernel keeps a file's cache in large folios (ext4 and XFS on recent Linux: 77% of a 1.17 GB entry's
-mapping PMD-mapped on Linux 6.18 ext4), else 4 KB, which batch-1 decode measured 0.93x the buffer's speed on
-an older kernel. mapped="auto" maps and keeps the mapping where at least HUGE_SHARE of it is on huge pages
-(/proc/self/smaps' FilePmdMapped), else copies it into a buffer (the read's cost, no more: its pages were
-faulted in from the page cache). Either way every array's checksum is verified (a small fraction of the read);
-a bad magic, manifest, size or checksum raises CorruptEntry saying which. The blob starts STREAM_OFFSET bytes
-past a page, so that in a mapping, as in the buffer, every array starts where kernels/placement.py places
-weight streams.
+there as far as the kernel can); a write to an array copies only its page, never reaches the file. The page
+cache's pages are huge where the kernel keeps a file's cache in large folios (ext4 and XFS on recent Linux:
+77% of a 1.17 GB entry's mapping PMD-mapped on Linux 6.18 ext4), else 4 KB, which batch-1 decode measured
+0.93x the buffer's speed on an older kernel. mapped="auto" maps and keeps the mapping where at least
+HUGE_SHARE of it is on huge pages (/proc/self/smaps' FilePmdMapped), else copies it into a buffer (the read's
+cost, no more: its pages were faulted in from the page cache). Either way every array's checksum is verified
+(a small fraction of the read); a bad magic, manifest, size or checksum raises CorruptEntry saying which. The
+blob starts STREAM_OFFSET bytes past a page, so that in a mapping, as in the buffer, every array starts where
+kernels/placement.py places weight streams.
 """
 
 import json
@@ -237,7 +237,8 @@ def _map(f, offset: int, nbytes: int) -> tuple[np.ndarray, str]:
 
     Pages read from disk by the fault land where this thread's memory is bound (a worker's: its node's); the
     mapping is then bound to the same nodes with mbind, which moves there the pages the page cache already
-    held elsewhere (read by a process on another node) as far as no other process maps them."""
+    held elsewhere (read by a process on another node) as far as the kernel can: one another process maps
+    too stays where it is."""
     mapping = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
     if hasattr(mmap, "MADV_HUGEPAGE"):  # pages not cached yet are read into huge folios, mapped huge
         mapping.madvise(mmap.MADV_HUGEPAGE)

@@ -19,7 +19,7 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from cluster_configs.diagnostics import DecisionLog
 from cluster_configs.engine_config import EngineConfig
-from memory.numa import read_topology
+from memory.numa import NumaNode, read_topology
 from memory.weights import ModelWeights
 from models.loader import load_model, read_spec
 from models.model_spec import ModelSpec
@@ -149,12 +149,17 @@ def _read(entry: Path, key: dict, decisions: DecisionLog, mapped: bool | Literal
     return _Hit(tree["spec"], tree["weights"], built["tokenizer"], sum(a.nbytes for a in arrays), how)
 
 
-def maps_entries(config: EngineConfig) -> bool | Literal["auto"]:
+def maps_entries(config: EngineConfig, topology: list[NumaNode] | None = None) -> bool | Literal["auto"]:
     """Whether a hit maps its entry (zero-copy) rather than reading it (read_entry's mapped): as
-    config.map_packed_weights says, on a machine of one NUMA node. On several, each node's workers want their
-    weights next to their cores, and a mapping would share the page cache's one copy, wherever its pages
-    first landed."""
-    if len(read_topology(allowed=list(range(os.cpu_count() or 1)))) > 1:
+    config.map_packed_weights says, on a machine of one NUMA node (topology: the machine's, read from /sys by
+    default). On several, "auto" reads a copy: each node's workers want their weights next to their cores,
+    and replicas on two nodes mapping one entry would share the page cache's one copy, wherever its pages
+    first landed. True maps there too, for a machine whose entries are each mapped by one worker (the ranks
+    of one tensor-parallel group, each its own shard's entry): the mapping is bound to the worker's node
+    (models/packed/file.py), its pages moved there."""
+    if topology is None:
+        topology = read_topology(allowed=list(range(os.cpu_count() or 1)))
+    if len(topology) > 1 and config.map_packed_weights is not True:  # "auto" reads
         return False
     return config.map_packed_weights
 

@@ -8,8 +8,12 @@ import pytest
 
 import models.linear
 from kernels.linear.chunking import DEFAULT_L2_BYTES, LinearTiles, linear_tiles
-from kernels.simd.cpu import l2_cache
-from memory.matrices import Bf16Matrix, BlockInt8Matrix, Int8Matrix, WeightMatrix, host_has_vnni
+from kernels.simd.bf16 import BF16_FEATURES
+from kernels.simd.cpu import l2_cache, missing_features
+from kernels.simd.int8 import AVX2_FEATURES
+from kernels.simd.q6k import Q6K_FEATURES
+from kernels.simd.vnni import VNNI_FEATURES
+from memory.matrices import Bf16Matrix, BlockInt8Matrix, Int8Matrix, WeightMatrix
 from models.linear import linear
 
 K = 512
@@ -32,17 +36,19 @@ MATRICES = {  # one per kernel of kernels/linear (AVX2's K-quant and Q6_K kernel
     "q6_k": lambda: BlockInt8Matrix.pack(weights("q6_k")),
     "q6_k avx2": lambda: BlockInt8Matrix.pack(weights("q6_k"), vnni=False),
 }
-NEEDS_VNNI = {"q8_0 vnni", "q4_0 vnni", "q4_k", "q6_k"}
+NEEDS = {"q8_0 vnni": VNNI_FEATURES, "q4_0 vnni": VNNI_FEATURES, "q4_k": VNNI_FEATURES, "q6_k": Q6K_FEATURES,
+         "bf16": BF16_FEATURES, "q8_0 int8": AVX2_FEATURES, "q4_k avx2": AVX2_FEATURES,
+         "q6_k avx2": AVX2_FEATURES}
 
 
 @pytest.mark.parametrize("name", MATRICES)
 def test_every_kernel_gives_the_same_bits_for_any_x_chunk(name, monkeypatch):
-    if name in NEEDS_VNNI and not host_has_vnni():
-        pytest.skip("this CPU has no AVX512-VNNI")
+    if missing_features(NEEDS.get(name, ())):
+        pytest.skip(f"this CPU lacks {missing_features(NEEDS[name])}")
     w = MATRICES[name]()
     x = np.random.default_rng(7).standard_normal((45, K)).astype(np.float32)
     shipped = linear(x, w)
-    for chunk_bytes in (1, 3 * K, 1 << 30):  # one register block a pass, a few tokens, the whole batch
+    for chunk_bytes in (1, 20 * K, 1 << 30):  # one register block a pass, a few blocks and a rest, the batch
         monkeypatch.setattr(models.linear, "linear_tiles", lambda b=chunk_bytes: LinearTiles(b, "test"))
         assert np.array_equal(linear(x, w), shipped), chunk_bytes
 
@@ -68,8 +74,3 @@ def test_without_an_l2_in_sys_the_default_is_used(tmp_path):
     tiles = linear_tiles(tmp_path)
     assert tiles.x_chunk_bytes == DEFAULT_L2_BYTES // 2 and "no L2" in tiles.why
 
-
-def test_this_cpus_tiles_are_half_its_l2():
-    found = l2_cache()
-    tiles = linear_tiles()
-    assert tiles.x_chunk_bytes == (found[1] if found else DEFAULT_L2_BYTES) // 2

@@ -26,6 +26,7 @@ from cluster_configs.errors import CheckpointError
 from kernels.simd.bf16 import BF16_FEATURES
 from kernels.simd.cpu import cpu_features, missing_features
 from memory.matrices import Bf16Matrix, BlockInt8Matrix, Int8Matrix, parts
+from memory.numa import NumaNode
 from models.gguf.writer import convert_to_gguf
 from models.loader import load_model
 from models.packed import cache as packed_cache
@@ -506,3 +507,14 @@ def test_a_tree_cannot_name_a_class_outside_numaserve():
     with pytest.raises(ValueError, match="refusing to import"):
         unflatten({"dataclass": "antigravity_not_loaded:X", "fields": {}}, [])
 
+
+
+@pytest.mark.parametrize("setting, on_one_node, on_two_nodes", [("auto", "auto", False), (True, True, True),
+                                                               (False, False, False)])
+def test_on_several_numa_nodes_an_entry_is_mapped_only_when_asked_to(setting, on_one_node, on_two_nodes):
+    # "auto" reads a copy next to each node's cores; True maps (one worker per entry: a tensor-parallel
+    # group's ranks), the mapping then bound to the worker's node (models/packed/file.py)
+    config = EngineConfig(map_packed_weights=setting)
+    one, two = [NumaNode(0, (0, 1))], [NumaNode(0, (0,)), NumaNode(1, (1,))]
+    assert planned_load.maps_entries(config, one) == on_one_node
+    assert planned_load.maps_entries(config, two) == on_two_nodes
