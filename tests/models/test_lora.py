@@ -202,10 +202,10 @@ def test_mixed_adapters_in_one_batch_equal_each_alone(llm):
     prompts = [random_prompt(n, seed=n) for n in (5, 30, 17, 8)]
     names = ["a", None, "b", "a"]
     alone = [llm.generate(p, greedy, adapter=n)[0].token_ids for p, n in zip(prompts, names)]
-    together = [llm.engine.add_request(f"mix{i}", p, greedy, adapter=n) for i, (p, n) in
-                enumerate(zip(prompts, names))]
-    while llm.engine.has_unfinished():
-        llm.engine.step()
+    # one submission: the four run in the same steps, on the loop thread (this thread stepping the engine
+    # could race the loop, which steps whatever the engine holds once generate's last output is delivered)
+    together = llm.engine_loop.run([llm.engine.make_request(f"mix{i}", p, greedy, adapter=n) for i, (p, n) in
+                                    enumerate(zip(prompts, names))])
     assert [r.output_token_ids for r in together] == alone
     assert alone[0] != llm.generate(prompts[0], greedy)[0].token_ids
 
